@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Idempotent setup for a fresh Debian 12/13 machine: system packages and the
+# project's Python environment in .venv. A second run with everything in place
+# only checks and returns.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+APT_PACKAGES=(
+  bazel-bootstrap g++ pkg-config
+  libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
+  libabsl-dev libspdlog-dev libfmt-dev catch2 libsystemd-dev systemd
+)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if ((${#missing[@]})); then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  SUDO=""
+  [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+PY="${TPUD_PYTHON:-}"
+if [[ -z "$PY" ]]; then
+  for cand in python3.11 python3; do
+    if command -v "$cand" >/dev/null && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+      PY="$cand"; break
+    fi
+  done
+fi
+[[ -n "$PY" ]] || { echo "setup: need Python 3.11 (torch 2.13.0 CPU wheel is built for it)" >&2; exit 1; }
+
+if [[ ! -x .venv/bin/python ]]; then
+  echo "setup: creating .venv with $PY"
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c 'import torch, pytest, yaml, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+  echo "setup: installing Python packages into .venv"
+  # Always pinned: an open range would pull multi-GB CUDA builds.
+  .venv/bin/pip install -q torch==2.13.0 pytest pyyaml numpy
+fi
+echo "setup: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), $(bazel --version 2>/dev/null || echo 'bazel missing'))"
