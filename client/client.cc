@@ -1,0 +1,399 @@
+#include "tpu/client.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include <grpcpp/create_channel_posix.h>
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "proto/protocol.h"
+#include "proto/tpud.grpc.pb.h"
+#include "tpu/paths.h"
+
+namespace tpu {
+namespace {
+
+using ::tpud::FromGrpcStatus;
+namespace v1 = ::tpud::v1;
+
+// Connects a unix stream socket. The error names the path, the errno text and
+// what to do about it, because "connection refused" alone helps no one.
+absl::StatusOr<int> ConnectUnix(const std::string& path, bool admin) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tpud socket path is too long (", path.size(), " bytes, limit ",
+        sizeof(addr.sun_path) - 1, "): ", path));
+  }
+  std::memcpy(addr.sun_path, path.c_str(), path.size());
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("socket(): ", std::strerror(errno)));
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    int err = errno;
+    close(fd);
+    const char* flag = admin ? "--admin_socket" : "--socket";
+    const char* env = admin ? "TPUD_ADMIN_SOCKET" : "TPUD_SOCKET";
+    std::string hint =
+        err == EACCES ? absl::StrCat("you lack permission on the socket",
+                                     admin ? " (the admin socket is root only)"
+                                           : " (join the group that owns it)")
+                      : absl::StrCat("is tpud running? Start it with `tpud ", flag, "=",
+                                     path, "` (or `systemctl start tpud`), or set ", env,
+                                     " to the socket of a running tpud");
+    return absl::UnavailableError(absl::StrCat("cannot connect to tpud at ", path, ": ",
+                                               std::strerror(err), "; ", hint));
+  }
+  // gRPC expects a non-blocking descriptor.
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  return fd;
+}
+
+std::shared_ptr<grpc::Channel> ChannelOnFd(int fd) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(16 << 20);
+  return grpc::CreateCustomInsecureChannelFromFd("tpud", fd, args);
+}
+
+void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {
+  ctx->set_deadline(std::chrono::system_clock::now() +
+                    std::chrono::microseconds(absl::ToInt64Microseconds(timeout)));
+}
+
+// Adds the socket path to errors that mean the daemon is unreachable.
+absl::Status Annotate(const grpc::Status& status, const std::string& path) {
+  absl::Status st = FromGrpcStatus(status);
+  if (st.code() == absl::StatusCode::kUnavailable) {
+    return absl::UnavailableError(absl::StrCat(
+        "lost the connection to tpud at ", path, " (", st.message(),
+        "); the daemon stopped or ended this session"));
+  }
+  if (st.code() == absl::StatusCode::kDeadlineExceeded) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("tpud at ", path, " did not answer in time: ", st.message()));
+  }
+  return st;
+}
+
+TopologyInfo ConvertTopology(const v1::TopologyInfo& t) {
+  TopologyInfo out;
+  out.name = t.name();
+  out.simulated = t.simulated();
+  const v1::GenerationFacts& g = t.generation();
+  out.generation.name = g.name();
+  out.generation.hbm_bytes_per_chip = g.hbm_bytes_per_chip();
+  out.generation.hbm_bandwidth_gbytes_per_s = g.hbm_bandwidth_gbytes_per_s();
+  out.generation.ici_bandwidth_gbytes_per_s = g.ici_bandwidth_gbytes_per_s();
+  out.generation.peak_bf16_tflops = g.peak_bf16_tflops();
+  out.generation.tensorcores_per_chip = g.tensorcores_per_chip();
+  out.generation.torus_dims = g.torus_dims();
+  out.shape.assign(t.shape().begin(), t.shape().end());
+  out.wraparound.assign(t.wraparound().begin(), t.wraparound().end());
+  for (const v1::ChipInfo& c : t.chips()) {
+    ChipInfo chip;
+    chip.id = c.id();
+    chip.coords.assign(c.coords().begin(), c.coords().end());
+    chip.neighbors.assign(c.neighbors().begin(), c.neighbors().end());
+    chip.hbm_total_bytes = c.hbm_total_bytes();
+    chip.hbm_used_bytes = c.hbm_used_bytes();
+    chip.hbm_peak_bytes = c.hbm_peak_bytes();
+    chip.hbm_largest_free_block = c.hbm_largest_free_block();
+    chip.segment_count = c.segment_count();
+    chip.session_count = c.session_count();
+    chip.healthy = c.healthy();
+    chip.drained = c.drained();
+    out.chips.push_back(std::move(chip));
+  }
+  return out;
+}
+
+SessionInfo ConvertSession(const v1::SessionInfo& s) {
+  SessionInfo out;
+  out.id = s.id();
+  out.pid = s.pid();
+  out.uid = s.uid();
+  out.command = s.command();
+  out.client_name = s.client_name();
+  out.hbm_bytes = s.hbm_bytes();
+  for (const auto& [chip, bytes] : s.hbm_bytes_per_chip()) {
+    out.hbm_bytes_per_chip[static_cast<int>(chip)] = bytes;
+  }
+  out.quota_bytes_per_chip = s.quota_bytes_per_chip();
+  out.protocol_version = s.protocol_version();
+  out.opened_unix_seconds = s.opened_unix_seconds();
+  out.segment_count = s.segment_count();
+  return out;
+}
+
+}  // namespace
+
+std::string TopologyInfo::ShapeString() const { return absl::StrJoin(shape, "x"); }
+
+// ---------------------------------------------------------------- Session
+
+struct Session::Impl {
+  ClientOptions options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Runtime::Stub> stub;
+  uint64_t id = 0;
+  uint32_t protocol_version = 0;
+  std::string daemon_version;
+  absl::Mutex mu;
+  bool open ABSL_GUARDED_BY(mu) = false;
+
+  grpc::ClientContext* Prepare(grpc::ClientContext* ctx) {
+    SetDeadline(ctx, options.call_timeout);
+    return ctx;
+  }
+};
+
+Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Session::~Session() { (void)Close(); }
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Open(ClientOptions options) {
+  if (options.socket_path.empty()) options.socket_path = RuntimeSocketPath();
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  absl::StatusOr<int> fd = ConnectUnix(options.socket_path, /*admin=*/false);
+  if (!fd.ok()) return fd.status();
+  impl->channel = ChannelOnFd(*fd);
+  impl->stub = v1::Runtime::NewStub(impl->channel);
+
+  v1::OpenSessionRequest req;
+  req.set_min_protocol_version(tpud::kMinProtocolVersion);
+  req.set_max_protocol_version(tpud::kMaxProtocolVersion);
+  req.set_client_name(options.client_name);
+  v1::OpenSessionResponse resp;
+  grpc::ClientContext ctx;
+  grpc::Status st = impl->stub->OpenSession(impl->Prepare(&ctx), req, &resp);
+  if (!st.ok()) return Annotate(st, options.socket_path);
+  impl->id = resp.session_id();
+  impl->protocol_version = resp.protocol_version();
+  impl->daemon_version = resp.daemon_version();
+  {
+    absl::MutexLock lock(&impl->mu);
+    impl->open = true;
+  }
+  return std::unique_ptr<Session>(new Session(std::move(impl)));
+}
+
+uint64_t Session::id() const { return impl_->id; }
+uint32_t Session::protocol_version() const { return impl_->protocol_version; }
+const std::string& Session::daemon_version() const { return impl_->daemon_version; }
+const std::string& Session::socket_path() const { return impl_->options.socket_path; }
+
+absl::StatusOr<TopologyInfo> Session::GetTopology() {
+  grpc::ClientContext ctx;
+  v1::GetTopologyResponse resp;
+  grpc::Status st = impl_->stub->GetTopology(impl_->Prepare(&ctx), {}, &resp);
+  if (!st.ok()) return Annotate(st, impl_->options.socket_path);
+  return ConvertTopology(resp.topology());
+}
+
+absl::StatusOr<Segment> Session::Allocate(int chip, uint64_t bytes) {
+  if (chip < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("no chip ", chip));
+  }
+  v1::AllocateSegmentRequest req;
+  req.set_session_id(impl_->id);
+  req.set_chip(static_cast<uint32_t>(chip));
+  req.set_bytes(bytes);
+  v1::AllocateSegmentResponse resp;
+  grpc::ClientContext ctx;
+  grpc::Status st = impl_->stub->AllocateSegment(impl_->Prepare(&ctx), req, &resp);
+  if (!st.ok()) return Annotate(st, impl_->options.socket_path);
+  Segment seg;
+  seg.address = resp.segment().address();
+  seg.chip = static_cast<int>(resp.segment().chip());
+  seg.offset = resp.segment().offset();
+  seg.size = resp.segment().size();
+  seg.requested_bytes = resp.segment().requested_bytes();
+  return seg;
+}
+
+absl::Status Session::Free(uint64_t address) {
+  v1::FreeSegmentRequest req;
+  req.set_session_id(impl_->id);
+  req.set_address(address);
+  v1::FreeSegmentResponse resp;
+  grpc::ClientContext ctx;
+  grpc::Status st = impl_->stub->FreeSegment(impl_->Prepare(&ctx), req, &resp);
+  if (!st.ok()) return Annotate(st, impl_->options.socket_path);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<MemoryStats> Session::GetMemoryStats() {
+  v1::GetMemoryStatsRequest req;
+  req.set_session_id(impl_->id);
+  v1::GetMemoryStatsResponse resp;
+  grpc::ClientContext ctx;
+  grpc::Status st = impl_->stub->GetMemoryStats(impl_->Prepare(&ctx), req, &resp);
+  if (!st.ok()) return Annotate(st, impl_->options.socket_path);
+  MemoryStats out;
+  out.quota_bytes_per_chip = resp.quota_bytes_per_chip();
+  for (const v1::ChipMemoryStats& c : resp.chips()) {
+    ChipMemoryStats m;
+    m.chip = c.chip();
+    m.session_bytes = c.session_bytes();
+    m.session_peak_bytes = c.session_peak_bytes();
+    m.session_segments = c.session_segments();
+    m.chip_used_bytes = c.chip_used_bytes();
+    m.chip_total_bytes = c.chip_total_bytes();
+    m.chip_free_bytes = c.chip_free_bytes();
+    m.chip_largest_free_block = c.chip_largest_free_block();
+    m.chip_peak_bytes = c.chip_peak_bytes();
+    m.drained = c.drained();
+    out.chips.push_back(m);
+  }
+  return out;
+}
+
+absl::Status Session::Close() {
+  {
+    absl::MutexLock lock(&impl_->mu);
+    if (!impl_->open) return absl::OkStatus();
+    impl_->open = false;
+  }
+  v1::CloseSessionRequest req;
+  req.set_session_id(impl_->id);
+  v1::CloseSessionResponse resp;
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, absl::Seconds(5));
+  grpc::Status st = impl_->stub->CloseSession(&ctx, req, &resp);
+  // Dropping the channel closes the connection; the daemon would reclaim
+  // everything then anyway, so a failed close loses nothing.
+  impl_->stub.reset();
+  impl_->channel.reset();
+  if (!st.ok()) return Annotate(st, impl_->options.socket_path);
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------- Admin
+
+struct AdminClient::Impl {
+  std::string path;
+  absl::Duration timeout;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Admin::Stub> stub;
+
+  grpc::ClientContext* Prepare(grpc::ClientContext* ctx) {
+    SetDeadline(ctx, timeout);
+    return ctx;
+  }
+};
+
+AdminClient::AdminClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+AdminClient::~AdminClient() = default;
+
+absl::StatusOr<std::unique_ptr<AdminClient>> AdminClient::Connect(
+    std::string admin_socket_path, absl::Duration call_timeout) {
+  if (admin_socket_path.empty()) admin_socket_path = AdminSocketPath();
+  absl::StatusOr<int> fd = ConnectUnix(admin_socket_path, /*admin=*/true);
+  if (!fd.ok()) return fd.status();
+  auto impl = std::make_unique<Impl>();
+  impl->path = admin_socket_path;
+  impl->timeout = call_timeout;
+  impl->channel = ChannelOnFd(*fd);
+  impl->stub = v1::Admin::NewStub(impl->channel);
+  return std::unique_ptr<AdminClient>(new AdminClient(std::move(impl)));
+}
+
+absl::StatusOr<DaemonStatus> AdminClient::GetStatus() {
+  grpc::ClientContext ctx;
+  v1::GetStatusResponse resp;
+  grpc::Status st = impl_->stub->GetStatus(impl_->Prepare(&ctx), {}, &resp);
+  if (!st.ok()) return Annotate(st, impl_->path);
+  DaemonStatus out;
+  out.topology = ConvertTopology(resp.topology());
+  for (const v1::SessionInfo& s : resp.sessions()) out.sessions.push_back(ConvertSession(s));
+  out.daemon_version = resp.daemon_version();
+  out.uptime_seconds = resp.uptime_seconds();
+  out.daemon_pid = resp.daemon_pid();
+  out.default_quota_bytes_per_chip = resp.default_quota_bytes_per_chip();
+  return out;
+}
+
+absl::StatusOr<std::vector<SessionInfo>> AdminClient::ListSessions() {
+  grpc::ClientContext ctx;
+  v1::ListSessionsResponse resp;
+  grpc::Status st = impl_->stub->ListSessions(impl_->Prepare(&ctx), {}, &resp);
+  if (!st.ok()) return Annotate(st, impl_->path);
+  std::vector<SessionInfo> out;
+  for (const v1::SessionInfo& s : resp.sessions()) out.push_back(ConvertSession(s));
+  return out;
+}
+
+absl::StatusOr<uint64_t> AdminClient::KillSession(uint64_t session_id) {
+  grpc::ClientContext ctx;
+  v1::KillSessionRequest req;
+  req.set_session_id(session_id);
+  v1::KillSessionResponse resp;
+  grpc::Status st = impl_->stub->KillSession(impl_->Prepare(&ctx), req, &resp);
+  if (!st.ok()) return Annotate(st, impl_->path);
+  return resp.reclaimed_bytes();
+}
+
+absl::Status AdminClient::SetSessionQuota(uint64_t session_id, uint64_t quota) {
+  grpc::ClientContext ctx;
+  v1::SetQuotaRequest req;
+  req.set_session_id(session_id);
+  req.set_quota_bytes_per_chip(quota);
+  v1::SetQuotaResponse resp;
+  grpc::Status st = impl_->stub->SetQuota(impl_->Prepare(&ctx), req, &resp);
+  return st.ok() ? absl::OkStatus() : Annotate(st, impl_->path);
+}
+
+absl::Status AdminClient::SetDefaultQuota(uint64_t quota) {
+  grpc::ClientContext ctx;
+  v1::SetQuotaRequest req;
+  req.set_apply_to_default(true);
+  req.set_quota_bytes_per_chip(quota);
+  v1::SetQuotaResponse resp;
+  grpc::Status st = impl_->stub->SetQuota(impl_->Prepare(&ctx), req, &resp);
+  return st.ok() ? absl::OkStatus() : Annotate(st, impl_->path);
+}
+
+absl::Status AdminClient::DrainChip(int chip) {
+  if (chip < 0) return absl::InvalidArgumentError(absl::StrCat("no chip ", chip));
+  grpc::ClientContext ctx;
+  v1::DrainChipRequest req;
+  req.set_chip(static_cast<uint32_t>(chip));
+  v1::DrainChipResponse resp;
+  grpc::Status st = impl_->stub->DrainChip(impl_->Prepare(&ctx), req, &resp);
+  return st.ok() ? absl::OkStatus() : Annotate(st, impl_->path);
+}
+
+absl::Status AdminClient::UndrainChip(int chip) {
+  if (chip < 0) return absl::InvalidArgumentError(absl::StrCat("no chip ", chip));
+  grpc::ClientContext ctx;
+  v1::UndrainChipRequest req;
+  req.set_chip(static_cast<uint32_t>(chip));
+  v1::UndrainChipResponse resp;
+  grpc::Status st = impl_->stub->UndrainChip(impl_->Prepare(&ctx), req, &resp);
+  return st.ok() ? absl::OkStatus() : Annotate(st, impl_->path);
+}
+
+absl::StatusOr<HealthReport> AdminClient::Health() {
+  grpc::ClientContext ctx;
+  v1::HealthResponse resp;
+  grpc::Status st = impl_->stub->Health(impl_->Prepare(&ctx), {}, &resp);
+  if (!st.ok()) return Annotate(st, impl_->path);
+  HealthReport out;
+  out.serving = resp.serving();
+  out.daemon_version = resp.daemon_version();
+  for (const v1::ChipHealth& c : resp.chips()) {
+    out.chips.push_back({static_cast<int>(c.chip()), c.healthy(), c.drained(), c.detail()});
+  }
+  return out;
+}
+
+}  // namespace tpu

@@ -1,0 +1,197 @@
+// libtpuclient: the C++ API of a tpud session.
+//
+// A Session is one client connection to tpud on its runtime socket. The daemon
+// learns who the client is from the socket itself, and when the connection
+// closes (Close(), destruction, exit, crash, kill -9) the session ends and the
+// daemon reclaims all of its HBM at once.
+//
+// Every call returns absl::Status; codes follow their documented meaning:
+// RESOURCE_EXHAUSTED (out of HBM, over quota), PERMISSION_DENIED (another
+// session's memory), INVALID_ARGUMENT (malformed input), FAILED_PRECONDITION
+// (drained chip, no common protocol version), UNAVAILABLE (no daemon / daemon
+// gone), NOT_FOUND (the session ended).
+//
+// Thread-safety: a Session and an AdminClient may be used from several threads.
+#ifndef TPU_CLIENT_H_
+#define TPU_CLIENT_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace tpu {
+
+struct GenerationInfo {
+  std::string name;  // "v6e"
+  uint64_t hbm_bytes_per_chip = 0;
+  double hbm_bandwidth_gbytes_per_s = 0;
+  double ici_bandwidth_gbytes_per_s = 0;
+  double peak_bf16_tflops = 0;
+  int tensorcores_per_chip = 0;
+  int torus_dims = 0;
+};
+
+struct ChipInfo {
+  int id = 0;
+  std::vector<int> coords;
+  std::vector<int> neighbors;
+  uint64_t hbm_total_bytes = 0;
+  uint64_t hbm_used_bytes = 0;
+  uint64_t hbm_peak_bytes = 0;
+  uint64_t hbm_largest_free_block = 0;
+  uint64_t segment_count = 0;
+  int session_count = 0;
+  bool healthy = true;
+  bool drained = false;
+};
+
+struct TopologyInfo {
+  std::string name;  // "v6e-4"
+  GenerationInfo generation;
+  std::vector<int> shape;
+  std::vector<bool> wraparound;
+  std::vector<ChipInfo> chips;
+  bool simulated = false;
+  std::string ShapeString() const;  // "2x2"
+};
+
+struct Segment {
+  uint64_t address = 0;  // device address (see tpu/device_address.h)
+  int chip = 0;
+  uint64_t offset = 0;
+  uint64_t size = 0;  // granted, rounded up to the daemon's granularity
+  uint64_t requested_bytes = 0;
+};
+
+struct ChipMemoryStats {
+  int chip = 0;
+  uint64_t session_bytes = 0;
+  uint64_t session_peak_bytes = 0;
+  uint64_t session_segments = 0;
+  uint64_t chip_used_bytes = 0;
+  uint64_t chip_total_bytes = 0;
+  uint64_t chip_free_bytes = 0;
+  uint64_t chip_largest_free_block = 0;
+  uint64_t chip_peak_bytes = 0;
+  bool drained = false;
+};
+
+struct MemoryStats {
+  std::vector<ChipMemoryStats> chips;
+  uint64_t quota_bytes_per_chip = 0;  // 0: none
+};
+
+struct ClientOptions {
+  // Empty: $TPUD_SOCKET, else the default (see tpu/paths.h).
+  std::string socket_path;
+  // Informational name shown by `tpuctl sessions`.
+  std::string client_name;
+  // Deadline of each control-plane call, so a wedged daemon never hangs us.
+  absl::Duration call_timeout = absl::Seconds(30);
+};
+
+class Session {
+ public:
+  // Connects and opens a session. No daemon: UNAVAILABLE naming the socket,
+  // the errno text and how to start tpud.
+  static absl::StatusOr<std::unique_ptr<Session>> Open(ClientOptions options = {});
+  ~Session();  // closes the session if still open
+
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  uint64_t id() const;
+  uint32_t protocol_version() const;
+  const std::string& daemon_version() const;
+  const std::string& socket_path() const;
+
+  absl::StatusOr<TopologyInfo> GetTopology();
+
+  // Allocates `bytes` of HBM on `chip`.
+  absl::StatusOr<Segment> Allocate(int chip, uint64_t bytes);
+  // Frees a segment by the address Allocate returned.
+  absl::Status Free(uint64_t address);
+  absl::StatusOr<MemoryStats> GetMemoryStats();
+
+  // Ends the session; the daemon frees everything it still holds. Idempotent.
+  absl::Status Close();
+
+ private:
+  struct Impl;
+  explicit Session(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// ---------------------------------------------------------------- admin
+
+struct SessionInfo {
+  uint64_t id = 0;
+  int pid = 0;
+  uint32_t uid = 0;
+  std::string command;
+  std::string client_name;
+  uint64_t hbm_bytes = 0;
+  std::map<int, uint64_t> hbm_bytes_per_chip;
+  uint64_t quota_bytes_per_chip = 0;
+  uint32_t protocol_version = 0;
+  double opened_unix_seconds = 0;
+  uint64_t segment_count = 0;
+};
+
+struct DaemonStatus {
+  TopologyInfo topology;
+  std::vector<SessionInfo> sessions;
+  std::string daemon_version;
+  double uptime_seconds = 0;
+  int daemon_pid = 0;
+  uint64_t default_quota_bytes_per_chip = 0;
+};
+
+struct ChipHealth {
+  int chip = 0;
+  bool healthy = false;
+  bool drained = false;
+  std::string detail;
+};
+
+struct HealthReport {
+  bool serving = false;
+  std::vector<ChipHealth> chips;
+  std::string daemon_version;
+};
+
+// The administrative API, served only on the admin socket (root only).
+class AdminClient {
+ public:
+  // Empty path: $TPUD_ADMIN_SOCKET, else the default.
+  static absl::StatusOr<std::unique_ptr<AdminClient>> Connect(
+      std::string admin_socket_path = "", absl::Duration call_timeout = absl::Seconds(30));
+  ~AdminClient();
+
+  absl::StatusOr<DaemonStatus> GetStatus();
+  absl::StatusOr<std::vector<SessionInfo>> ListSessions();
+  // Ends a session and reclaims its HBM; returns the bytes reclaimed.
+  absl::StatusOr<uint64_t> KillSession(uint64_t session_id);
+  // Per-chip quota for one session; 0 removes it.
+  absl::Status SetSessionQuota(uint64_t session_id, uint64_t quota_bytes_per_chip);
+  // Per-chip quota for sessions opened from now on; 0 removes it.
+  absl::Status SetDefaultQuota(uint64_t quota_bytes_per_chip);
+  absl::Status DrainChip(int chip);
+  absl::Status UndrainChip(int chip);
+  absl::StatusOr<HealthReport> Health();
+
+ private:
+  struct Impl;
+  explicit AdminClient(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tpu
+
+#endif  // TPU_CLIENT_H_

@@ -1,0 +1,282 @@
+#include "daemon/grpc_services.h"
+
+#include <unistd.h>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "proto/protocol.h"
+#include "tpu/units.h"
+
+namespace tpud {
+namespace {
+
+// The connection a call arrived on. Calls that did not come through a
+// connection tpud accepted itself cannot be attributed and are refused.
+absl::StatusOr<ConnectionInfo> CallerOf(const ConnectionTable& table,
+                                        grpc::ServerContext* ctx) {
+  std::optional<ConnectionInfo> info = table.Lookup(ctx->peer());
+  if (!info.has_value()) {
+    return absl::UnauthenticatedError(
+        absl::StrCat("call from unknown peer ", ctx->peer()));
+  }
+  return *info;
+}
+
+void FillSession(const SessionSnapshot& s, v1::SessionInfo* out) {
+  out->set_id(s.id);
+  out->set_pid(s.peer.pid);
+  out->set_uid(s.peer.uid);
+  out->set_command(s.peer.command);
+  out->set_client_name(s.client_name);
+  out->set_hbm_bytes(s.total_bytes());
+  for (size_t c = 0; c < s.bytes_per_chip.size(); ++c) {
+    if (s.bytes_per_chip[c] > 0) {
+      (*out->mutable_hbm_bytes_per_chip())[static_cast<uint32_t>(c)] = s.bytes_per_chip[c];
+    }
+  }
+  out->set_quota_bytes_per_chip(s.quota_bytes_per_chip);
+  out->set_protocol_version(s.protocol_version);
+  out->set_opened_unix_seconds(absl::ToDoubleSeconds(s.opened - absl::UnixEpoch()));
+  out->set_segment_count(s.segment_count);
+}
+
+}  // namespace
+
+void FillTopology(const RuntimeCore& core, v1::TopologyInfo* out) {
+  const Topology& t = core.topology();
+  out->set_name(t.name());
+  out->set_simulated(true);
+  v1::GenerationFacts* g = out->mutable_generation();
+  const GenerationFacts& f = t.facts();
+  g->set_name(f.name);
+  g->set_hbm_bytes_per_chip(t.hbm_bytes_per_chip());
+  g->set_hbm_bandwidth_gbytes_per_s(f.hbm_bandwidth_gbytes_per_s);
+  g->set_ici_bandwidth_gbytes_per_s(f.ici_bandwidth_gbytes_per_s);
+  g->set_peak_bf16_tflops(f.peak_bf16_tflops);
+  g->set_tensorcores_per_chip(f.tensorcores_per_chip);
+  g->set_torus_dims(f.torus_dims);
+  for (int d : t.shape()) out->add_shape(d);
+  for (bool w : t.wraparound()) out->add_wraparound(w);
+  for (const ChipSnapshot& c : core.Chips()) {
+    v1::ChipInfo* chip = out->add_chips();
+    chip->set_id(c.id);
+    for (int x : t.coords(c.id)) chip->add_coords(x);
+    for (int n : t.Neighbors(c.id)) chip->add_neighbors(n);
+    chip->set_hbm_total_bytes(c.hbm.capacity_bytes);
+    chip->set_hbm_used_bytes(c.hbm.used_bytes);
+    chip->set_hbm_peak_bytes(c.hbm.peak_used_bytes);
+    chip->set_hbm_largest_free_block(c.hbm.largest_free_block);
+    chip->set_segment_count(c.hbm.segment_count);
+    chip->set_session_count(c.session_count);
+    chip->set_healthy(c.healthy);
+    chip->set_drained(c.drained);
+  }
+}
+
+// ---------------------------------------------------------------- Runtime
+
+grpc::Status RuntimeServiceImpl::GetTopology(grpc::ServerContext*,
+                                             const v1::GetTopologyRequest*,
+                                             v1::GetTopologyResponse* resp) {
+  FillTopology(*core_, resp->mutable_topology());
+  return grpc::Status::OK;
+}
+
+grpc::Status RuntimeServiceImpl::OpenSession(grpc::ServerContext* ctx,
+                                             const v1::OpenSessionRequest* req,
+                                             v1::OpenSessionResponse* resp) {
+  absl::StatusOr<ConnectionInfo> caller = CallerOf(*connections_, ctx);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  absl::StatusOr<OpenedSession> opened =
+      core_->OpenSession(caller->id, caller->peer, req->min_protocol_version(),
+                         req->max_protocol_version(), req->client_name());
+  if (!opened.ok()) return ToGrpcStatus(opened.status());
+  spdlog::info("session {} opened by pid {} uid {} ({}), protocol v{}",
+               opened->session_id, caller->peer.pid, caller->peer.uid,
+               caller->peer.command, opened->protocol_version);
+  resp->set_session_id(opened->session_id);
+  resp->set_protocol_version(opened->protocol_version);
+  resp->set_daemon_version(kDaemonVersion);
+  resp->set_quota_bytes_per_chip(opened->quota_bytes_per_chip);
+  return grpc::Status::OK;
+}
+
+grpc::Status RuntimeServiceImpl::CloseSession(grpc::ServerContext* ctx,
+                                              const v1::CloseSessionRequest* req,
+                                              v1::CloseSessionResponse* resp) {
+  absl::StatusOr<ConnectionInfo> caller = CallerOf(*connections_, ctx);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  absl::StatusOr<uint64_t> bytes = core_->CloseSession(caller->id, req->session_id());
+  if (!bytes.ok()) return ToGrpcStatus(bytes.status());
+  spdlog::info("session {} closed; reclaimed {}", req->session_id(),
+               tpu::FormatBytes(*bytes));
+  resp->set_reclaimed_bytes(*bytes);
+  return grpc::Status::OK;
+}
+
+grpc::Status RuntimeServiceImpl::AllocateSegment(grpc::ServerContext* ctx,
+                                                 const v1::AllocateSegmentRequest* req,
+                                                 v1::AllocateSegmentResponse* resp) {
+  absl::StatusOr<ConnectionInfo> caller = CallerOf(*connections_, ctx);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  // The chip field is unsigned on the wire; anything past int range is simply
+  // "no such chip".
+  const int chip = req->chip() > 0x7fffffffu ? -1 : static_cast<int>(req->chip());
+  absl::StatusOr<SegmentGrant> grant =
+      core_->Allocate(caller->id, req->session_id(), chip, req->bytes());
+  if (!grant.ok()) return ToGrpcStatus(grant.status());
+  v1::Segment* seg = resp->mutable_segment();
+  seg->set_address(grant->address);
+  seg->set_chip(grant->chip);
+  seg->set_offset(grant->offset);
+  seg->set_size(grant->size);
+  seg->set_requested_bytes(grant->requested_bytes);
+  return grpc::Status::OK;
+}
+
+grpc::Status RuntimeServiceImpl::FreeSegment(grpc::ServerContext* ctx,
+                                             const v1::FreeSegmentRequest* req,
+                                             v1::FreeSegmentResponse* resp) {
+  absl::StatusOr<ConnectionInfo> caller = CallerOf(*connections_, ctx);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  absl::StatusOr<uint64_t> freed =
+      core_->Free(caller->id, req->session_id(), req->address());
+  if (!freed.ok()) return ToGrpcStatus(freed.status());
+  resp->set_freed_bytes(*freed);
+  return grpc::Status::OK;
+}
+
+grpc::Status RuntimeServiceImpl::GetMemoryStats(grpc::ServerContext* ctx,
+                                                const v1::GetMemoryStatsRequest* req,
+                                                v1::GetMemoryStatsResponse* resp) {
+  absl::StatusOr<ConnectionInfo> caller = CallerOf(*connections_, ctx);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  absl::StatusOr<std::vector<ChipMemoryView>> views =
+      core_->MemoryStats(caller->id, req->session_id());
+  if (!views.ok()) return ToGrpcStatus(views.status());
+  for (const ChipMemoryView& v : *views) {
+    v1::ChipMemoryStats* c = resp->add_chips();
+    c->set_chip(v.chip);
+    c->set_session_bytes(v.session_bytes);
+    c->set_session_peak_bytes(v.session_peak_bytes);
+    c->set_session_segments(v.session_segments);
+    c->set_chip_used_bytes(v.hbm.used_bytes);
+    c->set_chip_total_bytes(v.hbm.capacity_bytes);
+    c->set_chip_free_bytes(v.hbm.free_bytes);
+    c->set_chip_largest_free_block(v.hbm.largest_free_block);
+    c->set_chip_peak_bytes(v.hbm.peak_used_bytes);
+    c->set_drained(v.drained);
+  }
+  for (const SessionSnapshot& s : core_->Sessions()) {
+    if (s.id == req->session_id()) resp->set_quota_bytes_per_chip(s.quota_bytes_per_chip);
+  }
+  return grpc::Status::OK;
+}
+
+// ---------------------------------------------------------------- Admin
+
+grpc::Status AdminServiceImpl::CheckAdmin(grpc::ServerContext* ctx) const {
+  absl::StatusOr<ConnectionInfo> caller = CallerOf(*connections_, ctx);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  if (!caller->admin) {
+    return ToGrpcStatus(absl::PermissionDeniedError(
+        "administrative calls are only served on the admin socket"));
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status AdminServiceImpl::GetStatus(grpc::ServerContext* ctx,
+                                         const v1::GetStatusRequest*,
+                                         v1::GetStatusResponse* resp) {
+  if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
+  FillTopology(*core_, resp->mutable_topology());
+  for (const SessionSnapshot& s : core_->Sessions()) FillSession(s, resp->add_sessions());
+  resp->set_daemon_version(kDaemonVersion);
+  resp->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
+  resp->set_daemon_pid(getpid());
+  resp->set_default_quota_bytes_per_chip(core_->default_quota());
+  return grpc::Status::OK;
+}
+
+grpc::Status AdminServiceImpl::ListSessions(grpc::ServerContext* ctx,
+                                            const v1::ListSessionsRequest*,
+                                            v1::ListSessionsResponse* resp) {
+  if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
+  for (const SessionSnapshot& s : core_->Sessions()) FillSession(s, resp->add_sessions());
+  return grpc::Status::OK;
+}
+
+grpc::Status AdminServiceImpl::KillSession(grpc::ServerContext* ctx,
+                                           const v1::KillSessionRequest* req,
+                                           v1::KillSessionResponse* resp) {
+  if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
+  ConnectionId connection = 0;
+  absl::StatusOr<uint64_t> bytes = core_->KillSession(req->session_id(), &connection);
+  if (!bytes.ok()) return ToGrpcStatus(bytes.status());
+  spdlog::warn("session {} killed by an administrator; reclaimed {}", req->session_id(),
+               tpu::FormatBytes(*bytes));
+  hangup_(connection);
+  resp->set_reclaimed_bytes(*bytes);
+  return grpc::Status::OK;
+}
+
+grpc::Status AdminServiceImpl::SetQuota(grpc::ServerContext* ctx,
+                                        const v1::SetQuotaRequest* req,
+                                        v1::SetQuotaResponse*) {
+  if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
+  if (req->apply_to_default()) {
+    core_->SetDefaultQuota(req->quota_bytes_per_chip());
+    spdlog::info("default quota set to {}", req->quota_bytes_per_chip() == 0
+                                                ? std::string("none")
+                                                : tpu::FormatBytes(req->quota_bytes_per_chip()));
+    return grpc::Status::OK;
+  }
+  absl::Status st = core_->SetSessionQuota(req->session_id(), req->quota_bytes_per_chip());
+  if (st.ok()) {
+    spdlog::info("session {} quota set to {}", req->session_id(),
+                 req->quota_bytes_per_chip() == 0
+                     ? std::string("none")
+                     : tpu::FormatBytes(req->quota_bytes_per_chip()));
+  }
+  return ToGrpcStatus(st);
+}
+
+grpc::Status AdminServiceImpl::DrainChip(grpc::ServerContext* ctx,
+                                         const v1::DrainChipRequest* req,
+                                         v1::DrainChipResponse*) {
+  if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
+  const int chip = req->chip() > 0x7fffffffu ? -1 : static_cast<int>(req->chip());
+  absl::Status st = core_->SetDrained(chip, true);
+  if (st.ok()) spdlog::warn("chip {} drained", chip);
+  return ToGrpcStatus(st);
+}
+
+grpc::Status AdminServiceImpl::UndrainChip(grpc::ServerContext* ctx,
+                                           const v1::UndrainChipRequest* req,
+                                           v1::UndrainChipResponse*) {
+  if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
+  const int chip = req->chip() > 0x7fffffffu ? -1 : static_cast<int>(req->chip());
+  absl::Status st = core_->SetDrained(chip, false);
+  if (st.ok()) spdlog::info("chip {} undrained", chip);
+  return ToGrpcStatus(st);
+}
+
+grpc::Status AdminServiceImpl::Health(grpc::ServerContext* ctx, const v1::HealthRequest*,
+                                      v1::HealthResponse* resp) {
+  if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
+  bool all_healthy = true;
+  for (const ChipSnapshot& c : core_->Chips()) {
+    v1::ChipHealth* h = resp->add_chips();
+    h->set_chip(c.id);
+    h->set_healthy(c.healthy);
+    h->set_drained(c.drained);
+    h->set_detail(c.healthy ? "simulated chip ok" : "unhealthy");
+    all_healthy = all_healthy && c.healthy;
+  }
+  resp->set_serving(all_healthy);
+  resp->set_daemon_version(kDaemonVersion);
+  return grpc::Status::OK;
+}
+
+}  // namespace tpud

@@ -1,0 +1,80 @@
+// The gRPC face of tpud: Runtime and Admin services.
+//
+// Transport only: each handler finds the connection the call arrived on,
+// unpacks the request, calls RuntimeCore and converts absl::Status to
+// grpc::Status. No rules live here.
+#ifndef TPUD_DAEMON_GRPC_SERVICES_H_
+#define TPUD_DAEMON_GRPC_SERVICES_H_
+
+#include <functional>
+
+#include "absl/time/time.h"
+#include "daemon/connection_table.h"
+#include "daemon/runtime_core.h"
+#include "proto/tpud.grpc.pb.h"
+
+namespace tpud {
+
+class RuntimeServiceImpl final : public v1::Runtime::Service {
+ public:
+  RuntimeServiceImpl(RuntimeCore* core, const ConnectionTable* connections)
+      : core_(core), connections_(connections) {}
+
+  grpc::Status GetTopology(grpc::ServerContext* ctx, const v1::GetTopologyRequest* req,
+                           v1::GetTopologyResponse* resp) override;
+  grpc::Status OpenSession(grpc::ServerContext* ctx, const v1::OpenSessionRequest* req,
+                           v1::OpenSessionResponse* resp) override;
+  grpc::Status CloseSession(grpc::ServerContext* ctx, const v1::CloseSessionRequest* req,
+                            v1::CloseSessionResponse* resp) override;
+  grpc::Status AllocateSegment(grpc::ServerContext* ctx,
+                               const v1::AllocateSegmentRequest* req,
+                               v1::AllocateSegmentResponse* resp) override;
+  grpc::Status FreeSegment(grpc::ServerContext* ctx, const v1::FreeSegmentRequest* req,
+                           v1::FreeSegmentResponse* resp) override;
+  grpc::Status GetMemoryStats(grpc::ServerContext* ctx,
+                              const v1::GetMemoryStatsRequest* req,
+                              v1::GetMemoryStatsResponse* resp) override;
+
+ private:
+  RuntimeCore* core_;
+  const ConnectionTable* connections_;
+};
+
+class AdminServiceImpl final : public v1::Admin::Service {
+ public:
+  // `hangup` closes a connection whose session an administrator killed.
+  AdminServiceImpl(RuntimeCore* core, const ConnectionTable* connections,
+                   std::function<void(ConnectionId)> hangup)
+      : core_(core), connections_(connections), hangup_(std::move(hangup)),
+        started_(absl::Now()) {}
+
+  grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest* req,
+                         v1::GetStatusResponse* resp) override;
+  grpc::Status ListSessions(grpc::ServerContext* ctx, const v1::ListSessionsRequest* req,
+                            v1::ListSessionsResponse* resp) override;
+  grpc::Status KillSession(grpc::ServerContext* ctx, const v1::KillSessionRequest* req,
+                           v1::KillSessionResponse* resp) override;
+  grpc::Status SetQuota(grpc::ServerContext* ctx, const v1::SetQuotaRequest* req,
+                        v1::SetQuotaResponse* resp) override;
+  grpc::Status DrainChip(grpc::ServerContext* ctx, const v1::DrainChipRequest* req,
+                         v1::DrainChipResponse* resp) override;
+  grpc::Status UndrainChip(grpc::ServerContext* ctx, const v1::UndrainChipRequest* req,
+                           v1::UndrainChipResponse* resp) override;
+  grpc::Status Health(grpc::ServerContext* ctx, const v1::HealthRequest* req,
+                      v1::HealthResponse* resp) override;
+
+ private:
+  grpc::Status CheckAdmin(grpc::ServerContext* ctx) const;
+
+  RuntimeCore* core_;
+  const ConnectionTable* connections_;
+  std::function<void(ConnectionId)> hangup_;
+  absl::Time started_;
+};
+
+// Fills a TopologyInfo with the topology and the chips' current state.
+void FillTopology(const RuntimeCore& core, v1::TopologyInfo* out);
+
+}  // namespace tpud
+
+#endif  // TPUD_DAEMON_GRPC_SERVICES_H_

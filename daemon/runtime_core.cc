@@ -1,0 +1,360 @@
+#include "daemon/runtime_core.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "proto/protocol.h"
+#include "tpu/device_address.h"
+#include "tpu/units.h"
+
+namespace tpud {
+
+using ::tpu::FormatBytes;
+
+uint64_t SessionSnapshot::total_bytes() const {
+  uint64_t total = 0;
+  for (uint64_t b : bytes_per_chip) total += b;
+  return total;
+}
+
+absl::StatusOr<std::unique_ptr<RuntimeCore>> RuntimeCore::Create(Topology topology,
+                                                                 Options options) {
+  if (topology.num_chips() > tpu::kMaxChips) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "topology ", topology.name(), " has ", topology.num_chips(),
+        " chips; a host serves at most ", tpu::kMaxChips));
+  }
+  if (topology.hbm_bytes_per_chip() > tpu::kDeviceAddressOffsetMask) {
+    return absl::InvalidArgumentError("HBM per chip too large for device addresses");
+  }
+  std::unique_ptr<RuntimeCore> core(new RuntimeCore(std::move(topology), options));
+  absl::MutexLock lock(&core->mu_);
+  for (int c = 0; c < core->topology_.num_chips(); ++c) {
+    auto chip = std::make_unique<Chip>(core->topology_.hbm_bytes_per_chip());
+    if (core->back_with_memory_) {
+      auto arena = HbmArena::Create(c, core->topology_.hbm_bytes_per_chip());
+      if (!arena.ok()) return arena.status();
+      chip->arena = *std::move(arena);
+    }
+    core->chips_.push_back(std::move(chip));
+  }
+  return core;
+}
+
+RuntimeCore::RuntimeCore(Topology topology, Options options)
+    : topology_(std::move(topology)),
+      back_with_memory_(options.back_with_memory),
+      default_quota_(options.default_quota_bytes_per_chip) {}
+
+absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(ConnectionId connection,
+                                                       const PeerIdentity& peer,
+                                                       uint32_t client_min_version,
+                                                       uint32_t client_max_version,
+                                                       std::string client_name) {
+  if (client_min_version > client_max_version) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("protocol version range [", client_min_version, ", ",
+                     client_max_version, "] is empty"));
+  }
+  uint32_t version = std::min(client_max_version, kMaxProtocolVersion);
+  if (version < client_min_version || version < kMinProtocolVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "no common protocol version: client speaks [", client_min_version, ", ",
+        client_max_version, "], tpud ", kDaemonVersion, " speaks [",
+        kMinProtocolVersion, ", ", kMaxProtocolVersion,
+        "]; upgrade the older of the two"));
+  }
+  if (client_name.size() > 256) client_name.resize(256);
+  absl::MutexLock lock(&mu_);
+  if (auto it = session_by_connection_.find(connection);
+      it != session_by_connection_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this connection already has session ", it->second,
+        "; a connection carries one session (open another connection)"));
+  }
+  auto session = std::make_unique<Session>();
+  session->id = next_session_id_++;
+  session->connection = connection;
+  session->peer = peer;
+  session->client_name = std::move(client_name);
+  session->protocol_version = version;
+  session->quota_bytes_per_chip = default_quota_;
+  session->opened = absl::Now();
+  session->bytes_per_chip.assign(chips_.size(), 0);
+  session->peak_bytes_per_chip.assign(chips_.size(), 0);
+  OpenedSession opened{session->id, version, session->quota_bytes_per_chip};
+  session_by_connection_[connection] = session->id;
+  sessions_[session->id] = std::move(session);
+  return opened;
+}
+
+absl::StatusOr<RuntimeCore::Session*> RuntimeCore::FindSessionLocked(
+    ConnectionId caller, uint64_t session_id) {
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "no session ", session_id,
+        " (it was never opened, or it ended: closed, killed, or its connection dropped)"));
+  }
+  if (it->second->connection != caller) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "session ", session_id,
+        " belongs to another client connection; a session can only be used "
+        "from the connection that opened it"));
+  }
+  return it->second.get();
+}
+
+absl::Status RuntimeCore::CheckChipLocked(int chip) const {
+  if (chip < 0 || chip >= static_cast<int>(chips_.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "no chip ", chip, ": this host (", topology_.name(), ") has chips 0..",
+        chips_.size() - 1));
+  }
+  return absl::OkStatus();
+}
+
+void RuntimeCore::FreeBlockLocked(int chip, uint64_t offset) {
+  Chip& c = *chips_[chip];
+  absl::StatusOr<HbmBlock> block = c.allocator.Free(offset);
+  // The session's segment map and the allocator are updated together under
+  // mu_, so a segment the session holds is always allocated.
+  if (block.ok() && c.arena != nullptr) {
+    (void)c.arena->Release(block->offset, block->size);
+  }
+}
+
+uint64_t RuntimeCore::EndSessionLocked(uint64_t session_id, uint64_t* segments) {
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return 0;
+  Session& s = *it->second;
+  uint64_t bytes = 0;
+  for (const auto& [address, seg] : s.segments) {
+    FreeBlockLocked(seg.chip, seg.offset);
+    bytes += seg.size;
+  }
+  if (segments != nullptr) *segments = s.segments.size();
+  session_by_connection_.erase(s.connection);
+  sessions_.erase(it);
+  return bytes;
+}
+
+absl::StatusOr<uint64_t> RuntimeCore::CloseSession(ConnectionId caller,
+                                                   uint64_t session_id) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Session*> s = FindSessionLocked(caller, session_id);
+  if (!s.ok()) return s.status();
+  return EndSessionLocked(session_id, nullptr);
+}
+
+ReclaimResult RuntimeCore::EndConnection(ConnectionId connection) {
+  absl::MutexLock lock(&mu_);
+  ReclaimResult result;
+  auto it = session_by_connection_.find(connection);
+  if (it == session_by_connection_.end()) return result;
+  result.sessions = 1;
+  result.bytes = EndSessionLocked(it->second, &result.segments);
+  return result;
+}
+
+absl::StatusOr<SegmentGrant> RuntimeCore::Allocate(ConnectionId caller,
+                                                   uint64_t session_id, int chip,
+                                                   uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Session*> found = FindSessionLocked(caller, session_id);
+  if (!found.ok()) return found.status();
+  Session& s = **found;
+  if (absl::Status st = CheckChipLocked(chip); !st.ok()) return st;
+  if (bytes == 0) {
+    return absl::InvalidArgumentError("cannot allocate a segment of 0 bytes");
+  }
+  Chip& c = *chips_[chip];
+  if (c.drained) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "chip ", chip,
+        " is drained by an administrator: it refuses new allocations (existing "
+        "segments keep working); use another chip, or undrain it with `tpuctl "
+        "undrain ",
+        chip, "`"));
+  }
+  if (!c.healthy) {
+    return absl::UnavailableError(absl::StrCat("chip ", chip, " is unhealthy"));
+  }
+  const HbmAllocatorStats stats = c.allocator.stats();
+  const uint64_t rounded = HbmAllocator::RoundUp(bytes, kHbmGranularity);
+  const uint64_t held = s.bytes_per_chip[chip];
+  if (s.quota_bytes_per_chip != 0 &&
+      (rounded == 0 || held + rounded > s.quota_bytes_per_chip)) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "HBM quota exceeded on chip %d: asked %s, session %d holds %s of its %s "
+        "quota; free memory, or ask an administrator to raise it (tpuctl quota "
+        "%d SIZE)",
+        chip, FormatBytes(bytes), session_id, FormatBytes(held),
+        FormatBytes(s.quota_bytes_per_chip), session_id));
+  }
+  std::optional<HbmBlock> block = c.allocator.Allocate(bytes, session_id);
+  if (!block.has_value()) {
+    std::string quota = s.quota_bytes_per_chip == 0
+                            ? std::string("no quota")
+                            : absl::StrCat("quota ", FormatBytes(s.quota_bytes_per_chip));
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "HBM exhausted on chip %d: asked %s, session %d holds %s (%s); chip has "
+        "%s in use, free %s of %s (largest free block %s)",
+        chip, FormatBytes(bytes), session_id, FormatBytes(held), quota,
+        FormatBytes(stats.used_bytes), FormatBytes(stats.free_bytes),
+        FormatBytes(stats.capacity_bytes), FormatBytes(stats.largest_free_block)));
+  }
+  SegmentGrant grant;
+  grant.chip = chip;
+  grant.offset = block->offset;
+  grant.size = block->size;
+  grant.requested_bytes = bytes;
+  grant.address = tpu::MakeDeviceAddress(chip, block->offset);
+  s.segments[grant.address] = grant;
+  s.bytes_per_chip[chip] += grant.size;
+  s.peak_bytes_per_chip[chip] =
+      std::max(s.peak_bytes_per_chip[chip], s.bytes_per_chip[chip]);
+  return grant;
+}
+
+absl::StatusOr<uint64_t> RuntimeCore::Free(ConnectionId caller, uint64_t session_id,
+                                           uint64_t address) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Session*> found = FindSessionLocked(caller, session_id);
+  if (!found.ok()) return found.status();
+  Session& s = **found;
+  const int chip = tpu::DeviceAddressChip(address);
+  if (chip < 0 || chip >= static_cast<int>(chips_.size())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "0x%x is not a device address on this host (chips 0..%d)", address,
+        chips_.size() - 1));
+  }
+  auto it = s.segments.find(address);
+  if (it == s.segments.end()) {
+    const uint64_t offset = tpu::DeviceAddressOffset(address);
+    const HbmBlock* other = chips_[chip]->allocator.FindContaining(offset);
+    if (other != nullptr && other->owner != session_id) {
+      return absl::PermissionDeniedError(absl::StrFormat(
+          "device address 0x%x (chip %d, offset 0x%x) belongs to another "
+          "session; a session can only free its own segments",
+          address, chip, offset));
+    }
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "no segment of session %d starts at device address 0x%x (chip %d, "
+        "offset 0x%x)",
+        session_id, address, chip, offset));
+  }
+  const SegmentGrant seg = it->second;
+  s.segments.erase(it);
+  s.bytes_per_chip[seg.chip] -= seg.size;
+  FreeBlockLocked(seg.chip, seg.offset);
+  return seg.size;
+}
+
+absl::StatusOr<std::vector<ChipMemoryView>> RuntimeCore::MemoryStats(
+    ConnectionId caller, uint64_t session_id) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Session*> found = FindSessionLocked(caller, session_id);
+  if (!found.ok()) return found.status();
+  const Session& s = **found;
+  std::vector<uint64_t> segments(chips_.size(), 0);
+  for (const auto& [address, seg] : s.segments) ++segments[seg.chip];
+  std::vector<ChipMemoryView> views;
+  for (size_t c = 0; c < chips_.size(); ++c) {
+    ChipMemoryView v;
+    v.chip = static_cast<int>(c);
+    v.session_bytes = s.bytes_per_chip[c];
+    v.session_peak_bytes = s.peak_bytes_per_chip[c];
+    v.session_segments = segments[c];
+    v.drained = chips_[c]->drained;
+    v.hbm = chips_[c]->allocator.stats();
+    views.push_back(v);
+  }
+  return views;
+}
+
+std::vector<ChipSnapshot> RuntimeCore::Chips() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<ChipSnapshot> out;
+  for (size_t c = 0; c < chips_.size(); ++c) {
+    ChipSnapshot snap;
+    snap.id = static_cast<int>(c);
+    snap.healthy = chips_[c]->healthy;
+    snap.drained = chips_[c]->drained;
+    snap.hbm = chips_[c]->allocator.stats();
+    for (const auto& [id, s] : sessions_) {
+      if (s->bytes_per_chip[c] > 0) ++snap.session_count;
+    }
+    out.push_back(snap);
+  }
+  return out;
+}
+
+SessionSnapshot RuntimeCore::SnapshotLocked(const Session& s) const {
+  SessionSnapshot snap;
+  snap.id = s.id;
+  snap.connection = s.connection;
+  snap.peer = s.peer;
+  snap.client_name = s.client_name;
+  snap.protocol_version = s.protocol_version;
+  snap.quota_bytes_per_chip = s.quota_bytes_per_chip;
+  snap.opened = s.opened;
+  snap.bytes_per_chip = s.bytes_per_chip;
+  snap.peak_bytes_per_chip = s.peak_bytes_per_chip;
+  snap.segment_count = s.segments.size();
+  return snap;
+}
+
+std::vector<SessionSnapshot> RuntimeCore::Sessions() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<SessionSnapshot> out;
+  for (const auto& [id, s] : sessions_) out.push_back(SnapshotLocked(*s));
+  std::sort(out.begin(), out.end(),
+            [](const SessionSnapshot& a, const SessionSnapshot& b) { return a.id < b.id; });
+  return out;
+}
+
+absl::StatusOr<uint64_t> RuntimeCore::KillSession(uint64_t session_id,
+                                                  ConnectionId* connection) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("no session ", session_id));
+  }
+  if (connection != nullptr) *connection = it->second->connection;
+  return EndSessionLocked(session_id, nullptr);
+}
+
+absl::Status RuntimeCore::SetSessionQuota(uint64_t session_id,
+                                          uint64_t quota_bytes_per_chip) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("no session ", session_id));
+  }
+  // A quota below current holdings is allowed: it blocks new allocations
+  // until the session frees enough, and never takes memory away.
+  it->second->quota_bytes_per_chip = quota_bytes_per_chip;
+  return absl::OkStatus();
+}
+
+void RuntimeCore::SetDefaultQuota(uint64_t quota_bytes_per_chip) {
+  absl::MutexLock lock(&mu_);
+  default_quota_ = quota_bytes_per_chip;
+}
+
+uint64_t RuntimeCore::default_quota() const {
+  absl::MutexLock lock(&mu_);
+  return default_quota_;
+}
+
+absl::Status RuntimeCore::SetDrained(int chip, bool drained) {
+  absl::MutexLock lock(&mu_);
+  if (absl::Status st = CheckChipLocked(chip); !st.ok()) return st;
+  chips_[chip]->drained = drained;
+  return absl::OkStatus();
+}
+
+}  // namespace tpud

@@ -1,0 +1,200 @@
+// RuntimeCore: the daemon's state and rules, with no transport.
+//
+// It owns the chips (HBM arena + allocator, health, drain) and the sessions
+// (identity, quota, segments). The gRPC services only unpack requests and call
+// in here; tests drive it directly. Every call that acts for a session names the
+// connection it arrived on, and a session answers only to its own connection.
+//
+// Thread-safety: all public methods are thread-safe.
+#ifndef TPUD_DAEMON_RUNTIME_CORE_H_
+#define TPUD_DAEMON_RUNTIME_CORE_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/hbm_allocator.h"
+#include "daemon/hbm_arena.h"
+#include "daemon/topology.h"
+
+namespace tpud {
+
+// Identifies one accepted client connection for the life of the daemon.
+using ConnectionId = uint64_t;
+
+// Who is on the other end of a connection, as the kernel reports it.
+struct PeerIdentity {
+  int32_t pid = 0;
+  uint32_t uid = 0;
+  uint32_t gid = 0;
+  std::string command;  // /proc/<pid>/cmdline, arguments joined by spaces
+};
+
+struct OpenedSession {
+  uint64_t session_id = 0;
+  uint32_t protocol_version = 0;
+  uint64_t quota_bytes_per_chip = 0;
+};
+
+struct SegmentGrant {
+  uint64_t address = 0;
+  int chip = 0;
+  uint64_t offset = 0;
+  uint64_t size = 0;
+  uint64_t requested_bytes = 0;
+};
+
+struct SessionSnapshot {
+  uint64_t id = 0;
+  ConnectionId connection = 0;
+  PeerIdentity peer;
+  std::string client_name;
+  uint32_t protocol_version = 0;
+  uint64_t quota_bytes_per_chip = 0;
+  absl::Time opened;
+  std::vector<uint64_t> bytes_per_chip;
+  std::vector<uint64_t> peak_bytes_per_chip;
+  uint64_t segment_count = 0;
+  uint64_t total_bytes() const;
+};
+
+struct ChipSnapshot {
+  int id = 0;
+  bool healthy = true;
+  bool drained = false;
+  HbmAllocatorStats hbm;
+  int session_count = 0;  // sessions holding HBM here
+};
+
+struct ChipMemoryView {
+  int chip = 0;
+  uint64_t session_bytes = 0;
+  uint64_t session_peak_bytes = 0;
+  uint64_t session_segments = 0;
+  bool drained = false;
+  HbmAllocatorStats hbm;
+};
+
+struct ReclaimResult {
+  int sessions = 0;
+  uint64_t bytes = 0;
+  uint64_t segments = 0;
+};
+
+class RuntimeCore {
+ public:
+  struct Options {
+    // Per-chip quota given to every new session; 0 means none.
+    uint64_t default_quota_bytes_per_chip = 0;
+    // Back each chip with an HbmArena (the simulated host). Off only in tests
+    // that exercise bookkeeping with capacities no machine could reserve.
+    bool back_with_memory = true;
+  };
+
+  static absl::StatusOr<std::unique_ptr<RuntimeCore>> Create(Topology topology,
+                                                            Options options);
+
+  const Topology& topology() const { return topology_; }
+
+  // Opens a session bound to `connection`, agreeing on a protocol version.
+  // One session per connection: a second one is FAILED_PRECONDITION.
+  absl::StatusOr<OpenedSession> OpenSession(ConnectionId connection,
+                                            const PeerIdentity& peer,
+                                            uint32_t client_min_version,
+                                            uint32_t client_max_version,
+                                            std::string client_name)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Ends the session and frees all of its HBM; returns the bytes reclaimed.
+  absl::StatusOr<uint64_t> CloseSession(ConnectionId caller, uint64_t session_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Ends every session bound to `connection` (it closed, the peer may have
+  // crashed) and reclaims all their HBM at once.
+  ReclaimResult EndConnection(ConnectionId connection) ABSL_LOCKS_EXCLUDED(mu_);
+
+  absl::StatusOr<SegmentGrant> Allocate(ConnectionId caller, uint64_t session_id,
+                                        int chip, uint64_t bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Frees the segment that starts at `address`. Another session's segment is
+  // PERMISSION_DENIED; an address where no segment starts, INVALID_ARGUMENT.
+  absl::StatusOr<uint64_t> Free(ConnectionId caller, uint64_t session_id,
+                                uint64_t address) ABSL_LOCKS_EXCLUDED(mu_);
+
+  absl::StatusOr<std::vector<ChipMemoryView>> MemoryStats(ConnectionId caller,
+                                                          uint64_t session_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // ---- administration ----
+  std::vector<ChipSnapshot> Chips() const ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<SessionSnapshot> Sessions() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Ends a session as if its connection closed. `connection` receives the
+  // session's connection so the caller can hang it up.
+  absl::StatusOr<uint64_t> KillSession(uint64_t session_id, ConnectionId* connection)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status SetSessionQuota(uint64_t session_id, uint64_t quota_bytes_per_chip)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void SetDefaultQuota(uint64_t quota_bytes_per_chip) ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t default_quota() const ABSL_LOCKS_EXCLUDED(mu_);
+  // A drained chip refuses new allocations; existing segments keep working.
+  absl::Status SetDrained(int chip, bool drained) ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Chip {
+    std::unique_ptr<HbmArena> arena;  // null when not backed by memory
+    HbmAllocator allocator;
+    bool healthy = true;
+    bool drained = false;
+    explicit Chip(uint64_t capacity) : allocator(capacity) {}
+  };
+  struct Session {
+    uint64_t id = 0;
+    ConnectionId connection = 0;
+    PeerIdentity peer;
+    std::string client_name;
+    uint32_t protocol_version = 0;
+    uint64_t quota_bytes_per_chip = 0;
+    absl::Time opened;
+    std::vector<uint64_t> bytes_per_chip;
+    std::vector<uint64_t> peak_bytes_per_chip;
+    // Segment addresses this session holds.
+    std::map<uint64_t, SegmentGrant> segments;
+  };
+
+  RuntimeCore(Topology topology, Options options);
+
+  absl::StatusOr<Session*> FindSessionLocked(ConnectionId caller, uint64_t session_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckChipLocked(int chip) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees every segment of the session and forgets it. Returns bytes freed.
+  uint64_t EndSessionLocked(uint64_t session_id, uint64_t* segments)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeBlockLocked(int chip, uint64_t offset) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SessionSnapshot SnapshotLocked(const Session& s) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const Topology topology_;
+  const bool back_with_memory_;
+
+  mutable absl::Mutex mu_;
+  std::vector<std::unique_ptr<Chip>> chips_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<ConnectionId, uint64_t> session_by_connection_
+      ABSL_GUARDED_BY(mu_);
+  uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t default_quota_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace tpud
+
+#endif  // TPUD_DAEMON_RUNTIME_CORE_H_

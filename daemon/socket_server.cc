@@ -1,0 +1,292 @@
+#include "daemon/socket_server.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+
+#include <grpcpp/server.h>
+#include <grpcpp/server_posix.h>
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/strip.h"
+
+namespace tpud {
+namespace {
+
+std::string ErrnoText(int err) { return std::strerror(err); }
+
+absl::Status MakeParentDirs(const std::string& path) {
+  for (size_t pos = path.find('/', 1); pos != std::string::npos;
+       pos = path.find('/', pos + 1)) {
+    std::string dir = path.substr(0, pos);
+    if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "cannot create directory ", dir, ": ", ErrnoText(errno)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool FillAddress(const std::string& path, sockaddr_un* addr) {
+  std::memset(addr, 0, sizeof(*addr));
+  addr->sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr->sun_path)) return false;
+  std::memcpy(addr->sun_path, path.c_str(), path.size());
+  return true;
+}
+
+}  // namespace
+
+std::string ReadCommandLine(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/cmdline"), std::ios::binary);
+  std::string raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (raw.size() > 4096) raw.resize(4096);
+  std::replace(raw.begin(), raw.end(), '\0', ' ');
+  return std::string(absl::StripTrailingAsciiWhitespace(raw));
+}
+
+absl::StatusOr<int> ListenUnixSocket(const std::string& path, mode_t mode,
+                                     gid_t group) {
+  sockaddr_un addr;
+  if (!FillAddress(path, &addr)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "socket path too long (", path.size(), " bytes, limit ",
+        sizeof(addr.sun_path) - 1, "): ", path));
+  }
+  if (absl::Status st = MakeParentDirs(path); !st.ok()) return st;
+  struct stat st;
+  if (lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(path, " exists and is not a socket; remove it or choose another path"));
+    }
+    // A live tpud answers; a stale file from a crash refuses and is replaced.
+    int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    bool alive = probe >= 0 &&
+                 connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    if (probe >= 0) close(probe);
+    if (alive) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "another tpud is already serving on ", path,
+          "; stop it first (or choose another --socket/--admin_socket)"));
+    }
+    unlink(path.c_str());
+  }
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("socket(): ", ErrnoText(errno)));
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    int err = errno;
+    close(fd);
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot bind ", path, ": ", ErrnoText(err)));
+  }
+  // Set the mode before listen() so no one can connect through a wider mode.
+  if (chmod(path.c_str(), mode) != 0 ||
+      (group != static_cast<gid_t>(-1) && chown(path.c_str(), -1, group) != 0)) {
+    int err = errno;
+    close(fd);
+    unlink(path.c_str());
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot set mode/group of ", path, ": ", ErrnoText(err)));
+  }
+  if (listen(fd, 128) != 0) {
+    int err = errno;
+    close(fd);
+    unlink(path.c_str());
+    return absl::InternalError(absl::StrCat("listen on ", path, ": ", ErrnoText(err)));
+  }
+  return fd;
+}
+
+absl::StatusOr<std::unique_ptr<SocketServer>> SocketServer::Create(
+    std::vector<ListenerSpec> listeners, ConnectionTable* table,
+    HangupCallback on_hangup) {
+  std::unique_ptr<SocketServer> server(
+      new SocketServer(std::move(listeners), table, std::move(on_hangup)));
+  for (const ListenerSpec& spec : server->listeners_) {
+    absl::StatusOr<int> fd = ListenUnixSocket(spec.path, spec.mode, spec.group);
+    if (!fd.ok()) {
+      server->Stop();
+      return fd.status();
+    }
+    server->listen_fds_.push_back(*fd);
+  }
+  server->wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  server->epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+  if (server->wake_fd_ < 0 || server->epoll_fd_ < 0) {
+    server->Stop();
+    return absl::InternalError(absl::StrCat("eventfd/epoll: ", ErrnoText(errno)));
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = 0;  // connection ids start at 1
+  epoll_ctl(server->epoll_fd_, EPOLL_CTL_ADD, server->wake_fd_, &ev);
+  return server;
+}
+
+SocketServer::SocketServer(std::vector<ListenerSpec> listeners, ConnectionTable* table,
+                           HangupCallback on_hangup)
+    : listeners_(std::move(listeners)), table_(table), on_hangup_(std::move(on_hangup)) {}
+
+SocketServer::~SocketServer() { Stop(); }
+
+void SocketServer::Start() {
+  accept_thread_ = std::thread([this] { AcceptLoop(); });
+  watch_thread_ = std::thread([this] { WatchLoop(); });
+}
+
+void SocketServer::Stop() {
+  if (stopping_.exchange(true)) return;
+  if (wake_fd_ >= 0) {
+    uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof(one));
+  }
+  if (accept_thread_.joinable()) accept_thread_.join();
+  if (watch_thread_.joinable()) watch_thread_.join();
+  for (size_t i = 0; i < listen_fds_.size(); ++i) {
+    close(listen_fds_[i]);
+    unlink(listeners_[i].path.c_str());
+  }
+  listen_fds_.clear();
+  {
+    absl::MutexLock lock(&watched_mu_);
+    for (auto& [id, info] : watched_) close(info.watch_fd);
+    watched_.clear();
+  }
+  if (epoll_fd_ >= 0) close(epoll_fd_);
+  if (wake_fd_ >= 0) close(wake_fd_);
+  epoll_fd_ = wake_fd_ = -1;
+}
+
+void SocketServer::Hangup(ConnectionId id) {
+  absl::MutexLock lock(&watched_mu_);
+  auto it = watched_.find(id);
+  // shutdown() acts on the socket both descriptors share: gRPC sees EOF, the
+  // peer sees its connection close, and the watcher reports the hangup.
+  if (it != watched_.end()) shutdown(it->second.watch_fd, SHUT_RDWR);
+}
+
+void SocketServer::AcceptLoop() {
+  std::vector<pollfd> fds;
+  for (int fd : listen_fds_) fds.push_back({fd, POLLIN, 0});
+  fds.push_back({wake_fd_, POLLIN, 0});
+  while (!stopping_.load()) {
+    int n = poll(fds.data(), fds.size(), -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      spdlog::error("poll on listening sockets failed: {}", ErrnoText(errno));
+      return;
+    }
+    if (fds.back().revents != 0) return;
+    for (size_t i = 0; i + 1 < fds.size(); ++i) {
+      if (fds[i].revents & POLLIN) AcceptOne(i);
+    }
+  }
+}
+
+void SocketServer::AcceptOne(size_t index) {
+  const ListenerSpec& spec = listeners_[index];
+  int fd = accept4(listen_fds_[index], nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+  if (fd < 0) {
+    if (errno != EAGAIN && errno != EINTR) {
+      spdlog::warn("accept on {} failed: {}", spec.path, ErrnoText(errno));
+      // Out of descriptors: back off instead of spinning on a ready listener.
+      if (errno == EMFILE || errno == ENFILE) usleep(10000);
+    }
+    return;
+  }
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    spdlog::warn("SO_PEERCRED on {} failed: {}; dropping connection", spec.path,
+                 ErrnoText(errno));
+    close(fd);
+    return;
+  }
+  if (spec.admin && cred.uid != 0 && cred.uid != geteuid()) {
+    spdlog::warn("refused admin connection from uid {} (pid {})", cred.uid, cred.pid);
+    close(fd);
+    return;
+  }
+  int watch_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (watch_fd < 0) {
+    spdlog::warn("dup of connection failed: {}", ErrnoText(errno));
+    close(fd);
+    return;
+  }
+  ConnectionInfo info;
+  info.id = next_connection_id_.fetch_add(1);
+  info.peer.pid = cred.pid;
+  info.peer.uid = cred.uid;
+  info.peer.gid = cred.gid;
+  info.peer.command = ReadCommandLine(cred.pid);
+  info.admin = spec.admin;
+  info.watch_fd = watch_fd;
+  // Registered before gRPC sees the connection, so its first call finds it.
+  table_->Add(fd, info);
+  {
+    absl::MutexLock lock(&watched_mu_);
+    watched_[info.id] = info;
+  }
+  epoll_event ev{};
+  ev.events = EPOLLRDHUP | EPOLLHUP | EPOLLERR;
+  ev.data.u64 = info.id;
+  if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, watch_fd, &ev) != 0) {
+    spdlog::warn("cannot watch connection: {}", ErrnoText(errno));
+    table_->Remove(info.id);
+    {
+      absl::MutexLock lock(&watched_mu_);
+      watched_.erase(info.id);
+    }
+    close(watch_fd);
+    close(fd);
+    return;
+  }
+  spdlog::debug("connection {} on {} from pid {} uid {}: {}", info.id, spec.path,
+                cred.pid, cred.uid, info.peer.command);
+  grpc::AddInsecureChannelFromFd(spec.server, fd);
+}
+
+void SocketServer::WatchLoop() {
+  constexpr int kMaxEvents = 64;
+  epoll_event events[kMaxEvents];
+  while (!stopping_.load()) {
+    int n = epoll_wait(epoll_fd_, events, kMaxEvents, -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      spdlog::error("epoll_wait failed: {}", ErrnoText(errno));
+      return;
+    }
+    for (int i = 0; i < n; ++i) {
+      ConnectionId id = events[i].data.u64;
+      if (id == 0) return;  // wake_fd_: stopping
+      ConnectionInfo info;
+      {
+        absl::MutexLock lock(&watched_mu_);
+        auto it = watched_.find(id);
+        if (it == watched_.end()) continue;
+        info = it->second;
+        watched_.erase(it);
+      }
+      epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, info.watch_fd, nullptr);
+      table_->Remove(id);
+      on_hangup_(info);
+      close(info.watch_fd);
+    }
+  }
+}
+
+}  // namespace tpud

@@ -1,0 +1,96 @@
+// SocketServer: tpud's unix-socket front door.
+//
+// It owns the listening sockets (creating them with the right modes and
+// refusing to steal a socket another live tpud serves), accepts every
+// connection itself, learns the peer's pid/uid/gid from the kernel and its
+// command line from /proc, and hands the connection to the gRPC server of that
+// listener. A duplicate of each connection is watched so that a peer's exit,
+// crash or `kill -9` is noticed at once and reported through `on_hangup`.
+//
+// Thread-safety: Start/Stop from one thread; Hangup from any thread.
+#ifndef TPUD_DAEMON_SOCKET_SERVER_H_
+#define TPUD_DAEMON_SOCKET_SERVER_H_
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/connection_table.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace tpud {
+
+struct ListenerSpec {
+  std::string path;
+  mode_t mode = 0660;
+  gid_t group = static_cast<gid_t>(-1);  // -1: leave the group as created
+  grpc::Server* server = nullptr;        // receives accepted connections
+  // Admin listeners accept only root and the daemon's own user.
+  bool admin = false;
+};
+
+// Reads /proc/<pid>/cmdline, arguments joined by spaces ("" if unreadable).
+std::string ReadCommandLine(pid_t pid);
+
+class SocketServer {
+ public:
+  using HangupCallback = std::function<void(const ConnectionInfo&)>;
+
+  // Creates and binds every listener. A path already served by a live process
+  // is ALREADY_EXISTS; a stale socket file left by a crash is replaced.
+  static absl::StatusOr<std::unique_ptr<SocketServer>> Create(
+      std::vector<ListenerSpec> listeners, ConnectionTable* table,
+      HangupCallback on_hangup);
+  ~SocketServer();
+
+  // Starts accepting and watching (two threads).
+  void Start();
+  // Stops both threads, closes the listeners and removes their socket files.
+  void Stop();
+
+  // Hangs up a connection (e.g. its session was killed by an administrator);
+  // the hangup then flows through `on_hangup` like any other.
+  void Hangup(ConnectionId id);
+
+ private:
+  SocketServer(std::vector<ListenerSpec> listeners, ConnectionTable* table,
+               HangupCallback on_hangup);
+  void AcceptLoop();
+  void WatchLoop();
+  void AcceptOne(size_t listener_index);
+
+  std::vector<ListenerSpec> listeners_;
+  std::vector<int> listen_fds_;
+  ConnectionTable* table_;
+  HangupCallback on_hangup_;
+  int wake_fd_ = -1;   // eventfd that stops both loops
+  int epoll_fd_ = -1;  // watched connection duplicates
+  std::atomic<bool> stopping_{false};
+  std::atomic<uint64_t> next_connection_id_{1};
+  // Every connection being watched, by id. Kept apart from the table because a
+  // descriptor number (the table's key) can be reused before a hangup is seen.
+  absl::Mutex watched_mu_;
+  absl::flat_hash_map<ConnectionId, ConnectionInfo> watched_
+      ABSL_GUARDED_BY(watched_mu_);
+  std::thread accept_thread_;
+  std::thread watch_thread_;
+};
+
+// Creates a listening unix socket at `path` (parent directories made 0755).
+absl::StatusOr<int> ListenUnixSocket(const std::string& path, mode_t mode,
+                                     gid_t group);
+
+}  // namespace tpud
+
+#endif  // TPUD_DAEMON_SOCKET_SERVER_H_
