@@ -141,8 +141,8 @@ std::string TopologyInfo::ShapeString() const { return absl::StrJoin(shape, "x")
 
 struct Session::Impl {
   ClientOptions options;
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::Runtime::Stub> stub;
+  std::shared_ptr<grpc::Channel> channel ABSL_GUARDED_BY(mu);
+  std::shared_ptr<v1::Runtime::Stub> stub ABSL_GUARDED_BY(mu);
   uint64_t id = 0;
   uint32_t protocol_version = 0;
   std::string daemon_version;
@@ -152,6 +152,16 @@ struct Session::Impl {
   grpc::ClientContext* Prepare(grpc::ClientContext* ctx) {
     SetDeadline(ctx, options.call_timeout);
     return ctx;
+  }
+
+  // The stub while the session is open; calls in flight keep it alive.
+  absl::StatusOr<std::shared_ptr<v1::Runtime::Stub>> Stub() ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    if (!open) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("session ", id, " is closed; open a new one"));
+    }
+    return stub;
   }
 };
 
@@ -165,8 +175,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(ClientOptions options) {
   impl->options = options;
   absl::StatusOr<int> fd = ConnectUnix(options.socket_path, /*admin=*/false);
   if (!fd.ok()) return fd.status();
-  impl->channel = ChannelOnFd(*fd);
-  impl->stub = v1::Runtime::NewStub(impl->channel);
+  std::shared_ptr<grpc::Channel> channel = ChannelOnFd(*fd);
+  std::shared_ptr<v1::Runtime::Stub> stub = v1::Runtime::NewStub(channel);
 
   v1::OpenSessionRequest req;
   req.set_min_protocol_version(tpud::kMinProtocolVersion);
@@ -174,13 +184,15 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(ClientOptions options) {
   req.set_client_name(options.client_name);
   v1::OpenSessionResponse resp;
   grpc::ClientContext ctx;
-  grpc::Status st = impl->stub->OpenSession(impl->Prepare(&ctx), req, &resp);
+  grpc::Status st = stub->OpenSession(impl->Prepare(&ctx), req, &resp);
   if (!st.ok()) return Annotate(st, options.socket_path);
   impl->id = resp.session_id();
   impl->protocol_version = resp.protocol_version();
   impl->daemon_version = resp.daemon_version();
   {
     absl::MutexLock lock(&impl->mu);
+    impl->channel = std::move(channel);
+    impl->stub = std::move(stub);
     impl->open = true;
   }
   return std::unique_ptr<Session>(new Session(std::move(impl)));
@@ -194,7 +206,9 @@ const std::string& Session::socket_path() const { return impl_->options.socket_p
 absl::StatusOr<TopologyInfo> Session::GetTopology() {
   grpc::ClientContext ctx;
   v1::GetTopologyResponse resp;
-  grpc::Status st = impl_->stub->GetTopology(impl_->Prepare(&ctx), {}, &resp);
+  absl::StatusOr<std::shared_ptr<v1::Runtime::Stub>> stub = impl_->Stub();
+  if (!stub.ok()) return stub.status();
+  grpc::Status st = (*stub)->GetTopology(impl_->Prepare(&ctx), {}, &resp);
   if (!st.ok()) return Annotate(st, impl_->options.socket_path);
   return ConvertTopology(resp.topology());
 }
@@ -209,7 +223,9 @@ absl::StatusOr<Segment> Session::Allocate(int chip, uint64_t bytes) {
   req.set_bytes(bytes);
   v1::AllocateSegmentResponse resp;
   grpc::ClientContext ctx;
-  grpc::Status st = impl_->stub->AllocateSegment(impl_->Prepare(&ctx), req, &resp);
+  absl::StatusOr<std::shared_ptr<v1::Runtime::Stub>> stub = impl_->Stub();
+  if (!stub.ok()) return stub.status();
+  grpc::Status st = (*stub)->AllocateSegment(impl_->Prepare(&ctx), req, &resp);
   if (!st.ok()) return Annotate(st, impl_->options.socket_path);
   Segment seg;
   seg.address = resp.segment().address();
@@ -226,7 +242,9 @@ absl::Status Session::Free(uint64_t address) {
   req.set_address(address);
   v1::FreeSegmentResponse resp;
   grpc::ClientContext ctx;
-  grpc::Status st = impl_->stub->FreeSegment(impl_->Prepare(&ctx), req, &resp);
+  absl::StatusOr<std::shared_ptr<v1::Runtime::Stub>> stub = impl_->Stub();
+  if (!stub.ok()) return stub.status();
+  grpc::Status st = (*stub)->FreeSegment(impl_->Prepare(&ctx), req, &resp);
   if (!st.ok()) return Annotate(st, impl_->options.socket_path);
   return absl::OkStatus();
 }
@@ -236,7 +254,9 @@ absl::StatusOr<MemoryStats> Session::GetMemoryStats() {
   req.set_session_id(impl_->id);
   v1::GetMemoryStatsResponse resp;
   grpc::ClientContext ctx;
-  grpc::Status st = impl_->stub->GetMemoryStats(impl_->Prepare(&ctx), req, &resp);
+  absl::StatusOr<std::shared_ptr<v1::Runtime::Stub>> stub = impl_->Stub();
+  if (!stub.ok()) return stub.status();
+  grpc::Status st = (*stub)->GetMemoryStats(impl_->Prepare(&ctx), req, &resp);
   if (!st.ok()) return Annotate(st, impl_->options.socket_path);
   MemoryStats out;
   out.quota_bytes_per_chip = resp.quota_bytes_per_chip();
@@ -258,21 +278,23 @@ absl::StatusOr<MemoryStats> Session::GetMemoryStats() {
 }
 
 absl::Status Session::Close() {
+  std::shared_ptr<v1::Runtime::Stub> stub;
+  std::shared_ptr<grpc::Channel> channel;
   {
     absl::MutexLock lock(&impl_->mu);
     if (!impl_->open) return absl::OkStatus();
     impl_->open = false;
+    stub = std::move(impl_->stub);
+    channel = std::move(impl_->channel);
   }
   v1::CloseSessionRequest req;
   req.set_session_id(impl_->id);
   v1::CloseSessionResponse resp;
   grpc::ClientContext ctx;
   SetDeadline(&ctx, absl::Seconds(5));
-  grpc::Status st = impl_->stub->CloseSession(&ctx, req, &resp);
+  grpc::Status st = stub->CloseSession(&ctx, req, &resp);
   // Dropping the channel closes the connection; the daemon would reclaim
   // everything then anyway, so a failed close loses nothing.
-  impl_->stub.reset();
-  impl_->channel.reset();
   if (!st.ok()) return Annotate(st, impl_->options.socket_path);
   return absl::OkStatus();
 }

@@ -29,13 +29,14 @@ std::string HumanBytes(uint64_t bytes) {
 
 // std::error_code gives the errno text without strerror's shared buffer.
 std::string ErrnoText(int err) {
-  return absl::StrFormat("%s (errno %d)",
-                         std::error_code(err, std::generic_category()).message(),
-                         err);
+  return absl::StrFormat(
+      "%s (errno %d)", std::error_code(err, std::generic_category()).message(),
+      err);
 }
 
 uint64_t PageSize() {
-  static const uint64_t page_size = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  static const uint64_t page_size =
+      static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   return page_size;
 }
 

@@ -1,0 +1,377 @@
+// tpuctl: administer tpud (think nvidia-smi plus MPS control).
+//
+//   tpuctl status | topology | sessions | health      [--json]
+//   tpuctl kill SESSION
+//   tpuctl quota SESSION SIZE        (SIZE like 8GiB; "none" removes it)
+//   tpuctl quota --default SIZE      (for sessions opened from now on)
+//   tpuctl drain CHIP | undrain CHIP
+//
+// The --json schema is stable and documented in docs/tpuctl-json.md.
+#include <pwd.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "tools/tpuctl/json_writer.h"
+#include "tpu/client.h"
+#include "tpu/paths.h"
+#include "tpu/units.h"
+
+ABSL_FLAG(bool, json, false, "print machine-readable JSON (see docs/tpuctl-json.md)");
+ABSL_FLAG(std::string, socket, "", "tpud runtime socket (default $TPUD_SOCKET)");
+ABSL_FLAG(std::string, admin_socket, "",
+          "tpud admin socket (default $TPUD_ADMIN_SOCKET, or admin.sock beside the "
+          "runtime socket given by --socket/$TPUD_SOCKET)");
+ABSL_FLAG(bool, default, false, "quota: set the default for new sessions");
+
+namespace tpuctl {
+namespace {
+
+constexpr int kJsonSchemaVersion = 1;
+
+std::string UserName(uint32_t uid) {
+  struct passwd* pw = getpwuid(uid);
+  return pw != nullptr ? pw->pw_name : absl::StrCat(uid);
+}
+
+std::string Duration(double seconds) {
+  int64_t s = static_cast<int64_t>(seconds);
+  if (s < 60) return absl::StrCat(s, "s");
+  if (s < 3600) return absl::StrCat(s / 60, "m ", s % 60, "s");
+  return absl::StrCat(s / 3600, "h ", (s % 3600) / 60, "m");
+}
+
+std::string AdminPath() {
+  std::string path = absl::GetFlag(FLAGS_admin_socket);
+  if (!path.empty()) return path;
+  if (getenv("TPUD_ADMIN_SOCKET") != nullptr) return tpu::AdminSocketPath();
+  // A runtime socket given explicitly implies its sibling admin socket.
+  std::string runtime = absl::GetFlag(FLAGS_socket);
+  if (runtime.empty() && getenv("TPUD_SOCKET") != nullptr) runtime = getenv("TPUD_SOCKET");
+  if (!runtime.empty()) {
+    size_t slash = runtime.rfind('/');
+    return (slash == std::string::npos ? std::string(".") : runtime.substr(0, slash)) +
+           "/admin.sock";
+  }
+  return tpu::AdminSocketPath();
+}
+
+int Error(const absl::Status& status) {
+  std::fprintf(stderr, "tpuctl: %s\n", status.ToString().c_str());
+  return 1;
+}
+
+void WriteTopology(JsonWriter& w, const tpu::TopologyInfo& t) {
+  w.Key("topology").BeginObject();
+  w.Key("name").String(t.name);
+  w.Key("generation").String(t.generation.name);
+  w.Key("shape").IntArray(t.shape);
+  w.Key("wraparound").BeginArray();
+  for (bool b : t.wraparound) w.Bool(b);
+  w.EndArray();
+  w.Key("simulated").Bool(t.simulated);
+  w.Key("num_chips").Int(static_cast<int64_t>(t.chips.size()));
+  w.Key("hbm_bytes_per_chip").Uint(t.generation.hbm_bytes_per_chip);
+  w.Key("hbm_bandwidth_gbytes_per_s").Double(t.generation.hbm_bandwidth_gbytes_per_s);
+  w.Key("ici_bandwidth_gbytes_per_s").Double(t.generation.ici_bandwidth_gbytes_per_s);
+  w.Key("peak_bf16_tflops").Double(t.generation.peak_bf16_tflops);
+  w.Key("tensorcores_per_chip").Int(t.generation.tensorcores_per_chip);
+  w.EndObject();
+}
+
+void WriteChips(JsonWriter& w, const tpu::TopologyInfo& t) {
+  w.Key("chips").BeginArray();
+  for (const tpu::ChipInfo& c : t.chips) {
+    w.BeginObject();
+    w.Key("id").Int(c.id);
+    w.Key("coords").IntArray(c.coords);
+    w.Key("neighbors").IntArray(c.neighbors);
+    w.Key("hbm_total_bytes").Uint(c.hbm_total_bytes);
+    w.Key("hbm_used_bytes").Uint(c.hbm_used_bytes);
+    w.Key("hbm_peak_bytes").Uint(c.hbm_peak_bytes);
+    w.Key("hbm_largest_free_block").Uint(c.hbm_largest_free_block);
+    w.Key("segment_count").Uint(c.segment_count);
+    w.Key("session_count").Int(c.session_count);
+    w.Key("healthy").Bool(c.healthy);
+    w.Key("drained").Bool(c.drained);
+    w.EndObject();
+  }
+  w.EndArray();
+}
+
+void WriteSessions(JsonWriter& w, const std::vector<tpu::SessionInfo>& sessions) {
+  w.Key("sessions").BeginArray();
+  for (const tpu::SessionInfo& s : sessions) {
+    w.BeginObject();
+    w.Key("id").Uint(s.id);
+    w.Key("pid").Int(s.pid);
+    w.Key("uid").Uint(s.uid);
+    w.Key("user").String(UserName(s.uid));
+    w.Key("command").String(s.command);
+    w.Key("client_name").String(s.client_name);
+    w.Key("hbm_bytes").Uint(s.hbm_bytes);
+    w.Key("hbm_bytes_per_chip").BeginObject();
+    for (const auto& [chip, bytes] : s.hbm_bytes_per_chip) {
+      w.Key(absl::StrCat(chip)).Uint(bytes);
+    }
+    w.EndObject();
+    w.Key("quota_bytes_per_chip");
+    if (s.quota_bytes_per_chip == 0) {
+      w.Null();
+    } else {
+      w.Uint(s.quota_bytes_per_chip);
+    }
+    w.Key("segment_count").Uint(s.segment_count);
+    w.Key("protocol_version").Uint(s.protocol_version);
+    w.Key("opened_unix_seconds").Double(s.opened_unix_seconds);
+    w.EndObject();
+  }
+  w.EndArray();
+}
+
+void PrintChipTable(const tpu::TopologyInfo& t) {
+  std::printf("%-5s %-8s %-28s %-9s %s\n", "CHIP", "COORDS", "HBM USED / TOTAL", "SESSIONS",
+              "STATE");
+  for (const tpu::ChipInfo& c : t.chips) {
+    double pct = c.hbm_total_bytes == 0
+                     ? 0
+                     : 100.0 * static_cast<double>(c.hbm_used_bytes) / c.hbm_total_bytes;
+    std::string hbm = absl::StrFormat("%s / %s %3.0f%%", tpu::FormatBytes(c.hbm_used_bytes),
+                                      tpu::FormatBytes(c.hbm_total_bytes), pct);
+    std::string state = c.healthy ? "healthy" : "UNHEALTHY";
+    if (c.drained) state += ", drained";
+    std::printf("%-5d %-8s %-28s %-9d %s\n", c.id,
+                absl::StrCat("(", absl::StrJoin(c.coords, ","), ")").c_str(), hbm.c_str(),
+                c.session_count, state.c_str());
+  }
+}
+
+void PrintSessionTable(const std::vector<tpu::SessionInfo>& sessions) {
+  if (sessions.empty()) {
+    std::printf("No sessions.\n");
+    return;
+  }
+  std::printf("%-8s %-8s %-10s %-12s %-26s %-11s %s\n", "SESSION", "PID", "USER", "HBM",
+              "HBM PER CHIP", "QUOTA", "COMMAND");
+  for (const tpu::SessionInfo& s : sessions) {
+    std::vector<std::string> per_chip;
+    for (const auto& [chip, bytes] : s.hbm_bytes_per_chip) {
+      per_chip.push_back(absl::StrCat(chip, ": ", tpu::FormatBytes(bytes)));
+    }
+    std::string command = s.command.size() > 60 ? s.command.substr(0, 57) + "..." : s.command;
+    std::printf("%-8llu %-8d %-10s %-12s %-26s %-11s %s\n",
+                static_cast<unsigned long long>(s.id), s.pid, UserName(s.uid).c_str(),
+                tpu::FormatBytes(s.hbm_bytes).c_str(),
+                per_chip.empty() ? "-" : absl::StrJoin(per_chip, ", ").c_str(),
+                s.quota_bytes_per_chip == 0 ? "none"
+                                            : tpu::FormatBytes(s.quota_bytes_per_chip).c_str(),
+                command.c_str());
+  }
+}
+
+int CmdStatus(tpu::AdminClient& admin, bool json) {
+  absl::StatusOr<tpu::DaemonStatus> st = admin.GetStatus();
+  if (!st.ok()) return Error(st.status());
+  if (json) {
+    JsonWriter w;
+    w.BeginObject();
+    w.Key("schema_version").Int(kJsonSchemaVersion);
+    w.Key("daemon").BeginObject();
+    w.Key("version").String(st->daemon_version);
+    w.Key("pid").Int(st->daemon_pid);
+    w.Key("uptime_seconds").Double(st->uptime_seconds);
+    w.Key("default_quota_bytes_per_chip");
+    if (st->default_quota_bytes_per_chip == 0) {
+      w.Null();
+    } else {
+      w.Uint(st->default_quota_bytes_per_chip);
+    }
+    w.EndObject();
+    WriteTopology(w, st->topology);
+    WriteChips(w, st->topology);
+    WriteSessions(w, st->sessions);
+    w.EndObject();
+    std::printf("%s\n", w.str().c_str());
+    return 0;
+  }
+  const tpu::TopologyInfo& t = st->topology;
+  std::printf("tpud %s  pid %d  up %s  |  %s%s: %s, %s, %zu chips, %s HBM each\n",
+              st->daemon_version.c_str(), st->daemon_pid, Duration(st->uptime_seconds).c_str(),
+              t.name.c_str(), t.simulated ? " (simulated)" : "", t.generation.name.c_str(),
+              t.ShapeString().c_str(), t.chips.size(),
+              tpu::FormatBytes(t.generation.hbm_bytes_per_chip).c_str());
+  std::printf("\n");
+  PrintChipTable(t);
+  std::printf("\n");
+  PrintSessionTable(st->sessions);
+  return 0;
+}
+
+int CmdTopology(tpu::AdminClient& admin, bool json) {
+  absl::StatusOr<tpu::DaemonStatus> st = admin.GetStatus();
+  if (!st.ok()) return Error(st.status());
+  const tpu::TopologyInfo& t = st->topology;
+  if (json) {
+    JsonWriter w;
+    w.BeginObject();
+    w.Key("schema_version").Int(kJsonSchemaVersion);
+    WriteTopology(w, t);
+    WriteChips(w, t);
+    w.EndObject();
+    std::printf("%s\n", w.str().c_str());
+    return 0;
+  }
+  const tpu::GenerationInfo& g = t.generation;
+  std::printf("%s%s: generation %s, shape %s (wrap-around: %s)\n", t.name.c_str(),
+              t.simulated ? " (simulated)" : "", g.name.c_str(), t.ShapeString().c_str(),
+              std::any_of(t.wraparound.begin(), t.wraparound.end(), [](bool b) { return b; })
+                  ? "yes"
+                  : "none");
+  std::printf("per chip: %s HBM at %.0f GB/s, ICI %.0f GB/s, %.0f bf16 TFLOP/s, %d TensorCore(s)\n",
+              tpu::FormatBytes(g.hbm_bytes_per_chip).c_str(), g.hbm_bandwidth_gbytes_per_s,
+              g.ici_bandwidth_gbytes_per_s, g.peak_bf16_tflops, g.tensorcores_per_chip);
+  std::printf("%-5s %-10s %s\n", "CHIP", "COORDS", "ICI NEIGHBOURS");
+  for (const tpu::ChipInfo& c : t.chips) {
+    std::printf("%-5d %-10s %s\n", c.id,
+                absl::StrCat("(", absl::StrJoin(c.coords, ","), ")").c_str(),
+                c.neighbors.empty() ? "-" : absl::StrJoin(c.neighbors, ", ").c_str());
+  }
+  return 0;
+}
+
+int CmdSessions(tpu::AdminClient& admin, bool json) {
+  absl::StatusOr<std::vector<tpu::SessionInfo>> sessions = admin.ListSessions();
+  if (!sessions.ok()) return Error(sessions.status());
+  if (json) {
+    JsonWriter w;
+    w.BeginObject();
+    w.Key("schema_version").Int(kJsonSchemaVersion);
+    WriteSessions(w, *sessions);
+    w.EndObject();
+    std::printf("%s\n", w.str().c_str());
+    return 0;
+  }
+  PrintSessionTable(*sessions);
+  return 0;
+}
+
+int CmdHealth(tpu::AdminClient& admin, bool json) {
+  absl::StatusOr<tpu::HealthReport> h = admin.Health();
+  if (!h.ok()) return Error(h.status());
+  if (json) {
+    JsonWriter w;
+    w.BeginObject();
+    w.Key("schema_version").Int(kJsonSchemaVersion);
+    w.Key("serving").Bool(h->serving);
+    w.Key("version").String(h->daemon_version);
+    w.Key("chips").BeginArray();
+    for (const tpu::ChipHealth& c : h->chips) {
+      w.BeginObject();
+      w.Key("id").Int(c.chip);
+      w.Key("healthy").Bool(c.healthy);
+      w.Key("drained").Bool(c.drained);
+      w.Key("detail").String(c.detail);
+      w.EndObject();
+    }
+    w.EndArray();
+    w.EndObject();
+    std::printf("%s\n", w.str().c_str());
+  } else {
+    std::printf("tpud %s: %s\n", h->daemon_version.c_str(),
+                h->serving ? "serving" : "NOT SERVING");
+    for (const tpu::ChipHealth& c : h->chips) {
+      std::printf("  chip %d: %s%s (%s)\n", c.chip, c.healthy ? "healthy" : "UNHEALTHY",
+                  c.drained ? ", drained" : "", c.detail.c_str());
+    }
+  }
+  return h->serving ? 0 : 1;
+}
+
+int Usage() {
+  std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());
+  return 2;
+}
+
+bool ParseUint(const std::string& text, uint64_t* out) {
+  return absl::SimpleAtoi(text, out);
+}
+
+int Main(std::vector<std::string> args) {
+  if (args.empty()) return Usage();
+  const std::string cmd = args[0];
+  const bool json = absl::GetFlag(FLAGS_json);
+  absl::StatusOr<std::unique_ptr<tpu::AdminClient>> admin =
+      tpu::AdminClient::Connect(AdminPath());
+  if (!admin.ok()) return Error(admin.status());
+  tpu::AdminClient& a = **admin;
+  if (cmd == "status" && args.size() == 1) return CmdStatus(a, json);
+  if (cmd == "topology" && args.size() == 1) return CmdTopology(a, json);
+  if (cmd == "sessions" && args.size() == 1) return CmdSessions(a, json);
+  if (cmd == "health" && args.size() == 1) return CmdHealth(a, json);
+  if (cmd == "kill" && args.size() == 2) {
+    uint64_t id = 0;
+    if (!ParseUint(args[1], &id)) return Usage();
+    absl::StatusOr<uint64_t> bytes = a.KillSession(id);
+    if (!bytes.ok()) return Error(bytes.status());
+    std::printf("killed session %llu; reclaimed %s\n", static_cast<unsigned long long>(id),
+                tpu::FormatBytes(*bytes).c_str());
+    return 0;
+  }
+  if (cmd == "quota") {
+    const bool to_default = absl::GetFlag(FLAGS_default);
+    if (args.size() != (to_default ? 2u : 3u)) return Usage();
+    absl::StatusOr<uint64_t> size = tpu::ParseBytes(args.back());
+    if (!size.ok()) return Error(size.status());
+    std::string shown = *size == 0 ? "none" : tpu::FormatBytes(*size) + " per chip";
+    if (to_default) {
+      if (absl::Status st = a.SetDefaultQuota(*size); !st.ok()) return Error(st);
+      std::printf("default quota for new sessions: %s\n", shown.c_str());
+      return 0;
+    }
+    uint64_t id = 0;
+    if (!ParseUint(args[1], &id)) return Usage();
+    if (absl::Status st = a.SetSessionQuota(id, *size); !st.ok()) return Error(st);
+    std::printf("session %llu quota: %s\n", static_cast<unsigned long long>(id), shown.c_str());
+    return 0;
+  }
+  if ((cmd == "drain" || cmd == "undrain") && args.size() == 2) {
+    uint64_t chip = 0;
+    if (!ParseUint(args[1], &chip) || chip > 0x7fffffff) return Usage();
+    absl::Status st = cmd == "drain" ? a.DrainChip(static_cast<int>(chip))
+                                     : a.UndrainChip(static_cast<int>(chip));
+    if (!st.ok()) return Error(st);
+    std::printf("chip %llu %s\n", static_cast<unsigned long long>(chip),
+                cmd == "drain" ? "drained: new allocations refused, existing ones keep working"
+                               : "undrained");
+    return 0;
+  }
+  return Usage();
+}
+
+}  // namespace
+}  // namespace tpuctl
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "administer tpud\n"
+      "  tpuctl status    [--json]   chips and processes, like nvidia-smi\n"
+      "  tpuctl topology  [--json]   host shape, chip coordinates, ICI neighbours\n"
+      "  tpuctl sessions  [--json]   client sessions\n"
+      "  tpuctl health    [--json]   exit 0 when serving\n"
+      "  tpuctl kill SESSION         end a session, reclaim its HBM\n"
+      "  tpuctl quota SESSION SIZE   per-chip HBM quota (SIZE e.g. 8GiB, or none)\n"
+      "  tpuctl quota --default SIZE default quota for new sessions\n"
+      "  tpuctl drain CHIP | undrain CHIP\n"
+      "flags: --socket, --admin_socket (or TPUD_SOCKET, TPUD_ADMIN_SOCKET)");
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  std::vector<std::string> args(rest.begin() + 1, rest.end());
+  return tpuctl::Main(args);
+}
