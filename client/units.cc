@@ -16,7 +16,9 @@ std::string FormatBytes(uint64_t bytes) {
   if (bytes < 1024) return absl::StrCat(bytes, " B");
   double value = static_cast<double>(bytes) / 1024.0;
   int unit = 0;
-  while (value >= 1024.0 && unit < 5) {
+  // Compare after rounding to the printed precision, so 1048575 bytes reads
+  // "1.00 MiB", not "1024.00 KiB".
+  while (std::round(value * 100) >= 1024.0 * 100 && unit < 5) {
     value /= 1024.0;
     ++unit;
   }
@@ -73,6 +75,10 @@ absl::StatusOr<uint64_t> ParseBytes(absl::string_view text) {
     return absl::InvalidArgumentError(absl::StrCat("not a size: \"", text, "\""));
   }
   double bytes = std::round(value * multiplier);
+  if (bytes == 0 && value != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("size \"", text, "\" is less than one byte"));
+  }
   if (bytes >= 18446744073709551615.0) {
     return absl::InvalidArgumentError(absl::StrCat("size out of range: \"", text, "\""));
   }

@@ -186,7 +186,8 @@ absl::StatusOr<SegmentGrant> RuntimeCore::Allocate(ConnectionId caller,
   const uint64_t rounded = HbmAllocator::RoundUp(bytes, kHbmGranularity);
   const uint64_t held = s.bytes_per_chip[chip];
   if (s.quota_bytes_per_chip != 0 &&
-      (rounded == 0 || held + rounded > s.quota_bytes_per_chip)) {
+      (rounded == 0 || held > s.quota_bytes_per_chip ||
+       rounded > s.quota_bytes_per_chip - held)) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "HBM quota exceeded on chip %d: asked %s, session %d holds %s of its %s "
         "quota; free memory, or ask an administrator to raise it (tpuctl quota "

@@ -19,10 +19,9 @@ constexpr uint64_t kGiB = uint64_t{1} << 30;
 const std::vector<GenerationFacts>& FactsTable() {
   // Figures from the Google Cloud TPU system-architecture pages. ICI for
   // v5e, v5p and v6e is published in Gbps and converted here (/8): 1600,
-  // 4800 and 3584 Gbps. v7x's is published directly as 1200 GB/s
-  // bidirectional; note that the same page lists v5p at 1200 GB/s
-  // bidirectional, i.e. twice the 600 GB/s derived from its Gbps figure, so
-  // halve v7x's value when comparing it with the older generations.
+  // 4800 and 3584 Gbps, one direction. v7x's is published as 1.2 TB/s
+  // bidirectional (the same page lists v5p at 1200 GB/s bidirectional, twice
+  // its 600 GB/s one-way figure), so it is halved here to keep one basis.
   static const auto* const kFacts = new std::vector<GenerationFacts>{
       {Generation::kV5e, "v5e", 16 * kGiB, 819.0, 1600.0 / 8, 197.0,
        /*tensorcores_per_chip=*/1, /*torus_dims=*/2,
@@ -33,7 +32,7 @@ const std::vector<GenerationFacts>& FactsTable() {
       {Generation::kV6e, "v6e", 32 * kGiB, 1640.0, 3584.0 / 8, 918.0,
        /*tensorcores_per_chip=*/1, /*torus_dims=*/2,
        /*max_chips_per_host=*/8},
-      {Generation::kV7x, "v7x", 192 * kGiB, 7380.0, 1200.0, 2307.0,
+      {Generation::kV7x, "v7x", 192 * kGiB, 7380.0, 1200.0 / 2, 2307.0,
        /*tensorcores_per_chip=*/2, /*torus_dims=*/3,
        /*max_chips_per_host=*/4},
   };

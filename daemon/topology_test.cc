@@ -68,7 +68,7 @@ TEST_CASE("generation facts match the published figures") {
   CHECK(v7x.name == "v7x");
   CHECK(v7x.hbm_bytes_per_chip == 192 * kGiB);
   CHECK(v7x.hbm_bandwidth_gbytes_per_s == 7380.0);
-  CHECK(v7x.ici_bandwidth_gbytes_per_s == 1200.0);
+  CHECK(v7x.ici_bandwidth_gbytes_per_s == 600.0);  // 1.2 TB/s bidirectional, one way
   CHECK(v7x.peak_bf16_tflops == 2307.0);
   CHECK(v7x.tensorcores_per_chip == 2);
   CHECK(v7x.torus_dims == 3);

@@ -1,6 +1,7 @@
 #include "tools/tpuctl/json_writer.h"
 
 #include <cmath>
+#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -96,7 +97,13 @@ JsonWriter& JsonWriter::Double(double value) {
   if (!std::isfinite(value)) {
     out_ += "null";
   } else {
-    out_ += absl::StrFormat("%.6g", value);
+    // Shortest form that reads back as the same double.
+    std::string text;
+    for (int precision = 6; precision <= 17; ++precision) {
+      text = absl::StrFormat("%.*g", precision, value);
+      if (std::strtod(text.c_str(), nullptr) == value) break;
+    }
+    out_ += text;
   }
   return *this;
 }

@@ -28,3 +28,15 @@ TEST_CASE("JsonWriter writes non-finite doubles as null") {
 
 }  // namespace
 }  // namespace tpuctl
+
+namespace tpuctl {
+namespace {
+
+TEST_CASE("JsonWriter keeps doubles exact (timestamps)") {
+  JsonWriter w;
+  w.BeginArray().Double(1795970000.123456).Double(0.1).EndArray();
+  REQUIRE(w.str() == "[1795970000.123456,0.1]");
+}
+
+}  // namespace
+}  // namespace tpuctl

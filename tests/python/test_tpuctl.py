@@ -1,0 +1,140 @@
+"""tpuctl against a real daemon: tables and the stable --json schema."""
+import json
+import subprocess
+import time
+
+from conftest import bazel_bin
+
+
+def tpuctl(daemon, *args, check=True):
+    r = subprocess.run([bazel_bin("tools/tpuctl/tpuctl"), *args], env=daemon.env(),
+                       capture_output=True, text=True, timeout=30)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def hold(daemon, chip, size, segments=1, seconds=30):
+    """Starts hello_tpud holding HBM and waits until the daemon shows it."""
+    p = subprocess.Popen([bazel_bin("examples/cpp/hello_tpud"), f"--chip={chip}",
+                          f"--bytes={size}", f"--segments={segments}",
+                          f"--hold_seconds={seconds}"],
+                         env=daemon.env(), stdout=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        if line.startswith("holding"):
+            return p
+    raise AssertionError("hello_tpud did not start holding")
+
+
+def test_status_json_schema(daemon):
+    holder = hold(daemon, 1, "64MiB", segments=2)
+    try:
+        doc = json.loads(tpuctl(daemon, "status", "--json").stdout)
+        assert doc["schema_version"] == 1
+        topo = doc["topology"]
+        assert topo["name"] == "v6e-4"
+        assert topo["generation"] == "v6e"
+        assert topo["shape"] == [2, 2]
+        assert topo["simulated"] is True
+        assert len(doc["chips"]) == 4
+        for i, chip in enumerate(doc["chips"]):
+            assert chip["id"] == i
+            assert set(chip) >= {"id", "coords", "hbm_total_bytes", "hbm_used_bytes",
+                                 "healthy", "drained"}
+            assert chip["hbm_total_bytes"] == 256 << 20
+            assert chip["healthy"] is True and chip["drained"] is False
+        assert doc["chips"][1]["hbm_used_bytes"] == 64 << 20
+        assert doc["chips"][0]["hbm_used_bytes"] == 0
+        assert doc["chips"][3]["coords"] == [1, 1]
+        (session,) = doc["sessions"]
+        assert session["pid"] == holder.pid
+        assert "hello_tpud" in session["command"]
+        assert session["hbm_bytes"] == 64 << 20
+        assert session["hbm_bytes_per_chip"] == {"1": 64 << 20}
+        assert session["segment_count"] == 2
+        assert session["quota_bytes_per_chip"] is None
+        assert abs(session["opened_unix_seconds"] - time.time()) < 60
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_sessions_json_and_kill(daemon):
+    holder = hold(daemon, 0, "16MiB")
+    try:
+        doc = json.loads(tpuctl(daemon, "sessions", "--json").stdout)
+        (s,) = doc["sessions"]
+        assert set(s) >= {"id", "pid", "uid", "command", "hbm_bytes"}
+        out = tpuctl(daemon, "kill", str(s["id"])).stdout
+        assert "reclaimed 16.00 MiB" in out
+        assert json.loads(tpuctl(daemon, "sessions", "--json").stdout)["sessions"] == []
+        # The killed client notices: its process is still alive but the session is gone.
+        r = tpuctl(daemon, "kill", str(s["id"]), check=False)
+        assert r.returncode == 1 and "NOT_FOUND" in r.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_status_table_reads_like_nvidia_smi(daemon):
+    holder = hold(daemon, 2, "128MiB")
+    try:
+        out = tpuctl(daemon, "status").stdout
+        assert "v6e-4 (simulated)" in out
+        assert "128.00 MiB / 256.00 MiB" in out
+        assert "hello_tpud" in out
+        assert "CHIP" in out and "SESSION" in out
+    finally:
+        holder.kill()
+        holder.wait()
+    # The kill -9 above returns the memory: the table shows it.
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        if "No sessions." in tpuctl(daemon, "status").stdout:
+            break
+        time.sleep(0.02)
+    assert "No sessions." in tpuctl(daemon, "status").stdout
+
+
+def test_topology_and_health(daemon):
+    doc = json.loads(tpuctl(daemon, "topology", "--json").stdout)
+    assert doc["topology"]["shape"] == [2, 2]
+    assert doc["chips"][0]["neighbors"] == [1, 2]
+    h = json.loads(tpuctl(daemon, "health", "--json").stdout)
+    assert h["serving"] is True and len(h["chips"]) == 4
+    assert "ICI NEIGHBOURS" in tpuctl(daemon, "topology").stdout
+
+
+def test_quota_and_drain(daemon):
+    tpuctl(daemon, "quota", "--default", "32MiB")
+    r = subprocess.run([bazel_bin("examples/cpp/hello_tpud"), "--bytes=64MiB"],
+                       env=daemon.env(), capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1
+    assert "quota" in r.stderr and "RESOURCE_EXHAUSTED" in r.stderr
+    tpuctl(daemon, "quota", "--default", "none")
+    tpuctl(daemon, "drain", "3")
+    doc = json.loads(tpuctl(daemon, "status", "--json").stdout)
+    assert doc["chips"][3]["drained"] is True
+    r = subprocess.run([bazel_bin("examples/cpp/hello_tpud"), "--chip=3", "--bytes=1MiB"],
+                       env=daemon.env(), capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "FAILED_PRECONDITION" in r.stderr
+    tpuctl(daemon, "undrain", "3")
+    r = subprocess.run([bazel_bin("examples/cpp/hello_tpud"), "--chip=3", "--bytes=1MiB"],
+                       env=daemon.env(), capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+
+
+def test_no_daemon_is_a_clear_error(tmp_path):
+    r = subprocess.run([bazel_bin("tools/tpuctl/tpuctl"), "status"],
+                       env={"TPUD_ADMIN_SOCKET": str(tmp_path / "admin.sock")},
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1
+    assert str(tmp_path / "admin.sock") in r.stderr
+    assert "is tpud running" in r.stderr
+
+
+def test_bad_usage(daemon):
+    r = tpuctl(daemon, "frobnicate", check=False)
+    assert r.returncode == 2
+    r = tpuctl(daemon, "quota", "1", "lots", check=False)
+    assert r.returncode == 1 and "size" in r.stderr
