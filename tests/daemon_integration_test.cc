@@ -412,6 +412,42 @@ TEST_CASE("sockets: modes, stale files, a second daemon, clean shutdown") {
   CHECK(restarted.Wait() == 0);
 }
 
+TEST_CASE("under systemd, tpud reports readiness and stopping with sd_notify") {
+  char tmpl[] = "/tmp/tpud-notify.XXXXXX";
+  REQUIRE(mkdtemp(tmpl) != nullptr);
+  std::string dir = tmpl;
+  std::string notify = dir + "/notify.sock";
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, notify.c_str(), sizeof(addr.sun_path) - 1);
+  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  timeval tv{10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ChildProcess daemon(BinaryPath("daemon/tpud"),
+                      {"--socket=" + dir + "/tpud.sock", "--admin_socket=" + dir + "/admin.sock",
+                       "--hbm_bytes=1MiB", "--log_level=error"},
+                      {"NOTIFY_SOCKET=" + notify});
+  char buf[1024];
+  ssize_t n = recv(fd, buf, sizeof(buf) - 1, 0);
+  REQUIRE(n > 0);
+  std::string ready(buf, n);
+  CHECK(absl::StrContains(ready, "READY=1"));
+  CHECK(absl::StrContains(ready, "STATUS=serving v6e-4"));
+  // Readiness is only announced once the socket accepts sessions.
+  tpu::ClientOptions o;
+  o.socket_path = dir + "/tpud.sock";
+  CHECK(tpu::Session::Open(o).ok());
+  daemon.Signal(SIGTERM);
+  n = recv(fd, buf, sizeof(buf) - 1, 0);
+  REQUIRE(n > 0);
+  CHECK(absl::StrContains(std::string(buf, n), "STOPPING=1"));
+  CHECK(daemon.Wait() == 0);
+  close(fd);
+  unlink(notify.c_str());
+  rmdir(dir.c_str());
+}
+
 TEST_CASE("tpud rejects bad flags with a clear message") {
   tpud_test::CommandResult r = tpud_test::RunCommand(
       BinaryPath("daemon/tpud"), {"--topology=v9z-3", "--socket=/tmp/x.sock"}, {}, true);
