@@ -361,3 +361,29 @@ def test_configmap_flags_match_flagfile(configmap):
     for name in ("socket", "admin_socket"):
         assert in_configmap[name] == in_flagfile[name]
         assert in_configmap[name].startswith("/run/tpud/")
+
+
+def test_tpud_accepts_the_example_flagfile(tmp_path):
+    """The shipped flagfile parses in the real daemon (paths overridden for the test)."""
+    import socket as socketlib
+    import subprocess
+    import time
+
+    from conftest import bazel_bin
+
+    sock = tmp_path / "tpud.sock"
+    proc = subprocess.Popen(
+        [bazel_bin("daemon/tpud"), f"--flagfile={FLAGFILE}", f"--socket={sock}",
+         f"--admin_socket={tmp_path / 'admin.sock'}", "--socket_group=root",
+         "--hbm_bytes=1MiB"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 10
+        while time.time() < deadline and not sock.exists():
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.02)
+        s = socketlib.socket(socketlib.AF_UNIX)
+        s.connect(str(sock))
+        s.close()
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
