@@ -41,6 +41,12 @@ void FillSession(const SessionSnapshot& s, v1::SessionInfo* out) {
   out->set_segment_count(s.segment_count);
 }
 
+// Chip ids are unsigned on the wire; anything past int range is simply "no
+// such chip" for the core.
+int ChipIndex(uint32_t wire_chip) {
+  return wire_chip > 0x7fffffffu ? -1 : static_cast<int>(wire_chip);
+}
+
 }  // namespace
 
 void FillTopology(const RuntimeCore& core, v1::TopologyInfo* out) {
@@ -120,11 +126,8 @@ grpc::Status RuntimeServiceImpl::AllocateSegment(grpc::ServerContext* ctx,
                                                  v1::AllocateSegmentResponse* resp) {
   absl::StatusOr<ConnectionInfo> caller = CallerOf(*connections_, ctx);
   if (!caller.ok()) return ToGrpcStatus(caller.status());
-  // The chip field is unsigned on the wire; anything past int range is simply
-  // "no such chip".
-  const int chip = req->chip() > 0x7fffffffu ? -1 : static_cast<int>(req->chip());
   absl::StatusOr<SegmentGrant> grant =
-      core_->Allocate(caller->id, req->session_id(), chip, req->bytes());
+      core_->Allocate(caller->id, req->session_id(), ChipIndex(req->chip()), req->bytes());
   if (!grant.ok()) return ToGrpcStatus(grant.status());
   v1::Segment* seg = resp->mutable_segment();
   seg->set_address(grant->address);
@@ -246,9 +249,8 @@ grpc::Status AdminServiceImpl::DrainChip(grpc::ServerContext* ctx,
                                          const v1::DrainChipRequest* req,
                                          v1::DrainChipResponse*) {
   if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
-  const int chip = req->chip() > 0x7fffffffu ? -1 : static_cast<int>(req->chip());
-  absl::Status st = core_->SetDrained(chip, true);
-  if (st.ok()) spdlog::warn("chip {} drained", chip);
+  absl::Status st = core_->SetDrained(ChipIndex(req->chip()), true);
+  if (st.ok()) spdlog::warn("chip {} drained", req->chip());
   return ToGrpcStatus(st);
 }
 
@@ -256,9 +258,8 @@ grpc::Status AdminServiceImpl::UndrainChip(grpc::ServerContext* ctx,
                                            const v1::UndrainChipRequest* req,
                                            v1::UndrainChipResponse*) {
   if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
-  const int chip = req->chip() > 0x7fffffffu ? -1 : static_cast<int>(req->chip());
-  absl::Status st = core_->SetDrained(chip, false);
-  if (st.ok()) spdlog::info("chip {} undrained", chip);
+  absl::Status st = core_->SetDrained(ChipIndex(req->chip()), false);
+  if (st.ok()) spdlog::info("chip {} undrained", req->chip());
   return ToGrpcStatus(st);
 }
 
