@@ -1,0 +1,227 @@
+// The op stream's record format: what a client writes into a stream's ring
+// and the daemon reads back. Shared by libtpuclient and tpud; no ATen here.
+//
+// Every record starts with a RecordHeader and is padded to 8 bytes. All
+// integers are little-endian (the only byte order tpud runs on). Bodies:
+//
+//   kDefineOp   u32 op_id, u32 schema_len, schema bytes
+//               Interns a full operator schema string, e.g.
+//               "aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor"
+//               under op_id for the rest of the session.
+//   kOp         u32 op_id, u16 num_args, u16 num_outputs, u32 flags,
+//               num_args x Arg, num_outputs x TensorRef
+//               Runs the op. Each returned tensor i that is not already one of
+//               the arguments is copied into output i (client-allocated).
+//               flags & kOpFlagSync: the result goes to the stream's response
+//               area (see shm_layout.h), for ops the host waits on.
+//   kCopy       u8 kind (CopyKind), 7 pad, u64 src, u64 dst, u64 bytes
+//               Host addresses are offsets into the session's shared memory
+//               (staging area or pinned pool); device ones are device addresses.
+//   kEventRecord u32 event_slot, 4 pad
+//   kEventWait   u32 event_slot, u32 stream, u64 sequence
+//               Holds this stream until `stream` has completed `sequence`.
+//
+// An Arg is a u8 tag (ArgTag) followed by its payload:
+//   kNone                      -
+//   kTensor                    TensorRef
+//   kUndefinedTensor           -
+//   kInt, kSymInt              i64
+//   kDouble                    f64
+//   kBool                      u8
+//   kComplex                   f64 real, f64 imag
+//   kString                    u32 len, bytes (at most kMaxStringBytes)
+//   kScalarInt / kScalarDouble / kScalarBool / kScalarComplex
+//                              as kInt / kDouble / kBool / kComplex
+//   kIntList                   u32 n, n x i64
+//   kDoubleList                u32 n, n x f64
+//   kBoolList                  u32 n, n x u8
+//   kDtype, kLayout, kMemoryFormat  i8 (c10 enum value)
+//   kDevice                    i8 device type (c10::DeviceType), i8 index
+//   kTensorList                u32 n, n x TensorRef
+//   kOptionalTensorList        u32 n, n x (u8 present, TensorRef if present)
+//
+// A TensorRef is: u64 device address of the storage, i64 storage offset (in
+// elements), i8 dtype (c10::ScalarType value), u8 ndim (at most kMaxDims),
+// 6 pad, ndim x i64 sizes, ndim x i64 strides.
+//
+// Decoding never trusts a byte: every length is checked against the record,
+// every count against its limit. The daemon checks tensor footprints against
+// the session's segments separately (see daemon/tensor_check.h).
+#ifndef TPU_OP_RECORD_H_
+#define TPU_OP_RECORD_H_
+
+#include <complex>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace tpu {
+
+inline constexpr int kMaxDims = 25;
+inline constexpr uint32_t kMaxStringBytes = 4096;
+inline constexpr uint32_t kMaxListLength = 1 << 16;
+inline constexpr uint16_t kMaxArgs = 256;
+inline constexpr uint16_t kMaxOutputs = 64;
+inline constexpr uint32_t kMaxSchemaBytes = 8192;
+inline constexpr uint32_t kRecordAlignment = 8;
+
+enum class RecordKind : uint16_t {
+  kPad = 0,  // filler to the end of the ring; the consumer skips to offset 0
+  kDefineOp = 1,
+  kOp = 2,
+  kCopy = 3,
+  kEventRecord = 4,
+  kEventWait = 5,
+};
+
+struct RecordHeader {
+  uint32_t length;   // whole record including this header, multiple of 8
+  uint16_t kind;     // RecordKind
+  uint16_t reserved;
+  uint64_t sequence; // 1, 2, 3, ... per stream; completion counters count these
+};
+static_assert(sizeof(RecordHeader) == 16, "wire format");
+
+inline constexpr uint32_t kOpFlagSync = 1;
+
+enum class ArgTag : uint8_t {
+  kNone = 0,
+  kTensor = 1,
+  kUndefinedTensor = 2,
+  kInt = 3,
+  kSymInt = 4,
+  kDouble = 5,
+  kBool = 6,
+  kComplex = 7,
+  kString = 8,
+  kScalarInt = 9,
+  kScalarDouble = 10,
+  kScalarBool = 11,
+  kScalarComplex = 12,
+  kIntList = 13,
+  kDoubleList = 14,
+  kBoolList = 15,
+  kDtype = 16,
+  kLayout = 17,
+  kMemoryFormat = 18,
+  kDevice = 19,
+  kTensorList = 20,
+  kOptionalTensorList = 21,
+  kLast = kOptionalTensorList,
+};
+
+enum class CopyKind : uint8_t {
+  kHostToDevice = 1,  // src: shared-memory offset, dst: device address
+  kDeviceToHost = 2,  // src: device address, dst: shared-memory offset
+  kDeviceToDevice = 3,
+};
+
+struct TensorRef {
+  uint64_t address = 0;  // device address of the storage (tpu/device_address.h)
+  int64_t storage_offset = 0;  // elements
+  int8_t dtype = 0;            // c10::ScalarType value
+  uint8_t ndim = 0;
+  int64_t sizes[kMaxDims] = {};
+  int64_t strides[kMaxDims] = {};
+};
+
+struct OpArg {
+  ArgTag tag = ArgTag::kNone;
+  int64_t i = 0;             // kInt, kSymInt, kScalarInt, kDtype, kLayout, kMemoryFormat, kDevice type
+  int64_t device_index = 0;  // kDevice
+  double d = 0;              // kDouble, kScalarDouble, kComplex real
+  double d_imag = 0;         // kComplex imag
+  bool b = false;            // kBool, kScalarBool
+  TensorRef tensor;          // kTensor
+  std::string s;             // kString
+  std::vector<int64_t> ints;
+  std::vector<double> doubles;
+  std::vector<bool> bools;
+  std::vector<TensorRef> tensors;     // kTensorList, kOptionalTensorList
+  std::vector<bool> tensor_present;   // kOptionalTensorList
+};
+
+// Bytes per element of a c10::ScalarType value; 0 for values tpud does not
+// know (sub-byte, quantized and unknown types are refused).
+int ElementSize(int8_t dtype);
+
+// Builds one record into a caller-owned buffer. Append* calls follow the
+// body layout above; Finish() pads and writes the header. Never fails: the
+// caller limits what it builds (the decoder rejects anything out of range).
+class RecordWriter {
+ public:
+  void Begin(RecordKind kind, uint64_t sequence);
+  void U8(uint8_t v);
+  void U16(uint16_t v);
+  void U32(uint32_t v);
+  void U64(uint64_t v);
+  void I64(int64_t v);
+  void F64(double v);
+  void Bytes(const void* data, size_t n);
+  void Pad(size_t n);
+  void Tensor(const TensorRef& t);
+  // Convenience for kOp bodies.
+  void Arg(const OpArg& arg);
+  // Returns the finished record (header length filled in, padded to 8).
+  absl::string_view Finish();
+  const std::string& buffer() const { return buf_; }
+
+ private:
+  std::string buf_;
+};
+
+struct DecodedDefineOp {
+  uint32_t op_id = 0;
+  std::string schema;
+};
+
+struct DecodedOp {
+  uint32_t op_id = 0;
+  uint32_t flags = 0;
+  std::vector<OpArg> args;       // reused between decodes
+  std::vector<TensorRef> outputs;
+  size_t num_args = 0;           // args[0, num_args) are valid
+};
+
+struct DecodedCopy {
+  CopyKind kind = CopyKind::kHostToDevice;
+  uint64_t src = 0;
+  uint64_t dst = 0;
+  uint64_t bytes = 0;
+};
+
+struct DecodedEventWait {
+  uint32_t event_slot = 0;
+  uint32_t stream = 0;
+  uint64_t sequence = 0;
+};
+
+// Checks a header read from a ring: length sane and aligned, kind known.
+absl::Status CheckHeader(const RecordHeader& header, size_t bytes_available);
+
+// Decoders: the record is [data, data + header.length). INVALID_ARGUMENT
+// with what was wrong and where, for anything malformed.
+absl::Status DecodeDefineOp(absl::string_view record, DecodedDefineOp* out);
+absl::Status DecodeOp(absl::string_view record, DecodedOp* out);
+absl::Status DecodeCopy(absl::string_view record, DecodedCopy* out);
+absl::Status DecodeEventRecord(absl::string_view record, uint32_t* event_slot);
+absl::Status DecodeEventWait(absl::string_view record, DecodedEventWait* out);
+
+// Bytes a tensor touches: from the lowest to one past the highest element,
+// relative to the storage start. INVALID_ARGUMENT for negative sizes or
+// offsets, unknown dtypes and arithmetic overflow. An empty tensor touches
+// nothing: returns {0, 0}.
+struct Footprint {
+  uint64_t begin = 0;
+  uint64_t end = 0;
+};
+absl::StatusOr<Footprint> TensorFootprint(const TensorRef& t);
+
+}  // namespace tpu
+
+#endif  // TPU_OP_RECORD_H_

@@ -1,0 +1,105 @@
+// ChipBackend: how the executor runs work on a chip.
+//
+// The executor decodes and validates records, resolves every tensor reference
+// to memory it has checked belongs to the session, and hands the op here.
+// The default backend is the simulated chip (ATen CPU kernels on HBM viewed
+// as CPU tensors); a hardware backend (a PJRT plugin) would implement the same
+// interface. Nothing above this interface may assume the simulated chip.
+//
+// Thread-safety: LookupOp and Run may be called concurrently from many
+// threads (one per stream); Run calls on one chip are serialised by the
+// scheduler.
+#ifndef TPUD_DAEMON_CHIP_BACKEND_H_
+#define TPUD_DAEMON_CHIP_BACKEND_H_
+
+#include <complex>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "tpu/op_record.h"
+
+namespace tpud {
+
+// A backend's executable handle for one operator schema.
+class BackendOp {
+ public:
+  virtual ~BackendOp() = default;
+  virtual const std::string& schema() const = 0;
+};
+
+// Where one TensorRef of an op lives, as checked by the executor: the
+// segment that contains the tensor's whole footprint.
+struct ResolvedTensor {
+  char* segment_host_base = nullptr;  // host view of the segment's first byte
+  uint64_t segment_address = 0;       // device address of that byte
+  uint64_t segment_bytes = 0;
+};
+
+// Storage for results the host needs but the client could not allocate in
+// advance (outputs whose shape depends on data). Allocated in the session's
+// HBM, charged to its quota.
+class ResultAllocator {
+ public:
+  virtual ~ResultAllocator() = default;
+  struct Block {
+    uint64_t address = 0;
+    char* host = nullptr;
+  };
+  virtual absl::StatusOr<Block> Allocate(uint64_t bytes) = 0;
+};
+
+// One value an op returned, for the synchronous path.
+struct ResultValue {
+  enum class Kind : uint8_t { kNone, kInt, kDouble, kBool, kComplex, kTensor };
+  Kind kind = Kind::kNone;
+  int64_t i = 0;
+  double d = 0;
+  double d_imag = 0;
+  bool b = false;
+  // kTensor: where its data now lives and its layout (contiguous).
+  tpu::TensorRef tensor;
+};
+
+class ChipBackend {
+ public:
+  virtual ~ChipBackend() = default;
+
+  // Name for logs and tpuctl ("simulated (ATen CPU)").
+  virtual std::string Describe() const = 0;
+
+  // Resolves a full schema string ("aten::add.Tensor(Tensor self, ...) ->
+  // Tensor"). INVALID_ARGUMENT when no such operator exists, or when this
+  // backend's schema for that name differs: the message names the op and
+  // both schemas.
+  virtual absl::StatusOr<std::shared_ptr<const BackendOp>> LookupOp(
+      absl::string_view schema) = 0;
+
+  // Runs `op` with `decoded.args[0, decoded.num_args)`.
+  //
+  // `tensors` holds one ResolvedTensor per TensorRef in the record, in
+  // record order: args in order (a list's elements in order, absent optional
+  // list entries skipped), then decoded.outputs.
+  //
+  // Each tensor the op returns that is not one of its arguments (same data
+  // and layout) is copied into decoded.outputs[i]; a mismatch in dtype or
+  // shape is INVALID_ARGUMENT naming the output. When `results` is non-null
+  // (the synchronous path) every returned value is also reported there, and
+  // returned tensors without an output are copied into memory from
+  // `result_allocator`.
+  //
+  // Errors (a kernel's exception included) come back as a status whose
+  // message names the op; no exception escapes.
+  virtual absl::Status Run(const BackendOp& op, const tpu::DecodedOp& decoded,
+                           const std::vector<ResolvedTensor>& tensors,
+                           std::vector<ResultValue>* results,
+                           ResultAllocator* result_allocator) = 0;
+};
+
+}  // namespace tpud
+
+#endif  // TPUD_DAEMON_CHIP_BACKEND_H_
