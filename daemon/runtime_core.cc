@@ -1,6 +1,7 @@
 #include "daemon/runtime_core.h"
 
 #include <algorithm>
+#include <fstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -12,6 +13,27 @@
 namespace tpud {
 
 using ::tpu::FormatBytes;
+
+namespace {
+
+std::string RandomToken() {
+  std::string token(16, '\0');
+  std::ifstream urandom("/dev/urandom", std::ios::binary);
+  urandom.read(token.data(), token.size());
+  return token;
+}
+
+}  // namespace
+
+const SegmentGrant* SessionMemory::FindContaining(uint64_t address, uint64_t bytes) const {
+  auto it = segments.upper_bound(address);
+  if (it == segments.begin()) return nullptr;
+  --it;
+  const SegmentGrant& seg = it->second;
+  const uint64_t offset = address - seg.address;
+  if (offset > seg.size || bytes > seg.size - offset) return nullptr;
+  return &seg;
+}
 
 uint64_t SessionSnapshot::total_bytes() const {
   uint64_t total = 0;
@@ -84,7 +106,10 @@ absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(ConnectionId connection,
   session->opened = absl::Now();
   session->bytes_per_chip.assign(chips_.size(), 0);
   session->peak_bytes_per_chip.assign(chips_.size(), 0);
-  OpenedSession opened{session->id, version, session->quota_bytes_per_chip};
+  session->data_plane_token = RandomToken();
+  session->memory = std::make_shared<SessionMemory>(session->id);
+  OpenedSession opened{session->id, version, session->quota_bytes_per_chip,
+                       session->data_plane_token};
   session_by_connection_[connection] = session->id;
   sessions_[session->id] = std::move(session);
   return opened;
@@ -126,37 +151,64 @@ void RuntimeCore::FreeBlockLocked(int chip, uint64_t offset) {
   }
 }
 
-uint64_t RuntimeCore::EndSessionLocked(uint64_t session_id, uint64_t* segments) {
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) return 0;
-  Session& s = *it->second;
-  uint64_t bytes = 0;
-  for (const auto& [address, seg] : s.segments) {
-    FreeBlockLocked(seg.chip, seg.offset);
-    bytes += seg.size;
+absl::StatusOr<ReclaimResult> RuntimeCore::EndSessionById(uint64_t session_id) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end() || it->second->ending) {
+      return absl::NotFoundError(absl::StrCat("no session ", session_id));
+    }
+    it->second->ending = true;
   }
-  if (segments != nullptr) *segments = s.segments.size();
+  // Executors stop here; they may still call into the core until joined.
+  if (session_end_hook_) session_end_hook_(session_id);
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  ReclaimResult result;
+  if (it == sessions_.end()) return result;
+  Session& s = *it->second;
+  {
+    absl::MutexLock memory_lock(&s.memory->mu);
+    for (const auto& [address, seg] : s.memory->segments) {
+      FreeBlockLocked(seg.chip, seg.offset);
+      result.bytes += seg.size;
+    }
+    result.segments = s.memory->segments.size();
+    s.memory->segments.clear();
+  }
+  result.sessions = 1;
   session_by_connection_.erase(s.connection);
   sessions_.erase(it);
-  return bytes;
+  return result;
 }
 
 absl::StatusOr<uint64_t> RuntimeCore::CloseSession(ConnectionId caller,
                                                    uint64_t session_id) {
-  absl::MutexLock lock(&mu_);
-  absl::StatusOr<Session*> s = FindSessionLocked(caller, session_id);
-  if (!s.ok()) return s.status();
-  return EndSessionLocked(session_id, nullptr);
+  {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<Session*> s = FindSessionLocked(caller, session_id);
+    if (!s.ok()) return s.status();
+  }
+  absl::StatusOr<ReclaimResult> r = EndSessionById(session_id);
+  if (!r.ok()) return r.status();
+  return r->bytes;
 }
 
 ReclaimResult RuntimeCore::EndConnection(ConnectionId connection) {
-  absl::MutexLock lock(&mu_);
-  ReclaimResult result;
-  auto it = session_by_connection_.find(connection);
-  if (it == session_by_connection_.end()) return result;
-  result.sessions = 1;
-  result.bytes = EndSessionLocked(it->second, &result.segments);
-  return result;
+  uint64_t session_id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = session_by_connection_.find(connection);
+    if (it == session_by_connection_.end()) return {};
+    session_id = it->second;
+  }
+  absl::StatusOr<ReclaimResult> r = EndSessionById(session_id);
+  return r.ok() ? *r : ReclaimResult{};
+}
+
+ReclaimResult RuntimeCore::EndSession(uint64_t session_id) {
+  absl::StatusOr<ReclaimResult> r = EndSessionById(session_id);
+  return r.ok() ? *r : ReclaimResult{};
 }
 
 absl::StatusOr<SegmentGrant> RuntimeCore::Allocate(ConnectionId caller,
@@ -165,7 +217,16 @@ absl::StatusOr<SegmentGrant> RuntimeCore::Allocate(ConnectionId caller,
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Session*> found = FindSessionLocked(caller, session_id);
   if (!found.ok()) return found.status();
-  Session& s = **found;
+  absl::StatusOr<SegmentGrant> grant = AllocateLocked(**found, chip, bytes);
+  if (!grant.ok()) return grant.status();
+  absl::MutexLock memory_lock(&(*found)->memory->mu);
+  (*found)->memory->segments[grant->address] = *grant;
+  return grant;
+}
+
+absl::StatusOr<SegmentGrant> RuntimeCore::AllocateLocked(Session& s, int chip,
+                                                         uint64_t bytes) {
+  const uint64_t session_id = s.id;
   if (absl::Status st = CheckChipLocked(chip); !st.ok()) return st;
   if (bytes == 0) {
     return absl::InvalidArgumentError("cannot allocate a segment of 0 bytes");
@@ -213,7 +274,6 @@ absl::StatusOr<SegmentGrant> RuntimeCore::Allocate(ConnectionId caller,
   grant.size = block->size;
   grant.requested_bytes = bytes;
   grant.address = tpu::MakeDeviceAddress(chip, block->offset);
-  s.segments[grant.address] = grant;
   s.bytes_per_chip[chip] += grant.size;
   s.peak_bytes_per_chip[chip] =
       std::max(s.peak_bytes_per_chip[chip], s.bytes_per_chip[chip]);
@@ -232,8 +292,9 @@ absl::StatusOr<uint64_t> RuntimeCore::Free(ConnectionId caller, uint64_t session
         "0x%x is not a device address on this host (chips 0..%d)", address,
         chips_.size() - 1));
   }
-  auto it = s.segments.find(address);
-  if (it == s.segments.end()) {
+  absl::MutexLock memory_lock(&s.memory->mu);
+  auto it = s.memory->segments.find(address);
+  if (it == s.memory->segments.end()) {
     const uint64_t offset = tpu::DeviceAddressOffset(address);
     const HbmBlock* other = chips_[chip]->allocator.FindContaining(offset);
     if (other != nullptr && other->owner != session_id) {
@@ -248,7 +309,7 @@ absl::StatusOr<uint64_t> RuntimeCore::Free(ConnectionId caller, uint64_t session
         session_id, address, chip, offset));
   }
   const SegmentGrant seg = it->second;
-  s.segments.erase(it);
+  s.memory->segments.erase(it);
   s.bytes_per_chip[seg.chip] -= seg.size;
   FreeBlockLocked(seg.chip, seg.offset);
   return seg.size;
@@ -261,7 +322,10 @@ absl::StatusOr<std::vector<ChipMemoryView>> RuntimeCore::MemoryStats(
   if (!found.ok()) return found.status();
   const Session& s = **found;
   std::vector<uint64_t> segments(chips_.size(), 0);
-  for (const auto& [address, seg] : s.segments) ++segments[seg.chip];
+  {
+    absl::MutexLock memory_lock(&s.memory->mu);
+    for (const auto& [address, seg] : s.memory->segments) ++segments[seg.chip];
+  }
   std::vector<ChipMemoryView> views;
   for (size_t c = 0; c < chips_.size(); ++c) {
     ChipMemoryView v;
@@ -304,7 +368,10 @@ SessionSnapshot RuntimeCore::SnapshotLocked(const Session& s) const {
   snap.opened = s.opened;
   snap.bytes_per_chip = s.bytes_per_chip;
   snap.peak_bytes_per_chip = s.peak_bytes_per_chip;
-  snap.segment_count = s.segments.size();
+  {
+    absl::MutexLock memory_lock(&s.memory->mu);
+    snap.segment_count = s.memory->segments.size();
+  }
   return snap;
 }
 
@@ -319,13 +386,79 @@ std::vector<SessionSnapshot> RuntimeCore::Sessions() const {
 
 absl::StatusOr<uint64_t> RuntimeCore::KillSession(uint64_t session_id,
                                                   ConnectionId* connection) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end()) {
+      return absl::NotFoundError(absl::StrCat("no session ", session_id));
+    }
+    if (connection != nullptr) *connection = it->second->connection;
+  }
+  absl::StatusOr<ReclaimResult> r = EndSessionById(session_id);
+  if (!r.ok()) return r.status();
+  return r->bytes;
+}
+
+char* RuntimeCore::ChipHostBase(int chip) const {
+  absl::MutexLock lock(&mu_);
+  if (chip < 0 || chip >= static_cast<int>(chips_.size()) || chips_[chip]->arena == nullptr) {
+    return nullptr;
+  }
+  return chips_[chip]->arena->base();
+}
+
+void RuntimeCore::SetSessionEndHook(std::function<void(uint64_t)> hook) {
+  session_end_hook_ = std::move(hook);
+}
+
+absl::StatusOr<std::shared_ptr<SessionMemory>> RuntimeCore::AttachDataPlane(
+    uint64_t session_id, absl::string_view token, const PeerIdentity& peer) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  // The same answer for "no such session" and "wrong token": a guesser
+  // learns nothing about which sessions exist.
+  if (it == sessions_.end() || it->second->ending ||
+      it->second->data_plane_token.size() != token.size() ||
+      it->second->data_plane_token != token || it->second->peer.uid != peer.uid) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "data-plane attach refused for session ", session_id,
+        ": no such session for this user, or a wrong token"));
+  }
+  if (it->second->data_plane_attached) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", session_id, " already has a data-plane connection"));
+  }
+  it->second->data_plane_attached = true;
+  return it->second->memory;
+}
+
+absl::StatusOr<SegmentGrant> RuntimeCore::AllocateUnlisted(uint64_t session_id, int chip,
+                                                           uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("no session ", session_id));
+  return AllocateLocked(*it->second, chip, bytes);
+}
+
+void RuntimeCore::ListSegment(uint64_t session_id, const SegmentGrant& grant) {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) {
-    return absl::NotFoundError(absl::StrCat("no session ", session_id));
+    // The session ended meanwhile: give the block straight back.
+    FreeBlockLocked(grant.chip, grant.offset);
+    return;
   }
-  if (connection != nullptr) *connection = it->second->connection;
-  return EndSessionLocked(session_id, nullptr);
+  absl::MutexLock memory_lock(&it->second->memory->mu);
+  it->second->memory->segments[grant.address] = grant;
+}
+
+bool RuntimeCore::BelongsToAnotherSession(uint64_t session_id, uint64_t address) const {
+  absl::MutexLock lock(&mu_);
+  const int chip = tpu::DeviceAddressChip(address);
+  if (chip < 0 || chip >= static_cast<int>(chips_.size())) return false;
+  const HbmBlock* block =
+      chips_[chip]->allocator.FindContaining(tpu::DeviceAddressOffset(address));
+  return block != nullptr && block->owner != session_id;
 }
 
 absl::Status RuntimeCore::SetSessionQuota(uint64_t session_id,

@@ -10,6 +10,7 @@
 #define TPUD_DAEMON_RUNTIME_CORE_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -19,6 +20,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/hbm_allocator.h"
@@ -42,6 +44,8 @@ struct OpenedSession {
   uint64_t session_id = 0;
   uint32_t protocol_version = 0;
   uint64_t quota_bytes_per_chip = 0;
+  // Proves to the data-plane connection that it belongs to this session.
+  std::string data_plane_token;
 };
 
 struct SegmentGrant {
@@ -50,6 +54,24 @@ struct SegmentGrant {
   uint64_t offset = 0;
   uint64_t size = 0;
   uint64_t requested_bytes = 0;
+};
+
+// The segments a session holds, shared with its data-plane executors. The
+// executors hold `mu` as readers while an op touches the session's memory;
+// Allocate/Free take it as writers, so a segment never goes back to the
+// allocator (and to another session) while an op is using it.
+//
+// Lock order: RuntimeCore::mu_ before SessionMemory::mu.
+struct SessionMemory {
+  explicit SessionMemory(uint64_t id) : session_id(id) {}
+  const uint64_t session_id;
+  mutable absl::Mutex mu;
+  std::map<uint64_t, SegmentGrant> segments ABSL_GUARDED_BY(mu);
+
+  // The segment wholly containing device range [address, address + bytes),
+  // or nullptr. REQUIRES: mu held (reader suffices).
+  const SegmentGrant* FindContaining(uint64_t address, uint64_t bytes) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu);
 };
 
 struct SessionSnapshot {
@@ -103,6 +125,36 @@ class RuntimeCore {
                                                             Options options);
 
   const Topology& topology() const { return topology_; }
+
+  // Host view of a chip's HBM (the simulated chip's arena); null when not
+  // backed by memory. Stable for the life of the core.
+  char* ChipHostBase(int chip) const;
+
+  // Called when a session ends, before its memory is reclaimed, without
+  // RuntimeCore's lock held: the data plane stops the session's executors
+  // here. Set once, before serving.
+  void SetSessionEndHook(std::function<void(uint64_t session_id)> hook);
+
+  // Binds a data-plane connection to its session: the token must match and
+  // the peer must be the session's user. Once per session.
+  absl::StatusOr<std::shared_ptr<SessionMemory>> AttachDataPlane(
+      uint64_t session_id, absl::string_view token, const PeerIdentity& peer)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Allocates HBM for results the data plane computes for a session (charged
+  // to it, quota included) without listing it yet: the executor lists it
+  // with ListSegment once it no longer holds SessionMemory::mu.
+  absl::StatusOr<SegmentGrant> AllocateUnlisted(uint64_t session_id, int chip,
+                                                uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  void ListSegment(uint64_t session_id, const SegmentGrant& grant) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Ends a session (its data-plane connection closed): like EndConnection.
+  ReclaimResult EndSession(uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Whether `address` lies in a segment of a session other than
+  // `session_id` (to tell PERMISSION_DENIED from INVALID_ARGUMENT).
+  bool BelongsToAnotherSession(uint64_t session_id, uint64_t address) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Opens a session bound to `connection`, agreeing on a protocol version.
   // One session per connection: a second one is FAILED_PRECONDITION.
@@ -167,8 +219,10 @@ class RuntimeCore {
     absl::Time opened;
     std::vector<uint64_t> bytes_per_chip;
     std::vector<uint64_t> peak_bytes_per_chip;
-    // Segment addresses this session holds.
-    std::map<uint64_t, SegmentGrant> segments;
+    std::string data_plane_token;
+    bool data_plane_attached = false;
+    bool ending = false;  // EndSession in progress
+    std::shared_ptr<SessionMemory> memory;
   };
 
   RuntimeCore(Topology topology, Options options);
@@ -176,8 +230,11 @@ class RuntimeCore {
   absl::StatusOr<Session*> FindSessionLocked(ConnectionId caller, uint64_t session_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckChipLocked(int chip) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Frees every segment of the session and forgets it. Returns bytes freed.
-  uint64_t EndSessionLocked(uint64_t session_id, uint64_t* segments)
+  // Ends a session: marks it ending, runs the end hook without mu_, then
+  // frees every segment and forgets it. NOT_FOUND if it is not (or no longer)
+  // open; a concurrent second call for the same session returns NOT_FOUND.
+  absl::StatusOr<ReclaimResult> EndSessionById(uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<SegmentGrant> AllocateLocked(Session& s, int chip, uint64_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeBlockLocked(int chip, uint64_t offset) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SessionSnapshot SnapshotLocked(const Session& s) const
@@ -193,6 +250,7 @@ class RuntimeCore {
       ABSL_GUARDED_BY(mu_);
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t default_quota_ ABSL_GUARDED_BY(mu_) = 0;
+  std::function<void(uint64_t)> session_end_hook_;
 };
 
 }  // namespace tpud
