@@ -106,6 +106,7 @@ absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(ConnectionId connection,
   session->opened = absl::Now();
   session->bytes_per_chip.assign(chips_.size(), 0);
   session->peak_bytes_per_chip.assign(chips_.size(), 0);
+  session->segments_per_chip.assign(chips_.size(), 0);
   session->data_plane_token = RandomToken();
   session->memory = std::make_shared<SessionMemory>(session->id);
   OpenedSession opened{session->id, version, session->quota_bytes_per_chip,
@@ -162,24 +163,37 @@ absl::StatusOr<ReclaimResult> RuntimeCore::EndSessionById(uint64_t session_id) {
   }
   // Executors stop here; they may still call into the core until joined.
   if (session_end_hook_) session_end_hook_(session_id);
+  std::shared_ptr<SessionMemory> memory;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end()) return ReclaimResult{};
+    memory = it->second->memory;
+  }
+  absl::MutexLock memory_lock(&memory->mu);
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
   ReclaimResult result;
   if (it == sessions_.end()) return result;
   Session& s = *it->second;
-  {
-    absl::MutexLock memory_lock(&s.memory->mu);
-    for (const auto& [address, seg] : s.memory->segments) {
-      FreeBlockLocked(seg.chip, seg.offset);
-      result.bytes += seg.size;
-    }
-    result.segments = s.memory->segments.size();
-    s.memory->segments.clear();
+  for (const auto& [address, seg] : memory->segments) {
+    FreeBlockLocked(seg.chip, seg.offset);
+    result.bytes += seg.size;
   }
+  result.segments = memory->segments.size();
+  memory->segments.clear();
   result.sessions = 1;
   session_by_connection_.erase(s.connection);
   sessions_.erase(it);
   return result;
+}
+
+absl::StatusOr<std::shared_ptr<SessionMemory>> RuntimeCore::MemoryOf(ConnectionId caller,
+                                                                     uint64_t session_id) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Session*> s = FindSessionLocked(caller, session_id);
+  if (!s.ok()) return s.status();
+  return (*s)->memory;
 }
 
 absl::StatusOr<uint64_t> RuntimeCore::CloseSession(ConnectionId caller,
@@ -214,13 +228,15 @@ ReclaimResult RuntimeCore::EndSession(uint64_t session_id) {
 absl::StatusOr<SegmentGrant> RuntimeCore::Allocate(ConnectionId caller,
                                                    uint64_t session_id, int chip,
                                                    uint64_t bytes) {
+  absl::StatusOr<std::shared_ptr<SessionMemory>> memory = MemoryOf(caller, session_id);
+  if (!memory.ok()) return memory.status();
+  absl::MutexLock memory_lock(&(*memory)->mu);
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Session*> found = FindSessionLocked(caller, session_id);
   if (!found.ok()) return found.status();
   absl::StatusOr<SegmentGrant> grant = AllocateLocked(**found, chip, bytes);
   if (!grant.ok()) return grant.status();
-  absl::MutexLock memory_lock(&(*found)->memory->mu);
-  (*found)->memory->segments[grant->address] = *grant;
+  (*memory)->segments[grant->address] = *grant;
   return grant;
 }
 
@@ -275,6 +291,7 @@ absl::StatusOr<SegmentGrant> RuntimeCore::AllocateLocked(Session& s, int chip,
   grant.requested_bytes = bytes;
   grant.address = tpu::MakeDeviceAddress(chip, block->offset);
   s.bytes_per_chip[chip] += grant.size;
+  s.segments_per_chip[chip] += 1;
   s.peak_bytes_per_chip[chip] =
       std::max(s.peak_bytes_per_chip[chip], s.bytes_per_chip[chip]);
   return grant;
@@ -282,6 +299,9 @@ absl::StatusOr<SegmentGrant> RuntimeCore::AllocateLocked(Session& s, int chip,
 
 absl::StatusOr<uint64_t> RuntimeCore::Free(ConnectionId caller, uint64_t session_id,
                                            uint64_t address) {
+  absl::StatusOr<std::shared_ptr<SessionMemory>> memory = MemoryOf(caller, session_id);
+  if (!memory.ok()) return memory.status();
+  absl::MutexLock memory_lock(&(*memory)->mu);
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Session*> found = FindSessionLocked(caller, session_id);
   if (!found.ok()) return found.status();
@@ -292,7 +312,6 @@ absl::StatusOr<uint64_t> RuntimeCore::Free(ConnectionId caller, uint64_t session
         "0x%x is not a device address on this host (chips 0..%d)", address,
         chips_.size() - 1));
   }
-  absl::MutexLock memory_lock(&s.memory->mu);
   auto it = s.memory->segments.find(address);
   if (it == s.memory->segments.end()) {
     const uint64_t offset = tpu::DeviceAddressOffset(address);
@@ -311,6 +330,7 @@ absl::StatusOr<uint64_t> RuntimeCore::Free(ConnectionId caller, uint64_t session
   const SegmentGrant seg = it->second;
   s.memory->segments.erase(it);
   s.bytes_per_chip[seg.chip] -= seg.size;
+  s.segments_per_chip[seg.chip] -= 1;
   FreeBlockLocked(seg.chip, seg.offset);
   return seg.size;
 }
@@ -321,11 +341,7 @@ absl::StatusOr<std::vector<ChipMemoryView>> RuntimeCore::MemoryStats(
   absl::StatusOr<Session*> found = FindSessionLocked(caller, session_id);
   if (!found.ok()) return found.status();
   const Session& s = **found;
-  std::vector<uint64_t> segments(chips_.size(), 0);
-  {
-    absl::MutexLock memory_lock(&s.memory->mu);
-    for (const auto& [address, seg] : s.memory->segments) ++segments[seg.chip];
-  }
+  const std::vector<uint64_t>& segments = s.segments_per_chip;
   std::vector<ChipMemoryView> views;
   for (size_t c = 0; c < chips_.size(); ++c) {
     ChipMemoryView v;
@@ -368,10 +384,7 @@ SessionSnapshot RuntimeCore::SnapshotLocked(const Session& s) const {
   snap.opened = s.opened;
   snap.bytes_per_chip = s.bytes_per_chip;
   snap.peak_bytes_per_chip = s.peak_bytes_per_chip;
-  {
-    absl::MutexLock memory_lock(&s.memory->mu);
-    snap.segment_count = s.memory->segments.size();
-  }
+  for (uint64_t n : s.segments_per_chip) snap.segment_count += n;
   return snap;
 }
 
@@ -441,15 +454,20 @@ absl::StatusOr<SegmentGrant> RuntimeCore::AllocateUnlisted(uint64_t session_id, 
 }
 
 void RuntimeCore::ListSegment(uint64_t session_id, const SegmentGrant& grant) {
-  absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) {
+  std::shared_ptr<SessionMemory> memory;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(session_id);
+    if (it != sessions_.end()) memory = it->second->memory;
+  }
+  if (memory == nullptr) {
     // The session ended meanwhile: give the block straight back.
+    absl::MutexLock lock(&mu_);
     FreeBlockLocked(grant.chip, grant.offset);
     return;
   }
-  absl::MutexLock memory_lock(&it->second->memory->mu);
-  it->second->memory->segments[grant.address] = grant;
+  absl::MutexLock memory_lock(&memory->mu);
+  memory->segments[grant.address] = grant;
 }
 
 bool RuntimeCore::BelongsToAnotherSession(uint64_t session_id, uint64_t address) const {

@@ -61,7 +61,8 @@ struct SegmentGrant {
 // Allocate/Free take it as writers, so a segment never goes back to the
 // allocator (and to another session) while an op is using it.
 //
-// Lock order: RuntimeCore::mu_ before SessionMemory::mu.
+// Lock order: SessionMemory::mu before RuntimeCore::mu_ (an executor holding
+// the memory as a reader may allocate result memory from the core).
 struct SessionMemory {
   explicit SessionMemory(uint64_t id) : session_id(id) {}
   const uint64_t session_id;
@@ -219,6 +220,7 @@ class RuntimeCore {
     absl::Time opened;
     std::vector<uint64_t> bytes_per_chip;
     std::vector<uint64_t> peak_bytes_per_chip;
+    std::vector<uint64_t> segments_per_chip;
     std::string data_plane_token;
     bool data_plane_attached = false;
     bool ending = false;  // EndSession in progress
@@ -236,6 +238,10 @@ class RuntimeCore {
   absl::StatusOr<ReclaimResult> EndSessionById(uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<SegmentGrant> AllocateLocked(Session& s, int chip, uint64_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The memory of the caller's session, for taking its lock before mu_.
+  absl::StatusOr<std::shared_ptr<SessionMemory>> MemoryOf(ConnectionId caller,
+                                                          uint64_t session_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void FreeBlockLocked(int chip, uint64_t offset) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SessionSnapshot SnapshotLocked(const Session& s) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -1,0 +1,70 @@
+// ChipScheduler: who runs next on a chip.
+//
+// A chip runs one op at a time. Streams that want it queue here; when the
+// chip frees up it goes to the waiting session that has used the chip least
+// (measured busy time divided by its weight), so a client with a stream of
+// heavy ops cannot starve a light one. A session that starts (or returns
+// from idle) is credited with the current minimum, so it cannot bank idle
+// time and then monopolise the chip.
+//
+// Thread-safety: thread-safe.
+#ifndef TPUD_DAEMON_CHIP_SCHEDULER_H_
+#define TPUD_DAEMON_CHIP_SCHEDULER_H_
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+
+namespace tpud {
+
+struct ChipUsage {
+  uint64_t busy_ns = 0;         // since start
+  uint64_t ops = 0;
+  double duty_cycle = 0;        // busy fraction over the last full window
+};
+
+class ChipScheduler {
+ public:
+  explicit ChipScheduler(int num_chips);
+
+  // Blocks until `session` may run on `chip`. Returns the wait start time.
+  void Acquire(int chip, uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
+  // Gives the chip back after `busy_ns` of work for `session`.
+  void Release(int chip, uint64_t session, uint64_t busy_ns) ABSL_LOCKS_EXCLUDED(mu_);
+  // Forgets a session's accounting (it ended).
+  void ForgetSession(uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
+
+  ChipUsage Usage(int chip) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Window over which duty cycles are measured.
+  static constexpr uint64_t kWindowNs = 1000000000;
+
+ private:
+  struct Waiter {
+    uint64_t session;
+    bool granted = false;
+  };
+  struct Chip {
+    bool busy = false;
+    std::vector<Waiter*> waiters;
+    std::map<uint64_t, double> vtime;  // per session: busy ns / weight
+    uint64_t busy_ns = 0;
+    uint64_t ops = 0;
+    uint64_t window_start_ns = 0;
+    uint64_t window_busy_ns = 0;
+    double last_duty = 0;
+  };
+  double MinVtimeLocked(const Chip& c) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RollWindowLocked(Chip& c, uint64_t now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  absl::Mutex mu_;
+  std::vector<Chip> chips_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace tpud
+
+#endif  // TPUD_DAEMON_CHIP_SCHEDULER_H_

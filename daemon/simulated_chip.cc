@@ -1,0 +1,713 @@
+#include "daemon/simulated_chip.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/headeronly/version.h>
+
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace tpud {
+
+// One resolved operator: the dispatcher's handle and a copy of its schema.
+class SimulatedOp final : public BackendOp {
+ public:
+  SimulatedOp(std::string schema, std::string name, c10::OperatorHandle handle)
+      : schema_(std::move(schema)),
+        name_(std::move(name)),
+        handle_(std::move(handle)),
+        function_schema_(handle_.schema()) {}
+
+  const std::string& schema() const override { return schema_; }
+  // "aten::add.Tensor": how messages name the op.
+  const std::string& name() const { return name_; }
+  const c10::OperatorHandle& handle() const { return handle_; }
+  const c10::FunctionSchema& function_schema() const {
+    return function_schema_;
+  }
+
+ private:
+  const std::string schema_;
+  const std::string name_;
+  const c10::OperatorHandle handle_;
+  const c10::FunctionSchema function_schema_;
+};
+
+namespace {
+
+// A tensor built from one of the op's arguments, and the reference it came
+// from (reported back when the op returns that very tensor).
+struct ArgTensor {
+  at::Tensor tensor;
+  const tpu::TensorRef* ref;
+};
+
+// One at::Storage per segment touched by the running op.
+struct SegmentStorage {
+  const char* host_base;
+  c10::Storage storage;
+};
+
+// Per-thread buffers reused from op to op, so that the success path does
+// not allocate for its bookkeeping. Emptied at the end of every Run, so no
+// view of HBM outlives the op that made it.
+struct Scratch {
+  torch::jit::Stack stack;
+  std::vector<ArgTensor> args;
+  std::vector<SegmentStorage> storages;
+
+  void Clear() {
+    stack.clear();
+    args.clear();
+    storages.clear();
+  }
+};
+
+thread_local Scratch tls_scratch;
+
+class ClearOnExit {
+ public:
+  explicit ClearOnExit(Scratch& s) : s_(s) {}
+  ~ClearOnExit() { s_.Clear(); }
+
+ private:
+  Scratch& s_;
+};
+
+std::string DtypeName(int64_t code) {
+  if (code >= 0 && code < static_cast<int64_t>(c10::ScalarType::NumOptions)) {
+    return c10::toString(static_cast<c10::ScalarType>(code));
+  }
+  return absl::StrCat("dtype ", code);
+}
+
+std::string ShapeString(c10::IntArrayRef sizes) {
+  return absl::StrCat("[", absl::StrJoin(sizes, ", "), "]");
+}
+
+// The first lines of an exception's text: enough to say what went wrong
+// without pages of dispatcher diagnostics.
+std::string FirstLines(const char* text) {
+  constexpr size_t kMaxLines = 3;
+  constexpr size_t kMaxChars = 1000;
+  absl::string_view s(text);
+  size_t end = 0;
+  for (size_t line = 0; line < kMaxLines && end < s.size(); ++line) {
+    const size_t nl = s.find('\n', end);
+    end = nl == absl::string_view::npos ? s.size() : nl + 1;
+  }
+  s = s.substr(0, std::min(end, kMaxChars));
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) {
+    s.remove_suffix(1);
+  }
+  return std::string(s);
+}
+
+bool IsContiguous(const tpu::TensorRef& ref) {
+  int64_t expected = 1;
+  for (int d = ref.ndim - 1; d >= 0; --d) {
+    if (ref.sizes[d] != 1 && ref.strides[d] != expected) return false;
+    expected *= ref.sizes[d];
+  }
+  return true;
+}
+
+bool SameShape(const at::Tensor& t, const tpu::TensorRef& ref) {
+  const c10::IntArrayRef sizes = t.sizes();
+  if (sizes.size() != ref.ndim) return false;
+  return std::equal(sizes.begin(), sizes.end(), ref.sizes);
+}
+
+// Everything one Run needs, so helpers don't take ten parameters.
+class OpRun {
+ public:
+  OpRun(const SimulatedOp& op, const tpu::DecodedOp& decoded,
+        const std::vector<ResolvedTensor>& tensors,
+        std::vector<ResultValue>* results, ResultAllocator* result_allocator,
+        Scratch& scratch)
+      : op_(op),
+        decoded_(decoded),
+        tensors_(tensors),
+        results_(results),
+        result_allocator_(result_allocator),
+        s_(scratch) {}
+
+  absl::Status Run();
+
+ private:
+  absl::Status BuildStack();
+  absl::Status PushArg(size_t index, const tpu::OpArg& arg);
+  // The next argument TensorRef as a CPU tensor (recorded in s_.args).
+  absl::Status TakeTensor(const tpu::TensorRef& ref, at::Tensor* out);
+  // A CPU tensor viewing `ref` in `seg`, sharing the segment's storage.
+  absl::Status MakeView(const tpu::TensorRef& ref, const ResolvedTensor& seg,
+                        at::Tensor* out, char** data);
+  absl::Status HandleReturn(size_t index, const c10::IValue& value);
+  absl::Status HandleTensor(const at::Tensor& t);
+  absl::Status CopyToOutput(const at::Tensor& t, size_t slot);
+  absl::Status ReportNewTensor(const at::Tensor& t);
+  const ArgTensor* FindArgument(const at::Tensor& t) const;
+
+  absl::Status Error(absl::string_view what) const {
+    return absl::InvalidArgumentError(absl::StrCat(op_.name(), ": ", what));
+  }
+
+  const SimulatedOp& op_;
+  const tpu::DecodedOp& decoded_;
+  const std::vector<ResolvedTensor>& tensors_;
+  std::vector<ResultValue>* const results_;
+  ResultAllocator* const result_allocator_;
+  Scratch& s_;
+  size_t next_tensor_ = 0;      // next entry of tensors_ to use
+  size_t num_arg_tensors_ = 0;  // where the outputs' entries start
+  size_t next_slot_ = 0;        // next output slot a returned tensor takes
+};
+
+absl::Status OpRun::MakeView(const tpu::TensorRef& ref,
+                             const ResolvedTensor& seg, at::Tensor* out,
+                             char** data) {
+  const int esize = tpu::ElementSize(ref.dtype);
+  if (ABSL_PREDICT_FALSE(esize == 0)) {
+    return Error(absl::StrCat("tensor dtype ", static_cast<int>(ref.dtype),
+                              " is not supported"));
+  }
+  if (ABSL_PREDICT_FALSE(ref.address < seg.segment_address ||
+                         ref.address - seg.segment_address >=
+                             seg.segment_bytes + (seg.segment_bytes == 0))) {
+    return Error(absl::StrCat("tensor at address 0x", absl::Hex(ref.address),
+                              " is outside its segment at 0x",
+                              absl::Hex(seg.segment_address), " (",
+                              seg.segment_bytes, " bytes)"));
+  }
+  const uint64_t rel = ref.address - seg.segment_address;
+  if (ABSL_PREDICT_FALSE(rel % esize != 0)) {
+    return Error(absl::StrCat(
+        "tensor at address 0x", absl::Hex(ref.address), " is ", rel,
+        " bytes into its segment, not a multiple of its element size ", esize,
+        " (", DtypeName(ref.dtype), ")"));
+  }
+  absl::StatusOr<tpu::Footprint> fp = tpu::TensorFootprint(ref);
+  if (ABSL_PREDICT_FALSE(!fp.ok())) return Error(fp.status().message());
+  if (ABSL_PREDICT_FALSE(fp->end > seg.segment_bytes - rel)) {
+    return Error(absl::StrCat("tensor at address 0x", absl::Hex(ref.address),
+                              " reaches ", fp->end - (seg.segment_bytes - rel),
+                              " bytes past the end of its segment"));
+  }
+
+  c10::Storage* storage = nullptr;
+  for (SegmentStorage& ss : s_.storages) {
+    if (ss.host_base == seg.segment_host_base) {
+      storage = &ss.storage;
+      break;
+    }
+  }
+  if (storage == nullptr) {
+    // Non-owning: the segment outlives the op; never resized.
+    s_.storages.push_back(SegmentStorage{
+        seg.segment_host_base,
+        c10::Storage(c10::Storage::use_byte_size_t(), seg.segment_bytes,
+                     c10::DataPtr(seg.segment_host_base, c10::Device(c10::kCPU)),
+                     /*allocator=*/nullptr, /*resizable=*/false)});
+    storage = &s_.storages.back().storage;
+  }
+
+  const auto dtype = static_cast<c10::ScalarType>(ref.dtype);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      c10::Storage(*storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
+      caffe2::TypeMeta::fromScalarType(dtype));
+  const int64_t offset = static_cast<int64_t>(rel / esize) + ref.storage_offset;
+  impl->set_sizes_and_strides(c10::IntArrayRef(ref.sizes, ref.ndim),
+                              c10::IntArrayRef(ref.strides, ref.ndim), offset);
+  *out = at::Tensor(std::move(impl));
+  if (data != nullptr) *data = seg.segment_host_base + rel + fp->begin;
+  return absl::OkStatus();
+}
+
+absl::Status OpRun::TakeTensor(const tpu::TensorRef& ref, at::Tensor* out) {
+  if (ABSL_PREDICT_FALSE(next_tensor_ >= tensors_.size())) {
+    return absl::InternalError(
+        absl::StrCat(op_.name(), ": the executor resolved ", tensors_.size(),
+                     " tensors, fewer than the record references"));
+  }
+  absl::Status st = MakeView(ref, tensors_[next_tensor_++], out, nullptr);
+  if (ABSL_PREDICT_FALSE(!st.ok())) return st;
+  s_.args.push_back(ArgTensor{*out, &ref});
+  return absl::OkStatus();
+}
+
+absl::Status OpRun::PushArg(size_t index, const tpu::OpArg& a) {
+  using tpu::ArgTag;
+  torch::jit::Stack& stack = s_.stack;
+  switch (a.tag) {
+    case ArgTag::kNone:
+      stack.emplace_back();
+      return absl::OkStatus();
+    case ArgTag::kTensor: {
+      at::Tensor t;
+      absl::Status st = TakeTensor(a.tensor, &t);
+      if (ABSL_PREDICT_FALSE(!st.ok())) return st;
+      stack.emplace_back(std::move(t));
+      return absl::OkStatus();
+    }
+    case ArgTag::kUndefinedTensor:
+      stack.emplace_back(at::Tensor());
+      return absl::OkStatus();
+    case ArgTag::kInt:
+    case ArgTag::kSymInt: {
+      // An int where the schema has a fixed-size list (int[2] stride=1)
+      // means that many copies, as in Python.
+      const c10::Argument& formal = op_.function_schema().arguments()[index];
+      if (ABSL_PREDICT_FALSE(formal.type()->kind() == c10::TypeKind::ListType &&
+                             formal.N().has_value())) {
+        stack.emplace_back(std::vector<int64_t>(*formal.N(), a.i));
+      } else {
+        stack.emplace_back(a.i);
+      }
+      return absl::OkStatus();
+    }
+    case ArgTag::kScalarInt:
+      stack.emplace_back(a.i);
+      return absl::OkStatus();
+    case ArgTag::kDouble:
+    case ArgTag::kScalarDouble:
+      stack.emplace_back(a.d);
+      return absl::OkStatus();
+    case ArgTag::kBool:
+    case ArgTag::kScalarBool:
+      stack.emplace_back(a.b);
+      return absl::OkStatus();
+    case ArgTag::kComplex:
+    case ArgTag::kScalarComplex:
+      stack.emplace_back(c10::complex<double>(a.d, a.d_imag));
+      return absl::OkStatus();
+    case ArgTag::kString:
+      stack.emplace_back(a.s);
+      return absl::OkStatus();
+    case ArgTag::kIntList:
+      stack.emplace_back(c10::IntArrayRef(a.ints));
+      return absl::OkStatus();
+    case ArgTag::kDoubleList:
+      stack.emplace_back(c10::ArrayRef<double>(a.doubles));
+      return absl::OkStatus();
+    case ArgTag::kBoolList: {
+      c10::List<bool> list;
+      list.reserve(a.bools.size());
+      for (bool b : a.bools) list.push_back(b);
+      stack.emplace_back(std::move(list));
+      return absl::OkStatus();
+    }
+    case ArgTag::kDtype:
+      if (ABSL_PREDICT_FALSE(a.i < 0 ||
+                             a.i >= static_cast<int64_t>(
+                                        c10::ScalarType::NumOptions))) {
+        return Error(absl::StrCat("argument ", index, " is dtype ", a.i,
+                                  ", which is no c10::ScalarType"));
+      }
+      stack.emplace_back(static_cast<c10::ScalarType>(a.i));
+      return absl::OkStatus();
+    case ArgTag::kLayout:
+      if (ABSL_PREDICT_FALSE(
+              a.i < 0 || a.i >= static_cast<int64_t>(c10::Layout::NumOptions))) {
+        return Error(absl::StrCat("argument ", index, " is layout ", a.i,
+                                  ", which is no c10::Layout"));
+      }
+      stack.emplace_back(static_cast<c10::Layout>(a.i));
+      return absl::OkStatus();
+    case ArgTag::kMemoryFormat:
+      if (ABSL_PREDICT_FALSE(a.i < 0 ||
+                             a.i >= static_cast<int64_t>(
+                                        c10::MemoryFormat::NumOptions))) {
+        return Error(absl::StrCat("argument ", index, " is memory format ",
+                                  a.i, ", which is no c10::MemoryFormat"));
+      }
+      stack.emplace_back(static_cast<c10::MemoryFormat>(a.i));
+      return absl::OkStatus();
+    case ArgTag::kDevice:
+      // Every tensor here is a CPU view of HBM, so whatever device the client
+      // named (its "tpu", i.e. PrivateUse1) is the CPU to the kernel.
+      stack.emplace_back(c10::Device(c10::kCPU));
+      return absl::OkStatus();
+    case ArgTag::kTensorList: {
+      c10::List<at::Tensor> list;
+      list.reserve(a.tensors.size());
+      for (const tpu::TensorRef& ref : a.tensors) {
+        at::Tensor t;
+        absl::Status st = TakeTensor(ref, &t);
+        if (ABSL_PREDICT_FALSE(!st.ok())) return st;
+        list.push_back(std::move(t));
+      }
+      stack.emplace_back(std::move(list));
+      return absl::OkStatus();
+    }
+    case ArgTag::kOptionalTensorList: {
+      if (ABSL_PREDICT_FALSE(a.tensor_present.size() != a.tensors.size())) {
+        return absl::InternalError(absl::StrCat(
+            op_.name(), ": optional tensor list argument ", index, " has ",
+            a.tensors.size(), " entries but ", a.tensor_present.size(),
+            " presence flags"));
+      }
+      c10::List<std::optional<at::Tensor>> list;
+      list.reserve(a.tensors.size());
+      for (size_t k = 0; k < a.tensors.size(); ++k) {
+        if (!a.tensor_present[k]) {
+          list.push_back(std::nullopt);
+          continue;
+        }
+        at::Tensor t;
+        absl::Status st = TakeTensor(a.tensors[k], &t);
+        if (ABSL_PREDICT_FALSE(!st.ok())) return st;
+        list.push_back(std::optional<at::Tensor>(std::move(t)));
+      }
+      stack.emplace_back(std::move(list));
+      return absl::OkStatus();
+    }
+  }
+  return Error(absl::StrCat("argument ", index, " has unknown tag ",
+                            static_cast<int>(a.tag)));
+}
+
+absl::Status OpRun::BuildStack() {
+  const std::vector<c10::Argument>& formals = op_.function_schema().arguments();
+  const size_t n = decoded_.num_args;
+  if (ABSL_PREDICT_FALSE(n > formals.size() || n > decoded_.args.size())) {
+    return Error(absl::StrCat("the client sent ", n,
+                              " arguments; the schema has ", formals.size()));
+  }
+  s_.stack.reserve(formals.size());
+  for (size_t i = 0; i < n; ++i) {
+    absl::Status st = PushArg(i, decoded_.args[i]);
+    if (ABSL_PREDICT_FALSE(!st.ok())) return st;
+  }
+  for (size_t i = n; i < formals.size(); ++i) {
+    const std::optional<c10::IValue>& def = formals[i].default_value();
+    if (ABSL_PREDICT_FALSE(!def.has_value())) {
+      return Error(absl::StrCat("argument ", i, " (", formals[i].name(),
+                                ") is missing and has no default"));
+    }
+    s_.stack.push_back(*def);
+  }
+  num_arg_tensors_ = next_tensor_;
+  if (ABSL_PREDICT_FALSE(num_arg_tensors_ + decoded_.outputs.size() !=
+                         tensors_.size())) {
+    return absl::InternalError(absl::StrCat(
+        op_.name(), ": the executor resolved ", tensors_.size(),
+        " tensors; the record references ", num_arg_tensors_,
+        " in arguments and ", decoded_.outputs.size(), " outputs"));
+  }
+  return absl::OkStatus();
+}
+
+const ArgTensor* OpRun::FindArgument(const at::Tensor& t) const {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  for (const ArgTensor& a : s_.args) {
+    if (a.tensor.unsafeGetTensorImpl() == impl) return &a;
+  }
+  const void* data = t.const_data_ptr();
+  for (const ArgTensor& a : s_.args) {
+    if (a.tensor.const_data_ptr() == data &&
+        a.tensor.scalar_type() == t.scalar_type() &&
+        a.tensor.sizes() == t.sizes() && a.tensor.strides() == t.strides()) {
+      return &a;
+    }
+  }
+  return nullptr;
+}
+
+absl::Status OpRun::CopyToOutput(const at::Tensor& t, size_t slot) {
+  const tpu::TensorRef& out = decoded_.outputs[slot];
+  if (ABSL_PREDICT_FALSE(static_cast<int8_t>(t.scalar_type()) != out.dtype ||
+                         !SameShape(t, out))) {
+    return Error(absl::StrCat(
+        "output ", slot, ": got ", ShapeString(t.sizes()), " ",
+        c10::toString(t.scalar_type()), ", client allocated ",
+        ShapeString(c10::IntArrayRef(out.sizes, out.ndim)), " ",
+        DtypeName(out.dtype)));
+  }
+  at::Tensor view;
+  char* data = nullptr;
+  absl::Status st =
+      MakeView(out, tensors_[num_arg_tensors_ + slot], &view, &data);
+  if (ABSL_PREDICT_FALSE(!st.ok())) return st;
+  const int64_t numel = t.numel();
+  if (numel == 0) return absl::OkStatus();
+  if (t.is_contiguous() && IsContiguous(out)) {
+    // The common case: one memmove (the source may be a view of HBM that
+    // overlaps the output).
+    std::memmove(data, t.const_data_ptr(),
+                 static_cast<size_t>(numel) * t.element_size());
+  } else {
+    view.copy_(t);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OpRun::ReportNewTensor(const at::Tensor& t) {
+  const int esize = tpu::ElementSize(static_cast<int8_t>(t.scalar_type()));
+  if (ABSL_PREDICT_FALSE(esize == 0 || t.dim() > tpu::kMaxDims)) {
+    return absl::UnimplementedError(absl::StrCat(
+        op_.name(), ": returned a ", t.dim(), "-d ",
+        c10::toString(t.scalar_type()),
+        " tensor, which tpud cannot return (dtype or rank unsupported)"));
+  }
+  ResultValue v;
+  v.kind = ResultValue::Kind::kTensor;
+  tpu::TensorRef& r = v.tensor;
+  r.dtype = static_cast<int8_t>(t.scalar_type());
+  r.ndim = static_cast<uint8_t>(t.dim());
+  int64_t stride = 1;
+  for (int d = r.ndim - 1; d >= 0; --d) {
+    r.sizes[d] = t.size(d);
+    r.strides[d] = stride;
+    stride *= std::max<int64_t>(t.size(d), 1);
+  }
+  const uint64_t nbytes = static_cast<uint64_t>(t.numel()) * esize;
+  if (nbytes > 0) {
+    if (result_allocator_ == nullptr) {
+      return absl::InternalError(absl::StrCat(
+          op_.name(), ": returned a tensor with no output for it and no "
+                      "result allocator to put it in"));
+    }
+    absl::StatusOr<ResultAllocator::Block> block =
+        result_allocator_->Allocate(nbytes);
+    if (!block.ok()) return block.status();
+    at::Tensor dst = at::from_blob(block->host, t.sizes(),
+                                   at::TensorOptions().dtype(t.scalar_type()));
+    dst.copy_(t);
+    r.address = block->address;
+  }
+  results_->push_back(v);
+  return absl::OkStatus();
+}
+
+absl::Status OpRun::HandleTensor(const at::Tensor& t) {
+  const size_t slot = next_slot_++;
+  if (!t.defined()) {
+    if (results_ != nullptr) results_->emplace_back();
+    return absl::OkStatus();
+  }
+  if (const ArgTensor* arg = FindArgument(t)) {
+    // In place or out=: the data is already where the client expects it.
+    if (results_ != nullptr) {
+      ResultValue v;
+      v.kind = ResultValue::Kind::kTensor;
+      v.tensor = *arg->ref;
+      results_->push_back(v);
+    }
+    return absl::OkStatus();
+  }
+  if (slot < decoded_.outputs.size()) {
+    absl::Status st = CopyToOutput(t, slot);
+    if (ABSL_PREDICT_FALSE(!st.ok())) return st;
+    if (results_ != nullptr) {
+      ResultValue v;
+      v.kind = ResultValue::Kind::kTensor;
+      v.tensor = decoded_.outputs[slot];
+      results_->push_back(v);
+    }
+    return absl::OkStatus();
+  }
+  if (results_ == nullptr) return absl::OkStatus();  // nobody wants it
+  return ReportNewTensor(t);
+}
+
+absl::Status OpRun::HandleReturn(size_t index, const c10::IValue& value) {
+  if (value.isTensor()) return HandleTensor(value.toTensor());
+  if (value.isTensorList()) {
+    for (const at::Tensor& t : value.toTensorList()) {
+      absl::Status st = HandleTensor(t);
+      if (ABSL_PREDICT_FALSE(!st.ok())) return st;
+    }
+    return absl::OkStatus();
+  }
+  const std::vector<c10::Argument>& formals = op_.function_schema().returns();
+  if (value.isNone()) {
+    // An absent Tensor? still takes its output slot.
+    if (index < formals.size() &&
+        formals[index].type()->kind() == c10::TypeKind::OptionalType &&
+        formals[index]
+                .type()
+                ->castRaw<c10::OptionalType>()
+                ->getElementType()
+                ->kind() == c10::TypeKind::TensorType) {
+      ++next_slot_;
+    }
+    if (results_ != nullptr) results_->emplace_back();
+    return absl::OkStatus();
+  }
+  if (results_ == nullptr) return absl::OkStatus();
+  ResultValue v;
+  if (value.isInt()) {
+    v.kind = ResultValue::Kind::kInt;
+    v.i = value.toInt();
+  } else if (value.isDouble()) {
+    v.kind = ResultValue::Kind::kDouble;
+    v.d = value.toDouble();
+  } else if (value.isBool()) {
+    v.kind = ResultValue::Kind::kBool;
+    v.b = value.toBool();
+  } else if (value.isComplexDouble()) {
+    const c10::complex<double> c = value.toComplexDouble();
+    v.kind = ResultValue::Kind::kComplex;
+    v.d = c.real();
+    v.d_imag = c.imag();
+  } else {
+    return absl::UnimplementedError(
+        absl::StrCat(op_.name(), ": return value ", index, " is a ",
+                     value.tagKind(), ", which tpud cannot return"));
+  }
+  results_->push_back(v);
+  return absl::OkStatus();
+}
+
+absl::Status OpRun::Run() {
+  // The tensors are plain CPU tensors: skip autograd and run the CPU kernel.
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  c10::NoGradGuard no_grad;
+
+  absl::Status st = BuildStack();
+  if (ABSL_PREDICT_FALSE(!st.ok())) return st;
+
+  op_.handle().callBoxed(s_.stack);
+
+  for (size_t i = 0; i < s_.stack.size(); ++i) {
+    st = HandleReturn(i, s_.stack[i]);
+    if (ABSL_PREDICT_FALSE(!st.ok())) return st;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::unique_ptr<SimulatedChip> SimulatedChip::Create(int intra_op_threads) {
+  if (intra_op_threads > 0) {
+    static std::once_flag once;
+    std::call_once(once, [intra_op_threads] {
+      at::set_num_threads(intra_op_threads);
+    });
+  }
+  return std::unique_ptr<SimulatedChip>(new SimulatedChip());
+}
+
+absl::Status SimulatedChip::VerifyElementSizes() {
+  constexpr int kNumScalarTypes =
+      static_cast<int>(c10::ScalarType::NumOptions);
+  for (int code = INT8_MIN; code <= INT8_MAX; ++code) {
+    const int ours = tpu::ElementSize(static_cast<int8_t>(code));
+    if (ours == 0) continue;
+    if (code < 0 || code >= kNumScalarTypes) {
+      return absl::InternalError(absl::StrCat(
+          "tpu::ElementSize gives ", ours, " bytes for dtype code ", code,
+          ", which is no c10::ScalarType in torch " TORCH_VERSION));
+    }
+    const auto type = static_cast<c10::ScalarType>(code);
+    size_t theirs = 0;
+    try {
+      theirs = c10::elementSize(type);
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrCat(
+          "tpu::ElementSize gives ", ours, " bytes for dtype code ", code,
+          " (", c10::toString(type), "); c10::elementSize refuses it: ",
+          FirstLines(e.what())));
+    }
+    if (static_cast<size_t>(ours) != theirs) {
+      return absl::InternalError(absl::StrCat(
+          "tpu::ElementSize gives ", ours, " bytes for dtype code ", code,
+          " (", c10::toString(type), "); c10::elementSize gives ", theirs));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string SimulatedChip::Describe() const {
+  return "simulated (ATen CPU kernels)";
+}
+
+absl::StatusOr<std::shared_ptr<const BackendOp>> SimulatedChip::LookupOp(
+    absl::string_view schema) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = ops_.find(schema);
+    if (it != ops_.end()) return it->second;
+  }
+  const size_t paren = schema.find('(');
+  const absl::string_view full =
+      schema.substr(0, paren == absl::string_view::npos ? 0 : paren);
+  const size_t colons = full.find("::");
+  if (paren == absl::string_view::npos || colons == absl::string_view::npos ||
+      colons == 0 || colons + 2 >= full.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "malformed operator schema \"", schema.substr(0, 200),
+        "\": expected \"namespace::name[.overload](arguments) -> returns\""));
+  }
+  const size_t dot = full.find('.', colons + 2);
+  c10::OperatorName name(
+      std::string(full.substr(0, dot)),
+      dot == absl::string_view::npos ? "" : std::string(full.substr(dot + 1)));
+  std::optional<c10::OperatorHandle> handle;
+  try {
+    handle = c10::Dispatcher::singleton().findSchema(name);
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat(
+        "looking up operator ", full, ": ", FirstLines(e.what())));
+  }
+  if (!handle.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown operator ", full, ": the daemon's torch " TORCH_VERSION
+                                   " has no such operator"));
+  }
+  std::string ours = c10::toString(handle->schema());
+  if (ours != schema) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("operator ", full, " differs: the daemon's torch ",
+                     TORCH_VERSION, " has ", ours, ", the client sent ",
+                     schema));
+  }
+  auto op = std::make_shared<const SimulatedOp>(std::string(schema),
+                                                std::string(full), *handle);
+  absl::MutexLock lock(&mu_);
+  auto inserted = ops_.emplace(std::string(schema), std::move(op));
+  return inserted.first->second;
+}
+
+absl::Status SimulatedChip::Run(const BackendOp& op,
+                                const tpu::DecodedOp& decoded,
+                                const std::vector<ResolvedTensor>& tensors,
+                                std::vector<ResultValue>* results,
+                                ResultAllocator* result_allocator) {
+  const auto* sim_op = dynamic_cast<const SimulatedOp*>(&op);
+  if (ABSL_PREDICT_FALSE(sim_op == nullptr)) {
+    return absl::InternalError(absl::StrCat(
+        "operator ", op.schema(), " was not resolved by the simulated chip"));
+  }
+  Scratch& scratch = tls_scratch;
+  ClearOnExit clear(scratch);
+  try {
+    return OpRun(*sim_op, decoded, tensors, results, result_allocator, scratch)
+        .Run();
+  } catch (const c10::OutOfMemoryError& e) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        sim_op->name(), ": ", FirstLines(e.what_without_backtrace())));
+  } catch (const c10::Error& e) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        sim_op->name(), ": ", FirstLines(e.what_without_backtrace())));
+  } catch (const std::exception& e) {
+    return absl::InternalError(
+        absl::StrCat(sim_op->name(), ": ", FirstLines(e.what())));
+  } catch (...) {
+    return absl::InternalError(
+        absl::StrCat(sim_op->name(), ": unknown exception"));
+  }
+}
+
+}  // namespace tpud
