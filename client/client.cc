@@ -17,16 +17,16 @@
 #include "proto/protocol.h"
 #include "proto/tpud.grpc.pb.h"
 #include "tpu/paths.h"
+#include "session_impl.h"
 
 namespace tpu {
-namespace {
 
 using ::tpud::FromGrpcStatus;
 namespace v1 = ::tpud::v1;
 
 // Connects a unix stream socket. The error names the path, the errno text and
 // what to do about it, because "connection refused" alone helps no one.
-absl::StatusOr<int> ConnectUnix(const std::string& path, bool admin) {
+absl::StatusOr<int> internal::ConnectUnix(const std::string& path, bool admin) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof(addr.sun_path)) {
@@ -52,20 +52,20 @@ absl::StatusOr<int> ConnectUnix(const std::string& path, bool admin) {
     return absl::UnavailableError(absl::StrCat("cannot connect to tpud at ", path, ": ",
                                                std::strerror(err), "; ", hint));
   }
-  // gRPC expects a non-blocking descriptor.
-  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
   return fd;
 }
 
+namespace {
+
+using internal::ConnectUnix;
+using internal::SetDeadline;
+
 std::shared_ptr<grpc::Channel> ChannelOnFd(int fd) {
+  // gRPC expects a non-blocking descriptor.
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(16 << 20);
   return grpc::CreateCustomInsecureChannelFromFd("tpud", fd, args);
-}
-
-void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {
-  ctx->set_deadline(std::chrono::system_clock::now() +
-                    std::chrono::microseconds(absl::ToInt64Microseconds(timeout)));
 }
 
 // Adds the socket path to errors that mean the daemon is unreachable.
@@ -139,32 +139,6 @@ std::string TopologyInfo::ShapeString() const { return absl::StrJoin(shape, "x")
 
 // ---------------------------------------------------------------- Session
 
-struct Session::Impl {
-  ClientOptions options;
-  std::shared_ptr<grpc::Channel> channel ABSL_GUARDED_BY(mu);
-  std::shared_ptr<v1::Runtime::Stub> stub ABSL_GUARDED_BY(mu);
-  uint64_t id = 0;
-  uint32_t protocol_version = 0;
-  std::string daemon_version;
-  absl::Mutex mu;
-  bool open ABSL_GUARDED_BY(mu) = false;
-
-  grpc::ClientContext* Prepare(grpc::ClientContext* ctx) {
-    SetDeadline(ctx, options.call_timeout);
-    return ctx;
-  }
-
-  // The stub while the session is open; calls in flight keep it alive.
-  absl::StatusOr<std::shared_ptr<v1::Runtime::Stub>> Stub() ABSL_LOCKS_EXCLUDED(mu) {
-    absl::MutexLock lock(&mu);
-    if (!open) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("session ", id, " is closed; open a new one"));
-    }
-    return stub;
-  }
-};
-
 Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Session::~Session() { (void)Close(); }
@@ -189,6 +163,9 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(ClientOptions options) {
   impl->id = resp.session_id();
   impl->protocol_version = resp.protocol_version();
   impl->daemon_version = resp.daemon_version();
+  if (absl::Status dp = impl->AttachDataPlane(resp.data_plane_token()); !dp.ok()) {
+    return dp;
+  }
   {
     absl::MutexLock lock(&impl->mu);
     impl->channel = std::move(channel);
@@ -293,8 +270,9 @@ absl::Status Session::Close() {
   grpc::ClientContext ctx;
   SetDeadline(&ctx, absl::Seconds(5));
   grpc::Status st = stub->CloseSession(&ctx, req, &resp);
-  // Dropping the channel closes the connection; the daemon would reclaim
-  // everything then anyway, so a failed close loses nothing.
+  // Dropping the channel (and the data-plane connection, in ~Impl) closes
+  // the connections; the daemon would reclaim everything then anyway, so a
+  // failed close loses nothing.
   if (!st.ok()) return Annotate(st, impl_->options.socket_path);
   return absl::OkStatus();
 }

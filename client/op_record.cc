@@ -103,8 +103,8 @@ std::string DescribeHeader(const RecordHeader& h) {
 std::string DescribeTensor(const TensorRef& t) {
   const int ndim = std::min<int>(t.ndim, kMaxDims);
   return absl::StrCat(
-      "dtype ", static_cast<int>(t.dtype), ", ndim ", static_cast<int>(t.ndim), ", storage_offset ",
-      t.storage_offset, ", sizes [",
+      "dtype ", static_cast<int>(t.dtype), ", ndim ", static_cast<int>(t.ndim),
+      ", storage_offset ", t.storage_offset, ", sizes [",
       absl::StrJoin(t.sizes, t.sizes + ndim, ", "), "], strides [",
       absl::StrJoin(t.strides, t.strides + ndim, ", "), "]");
 }
@@ -154,8 +154,8 @@ class BodyReader {
     const size_t at = pos_;
     if (!Read(what, n)) return false;
     if (ABSL_PREDICT_FALSE(*n > limit)) {
-      return Fail(at, absl::StrCat(what, " ", *n, " exceeds the limit of ",
-                                   limit));
+      return Fail(at,
+                  absl::StrCat(what, " ", *n, " exceeds the limit of ", limit));
     }
     return true;
   }
@@ -170,10 +170,9 @@ class BodyReader {
   bool Zeros(const char* p, size_t n, size_t at, const char* what) {
     for (size_t i = 0; i < n; ++i) {
       if (ABSL_PREDICT_FALSE(p[i] != 0)) {
-        return Fail(at + i,
-                    absl::StrCat("nonzero ", what, " byte 0x",
-                                 absl::Hex(static_cast<uint8_t>(p[i]),
-                                           absl::kZeroPad2)));
+        return Fail(at + i, absl::StrCat("nonzero ", what, " byte 0x",
+                                         absl::Hex(static_cast<uint8_t>(p[i]),
+                                                   absl::kZeroPad2)));
       }
     }
     return true;
@@ -190,9 +189,10 @@ class BodyReader {
   bool End() {
     const size_t left = end_ - pos_;
     if (left >= kRecordAlignment) {
-      return Fail(pos_, absl::StrCat(left, " bytes of trailing data after the "
-                                           "body (at most 7 bytes of zero "
-                                           "padding allowed)"));
+      return Fail(pos_, absl::StrCat(left,
+                                     " bytes of trailing data after the "
+                                     "body (at most 7 bytes of zero "
+                                     "padding allowed)"));
     }
     return Zeros(record_ + pos_, left, pos_, "padding");
   }
@@ -230,10 +230,10 @@ absl::Status OpenRecord(absl::string_view record, RecordKind expected,
         "expected a ", KindName(expected), " record: ", status.message()));
   }
   if (header->kind != static_cast<uint16_t>(expected)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "expected a ", KindName(expected), " record (kind ",
-        static_cast<int>(expected), "), got a ", DescribeHeader(*header),
-        " with kind ", header->kind));
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected a ", KindName(expected), " record (kind ",
+                     static_cast<int>(expected), "), got a ",
+                     DescribeHeader(*header), " with kind ", header->kind));
   }
   return absl::OkStatus();
 }
@@ -348,10 +348,10 @@ bool DecodeArg(BodyReader& r, OpArg* a) {
       for (uint32_t j = 0; j < n; ++j) {
         const uint8_t byte = static_cast<uint8_t>(p[j]);
         if (ABSL_PREDICT_FALSE(byte > 1)) {
-          return r.Fail(elements_at + j,
-                        absl::StrCat("bool list element ", j, " is ",
-                                     static_cast<int>(byte),
-                                     ", expected 0 or 1"));
+          return r.Fail(
+              elements_at + j,
+              absl::StrCat("bool list element ", j, " is ",
+                           static_cast<int>(byte), ", expected 0 or 1"));
         }
         a->bools[j] = byte != 0;
       }
@@ -586,22 +586,22 @@ absl::string_view RecordWriter::Finish() {
 
 absl::Status CheckHeader(const RecordHeader& header, size_t bytes_available) {
   if (header.length < kHeaderBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "record length ", header.length, " is shorter than the ", kHeaderBytes,
-        "-byte header (kind ", header.kind, ", sequence ", header.sequence,
-        ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("record length ", header.length, " is shorter than the ",
+                     kHeaderBytes, "-byte header (kind ", header.kind,
+                     ", sequence ", header.sequence, ")"));
   }
   if (header.length % kRecordAlignment != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "record length ", header.length, " is not a multiple of ",
-        kRecordAlignment, " (kind ", header.kind, ", sequence ",
-        header.sequence, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("record length ", header.length, " is not a multiple of ",
+                     kRecordAlignment, " (kind ", header.kind, ", sequence ",
+                     header.sequence, ")"));
   }
   if (header.length > bytes_available) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "record length ", header.length, " exceeds the ", bytes_available,
-        " bytes available (kind ", header.kind, ", sequence ", header.sequence,
-        ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("record length ", header.length, " exceeds the ",
+                     bytes_available, " bytes available (kind ", header.kind,
+                     ", sequence ", header.sequence, ")"));
   }
   if (header.kind > static_cast<uint16_t>(RecordKind::kEventWait)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -623,8 +623,8 @@ absl::Status DecodeDefineOp(absl::string_view record, DecodedDefineOp* out) {
   const size_t len_at = r.pos();
   if (!r.Read("schema_len", &schema_len)) return BodyError(h, "", r.error());
   if (schema_len == 0 || schema_len > kMaxSchemaBytes) {
-    r.Fail(len_at, absl::StrCat("schema_len ", schema_len,
-                                " is outside 1..", kMaxSchemaBytes));
+    r.Fail(len_at, absl::StrCat("schema_len ", schema_len, " is outside 1..",
+                                kMaxSchemaBytes));
     return BodyError(h, "", r.error());
   }
   if (!r.Take(schema_len, "schema bytes", &schema) || !r.End()) {
@@ -673,9 +673,8 @@ absl::Status DecodeOp(absl::string_view record, DecodedOp* out) {
     const size_t tag_at = r.pos();
     if (!DecodeArg(r, &out->args[i])) {
       std::string context = absl::StrCat("arg ", i, " of ", num_args);
-      const uint8_t tag = tag_at < h.length
-                              ? static_cast<uint8_t>(record[tag_at])
-                              : 0xff;
+      const uint8_t tag =
+          tag_at < h.length ? static_cast<uint8_t>(record[tag_at]) : 0xff;
       if (tag <= static_cast<uint8_t>(ArgTag::kLast)) {
         absl::StrAppend(&context, " (", TagName(static_cast<ArgTag>(tag)), ")");
       }
@@ -686,8 +685,8 @@ absl::Status DecodeOp(absl::string_view record, DecodedOp* out) {
   out->outputs.resize(num_outputs);
   for (size_t i = 0; i < num_outputs; ++i) {
     if (!DecodeTensor(r, &out->outputs[i])) {
-      return BodyError(
-          h, absl::StrCat("output ", i, " of ", num_outputs, ": "), r.error());
+      return BodyError(h, absl::StrCat("output ", i, " of ", num_outputs, ": "),
+                       r.error());
     }
   }
   if (!r.End()) return BodyError(h, "", r.error());
@@ -751,9 +750,9 @@ absl::StatusOr<Footprint> TensorFootprint(const TensorRef& t) {
         " is not supported (unknown, quantized or sub-byte c10::ScalarType)"));
   }
   if (t.ndim > kMaxDims) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor ndim ", static_cast<int>(t.ndim), " exceeds the limit of ",
-        kMaxDims));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor ndim ", static_cast<int>(t.ndim),
+                     " exceeds the limit of ", kMaxDims));
   }
   if (t.storage_offset < 0) {
     return absl::InvalidArgumentError(
@@ -762,9 +761,9 @@ absl::StatusOr<Footprint> TensorFootprint(const TensorRef& t) {
   bool empty = false;
   for (int d = 0; d < t.ndim; ++d) {
     if (t.sizes[d] < 0 || t.strides[d] < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor ", t.sizes[d] < 0 ? "size" : "stride", " of dim ", d,
-          " is negative: ", DescribeTensor(t)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", t.sizes[d] < 0 ? "size" : "stride",
+                       " of dim ", d, " is negative: ", DescribeTensor(t)));
     }
     if (t.sizes[d] == 0) empty = true;
   }
@@ -774,10 +773,10 @@ absl::StatusOr<Footprint> TensorFootprint(const TensorRef& t) {
   bool overflow = false;
   for (int d = 0; d < t.ndim && !overflow; ++d) {
     uint64_t extent;
-    overflow = __builtin_mul_overflow(static_cast<uint64_t>(t.sizes[d] - 1),
-                                      static_cast<uint64_t>(t.strides[d]),
-                                      &extent) ||
-               __builtin_add_overflow(last, extent, &last);
+    overflow =
+        __builtin_mul_overflow(static_cast<uint64_t>(t.sizes[d] - 1),
+                               static_cast<uint64_t>(t.strides[d]), &extent) ||
+        __builtin_add_overflow(last, extent, &last);
   }
   Footprint fp;
   overflow = overflow ||
@@ -786,9 +785,9 @@ absl::StatusOr<Footprint> TensorFootprint(const TensorRef& t) {
              __builtin_add_overflow(last, uint64_t{1}, &last) ||
              __builtin_mul_overflow(last, esize, &fp.end);
   if (overflow) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor extent overflows 64 bits: ", DescribeTensor(t),
-        ", element size ", esize));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor extent overflows 64 bits: ", DescribeTensor(t),
+                     ", element size ", esize));
   }
   return fp;
 }

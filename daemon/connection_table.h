@@ -25,6 +25,9 @@ struct ConnectionInfo {
   PeerIdentity peer;
   bool admin = false;   // arrived on the admin socket
   int watch_fd = -1;    // our duplicate of the socket, for hangup and kill
+  // A data-plane connection (not gRPC), bound to this session.
+  bool data_plane = false;
+  uint64_t session_id = 0;
 };
 
 class ConnectionTable {

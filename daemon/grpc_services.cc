@@ -105,6 +105,7 @@ grpc::Status RuntimeServiceImpl::OpenSession(grpc::ServerContext* ctx,
   resp->set_protocol_version(opened->protocol_version);
   resp->set_daemon_version(kDaemonVersion);
   resp->set_quota_bytes_per_chip(opened->quota_bytes_per_chip);
+  resp->set_data_plane_token(opened->data_plane_token);
   return grpc::Status::OK;
 }
 

@@ -20,9 +20,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "daemon/chip_backend.h"
 #include "daemon/connection_table.h"
+#include "daemon/data_plane.h"
 #include "daemon/grpc_services.h"
 #include "daemon/runtime_core.h"
+#include "daemon/simulated_chip.h"
 #include "daemon/socket_server.h"
 #include "daemon/topology.h"
 #include "proto/protocol.h"
@@ -44,6 +47,15 @@ ABSL_FLAG(std::string, hbm_bytes, "0",
 ABSL_FLAG(std::string, session_quota_bytes, "0",
           "default per-chip HBM quota of every session, e.g. 8GiB; 0 means none");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn or error");
+ABSL_FLAG(int, intra_op_threads, 0,
+          "threads each op may use on the simulated chips (process-wide); 0 = ATen's default");
+ABSL_FLAG(std::string, pinned_pool_bytes, "256MiB",
+          "default size of a session's pinned host pool (shared memory)");
+ABSL_FLAG(std::string, max_pinned_pool_bytes, "4GiB",
+          "largest pinned host pool a session may ask for");
+ABSL_FLAG(std::string, staging_bytes, "64MiB",
+          "per-session staging area for pageable host<->device copies");
+ABSL_FLAG(std::string, ring_bytes, "1MiB", "per-stream op ring size (a power of two)");
 
 namespace tpud {
 namespace {
@@ -73,6 +85,24 @@ int Run() {
       Topology::FromPreset(absl::GetFlag(FLAGS_topology), *hbm);
   if (!topology.ok()) return Fail(std::string(topology.status().message()));
 
+  DataPlaneOptions dp_options;
+  for (auto [flag, target] : {std::pair{absl::GetFlag(FLAGS_pinned_pool_bytes),
+                                        &dp_options.default_pinned_bytes},
+                              std::pair{absl::GetFlag(FLAGS_max_pinned_pool_bytes),
+                                        &dp_options.max_pinned_bytes},
+                              std::pair{absl::GetFlag(FLAGS_staging_bytes),
+                                        &dp_options.staging_bytes},
+                              std::pair{absl::GetFlag(FLAGS_ring_bytes),
+                                        &dp_options.ring_bytes}}) {
+    absl::StatusOr<uint64_t> v = tpu::ParseBytes(flag);
+    if (!v.ok()) return Fail(std::string(v.status().message()));
+    *target = *v;
+  }
+  if ((dp_options.ring_bytes & (dp_options.ring_bytes - 1)) != 0 ||
+      dp_options.ring_bytes < 4096) {
+    return Fail("--ring_bytes must be a power of two of at least 4KiB");
+  }
+
   RuntimeCore::Options options;
   options.default_quota_bytes_per_chip = *quota;
   absl::StatusOr<std::unique_ptr<RuntimeCore>> core =
@@ -99,6 +129,11 @@ int Run() {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
+  std::unique_ptr<ChipBackend> backend =
+      SimulatedChip::Create(absl::GetFlag(FLAGS_intra_op_threads));
+  DataPlane data_plane(core->get(), backend.get(), dp_options);
+  (*core)->SetSessionEndHook([&data_plane](uint64_t id) { data_plane.Detach(id); });
+
   ConnectionTable connections;
   std::unique_ptr<SocketServer> sockets;
   RuntimeServiceImpl runtime_service(core->get(), &connections);
@@ -123,7 +158,8 @@ int Run() {
   RuntimeCore* core_ptr = core->get();
   auto on_hangup = [core_ptr](const ConnectionInfo& conn) {
     absl::Time start = absl::Now();
-    ReclaimResult r = core_ptr->EndConnection(conn.id);
+    ReclaimResult r = conn.data_plane ? core_ptr->EndSession(conn.session_id)
+                                      : core_ptr->EndConnection(conn.id);
     if (r.sessions > 0) {
       spdlog::info(
           "session of pid {} ended: connection closed; reclaimed {} in {} segments "
@@ -145,6 +181,10 @@ int Run() {
       SocketServer::Create(std::move(listeners), &connections, on_hangup);
   if (!created.ok()) return Fail(std::string(created.status().message()));
   sockets = *std::move(created);
+  sockets->SetDataPlaneHandler([&data_plane](uint64_t session_id, absl::string_view token,
+                                             const PeerIdentity& peer, uint64_t pinned) {
+    return data_plane.Attach(session_id, token, peer, pinned);
+  });
   sockets->Start();
 
   const Topology& t = core_ptr->topology();
@@ -160,6 +200,7 @@ int Run() {
   spdlog::info("received {}, shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   sd_notify(0, "STOPPING=1");
   sockets->Stop();
+  data_plane.StopAll();
   runtime_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   admin_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   spdlog::info("tpud stopped; sockets removed");

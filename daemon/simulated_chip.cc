@@ -3,8 +3,10 @@
 #include <ATen/ATen.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/stack.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/RefcountedDeleter.h>
 #include <c10/util/Exception.h>
 #include <torch/headeronly/version.h>
 
@@ -15,6 +17,7 @@
 #include <optional>
 #include <utility>
 
+#include "absl/base/optimization.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -53,10 +56,18 @@ struct ArgTensor {
   const tpu::TensorRef* ref;
 };
 
-// One at::Storage per segment touched by the running op.
-struct SegmentStorage {
+void DeleteNothing(void*) {}
+
+// Every tensor gets a storage of its own that ends where the tensor's
+// footprint ends, so a kernel cannot resize an out= argument over its
+// neighbours in the segment (ATen grows a tensor in place whenever its
+// storage is large enough). The storages of one segment share a
+// RefcountedDeleterContext, which is how c10 marks distinct storages as
+// views of one allocation (c10::isSharedStorageAlias): ATen's alias and
+// overlap checks then compare their data ranges as for one storage.
+struct SegmentAlias {
   const char* host_base;
-  c10::Storage storage;
+  c10::RefcountedDeleterContext* ctx;  // Scratch holds one reference
 };
 
 // Per-thread buffers reused from op to op, so that the success path does
@@ -65,12 +76,13 @@ struct SegmentStorage {
 struct Scratch {
   torch::jit::Stack stack;
   std::vector<ArgTensor> args;
-  std::vector<SegmentStorage> storages;
+  std::vector<SegmentAlias> segments;
 
   void Clear() {
     stack.clear();
     args.clear();
-    storages.clear();
+    for (const SegmentAlias& seg : segments) c10::refcounted_deleter(seg.ctx);
+    segments.clear();
   }
 };
 
@@ -150,7 +162,8 @@ class OpRun {
   absl::Status PushArg(size_t index, const tpu::OpArg& arg);
   // The next argument TensorRef as a CPU tensor (recorded in s_.args).
   absl::Status TakeTensor(const tpu::TensorRef& ref, at::Tensor* out);
-  // A CPU tensor viewing `ref` in `seg`, sharing the segment's storage.
+  // A CPU tensor viewing `ref` in `seg`, its storage an alias of the other
+  // storages in that segment. `data` (optional): its first element.
   absl::Status MakeView(const tpu::TensorRef& ref, const ResolvedTensor& seg,
                         at::Tensor* out, char** data);
   absl::Status HandleReturn(size_t index, const c10::IValue& value);
@@ -183,8 +196,8 @@ absl::Status OpRun::MakeView(const tpu::TensorRef& ref,
                               " is not supported"));
   }
   if (ABSL_PREDICT_FALSE(ref.address < seg.segment_address ||
-                         ref.address - seg.segment_address >=
-                             seg.segment_bytes + (seg.segment_bytes == 0))) {
+                         ref.address - seg.segment_address >
+                             seg.segment_bytes)) {
     return Error(absl::StrCat("tensor at address 0x", absl::Hex(ref.address),
                               " is outside its segment at 0x",
                               absl::Hex(seg.segment_address), " (",
@@ -205,32 +218,34 @@ absl::Status OpRun::MakeView(const tpu::TensorRef& ref,
                               " bytes past the end of its segment"));
   }
 
-  c10::Storage* storage = nullptr;
-  for (SegmentStorage& ss : s_.storages) {
-    if (ss.host_base == seg.segment_host_base) {
-      storage = &ss.storage;
+  c10::RefcountedDeleterContext* ctx = nullptr;
+  for (const SegmentAlias& sa : s_.segments) {
+    if (sa.host_base == seg.segment_host_base) {
+      ctx = sa.ctx;
       break;
     }
   }
-  if (storage == nullptr) {
-    // Non-owning: the segment outlives the op; never resized.
-    s_.storages.push_back(SegmentStorage{
-        seg.segment_host_base,
-        c10::Storage(c10::Storage::use_byte_size_t(), seg.segment_bytes,
-                     c10::DataPtr(seg.segment_host_base, c10::Device(c10::kCPU)),
-                     /*allocator=*/nullptr, /*resizable=*/false)});
-    storage = &s_.storages.back().storage;
+  if (ctx == nullptr) {
+    // Non-owning: the segment outlives the op.
+    ctx = new c10::RefcountedDeleterContext(nullptr, &DeleteNothing);
+    s_.segments.push_back(SegmentAlias{seg.segment_host_base, ctx});
   }
+  ++ctx->refcount;  // this storage's reference
+  char* const base = seg.segment_host_base + rel;
+  c10::Storage storage(
+      c10::Storage::use_byte_size_t(), static_cast<size_t>(fp->end),
+      c10::DataPtr(base, ctx, &c10::refcounted_deleter, c10::Device(c10::kCPU)),
+      /*allocator=*/nullptr, /*resizable=*/false);
 
   const auto dtype = static_cast<c10::ScalarType>(ref.dtype);
   auto impl = c10::make_intrusive<c10::TensorImpl>(
-      c10::Storage(*storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
       caffe2::TypeMeta::fromScalarType(dtype));
-  const int64_t offset = static_cast<int64_t>(rel / esize) + ref.storage_offset;
   impl->set_sizes_and_strides(c10::IntArrayRef(ref.sizes, ref.ndim),
-                              c10::IntArrayRef(ref.strides, ref.ndim), offset);
+                              c10::IntArrayRef(ref.strides, ref.ndim),
+                              ref.storage_offset);
   *out = at::Tensor(std::move(impl));
-  if (data != nullptr) *data = seg.segment_host_base + rel + fp->begin;
+  if (data != nullptr) *data = base + fp->begin;
   return absl::OkStatus();
 }
 
@@ -339,6 +354,23 @@ absl::Status OpRun::PushArg(size_t index, const tpu::OpArg& a) {
       stack.emplace_back(c10::Device(c10::kCPU));
       return absl::OkStatus();
     case ArgTag::kTensorList: {
+      const c10::Argument& formal = op_.function_schema().arguments()[index];
+      const auto* list_type = formal.type()->castRaw<c10::ListType>();
+      if (ABSL_PREDICT_FALSE(list_type != nullptr &&
+                             list_type->getElementType()->kind() ==
+                                 c10::TypeKind::OptionalType)) {
+        // A Tensor?[] sent without absent entries.
+        c10::List<std::optional<at::Tensor>> list;
+        list.reserve(a.tensors.size());
+        for (const tpu::TensorRef& ref : a.tensors) {
+          at::Tensor t;
+          absl::Status st = TakeTensor(ref, &t);
+          if (ABSL_PREDICT_FALSE(!st.ok())) return st;
+          list.push_back(std::optional<at::Tensor>(std::move(t)));
+        }
+        stack.emplace_back(std::move(list));
+        return absl::OkStatus();
+      }
       c10::List<at::Tensor> list;
       list.reserve(a.tensors.size());
       for (const tpu::TensorRef& ref : a.tensors) {

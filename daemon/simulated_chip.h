@@ -3,8 +3,10 @@
 //
 // An op's tensor references become CPU tensors over the session's segment
 // memory (no copy); the op runs through the ATen dispatcher at the CPU key,
-// with autograd off. All tensors of one op that live in one segment share one
-// at::Storage, so ATen's aliasing and overlap checks see them as related.
+// with autograd off. Each tensor's storage ends where its footprint ends (a
+// kernel cannot grow an out= argument over its neighbours), and the storages
+// of one segment are marked as aliases of one allocation, so ATen's aliasing
+// and overlap checks see tensors in one segment as related.
 //
 // Returned values, in the order the schema returns them, flattened (a
 // Tensor[] return counts as one value per element):

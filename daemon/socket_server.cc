@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
+#include "tpu/shm_layout.h"
 
 namespace tpud {
 namespace {
@@ -165,6 +166,11 @@ void SocketServer::Stop() {
     absl::MutexLock lock(&watched_mu_);
     for (auto& [id, info] : watched_) close(info.watch_fd);
     watched_.clear();
+    for (auto& [id, p] : pending_) {
+      close(p.info.watch_fd);
+      close(p.fd);
+    }
+    pending_.clear();
   }
   if (epoll_fd_ >= 0) close(epoll_fd_);
   if (wake_fd_ >= 0) close(wake_fd_);
@@ -235,29 +241,133 @@ void SocketServer::AcceptOne(size_t index) {
   info.peer.command = ReadCommandLine(cred.pid);
   info.admin = spec.admin;
   info.watch_fd = watch_fd;
-  // Registered before gRPC sees the connection, so its first call finds it.
-  table_->Add(fd, info);
   {
     absl::MutexLock lock(&watched_mu_);
-    watched_[info.id] = info;
+    pending_[info.id] = Pending{info, fd, spec.server};
   }
+  // First readiness tells what the client speaks (see Classify).
   epoll_event ev{};
-  ev.events = EPOLLRDHUP | EPOLLHUP | EPOLLERR;
+  ev.events = EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR | EPOLLONESHOT;
   ev.data.u64 = info.id;
   if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, watch_fd, &ev) != 0) {
     spdlog::warn("cannot watch connection: {}", ErrnoText(errno));
-    table_->Remove(info.id);
-    {
-      absl::MutexLock lock(&watched_mu_);
-      watched_.erase(info.id);
-    }
+    absl::MutexLock lock(&watched_mu_);
+    pending_.erase(info.id);
     close(watch_fd);
     close(fd);
     return;
   }
   spdlog::debug("connection {} on {} from pid {} uid {}: {}", info.id, spec.path,
                 cred.pid, cred.uid, info.peer.command);
-  grpc::AddInsecureChannelFromFd(spec.server, fd);
+}
+
+void SocketServer::Drop(const ConnectionInfo& info, int fd, const std::string& why) {
+  spdlog::warn("dropped connection from pid {} uid {}: {}", info.peer.pid, info.peer.uid, why);
+  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, info.watch_fd, nullptr);
+  close(info.watch_fd);
+  close(fd);
+}
+
+void SocketServer::Classify(ConnectionInfo info, int fd, grpc::Server* server) {
+  static constexpr char kHttp2Preface[] = "PRI * HTTP/2.0";
+  char head[sizeof(tpu::DataPlaneHello)] = {};
+  ssize_t n = recv(fd, head, 8, MSG_PEEK | MSG_DONTWAIT);
+  if (n < 8) {
+    Drop(info, fd, n == 0 ? "closed before speaking" : "sent less than a protocol preface");
+    return;
+  }
+  epoll_event ev{};
+  ev.events = EPOLLRDHUP | EPOLLHUP | EPOLLERR;
+  ev.data.u64 = info.id;
+  if (std::memcmp(head, kHttp2Preface, 8) == 0) {
+    // Registered before gRPC sees the connection, so its first call finds it.
+    table_->Add(fd, info);
+    {
+      absl::MutexLock lock(&watched_mu_);
+      watched_[info.id] = info;
+    }
+    epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, info.watch_fd, &ev);
+    grpc::AddInsecureChannelFromFd(server, fd);
+    return;
+  }
+  if (std::memcmp(head, tpu::kDataPlaneMagic, 8) == 0 && !info.admin && data_plane_) {
+    ServeDataPlane(info, fd);
+    if (!info.data_plane) return;  // refused and dropped
+    {
+      absl::MutexLock lock(&watched_mu_);
+      watched_[info.id] = info;
+    }
+    epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, info.watch_fd, &ev);
+    return;
+  }
+  Drop(info, fd, "not a tpud protocol (neither gRPC nor a data-plane hello)");
+}
+
+void SocketServer::ServeDataPlane(ConnectionInfo& info, int fd) {
+  tpu::DataPlaneHello hello;
+  // The hello arrives in one write; wait briefly for a slow writer.
+  pollfd pfd{fd, POLLIN, 0};
+  size_t got = 0;
+  while (got < sizeof(hello)) {
+    ssize_t n = recv(fd, reinterpret_cast<char*>(&hello) + got, sizeof(hello) - got, MSG_DONTWAIT);
+    if (n > 0) {
+      got += n;
+      continue;
+    }
+    if (n == 0 || (errno != EAGAIN && errno != EINTR) || poll(&pfd, 1, 1000) <= 0) {
+      Drop(info, fd, "truncated data-plane hello");
+      return;
+    }
+  }
+  tpu::DataPlaneReply reply{};
+  absl::StatusOr<int> memfd = data_plane_(
+      hello.session_id,
+      absl::string_view(reinterpret_cast<const char*>(hello.token), sizeof(hello.token)),
+      info.peer, hello.pinned_bytes);
+  reply.code = static_cast<uint32_t>(memfd.status().code());
+  std::string msg(memfd.ok() ? "" : memfd.status().message());
+  msg.resize(std::min(msg.size(), sizeof(reply.message) - 1));
+  std::memcpy(reply.message, msg.c_str(), msg.size() + 1);
+  iovec iov{&reply, sizeof(reply)};
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  if (memfd.ok()) {
+    struct stat st;
+    if (fstat(*memfd, &st) == 0) reply.shm_bytes = st.st_size;
+    mh.msg_control = control;
+    mh.msg_controllen = sizeof(control);
+    cmsghdr* cm = CMSG_FIRSTHDR(&mh);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(cm), &*memfd, sizeof(int));
+  }
+  ssize_t sent = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (memfd.ok()) close(*memfd);
+  if (!memfd.ok() || sent != static_cast<ssize_t>(sizeof(reply))) {
+    // A refused attach, or a peer that vanished: nothing stays bound.
+    if (memfd.ok()) {
+      info.data_plane = true;  // attached: the hangup must end the session
+      info.session_id = hello.session_id;
+      close(fd);
+      epoll_event ev{};
+      ev.events = EPOLLRDHUP | EPOLLHUP | EPOLLERR;
+      ev.data.u64 = info.id;
+      epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, info.watch_fd, &ev);
+      shutdown(info.watch_fd, SHUT_RDWR);
+      return;
+    }
+    spdlog::warn("data-plane attach refused for pid {}: {}", info.peer.pid, msg);
+    // Let the client read the reply before the close.
+    shutdown(fd, SHUT_WR);
+    Drop(info, fd, "data-plane attach refused");
+    return;
+  }
+  info.data_plane = true;
+  info.session_id = hello.session_id;
+  close(fd);  // the watch duplicate keeps the connection
 }
 
 void SocketServer::WatchLoop() {
@@ -273,6 +383,19 @@ void SocketServer::WatchLoop() {
     for (int i = 0; i < n; ++i) {
       ConnectionId id = events[i].data.u64;
       if (id == 0) return;  // wake_fd_: stopping
+      std::optional<Pending> pending;
+      {
+        absl::MutexLock lock(&watched_mu_);
+        auto it = pending_.find(id);
+        if (it != pending_.end()) {
+          pending = it->second;
+          pending_.erase(it);
+        }
+      }
+      if (pending.has_value()) {
+        Classify(pending->info, pending->fd, pending->server);
+        continue;
+      }
       ConnectionInfo info;
       {
         absl::MutexLock lock(&watched_mu_);

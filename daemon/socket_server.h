@@ -46,6 +46,14 @@ std::string ReadCommandLine(pid_t pid);
 class SocketServer {
  public:
   using HangupCallback = std::function<void(const ConnectionInfo&)>;
+  // Serves a data-plane hello: returns the memfd to send, or why not.
+  using DataPlaneHandler = std::function<absl::StatusOr<int>(
+      uint64_t session_id, absl::string_view token, const PeerIdentity& peer,
+      uint64_t pinned_bytes)>;
+
+  // Connections on the runtime socket that open with a data-plane hello go
+  // here instead of to gRPC. Set before Start().
+  void SetDataPlaneHandler(DataPlaneHandler handler) { data_plane_ = std::move(handler); }
 
   // Creates and binds every listener. A path already served by a live process
   // is ALREADY_EXISTS; a stale socket file left by a crash is replaced.
@@ -69,11 +77,23 @@ class SocketServer {
   void AcceptLoop();
   void WatchLoop();
   void AcceptOne(size_t listener_index);
+  // A new connection sent its first bytes: gRPC, data plane, or neither.
+  void Classify(ConnectionInfo info, int fd, grpc::Server* server);
+  void ServeDataPlane(ConnectionInfo& info, int fd);
+  void Drop(const ConnectionInfo& info, int fd, const std::string& why);
 
   std::vector<ListenerSpec> listeners_;
   std::vector<int> listen_fds_;
   ConnectionTable* table_;
   HangupCallback on_hangup_;
+  DataPlaneHandler data_plane_;
+  struct Pending {
+    ConnectionInfo info;
+    int fd;
+    grpc::Server* server;
+  };
+  // Accepted, not yet classified (waiting for the first bytes).
+  absl::flat_hash_map<ConnectionId, Pending> pending_ ABSL_GUARDED_BY(watched_mu_);
   int wake_fd_ = -1;   // eventfd that stops both loops
   int epoll_fd_ = -1;  // watched connection duplicates
   std::atomic<bool> stopping_{false};

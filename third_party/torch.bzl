@@ -17,11 +17,21 @@ def _torch_repository_impl(ctx):
     ctx.symlink(torch_dir + "/include", "include")
     ctx.symlink(torch_dir + "/lib", "lib")
     ctx.file("WORKSPACE", "workspace(name = \"torch\")\n")
+    # The include paths are not exported (no `includes`): torch bundles its
+    # own protobuf and fmt headers, which must never shadow Debian's in
+    # translation units that use gRPC or spdlog. Only the TUs that include
+    # ATen add them, with TORCH_COPTS.
+    ctx.file("defs.bzl", """TORCH_COPTS = [
+    "-isystem", "external/torch/include",
+    "-isystem", "external/torch/include/torch/csrc/api/include",
+]
+""")
     ctx.file("BUILD.bazel", """# torch {version} from {dir}
+exports_files(["defs.bzl"])
+
 cc_library(
     name = "torch",
     hdrs = glob(["include/**/*.h", "include/**/*.hpp", "include/**/*.cuh"], allow_empty = True),
-    includes = ["include", "include/torch/csrc/api/include"],
     srcs = ["lib/libtorch.so", "lib/libtorch_cpu.so", "lib/libc10.so"],
     defines = ["_GLIBCXX_USE_CXX11_ABI={abi}"],
     linkopts = ["-Wl,-rpath,{dir}/lib"],

@@ -23,7 +23,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "tpu/op_record.h"
 
 namespace tpu {
 
@@ -87,11 +89,38 @@ struct MemoryStats {
   uint64_t quota_bytes_per_chip = 0;  // 0: none
 };
 
+// A point in a stream's work (CUDA's event): recorded on one stream, waited on
+// by others, queried, timed.
+struct Event {
+  uint32_t slot = 0;
+  int stream = 0;
+  uint64_t sequence = 0;
+};
+
+// A value returned by a synchronous op (Session::RunSync).
+struct OpResult {
+  enum class Kind : uint8_t { kNone = 0, kInt, kDouble, kBool, kComplex, kTensor };
+  Kind kind = Kind::kNone;
+  int64_t i = 0;
+  double d = 0;
+  double d_imag = 0;
+  bool b = false;
+  // kTensor: a new segment of this session holding the data (contiguous);
+  // the caller owns it and frees it with Session::Free(address).
+  TensorRef tensor;
+  uint64_t nbytes = 0;
+};
+
+// What the data plane did for this session (from tpuctl's point of view).
+inline constexpr int kNumStreams = 8;
+
 struct ClientOptions {
   // Empty: $TPUD_SOCKET, else the default (see tpu/paths.h).
   std::string socket_path;
   // Informational name shown by `tpuctl sessions`.
   std::string client_name;
+  // Size of this session's pinned host pool; 0: the daemon's default.
+  uint64_t pinned_pool_bytes = 0;
   // Deadline of each control-plane call, so a wedged daemon never hangs us.
   absl::Duration call_timeout = absl::Seconds(30);
 };
@@ -121,6 +150,63 @@ class Session {
 
   // Ends the session; the daemon frees everything it still holds. Idempotent.
   absl::Status Close();
+
+  // ---- data plane: op streams over shared memory, CUDA's semantics ----
+  // Streams are 0..kNumStreams-1; each runs its work in order, streams run
+  // concurrently. Enqueueing returns at once; an op's own failure surfaces
+  // at the next Synchronize of its stream, naming the op.
+
+  // Interns a full operator schema ("aten::add.Tensor(Tensor self, Tensor
+  // other, *, Scalar alpha=1) -> Tensor") once per session. If the daemon's
+  // torch has a different schema under that name, ops using the id fail with
+  // INVALID_ARGUMENT naming both schemas.
+  absl::StatusOr<uint32_t> DefineOp(absl::string_view schema);
+
+  // Enqueues an op. Returned tensors that are not arguments are written into
+  // `outputs` (allocated by the caller). Returns the record's sequence.
+  absl::StatusOr<uint64_t> EnqueueOp(int stream, uint32_t op_id, const OpArg* args,
+                                     size_t num_args, const TensorRef* outputs,
+                                     size_t num_outputs);
+
+  // Runs an op after the stream's earlier work and waits for its values:
+  // scalars, and tensors whose shape depends on data (those come back in
+  // new segments of this session). One round trip through shared memory.
+  absl::StatusOr<std::vector<OpResult>> RunSync(int stream, uint32_t op_id,
+                                                const OpArg* args, size_t num_args,
+                                                const TensorRef* outputs,
+                                                size_t num_outputs);
+
+  // Host to device. From pinned memory (AllocatePinned) it is one copy by the
+  // daemon and asynchronous: keep `src` unchanged until the stream
+  // synchronises. From pageable memory it goes through staging, chunked and
+  // pipelined, and returns once `src` may be reused.
+  absl::Status CopyToDevice(int stream, uint64_t dst_address, const void* src, uint64_t bytes);
+  // Device to host; returns when the data is in `dst` (after the stream's
+  // earlier work).
+  absl::Status CopyToHost(int stream, void* dst, uint64_t src_address, uint64_t bytes);
+  // Device to device, same chip or across chips; asynchronous.
+  absl::Status CopyOnDevice(int stream, uint64_t dst_address, uint64_t src_address,
+                            uint64_t bytes);
+
+  // Pinned host memory: part of the session's shared memory, so a copy from
+  // or to it is a single memcpy in the daemon.
+  absl::StatusOr<void*> AllocatePinned(uint64_t bytes);
+  absl::Status FreePinned(void* ptr);
+  bool IsPinned(const void* ptr) const;
+
+  absl::StatusOr<Event> RecordEvent(int stream);
+  // Makes `stream` wait (on the device side) until `event` completed.
+  absl::Status WaitEvent(int stream, const Event& event);
+  bool EventDone(const Event& event);
+  absl::Status SynchronizeEvent(const Event& event);
+  // Milliseconds between two completed events.
+  absl::StatusOr<double> ElapsedMillis(const Event& start, const Event& end);
+  void ReleaseEvent(const Event& event);
+
+  // Waits for all work enqueued on `stream`, then reports (and clears) the
+  // first error an op of that stream hit since the last synchronisation.
+  absl::Status Synchronize(int stream);
+  absl::Status SynchronizeAll();
 
  private:
   struct Impl;

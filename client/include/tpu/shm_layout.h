@@ -75,6 +75,9 @@ struct alignas(64) StreamControl {
   // cleared it. error_sequence != 0 means set; the daemon writes the rest
   // before publishing error_sequence.
   alignas(64) std::atomic<uint64_t> error_sequence;
+  // Set when the stream can make no more progress (a malformed record, the
+  // session ending): waiters stop waiting and report error_message.
+  std::atomic<uint32_t> dead;
   uint32_t error_code;  // absl::StatusCode
   uint32_t error_count; // failures since cleared
   char error_message[kErrorMessageBytes];
@@ -105,6 +108,26 @@ inline EventSlot* EventOf(void* base, const ShmHeader& h, int event) {
 inline char* RingOf(void* base, const ShmHeader& h, int stream) {
   return static_cast<char*>(base) + h.rings_offset + h.ring_bytes * stream;
 }
+
+// The data-plane connection: a second connection to the runtime socket that
+// opens with a DataPlaneHello (instead of gRPC's HTTP/2 preface). tpud answers
+// with a DataPlaneReply carrying the session's memfd (SCM_RIGHTS) on success.
+// The session also ends when this connection closes.
+inline constexpr char kDataPlaneMagic[8] = {'T', 'P', 'U', 'D', 'D', 'P', '0', '1'};
+
+struct DataPlaneHello {
+  char magic[8];
+  uint64_t session_id;
+  uint8_t token[16];
+  uint64_t pinned_bytes;  // 0: the daemon's default
+};
+
+struct DataPlaneReply {
+  uint32_t code;  // absl::StatusCode
+  uint32_t reserved;
+  uint64_t shm_bytes;
+  char message[496];
+};
 
 // Futex helpers on shared (not process-private) words.
 // Sleeps while *word == expected, at most timeout_ns (<= 0: no timeout).
