@@ -1,15 +1,16 @@
 #include "daemon/simulated_chip.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/stack.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/RefcountedDeleter.h>
 #include <c10/util/Exception.h>
 #include <torch/headeronly/version.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -280,15 +281,20 @@ absl::Status OpRun::PushArg(size_t index, const tpu::OpArg& a) {
       return absl::OkStatus();
     case ArgTag::kInt:
     case ArgTag::kSymInt: {
-      // An int where the schema has a fixed-size list (int[2] stride=1)
-      // means that many copies, as in Python.
+      // An int where the schema has a fixed-size list (int[2] stride=1,
+      // int[1]? dim) means that many copies, as in Python.
       const c10::Argument& formal = op_.function_schema().arguments()[index];
-      if (ABSL_PREDICT_FALSE(formal.type()->kind() == c10::TypeKind::ListType &&
-                             formal.N().has_value())) {
-        stack.emplace_back(std::vector<int64_t>(*formal.N(), a.i));
-      } else {
-        stack.emplace_back(a.i);
+      if (ABSL_PREDICT_FALSE(formal.N().has_value())) {
+        const c10::Type* type = formal.type().get();
+        if (const auto* opt = type->castRaw<c10::OptionalType>()) {
+          type = opt->getElementType().get();
+        }
+        if (type->kind() == c10::TypeKind::ListType) {
+          stack.emplace_back(std::vector<int64_t>(*formal.N(), a.i));
+          return absl::OkStatus();
+        }
       }
+      stack.emplace_back(a.i);
       return absl::OkStatus();
     }
     case ArgTag::kScalarInt:
@@ -332,8 +338,8 @@ absl::Status OpRun::PushArg(size_t index, const tpu::OpArg& a) {
       stack.emplace_back(static_cast<c10::ScalarType>(a.i));
       return absl::OkStatus();
     case ArgTag::kLayout:
-      if (ABSL_PREDICT_FALSE(
-              a.i < 0 || a.i >= static_cast<int64_t>(c10::Layout::NumOptions))) {
+      if (ABSL_PREDICT_FALSE(a.i < 0 || a.i >= static_cast<int64_t>(
+                                                  c10::Layout::NumOptions))) {
         return Error(absl::StrCat("argument ", index, " is layout ", a.i,
                                   ", which is no c10::Layout"));
       }

@@ -262,7 +262,9 @@ void SocketServer::AcceptOne(size_t index) {
 }
 
 void SocketServer::Drop(const ConnectionInfo& info, int fd, const std::string& why) {
-  spdlog::warn("dropped connection from pid {} uid {}: {}", info.peer.pid, info.peer.uid, why);
+  // A connect-and-close (a liveness probe) is routine; anything else is not.
+  spdlog::log(why == "closed before speaking" ? spdlog::level::debug : spdlog::level::warn,
+              "dropped connection from pid {} uid {}: {}", info.peer.pid, info.peer.uid, why);
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, info.watch_fd, nullptr);
   close(info.watch_fd);
   close(fd);
