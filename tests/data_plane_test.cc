@@ -362,3 +362,151 @@ TEST_CASE("streams and events: order, cross-stream waits, timing") {
 }
 
 }  // namespace
+
+namespace {
+
+TEST_CASE("an op's error surfaces at the next synchronisation, naming the op; its outputs are poisoned") {
+  TestDaemon d;
+  auto s = Open(d);
+  at::Tensor a = at::randn({4, 5}), b = at::randn({6, 7});
+  DevTensor da = Upload(*s, a), db = Upload(*s, b);
+  absl::StatusOr<uint32_t> mm = s->DefineOp(SchemaOf("aten::mm", ""));
+  absl::StatusOr<uint32_t> relu = s->DefineOp(SchemaOf("aten::relu", ""));
+  absl::StatusOr<uint32_t> neg = s->DefineOp(SchemaOf("aten::neg", ""));
+  DevTensor out = Empty(*s, at::empty({4, 7}));
+  std::vector<tpu::OpArg> args = {T(da), T(db)};
+  // Enqueueing succeeds: the failure is asynchronous.
+  REQUIRE(s->EnqueueOp(0, *mm, args.data(), 2, &out.ref, 1).ok());
+  // A later op reading the failed op's output fails with the original cause.
+  DevTensor out2 = Empty(*s, at::empty({4, 7}));
+  tpu::OpArg in = T(out);
+  REQUIRE(s->EnqueueOp(0, *relu, &in, 1, &out2.ref, 1).ok());
+  // An unrelated op still runs.
+  DevTensor out3 = Empty(*s, a);
+  tpu::OpArg ina = T(da);
+  REQUIRE(s->EnqueueOp(0, *neg, &ina, 1, &out3.ref, 1).ok());
+  absl::Status st = s->Synchronize(0);
+  INFO(st.ToString());
+  REQUIRE_FALSE(st.ok());
+  CHECK(absl::StrContains(st.message(), "aten::mm"));
+  CHECK(absl::StrContains(st.message(), "1 later error"));
+  RequireClose(Download(*s, out3.ref), -a);
+  // Reported once: the next synchronisation is clean.
+  CHECK(s->Synchronize(0).ok());
+  REQUIRE(s->EnqueueOp(0, *relu, &in, 1, &out2.ref, 1).ok());
+  st = s->Synchronize(0);
+  CHECK(st.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(absl::StrContains(st.message(), "aten::mm"));
+}
+
+TEST_CASE("a schema the daemon's torch does not have fails with both schemas named") {
+  TestDaemon d;
+  auto s = Open(d);
+  DevTensor x = Upload(*s, at::ones({3}));
+  std::string schema = SchemaOf("aten::add", "Tensor");
+  std::string changed = schema;
+  changed.replace(changed.find("alpha=1"), 7, "alpha=2");
+  absl::StatusOr<uint32_t> id = s->DefineOp(changed);
+  REQUIRE(id.ok());
+  DevTensor out = Empty(*s, at::ones({3}));
+  std::vector<tpu::OpArg> args = {T(x), T(x)};
+  REQUIRE(s->EnqueueOp(0, *id, args.data(), 2, &out.ref, 1).ok());
+  absl::Status st = s->Synchronize(0);
+  CHECK(st.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(st.message(), schema));
+  CHECK(absl::StrContains(st.message(), changed));
+  absl::StatusOr<uint32_t> unknown = s->DefineOp("aten::no_such_op(Tensor self) -> Tensor");
+  REQUIRE(s->EnqueueOp(0, *unknown, args.data(), 1, &out.ref, 1).ok());
+  st = s->Synchronize(0);
+  CHECK(st.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(st.message(), "aten::no_such_op"));
+}
+
+TEST_CASE("forged tensor references never reach another session's memory") {
+  TestDaemon d;
+  auto victim = Open(d);
+  auto attacker = Open(d);
+  at::Tensor secret = at::arange(1024, at::kFloat);
+  DevTensor v = Upload(*victim, secret);
+  DevTensor mine = Upload(*attacker, at::zeros({1024}));
+  absl::StatusOr<uint32_t> copy = attacker->DefineOp(SchemaOf("aten::copy_", ""));
+  REQUIRE(copy.ok());
+  // Read the victim's tensor into mine.
+  std::vector<tpu::OpArg> read = {T(mine), T(v), B(false)};
+  REQUIRE(attacker->EnqueueOp(0, *copy, read.data(), 3, nullptr, 0).ok());
+  absl::Status st = attacker->Synchronize(0);
+  CHECK(st.code() == absl::StatusCode::kPermissionDenied);
+  CHECK(at::equal(Download(*attacker, mine.ref), at::zeros({1024})));
+  // Write into the victim's tensor.
+  std::vector<tpu::OpArg> write = {T(v), T(mine), B(false)};
+  REQUIRE(attacker->EnqueueOp(0, *copy, write.data(), 3, nullptr, 0).ok());
+  CHECK(attacker->Synchronize(0).code() == absl::StatusCode::kPermissionDenied);
+  // A view of my own segment that reaches past its end.
+  DevTensor stretched = mine;
+  stretched.ref.sizes[0] = 1 << 20;
+  std::vector<tpu::OpArg> over = {T(stretched), T(mine), B(false)};
+  REQUIRE(attacker->EnqueueOp(0, *copy, over.data(), 3, nullptr, 0).ok());
+  CHECK(attacker->Synchronize(0).code() == absl::StatusCode::kInvalidArgument);
+  // Strides that wrap around, a negative offset, a garbage address.
+  DevTensor wrap = mine;
+  wrap.ref.strides[0] = INT64_MAX / 2;
+  std::vector<tpu::OpArg> w = {T(wrap), T(mine), B(false)};
+  REQUIRE(attacker->EnqueueOp(0, *copy, w.data(), 3, nullptr, 0).ok());
+  CHECK(attacker->Synchronize(0).code() == absl::StatusCode::kInvalidArgument);
+  DevTensor garbage = mine;
+  garbage.ref.address = 0x1234;
+  std::vector<tpu::OpArg> g = {T(garbage), T(mine), B(false)};
+  REQUIRE(attacker->EnqueueOp(0, *copy, g.data(), 3, nullptr, 0).ok());
+  CHECK(attacker->Synchronize(0).code() == absl::StatusCode::kInvalidArgument);
+  // Copies too.
+  std::vector<float> buf(1024);
+  CHECK(attacker->CopyToHost(0, buf.data(), v.segment, 4096).code() ==
+        absl::StatusCode::kInvalidArgument);
+  // The victim's data is intact and its session unaffected.
+  CHECK(at::equal(Download(*victim, v.ref), secret));
+  CHECK(victim->Synchronize(0).ok());
+}
+
+TEST_CASE("out of memory and drained chips mid-stream") {
+  TestDaemon d({"--session_quota_bytes=8MiB"});
+  auto s = Open(d);
+  at::Tensor x = at::tensor({1.0f, 0.0f, 2.0f});
+  DevTensor dx = Upload(*s, x);
+  // Fill the quota, then ask for a data-dependent result: no room for it.
+  absl::StatusOr<tpu::Segment> filler = s->Allocate(0, (8 << 20) - 4096);
+  REQUIRE(filler.ok());
+  absl::StatusOr<uint32_t> nz = s->DefineOp(SchemaOf("aten::nonzero", ""));
+  tpu::OpArg xa = T(dx);
+  absl::StatusOr<std::vector<tpu::OpResult>> r = s->RunSync(0, *nz, &xa, 1, nullptr, 0);
+  CHECK(r.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK(absl::StrContains(r.status().message(), "quota"));
+  REQUIRE(s->Free(filler->address).ok());
+  r = s->RunSync(0, *nz, &xa, 1, nullptr, 0);
+  CHECK(r.ok());
+  // Draining the chip stops new segments, not work on existing ones.
+  absl::StatusOr<std::unique_ptr<tpu::AdminClient>> admin =
+      tpu::AdminClient::Connect(d.admin_socket());
+  REQUIRE(admin.ok());
+  REQUIRE((*admin)->DrainChip(0).ok());
+  absl::StatusOr<uint32_t> neg = s->DefineOp(SchemaOf("aten::neg", ""));
+  REQUIRE(s->EnqueueOp(0, *neg, &xa, 1, &dx.ref, 1).ok());
+  REQUIRE(s->Synchronize(0).ok());
+  RequireClose(Download(*s, dx.ref), -x);
+  r = s->RunSync(0, *nz, &xa, 1, nullptr, 0);
+  CHECK(r.status().code() == absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_CASE("the daemon going away mid-stream is an error, not a hang") {
+  auto d = std::make_unique<TestDaemon>();
+  auto s = Open(*d);
+  DevTensor x = Upload(*s, at::ones({512, 512}));
+  absl::StatusOr<uint32_t> mm = s->DefineOp(SchemaOf("aten::mm", ""));
+  std::vector<tpu::OpArg> args = {T(x), T(x)};
+  for (int i = 0; i < 50; ++i) REQUIRE(s->EnqueueOp(0, *mm, args.data(), 2, &x.ref, 1).ok());
+  REQUIRE(d->Stop() == 0);
+  absl::Status st = s->Synchronize(0);
+  CHECK_FALSE(st.ok());
+  CHECK((st.code() == absl::StatusCode::kUnavailable));
+}
+
+}  // namespace
