@@ -30,6 +30,9 @@ class BackendOp {
  public:
   virtual ~BackendOp() = default;
   virtual const std::string& schema() const = 0;
+  // Whether the op writes argument `index` (in-place and out= arguments), so
+  // a failure can poison what it may have half-written.
+  virtual bool WritesArgument(size_t index) const { return false; }
 };
 
 // Where one TensorRef of an op lives, as checked by the executor: the

@@ -76,6 +76,8 @@ class SessionDataPlane {
     std::vector<ResolvedTensor> resolved;
     std::vector<ResultValue> results;
     size_t bad_ref = 0;  // set when ResolveTensors finds a tensor outside the session
+    const BackendOp* current_op = nullptr;
+    std::shared_ptr<const BackendOp> current_op_holder;
   };
   class PendingResults;
 
@@ -92,7 +94,12 @@ class SessionDataPlane {
   // REQUIRES: memory_->mu held as reader.
   absl::Status ResolveTensors(StreamState& st, int* chip);
   absl::Status CheckPoison(const StreamState& st);
-  void Poison(const StreamState& st, const std::string& cause);
+  void Unpoison(const StreamState& st, const BackendOp& op);
+  // Marks what a failed op may have written (its outputs and written
+  // arguments) so later readers fail with `cause`.
+  void Poison(const StreamState& st, const BackendOp* op, const std::string& cause);
+  void PoisonRef(const tpu::TensorRef& t, const std::string& cause)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(poison_mu_);
   absl::StatusOr<char*> DeviceRange(uint64_t address, uint64_t bytes, bool* foreign);
   absl::StatusOr<char*> HostRange(uint64_t offset, uint64_t bytes);
   void RecordError(StreamState& st, uint64_t sequence, const absl::Status& status) {
@@ -350,7 +357,7 @@ absl::Status SessionDataPlane::Handle(StreamState& st, const tpu::RecordHeader& 
       if (absl::Status s = tpu::DecodeOp(record, &st.op); !s.ok()) return s;
       absl::Status s = RunOp(st, header.sequence);
       if (!s.ok()) {
-        Poison(st, std::string(s.message()));
+        Poison(st, st.current_op, std::string(s.message()));
         RecordError(st, header.sequence, s);
       }
       return absl::OkStatus();
@@ -489,14 +496,44 @@ absl::Status SessionDataPlane::CheckPoison(const StreamState& st) {
   return absl::OkStatus();
 }
 
-void SessionDataPlane::Poison(const StreamState& st, const std::string& cause) {
+void SessionDataPlane::PoisonRef(const tpu::TensorRef& t, const std::string& cause) {
+  absl::StatusOr<tpu::Footprint> fp = tpu::TensorFootprint(t);
+  if (!fp.ok() || fp->end == fp->begin) return;
+  poisoned_[t.address + fp->begin] = Poisoned{t.address + fp->end, cause};
+  any_poisoned_.store(true);
+}
+
+void SessionDataPlane::Poison(const StreamState& st, const BackendOp* op,
+                              const std::string& cause) {
   absl::MutexLock lock(&poison_mu_);
-  for (const tpu::TensorRef& t : st.op.outputs) {
-    absl::StatusOr<tpu::Footprint> fp = tpu::TensorFootprint(t);
-    if (!fp.ok() || fp->end == fp->begin) continue;
-    poisoned_[t.address + fp->begin] = Poisoned{t.address + fp->end, cause};
-    any_poisoned_.store(true);
+  for (const tpu::TensorRef& t : st.op.outputs) PoisonRef(t, cause);
+  if (op == nullptr) return;
+  for (size_t a = 0; a < st.op.num_args; ++a) {
+    if (!op->WritesArgument(a)) continue;
+    const tpu::OpArg& arg = st.op.args[a];
+    if (arg.tag == tpu::ArgTag::kTensor) PoisonRef(arg.tensor, cause);
+    if (arg.tag == tpu::ArgTag::kTensorList) {
+      for (const tpu::TensorRef& t : arg.tensors) PoisonRef(t, cause);
+    }
   }
+}
+
+void SessionDataPlane::Unpoison(const StreamState& st, const BackendOp& op) {
+  // A successful op rewrites its outputs: they are good again.
+  absl::MutexLock lock(&poison_mu_);
+  auto clear = [&](const tpu::TensorRef& t) {
+    absl::StatusOr<tpu::Footprint> fp = tpu::TensorFootprint(t);
+    if (!fp.ok()) return;
+    auto it = poisoned_.find(t.address + fp->begin);
+    if (it != poisoned_.end() && it->second.end == t.address + fp->end) poisoned_.erase(it);
+  };
+  for (const tpu::TensorRef& t : st.op.outputs) clear(t);
+  for (size_t a = 0; a < st.op.num_args; ++a) {
+    if (op.WritesArgument(a) && st.op.args[a].tag == tpu::ArgTag::kTensor) {
+      clear(st.op.args[a].tensor);
+    }
+  }
+  if (poisoned_.empty()) any_poisoned_.store(false);
 }
 
 class SessionDataPlane::PendingResults : public ResultAllocator {
@@ -512,6 +549,10 @@ class SessionDataPlane::PendingResults : public ResultAllocator {
   // Lists the new segments. REQUIRES: SessionMemory::mu not held.
   void Publish() {
     for (const SegmentGrant& g : grants_) core_->ListSegment(session_, g);
+    grants_.clear();
+  }
+  void Discard() {
+    for (const SegmentGrant& g : grants_) core_->FreeUnlisted(session_, g);
     grants_.clear();
   }
 
@@ -535,6 +576,8 @@ absl::Status SessionDataPlane::RunOp(StreamState& st, uint64_t sequence) {
     if (!op_table_[st.op.op_id].status.ok()) return op_table_[st.op.op_id].status;
     op = op_table_[st.op.op_id].op;
   }
+  st.current_op_holder = op;
+  st.current_op = op.get();
   const bool sync = (st.op.flags & tpu::kOpFlagSync) != 0;
   tpu::StreamControl* ctl = st.ctl;
   absl::Status status;
@@ -558,9 +601,16 @@ absl::Status SessionDataPlane::RunOp(StreamState& st, uint64_t sequence) {
       scheduler_->Release(run_chip, session_id_, busy);
       busy_ns_.fetch_add(busy, std::memory_order_relaxed);
       ops_.fetch_add(1, std::memory_order_relaxed);
+      if (status.ok() && any_poisoned_.load(std::memory_order_relaxed)) Unpoison(st, *op);
     }
   }
-  if (pending != nullptr) pending->Publish();
+  if (pending != nullptr) {
+    if (status.ok()) {
+      pending->Publish();
+    } else {
+      pending->Discard();  // a failed op's results go straight back
+    }
+  }
   if (!status.ok() && status.code() == absl::StatusCode::kNotFound) {
     // A tensor outside the session's own segments: tell forged from foreign.
     const size_t index = st.bad_ref;
@@ -608,7 +658,7 @@ absl::Status SessionDataPlane::RunOp(StreamState& st, uint64_t sequence) {
     ctl->response_sequence = sequence;
     // A synchronous op's failure is reported to its caller directly.
     if (!status.ok()) {
-      Poison(st, std::string(status.message()));
+      Poison(st, op.get(), std::string(status.message()));
       return absl::OkStatus();
     }
   }

@@ -470,6 +470,16 @@ void RuntimeCore::ListSegment(uint64_t session_id, const SegmentGrant& grant) {
   memory->segments[grant.address] = grant;
 }
 
+void RuntimeCore::FreeUnlisted(uint64_t session_id, const SegmentGrant& grant) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it != sessions_.end()) {
+    it->second->bytes_per_chip[grant.chip] -= grant.size;
+    it->second->segments_per_chip[grant.chip] -= 1;
+  }
+  FreeBlockLocked(grant.chip, grant.offset);
+}
+
 bool RuntimeCore::BelongsToAnotherSession(uint64_t session_id, uint64_t address) const {
   absl::MutexLock lock(&mu_);
   const int chip = tpu::DeviceAddressChip(address);

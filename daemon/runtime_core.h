@@ -148,6 +148,8 @@ class RuntimeCore {
   absl::StatusOr<SegmentGrant> AllocateUnlisted(uint64_t session_id, int chip,
                                                 uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   void ListSegment(uint64_t session_id, const SegmentGrant& grant) ABSL_LOCKS_EXCLUDED(mu_);
+  // Gives back an unlisted grant (the op that wanted it failed).
+  void FreeUnlisted(uint64_t session_id, const SegmentGrant& grant) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Ends a session (its data-plane connection closed): like EndConnection.
   ReclaimResult EndSession(uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);

@@ -34,6 +34,11 @@ class SimulatedOp final : public BackendOp {
         function_schema_(handle_.schema()) {}
 
   const std::string& schema() const override { return schema_; }
+  bool WritesArgument(size_t index) const override {
+    const auto& args = function_schema_.arguments();
+    return index < args.size() && args[index].alias_info() != nullptr &&
+           args[index].alias_info()->isWrite();
+  }
   // "aten::add.Tensor": how messages name the op.
   const std::string& name() const { return name_; }
   const c10::OperatorHandle& handle() const { return handle_; }
