@@ -110,6 +110,9 @@ TopologyInfo ConvertTopology(const v1::TopologyInfo& t) {
     chip.session_count = c.session_count();
     chip.healthy = c.healthy();
     chip.drained = c.drained();
+    chip.duty_cycle = c.duty_cycle();
+    chip.busy_seconds = c.busy_seconds();
+    chip.ops_executed = c.ops_executed();
     out.chips.push_back(std::move(chip));
   }
   return out;
@@ -130,6 +133,8 @@ SessionInfo ConvertSession(const v1::SessionInfo& s) {
   out.protocol_version = s.protocol_version();
   out.opened_unix_seconds = s.opened_unix_seconds();
   out.segment_count = s.segment_count();
+  out.busy_seconds = s.busy_seconds();
+  out.ops_executed = s.ops_executed();
   return out;
 }
 

@@ -24,31 +24,41 @@ double ChipScheduler::MinVtimeLocked(const Chip& c) const {
 void ChipScheduler::Acquire(int chip, uint64_t session) {
   absl::MutexLock lock(&mu_);
   Chip& c = chips_[chip];
-  if (!c.busy && c.waiters.empty()) {
-    c.busy = true;
-    return;
+  const uint64_t now = tpu::MonotonicNanos();
+  if (!c.busy) {
+    const bool reserved_elsewhere =
+        c.reserved_for != 0 && c.reserved_for != session && now < c.reserved_until;
+    if (c.reserved_for == session || (!reserved_elsewhere && c.waiters.empty())) {
+      c.busy = true;
+      c.holder = session;
+      c.reserved_for = 0;
+      return;
+    }
   }
-  // Returning from idle: no credit for the time away.
-  auto [it, inserted] = c.vtime.emplace(session, 0.0);
-  bool others_waiting = false;
-  for (const Waiter* w : c.waiters) others_waiting |= w->session != session;
-  if (others_waiting) it->second = std::max(it->second, MinVtimeLocked(c));
-  (void)inserted;
+  // Returning from idle: no credit for the time away. The floor is the
+  // least served of those competing now (waiters and the holder).
+  double floor = MinVtimeLocked(c);
+  const uint64_t competitor = c.busy ? c.holder : c.reserved_for;
+  if (competitor != 0 && competitor != session) {
+    const double cv = c.vtime[competitor];
+    floor = c.waiters.empty() ? cv : std::min(floor, cv);
+  }
+  double& v = c.vtime[session];
+  v = std::max(v, floor);
   Waiter me{session};
   c.waiters.push_back(&me);
-  mu_.Await(absl::Condition(
-      +[](Waiter* w) { return w->granted; }, &me));
+  while (!me.granted) {
+    // A reservation whose session did not come back lapses.
+    if (!c.busy && c.reserved_for != 0 && tpu::MonotonicNanos() >= c.reserved_until) {
+      c.reserved_for = 0;
+      GrantNextLocked(c);
+      continue;
+    }
+    mu_.AwaitWithTimeout(absl::Condition(&me.granted), absl::Microseconds(200));
+  }
 }
 
-void ChipScheduler::Release(int chip, uint64_t session, uint64_t busy_ns) {
-  absl::MutexLock lock(&mu_);
-  Chip& c = chips_[chip];
-  c.vtime[session] += static_cast<double>(busy_ns);
-  c.busy_ns += busy_ns;
-  c.ops += 1;
-  const uint64_t now = tpu::MonotonicNanos();
-  RollWindowLocked(c, now);
-  c.window_busy_ns += busy_ns;
+void ChipScheduler::GrantNextLocked(Chip& c) {
   if (c.waiters.empty()) {
     c.busy = false;
     return;
@@ -65,7 +75,29 @@ void ChipScheduler::Release(int chip, uint64_t session, uint64_t busy_ns) {
   }
   Waiter* next = c.waiters[best];
   c.waiters.erase(c.waiters.begin() + best);
-  next->granted = true;  // the chip passes straight to it; busy stays true
+  c.busy = true;
+  c.holder = next->session;
+  next->granted = true;
+}
+
+void ChipScheduler::Release(int chip, uint64_t session, uint64_t busy_ns, bool more_work) {
+  absl::MutexLock lock(&mu_);
+  Chip& c = chips_[chip];
+  double& v = c.vtime[session];
+  v += static_cast<double>(busy_ns);
+  c.busy_ns += busy_ns;
+  c.ops += 1;
+  const uint64_t now = tpu::MonotonicNanos();
+  RollWindowLocked(c, now);
+  c.window_busy_ns += busy_ns;
+  if (more_work && (c.waiters.empty() || v <= MinVtimeLocked(c))) {
+    // Still the least served, with its next op right behind: keep the chip.
+    c.busy = false;
+    c.reserved_for = session;
+    c.reserved_until = now + kReservationNs;
+    return;
+  }
+  GrantNextLocked(c);
 }
 
 void ChipScheduler::RollWindowLocked(Chip& c, uint64_t now) {

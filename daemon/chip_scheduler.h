@@ -2,10 +2,12 @@
 //
 // A chip runs one op at a time. Streams that want it queue here; when the
 // chip frees up it goes to the waiting session that has used the chip least
-// (measured busy time divided by its weight), so a client with a stream of
-// heavy ops cannot starve a light one. A session that starts (or returns
-// from idle) is credited with the current minimum, so it cannot bank idle
-// time and then monopolise the chip.
+// (measured busy time), so a client with a stream of heavy ops cannot starve
+// a light one. A session that starts (or returns from idle) is credited with
+// the current minimum, so it cannot bank idle time and then monopolise the
+// chip. A session that is still the least served and has more work queued
+// keeps the chip for its next op (for a short reservation), so many small
+// ops are not interleaved one for one with another session's large ones.
 //
 // Thread-safety: thread-safe.
 #ifndef TPUD_DAEMON_CHIP_SCHEDULER_H_
@@ -33,8 +35,10 @@ class ChipScheduler {
 
   // Blocks until `session` may run on `chip`. Returns the wait start time.
   void Acquire(int chip, uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
-  // Gives the chip back after `busy_ns` of work for `session`.
-  void Release(int chip, uint64_t session, uint64_t busy_ns) ABSL_LOCKS_EXCLUDED(mu_);
+  // Gives the chip back after `busy_ns` of work for `session`. `more_work`:
+  // the caller has another op queued right behind this one.
+  void Release(int chip, uint64_t session, uint64_t busy_ns, bool more_work)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets a session's accounting (it ended).
   void ForgetSession(uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -42,6 +46,8 @@ class ChipScheduler {
 
   // Window over which duty cycles are measured.
   static constexpr uint64_t kWindowNs = 1000000000;
+  // How long a chip waits for the session it is reserved for.
+  static constexpr uint64_t kReservationNs = 300000;
 
  private:
   struct Waiter {
@@ -50,6 +56,9 @@ class ChipScheduler {
   };
   struct Chip {
     bool busy = false;
+    uint64_t holder = 0;        // session running now (when busy)
+    uint64_t reserved_for = 0;  // session that may take the chip next
+    uint64_t reserved_until = 0;
     std::vector<Waiter*> waiters;
     std::map<uint64_t, double> vtime;  // per session: busy ns / weight
     uint64_t busy_ns = 0;
@@ -59,6 +68,8 @@ class ChipScheduler {
     double last_duty = 0;
   };
   double MinVtimeLocked(const Chip& c) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Hands the (free) chip to the least served waiter, or marks it idle.
+  void GrantNextLocked(Chip& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RollWindowLocked(Chip& c, uint64_t now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Mutex mu_;

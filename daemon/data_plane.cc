@@ -598,7 +598,8 @@ absl::Status SessionDataPlane::RunOp(StreamState& st, uint64_t sequence) {
       status = backend_->Run(*op, st.op, st.resolved, sync ? &st.results : nullptr,
                              pending.get());
       const uint64_t busy = tpu::MonotonicNanos() - start;
-      scheduler_->Release(run_chip, session_id_, busy);
+      scheduler_->Release(run_chip, session_id_, busy,
+                          ctl->tail.load(std::memory_order_relaxed) != st.head);
       busy_ns_.fetch_add(busy, std::memory_order_relaxed);
       ops_.fetch_add(1, std::memory_order_relaxed);
       if (status.ok() && any_poisoned_.load(std::memory_order_relaxed)) Unpoison(st, *op);

@@ -23,7 +23,12 @@ absl::StatusOr<ConnectionInfo> CallerOf(const ConnectionTable& table,
   return *info;
 }
 
-void FillSession(const SessionSnapshot& s, v1::SessionInfo* out) {
+void FillSession(const SessionSnapshot& s, DataPlane* data_plane, v1::SessionInfo* out) {
+  if (data_plane != nullptr) {
+    SessionActivity a = data_plane->Activity(s.id);
+    out->set_busy_seconds(a.busy_ns / 1e9);
+    out->set_ops_executed(a.ops);
+  }
   out->set_id(s.id);
   out->set_pid(s.peer.pid);
   out->set_uid(s.peer.uid);
@@ -49,7 +54,7 @@ int ChipIndex(uint32_t wire_chip) {
 
 }  // namespace
 
-void FillTopology(const RuntimeCore& core, v1::TopologyInfo* out) {
+void FillTopology(const RuntimeCore& core, DataPlane* data_plane, v1::TopologyInfo* out) {
   const Topology& t = core.topology();
   out->set_name(t.name());
   out->set_simulated(true);
@@ -77,6 +82,12 @@ void FillTopology(const RuntimeCore& core, v1::TopologyInfo* out) {
     chip->set_session_count(c.session_count);
     chip->set_healthy(c.healthy);
     chip->set_drained(c.drained);
+    if (data_plane != nullptr) {
+      ChipUsage u = data_plane->ChipActivity(c.id);
+      chip->set_duty_cycle(u.duty_cycle);
+      chip->set_busy_seconds(u.busy_ns / 1e9);
+      chip->set_ops_executed(u.ops);
+    }
   }
 }
 
@@ -85,7 +96,7 @@ void FillTopology(const RuntimeCore& core, v1::TopologyInfo* out) {
 grpc::Status RuntimeServiceImpl::GetTopology(grpc::ServerContext*,
                                              const v1::GetTopologyRequest*,
                                              v1::GetTopologyResponse* resp) {
-  FillTopology(*core_, resp->mutable_topology());
+  FillTopology(*core_, data_plane_, resp->mutable_topology());
   return grpc::Status::OK;
 }
 
@@ -194,8 +205,10 @@ grpc::Status AdminServiceImpl::GetStatus(grpc::ServerContext* ctx,
                                          const v1::GetStatusRequest*,
                                          v1::GetStatusResponse* resp) {
   if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
-  FillTopology(*core_, resp->mutable_topology());
-  for (const SessionSnapshot& s : core_->Sessions()) FillSession(s, resp->add_sessions());
+  FillTopology(*core_, data_plane_, resp->mutable_topology());
+  for (const SessionSnapshot& s : core_->Sessions()) {
+    FillSession(s, data_plane_, resp->add_sessions());
+  }
   resp->set_daemon_version(kDaemonVersion);
   resp->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
   resp->set_daemon_pid(getpid());
@@ -207,7 +220,9 @@ grpc::Status AdminServiceImpl::ListSessions(grpc::ServerContext* ctx,
                                             const v1::ListSessionsRequest*,
                                             v1::ListSessionsResponse* resp) {
   if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
-  for (const SessionSnapshot& s : core_->Sessions()) FillSession(s, resp->add_sessions());
+  for (const SessionSnapshot& s : core_->Sessions()) {
+    FillSession(s, data_plane_, resp->add_sessions());
+  }
   return grpc::Status::OK;
 }
 

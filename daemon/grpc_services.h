@@ -10,6 +10,7 @@
 
 #include "absl/time/time.h"
 #include "daemon/connection_table.h"
+#include "daemon/data_plane.h"
 #include "daemon/runtime_core.h"
 #include "proto/tpud.grpc.pb.h"
 
@@ -17,8 +18,9 @@ namespace tpud {
 
 class RuntimeServiceImpl final : public v1::Runtime::Service {
  public:
-  RuntimeServiceImpl(RuntimeCore* core, const ConnectionTable* connections)
-      : core_(core), connections_(connections) {}
+  RuntimeServiceImpl(RuntimeCore* core, const ConnectionTable* connections,
+                     DataPlane* data_plane)
+      : core_(core), connections_(connections), data_plane_(data_plane) {}
 
   grpc::Status GetTopology(grpc::ServerContext* ctx, const v1::GetTopologyRequest* req,
                            v1::GetTopologyResponse* resp) override;
@@ -38,15 +40,16 @@ class RuntimeServiceImpl final : public v1::Runtime::Service {
  private:
   RuntimeCore* core_;
   const ConnectionTable* connections_;
+  DataPlane* data_plane_;
 };
 
 class AdminServiceImpl final : public v1::Admin::Service {
  public:
   // `hangup` closes a connection whose session an administrator killed.
   AdminServiceImpl(RuntimeCore* core, const ConnectionTable* connections,
-                   std::function<void(ConnectionId)> hangup)
-      : core_(core), connections_(connections), hangup_(std::move(hangup)),
-        started_(absl::Now()) {}
+                   DataPlane* data_plane, std::function<void(ConnectionId)> hangup)
+      : core_(core), connections_(connections), data_plane_(data_plane),
+        hangup_(std::move(hangup)), started_(absl::Now()) {}
 
   grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest* req,
                          v1::GetStatusResponse* resp) override;
@@ -68,12 +71,14 @@ class AdminServiceImpl final : public v1::Admin::Service {
 
   RuntimeCore* core_;
   const ConnectionTable* connections_;
+  DataPlane* data_plane_;
   std::function<void(ConnectionId)> hangup_;
   absl::Time started_;
 };
 
-// Fills a TopologyInfo with the topology and the chips' current state.
-void FillTopology(const RuntimeCore& core, v1::TopologyInfo* out);
+// Fills a TopologyInfo with the topology and the chips' current state
+// (`data_plane` may be null: no activity figures).
+void FillTopology(const RuntimeCore& core, DataPlane* data_plane, v1::TopologyInfo* out);
 
 }  // namespace tpud
 

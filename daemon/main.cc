@@ -136,8 +136,9 @@ int Run() {
 
   ConnectionTable connections;
   std::unique_ptr<SocketServer> sockets;
-  RuntimeServiceImpl runtime_service(core->get(), &connections);
-  AdminServiceImpl admin_service(core->get(), &connections, [&sockets](ConnectionId id) {
+  RuntimeServiceImpl runtime_service(core->get(), &connections, &data_plane);
+  AdminServiceImpl admin_service(core->get(), &connections, &data_plane,
+                                 [&sockets](ConnectionId id) {
     if (sockets != nullptr) sockets->Hangup(id);
   });
 

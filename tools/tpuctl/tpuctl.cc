@@ -102,6 +102,9 @@ void WriteChips(JsonWriter& w, const tpu::TopologyInfo& t) {
     w.Key("session_count").Int(c.session_count);
     w.Key("healthy").Bool(c.healthy);
     w.Key("drained").Bool(c.drained);
+    w.Key("duty_cycle").Double(c.duty_cycle);
+    w.Key("busy_seconds").Double(c.busy_seconds);
+    w.Key("ops_executed").Uint(c.ops_executed);
     w.EndObject();
   }
   w.EndArray();
@@ -132,14 +135,16 @@ void WriteSessions(JsonWriter& w, const std::vector<tpu::SessionInfo>& sessions)
     w.Key("segment_count").Uint(s.segment_count);
     w.Key("protocol_version").Uint(s.protocol_version);
     w.Key("opened_unix_seconds").Double(s.opened_unix_seconds);
+    w.Key("busy_seconds").Double(s.busy_seconds);
+    w.Key("ops_executed").Uint(s.ops_executed);
     w.EndObject();
   }
   w.EndArray();
 }
 
 void PrintChipTable(const tpu::TopologyInfo& t) {
-  std::printf("%-5s %-8s %-28s %-9s %s\n", "CHIP", "COORDS", "HBM USED / TOTAL", "SESSIONS",
-              "STATE");
+  std::printf("%-5s %-8s %-28s %-9s %-6s %-12s %s\n", "CHIP", "COORDS", "HBM USED / TOTAL",
+              "SESSIONS", "DUTY", "OPS", "STATE");
   for (const tpu::ChipInfo& c : t.chips) {
     double pct = c.hbm_total_bytes == 0
                      ? 0
@@ -148,9 +153,10 @@ void PrintChipTable(const tpu::TopologyInfo& t) {
                                       tpu::FormatBytes(c.hbm_total_bytes), pct);
     std::string state = c.healthy ? "healthy" : "UNHEALTHY";
     if (c.drained) state += ", drained";
-    std::printf("%-5d %-8s %-28s %-9d %s\n", c.id,
+    std::printf("%-5d %-8s %-28s %-9d %-6s %-12llu %s\n", c.id,
                 absl::StrCat("(", absl::StrJoin(c.coords, ","), ")").c_str(), hbm.c_str(),
-                c.session_count, state.c_str());
+                c.session_count, absl::StrFormat("%3.0f%%", 100 * c.duty_cycle).c_str(),
+                static_cast<unsigned long long>(c.ops_executed), state.c_str());
   }
 }
 
@@ -159,21 +165,22 @@ void PrintSessionTable(const std::vector<tpu::SessionInfo>& sessions) {
     std::printf("No sessions.\n");
     return;
   }
-  std::printf("%-8s %-8s %-10s %-12s %-26s %-11s %s\n", "SESSION", "PID", "USER", "HBM",
-              "HBM PER CHIP", "QUOTA", "COMMAND");
+  std::printf("%-8s %-8s %-10s %-12s %-26s %-11s %-9s %-10s %s\n", "SESSION", "PID", "USER",
+              "HBM", "HBM PER CHIP", "QUOTA", "BUSY", "OPS", "COMMAND");
   for (const tpu::SessionInfo& s : sessions) {
     std::vector<std::string> per_chip;
     for (const auto& [chip, bytes] : s.hbm_bytes_per_chip) {
       per_chip.push_back(absl::StrCat(chip, ": ", tpu::FormatBytes(bytes)));
     }
     std::string command = s.command.size() > 60 ? s.command.substr(0, 57) + "..." : s.command;
-    std::printf("%-8llu %-8d %-10s %-12s %-26s %-11s %s\n",
+    std::printf("%-8llu %-8d %-10s %-12s %-26s %-11s %-9s %-10llu %s\n",
                 static_cast<unsigned long long>(s.id), s.pid, UserName(s.uid).c_str(),
                 tpu::FormatBytes(s.hbm_bytes).c_str(),
                 per_chip.empty() ? "-" : absl::StrJoin(per_chip, ", ").c_str(),
                 s.quota_bytes_per_chip == 0 ? "none"
                                             : tpu::FormatBytes(s.quota_bytes_per_chip).c_str(),
-                command.c_str());
+                absl::StrFormat("%.2fs", s.busy_seconds).c_str(),
+                static_cast<unsigned long long>(s.ops_executed), command.c_str());
   }
 }
 

@@ -51,6 +51,9 @@ struct ChipInfo {
   int session_count = 0;
   bool healthy = true;
   bool drained = false;
+  double duty_cycle = 0;  // fraction of the last second spent running ops
+  double busy_seconds = 0;
+  uint64_t ops_executed = 0;
 };
 
 struct TopologyInfo {
@@ -228,6 +231,8 @@ struct SessionInfo {
   uint32_t protocol_version = 0;
   double opened_unix_seconds = 0;
   uint64_t segment_count = 0;
+  double busy_seconds = 0;  // chip time this session's ops used
+  uint64_t ops_executed = 0;
 };
 
 struct DaemonStatus {
