@@ -88,16 +88,44 @@ void ChipScheduler::Release(int chip, uint64_t session, uint64_t busy_ns, bool m
   c.busy_ns += busy_ns;
   c.ops += 1;
   const uint64_t now = tpu::MonotonicNanos();
+  c.last_seen[session] = now;
   RollWindowLocked(c, now);
   c.window_busy_ns += busy_ns;
-  if (more_work && (c.waiters.empty() || v <= MinVtimeLocked(c))) {
-    // Still the least served, with its next op right behind: keep the chip.
-    c.busy = false;
-    c.reserved_for = session;
-    c.reserved_until = now + kReservationNs;
+  // The least served among those competing: the waiters, this session if it
+  // has more work, and sessions that ran a moment ago (their next op is
+  // likely being decoded right now).
+  uint64_t best = 0;
+  double best_v = std::numeric_limits<double>::max();
+  bool best_waits = false;
+  for (const Waiter* w : c.waiters) {
+    const double wv = c.vtime[w->session];
+    if (wv < best_v) {
+      best_v = wv;
+      best = w->session;
+      best_waits = true;
+    }
+  }
+  if (more_work && v <= best_v) {
+    best_v = v;
+    best = session;
+    best_waits = false;
+  }
+  for (const auto& [other, seen] : c.last_seen) {
+    if (other == session || now - seen > kActiveNs) continue;
+    const double ov = c.vtime[other];
+    if (ov < best_v) {
+      best_v = ov;
+      best = other;
+      best_waits = false;
+    }
+  }
+  if (best == 0 || best_waits) {
+    GrantNextLocked(c);
     return;
   }
-  GrantNextLocked(c);
+  c.busy = false;
+  c.reserved_for = best;
+  c.reserved_until = now + kReservationNs;
 }
 
 void ChipScheduler::RollWindowLocked(Chip& c, uint64_t now) {
@@ -111,7 +139,10 @@ void ChipScheduler::RollWindowLocked(Chip& c, uint64_t now) {
 
 void ChipScheduler::ForgetSession(uint64_t session) {
   absl::MutexLock lock(&mu_);
-  for (Chip& c : chips_) c.vtime.erase(session);
+  for (Chip& c : chips_) {
+    c.vtime.erase(session);
+    c.last_seen.erase(session);
+  }
 }
 
 ChipUsage ChipScheduler::Usage(int chip) {

@@ -5,9 +5,10 @@
 // (measured busy time), so a client with a stream of heavy ops cannot starve
 // a light one. A session that starts (or returns from idle) is credited with
 // the current minimum, so it cannot bank idle time and then monopolise the
-// chip. A session that is still the least served and has more work queued
-// keeps the chip for its next op (for a short reservation), so many small
-// ops are not interleaved one for one with another session's large ones.
+// chip. When the chip frees up and the least served session is not waiting
+// at that instant but ran a moment ago (its next op is on its way), the chip
+// is reserved for it briefly, so many small ops are not interleaved one for
+// one with another session's large ones.
 //
 // Thread-safety: thread-safe.
 #ifndef TPUD_DAEMON_CHIP_SCHEDULER_H_
@@ -48,6 +49,8 @@ class ChipScheduler {
   static constexpr uint64_t kWindowNs = 1000000000;
   // How long a chip waits for the session it is reserved for.
   static constexpr uint64_t kReservationNs = 300000;
+  // A session that released the chip this recently counts as competing.
+  static constexpr uint64_t kActiveNs = 2000000;
 
  private:
   struct Waiter {
@@ -60,7 +63,8 @@ class ChipScheduler {
     uint64_t reserved_for = 0;  // session that may take the chip next
     uint64_t reserved_until = 0;
     std::vector<Waiter*> waiters;
-    std::map<uint64_t, double> vtime;  // per session: busy ns / weight
+    std::map<uint64_t, double> vtime;         // per session: busy ns
+    std::map<uint64_t, uint64_t> last_seen;   // per session: last release
     uint64_t busy_ns = 0;
     uint64_t ops = 0;
     uint64_t window_start_ns = 0;
