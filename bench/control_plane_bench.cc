@@ -5,9 +5,6 @@
 //
 // Prints one JSON object per line: name, speed_ratio (project speed / baseline
 // speed; higher is better) and the per-call times behind it.
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,30 +14,16 @@
 #include <string>
 #include <vector>
 
-#include <grpcpp/grpcpp.h>
-
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
-#include "bench/ping.grpc.pb.h"
+#include "bench/ping_baseline.h"
 #include "tpu/client.h"
 
 ABSL_FLAG(int, iterations, 2000, "calls per measured round");
 ABSL_FLAG(int, rounds, 7, "interleaved rounds; the median round is reported");
-ABSL_FLAG(std::string, serve_ping, "",
-          "internal: serve the baseline ping on this unix socket path and exit on EOF of stdin");
-
-extern char** environ;
 
 namespace {
-
-class PingService final : public tpud::bench::BenchPing::Service {
-  grpc::Status Ping(grpc::ServerContext*, const tpud::bench::PingMessage* req,
-                    tpud::bench::PingMessage* resp) override {
-    resp->set_sequence(req->sequence());
-    return grpc::Status::OK;
-  }
-};
 
 template <typename F>
 double MicrosPerCall(int n, F&& f) {
@@ -67,53 +50,22 @@ void Emit(const std::string& name, double project_us, double baseline_us, int ca
 
 }  // namespace
 
-int ServePing(const std::string& path) {
-  PingService service;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + path, grpc::InsecureServerCredentials());
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr) {
-    std::fprintf(stderr, "cannot start the baseline ping server on %s\n", path.c_str());
-    return 1;
-  }
-  server->Wait();
-  return 0;
-}
-
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
-  if (!absl::GetFlag(FLAGS_serve_ping).empty()) return ServePing(absl::GetFlag(FLAGS_serve_ping));
-  const int n = absl::GetFlag(FLAGS_iterations);
-  const int rounds = std::max(1, absl::GetFlag(FLAGS_rounds));
-
-  // Baseline: a plain gRPC server on a unix socket in another process, as
-  // tpud is.
+  // The baseline server is forked before any thread exists.
   char dir_template[] = "/tmp/tpud-bench.XXXXXX";
   if (mkdtemp(dir_template) == nullptr) return 1;
   const std::string ping_path = absl::StrCat(dir_template, "/ping.sock");
-  std::string self = "/proc/self/exe";
-  std::string flag = "--serve_ping=" + ping_path;
-  char* child_argv[] = {self.data(), flag.data(), nullptr};
-  pid_t server_pid = -1;
-  if (posix_spawn(&server_pid, self.c_str(), nullptr, nullptr, child_argv, environ) != 0) {
-    std::fprintf(stderr, "cannot spawn the baseline ping server\n");
-    return 1;
-  }
-  for (int i = 0; i < 500 && access(ping_path.c_str(), F_OK) != 0; ++i) usleep(10000);
-  auto stub = tpud::bench::BenchPing::NewStub(
-      grpc::CreateChannel("unix:" + ping_path, grpc::InsecureChannelCredentials()));
-  auto ping = [&](int i) {
-    grpc::ClientContext ctx;
-    tpud::bench::PingMessage req, resp;
-    req.set_sequence(i);
-    if (!stub->Ping(&ctx, req, &resp).ok()) std::abort();
-  };
+  const pid_t server = tpud_bench::ForkPingServer(ping_path);
+  absl::ParseCommandLine(argc, argv);
+  const int n = absl::GetFlag(FLAGS_iterations);
+  const int rounds = std::max(1, absl::GetFlag(FLAGS_rounds));
 
+  tpud_bench::PingClient ping(ping_path);
   absl::StatusOr<std::unique_ptr<tpu::Session>> session =
       tpu::Session::Open({"", "control_plane_bench"});
   if (!session.ok()) {
     std::fprintf(stderr, "control_plane_bench: %s\n", session.status().ToString().c_str());
+    tpud_bench::StopPingServer(server);
     return 1;
   }
   tpu::Session& s = **session;
@@ -126,12 +78,12 @@ int main(int argc, char** argv) {
   };
 
   // Warm both paths, then interleave rounds so drift hits both alike.
-  MicrosPerCall(200, ping);
+  ping.MicrosPerCall(200);
   MicrosPerCall(200, stats);
   MicrosPerCall(100, alloc_free);
   std::vector<double> ping_us, stats_us, alloc_us;
   for (int r = 0; r < rounds; ++r) {
-    ping_us.push_back(MicrosPerCall(n, ping));
+    ping_us.push_back(ping.MicrosPerCall(n));
     stats_us.push_back(MicrosPerCall(n, stats));
     alloc_us.push_back(MicrosPerCall(n / 2, alloc_free));
   }
@@ -141,8 +93,7 @@ int main(int argc, char** argv) {
   Emit("segment_alloc_free_pair", Median(alloc_us), 2 * ping_median, n / 2,
        "2x_grpc_unary_ping_unix");
 
-  kill(server_pid, SIGTERM);
-  waitpid(server_pid, nullptr, 0);
+  tpud_bench::StopPingServer(server);
   unlink(ping_path.c_str());
   rmdir(dir_template);
   return 0;

@@ -13,4 +13,5 @@ PID=$!
 trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null; rm -rf "$DIR"' EXIT
 for _ in $(seq 100); do [[ -S "$DIR/admin.sock" ]] && break; sleep 0.05; done
 export TPUD_SOCKET="$DIR/tpud.sock"
-"$BIN/bench/control_plane_bench" "$@"
+"$BIN/bench/control_plane_bench"
+"$BIN/bench/dataplane_bench" "$@"
