@@ -24,10 +24,9 @@ double ChipScheduler::MinVtimeLocked(const Chip& c) const {
 void ChipScheduler::Acquire(int chip, uint64_t session) {
   absl::MutexLock lock(&mu_);
   Chip& c = chips_[chip];
-  const uint64_t now = tpu::MonotonicNanos();
   if (!c.busy) {
-    const bool reserved_elsewhere =
-        c.reserved_for != 0 && c.reserved_for != session && now < c.reserved_until;
+    const bool reserved_elsewhere = c.reserved_for != 0 && c.reserved_for != session &&
+                                    tpu::MonotonicNanos() < c.reserved_until;
     if (c.reserved_for == session || (!reserved_elsewhere && c.waiters.empty())) {
       c.busy = true;
       c.holder = session;
@@ -80,14 +79,15 @@ void ChipScheduler::GrantNextLocked(Chip& c) {
   next->granted = true;
 }
 
-void ChipScheduler::Release(int chip, uint64_t session, uint64_t busy_ns, bool more_work) {
+void ChipScheduler::Release(int chip, uint64_t session, uint64_t busy_ns, bool more_work,
+                            uint64_t now_ns) {
   absl::MutexLock lock(&mu_);
   Chip& c = chips_[chip];
   double& v = c.vtime[session];
   v += static_cast<double>(busy_ns);
   c.busy_ns += busy_ns;
   c.ops += 1;
-  const uint64_t now = tpu::MonotonicNanos();
+  const uint64_t now = now_ns != 0 ? now_ns : tpu::MonotonicNanos();
   c.last_seen[session] = now;
   RollWindowLocked(c, now);
   c.window_busy_ns += busy_ns;

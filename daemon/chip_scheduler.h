@@ -38,8 +38,10 @@ class ChipScheduler {
   void Acquire(int chip, uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
   // Gives the chip back after `busy_ns` of work for `session`. `more_work`:
   // the caller has another op queued right behind this one.
-  void Release(int chip, uint64_t session, uint64_t busy_ns, bool more_work)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // `now_ns`: the caller's MonotonicNanos() at the end of the work (0: read
+  // the clock here).
+  void Release(int chip, uint64_t session, uint64_t busy_ns, bool more_work,
+               uint64_t now_ns = 0) ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets a session's accounting (it ended).
   void ForgetSession(uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
 

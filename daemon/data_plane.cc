@@ -217,6 +217,8 @@ void SessionDataPlane::Stop() {
 
 bool SessionDataPlane::WaitForRecord(StreamState& st) {
   tpu::StreamControl* ctl = st.ctl;
+  // A busy ring: no clock read, no syscall.
+  if (ctl->tail.load(std::memory_order_acquire) != st.head) return true;
   const uint64_t spin_until = tpu::MonotonicNanos() + options_.spin_ns;
   int spins = 0;
   while (!stopping_.load(std::memory_order_relaxed) && !failed_.load(std::memory_order_relaxed)) {
@@ -597,9 +599,10 @@ absl::Status SessionDataPlane::RunOp(StreamState& st, uint64_t sequence) {
       const uint64_t start = tpu::MonotonicNanos();
       status = backend_->Run(*op, st.op, st.resolved, sync ? &st.results : nullptr,
                              pending.get());
-      const uint64_t busy = tpu::MonotonicNanos() - start;
+      const uint64_t end = tpu::MonotonicNanos();
+      const uint64_t busy = end - start;
       scheduler_->Release(run_chip, session_id_, busy,
-                          ctl->tail.load(std::memory_order_relaxed) != st.head);
+                          ctl->tail.load(std::memory_order_relaxed) != st.head, end);
       busy_ns_.fetch_add(busy, std::memory_order_relaxed);
       ops_.fetch_add(1, std::memory_order_relaxed);
       if (status.ok() && any_poisoned_.load(std::memory_order_relaxed)) Unpoison(st, *op);

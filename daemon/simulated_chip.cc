@@ -45,13 +45,57 @@ class SimulatedOp final : public BackendOp {
   const c10::FunctionSchema& function_schema() const {
     return function_schema_;
   }
+  // The op's out= variant, when it has one that takes exactly this op's
+  // arguments plus one out tensor per returned tensor: outputs the client
+  // allocated are then written in place instead of copied.
+  const std::optional<c10::OperatorHandle>& out_variant() const { return out_variant_; }
+  void set_out_variant(c10::OperatorHandle h) { out_variant_ = std::move(h); }
 
  private:
   const std::string schema_;
   const std::string name_;
   const c10::OperatorHandle handle_;
   const c10::FunctionSchema function_schema_;
+  std::optional<c10::OperatorHandle> out_variant_;
 };
+
+// Finds `functional`'s out= variant: same name, overload "<overload>_out" or
+// "out", arguments identical followed by one written Tensor per return.
+std::optional<c10::OperatorHandle> FindOutVariant(const c10::FunctionSchema& functional) {
+  const auto& rets = functional.returns();
+  if (rets.empty()) return std::nullopt;
+  for (const c10::Argument& r : rets) {
+    if (r.type()->kind() != c10::TypeKind::TensorType || r.alias_info() != nullptr) {
+      return std::nullopt;
+    }
+  }
+  // In-place and out= ops write their arguments already.
+  for (const c10::Argument& a : functional.arguments()) {
+    if (a.alias_info() != nullptr && a.alias_info()->isWrite()) return std::nullopt;
+  }
+  const std::string& overload = functional.overload_name();
+  std::vector<std::string> candidates;
+  if (!overload.empty()) candidates.push_back(overload + "_out");
+  candidates.push_back("out");
+  for (const std::string& cand : candidates) {
+    auto h = c10::Dispatcher::singleton().findSchema({functional.name(), cand});
+    if (!h.has_value()) continue;
+    const auto& args = h->schema().arguments();
+    const auto& fargs = functional.arguments();
+    if (args.size() != fargs.size() + rets.size()) continue;
+    bool same = true;
+    for (size_t i = 0; i < fargs.size() && same; ++i) {
+      same = args[i].name() == fargs[i].name() && *args[i].type() == *fargs[i].type() &&
+             args[i].alias_info() == nullptr;
+    }
+    for (size_t j = fargs.size(); j < args.size() && same; ++j) {
+      same = args[j].type()->kind() == c10::TypeKind::TensorType &&
+             args[j].alias_info() != nullptr && args[j].alias_info()->isWrite();
+    }
+    if (same) return h;
+  }
+  return std::nullopt;
+}
 
 namespace {
 
@@ -621,6 +665,54 @@ absl::Status OpRun::Run() {
   absl::Status st = BuildStack();
   if (ABSL_PREDICT_FALSE(!st.ok())) return st;
 
+  const auto& out_variant = op_.out_variant();
+  // Only when every tensor involved has one dtype: out= kernels cast to the
+  // out tensor's dtype where the functional op would return another, and
+  // the client must get an error for that, not a silent cast.
+  bool one_dtype = out_variant.has_value() &&
+                   decoded_.outputs.size() == op_.function_schema().returns().size();
+  for (size_t i = 0; one_dtype && i < decoded_.outputs.size(); ++i) {
+    one_dtype = decoded_.outputs[i].dtype == decoded_.outputs[0].dtype;
+  }
+  for (size_t i = 0; one_dtype && i < s_.args.size(); ++i) {
+    one_dtype = static_cast<int8_t>(s_.args[i].tensor.scalar_type()) == decoded_.outputs[0].dtype;
+  }
+  if (one_dtype) {
+    // The client allocated every output: let the kernel write them.
+    for (size_t i = 0; i < decoded_.outputs.size(); ++i) {
+      at::Tensor view;
+      st = MakeView(decoded_.outputs[i], tensors_[num_arg_tensors_ + i], &view, nullptr);
+      if (ABSL_PREDICT_FALSE(!st.ok())) return st;
+      s_.args.push_back(ArgTensor{view, &decoded_.outputs[i]});
+      s_.stack.push_back(std::move(view));
+    }
+    const size_t first_out = s_.args.size() - decoded_.outputs.size();
+    out_variant->callBoxed(s_.stack);
+    // A kernel may resize its out= tensor; with the client's layout fixed,
+    // anything but the shape it allocated is an error, not a silent reshape.
+    for (size_t i = 0; i < decoded_.outputs.size(); ++i) {
+      const at::Tensor& t = s_.args[first_out + i].tensor;
+      if (ABSL_PREDICT_FALSE(!SameShape(t, decoded_.outputs[i]) ||
+                             t.strides() != c10::IntArrayRef(decoded_.outputs[i].strides,
+                                                             decoded_.outputs[i].ndim))) {
+        return Error(absl::StrCat(
+            "output ", i, ": got ", ShapeString(t.sizes()), " ", c10::toString(t.scalar_type()),
+            ", client allocated ",
+            ShapeString(c10::IntArrayRef(decoded_.outputs[i].sizes, decoded_.outputs[i].ndim)),
+            " ", DtypeName(decoded_.outputs[i].dtype)));
+      }
+    }
+    if (results_ != nullptr) {
+      for (const tpu::TensorRef& out : decoded_.outputs) {
+        ResultValue v;
+        v.kind = ResultValue::Kind::kTensor;
+        v.tensor = out;
+        results_->push_back(v);
+      }
+    }
+    return absl::OkStatus();
+  }
+
   op_.handle().callBoxed(s_.stack);
 
   for (size_t i = 0; i < s_.stack.size(); ++i) {
@@ -716,8 +808,8 @@ absl::StatusOr<std::shared_ptr<const BackendOp>> SimulatedChip::LookupOp(
                      TORCH_VERSION, " has ", ours, ", the client sent ",
                      schema));
   }
-  auto op = std::make_shared<const SimulatedOp>(std::string(schema),
-                                                std::string(full), *handle);
+  auto op = std::make_shared<SimulatedOp>(std::string(schema), std::string(full), *handle);
+  if (auto out = FindOutVariant(handle->schema())) op->set_out_variant(*out);
   absl::MutexLock lock(&mu_);
   auto inserted = ops_.emplace(std::string(schema), std::move(op));
   return inserted.first->second;
