@@ -510,3 +510,57 @@ TEST_CASE("the daemon going away mid-stream is an error, not a hang") {
 }
 
 }  // namespace
+
+namespace {
+
+using tpud_test::BinaryPath;
+using tpud_test::ChildProcess;
+
+TEST_CASE("two processes stream at once; kill -9 of one mid-stream harms nothing else") {
+  TestDaemon d({}, "256MiB");
+  absl::StatusOr<std::unique_ptr<tpu::AdminClient>> admin =
+      tpu::AdminClient::Connect(d.admin_socket());
+  REQUIRE(admin.ok());
+  // Two well-behaved processes on one chip, each checking its results.
+  ChildProcess a(BinaryPath("examples/cpp/stream_add"),
+                 {"--socket=" + d.socket(), "--chip=0", "--iterations=3000"});
+  ChildProcess b(BinaryPath("examples/cpp/stream_add"),
+                 {"--socket=" + d.socket(), "--chip=0", "--iterations=3000", "--stream=3"});
+  CHECK(a.Wait(absl::Seconds(60)) == 0);
+  CHECK(b.Wait(absl::Seconds(60)) == 0);
+
+  // A process streaming forever on chip 1, killed mid-stream.
+  ChildProcess victim(BinaryPath("examples/cpp/stream_add"),
+                      {"--socket=" + d.socket(), "--chip=1", "--iterations=500", "--forever"});
+  REQUIRE(TestDaemon::WaitFor(
+      [&] {
+        absl::StatusOr<std::vector<tpu::SessionInfo>> s = (*admin)->ListSessions();
+        return s.ok() && s->size() == 1 && (*s)[0].ops_executed > 1000;
+      },
+      absl::Seconds(20)));
+  // Meanwhile this process works on chip 1 too.
+  auto s = Open(d);
+  at::Tensor x = at::arange(1000, at::kFloat);
+  DevTensor dx = Upload(*s, x, 1);
+  absl::StatusOr<uint32_t> mul = s->DefineOp(SchemaOf("aten::mul", "Tensor"));
+  DevTensor out = Empty(*s, x, 1);
+  std::vector<tpu::OpArg> args = {T(dx), T(dx)};
+  for (int i = 0; i < 200; ++i) REQUIRE(s->EnqueueOp(0, *mul, args.data(), 2, &out.ref, 1).ok());
+  victim.Signal(SIGKILL);
+  for (int i = 0; i < 200; ++i) REQUIRE(s->EnqueueOp(0, *mul, args.data(), 2, &out.ref, 1).ok());
+  REQUIRE(s->Synchronize(0).ok());
+  CHECK(at::equal(Download(*s, out.ref), x * x));
+  // The killed process's memory is back; only ours remains.
+  REQUIRE(TestDaemon::WaitFor([&] {
+    absl::StatusOr<std::vector<tpu::SessionInfo>> l = (*admin)->ListSessions();
+    return l.ok() && l->size() == 1 && (*l)[0].pid == getpid();
+  }));
+  absl::StatusOr<tpu::DaemonStatus> st = (*admin)->GetStatus();
+  REQUIRE(st.ok());
+  absl::StatusOr<tpu::MemoryStats> mine = s->GetMemoryStats();
+  REQUIRE(mine.ok());
+  CHECK(st->topology.chips[1].hbm_used_bytes == mine->chips[1].session_bytes);
+  CHECK(st->topology.chips[1].ops_executed > 1000);
+}
+
+}  // namespace
