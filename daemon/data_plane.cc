@@ -89,7 +89,11 @@ class SessionDataPlane {
   absl::Status HandleDefineOp(absl::string_view record);
   absl::Status RunOp(StreamState& st, uint64_t sequence);
   absl::Status RunCopy(const tpu::DecodedCopy& copy);
-  absl::Status WaitEvent(const tpu::DecodedEventWait& wait);
+  // Holds the stream until another stream completed a sequence. A wait that
+  // could never end (on this stream's own later work, or on work the other
+  // stream has not even been given) is an error instead of a stall.
+  absl::Status WaitEvent(const StreamState& st, uint64_t sequence,
+                         const tpu::DecodedEventWait& wait);
   // Checks every tensor of st.op against the session's segments.
   // REQUIRES: memory_->mu held as reader.
   absl::Status ResolveTensors(StreamState& st, int* chip);
@@ -385,7 +389,9 @@ absl::Status SessionDataPlane::Handle(StreamState& st, const tpu::RecordHeader& 
     case tpu::RecordKind::kEventWait: {
       tpu::DecodedEventWait wait;
       if (absl::Status s = tpu::DecodeEventWait(record, &wait); !s.ok()) return s;
-      return WaitEvent(wait);
+      absl::Status s = WaitEvent(st, header.sequence, wait);
+      if (!s.ok()) RecordError(st, header.sequence, s);
+      return absl::OkStatus();
     }
     default:
       return absl::InvalidArgumentError(absl::StrCat("unknown record kind ", header.kind));
@@ -716,13 +722,25 @@ absl::Status SessionDataPlane::RunCopy(const tpu::DecodedCopy& copy) {
   return absl::OkStatus();
 }
 
-absl::Status SessionDataPlane::WaitEvent(const tpu::DecodedEventWait& wait) {
+absl::Status SessionDataPlane::WaitEvent(const StreamState& st, uint64_t sequence,
+                                        const tpu::DecodedEventWait& wait) {
   if (wait.stream >= static_cast<uint32_t>(tpu::kMaxStreams)) {
     return absl::InvalidArgumentError(absl::StrCat("event wait on stream ", wait.stream,
                                                    " (streams are 0..",
                                                    tpu::kMaxStreams - 1, ")"));
   }
   tpu::StreamControl* other = tpu::StreamOf(base_, layout_, wait.stream);
+  if (static_cast<int>(wait.stream) == st.index && wait.sequence >= sequence) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "stream ", st.index, " waits on its own later work (sequence ", wait.sequence,
+        " at record ", sequence, "): it would wait forever"));
+  }
+  if (wait.sequence > other->completed.load() && wait.sequence > other->submitted.load()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "event wait on stream ", wait.stream, " sequence ", wait.sequence,
+        ", which that stream was never given (submitted ", other->submitted.load(),
+        "); record the event before waiting on it"));
+  }
   while (!stopping_.load()) {
     const uint32_t v = other->completion_futex.load();
     other->waiters.fetch_add(1);
