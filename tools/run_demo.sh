@@ -6,7 +6,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 tools/setup.sh
-tools/bazel.sh build //daemon:tpud //tools/tpuctl:tpuctl //examples/cpp:hello_tpud 2>&1 |
+tools/bazel.sh build //daemon:tpud //tools/tpuctl:tpuctl //examples/cpp:hello_tpud \
+  //examples/cpp:stream_add 2>&1 |
   grep -E "ERROR|error:|Build completed" || true
 BIN="$ROOT/bazel-bin"
 DIR="$(mktemp -d /tmp/tpud-demo.XXXXXX)"
@@ -47,6 +48,15 @@ step "a third client asks for more than chip 1 has left: a clear refusal"
 step "kill -9 of the first client: its 6 GiB come back at once"
 kill -9 "${PIDS[0]}"
 sleep 0.2
+"$BIN/tools/tpuctl/tpuctl" status
+
+step "the data plane: two processes stream ops to chip 0 at once (shared memory, no gRPC per op)"
+"$BIN/examples/cpp/stream_add" --chip=0 --elements=65536 --iterations=3000 --forever > "$DIR/a.log" &
+PIDS+=($!)
+"$BIN/examples/cpp/stream_add" --chip=0 --elements=1024 --iterations=20000 --forever > "$DIR/b.log" &
+PIDS+=($!)
+sleep 2.5
+tail -n 2 "$DIR/a.log" "$DIR/b.log"
 "$BIN/tools/tpuctl/tpuctl" status
 echo
 echo "done: tpud, libtpuclient and tpuctl on a simulated host. Run tools/test.sh for the tests."

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Counts test cases across Bazel's Catch2 logs and pytest's JUnit XML.
 
-usage: summarize_tests.py BAZEL_OUTPUT_FILE BAZEL_TESTLOGS_DIR [PYTEST_JUNIT_XML...]
+usage: summarize_tests.py [--bazel OUTPUT_FILE TESTLOGS_DIR LABEL]... [PYTEST_JUNIT_XML...]
 Prints per-suite lines, then the last line: "N passed, N failed".
 """
 import pathlib
@@ -15,7 +15,7 @@ CATCH_ALL_PASSED = re.compile(r"All tests passed \((\d+) assertions? in (\d+) te
 CATCH_SUMMARY = re.compile(r"test cases:\s*(\d+)\s*\|\s*(\d+) passed\s*\|\s*(\d+) failed")
 
 
-def bazel_counts(output_file, testlogs):
+def bazel_counts(output_file, testlogs, label=""):
     passed = failed = 0
     targets = {}
     for line in pathlib.Path(output_file).read_text(errors="replace").splitlines():
@@ -39,7 +39,7 @@ def bazel_counts(output_file, testlogs):
             p = 1
         else:
             f = 1  # did not build, timed out or crashed before a summary
-        print(f"  {target}: {status} ({p} passed, {f} failed)")
+        print(f"  {label}{target}: {status} ({p} passed, {f} failed)")
         passed += p
         failed += f
     if not targets:
@@ -68,8 +68,14 @@ def junit_counts(path):
 
 
 def main(argv):
-    passed, failed = bazel_counts(argv[1], argv[2])
-    for xml in argv[3:]:
+    passed = failed = 0
+    args = argv[1:]
+    while args and args[0] == "--bazel":
+        p, f = bazel_counts(args[1], args[2], args[3])
+        passed += p
+        failed += f
+        args = args[4:]
+    for xml in args:
         p, f = junit_counts(xml)
         passed += p
         failed += f

@@ -30,9 +30,21 @@ echo "== bazel test //..."
 tools/bazel.sh test //... --test_output=errors 2>&1 | tee "$OUT/bazel_test.txt" |
   grep -vE "^(Loading|Analyzing|\[[0-9,]+ / [0-9,]+\]|INFO: From Testing)" || true
 TESTLOGS="$(bazel info bazel-testlogs 2>/dev/null)"
+cp -r "$TESTLOGS" "$OUT/testlogs-main"
 
 echo "== pytest tests/python"
 .venv/bin/python -m pytest -q tests/python --junitxml="$OUT/pytest.xml" 2>&1 | tail -25
 
+# The wire-format decoder and the hostile-client fuzz again, in an ASan build
+# (the daemon under test is built with ASan too).
+echo "== bazel test --config=asan (decoder and data-plane fuzz)"
+tools/bazel.sh test --config=asan //client:op_record_test //tests:dataplane_fuzz_test \
+  --test_output=errors 2>&1 | tee "$OUT/bazel_asan.txt" |
+  grep -vE "^(Loading|Analyzing|\[[0-9,]+ / [0-9,]+\]|INFO: From Testing)" || true
+cp -r "$(bazel info --config=asan bazel-testlogs 2>/dev/null)" "$OUT/testlogs-asan"
+
 echo "== summary"
-.venv/bin/python tools/summarize_tests.py "$OUT/bazel_test.txt" "$TESTLOGS" "$OUT/pytest.xml"
+.venv/bin/python tools/summarize_tests.py \
+  --bazel "$OUT/bazel_test.txt" "$OUT/testlogs-main" "" \
+  --bazel "$OUT/bazel_asan.txt" "$OUT/testlogs-asan" "asan " \
+  "$OUT/pytest.xml"

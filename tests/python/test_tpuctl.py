@@ -138,3 +138,20 @@ def test_bad_usage(daemon):
     assert r.returncode == 2
     r = tpuctl(daemon, "quota", "1", "lots", check=False)
     assert r.returncode == 1 and "size" in r.stderr
+
+
+def test_activity_figures_after_streaming(daemon):
+    holder = subprocess.Popen([bazel_bin("examples/cpp/stream_add"), "--iterations=2000",
+                               "--forever"], env=daemon.env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().startswith("round 1")
+        doc = json.loads(tpuctl(daemon, "status", "--json").stdout)
+        (s,) = doc["sessions"]
+        assert s["ops_executed"] >= 2000
+        assert s["busy_seconds"] > 0
+        assert doc["chips"][0]["ops_executed"] >= 2000
+        assert 0.0 <= doc["chips"][0]["duty_cycle"] <= 1.0
+        assert "DUTY" in tpuctl(daemon, "status").stdout
+    finally:
+        holder.kill()
+        holder.wait()
