@@ -584,6 +584,22 @@ absl::Status Session::Synchronize(int stream) {
   return impl_->TakeError(stream);
 }
 
+absl::Status Session::WaitIdle() {
+  if (impl_->shm == nullptr) return absl::OkStatus();
+  for (int s = 0; s < kMaxStreams; ++s) {
+    internal::StreamProducer& p = impl_->streams[s];
+    uint64_t last = 0;
+    {
+      absl::MutexLock lock(&p.mu);
+      last = p.next_sequence - 1;
+    }
+    if (last == 0) continue;
+    absl::Status st = impl_->WaitCompleted(s, last);
+    if (st.code() == absl::StatusCode::kUnavailable) return st;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Session::SynchronizeAll() {
   absl::Status first;
   for (int s = 0; s < kMaxStreams; ++s) {

@@ -91,6 +91,8 @@ const char* TagName(ArgTag tag) {
       return "kTensorList";
     case ArgTag::kOptionalTensorList:
       return "kOptionalTensorList";
+    case ArgTag::kGenerator:
+      return "kGenerator";
   }
   return "unknown";
 }
@@ -298,6 +300,7 @@ bool DecodeArg(BodyReader& r, OpArg* a) {
     case ArgTag::kInt:
     case ArgTag::kSymInt:
     case ArgTag::kScalarInt:
+    case ArgTag::kGenerator:
       return r.Read("int value", &a->i);
     case ArgTag::kDouble:
     case ArgTag::kScalarDouble:
@@ -506,6 +509,7 @@ void RecordWriter::Arg(const OpArg& arg) {
     case ArgTag::kTensor:
       Tensor(arg.tensor);
       break;
+    case ArgTag::kGenerator:
     case ArgTag::kInt:
     case ArgTag::kSymInt:
     case ArgTag::kScalarInt:

@@ -108,6 +108,7 @@ bool SameArg(const OpArg& a, const OpArg& b) {
     case ArgTag::kInt:
     case ArgTag::kSymInt:
     case ArgTag::kScalarInt:
+    case ArgTag::kGenerator:
     case ArgTag::kDtype:
     case ArgTag::kLayout:
     case ArgTag::kMemoryFormat:
@@ -984,6 +985,7 @@ class RandomRecords {
       case ArgTag::kInt:
       case ArgTag::kSymInt:
       case ArgTag::kScalarInt:
+      case ArgTag::kGenerator:
         a->i = static_cast<int64_t>(rng_());
         break;
       case ArgTag::kDouble:

@@ -1,6 +1,7 @@
 #include "daemon/simulated_chip.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -367,6 +368,13 @@ absl::Status OpRun::PushArg(size_t index, const tpu::OpArg& a) {
     case ArgTag::kIntList:
       stack.emplace_back(c10::IntArrayRef(a.ints));
       return absl::OkStatus();
+    case ArgTag::kGenerator: {
+      // A generator of this op's own, seeded by the client's device
+      // generator: reproducible per client, untouched by other sessions.
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(a.i));
+      stack.emplace_back(std::move(gen));
+      return absl::OkStatus();
+    }
     case ArgTag::kDoubleList:
       stack.emplace_back(c10::ArrayRef<double>(a.doubles));
       return absl::OkStatus();

@@ -210,6 +210,10 @@ class Session {
   // first error an op of that stream hit since the last synchronisation.
   absl::Status Synchronize(int stream);
   absl::Status SynchronizeAll();
+  // Waits for all enqueued work of every stream without taking the streams'
+  // errors (they stay for the next Synchronize). For freeing memory that
+  // queued work may still use.
+  absl::Status WaitIdle();
 
  private:
   struct Impl;

@@ -39,6 +39,7 @@
 //   kDevice                    i8 device type (c10::DeviceType), i8 index
 //   kTensorList                u32 n, n x TensorRef
 //   kOptionalTensorList        u32 n, n x (u8 present, TensorRef if present)
+//   kGenerator                 i64 seed
 //
 // A TensorRef is: u64 device address of the storage, i64 storage offset (in
 // elements), i8 dtype (c10::ScalarType value), u8 ndim (at most kMaxDims),
@@ -112,7 +113,11 @@ enum class ArgTag : uint8_t {
   kDevice = 19,
   kTensorList = 20,
   kOptionalTensorList = 21,
-  kLast = kOptionalTensorList,
+  // A random generator, sent as the seed the client drew for this op from
+  // its device generator: the daemon runs the op with a generator seeded so
+  // (results are reproducible per client, independent of other sessions).
+  kGenerator = 22,
+  kLast = kGenerator,
 };
 
 enum class CopyKind : uint8_t {

@@ -1,0 +1,128 @@
+#include "runtime.h"
+
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <sstream>
+
+#include "tpu/paths.h"
+
+namespace torch_tpu {
+namespace {
+
+struct Runtime {
+  std::once_flag once;
+  std::unique_ptr<tpu::Session> session;
+  absl::Status open_status;
+  tpu::TopologyInfo topology;
+  std::vector<int> visible;  // device index -> chip
+};
+
+Runtime& R() {
+  static Runtime* r = new Runtime();  // never destroyed: ops may run at exit
+  return *r;
+}
+
+std::vector<int> VisibleChips(int num_chips) {
+  std::vector<int> out;
+  const char* env = std::getenv("TPU_VISIBLE_CHIPS");
+  if (env == nullptr || *env == '\0') {
+    for (int c = 0; c < num_chips; ++c) out.push_back(c);
+    return out;
+  }
+  std::stringstream ss(env);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char* end = nullptr;
+    long c = std::strtol(item.c_str(), &end, 10);
+    // Like CUDA_VISIBLE_DEVICES: the list stops at the first invalid entry.
+    if (end == item.c_str() || *end != '\0' || c < 0 || c >= num_chips) break;
+    out.push_back(static_cast<int>(c));
+  }
+  return out;
+}
+
+void Open() {
+  Runtime& r = R();
+  std::call_once(r.once, [&r] {
+    tpu::ClientOptions options;
+    options.client_name = "torch_tpu";
+    absl::StatusOr<std::unique_ptr<tpu::Session>> s = tpu::Session::Open(options);
+    if (!s.ok()) {
+      r.open_status = s.status();
+      return;
+    }
+    absl::StatusOr<tpu::TopologyInfo> t = (*s)->GetTopology();
+    if (!t.ok()) {
+      r.open_status = t.status();
+      return;
+    }
+    r.topology = *std::move(t);
+    r.visible = VisibleChips(static_cast<int>(r.topology.chips.size()));
+    r.session = *std::move(s);
+  });
+}
+
+thread_local c10::DeviceIndex tls_device = 0;
+thread_local int64_t tls_stream[256] = {};
+
+}  // namespace
+
+void Check(const absl::Status& status, const char* what) {
+  if (status.ok()) return;
+  if (status.code() == absl::StatusCode::kResourceExhausted) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "tpu: ", what, ": ", status.ToString());
+  }
+  TORCH_CHECK(false, "tpu: ", what, ": ", status.ToString());
+}
+
+tpu::Session& GetSession() {
+  Open();
+  Runtime& r = R();
+  if (r.session == nullptr) {
+    Check(r.open_status, "cannot use the \"tpu\" device");
+  }
+  return *r.session;
+}
+
+c10::DeviceIndex DeviceCount() noexcept {
+  try {
+    Open();
+  } catch (...) {
+    return 0;
+  }
+  return R().session == nullptr ? 0 : static_cast<c10::DeviceIndex>(R().visible.size());
+}
+
+const tpu::TopologyInfo& Topology() {
+  GetSession();
+  return R().topology;
+}
+
+int ChipOf(c10::DeviceIndex device) {
+  GetSession();
+  const auto& v = R().visible;
+  TORCH_CHECK(device >= 0 && device < static_cast<c10::DeviceIndex>(v.size()), "tpu: device ",
+              static_cast<int>(device), " does not exist (this process sees ", v.size(),
+              " tpu device(s)", std::getenv("TPU_VISIBLE_CHIPS") ? ", narrowed by TPU_VISIBLE_CHIPS" : "",
+              ")");
+  return v[device];
+}
+
+c10::DeviceIndex CurrentDevice() { return tls_device; }
+
+void SetDevice(c10::DeviceIndex device) {
+  ChipOf(device);  // validates
+  tls_device = device;
+}
+
+int64_t CurrentStreamId(c10::DeviceIndex device) {
+  return tls_stream[static_cast<uint8_t>(device)];
+}
+
+void SetCurrentStreamId(c10::DeviceIndex device, int64_t id) {
+  TORCH_CHECK(id >= 0 && id < tpu::kNumStreams, "tpu: no stream ", id);
+  tls_stream[static_cast<uint8_t>(device)] = id;
+}
+
+}  // namespace torch_tpu
