@@ -139,6 +139,8 @@ class SessionDataPlane {
   absl::Mutex poison_mu_;
   std::map<uint64_t, Poisoned> poisoned_ ABSL_GUARDED_BY(poison_mu_);
   std::atomic<bool> any_poisoned_{false};
+  // Root cause found by the last CheckPoison of a thread's op.
+  static thread_local std::string poison_root_;
 };
 
 absl::Status SessionDataPlane::Create(uint64_t pinned_bytes) {
@@ -361,9 +363,12 @@ absl::Status SessionDataPlane::Handle(StreamState& st, const tpu::RecordHeader& 
       return HandleDefineOp(record);
     case tpu::RecordKind::kOp: {
       if (absl::Status s = tpu::DecodeOp(record, &st.op); !s.ok()) return s;
+      poison_root_.clear();
       absl::Status s = RunOp(st, header.sequence);
       if (!s.ok()) {
-        Poison(st, st.current_op, std::string(s.message()));
+        // Outputs of an op that failed on a poisoned input carry the root
+        // cause, not a chain of "produced by an op that failed" prefixes.
+        Poison(st, st.current_op, poison_root_.empty() ? std::string(s.message()) : poison_root_);
         RecordError(st, header.sequence, s);
       }
       return absl::OkStatus();
@@ -497,6 +502,7 @@ absl::Status SessionDataPlane::CheckPoison(const StreamState& st) {
       if (prev->second.end > begin) it = prev;
     }
     if (it != poisoned_.end() && it->first < end) {
+      poison_root_ = it->second.cause;
       return absl::FailedPreconditionError(absl::StrCat(
           "an input was produced by an op that failed earlier: ", it->second.cause));
     }
@@ -668,7 +674,8 @@ absl::Status SessionDataPlane::RunOp(StreamState& st, uint64_t sequence) {
     ctl->response_sequence = sequence;
     // A synchronous op's failure is reported to its caller directly.
     if (!status.ok()) {
-      Poison(st, op.get(), std::string(status.message()));
+      Poison(st, op.get(),
+             poison_root_.empty() ? std::string(status.message()) : poison_root_);
       return absl::OkStatus();
     }
   }
@@ -751,6 +758,8 @@ absl::Status SessionDataPlane::WaitEvent(const StreamState& st, uint64_t sequenc
   }
   return absl::OkStatus();
 }
+
+thread_local std::string SessionDataPlane::poison_root_;
 
 // ---------------------------------------------------------------- DataPlane
 

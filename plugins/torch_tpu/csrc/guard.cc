@@ -46,6 +46,7 @@ class TpuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   c10::Stream getNewStream(c10::Device d, int) const override {
     // Streams 1..7 of the session, round robin (0 is the default stream).
     static std::atomic<int> next{0};
+    if (!d.has_index()) d = c10::Device(kTpu, CurrentDevice());
     return c10::Stream(c10::Stream::UNSAFE, d, 1 + next.fetch_add(1) % (tpu::kNumStreams - 1));
   }
   c10::Stream exchangeStream(c10::Stream s) const override {

@@ -1,0 +1,777 @@
+// The ops of "tpu": a few native kernels (creation, views, resize, set,
+// copies, scalar reads) and one boxed fallback that forwards every other ATen
+// op to tpud. The fallback finds output shapes by running the op on the
+// `meta` device, allocates the outputs here, and enqueues the op without a
+// round trip; ops whose outputs depend on data, or that return values to the
+// host, take the synchronous path. Nothing falls back to the CPU silently.
+#include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/native/CPUFallback.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_as_complex_native.h>
+#include <ATen/ops/view_as_real_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "allocator.h"
+#include "generator.h"
+#include "runtime.h"
+
+namespace torch_tpu {
+namespace {
+
+constexpr c10::DeviceType kTpu = c10::DeviceType::PrivateUse1;
+const c10::DispatchKeySet kTpuKeys(c10::DispatchKey::PrivateUse1);
+
+bool IsTpu(const at::Tensor& t) { return t.defined() && t.device().type() == kTpu; }
+
+tpu::TensorRef RefOf(const at::Tensor& t) {
+  tpu::TensorRef r;
+  TORCH_CHECK(t.dim() <= tpu::kMaxDims, "tpu: tensors of more than ", tpu::kMaxDims,
+              " dimensions are not supported");
+  r.address = reinterpret_cast<uint64_t>(t.storage().data_ptr().get());
+  r.storage_offset = t.storage_offset();
+  r.dtype = static_cast<int8_t>(t.scalar_type());
+  r.ndim = static_cast<uint8_t>(t.dim());
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    r.sizes[d] = t.size(d);
+    r.strides[d] = t.stride(d);
+  }
+  return r;
+}
+
+// Interned op ids, per operator (the schema string is built once).
+uint32_t OpIdFor(const c10::FunctionSchema& schema) {
+  static std::mutex mu;
+  static auto* ids = new std::unordered_map<const c10::FunctionSchema*, uint32_t>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = ids->find(&schema);
+  if (it != ids->end()) return it->second;
+  absl::StatusOr<uint32_t> id = GetSession().DefineOp(c10::toString(schema));
+  Check(id.status(), "defining an op");
+  ids->emplace(&schema, *id);
+  return *id;
+}
+
+uint32_t OpIdFor(const char* name, const char* overload) {
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
+  return OpIdFor(op.schema());
+}
+
+at::Tensor EmptyStrided(at::IntArrayRef size, at::IntArrayRef stride, at::ScalarType dtype,
+                        c10::DeviceIndex device) {
+  c10::DeviceGuard guard(c10::Device(kTpu, device));
+  return at::detail::empty_strided_generic(size, stride, GetTpuAllocator(), kTpuKeys, dtype);
+}
+
+// A CPU 0-dim tensor (a wrapped Python number) used with tpu tensors goes to
+// the device first, as CUDA does implicitly.
+at::Tensor ToDevice(const at::Tensor& cpu, c10::DeviceIndex device, int stream) {
+  at::Tensor src = cpu.contiguous();
+  at::Tensor dst = EmptyStrided(src.sizes(), src.strides(), src.scalar_type(), device);
+  if (src.nbytes() > 0) {
+    Check(GetSession().CopyToDevice(stream, reinterpret_cast<uint64_t>(dst.data_ptr()),
+                                    src.data_ptr(), src.nbytes()),
+          "copy to device");
+  }
+  return dst;
+}
+
+at::ScalarType ScalarTypeOfResult(int8_t dtype) { return static_cast<at::ScalarType>(dtype); }
+
+// One op on its way to the daemon.
+class ForwardedOp {
+ public:
+  ForwardedOp(const c10::OperatorHandle& op, torch::jit::Stack* stack)
+      : op_(op), schema_(op.schema()), stack_(stack) {}
+
+  void Run() {
+    const size_t n = schema_.arguments().size();
+    auto args = torch::jit::last(*stack_, n);
+    FindDevice(args);
+    // Convert CPU scalars, then build the meta twins.
+    std::vector<c10::IValue> inputs(args.begin(), args.end());
+    for (size_t i = 0; i < n; ++i) inputs[i] = Normalize(inputs[i], i);
+    bool sync = false;
+    for (const c10::Argument& r : schema_.returns()) {
+      const auto kind = r.real_type()->kind();
+      if (kind != c10::TypeKind::TensorType && !IsTensorList(r.real_type()) &&
+          !IsOptionalTensor(r.real_type())) {
+        sync = true;  // the host needs a value
+      }
+    }
+    std::vector<c10::IValue> meta_results;
+    if (!sync) sync = !RunMeta(inputs, &meta_results);
+    std::vector<tpu::OpArg> wire(n);
+    auto encode_args = [&] {
+      for (size_t i = 0; i < n; ++i) wire[i] = ToWire(inputs[i], schema_.arguments()[i], i);
+    };
+    const uint32_t id = OpIdFor(schema_);
+    tpu::Session& session = GetSession();
+    torch::jit::drop(*stack_, n);
+    if (sync) {
+      encode_args();
+      absl::StatusOr<std::vector<tpu::OpResult>> results =
+          session.RunSync(stream_, id, wire.data(), wire.size(), nullptr, 0);
+      Check(results.status(), schema_.name().c_str());
+      PushSyncResults(*results, inputs);
+      return;
+    }
+    std::vector<tpu::TensorRef> outputs;
+    std::vector<c10::IValue> returns;
+    for (const c10::IValue& m : meta_results) returns.push_back(MakeOutput(m, inputs, &outputs));
+    // After the outputs: an out= argument may just have been resized.
+    encode_args();
+    if (all_outputs_alias_ && !WritesAnArgument()) {
+      // A pure view op: the result is metadata over existing data.
+      for (c10::IValue& r : returns) torch::jit::push(*stack_, std::move(r));
+      return;
+    }
+    absl::StatusOr<uint64_t> seq = session.EnqueueOp(stream_, id, wire.data(), wire.size(),
+                                                     outputs.data(), outputs.size());
+    Check(seq.status(), schema_.name().c_str());
+    for (c10::IValue& r : returns) torch::jit::push(*stack_, std::move(r));
+  }
+
+ private:
+  static bool IsTensorList(const c10::TypePtr& t) {
+    return t->kind() == c10::TypeKind::ListType &&
+           t->containedType(0)->kind() == c10::TypeKind::TensorType;
+  }
+  static bool IsOptionalTensor(const c10::TypePtr& t) {
+    return t->kind() == c10::TypeKind::OptionalType &&
+           t->containedType(0)->kind() == c10::TypeKind::TensorType;
+  }
+
+  void FindDevice(c10::ArrayRef<c10::IValue> args) {
+    auto visit = [&](const at::Tensor& t) {
+      if (IsTpu(t) && device_ < 0) device_ = t.device().index();
+    };
+    for (const c10::IValue& v : args) {
+      if (v.isTensor()) visit(v.toTensor());
+      if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorList()) visit(t);
+      }
+      if (v.isList()) {
+        for (const c10::IValue& e : v.toListRef()) {
+          if (e.isTensor()) visit(e.toTensor());
+        }
+      }
+    }
+    if (device_ < 0) {
+      // Factory-like ops (e.g. randperm, arange.start_out): the op's device
+      // argument or the current device.
+      for (const c10::IValue& v : args) {
+        if (v.isDevice() && v.toDevice().type() == kTpu && v.toDevice().has_index()) {
+          device_ = v.toDevice().index();
+        }
+      }
+      if (device_ < 0) device_ = CurrentDevice();
+    }
+    stream_ = SessionStream(CurrentStreamId(device_));
+  }
+
+  at::Tensor NormalizeTensor(const at::Tensor& t, size_t index) {
+    if (!t.defined() || IsTpu(t)) {
+      TORCH_CHECK(!t.defined() || t.device().index() == device_, "tpu: ", schema_.name(),
+                  ": expected all tensors on tpu:", static_cast<int>(device_),
+                  ", found one on ", t.device(), " (argument ", index, ")");
+      return t;
+    }
+    TORCH_CHECK(t.device().is_cpu() && t.dim() == 0, "tpu: ", schema_.name(),
+                ": expected all tensors on tpu, found one on ", t.device(), " (argument ",
+                index, ", shape ", t.sizes(), "); move it with .to(\"tpu\")");
+    at::Tensor moved = ToDevice(t, device_, stream_);
+    keep_alive_.push_back(moved);
+    return moved;
+  }
+
+  c10::IValue Normalize(const c10::IValue& v, size_t index) {
+    if (v.isTensor()) return NormalizeTensor(v.toTensor(), index);
+    if (v.isTensorList()) {
+      c10::List<at::Tensor> out;
+      for (const at::Tensor& t : v.toTensorList()) out.push_back(NormalizeTensor(t, index));
+      return out;
+    }
+    if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
+      c10::List<std::optional<at::Tensor>> out;
+      for (const c10::IValue& e : v.toListRef()) {
+        if (e.isNone()) {
+          out.push_back(std::nullopt);
+        } else {
+          out.push_back(NormalizeTensor(e.toTensor(), index));
+        }
+      }
+      return out;
+    }
+    return v;
+  }
+
+  at::Tensor Meta(const at::Tensor& t) {
+    if (!t.defined()) return t;
+    const int64_t itemsize = t.element_size();
+    const int64_t storage_numel = static_cast<int64_t>(t.storage().nbytes()) / itemsize;
+    at::Tensor base = at::empty({storage_numel}, t.options().device(c10::kMeta));
+    at::Tensor m = base.as_strided(t.sizes(), t.strides(), t.storage_offset());
+    meta_pairs_.emplace_back(m, t);
+    return m;
+  }
+
+  c10::IValue MetaOf(const c10::IValue& v) {
+    if (v.isTensor()) return Meta(v.toTensor());
+    if (v.isTensorList()) {
+      c10::List<at::Tensor> out;
+      for (const at::Tensor& t : v.toTensorList()) out.push_back(Meta(t));
+      return out;
+    }
+    if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
+      c10::List<std::optional<at::Tensor>> out;
+      for (const c10::IValue& e : v.toListRef()) {
+        if (e.isNone()) {
+          out.push_back(std::nullopt);
+        } else {
+          out.push_back(Meta(e.toTensor()));
+        }
+      }
+      return out;
+    }
+    if (v.isDevice() && v.toDevice().type() == kTpu) return c10::Device(c10::kMeta);
+    if (v.isGenerator()) return c10::IValue();
+    return v;
+  }
+
+  // Output metadata from the meta kernel. False when the op cannot say
+  // without looking at data (nonzero, unique, boolean indexing, ...).
+  bool RunMeta(const std::vector<c10::IValue>& inputs, std::vector<c10::IValue>* results) {
+    torch::jit::Stack meta;
+    for (const c10::IValue& v : inputs) meta.push_back(MetaOf(v));
+    try {
+      op_.callBoxed(&meta);
+    } catch (const std::exception&) {
+      // c10::Error from C++ meta kernels, or a Python meta registration's
+      // NotImplementedError: the shape depends on data.
+      return false;
+    }
+    *results = std::move(meta);
+    return true;
+  }
+
+  bool WritesAnArgument() const {
+    for (const c10::Argument& a : schema_.arguments()) {
+      if (a.alias_info() != nullptr && a.alias_info()->isWrite()) return true;
+    }
+    return false;
+  }
+
+  // The original tpu tensor whose meta twin `m` aliases, if any; `same` says
+  // whether `m` is that twin itself (an in-place or out= result).
+  const at::Tensor* AliasOf(const at::Tensor& m, bool* same) const {
+    for (const auto& [meta, real] : meta_pairs_) {
+      if (meta.unsafeGetTensorImpl() == m.unsafeGetTensorImpl()) {
+        *same = true;
+        return &real;
+      }
+    }
+    for (const auto& [meta, real] : meta_pairs_) {
+      if (meta.is_alias_of(m)) {
+        *same = false;
+        return &real;
+      }
+    }
+    return nullptr;
+  }
+
+  at::Tensor OutputTensor(const at::Tensor& m, std::vector<tpu::TensorRef>* outputs) {
+    if (!m.defined()) {
+      outputs->push_back(tpu::TensorRef{});  // the slot still counts
+      return at::Tensor();
+    }
+    bool same = false;
+    const at::Tensor* real = AliasOf(m, &same);
+    if (real == nullptr) {
+      all_outputs_alias_ = false;
+      at::Tensor out = EmptyStrided(m.sizes(), m.strides(), m.scalar_type(), device_);
+      outputs->push_back(RefOf(out));
+      return out;
+    }
+    if (same) {
+      // In place or out=: the kernel may have resized it (an out= tensor of
+      // the wrong shape): give the real tensor the same shape and room.
+      if (m.sizes() != real->sizes() || m.strides() != real->strides() ||
+          m.storage_offset() != real->storage_offset()) {
+        const size_t needed = m.storage().nbytes();
+        if (needed > real->storage().nbytes()) ResizeStorage(real->storage(), needed);
+        real->unsafeGetTensorImpl()->set_sizes_and_strides(m.sizes(), m.strides(),
+                                                          m.storage_offset());
+      }
+      outputs->push_back(RefOf(*real));
+      return *real;
+    }
+    // A view of an input.
+    at::Tensor view = real->as_strided(m.sizes(), m.strides(), m.storage_offset());
+    outputs->push_back(RefOf(view));
+    return view;
+  }
+
+  c10::IValue MakeOutput(const c10::IValue& m, const std::vector<c10::IValue>&,
+                         std::vector<tpu::TensorRef>* outputs) {
+    if (m.isTensor()) return OutputTensor(m.toTensor(), outputs);
+    if (m.isNone()) {
+      outputs->push_back(tpu::TensorRef{});
+      return m;
+    }
+    if (m.isTensorList()) {
+      c10::List<at::Tensor> out;
+      for (const at::Tensor& t : m.toTensorList()) out.push_back(OutputTensor(t, outputs));
+      return out;
+    }
+    TORCH_CHECK(false, "tpu: ", schema_.name(), " returned ", m.tagKind(),
+                ", which tpu cannot forward");
+  }
+
+  void PushSyncResults(const std::vector<tpu::OpResult>& results,
+                       const std::vector<c10::IValue>&) {
+    size_t next = 0;
+    for (const c10::Argument& r : schema_.returns()) {
+      const c10::TypePtr& t = r.real_type();
+      if (IsTensorList(t)) {
+        c10::List<at::Tensor> list;
+        while (next < results.size() && results[next].kind == tpu::OpResult::Kind::kTensor) {
+          list.push_back(Adopt(results[next++]));
+        }
+        torch::jit::push(*stack_, std::move(list));
+        continue;
+      }
+      TORCH_CHECK(next < results.size(), "tpu: ", schema_.name(), ": the daemon returned ",
+                  results.size(), " values, fewer than the schema's");
+      const tpu::OpResult& v = results[next++];
+      switch (v.kind) {
+        case tpu::OpResult::Kind::kTensor:
+          torch::jit::push(*stack_, Adopt(v));
+          break;
+        case tpu::OpResult::Kind::kInt:
+          torch::jit::push(*stack_, v.i);
+          break;
+        case tpu::OpResult::Kind::kDouble:
+          torch::jit::push(*stack_, v.d);
+          break;
+        case tpu::OpResult::Kind::kBool:
+          torch::jit::push(*stack_, v.b);
+          break;
+        case tpu::OpResult::Kind::kComplex:
+          torch::jit::push(*stack_, c10::complex<double>(v.d, v.d_imag));
+          break;
+        case tpu::OpResult::Kind::kNone:
+          torch::jit::push(*stack_, c10::IValue());
+          break;
+      }
+    }
+  }
+
+  at::Tensor Adopt(const tpu::OpResult& v) {
+    std::vector<int64_t> sizes(v.tensor.sizes, v.tensor.sizes + v.tensor.ndim);
+    const auto dtype = ScalarTypeOfResult(v.tensor.dtype);
+    if (v.tensor.address == 0) return EmptyStrided(sizes, c10::contiguous_strides(sizes), dtype, device_);
+    c10::Storage storage(c10::Storage::use_byte_size_t(), v.nbytes,
+                         AdoptSegment(v.tensor.address, v.nbytes, device_), GetTpuAllocator(),
+                         /*resizable=*/true);
+    at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), kTpuKeys,
+                                                            caffe2::TypeMeta::fromScalarType(dtype));
+    t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+    return t;
+  }
+
+  tpu::OpArg TensorArg(const at::Tensor& t) {
+    tpu::OpArg a;
+    if (!t.defined()) {
+      a.tag = tpu::ArgTag::kUndefinedTensor;
+      return a;
+    }
+    a.tag = tpu::ArgTag::kTensor;
+    a.tensor = RefOf(t);
+    return a;
+  }
+
+  tpu::OpArg ToWire(const c10::IValue& v, const c10::Argument& formal, size_t index) {
+    tpu::OpArg a;
+    c10::TypePtr type = formal.real_type();
+    if (type->kind() == c10::TypeKind::OptionalType) {
+      if (v.isNone() && type->containedType(0)->kind() != c10::TypeKind::GeneratorType) {
+        a.tag = tpu::ArgTag::kNone;
+        return a;
+      }
+      type = type->containedType(0);
+    }
+    switch (type->kind()) {
+      case c10::TypeKind::TensorType:
+        return TensorArg(v.isNone() ? at::Tensor() : v.toTensor());
+      case c10::TypeKind::GeneratorType: {
+        // The seed this op uses, drawn from the chosen generator here.
+        at::Generator gen = v.isGenerator() ? v.toGenerator() : DefaultGenerator(device_);
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        auto* tg = dynamic_cast<TpuGenerator*>(gen.unsafeGetGeneratorImpl());
+        TORCH_CHECK(tg != nullptr, "tpu: ", schema_.name(), ": argument ", index,
+                    " is a generator of another device");
+        a.tag = tpu::ArgTag::kGenerator;
+        a.i = static_cast<int64_t>(tg->NextOpSeed());
+        return a;
+      }
+      case c10::TypeKind::IntType:
+        a.tag = tpu::ArgTag::kInt;
+        a.i = v.toInt();
+        return a;
+      case c10::TypeKind::SymIntType:
+        a.tag = tpu::ArgTag::kSymInt;
+        a.i = v.toSymInt().expect_int();
+        return a;
+      case c10::TypeKind::FloatType:
+        a.tag = tpu::ArgTag::kDouble;
+        a.d = v.toDouble();
+        return a;
+      case c10::TypeKind::BoolType:
+        a.tag = tpu::ArgTag::kBool;
+        a.b = v.toBool();
+        return a;
+      case c10::TypeKind::ComplexType:
+        a.tag = tpu::ArgTag::kComplex;
+        a.d = v.toComplexDouble().real();
+        a.d_imag = v.toComplexDouble().imag();
+        return a;
+      case c10::TypeKind::StringType:
+        a.tag = tpu::ArgTag::kString;
+        a.s = v.toStringRef();
+        return a;
+      case c10::TypeKind::NumberType: {  // Scalar
+        const at::Scalar s = v.toScalar();
+        if (s.isBoolean()) {
+          a.tag = tpu::ArgTag::kScalarBool;
+          a.b = s.toBool();
+        } else if (s.isIntegral(false)) {
+          a.tag = tpu::ArgTag::kScalarInt;
+          a.i = s.toLong();
+        } else if (s.isComplex()) {
+          a.tag = tpu::ArgTag::kScalarComplex;
+          a.d = s.toComplexDouble().real();
+          a.d_imag = s.toComplexDouble().imag();
+        } else {
+          a.tag = tpu::ArgTag::kScalarDouble;
+          a.d = s.toDouble();
+        }
+        return a;
+      }
+      case c10::TypeKind::ScalarTypeType:
+        a.tag = tpu::ArgTag::kDtype;
+        a.i = static_cast<int64_t>(v.toScalarType());
+        return a;
+      case c10::TypeKind::LayoutType:
+        a.tag = tpu::ArgTag::kLayout;
+        a.i = static_cast<int64_t>(v.toLayout());
+        return a;
+      case c10::TypeKind::MemoryFormatType:
+        a.tag = tpu::ArgTag::kMemoryFormat;
+        a.i = static_cast<int64_t>(v.toMemoryFormat());
+        return a;
+      case c10::TypeKind::DeviceObjType:
+        a.tag = tpu::ArgTag::kDevice;
+        a.i = static_cast<int64_t>(v.toDevice().type());
+        a.device_index = v.toDevice().index();
+        return a;
+      case c10::TypeKind::ListType: {
+        const auto elem = type->containedType(0);
+        if (elem->kind() == c10::TypeKind::IntType || elem->kind() == c10::TypeKind::SymIntType) {
+          a.tag = tpu::ArgTag::kIntList;
+          if (v.isIntList()) {
+            a.ints = v.toIntVector();
+          } else {
+            for (const c10::IValue& e : v.toListRef()) a.ints.push_back(e.toSymInt().expect_int());
+          }
+          return a;
+        }
+        if (elem->kind() == c10::TypeKind::FloatType) {
+          a.tag = tpu::ArgTag::kDoubleList;
+          a.doubles = v.toDoubleVector();
+          return a;
+        }
+        if (elem->kind() == c10::TypeKind::BoolType) {
+          a.tag = tpu::ArgTag::kBoolList;
+          for (bool b : v.toBoolList()) a.bools.push_back(b);
+          return a;
+        }
+        if (elem->kind() == c10::TypeKind::TensorType) {
+          a.tag = tpu::ArgTag::kTensorList;
+          for (const at::Tensor& t : v.toTensorList()) a.tensors.push_back(RefOf(t));
+          return a;
+        }
+        if (elem->kind() == c10::TypeKind::OptionalType) {
+          a.tag = tpu::ArgTag::kOptionalTensorList;
+          for (const c10::IValue& e : v.toListRef()) {
+            a.tensor_present.push_back(!e.isNone());
+            a.tensors.push_back(e.isNone() ? tpu::TensorRef{} : RefOf(e.toTensor()));
+          }
+          return a;
+        }
+        break;
+      }
+      default:
+        break;
+    }
+    TORCH_CHECK(false, "tpu: ", schema_.name(), ": cannot forward argument ", index, " (",
+                formal.name(), ") of type ", formal.type()->str());
+  }
+
+  const c10::OperatorHandle& op_;
+  const c10::FunctionSchema& schema_;
+  torch::jit::Stack* stack_;
+  c10::DeviceIndex device_ = -1;
+  int stream_ = 0;
+  std::vector<std::pair<at::Tensor, at::Tensor>> meta_pairs_;  // meta twin, tpu tensor
+  std::vector<at::Tensor> keep_alive_;
+  bool all_outputs_alias_ = true;
+};
+
+void Fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  ForwardedOp(op, stack).Run();
+}
+
+// Runs a named op through the forwarding path from C++.
+at::Tensor& ForwardInPlace(const char* name, const char* overload, at::Tensor& self,
+                           std::vector<c10::IValue> rest) {
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
+  torch::jit::Stack stack;
+  stack.push_back(self);
+  for (auto& v : rest) stack.push_back(std::move(v));
+  ForwardedOp(op, &stack).Run();
+  return self;
+}
+
+// ---------------------------------------------------------------- natives
+
+at::Tensor Empty(at::IntArrayRef size, std::optional<at::ScalarType> dtype,
+                 std::optional<at::Layout> layout, std::optional<at::Device> device,
+                 std::optional<bool>, std::optional<at::MemoryFormat> memory_format) {
+  TORCH_CHECK(!layout.has_value() || *layout == at::kStrided, "tpu: only strided tensors");
+  const c10::DeviceIndex idx =
+      device.has_value() && device->has_index() ? device->index() : CurrentDevice();
+  c10::DeviceGuard guard(c10::Device(kTpu, idx));
+  return at::detail::empty_generic(size, GetTpuAllocator(), kTpuKeys,
+                                   dtype.value_or(at::get_default_dtype_as_scalartype()),
+                                   memory_format);
+}
+
+at::Tensor EmptyStridedNative(at::IntArrayRef size, at::IntArrayRef stride,
+                              std::optional<at::ScalarType> dtype, std::optional<at::Layout>,
+                              std::optional<at::Device> device, std::optional<bool>) {
+  const c10::DeviceIndex idx =
+      device.has_value() && device->has_index() ? device->index() : CurrentDevice();
+  return EmptyStrided(size, stride, dtype.value_or(at::get_default_dtype_as_scalartype()), idx);
+}
+
+const at::Tensor& Resize(const at::Tensor& self, at::IntArrayRef size,
+                         std::optional<at::MemoryFormat> memory_format) {
+  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
+  impl->set_sizes_contiguous(size);
+  const size_t needed =
+      static_cast<size_t>(self.storage_offset() + self.numel()) * self.element_size();
+  if (needed > self.storage().nbytes()) ResizeStorage(self.storage(), needed);
+  if (memory_format.has_value()) impl->empty_tensor_restride(*memory_format);
+  return self;
+}
+
+at::Tensor& SetStorage(at::Tensor& self, at::Storage source, int64_t offset,
+                       at::IntArrayRef size, at::IntArrayRef stride) {
+  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(std::move(source));
+  impl->set_storage_offset(offset);
+  if (stride.empty()) {
+    impl->set_sizes_contiguous(size);
+  } else {
+    impl->set_sizes_and_strides(size, stride);
+  }
+  return self;
+}
+
+at::Tensor& SetSource(at::Tensor& self, at::Storage source) {
+  const int64_t n = static_cast<int64_t>(source.nbytes()) / self.element_size();
+  return SetStorage(self, std::move(source), 0, {n}, {});
+}
+
+at::Tensor& SetSourceOffset(at::Tensor& self, at::Storage source, c10::SymInt offset,
+                            c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
+  return SetStorage(self, std::move(source), offset.expect_int(), C10_AS_INTARRAYREF_SLOW(size),
+                    C10_AS_INTARRAYREF_SLOW(stride));
+}
+
+at::Tensor& SetTensor(at::Tensor& self, const at::Tensor& src) {
+  return SetStorage(self, src.storage(), src.storage_offset(), src.sizes(), src.strides());
+}
+
+at::Tensor& SetEmpty(at::Tensor& self) {
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, GetTpuAllocator(), true);
+  return SetStorage(self, std::move(storage), 0, {0}, {});
+}
+
+uint64_t AddressOf(const at::Tensor& t) {
+  return reinterpret_cast<uint64_t>(t.storage().data_ptr().get()) +
+         static_cast<uint64_t>(t.storage_offset()) * t.element_size();
+}
+
+at::Tensor CopyFrom(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  tpu::Session& session = GetSession();
+  if (dst.numel() == 0) return dst;
+  if (IsTpu(dst) && !IsTpu(self)) {
+    const int stream = SessionStream(CurrentStreamId(dst.device().index()));
+    at::Tensor src = self.to(dst.scalar_type()).expand_as(dst).contiguous();
+    if (dst.is_contiguous()) {
+      Check(session.CopyToDevice(stream, AddressOf(dst), src.data_ptr(), src.nbytes()),
+            "copy to device");
+      return dst;
+    }
+    at::Tensor tmp = EmptyStrided(src.sizes(), src.strides(), src.scalar_type(),
+                                  dst.device().index());
+    Check(session.CopyToDevice(stream, AddressOf(tmp), src.data_ptr(), src.nbytes()),
+          "copy to device");
+    at::Tensor d = dst;
+    ForwardInPlace("aten::copy_", "", d, {tmp, false});
+    return dst;
+  }
+  if (!IsTpu(dst) && IsTpu(self)) {
+    const int stream = SessionStream(CurrentStreamId(self.device().index()));
+    at::Tensor src = self.is_contiguous() ? self : self.contiguous();
+    const bool direct = dst.is_contiguous() && dst.scalar_type() == src.scalar_type() &&
+                        dst.sizes() == src.sizes() && dst.device().is_cpu();
+    at::Tensor host = direct ? dst : at::empty(src.sizes(), src.options().device(at::kCPU));
+    Check(session.CopyToHost(stream, host.data_ptr(), AddressOf(src), src.nbytes()),
+          "copy to host");
+    if (!direct) dst.copy_(host);
+    return dst;
+  }
+  // Device to device.
+  TORCH_CHECK(IsTpu(self) && IsTpu(dst), "tpu: unexpected copy from ", self.device(), " to ",
+              dst.device());
+  const int stream = SessionStream(CurrentStreamId(dst.device().index()));
+  if (self.scalar_type() == dst.scalar_type() && self.sizes() == dst.sizes() &&
+      self.is_contiguous() && dst.is_contiguous()) {
+    Check(session.CopyOnDevice(stream, AddressOf(dst), AddressOf(self), self.nbytes()),
+          "device copy");
+    return dst;
+  }
+  at::Tensor src = self;
+  if (self.device() != dst.device()) {
+    at::Tensor c = self.contiguous();
+    src = EmptyStrided(c.sizes(), c.strides(), c.scalar_type(), dst.device().index());
+    Check(session.CopyOnDevice(stream, AddressOf(src), AddressOf(c), c.nbytes()), "device copy");
+  }
+  at::Tensor d = dst;
+  c10::DeviceGuard guard(dst.device());
+  ForwardInPlace("aten::copy_", "", d, {src, non_blocking});
+  return dst;
+}
+
+at::Tensor CopyFromAndResize(const at::Tensor& self, const at::Tensor& dst) {
+  if (dst.sizes() != self.sizes()) {
+    if (IsTpu(dst)) {
+      Resize(dst, self.sizes(), std::nullopt);
+    } else {
+      const_cast<at::Tensor&>(dst).resize_(self.sizes());
+    }
+  }
+  return CopyFrom(self, dst, false);
+}
+
+at::Scalar LocalScalarDense(const at::Tensor& self) {
+  const uint32_t id = OpIdFor("aten::_local_scalar_dense", "");
+  tpu::OpArg arg;
+  arg.tag = tpu::ArgTag::kTensor;
+  arg.tensor = RefOf(self);
+  const int stream = SessionStream(CurrentStreamId(self.device().index()));
+  absl::StatusOr<std::vector<tpu::OpResult>> r =
+      GetSession().RunSync(stream, id, &arg, 1, nullptr, 0);
+  Check(r.status(), "reading a value (.item())");
+  TORCH_CHECK(!r->empty(), "tpu: _local_scalar_dense returned nothing");
+  const tpu::OpResult& v = (*r)[0];
+  switch (v.kind) {
+    case tpu::OpResult::Kind::kInt:
+      return at::Scalar(v.i);
+    case tpu::OpResult::Kind::kBool:
+      return at::Scalar(v.b);
+    case tpu::OpResult::Kind::kComplex:
+      return at::Scalar(c10::complex<double>(v.d, v.d_imag));
+    default:
+      return at::Scalar(v.d);
+  }
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", Empty);
+  m.impl("empty_strided", EmptyStridedNative);
+  m.impl("as_strided", at::native::as_strided_tensorimpl);
+  m.impl("view", at::native::view);
+  m.impl("_reshape_alias", at::native::_reshape_alias);
+  m.impl("unfold", at::native::unfold);
+  m.impl("alias", at::native::alias);
+  m.impl("view_as_real", at::native::view_as_real);
+  m.impl("view_as_complex", at::native::view_as_complex);
+  m.impl("resize_", Resize);
+  m.impl("set_.source_Storage", SetSource);
+  m.impl("set_.source_Storage_storage_offset", SetSourceOffset);
+  m.impl("set_.source_Tensor", SetTensor);
+  m.impl("set_", SetEmpty);
+  m.impl("_copy_from", CopyFrom);
+  m.impl("_copy_from_and_resize", CopyFromAndResize);
+  m.impl("_local_scalar_dense", LocalScalarDense);
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&Fallback>());
+}
+
+// ---------------------------------------------------------------- pinned
+
+class PinnedAllocator final : public at::Allocator {
+ public:
+  at::DataPtr allocate(size_t n) override {
+    if (n == 0) return {nullptr, nullptr, &Delete, at::Device(at::kCPU)};
+    absl::StatusOr<void*> p = GetSession().AllocatePinned(n);
+    Check(p.status(), "pinned host memory");
+    return {*p, *p, &Delete, at::Device(at::kCPU)};
+  }
+  at::DeleterFnPtr raw_deleter() const override { return &Delete; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+  static void Delete(void* p) {
+    if (p != nullptr) (void)GetSession().FreePinned(p);
+  }
+};
+
+}  // namespace
+
+at::Allocator* GetPinnedAllocator() {
+  static PinnedAllocator* a = new PinnedAllocator();
+  return a;
+}
+
+void ResizeStorage(const c10::Storage& storage, size_t newsize) {
+  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  const size_t old = impl->nbytes();
+  if (newsize == old) return;
+  c10::DataPtr fresh = GetTpuAllocator()->allocate(newsize);
+  const size_t keep = std::min(old, newsize);
+  if (keep > 0 && impl->data_ptr().get() != nullptr) {
+    Check(GetSession().CopyOnDevice(0, reinterpret_cast<uint64_t>(fresh.get()),
+                                    reinterpret_cast<uint64_t>(impl->data_ptr().get()), keep),
+          "resize");
+  }
+  impl->set_data_ptr_noswap(std::move(fresh));
+  impl->set_nbytes(newsize);
+}
+
+}  // namespace torch_tpu
