@@ -26,6 +26,13 @@ if ! grep -q "Build completed successfully" "$OUT/build.txt"; then
   exit 1
 fi
 
+echo "== torch_tpu into .venv"
+if ! .venv/bin/pip install -q --no-build-isolation plugins/torch_tpu; then
+  echo "installing torch_tpu failed"
+  echo "0 passed, 1 failed"
+  exit 1
+fi
+
 echo "== bazel test //..."
 tools/bazel.sh test //... --test_output=errors 2>&1 | tee "$OUT/bazel_test.txt" |
   grep -vE "^(Loading|Analyzing|\[[0-9,]+ / [0-9,]+\]|INFO: From Testing)" || true

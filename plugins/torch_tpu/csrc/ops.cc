@@ -541,6 +541,32 @@ void Fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   ForwardedOp(op, stack).Run();
 }
 
+// ATen sends convolutions of backends it does not know to the
+// *_overrideable ops; the daemon runs the full ATen convolution instead.
+void ConvolutionOverrideable(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  static const c10::OperatorHandle conv =
+      c10::Dispatcher::singleton().findSchemaOrThrow("aten::convolution", "");
+  ForwardedOp(conv, stack).Run();  // same arguments
+}
+
+void ConvolutionBackwardOverrideable(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  static const c10::OperatorHandle back =
+      c10::Dispatcher::singleton().findSchemaOrThrow("aten::convolution_backward", "");
+  // (grad_output, input, weight, stride, padding, dilation, transposed,
+  //  output_padding, groups, output_mask): convolution_backward also takes
+  // bias_sizes after weight.
+  std::vector<c10::IValue> args(stack->end() - 10, stack->end());
+  torch::jit::drop(*stack, 10);
+  const at::Tensor& weight = args[2].toTensor();
+  const auto mask = args[9].toBoolList();
+  c10::IValue bias_sizes;
+  if (mask.get(2)) bias_sizes = std::vector<int64_t>{weight.size(0)};
+  for (int i = 0; i < 3; ++i) stack->push_back(args[i]);
+  stack->push_back(bias_sizes);
+  for (int i = 3; i < 10; ++i) stack->push_back(args[i]);
+  ForwardedOp(back, stack).Run();
+}
+
 // Runs a named op through the forwarding path from C++.
 at::Tensor& ForwardInPlace(const char* name, const char* overload, at::Tensor& self,
                            std::vector<c10::IValue> rest) {
@@ -727,6 +753,10 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from", CopyFrom);
   m.impl("_copy_from_and_resize", CopyFromAndResize);
   m.impl("_local_scalar_dense", LocalScalarDense);
+  m.impl("convolution_overrideable",
+         torch::CppFunction::makeFromBoxedFunction<&ConvolutionOverrideable>());
+  m.impl("convolution_backward_overrideable",
+         torch::CppFunction::makeFromBoxedFunction<&ConvolutionBackwardOverrideable>());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

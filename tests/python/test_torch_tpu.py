@@ -1,0 +1,305 @@
+"""torch_tpu against a real tpud: "tpu" as a native PyTorch device."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import Daemon, bazel_bin
+
+
+def run_py(daemon, code, env_extra=None, check=True, timeout=120):
+    """Runs `code` in a fresh interpreter pointed at `daemon`."""
+    env = daemon.env() if daemon is not None else dict(os.environ)
+    env.update(env_extra or {})
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+@pytest.fixture(scope="module")
+def tpud():
+    bazel_bin("daemon/tpud")
+    d = Daemon(hbm="1GiB")
+    yield d
+    d.stop()
+
+
+def test_device_and_accelerator_apis(tpud):
+    run_py(tpud, """
+        import torch, torch_tpu
+        assert torch.tpu.is_available() and torch.tpu.device_count() == 4
+        assert torch.accelerator.current_accelerator().type == "tpu"
+        assert torch.accelerator.device_count() == 4
+        torch.tpu.set_device(2)
+        assert torch.tpu.current_device() == 2
+        with torch.tpu.device(1):
+            assert torch.tpu.current_device() == 1
+            x = torch.ones(3, device="tpu")
+            assert x.device == torch.device("tpu", 1)
+        assert torch.tpu.current_device() == 2
+        p = torch.tpu.get_device_properties(0)
+        assert p.generation == "v6e" and p.total_memory == 1 << 30 and p.coords == [0, 0]
+        assert "v6e" in torch.tpu.get_device_name()
+        assert torch.bfloat16 in torch.tpu.get_amp_supported_dtype()
+        assert torch.ones(2).to("tpu").is_tpu
+    """)
+
+
+def test_visible_chips_narrow_the_devices(tpud):
+    run_py(tpud, """
+        import torch, torch_tpu
+        assert torch.tpu.device_count() == 2
+        assert torch.tpu.get_device_properties(1).chip == 3
+        x = torch.ones(4, device="tpu:1") * 3
+        assert x.cpu().tolist() == [3.0] * 4
+    """, env_extra={"TPU_VISIBLE_CHIPS": "1,3"})
+
+
+def test_ops_match_cpu(tpud):
+    run_py(tpud, """
+        import torch, torch_tpu
+        torch.manual_seed(0)
+        a, b = torch.randn(8, 5), torch.randn(8, 5)
+        ta, tb = a.to("tpu"), b.to("tpu")
+        def same(t, c, tol=1e-5):
+            assert t.device.type == "tpu", t.device
+            t = t.cpu()
+            assert t.dtype == c.dtype and t.shape == c.shape, (t.dtype, c.dtype, t.shape, c.shape)
+            assert torch.allclose(t, c, atol=tol, rtol=tol) if c.is_floating_point() else torch.equal(t, c)
+        same(ta + tb * 2, a + b * 2)
+        same(ta - 1, a - 1)
+        same(ta[:, 1:3], a[:, 1:3])
+        same(ta.t().contiguous(), a.t().contiguous())
+        same(ta.sum(1), a.sum(1))
+        same(ta.mean(), a.mean())
+        same(ta.max(dim=0).values, a.max(dim=0).values)
+        same(ta.argmax(1), a.argmax(1))
+        same(ta @ tb.t(), a @ b.t(), 1e-4)
+        same(torch.relu(ta), torch.relu(a))
+        same(torch.softmax(ta, 1), torch.softmax(a, 1))
+        same(ta[ta > 0], a[a > 0])
+        same(ta[torch.tensor([0, 3, 3]).to("tpu")], a[torch.tensor([0, 3, 3])])
+        same(torch.nonzero(ta > 0.5), torch.nonzero(a > 0.5))
+        same((ta > 0).sum(), (a > 0).sum())
+        same(ta.to(torch.bfloat16) * 2, a.to(torch.bfloat16) * 2, 1e-2)
+        same(ta.half() + 1, a.half() + 1, 1e-2)
+        same(torch.arange(10).to("tpu") * 3, torch.arange(10) * 3)
+        c = torch.randn(4, dtype=torch.complex64)
+        same(c.to("tpu") * c.to("tpu"), c * c)
+        x = torch.randn(2, 3, 8, 8); w = torch.randn(4, 3, 3, 3)
+        same(torch.nn.functional.conv2d(x.to("tpu"), w.to("tpu"), padding=1),
+             torch.nn.functional.conv2d(x, w, padding=1), 1e-4)
+        same(torch.nn.functional.max_pool2d(x.to("tpu"), 2), torch.nn.functional.max_pool2d(x, 2))
+        ln = torch.nn.LayerNorm(8)
+        same(ln.to("tpu")(x.to("tpu")), ln.cpu()(x), 1e-4)
+        y = ta.clone(); y.add_(1); y[0, 0] = 42.0
+        z = a.clone(); z.add_(1); z[0, 0] = 42.0
+        same(y, z)
+        assert ta.sum().item() == pytest_approx(a.sum().item()) if False else True
+        assert abs(ta.sum().item() - a.sum().item()) < 1e-4
+        assert str(ta.cpu()) == str(a)
+        assert "device='tpu:0'" in repr(ta)
+    """)
+
+
+def test_autograd_and_optimizer_match_cpu(tpud):
+    run_py(tpud, """
+        import torch, torch_tpu
+        torch.manual_seed(0)
+        def train(device):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).to(device)
+            opt = torch.optim.Adam(model.parameters(), lr=0.01)
+            x = torch.randn(32, 6, generator=torch.Generator().manual_seed(1)).to(device)
+            y = torch.randint(0, 3, (32,), generator=torch.Generator().manual_seed(2)).to(device)
+            losses = []
+            for _ in range(5):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad(); loss.backward(); opt.step()
+                losses.append(loss.item())
+            return losses
+        cpu, tpu = train("cpu"), train("tpu")
+        assert all(abs(a - b) < 1e-4 for a, b in zip(cpu, tpu)), (cpu, tpu)
+    """)
+
+
+def test_rng_is_reproducible(tpud):
+    run_py(tpud, """
+        import torch, torch_tpu
+        torch.tpu.manual_seed(123)
+        a = torch.randn(100, device="tpu").cpu()
+        b = torch.rand(10, device="tpu").cpu()
+        torch.tpu.manual_seed(123)
+        assert torch.equal(a, torch.randn(100, device="tpu").cpu())
+        assert torch.equal(b, torch.rand(10, device="tpu").cpu())
+        state = torch.tpu.get_rng_state()
+        c = torch.randn(5, device="tpu").cpu()
+        torch.tpu.set_rng_state(state)
+        assert torch.equal(c, torch.randn(5, device="tpu").cpu())
+        assert abs(a.mean().item()) < 0.5 and 0.5 < a.std().item() < 1.5
+    """)
+
+
+def test_memory_stats_rise_and_fall(tpud):
+    run_py(tpud, """
+        import torch, torch_tpu
+        base = torch.tpu.memory_allocated()
+        x = torch.empty(1 << 20, device="tpu")
+        assert torch.tpu.memory_allocated() >= base + (4 << 20)
+        assert torch.accelerator.memory_allocated() == torch.tpu.memory_allocated()
+        peak = torch.tpu.max_memory_allocated()
+        del x
+        assert torch.tpu.memory_allocated() == base
+        assert torch.tpu.memory_reserved() >= 4 << 20       # cached
+        assert torch.tpu.max_memory_allocated() == peak
+        torch.tpu.empty_cache()
+        assert torch.tpu.memory_reserved() == 0
+        torch.tpu.reset_peak_memory_stats()
+        assert torch.tpu.max_memory_allocated() == torch.tpu.memory_allocated()
+        free, total = torch.tpu.mem_get_info()
+        assert total == 1 << 30 and 0 < free <= total
+        assert torch.tpu.memory_stats()["num_device_alloc"] >= 1
+    """)
+
+
+def test_streams_and_events(tpud):
+    run_py(tpud, """
+        import torch, torch_tpu
+        a = torch.randn(256, 256, device="tpu")
+        s = torch.tpu.Stream()
+        start = torch.Event(device="tpu", enable_timing=True)
+        end = torch.Event(device="tpu", enable_timing=True)
+        start.record()
+        with torch.tpu.stream(s):
+            b = a @ a
+            done = torch.Event(device="tpu"); done.record()
+        torch.tpu.current_stream().wait_event(done)
+        c = b + 1
+        end.record(); end.synchronize()
+        assert start.elapsed_time(end) >= 0
+        assert torch.allclose(c.cpu(), (a.cpu() @ a.cpu()) + 1, atol=1e-3)
+        torch.tpu.synchronize()
+        torch.accelerator.synchronize()
+    """)
+
+
+def test_pin_memory_and_dataloader(tpud):
+    run_py(tpud, """
+        import torch, torch_tpu
+        from torch.utils.data import DataLoader, TensorDataset
+        p = torch.arange(1000.0).pin_memory()
+        assert p.is_pinned()
+        assert torch.equal(p.to("tpu").cpu(), torch.arange(1000.0))
+        ds = TensorDataset(torch.arange(64.0).reshape(16, 4))
+        seen = 0
+        for (batch,) in DataLoader(ds, batch_size=4, pin_memory=True):
+            assert batch.is_pinned()
+            seen += batch.to("tpu").sum().item()
+        assert seen == sum(range(64))
+    """)
+
+
+def test_save_and_load(tpud, tmp_path):
+    run_py(tpud, f"""
+        import torch, torch_tpu
+        m = torch.nn.Linear(3, 2).to("tpu")
+        t = torch.randn(4, device="tpu")
+        torch.save({{"model": m.state_dict(), "t": t}}, "{tmp_path}/ck.pt")
+        on_tpu = torch.load("{tmp_path}/ck.pt")
+        assert on_tpu["t"].device.type == "tpu" and torch.equal(on_tpu["t"].cpu(), t.cpu())
+        on_cpu = torch.load("{tmp_path}/ck.pt", map_location="cpu")
+        assert on_cpu["t"].device.type == "cpu" and torch.equal(on_cpu["t"], t.cpu())
+        torch.save(on_cpu, "{tmp_path}/cpu.pt")
+        back = torch.load("{tmp_path}/cpu.pt", map_location="tpu")
+        assert back["model"]["weight"].device.type == "tpu"
+        m2 = torch.nn.Linear(3, 2).to("tpu"); m2.load_state_dict(back["model"])
+        assert torch.equal(m2.weight.cpu(), m.weight.cpu())
+    """)
+
+
+def test_async_error_surfaces_at_sync_with_op_name(tpud):
+    r = run_py(tpud, """
+        import torch, torch_tpu
+        a = torch.randn(3, 4, device="tpu")
+        idx = torch.tensor([0, 7]).to("tpu")   # out of range for dim 0
+        b = a.index_select(0, idx)             # queued; fails in the daemon
+        try:
+            b.cpu()
+        except RuntimeError as e:
+            print("ERR", e)
+    """)
+    assert "ERR" in r.stdout and "index" in r.stdout
+
+
+def test_no_silent_cpu_fallback(tpud):
+    r = run_py(tpud, """
+        import torch, torch_tpu
+        try:
+            torch.ones(3, device="tpu") + torch.ones(3)
+        except RuntimeError as e:
+            print("ERR", e)
+    """)
+    assert "ERR" in r.stdout and "tpu" in r.stdout and "cpu" in r.stdout
+
+
+def test_no_daemon_raises_at_first_use(tmp_path):
+    sock = str(tmp_path / "none.sock")
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import torch, torch_tpu
+        assert torch.tpu.device_count() == 0 and not torch.tpu.is_available()
+        try:
+            torch.ones(2, device="tpu")
+        except RuntimeError as e:
+            print("ERR", e)
+    """)], env={**os.environ, "TPUD_SOCKET": sock}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "ERR" in r.stdout and sock in r.stdout and "tpud" in r.stdout
+
+
+def test_daemon_gone_mid_run_is_an_error_not_a_hang():
+    d = Daemon(hbm="256MiB")
+    try:
+        p = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+            import sys, torch, torch_tpu
+            a = torch.ones(4, device="tpu")
+            print("ready", flush=True)
+            sys.stdin.readline()
+            try:
+                (a + 1).cpu()
+            except RuntimeError as e:
+                print("ERR", e, flush=True)
+        """)], env=d.env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+    finally:
+        d.stop()
+    p.stdin.write("\n")
+    p.stdin.flush()
+    out, _ = p.communicate(timeout=60)
+    assert "ERR" in out and "tpud" in out
+
+
+def test_two_training_processes_at_once(tpud):
+    code = """
+        import torch, torch_tpu
+        torch.manual_seed(0)
+        m = torch.nn.Linear(32, 1).to("tpu")
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        x = torch.randn(64, 32).to("tpu"); y = x.sum(1, keepdim=True) * 0.1
+        first = None
+        for _ in range(60):
+            loss = ((m(x) - y) ** 2).mean(); opt.zero_grad(); loss.backward(); opt.step()
+            first = first if first is not None else loss.item()
+        assert loss.item() < first * 0.5, (first, loss.item())
+        print("ok")
+    """
+    env = tpud.env()
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0 and "ok" in out, err
