@@ -128,7 +128,12 @@ absl::Status Session::Impl::Publish(int stream, internal::StreamProducer& produc
         "record of ", record.size(), " bytes does not fit the stream's ring (", ring, ")"));
   }
   uint64_t pos = producer.tail & (ring - 1);
-  const uint64_t pad = pos + record.size() > ring ? ring - pos : 0;
+  // Never leave a gap smaller than a record header before the ring's end:
+  // the filler record that skips a gap must fit in it.
+  const uint64_t after = ring - pos;
+  const bool wrap = record.size() > after ||
+                    (after - record.size() != 0 && after - record.size() < sizeof(RecordHeader));
+  const uint64_t pad = wrap ? after : 0;
   // Wait for room: the consumer frees ring space as it takes records.
   const uint64_t need = pad + record.size();
   int spins = 0;

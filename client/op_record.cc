@@ -93,6 +93,8 @@ const char* TagName(ArgTag tag) {
       return "kOptionalTensorList";
     case ArgTag::kGenerator:
       return "kGenerator";
+    case ArgTag::kScalarTensor:
+      return "kScalarTensor";
   }
   return "unknown";
 }
@@ -389,6 +391,30 @@ bool DecodeArg(BodyReader& r, OpArg* a) {
       }
       return true;
     }
+    case ArgTag::kScalarTensor: {
+      const char* p;
+      if (!r.Take(32, "scalar tensor", &p)) return false;
+      const int8_t dtype = static_cast<int8_t>(p[0]);
+      if (ABSL_PREDICT_FALSE(ElementSize(dtype) == 0)) {
+        return r.Fail(at + 1, absl::StrCat("scalar tensor dtype ", static_cast<int>(dtype),
+                                           " is not supported"));
+      }
+      if (ABSL_PREDICT_FALSE(static_cast<uint8_t>(p[1]) > 1)) {
+        return r.Fail(at + 2, "scalar tensor wrapped flag is not 0 or 1");
+      }
+      for (int k = 2; k < 8; ++k) {
+        if (ABSL_PREDICT_FALSE(p[k] != 0)) return r.Fail(at + 1 + k, "nonzero padding");
+      }
+      for (int k = 24; k < 32; ++k) {
+        if (ABSL_PREDICT_FALSE(p[k] != 0)) return r.Fail(at + 1 + k, "nonzero reserved bytes");
+      }
+      a->dtype = dtype;
+      a->b = p[1] != 0;
+      std::memcpy(&a->i, p + 8, 8);
+      std::memcpy(&a->d, p + 8, 8);
+      std::memcpy(&a->d_imag, p + 16, 8);
+      return true;
+    }
     case ArgTag::kOptionalTensorList: {
       uint32_t n;
       if (!r.ReadCount("optional tensor list length", kMaxListLength, &n) ||
@@ -558,6 +584,23 @@ void RecordWriter::Arg(const OpArg& arg) {
       U8(static_cast<uint8_t>(static_cast<int8_t>(arg.i)));
       U8(static_cast<uint8_t>(static_cast<int8_t>(arg.device_index)));
       break;
+    case ArgTag::kScalarTensor: {
+      U8(static_cast<uint8_t>(arg.dtype));
+      U8(arg.b ? 1 : 0);
+      Pad(6);
+      // Integral and bool scalars travel as i64, the rest as f64.
+      const bool integral = arg.dtype == 0 || arg.dtype == 1 || arg.dtype == 2 ||
+                            arg.dtype == 3 || arg.dtype == 4 || arg.dtype == 11 ||
+                            arg.dtype == 27 || arg.dtype == 28 || arg.dtype == 29;
+      if (integral) {
+        I64(arg.i);
+      } else {
+        F64(arg.d);
+      }
+      F64(arg.d_imag);
+      U64(0);
+      break;
+    }
     case ArgTag::kTensorList:
       U32(static_cast<uint32_t>(arg.tensors.size()));
       for (const TensorRef& t : arg.tensors) Tensor(t);

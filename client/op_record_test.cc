@@ -115,6 +115,8 @@ bool SameArg(const OpArg& a, const OpArg& b) {
       return a.i == b.i;
     case ArgTag::kDevice:
       return a.i == b.i && a.device_index == b.device_index;
+    case ArgTag::kScalarTensor:
+      return a.dtype == b.dtype && a.b == b.b && a.i == b.i && SameBits(a.d_imag, b.d_imag);
     case ArgTag::kDouble:
     case ArgTag::kScalarDouble:
       return SameBits(a.d, b.d);
@@ -978,6 +980,13 @@ class RandomRecords {
     switch (a->tag) {
       case ArgTag::kNone:
       case ArgTag::kUndefinedTensor:
+        break;
+      case ArgTag::kScalarTensor:
+        // Integral dtypes travel as i64; compare those bit for bit.
+        a->dtype = Below(2) == 0 ? 4 : 3;
+        a->b = Below(2) == 0;
+        a->i = static_cast<int64_t>(U64());
+        a->d_imag = 0.5;
         break;
       case ArgTag::kTensor:
         a->tensor = AnyTensor();

@@ -368,6 +368,23 @@ absl::Status OpRun::PushArg(size_t index, const tpu::OpArg& a) {
     case ArgTag::kIntList:
       stack.emplace_back(c10::IntArrayRef(a.ints));
       return absl::OkStatus();
+    case ArgTag::kScalarTensor: {
+      // A host scalar used as a tensor, rebuilt here (0-dim, CPU), with the
+      // wrapped-number flag type promotion looks at.
+      const auto dtype = static_cast<c10::ScalarType>(a.dtype);
+      at::Scalar value;
+      if (c10::isIntegralType(dtype, /*includeBool=*/true)) {
+        value = at::Scalar(a.i);
+      } else if (c10::isComplexType(dtype)) {
+        value = at::Scalar(c10::complex<double>(a.d, a.d_imag));
+      } else {
+        value = at::Scalar(a.d);
+      }
+      at::Tensor t = at::scalar_tensor(value, at::TensorOptions().dtype(dtype));
+      if (a.b) t.unsafeGetTensorImpl()->set_wrapped_number(true);
+      stack.emplace_back(std::move(t));
+      return absl::OkStatus();
+    }
     case ArgTag::kGenerator: {
       // A generator of this op's own, seeded by the client's device
       // generator: reproducible per client, untouched by other sessions.

@@ -133,7 +133,8 @@ class RawSession {
   void Append(int s, absl::string_view bytes) {
     const uint64_t ring = layout_.ring_bytes;
     uint64_t pos = tail_[s] & (ring - 1);
-    if (pos + bytes.size() > ring) {
+    const uint64_t after = ring - pos;
+    if (bytes.size() > after || (after - bytes.size() != 0 && after - bytes.size() < 16)) {
       tpu::RecordHeader pad{static_cast<uint32_t>(ring - pos),
                             static_cast<uint16_t>(tpu::RecordKind::kPad), 0, 0};
       std::memcpy(tpu::RingOf(shm_, layout_, s) + pos, &pad, sizeof(pad));

@@ -40,6 +40,8 @@
 //   kTensorList                u32 n, n x TensorRef
 //   kOptionalTensorList        u32 n, n x (u8 present, TensorRef if present)
 //   kGenerator                 i64 seed
+//   kScalarTensor              i8 dtype, u8 wrapped (0/1), 6 pad, f64 real
+//                              (or i64 for integral/bool dtypes), f64 imag
 //
 // A TensorRef is: u64 device address of the storage, i64 storage offset (in
 // elements), i8 dtype (c10::ScalarType value), u8 ndim (at most kMaxDims),
@@ -117,7 +119,11 @@ enum class ArgTag : uint8_t {
   // its device generator: the daemon runs the op with a generator seeded so
   // (results are reproducible per client, independent of other sessions).
   kGenerator = 22,
-  kLast = kGenerator,
+  // A host scalar used as a tensor (a Python number in `x + 2`, or a CPU
+  // 0-dim tensor): the daemon rebuilds it as a CPU scalar tensor, keeping
+  // the "wrapped number" flag that type promotion depends on.
+  kScalarTensor = 23,
+  kLast = kScalarTensor,
 };
 
 enum class CopyKind : uint8_t {
@@ -141,7 +147,8 @@ struct OpArg {
   int64_t device_index = 0;  // kDevice
   double d = 0;              // kDouble, kScalarDouble, kComplex real
   double d_imag = 0;         // kComplex imag
-  bool b = false;            // kBool, kScalarBool
+  bool b = false;            // kBool, kScalarBool, kScalarTensor: wrapped number
+  int8_t dtype = 0;          // kScalarTensor
   TensorRef tensor;          // kTensor
   std::string s;             // kString
   std::vector<int64_t> ints;

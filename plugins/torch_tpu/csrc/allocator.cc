@@ -30,7 +30,9 @@ class TpuAllocator final : public c10::DeviceAllocator {
   c10::DataPtr allocate(size_t n) override {
     const c10::DeviceIndex device = CurrentDevice();
     if (n == 0) return {nullptr, nullptr, &Deleter, c10::Device(c10::DeviceType::PrivateUse1, device)};
-    const size_t want = RoundUp(n);
+    // Small requests come in whole pages (tpud's granularity), so a cached
+    // block of the same class always fits.
+    const size_t want = n < (1 << 20) ? (n + 4095) / 4096 * 4096 : RoundUp(n);
     Block* block = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);

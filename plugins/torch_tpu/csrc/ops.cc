@@ -6,6 +6,7 @@
 // host, take the synchronous path. Nothing falls back to the CPU silently.
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/CPUFallback.h>
 #include <ATen/ops/_reshape_alias_native.h>
@@ -87,6 +88,49 @@ at::Tensor ToDevice(const at::Tensor& cpu, c10::DeviceIndex device, int stream) 
 
 at::ScalarType ScalarTypeOfResult(int8_t dtype) { return static_cast<at::ScalarType>(dtype); }
 
+// What an op returns, as the meta kernel said, for one input signature.
+struct OutSpec {
+  enum class Kind : uint8_t { kNone, kNew, kSame, kView } kind = Kind::kNone;
+  int input = -1;  // kSame/kView: which device tensor of the inputs
+  std::vector<int64_t> sizes, strides;
+  int64_t offset = 0;
+  at::ScalarType dtype = at::kFloat;
+  size_t storage_bytes = 0;  // kSame: room the (resized) tensor needs
+};
+struct ReturnSpec {
+  bool is_list = false;
+  bool is_none = false;
+  std::vector<OutSpec> items;  // one, or a list's elements
+};
+struct MetaSpec {
+  bool sync = false;  // the host needs values, or shapes depend on data
+  std::vector<ReturnSpec> returns;
+};
+
+// Per-signature cache of MetaSpecs: running the meta kernel once per input
+// signature (op, shapes, dtypes, strides, scalar arguments) instead of per op.
+std::mutex g_spec_mu;
+std::unordered_map<std::string, std::shared_ptr<const MetaSpec>>* g_specs =
+    new std::unordered_map<std::string, std::shared_ptr<const MetaSpec>>();
+constexpr size_t kMaxSpecs = 1 << 16;
+
+std::shared_ptr<const MetaSpec> CacheLookup(const std::string& key) {
+  std::lock_guard<std::mutex> lock(g_spec_mu);
+  auto it = g_specs->find(key);
+  return it == g_specs->end() ? nullptr : it->second;
+}
+
+void CacheStore(const std::string& key, std::shared_ptr<const MetaSpec> spec) {
+  std::lock_guard<std::mutex> lock(g_spec_mu);
+  if (g_specs->size() >= kMaxSpecs) g_specs->clear();
+  g_specs->emplace(key, std::move(spec));
+}
+
+template <typename T>
+void Put(std::string* k, const T& v) {
+  k->append(reinterpret_cast<const char*>(&v), sizeof(v));
+}
+
 // One op on its way to the daemon.
 class ForwardedOp {
  public:
@@ -97,19 +141,18 @@ class ForwardedOp {
     const size_t n = schema_.arguments().size();
     auto args = torch::jit::last(*stack_, n);
     FindDevice(args);
-    // Convert CPU scalars, then build the meta twins.
+    // Move stray CPU tensors of lists to the device; host scalars stay.
     std::vector<c10::IValue> inputs(args.begin(), args.end());
     for (size_t i = 0; i < n; ++i) inputs[i] = Normalize(inputs[i], i);
-    bool sync = false;
-    for (const c10::Argument& r : schema_.returns()) {
-      const auto kind = r.real_type()->kind();
-      if (kind != c10::TypeKind::TensorType && !IsTensorList(r.real_type()) &&
-          !IsOptionalTensor(r.real_type())) {
-        sync = true;  // the host needs a value
-      }
+    for (const c10::IValue& v : inputs) CollectReals(v);
+    // Output metadata: from the per-signature cache, or from the meta kernel.
+    std::string key;
+    const bool cacheable = Key(inputs, &key);
+    std::shared_ptr<const MetaSpec> spec = cacheable ? CacheLookup(key) : nullptr;
+    if (spec == nullptr) {
+      spec = ComputeSpec(inputs);
+      if (cacheable) CacheStore(key, spec);
     }
-    std::vector<c10::IValue> meta_results;
-    if (!sync) sync = !RunMeta(inputs, &meta_results);
     std::vector<tpu::OpArg> wire(n);
     auto encode_args = [&] {
       for (size_t i = 0; i < n; ++i) wire[i] = ToWire(inputs[i], schema_.arguments()[i], i);
@@ -117,7 +160,7 @@ class ForwardedOp {
     const uint32_t id = OpIdFor(schema_);
     tpu::Session& session = GetSession();
     torch::jit::drop(*stack_, n);
-    if (sync) {
+    if (spec->sync) {
       encode_args();
       absl::StatusOr<std::vector<tpu::OpResult>> results =
           session.RunSync(stream_, id, wire.data(), wire.size(), nullptr, 0);
@@ -127,10 +170,11 @@ class ForwardedOp {
     }
     std::vector<tpu::TensorRef> outputs;
     std::vector<c10::IValue> returns;
-    for (const c10::IValue& m : meta_results) returns.push_back(MakeOutput(m, inputs, &outputs));
+    bool all_alias = true;
+    for (const ReturnSpec& r : spec->returns) returns.push_back(Apply(r, &outputs, &all_alias));
     // After the outputs: an out= argument may just have been resized.
     encode_args();
-    if (all_outputs_alias_ && !WritesAnArgument()) {
+    if (all_alias && !WritesAnArgument()) {
       // A pure view op: the result is metadata over existing data.
       for (c10::IValue& r : returns) torch::jit::push(*stack_, std::move(r));
       return;
@@ -142,6 +186,224 @@ class ForwardedOp {
   }
 
  private:
+  // The device tensors among the inputs, in the order MetaOf visits them.
+  void CollectReals(const c10::IValue& v) {
+    auto add = [&](const at::Tensor& t) {
+      if (t.defined() && !t.device().is_cpu()) reals_.push_back(t);
+    };
+    if (v.isTensor()) {
+      add(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) add(t);
+    } else if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
+      for (const c10::IValue& e : v.toListRef()) {
+        if (e.isTensor()) add(e.toTensor());
+      }
+    }
+  }
+
+  void KeyTensor(const at::Tensor& t, std::string* k) {
+    if (!t.defined()) {
+      k->push_back('U');
+      return;
+    }
+    if (t.device().is_cpu()) {
+      k->push_back('S');
+      Put(k, static_cast<int8_t>(t.scalar_type()));
+      Put(k, t.unsafeGetTensorImpl()->is_wrapped_number());
+      return;
+    }
+    k->push_back('T');
+    Put(k, static_cast<int8_t>(t.scalar_type()));
+    Put(k, static_cast<int8_t>(t.dim()));
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      Put(k, t.size(d));
+      Put(k, t.stride(d));
+    }
+    Put(k, t.storage_offset());
+    Put(k, t.storage().nbytes());
+    // Which inputs share storage matters to aliasing results.
+    const void* storage = t.storage().unsafeGetStorageImpl();
+    int index = 0;
+    while (index < static_cast<int>(seen_storages_.size()) && seen_storages_[index] != storage) {
+      ++index;
+    }
+    if (index == static_cast<int>(seen_storages_.size())) seen_storages_.push_back(storage);
+    Put(k, index);
+  }
+
+  // A key for the input signature; false when an argument has no key form.
+  bool Key(const std::vector<c10::IValue>& inputs, std::string* k) {
+    k->reserve(256);
+    Put(k, &schema_);
+    for (const c10::IValue& v : inputs) {
+      if (v.isTensor()) {
+        KeyTensor(v.toTensor(), k);
+      } else if (v.isNone()) {
+        k->push_back('N');
+      } else if (v.isInt()) {
+        k->push_back('i');
+        Put(k, v.toInt());
+      } else if (v.isDouble()) {
+        k->push_back('d');
+        Put(k, v.toDouble());
+      } else if (v.isBool()) {
+        k->push_back('b');
+        Put(k, v.toBool());
+      } else if (v.isComplexDouble()) {
+        k->push_back('c');
+        Put(k, v.toComplexDouble());
+      } else if (v.isString()) {
+        k->push_back('s');
+        k->append(v.toStringRef());
+        k->push_back('\0');
+      } else if (v.isIntList()) {
+        k->push_back('I');
+        for (int64_t x : v.toIntVector()) Put(k, x);
+        k->push_back(';');
+      } else if (v.isDoubleList()) {
+        k->push_back('F');
+        for (double x : v.toDoubleVector()) Put(k, x);
+        k->push_back(';');
+      } else if (v.isBoolList()) {
+        k->push_back('B');
+        for (bool x : v.toBoolList()) Put(k, x);
+        k->push_back(';');
+      } else if (v.isTensorList()) {
+        k->push_back('L');
+        for (const at::Tensor& t : v.toTensorList()) KeyTensor(t, k);
+        k->push_back(';');
+      } else if (v.isList()) {
+        k->push_back('O');
+        for (const c10::IValue& e : v.toListRef()) {
+          if (e.isTensor()) {
+            KeyTensor(e.toTensor(), k);
+          } else if (e.isNone()) {
+            k->push_back('N');
+          } else {
+            return false;
+          }
+        }
+        k->push_back(';');
+      } else if (v.isDevice()) {
+        k->push_back('D');
+        Put(k, static_cast<int8_t>(v.toDevice().type()));
+        Put(k, v.toDevice().index());
+      } else if (v.isGenerator()) {
+        k->push_back('G');
+      } else {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  std::shared_ptr<const MetaSpec> ComputeSpec(const std::vector<c10::IValue>& inputs) {
+    auto spec = std::make_shared<MetaSpec>();
+    for (const c10::Argument& r : schema_.returns()) {
+      const auto kind = r.real_type()->kind();
+      if (kind != c10::TypeKind::TensorType && !IsTensorList(r.real_type()) &&
+          !IsOptionalTensor(r.real_type())) {
+        spec->sync = true;  // the host needs a value
+        return spec;
+      }
+    }
+    std::vector<c10::IValue> results;
+    if (!RunMeta(inputs, &results)) {
+      spec->sync = true;
+      return spec;
+    }
+    for (const c10::IValue& m : results) {
+      ReturnSpec rs;
+      if (m.isNone()) {
+        rs.is_none = true;
+      } else if (m.isTensor()) {
+        rs.items.push_back(SpecOf(m.toTensor()));
+      } else if (m.isTensorList()) {
+        rs.is_list = true;
+        for (const at::Tensor& t : m.toTensorList()) rs.items.push_back(SpecOf(t));
+      } else {
+        TORCH_CHECK(false, "tpu: ", schema_.name(), " returned ", m.tagKind(),
+                    ", which tpu cannot forward");
+      }
+      spec->returns.push_back(std::move(rs));
+    }
+    return spec;
+  }
+
+  OutSpec SpecOf(const at::Tensor& m) {
+    OutSpec o;
+    if (!m.defined()) return o;
+    o.sizes = m.sizes().vec();
+    o.strides = m.strides().vec();
+    o.offset = m.storage_offset();
+    o.dtype = m.scalar_type();
+    o.kind = OutSpec::Kind::kNew;
+    for (size_t i = 0; i < meta_pairs_.size(); ++i) {
+      if (meta_pairs_[i].first.unsafeGetTensorImpl() == m.unsafeGetTensorImpl()) {
+        o.kind = OutSpec::Kind::kSame;
+        o.input = static_cast<int>(i);
+        o.storage_bytes = m.storage().nbytes();
+        return o;
+      }
+    }
+    for (size_t i = 0; i < meta_pairs_.size(); ++i) {
+      if (meta_pairs_[i].first.is_alias_of(m)) {
+        o.kind = OutSpec::Kind::kView;
+        o.input = static_cast<int>(i);
+        return o;
+      }
+    }
+    return o;
+  }
+
+  at::Tensor ApplyOne(const OutSpec& o, std::vector<tpu::TensorRef>* outputs, bool* all_alias) {
+    switch (o.kind) {
+      case OutSpec::Kind::kNone:
+        outputs->push_back(tpu::TensorRef{});  // the slot still counts
+        return at::Tensor();
+      case OutSpec::Kind::kNew: {
+        *all_alias = false;
+        at::Tensor out = EmptyStrided(o.sizes, o.strides, o.dtype, device_);
+        outputs->push_back(RefOf(out));
+        return out;
+      }
+      case OutSpec::Kind::kSame: {
+        // In place or out=: the kernel may have resized it (an out= tensor of
+        // the wrong shape): give the real tensor the same shape and room.
+        const at::Tensor& real = reals_.at(o.input);
+        if (real.sizes() != at::IntArrayRef(o.sizes) ||
+            real.strides() != at::IntArrayRef(o.strides) || real.storage_offset() != o.offset) {
+          if (o.storage_bytes > real.storage().nbytes()) {
+            ResizeStorage(real.storage(), o.storage_bytes);
+          }
+          real.unsafeGetTensorImpl()->set_sizes_and_strides(o.sizes, o.strides, o.offset);
+        }
+        outputs->push_back(RefOf(real));
+        return real;
+      }
+      case OutSpec::Kind::kView: {
+        at::Tensor view = reals_.at(o.input).as_strided(o.sizes, o.strides, o.offset);
+        outputs->push_back(RefOf(view));
+        return view;
+      }
+    }
+    return at::Tensor();
+  }
+
+  c10::IValue Apply(const ReturnSpec& r, std::vector<tpu::TensorRef>* outputs, bool* all_alias) {
+    if (r.is_none) {
+      outputs->push_back(tpu::TensorRef{});
+      return c10::IValue();
+    }
+    if (r.is_list) {
+      c10::List<at::Tensor> list;
+      for (const OutSpec& o : r.items) list.push_back(ApplyOne(o, outputs, all_alias));
+      return list;
+    }
+    return ApplyOne(r.items.at(0), outputs, all_alias);
+  }
+
   static bool IsTensorList(const c10::TypePtr& t) {
     return t->kind() == c10::TypeKind::ListType &&
            t->containedType(0)->kind() == c10::TypeKind::TensorType;
@@ -179,7 +441,11 @@ class ForwardedOp {
     stream_ = SessionStream(CurrentStreamId(device_));
   }
 
-  at::Tensor NormalizeTensor(const at::Tensor& t, size_t index) {
+  // A CPU 0-dim tensor (a Python number in `x + 2`) stays on the host: it
+  // travels by value (kScalarTensor). Lists carry only device tensors, so
+  // there it goes to the device.
+  at::Tensor NormalizeTensor(const at::Tensor& t, size_t index, bool in_list = false) {
+    if (!in_list && t.defined() && t.device().is_cpu() && t.dim() == 0) return t;
     if (!t.defined() || IsTpu(t)) {
       TORCH_CHECK(!t.defined() || t.device().index() == device_, "tpu: ", schema_.name(),
                   ": expected all tensors on tpu:", static_cast<int>(device_),
@@ -198,7 +464,7 @@ class ForwardedOp {
     if (v.isTensor()) return NormalizeTensor(v.toTensor(), index);
     if (v.isTensorList()) {
       c10::List<at::Tensor> out;
-      for (const at::Tensor& t : v.toTensorList()) out.push_back(NormalizeTensor(t, index));
+      for (const at::Tensor& t : v.toTensorList()) out.push_back(NormalizeTensor(t, index, true));
       return out;
     }
     if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
@@ -207,7 +473,7 @@ class ForwardedOp {
         if (e.isNone()) {
           out.push_back(std::nullopt);
         } else {
-          out.push_back(NormalizeTensor(e.toTensor(), index));
+          out.push_back(NormalizeTensor(e.toTensor(), index, true));
         }
       }
       return out;
@@ -216,7 +482,7 @@ class ForwardedOp {
   }
 
   at::Tensor Meta(const at::Tensor& t) {
-    if (!t.defined()) return t;
+    if (!t.defined() || t.device().is_cpu()) return t;  // host scalars stay
     const int64_t itemsize = t.element_size();
     const int64_t storage_numel = static_cast<int64_t>(t.storage().nbytes()) / itemsize;
     at::Tensor base = at::empty({storage_numel}, t.options().device(c10::kMeta));
@@ -269,72 +535,6 @@ class ForwardedOp {
       if (a.alias_info() != nullptr && a.alias_info()->isWrite()) return true;
     }
     return false;
-  }
-
-  // The original tpu tensor whose meta twin `m` aliases, if any; `same` says
-  // whether `m` is that twin itself (an in-place or out= result).
-  const at::Tensor* AliasOf(const at::Tensor& m, bool* same) const {
-    for (const auto& [meta, real] : meta_pairs_) {
-      if (meta.unsafeGetTensorImpl() == m.unsafeGetTensorImpl()) {
-        *same = true;
-        return &real;
-      }
-    }
-    for (const auto& [meta, real] : meta_pairs_) {
-      if (meta.is_alias_of(m)) {
-        *same = false;
-        return &real;
-      }
-    }
-    return nullptr;
-  }
-
-  at::Tensor OutputTensor(const at::Tensor& m, std::vector<tpu::TensorRef>* outputs) {
-    if (!m.defined()) {
-      outputs->push_back(tpu::TensorRef{});  // the slot still counts
-      return at::Tensor();
-    }
-    bool same = false;
-    const at::Tensor* real = AliasOf(m, &same);
-    if (real == nullptr) {
-      all_outputs_alias_ = false;
-      at::Tensor out = EmptyStrided(m.sizes(), m.strides(), m.scalar_type(), device_);
-      outputs->push_back(RefOf(out));
-      return out;
-    }
-    if (same) {
-      // In place or out=: the kernel may have resized it (an out= tensor of
-      // the wrong shape): give the real tensor the same shape and room.
-      if (m.sizes() != real->sizes() || m.strides() != real->strides() ||
-          m.storage_offset() != real->storage_offset()) {
-        const size_t needed = m.storage().nbytes();
-        if (needed > real->storage().nbytes()) ResizeStorage(real->storage(), needed);
-        real->unsafeGetTensorImpl()->set_sizes_and_strides(m.sizes(), m.strides(),
-                                                          m.storage_offset());
-      }
-      outputs->push_back(RefOf(*real));
-      return *real;
-    }
-    // A view of an input.
-    at::Tensor view = real->as_strided(m.sizes(), m.strides(), m.storage_offset());
-    outputs->push_back(RefOf(view));
-    return view;
-  }
-
-  c10::IValue MakeOutput(const c10::IValue& m, const std::vector<c10::IValue>&,
-                         std::vector<tpu::TensorRef>* outputs) {
-    if (m.isTensor()) return OutputTensor(m.toTensor(), outputs);
-    if (m.isNone()) {
-      outputs->push_back(tpu::TensorRef{});
-      return m;
-    }
-    if (m.isTensorList()) {
-      c10::List<at::Tensor> out;
-      for (const at::Tensor& t : m.toTensorList()) out.push_back(OutputTensor(t, outputs));
-      return out;
-    }
-    TORCH_CHECK(false, "tpu: ", schema_.name(), " returned ", m.tagKind(),
-                ", which tpu cannot forward");
   }
 
   void PushSyncResults(const std::vector<tpu::OpResult>& results,
@@ -393,6 +593,21 @@ class ForwardedOp {
     tpu::OpArg a;
     if (!t.defined()) {
       a.tag = tpu::ArgTag::kUndefinedTensor;
+      return a;
+    }
+    if (t.device().is_cpu()) {
+      a.tag = tpu::ArgTag::kScalarTensor;
+      a.dtype = static_cast<int8_t>(t.scalar_type());
+      a.b = t.unsafeGetTensorImpl()->is_wrapped_number();
+      const at::Scalar v = t.item();
+      if (c10::isIntegralType(t.scalar_type(), /*includeBool=*/true)) {
+        a.i = v.toLong();
+      } else if (c10::isComplexType(t.scalar_type())) {
+        a.d = v.toComplexDouble().real();
+        a.d_imag = v.toComplexDouble().imag();
+      } else {
+        a.d = v.toDouble();
+      }
       return a;
     }
     a.tag = tpu::ArgTag::kTensor;
@@ -534,7 +749,8 @@ class ForwardedOp {
   int stream_ = 0;
   std::vector<std::pair<at::Tensor, at::Tensor>> meta_pairs_;  // meta twin, tpu tensor
   std::vector<at::Tensor> keep_alive_;
-  bool all_outputs_alias_ = true;
+  std::vector<at::Tensor> reals_;              // device tensors of the inputs
+  std::vector<const void*> seen_storages_;     // for the signature key
 };
 
 void Fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -757,6 +973,19 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
          torch::CppFunction::makeFromBoxedFunction<&ConvolutionOverrideable>());
   m.impl("convolution_backward_overrideable",
          torch::CppFunction::makeFromBoxedFunction<&ConvolutionBackwardOverrideable>());
+}
+
+// AMP: ops that run in lower precision under autocast("tpu"), the same
+// list ATen uses for other accelerators; everything else falls through.
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
+
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+#define TPU_AUTOCAST_LOWER(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+  AT_FORALL_LOWER_PRECISION_FP(TPU_AUTOCAST_LOWER)
+#undef TPU_AUTOCAST_LOWER
+#define TPU_AUTOCAST_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+  AT_FORALL_FP32(TPU_AUTOCAST_FP32)
+#undef TPU_AUTOCAST_FP32
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

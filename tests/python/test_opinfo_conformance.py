@@ -1,0 +1,61 @@
+"""OpInfo conformance of "tpu", reduced for CI: ~50 common ops, 3 samples each.
+
+tools/opinfo_conformance.py runs each op's OpInfo samples on the CPU and on tpu
+(through a real tpud) and compares the results; here it must pass on >= 90% of
+the samples that pass on the CPU. The whole of op_db: see the tool's --help.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from conftest import ROOT, Daemon, bazel_bin
+
+TOOL = ROOT / "tools" / "opinfo_conformance.py"
+MIN_PASS_RATE = 0.90
+
+OPS = [
+    "add", "sub", "mul", "div", "matmul", "mm", "bmm", "sum", "mean", "amax", "argmax",
+    "softmax", "log_softmax", "exp", "log", "sqrt", "nn.functional.relu", "sigmoid", "tanh",
+    "nn.functional.gelu", "where", "cat", "stack", "transpose", "permute", "reshape", "view",
+    "index_select", "gather", "scatter", "masked_fill", "clamp", "abs", "neg", "pow", "max",
+    "min", "sort", "topk", "cumsum", "nn.functional.linear", "nn.functional.conv2d",
+    "nn.functional.layer_norm", "nn.functional.cross_entropy", "nonzero", "unique",
+]
+
+
+def _python():
+    venv = ROOT / ".venv" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+def test_common_ops_match_cpu(tmp_path):
+    bazel_bin("daemon/tpud")
+    report_path = tmp_path / "report.json"
+    d = Daemon(hbm="4GiB")
+    try:
+        r = subprocess.run(
+            [_python(), str(TOOL), "--ops", ",".join(OPS), "--max-samples", "3",
+             "--report", str(report_path)],
+            env=d.env(), capture_output=True, text=True, timeout=360)
+    finally:
+        d.stop()
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    report = json.loads(report_path.read_text())
+    assert report["complete"], out
+    assert not report["unknown_ops"], report["unknown_ops"]
+    s = report["summary"]
+    # Every listed op ran (variants included: div has three, max and min three).
+    ran = {u["op"].split(".")[0] if not u["op"].startswith("nn.") else u["op"]
+           for u in report["ops"]}
+    assert set(OPS) <= ran, set(OPS) - ran
+    assert s["samples_passing_on_cpu"] >= 100, out
+    rate = s["pass_rate"]
+    assert rate >= MIN_PASS_RATE, (
+        f"tpu matched the CPU on {100 * rate:.1f}% of {s['samples_passing_on_cpu']} samples "
+        f"({s['passed']} passed, {s['failed']} failed, {s['errored']} errored), below "
+        f"{100 * MIN_PASS_RATE:.0f}%\n{out}")
+    print(f"opinfo conformance (CI subset): {100 * rate:.1f}% of "
+          f"{s['samples_passing_on_cpu']} samples")

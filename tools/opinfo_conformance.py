@@ -1,0 +1,946 @@
+#!/usr/bin/env python3
+"""OpInfo conformance of the "tpu" device against ATen's CPU kernels.
+
+For each OpInfo of torch's `op_db` (torch.testing._internal) and each dtype, the
+first --max-samples sample inputs run on the CPU; the samples that pass there run
+again with every tensor moved to "tpu", and the results, moved back, are
+compared with torch.testing.assert_close (dtype defaults for atol/rtol,
+equal_nan=True; non-tensor results with ==). Each sample is:
+
+  passed, failed (a mismatch), errored (an exception on tpu),
+  skipped_cpu (it raises on the CPU too; not counted),
+  skipped_nondeterministic (random or uninitialised results, e.g. rand*,
+      dropout, normal, bernoulli, empty*: run on tpu to catch errors, and only
+      the structure, shapes and dtypes of the results are compared).
+
+A `device="cpu"` keyword of a sample (factory functions: arange, ones, full,
+linspace, ...) becomes `device="tpu"`, so those ops run on tpu too; their
+results are deterministic and their values are compared.
+
+The ops run in a worker process: a per-op alarm (--timeout) ends a slow op, and
+a worker that crashes or hangs inside C++ is replaced (the sample is counted as
+errored) so one op cannot stop the run. With --start-daemon the tool runs its own
+tpud on sockets in a temporary folder (restarted if it dies), else it uses the
+daemon at TPUD_SOCKET.
+
+  .venv/bin/python tools/opinfo_conformance.py --start-daemon --ops add,mm --report r.json
+  .venv/bin/python tools/opinfo_conformance.py --start-daemon --max-samples 3 --report all.json
+
+The summary line:
+  conformance: P passed, F failed, E errored of N samples that pass on CPU (X.X%)
+with N = P + F + E (nondeterministic samples are reported separately), then the
+most common error messages (grouped by their first line with numbers, shapes
+and ATen op names normalised) with the ops that raise them.
+"""
+import argparse
+import itertools
+import json
+import os
+import pathlib
+import random
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_TPUD = ROOT / "bazel-bin" / "daemon" / "tpud"
+GRACE_S = 30          # beyond --timeout before a stuck worker is killed
+IMPORT_TIMEOUT_S = 300
+TOP_ERRORS = 30
+TOP_MISMATCHES = 15
+STATUSES = ("passed", "failed", "errored", "skipped_cpu", "skipped_nondeterministic")
+
+# Ops whose values cannot be compared with the CPU's: randomness or
+# uninitialised memory. Matched against the last dotted part of op.name.
+_NONDET_RE = re.compile(
+    r"^(rand|randn|randint|randperm)(_like)?$|dropout|^normal$|^log_normal$|bernoulli|"
+    r"multinomial|^uniform$|empty|^cauchy$|^exponential$|^geometric$|^poisson$|rrelu|"
+    r"^fractional_max_pool")
+
+
+def is_nondeterministic(op):
+    if getattr(op, "has_nondeterministic_output", False):
+        return True
+    if op.name.startswith("signal.windows."):  # e.g. windows.exponential: deterministic
+        return False
+    return bool(_NONDET_RE.search(op.name.split(".")[-1]))
+
+
+def first_line(text):
+    for line in str(text).splitlines():
+        if line.strip():
+            return line.strip()[:400]
+    return ""
+
+
+def describe(exc):
+    msg = first_line(exc)
+    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+
+
+_NORMALISE = [
+    (re.compile(r"aten::[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)?"), "aten::<op>"),
+    (re.compile(r"0x[0-9a-fA-F]+"), "<addr>"),
+    (re.compile(r"(?<![A-Za-z_])-?\d+(\.\d+)?(e[-+]?\d+)?"), "N"),
+    (re.compile(r"\[(N, )*N,?\]"), "[...]"),
+    (re.compile(r"\((N, )*N,?\)"), "(...)"),
+    (re.compile(r"tensor\([^)]*\)"), "tensor(...)"),
+]
+
+
+def group_key(message):
+    """The first line with the details that vary from op to op blanked out."""
+    key = message
+    for pattern, repl in _NORMALISE:
+        key = pattern.sub(repl, key)
+    return key[:300]
+
+
+# ===================================================================== worker
+#
+# Runs in a separate interpreter (`--_worker-fd`), reports JSON lines on a pipe.
+
+
+class OpTimeout(BaseException):
+    """Raised by the alarm; a BaseException so generic handlers let it pass."""
+
+
+class _Moved:
+    """A result tensor copied back to the CPU, remembering its device."""
+
+    def __init__(self, tensor, device_type):
+        self.tensor = tensor
+        self.device_type = device_type
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _stub_expecttest():
+    # common_utils imports expecttest only for its TestCase base class; the
+    # project's .venv does not have it. A stand-in is enough for op_db.
+    try:
+        import expecttest  # noqa: F401
+    except ImportError:
+        import types
+        import unittest
+        mod = types.ModuleType("expecttest")
+        mod.TestCase = unittest.TestCase
+        mod.ACCEPT = False
+        sys.modules["expecttest"] = mod
+
+
+def worker_main(args):
+    out = os.fdopen(args._worker_fd, "w", buffering=1)
+    state = {"critical": False, "phase": None}
+
+    def send(**msg):
+        state["critical"] = True
+        try:
+            out.write(json.dumps(msg) + "\n")
+            out.flush()
+        finally:
+            state["critical"] = False
+
+    def on_alarm(signum, frame):
+        if state["critical"]:
+            signal.alarm(1)  # never interrupt a message half written
+            return
+        raise OpTimeout()
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    import warnings
+    warnings.filterwarnings("ignore")
+    _stub_expecttest()
+    import torch
+    import torch_tpu  # noqa: F401
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    if not torch.tpu.is_available():
+        send(t="fatal", msg="no tpu device: is tpud running at TPUD_SOCKET="
+             f"{os.environ.get('TPUD_SOCKET', '(unset)')}? (or use --start-daemon)")
+        return 2
+
+    if not args.all_dtypes:
+        bad = [d for d in args.dtypes.split(",")
+               if not isinstance(getattr(torch, d, None), torch.dtype)]
+        if bad:
+            send(t="fatal", msg=f"not torch dtypes: {', '.join(bad)}")
+            return 2
+    units, unknown = select_units(op_db, args, torch)
+    send(t="plan", units=[[op.full_name, str(dt).replace("torch.", ""), nondet, supported]
+                          for op, dt, nondet, supported in units], unknown=unknown,
+         torch=torch.__version__)
+
+    no_twin = object()
+
+    def is_device(x, kind):
+        return (isinstance(x, str) and x.split(":")[0] == kind) or \
+            (isinstance(x, torch.device) and x.type == kind)
+
+    def as_tpu_device(x):
+        return "tpu" if isinstance(x, str) else torch.device("tpu")
+
+    def full_storage(t):
+        """t's whole storage as a 1-D tensor, or None when t is simple to copy."""
+        if t.layout != torch.strided or t.is_conj() or t.is_neg() or t.numel() == 0:
+            return None
+        n = t.untyped_storage().nbytes() // t.element_size()
+        if t.storage_offset() == 0 and n == t.numel() and t.is_contiguous():
+            return None
+        return torch.as_strided(t, (n,), (1,), 0)
+
+    def move(t):
+        """t on tpu with the same storage layout (views of a larger storage, offsets,
+        overlapping strides), as the sample would be if made on the device."""
+        base = full_storage(t)
+        if base is None:
+            return t.to("tpu")
+        return base.to("tpu").as_strided(t.size(), t.stride(), t.storage_offset())
+
+    def clone(t):
+        base = full_storage(t)
+        if base is None:
+            return t.clone()
+        return base.clone().as_strided(t.size(), t.stride(), t.storage_offset())
+
+    def to_tpu(x, twin=no_twin, key=None):
+        """The sample on tpu. `twin` is the same sample made on the meta device:
+        what is on meta there was made on the device and goes to tpu; what is on
+        the CPU there the sample puts on the CPU whatever the device (e.g. the
+        indices of tensor_split, narrow's start) and stays. Without a twin every
+        tensor moves, and device="cpu" keywords become "tpu"."""
+        if isinstance(x, torch.Tensor):
+            if isinstance(twin, torch.Tensor) and twin.device.type == "cpu":
+                return clone(x)
+            return move(x)
+        if is_device(x, "cpu"):
+            if twin is not no_twin:
+                return as_tpu_device(x) if is_device(twin, "meta") else x
+            return as_tpu_device(x) if key == "device" or isinstance(x, torch.device) else x
+        if isinstance(x, (list, tuple)):
+            twins = twin if isinstance(twin, (list, tuple)) and len(twin) == len(x) \
+                else [no_twin] * len(x)
+            items = [to_tpu(v, w) for v, w in zip(x, twins)]
+            if isinstance(x, list):
+                return items
+            if hasattr(x, "_fields"):  # namedtuple
+                return type(x)(*items)
+            return tuple(items) if type(x) is tuple else type(x)(items)
+        if isinstance(x, dict):
+            same = isinstance(twin, dict) and set(twin) == set(x)
+            return {k: to_tpu(v, twin[k] if same else no_twin, k) for k, v in x.items()}
+        return x
+
+    def clone_tree(x):
+        if isinstance(x, torch.Tensor):
+            return clone(x)
+        if isinstance(x, list):
+            return [clone_tree(v) for v in x]
+        if isinstance(x, tuple):
+            items = [clone_tree(v) for v in x]
+            if hasattr(x, "_fields"):
+                return type(x)(*items)
+            return tuple(items) if type(x) is tuple else type(x)(items)
+        if isinstance(x, dict):
+            return {k: clone_tree(v) for k, v in x.items()}
+        return x
+
+    def has_conj(x):
+        if isinstance(x, torch.Tensor):
+            return x.is_conj() or x.is_neg()
+        if isinstance(x, (list, tuple)):
+            return any(has_conj(v) for v in x)
+        if isinstance(x, dict):
+            return any(has_conj(v) for v in x.values())
+        return False
+
+    def to_cpu(x):
+        if isinstance(x, torch.Tensor):
+            return _Moved(x.cpu(), x.device.type)
+        if isinstance(x, (list, tuple)):
+            return [to_cpu(v) for v in x]
+        if isinstance(x, dict):
+            return {k: to_cpu(v) for k, v in x.items()}
+        return x
+
+    def compare(expected, actual, path, values, device=True):
+        if isinstance(expected, torch.Tensor):
+            if not isinstance(actual, _Moved):
+                raise _Mismatch(f"result{path}: expected a tensor, got {type(actual).__name__}")
+            if device and expected.device.type == "cpu" and actual.device_type != "tpu":
+                raise _Mismatch(f"result{path} is on {actual.device_type}, expected tpu")
+            a = actual.tensor
+            if not values:
+                if a.shape != expected.shape or a.dtype != expected.dtype:
+                    raise _Mismatch(f"result{path}: shape/dtype {tuple(a.shape)} {a.dtype}, "
+                                    f"expected {tuple(expected.shape)} {expected.dtype}")
+                return
+            try:
+                torch.testing.assert_close(a, expected, equal_nan=True)
+            except AssertionError as e:
+                lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+                raise _Mismatch(f"result{path}: " + "; ".join(lines[:4])[:600]) from None
+            return
+        if isinstance(expected, (list, tuple)):
+            if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
+                got = f"{type(actual).__name__}" + (
+                    f" of {len(actual)}" if isinstance(actual, (list, tuple)) else "")
+                raise _Mismatch(f"result{path}: expected a sequence of {len(expected)}, got {got}")
+            for i, (e, a) in enumerate(zip(expected, actual)):
+                compare(e, a, f"{path}[{i}]", values, device)
+            return
+        if isinstance(expected, dict):
+            if not isinstance(actual, dict) or set(actual) != set(expected):
+                raise _Mismatch(f"result{path}: dict keys differ")
+            for k in expected:
+                compare(expected[k], actual[k], f"{path}[{k!r}]", values, device)
+            return
+        if isinstance(actual, _Moved):
+            raise _Mismatch(f"result{path}: expected {type(expected).__name__}, got a tensor")
+        if not values:
+            return
+        if isinstance(expected, float) and isinstance(actual, float) and \
+                expected != expected and actual != actual:
+            return  # both nan
+        try:
+            same = bool(expected == actual)
+        except Exception:  # noqa: BLE001
+            same = repr(expected) == repr(actual)
+        if not same:
+            raise _Mismatch(f"result{path}: {actual!r} != {expected!r} (cpu)"[:600])
+
+    def drain():
+        try:
+            torch.tpu.synchronize()
+        except Exception:  # noqa: BLE001 - a late error of an earlier sample
+            pass
+
+    from torch.testing._utils import freeze_rng_state, wrapper_set_seed
+
+    def other_seed(f, *a, **kw):
+        with freeze_rng_state():
+            torch.manual_seed(4321)
+            return f(*a, **kw)
+
+    # OpInfo ops that draw random numbers call wrapper_set_seed (seed 42) through
+    # their module's global; the second CPU run swaps in another seed.
+    seeded_modules = [m for name, m in list(sys.modules.items())
+                      if name.startswith("torch.testing._internal") and m is not None
+                      and getattr(m, "wrapper_set_seed", None) is wrapper_set_seed]
+
+    def differs_between_cpu_runs(op, again, expected):
+        """Runs the op on the CPU again with another seed: a sample with
+        dropout_p > 0 of an otherwise deterministic op, uninitialised memory, ..."""
+        for m in seeded_modules:
+            m.wrapper_set_seed = other_seed
+        try:
+            torch.manual_seed(4321)
+            second = to_cpu(op(again[0], *again[1], **again[2]))
+            compare(expected, second, "", values=True, device=False)
+            return False
+        except (_Mismatch, Exception):  # noqa: BLE001
+            return True
+        finally:
+            for m in seeded_modules:
+                m.wrapper_set_seed = wrapper_set_seed
+
+    def run_sample(op, sample, twin, k, nondet):
+        inputs = (sample.input, sample.args, sample.kwargs)
+        try:
+            moved = to_tpu(inputs, twin)
+            move_exc = None
+        except Exception as e:  # noqa: BLE001
+            moved, move_exc = None, e
+        state["phase"] = ("cpu", k)
+        try:
+            again = None if nondet else clone_tree(inputs)
+            torch.manual_seed(1234)
+            expected = op(sample.input, *sample.args, **sample.kwargs)
+        except Exception:  # noqa: BLE001
+            state["phase"] = None
+            send(t="sample", sample=k, status="skipped_cpu")
+            return
+        detected = not nondet and differs_between_cpu_runs(op, again, expected)
+        nondet = nondet or detected
+        state["phase"] = ("tpu", k)
+        send(t="tpu", sample=k, step="running the op on tpu")
+        try:
+            if move_exc is not None:
+                raise move_exc
+            inp, a, kw = moved
+            result = op(inp, *a, **kw)
+            send(t="tpu", sample=k, step="copying the results to the CPU" +
+                 (" (a result has the conj or neg bit)" if has_conj(result) else ""))
+            actual = to_cpu(result)
+            torch.tpu.synchronize()
+        except Exception as e:  # noqa: BLE001
+            state["phase"] = None
+            state["errored"] = True
+            drain()
+            send(t="sample", sample=k, status="errored", msg=describe(e))
+            return
+        try:
+            compare(expected, actual, "", values=not nondet)
+            status, msg = ("skipped_nondeterministic" if nondet else "passed"), None
+        except _Mismatch as e:
+            status, msg = "failed", str(e)
+        except Exception as e:  # noqa: BLE001 - the comparison itself broke
+            status, msg = "failed", "comparison raised " + describe(e)
+        state["phase"] = None
+        send(t="sample", sample=k, status=status, msg=msg, detected=detected)
+
+    def meta_twins(op, dtype):
+        """The first samples made on the meta device, or [] when that fails."""
+        try:
+            torch.manual_seed(0)
+            random.seed(0)
+            it = op.sample_inputs("meta", dtype, requires_grad=False)
+            return [(s.input, s.args, s.kwargs) for s in itertools.islice(it, args.max_samples)]
+        except Exception:  # noqa: BLE001 - e.g. a sample that calls .item()
+            return []
+
+    for index in range(args._start, len(units)):
+        op, dtype, nondet, supported = units[index]
+        send(t="unit", index=index)
+        t0 = time.time()
+        note = None
+        timed_out = False
+        if not supported:
+            send(t="unit_end", index=index, note="dtype not supported on cpu by the OpInfo",
+                 seconds=0.0, timeout=False)
+            continue
+        state["phase"] = None
+        state["errored"] = False
+        signal.alarm(args.timeout)
+        try:
+            twins = meta_twins(op, dtype)
+            torch.manual_seed(0)
+            random.seed(0)
+            try:
+                samples = iter(op.sample_inputs("cpu", dtype, requires_grad=False))
+            except Exception as e:  # noqa: BLE001
+                samples, note = iter(()), "sample_inputs raised " + describe(e)
+            k = 0
+            while k < args.max_samples:
+                try:
+                    sample = next(samples)
+                except StopIteration:
+                    break
+                except Exception as e:  # noqa: BLE001
+                    note = "sample_inputs raised " + describe(e)
+                    break
+                run_sample(op, sample, twins[k] if k < len(twins) else no_twin, k, nondet)
+                k += 1
+        except OpTimeout:
+            timed_out = True
+            note = f"timed out after {args.timeout}s"
+            phase = state["phase"]
+            state["phase"] = None
+            if phase is not None and phase[0] == "tpu":
+                send(t="sample", sample=phase[1], status="errored",
+                     msg=f"Timeout: the op took more than {args.timeout}s on tpu")
+        except Exception as e:  # noqa: BLE001 - never stop the run
+            note = "unexpected " + describe(e)
+        finally:
+            signal.alarm(0)
+        drain()
+        send(t="unit_end", index=index, note=note, seconds=round(time.time() - t0, 3),
+             timeout=timed_out)
+        if args.isolate and (state["errored"] or timed_out) and index + 1 < len(units):
+            # The daemon poisons what a failed op wrote; memory this session
+            # reuses could carry that into later ops. A new session starts clean.
+            send(t="restart")
+            return 0
+    send(t="done")
+    return 0
+
+
+def select_units(op_db, args, torch):
+    """(op, dtype, nondeterministic, dtype supported) in op_db order."""
+    ops = list(op_db)
+    unknown = []
+    if args.ops:
+        wanted = [w.strip() for w in args.ops.split(",") if w.strip()]
+        chosen = set()
+        for w in wanted:
+            match = [i for i, op in enumerate(ops) if w in (op.name, op.full_name)]
+            if not match:  # "relu" for "nn.functional.relu"
+                match = [i for i, op in enumerate(ops)
+                         if f"nn.functional.{w}" in (op.name, op.full_name)]
+            if not match:
+                unknown.append(w)
+            chosen.update(match)
+        ops = [op for i, op in enumerate(ops) if i in chosen]
+    if args.limit is not None:
+        ops = ops[:args.limit]
+    units = []
+    for op in ops:
+        cpu_dtypes = set(op.supported_dtypes("cpu"))
+        if args.all_dtypes:
+            dtypes = sorted(cpu_dtypes, key=str)
+            if not dtypes:
+                units.append((op, torch.float32, is_nondeterministic(op), False))
+        else:
+            dtypes = [getattr(torch, d) for d in args.dtypes.split(",") if d.strip()]
+        for dt in dtypes:
+            units.append((op, dt, is_nondeterministic(op), dt in cpu_dtypes))
+    return units, unknown
+
+
+# ===================================================================== parent
+
+
+def _can_connect(path):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+class ManagedDaemon:
+    """tpud on sockets in a temporary folder (as tests/python/conftest.py's Daemon)."""
+
+    def __init__(self, binary, hbm):
+        self.binary = pathlib.Path(binary)
+        self.hbm = hbm
+        self.dir = tempfile.mkdtemp(prefix="tpud-conformance.", dir="/tmp")
+        self.socket = os.path.join(self.dir, "tpud.sock")
+        self.admin_socket = os.path.join(self.dir, "admin.sock")
+        self.log_path = os.path.join(self.dir, "tpud.log")
+        self.proc = None
+        self.starts = 0
+
+    def start(self):
+        deadline = time.time() + 300  # the binary may be being rebuilt
+        while not os.access(self.binary, os.X_OK):
+            if time.time() > deadline:
+                raise RuntimeError(f"{self.binary} not found; build it first")
+            time.sleep(2)
+        for p in (self.socket, self.admin_socket):
+            if os.path.exists(p):
+                os.unlink(p)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [str(self.binary), f"--socket={self.socket}", f"--admin_socket={self.admin_socket}",
+             f"--hbm_bytes={self.hbm}", "--log_level=warn"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        log.close()
+        self.starts += 1
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            if _can_connect(self.socket) and _can_connect(self.admin_socket):
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tpud exited with {self.proc.returncode}: {self.log_tail()}")
+            time.sleep(0.02)
+        self.stop_process()
+        raise RuntimeError("tpud did not start")
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n=5):
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return " | ".join(l.strip() for l in f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop_process(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def restart(self):
+        self.stop_process()
+        self.start()
+
+    def env(self, env):
+        env["TPUD_SOCKET"] = self.socket
+        env["TPUD_ADMIN_SOCKET"] = self.admin_socket
+        return env
+
+    def close(self):
+        self.stop_process()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Worker:
+    def __init__(self, args, start, env, log_path):
+        r, w = os.pipe()
+        cmd = [sys.executable, os.path.abspath(__file__), "--_worker-fd", str(w),
+               "--_start", str(start), "--max-samples", str(args.max_samples),
+               "--timeout", str(args.timeout), "--dtypes", args.dtypes]
+        if args.ops:
+            cmd += ["--ops", args.ops]
+        if args.limit is not None:
+            cmd += ["--limit", str(args.limit)]
+        if args.all_dtypes:
+            cmd.append("--all-dtypes")
+        if not args.isolate:
+            cmd.append("--no-isolate")
+        self.log_path = log_path
+        log = open(log_path, "ab")
+        self.proc = subprocess.Popen(cmd, pass_fds=(w,), env=env, stdin=subprocess.DEVNULL,
+                                     stdout=log, stderr=log)
+        log.close()
+        os.close(w)
+        self.fd = r
+        self.buf = b""
+
+    def read(self, timeout):
+        """The next message; None on end of stream, "timeout" when none came in time."""
+        deadline = time.time() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.time()
+            if left <= 0:
+                return "timeout"
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        try:
+            return json.loads(line)
+        except ValueError:
+            return {"t": "garbage", "line": line[:200].decode(errors="replace")}
+
+    def stderr_tail(self):
+        try:
+            with open(self.log_path, errors="replace") as f:
+                lines = [l.strip() for l in f.readlines() if l.strip()]
+        except OSError:
+            return ""
+        return lines[-1][:300] if lines else ""
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        os.close(self.fd)
+
+    def exit_reason(self):
+        rc = self.proc.wait()
+        if rc < 0:
+            try:
+                return f"killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                return f"killed by signal {-rc}"
+        return f"exited with {rc}"
+
+
+def new_unit(plan_entry):
+    op, dtype, nondet, supported = plan_entry
+    u = {"op": op, "dtype": dtype, "nondeterministic": nondet}
+    u.update({s: 0 for s in STATUSES})
+    u.update(first_error=None, first_mismatch=None, note=None, seconds=None, errors={},
+             nondeterministic_samples_detected=0)
+    return u
+
+
+def record(unit, status, msg):
+    unit[status] += 1
+    if status == "errored":
+        unit["first_error"] = unit["first_error"] or msg
+        unit["errors"][msg] = unit["errors"].get(msg, 0) + 1
+    elif status == "failed":
+        unit["first_mismatch"] = unit["first_mismatch"] or msg
+
+
+def summarise(units):
+    s = {k: sum(u[k] for u in units) for k in STATUSES}
+    n = s["passed"] + s["failed"] + s["errored"]
+    s["samples_passing_on_cpu"] = n
+    s["pass_rate"] = s["passed"] / n if n else 0.0
+    s["units"] = len(units)
+    s["units_all_passed"] = sum(1 for u in units if u["passed"] and not u["failed"] and not u["errored"])
+    s["units_with_errors"] = sum(1 for u in units if u["errored"])
+    s["units_with_mismatches"] = sum(1 for u in units if u["failed"])
+    return s
+
+
+def groups(units, kind):
+    """Messages grouped by normalised first line: samples, ops, an example."""
+    g = {}
+    for u in units:
+        if kind == "errored":
+            items = u["errors"].items()
+        else:
+            items = [(u["first_mismatch"], u["failed"])] if u["failed"] else []
+        for msg, count in items:
+            line = first_line(msg)
+            if kind != "errored":  # "result[i]: Tensor-likes are not close!; details"
+                line = line.split("; ")[0]
+            key = group_key(line)
+            e = g.setdefault(key, {"message": key, "example": first_line(msg), "samples": 0,
+                                   "ops": []})
+            e["samples"] += count
+            name = u["op"] if u["dtype"] == "float32" else f"{u['op']}[{u['dtype']}]"
+            if name not in e["ops"]:
+                e["ops"].append(name)
+    return sorted(g.values(), key=lambda e: (-len(e["ops"]), -e["samples"], e["message"]))
+
+
+def write_report(path, args, meta, units, events, started, final):
+    if not path:
+        return
+    report = {
+        "torch": meta.get("torch"),
+        "complete": final,
+        "dtypes": "all supported" if args.all_dtypes else args.dtypes.split(","),
+        "max_samples": args.max_samples,
+        "timeout_s": args.timeout,
+        "seconds": round(time.time() - started, 1),
+        "summary": summarise(units),
+        "unknown_ops": meta.get("unknown", []),
+        "isolation_restarts": meta.get("isolation_restarts", 0),
+        "events": events,
+        "error_groups": groups(units, "errored"),
+        "mismatch_groups": groups(units, "failed"),
+        "ops": units,
+    }
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
+
+
+def run(args):
+    started = time.time()
+    env = dict(os.environ)
+    daemon = None
+    if args.start_daemon:
+        daemon = ManagedDaemon(args.tpud, args.hbm)
+        daemon.start()
+        daemon.env(env)
+    logdir = tempfile.mkdtemp(prefix="opinfo-conformance.", dir="/tmp")
+    worker_log = os.path.join(logdir, "worker.log")
+    plan, meta, units, events = None, {}, [], []
+    start = 0
+    last_crash_start = None
+    restarts = 0
+    try:
+        while True:
+            worker = Worker(args, start, env, worker_log)
+            unit, sample, step, unit_t0 = None, None, None, None
+            done = False
+            trouble = None  # "crash" / "hang"
+            while True:
+                if unit is not None:
+                    wait = max(1.0, unit_t0 + args.timeout + GRACE_S - time.time())
+                else:
+                    wait = IMPORT_TIMEOUT_S if plan is None else 60
+                msg = worker.read(wait)
+                if msg == "timeout":
+                    trouble = "hang"
+                    break
+                if msg is None:
+                    trouble = "crash"
+                    break
+                t = msg.get("t")
+                if t == "fatal":
+                    print(f"opinfo_conformance: {msg['msg']}", file=sys.stderr)
+                    worker.kill()
+                    return 2
+                if t == "plan":
+                    if plan is None:
+                        plan = msg["units"]
+                        meta = {"unknown": msg["unknown"], "torch": msg["torch"]}
+                        if msg["unknown"]:
+                            print("not in op_db: " + ", ".join(msg["unknown"]), file=sys.stderr)
+                elif t == "unit":
+                    unit, sample, unit_t0 = new_unit(plan[msg["index"]]), None, time.time()
+                    unit["index"] = msg["index"]
+                elif t == "tpu":
+                    sample, step = msg["sample"], msg.get("step")
+                elif t == "sample":
+                    record(unit, msg["status"], msg.get("msg"))
+                    if msg.get("detected"):
+                        unit["nondeterministic_samples_detected"] += 1
+                    sample = None
+                elif t == "unit_end":
+                    unit["note"], unit["seconds"] = msg["note"], msg["seconds"]
+                    unit["timeout"] = msg["timeout"]
+                    finish_unit(args, unit, units, events, started, meta)
+                    start = msg["index"] + 1
+                    unit = None
+                    if daemon is not None and not daemon.alive():
+                        events.append({"event": "daemon died", "after_op": units[-1]["op"],
+                                       "returncode": daemon.proc.returncode,
+                                       "log": daemon.log_tail()})
+                        trouble = "daemon"
+                        break
+                elif t == "done":
+                    done = True
+                    break
+                elif t == "restart":
+                    trouble = "restart"
+                    break
+            if done:
+                worker.kill()
+                break
+            if trouble == "restart":  # after an op that failed: a fresh session
+                worker.kill()
+                restarts += 1
+                continue
+            # The worker crashed, hung or lost its daemon.
+            if trouble == "hang":
+                worker.kill()
+                reason = f"hung for more than {args.timeout + GRACE_S}s (worker killed)"
+            elif trouble == "daemon":
+                worker.kill()
+                reason = None
+            else:
+                reason = worker.exit_reason()
+                tail = "" if worker.proc.returncode < 0 else worker.stderr_tail()
+                worker.kill()
+                reason = f"worker {reason}" + (f": {tail}" if tail else "")
+            if plan is None:
+                print(f"opinfo_conformance: the worker could not start: {reason}\n"
+                      f"  see {worker_log}", file=sys.stderr)
+                return 2
+            daemon_dead = daemon is not None and not daemon.alive()
+            if unit is not None:
+                if sample is not None:
+                    kind = "Hang" if trouble == "hang" else "WorkerCrash"
+                    record(unit, "errored", f"{kind}: {reason}" + (f" while {step}" if step else ""))
+                unit["note"] = reason
+                unit["seconds"] = round(time.time() - unit_t0, 3)
+                if daemon_dead:
+                    unit["note"] += f"; tpud died ({daemon.proc.returncode})"
+                finish_unit(args, unit, units, events, started, meta)
+                events.append({"event": trouble, "op": unit["op"], "dtype": unit["dtype"],
+                               "reason": reason})
+                start = unit["index"] + 1
+            elif trouble != "daemon":
+                # Between units: retry once from the same place, then skip it.
+                events.append({"event": trouble, "op": None, "reason": reason})
+                if last_crash_start == start:
+                    skipped = new_unit(plan[start])
+                    skipped["index"], skipped["note"] = start, f"skipped: {reason}"
+                    finish_unit(args, skipped, units, events, started, meta)
+                    start += 1
+                last_crash_start = start
+            if daemon is not None and (daemon_dead or trouble == "hang"):
+                if daemon_dead and trouble != "daemon":
+                    events.append({"event": "daemon died", "after_op": units[-1]["op"] if units else None,
+                                   "returncode": daemon.proc.returncode, "log": daemon.log_tail()})
+                daemon.restart()
+            if start >= len(plan):
+                break
+    finally:
+        if daemon is not None:
+            daemon.close()
+    meta["isolation_restarts"] = restarts
+    write_report(args.report, args, meta, units, events, started, final=True)
+    print_summary(units, events, meta)
+    shutil.rmtree(logdir, ignore_errors=True)
+    rate = summarise(units)["pass_rate"]
+    if args.min_pass_rate is not None and rate < args.min_pass_rate:
+        return 1
+    return 0
+
+
+def finish_unit(args, unit, units, events, started, meta):
+    units.append(unit)
+    if args.verbose:
+        extra = f"  ({unit['note']})" if unit["note"] else ""
+        err = f"  {unit['first_error']}" if unit["first_error"] else ""
+        print(f"[{len(units)}] {unit['op']} {unit['dtype']}: {unit['passed']} passed, "
+              f"{unit['failed']} failed, {unit['errored']} errored, "
+              f"{unit['skipped_cpu']} skipped_cpu, {unit['skipped_nondeterministic']} nondet"
+              f"{extra}{err}", file=sys.stderr, flush=True)
+    if len(units) % 25 == 0:
+        write_report(args.report, args, meta, units, events, started, final=False)
+
+
+def print_summary(units, events, meta):
+    s = summarise(units)
+    n = s["samples_passing_on_cpu"]
+    if events:
+        print(f"{len(events)} worker/daemon events (crashes, hangs); see the report's \"events\"")
+    groups_e = groups(units, "errored")
+    if groups_e:
+        print(f"top {min(TOP_ERRORS, len(groups_e))} of {len(groups_e)} error groups "
+              "(samples, ops: message; example ops):")
+        for e in groups_e[:TOP_ERRORS]:
+            ops = ", ".join(e["ops"][:6]) + (f", ... (+{len(e['ops']) - 6})" if len(e["ops"]) > 6 else "")
+            print(f"  {e['samples']:5d} samples {len(e['ops']):4d} ops: {e['example']}\n"
+                  f"        ops: {ops}")
+    groups_m = groups(units, "failed")
+    if groups_m:
+        print(f"top {min(TOP_MISMATCHES, len(groups_m))} of {len(groups_m)} mismatch groups:")
+        for e in groups_m[:TOP_MISMATCHES]:
+            ops = ", ".join(e["ops"][:6]) + (f", ... (+{len(e['ops']) - 6})" if len(e["ops"]) > 6 else "")
+            print(f"  {e['samples']:5d} samples {len(e['ops']):4d} ops: {e['example']}\n"
+                  f"        ops: {ops}")
+    print(f"ops x dtypes: {s['units']} ({s['units_all_passed']} all passed, "
+          f"{s['units_with_errors']} with errors, {s['units_with_mismatches']} with mismatches); "
+          f"samples skipped: {s['skipped_cpu']} fail on CPU, "
+          f"{s['skipped_nondeterministic']} nondeterministic (ran on tpu, values not compared)")
+    print(f"conformance: {s['passed']} passed, {s['failed']} failed, {s['errored']} errored "
+          f"of {n} samples that pass on CPU ({100.0 * s['pass_rate']:.1f}%)", flush=True)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", help="comma-separated OpInfo names (name, or name.variant); "
+                   "default: every op in op_db")
+    p.add_argument("--limit", type=int, help="only the first N ops (after --ops)")
+    p.add_argument("--dtypes", default="float32", help="comma-separated dtypes (default float32)")
+    p.add_argument("--all-dtypes", action="store_true",
+                   help="every dtype each OpInfo supports on the CPU (overrides --dtypes)")
+    p.add_argument("--max-samples", type=int, default=5, help="samples per op and dtype (5)")
+    p.add_argument("--timeout", type=int, default=20, help="seconds per op and dtype (20)")
+    p.add_argument("--report", help="write the JSON report here")
+    p.add_argument("--start-daemon", action="store_true",
+                   help="run a tpud of our own (--tpud, --hbm) instead of TPUD_SOCKET's")
+    p.add_argument("--tpud", default=str(DEFAULT_TPUD), help="the tpud binary for --start-daemon")
+    p.add_argument("--hbm", default="4GiB", help="--hbm_bytes of that tpud (4GiB)")
+    p.add_argument("--min-pass-rate", type=float,
+                   help="exit 1 when the pass rate is below this fraction (e.g. 0.9)")
+    p.add_argument("--no-isolate", dest="isolate", action="store_false",
+                   help="keep one worker (one tpud session) after an op fails; by default a "
+                   "new one takes over, so that what the daemon poisoned cannot reach later ops")
+    p.add_argument("-v", "--verbose", action="store_true", help="a line per op on stderr")
+    p.add_argument("--_worker-fd", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--_start", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.dtypes:
+        args.dtypes = ",".join(d.strip().replace("torch.", "") for d in args.dtypes.split(",")
+                               if d.strip())
+    return args
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args._worker_fd is not None:
+        return worker_main(args)
+    if not args.all_dtypes and not args.dtypes:
+        print("opinfo_conformance: --dtypes is empty", file=sys.stderr)
+        return 2
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
