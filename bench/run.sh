@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs tpud's benchmarks against a daemon started here on temporary sockets.
-# Output: one JSON object per line (name, speed_ratio, ...).
+# Output: one JSON object per line (name, speed_ratio, ...): the C++ benchmarks, then
+# bench/torch_bench.py (torch_tpu against CPU eager PyTorch).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -15,3 +16,5 @@ for _ in $(seq 100); do [[ -S "$DIR/admin.sock" ]] && break; sleep 0.05; done
 export TPUD_SOCKET="$DIR/tpud.sock"
 "$BIN/bench/control_plane_bench"
 "$BIN/bench/dataplane_bench" "$@"
+# PyTorch level (torch_tpu as installed in .venv) against CPU eager PyTorch.
+"$ROOT/.venv/bin/python" "$ROOT/bench/torch_bench.py"

@@ -2,35 +2,47 @@
 """OpInfo conformance of the "tpu" device against ATen's CPU kernels.
 
 For each OpInfo of torch's `op_db` (torch.testing._internal) and each dtype, the
-first --max-samples sample inputs run on the CPU; the samples that pass there run
-again with every tensor moved to "tpu", and the results, moved back, are
-compared with torch.testing.assert_close (dtype defaults for atol/rtol,
-equal_nan=True; non-tensor results with ==). Each sample is:
+first --max-samples sample inputs (`op.sample_inputs("cpu", dtype)`) run on the
+CPU; those that pass there run again with their tensors moved to "tpu", and the
+results, moved back, are compared with torch.testing.assert_close (dtype default
+atol/rtol, equal_nan=True; non-tensor results with ==; a result tensor must be
+on tpu). Each sample is one of:
 
-  passed, failed (a mismatch), errored (an exception on tpu),
+  passed, failed (a mismatch), errored (an exception on tpu: type and first line),
   skipped_cpu (it raises on the CPU too; not counted),
-  skipped_nondeterministic (random or uninitialised results, e.g. rand*,
-      dropout, normal, bernoulli, empty*: run on tpu to catch errors, and only
-      the structure, shapes and dtypes of the results are compared).
+  skipped_nondeterministic: random or uninitialised results: ops named like
+      rand*, dropout, normal, bernoulli, multinomial, uniform, empty*, ..., and
+      any sample whose CPU result changes when run again with another seed (e.g.
+      scaled_dot_product_attention with dropout_p > 0). They run on tpu to catch
+      errors; only the structure, shapes and dtypes of the results are compared.
 
-A `device="cpu"` keyword of a sample (factory functions: arange, ones, full,
-linspace, ...) becomes `device="tpu"`, so those ops run on tpu too; their
-results are deterministic and their values are compared.
+How samples move: tensors keep their storage layout (a view into a larger
+storage, an offset, overlapping strides stay so on tpu). The same samples are
+also made on the meta device to learn which tensors and devices the OpInfo puts
+on its test device: those go to tpu (`device="cpu"` arguments of factory
+functions such as arange, ones, full, and of `to`, become "tpu"), while tensors
+the sample puts on the CPU whatever the device (tensor_split's indices,
+narrow's start, index_put's indices) stay on the CPU, as in PyTorch's own
+device-generic tests. Where the meta samples cannot be made, every tensor moves.
 
-The ops run in a worker process: a per-op alarm (--timeout) ends a slow op, and
-a worker that crashes or hangs inside C++ is replaced (the sample is counted as
-errored) so one op cannot stop the run. With --start-daemon the tool runs its own
-tpud on sockets in a temporary folder (restarted if it dies), else it uses the
-daemon at TPUD_SOCKET.
+Robustness: the ops run in a worker process; a per-op alarm (--timeout) ends a
+slow op, and a worker that crashes or hangs inside C++ is replaced (that sample
+counts as errored, with what it was doing) so one op cannot stop the run. After
+an op fails, a new worker (a new tpud session) takes over, because tpud poisons
+what a failed op wrote and memory reused by later ops could carry it
+(--no-isolate keeps one session). With --start-daemon the tool runs its own tpud
+(bazel-bin/daemon/tpud, --hbm_bytes=4GiB) on sockets in a temporary folder,
+restarted if it dies; else it uses the daemon at TPUD_SOCKET.
 
   .venv/bin/python tools/opinfo_conformance.py --start-daemon --ops add,mm --report r.json
   .venv/bin/python tools/opinfo_conformance.py --start-daemon --max-samples 3 --report all.json
 
-The summary line:
+Output: the JSON report (--report: per op and dtype the counts, the first error
+and mismatch, the distinct errors; error and mismatch groups; crash events), the
+most common error messages (grouped by first line, with numbers, shapes and ATen
+op names blanked out; most ops first) with the ops that raise them, and last:
   conformance: P passed, F failed, E errored of N samples that pass on CPU (X.X%)
-with N = P + F + E (nondeterministic samples are reported separately), then the
-most common error messages (grouped by their first line with numbers, shapes
-and ATen op names normalised) with the ops that raise them.
+with N = P + F + E (nondeterministic samples are counted apart).
 """
 import argparse
 import itertools
@@ -85,6 +97,7 @@ def describe(exc):
 
 
 _NORMALISE = [
+    (re.compile(r" \(and \d+ later error\(s\) on this stream\)"), ""),
     (re.compile(r"aten::[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)?"), "aten::<op>"),
     (re.compile(r"0x[0-9a-fA-F]+"), "<addr>"),
     (re.compile(r"(?<![A-Za-z_])-?\d+(\.\d+)?(e[-+]?\d+)?"), "N"),
@@ -738,6 +751,8 @@ def run(args):
     start = 0
     last_crash_start = None
     restarts = 0
+    startup_failures = 0
+    keep_logs = False
     try:
         while True:
             worker = Worker(args, start, env, worker_log)
@@ -815,8 +830,13 @@ def run(args):
                 worker.kill()
                 reason = f"worker {reason}" + (f": {tail}" if tail else "")
             if plan is None:
+                startup_failures += 1
+                if startup_failures < 3:  # e.g. torch_tpu being reinstalled just now
+                    time.sleep(5)
+                    continue
                 print(f"opinfo_conformance: the worker could not start: {reason}\n"
                       f"  see {worker_log}", file=sys.stderr)
+                keep_logs = True
                 return 2
             daemon_dead = daemon is not None and not daemon.alive()
             if unit is not None:
@@ -850,10 +870,11 @@ def run(args):
     finally:
         if daemon is not None:
             daemon.close()
+        if not keep_logs:
+            shutil.rmtree(logdir, ignore_errors=True)
     meta["isolation_restarts"] = restarts
     write_report(args.report, args, meta, units, events, started, final=True)
     print_summary(units, events, meta)
-    shutil.rmtree(logdir, ignore_errors=True)
     rate = summarise(units)["pass_rate"]
     if args.min_pass_rate is not None and rate < args.min_pass_rate:
         return 1
@@ -902,7 +923,7 @@ def print_summary(units, events, meta):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", help="comma-separated OpInfo names (name, or name.variant); "
                    "default: every op in op_db")
