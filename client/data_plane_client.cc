@@ -346,11 +346,10 @@ absl::StatusOr<std::vector<OpResult>> Session::RunSync(int stream, uint32_t op_i
       out.tensor.address = r.address;
       out.tensor.dtype = r.dtype;
       out.tensor.ndim = std::min<uint8_t>(r.ndim, kMaxDims);
-      int64_t stride = 1;
-      for (int d = out.tensor.ndim - 1; d >= 0; --d) {
+      out.tensor.storage_offset = r.storage_offset;
+      for (int d = 0; d < out.tensor.ndim; ++d) {
         out.tensor.sizes[d] = r.sizes[d];
-        out.tensor.strides[d] = stride;
-        stride *= std::max<int64_t>(r.sizes[d], 1);
+        out.tensor.strides[d] = r.strides[d];
       }
       out.nbytes = r.nbytes;
     }

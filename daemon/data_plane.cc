@@ -656,9 +656,11 @@ absl::Status SessionDataPlane::RunOp(StreamState& st, uint64_t sequence) {
           out.dtype = r.tensor.dtype;
           out.ndim = r.tensor.ndim;
           out.address = r.tensor.address;
+          out.storage_offset = r.tensor.storage_offset;
           uint64_t numel = 1;
           for (int d = 0; d < r.tensor.ndim; ++d) {
             out.sizes[d] = r.tensor.sizes[d];
+            out.strides[d] = r.tensor.strides[d];
             numel *= static_cast<uint64_t>(r.tensor.sizes[d]);
           }
           out.nbytes = numel * tpu::ElementSize(r.tensor.dtype);

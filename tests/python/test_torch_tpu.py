@@ -83,6 +83,7 @@ def test_ops_match_cpu(tpud):
         same(torch.relu(ta), torch.relu(a))
         same(torch.softmax(ta, 1), torch.softmax(a, 1))
         same(ta[torch.tensor([0, 3, 3]).to("tpu")], a[torch.tensor([0, 3, 3])])
+        same(ta[ta > 0], a[a > 0])
         same(torch.nonzero(ta > 0.5), torch.nonzero(a > 0.5))
         same((ta > 0).sum(), (a > 0).sum())
         same(ta.to(torch.bfloat16) * 2, a.to(torch.bfloat16) * 2, 1e-2)
@@ -106,10 +107,8 @@ def test_ops_match_cpu(tpud):
     """)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug: after a boolean-mask index (two synchronous ops whose results the daemon "
-    "allocates), a later allocation is reported outside the session's segments; "
-    "under investigation, see the issue notes"))
+# Regression: a synchronous op that returned one of its arguments used to be
+# taken for a new segment (and freed under the caller).
 def test_boolean_index_then_more_work(tpud):
     run_py(tpud, """
         import torch, torch_tpu

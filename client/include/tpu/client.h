@@ -108,8 +108,9 @@ struct OpResult {
   double d = 0;
   double d_imag = 0;
   bool b = false;
-  // kTensor: a new segment of this session holding the data (contiguous);
-  // the caller owns it and frees it with Session::Free(address).
+  // kTensor: either a new segment of this session holding the data
+  // (contiguous; the caller owns it and frees it with Session::Free), or,
+  // when the op returned one of its arguments, that argument's reference.
   TensorRef tensor;
   uint64_t nbytes = 0;
 };

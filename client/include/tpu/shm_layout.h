@@ -54,9 +54,13 @@ struct ShmResult {
   int64_t i;
   double d;
   double d_imag;
-  uint64_t address;  // tensor data (a new segment owned by the session)
+  uint64_t address;  // tensor storage: a new segment of the session, or
+                     // (when the op returned one of its arguments) that
+                     // argument's storage
   uint64_t nbytes;
+  int64_t storage_offset;
   int64_t sizes[25];
+  int64_t strides[25];
 };
 
 struct alignas(64) StreamControl {

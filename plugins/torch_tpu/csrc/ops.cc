@@ -578,6 +578,20 @@ class ForwardedOp {
 
   at::Tensor Adopt(const tpu::OpResult& v) {
     std::vector<int64_t> sizes(v.tensor.sizes, v.tensor.sizes + v.tensor.ndim);
+    // An op that returned one of its arguments (in place, out=, a view):
+    // the result is that tensor's storage, not a new segment.
+    for (const at::Tensor& real : reals_) {
+      if (reinterpret_cast<uint64_t>(real.storage().data_ptr().get()) == v.tensor.address &&
+          v.tensor.address != 0) {
+        std::vector<int64_t> strides(v.tensor.strides, v.tensor.strides + v.tensor.ndim);
+        if (real.sizes() == at::IntArrayRef(sizes) && real.strides() == at::IntArrayRef(strides) &&
+            real.storage_offset() == v.tensor.storage_offset &&
+            static_cast<int8_t>(real.scalar_type()) == v.tensor.dtype) {
+          return real;
+        }
+        return real.as_strided(sizes, strides, v.tensor.storage_offset);
+      }
+    }
     const auto dtype = ScalarTypeOfResult(v.tensor.dtype);
     if (v.tensor.address == 0) return EmptyStrided(sizes, c10::contiguous_strides(sizes), dtype, device_);
     c10::Storage storage(c10::Storage::use_byte_size_t(), v.nbytes,
