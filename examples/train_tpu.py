@@ -67,7 +67,7 @@ def main():
     args = p.parse_args()
 
     device = torch.device(args.device)
-    torch.manual_seed(args.seed)  # model init and dropout-free, so CPU RNG only
+    torch.manual_seed(args.seed)  # model init happens on CPU, then .to(device)
     data_gen = torch.Generator().manual_seed(args.seed)
     x, y = make_spirals(args.samples, args.classes, data_gen)
     n_train = int(0.8 * x.shape[0])
@@ -88,6 +88,7 @@ def main():
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), dtype=torch.long, device=device)
     seen = 0
+    last_loss = last_acc = float("nan")
     while step < args.steps:
         for xb, yb in loader:
             xb = xb.to(device, non_blocking=True)
@@ -105,10 +106,10 @@ def main():
             correct += (logits.argmax(1) == yb).sum()
             seen += yb.shape[0]
             if step % args.log_every == 0 or step == args.steps:
-                batches = seen // args.batch_size
-                print(f"step {step}/{args.steps} loss {loss_sum.item() / batches:.4f} "
-                      f"acc {correct.item() / seen:.2f}", flush=True)
-                last_loss, last_acc = loss_sum.item() / batches, correct.item() / seen
+                last_loss = loss_sum.item() / (seen // args.batch_size)  # mean over batches
+                last_acc = correct.item() / seen
+                print(f"step {step}/{args.steps} loss {last_loss:.4f} acc {last_acc:.2f}",
+                      flush=True)
                 loss_sum.zero_()
                 correct.zero_()
                 seen = 0

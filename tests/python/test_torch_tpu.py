@@ -317,3 +317,32 @@ def test_two_training_processes_at_once(tpud):
     for p in procs:
         out, err = p.communicate(timeout=180)
         assert p.returncode == 0 and "ok" in out, err
+
+
+def test_backend_autoload_without_import(tpud):
+    # torch's backend autoload imports torch_tpu through its entry point.
+    run_py(tpud, """
+        import torch
+        x = torch.ones(3, device="tpu") * 2
+        assert x.device.type == "tpu" and x.cpu().tolist() == [2.0, 2.0, 2.0]
+        assert torch.tpu.device_count() == 4
+    """)
+
+
+def test_amp_autocast_bfloat16(tpud):
+    run_py(tpud, """
+        import torch, torch_tpu
+        torch.manual_seed(0)
+        m = torch.nn.Linear(8, 4).to("tpu")
+        x = torch.randn(16, 8).to("tpu")
+        with torch.autocast("tpu", dtype=torch.bfloat16):
+            y = m(x)
+            assert y.dtype == torch.bfloat16
+            assert (x + x).dtype == torch.float32       # not on the lower-precision list
+            loss = y.float().pow(2).mean()
+        loss.backward()
+        assert m.weight.grad.dtype == torch.float32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref = torch.nn.functional.linear(x.cpu(), m.weight.cpu(), m.bias.cpu())
+        assert torch.allclose(y.float().cpu(), ref.float(), atol=2e-2, rtol=2e-2)
+    """)
