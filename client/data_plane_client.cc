@@ -137,12 +137,19 @@ absl::Status Session::Impl::Publish(int stream, internal::StreamProducer& produc
   // Wait for room: the consumer frees ring space as it takes records.
   const uint64_t need = pad + record.size();
   int spins = 0;
+  uint64_t next_check = 0;
   while (producer.tail + need - ctl->head.load(std::memory_order_acquire) > ring) {
     if (ctl->dead.load()) return TakeError(stream);
     if (++spins > 1000) {
-      if (PeerGone(data_plane_fd)) {
-        return absl::UnavailableError(
-            absl::StrCat("tpud at ", options.socket_path, " went away"));
+      // The ring is full: the daemon is behind. Yield the core to it, and
+      // now and then make sure it is still there.
+      const uint64_t now = MonotonicNanos();
+      if (now >= next_check) {
+        if (PeerGone(data_plane_fd)) {
+          return absl::UnavailableError(
+              absl::StrCat("tpud at ", options.socket_path, " went away"));
+        }
+        next_check = now + 50 * 1000 * 1000;
       }
       std::this_thread::yield();
     }

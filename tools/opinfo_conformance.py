@@ -159,6 +159,8 @@ def worker_main(args):
         try:
             out.write(json.dumps(msg) + "\n")
             out.flush()
+        except BrokenPipeError:
+            os._exit(3)  # the parent is gone
         finally:
             state["critical"] = False
 
@@ -551,6 +553,7 @@ class ManagedDaemon:
             stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         log.close()
         self.starts += 1
+        self.binary_stamp = self.stamp()
         deadline = time.time() + 20
         while time.time() < deadline:
             if _can_connect(self.socket) and _can_connect(self.admin_socket):
@@ -560,6 +563,19 @@ class ManagedDaemon:
             time.sleep(0.02)
         self.stop_process()
         raise RuntimeError("tpud did not start")
+
+    def stamp(self):
+        try:
+            st = os.stat(self.binary)
+            return (st.st_mtime_ns, st.st_size)
+        except OSError:
+            return None
+
+    def binary_changed(self):
+        """True when tpud was rebuilt since it started (torch_tpu likely too: a
+        new plugin against an old daemon fails in odd ways)."""
+        now = self.stamp()
+        return now is not None and now != self.binary_stamp
 
     def alive(self):
         return self.proc is not None and self.proc.poll() is None
@@ -753,8 +769,12 @@ def run(args):
     restarts = 0
     startup_failures = 0
     keep_logs = False
+    worker = None
     try:
         while True:
+            if daemon is not None and daemon.binary_changed():
+                events.append({"event": "tpud rebuilt: restarted it", "before_unit": start})
+                daemon.restart()
             worker = Worker(args, start, env, worker_log)
             unit, sample, step, unit_t0 = None, None, None, None
             done = False
@@ -868,6 +888,9 @@ def run(args):
             if start >= len(plan):
                 break
     finally:
+        if worker is not None and worker.proc.poll() is None:
+            worker.proc.kill()
+            worker.proc.wait()
         if daemon is not None:
             daemon.close()
         if not keep_logs:
