@@ -99,6 +99,8 @@ class SessionDataPlane {
   absl::Status ResolveTensors(StreamState& st, int* chip);
   absl::Status CheckPoison(const StreamState& st);
   void Unpoison(const StreamState& st, const BackendOp& op);
+  void ClearPoison(uint64_t begin, uint64_t end);
+  void ClearPoisonLocked(uint64_t begin, uint64_t end) ABSL_EXCLUSIVE_LOCKS_REQUIRED(poison_mu_);
   // Marks what a failed op may have written (its outputs and written
   // arguments) so later readers fail with `cause`.
   void Poison(const StreamState& st, const BackendOp* op, const std::string& cause);
@@ -532,14 +534,28 @@ void SessionDataPlane::Poison(const StreamState& st, const BackendOp* op,
   }
 }
 
+void SessionDataPlane::ClearPoisonLocked(uint64_t begin, uint64_t end) {
+  // Whatever overlaps a freshly written range is good again (memory that a
+  // failed op poisoned is often reused by the client's allocator).
+  auto it = poisoned_.upper_bound(begin);
+  if (it != poisoned_.begin() && std::prev(it)->second.end > begin) --it;
+  while (it != poisoned_.end() && it->first < end) it = poisoned_.erase(it);
+}
+
+void SessionDataPlane::ClearPoison(uint64_t begin, uint64_t end) {
+  if (!any_poisoned_.load(std::memory_order_relaxed)) return;
+  absl::MutexLock lock(&poison_mu_);
+  ClearPoisonLocked(begin, end);
+  if (poisoned_.empty()) any_poisoned_.store(false);
+}
+
 void SessionDataPlane::Unpoison(const StreamState& st, const BackendOp& op) {
   // A successful op rewrites its outputs: they are good again.
   absl::MutexLock lock(&poison_mu_);
   auto clear = [&](const tpu::TensorRef& t) {
     absl::StatusOr<tpu::Footprint> fp = tpu::TensorFootprint(t);
-    if (!fp.ok()) return;
-    auto it = poisoned_.find(t.address + fp->begin);
-    if (it != poisoned_.end() && it->second.end == t.address + fp->end) poisoned_.erase(it);
+    if (!fp.ok() || fp->end == fp->begin) return;
+    ClearPoisonLocked(t.address + fp->begin, t.address + fp->end);
   };
   for (const tpu::TensorRef& t : st.op.outputs) clear(t);
   for (size_t a = 0; a < st.op.num_args; ++a) {
@@ -728,6 +744,7 @@ absl::Status SessionDataPlane::RunCopy(const tpu::DecodedCopy& copy) {
     }
   }
   std::memmove(dst, src, copy.bytes);
+  if (copy.kind != tpu::CopyKind::kDeviceToHost) ClearPoison(copy.dst, copy.dst + copy.bytes);
   return absl::OkStatus();
 }
 

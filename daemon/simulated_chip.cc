@@ -1,6 +1,7 @@
 #include "daemon/simulated_chip.h"
 
 #include <ATen/ATen.h>
+#include <atomic>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -51,6 +52,11 @@ class SimulatedOp final : public BackendOp {
   // allocated are then written in place instead of copied.
   const std::optional<c10::OperatorHandle>& out_variant() const { return out_variant_; }
   void set_out_variant(c10::OperatorHandle h) { out_variant_ = std::move(h); }
+  // Some out= kernels compute differently from their functional op (they
+  // use the out tensor as scratch of another shape): once one fails, the op
+  // goes the functional way for good.
+  bool out_variant_usable() const { return !out_variant_failed_.load(std::memory_order_relaxed); }
+  void disable_out_variant() const { out_variant_failed_.store(true); }
 
  private:
   const std::string schema_;
@@ -58,6 +64,7 @@ class SimulatedOp final : public BackendOp {
   const c10::OperatorHandle handle_;
   const c10::FunctionSchema function_schema_;
   std::optional<c10::OperatorHandle> out_variant_;
+  mutable std::atomic<bool> out_variant_failed_{false};
 };
 
 // Finds `functional`'s out= variant: same name, overload "<overload>_out" or
@@ -694,7 +701,7 @@ absl::Status OpRun::Run() {
   // Only when every tensor involved has one dtype: out= kernels cast to the
   // out tensor's dtype where the functional op would return another, and
   // the client must get an error for that, not a silent cast.
-  bool one_dtype = out_variant.has_value() &&
+  bool one_dtype = out_variant.has_value() && op_.out_variant_usable() &&
                    decoded_.outputs.size() == op_.function_schema().returns().size();
   for (size_t i = 0; one_dtype && i < decoded_.outputs.size(); ++i) {
     one_dtype = decoded_.outputs[i].dtype == decoded_.outputs[0].dtype;
@@ -712,7 +719,16 @@ absl::Status OpRun::Run() {
       s_.stack.push_back(std::move(view));
     }
     const size_t first_out = s_.args.size() - decoded_.outputs.size();
-    out_variant->callBoxed(s_.stack);
+    try {
+      out_variant->callBoxed(s_.stack);
+    } catch (const c10::Error&) {
+      // Retry the functional way (which writes every output afresh).
+      op_.disable_out_variant();
+      s_.Clear();
+      next_tensor_ = 0;
+      next_slot_ = 0;
+      return Run();
+    }
     // A kernel may resize its out= tensor; with the client's layout fixed,
     // anything but the shape it allocated is an error, not a silent reshape.
     for (size_t i = 0; i < decoded_.outputs.size(); ++i) {

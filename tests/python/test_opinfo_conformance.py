@@ -38,7 +38,7 @@ def test_common_ops_match_cpu(tmp_path):
         r = subprocess.run(
             [_python(), str(TOOL), "--ops", ",".join(OPS), "--max-samples", "3",
              "--report", str(report_path)],
-            env=d.env(), capture_output=True, text=True, timeout=360)
+            env=d.env(), capture_output=True, text=True, timeout=240)
     finally:
         d.stop()
     out = r.stdout + r.stderr

@@ -346,3 +346,33 @@ def test_amp_autocast_bfloat16(tpud):
             ref = torch.nn.functional.linear(x.cpu(), m.weight.cpu(), m.bias.cpu())
         assert torch.allclose(y.float().cpu(), ref.float(), atol=2e-2, rtol=2e-2)
     """)
+
+
+def test_out_ops_pinned_copies_and_recovery_after_errors(tpud):
+    # Regressions: out= kernels that use `out` as scratch (mse_loss), out=
+    # into strided tensors, pinned sources reused right after a copy, and
+    # memory a failed op wrote being fine once rewritten.
+    run_py(tpud, """
+        import torch, torch_tpu
+        x, y = torch.randn(8, 1), torch.randn(8, 1)
+        got = torch.nn.functional.mse_loss(x.to("tpu"), y.to("tpu"))
+        assert abs(got.item() - torch.nn.functional.mse_loss(x, y).item()) < 1e-6
+        o = torch.empty(6, device="tpu")[::2]
+        torch.mul(torch.ones(3, device="tpu"), 5, out=o)
+        assert o.cpu().tolist() == [5.0, 5.0, 5.0]
+        n = torch.empty(0, dtype=torch.long, device="tpu")
+        torch.nonzero(torch.tensor([0.0, 1.0, 2.0]).to("tpu"), out=n)
+        assert n.cpu().flatten().tolist() == [1, 2]
+        a = torch.randn(512, 512, device="tpu")
+        b = a @ a @ a                      # keep the stream busy
+        p = torch.ones(128).pin_memory()
+        d = p.to("tpu")
+        p.fill_(7)
+        assert d.cpu().tolist() == [1.0] * 128
+        try:
+            torch.mm(torch.ones(2, 3, device="tpu"), torch.ones(4, 5, device="tpu")).cpu()
+        except RuntimeError:
+            pass
+        for _ in range(20):
+            assert (torch.ones(3).to("tpu") * 2).cpu().tolist() == [2.0] * 3
+    """)

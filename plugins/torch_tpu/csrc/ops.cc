@@ -131,11 +131,20 @@ void Put(std::string* k, const T& v) {
   k->append(reinterpret_cast<const char*>(&v), sizeof(v));
 }
 
+at::Tensor& ForwardInPlace(const char* name, const char* overload, at::Tensor& self,
+                           std::vector<c10::IValue> rest);
+const at::Tensor& Resize(const at::Tensor& self, at::IntArrayRef size,
+                         std::optional<at::MemoryFormat> memory_format);
+
 // One op on its way to the daemon.
 class ForwardedOp {
  public:
   ForwardedOp(const c10::OperatorHandle& op, torch::jit::Stack* stack)
       : op_(op), schema_(op.schema()), stack_(stack) {}
+
+  // Runs `op` (a functional op) with its results written into `outs` (the
+  // out= tensors of the op the caller asked for), resized as needed.
+  void SetForcedOutputs(std::vector<at::Tensor> outs) { forced_ = std::move(outs); }
 
   void Run() {
     const size_t n = schema_.arguments().size();
@@ -182,6 +191,7 @@ class ForwardedOp {
     absl::StatusOr<uint64_t> seq = session.EnqueueOp(stream_, id, wire.data(), wire.size(),
                                                      outputs.data(), outputs.size());
     Check(seq.status(), schema_.name().c_str());
+    for (auto& [tmp, out] : pending_copies_) ForwardInPlace("aten::copy_", "", out, {tmp, false});
     for (c10::IValue& r : returns) torch::jit::push(*stack_, std::move(r));
   }
 
@@ -364,6 +374,24 @@ class ForwardedOp {
         return at::Tensor();
       case OutSpec::Kind::kNew: {
         *all_alias = false;
+        if (next_forced_ < forced_.size()) {
+          // The caller's out= tensor: give it the result's shape and room.
+          at::Tensor& out = forced_[next_forced_++];
+          TORCH_CHECK(out.scalar_type() == o.dtype, "tpu: ", schema_.name(), ": out= tensor of dtype ",
+                      out.scalar_type(), ", the result is ", o.dtype);
+          if (out.sizes() != at::IntArrayRef(o.sizes)) {
+            Resize(out, o.sizes, std::nullopt);
+          }
+          if (!out.is_contiguous() || out.strides() != at::IntArrayRef(o.strides)) {
+            // Written through a temporary, then copied into the strided out.
+            at::Tensor tmp = EmptyStrided(o.sizes, o.strides, o.dtype, device_);
+            outputs->push_back(RefOf(tmp));
+            pending_copies_.emplace_back(tmp, out);
+            return out;
+          }
+          outputs->push_back(RefOf(out));
+          return out;
+        }
         at::Tensor out = EmptyStrided(o.sizes, o.strides, o.dtype, device_);
         outputs->push_back(RefOf(out));
         return out;
@@ -545,7 +573,7 @@ class ForwardedOp {
       if (IsTensorList(t)) {
         c10::List<at::Tensor> list;
         while (next < results.size() && results[next].kind == tpu::OpResult::Kind::kTensor) {
-          list.push_back(Adopt(results[next++]));
+          list.push_back(IntoForced(Adopt(results[next++])));
         }
         torch::jit::push(*stack_, std::move(list));
         continue;
@@ -555,7 +583,7 @@ class ForwardedOp {
       const tpu::OpResult& v = results[next++];
       switch (v.kind) {
         case tpu::OpResult::Kind::kTensor:
-          torch::jit::push(*stack_, Adopt(v));
+          torch::jit::push(*stack_, IntoForced(Adopt(v)));
           break;
         case tpu::OpResult::Kind::kInt:
           torch::jit::push(*stack_, v.i);
@@ -574,6 +602,16 @@ class ForwardedOp {
           break;
       }
     }
+  }
+
+  // On the synchronous path of an out= op: the result goes into the
+  // caller's out= tensor (resized to it), which is what the op returns.
+  at::Tensor IntoForced(const at::Tensor& result) {
+    if (next_forced_ >= forced_.size()) return result;
+    at::Tensor& out = forced_[next_forced_++];
+    if (out.sizes() != result.sizes()) Resize(out, result.sizes(), std::nullopt);
+    ForwardInPlace("aten::copy_", "", out, {result, false});
+    return out;
   }
 
   at::Tensor Adopt(const tpu::OpResult& v) {
@@ -764,10 +802,75 @@ class ForwardedOp {
   std::vector<std::pair<at::Tensor, at::Tensor>> meta_pairs_;  // meta twin, tpu tensor
   std::vector<at::Tensor> keep_alive_;
   std::vector<at::Tensor> reals_;              // device tensors of the inputs
+  std::vector<at::Tensor> forced_;             // out= tensors to write results into
+  size_t next_forced_ = 0;
+  std::vector<std::pair<at::Tensor, at::Tensor>> pending_copies_;  // (tmp, out)
   std::vector<const void*> seen_storages_;     // for the signature key
 };
 
+// An out= op's functional twin: same name, overload "" for "out" or "X" for
+// "X_out", taking exactly the out= op's leading arguments.
+std::optional<c10::OperatorHandle> FunctionalOf(const c10::FunctionSchema& schema,
+                                                size_t* num_out) {
+  const std::string& overload = schema.overload_name();
+  std::string base;
+  if (overload == "out") {
+    base = "";
+  } else if (overload.size() > 4 && overload.compare(overload.size() - 4, 4, "_out") == 0) {
+    base = overload.substr(0, overload.size() - 4);
+  } else {
+    return std::nullopt;
+  }
+  size_t outs = 0;
+  for (const c10::Argument& a : schema.arguments()) {
+    if (a.alias_info() != nullptr && a.alias_info()->isWrite()) ++outs;
+  }
+  if (outs == 0) return std::nullopt;
+  auto f = c10::Dispatcher::singleton().findSchema({schema.name(), base});
+  if (!f.has_value()) return std::nullopt;
+  const auto& fargs = f->schema().arguments();
+  const auto& args = schema.arguments();
+  if (fargs.size() + outs != args.size() || f->schema().returns().size() != outs) {
+    return std::nullopt;
+  }
+  for (size_t i = 0; i < fargs.size(); ++i) {
+    if (fargs[i].name() != args[i].name() || fargs[i].alias_info() != nullptr) return std::nullopt;
+  }
+  for (const c10::Argument& r : f->schema().returns()) {
+    if (r.type()->kind() != c10::TypeKind::TensorType) return std::nullopt;
+  }
+  *num_out = outs;
+  return f;
+}
+
 void Fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  // out= ops run as their functional twin with the results written into
+  // the out= tensors: some out= kernels use `out` as scratch of another
+  // shape, which a tensor viewing fixed device memory cannot be.
+  static std::mutex mu;
+  static auto* twins =
+      new std::unordered_map<const c10::FunctionSchema*, std::optional<c10::OperatorHandle>>();
+  std::optional<c10::OperatorHandle> functional;
+  size_t num_out = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = twins->find(&op.schema());
+    if (it == twins->end()) it = twins->emplace(&op.schema(), FunctionalOf(op.schema(), &num_out)).first;
+    functional = it->second;
+  }
+  if (functional.has_value()) {
+    num_out = op.schema().arguments().size() - functional->schema().arguments().size();
+    std::vector<at::Tensor> outs;
+    for (size_t i = stack->size() - num_out; i < stack->size(); ++i) outs.push_back((*stack)[i].toTensor());
+    torch::jit::drop(*stack, num_out);
+    ForwardedOp f(*functional, stack);
+    f.SetForcedOutputs(outs);
+    f.Run();
+    // The out= op returns its out tensors.
+    torch::jit::drop(*stack, num_out);
+    for (const at::Tensor& t : outs) torch::jit::push(*stack, t);
+    return;
+  }
   ForwardedOp(op, stack).Run();
 }
 
@@ -888,6 +991,16 @@ at::Tensor CopyFrom(const at::Tensor& self, const at::Tensor& dst, bool non_bloc
     if (dst.is_contiguous()) {
       Check(session.CopyToDevice(stream, AddressOf(dst), src.data_ptr(), src.nbytes()),
             "copy to device");
+      if (session.IsPinned(src.data_ptr())) {
+        // From pinned memory the daemon copies later, straight from the
+        // source: wait, so the caller may reuse or free it at once. (A true
+        // non_blocking copy would need the pinned block kept until then.)
+        absl::StatusOr<tpu::Event> done = session.RecordEvent(stream);
+        Check(done.status(), "copy to device");
+        absl::Status waited = session.SynchronizeEvent(*done);
+        session.ReleaseEvent(*done);
+        Check(waited, "copy to device");
+      }
       return dst;
     }
     at::Tensor tmp = EmptyStrided(src.sizes(), src.strides(), src.scalar_type(),
