@@ -376,3 +376,27 @@ def test_out_ops_pinned_copies_and_recovery_after_errors(tpud):
         for _ in range(20):
             assert (torch.ones(3).to("tpu") * 2).cpu().tolist() == [2.0] * 3
     """)
+
+
+def test_lazy_conjugate_and_negative_views(tpud):
+    # Regression: copying a conjugate view to the host used to recurse
+    # through ATen's conjugate fallback until the stack overflowed.
+    run_py(tpud, """
+        import torch, torch_tpu
+        c = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
+        t = c.to("tpu")
+        assert torch.equal(t.conj().cpu(), c.conj())
+        assert torch.equal(t.conj().resolve_conj().cpu(), c.conj())
+        assert torch.allclose(torch.cov(t).cpu(), torch.cov(c))
+        m = torch.randn(3, 3, dtype=torch.complex64)
+        assert torch.allclose((m.to("tpu").mH @ m.to("tpu")).cpu(), m.mH @ m, atol=1e-5)
+        x = torch.randn(3)
+        assert torch.equal(x.to("tpu")._neg_view().cpu(), -x)
+    """)
+
+def test_import_order(tpud):
+    run_py(tpud, """
+        import torch_tpu, torch
+        assert torch.ones(2, device="tpu").cpu().tolist() == [1.0, 1.0]
+    """)
+

@@ -35,6 +35,12 @@ const c10::DispatchKeySet kTpuKeys(c10::DispatchKey::PrivateUse1);
 bool IsTpu(const at::Tensor& t) { return t.defined() && t.device().type() == kTpu; }
 
 tpu::TensorRef RefOf(const at::Tensor& t) {
+  // The wire format has no lazy conjugate/negative bits: refuse rather than
+  // compute with the bit silently dropped.
+  TORCH_CHECK(!t.is_conj() && !t.is_neg(), "tpu: a tensor with a lazy ",
+              t.is_conj() ? "conjugate" : "negative",
+              " bit cannot be forwarded yet; materialize it with .resolve_conj() / "
+              ".resolve_neg() before moving it to tpu");
   tpu::TensorRef r;
   TORCH_CHECK(t.dim() <= tpu::kMaxDims, "tpu: tensors of more than ", tpu::kMaxDims,
               " dimensions are not supported");
@@ -133,6 +139,7 @@ void Put(std::string* k, const T& v) {
 
 at::Tensor& ForwardInPlace(const char* name, const char* overload, at::Tensor& self,
                            std::vector<c10::IValue> rest);
+at::Tensor Materialize(const at::Tensor& t);
 const at::Tensor& Resize(const at::Tensor& self, at::IntArrayRef size,
                          std::optional<at::MemoryFormat> memory_format);
 
@@ -474,6 +481,16 @@ class ForwardedOp {
   // there it goes to the device.
   at::Tensor NormalizeTensor(const at::Tensor& t, size_t index, bool in_list = false) {
     if (!in_list && t.defined() && t.device().is_cpu() && t.dim() == 0) return t;
+    if (IsTpu(t) && (t.is_conj() || t.is_neg())) {
+      // Conjugate-aware ops get lazy-conjugate inputs; the daemon gets plain
+      // data. (A written argument keeps its bit: RefOf refuses it.)
+      const c10::Argument& formal = schema_.arguments()[index];
+      if (formal.alias_info() == nullptr || !formal.alias_info()->isWrite()) {
+        at::Tensor plain = Materialize(t);
+        keep_alive_.push_back(plain);
+        return plain;
+      }
+    }
     if (!t.defined() || IsTpu(t)) {
       TORCH_CHECK(!t.defined() || t.device().index() == device_, "tpu: ", schema_.name(),
                   ": expected all tensors on tpu:", static_cast<int>(device_),
@@ -982,9 +999,20 @@ uint64_t AddressOf(const at::Tensor& t) {
          static_cast<uint64_t>(t.storage_offset()) * t.element_size();
 }
 
-at::Tensor CopyFrom(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+// A tpu tensor with a lazy conjugate or negative bit, materialized on the
+// device (the wire format carries plain data only).
+at::Tensor Materialize(const at::Tensor& t) {
+  at::Tensor out = t;
+  if (out.is_conj()) out = at::conj_physical(at::conj(out));  // conj() of a conj view clears the bit
+  if (out.is_neg()) out = at::neg(at::_neg_view(out));
+  return out;
+}
+
+at::Tensor CopyFrom(const at::Tensor& self_in, const at::Tensor& dst, bool non_blocking) {
   tpu::Session& session = GetSession();
   if (dst.numel() == 0) return dst;
+  const at::Tensor self =
+      IsTpu(self_in) && (self_in.is_conj() || self_in.is_neg()) ? Materialize(self_in) : self_in;
   if (IsTpu(dst) && !IsTpu(self)) {
     const int stream = SessionStream(CurrentStreamId(dst.device().index()));
     at::Tensor src = self.to(dst.scalar_type()).expand_as(dst).contiguous();
@@ -1113,6 +1141,16 @@ TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
 #define TPU_AUTOCAST_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
   AT_FORALL_FP32(TPU_AUTOCAST_FP32)
 #undef TPU_AUTOCAST_FP32
+}
+
+// Copies handle lazy conjugate/negative bits themselves: ATen's generic
+// fallbacks for them would materialize through clone -> copy_ -> _copy_from,
+// which lands here again.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

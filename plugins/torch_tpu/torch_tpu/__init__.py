@@ -6,12 +6,6 @@ backend autoload, sets up `torch.tpu` and makes tpu `torch.accelerator`'s
 device. The daemon is found through TPUD_SOCKET; TPU_VISIBLE_CHIPS narrows the
 chips this process sees.
 """
-import torch
-
-from . import _C  # registers the allocator, guard, hooks and ops
-from . import tpu as _tpu_module
-
-__all__ = ["tpu"]
 
 _initialized = False
 
@@ -20,17 +14,29 @@ def _init():
     global _initialized
     if _initialized:
         return
+    _initialized = True
+    import torch
+
+    from . import _C  # noqa: F401  registers the allocator, guard, hooks and ops
+    from . import tpu as tpu_module
+
     torch.utils.rename_privateuse1_backend("tpu")
-    torch._register_device_module("tpu", _tpu_module)
+    torch._register_device_module("tpu", tpu_module)
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_storage=True)
-    _initialized = True
 
 
 def _autoload():
-    """Entry point for torch's backend autoload (torch.backends group)."""
+    """Entry point for torch's backend autoload (torch.backends group).
+
+    Defined before anything imports torch: `import torch_tpu` imports torch,
+    whose autoload calls back in here while this module is still loading.
+    """
     _init()
 
 
 _init()
-tpu = _tpu_module
+
+from . import tpu  # noqa: E402
+
+__all__ = ["tpu"]
