@@ -56,6 +56,9 @@ class SimulatedOp final : public BackendOp {
   // use the out tensor as scratch of another shape): once one fails, the op
   // goes the functional way for good.
   bool out_variant_usable() const { return !out_variant_failed_.load(std::memory_order_relaxed); }
+  // Ops returning more than one tensor (statistics beside a result): their
+  // CPU kernels may keep the statistics in another floating type.
+  bool meta_dtype_may_differ() const { return function_schema_.returns().size() > 1; }
   void disable_out_variant() const { out_variant_failed_.store(true); }
 
  private:
@@ -545,7 +548,16 @@ const ArgTensor* OpRun::FindArgument(const at::Tensor& t) const {
 
 absl::Status OpRun::CopyToOutput(const at::Tensor& t, size_t slot) {
   const tpu::TensorRef& out = decoded_.outputs[slot];
-  if (ABSL_PREDICT_FALSE(static_cast<int8_t>(t.scalar_type()) != out.dtype ||
+  // The client sizes outputs with ATen's meta kernels. Where a CPU kernel
+  // keeps statistics in another floating type than the meta kernel says
+  // (layer_norm's mean/rstd in bfloat16), the output gets the dtype the
+  // client was promised; any other mismatch is an error, never a cast.
+  const auto out_type = static_cast<c10::ScalarType>(out.dtype);
+  const bool float_cast = static_cast<int8_t>(t.scalar_type()) != out.dtype &&
+                          c10::isFloatingType(t.scalar_type()) && out.dtype >= 0 &&
+                          out.dtype < static_cast<int8_t>(c10::ScalarType::NumOptions) &&
+                          c10::isFloatingType(out_type) && op_.meta_dtype_may_differ();
+  if (ABSL_PREDICT_FALSE((static_cast<int8_t>(t.scalar_type()) != out.dtype && !float_cast) ||
                          !SameShape(t, out))) {
     return Error(absl::StrCat(
         "output ", slot, ": got ", ShapeString(t.sizes()), " ",
@@ -560,7 +572,7 @@ absl::Status OpRun::CopyToOutput(const at::Tensor& t, size_t slot) {
   if (ABSL_PREDICT_FALSE(!st.ok())) return st;
   const int64_t numel = t.numel();
   if (numel == 0) return absl::OkStatus();
-  if (t.is_contiguous() && IsContiguous(out)) {
+  if (t.is_contiguous() && IsContiguous(out) && !float_cast) {
     // The common case: one memmove (the source may be a view of HBM that
     // overlaps the output).
     std::memmove(data, t.const_data_ptr(),

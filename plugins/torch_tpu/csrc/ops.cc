@@ -497,7 +497,9 @@ class ForwardedOp {
                   ", found one on ", t.device(), " (argument ", index, ")");
       return t;
     }
-    TORCH_CHECK(t.device().is_cpu() && t.dim() == 0, "tpu: ", schema_.name(),
+    // CPU tensors inside lists (index tensors of index/index_put) go to the
+    // device, as CUDA accepts them; elsewhere only host scalars may.
+    TORCH_CHECK(t.device().is_cpu() && (t.dim() == 0 || in_list), "tpu: ", schema_.name(),
                 ": expected all tensors on tpu, found one on ", t.device(), " (argument ",
                 index, ", shape ", t.sizes(), "); move it with .to(\"tpu\")");
     at::Tensor moved = ToDevice(t, device_, stream_);
