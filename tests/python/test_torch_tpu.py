@@ -400,3 +400,15 @@ def test_import_order(tpud):
         assert torch.ones(2, device="tpu").cpu().tolist() == [1.0, 1.0]
     """)
 
+
+
+def test_host_scalar_values_shape_results(tpud):
+    # The per-signature meta cache must tell apart host scalars whose value
+    # shapes the result (narrow's start given as a tensor).
+    run_py(tpud, """
+        import torch, torch_tpu
+        x = torch.arange(10.0)
+        t = x.to("tpu")
+        for s in (1, 4, 6):
+            assert torch.narrow(t, 0, torch.tensor(s), 3).cpu().tolist() == x[s:s + 3].tolist()
+    """)

@@ -225,9 +225,19 @@ class ForwardedOp {
       return;
     }
     if (t.device().is_cpu()) {
+      // A host scalar's value can shape the result (narrow's start as a
+      // tensor, for one): it is part of the signature.
       k->push_back('S');
       Put(k, static_cast<int8_t>(t.scalar_type()));
       Put(k, t.unsafeGetTensorImpl()->is_wrapped_number());
+      const at::Scalar v = t.item();
+      if (v.isComplex()) {
+        Put(k, v.toComplexDouble());
+      } else if (v.isFloatingPoint()) {
+        Put(k, v.toDouble());
+      } else {
+        Put(k, v.toLong());
+      }
       return;
     }
     k->push_back('T');
