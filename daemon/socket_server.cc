@@ -307,7 +307,8 @@ void SocketServer::Classify(ConnectionInfo info, int fd, grpc::Server* server) {
 
 void SocketServer::ServeDataPlane(ConnectionInfo& info, int fd) {
   tpu::DataPlaneHello hello;
-  // The hello arrives in one write; wait briefly for a slow writer.
+  // The hello arrives in one write; wait only briefly for a slow writer (this
+  // runs on the thread that also reports hangups).
   pollfd pfd{fd, POLLIN, 0};
   size_t got = 0;
   while (got < sizeof(hello)) {
@@ -316,7 +317,7 @@ void SocketServer::ServeDataPlane(ConnectionInfo& info, int fd) {
       got += n;
       continue;
     }
-    if (n == 0 || (errno != EAGAIN && errno != EINTR) || poll(&pfd, 1, 1000) <= 0) {
+    if (n == 0 || (errno != EAGAIN && errno != EINTR) || poll(&pfd, 1, 100) <= 0) {
       Drop(info, fd, "truncated data-plane hello");
       return;
     }
