@@ -14,60 +14,33 @@ import argparse
 import json
 import os
 import pathlib
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from tpud_process import TpudProcess  # noqa: E402
 
 
 # ---------------------------------------------------------------- daemon
 
-def _can_connect(path):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
-class OwnDaemon:
+class OwnDaemon(TpudProcess):
     """A tpud on sockets in a temporary folder, for --start-daemon."""
 
     def __init__(self, binary, hbm):
-        self.dir = tempfile.mkdtemp(prefix="tpud-torch-bench.", dir="/tmp")
-        self.socket = os.path.join(self.dir, "tpud.sock")
-        admin = os.path.join(self.dir, "admin.sock")
+        super().__init__(binary, hbm, prefix="tpud-torch-bench.")
         if not os.access(binary, os.X_OK):
-            shutil.rmtree(self.dir)
+            self.close()
             sys.exit(f"torch_bench: no tpud at {binary} (build //daemon:tpud first)")
-        self.proc = subprocess.Popen([binary, f"--socket={self.socket}",
-                                      f"--admin_socket={admin}", f"--hbm_bytes={hbm}",
-                                      "--log_level=warn"])
-        deadline = time.time() + 15
-        while not (_can_connect(self.socket) and _can_connect(admin)):
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                sys.exit("torch_bench: tpud did not start")
-            time.sleep(0.02)
+        try:
+            self.start(timeout=15)
+        except RuntimeError as e:
+            self.close()
+            sys.exit(f"torch_bench: {e}")
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self.close()
 
 
 # ---------------------------------------------------------------- workloads

@@ -54,13 +54,14 @@ import re
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from tpud_process import TpudProcess  # noqa: E402
 DEFAULT_TPUD = ROOT / "bazel-bin" / "daemon" / "tpud"
 GRACE_S = 30          # beyond --timeout before a stuck worker is killed
 IMPORT_TIMEOUT_S = 300
@@ -513,29 +514,13 @@ def select_units(op_db, args, torch):
 # ===================================================================== parent
 
 
-def _can_connect(path):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
-class ManagedDaemon:
-    """tpud on sockets in a temporary folder (as tests/python/conftest.py's Daemon)."""
+class ManagedDaemon(TpudProcess):
+    """tpud for the whole run, restarted when it dies or is rebuilt."""
 
     def __init__(self, binary, hbm):
-        self.binary = pathlib.Path(binary)
-        self.hbm = hbm
-        self.dir = tempfile.mkdtemp(prefix="tpud-conformance.", dir="/tmp")
-        self.socket = os.path.join(self.dir, "tpud.sock")
-        self.admin_socket = os.path.join(self.dir, "admin.sock")
-        self.log_path = os.path.join(self.dir, "tpud.log")
-        self.proc = None
+        super().__init__(binary, hbm, prefix="tpud-conformance.", log_to_file=True)
         self.starts = 0
+        self.binary_stamp = None
 
     def start(self):
         deadline = time.time() + 300  # the binary may be being rebuilt
@@ -543,26 +528,9 @@ class ManagedDaemon:
             if time.time() > deadline:
                 raise RuntimeError(f"{self.binary} not found; build it first")
             time.sleep(2)
-        for p in (self.socket, self.admin_socket):
-            if os.path.exists(p):
-                os.unlink(p)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [str(self.binary), f"--socket={self.socket}", f"--admin_socket={self.admin_socket}",
-             f"--hbm_bytes={self.hbm}", "--log_level=warn"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        log.close()
         self.starts += 1
         self.binary_stamp = self.stamp()
-        deadline = time.time() + 20
-        while time.time() < deadline:
-            if _can_connect(self.socket) and _can_connect(self.admin_socket):
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tpud exited with {self.proc.returncode}: {self.log_tail()}")
-            time.sleep(0.02)
-        self.stop_process()
-        raise RuntimeError("tpud did not start")
+        super().start(timeout=20)
 
     def stamp(self):
         try:
@@ -577,37 +545,9 @@ class ManagedDaemon:
         now = self.stamp()
         return now is not None and now != self.binary_stamp
 
-    def alive(self):
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_tail(self, n=5):
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return " | ".join(l.strip() for l in f.readlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop_process(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
     def restart(self):
         self.stop_process()
         self.start()
-
-    def env(self, env):
-        env["TPUD_SOCKET"] = self.socket
-        env["TPUD_ADMIN_SOCKET"] = self.admin_socket
-        return env
-
-    def close(self):
-        self.stop_process()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class Worker:
