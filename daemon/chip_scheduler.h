@@ -34,7 +34,7 @@ class ChipScheduler {
  public:
   explicit ChipScheduler(int num_chips);
 
-  // Blocks until `session` may run on `chip`. Returns the wait start time.
+  // Blocks until `session` may run on `chip`.
   void Acquire(int chip, uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
   // Gives the chip back after `busy_ns` of work for `session`. `more_work`:
   // the caller has another op queued right behind this one.

@@ -106,7 +106,10 @@ class SessionDataPlane {
   void Poison(const StreamState& st, const BackendOp* op, const std::string& cause);
   void PoisonRef(const tpu::TensorRef& t, const std::string& cause)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(poison_mu_);
-  absl::StatusOr<char*> DeviceRange(uint64_t address, uint64_t bytes, bool* foreign);
+  // Host views of the two sides of a copy; INVALID_ARGUMENT naming the range
+  // when it lies outside the session's segments (device) or its staging
+  // area and pinned pool (host).
+  absl::StatusOr<char*> DeviceRange(uint64_t address, uint64_t bytes);
   absl::StatusOr<char*> HostRange(uint64_t offset, uint64_t bytes);
   void RecordError(StreamState& st, uint64_t sequence, const absl::Status& status) {
     RecordError(st.ctl, sequence, status);
@@ -426,12 +429,13 @@ absl::Status SessionDataPlane::HandleDefineOp(absl::string_view record) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<char*> SessionDataPlane::DeviceRange(uint64_t address, uint64_t bytes,
-                                                    bool* foreign) {
+absl::StatusOr<char*> SessionDataPlane::DeviceRange(uint64_t address, uint64_t bytes) {
   const SegmentGrant* seg = memory_->FindContaining(address, bytes);
   if (seg == nullptr) {
-    *foreign = true;
-    return absl::InvalidArgumentError("");
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "copy of %d bytes: device range at 0x%x is not inside one of this session's "
+        "segments",
+        bytes, address));
   }
   return chip_bases_[seg->chip] + seg->offset + (address - seg->address);
 }
@@ -703,47 +707,14 @@ absl::Status SessionDataPlane::RunOp(StreamState& st, uint64_t sequence) {
 absl::Status SessionDataPlane::RunCopy(const tpu::DecodedCopy& copy) {
   if (copy.bytes == 0) return absl::OkStatus();
   absl::ReaderMutexLock memory_lock(&memory_->mu);
-  bool foreign = false;
-  char* src = nullptr;
-  char* dst = nullptr;
-  auto device = [&](uint64_t address) -> absl::StatusOr<char*> {
-    absl::StatusOr<char*> p = DeviceRange(address, copy.bytes, &foreign);
-    if (p.ok()) return p;
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "copy of %d bytes: device range at 0x%x is not inside one of this session's "
-        "segments",
-        copy.bytes, address));
+  auto range = [&](bool on_device, uint64_t at) {
+    return on_device ? DeviceRange(at, copy.bytes) : HostRange(at, copy.bytes);
   };
-  switch (copy.kind) {
-    case tpu::CopyKind::kHostToDevice: {
-      absl::StatusOr<char*> s = HostRange(copy.src, copy.bytes);
-      absl::StatusOr<char*> d = device(copy.dst);
-      if (!s.ok()) return s.status();
-      if (!d.ok()) return d.status();
-      src = *s;
-      dst = *d;
-      break;
-    }
-    case tpu::CopyKind::kDeviceToHost: {
-      absl::StatusOr<char*> s = device(copy.src);
-      absl::StatusOr<char*> d = HostRange(copy.dst, copy.bytes);
-      if (!s.ok()) return s.status();
-      if (!d.ok()) return d.status();
-      src = *s;
-      dst = *d;
-      break;
-    }
-    case tpu::CopyKind::kDeviceToDevice: {
-      absl::StatusOr<char*> s = device(copy.src);
-      absl::StatusOr<char*> d = device(copy.dst);
-      if (!s.ok()) return s.status();
-      if (!d.ok()) return d.status();
-      src = *s;
-      dst = *d;
-      break;
-    }
-  }
-  std::memmove(dst, src, copy.bytes);
+  absl::StatusOr<char*> src = range(copy.kind != tpu::CopyKind::kHostToDevice, copy.src);
+  if (!src.ok()) return src.status();
+  absl::StatusOr<char*> dst = range(copy.kind != tpu::CopyKind::kDeviceToHost, copy.dst);
+  if (!dst.ok()) return dst.status();
+  std::memmove(*dst, *src, copy.bytes);
   if (copy.kind != tpu::CopyKind::kDeviceToHost) ClearPoison(copy.dst, copy.dst + copy.bytes);
   return absl::OkStatus();
 }

@@ -183,9 +183,7 @@ grpc::Status RuntimeServiceImpl::GetMemoryStats(grpc::ServerContext* ctx,
     c->set_chip_peak_bytes(v.hbm.peak_used_bytes);
     c->set_drained(v.drained);
   }
-  for (const SessionSnapshot& s : core_->Sessions()) {
-    if (s.id == req->session_id()) resp->set_quota_bytes_per_chip(s.quota_bytes_per_chip);
-  }
+  if (!views->empty()) resp->set_quota_bytes_per_chip(views->front().session_quota_bytes);
   return grpc::Status::OK;
 }
 

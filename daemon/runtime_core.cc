@@ -346,6 +346,7 @@ absl::StatusOr<std::vector<ChipMemoryView>> RuntimeCore::MemoryStats(
   for (size_t c = 0; c < chips_.size(); ++c) {
     ChipMemoryView v;
     v.chip = static_cast<int>(c);
+    v.session_quota_bytes = s.quota_bytes_per_chip;
     v.session_bytes = s.bytes_per_chip[c];
     v.session_peak_bytes = s.peak_bytes_per_chip[c];
     v.session_segments = segments[c];

@@ -99,6 +99,7 @@ struct ChipSnapshot {
 
 struct ChipMemoryView {
   int chip = 0;
+  uint64_t session_quota_bytes = 0;  // the session's per-chip quota; 0: none
   uint64_t session_bytes = 0;
   uint64_t session_peak_bytes = 0;
   uint64_t session_segments = 0;

@@ -272,34 +272,33 @@ void SocketServer::Drop(const ConnectionInfo& info, int fd, const std::string& w
 
 void SocketServer::Classify(ConnectionInfo info, int fd, grpc::Server* server) {
   static constexpr char kHttp2Preface[] = "PRI * HTTP/2.0";
-  char head[sizeof(tpu::DataPlaneHello)] = {};
-  ssize_t n = recv(fd, head, 8, MSG_PEEK | MSG_DONTWAIT);
-  if (n < 8) {
+  char head[8] = {};
+  ssize_t n = recv(fd, head, sizeof(head), MSG_PEEK | MSG_DONTWAIT);
+  if (n < static_cast<ssize_t>(sizeof(head))) {
     Drop(info, fd, n == 0 ? "closed before speaking" : "sent less than a protocol preface");
     return;
   }
-  epoll_event ev{};
-  ev.events = EPOLLRDHUP | EPOLLHUP | EPOLLERR;
-  ev.data.u64 = info.id;
-  if (std::memcmp(head, kHttp2Preface, 8) == 0) {
-    // Registered before gRPC sees the connection, so its first call finds it.
-    table_->Add(fd, info);
+  // From here on only the connection's hangup is watched.
+  auto watch_for_hangup = [&] {
     {
       absl::MutexLock lock(&watched_mu_);
       watched_[info.id] = info;
     }
+    epoll_event ev{};
+    ev.events = EPOLLRDHUP | EPOLLHUP | EPOLLERR;
+    ev.data.u64 = info.id;
     epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, info.watch_fd, &ev);
+  };
+  if (std::memcmp(head, kHttp2Preface, sizeof(head)) == 0) {
+    // Registered before gRPC sees the connection, so its first call finds it.
+    table_->Add(fd, info);
+    watch_for_hangup();
     grpc::AddInsecureChannelFromFd(server, fd);
     return;
   }
-  if (std::memcmp(head, tpu::kDataPlaneMagic, 8) == 0 && !info.admin && data_plane_) {
+  if (std::memcmp(head, tpu::kDataPlaneMagic, sizeof(head)) == 0 && !info.admin && data_plane_) {
     ServeDataPlane(info, fd);
-    if (!info.data_plane) return;  // refused and dropped
-    {
-      absl::MutexLock lock(&watched_mu_);
-      watched_[info.id] = info;
-    }
-    epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, info.watch_fd, &ev);
+    if (info.data_plane) watch_for_hangup();  // else refused and dropped
     return;
   }
   Drop(info, fd, "not a tpud protocol (neither gRPC nor a data-plane hello)");
@@ -348,29 +347,20 @@ void SocketServer::ServeDataPlane(ConnectionInfo& info, int fd) {
     std::memcpy(CMSG_DATA(cm), &*memfd, sizeof(int));
   }
   ssize_t sent = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-  if (memfd.ok()) close(*memfd);
-  if (!memfd.ok() || sent != static_cast<ssize_t>(sizeof(reply))) {
-    // A refused attach, or a peer that vanished: nothing stays bound.
-    if (memfd.ok()) {
-      info.data_plane = true;  // attached: the hangup must end the session
-      info.session_id = hello.session_id;
-      close(fd);
-      epoll_event ev{};
-      ev.events = EPOLLRDHUP | EPOLLHUP | EPOLLERR;
-      ev.data.u64 = info.id;
-      epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, info.watch_fd, &ev);
-      shutdown(info.watch_fd, SHUT_RDWR);
-      return;
-    }
-    spdlog::warn("data-plane attach refused for pid {}: {}", info.peer.pid, msg);
-    // Let the client read the reply before the close.
-    shutdown(fd, SHUT_WR);
-    Drop(info, fd, "data-plane attach refused");
+  if (memfd.ok()) {
+    close(*memfd);
+    // Attached: from now on this connection's hangup ends the session.
+    info.data_plane = true;
+    info.session_id = hello.session_id;
+    close(fd);  // the watch duplicate keeps the connection
+    // A peer that vanished before it got its memory: hang up at once.
+    if (sent != static_cast<ssize_t>(sizeof(reply))) shutdown(info.watch_fd, SHUT_RDWR);
     return;
   }
-  info.data_plane = true;
-  info.session_id = hello.session_id;
-  close(fd);  // the watch duplicate keeps the connection
+  spdlog::warn("data-plane attach refused for pid {}: {}", info.peer.pid, msg);
+  // Let the client read the reply before the close.
+  shutdown(fd, SHUT_WR);
+  Drop(info, fd, "data-plane attach refused");
 }
 
 void SocketServer::WatchLoop() {

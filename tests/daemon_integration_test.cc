@@ -213,6 +213,9 @@ TEST_CASE("quotas are enforced per session and per chip") {
   CHECK(absl::StrContains(over.status().message(), "quota"));
   CHECK(absl::StrContains(over.status().message(), "64.00 MiB"));
   CHECK(s->Allocate(1, 48 * kMiB).ok());  // per chip
+  absl::StatusOr<tpu::MemoryStats> stats = s->GetMemoryStats();
+  REQUIRE(stats.ok());
+  CHECK(stats->quota_bytes_per_chip == 64 * kMiB);
 
   REQUIRE(admin->SetSessionQuota(s->id(), 128 * kMiB).ok());
   CHECK(s->Allocate(0, 32 * kMiB).ok());

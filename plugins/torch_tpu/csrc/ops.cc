@@ -92,8 +92,6 @@ at::Tensor ToDevice(const at::Tensor& cpu, c10::DeviceIndex device, int stream) 
   return dst;
 }
 
-at::ScalarType ScalarTypeOfResult(int8_t dtype) { return static_cast<at::ScalarType>(dtype); }
-
 // What an op returns, as the meta kernel said, for one input signature.
 struct OutSpec {
   enum class Kind : uint8_t { kNone, kNew, kSame, kView } kind = Kind::kNone;
@@ -181,7 +179,7 @@ class ForwardedOp {
       absl::StatusOr<std::vector<tpu::OpResult>> results =
           session.RunSync(stream_, id, wire.data(), wire.size(), nullptr, 0);
       Check(results.status(), schema_.name().c_str());
-      PushSyncResults(*results, inputs);
+      PushSyncResults(*results);
       return;
     }
     std::vector<tpu::TensorRef> outputs;
@@ -594,8 +592,7 @@ class ForwardedOp {
     return false;
   }
 
-  void PushSyncResults(const std::vector<tpu::OpResult>& results,
-                       const std::vector<c10::IValue>&) {
+  void PushSyncResults(const std::vector<tpu::OpResult>& results) {
     size_t next = 0;
     for (const c10::Argument& r : schema_.returns()) {
       const c10::TypePtr& t = r.real_type();
@@ -659,7 +656,7 @@ class ForwardedOp {
         return real.as_strided(sizes, strides, v.tensor.storage_offset);
       }
     }
-    const auto dtype = ScalarTypeOfResult(v.tensor.dtype);
+    const auto dtype = static_cast<at::ScalarType>(v.tensor.dtype);
     if (v.tensor.address == 0) return EmptyStrided(sizes, c10::contiguous_strides(sizes), dtype, device_);
     c10::Storage storage(c10::Storage::use_byte_size_t(), v.nbytes,
                          AdoptSegment(v.tensor.address, v.nbytes, device_), GetTpuAllocator(),
