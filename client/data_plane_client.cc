@@ -203,7 +203,11 @@ absl::Status Session::Impl::TakeError(int stream) {
   StreamControl* ctl = Control(stream);
   const uint64_t seq = ctl->error_sequence.load(std::memory_order_acquire);
   if (seq == 0) {
-    if (ctl->dead.load()) return absl::UnavailableError("stream is dead");
+    if (ctl->dead.load()) {
+      return absl::UnavailableError(absl::StrCat(
+          "stream ", stream, " of session ", id, " can make no more progress (the session "
+          "failed or ended); open a new session"));
+    }
     return absl::OkStatus();
   }
   char message[kErrorMessageBytes];
@@ -469,7 +473,11 @@ absl::StatusOr<void*> Session::AllocatePinned(uint64_t bytes) {
   if (impl_->shm == nullptr) return absl::FailedPreconditionError("session has no data plane");
   const uint64_t size = std::max<uint64_t>(kPinnedAlignment,
                                            (bytes + kPinnedAlignment - 1) & ~(kPinnedAlignment - 1));
-  if (bytes == 0 || size < bytes) return absl::InvalidArgumentError("bad pinned size");
+  if (bytes == 0 || size < bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot allocate ", bytes, " bytes of pinned memory: ask for 1 byte up to the pool's ",
+        FormatBytes(impl_->layout.pinned_bytes)));
+  }
   absl::MutexLock lock(&impl_->pinned_mu);
   for (auto it = impl_->pinned_free.begin(); it != impl_->pinned_free.end(); ++it) {
     if (it->second < size) continue;
@@ -494,7 +502,9 @@ absl::Status Session::FreePinned(void* ptr) {
   absl::MutexLock lock(&impl_->pinned_mu);
   auto it = impl_->pinned_used.find(offset);
   if (static_cast<char*>(ptr) < impl_->shm || it == impl_->pinned_used.end()) {
-    return absl::InvalidArgumentError("not a pinned allocation of this session");
+    return absl::InvalidArgumentError(
+        "FreePinned of a pointer that AllocatePinned of this session did not return (or that "
+        "was freed already)");
   }
   uint64_t begin = offset, size = it->second;
   impl_->pinned_used.erase(it);
@@ -567,10 +577,12 @@ absl::Status Session::SynchronizeEvent(const Event& event) {
 
 absl::StatusOr<double> Session::ElapsedMillis(const Event& start, const Event& end) {
   if (!EventDone(start) || !EventDone(end)) {
-    return absl::FailedPreconditionError("both events must have completed");
+    return absl::FailedPreconditionError(
+        "elapsed time needs both events completed; SynchronizeEvent the later one first");
   }
   if (start.slot >= static_cast<uint32_t>(kMaxEvents) || end.slot >= static_cast<uint32_t>(kMaxEvents)) {
-    return absl::InvalidArgumentError("not an event of this session");
+    return absl::InvalidArgumentError(absl::StrCat(
+        "event slot out of range (events of this session are 0..", kMaxEvents - 1, ")"));
   }
   const uint64_t a = EventOf(impl_->shm, impl_->layout, start.slot)->completed_ns.load();
   const uint64_t b = EventOf(impl_->shm, impl_->layout, end.slot)->completed_ns.load();

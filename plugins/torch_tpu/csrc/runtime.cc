@@ -121,7 +121,8 @@ int64_t CurrentStreamId(c10::DeviceIndex device) {
 }
 
 void SetCurrentStreamId(c10::DeviceIndex device, int64_t id) {
-  TORCH_CHECK(id >= 0 && id < tpu::kNumStreams, "tpu: no stream ", id);
+  TORCH_CHECK(id >= 0 && id < tpu::kNumStreams, "tpu: no stream ", id, " (streams are 0..",
+              tpu::kNumStreams - 1, "; get one with torch.tpu.Stream())");
   tls_stream[static_cast<uint8_t>(device)] = id;
 }
 
