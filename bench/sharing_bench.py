@@ -1,0 +1,365 @@
+#!/usr/bin/env python3
+"""Sharing benchmark: many PyTorch processes on one tpud host, against the same processes
+on CPU eager PyTorch, in the same run.
+
+Every process runs `x = x * 0.5 + y` on 64x64 float tensors with one `.item()` per 100 ops
+(on tpu:i % chips, or on the CPU). Figures, one JSON object per line:
+
+  aggregate_ratio_N  tpu ops/s of N processes over tpu ops/s of 1, steady state: every
+                     process warms up, then all measure the same window.
+  unsync_ratio_N     N processes started together, each measured as soon as it is ready
+                     (while the others are still starting), over the steady figure at 1.
+  vs_cpu_N           tpu aggregate over CPU aggregate at the same N (steady).
+  jain_N             Jain's fairness index over the tpu processes' rates (steady).
+  interactive        a light job (one small op and .item() every 5 ms) beside 15 heavy
+                     ones on the same chip: .item() latency p50/p99, against the same light
+                     job alone on that chip.
+  sync_roundtrip_contended, h2d_pageable_contended
+                     dataplane_bench's scalar read and pageable copy with 1 and 2 extra
+                     busy processes on the machine, each against its own baseline (a gRPC
+                     ping, a memcpy) measured under the same load.
+
+    .venv/bin/python bench/sharing_bench.py                 # full sweep, starts its own tpud
+    .venv/bin/python bench/sharing_bench.py --quick         # reduced form (CI)
+    .venv/bin/python bench/sharing_bench.py --counts 1,16 --window 4
+
+Run it on a quiet machine: every figure is a ratio within one run, but other work on the
+machine changes what "N processes on these cores" means.
+"""
+import argparse
+import json
+import os
+import pathlib
+import select
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from tpud_process import TpudProcess  # noqa: E402
+
+OPS_PER_BURST = 100  # 50 iterations of mul + add, then one .item()
+
+
+# ---------------------------------------------------------------- worker side
+
+def worker_main(args):
+    """One benchmark process. Talks to the coordinator in lines on stdin/stdout."""
+    import torch
+    if args.device.startswith("tpu"):
+        import torch_tpu  # noqa: F401
+    dev = torch.device(args.device)
+    g = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(64, 64, generator=g).to(dev)
+    y = torch.randn(64, 64, generator=g).to(dev)
+
+    def burst():
+        nonlocal x
+        for _ in range(OPS_PER_BURST // 2):
+            x = x * 0.5 + y
+        return x[0, 0].item()
+
+    def emit(obj):
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    if args.role == "light":
+        # One small op and a scalar read every period; latency of each.
+        t = torch.zeros(1, device=dev)
+        for _ in range(20):
+            (t + 1).item()
+        emit({"ready": time.monotonic()})
+        lat = []
+        end = time.monotonic() + args.seconds
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            (t + 1).item()
+            lat.append(time.perf_counter() - t0)
+            time.sleep(args.period)
+        emit({"latencies": lat})
+        return
+
+    if args.role == "heavy":
+        w = torch.randn(256, 256, generator=g).to(dev) * 0.01
+        h = torch.randn(256, 256, generator=g).to(dev)
+
+        def burst():  # noqa: F811  (heavy jobs: 256x256 matmuls)
+            nonlocal h
+            for _ in range(20):
+                h = torch.tanh(h @ w)
+            return h[0, 0].item()
+
+    burst()  # warm-up: op definitions, meta caches, allocator
+    if args.mode == "unsync":
+        # Measured as soon as this process is ready, whatever the others do.
+        start = time.monotonic()
+        n = 0
+        while time.monotonic() - start < args.seconds:
+            burst()
+            n += 1
+        emit({"rate": n * OPS_PER_BURST / (time.monotonic() - start), "ready": start})
+        return
+
+    # Steady: warm up, say ready, keep working; record when each burst completed; on
+    # "window t0 t1" (the coordinator's choice, after everyone was ready and that window
+    # has passed) report the bursts completed inside it.
+    deadline = time.monotonic() + args.warmup
+    while time.monotonic() < deadline:
+        burst()
+    emit({"ready": time.monotonic()})
+    done = []
+    line = None
+    while line is None:
+        burst()
+        done.append(time.monotonic())
+        r, _, _ = select.select([sys.stdin], [], [], 0)
+        if r:
+            line = sys.stdin.readline()
+    _, t0, t1 = line.split()
+    t0, t1 = float(t0), float(t1)
+    n = sum(1 for t in done if t0 <= t <= t1)
+    emit({"rate": n * OPS_PER_BURST / (t1 - t0)})
+
+
+# ---------------------------------------------------------------- coordinator side
+
+def spawn(args, device, mode, seed, role="loop", extra=()):
+    cmd = [sys.executable, __file__, "--worker", "--device", device, "--mode", mode,
+           "--seed", str(seed), "--role", role, "--seconds", str(args.window),
+           "--warmup", str(args.warmup), *extra]
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+
+
+def read_json(proc, timeout):
+    r, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not r:
+        raise RuntimeError("worker did not answer in time")
+    line = proc.stdout.readline()
+    if not line:
+        err = proc.stderr.read()
+        raise RuntimeError(f"worker exited ({proc.wait()}): {err[-2000:]}")
+    return json.loads(line)
+
+
+def finish(procs):
+    for p in procs:
+        try:
+            p.stdin.close()
+        except OSError:
+            pass
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def jain(xs):
+    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if xs and any(xs) else 0.0
+
+
+def device_of(kind, i, chips):
+    return "cpu" if kind == "cpu" else f"tpu:{i % chips}"
+
+
+def run_steady(args, kind, n, chips):
+    procs = [spawn(args, device_of(kind, i, chips), "steady", i) for i in range(n)]
+    try:
+        ready = [read_json(p, args.start_timeout)["ready"] for p in procs]
+        t0 = max(ready) + 0.5
+        t1 = t0 + args.window
+        time.sleep(max(0.0, t1 - time.monotonic()) + 0.1)
+        for p in procs:
+            p.stdin.write(f"window {t0} {t1}\n")
+            p.stdin.flush()
+        rates = [read_json(p, 60)["rate"] for p in procs]
+    finally:
+        finish(procs)
+    return rates
+
+
+def run_unsync(args, kind, n, chips):
+    procs = [spawn(args, device_of(kind, i, chips), "unsync", i) for i in range(n)]
+    try:
+        rates = [read_json(p, args.start_timeout + args.window + 30)["rate"] for p in procs]
+    finally:
+        finish(procs)
+    return rates
+
+
+def run_interactive(args):
+    """Light job latency beside 15 heavy jobs on chip 0, and alone."""
+    def light_latencies(with_heavy):
+        heavy = [spawn(args, "tpu:0", "steady", 100 + i, role="heavy")
+                 for i in range(15 if with_heavy else 0)]
+        try:
+            for p in heavy:
+                read_json(p, args.start_timeout)
+            light = spawn(args, "tpu:0", "steady", 7, role="light",
+                          extra=("--period", "0.005"))
+            try:
+                read_json(light, args.start_timeout)
+                return read_json(light, args.window + 60)["latencies"]
+            finally:
+                finish([light])
+        finally:
+            for p in heavy:  # they are waiting for a window: let them go
+                try:
+                    p.stdin.write("window 0 1\n")
+                    p.stdin.flush()
+                except OSError:
+                    pass
+            finish(heavy)
+
+    def pct(xs, q):
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+    alone = light_latencies(False)
+    loaded = light_latencies(True)
+    return {
+        "name": "interactive",
+        "p50_ms": round(pct(loaded, 0.5) * 1e3, 3),
+        "p99_ms": round(pct(loaded, 0.99) * 1e3, 3),
+        "alone_p50_ms": round(pct(alone, 0.5) * 1e3, 3),
+        "alone_p99_ms": round(pct(alone, 0.99) * 1e3, 3),
+        "samples": len(loaded),
+        "work": "light: (t + 1).item() every 5 ms on tpu:0; heavy: 15 processes of "
+                "20x tanh(h @ w) 256x256 + .item() on tpu:0",
+    }
+
+
+def busy_loops(k):
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(k)]
+
+
+def run_contended(args, bench_bin):
+    out = []
+    for k in (1, 2):
+        hogs = busy_loops(k)
+        try:
+            time.sleep(0.5)
+            res = subprocess.run(
+                [bench_bin, "--only=sync_roundtrip,h2d_pageable", f"--rounds={args.rounds}"],
+                capture_output=True, text=True, timeout=600, env=os.environ.copy())
+        finally:
+            for h in hogs:
+                h.kill()
+                h.wait()
+        if res.returncode != 0:
+            raise RuntimeError(f"dataplane_bench failed: {res.stderr[-2000:]}")
+        for line in res.stdout.splitlines():
+            if not line.startswith("{"):
+                continue
+            d = json.loads(line)
+            target = 4.0 if d["name"] == "sync_roundtrip" else 0.45
+            out.append({
+                "name": d["name"] + "_contended",
+                "speed_ratio": d["speed_ratio"],
+                "target": target,
+                "busy_processes": k,
+                "project_seconds": d.get("project_seconds"),
+                "baseline_seconds": d.get("baseline_seconds"),
+                "baseline": d.get("baseline", "") + ", under the same load",
+            })
+    return out
+
+
+def emit(obj):
+    print(json.dumps(obj), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="steady", help=argparse.SUPPRESS)
+    p.add_argument("--role", default="loop", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--seconds", type=float, default=6.0, help=argparse.SUPPRESS)
+    p.add_argument("--period", type=float, default=0.005, help=argparse.SUPPRESS)
+    p.add_argument("--counts", default="1,2,4,8,16,32,64", help="process counts")
+    p.add_argument("--window", type=float, default=6.0, help="measured seconds")
+    p.add_argument("--warmup", type=float, default=2.0, help="steady warm-up seconds")
+    p.add_argument("--rounds", type=int, default=5, help="dataplane_bench rounds")
+    p.add_argument("--start-timeout", type=float, default=240.0)
+    p.add_argument("--topology", default="v6e-8")
+    p.add_argument("--hbm", default="1GiB")
+    p.add_argument("--only", default="", help="comma-separated: steady,unsync,interactive,"
+                                              "contended (default all)")
+    p.add_argument("--quick", action="store_true",
+                   help="reduced form: N in {1, 4, 16}, 3 s windows")
+    p.add_argument("--tpud", default="", help="tpud binary (default: bazel-bin's, -c opt "
+                                              "if bench/run.sh built it)")
+    p.add_argument("--dataplane-bench", default="")
+    p.add_argument("--socket", default="", help="use a running tpud instead of starting one")
+    args = p.parse_args()
+    if args.worker:
+        worker_main(args)
+        return
+    if args.quick:
+        args.counts, args.window, args.warmup, args.rounds = "1,4,16", 3.0, 1.0, 3
+    counts = [int(c) for c in args.counts.split(",") if c]
+    want = set(filter(None, args.only.split(","))) or {"steady", "unsync", "interactive",
+                                                        "contended"}
+    bin_dir = ROOT / "bazel-bin"
+    tpud = args.tpud or str(bin_dir / "daemon" / "tpud")
+    bench_bin = args.dataplane_bench or str(bin_dir / "bench" / "dataplane_bench")
+
+    daemon = None
+    if args.socket:
+        os.environ["TPUD_SOCKET"] = args.socket
+    else:
+        daemon = TpudProcess(tpud, args.hbm, [f"--topology={args.topology}"],
+                             prefix="tpud-sharing-bench.", log_to_file=True)
+        daemon.start(timeout=30)
+        os.environ["TPUD_SOCKET"] = daemon.socket
+    chips = int(args.topology.split("-")[1]) if "-" in args.topology else 1
+    try:
+        base_tpu = None
+        if want & {"steady", "unsync"}:
+            steady_counts = counts if "steady" in want else [1]
+            if 1 not in steady_counts:
+                steady_counts = [1] + steady_counts
+            for n in steady_counts:
+                tpu = run_steady(args, "tpu", n, chips)
+                if n == 1:
+                    base_tpu = sum(tpu)
+                if "steady" not in want:
+                    continue
+                cpu = run_steady(args, "cpu", n, chips)
+                agg, agg_cpu = sum(tpu), sum(cpu)
+                rec = {"n": n, "tpu_ops_per_s": round(agg), "cpu_ops_per_s": round(agg_cpu),
+                       "tpu_rates": [round(r) for r in tpu]}
+                target = 0.8 if n == 16 else 0.6 if n == 64 else None
+                emit({"name": f"aggregate_ratio_{n}", "speed_ratio": round(agg / base_tpu, 4),
+                      "target": target, "baseline": "tpu aggregate at N=1, same run", **rec})
+                emit({"name": f"vs_cpu_{n}", "speed_ratio": round(agg / agg_cpu, 4),
+                      "target": None, "baseline": "CPU eager, same N, same run", **rec})
+                emit({"name": f"jain_{n}", "value": round(jain(tpu), 4), "target": 0.95,
+                      "cpu_jain": round(jain(cpu), 4)})
+        if "unsync" in want:
+            for n in counts:
+                tpu = run_unsync(args, "tpu", n, chips)
+                cpu = run_unsync(args, "cpu", n, chips)
+                emit({"name": f"unsync_ratio_{n}", "speed_ratio": round(sum(tpu) / base_tpu, 4),
+                      "target": 0.5 if n == 16 else None,
+                      "baseline": "steady tpu aggregate at N=1, same run",
+                      "tpu_ops_per_s": round(sum(tpu)), "cpu_ops_per_s": round(sum(cpu)),
+                      "jain": round(jain(tpu), 4), "tpu_rates": [round(r) for r in tpu]})
+        if "interactive" in want:
+            emit(run_interactive(args))
+        if "contended" in want:
+            for rec in run_contended(args, bench_bin):
+                emit(rec)
+    finally:
+        if daemon is not None:
+            daemon.close()
+
+
+if __name__ == "__main__":
+    main()
