@@ -1,4 +1,11 @@
 // libtpuclient's data plane: the producer side of the session's op streams.
+//
+// A stream (0..kStreamsPerChip-1) has one ring per chip; each record goes to
+// the ring of the chip it works on (an op's tensors, a copy's device side),
+// so that each chip's executor consumes only its own rings. When a stream's
+// work moves to another chip, the first record there is an event wait on the
+// previous chip's ring: the stream keeps CUDA's in-order semantics across
+// chips, and synchronising a stream waits for every ring it used.
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -10,6 +17,7 @@
 
 #include "absl/strings/str_format.h"
 #include "session_impl.h"
+#include "tpu/device_address.h"
 #include "tpu/units.h"
 
 namespace tpu {
@@ -17,9 +25,12 @@ namespace {
 
 constexpr int kStagingSlotsPerStream = 4;
 constexpr uint64_t kPinnedAlignment = 256;
-// How long a waiting client spins before it sleeps: a round trip without a
-// sleeping party is a few microseconds; a futex wake-up costs tens.
+// How long a waiting client spins (when the daemon says a core is free for
+// it) before it sleeps: a round trip without a sleeping party is a few
+// microseconds; a futex wake-up costs tens.
 constexpr uint64_t kSpinNanos = 30000;
+// A sleeping waiter checks that tpud is still there this often.
+constexpr int64_t kLivenessCheckNanos = 50 * 1000 * 1000;
 
 bool PeerGone(int fd) {
   pollfd p{fd, POLLRDHUP, 0};
@@ -30,6 +41,7 @@ bool PeerGone(int fd) {
 
 Session::Impl::~Impl() {
   if (shm != nullptr) munmap(shm, shm_bytes);
+  for (int fd : doorbells) close(fd);
   if (data_plane_fd >= 0) close(data_plane_fd);
 }
 
@@ -54,32 +66,42 @@ absl::Status Session::Impl::AttachDataPlane(const std::string& token) {
   }
   DataPlaneReply reply{};
   iovec iov{&reply, sizeof(reply)};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  constexpr int kMaxFds = 1 + kMaxChipsPerHost;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)] = {};
   msghdr mh{};
   mh.msg_iov = &iov;
   mh.msg_iovlen = 1;
   mh.msg_control = control;
   mh.msg_controllen = sizeof(control);
   ssize_t n = recvmsg(data_plane_fd, &mh, MSG_CMSG_CLOEXEC | MSG_WAITALL);
-  int memfd = -1;
+  std::vector<int> fds;
   for (cmsghdr* cm = CMSG_FIRSTHDR(&mh); cm != nullptr; cm = CMSG_NXTHDR(&mh, cm)) {
     if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
-      std::memcpy(&memfd, CMSG_DATA(cm), sizeof(int));
+      const size_t count = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int f;
+        std::memcpy(&f, CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
+        fds.push_back(f);
+      }
     }
   }
+  auto close_fds = [&] {
+    for (int f : fds) close(f);
+  };
   if (n != sizeof(reply)) {
-    if (memfd >= 0) close(memfd);
+    close_fds();
     return absl::UnavailableError(absl::StrCat(
         "tpud at ", options.socket_path, " did not answer the data-plane hello"));
   }
   reply.message[sizeof(reply.message) - 1] = '\0';
-  if (reply.code != 0 || memfd < 0) {
-    if (memfd >= 0) close(memfd);
+  if (reply.code != 0 || fds.empty()) {
+    close_fds();
     return absl::Status(static_cast<absl::StatusCode>(reply.code == 0 ? 13 : reply.code),
                         absl::StrCat("data-plane attach: ", reply.message));
   }
-  void* p = mmap(nullptr, reply.shm_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
-  close(memfd);
+  void* p = mmap(nullptr, reply.shm_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+  close(fds[0]);
+  doorbells.assign(fds.begin() + 1, fds.end());
   if (p == MAP_FAILED) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "mapping the session's shared memory (", FormatBytes(reply.shm_bytes),
@@ -88,16 +110,23 @@ absl::Status Session::Impl::AttachDataPlane(const std::string& token) {
   shm = static_cast<char*>(p);
   shm_bytes = reply.shm_bytes;
   std::memcpy(&layout, shm, sizeof(layout));
-  if (layout.magic != kShmMagic || layout.num_streams != static_cast<uint32_t>(kMaxStreams) ||
-      layout.total_bytes != shm_bytes || layout.pinned_offset + layout.pinned_bytes > shm_bytes) {
+  if (layout.magic != kShmMagic || layout.layout_version != kDataPlaneVersion ||
+      layout.streams_per_chip != static_cast<uint32_t>(kStreamsPerChip) ||
+      layout.num_chips == 0 || layout.num_chips > static_cast<uint32_t>(kMaxChipsPerHost) ||
+      layout.num_rings != layout.num_chips * layout.streams_per_chip ||
+      layout.total_bytes != shm_bytes || layout.pinned_offset + layout.pinned_bytes > shm_bytes ||
+      doorbells.size() != layout.num_chips) {
     return absl::FailedPreconditionError(
         "the session's shared memory has an unknown layout (tpud and libtpuclient differ)");
   }
+  num_chips = static_cast<int>(layout.num_chips);
   staging_slots = kStagingSlotsPerStream;
-  staging_slot_bytes = (layout.staging_bytes / kMaxStreams / staging_slots) & ~uint64_t{4095};
+  staging_slot_bytes =
+      (layout.staging_bytes / kStreamsPerChip / staging_slots) & ~uint64_t{4095};
   for (internal::StreamProducer& s : streams) {
     absl::MutexLock lock(&s.mu);
-    s.slot_sequence.assign(staging_slots, 0);
+    s.rings.resize(num_chips);
+    s.slot_use.assign(staging_slots, {0, 0});
   }
   {
     absl::MutexLock lock(&pinned_mu);
@@ -112,101 +141,137 @@ absl::Status Session::Impl::AttachDataPlane(const std::string& token) {
 
 absl::Status Session::Impl::CheckStream(int stream) const {
   if (shm == nullptr) return absl::FailedPreconditionError("session has no data plane");
-  if (stream < 0 || stream >= kMaxStreams) {
+  if (stream < 0 || stream >= kStreamsPerChip) {
     return absl::InvalidArgumentError(
-        absl::StrCat("no stream ", stream, " (streams are 0..", kMaxStreams - 1, ")"));
+        absl::StrCat("no stream ", stream, " (streams are 0..", kStreamsPerChip - 1, ")"));
   }
   return absl::OkStatus();
 }
 
-absl::Status Session::Impl::Publish(int stream, internal::StreamProducer& producer) {
-  StreamControl* ctl = Control(stream);
-  const absl::string_view record = producer.writer.Finish();
-  const uint64_t ring = layout.ring_bytes;
-  if (record.size() > ring / 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "record of ", record.size(), " bytes does not fit the stream's ring (", ring, ")"));
+absl::StatusOr<int> Session::Impl::ChipOfAddress(uint64_t address, const char* what) const {
+  const int chip = DeviceAddressChip(address);
+  if (chip < 0 || chip >= num_chips) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s 0x%x is not a device address on this host (chips 0..%d)", what, address,
+        num_chips - 1));
   }
-  uint64_t pos = producer.tail & (ring - 1);
+  return chip;
+}
+
+uint64_t Session::Impl::BeginLocked(int ring, internal::StreamProducer& p, RecordKind kind) {
+  const uint64_t sequence = p.rings[RingChip(ring)].next_sequence++;
+  p.writer.Begin(kind, sequence);
+  return sequence;
+}
+
+absl::StatusOr<int> Session::Impl::RouteLocked(int stream, internal::StreamProducer& p, int chip) {
+  const int ring = RingIndex(chip, stream);
+  if (p.last_chip >= 0 && p.last_chip != chip) {
+    // The stream moves: this ring first waits for what the stream queued on
+    // the previous chip.
+    const int prev = RingIndex(p.last_chip, stream);
+    const uint64_t prev_last = p.rings[p.last_chip].next_sequence - 1;
+    if (prev_last > 0) {
+      BeginLocked(ring, p, RecordKind::kEventWait);
+      p.writer.U32(0);
+      p.writer.U32(static_cast<uint32_t>(prev));
+      p.writer.U64(prev_last);
+      if (absl::Status s = Publish(ring, p); !s.ok()) return s;
+    }
+  }
+  p.last_chip = chip;
+  return ring;
+}
+
+absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
+  RingControl* ctl = Control(ring);
+  internal::RingProducer& rp = p.rings[RingChip(ring)];
+  const absl::string_view record = p.writer.Finish();
+  const uint64_t ring_bytes = layout.ring_bytes;
+  if (record.size() > ring_bytes / 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "record of ", record.size(), " bytes does not fit the stream's ring (", ring_bytes, ")"));
+  }
+  uint64_t pos = rp.tail & (ring_bytes - 1);
   // Never leave a gap smaller than a record header before the ring's end:
   // the filler record that skips a gap must fit in it.
-  const uint64_t after = ring - pos;
+  const uint64_t after = ring_bytes - pos;
   const bool wrap = record.size() > after ||
                     (after - record.size() != 0 && after - record.size() < sizeof(RecordHeader));
   const uint64_t pad = wrap ? after : 0;
-  // Wait for room: the consumer frees ring space as it takes records.
+  // Wait for room: the executor frees ring space as it finishes records.
   const uint64_t need = pad + record.size();
-  int spins = 0;
-  uint64_t next_check = 0;
-  while (producer.tail + need - ctl->head.load(std::memory_order_acquire) > ring) {
-    if (ctl->dead.load()) return TakeError(stream);
-    if (++spins > 1000) {
-      // The ring is full: the daemon is behind. Yield the core to it, and
-      // now and then make sure it is still there.
-      const uint64_t now = MonotonicNanos();
-      if (now >= next_check) {
-        if (PeerGone(data_plane_fd)) {
-          return absl::UnavailableError(
-              absl::StrCat("tpud at ", options.socket_path, " went away"));
-        }
-        next_check = now + 50 * 1000 * 1000;
+  auto full = [&] { return rp.tail + need - ctl->head.load(std::memory_order_acquire) > ring_bytes; };
+  if (full()) {
+    const uint64_t spin_until = SpinOk() ? MonotonicNanos() + kSpinNanos : 0;
+    while (full() && MonotonicNanos() < spin_until) __builtin_ia32_pause();
+    while (full()) {
+      if (ctl->dead.load()) return TakeError(ring);
+      // The daemon is behind: sleep until it frees space.
+      const uint32_t v = ctl->head_futex.load();
+      ctl->producer_waiting.store(1);
+      if (full() && ctl->dead.load() == 0) FutexWait(&ctl->head_futex, v, kLivenessCheckNanos);
+      ctl->producer_waiting.store(0);
+      if (full() && PeerGone(data_plane_fd)) {
+        return absl::UnavailableError(absl::StrCat("tpud at ", options.socket_path, " went away"));
       }
-      std::this_thread::yield();
     }
   }
-  char* base = RingOf(shm, layout, stream);
+  char* base = RingOf(shm, layout, ring);
   if (pad != 0) {
     RecordHeader h{static_cast<uint32_t>(pad), static_cast<uint16_t>(RecordKind::kPad), 0, 0};
     std::memcpy(base + pos, &h, sizeof(h));
-    producer.tail += pad;
+    rp.tail += pad;
     pos = 0;
   }
   std::memcpy(base + pos, record.data(), record.size());
-  producer.tail += record.size();
+  rp.tail += record.size();
   RecordHeader h;
   std::memcpy(&h, record.data(), sizeof(h));
   ctl->submitted.store(h.sequence, std::memory_order_relaxed);
-  ctl->tail.store(producer.tail);  // seq_cst: ordered before the sleeping check
+  ctl->tail.store(rp.tail);  // seq_cst: ordered before the sleeping check
   if (ctl->consumer_sleeping.load()) {
-    ctl->doorbell.fetch_add(1);
-    FutexWakeAll(&ctl->doorbell);
+    const uint64_t one = 1;
+    (void)!write(doorbells[RingChip(ring)], &one, sizeof(one));
   }
   return absl::OkStatus();
 }
 
-absl::Status Session::Impl::WaitCompleted(int stream, uint64_t sequence) {
-  StreamControl* ctl = Control(stream);
-  const uint64_t spin_until = MonotonicNanos() + kSpinNanos;
-  while (true) {
-    if (ctl->completed.load(std::memory_order_acquire) >= sequence) return absl::OkStatus();
-    if (ctl->dead.load()) return TakeError(stream);
-    if (MonotonicNanos() >= spin_until) break;
-    __builtin_ia32_pause();
+absl::Status Session::Impl::WaitCompleted(int ring, uint64_t sequence) {
+  RingControl* ctl = Control(ring);
+  if (ctl->completed.load(std::memory_order_acquire) >= sequence) return absl::OkStatus();
+  if (SpinOk()) {
+    const uint64_t spin_until = MonotonicNanos() + kSpinNanos;
+    while (MonotonicNanos() < spin_until) {
+      if (ctl->completed.load(std::memory_order_acquire) >= sequence) return absl::OkStatus();
+      if (ctl->dead.load()) return TakeError(ring);
+      __builtin_ia32_pause();
+    }
   }
   while (true) {
     const uint32_t v = ctl->completion_futex.load();
     ctl->waiters.fetch_add(1);
     const bool done = ctl->completed.load() >= sequence || ctl->dead.load() != 0;
-    if (!done) FutexWait(&ctl->completion_futex, v, 50 * 1000 * 1000);
+    if (!done) FutexWait(&ctl->completion_futex, v, kLivenessCheckNanos);
     ctl->waiters.fetch_sub(1);
     if (ctl->completed.load(std::memory_order_acquire) >= sequence) return absl::OkStatus();
-    if (ctl->dead.load()) return TakeError(stream);
+    if (ctl->dead.load()) return TakeError(ring);
     if (!done && PeerGone(data_plane_fd)) {
       return absl::UnavailableError(absl::StrCat(
-          "tpud at ", options.socket_path, " went away while stream ", stream,
+          "tpud at ", options.socket_path, " went away while stream ", RingStream(ring),
           " had unfinished work"));
     }
   }
 }
 
-absl::Status Session::Impl::TakeError(int stream) {
-  StreamControl* ctl = Control(stream);
+absl::Status Session::Impl::TakeError(int ring) {
+  RingControl* ctl = Control(ring);
   const uint64_t seq = ctl->error_sequence.load(std::memory_order_acquire);
   if (seq == 0) {
     if (ctl->dead.load()) {
       return absl::UnavailableError(absl::StrCat(
-          "stream ", stream, " of session ", id, " can make no more progress (the session "
-          "failed or ended); open a new session"));
+          "stream ", RingStream(ring), " of session ", id, " can make no more progress (the "
+          "session failed or ended); open a new session"));
     }
     return absl::OkStatus();
   }
@@ -215,7 +280,7 @@ absl::Status Session::Impl::TakeError(int stream) {
   message[sizeof(message) - 1] = '\0';
   const uint32_t code = ctl->error_code;
   const uint32_t count = ctl->error_count;
-  // A dead stream keeps its error: every later call reports it.
+  // A dead ring keeps its error: every later call reports it.
   if (!ctl->dead.load()) {
     ctl->error_count = 0;
     ctl->error_sequence.store(0);
@@ -223,6 +288,15 @@ absl::Status Session::Impl::TakeError(int stream) {
   std::string text = message;
   if (count > 1) absl::StrAppend(&text, " (and ", count - 1, " later error(s) on this stream)");
   return absl::Status(static_cast<absl::StatusCode>(code == 0 ? 13 : code), text);
+}
+
+absl::Status Session::Impl::TakeStreamError(int stream) {
+  absl::Status first;
+  for (int c = 0; c < num_chips; ++c) {
+    absl::Status s = TakeError(RingIndex(c, stream));
+    if (first.ok() && !s.ok()) first = s;
+  }
+  return first;
 }
 
 bool Session::Impl::PinnedOffset(const void* ptr, uint64_t bytes, uint64_t* offset) const {
@@ -235,19 +309,37 @@ bool Session::Impl::PinnedOffset(const void* ptr, uint64_t bytes, uint64_t* offs
   return true;
 }
 
-// ---------------------------------------------------------------- Session
-
 absl::StatusOr<uint64_t> Session::Impl::EnqueueOpLocked(int stream, internal::StreamProducer& p,
                                                        uint32_t op_id, uint32_t flags,
                                                        const OpArg* args, size_t num_args,
                                                        const TensorRef* outputs,
-                                                       size_t num_outputs) {
+                                                       size_t num_outputs, int* ring_out) {
   if (num_args > kMaxArgs || num_outputs > kMaxOutputs) {
     return absl::InvalidArgumentError(absl::StrCat(
         "op with ", num_args, " arguments and ", num_outputs, " outputs (limits ", kMaxArgs,
         " and ", kMaxOutputs, ")"));
   }
-  if (op_id >= p.defined.size() || !p.defined[op_id]) {
+  // The op runs on the chip of its first tensor (the daemon checks that
+  // every tensor is there); an op without tensors stays where the stream is.
+  int chip = -1;
+  auto consider = [&](const TensorRef& t) {
+    if (chip < 0 && t.address != 0) chip = DeviceAddressChip(t.address);
+  };
+  for (size_t i = 0; i < num_args && chip < 0; ++i) {
+    const OpArg& a = args[i];
+    if (a.tag == ArgTag::kTensor) consider(a.tensor);
+    if (a.tag == ArgTag::kTensorList || a.tag == ArgTag::kOptionalTensorList) {
+      for (size_t k = 0; k < a.tensors.size(); ++k) {
+        if (a.tag == ArgTag::kTensorList || a.tensor_present[k]) consider(a.tensors[k]);
+      }
+    }
+  }
+  for (size_t i = 0; i < num_outputs && chip < 0; ++i) consider(outputs[i]);
+  if (chip < 0 || chip >= num_chips) chip = p.last_chip >= 0 ? p.last_chip : 0;
+  absl::StatusOr<int> ring = RouteLocked(stream, p, chip);
+  if (!ring.ok()) return ring.status();
+  internal::RingProducer& rp = p.rings[chip];
+  if (op_id >= rp.defined.size() || !rp.defined[op_id]) {
     std::string schema;
     {
       absl::MutexLock lock(&ops_mu);
@@ -256,38 +348,36 @@ absl::StatusOr<uint64_t> Session::Impl::EnqueueOpLocked(int stream, internal::St
       }
       schema = op_schemas[op_id];
     }
-    p.writer.Begin(RecordKind::kDefineOp, p.next_sequence++);
+    BeginLocked(*ring, p, RecordKind::kDefineOp);
     p.writer.U32(op_id);
     p.writer.U32(static_cast<uint32_t>(schema.size()));
     p.writer.Bytes(schema.data(), schema.size());
-    if (absl::Status s = Publish(stream, p); !s.ok()) return s;
-    if (op_id >= p.defined.size()) p.defined.resize(op_id + 1, false);
-    p.defined[op_id] = true;
+    if (absl::Status s = Publish(*ring, p); !s.ok()) return s;
+    if (op_id >= rp.defined.size()) rp.defined.resize(op_id + 1, false);
+    rp.defined[op_id] = true;
   }
-  const uint64_t sequence = p.next_sequence++;
-  p.writer.Begin(RecordKind::kOp, sequence);
+  const uint64_t sequence = BeginLocked(*ring, p, RecordKind::kOp);
   p.writer.U32(op_id);
   p.writer.U16(static_cast<uint16_t>(num_args));
   p.writer.U16(static_cast<uint16_t>(num_outputs));
   p.writer.U32(flags);
   for (size_t i = 0; i < num_args; ++i) p.writer.Arg(args[i]);
   for (size_t i = 0; i < num_outputs; ++i) p.writer.Tensor(outputs[i]);
-  if (absl::Status s = Publish(stream, p); !s.ok()) return s;
+  if (absl::Status s = Publish(*ring, p); !s.ok()) return s;
+  if (ring_out != nullptr) *ring_out = *ring;
   return sequence;
 }
 
-absl::StatusOr<uint64_t> Session::Impl::EnqueueCopyLocked(int stream,
-                                                         internal::StreamProducer& p,
+absl::StatusOr<uint64_t> Session::Impl::EnqueueCopyLocked(int ring, internal::StreamProducer& p,
                                                          CopyKind kind, uint64_t src,
                                                          uint64_t dst, uint64_t bytes) {
-  const uint64_t sequence = p.next_sequence++;
-  p.writer.Begin(RecordKind::kCopy, sequence);
+  const uint64_t sequence = BeginLocked(ring, p, RecordKind::kCopy);
   p.writer.U8(static_cast<uint8_t>(kind));
   p.writer.Pad(7);
   p.writer.U64(src);
   p.writer.U64(dst);
   p.writer.U64(bytes);
-  if (absl::Status s = Publish(stream, p); !s.ok()) return s;
+  if (absl::Status s = Publish(ring, p); !s.ok()) return s;
   return sequence;
 }
 
@@ -311,7 +401,8 @@ absl::StatusOr<uint64_t> Session::EnqueueOp(int stream, uint32_t op_id, const Op
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   internal::StreamProducer& p = impl_->streams[stream];
   absl::MutexLock lock(&p.mu);
-  return impl_->EnqueueOpLocked(stream, p, op_id, 0, args, num_args, outputs, num_outputs);
+  return impl_->EnqueueOpLocked(stream, p, op_id, 0, args, num_args, outputs, num_outputs,
+                                nullptr);
 }
 
 absl::StatusOr<std::vector<OpResult>> Session::RunSync(int stream, uint32_t op_id,
@@ -322,19 +413,20 @@ absl::StatusOr<std::vector<OpResult>> Session::RunSync(int stream, uint32_t op_i
   internal::StreamProducer& p = impl_->streams[stream];
   absl::MutexLock sync_lock(&p.sync_mu);
   uint64_t sequence = 0;
+  int ring = 0;
   {
     absl::MutexLock lock(&p.mu);
-    absl::StatusOr<uint64_t> seq = impl_->EnqueueOpLocked(stream, p, op_id, kOpFlagSync, args,
-                                                          num_args, outputs, num_outputs);
+    absl::StatusOr<uint64_t> seq = impl_->EnqueueOpLocked(
+        stream, p, op_id, kOpFlagSync, args, num_args, outputs, num_outputs, &ring);
     if (!seq.ok()) return seq.status();
     sequence = *seq;
   }
-  if (absl::Status s = impl_->WaitCompleted(stream, sequence); !s.ok()) return s;
-  StreamControl* ctl = impl_->Control(stream);
+  if (absl::Status s = impl_->WaitCompleted(ring, sequence); !s.ok()) return s;
+  RingControl* ctl = impl_->Control(ring);
   if (ctl->response_sequence != sequence) {
     // The record never ran as an op (e.g. the op id was refused earlier):
-    // its error is the stream's.
-    absl::Status err = impl_->TakeError(stream);
+    // its error is the ring's.
+    absl::Status err = impl_->TakeError(ring);
     return err.ok() ? absl::InternalError("synchronous op produced no response") : err;
   }
   if (ctl->response_code != 0) {
@@ -373,31 +465,35 @@ absl::Status Session::CopyToDevice(int stream, uint64_t dst_address, const void*
                                    uint64_t bytes) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   if (bytes == 0) return absl::OkStatus();
+  absl::StatusOr<int> chip = impl_->ChipOfAddress(dst_address, "copy destination");
+  if (!chip.ok()) return chip.status();
   internal::StreamProducer& p = impl_->streams[stream];
   uint64_t pinned = 0;
   absl::MutexLock lock(&p.mu);
+  absl::StatusOr<int> ring = impl_->RouteLocked(stream, p, *chip);
+  if (!ring.ok()) return ring.status();
   if (impl_->PinnedOffset(src, bytes, &pinned)) {
-    return impl_->EnqueueCopyLocked(stream, p, CopyKind::kHostToDevice, pinned, dst_address, bytes)
+    return impl_->EnqueueCopyLocked(*ring, p, CopyKind::kHostToDevice, pinned, dst_address, bytes)
         .status();
   }
   // Pageable: through this stream's staging slots, so our memcpy of one
   // chunk overlaps the daemon's copy of the previous one.
   const uint64_t slot_bytes = impl_->staging_slot_bytes;
-  const uint64_t stream_base =
-      impl_->layout.staging_offset + stream * (impl_->layout.staging_bytes / kMaxStreams);
+  const uint64_t stream_base = impl_->StagingBase(stream);
   const char* from = static_cast<const char*>(src);
   for (uint64_t done = 0; done < bytes;) {
     const uint64_t chunk = std::min(slot_bytes, bytes - done);
-    const size_t slot = p.next_slot++ % p.slot_sequence.size();
-    if (p.slot_sequence[slot] != 0) {
-      if (absl::Status s = impl_->WaitCompleted(stream, p.slot_sequence[slot]); !s.ok()) return s;
+    const size_t slot = p.next_slot++ % p.slot_use.size();
+    if (p.slot_use[slot].second != 0) {
+      absl::Status s = impl_->WaitCompleted(p.slot_use[slot].first, p.slot_use[slot].second);
+      if (!s.ok()) return s;
     }
     const uint64_t offset = stream_base + slot * slot_bytes;
     std::memcpy(impl_->shm + offset, from + done, chunk);
     absl::StatusOr<uint64_t> seq = impl_->EnqueueCopyLocked(
-        stream, p, CopyKind::kHostToDevice, offset, dst_address + done, chunk);
+        *ring, p, CopyKind::kHostToDevice, offset, dst_address + done, chunk);
     if (!seq.ok()) return seq.status();
-    p.slot_sequence[slot] = *seq;
+    p.slot_use[slot] = {*ring, *seq};
     done += chunk;
   }
   return absl::OkStatus();
@@ -405,40 +501,50 @@ absl::Status Session::CopyToDevice(int stream, uint64_t dst_address, const void*
 
 absl::Status Session::CopyToHost(int stream, void* dst, uint64_t src_address, uint64_t bytes) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
+  if (bytes == 0) return Synchronize(stream);
+  absl::StatusOr<int> chip = impl_->ChipOfAddress(src_address, "copy source");
+  if (!chip.ok()) return chip.status();
   internal::StreamProducer& p = impl_->streams[stream];
   uint64_t pinned = 0;
-  if (bytes == 0) return Synchronize(stream);
   if (impl_->PinnedOffset(dst, bytes, &pinned)) {
     uint64_t seq = 0;
+    int ring = 0;
     {
       absl::MutexLock lock(&p.mu);
+      absl::StatusOr<int> r = impl_->RouteLocked(stream, p, *chip);
+      if (!r.ok()) return r.status();
+      ring = *r;
       absl::StatusOr<uint64_t> s =
-          impl_->EnqueueCopyLocked(stream, p, CopyKind::kDeviceToHost, src_address, pinned, bytes);
+          impl_->EnqueueCopyLocked(ring, p, CopyKind::kDeviceToHost, src_address, pinned, bytes);
       if (!s.ok()) return s.status();
       seq = *s;
     }
-    if (absl::Status s = impl_->WaitCompleted(stream, seq); !s.ok()) return s;
-    return impl_->TakeError(stream);
+    if (absl::Status s = impl_->WaitCompleted(ring, seq); !s.ok()) return s;
+    return impl_->TakeStreamError(stream);
   }
   // Pageable: keep every staging slot busy; copy each chunk out in order.
   absl::MutexLock lock(&p.mu);
+  absl::StatusOr<int> r = impl_->RouteLocked(stream, p, *chip);
+  if (!r.ok()) return r.status();
+  const int ring = *r;
   const uint64_t slot_bytes = impl_->staging_slot_bytes;
-  const size_t slots = p.slot_sequence.size();
-  const uint64_t stream_base =
-      impl_->layout.staging_offset + stream * (impl_->layout.staging_bytes / kMaxStreams);
+  const size_t slots = p.slot_use.size();
+  const uint64_t stream_base = impl_->StagingBase(stream);
   const uint64_t chunks = (bytes + slot_bytes - 1) / slot_bytes;
   std::vector<uint64_t> seqs(chunks, 0);
   auto issue = [&](uint64_t c) -> absl::Status {
     const size_t slot = c % slots;
-    if (p.slot_sequence[slot] != 0) {
-      if (absl::Status s = impl_->WaitCompleted(stream, p.slot_sequence[slot]); !s.ok()) return s;
+    if (p.slot_use[slot].second != 0) {
+      absl::Status s = impl_->WaitCompleted(p.slot_use[slot].first, p.slot_use[slot].second);
+      if (!s.ok()) return s;
     }
     const uint64_t off = c * slot_bytes;
     absl::StatusOr<uint64_t> seq = impl_->EnqueueCopyLocked(
-        stream, p, CopyKind::kDeviceToHost, src_address + off,
-        stream_base + slot * slot_bytes, std::min(slot_bytes, bytes - off));
+        ring, p, CopyKind::kDeviceToHost, src_address + off, stream_base + slot * slot_bytes,
+        std::min(slot_bytes, bytes - off));
     if (!seq.ok()) return seq.status();
-    seqs[c] = p.slot_sequence[slot] = *seq;
+    seqs[c] = *seq;
+    p.slot_use[slot] = {ring, *seq};
     return absl::OkStatus();
   };
   for (uint64_t c = 0; c < std::min<uint64_t>(chunks, slots); ++c) {
@@ -446,9 +552,9 @@ absl::Status Session::CopyToHost(int stream, void* dst, uint64_t src_address, ui
   }
   char* to = static_cast<char*>(dst);
   for (uint64_t c = 0; c < chunks; ++c) {
-    if (absl::Status s = impl_->WaitCompleted(stream, seqs[c]); !s.ok()) return s;
+    if (absl::Status s = impl_->WaitCompleted(ring, seqs[c]); !s.ok()) return s;
     // A failed copy leaves the slot stale: report instead of handing it out.
-    if (impl_->Control(stream)->error_sequence.load() != 0) return impl_->TakeError(stream);
+    if (impl_->Control(ring)->error_sequence.load() != 0) return impl_->TakeStreamError(stream);
     const uint64_t off = c * slot_bytes;
     std::memcpy(to + off, impl_->shm + stream_base + (c % slots) * slot_bytes,
                 std::min(slot_bytes, bytes - off));
@@ -456,16 +562,21 @@ absl::Status Session::CopyToHost(int stream, void* dst, uint64_t src_address, ui
       if (absl::Status s = issue(c + slots); !s.ok()) return s;
     }
   }
-  return impl_->TakeError(stream);
+  return impl_->TakeStreamError(stream);
 }
 
 absl::Status Session::CopyOnDevice(int stream, uint64_t dst_address, uint64_t src_address,
                                    uint64_t bytes) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
+  // Runs on the destination chip (whose executor owns what it writes).
+  absl::StatusOr<int> chip = impl_->ChipOfAddress(dst_address, "copy destination");
+  if (!chip.ok()) return chip.status();
   internal::StreamProducer& p = impl_->streams[stream];
   absl::MutexLock lock(&p.mu);
-  return impl_->EnqueueCopyLocked(stream, p, CopyKind::kDeviceToDevice, src_address,
-                                  dst_address, bytes)
+  absl::StatusOr<int> ring = impl_->RouteLocked(stream, p, *chip);
+  if (!ring.ok()) return ring.status();
+  return impl_->EnqueueCopyLocked(*ring, p, CopyKind::kDeviceToDevice, src_address, dst_address,
+                                  bytes)
       .status();
 }
 
@@ -545,34 +656,47 @@ absl::StatusOr<Event> Session::RecordEvent(int stream) {
   EventOf(impl_->shm, impl_->layout, slot)->completed_ns.store(0);
   internal::StreamProducer& p = impl_->streams[stream];
   absl::MutexLock lock(&p.mu);
-  const uint64_t sequence = p.next_sequence++;
-  p.writer.Begin(RecordKind::kEventRecord, sequence);
+  // On the ring the stream's work went to last: it follows all of it.
+  const int ring = RingIndex(p.last_chip >= 0 ? p.last_chip : 0, stream);
+  const uint64_t sequence = impl_->BeginLocked(ring, p, RecordKind::kEventRecord);
   p.writer.U32(slot);
   p.writer.Pad(4);
-  if (absl::Status s = impl_->Publish(stream, p); !s.ok()) return s;
-  return Event{slot, stream, sequence};
+  if (absl::Status s = impl_->Publish(ring, p); !s.ok()) return s;
+  return Event{slot, ring, sequence};
 }
 
 absl::Status Session::WaitEvent(int stream, const Event& event) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
-  if (absl::Status s = impl_->CheckStream(event.stream); !s.ok()) return s;
+  if (event.ring < 0 || event.ring >= impl_->num_chips * kStreamsPerChip) {
+    return absl::InvalidArgumentError("event of another session, or not recorded");
+  }
   internal::StreamProducer& p = impl_->streams[stream];
   absl::MutexLock lock(&p.mu);
-  p.writer.Begin(RecordKind::kEventWait, p.next_sequence++);
+  // Where the stream is now (or, if it has done nothing yet, where the event is).
+  const int chip = p.last_chip >= 0 ? p.last_chip : RingChip(event.ring);
+  absl::StatusOr<int> ring = impl_->RouteLocked(stream, p, chip);
+  if (!ring.ok()) return ring.status();
+  impl_->BeginLocked(*ring, p, RecordKind::kEventWait);
   p.writer.U32(event.slot);
-  p.writer.U32(static_cast<uint32_t>(event.stream));
+  p.writer.U32(static_cast<uint32_t>(event.ring));
   p.writer.U64(event.sequence);
-  return impl_->Publish(stream, p);
+  return impl_->Publish(*ring, p);
 }
 
 bool Session::EventDone(const Event& event) {
-  if (!impl_->CheckStream(event.stream).ok()) return false;
-  return impl_->Control(event.stream)->completed.load() >= event.sequence;
+  if (impl_->shm == nullptr || event.ring < 0 ||
+      event.ring >= impl_->num_chips * kStreamsPerChip) {
+    return false;
+  }
+  return impl_->Control(event.ring)->completed.load() >= event.sequence;
 }
 
 absl::Status Session::SynchronizeEvent(const Event& event) {
-  if (absl::Status s = impl_->CheckStream(event.stream); !s.ok()) return s;
-  return impl_->WaitCompleted(event.stream, event.sequence);
+  if (impl_->shm == nullptr) return absl::FailedPreconditionError("session has no data plane");
+  if (event.ring < 0 || event.ring >= impl_->num_chips * kStreamsPerChip) {
+    return absl::InvalidArgumentError("event of another session, or not recorded");
+  }
+  return impl_->WaitCompleted(event.ring, event.sequence);
 }
 
 absl::StatusOr<double> Session::ElapsedMillis(const Event& start, const Event& end) {
@@ -598,34 +722,39 @@ void Session::ReleaseEvent(const Event& event) {
 absl::Status Session::Synchronize(int stream) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   internal::StreamProducer& p = impl_->streams[stream];
-  uint64_t last = 0;
+  std::vector<uint64_t> last(impl_->num_chips, 0);
   {
     absl::MutexLock lock(&p.mu);
-    last = p.next_sequence - 1;
+    for (int c = 0; c < impl_->num_chips; ++c) last[c] = p.rings[c].next_sequence - 1;
   }
-  if (absl::Status s = impl_->WaitCompleted(stream, last); !s.ok()) return s;
-  return impl_->TakeError(stream);
+  for (int c = 0; c < impl_->num_chips; ++c) {
+    if (last[c] == 0) continue;
+    if (absl::Status s = impl_->WaitCompleted(RingIndex(c, stream), last[c]); !s.ok()) return s;
+  }
+  return impl_->TakeStreamError(stream);
 }
 
 absl::Status Session::WaitIdle() {
   if (impl_->shm == nullptr) return absl::OkStatus();
-  for (int s = 0; s < kMaxStreams; ++s) {
+  for (int s = 0; s < kStreamsPerChip; ++s) {
     internal::StreamProducer& p = impl_->streams[s];
-    uint64_t last = 0;
+    std::vector<uint64_t> last(impl_->num_chips, 0);
     {
       absl::MutexLock lock(&p.mu);
-      last = p.next_sequence - 1;
+      for (int c = 0; c < impl_->num_chips; ++c) last[c] = p.rings[c].next_sequence - 1;
     }
-    if (last == 0) continue;
-    absl::Status st = impl_->WaitCompleted(s, last);
-    if (st.code() == absl::StatusCode::kUnavailable) return st;
+    for (int c = 0; c < impl_->num_chips; ++c) {
+      if (last[c] == 0) continue;
+      absl::Status st = impl_->WaitCompleted(RingIndex(c, s), last[c]);
+      if (st.code() == absl::StatusCode::kUnavailable) return st;
+    }
   }
   return absl::OkStatus();
 }
 
 absl::Status Session::SynchronizeAll() {
   absl::Status first;
-  for (int s = 0; s < kMaxStreams; ++s) {
+  for (int s = 0; s < kStreamsPerChip; ++s) {
     absl::Status st = Synchronize(s);
     if (first.ok() && !st.ok()) first = st;
   }

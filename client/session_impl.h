@@ -34,20 +34,30 @@ inline void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {
 // Connects a unix stream socket; errors name the path, errno and a remedy.
 absl::StatusOr<int> ConnectUnix(const std::string& path, bool admin);
 
-// The producer side of one stream's ring.
+// The producer side of one ring (one stream on one chip).
+struct RingProducer {
+  uint64_t next_sequence = 1;
+  uint64_t tail = 0;
+  // Ops whose definition this ring already carried: each ring's executor
+  // learns a schema from the ring itself, so no ring runs an op whose
+  // definition is still queued on another.
+  std::vector<bool> defined;
+};
+
+// A stream: its ring on every chip, and the chip its last work went to. The
+// stream's order across chips is kept here: work that moves to another chip
+// first waits (on the device side) for the previous chip's ring.
 struct StreamProducer {
   absl::Mutex mu;
   RecordWriter writer ABSL_GUARDED_BY(mu);
-  uint64_t next_sequence ABSL_GUARDED_BY(mu) = 1;
-  uint64_t tail ABSL_GUARDED_BY(mu) = 0;
-  // Staging slots of this stream: the sequence of the last copy that used each.
-  std::vector<uint64_t> slot_sequence ABSL_GUARDED_BY(mu);
+  std::vector<RingProducer> rings ABSL_GUARDED_BY(mu);  // by chip
+  int last_chip ABSL_GUARDED_BY(mu) = -1;
+  // Staging slots of this stream: the ring and sequence of the last copy
+  // that used each.
+  std::vector<std::pair<int, uint64_t>> slot_use ABSL_GUARDED_BY(mu);
   size_t next_slot ABSL_GUARDED_BY(mu) = 0;
-  // Ops whose definition this stream already carried: each stream's executor
-  // learns a schema from its own ring, so no stream runs an op whose
-  // definition is still queued on another.
-  std::vector<bool> defined ABSL_GUARDED_BY(mu);
-  // One synchronous op at a time per stream (they share the response area).
+  // One synchronous op at a time per stream (a ring's response area is
+  // shared by its records).
   absl::Mutex sync_mu;
 };
 
@@ -68,7 +78,9 @@ struct Session::Impl {
   char* shm = nullptr;
   uint64_t shm_bytes = 0;
   ShmHeader layout{};
-  internal::StreamProducer streams[kMaxStreams];
+  int num_chips = 0;
+  std::vector<int> doorbells;  // eventfd per chip: wakes that chip's executor
+  internal::StreamProducer streams[kStreamsPerChip];
   uint64_t staging_slot_bytes = 0;
   int staging_slots = 0;
 
@@ -104,31 +116,47 @@ struct Session::Impl {
   // session's shared memory.
   absl::Status AttachDataPlane(const std::string& token);
 
-  StreamControl* Control(int stream) { return StreamOf(shm, layout, stream); }
+  RingControl* Control(int ring) { return RingControlOf(shm, layout, ring); }
+  bool SpinOk() { return HintsOf(shm, layout)->spin_ok.load(std::memory_order_relaxed) != 0; }
   absl::Status CheckStream(int stream) const;
-  // Appends the record built in producer.writer (Begin() already called
-  // with `sequence`). REQUIRES: producer.mu held.
-  absl::Status Publish(int stream, internal::StreamProducer& producer)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(producer.mu);
-  // Waits until `stream` completed `sequence` (or died, or the daemon left).
-  absl::Status WaitCompleted(int stream, uint64_t sequence);
-  // The stream's sticky error, cleared; OK when none.
-  absl::Status TakeError(int stream);
+  // The chip of a device address on this host, or INVALID_ARGUMENT.
+  absl::StatusOr<int> ChipOfAddress(uint64_t address, const char* what) const;
+  // The ring of `stream` on `chip`, after making it wait for the stream's
+  // previous chip when the stream moves. REQUIRES: p.mu held.
+  absl::StatusOr<int> RouteLocked(int stream, internal::StreamProducer& p, int chip)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  // Appends the record built in p.writer (Begin() already called with the
+  // ring's next sequence) to `ring`. REQUIRES: p.mu held.
+  absl::Status Publish(int ring, internal::StreamProducer& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  // Begins a record of `kind` on `ring`; returns its sequence.
+  uint64_t BeginLocked(int ring, internal::StreamProducer& p, RecordKind kind)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  // Waits until `ring` completed `sequence` (or died, or the daemon left).
+  absl::Status WaitCompleted(int ring, uint64_t sequence);
+  // The ring's sticky error, cleared; OK when none.
+  absl::Status TakeError(int ring);
+  // The first sticky error of any of the stream's rings (all cleared).
+  absl::Status TakeStreamError(int stream);
   // Builds and publishes an op record (and the op's definition, the first
-  // time this stream carries it). Returns its sequence.
+  // time its ring carries it), on the ring of the chip of its first tensor.
+  // Returns its sequence; *ring_out: the ring it went to.
   absl::StatusOr<uint64_t> EnqueueOpLocked(int stream, internal::StreamProducer& p,
                                            uint32_t op_id, uint32_t flags, const OpArg* args,
                                            size_t num_args, const TensorRef* outputs,
-                                           size_t num_outputs)
+                                           size_t num_outputs, int* ring_out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
-  // Publishes a copy record. Returns its sequence.
-  absl::StatusOr<uint64_t> EnqueueCopyLocked(int stream, internal::StreamProducer& p,
+  // Publishes a copy record on `ring`. Returns its sequence.
+  absl::StatusOr<uint64_t> EnqueueCopyLocked(int ring, internal::StreamProducer& p,
                                              CopyKind kind, uint64_t src, uint64_t dst,
                                              uint64_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   // Offset of `ptr` in the shared memory if [ptr, ptr+bytes) lies in the
   // pinned pool.
   bool PinnedOffset(const void* ptr, uint64_t bytes, uint64_t* offset) const;
+  // Start of `stream`'s part of the staging area.
+  uint64_t StagingBase(int stream) const {
+    return layout.staging_offset + stream * (layout.staging_bytes / kStreamsPerChip);
+  }
 };
 
 }  // namespace tpu

@@ -6,8 +6,16 @@
 #include <unistd.h>
 
 #include <climits>
+#include <cstring>
 
 namespace tpu {
+
+int DataPlaneVersionOf(const char magic[8]) {
+  if (std::memcmp(magic, kDataPlaneMagicPrefix, sizeof(kDataPlaneMagicPrefix)) != 0) return -1;
+  const char hi = magic[6], lo = magic[7];
+  if (hi < '0' || hi > '9' || lo < '0' || lo > '9') return -1;
+  return (hi - '0') * 10 + (lo - '0');
+}
 
 void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ns) {
   timespec ts{};

@@ -28,6 +28,9 @@ struct ConnectionInfo {
   // A data-plane connection (not gRPC), bound to this session.
   bool data_plane = false;
   uint64_t session_id = 0;
+  // Non-empty: the connection is over a limit; every call on it fails with
+  // RESOURCE_EXHAUSTED and this message, and tpud closes it shortly.
+  std::string refused;
 };
 
 class ConnectionTable {

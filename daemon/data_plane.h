@@ -1,15 +1,15 @@
-// DataPlane: the sessions' shared-memory op streams and their executors.
+// DataPlane: tpud's side of the sessions' shared-memory op streams.
 //
 // When a client attaches its data-plane connection, tpud creates the
-// session's shared memory (a sealed memfd; layout in tpu/shm_layout.h), hands
-// it over, and starts one executor thread per stream. An executor consumes its
-// ring in order: it copies each record out of shared memory, decodes and
-// checks it (every tensor's whole footprint must lie in one of the session's
-// own segments), waits for its chip (ChipScheduler), runs it through the chip
-// backend, and publishes completion. A failing op records its error on the
-// stream (reported at the client's next synchronisation) and poisons what it
-// would have written; a malformed record fails the stream for good. Nothing a
-// client writes can reach another session's memory or stop the daemon.
+// session's shared memory (a sealed memfd; layout in tpu/shm_layout.h), its
+// state region (daemon/executor/shared_regions.h) and one doorbell eventfd
+// per executor, hands all of it to the executors (ExecutorPool) and returns
+// the memfd and the doorbells for the client. Executors do the rest; tpud
+// never runs an op.
+//
+// It also keeps the host's spin advice current (SpinAdvisor): waiting parties
+// (executors and clients) spin only while fewer of tpud's parties are active
+// than there are cores and a core is idle; otherwise they block at once.
 //
 // Thread-safety: thread-safe.
 #ifndef TPUD_DAEMON_DATA_PLANE_H_
@@ -17,29 +17,27 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
-#include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "daemon/chip_backend.h"
-#include "daemon/chip_scheduler.h"
+#include "daemon/executor/executor_pool.h"
+#include "daemon/executor/shared_regions.h"
 #include "daemon/runtime_core.h"
+#include "tpu/shm_layout.h"
 
 namespace tpud {
 
 struct DataPlaneOptions {
-  uint64_t ring_bytes = 1 << 20;           // per stream; power of two
-  uint64_t staging_bytes = 64 << 20;       // per session, split among streams
+  uint64_t ring_bytes = 1 << 20;      // per ring; power of two
+  uint64_t staging_bytes = 64 << 20;  // per session, split among streams
   uint64_t default_pinned_bytes = 256 << 20;
   uint64_t max_pinned_bytes = uint64_t{4} << 30;
-  // How long an idle executor spins before sleeping on its doorbell.
-  uint64_t spin_ns = 50000;
 };
 
 struct SessionActivity {
@@ -47,38 +45,88 @@ struct SessionActivity {
   uint64_t ops = 0;
 };
 
-class SessionDataPlane;
+struct ChipUsage {
+  uint64_t busy_ns = 0;  // since start
+  uint64_t ops = 0;
+  double duty_cycle = 0;  // busy fraction over the last full second
+};
+
+// What the client gets for its data plane (the caller sends and closes them).
+struct DataPlaneGrant {
+  int memfd = -1;
+  uint64_t shm_bytes = 0;
+  std::vector<int> doorbells;  // one per chip
+};
+
+// Whether waiting parties may spin. Pure logic, fed one sample per period:
+// turns off at once when tpud's active parties outnumber the cores or more
+// threads are runnable than there are cores; turns on after
+// `samples_to_enable` samples in a row with parties <= cores and a core idle.
+class SpinAdvisor {
+ public:
+  explicit SpinAdvisor(int num_cpus, int samples_to_enable = 10)
+      : num_cpus_(num_cpus), samples_to_enable_(samples_to_enable) {}
+  // `active_parties`: executors awake plus sessions with recent work;
+  // `runnable`: the host's runnable threads, not counting the sampler.
+  bool Update(int active_parties, int runnable);
+  bool spin_ok() const { return spin_ok_; }
+
+ private:
+  const int num_cpus_;
+  const int samples_to_enable_;
+  int good_samples_ = 0;
+  bool spin_ok_ = false;
+};
 
 class DataPlane {
  public:
-  DataPlane(RuntimeCore* core, ChipBackend* backend, DataPlaneOptions options);
+  DataPlane(RuntimeCore* core, ExecutorPool* pool, ExecutorShared* shared,
+            DataPlaneOptions options);
   ~DataPlane();
 
-  // Creates the session's shared memory and starts its executors. Returns the
-  // memfd to send to the client (the caller closes it after sending).
-  absl::StatusOr<int> Attach(uint64_t session_id, absl::string_view token,
-                             const PeerIdentity& peer, uint64_t pinned_bytes)
+  // Creates the session's shared memory and state and hands them to the
+  // executors.
+  absl::StatusOr<DataPlaneGrant> Attach(uint64_t session_id, absl::string_view token,
+                                        const PeerIdentity& peer, uint64_t pinned_bytes)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Stops the session's executors and unmaps its shared memory. Called by
+  // Marks the session dead, tells its client (every ring fails with a
+  // "session ended" error) and detaches it from the executors. Called by
   // RuntimeCore (session end hook) before the session's HBM is reclaimed.
   void Detach(uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
 
-  SessionActivity Activity(uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
-  ChipUsage ChipActivity(int chip) { return scheduler_.Usage(chip); }
+  // Fails every ring of the session with `status` (before it is ended), so
+  // its client learns why.
+  void FailSession(uint64_t session_id, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
 
+  SessionActivity Activity(uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
+  ChipUsage ChipActivity(int chip);
+
+  // Starts keeping the spin advice current (one thread, asleep while the
+  // host is idle).
+  void Start();
   // Stops everything (daemon shutdown).
   void StopAll() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  struct SessionPlane {
+    SharedMapping shm;
+    SharedMapping state;
+    tpu::ShmHeader layout{};
+  };
+  static void FailRings(SessionPlane& plane, const absl::Status& status);
+  void AdviseLoop();
+  void PublishSpinAdvice(bool spin_ok) ABSL_LOCKS_EXCLUDED(mu_);
+
   RuntimeCore* const core_;
-  ChipBackend* const backend_;
+  ExecutorPool* const pool_;
+  ExecutorShared* const shared_;
   const DataPlaneOptions options_;
-  ChipScheduler scheduler_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<uint32_t> spin_ok_{0};
+  std::thread advisor_;
   absl::Mutex mu_;
-  absl::flat_hash_map<uint64_t, std::shared_ptr<SessionDataPlane>> sessions_
-      ABSL_GUARDED_BY(mu_);
-  // Activity of ended sessions is dropped; of live ones, read from here.
+  std::map<uint64_t, std::unique_ptr<SessionPlane>> sessions_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tpud

@@ -20,6 +20,7 @@ absl::StatusOr<ConnectionInfo> CallerOf(const ConnectionTable& table,
     return absl::UnauthenticatedError(
         absl::StrCat("call from unknown peer ", ctx->peer()));
   }
+  if (!info->refused.empty()) return absl::ResourceExhaustedError(info->refused);
   return *info;
 }
 

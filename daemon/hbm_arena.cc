@@ -48,14 +48,24 @@ absl::StatusOr<std::unique_ptr<HbmArena>> HbmArena::Create(int chip,
     return absl::InvalidArgumentError(absl::StrFormat(
         "HBM arena for chip %d: capacity must be positive", chip));
   }
-  void* p = mmap(nullptr, capacity, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (p == MAP_FAILED) {
+  const std::string name = absl::StrFormat("tpud-hbm-chip-%d", chip);
+  const int fd = memfd_create(name.c_str(), MFD_CLOEXEC);
+  if (fd < 0 || ftruncate(fd, static_cast<off_t>(capacity)) != 0) {
     const int err = errno;
+    if (fd >= 0) close(fd);
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "cannot create the %s memory file for the HBM of chip %d: %s; run with a "
+        "smaller --hbm_bytes",
+        HumanBytes(capacity), chip, ErrnoText(err)));
+  }
+  void* p = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
+  const int map_err = errno;
+  close(fd);  // the mapping keeps the file
+  if (p == MAP_FAILED) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "cannot reserve %s of address space for the HBM of chip %d: mmap "
         "failed: %s; run with a smaller --hbm_bytes",
-        HumanBytes(capacity), chip, ErrnoText(err)));
+        HumanBytes(capacity), chip, ErrnoText(map_err)));
   }
   return std::unique_ptr<HbmArena>(
       new HbmArena(chip, capacity, static_cast<char*>(p)));
@@ -81,9 +91,10 @@ absl::Status HbmArena::Release(uint64_t offset, uint64_t size) {
         chip_, offset, size, HumanBytes(capacity_)));
   }
   if (size == 0) return absl::OkStatus();
-  // On a private anonymous mapping MADV_DONTNEED drops the pages at once and
-  // later reads fault in zero pages: exactly "freed HBM reads as zeros".
-  if (madvise(base_ + offset, size, MADV_DONTNEED) != 0) {
+  // MADV_REMOVE punches the pages out of the memory file, for every process
+  // that maps it: they are freed at once and later reads see zero pages,
+  // exactly "freed HBM reads as zeros".
+  if (madvise(base_ + offset, size, MADV_REMOVE) != 0) {
     const int err = errno;
     return absl::InternalError(absl::StrFormat(
         "HBM release on chip %d of [0x%x, +0x%x): madvise failed: %s", chip_,

@@ -9,12 +9,14 @@
 
 namespace tpud {
 
-// One chip's HBM in the simulated host: a private anonymous mapping of
-// capacity bytes. The address space is reserved up front but nothing is
-// committed until touched (MAP_NORESERVE), so a host with little RAM can still
-// simulate chips with large HBM as long as clients do not fill it. Freed
-// ranges go back to the OS via Release(), so the daemon's RSS follows what is
-// in use. Offsets handed out by HbmAllocator index into base().
+// One chip's HBM in the simulated host: a shared mapping of a memfd of
+// capacity bytes, so that tpud's executor processes (forked after it exists)
+// see the same memory, and HBM outlives any of them. Nothing is committed
+// until touched (a sparse file, mapped MAP_NORESERVE), so a host with little
+// RAM can still simulate chips with large HBM as long as clients do not fill
+// it. Freed ranges go back to the OS via Release() (their pages are punched
+// out of the file), so memory use follows what is in use. Offsets handed out
+// by HbmAllocator index into base().
 //
 // Thread-safety: not thread-safe. Create and the destructor need no locking;
 // the caller serialises Release() with the allocator that decides what is

@@ -3,6 +3,8 @@
 // With no flags it serves a simulated v6e-4 host on the default sockets.
 #include <grp.h>
 #include <signal.h>
+#include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
@@ -21,9 +23,13 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "daemon/chip_backend.h"
 #include "daemon/connection_table.h"
 #include "daemon/data_plane.h"
+#include "daemon/executor/executor_main.h"
+#include "daemon/executor/executor_pool.h"
+#include "daemon/executor/shared_regions.h"
 #include "daemon/grpc_services.h"
 #include "daemon/runtime_core.h"
 #include "daemon/simulated_chip.h"
@@ -56,7 +62,17 @@ ABSL_FLAG(std::string, max_pinned_pool_bytes, "4GiB",
           "largest pinned host pool a session may ask for");
 ABSL_FLAG(std::string, staging_bytes, "64MiB",
           "per-session staging area for pageable host<->device copies");
-ABSL_FLAG(std::string, ring_bytes, "1MiB", "per-stream op ring size (a power of two)");
+ABSL_FLAG(std::string, ring_bytes, "1MiB",
+          "op ring size per stream and chip (a power of two)");
+ABSL_FLAG(absl::Duration, op_timeout, absl::Minutes(10),
+          "an op running longer is deemed hung: its executor is restarted and its session "
+          "ended (0 = never)");
+ABSL_FLAG(int, max_connections_per_uid, 1024,
+          "connections one user may hold on the runtime socket");
+ABSL_FLAG(int, max_sessions_per_uid, 512, "sessions one user may hold at once (0 = no limit)");
+ABSL_FLAG(absl::Duration, handshake_timeout, absl::Seconds(5),
+          "a new connection must send its greeting (gRPC preface or data-plane hello) within "
+          "this time");
 
 namespace tpud {
 namespace {
@@ -104,11 +120,61 @@ int Run() {
     return Fail("--ring_bytes must be a power of two of at least 4KiB");
   }
 
+  if (topology->num_chips() > tpu::kMaxChipsPerHost) {
+    return Fail(absl::StrCat("topology ", topology->name(), " has ", topology->num_chips(),
+                             " chips; tpud serves at most ", tpu::kMaxChipsPerHost, " per host"));
+  }
+  // Sessions hold several descriptors each (sockets, doorbells): use all the
+  // system lets us.
+  rlimit nofile;
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+    nofile.rlim_cur = nofile.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &nofile);
+  }
+
   RuntimeCore::Options options;
   options.default_quota_bytes_per_chip = *quota;
+  options.max_sessions_per_uid = static_cast<uint32_t>(
+      std::max(0, absl::GetFlag(FLAGS_max_sessions_per_uid)));
   absl::StatusOr<std::unique_ptr<RuntimeCore>> core =
       RuntimeCore::Create(*std::move(topology), options);
   if (!core.ok()) return Fail(std::string(core.status().message()));
+  const int num_chips = (*core)->topology().num_chips();
+
+  // Executor processes (one per chip) run every op. Everything they map is
+  // made now, and their zygote is forked before this process has threads.
+  absl::StatusOr<SharedMapping> shared_memory =
+      SharedMapping::Create("tpud-executors", sizeof(ExecutorShared), /*seal=*/false);
+  if (!shared_memory.ok()) return Fail(std::string(shared_memory.status().message()));
+  shared_memory->CloseFd();
+  auto* shared = new (shared_memory->data()) ExecutorShared();
+  shared->magic = kExecutorSharedMagic;
+  shared->num_executors = static_cast<uint32_t>(num_chips);
+  ExecutorProcessConfig exec_config;
+  exec_config.shared = shared;
+  std::vector<int> wake_fds;
+  for (int c = 0; c < num_chips; ++c) {
+    exec_config.chips_of.push_back({c});
+    exec_config.chip_bases.push_back((*core)->ChipHostBase(c));
+    exec_config.chip_capacities.push_back((*core)->topology().hbm_bytes_per_chip());
+    exec_config.owner_tables.push_back((*core)->OwnerTableMemory(c));
+    const int fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (fd < 0) return Fail("eventfd for the executors failed");
+    wake_fds.push_back(fd);
+  }
+  exec_config.wake_fds = wake_fds;
+  const int intra_op_threads = absl::GetFlag(FLAGS_intra_op_threads);
+  exec_config.make_backend = [intra_op_threads]() -> std::unique_ptr<ChipBackend> {
+    return SimulatedChip::Create(intra_op_threads);
+  };
+  ExecutorPoolOptions pool_options;
+  pool_options.chips_of = exec_config.chips_of;
+  pool_options.op_timeout = absl::GetFlag(FLAGS_op_timeout);
+  absl::StatusOr<std::unique_ptr<ExecutorPool>> pool = ExecutorPool::Create(
+      pool_options, shared, wake_fds, [exec_config](int index, int control_fd) {
+        return RunExecutorProcess(exec_config, index, control_fd);
+      });
+  if (!pool.ok()) return Fail(std::string(pool.status().message()));
 
   std::string socket_path = absl::GetFlag(FLAGS_socket);
   if (socket_path.empty()) socket_path = tpu::RuntimeSocketPath();
@@ -130,13 +196,36 @@ int Run() {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
-  std::unique_ptr<ChipBackend> backend =
-      SimulatedChip::Create(absl::GetFlag(FLAGS_intra_op_threads));
-  DataPlane data_plane(core->get(), backend.get(), dp_options);
+  DataPlane data_plane(core->get(), pool->get(), shared, dp_options);
   (*core)->SetSessionEndHook([&data_plane](uint64_t id) { data_plane.Detach(id); });
+  ExecutorPool* pool_ptr = pool->get();
+  (*core)->SetMemoryFence([pool_ptr](uint32_t tag) { pool_ptr->Fence(tag); });
 
   ConnectionTable connections;
   std::unique_ptr<SocketServer> sockets;
+  RuntimeCore* const core_for_pool = core->get();
+  pool_ptr->SetHandlers(
+      [core_for_pool](uint64_t session, int chip, uint64_t bytes) -> absl::StatusOr<uint64_t> {
+        absl::StatusOr<SegmentGrant> g = core_for_pool->AllocateForResult(session, chip, bytes);
+        if (!g.ok()) return g.status();
+        return g->address;
+      },
+      [core_for_pool](uint64_t session, uint64_t address) {
+        core_for_pool->FreeResult(session, address);
+      },
+      [core_for_pool, &data_plane, &sockets](uint64_t session, const std::string& message) {
+        // Its client reads why first; then the session ends like a killed one.
+        data_plane.FailSession(session, absl::AbortedError(message));
+        const ConnectionId conn = core_for_pool->ConnectionOf(session);
+        ReclaimResult r = core_for_pool->EndSession(session);
+        spdlog::warn("session {} ended: {} (reclaimed {})", session, message,
+                     tpu::FormatBytes(r.bytes));
+        if (sockets != nullptr && conn != 0) sockets->Hangup(conn);
+      });
+  if (absl::Status st = pool_ptr->Start(absl::Seconds(60)); !st.ok()) {
+    return Fail(absl::StrCat("starting executors: ", st.message()));
+  }
+  data_plane.Start();
   RuntimeServiceImpl runtime_service(core->get(), &connections, &data_plane);
   AdminServiceImpl admin_service(core->get(), &connections, &data_plane,
                                  [&sockets](ConnectionId id) {
@@ -179,20 +268,28 @@ int Run() {
   listeners[1].mode = 0600;
   listeners[1].server = admin_server.get();
   listeners[1].admin = true;
+  ConnectionLimits limits;
+  limits.max_per_uid = std::max(1, absl::GetFlag(FLAGS_max_connections_per_uid));
+  limits.handshake_timeout = absl::GetFlag(FLAGS_handshake_timeout);
   absl::StatusOr<std::unique_ptr<SocketServer>> created =
-      SocketServer::Create(std::move(listeners), &connections, on_hangup);
+      SocketServer::Create(std::move(listeners), &connections, on_hangup, limits);
   if (!created.ok()) return Fail(std::string(created.status().message()));
   sockets = *std::move(created);
-  sockets->SetDataPlaneHandler([&data_plane](uint64_t session_id, absl::string_view token,
-                                             const PeerIdentity& peer, uint64_t pinned) {
-    return data_plane.Attach(session_id, token, peer, pinned);
-  });
+  sockets->SetDataPlaneHandler(
+      [&data_plane](uint64_t session_id, absl::string_view token, const PeerIdentity& peer,
+                    uint64_t pinned) -> absl::StatusOr<DataPlaneAttachment> {
+        absl::StatusOr<DataPlaneGrant> g = data_plane.Attach(session_id, token, peer, pinned);
+        if (!g.ok()) return g.status();
+        return DataPlaneAttachment{g->memfd, g->shm_bytes, g->doorbells};
+      });
   sockets->Start();
 
   const Topology& t = core_ptr->topology();
-  spdlog::info("tpud {} serving a simulated {} host ({} chips, {} HBM each) on {} (admin {})",
-               kDaemonVersion, t.name(), t.num_chips(),
-               tpu::FormatBytes(t.hbm_bytes_per_chip()), socket_path, admin_path);
+  spdlog::info(
+      "tpud {} serving a simulated {} host ({} chips, {} HBM each, {} executor processes) on {} "
+      "(admin {})",
+      kDaemonVersion, t.name(), t.num_chips(), tpu::FormatBytes(t.hbm_bytes_per_chip()),
+      pool_ptr->num_executors(), socket_path, admin_path);
   sd_notifyf(0, "READY=1\nSTATUS=serving %s on %s\nMAINPID=%d", t.name().c_str(),
              socket_path.c_str(), static_cast<int>(getpid()));
 
@@ -203,6 +300,7 @@ int Run() {
   sd_notify(0, "STOPPING=1");
   sockets->Stop();
   data_plane.StopAll();
+  pool_ptr->Stop();
   runtime_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   admin_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   spdlog::info("tpud stopped; sockets removed");

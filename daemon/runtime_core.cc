@@ -25,16 +25,6 @@ std::string RandomToken() {
 
 }  // namespace
 
-const SegmentGrant* SessionMemory::FindContaining(uint64_t address, uint64_t bytes) const {
-  auto it = segments.upper_bound(address);
-  if (it == segments.begin()) return nullptr;
-  --it;
-  const SegmentGrant& seg = it->second;
-  const uint64_t offset = address - seg.address;
-  if (offset > seg.size || bytes > seg.size - offset) return nullptr;
-  return &seg;
-}
-
 uint64_t SessionSnapshot::total_bytes() const {
   uint64_t total = 0;
   for (uint64_t b : bytes_per_chip) total += b;
@@ -59,6 +49,14 @@ absl::StatusOr<std::unique_ptr<RuntimeCore>> RuntimeCore::Create(Topology topolo
       auto arena = HbmArena::Create(c, core->topology_.hbm_bytes_per_chip());
       if (!arena.ok()) return arena.status();
       chip->arena = *std::move(arena);
+      const uint64_t capacity = core->topology_.hbm_bytes_per_chip();
+      absl::StatusOr<SharedMapping> owners = SharedMapping::Create(
+          absl::StrCat("tpud-owners-chip-", c), PageOwnerTable::BytesFor(capacity),
+          /*seal=*/false);
+      if (!owners.ok()) return owners.status();
+      chip->owners_memory = *std::move(owners);
+      chip->owners_memory.CloseFd();
+      chip->owners = PageOwnerTable(chip->owners_memory.data(), capacity);
     }
     core->chips_.push_back(std::move(chip));
   }
@@ -68,7 +66,8 @@ absl::StatusOr<std::unique_ptr<RuntimeCore>> RuntimeCore::Create(Topology topolo
 RuntimeCore::RuntimeCore(Topology topology, Options options)
     : topology_(std::move(topology)),
       back_with_memory_(options.back_with_memory),
-      default_quota_(options.default_quota_bytes_per_chip) {}
+      default_quota_(options.default_quota_bytes_per_chip),
+      max_sessions_per_uid_(options.max_sessions_per_uid) {}
 
 absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(ConnectionId connection,
                                                        const PeerIdentity& peer,
@@ -83,10 +82,11 @@ absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(ConnectionId connection,
   uint32_t version = std::min(client_max_version, kMaxProtocolVersion);
   if (version < client_min_version || version < kMinProtocolVersion) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "no common protocol version: client speaks [", client_min_version, ", ",
-        client_max_version, "], tpud ", kDaemonVersion, " speaks [",
+        "no common protocol version: this client speaks tpud protocol [", client_min_version,
+        ", ", client_max_version, "], tpud ", kDaemonVersion, " speaks [",
         kMinProtocolVersion, ", ", kMaxProtocolVersion,
-        "]; upgrade the older of the two"));
+        "]; install the torch_tpu / libtpuclient built with this tpud, or run the tpud the "
+        "client was built for"));
   }
   if (client_name.size() > 256) client_name.resize(256);
   absl::MutexLock lock(&mu_);
@@ -95,6 +95,16 @@ absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(ConnectionId connection,
     return absl::FailedPreconditionError(absl::StrCat(
         "this connection already has session ", it->second,
         "; a connection carries one session (open another connection)"));
+  }
+  if (max_sessions_per_uid_ != 0) {
+    uint32_t held = 0;
+    for (const auto& [id, s] : sessions_) held += s->peer.uid == peer.uid ? 1 : 0;
+    if (held >= max_sessions_per_uid_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "uid ", peer.uid, " already holds ", held, " tpud sessions, the most one user may "
+          "hold (--max_sessions_per_uid=", max_sessions_per_uid_,
+          "); end some (exit idle processes), or ask an administrator to raise the limit"));
+    }
   }
   auto session = std::make_unique<Session>();
   session->id = next_session_id_++;
@@ -108,8 +118,13 @@ absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(ConnectionId connection,
   session->peak_bytes_per_chip.assign(chips_.size(), 0);
   session->segments_per_chip.assign(chips_.size(), 0);
   session->data_plane_token = RandomToken();
-  session->memory = std::make_shared<SessionMemory>(session->id);
-  OpenedSession opened{session->id, version, session->quota_bytes_per_chip,
+  if (!free_tags_.empty()) {
+    session->tag = free_tags_.back();
+    free_tags_.pop_back();
+  } else {
+    session->tag = next_tag_++;
+  }
+  OpenedSession opened{session->id, session->tag, version, session->quota_bytes_per_chip,
                        session->data_plane_token};
   session_by_connection_[connection] = session->id;
   sessions_[session->id] = std::move(session);
@@ -152,6 +167,22 @@ void RuntimeCore::FreeBlockLocked(int chip, uint64_t offset) {
   }
 }
 
+void RuntimeCore::UnlistLocked(Session& s, const SegmentGrant& seg) {
+  s.segments.erase(seg.address);
+  s.bytes_per_chip[seg.chip] -= seg.size;
+  s.segments_per_chip[seg.chip] -= 1;
+  Chip& c = *chips_[seg.chip];
+  if (c.arena != nullptr) c.owners.Clear(seg.offset, seg.size);
+}
+
+void RuntimeCore::ReleaseBlocks(uint32_t tag, const std::vector<SegmentGrant>& blocks) {
+  if (blocks.empty()) return;
+  // No executor may still be inside an op that resolved these pages.
+  if (memory_fence_) memory_fence_(tag);
+  absl::MutexLock lock(&mu_);
+  for (const SegmentGrant& seg : blocks) FreeBlockLocked(seg.chip, seg.offset);
+}
+
 absl::StatusOr<ReclaimResult> RuntimeCore::EndSessionById(uint64_t session_id) {
   {
     absl::MutexLock lock(&mu_);
@@ -161,39 +192,33 @@ absl::StatusOr<ReclaimResult> RuntimeCore::EndSessionById(uint64_t session_id) {
     }
     it->second->ending = true;
   }
-  // Executors stop here; they may still call into the core until joined.
+  // The data plane marks the session dead and detaches it from the executors.
   if (session_end_hook_) session_end_hook_(session_id);
-  std::shared_ptr<SessionMemory> memory;
+  ReclaimResult result;
+  std::vector<SegmentGrant> blocks;
+  uint32_t tag = 0;
   {
     absl::MutexLock lock(&mu_);
     auto it = sessions_.find(session_id);
-    if (it == sessions_.end()) return ReclaimResult{};
-    memory = it->second->memory;
+    if (it == sessions_.end()) return result;
+    Session& s = *it->second;
+    tag = s.tag;
+    while (!s.segments.empty()) {
+      const SegmentGrant seg = s.segments.begin()->second;
+      UnlistLocked(s, seg);
+      blocks.push_back(seg);
+      result.bytes += seg.size;
+    }
+    result.segments = blocks.size();
+    result.sessions = 1;
+    session_by_connection_.erase(s.connection);
+    sessions_.erase(it);
   }
-  absl::MutexLock memory_lock(&memory->mu);
+  ReleaseBlocks(tag, blocks);
   absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(session_id);
-  ReclaimResult result;
-  if (it == sessions_.end()) return result;
-  Session& s = *it->second;
-  for (const auto& [address, seg] : memory->segments) {
-    FreeBlockLocked(seg.chip, seg.offset);
-    result.bytes += seg.size;
-  }
-  result.segments = memory->segments.size();
-  memory->segments.clear();
-  result.sessions = 1;
-  session_by_connection_.erase(s.connection);
-  sessions_.erase(it);
+  // Only now may another session carry this tag.
+  if (tag != 0) free_tags_.push_back(tag);
   return result;
-}
-
-absl::StatusOr<std::shared_ptr<SessionMemory>> RuntimeCore::MemoryOf(ConnectionId caller,
-                                                                     uint64_t session_id) {
-  absl::MutexLock lock(&mu_);
-  absl::StatusOr<Session*> s = FindSessionLocked(caller, session_id);
-  if (!s.ok()) return s.status();
-  return (*s)->memory;
 }
 
 absl::StatusOr<uint64_t> RuntimeCore::CloseSession(ConnectionId caller,
@@ -228,16 +253,10 @@ ReclaimResult RuntimeCore::EndSession(uint64_t session_id) {
 absl::StatusOr<SegmentGrant> RuntimeCore::Allocate(ConnectionId caller,
                                                    uint64_t session_id, int chip,
                                                    uint64_t bytes) {
-  absl::StatusOr<std::shared_ptr<SessionMemory>> memory = MemoryOf(caller, session_id);
-  if (!memory.ok()) return memory.status();
-  absl::MutexLock memory_lock(&(*memory)->mu);
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Session*> found = FindSessionLocked(caller, session_id);
   if (!found.ok()) return found.status();
-  absl::StatusOr<SegmentGrant> grant = AllocateLocked(**found, chip, bytes);
-  if (!grant.ok()) return grant.status();
-  (*memory)->segments[grant->address] = *grant;
-  return grant;
+  return AllocateLocked(**found, chip, bytes);
 }
 
 absl::StatusOr<SegmentGrant> RuntimeCore::AllocateLocked(Session& s, int chip,
@@ -294,44 +313,48 @@ absl::StatusOr<SegmentGrant> RuntimeCore::AllocateLocked(Session& s, int chip,
   s.segments_per_chip[chip] += 1;
   s.peak_bytes_per_chip[chip] =
       std::max(s.peak_bytes_per_chip[chip], s.bytes_per_chip[chip]);
+  s.segments[grant.address] = grant;
+  // Executors may use the segment from now on.
+  if (c.arena != nullptr) c.owners.Assign(grant.offset, grant.size, s.tag);
   return grant;
 }
 
 absl::StatusOr<uint64_t> RuntimeCore::Free(ConnectionId caller, uint64_t session_id,
                                            uint64_t address) {
-  absl::StatusOr<std::shared_ptr<SessionMemory>> memory = MemoryOf(caller, session_id);
-  if (!memory.ok()) return memory.status();
-  absl::MutexLock memory_lock(&(*memory)->mu);
-  absl::MutexLock lock(&mu_);
-  absl::StatusOr<Session*> found = FindSessionLocked(caller, session_id);
-  if (!found.ok()) return found.status();
-  Session& s = **found;
-  const int chip = tpu::DeviceAddressChip(address);
-  if (chip < 0 || chip >= static_cast<int>(chips_.size())) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "0x%x is not a device address on this host (chips 0..%d)", address,
-        chips_.size() - 1));
-  }
-  auto it = s.memory->segments.find(address);
-  if (it == s.memory->segments.end()) {
-    const uint64_t offset = tpu::DeviceAddressOffset(address);
-    const HbmBlock* other = chips_[chip]->allocator.FindContaining(offset);
-    if (other != nullptr && other->owner != session_id) {
-      return absl::PermissionDeniedError(absl::StrFormat(
-          "device address 0x%x (chip %d, offset 0x%x) belongs to another "
-          "session; a session can only free its own segments",
-          address, chip, offset));
+  SegmentGrant seg;
+  uint32_t tag = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<Session*> found = FindSessionLocked(caller, session_id);
+    if (!found.ok()) return found.status();
+    Session& s = **found;
+    const int chip = tpu::DeviceAddressChip(address);
+    if (chip < 0 || chip >= static_cast<int>(chips_.size())) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "0x%x is not a device address on this host (chips 0..%d)", address,
+          chips_.size() - 1));
     }
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "no segment of session %d starts at device address 0x%x (chip %d, "
-        "offset 0x%x)",
-        session_id, address, chip, offset));
+    auto it = s.segments.find(address);
+    if (it == s.segments.end()) {
+      const uint64_t offset = tpu::DeviceAddressOffset(address);
+      const HbmBlock* other = chips_[chip]->allocator.FindContaining(offset);
+      if (other != nullptr && other->owner != session_id) {
+        return absl::PermissionDeniedError(absl::StrFormat(
+            "device address 0x%x (chip %d, offset 0x%x) belongs to another "
+            "session; a session can only free its own segments",
+            address, chip, offset));
+      }
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "no segment of session %d starts at device address 0x%x (chip %d, "
+          "offset 0x%x)",
+          session_id, address, chip, offset));
+    }
+    seg = it->second;
+    tag = s.tag;
+    UnlistLocked(s, seg);
   }
-  const SegmentGrant seg = it->second;
-  s.memory->segments.erase(it);
-  s.bytes_per_chip[seg.chip] -= seg.size;
-  s.segments_per_chip[seg.chip] -= 1;
-  FreeBlockLocked(seg.chip, seg.offset);
+  // An op of this session that is running now may still use the segment.
+  ReleaseBlocks(tag, {seg});
   return seg.size;
 }
 
@@ -421,12 +444,29 @@ char* RuntimeCore::ChipHostBase(int chip) const {
   return chips_[chip]->arena->base();
 }
 
+std::pair<char*, uint64_t> RuntimeCore::OwnerTableMemory(int chip) const {
+  absl::MutexLock lock(&mu_);
+  if (chip < 0 || chip >= static_cast<int>(chips_.size())) return {nullptr, 0};
+  return {chips_[chip]->owners_memory.data(), chips_[chip]->owners_memory.size()};
+}
+
 void RuntimeCore::SetSessionEndHook(std::function<void(uint64_t)> hook) {
   session_end_hook_ = std::move(hook);
 }
 
-absl::StatusOr<std::shared_ptr<SessionMemory>> RuntimeCore::AttachDataPlane(
-    uint64_t session_id, absl::string_view token, const PeerIdentity& peer) {
+void RuntimeCore::SetMemoryFence(std::function<void(uint32_t)> fence) {
+  memory_fence_ = std::move(fence);
+}
+
+ConnectionId RuntimeCore::ConnectionOf(uint64_t session_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  return it == sessions_.end() ? 0 : it->second->connection;
+}
+
+absl::StatusOr<uint32_t> RuntimeCore::AttachDataPlane(uint64_t session_id,
+                                                      absl::string_view token,
+                                                      const PeerIdentity& peer) {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
   // The same answer for "no such session" and "wrong token": a guesser
@@ -443,51 +483,30 @@ absl::StatusOr<std::shared_ptr<SessionMemory>> RuntimeCore::AttachDataPlane(
         absl::StrCat("session ", session_id, " already has a data-plane connection"));
   }
   it->second->data_plane_attached = true;
-  return it->second->memory;
+  return it->second->tag;
 }
 
-absl::StatusOr<SegmentGrant> RuntimeCore::AllocateUnlisted(uint64_t session_id, int chip,
-                                                           uint64_t bytes) {
+absl::StatusOr<SegmentGrant> RuntimeCore::AllocateForResult(uint64_t session_id, int chip,
+                                                            uint64_t bytes) {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("no session ", session_id));
+  if (it == sessions_.end() || it->second->ending) {
+    return absl::NotFoundError(absl::StrCat("session ", session_id, " ended"));
+  }
   return AllocateLocked(*it->second, chip, bytes);
 }
 
-void RuntimeCore::ListSegment(uint64_t session_id, const SegmentGrant& grant) {
-  std::shared_ptr<SessionMemory> memory;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = sessions_.find(session_id);
-    if (it != sessions_.end()) memory = it->second->memory;
-  }
-  if (memory == nullptr) {
-    // The session ended meanwhile: give the block straight back.
-    absl::MutexLock lock(&mu_);
-    FreeBlockLocked(grant.chip, grant.offset);
-    return;
-  }
-  absl::MutexLock memory_lock(&memory->mu);
-  memory->segments[grant.address] = grant;
-}
-
-void RuntimeCore::FreeUnlisted(uint64_t session_id, const SegmentGrant& grant) {
+void RuntimeCore::FreeResult(uint64_t session_id, uint64_t address) {
+  // No fence: the failed op that asked for this memory is done with it, and
+  // no other op can name it (its address never reached the client).
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
-  if (it != sessions_.end()) {
-    it->second->bytes_per_chip[grant.chip] -= grant.size;
-    it->second->segments_per_chip[grant.chip] -= 1;
-  }
-  FreeBlockLocked(grant.chip, grant.offset);
-}
-
-bool RuntimeCore::BelongsToAnotherSession(uint64_t session_id, uint64_t address) const {
-  absl::MutexLock lock(&mu_);
-  const int chip = tpu::DeviceAddressChip(address);
-  if (chip < 0 || chip >= static_cast<int>(chips_.size())) return false;
-  const HbmBlock* block =
-      chips_[chip]->allocator.FindContaining(tpu::DeviceAddressOffset(address));
-  return block != nullptr && block->owner != session_id;
+  if (it == sessions_.end()) return;
+  auto s = it->second->segments.find(address);
+  if (s == it->second->segments.end()) return;
+  const SegmentGrant seg = s->second;
+  UnlistLocked(*it->second, seg);
+  FreeBlockLocked(seg.chip, seg.offset);
 }
 
 absl::Status RuntimeCore::SetSessionQuota(uint64_t session_id,

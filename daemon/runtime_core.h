@@ -23,6 +23,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/executor/shared_regions.h"
 #include "daemon/hbm_allocator.h"
 #include "daemon/hbm_arena.h"
 #include "daemon/topology.h"
@@ -42,6 +43,7 @@ struct PeerIdentity {
 
 struct OpenedSession {
   uint64_t session_id = 0;
+  uint32_t tag = 0;  // names the session in page-owner tables
   uint32_t protocol_version = 0;
   uint64_t quota_bytes_per_chip = 0;
   // Proves to the data-plane connection that it belongs to this session.
@@ -54,25 +56,6 @@ struct SegmentGrant {
   uint64_t offset = 0;
   uint64_t size = 0;
   uint64_t requested_bytes = 0;
-};
-
-// The segments a session holds, shared with its data-plane executors. The
-// executors hold `mu` as readers while an op touches the session's memory;
-// Allocate/Free take it as writers, so a segment never goes back to the
-// allocator (and to another session) while an op is using it.
-//
-// Lock order: SessionMemory::mu before RuntimeCore::mu_ (an executor holding
-// the memory as a reader may allocate result memory from the core).
-struct SessionMemory {
-  explicit SessionMemory(uint64_t id) : session_id(id) {}
-  const uint64_t session_id;
-  mutable absl::Mutex mu;
-  std::map<uint64_t, SegmentGrant> segments ABSL_GUARDED_BY(mu);
-
-  // The segment wholly containing device range [address, address + bytes),
-  // or nullptr. REQUIRES: mu held (reader suffices).
-  const SegmentGrant* FindContaining(uint64_t address, uint64_t bytes) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu);
 };
 
 struct SessionSnapshot {
@@ -121,6 +104,8 @@ class RuntimeCore {
     // Back each chip with an HbmArena (the simulated host). Off only in tests
     // that exercise bookkeeping with capacities no machine could reserve.
     bool back_with_memory = true;
+    // Sessions one user may hold at once (0: no limit).
+    uint32_t max_sessions_per_uid = 0;
   };
 
   static absl::StatusOr<std::unique_ptr<RuntimeCore>> Create(Topology topology,
@@ -131,34 +116,37 @@ class RuntimeCore {
   // Host view of a chip's HBM (the simulated chip's arena); null when not
   // backed by memory. Stable for the life of the core.
   char* ChipHostBase(int chip) const;
+  // The chip's page-owner table (shared with executors): memory and size.
+  std::pair<char*, uint64_t> OwnerTableMemory(int chip) const;
 
   // Called when a session ends, before its memory is reclaimed, without
   // RuntimeCore's lock held: the data plane stops the session's executors
   // here. Set once, before serving.
   void SetSessionEndHook(std::function<void(uint64_t session_id)> hook);
+  // Called with a session's tag after pages of it were taken out of the
+  // owner tables and before they go back to the allocator, without the lock:
+  // returns once no executor can still be using them (ExecutorPool::Fence).
+  // Set once, before serving.
+  void SetMemoryFence(std::function<void(uint32_t tag)> fence);
 
   // Binds a data-plane connection to its session: the token must match and
-  // the peer must be the session's user. Once per session.
-  absl::StatusOr<std::shared_ptr<SessionMemory>> AttachDataPlane(
-      uint64_t session_id, absl::string_view token, const PeerIdentity& peer)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // the peer must be the session's user. Once per session. Returns the
+  // session's tag.
+  absl::StatusOr<uint32_t> AttachDataPlane(uint64_t session_id, absl::string_view token,
+                                           const PeerIdentity& peer) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Allocates HBM for results the data plane computes for a session (charged
-  // to it, quota included) without listing it yet: the executor lists it
-  // with ListSegment once it no longer holds SessionMemory::mu.
-  absl::StatusOr<SegmentGrant> AllocateUnlisted(uint64_t session_id, int chip,
-                                                uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
-  void ListSegment(uint64_t session_id, const SegmentGrant& grant) ABSL_LOCKS_EXCLUDED(mu_);
-  // Gives back an unlisted grant (the op that wanted it failed).
-  void FreeUnlisted(uint64_t session_id, const SegmentGrant& grant) ABSL_LOCKS_EXCLUDED(mu_);
+  // to it, quota included): a segment of the session like any other.
+  absl::StatusOr<SegmentGrant> AllocateForResult(uint64_t session_id, int chip, uint64_t bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Gives a result segment back (the op that wanted it failed). Does not
+  // wait on executors, so the executors' supervisor may call it.
+  void FreeResult(uint64_t session_id, uint64_t address) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Ends a session (its data-plane connection closed): like EndConnection.
   ReclaimResult EndSession(uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
-
-  // Whether `address` lies in a segment of a session other than
-  // `session_id` (to tell PERMISSION_DENIED from INVALID_ARGUMENT).
-  bool BelongsToAnotherSession(uint64_t session_id, uint64_t address) const
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // The connection a session was opened on (0 if none).
+  ConnectionId ConnectionOf(uint64_t session_id) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Opens a session bound to `connection`, agreeing on a protocol version.
   // One session per connection: a second one is FAILED_PRECONDITION.
@@ -208,6 +196,8 @@ class RuntimeCore {
  private:
   struct Chip {
     std::unique_ptr<HbmArena> arena;  // null when not backed by memory
+    SharedMapping owners_memory;      // page-owner table (empty when not backed)
+    PageOwnerTable owners;
     HbmAllocator allocator;
     bool healthy = true;
     bool drained = false;
@@ -227,7 +217,8 @@ class RuntimeCore {
     std::string data_plane_token;
     bool data_plane_attached = false;
     bool ending = false;  // EndSession in progress
-    std::shared_ptr<SessionMemory> memory;
+    uint32_t tag = 0;
+    std::map<uint64_t, SegmentGrant> segments;  // by address
   };
 
   RuntimeCore(Topology topology, Options options);
@@ -239,11 +230,14 @@ class RuntimeCore {
   // frees every segment and forgets it. NOT_FOUND if it is not (or no longer)
   // open; a concurrent second call for the same session returns NOT_FOUND.
   absl::StatusOr<ReclaimResult> EndSessionById(uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Allocates, lists and publishes (page owners) a segment of `s`.
   absl::StatusOr<SegmentGrant> AllocateLocked(Session& s, int chip, uint64_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The memory of the caller's session, for taking its lock before mu_.
-  absl::StatusOr<std::shared_ptr<SessionMemory>> MemoryOf(ConnectionId caller,
-                                                          uint64_t session_id)
+  // Takes a segment away from `s` (accounting, listing, page owners); the
+  // block stays allocated until ReleaseBlocks, after the fence.
+  void UnlistLocked(Session& s, const SegmentGrant& seg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fences `tag`, then gives the blocks back to their allocators.
+  void ReleaseBlocks(uint32_t tag, const std::vector<SegmentGrant>& blocks)
       ABSL_LOCKS_EXCLUDED(mu_);
   void FreeBlockLocked(int chip, uint64_t offset) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SessionSnapshot SnapshotLocked(const Session& s) const
@@ -259,7 +253,13 @@ class RuntimeCore {
       ABSL_GUARDED_BY(mu_);
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t default_quota_ ABSL_GUARDED_BY(mu_) = 0;
+  const uint32_t max_sessions_per_uid_;
+  // Tags of ended sessions, for reuse (tags stay small and unique among
+  // live sessions).
+  std::vector<uint32_t> free_tags_ ABSL_GUARDED_BY(mu_);
+  uint32_t next_tag_ ABSL_GUARDED_BY(mu_) = 1;
   std::function<void(uint64_t)> session_end_hook_;
+  std::function<void(uint32_t)> memory_fence_;
 };
 
 }  // namespace tpud

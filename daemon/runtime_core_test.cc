@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "catch2_compat/catch.h"
 #include "daemon/topology.h"
+#include "proto/protocol.h"
 #include "tpu/device_address.h"
 
 namespace tpud {
@@ -73,7 +74,7 @@ uint64_t MustOpen(RuntimeCore& core, ConnectionId connection,
                   const PeerIdentity& peer = Peer(),
                   const std::string& name = "test") {
   absl::StatusOr<OpenedSession> opened =
-      core.OpenSession(connection, peer, 1, 1, name);
+      core.OpenSession(connection, peer, kMinProtocolVersion, kMaxProtocolVersion, name);
   INFO(opened.status().ToString());
   REQUIRE(opened.ok());
   REQUIRE(opened->session_id != 0);
@@ -131,12 +132,12 @@ TEST_CASE("a session opens, closes, and is gone afterwards") {
   CHECK(core->Sessions().empty());
 
   absl::StatusOr<OpenedSession> opened =
-      core->OpenSession(7, Peer(), 1, 1, "lifecycle");
+      core->OpenSession(7, Peer(), kMinProtocolVersion, kMaxProtocolVersion, "lifecycle");
   INFO(opened.status().ToString());
   REQUIRE(opened.ok());
   const uint64_t id = opened->session_id;
   CHECK(id != 0);
-  CHECK(opened->protocol_version == 1);
+  CHECK(opened->protocol_version == kMaxProtocolVersion);
   CHECK(opened->quota_bytes_per_chip == 0);
   REQUIRE(core->Sessions().size() == 1);
   CHECK(core->Sessions()[0].id == id);
@@ -168,27 +169,33 @@ TEST_CASE("a session opens, closes, and is gone afterwards") {
 TEST_CASE("protocol versions are negotiated when a session opens") {
   auto core = MakeCore();
 
-  SECTION("a client speaking [1, 1] gets version 1") {
+  SECTION("a client speaking [2, 2] gets version 2") {
     absl::StatusOr<OpenedSession> opened =
-        core->OpenSession(1, Peer(), 1, 1, "v1");
+        core->OpenSession(1, Peer(), 2, 2, "v2");
     REQUIRE(opened.ok());
-    CHECK(opened->protocol_version == 1);
+    CHECK(opened->protocol_version == 2);
   }
-  SECTION("a client speaking [1, 9] gets the daemon's highest, 1") {
+  SECTION("a client speaking [2, 9] gets the daemon's highest, 2") {
     absl::StatusOr<OpenedSession> opened =
-        core->OpenSession(1, Peer(), 1, 9, "newer");
+        core->OpenSession(1, Peer(), 2, 9, "newer");
     REQUIRE(opened.ok());
-    CHECK(opened->protocol_version == 1);
+    CHECK(opened->protocol_version == 2);
   }
-  SECTION("a client speaking only [2, 5] is refused, naming both ranges") {
+  SECTION("a client speaking only [3, 5] is refused, naming both ranges") {
     absl::StatusOr<OpenedSession> opened =
-        core->OpenSession(1, Peer(), 2, 5, "future");
+        core->OpenSession(1, Peer(), 3, 5, "future");
     INFO(opened.status().ToString());
     REQUIRE(opened.status().code() == absl::StatusCode::kFailedPrecondition);
     const std::string msg(opened.status().message());
-    CHECK(Contains(msg, "[2, 5]"));
-    CHECK(Contains(msg, "[1, 1]"));
+    CHECK(Contains(msg, "[3, 5]"));
+    CHECK(Contains(msg, "[2, 2]"));
+    CHECK(Contains(msg, "install the torch_tpu / libtpuclient built with this tpud"));
     CHECK(core->Sessions().empty());
+  }
+  SECTION("a client of the previous protocol, [1, 1], is refused with what to do") {
+    absl::StatusOr<OpenedSession> opened = core->OpenSession(1, Peer(), 1, 1, "old plugin");
+    REQUIRE(opened.status().code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(Contains(std::string(opened.status().message()), "[1, 1]"));
   }
   SECTION("a client speaking only [0, 0] is refused") {
     CHECK_CODE(core->OpenSession(1, Peer(), 0, 0, "ancient"),
@@ -209,7 +216,7 @@ TEST_CASE("a connection carries one session") {
   auto core = MakeCore();
   const uint64_t first = MustOpen(*core, 3);
   absl::StatusOr<OpenedSession> second =
-      core->OpenSession(3, Peer(), 1, 1, "second");
+      core->OpenSession(3, Peer(), 2, 2, "second");
   INFO(second.status().ToString());
   REQUIRE(second.status().code() == absl::StatusCode::kFailedPrecondition);
   CHECK(Contains(std::string(second.status().message()),
@@ -426,7 +433,7 @@ TEST_CASE("per-chip quotas limit what a session may hold") {
   CHECK(core->default_quota() == 8 * kMiB);
 
   absl::StatusOr<OpenedSession> opened =
-      core->OpenSession(1, Peer(), 1, 1, "quota");
+      core->OpenSession(1, Peer(), 2, 2, "quota");
   REQUIRE(opened.ok());
   CHECK(opened->quota_bytes_per_chip == 8 * kMiB);
   const uint64_t s = opened->session_id;
@@ -482,7 +489,7 @@ TEST_CASE("per-chip quotas limit what a session may hold") {
     core->SetDefaultQuota(4 * kMiB);
     CHECK(core->default_quota() == 4 * kMiB);
     absl::StatusOr<OpenedSession> later =
-        core->OpenSession(2, Peer(), 1, 1, "later");
+        core->OpenSession(2, Peer(), 2, 2, "later");
     REQUIRE(later.ok());
     CHECK(later->quota_bytes_per_chip == 4 * kMiB);
     CHECK_CODE(core->Allocate(2, later->session_id, 0, 4 * kMiB + 1),
@@ -498,7 +505,7 @@ TEST_CASE("per-chip quotas limit what a session may hold") {
 
     core->SetDefaultQuota(0);
     absl::StatusOr<OpenedSession> unlimited =
-        core->OpenSession(3, Peer(), 1, 1, "unlimited");
+        core->OpenSession(3, Peer(), 2, 2, "unlimited");
     REQUIRE(unlimited.ok());
     CHECK(unlimited->quota_bytes_per_chip == 0);
     MustAllocate(*core, 3, unlimited->session_id, 1, 32 * kMiB);
@@ -656,7 +663,7 @@ TEST_CASE("session snapshots describe who holds what") {
   CHECK(snap.peer.gid == 1002);
   CHECK(snap.peer.command == "python3 -m torch_tpu.bench --size 1g");
   CHECK(snap.client_name == "bench");
-  CHECK(snap.protocol_version == 1);
+  CHECK(snap.protocol_version == kMaxProtocolVersion);
   REQUIRE(snap.bytes_per_chip.size() == kChips);
   REQUIRE(snap.peak_bytes_per_chip.size() == kChips);
   CHECK(snap.bytes_per_chip[0] == 0);

@@ -22,6 +22,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "proto/protocol.h"
 #include "tpu/shm_layout.h"
 
 namespace tpud {
@@ -114,9 +116,9 @@ absl::StatusOr<int> ListenUnixSocket(const std::string& path, mode_t mode,
 
 absl::StatusOr<std::unique_ptr<SocketServer>> SocketServer::Create(
     std::vector<ListenerSpec> listeners, ConnectionTable* table,
-    HangupCallback on_hangup) {
+    HangupCallback on_hangup, ConnectionLimits limits) {
   std::unique_ptr<SocketServer> server(
-      new SocketServer(std::move(listeners), table, std::move(on_hangup)));
+      new SocketServer(std::move(listeners), table, std::move(on_hangup), limits));
   for (const ListenerSpec& spec : server->listeners_) {
     absl::StatusOr<int> fd = ListenUnixSocket(spec.path, spec.mode, spec.group);
     if (!fd.ok()) {
@@ -139,8 +141,11 @@ absl::StatusOr<std::unique_ptr<SocketServer>> SocketServer::Create(
 }
 
 SocketServer::SocketServer(std::vector<ListenerSpec> listeners, ConnectionTable* table,
-                           HangupCallback on_hangup)
-    : listeners_(std::move(listeners)), table_(table), on_hangup_(std::move(on_hangup)) {}
+                           HangupCallback on_hangup, ConnectionLimits limits)
+    : listeners_(std::move(listeners)),
+      table_(table),
+      on_hangup_(std::move(on_hangup)),
+      limits_(limits) {}
 
 SocketServer::~SocketServer() { Stop(); }
 
@@ -227,13 +232,35 @@ void SocketServer::AcceptOne(size_t index) {
     close(fd);
     return;
   }
+  ConnectionInfo info;
+  if (!spec.admin) {
+    // A few connections past the limit are kept long enough to say why;
+    // beyond those, a flood is simply closed.
+    constexpr int kRefusalSlack = 16;
+    absl::MutexLock lock(&watched_mu_);
+    const int held = per_uid_.contains(cred.uid) ? per_uid_[cred.uid] : 0;
+    if (held >= limits_.max_per_uid + kRefusalSlack) {
+      close(fd);
+      return;
+    }
+    if (held >= limits_.max_per_uid) {
+      info.refused = absl::StrCat(
+          "tpud refused this connection: uid ", cred.uid, " already has ", held,
+          " connections to tpud, the most one user may hold (--max_connections_per_uid=",
+          limits_.max_per_uid, "); close idle connections or processes and retry");
+      spdlog::warn("uid {} (pid {}) is over the connection limit ({} held, limit {})", cred.uid,
+                   cred.pid, held, limits_.max_per_uid);
+    }
+    ++per_uid_[cred.uid];
+  }
   int watch_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
   if (watch_fd < 0) {
     spdlog::warn("dup of connection failed: {}", ErrnoText(errno));
     close(fd);
+    absl::MutexLock lock(&watched_mu_);
+    if (!spec.admin && --per_uid_[cred.uid] <= 0) per_uid_.erase(cred.uid);
     return;
   }
-  ConnectionInfo info;
   info.id = next_connection_id_.fetch_add(1);
   info.peer.pid = cred.pid;
   info.peer.uid = cred.uid;
@@ -243,7 +270,9 @@ void SocketServer::AcceptOne(size_t index) {
   info.watch_fd = watch_fd;
   {
     absl::MutexLock lock(&watched_mu_);
-    pending_[info.id] = Pending{info, fd, spec.server};
+    const absl::Time now = absl::Now();
+    pending_[info.id] = Pending{info, fd, spec.server, now + limits_.handshake_timeout};
+    if (!info.refused.empty()) refused_until_[info.id] = now + limits_.refusal_linger;
   }
   // First readiness tells what the client speaks (see Classify).
   epoll_event ev{};
@@ -253,12 +282,20 @@ void SocketServer::AcceptOne(size_t index) {
     spdlog::warn("cannot watch connection: {}", ErrnoText(errno));
     absl::MutexLock lock(&watched_mu_);
     pending_.erase(info.id);
+    Forget(info);
     close(watch_fd);
     close(fd);
     return;
   }
   spdlog::debug("connection {} on {} from pid {} uid {}: {}", info.id, spec.path,
                 cred.pid, cred.uid, info.peer.command);
+}
+
+void SocketServer::Forget(const ConnectionInfo& info) {
+  refused_until_.erase(info.id);
+  if (info.admin) return;
+  auto it = per_uid_.find(info.peer.uid);
+  if (it != per_uid_.end() && --it->second <= 0) per_uid_.erase(it);
 }
 
 void SocketServer::Drop(const ConnectionInfo& info, int fd, const std::string& why) {
@@ -268,14 +305,44 @@ void SocketServer::Drop(const ConnectionInfo& info, int fd, const std::string& w
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, info.watch_fd, nullptr);
   close(info.watch_fd);
   close(fd);
+  absl::MutexLock lock(&watched_mu_);
+  Forget(info);
 }
 
-void SocketServer::Classify(ConnectionInfo info, int fd, grpc::Server* server) {
+void SocketServer::Rearm(Pending pending) {
+  const int watch_fd = pending.info.watch_fd;
+  const ConnectionId id = pending.info.id;
+  {
+    absl::MutexLock lock(&watched_mu_);
+    pending_[id] = std::move(pending);
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR | EPOLLONESHOT;
+  ev.data.u64 = id;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, watch_fd, &ev);
+}
+
+void SocketServer::Classify(Pending pending) {
   static constexpr char kHttp2Preface[] = "PRI * HTTP/2.0";
-  char head[8] = {};
-  ssize_t n = recv(fd, head, sizeof(head), MSG_PEEK | MSG_DONTWAIT);
-  if (n < static_cast<ssize_t>(sizeof(head))) {
-    Drop(info, fd, n == 0 ? "closed before speaking" : "sent less than a protocol preface");
+  ConnectionInfo& info = pending.info;
+  const int fd = pending.fd;
+  tpu::DataPlaneHello hello;
+  static_assert(sizeof(hello) >= 8, "a hello starts with its 8-byte magic");
+  const ssize_t n = recv(fd, &hello, sizeof(hello), MSG_PEEK | MSG_DONTWAIT);
+  if (n == 0) {
+    Drop(info, fd, "closed before speaking");
+    return;
+  }
+  if (n < 0) {
+    if (errno == EAGAIN || errno == EINTR) {
+      Rearm(std::move(pending));
+    } else {
+      Drop(info, fd, absl::StrCat("read failed: ", ErrnoText(errno)));
+    }
+    return;
+  }
+  if (n < 8) {
+    Rearm(std::move(pending));  // a slow writer: its deadline still runs
     return;
   }
   // From here on only the connection's hangup is watched.
@@ -289,85 +356,119 @@ void SocketServer::Classify(ConnectionInfo info, int fd, grpc::Server* server) {
     ev.data.u64 = info.id;
     epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, info.watch_fd, &ev);
   };
-  if (std::memcmp(head, kHttp2Preface, sizeof(head)) == 0) {
+  if (std::memcmp(hello.magic, kHttp2Preface, 8) == 0) {
     // Registered before gRPC sees the connection, so its first call finds it.
     table_->Add(fd, info);
     watch_for_hangup();
-    grpc::AddInsecureChannelFromFd(server, fd);
+    grpc::AddInsecureChannelFromFd(pending.server, fd);
     return;
   }
-  if (std::memcmp(head, tpu::kDataPlaneMagic, sizeof(head)) == 0 && !info.admin && data_plane_) {
-    ServeDataPlane(info, fd);
+  const int version = tpu::DataPlaneVersionOf(hello.magic);
+  if (version >= 0 && !info.admin && data_plane_) {
+    if (version != static_cast<int>(tpu::kDataPlaneVersion)) {
+      ReplyDataPlane(fd,
+                     absl::FailedPreconditionError(absl::StrCat(
+                         "this client speaks tpud data-plane protocol ", version, " and tpud ",
+                         kDaemonVersion, " speaks ", tpu::kDataPlaneVersion,
+                         ": install the torch_tpu / libtpuclient built with this tpud, or run "
+                         "the tpud they were built for")),
+                     nullptr);
+      Drop(info, fd, absl::StrCat("data-plane protocol ", version, ", expected ",
+                                  tpu::kDataPlaneVersion));
+      return;
+    }
+    if (!info.refused.empty()) {
+      ReplyDataPlane(fd, absl::ResourceExhaustedError(info.refused), nullptr);
+      Drop(info, fd, "over the connection limit");
+      return;
+    }
+    if (n < static_cast<ssize_t>(sizeof(hello))) {
+      Rearm(std::move(pending));  // the rest of the hello is on its way
+      return;
+    }
+    if (recv(fd, &hello, sizeof(hello), MSG_DONTWAIT) != static_cast<ssize_t>(sizeof(hello))) {
+      Drop(info, fd, "truncated data-plane hello");
+      return;
+    }
+    ServeDataPlane(info, fd, hello);
     if (info.data_plane) watch_for_hangup();  // else refused and dropped
     return;
   }
   Drop(info, fd, "not a tpud protocol (neither gRPC nor a data-plane hello)");
 }
 
-void SocketServer::ServeDataPlane(ConnectionInfo& info, int fd) {
-  tpu::DataPlaneHello hello;
-  // The hello arrives in one write; wait only briefly for a slow writer (this
-  // runs on the thread that also reports hangups).
-  pollfd pfd{fd, POLLIN, 0};
-  size_t got = 0;
-  while (got < sizeof(hello)) {
-    ssize_t n = recv(fd, reinterpret_cast<char*>(&hello) + got, sizeof(hello) - got, MSG_DONTWAIT);
-    if (n > 0) {
-      got += n;
-      continue;
-    }
-    if (n == 0 || (errno != EAGAIN && errno != EINTR) || poll(&pfd, 1, 100) <= 0) {
-      Drop(info, fd, "truncated data-plane hello");
-      return;
-    }
-  }
+void SocketServer::ReplyDataPlane(int fd, const absl::Status& status,
+                                  const DataPlaneAttachment* att) {
   tpu::DataPlaneReply reply{};
-  absl::StatusOr<int> memfd = data_plane_(
-      hello.session_id,
-      absl::string_view(reinterpret_cast<const char*>(hello.token), sizeof(hello.token)),
-      info.peer, hello.pinned_bytes);
-  reply.code = static_cast<uint32_t>(memfd.status().code());
-  std::string msg(memfd.ok() ? "" : memfd.status().message());
+  reply.code = static_cast<uint32_t>(status.code());
+  reply.daemon_version = tpu::kDataPlaneVersion;
+  std::string msg(status.message());
   msg.resize(std::min(msg.size(), sizeof(reply.message) - 1));
   std::memcpy(reply.message, msg.c_str(), msg.size() + 1);
   iovec iov{&reply, sizeof(reply)};
   msghdr mh{};
   mh.msg_iov = &iov;
   mh.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  if (memfd.ok()) {
-    struct stat st;
-    if (fstat(*memfd, &st) == 0) reply.shm_bytes = st.st_size;
+  std::vector<int> fds;
+  constexpr size_t kMaxFds = 1 + tpu::kMaxChipsPerHost;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)] = {};
+  if (att != nullptr) {
+    reply.shm_bytes = att->shm_bytes;
+    fds.push_back(att->memfd);
+    fds.insert(fds.end(), att->doorbells.begin(), att->doorbells.end());
+    fds.resize(std::min(fds.size(), kMaxFds));
     mh.msg_control = control;
-    mh.msg_controllen = sizeof(control);
+    mh.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
     cmsghdr* cm = CMSG_FIRSTHDR(&mh);
     cm->cmsg_level = SOL_SOCKET;
     cm->cmsg_type = SCM_RIGHTS;
-    cm->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(cm), &*memfd, sizeof(int));
+    cm->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+    std::memcpy(CMSG_DATA(cm), fds.data(), sizeof(int) * fds.size());
   }
-  ssize_t sent = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-  if (memfd.ok()) {
-    close(*memfd);
-    // Attached: from now on this connection's hangup ends the session.
-    info.data_plane = true;
-    info.session_id = hello.session_id;
-    close(fd);  // the watch duplicate keeps the connection
-    // A peer that vanished before it got its memory: hang up at once.
-    if (sent != static_cast<ssize_t>(sizeof(reply))) shutdown(info.watch_fd, SHUT_RDWR);
+  (void)sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+  // Let the client read the reply before a close.
+  if (att == nullptr) shutdown(fd, SHUT_WR);
+}
+
+void SocketServer::ServeDataPlane(ConnectionInfo& info, int fd, const tpu::DataPlaneHello& hello) {
+  absl::StatusOr<DataPlaneAttachment> att = data_plane_(
+      hello.session_id,
+      absl::string_view(reinterpret_cast<const char*>(hello.token), sizeof(hello.token)),
+      info.peer, hello.pinned_bytes);
+  if (!att.ok()) {
+    spdlog::warn("data-plane attach refused for pid {}: {}", info.peer.pid,
+                 std::string(att.status().message()));
+    ReplyDataPlane(fd, att.status(), nullptr);
+    Drop(info, fd, "data-plane attach refused");
     return;
   }
-  spdlog::warn("data-plane attach refused for pid {}: {}", info.peer.pid, msg);
-  // Let the client read the reply before the close.
-  shutdown(fd, SHUT_WR);
-  Drop(info, fd, "data-plane attach refused");
+  ReplyDataPlane(fd, absl::OkStatus(), &*att);
+  close(att->memfd);
+  for (int d : att->doorbells) close(d);
+  // Attached: from now on this connection's hangup ends the session.
+  info.data_plane = true;
+  info.session_id = hello.session_id;
+  close(fd);  // the watch duplicate keeps the connection
+}
+
+void SocketServer::ExpireLocked(absl::Time now) {
+  for (auto it = refused_until_.begin(); it != refused_until_.end();) {
+    auto w = watched_.find(it->first);
+    if (now >= it->second && w != watched_.end()) {
+      shutdown(w->second.watch_fd, SHUT_RDWR);  // the hangup then flows as usual
+      refused_until_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
 }
 
 void SocketServer::WatchLoop() {
   constexpr int kMaxEvents = 64;
   epoll_event events[kMaxEvents];
   while (!stopping_.load()) {
-    int n = epoll_wait(epoll_fd_, events, kMaxEvents, -1);
+    // Wakes at least every 100 ms to enforce the handshake deadline.
+    int n = epoll_wait(epoll_fd_, events, kMaxEvents, 100);
     if (n < 0) {
       if (errno == EINTR) continue;
       spdlog::error("epoll_wait failed: {}", ErrnoText(errno));
@@ -386,7 +487,7 @@ void SocketServer::WatchLoop() {
         }
       }
       if (pending.has_value()) {
-        Classify(pending->info, pending->fd, pending->server);
+        Classify(*std::move(pending));
         continue;
       }
       ConnectionInfo info;
@@ -396,11 +497,34 @@ void SocketServer::WatchLoop() {
         if (it == watched_.end()) continue;
         info = it->second;
         watched_.erase(it);
+        Forget(info);
       }
       epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, info.watch_fd, nullptr);
       table_->Remove(id);
       on_hangup_(info);
       close(info.watch_fd);
+    }
+    std::vector<Pending> late;
+    {
+      absl::MutexLock lock(&watched_mu_);
+      const absl::Time now = absl::Now();
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        const bool refused_done = refused_until_.contains(it->first) &&
+                                  now >= refused_until_[it->first];
+        if (now >= it->second.deadline || refused_done) {
+          late.push_back(it->second);
+          pending_.erase(it++);
+        } else {
+          ++it;
+        }
+      }
+      ExpireLocked(now);
+    }
+    for (Pending& p : late) {
+      Drop(p.info, p.fd,
+           absl::StrCat("sent no complete greeting within ",
+                        absl::FormatDuration(limits_.handshake_timeout),
+                        " (--handshake_timeout)"));
     }
   }
 }

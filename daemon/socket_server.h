@@ -23,7 +23,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "daemon/connection_table.h"
+#include "tpu/shm_layout.h"
 
 namespace grpc {
 class Server;
@@ -43,11 +45,32 @@ struct ListenerSpec {
 // Reads /proc/<pid>/cmdline, arguments joined by spaces ("" if unreadable).
 std::string ReadCommandLine(pid_t pid);
 
+// Limits that keep hostile or broken local clients from wearing tpud down.
+struct ConnectionLimits {
+  // Connections one user may hold on the runtime socket. Beyond it a new
+  // connection is answered with a refusal (RESOURCE_EXHAUSTED naming the
+  // limit) and closed shortly; far beyond it, closed at once.
+  int max_per_uid = 1024;
+  // A connection must send its first bytes (and a data-plane hello all of
+  // it) within this time, or it is closed.
+  absl::Duration handshake_timeout = absl::Seconds(5);
+  // How long a refused connection is kept so its client can read why.
+  absl::Duration refusal_linger = absl::Seconds(2);
+};
+
+// What a data-plane attach hands the client: its shared memory and one
+// doorbell per chip (the server sends them and closes its copies).
+struct DataPlaneAttachment {
+  int memfd = -1;
+  uint64_t shm_bytes = 0;
+  std::vector<int> doorbells;
+};
+
 class SocketServer {
  public:
   using HangupCallback = std::function<void(const ConnectionInfo&)>;
-  // Serves a data-plane hello: returns the memfd to send, or why not.
-  using DataPlaneHandler = std::function<absl::StatusOr<int>(
+  // Serves a data-plane hello: what to send, or why not.
+  using DataPlaneHandler = std::function<absl::StatusOr<DataPlaneAttachment>(
       uint64_t session_id, absl::string_view token, const PeerIdentity& peer,
       uint64_t pinned_bytes)>;
 
@@ -59,7 +82,7 @@ class SocketServer {
   // is ALREADY_EXISTS; a stale socket file left by a crash is replaced.
   static absl::StatusOr<std::unique_ptr<SocketServer>> Create(
       std::vector<ListenerSpec> listeners, ConnectionTable* table,
-      HangupCallback on_hangup);
+      HangupCallback on_hangup, ConnectionLimits limits = {});
   ~SocketServer();
 
   // Starts accepting and watching (two threads).
@@ -72,28 +95,41 @@ class SocketServer {
   void Hangup(ConnectionId id);
 
  private:
+  struct Pending {
+    ConnectionInfo info;
+    int fd;
+    grpc::Server* server;
+    absl::Time deadline;
+  };
   SocketServer(std::vector<ListenerSpec> listeners, ConnectionTable* table,
-               HangupCallback on_hangup);
+               HangupCallback on_hangup, ConnectionLimits limits);
   void AcceptLoop();
   void WatchLoop();
   void AcceptOne(size_t listener_index);
-  // A new connection sent its first bytes: gRPC, data plane, or neither.
-  void Classify(ConnectionInfo info, int fd, grpc::Server* server);
-  void ServeDataPlane(ConnectionInfo& info, int fd);
+  // A new connection is readable: gRPC, data plane, neither, or not yet
+  // enough bytes (then it waits, until its deadline).
+  void Classify(Pending pending);
+  void Rearm(Pending pending);
+  void ServeDataPlane(ConnectionInfo& info, int fd, const tpu::DataPlaneHello& hello);
+  void ReplyDataPlane(int fd, const absl::Status& status, const DataPlaneAttachment* att);
   void Drop(const ConnectionInfo& info, int fd, const std::string& why);
+  // Drops connections past their handshake deadline, closes refused ones
+  // past their linger time.
+  void ExpireLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(watched_mu_);
+  void Forget(const ConnectionInfo& info) ABSL_EXCLUSIVE_LOCKS_REQUIRED(watched_mu_);
 
   std::vector<ListenerSpec> listeners_;
   std::vector<int> listen_fds_;
   ConnectionTable* table_;
   HangupCallback on_hangup_;
+  const ConnectionLimits limits_;
   DataPlaneHandler data_plane_;
-  struct Pending {
-    ConnectionInfo info;
-    int fd;
-    grpc::Server* server;
-  };
   // Accepted, not yet classified (waiting for the first bytes).
   absl::flat_hash_map<ConnectionId, Pending> pending_ ABSL_GUARDED_BY(watched_mu_);
+  // Runtime-socket connections per user (pending and watched).
+  absl::flat_hash_map<uint32_t, int> per_uid_ ABSL_GUARDED_BY(watched_mu_);
+  // Refused connections and when to close them.
+  absl::flat_hash_map<ConnectionId, absl::Time> refused_until_ ABSL_GUARDED_BY(watched_mu_);
   int wake_fd_ = -1;   // eventfd that stops both loops
   int epoll_fd_ = -1;  // watched connection duplicates
   std::atomic<bool> stopping_{false};

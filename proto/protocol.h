@@ -12,10 +12,12 @@
 namespace tpud {
 
 // Version 1: sessions, segments, topology, admin.
-inline constexpr uint32_t kMinProtocolVersion = 1;
-inline constexpr uint32_t kMaxProtocolVersion = 1;
+// Version 2: the data plane has one ring per stream and chip, served by
+// executor processes (tpu/shm_layout.h, kDataPlaneVersion 2).
+inline constexpr uint32_t kMinProtocolVersion = 2;
+inline constexpr uint32_t kMaxProtocolVersion = 2;
 
-inline constexpr char kDaemonVersion[] = "0.1.0";
+inline constexpr char kDaemonVersion[] = "0.2.0";
 
 // absl and gRPC status codes share numbering; messages pass unchanged.
 grpc::Status ToGrpcStatus(const absl::Status& status);

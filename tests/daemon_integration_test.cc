@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "catch2_compat/catch.h"
+#include "proto/protocol.h"
 #include "proto/tpud.grpc.pb.h"
 #include "tests/daemon_harness.h"
 #include "tpu/client.h"
@@ -82,7 +83,7 @@ std::shared_ptr<grpc::Channel> RawChannel(const std::string& path) {
 TEST_CASE("a session sees the topology, allocates, frees and closes") {
   TestDaemon d;
   auto s = OpenSession(d, "lifecycle");
-  REQUIRE(s->protocol_version() == 1);
+  REQUIRE(s->protocol_version() == tpud::kMaxProtocolVersion);
   absl::StatusOr<tpu::TopologyInfo> t = s->GetTopology();
   REQUIRE(t.ok());
   CHECK(t->name == "v6e-4");
@@ -166,8 +167,8 @@ TEST_CASE("a session cannot free or use another session's memory") {
   auto channel = RawChannel(d.socket());
   auto stub = tpud::v1::Runtime::NewStub(channel);
   tpud::v1::OpenSessionRequest open;
-  open.set_min_protocol_version(1);
-  open.set_max_protocol_version(1);
+  open.set_min_protocol_version(tpud::kMinProtocolVersion);
+  open.set_max_protocol_version(tpud::kMaxProtocolVersion);
   tpud::v1::OpenSessionResponse opened;
   {
     grpc::ClientContext ctx;

@@ -436,6 +436,15 @@ TEST_CASE("forged tensor references never reach another session's memory") {
   REQUIRE(attacker->EnqueueOp(0, *copy, read.data(), 3, nullptr, 0).ok());
   absl::Status st = attacker->Synchronize(0);
   CHECK(st.code() == absl::StatusCode::kPermissionDenied);
+  // The refused copy_ ran no kernel; what it was to write is poisoned with
+  // the reason, so reading it back says so instead of handing out bytes.
+  std::vector<float> back(1024, -1.0f);
+  absl::Status poisoned = attacker->CopyToHost(0, back.data(), mine.segment, 4096);
+  CHECK(poisoned.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(absl::StrContains(poisoned.message(), "in another session's memory"));
+  CHECK(back == std::vector<float>(1024, -1.0f));
+  // Rewritten, it is good again.
+  REQUIRE(attacker->CopyToDevice(0, mine.segment, at::zeros({1024}).data_ptr(), 4096).ok());
   CHECK(at::equal(Download(*attacker, mine.ref), at::zeros({1024})));
   // Write into the victim's tensor.
   std::vector<tpu::OpArg> write = {T(v), T(mine), B(false)};
@@ -458,10 +467,10 @@ TEST_CASE("forged tensor references never reach another session's memory") {
   std::vector<tpu::OpArg> g = {T(garbage), T(mine), B(false)};
   REQUIRE(attacker->EnqueueOp(0, *copy, g.data(), 3, nullptr, 0).ok());
   CHECK(attacker->Synchronize(0).code() == absl::StatusCode::kInvalidArgument);
-  // Copies too.
+  // Copies too: another session's memory is PERMISSION_DENIED, as for ops.
   std::vector<float> buf(1024);
   CHECK(attacker->CopyToHost(0, buf.data(), v.segment, 4096).code() ==
-        absl::StatusCode::kInvalidArgument);
+        absl::StatusCode::kPermissionDenied);
   // The victim's data is intact and its session unaffected.
   CHECK(at::equal(Download(*victim, v.ref), secret));
   CHECK(victim->Synchronize(0).ok());

@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "catch2_compat/catch.h"
+#include "proto/protocol.h"
 #include "proto/tpud.grpc.pb.h"
 #include "tests/daemon_harness.h"
 #include "tpu/client.h"
@@ -70,8 +71,8 @@ class RawSession {
     fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
     stub_ = tpud::v1::Runtime::NewStub(grpc::CreateInsecureChannelFromFd("tpud", fd));
     tpud::v1::OpenSessionRequest open;
-    open.set_min_protocol_version(1);
-    open.set_max_protocol_version(1);
+    open.set_min_protocol_version(tpud::kMinProtocolVersion);
+    open.set_max_protocol_version(tpud::kMaxProtocolVersion);
     open.set_client_name("hostile");
     tpud::v1::OpenSessionResponse opened;
     {
@@ -99,7 +100,7 @@ class RawSession {
     REQUIRE(send(dp_, &hello, sizeof(hello), MSG_NOSIGNAL) == sizeof(hello));
     tpu::DataPlaneReply reply{};
     iovec iov{&reply, sizeof(reply)};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * (1 + tpu::kMaxChipsPerHost))] = {};
     msghdr mh{};
     mh.msg_iov = &iov;
     mh.msg_iovlen = 1;
@@ -107,8 +108,15 @@ class RawSession {
     mh.msg_controllen = sizeof(control);
     REQUIRE(recvmsg(dp_, &mh, MSG_WAITALL) == sizeof(reply));
     REQUIRE(reply.code == 0);
-    int memfd = -1;
-    std::memcpy(&memfd, CMSG_DATA(CMSG_FIRSTHDR(&mh)), sizeof(int));
+    // The memfd, then one doorbell per chip; this session works on chip 0.
+    cmsghdr* cm = CMSG_FIRSTHDR(&mh);
+    const size_t nfds = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    REQUIRE(nfds >= 2);
+    std::vector<int> fds(nfds);
+    std::memcpy(fds.data(), CMSG_DATA(cm), sizeof(int) * nfds);
+    const int memfd = fds[0];
+    doorbell_ = fds[1];
+    for (size_t i = 2; i < nfds; ++i) close(fds[i]);
     shm_bytes_ = reply.shm_bytes;
     shm_ = static_cast<char*>(
         mmap(nullptr, shm_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0));
@@ -120,11 +128,12 @@ class RawSession {
   }
   ~RawSession() {
     munmap(shm_, shm_bytes_);
+    close(doorbell_);
     close(dp_);
   }
 
   uint64_t segment() const { return segment_; }
-  tpu::StreamControl* ctl(int s) { return tpu::StreamOf(shm_, layout_, s); }
+  tpu::RingControl* ctl(int s) { return tpu::RingControlOf(shm_, layout_, s); }
   uint64_t next_sequence(int s) const { return next_seq_[s]; }
   uint64_t TakeSequence(int s) { return next_seq_[s]++; }
   const tpu::ShmHeader& layout() const { return layout_; }
@@ -148,8 +157,8 @@ class RawSession {
     ctl(s)->submitted.store(next_seq_[s] - 1);
     ctl(s)->tail.store(tail_[s]);
     if (ctl(s)->consumer_sleeping.load()) {
-      ctl(s)->doorbell.fetch_add(1);
-      tpu::FutexWakeAll(&ctl(s)->doorbell);
+      const uint64_t one = 1;
+      (void)!write(doorbell_, &one, sizeof(one));
     }
   }
   // Waits until the daemon consumed everything published on `s`, or the
@@ -178,11 +187,12 @@ class RawSession {
   uint64_t id_ = 0;
   uint64_t segment_ = 0;
   int dp_ = -1;
+  int doorbell_ = -1;
   char* shm_ = nullptr;
   uint64_t shm_bytes_ = 0;
   tpu::ShmHeader layout_{};
-  uint64_t tail_[tpu::kMaxStreams] = {};
-  uint64_t next_seq_[tpu::kMaxStreams] = {1, 1, 1, 1, 1, 1, 1, 1};
+  uint64_t tail_[tpu::kStreamsPerChip] = {};
+  uint64_t next_seq_[tpu::kStreamsPerChip] = {1, 1, 1, 1, 1, 1, 1, 1};
 };
 
 class Fuzzer {
@@ -296,9 +306,9 @@ class Fuzzer {
       // Waits only on work already done, so the stream cannot stall.
       w.Begin(tpu::RecordKind::kEventWait, seq);
       w.U32(0);
-      const uint32_t other = static_cast<uint32_t>(Chance(90) ? Pick(tpu::kMaxStreams) : 99);
+      const uint32_t other = static_cast<uint32_t>(Chance(90) ? Pick(tpu::kStreamsPerChip) : 99);
       w.U32(other);
-      w.U64(other < static_cast<uint32_t>(tpu::kMaxStreams) ? rs.ctl(other)->completed.load()
+      w.U64(other < static_cast<uint32_t>(tpu::kStreamsPerChip) ? rs.ctl(other)->completed.load()
                                                             : 0);
     } else {
       w.Begin(tpu::RecordKind::kOp, seq);
@@ -348,7 +358,7 @@ TEST_CASE("hostile records: the daemon survives and other sessions are untouched
     ++sessions;
     bool dead = false;
     while (!dead && consumed < target) {
-      const int s = fuzz.Pick(2) == 0 ? 0 : fuzz.Pick(tpu::kMaxStreams);
+      const int s = fuzz.Pick(2) == 0 ? 0 : fuzz.Pick(tpu::kStreamsPerChip);
       int batch = 1 + fuzz.Pick(32);
       for (; batch > 0; --batch) {
         bool fatal = false;

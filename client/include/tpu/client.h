@@ -96,7 +96,7 @@ struct MemoryStats {
 // by others, queried, timed.
 struct Event {
   uint32_t slot = 0;
-  int stream = 0;
+  int ring = 0;  // the ring (stream and chip) it was recorded on
   uint64_t sequence = 0;
 };
 
@@ -115,7 +115,8 @@ struct OpResult {
   uint64_t nbytes = 0;
 };
 
-// What the data plane did for this session (from tpuctl's point of view).
+// Streams of a session (CUDA's streams; 0 is the default). A stream keeps its
+// order across chips: its work may go to any chip, one op at a time.
 inline constexpr int kNumStreams = 8;
 
 struct ClientOptions {

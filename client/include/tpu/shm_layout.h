@@ -1,19 +1,30 @@
 // The layout of a session's shared memory (one memfd made by tpud, mapped by
-// both ends), and the wake-up protocol on its shared words.
+// the client and by tpud's executors), and the wake-up protocol on its words.
 //
-//   [ShmHeader][StreamControl x kMaxStreams][EventSlot x kMaxEvents]
-//   [ring 0][ring 1]...[ring kMaxStreams-1][staging area][pinned pool]
+//   [ShmHeader][DaemonHints][RingControl x num_rings][EventSlot x kMaxEvents]
+//   [ring 0][ring 1]...[ring num_rings-1][staging area][pinned pool]
 //
-// Each stream has an op ring: the client produces records (tpu/op_record.h)
-// and publishes `tail`; the daemon consumes and publishes `head`, then
-// `completed` (the sequence number of the last record done). Wake-ups: the
-// consumer spins a while on an empty ring, then sets `consumer_sleeping` and
-// sleeps on `doorbell` (futex); the producer rings the doorbell only when the
-// consumer said it sleeps. A waiting client spins briefly on `completed`, then
-// counts itself in `waiters` and sleeps on `completion_futex`.
+// A session has kStreamsPerChip streams (CUDA's streams: 0 is the default).
+// Each stream has one op ring per chip, so that every ring is consumed by the
+// executor of one chip: ring = chip * kStreamsPerChip + stream. The client
+// keeps a stream's order across chips itself (an event wait on the previous
+// chip's ring whenever the stream moves to another chip).
 //
-// Nothing in here is trusted by the daemon: it reads the client-written words
-// (tail, ring bytes, doorbell) once and validates them.
+// A ring: the client produces records (tpu/op_record.h) and publishes `tail`;
+// the executor consumes them and publishes `head` and `completed` (the
+// sequence number of the last record done). Wake-ups:
+//  - the executor polls a ring while it expects work and otherwise sets
+//    `consumer_sleeping`; a producer that sees the flag after publishing
+//    writes the ring's chip doorbell (an eventfd sent with the memfd);
+//  - a waiting client spins on `completed` only while DaemonHints::spin_ok
+//    says a core is free for it, then counts itself in `waiters` and sleeps
+//    on `completion_futex`;
+//  - a producer facing a full ring sets `producer_waiting` and sleeps on
+//    `head_futex`, which the executor bumps as it frees space.
+//
+// Nothing in here is trusted by the daemon: executors read the client-written
+// words (tail, ring bytes) once and validate them, and keep their own copies
+// of head and sequence. A client that scribbles here harms only itself.
 #ifndef TPU_SHM_LAYOUT_H_
 #define TPU_SHM_LAYOUT_H_
 
@@ -23,26 +34,44 @@
 
 namespace tpu {
 
-inline constexpr uint64_t kShmMagic = 0x314d485344555054ULL;  // "TPUDSHM1"
-inline constexpr int kMaxStreams = 8;
+inline constexpr uint64_t kShmMagic = 0x324d485344555054ULL;  // "TPUDSHM2"
+// Version of the data plane as a whole: this layout, the hello below and the
+// record format of tpu/op_record.h. Both ends must speak the same one.
+inline constexpr uint32_t kDataPlaneVersion = 2;
+inline constexpr int kStreamsPerChip = 8;
+inline constexpr int kMaxChipsPerHost = 16;
 inline constexpr int kMaxEvents = 1024;
 inline constexpr uint32_t kErrorMessageBytes = 2048;
 inline constexpr int kMaxResults = 16;
 
+constexpr int RingIndex(int chip, int stream) { return chip * kStreamsPerChip + stream; }
+constexpr int RingChip(int ring) { return ring / kStreamsPerChip; }
+constexpr int RingStream(int ring) { return ring % kStreamsPerChip; }
+
 // Written once by the daemon before the memfd is handed over.
 struct ShmHeader {
   uint64_t magic;
-  uint32_t layout_version;
-  uint32_t num_streams;
+  uint32_t layout_version;  // kDataPlaneVersion
+  uint32_t num_chips;
+  uint32_t streams_per_chip;
+  uint32_t num_rings;       // num_chips * streams_per_chip
   uint64_t total_bytes;
-  uint64_t streams_offset;
+  uint64_t hints_offset;
+  uint64_t rings_control_offset;
   uint64_t events_offset;
   uint64_t rings_offset;
-  uint64_t ring_bytes;  // per stream, power of two
+  uint64_t ring_bytes;  // per ring, power of two
   uint64_t staging_offset;
   uint64_t staging_bytes;
   uint64_t pinned_offset;
   uint64_t pinned_bytes;
+};
+
+// Advice the daemon keeps current for every client.
+struct alignas(64) DaemonHints {
+  // 1 while waiting parties may spin: fewer of tpud's parties are active
+  // than there are cores, and a core is idle. 0: block on the futex at once.
+  std::atomic<uint32_t> spin_ok;
 };
 
 // A returned value of a synchronous op (see tpud's ChipBackend::Run).
@@ -63,23 +92,24 @@ struct ShmResult {
   int64_t strides[25];
 };
 
-struct alignas(64) StreamControl {
+struct alignas(64) RingControl {
   // Producer (client) side.
   alignas(64) std::atomic<uint64_t> tail;       // bytes ever published
   std::atomic<uint64_t> submitted;              // last sequence published
-  // Consumer (daemon) side.
+  std::atomic<uint32_t> producer_waiting;       // a producer sleeps on head_futex
+  // Consumer (executor) side.
   alignas(64) std::atomic<uint64_t> head;       // bytes ever consumed
-  std::atomic<uint32_t> consumer_sleeping;
-  std::atomic<uint32_t> doorbell;               // futex word
+  std::atomic<uint32_t> consumer_sleeping;      // ring the doorbell after publishing
+  std::atomic<uint32_t> head_futex;             // bumped when head moves and a producer waits
   // Completion.
   alignas(64) std::atomic<uint64_t> completed;  // last sequence done
   std::atomic<uint32_t> completion_futex;       // futex word, bumped on progress
   std::atomic<uint32_t> waiters;                // clients sleeping on it
-  // Sticky error of this stream: the first failure since the client last
+  // Sticky error of this ring: the first failure since the client last
   // cleared it. error_sequence != 0 means set; the daemon writes the rest
   // before publishing error_sequence.
   alignas(64) std::atomic<uint64_t> error_sequence;
-  // Set when the stream can make no more progress (a malformed record, the
+  // Set when the ring can make no more progress (a malformed record, the
   // session ending): waiters stop waiting and report error_message.
   std::atomic<uint32_t> dead;
   uint32_t error_code;  // absl::StatusCode
@@ -95,7 +125,7 @@ struct alignas(64) StreamControl {
 };
 
 struct alignas(16) EventSlot {
-  std::atomic<uint64_t> sequence;     // stream sequence the event waits for
+  std::atomic<uint64_t> sequence;     // ring sequence the event waits for
   std::atomic<uint64_t> completed_ns; // CLOCK_MONOTONIC when it completed; 0 pending
 };
 
@@ -103,21 +133,31 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared atomics");
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared atomics");
 
 inline ShmHeader* HeaderOf(void* base) { return static_cast<ShmHeader*>(base); }
-inline StreamControl* StreamOf(void* base, const ShmHeader& h, int stream) {
-  return reinterpret_cast<StreamControl*>(static_cast<char*>(base) + h.streams_offset) + stream;
+inline DaemonHints* HintsOf(void* base, const ShmHeader& h) {
+  return reinterpret_cast<DaemonHints*>(static_cast<char*>(base) + h.hints_offset);
+}
+inline RingControl* RingControlOf(void* base, const ShmHeader& h, int ring) {
+  return reinterpret_cast<RingControl*>(static_cast<char*>(base) + h.rings_control_offset) +
+         ring;
 }
 inline EventSlot* EventOf(void* base, const ShmHeader& h, int event) {
   return reinterpret_cast<EventSlot*>(static_cast<char*>(base) + h.events_offset) + event;
 }
-inline char* RingOf(void* base, const ShmHeader& h, int stream) {
-  return static_cast<char*>(base) + h.rings_offset + h.ring_bytes * stream;
+inline char* RingOf(void* base, const ShmHeader& h, int ring) {
+  return static_cast<char*>(base) + h.rings_offset + h.ring_bytes * ring;
 }
 
 // The data-plane connection: a second connection to the runtime socket that
 // opens with a DataPlaneHello (instead of gRPC's HTTP/2 preface). tpud answers
-// with a DataPlaneReply carrying the session's memfd (SCM_RIGHTS) on success.
-// The session also ends when this connection closes.
-inline constexpr char kDataPlaneMagic[8] = {'T', 'P', 'U', 'D', 'D', 'P', '0', '1'};
+// with a DataPlaneReply and, on success, the session's memfd followed by one
+// doorbell eventfd per chip (SCM_RIGHTS). The session also ends when this
+// connection closes.
+//
+// The magic carries the data-plane version ("TPUDDP" and two digits), so a
+// client of another version is told so by name, whatever else changed; the
+// reply's layout is the same in every version.
+inline constexpr char kDataPlaneMagicPrefix[6] = {'T', 'P', 'U', 'D', 'D', 'P'};
+inline constexpr char kDataPlaneMagic[8] = {'T', 'P', 'U', 'D', 'D', 'P', '0', '2'};
 
 struct DataPlaneHello {
   char magic[8];
@@ -128,10 +168,13 @@ struct DataPlaneHello {
 
 struct DataPlaneReply {
   uint32_t code;  // absl::StatusCode
-  uint32_t reserved;
+  uint32_t daemon_version;  // the daemon's kDataPlaneVersion
   uint64_t shm_bytes;
   char message[496];
 };
+
+// The data-plane version a hello's magic names; -1 if it is no hello.
+int DataPlaneVersionOf(const char magic[8]);
 
 // Futex helpers on shared (not process-private) words.
 // Sleeps while *word == expected, at most timeout_ns (<= 0: no timeout).

@@ -1,0 +1,197 @@
+// Executor: the loop of one executor process. It serves the rings of its
+// chips for every session: it takes records from their rings in order,
+// checks each against the session's own memory, runs ops through the chip
+// backend and publishes completion.
+//
+// One thread does all of it, whatever the number of sessions: which ring
+// runs next is FairQueue's choice; a ring without work costs nothing (the
+// executor polls it for a moment while it expects more, then arms the
+// ring's doorbell and forgets it); a ring waiting for an event of another
+// ring is parked and woken when that ring progresses; an idle executor spins
+// only while the host's spin advice says a core is free, then sleeps in
+// epoll on its doorbells, its control channel and its wake-up eventfd.
+//
+// Its state lives where a replacement can pick it up (shared_regions.h):
+// records are consumed only once done, ops are named by the session's op
+// table, and poison sits in the session's state. If the process dies in an
+// op, tpud ends that op's session and starts another executor, which
+// continues every other session's rings where they stood.
+//
+// A failing op records its error on its ring (reported at the client's next
+// synchronisation) and poisons what it would have written; a malformed
+// record fails the session's data plane for good. Nothing a client writes can
+// reach another session's memory or stop the executor.
+//
+// Thread-safety: Run() on one thread; nothing else.
+#ifndef TPUD_DAEMON_EXECUTOR_EXECUTOR_H_
+#define TPUD_DAEMON_EXECUTOR_EXECUTOR_H_
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "daemon/chip_backend.h"
+#include "daemon/executor/control_channel.h"
+#include "daemon/executor/fair_queue.h"
+#include "daemon/executor/shared_regions.h"
+#include "tpu/op_record.h"
+#include "tpu/shm_layout.h"
+
+namespace tpud {
+
+struct ExecutorConfig {
+  int index = 0;              // slot in ExecutorShared
+  std::vector<int> chips;     // chips this executor serves
+  int control_fd = -1;        // its end of the control channel
+  ExecutorShared* shared = nullptr;
+  // Every chip of the host: HBM (read-write) and page owners (read-only).
+  std::vector<char*> chip_bases;
+  std::vector<PageOwnerTable> owners;
+  // Every executor's wake-up eventfd, by index (to wake a parked ring's
+  // executor).
+  std::vector<int> wake_fds;
+  ChipBackend* backend = nullptr;
+  // How long an idle executor spins (when allowed) before it sleeps.
+  uint64_t spin_ns = 50000;
+  // A ring runs at most this long while others wait.
+  uint64_t quantum_ns = 200000;
+  // A ring without work is polled this long before its doorbell is armed.
+  uint64_t poll_ns = 2000000;
+};
+
+class Executor {
+ public:
+  explicit Executor(ExecutorConfig config);
+  ~Executor();
+
+  // Serves until tpud says stop or goes away. Returns the exit code.
+  int Run();
+
+ private:
+  struct Session;
+  struct Ring {
+    enum class State { kArmed, kPolled, kQueued, kParked, kDone };
+    Session* session = nullptr;
+    int index = 0;  // ring index in the session
+    int chip = 0;
+    int handle = 0;  // FairQueue handle
+    tpu::RingControl* ctl = nullptr;
+    char* data = nullptr;
+    TrustedRing* trusted = nullptr;
+    State state = State::kArmed;
+    uint64_t polled_since = 0;
+    // kParked: waiting until ring `wait_ring` completed `wait_sequence`.
+    int wait_ring = -1;
+    uint64_t wait_sequence = 0;
+  };
+  struct OpSlot {
+    std::shared_ptr<const BackendOp> op;
+    absl::Status status;  // why its schema could not be resolved
+    bool resolved = false;
+  };
+  struct Session {
+    uint64_t id = 0;
+    uint32_t tag = 0;
+    SharedMapping shm;
+    SharedMapping state_map;
+    SessionStateView state;
+    tpu::ShmHeader layout{};  // our own copy: the client can write the shared one
+    int doorbell_fd = -1;
+    uint64_t epoll_key = 0;
+    std::vector<std::unique_ptr<Ring>> rings;  // the rings of this executor's chips
+    std::vector<std::vector<OpSlot>> ops;      // per chip index in config.chips
+    uint64_t last_active_ns = 0;
+    bool failed = false;
+  };
+  class ResultAllocatorImpl;
+
+  // ---- control ----
+  void HandleControl();
+  void Attach(const ControlMessage& msg, std::vector<int>& fds);
+  void Detach(uint64_t session_id);
+  // Waits for tpud's answer to a request (other messages are queued).
+  bool AwaitReply(uint64_t request_id, ControlMessage* reply);
+
+  // ---- scheduling ----
+  void MakeRunnable(Ring& ring);
+  void PollRings(uint64_t now);
+  bool HasWork(const Ring& ring) const;
+  bool ParkedReady(const Ring& ring) const;
+  void Sleep(int timeout_ms);
+  void DrainDoorbells(int timeout_ms);
+  void RunRing(Ring& ring);
+  void UpdateActivity(uint64_t now);
+
+  // ---- records ----
+  // Handles the record at the ring's head. Returns false when the ring
+  // cannot go on now (parked, or its session failed).
+  bool Step(Ring& ring);
+  absl::Status HandleDefineOp(Ring& ring, absl::string_view record);
+  absl::Status RunOp(Ring& ring, uint64_t sequence);
+  absl::Status RunCopy(Ring& ring, const tpu::DecodedCopy& copy);
+  // OK: satisfied; kUnavailable-free "not yet" is reported through *wait.
+  absl::Status CheckEventWait(Ring& ring, uint64_t sequence, const tpu::DecodedEventWait& wait,
+                              bool* ready);
+  absl::Status ResolveTensors(Ring& ring);
+  const OpSlot& LookupOp(Ring& ring, uint32_t op_id);
+  void Complete(Ring& ring, uint64_t length, uint64_t sequence);
+  void FailSession(Session& s, const absl::Status& status);
+  void BeginOp(Ring& ring, uint64_t sequence, const char* what, size_t what_len);
+  void EndOp();
+  int ChipSlot(int chip) const;
+
+  // ---- poison (per chip, in the session's state) ----
+  // The cause when [begin, end) overlaps poisoned memory of `chip`.
+  bool FindPoison(Session& s, int chip, uint64_t begin, uint64_t end, std::string* cause) const;
+  void AddPoison(Session& s, int chip, uint64_t begin, uint64_t end, const std::string& cause);
+  void ClearPoison(Session& s, int chip, uint64_t begin, uint64_t end);
+  void PoisonOutputs(Ring& ring, const BackendOp* op, const std::string& cause);
+  void UnpoisonOutputs(Ring& ring, const BackendOp& op);
+  absl::Status CheckInputPoison(Ring& ring);
+
+  // Host view of a checked device range of the session; INVALID_ARGUMENT or
+  // PERMISSION_DENIED naming it otherwise.
+  absl::StatusOr<char*> DeviceRange(Session& s, uint64_t address, uint64_t bytes,
+                                    const char* what);
+  absl::StatusOr<char*> HostRange(Session& s, uint64_t offset, uint64_t bytes);
+
+  ExecutorConfig config_;
+  ExecutorSlot* slot_;
+  int epoll_fd_ = -1;
+  bool stopping_ = false;
+  uint64_t next_key_ = 1;
+  std::unordered_map<uint64_t, std::unique_ptr<Session>> sessions_;  // by id
+  std::unordered_map<uint64_t, Session*> by_key_;                    // by epoll key
+  std::vector<Ring*> handles_;  // FairQueue handle -> ring (nullptr when freed)
+  std::vector<int> free_handles_;
+  FairQueue queue_;
+  std::vector<Ring*> polled_;
+  std::vector<Ring*> parked_;
+  int armed_count_ = 0;
+  std::deque<std::pair<ControlMessage, std::vector<int>>> pending_control_;
+  uint64_t next_request_ = 1;
+  bool wake_pending_ = false;
+
+  // Scratch for the record being handled (one at a time).
+  std::string record_;
+  tpu::DecodedOp op_;
+  std::vector<const tpu::TensorRef*> refs_;
+  std::vector<ResolvedTensor> resolved_;
+  std::vector<ResultValue> results_;
+  size_t bad_ref_ = 0;
+  bool bad_ref_foreign_ = false;
+  std::string poison_root_;
+
+  // Activity window.
+  uint64_t window_start_ns_ = 0;
+  uint64_t window_busy_ns_ = 0;
+  uint64_t last_activity_update_ = 0;
+};
+
+}  // namespace tpud
+
+#endif  // TPUD_DAEMON_EXECUTOR_EXECUTOR_H_
