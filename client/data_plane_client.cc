@@ -188,7 +188,7 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
   internal::RingProducer& rp = p.rings[RingChip(ring)];
   const absl::string_view record = p.writer.Finish();
   const uint64_t ring_bytes = layout.ring_bytes;
-  if (record.size() > ring_bytes / 2) {
+  if (record.size() > ring_bytes / 2 - 64) {
     return absl::InvalidArgumentError(absl::StrCat(
         "record of ", record.size(), " bytes does not fit the stream's ring (", ring_bytes, ")"));
   }
@@ -207,8 +207,11 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
     while (full() && MonotonicNanos() < spin_until) __builtin_ia32_pause();
     while (full()) {
       if (ctl->dead.load()) return TakeError(ring);
-      // The daemon is behind: sleep until it frees space.
+      // The daemon is behind: sleep until it has freed what we need and a
+      // quarter of the ring more.
       const uint32_t v = ctl->head_futex.load();
+      const uint64_t want = rp.tail + need + ring_bytes / 4;
+      ctl->wanted_head.store(std::min(rp.tail, want > ring_bytes ? want - ring_bytes : 0));
       ctl->producer_waiting.store(1);
       if (full() && ctl->dead.load() == 0) FutexWait(&ctl->head_futex, v, kLivenessCheckNanos);
       ctl->producer_waiting.store(0);

@@ -44,13 +44,17 @@ int RunnableThreads(int fd) {
 }  // namespace
 
 bool SpinAdvisor::Update(int active_parties, int runnable) {
-  if (active_parties > num_cpus_ || runnable > num_cpus_) {
-    good_samples_ = 0;
-    spin_ok_ = false;
-  } else if (active_parties <= num_cpus_ && runnable < num_cpus_) {
-    if (++good_samples_ >= samples_to_enable_) spin_ok_ = true;
+  constexpr double kWeight = 0.25;
+  if (fresh_) {
+    average_ = runnable;
+    fresh_ = false;
   } else {
-    good_samples_ = 0;  // all cores taken, none to spare: keep as is
+    average_ += kWeight * (runnable - average_);
+  }
+  if (active_parties > num_cpus_ || average_ > num_cpus_ + 0.5) {
+    spin_ok_ = false;
+  } else if (average_ < num_cpus_ - 0.5) {
+    spin_ok_ = true;
   }
   return spin_ok_;
 }
@@ -251,6 +255,7 @@ void DataPlane::AdviseLoop() {
       }
       if (idle && !stopping_.load()) tpu::FutexWait(&shared_->sampler_futex, v, 100 * 1000 * 1000);
       shared_->sampler_sleeping.store(0);
+      advisor.Restart();
       continue;
     }
     parties += awake;

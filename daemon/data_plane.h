@@ -59,22 +59,26 @@ struct DataPlaneGrant {
 };
 
 // Whether waiting parties may spin. Pure logic, fed one sample per period:
-// turns off at once when tpud's active parties outnumber the cores or more
-// threads are runnable than there are cores; turns on after
-// `samples_to_enable` samples in a row with parties <= cores and a core idle.
+// off at once while tpud's active parties outnumber the cores; otherwise it
+// follows a moving average (about four samples) of the host's runnable
+// threads, turning on below
+// `cores - 0.5` (a core is idle most of the time: one of a client/executor
+// pair works while the other waits) and off above `cores + 0.5` (someone
+// else needs the cores the spinners would take).
 class SpinAdvisor {
  public:
-  explicit SpinAdvisor(int num_cpus, int samples_to_enable = 10)
-      : num_cpus_(num_cpus), samples_to_enable_(samples_to_enable) {}
+  explicit SpinAdvisor(int num_cpus) : num_cpus_(num_cpus), average_(num_cpus) {}
   // `active_parties`: executors awake plus sessions with recent work;
   // `runnable`: the host's runnable threads, not counting the sampler.
   bool Update(int active_parties, int runnable);
+  // The host was idle for tpud: the next sample starts the average afresh.
+  void Restart() { fresh_ = true; }
   bool spin_ok() const { return spin_ok_; }
 
  private:
   const int num_cpus_;
-  const int samples_to_enable_;
-  int good_samples_ = 0;
+  double average_;
+  bool fresh_ = true;
   bool spin_ok_ = false;
 };
 

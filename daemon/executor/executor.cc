@@ -483,7 +483,10 @@ void Executor::Complete(Ring& ring, uint64_t length, uint64_t sequence) {
       }
     }
   }
-  if (ctl->producer_waiting.load() != 0) WakeFutex(&ctl->head_futex);
+  if (ctl->producer_waiting.load() != 0 && head >= ctl->wanted_head.load()) {
+    ctl->producer_waiting.store(0);
+    WakeFutex(&ctl->head_futex);
+  }
 }
 
 void Executor::FailSession(Session& s, const absl::Status& status) {

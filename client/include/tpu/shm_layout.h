@@ -19,8 +19,10 @@
 //  - a waiting client spins on `completed` only while DaemonHints::spin_ok
 //    says a core is free for it, then counts itself in `waiters` and sleeps
 //    on `completion_futex`;
-//  - a producer facing a full ring sets `producer_waiting` and sleeps on
-//    `head_futex`, which the executor bumps as it frees space.
+//  - a producer facing a full ring sets `wanted_head` (a quarter of the ring
+//    past what it needs, so it is not woken for every record) and
+//    `producer_waiting`, and sleeps on `head_futex`, which the executor bumps
+//    once head reaches `wanted_head`.
 //
 // Nothing in here is trusted by the daemon: executors read the client-written
 // words (tail, ring bytes) once and validate them, and keep their own copies
@@ -97,6 +99,7 @@ struct alignas(64) RingControl {
   alignas(64) std::atomic<uint64_t> tail;       // bytes ever published
   std::atomic<uint64_t> submitted;              // last sequence published
   std::atomic<uint32_t> producer_waiting;       // a producer sleeps on head_futex
+  std::atomic<uint64_t> wanted_head;            // ... until head reaches this
   // Consumer (executor) side.
   alignas(64) std::atomic<uint64_t> head;       // bytes ever consumed
   std::atomic<uint32_t> consumer_sleeping;      // ring the doorbell after publishing
