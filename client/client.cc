@@ -55,21 +55,8 @@ absl::StatusOr<int> internal::ConnectUnix(const std::string& path, bool admin) {
   return fd;
 }
 
-namespace {
-
-using internal::ConnectUnix;
-using internal::SetDeadline;
-
-std::shared_ptr<grpc::Channel> ChannelOnFd(int fd) {
-  // gRPC expects a non-blocking descriptor.
-  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(16 << 20);
-  return grpc::CreateCustomInsecureChannelFromFd("tpud", fd, args);
-}
-
 // Adds the socket path to errors that mean the daemon is unreachable.
-absl::Status Annotate(const grpc::Status& status, const std::string& path) {
+absl::Status internal::Annotate(const grpc::Status& status, const std::string& path) {
   absl::Status st = FromGrpcStatus(status);
   if (st.code() == absl::StatusCode::kUnavailable) {
     return absl::UnavailableError(absl::StrCat(
@@ -81,6 +68,20 @@ absl::Status Annotate(const grpc::Status& status, const std::string& path) {
         absl::StrCat("tpud at ", path, " did not answer in time: ", st.message()));
   }
   return st;
+}
+
+namespace {
+
+using internal::Annotate;
+using internal::ConnectUnix;
+using internal::SetDeadline;
+
+std::shared_ptr<grpc::Channel> ChannelOnFd(int fd) {
+  // gRPC expects a non-blocking descriptor.
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(16 << 20);
+  return grpc::CreateCustomInsecureChannelFromFd("tpud", fd, args);
 }
 
 TopologyInfo ConvertTopology(const v1::TopologyInfo& t) {
@@ -186,12 +187,12 @@ const std::string& Session::daemon_version() const { return impl_->daemon_versio
 const std::string& Session::socket_path() const { return impl_->options.socket_path; }
 
 absl::StatusOr<TopologyInfo> Session::GetTopology() {
-  grpc::ClientContext ctx;
+  Impl::Call call(impl_.get());
   v1::GetTopologyResponse resp;
   absl::StatusOr<std::shared_ptr<v1::Runtime::Stub>> stub = impl_->Stub();
   if (!stub.ok()) return stub.status();
-  grpc::Status st = (*stub)->GetTopology(impl_->Prepare(&ctx), {}, &resp);
-  if (!st.ok()) return Annotate(st, impl_->options.socket_path);
+  grpc::Status st = (*stub)->GetTopology(call.ctx(), {}, &resp);
+  if (!st.ok()) return impl_->Annotate(st);
   return ConvertTopology(resp.topology());
 }
 
@@ -204,11 +205,11 @@ absl::StatusOr<Segment> Session::Allocate(int chip, uint64_t bytes) {
   req.set_chip(static_cast<uint32_t>(chip));
   req.set_bytes(bytes);
   v1::AllocateSegmentResponse resp;
-  grpc::ClientContext ctx;
+  Impl::Call call(impl_.get());
   absl::StatusOr<std::shared_ptr<v1::Runtime::Stub>> stub = impl_->Stub();
   if (!stub.ok()) return stub.status();
-  grpc::Status st = (*stub)->AllocateSegment(impl_->Prepare(&ctx), req, &resp);
-  if (!st.ok()) return Annotate(st, impl_->options.socket_path);
+  grpc::Status st = (*stub)->AllocateSegment(call.ctx(), req, &resp);
+  if (!st.ok()) return impl_->Annotate(st);
   Segment seg;
   seg.address = resp.segment().address();
   seg.chip = static_cast<int>(resp.segment().chip());
@@ -223,11 +224,11 @@ absl::Status Session::Free(uint64_t address) {
   req.set_session_id(impl_->id);
   req.set_address(address);
   v1::FreeSegmentResponse resp;
-  grpc::ClientContext ctx;
+  Impl::Call call(impl_.get());
   absl::StatusOr<std::shared_ptr<v1::Runtime::Stub>> stub = impl_->Stub();
   if (!stub.ok()) return stub.status();
-  grpc::Status st = (*stub)->FreeSegment(impl_->Prepare(&ctx), req, &resp);
-  if (!st.ok()) return Annotate(st, impl_->options.socket_path);
+  grpc::Status st = (*stub)->FreeSegment(call.ctx(), req, &resp);
+  if (!st.ok()) return impl_->Annotate(st);
   return absl::OkStatus();
 }
 
@@ -235,11 +236,11 @@ absl::StatusOr<MemoryStats> Session::GetMemoryStats() {
   v1::GetMemoryStatsRequest req;
   req.set_session_id(impl_->id);
   v1::GetMemoryStatsResponse resp;
-  grpc::ClientContext ctx;
+  Impl::Call call(impl_.get());
   absl::StatusOr<std::shared_ptr<v1::Runtime::Stub>> stub = impl_->Stub();
   if (!stub.ok()) return stub.status();
-  grpc::Status st = (*stub)->GetMemoryStats(impl_->Prepare(&ctx), req, &resp);
-  if (!st.ok()) return Annotate(st, impl_->options.socket_path);
+  grpc::Status st = (*stub)->GetMemoryStats(call.ctx(), req, &resp);
+  if (!st.ok()) return impl_->Annotate(st);
   MemoryStats out;
   out.quota_bytes_per_chip = resp.quota_bytes_per_chip();
   for (const v1::ChipMemoryStats& c : resp.chips()) {
@@ -324,6 +325,33 @@ absl::StatusOr<DaemonStatus> AdminClient::GetStatus() {
   out.uptime_seconds = resp.uptime_seconds();
   out.daemon_pid = resp.daemon_pid();
   out.default_quota_bytes_per_chip = resp.default_quota_bytes_per_chip();
+  out.spin_ok = resp.spin_ok();
+  for (const v1::ExecutorInfo& e : resp.executors()) {
+    ExecutorInfo info;
+    info.index = static_cast<int>(e.index());
+    info.chips.assign(e.chips().begin(), e.chips().end());
+    info.pid = e.pid();
+    info.ready = e.ready();
+    info.restarts = e.restarts();
+    info.busy_seconds = e.busy_seconds();
+    info.ops_executed = e.ops_executed();
+    info.duty_cycle = e.duty_cycle();
+    out.executors.push_back(std::move(info));
+  }
+  for (const v1::ExecutorRestart& r : resp.executor_restarts()) {
+    ExecutorRestart rec;
+    rec.unix_seconds = r.unix_seconds();
+    rec.executor = static_cast<int>(r.executor());
+    rec.chips.assign(r.chips().begin(), r.chips().end());
+    rec.pid = r.pid();
+    rec.reason = r.reason();
+    rec.session_id = r.session_id();
+    rec.op = r.op();
+    rec.stream = static_cast<int>(r.stream());
+    rec.chip = static_cast<int>(r.chip());
+    rec.sequence = r.sequence();
+    out.executor_restarts.push_back(std::move(rec));
+  }
   return out;
 }
 

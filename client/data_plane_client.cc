@@ -7,6 +7,7 @@
 // previous chip's ring: the stream keeps CUDA's in-order semantics across
 // chips, and synchronising a stream waits for every ring it used.
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -30,19 +31,67 @@ constexpr uint64_t kPinnedAlignment = 256;
 // microseconds; a futex wake-up costs tens.
 constexpr uint64_t kSpinNanos = 30000;
 // A sleeping waiter checks that tpud is still there this often.
-constexpr int64_t kLivenessCheckNanos = 50 * 1000 * 1000;
+constexpr int64_t kLivenessCheckNanos = 20 * 1000 * 1000;
 
-bool PeerGone(int fd) {
+}  // namespace
+
+bool internal::PeerGone(int fd) {
   pollfd p{fd, POLLRDHUP, 0};
   return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
-}  // namespace
+using internal::PeerGone;
 
 Session::Impl::~Impl() {
+  StopWatcher();
   if (shm != nullptr) munmap(shm, shm_bytes);
   for (int fd : doorbells) close(fd);
   if (data_plane_fd >= 0) close(data_plane_fd);
+}
+
+Session::Impl::Call::Call(Impl* impl) : impl_(impl) {
+  impl_->Prepare(&ctx_);
+  absl::MutexLock lock(&impl_->calls_mu);
+  impl_->calls.insert(&ctx_);
+  // Gone already: the call fails as soon as it starts.
+  if (impl_->daemon_gone.load()) ctx_.TryCancel();
+}
+
+Session::Impl::Call::~Call() {
+  absl::MutexLock lock(&impl_->calls_mu);
+  impl_->calls.erase(&ctx_);
+}
+
+absl::Status Session::Impl::Annotate(const grpc::Status& status) {
+  if (daemon_gone.load()) {
+    return absl::UnavailableError(absl::StrCat("lost the connection to tpud at ",
+                                               options.socket_path,
+                                               "; the daemon stopped or ended this session"));
+  }
+  return internal::Annotate(status, options.socket_path);
+}
+
+void Session::Impl::StartWatcher() {
+  watcher_stop_fd = eventfd(0, EFD_CLOEXEC);
+  if (watcher_stop_fd < 0) return;
+  watcher = std::thread([this] {
+    pollfd fds[2] = {{data_plane_fd, POLLRDHUP, 0}, {watcher_stop_fd, POLLIN, 0}};
+    while (poll(fds, 2, -1) < 0 && errno == EINTR) {
+    }
+    if (fds[1].revents != 0) return;  // the session is closing
+    daemon_gone.store(true);
+    absl::MutexLock lock(&calls_mu);
+    for (grpc::ClientContext* c : calls) c->TryCancel();
+  });
+}
+
+void Session::Impl::StopWatcher() {
+  if (watcher_stop_fd < 0) return;
+  const uint64_t one = 1;
+  (void)!write(watcher_stop_fd, &one, sizeof(one));
+  if (watcher.joinable()) watcher.join();
+  close(watcher_stop_fd);
+  watcher_stop_fd = -1;
 }
 
 absl::Status Session::Impl::AttachDataPlane(const std::string& token) {
@@ -136,6 +185,7 @@ absl::Status Session::Impl::AttachDataPlane(const std::string& token) {
     absl::MutexLock lock(&events_mu);
     for (int e = kMaxEvents - 1; e >= 0; --e) free_events.push_back(e);
   }
+  StartWatcher();
   return absl::OkStatus();
 }
 

@@ -3,10 +3,13 @@
 #ifndef TPU_CLIENT_SESSION_IMPL_H_
 #define TPU_CLIENT_SESSION_IMPL_H_
 
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -30,6 +33,12 @@ inline void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {
   ctx->set_deadline(std::chrono::system_clock::now() +
                     std::chrono::microseconds(absl::ToInt64Microseconds(timeout)));
 }
+
+// A failed call's status; unreachable-daemon errors name the socket path.
+absl::Status Annotate(const grpc::Status& status, const std::string& path);
+
+// Whether the peer of a connected socket has hung up (never blocks).
+bool PeerGone(int fd);
 
 // Connects a unix stream socket; errors name the path, errno and a remedy.
 absl::StatusOr<int> ConnectUnix(const std::string& path, bool admin);
@@ -102,8 +111,41 @@ struct Session::Impl {
     return ctx;
   }
 
-  // The stub while the session is open; calls in flight keep it alive.
+  // A control-plane call of this session, registered while in flight so that
+  // the liveness watcher can cancel it the moment tpud goes away (gRPC alone
+  // may take seconds to give up on a dead connection).
+  class Call {
+   public:
+    explicit Call(Impl* impl);
+    ~Call();
+    grpc::ClientContext* ctx() { return &ctx_; }
+
+   private:
+    Impl* impl_;
+    grpc::ClientContext ctx_;
+  };
+  // A failed call's status; UNAVAILABLE naming the socket once tpud is gone.
+  absl::Status Annotate(const grpc::Status& status);
+
+  // Watches the data-plane connection (one thread, blocked in poll): when
+  // tpud goes away it marks the session and cancels every call in flight.
+  void StartWatcher();
+  void StopWatcher();
+  std::atomic<bool> daemon_gone{false};
+  absl::Mutex calls_mu;
+  std::set<grpc::ClientContext*> calls ABSL_GUARDED_BY(calls_mu);
+  std::thread watcher;
+  int watcher_stop_fd = -1;
+
+  // The stub while the session is open; calls in flight keep it alive. A
+  // session whose daemon is gone fails at once (UNAVAILABLE): gRPC may take
+  // seconds to give up on a dead connection.
   absl::StatusOr<std::shared_ptr<tpud::v1::Runtime::Stub>> Stub() ABSL_LOCKS_EXCLUDED(mu) {
+    if (daemon_gone.load() || (data_plane_fd >= 0 && internal::PeerGone(data_plane_fd))) {
+      return absl::UnavailableError(absl::StrCat(
+          "lost the connection to tpud at ", options.socket_path,
+          "; the daemon stopped or ended this session"));
+    }
     absl::MutexLock lock(&mu);
     if (!open) {
       return absl::FailedPreconditionError(

@@ -105,6 +105,8 @@ class DataPlane {
 
   SessionActivity Activity(uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
   ChipUsage ChipActivity(int chip);
+  // The spin advice in force now.
+  bool spin_ok() const { return spin_ok_.load() != 0; }
 
   // Starts keeping the spin advice current (one thread, asleep while the
   // host is idle).

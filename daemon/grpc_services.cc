@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/protocol.h"
+#include "tpu/shm_layout.h"
 #include "tpu/units.h"
 
 namespace tpud {
@@ -212,6 +213,33 @@ grpc::Status AdminServiceImpl::GetStatus(grpc::ServerContext* ctx,
   resp->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
   resp->set_daemon_pid(getpid());
   resp->set_default_quota_bytes_per_chip(core_->default_quota());
+  if (data_plane_ != nullptr) resp->set_spin_ok(data_plane_->spin_ok());
+  if (pool_ != nullptr) {
+    for (const ExecutorInfo& e : pool_->Executors()) {
+      v1::ExecutorInfo* out = resp->add_executors();
+      out->set_index(e.index);
+      for (int c : e.chips) out->add_chips(c);
+      out->set_pid(e.pid);
+      out->set_ready(e.ready);
+      out->set_restarts(e.restarts);
+      out->set_busy_seconds(e.busy_ns / 1e9);
+      out->set_ops_executed(e.ops);
+      out->set_duty_cycle(e.duty_cycle);
+    }
+    for (const ExecutorRestart& r : pool_->Restarts()) {
+      v1::ExecutorRestart* out = resp->add_executor_restarts();
+      out->set_unix_seconds(absl::ToDoubleSeconds(r.when - absl::UnixEpoch()));
+      out->set_executor(r.executor);
+      for (int c : r.chips) out->add_chips(c);
+      out->set_pid(r.pid);
+      out->set_reason(r.reason);
+      out->set_session_id(r.session_id);
+      out->set_op(r.op);
+      out->set_stream(tpu::RingStream(r.ring));
+      out->set_chip(tpu::RingChip(r.ring));
+      out->set_sequence(r.sequence);
+    }
+  }
   return grpc::Status::OK;
 }
 

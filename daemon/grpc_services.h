@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "daemon/connection_table.h"
 #include "daemon/data_plane.h"
+#include "daemon/executor/executor_pool.h"
 #include "daemon/runtime_core.h"
 #include "proto/tpud.grpc.pb.h"
 
@@ -47,8 +48,9 @@ class AdminServiceImpl final : public v1::Admin::Service {
  public:
   // `hangup` closes a connection whose session an administrator killed.
   AdminServiceImpl(RuntimeCore* core, const ConnectionTable* connections,
-                   DataPlane* data_plane, std::function<void(ConnectionId)> hangup)
-      : core_(core), connections_(connections), data_plane_(data_plane),
+                   DataPlane* data_plane, const ExecutorPool* pool,
+                   std::function<void(ConnectionId)> hangup)
+      : core_(core), connections_(connections), data_plane_(data_plane), pool_(pool),
         hangup_(std::move(hangup)), started_(absl::Now()) {}
 
   grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest* req,
@@ -72,6 +74,7 @@ class AdminServiceImpl final : public v1::Admin::Service {
   RuntimeCore* core_;
   const ConnectionTable* connections_;
   DataPlane* data_plane_;
+  const ExecutorPool* pool_;  // may be null (no executor figures)
   std::function<void(ConnectionId)> hangup_;
   absl::Time started_;
 };

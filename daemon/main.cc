@@ -227,7 +227,7 @@ int Run() {
   }
   data_plane.Start();
   RuntimeServiceImpl runtime_service(core->get(), &connections, &data_plane);
-  AdminServiceImpl admin_service(core->get(), &connections, &data_plane,
+  AdminServiceImpl admin_service(core->get(), &connections, &data_plane, pool_ptr,
                                  [&sockets](ConnectionId id) {
     if (sockets != nullptr) sockets->Hangup(id);
   });

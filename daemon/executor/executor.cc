@@ -753,6 +753,9 @@ absl::Status Executor::RunOp(Ring& ring, uint64_t sequence) {
     status = absl::UnavailableError("the session ended");
   } else {
     status = ResolveTensors(ring);
+    if (!status.ok() && status.code() != absl::StatusCode::kNotFound) {
+      status = absl::Status(status.code(), absl::StrCat(OpName(&op), ": ", status.message()));
+    }
   }
   if (status.ok()) status = CheckInputPoison(ring);
   if (status.ok()) {

@@ -412,3 +412,19 @@ def test_host_scalar_values_shape_results(tpud):
         for s in (1, 4, 6):
             assert torch.narrow(t, 0, torch.tensor(s), 3).cpu().tolist() == x[s:s + 3].tolist()
     """)
+
+
+def test_results_live_on_their_tensors_device_not_the_current_one(tpud):
+    # Regression: storages that ops resize (out= tensors, e.g. x.sum()) were
+    # reallocated on the current device (tpu:0) while claiming tpu:1.
+    run_py(tpud, """
+        import torch, torch_tpu
+        assert torch.tpu.current_device() == 0
+        x = torch.arange(10., device="tpu:1")
+        s = x.sum()
+        assert s.device == torch.device("tpu", 1) and s.item() == 45.0
+        y = torch.ones(4, device="tpu:1") * 3
+        assert y.cpu().tolist() == [3.0] * 4
+        z = torch.cat([x, x]).mean()
+        assert z.item() == 4.5
+    """)

@@ -1,6 +1,6 @@
 // tpuctl: administer tpud (think nvidia-smi plus MPS control).
 //
-//   tpuctl status | topology | sessions | health      [--json]
+//   tpuctl status | topology | sessions | executors | health      [--json]
 //   tpuctl kill SESSION
 //   tpuctl quota SESSION SIZE        (SIZE like 8GiB; "none" removes it)
 //   tpuctl quota --default SIZE      (for sessions opened from now on)
@@ -20,6 +20,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "tools/tpuctl/json_writer.h"
 #include "tpu/client.h"
 #include "tpu/paths.h"
@@ -184,6 +186,99 @@ void PrintSessionTable(const std::vector<tpu::SessionInfo>& sessions) {
   }
 }
 
+void WriteExecutors(JsonWriter& w, const tpu::DaemonStatus& st) {
+  w.Key("executors").BeginArray();
+  for (const tpu::ExecutorInfo& e : st.executors) {
+    w.BeginObject();
+    w.Key("index").Int(e.index);
+    w.Key("chips").BeginArray();
+    for (int c : e.chips) w.Int(c);
+    w.EndArray();
+    w.Key("pid").Int(e.pid);
+    w.Key("ready").Bool(e.ready);
+    w.Key("restarts").Uint(e.restarts);
+    w.Key("busy_seconds").Double(e.busy_seconds);
+    w.Key("ops_executed").Uint(e.ops_executed);
+    w.Key("duty_cycle").Double(e.duty_cycle);
+    w.EndObject();
+  }
+  w.EndArray();
+  w.Key("executor_restarts").BeginArray();
+  for (const tpu::ExecutorRestart& r : st.executor_restarts) {
+    w.BeginObject();
+    w.Key("unix_seconds").Double(r.unix_seconds);
+    w.Key("executor").Int(r.executor);
+    w.Key("pid").Int(r.pid);
+    w.Key("reason").String(r.reason);
+    w.Key("session_id");
+    if (r.session_id == 0) {
+      w.Null();
+    } else {
+      w.Uint(r.session_id);
+    }
+    w.Key("op");
+    if (r.session_id == 0) {
+      w.Null();
+    } else {
+      w.String(r.op);
+    }
+    w.Key("chip").Int(r.chip);
+    w.Key("stream").Int(r.stream);
+    w.Key("sequence").Uint(r.sequence);
+    w.EndObject();
+  }
+  w.EndArray();
+}
+
+std::string Ago(double unix_seconds) {
+  const double now = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  return absl::StrCat(Duration(std::max(0.0, now - unix_seconds)), " ago");
+}
+
+void PrintRestart(const tpu::ExecutorRestart& r) {
+  std::printf("  %s: executor %d (pid %d) %s", Ago(r.unix_seconds).c_str(), r.executor, r.pid,
+              r.reason.c_str());
+  if (r.session_id != 0) {
+    std::printf(" in %s of session %llu (chip %d, stream %d, record %llu); that session was ended",
+                r.op.c_str(), static_cast<unsigned long long>(r.session_id), r.chip, r.stream,
+                static_cast<unsigned long long>(r.sequence));
+  }
+  std::printf("\n");
+}
+
+int CmdExecutors(tpu::AdminClient& admin, bool json) {
+  absl::StatusOr<tpu::DaemonStatus> st = admin.GetStatus();
+  if (!st.ok()) return Error(st.status());
+  if (json) {
+    JsonWriter w;
+    w.BeginObject();
+    w.Key("schema_version").Int(kJsonSchemaVersion);
+    w.Key("spin_ok").Bool(st->spin_ok);
+    WriteExecutors(w, *st);
+    w.EndObject();
+    std::printf("%s\n", w.str().c_str());
+    return 0;
+  }
+  std::printf("%-9s %-7s %-8s %-7s %-9s %-6s %-12s %s\n", "EXECUTOR", "CHIPS", "PID", "STATE",
+              "RESTARTS", "DUTY", "OPS", "BUSY");
+  for (const tpu::ExecutorInfo& e : st->executors) {
+    std::printf("%-9d %-7s %-8d %-7s %-9llu %-6s %-12llu %.2fs\n", e.index,
+                absl::StrJoin(e.chips, ",").c_str(), e.pid, e.ready ? "ready" : "STARTING",
+                static_cast<unsigned long long>(e.restarts),
+                absl::StrFormat("%3.0f%%", 100 * e.duty_cycle).c_str(),
+                static_cast<unsigned long long>(e.ops_executed), e.busy_seconds);
+  }
+  std::printf("\nwaiting parties %s\n", st->spin_ok ? "may spin (a core is free for them)"
+                                                   : "block at once (cores are busy)");
+  if (st->executor_restarts.empty()) {
+    std::printf("No executor restarts.\n");
+  } else {
+    std::printf("Executor restarts (oldest first):\n");
+    for (const tpu::ExecutorRestart& r : st->executor_restarts) PrintRestart(r);
+  }
+  return 0;
+}
+
 int CmdStatus(tpu::AdminClient& admin, bool json) {
   absl::StatusOr<tpu::DaemonStatus> st = admin.GetStatus();
   if (!st.ok()) return Error(st.status());
@@ -205,6 +300,7 @@ int CmdStatus(tpu::AdminClient& admin, bool json) {
     WriteTopology(w, st->topology);
     WriteChips(w, st->topology);
     WriteSessions(w, st->sessions);
+    WriteExecutors(w, *st);
     w.EndObject();
     std::printf("%s\n", w.str().c_str());
     return 0;
@@ -219,6 +315,12 @@ int CmdStatus(tpu::AdminClient& admin, bool json) {
   PrintChipTable(t);
   std::printf("\n");
   PrintSessionTable(st->sessions);
+  uint64_t restarts = 0;
+  for (const tpu::ExecutorInfo& e : st->executors) restarts += e.restarts;
+  std::printf("\n%zu executor processes, %llu restart(s)%s\n", st->executors.size(),
+              static_cast<unsigned long long>(restarts),
+              restarts == 0 ? "" : "; the last (`tpuctl executors` lists all):");
+  if (!st->executor_restarts.empty()) PrintRestart(st->executor_restarts.back());
   return 0;
 }
 
@@ -320,6 +422,7 @@ int Main(std::vector<std::string> args) {
   if (!admin.ok()) return Error(admin.status());
   tpu::AdminClient& a = **admin;
   if (cmd == "status" && args.size() == 1) return CmdStatus(a, json);
+  if (cmd == "executors" && args.size() == 1) return CmdExecutors(a, json);
   if (cmd == "topology" && args.size() == 1) return CmdTopology(a, json);
   if (cmd == "sessions" && args.size() == 1) return CmdSessions(a, json);
   if (cmd == "health" && args.size() == 1) return CmdHealth(a, json);
@@ -370,6 +473,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "administer tpud\n"
       "  tpuctl status    [--json]   chips and processes, like nvidia-smi\n"
+      "  tpuctl executors [--json]   executor processes and why any was restarted\n"
       "  tpuctl topology  [--json]   host shape, chip coordinates, ICI neighbours\n"
       "  tpuctl sessions  [--json]   client sessions\n"
       "  tpuctl health    [--json]   exit 0 when serving\n"

@@ -241,6 +241,33 @@ struct SessionInfo {
   uint64_t ops_executed = 0;
 };
 
+// An executor process of tpud: where the ops of its chips run. A kernel that
+// crashes or hangs takes down only its executor, which tpud replaces.
+struct ExecutorInfo {
+  int index = 0;
+  std::vector<int> chips;
+  int pid = 0;
+  bool ready = false;
+  uint64_t restarts = 0;
+  double busy_seconds = 0;
+  uint64_t ops_executed = 0;
+  double duty_cycle = 0;
+};
+
+// One replacement of an executor: why, and whose op was running.
+struct ExecutorRestart {
+  double unix_seconds = 0;
+  int executor = 0;
+  std::vector<int> chips;
+  int pid = 0;              // the process that died
+  std::string reason;       // "SIGSEGV (segmentation fault)", ...
+  uint64_t session_id = 0;  // 0: no op was running (nobody's session ended)
+  std::string op;
+  int stream = 0;
+  int chip = 0;
+  uint64_t sequence = 0;
+};
+
 struct DaemonStatus {
   TopologyInfo topology;
   std::vector<SessionInfo> sessions;
@@ -248,6 +275,9 @@ struct DaemonStatus {
   double uptime_seconds = 0;
   int daemon_pid = 0;
   uint64_t default_quota_bytes_per_chip = 0;
+  std::vector<ExecutorInfo> executors;
+  std::vector<ExecutorRestart> executor_restarts;  // oldest first
+  bool spin_ok = false;
 };
 
 struct ChipHealth {

@@ -1196,10 +1196,14 @@ void ResizeStorage(const c10::Storage& storage, size_t newsize) {
   c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
   const size_t old = impl->nbytes();
   if (newsize == old) return;
+  // The allocator serves the current device: make it the storage's own.
+  const c10::Device device = impl->device();
+  c10::DeviceGuard guard(device);
   c10::DataPtr fresh = GetTpuAllocator()->allocate(newsize);
   const size_t keep = std::min(old, newsize);
   if (keep > 0 && impl->data_ptr().get() != nullptr) {
-    Check(GetSession().CopyOnDevice(0, reinterpret_cast<uint64_t>(fresh.get()),
+    const int stream = SessionStream(CurrentStreamId(device.index()));
+    Check(GetSession().CopyOnDevice(stream, reinterpret_cast<uint64_t>(fresh.get()),
                                     reinterpret_cast<uint64_t>(impl->data_ptr().get()), keep),
           "resize");
   }
