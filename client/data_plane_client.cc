@@ -7,6 +7,7 @@
 // previous chip's ring: the stream keeps CUDA's in-order semantics across
 // chips, and synchronising a stream waits for every ring it used.
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -30,6 +31,7 @@ constexpr uint64_t kPinnedAlignment = 256;
 // it) before it sleeps: a round trip without a sleeping party is a few
 // microseconds; a futex wake-up costs tens.
 constexpr uint64_t kSpinNanos = 30000;
+constexpr uint64_t kYieldNanos = 20000;
 // A sleeping waiter checks that tpud is still there this often.
 constexpr int64_t kLivenessCheckNanos = 20 * 1000 * 1000;
 
@@ -283,9 +285,14 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
   std::memcpy(&h, record.data(), sizeof(h));
   ctl->submitted.store(h.sequence, std::memory_order_relaxed);
   ctl->tail.store(rp.tail);  // seq_cst: ordered before the sleeping check
+  // One ring of the doorbell per sleep of the executor, not one per record.
   if (ctl->consumer_sleeping.load()) {
-    const uint64_t one = 1;
-    (void)!write(doorbells[RingChip(ring)], &one, sizeof(one));
+    const uint32_t epoch = ctl->sleep_epoch.load(std::memory_order_acquire);
+    if (epoch != rp.rung_epoch) {
+      rp.rung_epoch = epoch;
+      const uint64_t one = 1;
+      (void)!write(doorbells[RingChip(ring)], &one, sizeof(one));
+    }
   }
   return absl::OkStatus();
 }
@@ -293,13 +300,23 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
 absl::Status Session::Impl::WaitCompleted(int ring, uint64_t sequence) {
   RingControl* ctl = Control(ring);
   if (ctl->completed.load(std::memory_order_acquire) >= sequence) return absl::OkStatus();
-  if (SpinOk()) {
-    const uint64_t spin_until = MonotonicNanos() + kSpinNanos;
-    while (MonotonicNanos() < spin_until) {
-      if (ctl->completed.load(std::memory_order_acquire) >= sequence) return absl::OkStatus();
-      if (ctl->dead.load()) return TakeError(ring);
-      __builtin_ia32_pause();
+  {
+    // Spin while a core is free for it; otherwise yield the core (to the
+    // executor, likely) for a moment; then sleep.
+    const bool spin = SpinOk();
+    const uint64_t until = MonotonicNanos() + (spin ? kSpinNanos : kYieldNanos);
+    bool done = false;
+    while (!done && MonotonicNanos() < until) {
+      done = ctl->completed.load(std::memory_order_acquire) >= sequence || ctl->dead.load();
+      if (done) break;
+      if (spin) {
+        __builtin_ia32_pause();
+      } else {
+        sched_yield();
+      }
     }
+    if (ctl->completed.load(std::memory_order_acquire) >= sequence) return absl::OkStatus();
+    if (ctl->dead.load()) return TakeError(ring);
   }
   while (true) {
     const uint32_t v = ctl->completion_futex.load();

@@ -51,6 +51,8 @@ struct RingProducer {
   // learns a schema from the ring itself, so no ring runs an op whose
   // definition is still queued on another.
   std::vector<bool> defined;
+  // The executor's sleep epoch this producer last rang the doorbell for.
+  uint32_t rung_epoch = ~0u;
 };
 
 // A stream: its ring on every chip, and the chip its last work went to. The

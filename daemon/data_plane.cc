@@ -45,15 +45,17 @@ int RunnableThreads(int fd) {
 
 bool SpinAdvisor::Update(int active_parties, int runnable) {
   constexpr double kWeight = 0.25;
+  const double others = std::max(0, runnable - active_parties);
   if (fresh_) {
-    average_ = runnable;
+    others_ = others;
     fresh_ = false;
   } else {
-    average_ += kWeight * (runnable - average_);
+    others_ += kWeight * (others - others_);
   }
-  if (active_parties > num_cpus_ || average_ > num_cpus_ + 0.5) {
+  const int free_cores = num_cpus_ - active_parties;
+  if (free_cores < 0 || others_ > free_cores + 0.75) {
     spin_ok_ = false;
-  } else if (average_ < num_cpus_ - 0.5) {
+  } else if (others_ < free_cores + 0.5) {
     spin_ok_ = true;
   }
   return spin_ok_;

@@ -58,17 +58,15 @@ struct DataPlaneGrant {
   std::vector<int> doorbells;  // one per chip
 };
 
-// Whether waiting parties may spin. Pure logic, fed one sample per period:
-// off at once while tpud's active parties outnumber the cores; otherwise it
-// follows a moving average (about four samples) of the host's runnable
-// threads, turning on below
-// `cores - 0.5` (a core is idle most of the time: one of a client/executor
-// pair works while the other waits) and off above `cores + 0.5` (someone
-// else needs the cores the spinners would take).
+// Whether waiting parties may spin. Pure logic, fed one sample per period.
+// CUDA's rule made host-aware: tpud's active parties (sessions with recent
+// work, each counted as one client thread, and executors awake) must not
+// outnumber the cores, and the rest of the host's runnable threads (a moving
+// average over about four samples) must fit in the cores left over: on below
+// `free + 0.5`, off above `free + 0.75` threads.
 class SpinAdvisor {
  public:
-  explicit SpinAdvisor(int num_cpus) : num_cpus_(num_cpus), average_(num_cpus) {}
-  // `active_parties`: executors awake plus sessions with recent work;
+  explicit SpinAdvisor(int num_cpus) : num_cpus_(num_cpus) {}
   // `runnable`: the host's runnable threads, not counting the sampler.
   bool Update(int active_parties, int runnable);
   // The host was idle for tpud: the next sample starts the average afresh.
@@ -77,7 +75,7 @@ class SpinAdvisor {
 
  private:
   const int num_cpus_;
-  double average_;
+  double others_ = 0;  // runnable threads that are not tpud's parties
   bool fresh_ = true;
   bool spin_ok_ = false;
 };

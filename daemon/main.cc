@@ -67,6 +67,13 @@ ABSL_FLAG(std::string, ring_bytes, "1MiB",
 ABSL_FLAG(absl::Duration, op_timeout, absl::Minutes(10),
           "an op running longer is deemed hung: its executor is restarted and its session "
           "ended (0 = never)");
+ABSL_FLAG(absl::Duration, executor_spin, absl::Microseconds(50),
+          "how long an idle executor spins for new work while a core is free for it");
+ABSL_FLAG(absl::Duration, executor_yield, absl::Microseconds(50),
+          "how long an idle executor yields its core (and looks for new work) when no core "
+          "is free, before it sleeps");
+ABSL_FLAG(absl::Duration, executor_quantum, absl::Microseconds(200),
+          "how long an executor serves one stream while others wait");
 ABSL_FLAG(int, max_connections_per_uid, 1024,
           "connections one user may hold on the runtime socket");
 ABSL_FLAG(int, max_sessions_per_uid, 512, "sessions one user may hold at once (0 = no limit)");
@@ -163,6 +170,9 @@ int Run() {
     wake_fds.push_back(fd);
   }
   exec_config.wake_fds = wake_fds;
+  exec_config.spin_ns = absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_executor_spin));
+  exec_config.yield_ns = absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_executor_yield));
+  exec_config.quantum_ns = absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_executor_quantum));
   const int intra_op_threads = absl::GetFlag(FLAGS_intra_op_threads);
   exec_config.make_backend = [intra_op_threads]() -> std::unique_ptr<ChipBackend> {
     return SimulatedChip::Create(intra_op_threads);

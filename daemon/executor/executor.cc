@@ -1,6 +1,7 @@
 #include "daemon/executor/executor.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/epoll.h>
 #include <unistd.h>
 
@@ -128,13 +129,19 @@ int Executor::Run() {
       if (ring != nullptr) RunRing(*ring);
       continue;
     }
-    // Idle. Spin while a core is free for it and something may come soon.
-    if (config_.shared->spin_ok.load(std::memory_order_relaxed) != 0 &&
-        (!polled_.empty() || !parked_.empty())) {
-      const uint64_t until = now + config_.spin_ns;
+    // Idle, but work may come soon. CUDA's rule: spin while a core is free
+    // for it, otherwise yield (the core goes to whoever is runnable, likely
+    // the client about to publish), for a moment, before sleeping.
+    if (!polled_.empty() || !parked_.empty()) {
+      const bool spin = config_.shared->spin_ok.load(std::memory_order_relaxed) != 0;
+      const uint64_t until = now + (spin ? config_.spin_ns : config_.yield_ns);
       bool found = false;
       while (!found && tpu::MonotonicNanos() < until) {
-        for (int i = 0; i < 32; ++i) __builtin_ia32_pause();
+        if (spin) {
+          for (int i = 0; i < 32; ++i) __builtin_ia32_pause();
+        } else {
+          sched_yield();
+        }
         PollRings(tpu::MonotonicNanos());
         found = !queue_.empty();
       }
@@ -262,7 +269,7 @@ void Executor::Attach(const ControlMessage& msg, std::vector<int>& fds) {
         handles_[r->handle] = r.get();
       }
       // Armed until there is work: the client rings the doorbell.
-      r->ctl->consumer_sleeping.store(1);
+      ArmDoorbell(*r);
       r->state = Ring::State::kArmed;
       ++armed_count_;
       sp->rings.push_back(std::move(r));
@@ -305,7 +312,8 @@ void Executor::Detach(uint64_t session_id) {
 // ---------------------------------------------------------------- scheduling
 
 bool Executor::HasWork(const Ring& ring) const {
-  return ring.ctl->tail.load(std::memory_order_acquire) !=
+  // seq_cst: after arming a doorbell this load must not pass the flag's store.
+  return ring.ctl->tail.load(std::memory_order_seq_cst) !=
          ring.trusted->head.load(std::memory_order_relaxed);
 }
 
@@ -315,6 +323,13 @@ bool Executor::ParkedReady(const Ring& ring) const {
   const TrustedRing* other = s.state.ring(ring.wait_ring);
   return other->last_sequence.load(std::memory_order_acquire) >= ring.wait_sequence ||
          tpu::RingControlOf(s.shm.data(), s.layout, ring.wait_ring)->dead.load() != 0;
+}
+
+void Executor::ArmDoorbell(Ring& ring) {
+  // The epoch first: a producer that sees the flag sees this epoch too, and
+  // rings once for it.
+  ring.ctl->sleep_epoch.fetch_add(1, std::memory_order_release);
+  ring.ctl->consumer_sleeping.store(1, std::memory_order_seq_cst);
 }
 
 void Executor::MakeRunnable(Ring& ring) {
@@ -339,7 +354,7 @@ void Executor::PollRings(uint64_t now) {
       if (now - r->polled_since > config_.poll_ns) {
         // Quiet for a while: arm the doorbell, then look once more so a
         // record published in between is never missed.
-        r->ctl->consumer_sleeping.store(1, std::memory_order_seq_cst);
+        ArmDoorbell(*r);
         r->state = Ring::State::kArmed;
         ++armed_count_;
         if (HasWork(*r)) MakeRunnable(*r);
@@ -368,7 +383,7 @@ void Executor::Sleep(int timeout_ms) {
   // Every polled ring gets its doorbell armed first.
   for (Ring* r : polled_) {
     if (r->state != Ring::State::kPolled) continue;
-    r->ctl->consumer_sleeping.store(1, std::memory_order_seq_cst);
+    ArmDoorbell(*r);
     r->state = Ring::State::kArmed;
     ++armed_count_;
     if (HasWork(*r)) MakeRunnable(*r);
@@ -403,7 +418,13 @@ void Executor::DrainDoorbells(int timeout_ms) {
     uint64_t v;
     (void)!read(s->doorbell_fd, &v, sizeof(v));
     for (auto& r : s->rings) {
-      if (r->state == Ring::State::kArmed && HasWork(*r)) MakeRunnable(*r);
+      if (r->state != Ring::State::kArmed) continue;
+      if (!HasWork(*r)) {
+        // A producer rang for work we had already done: a new epoch, so its
+        // next record rings again (it rings once per epoch).
+        ArmDoorbell(*r);
+      }
+      if (HasWork(*r)) MakeRunnable(*r);
     }
   }
   if (control) HandleControl();

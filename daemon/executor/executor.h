@@ -55,8 +55,10 @@ struct ExecutorConfig {
   // executor).
   std::vector<int> wake_fds;
   ChipBackend* backend = nullptr;
-  // How long an idle executor spins (when allowed) before it sleeps.
+  // How long an idle executor spins (when a core is free) or yields
+  // (otherwise) before it sleeps.
   uint64_t spin_ns = 50000;
+  uint64_t yield_ns = 50000;
   // A ring runs at most this long while others wait.
   uint64_t quantum_ns = 200000;
   // A ring without work is polled this long before its doorbell is armed.
@@ -118,6 +120,8 @@ class Executor {
 
   // ---- scheduling ----
   void MakeRunnable(Ring& ring);
+  // Sets the ring's consumer_sleeping flag (a new sleep epoch).
+  void ArmDoorbell(Ring& ring);
   void PollRings(uint64_t now);
   bool HasWork(const Ring& ring) const;
   bool ParkedReady(const Ring& ring) const;

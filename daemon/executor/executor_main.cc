@@ -73,6 +73,7 @@ int RunExecutorProcess(const ExecutorProcessConfig& config, int index, int contr
   std::unique_ptr<ChipBackend> backend = config.make_backend();
   ec.backend = backend.get();
   ec.spin_ns = config.spin_ns;
+  ec.yield_ns = config.yield_ns;
   ec.quantum_ns = config.quantum_ns;
   int rc;
   {

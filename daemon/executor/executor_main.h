@@ -27,6 +27,7 @@ struct ExecutorProcessConfig {
   // Makes the chip backend (in the executor process, after the fork).
   std::function<std::unique_ptr<ChipBackend>()> make_backend;
   uint64_t spin_ns = 50000;
+  uint64_t yield_ns = 50000;
   uint64_t quantum_ns = 200000;
 };
 

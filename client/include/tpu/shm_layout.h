@@ -14,11 +14,13 @@
 // the executor consumes them and publishes `head` and `completed` (the
 // sequence number of the last record done). Wake-ups:
 //  - the executor polls a ring while it expects work and otherwise sets
-//    `consumer_sleeping`; a producer that sees the flag after publishing
-//    writes the ring's chip doorbell (an eventfd sent with the memfd);
-//  - a waiting client spins on `completed` only while DaemonHints::spin_ok
-//    says a core is free for it, then counts itself in `waiters` and sleeps
-//    on `completion_futex`;
+//    `consumer_sleeping` (bumping `sleep_epoch` first); a producer that sees
+//    the flag after publishing writes the ring's chip doorbell (an eventfd
+//    sent with the memfd), once per sleep epoch (an executor woken for work
+//    it had already done starts a new epoch);
+//  - a waiting client spins on `completed` while DaemonHints::spin_ok says a
+//    core is free for it (otherwise it yields the core for a moment), then
+//    counts itself in `waiters` and sleeps on `completion_futex`;
 //  - a producer facing a full ring sets `wanted_head` (a quarter of the ring
 //    past what it needs, so it is not woken for every record) and
 //    `producer_waiting`, and sleeps on `head_futex`, which the executor bumps
@@ -71,8 +73,8 @@ struct ShmHeader {
 
 // Advice the daemon keeps current for every client.
 struct alignas(64) DaemonHints {
-  // 1 while waiting parties may spin: fewer of tpud's parties are active
-  // than there are cores, and a core is idle. 0: block on the futex at once.
+  // 1 while waiting parties may spin: tpud's active parties fit in the cores
+  // and nothing else needs them. 0: yield the core for a moment, then block.
   std::atomic<uint32_t> spin_ok;
 };
 
@@ -103,6 +105,7 @@ struct alignas(64) RingControl {
   // Consumer (executor) side.
   alignas(64) std::atomic<uint64_t> head;       // bytes ever consumed
   std::atomic<uint32_t> consumer_sleeping;      // ring the doorbell after publishing
+  std::atomic<uint32_t> sleep_epoch;            // bumped each time the flag is set
   std::atomic<uint32_t> head_futex;             // bumped when head moves and a producer waits
   // Completion.
   alignas(64) std::atomic<uint64_t> completed;  // last sequence done
