@@ -182,8 +182,11 @@ def test_kill_9_of_an_idle_executor_harms_no_one(daemon):
     assert restarts[-1]["session_id"] is None  # it was idle: nobody's op was running
 
 
-def test_kill_9_mid_op_ends_only_that_session(daemon):
-    # A long op on chip 2 in flight when its executor is killed.
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGABRT"])
+def test_an_executor_dying_mid_op_ends_only_that_session(daemon, sig):
+    # A long op on chip 2 in flight when its executor is killed (SIGKILL), or
+    # aborts as a failed internal check would (SIGABRT, through the crash
+    # handler).
     victim = start_py(daemon, """
         import torch
         a = torch.randn(3000, 3000, device="tpu:2")
@@ -210,9 +213,9 @@ def test_kill_9_mid_op_ends_only_that_session(daemon):
     wait_ready(neighbour)
     # The victim's first 3000x3000 matmul (about a second here) is running.
     time.sleep(0.3)
-    os.kill(executor_pids(daemon)[2], signal.SIGKILL)
+    os.kill(executor_pids(daemon)[2], getattr(signal, sig))
     rc, out, err = finish(victim)
-    assert "ERROR:" in out and "SIGKILL" in out and "aten::mm" in out, out + err
+    assert "ERROR:" in out and sig in out and "aten::mm" in out, out + err
     rc, out, err = finish(neighbour, say="go\n")
     assert rc == 0 and "neighbour ok" in out, out + err
 
