@@ -17,6 +17,10 @@ K8S = DEPLOY / "kubernetes" / "tpud-daemonset.yaml"
 
 # Every flag tpud documents; the example flagfile must show each exactly once.
 DOCUMENTED_FLAGS = {
+    "op_timeout",
+    "max_connections_per_uid",
+    "max_sessions_per_uid",
+    "handshake_timeout",
     "topology",
     "socket",
     "admin_socket",
