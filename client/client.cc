@@ -326,6 +326,7 @@ absl::StatusOr<DaemonStatus> AdminClient::GetStatus() {
   out.daemon_pid = resp.daemon_pid();
   out.default_quota_bytes_per_chip = resp.default_quota_bytes_per_chip();
   out.spin_ok = resp.spin_ok();
+  out.wait_advice = resp.wait_advice();
   for (const v1::ExecutorInfo& e : resp.executors()) {
     ExecutorInfo info;
     info.index = static_cast<int>(e.index());

@@ -255,7 +255,7 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
   const uint64_t need = pad + record.size();
   auto full = [&] { return rp.tail + need - ctl->head.load(std::memory_order_acquire) > ring_bytes; };
   if (full()) {
-    const uint64_t spin_until = SpinOk() ? MonotonicNanos() + kSpinNanos : 0;
+    const uint64_t spin_until = WaitAdvice() == kWaitSpin ? MonotonicNanos() + kSpinNanos : 0;
     while (full() && MonotonicNanos() < spin_until) __builtin_ia32_pause();
     while (full()) {
       if (ctl->dead.load()) return TakeError(ring);
@@ -301,10 +301,12 @@ absl::Status Session::Impl::WaitCompleted(int ring, uint64_t sequence) {
   RingControl* ctl = Control(ring);
   if (ctl->completed.load(std::memory_order_acquire) >= sequence) return absl::OkStatus();
   {
-    // Spin while a core is free for it; otherwise yield the core (to the
-    // executor, likely) for a moment; then sleep.
-    const bool spin = SpinOk();
-    const uint64_t until = MonotonicNanos() + (spin ? kSpinNanos : kYieldNanos);
+    // Spin while a core is free for it; while only tpud's parties compete,
+    // yield the core (to the executor, likely) for a moment; then sleep.
+    const uint32_t advice = WaitAdvice();
+    const bool spin = advice == kWaitSpin;
+    const uint64_t until =
+        advice == kWaitSleep ? 0 : MonotonicNanos() + (spin ? kSpinNanos : kYieldNanos);
     bool done = false;
     while (!done && MonotonicNanos() < until) {
       done = ctl->completed.load(std::memory_order_acquire) >= sequence || ctl->dead.load();

@@ -161,7 +161,7 @@ struct Session::Impl {
   absl::Status AttachDataPlane(const std::string& token);
 
   RingControl* Control(int ring) { return RingControlOf(shm, layout, ring); }
-  bool SpinOk() { return HintsOf(shm, layout)->spin_ok.load(std::memory_order_relaxed) != 0; }
+  uint32_t WaitAdvice() { return HintsOf(shm, layout)->wait_advice.load(std::memory_order_relaxed); }
   absl::Status CheckStream(int stream) const;
   // The chip of a device address on this host, or INVALID_ARGUMENT.
   absl::StatusOr<int> ChipOfAddress(uint64_t address, const char* what) const;

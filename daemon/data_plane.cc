@@ -43,7 +43,7 @@ int RunnableThreads(int fd) {
 
 }  // namespace
 
-bool SpinAdvisor::Update(int active_parties, int runnable) {
+uint32_t WaitAdvisor::Update(int active_parties, int runnable) {
   constexpr double kWeight = 0.25;
   const double others = std::max(0, runnable - active_parties);
   if (fresh_) {
@@ -53,12 +53,15 @@ bool SpinAdvisor::Update(int active_parties, int runnable) {
     others_ += kWeight * (others - others_);
   }
   const int free_cores = num_cpus_ - active_parties;
-  if (free_cores < 0 || others_ > free_cores + 0.75) {
-    spin_ok_ = false;
-  } else if (others_ < free_cores + 0.5) {
-    spin_ok_ = true;
+  const bool spinning = advice_ == tpu::kWaitSpin;
+  if (free_cores >= 0 && others_ < free_cores + (spinning ? 0.75 : 0.5)) {
+    advice_ = tpu::kWaitSpin;
+  } else if (others_ < (advice_ == tpu::kWaitSleep ? 0.5 : 0.75)) {
+    advice_ = tpu::kWaitYield;
+  } else {
+    advice_ = tpu::kWaitSleep;
   }
-  return spin_ok_;
+  return advice_;
 }
 
 DataPlane::DataPlane(RuntimeCore* core, ExecutorPool* pool, ExecutorShared* shared,
@@ -114,7 +117,7 @@ absl::StatusOr<DataPlaneGrant> DataPlane::Attach(uint64_t session_id, absl::stri
   char* base = plane->shm.data();
   std::memcpy(base, &h, sizeof(h));
   new (tpu::HintsOf(base, h)) tpu::DaemonHints();
-  tpu::HintsOf(base, h)->spin_ok.store(spin_ok_.load());
+  tpu::HintsOf(base, h)->wait_advice.store(wait_advice_.load());
   for (int r = 0; r < num_rings; ++r) {
     tpu::RingControl* ctl = new (tpu::RingControlOf(base, h, r)) tpu::RingControl();
     ctl->consumer_sleeping.store(1);  // until an executor polls it: ring the doorbell
@@ -224,18 +227,18 @@ ChipUsage DataPlane::ChipActivity(int chip) {
   return {};
 }
 
-void DataPlane::PublishSpinAdvice(bool spin_ok) {
-  spin_ok_.store(spin_ok ? 1 : 0);
-  shared_->spin_ok.store(spin_ok ? 1 : 0);
+void DataPlane::PublishWaitAdvice(uint32_t advice) {
+  wait_advice_.store(advice);
+  shared_->wait_advice.store(advice);
   absl::MutexLock lock(&mu_);
   for (auto& [id, plane] : sessions_) {
-    tpu::HintsOf(plane->shm.data(), plane->layout)->spin_ok.store(spin_ok ? 1 : 0);
+    tpu::HintsOf(plane->shm.data(), plane->layout)->wait_advice.store(advice);
   }
 }
 
 void DataPlane::AdviseLoop() {
   const int loadavg = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
-  SpinAdvisor advisor(CpuCount());
+  WaitAdvisor advisor(CpuCount());
   const int n = pool_->num_executors();
   while (!stopping_.load()) {
     int awake = 0;
@@ -262,8 +265,8 @@ void DataPlane::AdviseLoop() {
     }
     parties += awake;
     const int runnable = loadavg >= 0 ? RunnableThreads(loadavg) - 1 : -1;
-    const bool ok = advisor.Update(parties, runnable < 0 ? parties : runnable);
-    if ((ok ? 1u : 0u) != spin_ok_.load()) PublishSpinAdvice(ok);
+    const uint32_t advice = advisor.Update(parties, runnable < 0 ? parties : runnable);
+    if (advice != wait_advice_.load()) PublishWaitAdvice(advice);
     absl::SleepFor(absl::Milliseconds(1));
   }
   if (loadavg >= 0) close(loadavg);

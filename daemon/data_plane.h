@@ -7,7 +7,7 @@
 // the memfd and the doorbells for the client. Executors do the rest; tpud
 // never runs an op.
 //
-// It also keeps the host's spin advice current (SpinAdvisor): waiting parties
+// It also keeps the host's wait advice current (WaitAdvisor): waiting parties
 // (executors and clients) spin only while fewer of tpud's parties are active
 // than there are cores and a core is idle; otherwise they block at once.
 //
@@ -58,26 +58,31 @@ struct DataPlaneGrant {
   std::vector<int> doorbells;  // one per chip
 };
 
-// Whether waiting parties may spin. Pure logic, fed one sample per period.
-// CUDA's rule made host-aware: tpud's active parties (sessions with recent
-// work, each counted as one client thread, and executors awake) must not
-// outnumber the cores, and the rest of the host's runnable threads (a moving
-// average over about four samples) must fit in the cores left over: on below
-// `free + 0.5`, off above `free + 0.75` threads.
-class SpinAdvisor {
+// How waiting parties should wait (tpu::WaitAdvice). Pure logic, fed one
+// sample per period. CUDA's rule made host-aware: tpud's active parties
+// (sessions with recent work, each counted as one client thread, and
+// executors awake) must not outnumber the cores, and the rest of the host's
+// runnable threads ("others", a moving average over about four samples) must
+// fit in the cores left over: spin on below `free + 0.5`, off above
+// `free + 0.75`. Not spinning, waiters yield while others stay below 0.5 (on)
+// / 0.75 (off): only tpud's parties compete, and a yield hands the core to
+// one of them. Otherwise they sleep at once: a thread that yields to a busy
+// loop waits out the loop's whole time slice, while one woken from a futex
+// gets the core back at once.
+class WaitAdvisor {
  public:
-  explicit SpinAdvisor(int num_cpus) : num_cpus_(num_cpus) {}
+  explicit WaitAdvisor(int num_cpus) : num_cpus_(num_cpus) {}
   // `runnable`: the host's runnable threads, not counting the sampler.
-  bool Update(int active_parties, int runnable);
+  uint32_t Update(int active_parties, int runnable);
   // The host was idle for tpud: the next sample starts the average afresh.
   void Restart() { fresh_ = true; }
-  bool spin_ok() const { return spin_ok_; }
+  uint32_t advice() const { return advice_; }
 
  private:
   const int num_cpus_;
   double others_ = 0;  // runnable threads that are not tpud's parties
   bool fresh_ = true;
-  bool spin_ok_ = false;
+  uint32_t advice_ = tpu::kWaitSleep;
 };
 
 class DataPlane {
@@ -103,10 +108,10 @@ class DataPlane {
 
   SessionActivity Activity(uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
   ChipUsage ChipActivity(int chip);
-  // The spin advice in force now.
-  bool spin_ok() const { return spin_ok_.load() != 0; }
+  // The wait advice (tpu::WaitAdvice) in force now.
+  uint32_t wait_advice() const { return wait_advice_.load(); }
 
-  // Starts keeping the spin advice current (one thread, asleep while the
+  // Starts keeping the wait advice current (one thread, asleep while the
   // host is idle).
   void Start();
   // Stops everything (daemon shutdown).
@@ -120,14 +125,14 @@ class DataPlane {
   };
   static void FailRings(SessionPlane& plane, const absl::Status& status);
   void AdviseLoop();
-  void PublishSpinAdvice(bool spin_ok) ABSL_LOCKS_EXCLUDED(mu_);
+  void PublishWaitAdvice(uint32_t advice) ABSL_LOCKS_EXCLUDED(mu_);
 
   RuntimeCore* const core_;
   ExecutorPool* const pool_;
   ExecutorShared* const shared_;
   const DataPlaneOptions options_;
   std::atomic<bool> stopping_{false};
-  std::atomic<uint32_t> spin_ok_{0};
+  std::atomic<uint32_t> wait_advice_{tpu::kWaitSleep};
   std::thread advisor_;
   absl::Mutex mu_;
   std::map<uint64_t, std::unique_ptr<SessionPlane>> sessions_ ABSL_GUARDED_BY(mu_);

@@ -213,7 +213,13 @@ grpc::Status AdminServiceImpl::GetStatus(grpc::ServerContext* ctx,
   resp->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
   resp->set_daemon_pid(getpid());
   resp->set_default_quota_bytes_per_chip(core_->default_quota());
-  if (data_plane_ != nullptr) resp->set_spin_ok(data_plane_->spin_ok());
+  if (data_plane_ != nullptr) {
+    const uint32_t advice = data_plane_->wait_advice();
+    resp->set_spin_ok(advice == tpu::kWaitSpin);
+    resp->set_wait_advice(advice == tpu::kWaitSpin    ? "spin"
+                          : advice == tpu::kWaitYield ? "yield"
+                                                      : "sleep");
+  }
   if (pool_ != nullptr) {
     for (const ExecutorInfo& e : pool_->Executors()) {
       v1::ExecutorInfo* out = resp->add_executors();

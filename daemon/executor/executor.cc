@@ -130,10 +130,12 @@ int Executor::Run() {
       continue;
     }
     // Idle, but work may come soon. CUDA's rule: spin while a core is free
-    // for it, otherwise yield (the core goes to whoever is runnable, likely
-    // the client about to publish), for a moment, before sleeping.
-    if (!polled_.empty() || !parked_.empty()) {
-      const bool spin = config_.shared->spin_ok.load(std::memory_order_relaxed) != 0;
+    // for it; while only tpud's parties compete, yield (the core goes to
+    // whoever is runnable, likely the client about to publish) for a moment;
+    // when other threads need the cores, sleep at once.
+    const uint32_t advice = config_.shared->wait_advice.load(std::memory_order_relaxed);
+    if ((!polled_.empty() || !parked_.empty()) && advice != tpu::kWaitSleep) {
+      const bool spin = advice == tpu::kWaitSpin;
       const uint64_t until = now + (spin ? config_.spin_ns : config_.yield_ns);
       bool found = false;
       while (!found && tpu::MonotonicNanos() < until) {

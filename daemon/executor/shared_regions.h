@@ -113,8 +113,9 @@ struct ExecutorShared {
   uint64_t magic;
   uint32_t num_executors;
   uint32_t num_cpus;
-  // Spin advice for executors (clients get theirs in DaemonHints).
-  alignas(64) std::atomic<uint32_t> spin_ok;
+  // Wait advice (tpu::WaitAdvice) for executors; clients get theirs in
+  // DaemonHints.
+  alignas(64) std::atomic<uint32_t> wait_advice;
   std::atomic<uint32_t> sampler_futex;     // bumped to wake a sleeping sampler
   std::atomic<uint32_t> sampler_sleeping;
   ExecutorSlot slots[kMaxExecutors];

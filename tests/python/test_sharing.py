@@ -153,7 +153,10 @@ def test_a_crashing_kernel_ends_only_its_own_session(daemon, name):
 
 
 def executor_pids(daemon):
-    return {e["index"]: e["pid"] for e in tpuctl_json(daemon, "executors")["executors"]}
+    doc = tpuctl_json(daemon, "executors")
+    assert doc["wait_advice"] in ("spin", "yield", "sleep"), doc
+    assert doc["spin_ok"] == (doc["wait_advice"] == "spin"), doc
+    return {e["index"]: e["pid"] for e in doc["executors"]}
 
 
 def test_kill_9_of_an_idle_executor_harms_no_one(daemon):

@@ -254,6 +254,7 @@ int CmdExecutors(tpu::AdminClient& admin, bool json) {
     w.BeginObject();
     w.Key("schema_version").Int(kJsonSchemaVersion);
     w.Key("spin_ok").Bool(st->spin_ok);
+    w.Key("wait_advice").String(st->wait_advice);
     WriteExecutors(w, *st);
     w.EndObject();
     std::printf("%s\n", w.str().c_str());
@@ -268,8 +269,12 @@ int CmdExecutors(tpu::AdminClient& admin, bool json) {
                 absl::StrFormat("%3.0f%%", 100 * e.duty_cycle).c_str(),
                 static_cast<unsigned long long>(e.ops_executed), e.busy_seconds);
   }
-  std::printf("\nwaiting parties %s\n", st->spin_ok ? "may spin (a core is free for them)"
-                                                   : "block at once (cores are busy)");
+  const char* advice = st->wait_advice == "spin"
+                           ? "spin (a core is free for them)"
+                       : st->wait_advice == "yield"
+                           ? "yield, then block (only tpud's parties compete for the cores)"
+                           : "block at once (other threads need the cores)";
+  std::printf("\nwaiting parties %s\n", advice);
   if (st->executor_restarts.empty()) {
     std::printf("No executor restarts.\n");
   } else {

@@ -278,6 +278,7 @@ struct DaemonStatus {
   std::vector<ExecutorInfo> executors;
   std::vector<ExecutorRestart> executor_restarts;  // oldest first
   bool spin_ok = false;
+  std::string wait_advice;  // "spin", "yield" or "sleep"
 };
 
 struct ChipHealth {

@@ -18,9 +18,10 @@
 //    the flag after publishing writes the ring's chip doorbell (an eventfd
 //    sent with the memfd), once per sleep epoch (an executor woken for work
 //    it had already done starts a new epoch);
-//  - a waiting client spins on `completed` while DaemonHints::spin_ok says a
-//    core is free for it (otherwise it yields the core for a moment), then
-//    counts itself in `waiters` and sleeps on `completion_futex`;
+//  - a waiting client spins on `completed` while DaemonHints::wait_advice
+//    says a core is free for it (or yields the core for a moment while only
+//    tpud's parties compete), then counts itself in `waiters` and sleeps on
+//    `completion_futex`;
 //  - a producer facing a full ring sets `wanted_head` (a quarter of the ring
 //    past what it needs, so it is not woken for every record) and
 //    `producer_waiting`, and sleeps on `head_futex`, which the executor bumps
@@ -71,11 +72,21 @@ struct ShmHeader {
   uint64_t pinned_bytes;
 };
 
+// How a waiting party (executor or client) should wait, as tpud advises now.
+enum WaitAdvice : uint32_t {
+  // Block on the futex at once: threads that are not tpud's need the cores,
+  // and a yielding waiter would queue behind them for a whole time slice.
+  kWaitSleep = 0,
+  // Spin: tpud's active parties and everything else fit in the cores.
+  kWaitSpin = 1,
+  // Yield the core for a moment, then block: tpud's own parties outnumber
+  // the cores and nothing else competes (CUDA's automatic schedule yields).
+  kWaitYield = 2,
+};
+
 // Advice the daemon keeps current for every client.
 struct alignas(64) DaemonHints {
-  // 1 while waiting parties may spin: tpud's active parties fit in the cores
-  // and nothing else needs them. 0: yield the core for a moment, then block.
-  std::atomic<uint32_t> spin_ok;
+  std::atomic<uint32_t> wait_advice;  // a WaitAdvice
 };
 
 // A returned value of a synchronous op (see tpud's ChipBackend::Run).
