@@ -17,6 +17,7 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "session_impl.h"
 #include "tpu/device_address.h"
@@ -495,18 +496,27 @@ absl::StatusOr<std::vector<OpResult>> Session::RunSync(int stream, uint32_t op_i
   }
   if (absl::Status s = impl_->WaitCompleted(ring, sequence); !s.ok()) return s;
   RingControl* ctl = impl_->Control(ring);
+  // This is a synchronising call: the stream's earlier errors are reported
+  // here, once (and not again at the next one).
+  absl::Status earlier = impl_->TakeStreamError(stream);
   if (ctl->response_sequence != sequence) {
     // The record never ran as an op (e.g. the op id was refused earlier):
     // its error is the ring's.
-    absl::Status err = impl_->TakeError(ring);
-    return err.ok() ? absl::InternalError("synchronous op produced no response") : err;
+    return earlier.ok() ? absl::InternalError("synchronous op produced no response") : earlier;
   }
   if (ctl->response_code != 0) {
     char message[kErrorMessageBytes];
     std::memcpy(message, ctl->response_message, sizeof(message));
     message[sizeof(message) - 1] = '\0';
-    return absl::Status(static_cast<absl::StatusCode>(ctl->response_code), message);
+    std::string text = message;
+    // Failing on an input that an earlier failed op wrote, the message names
+    // that root cause already; an unrelated earlier error is named too.
+    if (!earlier.ok() && !absl::StrContains(text, earlier.message().substr(0, 80))) {
+      absl::StrAppend(&text, "; earlier on this stream: ", earlier.message());
+    }
+    return absl::Status(static_cast<absl::StatusCode>(ctl->response_code), text);
   }
+  if (!earlier.ok()) return earlier;
   std::vector<OpResult> results;
   const uint32_t n = std::min<uint32_t>(ctl->num_results, kMaxResults);
   for (uint32_t i = 0; i < n; ++i) {

@@ -33,6 +33,10 @@ class BackendOp {
   // Whether the op writes argument `index` (in-place and out= arguments), so
   // a failure can poison what it may have half-written.
   virtual bool WritesArgument(size_t index) const { return false; }
+  // Whether the op writes argument `index` without reading its values (an
+  // out= tensor; the target of fill_, zero_, copy_ or a random fill), so
+  // poison on it is no reason to fail and the op's success clears it.
+  virtual bool OverwritesArgument(size_t index) const { return false; }
 };
 
 // Where one TensorRef of an op lives, as checked by the executor: the

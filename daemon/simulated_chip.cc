@@ -18,6 +18,7 @@
 #include <exception>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <utility>
 
 #include "absl/base/optimization.h"
@@ -40,6 +41,17 @@ class SimulatedOp final : public BackendOp {
     const auto& args = function_schema_.arguments();
     return index < args.size() && args[index].alias_info() != nullptr &&
            args[index].alias_info()->isWrite();
+  }
+  bool OverwritesArgument(size_t index) const override {
+    if (!WritesArgument(index)) return false;
+    // out= tensors are keyword-only; the in-place ops below never read self.
+    if (function_schema_.arguments()[index].kwarg_only()) return true;
+    if (index != 0) return false;
+    static const auto* const kOverwriteSelf = new std::set<std::string>{
+        "aten::fill_",    "aten::zero_",      "aten::copy_",       "aten::normal_",
+        "aten::uniform_", "aten::random_",    "aten::exponential_", "aten::geometric_",
+        "aten::cauchy_",  "aten::log_normal_", "aten::bernoulli_"};
+    return kOverwriteSelf->count(name_.substr(0, name_.find('.'))) != 0;
   }
   // "aten::add.Tensor": how messages name the op.
   const std::string& name() const { return name_; }

@@ -780,7 +780,7 @@ absl::Status Executor::RunOp(Ring& ring, uint64_t sequence) {
       status = absl::Status(status.code(), absl::StrCat(OpName(&op), ": ", status.message()));
     }
   }
-  if (status.ok()) status = CheckInputPoison(ring);
+  if (status.ok()) status = CheckInputPoison(ring, op);
   if (status.ok()) {
     ResultAllocatorImpl alloc(this, &s, ring.chip);
     results_.clear();
@@ -1061,21 +1061,38 @@ void Executor::UnpoisonOutputs(Ring& ring, const BackendOp& op) {
   });
 }
 
-absl::Status Executor::CheckInputPoison(Ring& ring) {
+absl::Status Executor::CheckInputPoison(Ring& ring, const BackendOp& op) {
   Session& s = *ring.session;
   if (s.state.chip(ring.chip)->poison.count == 0) return absl::OkStatus();
-  // What the op reads: its arguments (outputs are only written, and often
-  // reuse memory whose earlier contents failed).
-  const size_t num_arg_refs = refs_.size() - op_.outputs.size();
-  for (size_t i = 0; i < num_arg_refs; ++i) {
-    const tpu::TensorRef& t = *refs_[i];
+  // What the op reads: its arguments, except those it only overwrites (out=
+  // tensors, the target of a fill or a random fill): outputs often reuse
+  // memory whose earlier contents failed, and writing them makes them good.
+  auto check = [&](const tpu::TensorRef& t) -> bool {
     absl::StatusOr<tpu::Footprint> fp = tpu::TensorFootprint(t);
-    if (!fp.ok() || fp->end == fp->begin) continue;
+    if (!fp.ok() || fp->end == fp->begin) return false;
     std::string cause;
-    if (FindPoison(s, ring.chip, t.address + fp->begin, t.address + fp->end, &cause)) {
-      poison_root_ = cause;
+    if (!FindPoison(s, ring.chip, t.address + fp->begin, t.address + fp->end, &cause)) {
+      return false;
+    }
+    poison_root_ = cause;
+    return true;
+  };
+  for (size_t a = 0; a < op_.num_args; ++a) {
+    if (op.OverwritesArgument(a)) continue;
+    const tpu::OpArg& arg = op_.args[a];
+    bool poisoned = false;
+    if (arg.tag == tpu::ArgTag::kTensor) {
+      poisoned = check(arg.tensor);
+    } else if (arg.tag == tpu::ArgTag::kTensorList ||
+               arg.tag == tpu::ArgTag::kOptionalTensorList) {
+      for (size_t i = 0; i < arg.tensors.size() && !poisoned; ++i) {
+        if (arg.tag == tpu::ArgTag::kOptionalTensorList && !arg.tensor_present[i]) continue;
+        poisoned = check(arg.tensors[i]);
+      }
+    }
+    if (poisoned) {
       return absl::FailedPreconditionError(
-          absl::StrCat("an input was produced by an op that failed earlier: ", cause));
+          absl::StrCat("an input was produced by an op that failed earlier: ", poison_root_));
     }
   }
   return absl::OkStatus();

@@ -155,7 +155,7 @@ class Executor {
   void ClearPoison(Session& s, int chip, uint64_t begin, uint64_t end);
   void PoisonOutputs(Ring& ring, const BackendOp* op, const std::string& cause);
   void UnpoisonOutputs(Ring& ring, const BackendOp& op);
-  absl::Status CheckInputPoison(Ring& ring);
+  absl::Status CheckInputPoison(Ring& ring, const BackendOp& op);
 
   // Host view of a checked device range of the session; INVALID_ARGUMENT or
   // PERMISSION_DENIED naming it otherwise.

@@ -333,6 +333,14 @@ class ForwardedOp {
         return spec;
       }
     }
+    const std::string& name = schema_.name();
+    if (name == "aten::_embedding_bag" || name == "aten::_embedding_bag_forward_only") {
+      // Which of offset2bag and max_indices the CPU kernel fills (and how
+      // big they are) depends on the mode and fast paths the meta kernel
+      // does not model: take the kernel's own results.
+      spec->sync = true;
+      return spec;
+    }
     std::vector<c10::IValue> results;
     if (!RunMeta(inputs, &results)) {
       spec->sync = true;
@@ -353,7 +361,49 @@ class ForwardedOp {
       }
       spec->returns.push_back(std::move(rs));
     }
+    MatchCpuStatistics(inputs, spec.get());
     return spec;
+  }
+
+  // Normalisations return statistics beside their result. tpud runs ATen's
+  // CPU kernels, whose statistics differ from the meta kernels' (which model
+  // CUDA's): in the input's dtype unless a float parameter makes the kernel
+  // mixed-precision, and, for batch norm in eval mode, empty.
+  void MatchCpuStatistics(const std::vector<c10::IValue>& inputs, MetaSpec* spec) const {
+    const std::string& name = schema_.name();
+    const bool batch_norm = name == "aten::native_batch_norm" ||
+                            name == "aten::_native_batch_norm_legit" ||
+                            name == "aten::_native_batch_norm_legit_no_training" ||
+                            name == "aten::_batch_norm_with_update" ||
+                            name == "aten::_batch_norm_no_update";
+    const bool layer_norm = name == "aten::native_layer_norm";
+    if (!batch_norm && !layer_norm) return;
+    if (spec->returns.size() < 3 || inputs.empty() || !inputs[0].isTensor()) return;
+    const at::ScalarType in = inputs[0].toTensor().scalar_type();
+    bool training = name != "aten::_native_batch_norm_legit_no_training" &&
+                    name != "aten::_batch_norm_no_update";
+    bool mixed = false;
+    const auto& args = schema_.arguments();
+    for (size_t i = 1; i < args.size() && i < inputs.size(); ++i) {
+      if (args[i].name() == "training" && inputs[i].isBool()) training = inputs[i].toBool();
+      if (inputs[i].isTensor() && inputs[i].toTensor().defined() &&
+          inputs[i].toTensor().scalar_type() != in &&
+          at::isReducedFloatingType(in) && inputs[i].toTensor().scalar_type() == at::kFloat) {
+        mixed = true;
+      }
+    }
+    const at::ScalarType stats = mixed ? at::kFloat : in;
+    for (int r = 1; r <= 2; ++r) {
+      for (OutSpec& o : spec->returns[r].items) {
+        if (o.kind != OutSpec::Kind::kNew) continue;
+        o.dtype = stats;
+        if (batch_norm && !training) {
+          o.sizes = {0};
+          o.strides = {1};
+          o.offset = 0;
+        }
+      }
+    }
   }
 
   OutSpec SpecOf(const at::Tensor& m) {
@@ -1092,6 +1142,24 @@ at::Tensor CopyFromAndResize(const at::Tensor& self, const at::Tensor& dst) {
   return CopyFrom(self, dst, false);
 }
 
+// Whether `from`'s TensorImpl fields may be shallow-copied into `self`
+// (`param.data = t`), which nn.Module.to() relies on to keep a Parameter's
+// identity, and with it tied weights and optimizers made before the move.
+// c10 answers true between its own dense backends only; tpu tensors are
+// plain dense TensorImpls too, so they join that set.
+bool HasCompatibleShallowCopyType(const at::Tensor& self, const at::Tensor& from) {
+  auto is_dense = [](c10::DispatchKeySet ks) {
+    constexpr auto backends = c10::DispatchKeySet(
+        {c10::BackendComponent::CPUBit, c10::BackendComponent::CUDABit,
+         c10::BackendComponent::MPSBit, c10::BackendComponent::HIPBit,
+         c10::BackendComponent::XPUBit, c10::BackendComponent::HPUBit,
+         c10::BackendComponent::MTIABit, c10::BackendComponent::PrivateUse1Bit});
+    return ks.has_any(c10::DispatchKeySet(c10::DispatchKey::Dense)) && ks.has_any(backends);
+  };
+  if (is_dense(self.key_set()) && is_dense(from.key_set())) return true;
+  return self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set());
+}
+
 at::Scalar LocalScalarDense(const at::Tensor& self) {
   const uint32_t id = OpIdFor("aten::_local_scalar_dense", "");
   tpu::OpArg arg;
@@ -1133,6 +1201,11 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from", CopyFrom);
   m.impl("_copy_from_and_resize", CopyFromAndResize);
   m.impl("_local_scalar_dense", LocalScalarDense);
+  m.impl("_has_compatible_shallow_copy_type", HasCompatibleShallowCopyType);
+  // Ops with a CompositeExplicitAutograd kernel would run decomposed on tpu
+  // (many small ops, and results that differ from the CPU kernel: layer norm
+  // of bfloat16 with float weights came back in float); send them whole.
+  m.impl("native_layer_norm", torch::CppFunction::makeFromBoxedFunction<&Fallback>());
   m.impl("convolution_overrideable",
          torch::CppFunction::makeFromBoxedFunction<&ConvolutionOverrideable>());
   m.impl("convolution_backward_overrideable",
