@@ -496,14 +496,21 @@ absl::StatusOr<std::vector<OpResult>> Session::RunSync(int stream, uint32_t op_i
   }
   if (absl::Status s = impl_->WaitCompleted(ring, sequence); !s.ok()) return s;
   RingControl* ctl = impl_->Control(ring);
-  // This is a synchronising call: the stream's earlier errors are reported
-  // here, once (and not again at the next one).
-  absl::Status earlier = impl_->TakeStreamError(stream);
   if (ctl->response_sequence != sequence) {
     // The record never ran as an op (e.g. the op id was refused earlier):
     // its error is the ring's.
-    return earlier.ok() ? absl::InternalError("synchronous op produced no response") : earlier;
+    absl::Status err = impl_->TakeStreamError(stream);
+    return err.ok() ? absl::InternalError("synchronous op produced no response") : err;
   }
+  // This is a synchronising call: the stream's earlier errors are reported
+  // here, once (and not again at the next one). Only a result that holds new
+  // device memory (a tensor the caller must adopt) is never dropped for
+  // them: then they wait for the next synchronising call.
+  bool new_memory = false;
+  for (uint32_t i = 0; ctl->response_code == 0 && i < ctl->num_results && i < kMaxResults; ++i) {
+    new_memory = new_memory || ctl->results[i].kind == static_cast<uint8_t>(OpResult::Kind::kTensor);
+  }
+  const absl::Status earlier = new_memory ? absl::OkStatus() : impl_->TakeStreamError(stream);
   if (ctl->response_code != 0) {
     char message[kErrorMessageBytes];
     std::memcpy(message, ctl->response_message, sizeof(message));

@@ -560,6 +560,11 @@ const ArgTensor* OpRun::FindArgument(const at::Tensor& t) const {
 
 absl::Status OpRun::CopyToOutput(const at::Tensor& t, size_t slot) {
   const tpu::TensorRef& out = decoded_.outputs[slot];
+  if (ABSL_PREDICT_FALSE(out.address == 0 && t.numel() != 0)) {
+    return Error(absl::StrCat("output ", slot, ": got ", ShapeString(t.sizes()), " ",
+                              c10::toString(t.scalar_type()),
+                              ", where the client expected no tensor"));
+  }
   // The client sizes outputs with ATen's meta kernels. Where a CPU kernel
   // keeps statistics in another floating type than the meta kernel says
   // (layer_norm's mean/rstd in bfloat16), the output gets the dtype the

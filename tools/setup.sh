@@ -40,9 +40,10 @@ if [[ ! -x .venv/bin/python ]]; then
   echo "setup: creating .venv with $PY"
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c 'import torch, pytest, yaml, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+if ! .venv/bin/python -c 'import torch, pytest, yaml, transformers, accelerate, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0" or transformers.__version__ != "4.57.1" or accelerate.__version__ != "1.11.0")' 2>/dev/null; then
   echo "setup: installing Python packages into .venv"
-  # Always pinned: an open range would pull multi-GB CUDA builds.
-  .venv/bin/pip install -q torch==2.13.0 pytest pyyaml numpy
+  # Always pinned, torch included (an open range would pull multi-GB CUDA
+  # builds); transformers and accelerate for the model tests.
+  .venv/bin/pip install -q torch==2.13.0 pytest pyyaml numpy transformers==4.57.1 accelerate==1.11.0
 fi
 echo "setup: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), $(bazel --version 2>/dev/null || echo 'bazel missing'))"

@@ -731,12 +731,16 @@ absl::Status Executor::ResolveTensors(Ring& ring) {
   resolved_.resize(refs_.size());
   const Session& s = *ring.session;
   const int num_chips = static_cast<int>(config_.chip_bases.size());
+  const size_t first_output = refs_.size() - op_.outputs.size();
   for (size_t i = 0; i < refs_.size(); ++i) {
     const tpu::TensorRef& t = *refs_[i];
     absl::StatusOr<tpu::Footprint> fp = tpu::TensorFootprint(t);
     if (!fp.ok()) return fp.status();
-    if (fp->end == 0 && t.address == 0) {
-      resolved_[i] = ResolvedTensor{};  // empty tensor without storage
+    // No storage: an empty tensor, or an output slot the client left empty
+    // because the op returns no tensor there (convolution_backward's
+    // grad_input when the input needs none). The backend never writes one.
+    if (t.address == 0 && (fp->end == 0 || i >= first_output)) {
+      resolved_[i] = ResolvedTensor{};
       continue;
     }
     const int c = tpu::DeviceAddressChip(t.address);

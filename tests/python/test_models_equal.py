@@ -166,3 +166,24 @@ def test_results_have_cpu_dtype_shape_and_values(tpud):
         same("as_strided of a 2-d slice",
              lambda b: b.view(4, 6)[1:, 2:].as_strided((2, 3), (6, 2)) * 2, base)
     """)
+
+
+def test_indexing_with_slices_and_backward_with_absent_gradients(tpud):
+    run_py(tpud, """
+        import torch, torch_tpu
+        x = torch.arange(24.).view(2, 12)
+        pos = torch.tensor([0, 3, 5])
+        # x[:, pos] passes an index list whose first entry is absent.
+        assert x.to("tpu")[:, pos.to("tpu")].cpu().equal(x[:, pos])
+        assert x.to("tpu")[1:, pos.to("tpu")].cpu().equal(x[1:, pos])
+        # A first layer's input needs no gradient: convolution_backward
+        # returns no grad_input, and the slot stays empty.
+        conv = torch.nn.Conv2d(3, 4, 3)
+        dev = torch.nn.Conv2d(3, 4, 3).to("tpu")
+        dev.load_state_dict(conv.state_dict())
+        img = torch.randn(2, 3, 6, 6)
+        conv(img).sum().backward()
+        dev(img.to("tpu")).sum().backward()
+        torch.testing.assert_close(dev.weight.grad.cpu(), conv.weight.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dev.bias.grad.cpu(), conv.bias.grad, atol=1e-5, rtol=1e-5)
+    """)

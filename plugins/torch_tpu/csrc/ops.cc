@@ -575,7 +575,9 @@ class ForwardedOp {
     if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
       c10::List<std::optional<at::Tensor>> out;
       for (const c10::IValue& e : v.toListRef()) {
-        if (e.isNone()) {
+        // An absent entry may come as None or as an undefined tensor (from
+        // indexing with slices: x[:, idx]).
+        if (e.isNone() || (e.isTensor() && !e.toTensor().defined())) {
           out.push_back(std::nullopt);
         } else {
           out.push_back(NormalizeTensor(e.toTensor(), index, true));
@@ -856,8 +858,9 @@ class ForwardedOp {
         if (elem->kind() == c10::TypeKind::OptionalType) {
           a.tag = tpu::ArgTag::kOptionalTensorList;
           for (const c10::IValue& e : v.toListRef()) {
-            a.tensor_present.push_back(!e.isNone());
-            a.tensors.push_back(e.isNone() ? tpu::TensorRef{} : RefOf(e.toTensor()));
+            const bool present = !e.isNone() && e.toTensor().defined();
+            a.tensor_present.push_back(present);
+            a.tensors.push_back(present ? RefOf(e.toTensor()) : tpu::TensorRef{});
           }
           return a;
         }
