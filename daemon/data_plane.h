@@ -8,8 +8,9 @@
 // never runs an op.
 //
 // It also keeps the host's wait advice current (WaitAdvisor): waiting parties
-// (executors and clients) spin only while fewer of tpud's parties are active
-// than there are cores and a core is idle; otherwise they block at once.
+// (executors and clients) spin only while tpud's active parties fit in the
+// cores and a core is free for them, yield for a moment while only tpud's own
+// parties compete, and otherwise block at once.
 //
 // Thread-safety: thread-safe.
 #ifndef TPUD_DAEMON_DATA_PLANE_H_
