@@ -27,10 +27,11 @@ device-generic tests. Where the meta samples cannot be made, every tensor moves.
 
 Robustness: the ops run in a worker process; a per-op alarm (--timeout) ends a
 slow op, and a worker that crashes or hangs inside C++ is replaced (that sample
-counts as errored, with what it was doing) so one op cannot stop the run. After
-an op fails, a new worker (a new tpud session) takes over, because tpud poisons
-what a failed op wrote and memory reused by later ops could carry it
-(--no-isolate keeps one session). With --start-daemon the tool runs its own tpud
+counts as errored, with what it was doing) so one op cannot stop the run.
+Otherwise one worker (one tpud session) runs everything, as a user's process
+would: an op's error is caught and the run goes on, so the figure includes any
+harm a failed op does to later work. --isolate measures each op apart instead:
+after an op fails, a new worker (a new session) takes over. With --start-daemon the tool runs its own tpud
 (bazel-bin/daemon/tpud, --hbm_bytes=4GiB) on sockets in a temporary folder,
 restarted if it dies; else it uses the daemon at TPUD_SOCKET.
 
@@ -63,6 +64,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 from tpud_process import TpudProcess  # noqa: E402
 DEFAULT_TPUD = ROOT / "bazel-bin" / "daemon" / "tpud"
+DEFAULT_DTYPES = ("float32", "bfloat16", "float16", "int64", "bool", "complex64")
 GRACE_S = 30          # beyond --timeout before a stuck worker is killed
 IMPORT_TIMEOUT_S = 300
 TOP_ERRORS = 30
@@ -562,8 +564,8 @@ class Worker:
             cmd += ["--limit", str(args.limit)]
         if args.all_dtypes:
             cmd.append("--all-dtypes")
-        if not args.isolate:
-            cmd.append("--no-isolate")
+        if args.isolate:
+            cmd.append("--isolate")
         self.log_path = log_path
         log = open(log_path, "ab")
         self.proc = subprocess.Popen(cmd, pass_fds=(w,), env=env, stdin=subprocess.DEVNULL,
@@ -677,6 +679,7 @@ def write_report(path, args, meta, units, events, started, final):
         "complete": final,
         "dtypes": "all supported" if args.all_dtypes else args.dtypes.split(","),
         "max_samples": args.max_samples,
+        "isolated": args.isolate,
         "timeout_s": args.timeout,
         "seconds": round(time.time() - started, 1),
         "summary": summarise(units),
@@ -891,7 +894,8 @@ def parse_args(argv):
     p.add_argument("--ops", help="comma-separated OpInfo names (name, or name.variant); "
                    "default: every op in op_db")
     p.add_argument("--limit", type=int, help="only the first N ops (after --ops)")
-    p.add_argument("--dtypes", default="float32", help="comma-separated dtypes (default float32)")
+    p.add_argument("--dtypes", default=",".join(DEFAULT_DTYPES),
+                   help="comma-separated dtypes (default: " + ",".join(DEFAULT_DTYPES) + ")")
     p.add_argument("--all-dtypes", action="store_true",
                    help="every dtype each OpInfo supports on the CPU (overrides --dtypes)")
     p.add_argument("--max-samples", type=int, default=5, help="samples per op and dtype (5)")
@@ -903,9 +907,9 @@ def parse_args(argv):
     p.add_argument("--hbm", default="4GiB", help="--hbm_bytes of that tpud (4GiB)")
     p.add_argument("--min-pass-rate", type=float,
                    help="exit 1 when the pass rate is below this fraction (e.g. 0.9)")
-    p.add_argument("--no-isolate", dest="isolate", action="store_false",
-                   help="keep one worker (one tpud session) after an op fails; by default a "
-                   "new one takes over, so that what the daemon poisoned cannot reach later ops")
+    p.add_argument("--isolate", action="store_true",
+                   help="a new worker (a new tpud session) after each op that fails; by default "
+                   "one session runs everything, errors caught, as a user's process would")
     p.add_argument("-v", "--verbose", action="store_true", help="a line per op on stderr")
     p.add_argument("--_worker-fd", type=int, help=argparse.SUPPRESS)
     p.add_argument("--_start", type=int, default=0, help=argparse.SUPPRESS)
