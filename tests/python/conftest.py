@@ -1,6 +1,9 @@
 """Shared fixtures: a real tpud started on sockets in a temporary folder."""
+import os
 import pathlib
+import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -33,3 +36,23 @@ def daemon():
     d = Daemon()
     yield d
     d.stop()
+
+
+@pytest.fixture(scope="module")
+def tpud(request):
+    """One tpud for a whole test module; HBM per chip from the module's
+    TPUD_HBM (default 1GiB)."""
+    d = Daemon(hbm=getattr(request.module, "TPUD_HBM", "1GiB"))
+    yield d
+    d.stop()
+
+
+def run_py(daemon, code, env_extra=None, check=True, timeout=120):
+    """Runs `code` in a fresh interpreter pointed at `daemon`."""
+    env = daemon.env() if daemon is not None else dict(os.environ)
+    env.update(env_extra or {})
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r

@@ -4,21 +4,11 @@ import re
 import subprocess
 import sys
 
-import pytest
-
-from conftest import ROOT, Daemon, bazel_bin
+from conftest import ROOT
 
 SCRIPT = str(ROOT / "examples" / "train_tpu.py")
 STEPS = 30
 LINE = re.compile(r"^step (\d+)/(\d+) loss ([0-9.]+) acc ([0-9.]+)$")
-
-
-@pytest.fixture(scope="module")
-def tpud():
-    bazel_bin("daemon/tpud")
-    d = Daemon(hbm="1GiB")
-    yield d
-    d.stop()
 
 
 def _args(device, seed=0):

@@ -5,18 +5,12 @@ import textwrap
 
 import pytest
 
-from conftest import Daemon, bazel_bin
-from test_torch_tpu import run_py
+from conftest import run_py
 
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def tpud():
-    bazel_bin("daemon/tpud")
-    d = Daemon(hbm="2GiB")
-    yield d
-    d.stop()
+TPUD_HBM = "2GiB"  # for conftest's tpud fixture
 
 
 # Builds `ref` (CPU) and `dev` (a copy moved to tpu), then runs three AdamW
@@ -56,6 +50,20 @@ def check_equal(ref, dev, batch, steps=3, atol=2e-5, rtol=2e-4):
             torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=atol, rtol=rtol,
                                        msg=lambda m: f"step {step} param {name}: {m}")
 
+def check_generate(ref, dev, g, vocab):
+    # Greedy decoding from the same prompt gives CPU's tokens.
+    ids = torch.randint(0, vocab, (1, 5), generator=g)
+    want = ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    got = dev.generate(ids.to("tpu"), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert got.cpu().tolist() == want.tolist(), (got, want)
+
+def lm_batches(g, vocab):
+    # Causal-LM batches: the labels are the inputs.
+    def batch():
+        ids = torch.randint(0, vocab, (2, 12), generator=g)
+        return {"input_ids": ids, "labels": ids}
+    return batch
+
 def pair(model_cls, config):
     torch.manual_seed(0)
     ref = model_cls(config)
@@ -76,14 +84,8 @@ def test_gpt2_with_tied_embeddings_trains_and_generates_as_on_cpu(tpud):
         ref, dev = pair(transformers.GPT2LMHeadModel, cfg)
         assert dev.lm_head.weight is dev.transformer.wte.weight
         g = torch.Generator().manual_seed(1)
-        def batch():
-            ids = torch.randint(0, 97, (2, 12), generator=g)
-            return {"input_ids": ids, "labels": ids}
-        check_equal(ref, dev, batch)
-        ids = torch.randint(0, 97, (1, 5), generator=g)
-        want = ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        got = dev.generate(ids.to("tpu"), max_new_tokens=8, do_sample=False, pad_token_id=0)
-        assert got.cpu().tolist() == want.tolist(), (got, want)
+        check_equal(ref, dev, lm_batches(g, 97))
+        check_generate(ref, dev, g, 97)
     """)
 
 
@@ -112,14 +114,8 @@ def test_llama_trains_and_generates_as_on_cpu(tpud):
                                        vocab_size=97, max_position_embeddings=64)
         ref, dev = pair(transformers.LlamaForCausalLM, cfg)
         g = torch.Generator().manual_seed(3)
-        def batch():
-            ids = torch.randint(0, 97, (2, 12), generator=g)
-            return {"input_ids": ids, "labels": ids}
-        check_equal(ref, dev, batch)
-        ids = torch.randint(0, 97, (1, 5), generator=g)
-        want = ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        got = dev.generate(ids.to("tpu"), max_new_tokens=8, do_sample=False, pad_token_id=0)
-        assert got.cpu().tolist() == want.tolist(), (got, want)
+        check_equal(ref, dev, lm_batches(g, 97))
+        check_generate(ref, dev, g, 97)
     """)
 
 

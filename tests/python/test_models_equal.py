@@ -1,17 +1,6 @@
 """Models on "tpu" behave as on CPU: parameter identity and sharing survive
 moves between devices, and a caught error leaves later work clean."""
-import pytest
-
-from conftest import Daemon, bazel_bin
-from test_torch_tpu import run_py
-
-
-@pytest.fixture(scope="module")
-def tpud():
-    bazel_bin("daemon/tpud")
-    d = Daemon(hbm="1GiB")
-    yield d
-    d.stop()
+from conftest import run_py
 
 
 def test_moves_keep_parameter_identity_tied_weights_and_optimizers(tpud):

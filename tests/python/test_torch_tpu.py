@@ -4,28 +4,7 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
-from conftest import Daemon, bazel_bin
-
-
-def run_py(daemon, code, env_extra=None, check=True, timeout=120):
-    """Runs `code` in a fresh interpreter pointed at `daemon`."""
-    env = daemon.env() if daemon is not None else dict(os.environ)
-    env.update(env_extra or {})
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                       capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert r.returncode == 0, r.stdout + r.stderr
-    return r
-
-
-@pytest.fixture(scope="module")
-def tpud():
-    bazel_bin("daemon/tpud")
-    d = Daemon(hbm="1GiB")
-    yield d
-    d.stop()
+from conftest import Daemon, run_py
 
 
 def test_device_and_accelerator_apis(tpud):
