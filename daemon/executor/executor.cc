@@ -35,6 +35,23 @@ std::string OpName(const BackendOp* op) {
   return s.substr(0, s.find('('));
 }
 
+// Calls `f` on each tensor an argument carries (a tensor, a list's entries,
+// an optional list's present ones) until `f` returns true; returns whether
+// it did.
+template <typename F>
+bool AnyArgTensor(const tpu::OpArg& arg, F&& f) {
+  if (arg.tag == tpu::ArgTag::kTensor) return f(arg.tensor);
+  if (arg.tag != tpu::ArgTag::kTensorList && arg.tag != tpu::ArgTag::kOptionalTensorList) {
+    return false;
+  }
+  const bool optional = arg.tag == tpu::ArgTag::kOptionalTensorList;
+  for (size_t i = 0; i < arg.tensors.size(); ++i) {
+    if (optional && !arg.tensor_present[i]) continue;
+    if (f(arg.tensors[i])) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 // Result memory for the synchronous path, asked of tpud (it owns the HBM
@@ -716,16 +733,10 @@ void Executor::EndOp() {
 absl::Status Executor::ResolveTensors(Ring& ring) {
   refs_.clear();
   for (size_t a = 0; a < op_.num_args; ++a) {
-    const tpu::OpArg& arg = op_.args[a];
-    if (arg.tag == tpu::ArgTag::kTensor) {
-      refs_.push_back(&arg.tensor);
-    } else if (arg.tag == tpu::ArgTag::kTensorList) {
-      for (const tpu::TensorRef& t : arg.tensors) refs_.push_back(&t);
-    } else if (arg.tag == tpu::ArgTag::kOptionalTensorList) {
-      for (size_t i = 0; i < arg.tensors.size(); ++i) {
-        if (arg.tensor_present[i]) refs_.push_back(&arg.tensors[i]);
-      }
-    }
+    AnyArgTensor(op_.args[a], [&](const tpu::TensorRef& t) {
+      refs_.push_back(&t);
+      return false;
+    });
   }
   for (const tpu::TensorRef& t : op_.outputs) refs_.push_back(&t);
   resolved_.resize(refs_.size());
@@ -1082,19 +1093,7 @@ absl::Status Executor::CheckInputPoison(Ring& ring, const BackendOp& op) {
     return true;
   };
   for (size_t a = 0; a < op_.num_args; ++a) {
-    if (op.OverwritesArgument(a)) continue;
-    const tpu::OpArg& arg = op_.args[a];
-    bool poisoned = false;
-    if (arg.tag == tpu::ArgTag::kTensor) {
-      poisoned = check(arg.tensor);
-    } else if (arg.tag == tpu::ArgTag::kTensorList ||
-               arg.tag == tpu::ArgTag::kOptionalTensorList) {
-      for (size_t i = 0; i < arg.tensors.size() && !poisoned; ++i) {
-        if (arg.tag == tpu::ArgTag::kOptionalTensorList && !arg.tensor_present[i]) continue;
-        poisoned = check(arg.tensors[i]);
-      }
-    }
-    if (poisoned) {
+    if (!op.OverwritesArgument(a) && AnyArgTensor(op_.args[a], check)) {
       return absl::FailedPreconditionError(
           absl::StrCat("an input was produced by an op that failed earlier: ", poison_root_));
     }
