@@ -7,6 +7,7 @@
 #include "allocator.h"
 #include "generator.h"
 #include "runtime.h"
+#include "sparse.h"
 
 namespace torch_tpu {
 namespace {
@@ -93,4 +94,5 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_socket", [] { return GetSession().socket_path(); });
   m.def("_session_id", [] { return GetSession().id(); });
+  m.def("_sparse_shared_kernels", [] { return SharedSparseKernelNames(); });
 }
