@@ -589,9 +589,18 @@ absl::Status OpRun::CopyToOutput(const at::Tensor& t, size_t slot) {
   if (ABSL_PREDICT_FALSE(!st.ok())) return st;
   const int64_t numel = t.numel();
   if (numel == 0) return absl::OkStatus();
-  if (t.is_contiguous() && IsContiguous(out) && !float_cast) {
+  if (ABSL_PREDICT_FALSE(t._is_zerotensor())) {
+    // A ZeroTensor (_efficientzerotensor) has no memory: its value is zeros.
+    view.zero_();
+    return absl::OkStatus();
+  }
+  if (ABSL_PREDICT_FALSE(t.const_data_ptr() == nullptr)) {
+    return Error(absl::StrCat("output ", slot, ": the kernel returned a tensor without memory"));
+  }
+  if (t.is_contiguous() && IsContiguous(out) && !float_cast && !t.is_conj() && !t.is_neg()) {
     // The common case: one memmove (the source may be a view of HBM that
-    // overlaps the output).
+    // overlaps the output). A result with a lazy conjugate or negative bit
+    // (linalg_lu_solve with left=False returns one) is resolved by copy_.
     std::memmove(data, t.const_data_ptr(),
                  static_cast<size_t>(numel) * t.element_size());
   } else {
@@ -631,7 +640,13 @@ absl::Status OpRun::ReportNewTensor(const at::Tensor& t) {
     if (!block.ok()) return block.status();
     at::Tensor dst = at::from_blob(block->host, t.sizes(),
                                    at::TensorOptions().dtype(t.scalar_type()));
-    dst.copy_(t);
+    if (t._is_zerotensor()) {
+      dst.zero_();
+    } else if (ABSL_PREDICT_FALSE(t.const_data_ptr() == nullptr)) {
+      return Error("returned a tensor without memory");
+    } else {
+      dst.copy_(t);
+    }
     r.address = block->address;
   }
   results_->push_back(v);
@@ -758,18 +773,20 @@ absl::Status OpRun::Run() {
       next_slot_ = 0;
       return Run();
     }
-    // A kernel may resize its out= tensor; with the client's layout fixed,
-    // anything but the shape it allocated is an error, not a silent reshape.
+    // A kernel may resize or restride its out= tensor; with the client's
+    // layout fixed, anything but the shape and strides it allocated is an
+    // error, not a silent reshape (strides of an empty tensor place nothing).
     for (size_t i = 0; i < decoded_.outputs.size(); ++i) {
       const at::Tensor& t = s_.args[first_out + i].tensor;
+      const c10::IntArrayRef want_strides(decoded_.outputs[i].strides, decoded_.outputs[i].ndim);
       if (ABSL_PREDICT_FALSE(!SameShape(t, decoded_.outputs[i]) ||
-                             t.strides() != c10::IntArrayRef(decoded_.outputs[i].strides,
-                                                             decoded_.outputs[i].ndim))) {
+                             (t.numel() != 0 && t.strides() != want_strides))) {
         return Error(absl::StrCat(
             "output ", i, ": got ", ShapeString(t.sizes()), " ", c10::toString(t.scalar_type()),
-            ", client allocated ",
+            " with strides ", ShapeString(t.strides()), ", client allocated ",
             ShapeString(c10::IntArrayRef(decoded_.outputs[i].sizes, decoded_.outputs[i].ndim)),
-            " ", DtypeName(decoded_.outputs[i].dtype)));
+            " ", DtypeName(decoded_.outputs[i].dtype), " with strides ",
+            ShapeString(want_strides)));
       }
     }
     if (results_ != nullptr) {

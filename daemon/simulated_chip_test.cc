@@ -512,6 +512,18 @@ TEST_CASE("linear algebra and convolution match ATen on CPU") {
         .Int(1);  // padding=1 for SymInt[2], as Python would write it
     CHECK(Same(f.RunInto(f.Op("aten::conv2d"), ob, want), want));
   }
+  SECTION("a result with a lazy conjugate bit lands conjugated") {
+    // linalg_lu_solve(left=False) on complex input returns X^H^H as a view
+    // with the conjugate bit: its raw memory holds conj(X).
+    at::Tensor a = at::randn({3, 3}, at::kComplexFloat), b = at::randn({4, 3}, at::kComplexFloat);
+    auto [lu, pivots] = at::linalg_lu_factor(a);
+    at::Tensor want = at::linalg_lu_solve(lu, pivots, b, /*left=*/false, /*adjoint=*/false);
+    REQUIRE(want.is_conj());
+    OpBuilder ob;
+    ob.Tensor(f.hbm.Put(lu)).Tensor(f.hbm.Put(pivots)).Tensor(f.hbm.Put(b)).Bool(false).Bool(false);
+    CHECK(Same(f.RunInto(f.Op("aten::linalg_lu_solve"), ob, want.resolve_conj()),
+               want.resolve_conj()));
+  }
   SECTION("conv2d without bias (an undefined tensor)") {
     at::Tensor in = at::randn({1, 2, 5, 5}), w = at::randn({3, 2, 3, 3});
     at::Tensor want = at::conv2d(in, w);
@@ -696,6 +708,35 @@ TEST_CASE("the synchronous path reports scalars and data-dependent tensors") {
   }
 }
 
+TEST_CASE("a kernel's ZeroTensor result is written as zeros, never read") {
+  // _efficientzerotensor returns a tensor with no memory at all: copying
+  // from it would read address 0 and bring the executor down.
+  Fixture f;
+  std::shared_ptr<const BackendOp> zeros = f.Op("aten::_efficientzerotensor");
+  SECTION("into the client's output") {
+    Placed out = f.hbm.Put(at::full({2, 3}, 7.0f));
+    OpBuilder ob;
+    ob.IntList({2, 3}).None().None().None().None().Output(out);
+    absl::Status st = f.Run(zeros, ob);
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+    CHECK(Same(f.hbm.Get(out.ref), at::zeros({2, 3})));
+  }
+  SECTION("into result memory on the synchronous path") {
+    OpBuilder ob;
+    ob.IntList({4}).None().None().None().None();
+    std::vector<ResultValue> results;
+    TestResultAllocator alloc(f.hbm);
+    char* next;
+    f.hbm.Reserve(1, 0, &next);  // where the allocator's next block starts
+    std::memset(next, 0x7f, 64);  // dirty, so that zeros must be written
+    REQUIRE(f.Run(zeros, ob, &results, &alloc).ok());
+    REQUIRE(results.size() == 1);
+    REQUIRE(results[0].kind == ResultValue::Kind::kTensor);
+    CHECK(Same(f.hbm.Get(results[0].tensor), at::zeros({4})));
+  }
+}
+
 TEST_CASE("lookup refuses unknown operators and schemas that differ") {
   std::unique_ptr<SimulatedChip> chip = SimulatedChip::Create(0);
 
@@ -762,8 +803,8 @@ TEST_CASE("errors name the op and leave no exception") {
     INFO(st.ToString());
     CHECK(st.code() == absl::StatusCode::kInvalidArgument);
     CHECK(st.message() ==
-          "aten::add.Tensor: output 0: got [2, 3] Float, client allocated "
-          "[3, 2] Float");
+          "aten::add.Tensor: output 0: got [2, 3] Float with strides [3, 1], client "
+          "allocated [3, 2] Float with strides [2, 1]");
   }
   SECTION("an output of the wrong dtype") {
     OpBuilder ob;
