@@ -407,3 +407,33 @@ def test_results_live_on_their_tensors_device_not_the_current_one(tpud):
         z = torch.cat([x, x]).mean()
         assert z.item() == 4.5
     """)
+
+
+def test_zero_tensors_and_transposed_convolution_gradients(tpud):
+    # Autograd's ZeroTensors (_efficientzerotensor) take no memory on tpu, as
+    # on CUDA; once crashed the daemon's executor when made there. And the
+    # bias gradient of a transposed convolution has out_channels entries.
+    run_py(tpud, """
+        import torch, torch_tpu
+        z = torch._efficientzerotensor((2, 3), device="tpu")
+        assert z._is_zerotensor() and z.device.type == "tpu"
+        assert (z + torch.ones(2, 3, device="tpu")).cpu().tolist() == [[1.0] * 3] * 2
+        # Gradients through an op whose backward yields zero tensors.
+        a = torch.randn(4, 5, requires_grad=True)
+        x = a.detach().to("tpu").requires_grad_()
+        torch.view_as_real(torch.complex(x, torch.zeros_like(x))).sum().backward()
+        torch.view_as_real(torch.complex(a, torch.zeros_like(a))).sum().backward()
+        assert torch.equal(x.grad.cpu(), a.grad)
+        for conv in (torch.nn.ConvTranspose1d(4, 6, 3, groups=2),
+                     torch.nn.ConvTranspose2d(2, 5, 3, stride=2)):
+            dims = 1 if isinstance(conv, torch.nn.ConvTranspose1d) else 2
+            inp = torch.randn((2, conv.in_channels) + (7,) * dims)
+            dev = torch.nn.ConvTranspose1d(4, 6, 3, groups=2) if dims == 1 \\
+                else torch.nn.ConvTranspose2d(2, 5, 3, stride=2)
+            dev.load_state_dict(conv.state_dict())
+            dev = dev.to("tpu")
+            conv(inp).square().sum().backward()
+            dev(inp.to("tpu")).square().sum().backward()
+            for p, q in zip(conv.parameters(), dev.parameters()):
+                torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-4)
+    """)

@@ -9,6 +9,7 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/CPUFallback.h>
+#include <ATen/native/TensorFactories.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/alias_native.h>
 #include <ATen/ops/as_strided_native.h>
@@ -972,7 +973,12 @@ void ConvolutionBackwardOverrideable(const c10::OperatorHandle&, torch::jit::Sta
   const at::Tensor& weight = args[2].toTensor();
   const auto mask = args[9].toBoolList();
   c10::IValue bias_sizes;
-  if (mask.get(2)) bias_sizes = std::vector<int64_t>{weight.size(0)};
+  // The bias has one entry per output channel: weight's first dim, or for a
+  // transposed convolution (weight: in x out/groups x ...) its second times
+  // the groups.
+  const bool transposed = args[6].toBool();
+  const int64_t out_channels = transposed ? weight.size(1) * args[8].toInt() : weight.size(0);
+  if (mask.get(2)) bias_sizes = std::vector<int64_t>{out_channels};
   for (int i = 0; i < 3; ++i) stack->push_back(args[i]);
   stack->push_back(bias_sizes);
   for (int i = 3; i < 10; ++i) stack->push_back(args[i]);
@@ -991,6 +997,20 @@ at::Tensor& ForwardInPlace(const char* name, const char* overload, at::Tensor& s
 }
 
 // ---------------------------------------------------------------- natives
+
+// A ZeroTensor, made as CUDA makes it: no memory at all; the ZeroTensor key
+// makes ops see zeros (autograd uses these for gradients known to be zero).
+at::Tensor EfficientZeroTensor(at::IntArrayRef size, std::optional<at::ScalarType> dtype,
+                               std::optional<at::Layout>, std::optional<at::Device> device,
+                               std::optional<bool>) {
+  const c10::DeviceIndex idx =
+      device.has_value() && device->has_index() ? device->index() : CurrentDevice();
+  at::native::ZeroTensorAllocator allocator(c10::Device(kTpu, idx));
+  return at::detail::empty_generic(size, &allocator,
+                                   kTpuKeys | c10::DispatchKeySet(c10::DispatchKey::ZeroTensor),
+                                   dtype.value_or(at::get_default_dtype_as_scalartype()),
+                                   std::nullopt);
+}
 
 at::Tensor Empty(at::IntArrayRef size, std::optional<at::ScalarType> dtype,
                  std::optional<at::Layout> layout, std::optional<at::Device> device,
@@ -1189,6 +1209,7 @@ at::Scalar LocalScalarDense(const at::Tensor& self) {
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty.memory_format", Empty);
   m.impl("empty_strided", EmptyStridedNative);
+  m.impl("_efficientzerotensor", EfficientZeroTensor);
   m.impl("as_strided", at::native::as_strided_tensorimpl);
   m.impl("view", at::native::view);
   m.impl("_reshape_alias", at::native::_reshape_alias);
