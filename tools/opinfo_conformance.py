@@ -16,6 +16,16 @@ on tpu). Each sample is one of:
       scaled_dot_product_attention with dropout_p > 0). They run on tpu to catch
       errors; only the structure, shapes and dtypes of the results are compared.
 
+Backward mode (--backward): for OpInfos that support autograd, and the dtypes
+they differentiate on the CPU (default: float32, bfloat16, float16, complex64),
+samples are made with requires_grad; the op runs on the CPU and on tpu, and
+torch.autograd.grad of the differentiable outputs (after the OpInfo's
+output_process_fn_grad), with the same random cotangents, gives the gradients of
+every input that requires grad. The tpu inputs are copies of the CPU leaves, so
+the whole backward runs on tpu and only the final gradients come back. They are
+compared as results are (a missing gradient equals an all-zero one). Samples
+without a differentiable output count as skipped_no_grad.
+
 How samples move: tensors keep their storage layout (a view into a larger
 storage, an offset, overlapping strides stay so on tpu). The same samples are
 also made on the meta device to learn which tensors and devices the OpInfo puts
@@ -65,11 +75,13 @@ sys.path.insert(0, str(ROOT / "tools"))
 from tpud_process import TpudProcess  # noqa: E402
 DEFAULT_TPUD = ROOT / "bazel-bin" / "daemon" / "tpud"
 DEFAULT_DTYPES = ("float32", "bfloat16", "float16", "int64", "bool", "complex64")
+BACKWARD_DTYPES = ("float32", "bfloat16", "float16", "complex64")
 GRACE_S = 30          # beyond --timeout before a stuck worker is killed
 IMPORT_TIMEOUT_S = 300
 TOP_ERRORS = 30
 TOP_MISMATCHES = 15
-STATUSES = ("passed", "failed", "errored", "skipped_cpu", "skipped_nondeterministic")
+STATUSES = ("passed", "failed", "errored", "skipped_cpu", "skipped_nondeterministic",
+            "skipped_no_grad")
 
 # Ops whose values cannot be compared with the CPU's: randomness or
 # uninitialised memory. Matched against the last dotted part of op.name.
@@ -415,6 +427,112 @@ def worker_main(args):
         state["phase"] = None
         send(t="sample", sample=k, status=status, msg=msg, detected=detected)
 
+    def grad_leaves(x):
+        """The tensors of a sample that require grad (CPU leaves), in order."""
+        if isinstance(x, torch.Tensor):
+            return [x] if x.requires_grad else []
+        if isinstance(x, (list, tuple)):
+            return [t for v in x for t in grad_leaves(v)]
+        if isinstance(x, dict):
+            return [t for v in x.values() for t in grad_leaves(v)]
+        return []
+
+    def differentiable(out):
+        if isinstance(out, torch.Tensor):
+            ok = out.requires_grad and (out.is_floating_point() or out.is_complex())
+            return [out] if ok else []
+        if isinstance(out, (list, tuple)):
+            return [t for v in out for t in differentiable(v)]
+        if isinstance(out, dict):
+            return [t for v in out.values() for t in differentiable(v)]
+        return []
+
+    def gradients(op, sample, inp, a, kw, leaves, cotangents=None):
+        """d(outputs)/d(leaves) for the given cotangents (made here when None)."""
+        out = sample.output_process_fn_grad(op(inp, *a, **kw))
+        outs = differentiable(out)
+        if not outs:
+            return None, None, out
+        if cotangents is None:
+            g = torch.Generator().manual_seed(97)
+            cotangents = [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in outs]
+        if len(cotangents) != len(outs):
+            raise _Mismatch(f"{len(outs)} differentiable outputs, expected {len(cotangents)}")
+        cot = [c.to(o.device) for c, o in zip(cotangents, outs)]
+        grads = torch.autograd.grad(outs, leaves, cot, allow_unused=True)
+        # A gradient autograd leaves out is zero.
+        grads = [torch.zeros_like(l) if gr is None else gr for gr, l in zip(grads, leaves)]
+        return grads, cotangents, out
+
+    def run_backward_sample(op, sample, twin, k, nondet):
+        inputs = (sample.input, sample.args, sample.kwargs)
+        leaves = grad_leaves(inputs)
+        if not leaves:
+            send(t="sample", sample=k, status="skipped_no_grad")
+            return
+        try:
+            moved = to_tpu(inputs, twin)  # differentiable copies of the CPU leaves
+            move_exc = None
+        except Exception as e:  # noqa: BLE001
+            moved, move_exc = None, e
+        state["phase"] = ("cpu", k)
+        try:
+            again = None if nondet else clone_tree(inputs)
+            torch.manual_seed(1234)
+            expected, cotangents, out = gradients(op, sample, *inputs, leaves)
+        except Exception:  # noqa: BLE001
+            state["phase"] = None
+            send(t="sample", sample=k, status="skipped_cpu")
+            return
+        if expected is None:
+            state["phase"] = None
+            send(t="sample", sample=k, status="skipped_no_grad")
+            return
+        # As in forward mode: a sample whose CPU result changes with the seed
+        # (dropout_p > 0) has gradients that do too.
+        detected = False
+        if not nondet:
+            class _Processed:  # the op as the gradients saw it
+                def __call__(self, *a, **kw):
+                    return sample.output_process_fn_grad(op(*a, **kw))
+            with torch.no_grad():
+                first = torch.utils._pytree.tree_map(
+                    lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
+                detected = differs_between_cpu_runs(_Processed(), again, first)
+        nondet = nondet or detected
+        state["phase"] = ("tpu", k)
+        send(t="tpu", sample=k, step="running the op and its backward on tpu")
+        try:
+            if move_exc is not None:
+                raise move_exc
+            torch.manual_seed(1234)
+            actual, _, _ = gradients(op, sample, *moved, leaves, cotangents)
+            if actual is None:
+                raise _Mismatch("no differentiable output on tpu")
+            torch.tpu.synchronize()
+        except _Mismatch as e:
+            state["phase"] = None
+            send(t="sample", sample=k, status="failed", msg=str(e))
+            return
+        except Exception as e:  # noqa: BLE001
+            state["phase"] = None
+            state["errored"] = True
+            drain()
+            send(t="sample", sample=k, status="errored", msg=describe(e))
+            return
+        try:
+            # The gradients are w.r.t. the CPU leaves: computed on tpu, copied back
+            # by the backward of the copy to tpu.
+            compare(expected, [_Moved(g, g.device.type) for g in actual], "",
+                    values=not nondet, device=False)
+            status, msg = ("skipped_nondeterministic" if nondet else "passed"), None
+        except _Mismatch as e:
+            status, msg = "failed", "grad" + str(e)[len("result"):]
+        except Exception as e:  # noqa: BLE001
+            status, msg = "failed", "comparison raised " + describe(e)
+        state["phase"] = None
+        send(t="sample", sample=k, status=status, msg=msg, detected=detected)
+
     def meta_twins(op, dtype):
         """The first samples made on the meta device, or [] when that fails."""
         try:
@@ -443,7 +561,7 @@ def worker_main(args):
             torch.manual_seed(0)
             random.seed(0)
             try:
-                samples = iter(op.sample_inputs("cpu", dtype, requires_grad=False))
+                samples = iter(op.sample_inputs("cpu", dtype, requires_grad=args.backward))
             except Exception as e:  # noqa: BLE001
                 samples, note = iter(()), "sample_inputs raised " + describe(e)
             k = 0
@@ -455,7 +573,8 @@ def worker_main(args):
                 except Exception as e:  # noqa: BLE001
                     note = "sample_inputs raised " + describe(e)
                     break
-                run_sample(op, sample, twins[k] if k < len(twins) else no_twin, k, nondet)
+                runner = run_backward_sample if args.backward else run_sample
+                runner(op, sample, twins[k] if k < len(twins) else no_twin, k, nondet)
                 k += 1
         except OpTimeout:
             timed_out = True
@@ -499,9 +618,12 @@ def select_units(op_db, args, torch):
         ops = [op for i, op in enumerate(ops) if i in chosen]
     if args.limit is not None:
         ops = ops[:args.limit]
+    if args.backward:
+        ops = [op for op in ops if op.supports_autograd]
     units = []
     for op in ops:
-        cpu_dtypes = set(op.supported_dtypes("cpu"))
+        cpu_dtypes = set(op.supported_backward_dtypes("cpu") if args.backward
+                         else op.supported_dtypes("cpu"))
         if args.all_dtypes:
             dtypes = sorted(cpu_dtypes, key=str)
             if not dtypes:
@@ -566,6 +688,8 @@ class Worker:
             cmd.append("--all-dtypes")
         if args.isolate:
             cmd.append("--isolate")
+        if args.backward:
+            cmd.append("--backward")
         self.log_path = log_path
         log = open(log_path, "ab")
         self.proc = subprocess.Popen(cmd, pass_fds=(w,), env=env, stdin=subprocess.DEVNULL,
@@ -680,6 +804,7 @@ def write_report(path, args, meta, units, events, started, final):
         "dtypes": "all supported" if args.all_dtypes else args.dtypes.split(","),
         "max_samples": args.max_samples,
         "isolated": args.isolate,
+        "mode": "backward" if args.backward else "forward",
         "timeout_s": args.timeout,
         "seconds": round(time.time() - started, 1),
         "summary": summarise(units),
@@ -883,7 +1008,9 @@ def print_summary(units, events, meta):
     print(f"ops x dtypes: {s['units']} ({s['units_all_passed']} all passed, "
           f"{s['units_with_errors']} with errors, {s['units_with_mismatches']} with mismatches); "
           f"samples skipped: {s['skipped_cpu']} fail on CPU, "
-          f"{s['skipped_nondeterministic']} nondeterministic (ran on tpu, values not compared)")
+          f"{s['skipped_nondeterministic']} nondeterministic (ran on tpu, values not compared)"
+          + (f", {s['skipped_no_grad']} without a differentiable output" if s["skipped_no_grad"]
+             else ""))
     print(f"conformance: {s['passed']} passed, {s['failed']} failed, {s['errored']} errored "
           f"of {n} samples that pass on CPU ({100.0 * s['pass_rate']:.1f}%)", flush=True)
 
@@ -894,8 +1021,10 @@ def parse_args(argv):
     p.add_argument("--ops", help="comma-separated OpInfo names (name, or name.variant); "
                    "default: every op in op_db")
     p.add_argument("--limit", type=int, help="only the first N ops (after --ops)")
-    p.add_argument("--dtypes", default=",".join(DEFAULT_DTYPES),
-                   help="comma-separated dtypes (default: " + ",".join(DEFAULT_DTYPES) + ")")
+    p.add_argument("--dtypes", help="comma-separated dtypes (default: " + ",".join(DEFAULT_DTYPES)
+                   + "; with --backward: " + ",".join(BACKWARD_DTYPES) + ")")
+    p.add_argument("--backward", action="store_true",
+                   help="compare the gradients of each sample's inputs instead of the results")
     p.add_argument("--all-dtypes", action="store_true",
                    help="every dtype each OpInfo supports on the CPU (overrides --dtypes)")
     p.add_argument("--max-samples", type=int, default=5, help="samples per op and dtype (5)")
@@ -914,6 +1043,8 @@ def parse_args(argv):
     p.add_argument("--_worker-fd", type=int, help=argparse.SUPPRESS)
     p.add_argument("--_start", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.dtypes is None:
+        args.dtypes = ",".join(BACKWARD_DTYPES if args.backward else DEFAULT_DTYPES)
     if args.dtypes:
         args.dtypes = ",".join(d.strip().replace("torch.", "") for d in args.dtypes.split(",")
                                if d.strip())

@@ -1,10 +1,12 @@
 """OpInfo conformance of "tpu", reduced for CI: ~50 common ops, 3 samples each,
-in float32, bfloat16, float16, int64, bool and complex64.
+forward in float32, bfloat16, float16, int64, bool and complex64, backward in
+float32, bfloat16, float16 and complex64.
 
 tools/opinfo_conformance.py runs each op's OpInfo samples on the CPU and on tpu
 (through a real tpud) and compares the results, all in one tpud session with
 errors caught, as a user's process runs; here it must pass on >= 99.5% of the
-samples that pass on the CPU. The whole of op_db: see the tool's --help.
+samples that pass on the CPU. With --backward it compares the gradients of each
+sample's inputs instead: >= 99%. The whole of op_db: see the tool's --help.
 """
 import json
 import os
@@ -16,6 +18,7 @@ from conftest import ROOT, Daemon, bazel_bin
 
 TOOL = ROOT / "tools" / "opinfo_conformance.py"
 MIN_PASS_RATE = 0.995
+MIN_BACKWARD_PASS_RATE = 0.99
 
 OPS = [
     "add", "sub", "mul", "div", "matmul", "mm", "bmm", "sum", "mean", "amax", "argmax",
@@ -32,14 +35,14 @@ def _python():
     return str(venv) if venv.exists() else sys.executable
 
 
-def test_common_ops_match_cpu(tmp_path):
+def _run(tmp_path, extra, min_rate, what):
     bazel_bin("daemon/tpud")
     report_path = tmp_path / "report.json"
     d = Daemon(hbm="4GiB")
     try:
         r = subprocess.run(
             [_python(), str(TOOL), "--ops", ",".join(OPS), "--max-samples", "3",
-             "--report", str(report_path)],
+             "--report", str(report_path)] + extra,
             env=d.env(), capture_output=True, text=True, timeout=600)
     finally:
         d.stop()
@@ -47,18 +50,31 @@ def test_common_ops_match_cpu(tmp_path):
     assert r.returncode == 0, out
     report = json.loads(report_path.read_text())
     assert report["complete"], out
-    assert not report["isolated"] and len(report["dtypes"]) == 6, report["dtypes"]
     assert not report["unknown_ops"], report["unknown_ops"]
     s = report["summary"]
+    assert s["samples_passing_on_cpu"] >= 100, out
+    rate = s["pass_rate"]
+    assert rate >= min_rate, (
+        f"{what}: tpu matched the CPU on {100 * rate:.1f}% of {s['samples_passing_on_cpu']} "
+        f"samples ({s['passed']} passed, {s['failed']} failed, {s['errored']} errored), "
+        f"below {100 * min_rate:.1f}%\n{out}")
+    print(f"opinfo {what} (CI subset): {100 * rate:.1f}% of "
+          f"{s['samples_passing_on_cpu']} samples")
+    return report
+
+
+def test_common_ops_match_cpu(tmp_path):
+    report = _run(tmp_path, [], MIN_PASS_RATE, "forward")
+    assert not report["isolated"] and len(report["dtypes"]) == 6, report["dtypes"]
+    assert report["mode"] == "forward"
     # Every listed op ran (variants included: div has three, max and min three).
     ran = {u["op"].split(".")[0] if not u["op"].startswith("nn.") else u["op"]
            for u in report["ops"]}
     assert set(OPS) <= ran, set(OPS) - ran
-    assert s["samples_passing_on_cpu"] >= 100, out
-    rate = s["pass_rate"]
-    assert rate >= MIN_PASS_RATE, (
-        f"tpu matched the CPU on {100 * rate:.1f}% of {s['samples_passing_on_cpu']} samples "
-        f"({s['passed']} passed, {s['failed']} failed, {s['errored']} errored), below "
-        f"{100 * MIN_PASS_RATE:.1f}%\n{out}")
-    print(f"opinfo conformance (CI subset): {100 * rate:.1f}% of "
-          f"{s['samples_passing_on_cpu']} samples")
+
+
+def test_common_ops_gradients_match_cpu(tmp_path):
+    report = _run(tmp_path, ["--backward"], MIN_BACKWARD_PASS_RATE, "backward")
+    assert report["mode"] == "backward" and len(report["dtypes"]) == 4, report["dtypes"]
+    # Only differentiable ops take part; most of the list is.
+    assert len({u["op"] for u in report["ops"]}) >= 40
