@@ -197,6 +197,9 @@ def test_other_layouts_and_unsupported_ops_fail_clearly_and_work_goes_on(tpud):
                                               torch.tensor([1.], device="tpu"), (2, 2),
                                               check_invariants=True),
               "index 5")
+        fails(lambda: torch.sparse_coo_tensor(
+            torch.tensor([[0, 1], [0, 1], [0, 1]], device="tpu"), torch.ones(2, device="tpu"),
+            (2**40, 2**40, 2**40)).coalesce(), "overflow")
         # Everything still works afterwards, in the same process.
         assert (s + s).to_dense().cpu().tolist() == [[0., 2.], [4., 0.]]
         assert torch.relu(xt - 1).sum().item() == 1.0

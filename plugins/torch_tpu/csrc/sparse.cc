@@ -19,6 +19,7 @@
 #include <ATen/SparseTensorImpl.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/_to_sparse_native.h>
+#include <c10/util/safe_numerics.h>
 #include <torch/library.h>
 
 #include <string>
@@ -92,7 +93,9 @@ at::Tensor Linearize(const at::Tensor& indices, at::IntArrayRef sparse_sizes) {
   int64_t stride = 1;
   for (int64_t d = static_cast<int64_t>(sparse_sizes.size()) - 1; d >= 0; --d) {
     strides[d] = stride;
-    stride *= sparse_sizes[d];
+    TORCH_CHECK(!c10::mul_overflows(stride, std::max<int64_t>(sparse_sizes[d], 1), &stride),
+                "tpu: sparse COO tensor of size ", sparse_sizes,
+                ": the number of positions in its sparse dims exceeds int64");
   }
   at::Tensor s = at::tensor(strides, at::kLong).to(indices.device()).unsqueeze(1);
   return indices.mul(s).sum(0);
@@ -102,6 +105,9 @@ at::Tensor Delinearize(const at::Tensor& linear, at::IntArrayRef sparse_sizes) {
   std::vector<at::Tensor> rows(sparse_sizes.size());
   at::Tensor rest = linear;
   for (int64_t d = static_cast<int64_t>(sparse_sizes.size()) - 1; d >= 0; --d) {
+    // An entry in a dim of size 0 is an invalid tensor (index >= size).
+    TORCH_CHECK(sparse_sizes[d] > 0, "tpu: sparse COO tensor of size ", sparse_sizes,
+                " stores entries in a dimension of size 0");
     rows[d] = rest.remainder(sparse_sizes[d]);
     rest = rest.div(sparse_sizes[d], "floor");
   }
