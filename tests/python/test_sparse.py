@@ -216,7 +216,7 @@ def test_shared_kernel_list_matches_installed_torch(tpud):
         print(os.path.dirname(torchgen.__file__))
         print("\\n".join(torch_tpu._C._sparse_shared_kernels()))
     """)
-    lines = r.stdout.split()
+    lines = r.stdout.splitlines()
     yaml_path = pathlib.Path(lines[0]) / "packaged/ATen/native/native_functions.yaml"
     if not yaml_path.exists():
         pytest.skip("torchgen's native_functions.yaml is not installed")
