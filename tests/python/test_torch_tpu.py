@@ -437,3 +437,26 @@ def test_zero_tensors_and_transposed_convolution_gradients(tpud):
             for p, q in zip(conv.parameters(), dev.parameters()):
                 torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-4)
     """)
+
+
+def test_out_and_inplace_results_cast_to_the_out_dtype_as_on_cpu(tpud):
+    # ATen lets an out= or in-place tensor have another dtype than the result
+    # when the result casts to it (cosine_similarity in bfloat16 clamps with a
+    # float32 0-dim eps), and refuses it otherwise.
+    run_py(tpud, """
+        import torch, torch_tpu
+        x = torch.tensor([0.3, 2.7], dtype=torch.bfloat16)
+        for make in (lambda d: x.to(d).clone().clamp_min_(torch.tensor(1.1)),
+                     lambda d: torch.add(x.to(d), 1, out=torch.empty(2, dtype=torch.float64,
+                                                                     device=d)),
+                     lambda d: torch.nn.functional.cosine_similarity(
+                         x[0].to(d), x[1].to(d), dim=0)):
+            want, got = make("cpu"), make("tpu")
+            assert got.dtype == want.dtype and got.device.type == "tpu", (got.dtype, want.dtype)
+            assert torch.equal(got.cpu(), want), (got, want)
+        try:
+            torch.arange(3, device="tpu").add_(torch.tensor(0.5, device="tpu"))
+            raise AssertionError("no error")
+        except RuntimeError as e:
+            assert "can't be cast to the desired output type Long" in str(e), e
+    """)

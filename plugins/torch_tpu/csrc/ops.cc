@@ -443,13 +443,18 @@ class ForwardedOp {
         if (next_forced_ < forced_.size()) {
           // The caller's out= tensor: give it the result's shape and room.
           at::Tensor& out = forced_[next_forced_++];
-          TORCH_CHECK(out.scalar_type() == o.dtype, "tpu: ", schema_.name(), ": out= tensor of dtype ",
-                      out.scalar_type(), ", the result is ", o.dtype);
+          // As in ATen, an out= (or in-place) tensor may have another dtype
+          // than the result when the result casts to it (an in-place bfloat16
+          // op with a float32 0-dim operand computes in float32).
+          const bool cast = out.scalar_type() != o.dtype;
+          TORCH_CHECK(!cast || at::canCast(o.dtype, out.scalar_type()), "tpu: ", schema_.name(),
+                      ": result type ", o.dtype, " can't be cast to the desired output type ",
+                      out.scalar_type());
           if (out.sizes() != at::IntArrayRef(o.sizes)) {
             Resize(out, o.sizes, std::nullopt);
           }
-          if (!out.is_contiguous() || out.strides() != at::IntArrayRef(o.strides)) {
-            // Written through a temporary, then copied into the strided out.
+          if (cast || !out.is_contiguous() || out.strides() != at::IntArrayRef(o.strides)) {
+            // Written through a temporary, then copied (and cast) into out.
             at::Tensor tmp = EmptyStrided(o.sizes, o.strides, o.dtype, device_);
             outputs->push_back(RefOf(tmp));
             pending_copies_.emplace_back(tmp, out);
