@@ -11,10 +11,12 @@
 //    lists them; tests/python/test_sparse.py checks the list against the
 //    installed torch.
 //  - The ops whose CPU and CUDA kernels are device specific (coalesce, add
-//    and mul into an output, addmm, sparse x sparse matmul, the backward of
-//    sparse sum), written below from dense tpu ops.
-// Anything else on a sparse COO tpu tensor, and every other sparse layout,
-// fails with an error that names the op and the layout.
+//    and mul into an output, addmm, sparse x sparse matmul, sparse_mask and
+//    its projection, the backward of sparse sum), written below from dense
+//    tpu ops. sparse_mask's shared kernel handles a dense self through mul
+//    but a sparse one through a CPU/CUDA-only stub, hence its own here.
+// Anything else on a sparse COO tpu tensor fails with an error that names
+// the op; every other sparse layout, one that names the layout.
 #include <ATen/ATen.h>
 #include <ATen/SparseTensorImpl.h>
 #include <ATen/core/dispatch/Dispatcher.h>
