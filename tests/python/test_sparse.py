@@ -171,6 +171,44 @@ def test_gradients_through_sparse_ops_equal_cpu(tpud):
     """, timeout=300)
 
 
+def test_index_select_and_sparse_softmax_equal_cpu(tpud):
+    compare(tpud, """
+        g = torch.Generator().manual_seed(3)
+        idx = torch.tensor([[0, 0, 1, 2, 2, 0], [0, 2, 1, 0, 2, 2]])  # (0, 2) twice
+        for dense_shape in ((), (3,)):
+            vals = torch.randn((6,) + dense_shape, generator=g)
+            s = torch.sparse_coo_tensor(idx, vals, (3, 4) + dense_shape)
+            for dim in range(s.dim()):
+                on_both(f"index_select dim {dim} {dense_shape}",
+                        lambda a, i: a.index_select(dim, i), s,
+                        torch.tensor([2, 0, 2, 1]) if dim != 1 else torch.tensor([3, 2, 0, 2]))
+                on_both(f"softmax dim {dim} {dense_shape}",
+                        lambda a: torch.sparse.softmax(a, dim), s)
+                on_both(f"log_softmax dim {dim} {dense_shape}",
+                        lambda a: torch.sparse.log_softmax(a, dim), s)
+        for i in ([], [1], [2, 2]):
+            on_both(f"index_select {i}", lambda a, i: a.index_select(0, i), s.coalesce(),
+                    torch.tensor(i, dtype=torch.long))
+        # Gradients through softmax of sparse values (a GAT-style attention).
+        scale = torch.randn(3, 4, generator=g)
+        def grads(device, log):
+            v = torch.randn(6, generator=torch.Generator().manual_seed(5)).to(device)
+            v.requires_grad_()
+            a = torch.sparse_coo_tensor(idx.to(device), v, (3, 4))
+            f = torch.sparse.log_softmax if log else torch.sparse.softmax
+            (f(a, 1).to_dense() * scale.to(device)).sum().backward()
+            return v.grad
+        for log in (False, True):
+            same(grads("tpu", log), grads("cpu", log), f"softmax grad log={log}")
+        try:
+            s.to("tpu").index_select(0, torch.tensor([7], device="tpu"))
+            raise AssertionError("no error")
+        except IndexError as e:
+            assert "out of range" in str(e), e
+        print("ok")
+    """)
+
+
 def test_other_layouts_and_unsupported_ops_fail_clearly_and_work_goes_on(tpud):
     run_py(tpud, """
         import torch, torch_tpu
@@ -191,8 +229,8 @@ def test_other_layouts_and_unsupported_ops_fail_clearly_and_work_goes_on(tpud):
         fails(lambda: x.to_sparse_csr().to("tpu").to_dense(), "torch.sparse_csr",
               "not supported on tpu")
         s = xt.to_sparse()
-        fails(lambda: s.index_select(0, torch.tensor([1], device="tpu")),
-              "aten::index_select", "sparse COO", "to_dense")
+        fails(lambda: torch.bmm(torch.stack([s, s]), torch.ones(2, 2, 2, device="tpu")),
+              "aten::bmm", "sparse COO", "to_dense")
         fails(lambda: torch.sparse_coo_tensor(torch.tensor([[5], [0]], device="tpu"),
                                               torch.tensor([1.], device="tpu"), (2, 2),
                                               check_invariants=True),

@@ -12,7 +12,8 @@
 //    installed torch.
 //  - The ops whose CPU and CUDA kernels are device specific (coalesce, add
 //    and mul into an output, addmm, sparse x sparse matmul, sparse_mask and
-//    its projection, the backward of sparse sum), written below from dense
+//    its projection, the backward of sparse sum, index_select, softmax and
+//    log_softmax with their backwards), written below from dense
 //    tpu ops. sparse_mask's shared kernel handles a dense self through mul
 //    but a sparse one through a CPU/CUDA-only stub, hence its own here.
 // Anything else on a sparse COO tpu tensor fails with an error that names
@@ -24,6 +25,7 @@
 #include <c10/util/safe_numerics.h>
 #include <torch/library.h>
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -431,6 +433,166 @@ at::Tensor SparseSumBackward(const at::Tensor& grad, const at::Tensor& input_in,
   return MakeSparse(input.sizes(), sparse_dim, indices.clone(), grad_values, true);
 }
 
+// index_select on a sparse COO tensor. Along a dense dim it selects in the
+// values; along a sparse dim each stored entry whose index there equals
+// index[j] reappears at position j (pairs enumerated over the sorted index).
+at::Tensor SparseIndexSelect(const at::Tensor& self, int64_t dim, const at::Tensor& index) {
+  const int64_t ndim = self.dim();
+  TORCH_CHECK(ndim > 0, "index_select(): cannot select from a 0-dim sparse tensor");
+  dim = c10::maybe_wrap_dim(dim, ndim);
+  TORCH_CHECK(index.dim() <= 1, "index_select(): Index is supposed to be a vector");
+  TORCH_CHECK(index.scalar_type() == at::kLong || index.scalar_type() == at::kInt,
+              "index_select(): Expected dtype int32 or int64 for index");
+  TORCH_CHECK(!index.is_sparse(), "index_select(): index must be a dense tensor");
+  const at::Tensor idx = index.reshape({-1}).to(self._indices().options());
+  const int64_t sparse_dim = self.sparse_dim();
+  const int64_t size = self.size(dim);
+  const int64_t m = idx.size(0);
+  if (m > 0) {
+    const bool bad = idx.lt(0).logical_or_(idx.ge(size)).any().item<bool>();
+    TORCH_CHECK_INDEX(!bad, "index_select(): index out of range for dimension ", dim,
+                      " of size ", size);
+  }
+  std::vector<int64_t> sizes = self.sizes().vec();
+  sizes[dim] = m;
+  const at::Tensor indices = self._indices();
+  const at::Tensor values = self._values();
+  // As on the CPU, a result is flagged coalesced only when it has at most
+  // one entry.
+  if (dim >= sparse_dim) {
+    return MakeSparse(sizes, sparse_dim, indices.clone(),
+                      values.index_select(dim - sparse_dim + 1, idx), self._nnz() < 2);
+  }
+  const int64_t nnz = self._nnz();
+  auto [sorted, order] = idx.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
+  const at::Tensor key = indices.select(0, dim);
+  const at::Tensor lo = at::searchsorted(sorted, key);
+  const at::Tensor hi = at::searchsorted(sorted, key, /*out_int32=*/false, /*right=*/true);
+  const at::Tensor counts = hi.sub(lo);
+  const int64_t total = (nnz == 0 || m == 0) ? 0 : counts.sum().item<int64_t>();
+  if (total == 0) {
+    std::vector<int64_t> value_shape = values.sizes().vec();
+    value_shape[0] = 0;
+    return MakeSparse(sizes, sparse_dim, at::empty({sparse_dim, 0}, indices.options()),
+                      at::empty(value_shape, values.options()), true);
+  }
+  const at::Tensor which = at::repeat_interleave(counts, std::optional<int64_t>(total));
+  const at::Tensor first = counts.cumsum(0).sub_(counts);
+  const at::Tensor offset =
+      at::arange(total, indices.options()).sub_(first.index_select(0, which));
+  const at::Tensor position = order.index_select(0, lo.index_select(0, which).add_(offset));
+  at::Tensor new_indices = indices.index_select(1, which);
+  new_indices.select(0, dim).copy_(position);
+  return MakeSparse(sizes, sparse_dim, new_indices, values.index_select(0, which), total < 2);
+}
+
+// The softmax groups of a coalesced sparse tensor along sparse dim `dim`:
+// entries that differ only in `dim` form one group.
+std::pair<at::Tensor, int64_t> SoftmaxGroups(const at::Tensor& t, int64_t dim) {
+  const int64_t sparse_dim = t.sparse_dim();
+  const at::Tensor indices = t._indices();
+  std::vector<int64_t> keep, keep_sizes;
+  for (int64_t d = 0; d < sparse_dim; ++d) {
+    if (d == dim) continue;
+    keep.push_back(d);
+    keep_sizes.push_back(t.size(d));
+  }
+  if (keep.empty()) return {at::zeros({t._nnz()}, indices.options()), 1};
+  const at::Tensor kept =
+      indices.index_select(0, at::tensor(keep, at::kLong).to(indices.device()));
+  auto [unique, inverse, counts] = at::_unique2(Linearize(kept, keep_sizes), /*sorted=*/true,
+                                                /*return_inverse=*/true,
+                                                /*return_counts=*/false);
+  return {inverse, unique.size(0)};
+}
+
+// Per-group sums of `v` ([nnz, dense...]) gathered back to every entry.
+at::Tensor GroupSum(const at::Tensor& v, const at::Tensor& group, int64_t groups) {
+  std::vector<int64_t> shape = v.sizes().vec();
+  shape[0] = groups;
+  return at::zeros(shape, v.options()).index_add_(0, group, v).index_select(0, group);
+}
+
+at::Tensor SparseSoftmaxImpl(const at::Tensor& self_in, int64_t dim, bool half_to_float,
+                             bool log) {
+  TORCH_CHECK(!half_to_float, log ? "log_" : "", "softmax with half to float conversion is ",
+              "not supported on tpu for sparse tensors");
+  TORCH_CHECK(at::isFloatingType(self_in.scalar_type()),
+              "softmax of a sparse tensor takes a floating-point tensor, got ",
+              self_in.scalar_type());
+  const int64_t ndim = self_in.dim();
+  dim = c10::maybe_wrap_dim(dim, ndim);
+  const at::Tensor self = Coalesce(self_in);
+  const int64_t sparse_dim = self.sparse_dim();
+  const at::Tensor values = self._values();
+  at::Tensor out;
+  if (self._nnz() == 0) {
+    out = values.clone();
+  } else if (dim >= sparse_dim) {
+    out = log ? values.log_softmax(dim - sparse_dim + 1) : values.softmax(dim - sparse_dim + 1);
+  } else {
+    // Only stored entries take part (the others count as -inf).
+    auto [group, groups] = SoftmaxGroups(self, dim);
+    std::vector<int64_t> shape = values.sizes().vec();
+    std::vector<int64_t> view(values.dim(), 1);
+    view[0] = values.size(0);
+    const at::Tensor expanded = group.view(view).expand_as(values);
+    shape[0] = groups;
+    const at::Tensor max =
+        at::full(shape, -std::numeric_limits<double>::infinity(), values.options())
+            .scatter_reduce_(0, expanded, values, "amax", /*include_self=*/true)
+            .index_select(0, group);
+    const at::Tensor shifted = values.sub(max);
+    const at::Tensor e = shifted.exp();
+    const at::Tensor sum = GroupSum(e, group, groups);
+    out = log ? shifted.sub(sum.log()) : e.div(sum);
+  }
+  return MakeSparse(self.sizes(), sparse_dim, self._indices().clone(), out, true);
+}
+
+at::Tensor SparseSoftmax(const at::Tensor& self, int64_t dim, bool half_to_float) {
+  return SparseSoftmaxImpl(self, dim, half_to_float, /*log=*/false);
+}
+
+at::Tensor SparseLogSoftmax(const at::Tensor& self, int64_t dim, bool half_to_float) {
+  return SparseSoftmaxImpl(self, dim, half_to_float, /*log=*/true);
+}
+
+at::Tensor SparseSoftmaxBackwardImpl(const at::Tensor& grad, const at::Tensor& output,
+                                     int64_t dim, bool log) {
+  TORCH_CHECK(output.is_sparse() && output.is_coalesced(),
+              "sparse softmax backward: expected the coalesced sparse output of the forward");
+  dim = c10::maybe_wrap_dim(dim, output.dim());
+  const int64_t sparse_dim = output.sparse_dim();
+  const at::Tensor out = output._values();
+  // The gradient at the output's entries (zero where grad stores none).
+  const at::Tensor g = grad.is_sparse() ? SparseMask(Coalesce(grad), output)._values()
+                                        : at::index(grad, IndexList(output));
+  at::Tensor gi;
+  if (output._nnz() == 0) {
+    gi = out.clone();
+  } else if (dim >= sparse_dim) {
+    const int64_t axis = dim - sparse_dim + 1;
+    gi = log ? g.sub(out.exp().mul(g.sum(axis, /*keepdim=*/true)))
+             : out.mul(g.sub(g.mul(out).sum(axis, /*keepdim=*/true)));
+  } else {
+    auto [group, groups] = SoftmaxGroups(output, dim);
+    gi = log ? g.sub(out.exp().mul(GroupSum(g, group, groups)))
+             : out.mul(g.sub(GroupSum(g.mul(out), group, groups)));
+  }
+  return MakeSparse(output.sizes(), sparse_dim, output._indices().clone(), gi, true);
+}
+
+at::Tensor SparseSoftmaxBackward(const at::Tensor& grad, const at::Tensor& output, int64_t dim,
+                                 const at::Tensor&) {
+  return SparseSoftmaxBackwardImpl(grad, output, dim, /*log=*/false);
+}
+
+at::Tensor SparseLogSoftmaxBackward(const at::Tensor& grad, const at::Tensor& output,
+                                    int64_t dim, const at::Tensor&) {
+  return SparseSoftmaxBackwardImpl(grad, output, dim, /*log=*/true);
+}
+
 std::string LayoutOf(const torch::jit::Stack& stack, size_t first) {
   for (size_t i = first; i < stack.size(); ++i) {
     if (stack[i].isTensor() && stack[i].toTensor().defined()) {
@@ -452,7 +614,8 @@ std::string LayoutOf(const torch::jit::Stack& stack, size_t first) {
 constexpr char kSupported[] =
     "supported for COO: creation and conversion (to_sparse, to_dense, .to()), coalesce, "
     "indices/values, sum, elementwise math with a scalar or a dense operand (add, sub, mul, "
-    "div, unary math), sparse.mm/addmm and mm with a dense or sparse right operand";
+    "div, unary math), sparse.mm/addmm and mm with a dense or sparse right operand, "
+    "index_select, sparse.softmax/log_softmax";
 
 void UnsupportedSparseOp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   TORCH_CHECK_NOT_IMPLEMENTED(false, "tpu: ", op.schema().operator_name(),
@@ -489,6 +652,11 @@ TORCH_LIBRARY_IMPL(aten, SparsePrivateUse1, m) {
   m.impl("_sparse_sparse_matmul", SparseSparseMatmul);
   m.impl("_sparse_sum_backward", SparseSumBackward);
   m.impl("sparse_mask", SparseMask);
+  m.impl("index_select", SparseIndexSelect);
+  m.impl("_sparse_softmax", SparseSoftmax);
+  m.impl("_sparse_log_softmax", SparseLogSoftmax);
+  m.impl("_sparse_softmax_backward_data", SparseSoftmaxBackward);
+  m.impl("_sparse_log_softmax_backward_data", SparseLogSoftmaxBackward);
   m.impl("_sparse_mask_projection", SparseMaskProjection);
 }
 
