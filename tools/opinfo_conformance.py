@@ -382,51 +382,6 @@ def worker_main(args):
             for m in seeded_modules:
                 m.wrapper_set_seed = wrapper_set_seed
 
-    def run_sample(op, sample, twin, k, nondet):
-        inputs = (sample.input, sample.args, sample.kwargs)
-        try:
-            moved = to_tpu(inputs, twin)
-            move_exc = None
-        except Exception as e:  # noqa: BLE001
-            moved, move_exc = None, e
-        state["phase"] = ("cpu", k)
-        try:
-            again = None if nondet else clone_tree(inputs)
-            torch.manual_seed(1234)
-            expected = op(sample.input, *sample.args, **sample.kwargs)
-        except Exception:  # noqa: BLE001
-            state["phase"] = None
-            send(t="sample", sample=k, status="skipped_cpu")
-            return
-        detected = not nondet and differs_between_cpu_runs(op, again, expected)
-        nondet = nondet or detected
-        state["phase"] = ("tpu", k)
-        send(t="tpu", sample=k, step="running the op on tpu")
-        try:
-            if move_exc is not None:
-                raise move_exc
-            inp, a, kw = moved
-            result = op(inp, *a, **kw)
-            send(t="tpu", sample=k, step="copying the results to the CPU" +
-                 (" (a result has the conj or neg bit)" if has_conj(result) else ""))
-            actual = to_cpu(result)
-            torch.tpu.synchronize()
-        except Exception as e:  # noqa: BLE001
-            state["phase"] = None
-            state["errored"] = True
-            drain()
-            send(t="sample", sample=k, status="errored", msg=describe(e))
-            return
-        try:
-            compare(expected, actual, "", values=not nondet)
-            status, msg = ("skipped_nondeterministic" if nondet else "passed"), None
-        except _Mismatch as e:
-            status, msg = "failed", str(e)
-        except Exception as e:  # noqa: BLE001 - the comparison itself broke
-            status, msg = "failed", "comparison raised " + describe(e)
-        state["phase"] = None
-        send(t="sample", sample=k, status=status, msg=msg, detected=detected)
-
     def grad_leaves(x):
         """The tensors of a sample that require grad (CPU leaves), in order."""
         if isinstance(x, torch.Tensor):
@@ -464,14 +419,17 @@ def worker_main(args):
         grads = [torch.zeros_like(l) if gr is None else gr for gr, l in zip(grads, leaves)]
         return grads, cotangents, out
 
-    def run_backward_sample(op, sample, twin, k, nondet):
+    def run_sample(op, sample, twin, k, nondet):
+        """One sample: its results (or with --backward, its input gradients) on
+        the CPU and on tpu, compared."""
         inputs = (sample.input, sample.args, sample.kwargs)
-        leaves = grad_leaves(inputs)
-        if not leaves:
+        leaves = grad_leaves(inputs) if args.backward else None
+        if args.backward and not leaves:
             send(t="sample", sample=k, status="skipped_no_grad")
             return
         try:
-            moved = to_tpu(inputs, twin)  # differentiable copies of the CPU leaves
+            # With --backward: differentiable copies of the CPU leaves.
+            moved = to_tpu(inputs, twin)
             move_exc = None
         except Exception as e:  # noqa: BLE001
             moved, move_exc = None, e
@@ -479,36 +437,52 @@ def worker_main(args):
         try:
             again = None if nondet else clone_tree(inputs)
             torch.manual_seed(1234)
-            expected, cotangents, out = gradients(op, sample, *inputs, leaves)
+            if args.backward:
+                expected, cotangents, out = gradients(op, sample, *inputs, leaves)
+            else:
+                expected = out = op(sample.input, *sample.args, **sample.kwargs)
         except Exception:  # noqa: BLE001
             state["phase"] = None
             send(t="sample", sample=k, status="skipped_cpu")
             return
-        if expected is None:
+        if args.backward and expected is None:  # no differentiable output
             state["phase"] = None
             send(t="sample", sample=k, status="skipped_no_grad")
             return
-        # As in forward mode: a sample whose CPU result changes with the seed
-        # (dropout_p > 0) has gradients that do too.
         detected = False
         if not nondet:
-            class _Processed:  # the op as the gradients saw it
-                def __call__(self, *a, **kw):
+            # A sample whose CPU result changes with the seed (dropout_p > 0);
+            # its gradients do too.
+            if args.backward:
+                def processed(*a, **kw):  # the op as the gradients saw it
                     return sample.output_process_fn_grad(op(*a, **kw))
-            with torch.no_grad():
-                first = torch.utils._pytree.tree_map(
-                    lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
-                detected = differs_between_cpu_runs(_Processed(), again, first)
+                with torch.no_grad():
+                    first = torch.utils._pytree.tree_map(
+                        lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
+                    detected = differs_between_cpu_runs(processed, again, first)
+            else:
+                detected = differs_between_cpu_runs(op, again, expected)
         nondet = nondet or detected
         state["phase"] = ("tpu", k)
-        send(t="tpu", sample=k, step="running the op and its backward on tpu")
+        send(t="tpu", sample=k, step="running the op and its backward on tpu" if args.backward
+             else "running the op on tpu")
         try:
             if move_exc is not None:
                 raise move_exc
-            torch.manual_seed(1234)
-            actual, _, _ = gradients(op, sample, *moved, leaves, cotangents)
-            if actual is None:
-                raise _Mismatch("no differentiable output on tpu")
+            inp, a, kw = moved
+            if args.backward:
+                torch.manual_seed(1234)
+                grads, _, _ = gradients(op, sample, inp, a, kw, leaves, cotangents)
+                if grads is None:
+                    raise _Mismatch("no differentiable output on tpu")
+                # The gradients are w.r.t. the CPU leaves: computed on tpu,
+                # copied back by the backward of the copy to tpu.
+                actual = [_Moved(g, g.device.type) for g in grads]
+            else:
+                result = op(inp, *a, **kw)
+                send(t="tpu", sample=k, step="copying the results to the CPU" +
+                     (" (a result has the conj or neg bit)" if has_conj(result) else ""))
+                actual = to_cpu(result)
             torch.tpu.synchronize()
         except _Mismatch as e:
             state["phase"] = None
@@ -521,14 +495,11 @@ def worker_main(args):
             send(t="sample", sample=k, status="errored", msg=describe(e))
             return
         try:
-            # The gradients are w.r.t. the CPU leaves: computed on tpu, copied back
-            # by the backward of the copy to tpu.
-            compare(expected, [_Moved(g, g.device.type) for g in actual], "",
-                    values=not nondet, device=False)
+            compare(expected, actual, "", values=not nondet, device=not args.backward)
             status, msg = ("skipped_nondeterministic" if nondet else "passed"), None
         except _Mismatch as e:
-            status, msg = "failed", "grad" + str(e)[len("result"):]
-        except Exception as e:  # noqa: BLE001
+            status, msg = "failed", ("grad" + str(e)[len("result"):]) if args.backward else str(e)
+        except Exception as e:  # noqa: BLE001 - the comparison itself broke
             status, msg = "failed", "comparison raised " + describe(e)
         state["phase"] = None
         send(t="sample", sample=k, status=status, msg=msg, detected=detected)
@@ -573,8 +544,7 @@ def worker_main(args):
                 except Exception as e:  # noqa: BLE001
                     note = "sample_inputs raised " + describe(e)
                     break
-                runner = run_backward_sample if args.backward else run_sample
-                runner(op, sample, twins[k] if k < len(twins) else no_twin, k, nondet)
+                run_sample(op, sample, twins[k] if k < len(twins) else no_twin, k, nondet)
                 k += 1
         except OpTimeout:
             timed_out = True

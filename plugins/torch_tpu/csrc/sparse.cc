@@ -193,6 +193,32 @@ at::Tensor& AddOut(const at::Tensor& self, const at::Tensor& other, const at::Sc
   return Assign(out, sizes, sparse_dim, indices, values, false);
 }
 
+// Positions of `query` in `sorted` (both linearized, `sorted` ascending and
+// unique): for each query, where it sits in `sorted`, and whether it is there.
+std::pair<at::Tensor, at::Tensor> Lookup(const at::Tensor& sorted, const at::Tensor& query) {
+  at::Tensor pos =
+      at::searchsorted(sorted, query).clamp_max_(std::max<int64_t>(sorted.size(0) - 1, 0));
+  at::Tensor found = sorted.index_select(0, pos).eq(query);
+  return {pos, found};
+}
+
+// Pairs from runs: item i pairs with counts[i] partners (`total` in all).
+// For every pair, the item it belongs to and its rank within that item's run.
+std::pair<at::Tensor, at::Tensor> EnumeratePairs(const at::Tensor& counts, int64_t total) {
+  at::Tensor which = at::repeat_interleave(counts, std::optional<int64_t>(total));
+  at::Tensor first = counts.cumsum(0).sub_(counts);
+  at::Tensor rank = at::arange(total, counts.options()).sub_(first.index_select(0, which));
+  return {which, rank};
+}
+
+void CheckMatmulOperands(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.size(1) == b.size(0), "mat1 and mat2 shapes cannot be multiplied (", a.size(0),
+              "x", a.size(1), " and ", b.size(0), "x", b.size(1), ")");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(),
+              "expected mat1 and mat2 to have the same dtype, but got: ", a.scalar_type(),
+              " != ", b.scalar_type());
+}
+
 at::Tensor& MulOut(const at::Tensor& self, const at::Tensor& other, at::Tensor& out) {
   TORCH_CHECK(out.is_sparse(), "mul with a sparse operand: the output must be sparse");
   const at::ScalarType common = at::result_type(self, other);
@@ -216,8 +242,8 @@ at::Tensor& MulOut(const at::Tensor& self, const at::Tensor& other, at::Tensor& 
     }
     const at::Tensor la = Linearize(a._indices(), sparse_sizes);
     const at::Tensor lb = Linearize(b._indices(), sparse_sizes);
-    const at::Tensor pos = at::searchsorted(lb, la).clamp_max_(b._nnz() - 1);
-    const at::Tensor hit = lb.index_select(0, pos).eq(la).nonzero().squeeze(1);
+    auto [pos, found] = Lookup(lb, la);
+    const at::Tensor hit = found.nonzero().squeeze(1);
     at::Tensor values = a._values().index_select(0, hit).to(common).mul(
         b._values().index_select(0, pos.index_select(0, hit)));
     // The result is sorted and unique either way; the flag follows the CPU
@@ -251,12 +277,7 @@ at::Tensor SparseDenseMm(const at::Tensor& sparse, const at::Tensor& dense) {
                   !dense.is_sparse(),
               "tpu: sparse matmul takes a 2-D sparse COO tensor with two sparse dims and a "
               "2-D dense tensor, got sizes ", sparse.sizes(), " and ", dense.sizes());
-  TORCH_CHECK(sparse.size(1) == dense.size(0), "mat1 and mat2 shapes cannot be multiplied (",
-              sparse.size(0), "x", sparse.size(1), " and ", dense.size(0), "x", dense.size(1),
-              ")");
-  TORCH_CHECK(sparse.scalar_type() == dense.scalar_type(),
-              "expected mat1 and mat2 to have the same dtype, but got: ", sparse.scalar_type(),
-              " != ", dense.scalar_type());
+  CheckMatmulOperands(sparse, dense);
   const at::Tensor indices = sparse._indices();
   at::Tensor product = sparse._values().unsqueeze(1).mul(dense.index_select(0, indices[1]));
   return at::zeros({sparse.size(0), dense.size(1)}, dense.options())
@@ -300,11 +321,7 @@ at::Tensor SparseSparseMatmul(const at::Tensor& a_in, const at::Tensor& b_in) {
                   b_in.sparse_dim() == 2,
               "tpu: sparse x sparse matmul takes 2-D sparse COO tensors, got sizes ",
               a_in.sizes(), " and ", b_in.sizes());
-  TORCH_CHECK(a_in.size(1) == b_in.size(0), "mat1 and mat2 shapes cannot be multiplied (",
-              a_in.size(0), "x", a_in.size(1), " and ", b_in.size(0), "x", b_in.size(1), ")");
-  TORCH_CHECK(a_in.scalar_type() == b_in.scalar_type(),
-              "expected mat1 and mat2 to have the same dtype, but got: ", a_in.scalar_type(),
-              " != ", b_in.scalar_type());
+  CheckMatmulOperands(a_in, b_in);
   const std::vector<int64_t> sizes = {a_in.size(0), b_in.size(1)};
   const at::Tensor a = Coalesce(a_in);
   const at::Tensor b = Coalesce(b_in);
@@ -317,22 +334,12 @@ at::Tensor SparseSparseMatmul(const at::Tensor& a_in, const at::Tensor& b_in) {
     return MakeSparse(sizes, 2, at::empty({2, 0}, ai.options()),
                       at::empty({0}, a._values().options()), true);
   }
-  at::Tensor which_a = at::repeat_interleave(pairs_per_a, std::optional<int64_t>(total));
-  at::Tensor first_pair = pairs_per_a.cumsum(0).sub_(pairs_per_a);
-  at::Tensor offset = at::arange(total, ai.options()).sub_(first_pair.index_select(0, which_a));
+  auto [which_a, offset] = EnumeratePairs(pairs_per_a, total);
   at::Tensor which_b = run_start.index_select(0, ai[1].index_select(0, which_a)).add_(offset);
   at::Tensor indices = at::stack({ai[0].index_select(0, which_a), bi[1].index_select(0, which_b)});
   at::Tensor values =
       a._values().index_select(0, which_a).mul(b._values().index_select(0, which_b));
   return Coalesce(MakeSparse(sizes, 2, indices, values, false));
-}
-
-// Positions of `query` in `sorted` (both linearized, `sorted` ascending and
-// unique): for each query, where it sits in `sorted`, and whether it is there.
-std::pair<at::Tensor, at::Tensor> Lookup(const at::Tensor& sorted, const at::Tensor& query) {
-  at::Tensor pos = at::searchsorted(sorted, query).clamp_max_(std::max<int64_t>(sorted.size(0) - 1, 0));
-  at::Tensor found = sorted.index_select(0, pos).eq(query);
-  return {pos, found};
 }
 
 // self's values at the positions of mask's entries (zero where self stores
@@ -476,10 +483,7 @@ at::Tensor SparseIndexSelect(const at::Tensor& self, int64_t dim, const at::Tens
     return MakeSparse(sizes, sparse_dim, at::empty({sparse_dim, 0}, indices.options()),
                       at::empty(value_shape, values.options()), true);
   }
-  const at::Tensor which = at::repeat_interleave(counts, std::optional<int64_t>(total));
-  const at::Tensor first = counts.cumsum(0).sub_(counts);
-  const at::Tensor offset =
-      at::arange(total, indices.options()).sub_(first.index_select(0, which));
+  auto [which, offset] = EnumeratePairs(counts, total);
   const at::Tensor position = order.index_select(0, lo.index_select(0, which).add_(offset));
   at::Tensor new_indices = indices.index_select(1, which);
   new_indices.select(0, dim).copy_(position);
