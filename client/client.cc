@@ -260,6 +260,44 @@ absl::StatusOr<MemoryStats> Session::GetMemoryStats() {
   return out;
 }
 
+absl::StatusOr<uint64_t> Session::JoinCommunicator(const std::string& key, int size, int rank,
+                                                   int chip, absl::Duration op_timeout,
+                                                   absl::Duration join_timeout) {
+  if (size < 1 || rank < 0 || rank >= size || chip < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " of ", size, " on chip ", chip,
+                                                   " is not a valid place in a communicator"));
+  }
+  v1::JoinCommunicatorRequest req;
+  req.set_session_id(impl_->id);
+  req.set_key(key);
+  req.set_size(static_cast<uint32_t>(size));
+  req.set_rank(static_cast<uint32_t>(rank));
+  req.set_chip(static_cast<uint32_t>(chip));
+  req.set_op_timeout_ms(static_cast<uint64_t>(std::max<int64_t>(1, absl::ToInt64Milliseconds(op_timeout))));
+  req.set_join_timeout_ms(static_cast<uint64_t>(std::max<int64_t>(1, absl::ToInt64Milliseconds(join_timeout))));
+  v1::JoinCommunicatorResponse resp;
+  Impl::Call call(impl_.get());
+  internal::SetDeadline(call.ctx(), join_timeout + absl::Seconds(10));
+  absl::StatusOr<std::shared_ptr<v1::Runtime::Stub>> stub = impl_->Stub();
+  if (!stub.ok()) return stub.status();
+  grpc::Status st = (*stub)->JoinCommunicator(call.ctx(), req, &resp);
+  if (!st.ok()) return impl_->Annotate(st);
+  return resp.communicator_id();
+}
+
+absl::Status Session::LeaveCommunicator(uint64_t communicator) {
+  v1::LeaveCommunicatorRequest req;
+  req.set_session_id(impl_->id);
+  req.set_communicator_id(communicator);
+  v1::LeaveCommunicatorResponse resp;
+  Impl::Call call(impl_.get());
+  absl::StatusOr<std::shared_ptr<v1::Runtime::Stub>> stub = impl_->Stub();
+  if (!stub.ok()) return stub.status();
+  grpc::Status st = (*stub)->LeaveCommunicator(call.ctx(), req, &resp);
+  if (!st.ok()) return impl_->Annotate(st);
+  return absl::OkStatus();
+}
+
 absl::Status Session::Close() {
   std::shared_ptr<v1::Runtime::Stub> stub;
   std::shared_ptr<grpc::Channel> channel;

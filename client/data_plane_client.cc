@@ -730,6 +730,26 @@ bool Session::IsPinned(const void* ptr) const {
   return impl_->PinnedOffset(ptr, 1, &offset);
 }
 
+absl::StatusOr<uint64_t> Session::EnqueueCollective(int stream, int chip, uint64_t communicator,
+                                                    const CollectiveEntry* ops, size_t num_ops) {
+  if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
+  if (chip < 0 || chip >= impl_->num_chips) {
+    return absl::InvalidArgumentError(absl::StrCat("no chip ", chip, " on this host"));
+  }
+  if (num_ops == 0 || num_ops > kMaxGroupOps) {
+    return absl::InvalidArgumentError(absl::StrCat("a collective group has 1 to ", kMaxGroupOps,
+                                                   " operations, not ", num_ops));
+  }
+  internal::StreamProducer& p = impl_->streams[stream];
+  absl::MutexLock lock(&p.mu);
+  absl::StatusOr<int> ring = impl_->RouteLocked(stream, p, chip);
+  if (!ring.ok()) return ring.status();
+  const uint64_t sequence = impl_->BeginLocked(*ring, p, RecordKind::kCollective);
+  WriteCollective(p.writer, communicator, ops, num_ops);
+  if (absl::Status s = impl_->Publish(*ring, p); !s.ok()) return s;
+  return sequence;
+}
+
 absl::StatusOr<Event> Session::RecordEvent(int stream) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   uint32_t slot = 0;

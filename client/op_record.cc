@@ -37,6 +37,8 @@ const char* KindName(uint16_t kind) {
       return "kEventRecord";
     case RecordKind::kEventWait:
       return "kEventWait";
+    case RecordKind::kCollective:
+      return "kCollective";
   }
   return "unknown";
 }
@@ -650,10 +652,10 @@ absl::Status CheckHeader(const RecordHeader& header, size_t bytes_available) {
                      bytes_available, " bytes available (kind ", header.kind,
                      ", sequence ", header.sequence, ")"));
   }
-  if (header.kind > static_cast<uint16_t>(RecordKind::kEventWait)) {
+  if (header.kind > static_cast<uint16_t>(RecordKind::kCollective)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "unknown record kind ", header.kind, " (known kinds are 0..",
-        static_cast<int>(RecordKind::kEventWait), "; length ", header.length,
+        static_cast<int>(RecordKind::kCollective), "; length ", header.length,
         ", sequence ", header.sequence, ")"));
   }
   return absl::OkStatus();
@@ -786,6 +788,149 @@ absl::Status DecodeEventWait(absl::string_view record, DecodedEventWait* out) {
       !r.End()) {
     return BodyError(h, "", r.error());
   }
+  return absl::OkStatus();
+}
+
+const char* CollectiveKindName(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllReduce:
+      return "all_reduce";
+    case CollectiveKind::kBroadcast:
+      return "broadcast";
+    case CollectiveKind::kReduce:
+      return "reduce";
+    case CollectiveKind::kAllGather:
+      return "all_gather";
+    case CollectiveKind::kReduceScatter:
+      return "reduce_scatter";
+    case CollectiveKind::kAllToAll:
+      return "all_to_all";
+    case CollectiveKind::kGather:
+      return "gather";
+    case CollectiveKind::kScatter:
+      return "scatter";
+    case CollectiveKind::kBarrier:
+      return "barrier";
+    case CollectiveKind::kSend:
+      return "send";
+    case CollectiveKind::kRecv:
+      return "recv";
+  }
+  return "unknown collective";
+}
+
+const char* ReduceOpName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kProduct:
+      return "product";
+    case ReduceOp::kMin:
+      return "min";
+    case ReduceOp::kMax:
+      return "max";
+    case ReduceOp::kAvg:
+      return "avg";
+  }
+  return "unknown reduce op";
+}
+
+void WriteCollective(RecordWriter& w, uint64_t communicator, const CollectiveEntry* ops,
+                     size_t num_ops) {
+  w.U64(communicator);
+  w.U32(static_cast<uint32_t>(num_ops));
+  w.U32(0);
+  for (size_t i = 0; i < num_ops; ++i) {
+    const CollectiveEntry& e = ops[i];
+    w.U8(static_cast<uint8_t>(e.kind));
+    w.U8(static_cast<uint8_t>(e.reduce));
+    w.U8(static_cast<uint8_t>(e.dtype));
+    w.U8(0);
+    w.U32(static_cast<uint32_t>(e.peer));
+    w.U64(e.count);
+    w.U64(e.send);
+    w.U64(e.recv);
+    w.U32(static_cast<uint32_t>(e.send_counts.size()));
+    w.U32(0);
+    for (int64_t c : e.send_counts) w.I64(c);
+    for (int64_t c : e.recv_counts) w.I64(c);
+  }
+}
+
+absl::Status DecodeCollective(absl::string_view record, DecodedCollective* out) {
+  RecordHeader h;
+  absl::Status status = OpenRecord(record, RecordKind::kCollective, &h);
+  if (!status.ok()) return status;
+  BodyReader r(record.data(), kHeaderBytes, h.length);
+  uint32_t n = 0;
+  size_t at = 0;
+  if (!r.Read("communicator", &out->communicator)) return BodyError(h, "", r.error());
+  at = r.pos();
+  if (!r.ReadCount("num_ops", kMaxGroupOps, &n) || !r.Pad(4, "flags")) {
+    return BodyError(h, "", r.error());
+  }
+  if (n == 0) {
+    r.Fail(at, "num_ops is 0 (a group has at least one operation)");
+    return BodyError(h, "", r.error());
+  }
+  out->ops.resize(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    CollectiveEntry& e = out->ops[i];
+    const std::string ctx = absl::StrCat("operation ", i, ": ");
+    uint8_t kind = 0, reduce = 0;
+    int8_t dtype = 0;
+    uint32_t peer = 0, splits = 0;
+    at = r.pos();
+    if (!r.Read("kind", &kind)) return BodyError(h, ctx, r.error());
+    if (kind < static_cast<uint8_t>(CollectiveKind::kAllReduce) ||
+        kind > static_cast<uint8_t>(CollectiveKind::kLast)) {
+      r.Fail(at, absl::StrCat("unknown collective kind ", kind));
+      return BodyError(h, ctx, r.error());
+    }
+    at = r.pos();
+    if (!r.Read("reduce op", &reduce)) return BodyError(h, ctx, r.error());
+    if (reduce > static_cast<uint8_t>(ReduceOp::kLast)) {
+      r.Fail(at, absl::StrCat("unknown reduce op ", reduce));
+      return BodyError(h, ctx, r.error());
+    }
+    at = r.pos();
+    if (!r.Read("dtype", &dtype)) return BodyError(h, ctx, r.error());
+    if (ElementSize(dtype) == 0) {
+      r.Fail(at, absl::StrCat("unknown dtype ", static_cast<int>(dtype)));
+      return BodyError(h, ctx, r.error());
+    }
+    if (!r.Pad(1, "pad") || !r.Read("peer", &peer) || !r.Read("count", &e.count) ||
+        !r.Read("send", &e.send) || !r.Read("recv", &e.recv)) {
+      return BodyError(h, ctx, r.error());
+    }
+    at = r.pos();
+    if (!r.ReadCount("n_splits", kMaxCommRanks, &splits) || !r.Pad(4, "pad")) {
+      return BodyError(h, ctx, r.error());
+    }
+    e.kind = static_cast<CollectiveKind>(kind);
+    e.reduce = static_cast<ReduceOp>(reduce);
+    e.dtype = dtype;
+    e.peer = static_cast<int32_t>(peer);
+    if (splits != 0 && e.kind != CollectiveKind::kAllToAll) {
+      r.Fail(at, absl::StrCat(splits, " splits on a ", CollectiveKindName(e.kind),
+                              " (only all_to_all has splits)"));
+      return BodyError(h, ctx, r.error());
+    }
+    if (!r.Need(size_t{16} * splits, "splits")) return BodyError(h, ctx, r.error());
+    e.send_counts.resize(splits);
+    e.recv_counts.resize(splits);
+    for (auto* v : {&e.send_counts, &e.recv_counts}) {
+      for (uint32_t k = 0; k < splits; ++k) {
+        at = r.pos();
+        if (!r.Read("split", &(*v)[k])) return BodyError(h, ctx, r.error());
+        if ((*v)[k] < 0) {
+          r.Fail(at, absl::StrCat("negative split ", (*v)[k]));
+          return BodyError(h, ctx, r.error());
+        }
+      }
+    }
+  }
+  if (!r.End()) return BodyError(h, "", r.error());
   return absl::OkStatus();
 }
 

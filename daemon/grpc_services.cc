@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "proto/protocol.h"
 #include "tpu/shm_layout.h"
 #include "tpu/units.h"
@@ -56,7 +57,18 @@ int ChipIndex(uint32_t wire_chip) {
 
 }  // namespace
 
-void FillTopology(const RuntimeCore& core, DataPlane* data_plane, v1::TopologyInfo* out) {
+void FillTopology(const RuntimeCore& core, DataPlane* data_plane,
+                  const CommunicatorRegistry* comms, v1::TopologyInfo* out) {
+  if (comms != nullptr) {
+    for (const LinkStats& l : comms->Links()) {
+      v1::IciLinkInfo* li = out->add_links();
+      li->set_a(l.a);
+      li->set_b(l.b);
+      li->set_axis(l.axis);
+      li->set_bytes_a_to_b(l.bytes_a_to_b);
+      li->set_bytes_b_to_a(l.bytes_b_to_a);
+    }
+  }
   const Topology& t = core.topology();
   out->set_name(t.name());
   out->set_simulated(true);
@@ -95,10 +107,57 @@ void FillTopology(const RuntimeCore& core, DataPlane* data_plane, v1::TopologyIn
 
 // ---------------------------------------------------------------- Runtime
 
+grpc::Status RuntimeServiceImpl::JoinCommunicator(grpc::ServerContext* ctx,
+                                                  const v1::JoinCommunicatorRequest* req,
+                                                  v1::JoinCommunicatorResponse* resp) {
+  absl::StatusOr<ConnectionInfo> caller = CallerOf(*connections_, ctx);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  if (comms_ == nullptr) {
+    return ToGrpcStatus(absl::FailedPreconditionError("this tpud runs no collectives"));
+  }
+  absl::StatusOr<uint32_t> tag = core_->SessionTag(caller->id, req->session_id());
+  if (!tag.ok()) return ToGrpcStatus(tag.status());
+  JoinRequest j;
+  j.session_id = req->session_id();
+  j.tag = *tag;
+  j.pid = caller->peer.pid;
+  j.key = req->key();
+  j.size = static_cast<int>(std::min<uint32_t>(req->size(), 1u << 20));
+  j.rank = static_cast<int>(std::min<uint32_t>(req->rank(), 1u << 20));
+  j.chip = static_cast<int>(std::min<uint32_t>(req->chip(), 1u << 20));
+  constexpr uint64_t kMaxMs = uint64_t{7} * 24 * 3600 * 1000;
+  if (req->op_timeout_ms() != 0) {
+    j.op_timeout = absl::Milliseconds(std::min(req->op_timeout_ms(), kMaxMs));
+  }
+  if (req->join_timeout_ms() != 0) {
+    j.join_timeout = absl::Milliseconds(std::min(req->join_timeout_ms(), kMaxMs));
+  }
+  // The call's own deadline bounds the wait too.
+  const absl::Time call_deadline = absl::FromChrono(ctx->deadline());
+  if (call_deadline < absl::Now() + j.join_timeout) {
+    j.join_timeout = std::max(absl::ZeroDuration(), call_deadline - absl::Now());
+  }
+  absl::StatusOr<uint64_t> id = comms_->Join(j);
+  if (!id.ok()) return ToGrpcStatus(id.status());
+  resp->set_communicator_id(*id);
+  return grpc::Status::OK;
+}
+
+grpc::Status RuntimeServiceImpl::LeaveCommunicator(grpc::ServerContext* ctx,
+                                                   const v1::LeaveCommunicatorRequest* req,
+                                                   v1::LeaveCommunicatorResponse*) {
+  absl::StatusOr<ConnectionInfo> caller = CallerOf(*connections_, ctx);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  if (comms_ == nullptr) return grpc::Status::OK;
+  absl::StatusOr<uint32_t> tag = core_->SessionTag(caller->id, req->session_id());
+  if (!tag.ok()) return ToGrpcStatus(tag.status());
+  return ToGrpcStatus(comms_->Leave(req->session_id(), req->communicator_id()));
+}
+
 grpc::Status RuntimeServiceImpl::GetTopology(grpc::ServerContext*,
                                              const v1::GetTopologyRequest*,
                                              v1::GetTopologyResponse* resp) {
-  FillTopology(*core_, data_plane_, resp->mutable_topology());
+  FillTopology(*core_, data_plane_, comms_, resp->mutable_topology());
   return grpc::Status::OK;
 }
 
@@ -205,7 +264,7 @@ grpc::Status AdminServiceImpl::GetStatus(grpc::ServerContext* ctx,
                                          const v1::GetStatusRequest*,
                                          v1::GetStatusResponse* resp) {
   if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
-  FillTopology(*core_, data_plane_, resp->mutable_topology());
+  FillTopology(*core_, data_plane_, comms_, resp->mutable_topology());
   for (const SessionSnapshot& s : core_->Sessions()) {
     FillSession(s, data_plane_, resp->add_sessions());
   }
@@ -244,6 +303,21 @@ grpc::Status AdminServiceImpl::GetStatus(grpc::ServerContext* ctx,
       out->set_stream(tpu::RingStream(r.ring));
       out->set_chip(tpu::RingChip(r.ring));
       out->set_sequence(r.sequence);
+    }
+  }
+  if (comms_ != nullptr) {
+    resp->set_collectives_run(comms_->collectives_run());
+    for (const CommunicatorInfo& c : comms_->Communicators()) {
+      v1::CommunicatorInfo* out = resp->add_communicators();
+      out->set_id(c.id);
+      out->set_size(c.size);
+      for (int chip : c.chips) out->add_chips(chip);
+      for (uint64_t sid : c.sessions) out->add_sessions(sid);
+      for (int r : c.ring) out->add_ring(r);
+      out->set_failed(c.failed);
+      out->set_failure(c.failure);
+      out->set_groups_done(c.groups_done);
+      out->set_bytes_moved(c.bytes_moved);
     }
   }
   return grpc::Status::OK;

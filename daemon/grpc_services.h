@@ -9,6 +9,7 @@
 #include <functional>
 
 #include "absl/time/time.h"
+#include "daemon/communicators.h"
 #include "daemon/connection_table.h"
 #include "daemon/data_plane.h"
 #include "daemon/executor/executor_pool.h"
@@ -37,11 +38,20 @@ class RuntimeServiceImpl final : public v1::Runtime::Service {
   grpc::Status GetMemoryStats(grpc::ServerContext* ctx,
                               const v1::GetMemoryStatsRequest* req,
                               v1::GetMemoryStatsResponse* resp) override;
+  grpc::Status JoinCommunicator(grpc::ServerContext* ctx,
+                                const v1::JoinCommunicatorRequest* req,
+                                v1::JoinCommunicatorResponse* resp) override;
+  grpc::Status LeaveCommunicator(grpc::ServerContext* ctx,
+                                 const v1::LeaveCommunicatorRequest* req,
+                                 v1::LeaveCommunicatorResponse* resp) override;
+
+  void set_communicators(CommunicatorRegistry* comms) { comms_ = comms; }
 
  private:
   RuntimeCore* core_;
   const ConnectionTable* connections_;
   DataPlane* data_plane_;
+  CommunicatorRegistry* comms_ = nullptr;
 };
 
 class AdminServiceImpl final : public v1::Admin::Service {
@@ -70,6 +80,10 @@ class AdminServiceImpl final : public v1::Admin::Service {
 
  private:
   grpc::Status CheckAdmin(grpc::ServerContext* ctx) const;
+ public:
+  void set_communicators(const CommunicatorRegistry* comms) { comms_ = comms; }
+ private:
+  const CommunicatorRegistry* comms_ = nullptr;
 
   RuntimeCore* core_;
   const ConnectionTable* connections_;

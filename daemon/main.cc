@@ -26,6 +26,7 @@
 #include "absl/time/time.h"
 #include "daemon/chip_backend.h"
 #include "daemon/connection_table.h"
+#include "daemon/communicators.h"
 #include "daemon/data_plane.h"
 #include "daemon/executor/executor_main.h"
 #include "daemon/executor/executor_pool.h"
@@ -170,6 +171,18 @@ int Run() {
     wake_fds.push_back(fd);
   }
   exec_config.wake_fds = wake_fds;
+  // Communicators: one table every executor maps (collectives.h); the
+  // registry sets up its links and routes now, before the fork.
+  absl::StatusOr<SharedMapping> collective_memory =
+      SharedMapping::Create("tpud-collectives", sizeof(CollectiveTable), /*seal=*/false);
+  if (!collective_memory.ok()) return Fail(std::string(collective_memory.status().message()));
+  collective_memory->CloseFd();
+  auto* collective_table = new (collective_memory->data()) CollectiveTable();
+  std::vector<int> executor_of_chip;
+  for (int c = 0; c < num_chips; ++c) executor_of_chip.push_back(c);
+  CommunicatorRegistry communicators(collective_table, (*core)->topology(), executor_of_chip,
+                                     wake_fds);
+  exec_config.collectives = collective_table;
   exec_config.spin_ns = absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_executor_spin));
   exec_config.yield_ns = absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_executor_yield));
   exec_config.quantum_ns = absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_executor_quantum));
@@ -207,7 +220,11 @@ int Run() {
   signal(SIGPIPE, SIG_IGN);
 
   DataPlane data_plane(core->get(), pool->get(), shared, dp_options);
-  (*core)->SetSessionEndHook([&data_plane](uint64_t id) { data_plane.Detach(id); });
+  (*core)->SetSessionEndHook([&data_plane, &communicators](uint64_t id) {
+    // Its peers' collectives fail naming it, before its memory goes.
+    communicators.OnSessionEnd(id);
+    data_plane.Detach(id);
+  });
   ExecutorPool* pool_ptr = pool->get();
   (*core)->SetMemoryFence([pool_ptr](uint32_t tag) { pool_ptr->Fence(tag); });
 
@@ -241,6 +258,8 @@ int Run() {
                                  [&sockets](ConnectionId id) {
     if (sockets != nullptr) sockets->Hangup(id);
   });
+  runtime_service.set_communicators(&communicators);
+  admin_service.set_communicators(&communicators);
 
   // Servers without listening ports: connections arrive through SocketServer.
   constexpr int kMaxMessageBytes = 4 << 20;  // control plane only, never bulk data

@@ -131,6 +131,13 @@ absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(ConnectionId connection,
   return opened;
 }
 
+absl::StatusOr<uint32_t> RuntimeCore::SessionTag(ConnectionId caller, uint64_t session_id) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Session*> s = FindSessionLocked(caller, session_id);
+  if (!s.ok()) return s.status();
+  return (*s)->tag;
+}
+
 absl::StatusOr<RuntimeCore::Session*> RuntimeCore::FindSessionLocked(
     ConnectionId caller, uint64_t session_id) {
   auto it = sessions_.find(session_id);

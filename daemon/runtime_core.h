@@ -147,6 +147,9 @@ class RuntimeCore {
   ReclaimResult EndSession(uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
   // The connection a session was opened on (0 if none).
   ConnectionId ConnectionOf(uint64_t session_id) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The page-owner tag of a session the caller owns.
+  absl::StatusOr<uint32_t> SessionTag(ConnectionId caller, uint64_t session_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Opens a session bound to `connection`, agreeing on a protocol version.
   // One session per connection: a second one is FAILED_PRECONDITION.

@@ -339,6 +339,7 @@ bool Executor::HasWork(const Ring& ring) const {
 bool Executor::ParkedReady(const Ring& ring) const {
   const Session& s = *ring.session;
   if (s.failed || s.state.header()->dead.load() != 0) return true;
+  if (ring.in_collective) return CollectiveReady(ring, tpu::MonotonicNanos());
   const TrustedRing* other = s.state.ring(ring.wait_ring);
   return other->last_sequence.load(std::memory_order_acquire) >= ring.wait_sequence ||
          tpu::RingControlOf(s.shm.data(), s.layout, ring.wait_ring)->dead.load() != 0;
@@ -634,6 +635,18 @@ bool Executor::Step(Ring& ring) {
       tpu::EventSlot* ev = tpu::EventOf(s.shm.data(), s.layout, static_cast<int>(slot));
       ev->sequence.store(header.sequence);
       ev->completed_ns.store(tpu::MonotonicNanos());
+      break;
+    }
+    case tpu::RecordKind::kCollective: {
+      bool done = false, malformed = false;
+      absl::Status st = StepCollective(ring, header.sequence, record, &done, &malformed);
+      if (malformed) return fail(st);
+      if (!done) {
+        ring.state = Ring::State::kParked;
+        parked_.push_back(&ring);
+        return false;  // the record stays at the head until its group is done
+      }
+      if (!st.ok()) RecordRingError(ctl, header.sequence, st);
       break;
     }
     case tpu::RecordKind::kEventWait: {

@@ -35,6 +35,7 @@
 
 #include "absl/status/status.h"
 #include "daemon/chip_backend.h"
+#include "daemon/executor/collectives.h"
 #include "daemon/executor/control_channel.h"
 #include "daemon/executor/fair_queue.h"
 #include "daemon/executor/shared_regions.h"
@@ -54,6 +55,9 @@ struct ExecutorConfig {
   // Every executor's wake-up eventfd, by index (to wake a parked ring's
   // executor).
   std::vector<int> wake_fds;
+  // Communicators and their meeting places (collectives.h); null: no
+  // collectives on this host.
+  CollectiveTable* collectives = nullptr;
   ChipBackend* backend = nullptr;
   // How long an idle executor spins (when a core is free) or yields
   // (otherwise) before it sleeps.
@@ -89,6 +93,13 @@ class Executor {
     // kParked: waiting until ring `wait_ring` completed `wait_sequence`.
     int wait_ring = -1;
     uint64_t wait_sequence = 0;
+    // A collective group at the head: posted (or waiting for its rank's
+    // slot), parked until it is done.
+    bool in_collective = false;
+    bool collective_posted = false;
+    uint64_t collective_sequence = 0;
+    uint64_t collective_comm = 0;
+    int collective_rank = -1;
   };
   struct OpSlot {
     std::shared_ptr<const BackendOp> op;
@@ -141,6 +152,27 @@ class Executor {
   absl::Status CheckEventWait(Ring& ring, uint64_t sequence, const tpu::DecodedEventWait& wait,
                               bool* ready);
   absl::Status ResolveTensors(Ring& ring);
+  // ---- collectives (executor_collectives.cc) ----
+  // Handles a kCollective record at the ring's head: posts its group (once),
+  // runs whatever met, and reports whether the group is done (*done; then
+  // the status is its result).
+  absl::Status StepCollective(Ring& ring, uint64_t sequence, absl::string_view record,
+                              bool* done, bool* malformed);
+  bool CollectiveReady(const Ring& ring, uint64_t now) const;
+  absl::Status PostGroup(Ring& ring, CommSlot* comm, int rank, uint64_t sequence,
+                         bool* posted);
+  // Under the communicator's mutex: runs the collective instance or the
+  // point-to-point pairs that have met.
+  void RunMet(CommSlot* comm, int rank);
+  void RunP2P(CommSlot* comm, int a, int ia, int b, int ib);
+  // Fails every posted group of the communicator, and the communicator.
+  void FailComm(CommSlot* comm, const std::string& why);
+  void FinishSlot(CommSlot* comm, int rank, const absl::Status& status);
+  void WakeRank(const CommSlot* comm, int rank);
+  // Host view of a rank's buffer, checked against that rank's session.
+  absl::StatusOr<char*> RankRange(const CommSlot* comm, int rank, uint64_t address,
+                                  uint64_t bytes, const char* what, bool input);
+  void PoisonCollectiveOutputs(Ring& ring, const std::string& cause, bool clear);
   const OpSlot& LookupOp(Ring& ring, uint32_t op_id);
   void Complete(Ring& ring, uint64_t length, uint64_t sequence);
   void FailSession(Session& s, const absl::Status& status);
@@ -189,6 +221,8 @@ class Executor {
   size_t bad_ref_ = 0;
   bool bad_ref_foreign_ = false;
   std::string poison_root_;
+  tpu::DecodedCollective collective_;
+  std::vector<char> collective_scratch_;
 
   // Activity window.
   uint64_t window_start_ns_ = 0;

@@ -70,6 +70,7 @@ int RunExecutorProcess(const ExecutorProcessConfig& config, int index, int contr
     ec.owners.emplace_back(config.owner_tables[c].first, config.chip_capacities[c]);
   }
   ec.wake_fds = config.wake_fds;
+  ec.collectives = config.collectives;
   std::unique_ptr<ChipBackend> backend = config.make_backend();
   ec.backend = backend.get();
   ec.spin_ns = config.spin_ns;

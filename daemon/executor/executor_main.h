@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "daemon/chip_backend.h"
+#include "daemon/executor/collectives.h"
 #include "daemon/executor/shared_regions.h"
 
 namespace tpud {
@@ -24,6 +25,7 @@ struct ExecutorProcessConfig {
   // read-only in executors.
   std::vector<std::pair<char*, uint64_t>> owner_tables;
   std::vector<int> wake_fds;  // per executor
+  CollectiveTable* collectives = nullptr;
   // Makes the chip backend (in the executor process, after the fork).
   std::function<std::unique_ptr<ChipBackend>()> make_backend;
   uint64_t spin_ns = 50000;

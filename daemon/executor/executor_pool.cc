@@ -352,12 +352,19 @@ void ExecutorPool::Detach(uint64_t session_id) {
 
 void ExecutorPool::Fence(uint32_t tag) {
   if (tag == 0) return;
+  auto inside = [tag](const ExecutorSlot& slot) {
+    if (slot.in_op_tag.load(std::memory_order_seq_cst) == tag) return true;
+    for (const auto& t : slot.collective_tags) {
+      if (t.load(std::memory_order_seq_cst) == tag) return true;
+    }
+    return false;
+  };
   for (int e = 0; e < num_executors(); ++e) {
     ExecutorSlot& slot = shared_->slots[e];
-    while (slot.in_op_tag.load(std::memory_order_seq_cst) == tag) {
+    while (inside(slot)) {
       slot.fence_waiters.fetch_add(1, std::memory_order_seq_cst);
       const uint32_t epoch = slot.op_epoch.load();
-      if (slot.in_op_tag.load(std::memory_order_seq_cst) == tag) {
+      if (inside(slot)) {
         // Bounded: a dead executor's slot is reset by the supervisor.
         tpu::FutexWait(&slot.op_epoch, epoch, 10 * 1000 * 1000);
       }
@@ -539,6 +546,7 @@ void ExecutorPool::OnWorkerDeath(int e, int wait_status) {
     // The dead executor is inside no op any more.
     slot.op_started_ns.store(0);
     slot.in_op_tag.store(0, std::memory_order_seq_cst);
+    for (auto& t : slot.collective_tags) t.store(0, std::memory_order_seq_cst);
     slot.crash_signal.store(0);
     slot.state.store(ExecutorSlot::kDead);
     slot.sleeping.store(0);

@@ -93,6 +93,9 @@ struct alignas(64) ExecutorSlot {
   std::atomic<uint32_t> op_epoch;        // futex word: bumped after an op if fence_waiters
   std::atomic<uint32_t> fence_waiters;   // tpud threads waiting for the op to end
   std::atomic<uint64_t> op_started_ns;   // CLOCK_MONOTONIC; 0 between ops
+  // A collective touches the memory of every rank's session: their tags,
+  // published like in_op_tag for the same fence (0: unused entries).
+  std::atomic<uint32_t> collective_tags[64];
   // The record running now, for crash reports (valid while op_started_ns != 0).
   std::atomic<uint64_t> current_session;
   std::atomic<uint32_t> current_ring;

@@ -156,6 +156,26 @@ class Session {
   // Ends the session; the daemon frees everything it still holds. Idempotent.
   absl::Status Close();
 
+  // ---- collectives (one rank per chip and session; see tpud's
+  // daemon/executor/collectives.h) ----
+
+  // Joins communicator `key` as rank `rank` of `size`, on `chip`; returns its
+  // id once every rank has joined (blocks up to `join_timeout`). An
+  // operation waits at most `op_timeout` for its peers; then the
+  // communicator fails on every rank, naming the ranks that never came.
+  absl::StatusOr<uint64_t> JoinCommunicator(const std::string& key, int size, int rank,
+                                            int chip,
+                                            absl::Duration op_timeout = absl::Minutes(30),
+                                            absl::Duration join_timeout = absl::Minutes(5));
+  absl::Status LeaveCommunicator(uint64_t communicator);
+  // Enqueues a group of collective (or of point-to-point) operations on
+  // `stream` of `chip`, run as one: the stream goes on once the whole group
+  // completed with its peers. Errors (mismatched calls across ranks, a peer
+  // that died, a timeout) surface at the stream's next synchronisation, on
+  // every rank. Returns the record's sequence.
+  absl::StatusOr<uint64_t> EnqueueCollective(int stream, int chip, uint64_t communicator,
+                                             const CollectiveEntry* ops, size_t num_ops);
+
   // ---- data plane: op streams over shared memory, CUDA's semantics ----
   // Streams are 0..kNumStreams-1; each runs its work in order, streams run
   // concurrently. Enqueueing returns at once; an op's own failure surfaces

@@ -20,6 +20,19 @@
 //   kEventRecord u32 event_slot, 4 pad
 //   kEventWait   u32 event_slot, u32 stream, u64 sequence
 //               Holds this stream until `stream` has completed `sequence`.
+//   kCollective u64 communicator, u32 num_ops (1..kMaxGroupOps), u32 flags (0),
+//               num_ops x CollectiveEntry
+//               A group of collective or point-to-point operations on one
+//               communicator (daemon/executor/collectives.h), run as one
+//               unit: the stream waits until every operation of the group
+//               has completed with its peers.
+//
+// A CollectiveEntry is: u8 kind (CollectiveKind), u8 reduce op (ReduceOp),
+// i8 dtype, u8 pad, i32 root or peer rank, u64 count (elements), u64 send
+// address, u64 recv address (device addresses of dense buffers; 0 where the
+// kind has no such buffer), u32 n_splits (0, or the communicator's size for
+// all_to_all), u32 pad, n_splits x i64 send counts, n_splits x i64 recv
+// counts.
 //
 // An Arg is a u8 tag (ArgTag) followed by its payload:
 //   kNone                      -
@@ -80,7 +93,37 @@ enum class RecordKind : uint16_t {
   kCopy = 3,
   kEventRecord = 4,
   kEventWait = 5,
+  kCollective = 6,
 };
+
+// What a collective entry does. Counts are elements of `dtype`; n is the
+// communicator's size. Buffers are dense; send and recv may be the same.
+enum class CollectiveKind : uint8_t {
+  kAllReduce = 1,      // send: count, recv: count (every rank)
+  kBroadcast = 2,      // root's send: count -> every recv: count
+  kReduce = 3,         // every send: count -> root's recv: count
+  kAllGather = 4,      // send: count, recv: n * count, rank order
+  kReduceScatter = 5,  // send: n * count, recv: count (rank r gets block r)
+  kAllToAll = 6,       // send: sum(send_counts) (block j to rank j), recv: sum(recv_counts)
+  kGather = 7,         // send: count -> root's recv: n * count
+  kScatter = 8,        // root's send: n * count -> recv: count
+  kBarrier = 9,        // nothing moves
+  kSend = 10,          // send: count to rank `peer`
+  kRecv = 11,          // recv: count from rank `peer`
+  kLast = kRecv,
+};
+
+enum class ReduceOp : uint8_t {
+  kSum = 0,
+  kProduct = 1,
+  kMin = 2,
+  kMax = 3,
+  kAvg = 4,
+  kLast = kAvg,
+};
+
+inline constexpr uint32_t kMaxGroupOps = 64;
+inline constexpr uint32_t kMaxCommRanks = 64;
 
 struct RecordHeader {
   uint32_t length;   // whole record including this header, multiple of 8
@@ -207,6 +250,27 @@ struct DecodedCopy {
   uint64_t bytes = 0;
 };
 
+struct CollectiveEntry {
+  CollectiveKind kind = CollectiveKind::kBarrier;
+  ReduceOp reduce = ReduceOp::kSum;
+  int8_t dtype = 0;
+  int32_t peer = 0;  // root (broadcast, reduce, gather, scatter) or peer (send, recv)
+  uint64_t count = 0;
+  uint64_t send = 0;  // device addresses
+  uint64_t recv = 0;
+  std::vector<int64_t> send_counts;  // all_to_all only
+  std::vector<int64_t> recv_counts;
+};
+
+struct DecodedCollective {
+  uint64_t communicator = 0;
+  std::vector<CollectiveEntry> ops;
+};
+
+// Name for messages: "all_reduce", "send", ...
+const char* CollectiveKindName(CollectiveKind kind);
+const char* ReduceOpName(ReduceOp op);
+
 struct DecodedEventWait {
   uint32_t event_slot = 0;
   uint32_t stream = 0;
@@ -223,6 +287,10 @@ absl::Status DecodeOp(absl::string_view record, DecodedOp* out);
 absl::Status DecodeCopy(absl::string_view record, DecodedCopy* out);
 absl::Status DecodeEventRecord(absl::string_view record, uint32_t* event_slot);
 absl::Status DecodeEventWait(absl::string_view record, DecodedEventWait* out);
+absl::Status DecodeCollective(absl::string_view record, DecodedCollective* out);
+// Writes a kCollective body (after Begin) for `ops`.
+void WriteCollective(RecordWriter& w, uint64_t communicator, const CollectiveEntry* ops,
+                     size_t num_ops);
 
 // Bytes a tensor touches: from the lowest to one past the highest element,
 // relative to the storage start. INVALID_ARGUMENT for negative sizes or

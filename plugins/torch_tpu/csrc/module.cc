@@ -60,6 +60,8 @@ py::dict Properties(c10::DeviceIndex device) {
 }
 
 }  // namespace
+
+void RegisterDistributed(py::module& m);  // distributed.cc
 }  // namespace torch_tpu
 
 PYBIND11_MODULE(_C, m) {
@@ -95,4 +97,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("_socket", [] { return GetSession().socket_path(); });
   m.def("_session_id", [] { return GetSession().id(); });
   m.def("_sparse_shared_kernels", [] { return SharedSparseKernelNames(); });
+  m.def("_register_distributed", [m]() mutable { torch_tpu::RegisterDistributed(m); });
 }

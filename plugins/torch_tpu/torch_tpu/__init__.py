@@ -24,6 +24,9 @@ def _init():
     torch._register_device_module("tpu", tpu_module)
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_storage=True)
+    from . import distributed
+
+    distributed._register()
 
 
 def _autoload():

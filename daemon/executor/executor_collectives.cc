@@ -1,0 +1,553 @@
+// The executor's side of collectives (see collectives.h): a kCollective
+// record posts its group into the rank's slot of the communicator; whoever
+// posts last moves the data; the rank's ring waits, parked, until its group
+// is done, and then takes its result like any op's.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "daemon/executor/executor.h"
+#include "tpu/device_address.h"
+
+namespace tpud {
+namespace {
+
+using tpu::CollectiveKind;
+
+bool IsP2P(CollectiveKind k) { return k == CollectiveKind::kSend || k == CollectiveKind::kRecv; }
+
+bool Reduces(CollectiveKind k) {
+  return k == CollectiveKind::kAllReduce || k == CollectiveKind::kReduce ||
+         k == CollectiveKind::kReduceScatter;
+}
+
+bool Rooted(CollectiveKind k) {
+  return k == CollectiveKind::kBroadcast || k == CollectiveKind::kReduce ||
+         k == CollectiveKind::kGather || k == CollectiveKind::kScatter;
+}
+
+const char* DtypeName(int8_t dtype) {
+  switch (dtype) {
+    case 0: return "uint8";
+    case 1: return "int8";
+    case 2: return "int16";
+    case 3: return "int32";
+    case 4: return "int64";
+    case 5: return "float16";
+    case 6: return "float32";
+    case 7: return "float64";
+    case 8: return "complex32";
+    case 9: return "complex64";
+    case 10: return "complex128";
+    case 11: return "bool";
+    case 15: return "bfloat16";
+    case 23: return "float8_e5m2";
+    case 24: return "float8_e4m3fn";
+    case 25: return "float8_e5m2fnuz";
+    case 26: return "float8_e4m3fnuz";
+    case 27: return "uint16";
+    case 28: return "uint32";
+    case 29: return "uint64";
+  }
+  return "unknown dtype";
+}
+
+std::string Describe(const PostedOp& op) {
+  std::string s = absl::StrCat(tpu::CollectiveKindName(op.kind), "(");
+  if (Reduces(op.kind)) absl::StrAppend(&s, tpu::ReduceOpName(op.reduce), ", ");
+  absl::StrAppend(&s, DtypeName(op.dtype), ", ", op.count, " elements");
+  if (Rooted(op.kind)) absl::StrAppend(&s, ", root ", op.peer);
+  if (IsP2P(op.kind)) absl::StrAppend(&s, op.kind == CollectiveKind::kSend ? ", to " : ", from ",
+                                      "rank ", op.peer);
+  return s + ")";
+}
+
+[[maybe_unused]] void SetMessage(RankSlot& slot, const absl::Status& st) {
+  slot.code = static_cast<int32_t>(st.code());
+  const std::string m(st.message());
+  const size_t n = std::min(m.size(), kCommMessageBytes - 1);
+  std::memcpy(slot.message, m.data(), n);
+  slot.message[n] = '\0';
+}
+
+std::string MemberName(const CommSlot* comm, int r) {
+  return absl::StrCat("rank ", r, " (pid ", comm->members[r].pid, ", chip ",
+                      comm->members[r].chip, ")");
+}
+
+}  // namespace
+
+bool Executor::CollectiveReady(const Ring& ring, uint64_t now) const {
+  CommSlot* comm = CommOf(config_.collectives, ring.collective_comm);
+  if (comm == nullptr || ring.collective_rank < 0) return true;
+  const RankSlot& slot = comm->slots[ring.collective_rank];
+  const uint32_t state = slot.state.load(std::memory_order_acquire);
+  if (!ring.collective_posted) return state == RankSlot::kFree || comm->state.load() != CommSlot::kReady;
+  if (state == RankSlot::kDone || comm->state.load() != CommSlot::kReady) return true;
+  return now - slot.posted_ns > comm->timeout_ns;
+}
+
+void Executor::WakeRank(const CommSlot* comm, int rank) {
+  const int e = comm->members[rank].executor;
+  if (e < 0 || e >= static_cast<int>(config_.wake_fds.size()) || e == config_.index) return;
+  const uint64_t one = 1;
+  (void)!write(config_.wake_fds[e], &one, sizeof(one));
+}
+
+void Executor::FinishSlot(CommSlot* comm, int rank, const absl::Status& status) {
+  FinishRankSlot(comm, rank, status, config_.wake_fds, config_.index);
+}
+
+void Executor::FailComm(CommSlot* comm, const std::string& why) {
+  spdlog::warn("communicator {} failed: {}", comm->id.load(), why);
+  FailCommunicator(comm, why, config_.wake_fds, config_.index);
+}
+
+absl::StatusOr<char*> Executor::RankRange(const CommSlot* comm, int rank, uint64_t address,
+                                          uint64_t bytes, const char* what, bool input) {
+  const CommMember& m = comm->members[rank];
+  if (bytes == 0) return config_.chip_bases[m.chip];
+  const int c = tpu::DeviceAddressChip(address);
+  if (c != m.chip) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "rank %d's %s buffer 0x%x is not on its chip %d", rank, what, address, m.chip));
+  }
+  const uint64_t offset = tpu::DeviceAddressOffset(address);
+  if (!config_.owners[c].Find(offset, bytes, m.tag).has_value()) {
+    const uint32_t owner = config_.owners[c].OwnerOf(offset);
+    const std::string msg = absl::StrFormat(
+        "rank %d's %s buffer [0x%x, +%d bytes) is %s", rank, what, address, bytes,
+        owner != 0 && owner != m.tag ? "in another session's memory"
+                                     : "not inside one of that rank's segments");
+    if (owner != 0 && owner != m.tag) return absl::PermissionDeniedError(msg);
+    return absl::InvalidArgumentError(msg);
+  }
+  if (input) {
+    auto it = sessions_.find(m.session_id);
+    std::string cause;
+    if (it != sessions_.end() && FindPoison(*it->second, c, address, address + bytes, &cause)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", rank, "'s ", what, " buffer was produced by an op that failed: ", cause));
+    }
+  }
+  return config_.chip_bases[c] + offset;
+}
+
+absl::Status Executor::PostGroup(Ring& ring, CommSlot* comm, int rank, uint64_t sequence,
+                                 bool* posted) {
+  *posted = false;
+  const int n = static_cast<int>(comm->size);
+  if (LockShared(&comm->mu)) {
+    FailComm(comm, "an executor died while running an operation of this communicator");
+  }
+  struct Unlock {
+    pthread_mutex_t* mu;
+    ~Unlock() { pthread_mutex_unlock(mu); }
+  } unlock{&comm->mu};
+  if (comm->id.load() != ring.collective_comm) {
+    return absl::NotFoundError("the communicator was destroyed");
+  }
+  if (comm->state.load() != CommSlot::kReady) {
+    return absl::AbortedError(absl::StrCat("communicator failed: ", comm->failure));
+  }
+  RankSlot& slot = comm->slots[rank];
+  if (slot.state.load() != RankSlot::kFree) {
+    // Ours already (an executor restart re-reads the record), or a group of
+    // another stream of this rank that has not finished.
+    *posted = slot.ring == static_cast<uint32_t>(ring.index) && slot.record_sequence == sequence;
+    return absl::OkStatus();
+  }
+  const std::vector<tpu::CollectiveEntry>& ops = collective_.ops;
+  const bool p2p = IsP2P(ops[0].kind);
+  // Arguments only this rank can get wrong. A collective posts anyway, so
+  // that its peers fail at once naming this rank instead of waiting.
+  absl::Status invalid;
+  int all_to_alls = 0;
+  for (size_t i = 0; i < ops.size() && invalid.ok(); ++i) {
+    const tpu::CollectiveEntry& e = ops[i];
+    const std::string at = ops.size() > 1 ? absl::StrCat(" (operation ", i, " of the group)") : "";
+    if (IsP2P(e.kind) != p2p) {
+      invalid = absl::InvalidArgumentError(
+          "a group mixes point-to-point operations with collectives; group them separately");
+    } else if ((Rooted(e.kind) || IsP2P(e.kind)) && (e.peer < 0 || e.peer >= n)) {
+      invalid = absl::InvalidArgumentError(absl::StrCat(
+          tpu::CollectiveKindName(e.kind), IsP2P(e.kind) ? " peer " : " root ", e.peer,
+          " is not a rank of this communicator of ", n, " ranks", at));
+    } else if (Reduces(e.kind)) {
+      invalid = CheckReducible(e.dtype, e.reduce);
+    } else if (e.kind == CollectiveKind::kAllToAll) {
+      if (static_cast<int>(e.send_counts.size()) != n) {
+        invalid = absl::InvalidArgumentError(absl::StrCat(
+            "all_to_all with ", e.send_counts.size(), " splits on a communicator of ", n,
+            " ranks", at));
+      } else if (++all_to_alls > 1) {
+        invalid = absl::InvalidArgumentError("a group holds at most one all_to_all");
+      }
+    }
+  }
+  if (p2p && !invalid.ok()) return invalid;
+  slot.num_ops = static_cast<uint32_t>(ops.size());
+  slot.p2p = p2p ? 1 : 0;
+  slot.ring = static_cast<uint32_t>(ring.index);
+  slot.record_sequence = sequence;
+  slot.posted_ns = tpu::MonotonicNanos();
+  slot.code = 0;
+  slot.message[0] = '\0';
+  if (!invalid.ok()) SetMessage(slot, invalid);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const tpu::CollectiveEntry& e = ops[i];
+    PostedOp& p = slot.ops[i];
+    p.kind = e.kind;
+    p.reduce = e.reduce;
+    p.dtype = e.dtype;
+    p.done = 0;
+    p.peer = e.peer;
+    p.count = e.count;
+    p.send = e.send;
+    p.recv = e.recv;
+    p.pair_index = 0;
+    if (e.kind == CollectiveKind::kAllToAll && invalid.ok()) {
+      std::copy(e.send_counts.begin(), e.send_counts.end(), slot.send_counts);
+      std::copy(e.recv_counts.begin(), e.recv_counts.end(), slot.recv_counts);
+    }
+    if (e.kind == CollectiveKind::kSend) p.pair_index = comm->sends_posted[rank][e.peer]++;
+    if (e.kind == CollectiveKind::kRecv) p.pair_index = comm->recvs_posted[e.peer][rank]++;
+  }
+  if (!p2p) slot.collective_index = ++comm->collectives_posted[rank];
+  slot.state.store(RankSlot::kPosted, std::memory_order_release);
+  *posted = true;
+  RunMet(comm, rank);
+  return absl::OkStatus();
+}
+
+void Executor::RunMet(CommSlot* comm, int rank) {
+  const int n = static_cast<int>(comm->size);
+  RankSlot& mine = comm->slots[rank];
+  if (mine.p2p) {
+    for (uint32_t i = 0; i < mine.num_ops; ++i) {
+      PostedOp& a = mine.ops[i];
+      if (a.done) continue;
+      RankSlot& peer = comm->slots[a.peer];
+      if (peer.state.load() != RankSlot::kPosted || !peer.p2p) continue;
+      const CollectiveKind want =
+          a.kind == CollectiveKind::kSend ? CollectiveKind::kRecv : CollectiveKind::kSend;
+      for (uint32_t j = 0; j < peer.num_ops; ++j) {
+        const PostedOp& b = peer.ops[j];
+        if (b.done || b.kind != want || b.peer != rank || b.pair_index != a.pair_index ||
+            (&peer == &mine && j == i)) {
+          continue;
+        }
+        RunP2P(comm, rank, static_cast<int>(i), a.peer, static_cast<int>(j));
+        break;
+      }
+    }
+    // Every slot whose operations are all done is finished.
+    for (int r = 0; r < n; ++r) {
+      RankSlot& s = comm->slots[r];
+      if (s.state.load() != RankSlot::kPosted || !s.p2p) continue;
+      bool all = true;
+      for (uint32_t k = 0; k < s.num_ops && all; ++k) all = s.ops[k].done != 0;
+      if (all) FinishSlot(comm, r, absl::Status(static_cast<absl::StatusCode>(s.code), s.message));
+    }
+    return;
+  }
+  // A collective runs once every rank has posted the same instance.
+  for (int r = 0; r < n; ++r) {
+    const RankSlot& s = comm->slots[r];
+    if (s.state.load() != RankSlot::kPosted || s.p2p ||
+        s.collective_index != mine.collective_index) {
+      return;
+    }
+  }
+  const uint64_t index = mine.collective_index;
+  comm->collectives_done = index;
+  auto finish_all = [&](const absl::Status& st) {
+    for (int r = 0; r < n; ++r) FinishSlot(comm, r, st);
+  };
+  const std::string where = absl::StrCat("collective #", index, " on communicator ",
+                                         comm->id.load());
+  for (int r = 0; r < n; ++r) {
+    const RankSlot& s = comm->slots[r];
+    if (s.code != 0) {
+      return finish_all(absl::Status(static_cast<absl::StatusCode>(s.code),
+                                     absl::StrCat(where, ": rank ", r, ": ", s.message)));
+    }
+  }
+  // The same operations on every rank.
+  const RankSlot& first = comm->slots[0];
+  for (int r = 1; r < n; ++r) {
+    const RankSlot& s = comm->slots[r];
+    if (s.num_ops != first.num_ops) {
+      return finish_all(absl::InvalidArgumentError(absl::StrCat(
+          where, " does not match across ranks: rank 0 groups ", first.num_ops,
+          " operations, rank ", r, " groups ", s.num_ops)));
+    }
+    for (uint32_t k = 0; k < s.num_ops; ++k) {
+      const PostedOp& a = first.ops[k];
+      const PostedOp& b = s.ops[k];
+      const bool same = a.kind == b.kind && a.dtype == b.dtype &&
+                        (a.kind == CollectiveKind::kAllToAll || a.count == b.count) &&
+                        (!Reduces(a.kind) || a.reduce == b.reduce) &&
+                        (!Rooted(a.kind) || a.peer == b.peer);
+      if (!same) {
+        const std::string at = s.num_ops > 1 ? absl::StrCat(" (operation ", k, ")") : "";
+        return finish_all(absl::InvalidArgumentError(absl::StrCat(
+            where, " does not match across ranks", at, ": rank 0 calls ", Describe(a), ", rank ",
+            r, " calls ", Describe(b))));
+      }
+    }
+  }
+  for (uint32_t k = 0; k < first.num_ops; ++k) {
+    if (first.ops[k].kind != CollectiveKind::kAllToAll) continue;
+    for (int i = 0; i < n; ++i) {
+      for (int j = 0; j < n; ++j) {
+        if (comm->slots[i].send_counts[j] != comm->slots[j].recv_counts[i]) {
+          return finish_all(absl::InvalidArgumentError(absl::StrCat(
+              where, ": all_to_all splits do not match: rank ", i, " sends ",
+              comm->slots[i].send_counts[j], " elements to rank ", j, ", which expects ",
+              comm->slots[j].recv_counts[i])));
+        }
+      }
+    }
+  }
+  // The fence: every rank's session tag is published before its page owners
+  // are read (as in BeginOp), so none of their memory is freed under us.
+  for (int r = 0; r < n; ++r) {
+    slot_->collective_tags[r].store(comm->members[r].tag, std::memory_order_seq_cst);
+  }
+  const char* name = tpu::CollectiveKindName(first.ops[0].kind);
+  std::memcpy(slot_->current_op, name, std::strlen(name) + 1);
+  slot_->current_session.store(comm->members[rank].session_id, std::memory_order_relaxed);
+  slot_->op_started_ns.store(tpu::MonotonicNanos(), std::memory_order_release);
+  absl::Status result;
+  std::vector<const PostedOp*> ops(n);
+  std::vector<char*> send(n), recv(n);
+  std::vector<const int64_t*> send_counts(n), recv_counts(n);
+  for (uint32_t k = 0; k < first.num_ops && result.ok(); ++k) {
+    for (int r = 0; r < n && result.ok(); ++r) {
+      const RankSlot& s = comm->slots[r];
+      ops[r] = &s.ops[k];
+      send_counts[r] = s.send_counts;
+      recv_counts[r] = s.recv_counts;
+      uint64_t sb = 0, rb = 0;
+      result = BufferBytes(s.ops[k], s.send_counts, s.recv_counts, n, r, &sb, &rb);
+      if (!result.ok()) break;
+      absl::StatusOr<char*> sp = RankRange(comm, r, s.ops[k].send, sb, "send", /*input=*/true);
+      if (!sp.ok()) {
+        result = sp.status();
+        break;
+      }
+      absl::StatusOr<char*> rp = RankRange(comm, r, s.ops[k].recv, rb, "recv", /*input=*/false);
+      if (!rp.ok()) {
+        result = rp.status();
+        break;
+      }
+      send[r] = *sp;
+      recv[r] = *rp;
+    }
+    if (!result.ok()) break;
+    if (first.ops[k].kind == CollectiveKind::kAllToAll) {
+      for (int r = 0; r < n && result.ok(); ++r) {
+        uint64_t sb = 0, rb = 0;
+        (void)BufferBytes(*ops[r], send_counts[r], recv_counts[r], n, r, &sb, &rb);
+        if (sb != 0 && rb != 0 && send[r] < recv[r] + rb && recv[r] < send[r] + sb) {
+          result = absl::InvalidArgumentError(absl::StrCat(
+              "rank ", r, "'s all_to_all send and recv buffers overlap; use separate tensors"));
+        }
+      }
+      if (!result.ok()) break;
+    }
+    RunCollective(config_.collectives, comm, ops, send, recv, send_counts, recv_counts,
+                  &collective_scratch_);
+  }
+  config_.collectives->collectives_run.fetch_add(1, std::memory_order_relaxed);
+  slot_->op_started_ns.store(0, std::memory_order_relaxed);
+  for (int r = 0; r < n; ++r) slot_->collective_tags[r].store(0, std::memory_order_seq_cst);
+  if (slot_->fence_waiters.load(std::memory_order_seq_cst) != 0) {
+    slot_->op_epoch.fetch_add(1);
+    tpu::FutexWakeAll(&slot_->op_epoch);
+  }
+  if (!result.ok()) {
+    result = absl::Status(result.code(), absl::StrCat(where, " (", name, "): ", result.message()));
+  }
+  finish_all(result);
+}
+
+void Executor::RunP2P(CommSlot* comm, int a, int ia, int b, int ib) {
+  RankSlot& sa = comm->slots[a];
+  RankSlot& sb = comm->slots[b];
+  PostedOp& oa = sa.ops[ia];
+  PostedOp& ob = sb.ops[ib];
+  const bool a_sends = oa.kind == CollectiveKind::kSend;
+  const int sender = a_sends ? a : b, receiver = a_sends ? b : a;
+  const PostedOp& snd = a_sends ? oa : ob;
+  const PostedOp& rcv = a_sends ? ob : oa;
+  oa.done = 1;
+  ob.done = 1;
+  absl::Status st;
+  if (snd.dtype != rcv.dtype || snd.count != rcv.count) {
+    st = absl::InvalidArgumentError(absl::StrCat(
+        "send/recv #", snd.pair_index + 1, " from rank ", sender, " to rank ", receiver,
+        " does not match: the sender sends ", snd.count, " ", DtypeName(snd.dtype),
+        " elements, the receiver expects ", rcv.count, " ", DtypeName(rcv.dtype)));
+  } else {
+    const uint64_t bytes = snd.count * static_cast<uint64_t>(tpu::ElementSize(snd.dtype));
+    if (snd.count > (uint64_t{1} << 48)) {
+      st = absl::InvalidArgumentError("send of more elements than any chip holds");
+    } else {
+      for (int r = 0; r < static_cast<int>(comm->size); ++r) {
+        slot_->collective_tags[r].store(comm->members[r].tag, std::memory_order_seq_cst);
+      }
+      absl::StatusOr<char*> src = RankRange(comm, sender, snd.send, bytes, "send", true);
+      absl::StatusOr<char*> dst =
+          src.ok() ? RankRange(comm, receiver, rcv.recv, bytes, "recv", false) : src;
+      if (!src.ok() || !dst.ok()) {
+        st = !src.ok() ? src.status() : dst.status();
+      } else {
+        std::memmove(*dst, *src, bytes);
+        CountRoute(config_.collectives, comm, sender, receiver, bytes);
+        comm->bytes_moved.fetch_add(bytes, std::memory_order_relaxed);
+      }
+      for (int r = 0; r < static_cast<int>(comm->size); ++r) {
+        slot_->collective_tags[r].store(0, std::memory_order_seq_cst);
+      }
+      if (slot_->fence_waiters.load(std::memory_order_seq_cst) != 0) {
+        slot_->op_epoch.fetch_add(1);
+        tpu::FutexWakeAll(&slot_->op_epoch);
+      }
+    }
+  }
+  if (!st.ok()) {
+    if (sa.code == 0) SetMessage(sa, st);
+    if (sb.code == 0) SetMessage(sb, st);
+  }
+}
+
+void Executor::PoisonCollectiveOutputs(Ring& ring, const std::string& cause, bool clear) {
+  CommSlot* comm = CommOf(config_.collectives, ring.collective_comm);
+  if (comm == nullptr) return;
+  const int rank = ring.collective_rank;
+  const RankSlot& slot = comm->slots[rank];
+  Session& s = *ring.session;
+  for (uint32_t k = 0; k < slot.num_ops; ++k) {
+    uint64_t sb = 0, rb = 0;
+    if (!BufferBytes(slot.ops[k], slot.send_counts, slot.recv_counts,
+                     static_cast<int>(comm->size), rank, &sb, &rb)
+             .ok() ||
+        rb == 0) {
+      continue;
+    }
+    if (clear) {
+      ClearPoison(s, ring.chip, slot.ops[k].recv, slot.ops[k].recv + rb);
+    } else {
+      AddPoison(s, ring.chip, slot.ops[k].recv, slot.ops[k].recv + rb, cause);
+    }
+  }
+}
+
+absl::Status Executor::StepCollective(Ring& ring, uint64_t sequence, absl::string_view record,
+                                      bool* done, bool* malformed) {
+  *done = false;
+  *malformed = false;
+  auto finish = [&](absl::Status st) {
+    *done = true;
+    ring.in_collective = false;
+    ring.collective_posted = false;
+    ring.collective_rank = -1;
+    return st;
+  };
+  const bool first_visit = !ring.in_collective || ring.collective_sequence != sequence;
+  if (first_visit || !ring.collective_posted) {
+    if (absl::Status st = tpu::DecodeCollective(record, &collective_); !st.ok()) {
+      *malformed = true;
+      return finish(st);
+    }
+  }
+  if (first_visit) {
+    ring.in_collective = true;
+    ring.collective_posted = false;
+    ring.collective_sequence = sequence;
+    ring.collective_comm = collective_.communicator;
+    ring.collective_rank = -1;
+    if (config_.collectives == nullptr) {
+      return finish(absl::FailedPreconditionError("this tpud runs no collectives"));
+    }
+    CommSlot* comm = CommOf(config_.collectives, collective_.communicator);
+    if (comm == nullptr) {
+      return finish(absl::NotFoundError(absl::StrCat(
+          "communicator ", collective_.communicator, " does not exist (destroyed, or never formed)")));
+    }
+    for (uint32_t r = 0; r < comm->size; ++r) {
+      if (comm->members[r].session_id == ring.session->id && comm->members[r].chip == ring.chip) {
+        ring.collective_rank = static_cast<int>(r);
+        break;
+      }
+    }
+    if (ring.collective_rank < 0) {
+      return finish(absl::PermissionDeniedError(absl::StrCat(
+          "this session has no rank on chip ", ring.chip, " in communicator ",
+          collective_.communicator, "; join it first")));
+    }
+  }
+  CommSlot* comm = CommOf(config_.collectives, ring.collective_comm);
+  if (comm == nullptr) return finish(absl::NotFoundError("the communicator was destroyed"));
+  const int rank = ring.collective_rank;
+  if (!ring.collective_posted) {
+    bool posted = false;
+    if (absl::Status st = PostGroup(ring, comm, rank, sequence, &posted); !st.ok()) {
+      return finish(st);
+    }
+    if (!posted) return absl::OkStatus();  // our other stream's group first
+    ring.collective_posted = true;
+  }
+  RankSlot& slot = comm->slots[rank];
+  if (slot.state.load(std::memory_order_acquire) != RankSlot::kDone &&
+      tpu::MonotonicNanos() - slot.posted_ns > comm->timeout_ns) {
+    if (LockShared(&comm->mu)) {
+      FailComm(comm, "an executor died while running an operation of this communicator");
+    }
+    if (slot.state.load() == RankSlot::kPosted) {
+      // Who never came.
+      std::vector<std::string> missing;
+      for (uint32_t r = 0; r < comm->size; ++r) {
+        const RankSlot& o = comm->slots[r];
+        const bool met = slot.p2p ? false
+                                  : (o.state.load() != RankSlot::kFree && !o.p2p &&
+                                     o.collective_index == slot.collective_index);
+        if (static_cast<int>(r) != rank && !met) {
+          if (slot.p2p) {
+            bool peer = false;
+            for (uint32_t k = 0; k < slot.num_ops; ++k) {
+              peer |= !slot.ops[k].done && slot.ops[k].peer == static_cast<int32_t>(r);
+            }
+            if (!peer) continue;
+          }
+          missing.push_back(MemberName(comm, static_cast<int>(r)));
+        }
+      }
+      FailComm(comm, absl::StrCat(
+          slot.p2p ? "point-to-point operations" : absl::StrCat("collective #", slot.collective_index, " (", tpu::CollectiveKindName(slot.ops[0].kind), ")"),
+          " of rank ", rank, " timed out after ", comm->timeout_ns / 1000000000, " s on communicator ",
+          comm->id.load(), ": waiting for ", absl::StrJoin(missing, ", "),
+          ", which did not take part"));
+    }
+    pthread_mutex_unlock(&comm->mu);
+  }
+  if (slot.state.load(std::memory_order_acquire) != RankSlot::kDone) return absl::OkStatus();
+  if (LockShared(&comm->mu)) {
+    FailComm(comm, "an executor died while running an operation of this communicator");
+  }
+  const absl::Status result(static_cast<absl::StatusCode>(slot.code), slot.message);
+  PoisonCollectiveOutputs(ring, std::string(result.message()), result.ok());
+  slot.state.store(RankSlot::kFree, std::memory_order_release);
+  pthread_mutex_unlock(&comm->mu);
+  return finish(result);
+}
+
+}  // namespace tpud
