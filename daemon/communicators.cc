@@ -289,9 +289,9 @@ void CommunicatorRegistry::OnSessionEnd(uint64_t session_id) {
           ", session ", session_id, ") ended while the communicator was in use; its peers' "
           "operations cannot complete");
       LockShared(&c->mu);
-      FailCommunicator(c, why, wake_fds_, -1);
+      const bool failed_now = FailCommunicator(c, why, wake_fds_, -1);
       pthread_mutex_unlock(&c->mu);
-      spdlog::warn("communicator {} failed: {}", c->id.load(), why);
+      if (failed_now) spdlog::warn("communicator {} failed: {}", c->id.load(), why);
     }
     for (int r : ranks) present_[i][r] = false;
     if (std::none_of(present_[i].begin(), present_[i].end(), [](bool b) { return b; })) {

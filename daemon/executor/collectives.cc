@@ -203,9 +203,9 @@ void FinishRankSlot(CommSlot* comm, int rank, const absl::Status& status,
   }
 }
 
-void FailCommunicator(CommSlot* comm, const std::string& why, const std::vector<int>& wake_fds,
+bool FailCommunicator(CommSlot* comm, const std::string& why, const std::vector<int>& wake_fds,
                       int self) {
-  if (comm->state.load() == CommSlot::kFailed) return;
+  if (comm->state.load() == CommSlot::kFailed) return false;
   const size_t n = std::min(why.size(), kCommMessageBytes - 1);
   std::memcpy(comm->failure, why.data(), n);
   comm->failure[n] = '\0';
@@ -223,6 +223,7 @@ void FailCommunicator(CommSlot* comm, const std::string& why, const std::vector<
       (void)!write(wake_fds[e], &one, sizeof(one));
     }
   }
+  return true;
 }
 
 absl::Status CheckReducible(int8_t dtype, ReduceOp op) {

@@ -145,8 +145,9 @@ bool LockShared(pthread_mutex_t* mu);
 void FinishRankSlot(CommSlot* comm, int rank, const absl::Status& status,
                     const std::vector<int>& wake_fds, int self);
 // Under comm->mu: the communicator fails for good; every posted group
-// finishes with `why`, and every member's executor is woken.
-void FailCommunicator(CommSlot* comm, const std::string& why, const std::vector<int>& wake_fds,
+// finishes with `why`, and every member's executor is woken. Returns false
+// if it had failed already (the first reason stays).
+bool FailCommunicator(CommSlot* comm, const std::string& why, const std::vector<int>& wake_fds,
                       int self);
 
 // The slot a communicator id names, or null.

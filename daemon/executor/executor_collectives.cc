@@ -105,8 +105,9 @@ void Executor::FinishSlot(CommSlot* comm, int rank, const absl::Status& status) 
 }
 
 void Executor::FailComm(CommSlot* comm, const std::string& why) {
-  spdlog::warn("communicator {} failed: {}", comm->id.load(), why);
-  FailCommunicator(comm, why, config_.wake_fds, config_.index);
+  if (FailCommunicator(comm, why, config_.wake_fds, config_.index)) {
+    spdlog::warn("communicator {} failed: {}", comm->id.load(), why);
+  }
 }
 
 absl::StatusOr<char*> Executor::RankRange(const CommSlot* comm, int rank, uint64_t address,

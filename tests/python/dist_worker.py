@@ -1,0 +1,316 @@
+"""One rank of a torch.distributed job on the "tpu" backend, for the tests
+in test_distributed.py (and bench/collectives_bench.py).
+
+    python dist_worker.py SCENARIO RANK WORLD PORT [ARGS...]
+
+Every rank builds its inputs from (rank, seed), so each can compute the CPU
+reference of a collective for all ranks by itself. A scenario prints one
+JSON line {"ok": ..., ...} at the end; a failed check raises.
+"""
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int8": torch.int8, "uint8": torch.uint8,
+    "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
+    "complex64": torch.complex64,
+}
+OPS = {
+    "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
+}
+
+
+def data(rank, shape, dtype, seed=0):
+    """Rank's input: small values, so products and sums stay exact where the
+    dtype allows."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_complex:
+        return torch.complex(torch.randn(shape, generator=g), torch.randn(shape, generator=g)).to(dtype)
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) + 2).to(dtype)
+    lo = 0 if dtype == torch.uint8 else -3
+    return torch.randint(lo, 4, shape, generator=g).to(dtype)
+
+
+def reduce_ref(tensors, op):
+    acc = tensors[0].to(torch.float64 if not tensors[0].is_complex() else torch.complex128)
+    if tensors[0].dtype == torch.bool:
+        stack = torch.stack(tensors)
+        return (stack.any(0) if op in ("sum", "max") else stack.all(0))
+    if not tensors[0].is_floating_point() and not tensors[0].is_complex():
+        # Integer arithmetic wraps the same way in any order.
+        acc = tensors[0].clone()
+        for t in tensors[1:]:
+            acc = {"sum": torch.add, "product": torch.mul, "min": torch.minimum,
+                   "max": torch.maximum}[op](acc, t)
+        return acc
+    for t in tensors[1:]:
+        t = t.to(acc.dtype)
+        acc = {"sum": torch.add, "avg": torch.add, "product": torch.mul,
+               "min": torch.minimum, "max": torch.maximum}[op](acc, t)
+    if op == "avg":
+        acc = acc / len(tensors)
+    return acc.to(tensors[0].dtype)
+
+
+def close(a, b, what):
+    a = a.cpu()
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    assert a.shape == b.shape, f"{what}: shape {a.shape} != {b.shape}"
+    if a.dtype in (torch.float16, torch.bfloat16):
+        ok = torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    elif a.is_floating_point() or a.is_complex():
+        ok = torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    else:
+        ok = torch.equal(a, b)
+    assert ok, f"{what}: got {a.flatten()[:8]} expected {b.flatten()[:8]}"
+
+
+def init(rank, world, port, timeout_s=120, backend="tpu"):
+    import torch_tpu  # noqa: F401
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.tpu.set_device(rank % torch.tpu.device_count())
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return torch.device("tpu", rank % torch.tpu.device_count())
+
+
+def scenario_collectives(rank, world, port):
+    """Every collective, reduction op and dtype against a CPU reference."""
+    dev = init(rank, world, port)
+    checked = 0
+    for dname, dtype in DTYPES.items():
+        for oname, op in OPS.items():
+            if oname == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+                continue
+            if oname in ("min", "max", "product") and dtype.is_complex:  # torch refuses
+                continue
+            if dtype == torch.bool and oname == "avg":
+                continue
+            shape = (37, 5)
+            inputs = [data(r, shape, dtype, seed=checked) for r in range(world)]
+            x = inputs[rank].to(dev)
+            dist.all_reduce(x, op=op)
+            close(x, reduce_ref(inputs, oname), f"all_reduce {oname} {dname}")
+            checked += 1
+        ins = [data(r, (6, 3), dtype, seed=100 + checked) for r in range(world)]
+        # broadcast from the last rank
+        b = ins[rank].to(dev)
+        dist.broadcast(b, src=world - 1)
+        close(b, ins[world - 1], f"broadcast {dname}")
+        # all_gather (list) and all_gather_into_tensor
+        outs = [torch.empty_like(ins[0], device=dev) for _ in range(world)]
+        dist.all_gather(outs, ins[rank].to(dev))
+        for r in range(world):
+            close(outs[r], ins[r], f"all_gather {dname} block {r}")
+        flat = torch.empty((world * 6, 3), dtype=dtype, device=dev)
+        dist.all_gather_into_tensor(flat, ins[rank].to(dev))
+        close(flat, torch.cat(ins), f"all_gather_into_tensor {dname}")
+        # gather / scatter with root 1
+        root = 1 % world
+        glist = [torch.empty_like(ins[0], device=dev) for _ in range(world)] if rank == root else None
+        dist.gather(ins[rank].to(dev), glist, dst=root)
+        if rank == root:
+            for r in range(world):
+                close(glist[r], ins[r], f"gather {dname} block {r}")
+        sout = torch.empty_like(ins[0], device=dev)
+        slist = [data(100 + r, (6, 3), dtype) .to(dev) for r in range(world)] if rank == root else None
+        dist.scatter(sout, slist, src=root)
+        close(sout, data(100 + rank, (6, 3), dtype), f"scatter {dname}")
+        # all_to_all_single, uneven: rank i sends (i + j + 1) rows to rank j
+        send_splits = [rank + j + 1 for j in range(world)]
+        recv_splits = [i + rank + 1 for i in range(world)]
+        src = data(rank, (sum(send_splits), 2), dtype, seed=7)
+        out = torch.empty((sum(recv_splits), 2), dtype=dtype, device=dev)
+        dist.all_to_all_single(out, src.to(dev), recv_splits, send_splits)
+        expect = []
+        for i in range(world):
+            si = data(i, (sum(i + j + 1 for j in range(world)), 2), dtype, seed=7)
+            off = sum(i + j + 1 for j in range(rank))
+            expect.append(si[off:off + i + rank + 1])
+        close(out, torch.cat(expect), f"all_to_all_single uneven {dname}")
+        checked += 4
+    # reduce and reduce_scatter, float32 and bfloat16, every op
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for oname, op in OPS.items():
+            if oname == "avg" and not dtype.is_floating_point:
+                continue
+            ins = [data(r, (world * 4, 3), dtype, seed=checked) for r in range(world)]
+            ref = reduce_ref(ins, oname)
+            y = ins[rank].to(dev)
+            dist.reduce(y, dst=0, op=op)
+            if rank == 0:
+                close(y, ref, f"reduce {oname} {dtype}")
+            rs = torch.empty((4, 3), dtype=dtype, device=dev)
+            dist.reduce_scatter_tensor(rs, ins[rank].to(dev), op=op)
+            close(rs, ref[rank * 4:(rank + 1) * 4], f"reduce_scatter_tensor {oname} {dtype}")
+            rl = torch.empty((4, 3), dtype=dtype, device=dev)
+            dist.reduce_scatter(rl, [c.to(dev) for c in ins[rank].chunk(world)], op=op)
+            close(rl, ref[rank * 4:(rank + 1) * 4], f"reduce_scatter {oname} {dtype}")
+            checked += 3
+    # all_to_all with lists of uneven tensors
+    ins = [data(rank * 10 + j, (j + rank + 1,), torch.float32) for j in range(world)]
+    outs = [torch.empty((rank + i + 1,), device=dev) for i in range(world)]
+    dist.all_to_all(outs, [t.to(dev) for t in ins])
+    for i in range(world):
+        close(outs[i], data(i * 10 + rank, (rank + i + 1,), torch.float32), f"all_to_all from {i}")
+    # send / recv around the ring, and batched both ways
+    t = data(rank, (10,), torch.float32, seed=3).to(dev)
+    r = torch.empty(10, device=dev)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    if rank % 2 == 0:
+        dist.send(t, nxt)
+        dist.recv(r, prv)
+    else:
+        dist.recv(r, prv)
+        dist.send(t, nxt)
+    close(r, data(prv, (10,), torch.float32, seed=3), "send/recv")
+    a, b = torch.empty(10, device=dev), torch.empty(10, device=dev)
+    reqs = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, t, nxt), dist.P2POp(dist.irecv, a, prv),
+        dist.P2POp(dist.isend, t * 2, prv), dist.P2POp(dist.irecv, b, nxt)])
+    for q in reqs:
+        q.wait()
+    close(a, data(prv, (10,), torch.float32, seed=3), "batch_isend_irecv forward")
+    close(b, 2 * data(nxt, (10,), torch.float32, seed=3), "batch_isend_irecv backward")
+    # coalesced all_reduces, and a non-contiguous tensor
+    xs = [data(rank, (5, 4), torch.float32, seed=s).to(dev) for s in (1, 2, 3)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for x in xs:
+            dist.all_reduce(x)
+    cm.wait()
+    for s, x in zip((1, 2, 3), xs):
+        close(x, reduce_ref([data(q, (5, 4), torch.float32, seed=s) for q in range(world)], "sum"),
+              f"coalesced all_reduce {s}")
+    nc = data(rank, (6, 8), torch.float32, seed=9).to(dev).t()
+    dist.all_reduce(nc)
+    close(nc, reduce_ref([data(q, (6, 8), torch.float32, seed=9) for q in range(world)], "sum").t(),
+          "non-contiguous all_reduce")
+    # Work objects
+    w = dist.all_reduce(torch.ones(4, device=dev), async_op=True)
+    w.wait()
+    torch.tpu.synchronize()
+    assert w.is_completed()
+    # a sub-group of the even ranks
+    evens = list(range(0, world, 2))
+    sub = dist.new_group(evens)
+    if rank in evens:
+        z = torch.full((3,), float(rank), device=dev)
+        dist.all_reduce(z, group=sub)
+        close(z, torch.full((3,), float(sum(evens))), "sub-group all_reduce")
+    # object collectives
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank, "name": f"r{rank}"})
+    assert objs == [{"rank": r, "name": f"r{r}"} for r in range(world)], objs
+    lst = [f"from {rank}", rank] if rank == 0 else [None, None]
+    dist.broadcast_object_list(lst, src=0)
+    assert lst == ["from 0", 0], lst
+    dist.barrier()
+    torch.tpu.synchronize()
+    dist.destroy_process_group()
+    return {"checked": checked}
+
+
+def scenario_mismatch(rank, world, port):
+    """Rank 1 passes a different size: every rank fails naming it, and goes on."""
+    dev = init(rank, world, port)
+    n = 512 if rank == 1 else 1024
+    x = torch.ones(n, device=dev)
+    err = None
+    try:
+        dist.all_reduce(x)
+        torch.tpu.synchronize()
+    except RuntimeError as e:
+        err = str(e)
+    assert err is not None, "a mismatched all_reduce succeeded"
+    y = torch.ones(8, device=dev)
+    dist.all_reduce(y)
+    close(y, torch.full((8,), float(world)), "all_reduce after a mismatch")
+    dtype_err = None
+    z = torch.ones(8, device=dev, dtype=torch.float16 if rank == 2 % world else torch.float32)
+    try:
+        dist.all_reduce(z)
+        torch.tpu.synchronize()
+    except RuntimeError as e:
+        dtype_err = str(e)
+    dist.destroy_process_group()
+    return {"error": err, "dtype_error": dtype_err}
+
+
+def scenario_killed(rank, world, port):
+    """The last rank dies while the others wait in an all_reduce."""
+    dev = init(rank, world, port)
+    x = torch.ones(1000, device=dev)
+    dist.all_reduce(x)
+    torch.tpu.synchronize()
+    if rank == world - 1:
+        print(json.dumps({"ok": True, "pid": os.getpid()}), flush=True)
+        time.sleep(1.0)
+        os.kill(os.getpid(), 9)
+    t0 = time.time()
+    err = None
+    try:
+        dist.all_reduce(x)
+        torch.tpu.synchronize()
+    except RuntimeError as e:
+        err = str(e)
+    return {"error": err, "seconds": time.time() - t0}
+
+
+def scenario_timeout(rank, world, port):
+    """Rank 0 never calls: the others fail after the group's timeout naming it."""
+    dev = init(rank, world, port, timeout_s=3)
+    x = torch.ones(10, device=dev)
+    dist.all_reduce(x)
+    torch.tpu.synchronize()
+    if rank == 0:
+        time.sleep(8)
+        return {"error": None, "seconds": 0}
+    t0 = time.time()
+    err = None
+    try:
+        dist.all_reduce(x)
+        torch.tpu.synchronize()
+    except RuntimeError as e:
+        err = str(e)
+    return {"error": err, "seconds": time.time() - t0}
+
+
+def scenario_job(rank, world, port, chips):
+    """One job of two running at once on its own chips (TPU_VISIBLE_CHIPS)."""
+    dev = init(rank, world, port)
+    total = 0.0
+    for i in range(50):
+        x = torch.full((4096,), float(rank + i), device=dev)
+        dist.all_reduce(x)
+        total += x[0].item()
+    expect = sum(sum(r + i for r in range(world)) for i in range(50))
+    assert total == expect, (total, expect)
+    dist.destroy_process_group()
+    return {"total": total}
+
+
+SCENARIOS = {k[len("scenario_"):]: v for k, v in globals().items() if k.startswith("scenario_")}
+
+
+def main():
+    name, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    extra = sys.argv[5:]
+    result = SCENARIOS[name](rank, world, port, *extra)
+    print(json.dumps({"ok": True, **(result or {})}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""torch.distributed on the "tpu" backend: collectives run inside tpud.
+
+Each test starts ranks as separate processes (tests/python/dist_worker.py)
+against a tpud of its own, the way torchrun starts them.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import Daemon
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "dist_worker.py")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(daemon, scenario, world, extra=(), env_extra=None, timeout=300):
+    """Runs `scenario` on `world` ranks; returns per rank (returncode, result
+    dict or None, output)."""
+    port = free_port()
+    env = daemon.env()
+    env.update(env_extra or {})
+    procs = [subprocess.Popen([sys.executable, WORKER, scenario, str(r), str(world), str(port),
+                               *extra], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    out = []
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=timeout)
+            result = None
+            for line in reversed(text.strip().splitlines()):
+                if line.startswith("{"):
+                    result = json.loads(line)
+                    break
+            out.append((p.returncode, result, text))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+@pytest.fixture
+def host():
+    d = Daemon(hbm="512MiB")
+    yield d
+    d.stop()
+
+
+def test_every_collective_op_and_dtype_matches_cpu(host):
+    results = run_ranks(host, "collectives", 4)
+    for rank, (rc, result, text) in enumerate(results):
+        assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
+    assert results[0][1]["checked"] > 100
+
+
+def test_mismatched_calls_fail_on_every_rank_naming_the_difference(host):
+    results = run_ranks(host, "mismatch", 4)
+    for rank, (rc, result, text) in enumerate(results):
+        assert rc == 0 and result, f"rank {rank}:\n{text[-3000:]}"
+        err = result["error"]
+        assert "does not match across ranks" in err, err
+        assert "1024 elements" in err and "512 elements" in err and "rank 1" in err, err
+        assert "float16" in result["dtype_error"] and "float32" in result["dtype_error"], result
+
+
+def test_a_killed_rank_fails_the_others_naming_it(host):
+    results = run_ranks(host, "killed", 4)
+    rc, result, text = results[3]
+    assert rc == -9, text[-2000:]
+    pid = result["pid"]
+    for rank in range(3):
+        rc, result, text = results[rank]
+        assert rc == 0 and result, f"rank {rank}:\n{text[-3000:]}"
+        assert result["error"] is not None, "the all_reduce with a dead peer succeeded"
+        assert "rank 3" in result["error"] and f"pid {pid}" in result["error"], result["error"]
+        assert result["seconds"] < 30, result
+
+
+def test_a_rank_that_never_comes_times_out_naming_it(host):
+    results = run_ranks(host, "timeout", 3)
+    for rank in (1, 2):
+        rc, result, text = results[rank]
+        assert rc == 0 and result, f"rank {rank}:\n{text[-3000:]}"
+        err = result["error"]
+        assert err is not None and "timed out" in err and "rank 0" in err, err
+        assert 2.5 < result["seconds"] < 20, result
+
+
+def test_two_jobs_at_once_on_their_own_chips(host):
+    import threading
+
+    out = {}
+
+    def job(name, chips):
+        out[name] = run_ranks(host, "job", 2, extra=(chips,),
+                              env_extra={"TPU_VISIBLE_CHIPS": chips})
+
+    threads = [threading.Thread(target=job, args=("a", "0,1")),
+               threading.Thread(target=job, args=("b", "2,3"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name in ("a", "b"):
+        for rank, (rc, result, text) in enumerate(out[name]):
+            assert rc == 0 and result and result["ok"], f"job {name} rank {rank}:\n{text[-3000:]}"
