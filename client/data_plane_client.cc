@@ -740,12 +740,31 @@ absl::StatusOr<uint64_t> Session::EnqueueCollective(int stream, int chip, uint64
     return absl::InvalidArgumentError(absl::StrCat("a collective group has 1 to ", kMaxGroupOps,
                                                    " operations, not ", num_ops));
   }
+  // Groups meet in the daemon by the order this rank issued them, whatever
+  // streams they went to.
+  std::vector<CollectiveEntry> stamped(ops, ops + num_ops);
+  uint64_t index = 0;
+  {
+    absl::MutexLock lock(&impl_->comm_mu);
+    Impl::CommCounters& c = impl_->comm_counters[communicator];
+    bool p2p = true;
+    for (CollectiveEntry& e : stamped) {
+      if (e.kind == CollectiveKind::kSend) {
+        e.pair_sequence = c.sends[e.peer]++;
+      } else if (e.kind == CollectiveKind::kRecv) {
+        e.pair_sequence = c.recvs[e.peer]++;
+      } else {
+        p2p = false;
+      }
+    }
+    if (!p2p) index = ++c.groups;
+  }
   internal::StreamProducer& p = impl_->streams[stream];
   absl::MutexLock lock(&p.mu);
   absl::StatusOr<int> ring = impl_->RouteLocked(stream, p, chip);
   if (!ring.ok()) return ring.status();
   const uint64_t sequence = impl_->BeginLocked(*ring, p, RecordKind::kCollective);
-  WriteCollective(p.writer, communicator, ops, num_ops);
+  WriteCollective(p.writer, communicator, index, stamped.data(), stamped.size());
   if (absl::Status s = impl_->Publish(*ring, p); !s.ok()) return s;
   return sequence;
 }

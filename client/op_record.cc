@@ -835,11 +835,12 @@ const char* ReduceOpName(ReduceOp op) {
   return "unknown reduce op";
 }
 
-void WriteCollective(RecordWriter& w, uint64_t communicator, const CollectiveEntry* ops,
-                     size_t num_ops) {
+void WriteCollective(RecordWriter& w, uint64_t communicator, uint64_t index,
+                     const CollectiveEntry* ops, size_t num_ops) {
   w.U64(communicator);
   w.U32(static_cast<uint32_t>(num_ops));
   w.U32(0);
+  w.U64(index);
   for (size_t i = 0; i < num_ops; ++i) {
     const CollectiveEntry& e = ops[i];
     w.U8(static_cast<uint8_t>(e.kind));
@@ -850,6 +851,7 @@ void WriteCollective(RecordWriter& w, uint64_t communicator, const CollectiveEnt
     w.U64(e.count);
     w.U64(e.send);
     w.U64(e.recv);
+    w.U64(e.pair_sequence);
     w.U32(static_cast<uint32_t>(e.send_counts.size()));
     w.U32(0);
     for (int64_t c : e.send_counts) w.I64(c);
@@ -866,7 +868,8 @@ absl::Status DecodeCollective(absl::string_view record, DecodedCollective* out) 
   size_t at = 0;
   if (!r.Read("communicator", &out->communicator)) return BodyError(h, "", r.error());
   at = r.pos();
-  if (!r.ReadCount("num_ops", kMaxGroupOps, &n) || !r.Pad(4, "flags")) {
+  if (!r.ReadCount("num_ops", kMaxGroupOps, &n) || !r.Pad(4, "flags") ||
+      !r.Read("index", &out->index)) {
     return BodyError(h, "", r.error());
   }
   if (n == 0) {
@@ -900,7 +903,8 @@ absl::Status DecodeCollective(absl::string_view record, DecodedCollective* out) 
       return BodyError(h, ctx, r.error());
     }
     if (!r.Pad(1, "pad") || !r.Read("peer", &peer) || !r.Read("count", &e.count) ||
-        !r.Read("send", &e.send) || !r.Read("recv", &e.recv)) {
+        !r.Read("send", &e.send) || !r.Read("recv", &e.recv) ||
+        !r.Read("pair sequence", &e.pair_sequence)) {
       return BodyError(h, ctx, r.error());
     }
     at = r.pos();

@@ -103,6 +103,15 @@ struct Session::Impl {
   std::map<uint64_t, uint64_t> pinned_free ABSL_GUARDED_BY(pinned_mu);  // offset -> size
   std::map<uint64_t, uint64_t> pinned_used ABSL_GUARDED_BY(pinned_mu);
 
+  // Per communicator: collective groups and point-to-point operations
+  // issued so far, to number them in issue order.
+  struct CommCounters {
+    uint64_t groups = 0;
+    std::map<int, uint64_t> sends, recvs;  // by peer
+  };
+  absl::Mutex comm_mu;
+  std::map<uint64_t, CommCounters> comm_counters ABSL_GUARDED_BY(comm_mu);
+
   absl::Mutex events_mu;
   std::vector<uint32_t> free_events ABSL_GUARDED_BY(events_mu);
 

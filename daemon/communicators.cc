@@ -1,6 +1,7 @@
 #include "daemon/communicators.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -183,7 +184,11 @@ absl::StatusOr<uint64_t> CommunicatorRegistry::Join(const JoinRequest& req) {
                                    " in use); destroy process groups that are done"));
     }
     CommSlot* c = &table_->comms[index];
-    std::memset(static_cast<void*>(c), 0, sizeof(CommSlot));
+    // Zero the header and the slots of the ranks in use (the rest of the
+    // slot array stays untouched, unbacked memory).
+    std::memset(static_cast<void*>(c), 0,
+                reinterpret_cast<char*>(&c->slots) - reinterpret_cast<char*>(c));
+    std::memset(static_cast<void*>(&c->slots[0][0]), 0, sizeof(c->slots[0]) * f.size);
     InitSharedMutex(&c->mu);
     c->size = static_cast<uint32_t>(f.size);
     c->timeout_ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(f.op_timeout));

@@ -185,16 +185,16 @@ bool LockShared(pthread_mutex_t* mu) {
   return false;
 }
 
-void FinishRankSlot(CommSlot* comm, int rank, const absl::Status& status,
+void FinishRankSlot(CommSlot* comm, int rank, int k, const absl::Status& status,
                     const std::vector<int>& wake_fds, int self) {
-  RankSlot& slot = comm->slots[rank];
+  GroupSlot& slot = comm->slots[rank][k];
   if (slot.code == 0) {
     slot.code = static_cast<int32_t>(status.code());
     const size_t n = std::min(status.message().size(), kCommMessageBytes - 1);
     std::memcpy(slot.message, status.message().data(), n);
     slot.message[n] = '\0';
   }
-  slot.state.store(RankSlot::kDone, std::memory_order_release);
+  slot.state.store(GroupSlot::kDone, std::memory_order_release);
   comm->groups_done.fetch_add(1, std::memory_order_relaxed);
   const int e = comm->members[rank].executor;
   if (e >= 0 && e < static_cast<int>(wake_fds.size()) && e != self) {
@@ -212,8 +212,10 @@ bool FailCommunicator(CommSlot* comm, const std::string& why, const std::vector<
   comm->state.store(CommSlot::kFailed, std::memory_order_release);
   const absl::Status st = absl::AbortedError(why);
   for (uint32_t r = 0; r < comm->size; ++r) {
-    if (comm->slots[r].state.load() == RankSlot::kPosted) {
-      FinishRankSlot(comm, static_cast<int>(r), st, wake_fds, self);
+    for (int k = 0; k < kSlotsPerRank; ++k) {
+      if (comm->slots[r][k].state.load() == GroupSlot::kPosted) {
+        FinishRankSlot(comm, static_cast<int>(r), k, st, wake_fds, self);
+      }
     }
   }
   for (uint32_t r = 0; r < comm->size; ++r) {

@@ -61,14 +61,18 @@ struct PostedOp {
   uint64_t pair_index;  // point-to-point: the n-th between this pair in this direction
 };
 
-struct RankSlot {
+// A rank may have a few groups outstanding at once (on different streams:
+// FSDP gathers on one and reduces on another); each takes a slot.
+inline constexpr int kSlotsPerRank = 8;
+
+struct GroupSlot {
   enum State : uint32_t { kFree = 0, kPosted = 1, kDone = 2 };
   std::atomic<uint32_t> state;
   uint32_t num_ops;
   uint32_t p2p;  // the group is point-to-point
   uint32_t ring;  // the poster's ring and record, so a re-post is recognised
   uint64_t record_sequence;
-  uint64_t collective_index;  // collectives: which instance (1, 2, ...)
+  uint64_t index;  // collectives: the rank's n-th collective group (from 1)
   uint64_t posted_ns;
   int32_t code;  // absl::StatusCode of the result (kDone)
   uint32_t pad;
@@ -97,18 +101,13 @@ struct alignas(64) CommSlot {
   CommMember members[kMaxCommRanks];
   // Ranks in the order of a ring along the torus (see Routes).
   int32_t ring[kMaxCommRanks];
-  // Per rank: collective groups posted so far.
-  uint64_t collectives_posted[kMaxCommRanks];
-  uint64_t collectives_done;
-  // Point-to-point counters, [source][destination].
-  uint64_t sends_posted[kMaxCommRanks][kMaxCommRanks];
-  uint64_t recvs_posted[kMaxCommRanks][kMaxCommRanks];
   // Why the communicator failed (kFailed); every pending and later group
   // fails with it.
   char failure[kCommMessageBytes];
   std::atomic<uint64_t> groups_done;
   std::atomic<uint64_t> bytes_moved;
-  RankSlot slots[kMaxCommRanks];
+  // Last: only the ranks in use are touched.
+  GroupSlot slots[kMaxCommRanks][kSlotsPerRank];
 };
 
 struct LinkCounter {
@@ -142,7 +141,7 @@ bool LockShared(pthread_mutex_t* mu);
 // Under comm->mu: finishes rank's posted group with `status` (a first
 // error sticks) and wakes its executor (through wake_fds, unless it is
 // `self`).
-void FinishRankSlot(CommSlot* comm, int rank, const absl::Status& status,
+void FinishRankSlot(CommSlot* comm, int rank, int slot, const absl::Status& status,
                     const std::vector<int>& wake_fds, int self);
 // Under comm->mu: the communicator fails for good; every posted group
 // finishes with `why`, and every member's executor is woken. Returns false

@@ -100,6 +100,7 @@ class Executor {
     uint64_t collective_sequence = 0;
     uint64_t collective_comm = 0;
     int collective_rank = -1;
+    int collective_slot = -1;
   };
   struct OpSlot {
     std::shared_ptr<const BackendOp> op;
@@ -162,12 +163,12 @@ class Executor {
   absl::Status PostGroup(Ring& ring, CommSlot* comm, int rank, uint64_t sequence,
                          bool* posted);
   // Under the communicator's mutex: runs the collective instance or the
-  // point-to-point pairs that have met.
-  void RunMet(CommSlot* comm, int rank);
-  void RunP2P(CommSlot* comm, int a, int ia, int b, int ib);
+  // point-to-point pairs that have met, after rank's slot k was posted.
+  void RunMet(CommSlot* comm, int rank, int k);
+  void RunP2P(CommSlot* comm, int a, int ka, int ia, int b, int kb, int ib);
   // Fails every posted group of the communicator, and the communicator.
   void FailComm(CommSlot* comm, const std::string& why);
-  void FinishSlot(CommSlot* comm, int rank, const absl::Status& status);
+  void FinishSlot(CommSlot* comm, int rank, int k, const absl::Status& status);
   void WakeRank(const CommSlot* comm, int rank);
   // Host view of a rank's buffer, checked against that rank's session.
   absl::StatusOr<char*> RankRange(const CommSlot* comm, int rank, uint64_t address,

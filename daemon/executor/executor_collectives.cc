@@ -68,7 +68,7 @@ std::string Describe(const PostedOp& op) {
   return s + ")";
 }
 
-[[maybe_unused]] void SetMessage(RankSlot& slot, const absl::Status& st) {
+[[maybe_unused]] void SetMessage(GroupSlot& slot, const absl::Status& st) {
   slot.code = static_cast<int32_t>(st.code());
   const std::string m(st.message());
   const size_t n = std::min(m.size(), kCommMessageBytes - 1);
@@ -86,10 +86,16 @@ std::string MemberName(const CommSlot* comm, int r) {
 bool Executor::CollectiveReady(const Ring& ring, uint64_t now) const {
   CommSlot* comm = CommOf(config_.collectives, ring.collective_comm);
   if (comm == nullptr || ring.collective_rank < 0) return true;
-  const RankSlot& slot = comm->slots[ring.collective_rank];
-  const uint32_t state = slot.state.load(std::memory_order_acquire);
-  if (!ring.collective_posted) return state == RankSlot::kFree || comm->state.load() != CommSlot::kReady;
-  if (state == RankSlot::kDone || comm->state.load() != CommSlot::kReady) return true;
+  if (comm->state.load() != CommSlot::kReady) return true;
+  if (!ring.collective_posted) {
+    // Waiting for a free slot of its rank.
+    for (int k = 0; k < kSlotsPerRank; ++k) {
+      if (comm->slots[ring.collective_rank][k].state.load() == GroupSlot::kFree) return true;
+    }
+    return false;
+  }
+  const GroupSlot& slot = comm->slots[ring.collective_rank][ring.collective_slot];
+  if (slot.state.load(std::memory_order_acquire) == GroupSlot::kDone) return true;
   return now - slot.posted_ns > comm->timeout_ns;
 }
 
@@ -100,8 +106,8 @@ void Executor::WakeRank(const CommSlot* comm, int rank) {
   (void)!write(config_.wake_fds[e], &one, sizeof(one));
 }
 
-void Executor::FinishSlot(CommSlot* comm, int rank, const absl::Status& status) {
-  FinishRankSlot(comm, rank, status, config_.wake_fds, config_.index);
+void Executor::FinishSlot(CommSlot* comm, int rank, int k, const absl::Status& status) {
+  FinishRankSlot(comm, rank, k, status, config_.wake_fds, config_.index);
 }
 
 void Executor::FailComm(CommSlot* comm, const std::string& why) {
@@ -157,19 +163,31 @@ absl::Status Executor::PostGroup(Ring& ring, CommSlot* comm, int rank, uint64_t 
   if (comm->state.load() != CommSlot::kReady) {
     return absl::AbortedError(absl::StrCat("communicator failed: ", comm->failure));
   }
-  RankSlot& slot = comm->slots[rank];
-  if (slot.state.load() != RankSlot::kFree) {
-    // Ours already (an executor restart re-reads the record), or a group of
-    // another stream of this rank that has not finished.
-    *posted = slot.ring == static_cast<uint32_t>(ring.index) && slot.record_sequence == sequence;
-    return absl::OkStatus();
+  int free_slot = -1;
+  for (int k = 0; k < kSlotsPerRank; ++k) {
+    GroupSlot& g = comm->slots[rank][k];
+    const uint32_t state = g.state.load();
+    if (state != GroupSlot::kFree && g.ring == static_cast<uint32_t>(ring.index) &&
+        g.record_sequence == sequence) {
+      // Ours already: an executor restart re-reads the record.
+      ring.collective_slot = k;
+      *posted = true;
+      return absl::OkStatus();
+    }
+    if (state == GroupSlot::kFree && free_slot < 0) free_slot = k;
   }
+  // Every slot busy: this rank has more groups outstanding on other streams;
+  // wait for one of them.
+  if (free_slot < 0) return absl::OkStatus();
   const std::vector<tpu::CollectiveEntry>& ops = collective_.ops;
   const bool p2p = IsP2P(ops[0].kind);
   // Arguments only this rank can get wrong. A collective posts anyway, so
   // that its peers fail at once naming this rank instead of waiting.
   absl::Status invalid;
   int all_to_alls = 0;
+  if (!p2p && collective_.index == 0) {
+    invalid = absl::InvalidArgumentError("a collective group without an index (it starts at 1)");
+  }
   for (size_t i = 0; i < ops.size() && invalid.ok(); ++i) {
     const tpu::CollectiveEntry& e = ops[i];
     const std::string at = ops.size() > 1 ? absl::StrCat(" (operation ", i, " of the group)") : "";
@@ -193,10 +211,21 @@ absl::Status Executor::PostGroup(Ring& ring, CommSlot* comm, int rank, uint64_t 
     }
   }
   if (p2p && !invalid.ok()) return invalid;
+  if (!p2p) {
+    for (int k = 0; k < kSlotsPerRank; ++k) {
+      const GroupSlot& g = comm->slots[rank][k];
+      if (g.state.load() != GroupSlot::kFree && !g.p2p && g.index == collective_.index) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "collective group #", collective_.index, " was issued twice by this rank"));
+      }
+    }
+  }
+  GroupSlot& slot = comm->slots[rank][free_slot];
   slot.num_ops = static_cast<uint32_t>(ops.size());
   slot.p2p = p2p ? 1 : 0;
   slot.ring = static_cast<uint32_t>(ring.index);
   slot.record_sequence = sequence;
+  slot.index = p2p ? 0 : collective_.index;
   slot.posted_ns = tpu::MonotonicNanos();
   slot.code = 0;
   slot.message[0] = '\0';
@@ -212,107 +241,112 @@ absl::Status Executor::PostGroup(Ring& ring, CommSlot* comm, int rank, uint64_t 
     p.count = e.count;
     p.send = e.send;
     p.recv = e.recv;
-    p.pair_index = 0;
+    p.pair_index = e.pair_sequence;
     if (e.kind == CollectiveKind::kAllToAll && invalid.ok()) {
       std::copy(e.send_counts.begin(), e.send_counts.end(), slot.send_counts);
       std::copy(e.recv_counts.begin(), e.recv_counts.end(), slot.recv_counts);
     }
-    if (e.kind == CollectiveKind::kSend) p.pair_index = comm->sends_posted[rank][e.peer]++;
-    if (e.kind == CollectiveKind::kRecv) p.pair_index = comm->recvs_posted[e.peer][rank]++;
   }
-  if (!p2p) slot.collective_index = ++comm->collectives_posted[rank];
-  slot.state.store(RankSlot::kPosted, std::memory_order_release);
+  slot.state.store(GroupSlot::kPosted, std::memory_order_release);
+  ring.collective_slot = free_slot;
   *posted = true;
-  RunMet(comm, rank);
+  RunMet(comm, rank, free_slot);
   return absl::OkStatus();
 }
 
-void Executor::RunMet(CommSlot* comm, int rank) {
+void Executor::RunMet(CommSlot* comm, int rank, int kmine) {
   const int n = static_cast<int>(comm->size);
-  RankSlot& mine = comm->slots[rank];
+  GroupSlot& mine = comm->slots[rank][kmine];
   if (mine.p2p) {
     for (uint32_t i = 0; i < mine.num_ops; ++i) {
       PostedOp& a = mine.ops[i];
       if (a.done) continue;
-      RankSlot& peer = comm->slots[a.peer];
-      if (peer.state.load() != RankSlot::kPosted || !peer.p2p) continue;
       const CollectiveKind want =
           a.kind == CollectiveKind::kSend ? CollectiveKind::kRecv : CollectiveKind::kSend;
-      for (uint32_t j = 0; j < peer.num_ops; ++j) {
-        const PostedOp& b = peer.ops[j];
-        if (b.done || b.kind != want || b.peer != rank || b.pair_index != a.pair_index ||
-            (&peer == &mine && j == i)) {
-          continue;
+      bool matched = false;
+      for (int kp = 0; kp < kSlotsPerRank && !matched; ++kp) {
+        GroupSlot& peer = comm->slots[a.peer][kp];
+        if (peer.state.load() != GroupSlot::kPosted || !peer.p2p) continue;
+        for (uint32_t j = 0; j < peer.num_ops; ++j) {
+          const PostedOp& b = peer.ops[j];
+          if (b.done || b.kind != want || b.peer != rank || b.pair_index != a.pair_index ||
+              (&peer == &mine && j == i)) {
+            continue;
+          }
+          RunP2P(comm, rank, kmine, static_cast<int>(i), a.peer, kp, static_cast<int>(j));
+          matched = true;
+          break;
         }
-        RunP2P(comm, rank, static_cast<int>(i), a.peer, static_cast<int>(j));
-        break;
       }
     }
-    // Every slot whose operations are all done is finished.
+    // Every group whose operations are all done is finished.
     for (int r = 0; r < n; ++r) {
-      RankSlot& s = comm->slots[r];
-      if (s.state.load() != RankSlot::kPosted || !s.p2p) continue;
-      bool all = true;
-      for (uint32_t k = 0; k < s.num_ops && all; ++k) all = s.ops[k].done != 0;
-      if (all) FinishSlot(comm, r, absl::Status(static_cast<absl::StatusCode>(s.code), s.message));
+      for (int k = 0; k < kSlotsPerRank; ++k) {
+        GroupSlot& g = comm->slots[r][k];
+        if (g.state.load() != GroupSlot::kPosted || !g.p2p) continue;
+        bool all = true;
+        for (uint32_t q = 0; q < g.num_ops && all; ++q) all = g.ops[q].done != 0;
+        if (all) FinishSlot(comm, r, k, absl::Status(static_cast<absl::StatusCode>(g.code), g.message));
+      }
     }
     return;
   }
-  // A collective runs once every rank has posted the same instance.
+  // A collective runs once every rank has posted the group of the same index.
+  const uint64_t index = mine.index;
+  std::vector<int> at(n, -1);
   for (int r = 0; r < n; ++r) {
-    const RankSlot& s = comm->slots[r];
-    if (s.state.load() != RankSlot::kPosted || s.p2p ||
-        s.collective_index != mine.collective_index) {
-      return;
+    for (int k = 0; k < kSlotsPerRank; ++k) {
+      const GroupSlot& g = comm->slots[r][k];
+      if (g.state.load() == GroupSlot::kPosted && !g.p2p && g.index == index) at[r] = k;
     }
+    if (at[r] < 0) return;
   }
-  const uint64_t index = mine.collective_index;
-  comm->collectives_done = index;
+  auto slot_of = [&](int r) -> GroupSlot& { return comm->slots[r][at[r]]; };
   auto finish_all = [&](const absl::Status& st) {
-    for (int r = 0; r < n; ++r) FinishSlot(comm, r, st);
+    for (int r = 0; r < n; ++r) FinishSlot(comm, r, at[r], st);
   };
   const std::string where = absl::StrCat("collective #", index, " on communicator ",
                                          comm->id.load());
   for (int r = 0; r < n; ++r) {
-    const RankSlot& s = comm->slots[r];
+    const GroupSlot& s = slot_of(r);
     if (s.code != 0) {
       return finish_all(absl::Status(static_cast<absl::StatusCode>(s.code),
                                      absl::StrCat(where, ": rank ", r, ": ", s.message)));
     }
   }
   // The same operations on every rank.
-  const RankSlot& first = comm->slots[0];
+  const GroupSlot& first = slot_of(0);
   for (int r = 1; r < n; ++r) {
-    const RankSlot& s = comm->slots[r];
+    const GroupSlot& s = slot_of(r);
     if (s.num_ops != first.num_ops) {
       return finish_all(absl::InvalidArgumentError(absl::StrCat(
           where, " does not match across ranks: rank 0 groups ", first.num_ops,
           " operations, rank ", r, " groups ", s.num_ops)));
     }
-    for (uint32_t k = 0; k < s.num_ops; ++k) {
-      const PostedOp& a = first.ops[k];
-      const PostedOp& b = s.ops[k];
+    for (uint32_t q = 0; q < s.num_ops; ++q) {
+      const PostedOp& a = first.ops[q];
+      const PostedOp& b = s.ops[q];
       const bool same = a.kind == b.kind && a.dtype == b.dtype &&
                         (a.kind == CollectiveKind::kAllToAll || a.count == b.count) &&
                         (!Reduces(a.kind) || a.reduce == b.reduce) &&
                         (!Rooted(a.kind) || a.peer == b.peer);
       if (!same) {
-        const std::string at = s.num_ops > 1 ? absl::StrCat(" (operation ", k, ")") : "";
+        const std::string op_at = s.num_ops > 1 ? absl::StrCat(" (operation ", q, ")") : "";
         return finish_all(absl::InvalidArgumentError(absl::StrCat(
-            where, " does not match across ranks", at, ": rank 0 calls ", Describe(a), ", rank ",
-            r, " calls ", Describe(b))));
+            where, " does not match across ranks", op_at, ": rank 0 calls ", Describe(a),
+            ", rank ", r, " calls ", Describe(b))));
       }
     }
   }
-  for (uint32_t k = 0; k < first.num_ops; ++k) {
-    if (first.ops[k].kind != CollectiveKind::kAllToAll) continue;
+  for (uint32_t q = 0; q < first.num_ops; ++q) {
+    if (first.ops[q].kind != CollectiveKind::kAllToAll) continue;
     for (int i = 0; i < n; ++i) {
       for (int j = 0; j < n; ++j) {
-        if (comm->slots[i].send_counts[j] != comm->slots[j].recv_counts[i]) {
+        if (slot_of(i).send_counts[j] != slot_of(j).recv_counts[i]) {
           return finish_all(absl::InvalidArgumentError(absl::StrCat(
               where, ": all_to_all splits do not match: rank ", i, " sends ",
-              comm->slots[i].send_counts[j], " elements to rank ", j, ", which expects ",
-              comm->slots[j].recv_counts[i])));
+              slot_of(i).send_counts[j], " elements to rank ", j, ", which expects ",
+              slot_of(j).recv_counts[i])));
         }
       }
     }
@@ -330,40 +364,34 @@ void Executor::RunMet(CommSlot* comm, int rank) {
   std::vector<const PostedOp*> ops(n);
   std::vector<char*> send(n), recv(n);
   std::vector<const int64_t*> send_counts(n), recv_counts(n);
-  for (uint32_t k = 0; k < first.num_ops && result.ok(); ++k) {
+  for (uint32_t q = 0; q < first.num_ops && result.ok(); ++q) {
     for (int r = 0; r < n && result.ok(); ++r) {
-      const RankSlot& s = comm->slots[r];
-      ops[r] = &s.ops[k];
+      const GroupSlot& s = slot_of(r);
+      ops[r] = &s.ops[q];
       send_counts[r] = s.send_counts;
       recv_counts[r] = s.recv_counts;
       uint64_t sb = 0, rb = 0;
-      result = BufferBytes(s.ops[k], s.send_counts, s.recv_counts, n, r, &sb, &rb);
+      result = BufferBytes(s.ops[q], s.send_counts, s.recv_counts, n, r, &sb, &rb);
       if (!result.ok()) break;
-      absl::StatusOr<char*> sp = RankRange(comm, r, s.ops[k].send, sb, "send", /*input=*/true);
+      absl::StatusOr<char*> sp = RankRange(comm, r, s.ops[q].send, sb, "send", /*input=*/true);
       if (!sp.ok()) {
         result = sp.status();
         break;
       }
-      absl::StatusOr<char*> rp = RankRange(comm, r, s.ops[k].recv, rb, "recv", /*input=*/false);
+      absl::StatusOr<char*> rp = RankRange(comm, r, s.ops[q].recv, rb, "recv", /*input=*/false);
       if (!rp.ok()) {
         result = rp.status();
         break;
       }
       send[r] = *sp;
       recv[r] = *rp;
+      if (s.ops[q].kind == CollectiveKind::kAllToAll && sb != 0 && rb != 0 &&
+          send[r] < recv[r] + rb && recv[r] < send[r] + sb) {
+        result = absl::InvalidArgumentError(absl::StrCat(
+            "rank ", r, "'s all_to_all send and recv buffers overlap; use separate tensors"));
+      }
     }
     if (!result.ok()) break;
-    if (first.ops[k].kind == CollectiveKind::kAllToAll) {
-      for (int r = 0; r < n && result.ok(); ++r) {
-        uint64_t sb = 0, rb = 0;
-        (void)BufferBytes(*ops[r], send_counts[r], recv_counts[r], n, r, &sb, &rb);
-        if (sb != 0 && rb != 0 && send[r] < recv[r] + rb && recv[r] < send[r] + sb) {
-          result = absl::InvalidArgumentError(absl::StrCat(
-              "rank ", r, "'s all_to_all send and recv buffers overlap; use separate tensors"));
-        }
-      }
-      if (!result.ok()) break;
-    }
     RunCollective(config_.collectives, comm, ops, send, recv, send_counts, recv_counts,
                   &collective_scratch_);
   }
@@ -380,9 +408,9 @@ void Executor::RunMet(CommSlot* comm, int rank) {
   finish_all(result);
 }
 
-void Executor::RunP2P(CommSlot* comm, int a, int ia, int b, int ib) {
-  RankSlot& sa = comm->slots[a];
-  RankSlot& sb = comm->slots[b];
+void Executor::RunP2P(CommSlot* comm, int a, int ka, int ia, int b, int kb, int ib) {
+  GroupSlot& sa = comm->slots[a][ka];
+  GroupSlot& sb = comm->slots[b][kb];
   PostedOp& oa = sa.ops[ia];
   PostedOp& ob = sb.ops[ib];
   const bool a_sends = oa.kind == CollectiveKind::kSend;
@@ -397,31 +425,27 @@ void Executor::RunP2P(CommSlot* comm, int a, int ia, int b, int ib) {
         "send/recv #", snd.pair_index + 1, " from rank ", sender, " to rank ", receiver,
         " does not match: the sender sends ", snd.count, " ", DtypeName(snd.dtype),
         " elements, the receiver expects ", rcv.count, " ", DtypeName(rcv.dtype)));
+  } else if (snd.count > (uint64_t{1} << 44)) {
+    st = absl::InvalidArgumentError("send of more elements than any chip holds");
   } else {
     const uint64_t bytes = snd.count * static_cast<uint64_t>(tpu::ElementSize(snd.dtype));
-    if (snd.count > (uint64_t{1} << 48)) {
-      st = absl::InvalidArgumentError("send of more elements than any chip holds");
+    slot_->collective_tags[0].store(comm->members[sender].tag, std::memory_order_seq_cst);
+    slot_->collective_tags[1].store(comm->members[receiver].tag, std::memory_order_seq_cst);
+    absl::StatusOr<char*> src = RankRange(comm, sender, snd.send, bytes, "send", true);
+    absl::StatusOr<char*> dst =
+        src.ok() ? RankRange(comm, receiver, rcv.recv, bytes, "recv", false) : src;
+    if (!src.ok() || !dst.ok()) {
+      st = !src.ok() ? src.status() : dst.status();
     } else {
-      for (int r = 0; r < static_cast<int>(comm->size); ++r) {
-        slot_->collective_tags[r].store(comm->members[r].tag, std::memory_order_seq_cst);
-      }
-      absl::StatusOr<char*> src = RankRange(comm, sender, snd.send, bytes, "send", true);
-      absl::StatusOr<char*> dst =
-          src.ok() ? RankRange(comm, receiver, rcv.recv, bytes, "recv", false) : src;
-      if (!src.ok() || !dst.ok()) {
-        st = !src.ok() ? src.status() : dst.status();
-      } else {
-        std::memmove(*dst, *src, bytes);
-        CountRoute(config_.collectives, comm, sender, receiver, bytes);
-        comm->bytes_moved.fetch_add(bytes, std::memory_order_relaxed);
-      }
-      for (int r = 0; r < static_cast<int>(comm->size); ++r) {
-        slot_->collective_tags[r].store(0, std::memory_order_seq_cst);
-      }
-      if (slot_->fence_waiters.load(std::memory_order_seq_cst) != 0) {
-        slot_->op_epoch.fetch_add(1);
-        tpu::FutexWakeAll(&slot_->op_epoch);
-      }
+      std::memmove(*dst, *src, bytes);
+      CountRoute(config_.collectives, comm, sender, receiver, bytes);
+      comm->bytes_moved.fetch_add(bytes, std::memory_order_relaxed);
+    }
+    slot_->collective_tags[0].store(0, std::memory_order_seq_cst);
+    slot_->collective_tags[1].store(0, std::memory_order_seq_cst);
+    if (slot_->fence_waiters.load(std::memory_order_seq_cst) != 0) {
+      slot_->op_epoch.fetch_add(1);
+      tpu::FutexWakeAll(&slot_->op_epoch);
     }
   }
   if (!st.ok()) {
@@ -434,20 +458,20 @@ void Executor::PoisonCollectiveOutputs(Ring& ring, const std::string& cause, boo
   CommSlot* comm = CommOf(config_.collectives, ring.collective_comm);
   if (comm == nullptr) return;
   const int rank = ring.collective_rank;
-  const RankSlot& slot = comm->slots[rank];
+  const GroupSlot& slot = comm->slots[rank][ring.collective_slot];
   Session& s = *ring.session;
-  for (uint32_t k = 0; k < slot.num_ops; ++k) {
+  for (uint32_t q = 0; q < slot.num_ops; ++q) {
     uint64_t sb = 0, rb = 0;
-    if (!BufferBytes(slot.ops[k], slot.send_counts, slot.recv_counts,
+    if (!BufferBytes(slot.ops[q], slot.send_counts, slot.recv_counts,
                      static_cast<int>(comm->size), rank, &sb, &rb)
              .ok() ||
         rb == 0) {
       continue;
     }
     if (clear) {
-      ClearPoison(s, ring.chip, slot.ops[k].recv, slot.ops[k].recv + rb);
+      ClearPoison(s, ring.chip, slot.ops[q].recv, slot.ops[q].recv + rb);
     } else {
-      AddPoison(s, ring.chip, slot.ops[k].recv, slot.ops[k].recv + rb, cause);
+      AddPoison(s, ring.chip, slot.ops[q].recv, slot.ops[q].recv + rb, cause);
     }
   }
 }
@@ -461,6 +485,7 @@ absl::Status Executor::StepCollective(Ring& ring, uint64_t sequence, absl::strin
     ring.in_collective = false;
     ring.collective_posted = false;
     ring.collective_rank = -1;
+    ring.collective_slot = -1;
     return st;
   };
   const bool first_visit = !ring.in_collective || ring.collective_sequence != sequence;
@@ -476,6 +501,7 @@ absl::Status Executor::StepCollective(Ring& ring, uint64_t sequence, absl::strin
     ring.collective_sequence = sequence;
     ring.collective_comm = collective_.communicator;
     ring.collective_rank = -1;
+    ring.collective_slot = -1;
     if (config_.collectives == nullptr) {
       return finish(absl::FailedPreconditionError("this tpud runs no collectives"));
     }
@@ -504,49 +530,58 @@ absl::Status Executor::StepCollective(Ring& ring, uint64_t sequence, absl::strin
     if (absl::Status st = PostGroup(ring, comm, rank, sequence, &posted); !st.ok()) {
       return finish(st);
     }
-    if (!posted) return absl::OkStatus();  // our other stream's group first
+    if (!posted) {
+      if (comm->state.load() != CommSlot::kReady) {
+        return finish(absl::AbortedError(absl::StrCat("communicator failed: ", comm->failure)));
+      }
+      return absl::OkStatus();  // every slot of this rank is busy: wait for one
+    }
     ring.collective_posted = true;
   }
-  RankSlot& slot = comm->slots[rank];
-  if (slot.state.load(std::memory_order_acquire) != RankSlot::kDone &&
+  GroupSlot& slot = comm->slots[rank][ring.collective_slot];
+  if (slot.state.load(std::memory_order_acquire) != GroupSlot::kDone &&
       tpu::MonotonicNanos() - slot.posted_ns > comm->timeout_ns) {
     if (LockShared(&comm->mu)) {
       FailComm(comm, "an executor died while running an operation of this communicator");
     }
-    if (slot.state.load() == RankSlot::kPosted) {
+    if (slot.state.load() == GroupSlot::kPosted) {
       // Who never came.
       std::vector<std::string> missing;
       for (uint32_t r = 0; r < comm->size; ++r) {
-        const RankSlot& o = comm->slots[r];
-        const bool met = slot.p2p ? false
-                                  : (o.state.load() != RankSlot::kFree && !o.p2p &&
-                                     o.collective_index == slot.collective_index);
-        if (static_cast<int>(r) != rank && !met) {
-          if (slot.p2p) {
-            bool peer = false;
-            for (uint32_t k = 0; k < slot.num_ops; ++k) {
-              peer |= !slot.ops[k].done && slot.ops[k].peer == static_cast<int32_t>(r);
-            }
-            if (!peer) continue;
+        if (static_cast<int>(r) == rank) continue;
+        bool involved = !slot.p2p;
+        if (slot.p2p) {
+          for (uint32_t q = 0; q < slot.num_ops; ++q) {
+            involved |= !slot.ops[q].done && slot.ops[q].peer == static_cast<int32_t>(r);
           }
-          missing.push_back(MemberName(comm, static_cast<int>(r)));
         }
+        if (!involved) continue;
+        bool met = false;
+        if (!slot.p2p) {
+          for (int k = 0; k < kSlotsPerRank; ++k) {
+            const GroupSlot& o = comm->slots[r][k];
+            met |= o.state.load() != GroupSlot::kFree && !o.p2p && o.index == slot.index;
+          }
+        }
+        if (!met) missing.push_back(MemberName(comm, static_cast<int>(r)));
       }
       FailComm(comm, absl::StrCat(
-          slot.p2p ? "point-to-point operations" : absl::StrCat("collective #", slot.collective_index, " (", tpu::CollectiveKindName(slot.ops[0].kind), ")"),
-          " of rank ", rank, " timed out after ", comm->timeout_ns / 1000000000, " s on communicator ",
-          comm->id.load(), ": waiting for ", absl::StrJoin(missing, ", "),
-          ", which did not take part"));
+          slot.p2p ? std::string("point-to-point operations")
+                   : absl::StrCat("collective #", slot.index, " (",
+                                  tpu::CollectiveKindName(slot.ops[0].kind), ")"),
+          " of rank ", rank, " timed out after ", comm->timeout_ns / 1000000000,
+          " s on communicator ", comm->id.load(), ": waiting for ",
+          absl::StrJoin(missing, ", "), ", which did not take part"));
     }
     pthread_mutex_unlock(&comm->mu);
   }
-  if (slot.state.load(std::memory_order_acquire) != RankSlot::kDone) return absl::OkStatus();
+  if (slot.state.load(std::memory_order_acquire) != GroupSlot::kDone) return absl::OkStatus();
   if (LockShared(&comm->mu)) {
     FailComm(comm, "an executor died while running an operation of this communicator");
   }
   const absl::Status result(static_cast<absl::StatusCode>(slot.code), slot.message);
   PoisonCollectiveOutputs(ring, std::string(result.message()), result.ok());
-  slot.state.store(RankSlot::kFree, std::memory_order_release);
+  slot.state.store(GroupSlot::kFree, std::memory_order_release);
   pthread_mutex_unlock(&comm->mu);
   return finish(result);
 }

@@ -302,7 +302,110 @@ def scenario_job(rank, world, port, chips):
     return {"total": total}
 
 
+
+
+def _mlp(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                               torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _batches(steps, world, per_rank):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(world * per_rank, 16, generator=g), torch.randn(world * per_rank, 4, generator=g))
+            for _ in range(steps)]
+
+
+def _reference(steps, world, per_rank, lr=0.05):
+    """Single-process training on the CPU over the whole global batch."""
+    model = _mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for x, y in _batches(steps, world, per_rank):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def scenario_ddp(rank, world, port):
+    """DistributedDataParallel over tpu ranks equals one process, step for step."""
+    dev = init(rank, world, port)
+    steps, per_rank = 5, 8
+    ref_model, ref_losses = _reference(steps, world, per_rank)
+    model = torch.nn.parallel.DistributedDataParallel(_mlp(0).to(dev))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step, (x, y) in enumerate(_batches(steps, world, per_rank)):
+        xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(xs.to(dev)), ys.to(dev))
+        loss.backward()
+        opt.step()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+        assert abs(global_loss.item() - ref_losses[step]) < 1e-4, (step, global_loss.item(), ref_losses[step])
+    for (name, p), q in zip(model.module.named_parameters(), ref_model.parameters()):
+        close(p.detach(), q.detach(), f"DDP parameter {name}")
+    dist.destroy_process_group()
+    return {"losses": ref_losses}
+
+
+def scenario_fsdp(rank, world, port):
+    """FSDP2 (fully_shard) over tpu ranks equals one process, step for step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dev = init(rank, world, port)
+    mesh = init_device_mesh("tpu", (world,))
+    steps, per_rank = 5, 8
+    ref_model, ref_losses = _reference(steps, world, per_rank)
+    model = _mlp(0).to(dev)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step, (x, y) in enumerate(_batches(steps, world, per_rank)):
+        xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(xs.to(dev)), ys.to(dev))
+        loss.backward()
+        opt.step()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+        assert abs(global_loss.item() - ref_losses[step]) < 1e-4, (step, global_loss.item(), ref_losses[step])
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        close(p.full_tensor().detach(), q.detach(), f"FSDP parameter {name}")
+    dist.destroy_process_group()
+    return {"losses": ref_losses}
+
+
+def scenario_dtensor(rank, world, port):
+    """DTensor: shard, redistribute and a distributed matmul, against the CPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    init(rank, world, port)
+    mesh = init_device_mesh("tpu", (world,))
+    a = data(0, (8, 12), torch.float32, seed=11)
+    b = data(1, (12, 6), torch.float32, seed=11)
+    da = distribute_tensor(a, mesh, [Shard(0)])
+    assert da.to_local().shape == (8 // world, 12), da.to_local().shape
+    close(da.redistribute(mesh, [Replicate()]).to_local(), a, "Shard(0) -> Replicate")
+    db = distribute_tensor(b, mesh, [Replicate()])
+    close((da @ db).full_tensor(), a @ b, "row-sharded matmul")
+    dc = distribute_tensor(a, mesh, [Shard(1)])
+    dd = distribute_tensor(b, mesh, [Shard(0)])
+    close((dc @ dd).full_tensor(), a @ b, "contraction-sharded matmul (partial sums)")
+    close(da.redistribute(mesh, [Shard(1)]).full_tensor(), a, "Shard(0) -> Shard(1)")
+    dist.destroy_process_group()
+    return {}
+
+
 SCENARIOS = {k[len("scenario_"):]: v for k, v in globals().items() if k.startswith("scenario_")}
+
 
 
 def main():

@@ -115,3 +115,12 @@ def test_two_jobs_at_once_on_their_own_chips(host):
     for name in ("a", "b"):
         for rank, (rc, result, text) in enumerate(out[name]):
             assert rc == 0 and result and result["ok"], f"job {name} rank {rank}:\n{text[-3000:]}"
+
+
+@pytest.mark.parametrize("scenario", ["ddp", "fsdp", "dtensor"])
+def test_training_across_chips_matches_one_process(host, scenario):
+    # DDP, FSDP2 (fully_shard) and DTensor on v6e-4, one rank per chip,
+    # against the same steps in one CPU process.
+    results = run_ranks(host, scenario, 4)
+    for rank, (rc, result, text) in enumerate(results):
+        assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"

@@ -460,3 +460,32 @@ def test_out_and_inplace_results_cast_to_the_out_dtype_as_on_cpu(tpud):
         except RuntimeError as e:
             assert "can't be cast to the desired output type Long" in str(e), e
     """)
+
+
+def test_cached_blocks_stay_with_their_stream(tpud):
+    # A block freed on one stream may still be in use by that stream's queued
+    # work; as in CUDA's caching allocator, only that stream reuses it, and a
+    # block recorded on another stream comes back once that stream passed
+    # the point where it was freed.
+    run_py(tpud, """
+        import torch, torch_tpu
+        s = torch.tpu.Stream()
+        with torch.tpu.stream(s):
+            x = torch.empty(1 << 16, device="tpu")
+            addr = x.data_ptr()
+            del x
+        y = torch.empty(1 << 16, device="tpu")
+        assert y.data_ptr() != addr, "a block freed on a side stream went to the default stream"
+        with torch.tpu.stream(s):
+            z = torch.empty(1 << 16, device="tpu")
+            assert z.data_ptr() == addr, "the side stream did not reuse its own block"
+        a = torch.ones(1 << 16, device="tpu")
+        a_addr = a.data_ptr()
+        a.record_stream(s)
+        with torch.tpu.stream(s):
+            (a * 2).sum()
+        del a
+        torch.tpu.synchronize()
+        b = torch.empty(1 << 16, device="tpu")
+        assert b.data_ptr() == a_addr, "a recorded block never came back after its streams passed"
+    """)

@@ -21,7 +21,11 @@
 //   kEventWait   u32 event_slot, u32 stream, u64 sequence
 //               Holds this stream until `stream` has completed `sequence`.
 //   kCollective u64 communicator, u32 num_ops (1..kMaxGroupOps), u32 flags (0),
-//               num_ops x CollectiveEntry
+//               u64 index, num_ops x CollectiveEntry
+//               `index` numbers the rank's collective groups on the
+//               communicator in the order the host issued them (1, 2, ...;
+//               0 for point-to-point groups): ranks' groups meet by it,
+//               whichever stream each went to.
 //               A group of collective or point-to-point operations on one
 //               communicator (daemon/executor/collectives.h), run as one
 //               unit: the stream waits until every operation of the group
@@ -30,7 +34,8 @@
 // A CollectiveEntry is: u8 kind (CollectiveKind), u8 reduce op (ReduceOp),
 // i8 dtype, u8 pad, i32 root or peer rank, u64 count (elements), u64 send
 // address, u64 recv address (device addresses of dense buffers; 0 where the
-// kind has no such buffer), u32 n_splits (0, or the communicator's size for
+// kind has no such buffer), u64 pair sequence (send and recv: the n-th, from
+// 0, between this rank and `peer` in that direction; else 0), u32 n_splits (0, or the communicator's size for
 // all_to_all), u32 pad, n_splits x i64 send counts, n_splits x i64 recv
 // counts.
 //
@@ -258,12 +263,14 @@ struct CollectiveEntry {
   uint64_t count = 0;
   uint64_t send = 0;  // device addresses
   uint64_t recv = 0;
+  uint64_t pair_sequence = 0;        // send and recv
   std::vector<int64_t> send_counts;  // all_to_all only
   std::vector<int64_t> recv_counts;
 };
 
 struct DecodedCollective {
   uint64_t communicator = 0;
+  uint64_t index = 0;
   std::vector<CollectiveEntry> ops;
 };
 
@@ -289,8 +296,8 @@ absl::Status DecodeEventRecord(absl::string_view record, uint32_t* event_slot);
 absl::Status DecodeEventWait(absl::string_view record, DecodedEventWait* out);
 absl::Status DecodeCollective(absl::string_view record, DecodedCollective* out);
 // Writes a kCollective body (after Begin) for `ops`.
-void WriteCollective(RecordWriter& w, uint64_t communicator, const CollectiveEntry* ops,
-                     size_t num_ops);
+void WriteCollective(RecordWriter& w, uint64_t communicator, uint64_t index,
+                     const CollectiveEntry* ops, size_t num_ops);
 
 // Bytes a tensor touches: from the lowest to one past the highest element,
 // relative to the storage start. INVALID_ARGUMENT for negative sizes or

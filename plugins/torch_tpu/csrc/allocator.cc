@@ -2,7 +2,9 @@
 
 #include <c10/core/impl/alloc_cpu.h>
 
+#include <algorithm>
 #include <map>
+#include <vector>
 #include <mutex>
 #include <unordered_map>
 
@@ -23,6 +25,15 @@ struct Block {
   size_t requested;  // bytes the tensor asked for
   c10::DeviceIndex device;
   bool adopted;      // a daemon-made result: freed straight back
+  int stream = 0;    // the stream it was allocated on: only that stream reuses it
+  std::vector<int> uses;  // other streams it was recorded on (recordStream)
+};
+
+// A freed block whose other streams may still use it: reusable once the
+// events recorded on them at free time have passed (CUDA's rule).
+struct Deferred {
+  Block* block;
+  std::vector<tpu::Event> events;
 };
 
 class TpuAllocator final : public c10::DeviceAllocator {
@@ -33,10 +44,15 @@ class TpuAllocator final : public c10::DeviceAllocator {
     // Small requests come in whole pages (tpud's granularity), so a cached
     // block of the same class always fits.
     const size_t want = n < (1 << 20) ? (n + 4095) / 4096 * 4096 : RoundUp(n);
+    // Blocks are per stream, as in CUDA's caching allocator: one freed on
+    // stream A may still be in use by A's queued work, so stream B gets it
+    // only after A's work is known done.
+    const int stream = static_cast<int>(CurrentStreamId(device));
+    SweepDeferred();
     Block* block = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto& cache = free_[device];
+      auto& cache = free_[device][stream];
       // Best fit among cached segments, but not one more than twice the size.
       auto it = cache.lower_bound(want);
       if (it != cache.end() && it->first <= 2 * want) {
@@ -46,6 +62,8 @@ class TpuAllocator final : public c10::DeviceAllocator {
     }
     if (block == nullptr) block = NewSegment(device, want);
     block->requested = n;
+    block->stream = stream;
+    block->uses.clear();
     {
       std::lock_guard<std::mutex> lock(mu_);
       c10::CachingDeviceAllocator::DeviceStats& s = stats_[device];
@@ -72,22 +90,28 @@ class TpuAllocator final : public c10::DeviceAllocator {
   void emptyCache(c10::MempoolId_t) override {
     // Queued work may still use cached blocks: let it finish first.
     (void)GetSession().WaitIdle();
+    SweepDeferred();
     std::vector<Block*> release;
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (int d = 0; d < kMaxDevices; ++d) {
-        for (auto& [size, b] : free_[d]) release.push_back(b);
-        free_[d].clear();
+        for (auto& pool : free_[d]) {
+          for (auto& [size, b] : pool) release.push_back(b);
+          pool.clear();
+        }
       }
     }
     for (Block* b : release) FreeSegment(b);
   }
 
-  void recordStream(const c10::DataPtr&, c10::Stream) override {
-    // Blocks are reused only after the op that freed them was enqueued; all
-    // streams of a session run in enqueue order relative to a later
-    // synchronisation, and the daemon checks every reference. Cross-stream
-    // reuse hazards are the caller's, as with CUDA without recordStream.
+  void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {
+    auto* b = static_cast<Block*>(ptr.get_context());
+    if (b == nullptr || ptr.get_deleter() != &Deleter) return;
+    const int id = static_cast<int>(stream.id());
+    std::lock_guard<std::mutex> lock(mu_);
+    if (id != b->stream && std::find(b->uses.begin(), b->uses.end(), id) == b->uses.end()) {
+      b->uses.push_back(id);
+    }
   }
 
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
@@ -145,11 +169,54 @@ class TpuAllocator final : public c10::DeviceAllocator {
       pending_free_.push_back(b);
       return;
     }
-    free_[b->device].emplace(b->size, b);
+    if (b->uses.empty()) {
+      free_[b->device][b->stream].emplace(b->size, b);
+      return;
+    }
+    to_record_.push_back(b);
+  }
+
+  // Blocks freed while other streams used them: an event on each of those
+  // streams now, reuse once they passed.
+  void SweepDeferred() {
+    std::vector<Block*> record;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      record.swap(to_record_);
+    }
+    tpu::Session& session = GetSession();
+    for (Block* b : record) {
+      Deferred d{b, {}};
+      for (int s : b->uses) {
+        absl::StatusOr<tpu::Event> ev = session.RecordEvent(s);
+        if (ev.ok()) {
+          d.events.push_back(*ev);
+        } else {
+          (void)session.WaitIdle();  // no event slot left: wait instead
+        }
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      deferred_.push_back(std::move(d));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < deferred_.size();) {
+      Deferred& d = deferred_[i];
+      bool done = true;
+      for (const tpu::Event& e : d.events) done = done && session.EventDone(e);
+      if (!done) {
+        ++i;
+        continue;
+      }
+      for (const tpu::Event& e : d.events) session.ReleaseEvent(e);
+      d.block->uses.clear();
+      free_[d.block->device][d.block->stream].emplace(d.block->size, d.block);
+      deferred_[i] = std::move(deferred_.back());
+      deferred_.pop_back();
+    }
   }
 
   Block* Adopt(uint64_t address, size_t bytes, c10::DeviceIndex device) {
-    auto* b = new Block{address, std::max<size_t>(bytes, 1), bytes, device, true};
+    auto* b = new Block{address, std::max<size_t>(bytes, 1), bytes, device, true, 0, {}};
     std::lock_guard<std::mutex> lock(mu_);
     auto& s = stats_[device];
     s.reserved_bytes[0].increase(b->size);
@@ -208,7 +275,7 @@ class TpuAllocator final : public c10::DeviceAllocator {
     s.reserved_bytes[0].increase(seg->size);
     s.segment[0].increase(1);
     s.num_device_alloc += 1;
-    return new Block{seg->address, seg->size, bytes, device, false};
+    return new Block{seg->address, seg->size, bytes, device, false, 0, {}};
   }
 
   void FreeSegment(Block* b) {
@@ -222,7 +289,9 @@ class TpuAllocator final : public c10::DeviceAllocator {
   }
 
   std::mutex mu_;
-  std::multimap<size_t, Block*> free_[kMaxDevices];
+  std::multimap<size_t, Block*> free_[kMaxDevices][tpu::kNumStreams];
+  std::vector<Block*> to_record_;
+  std::vector<Deferred> deferred_;
   c10::CachingDeviceAllocator::DeviceStats stats_[kMaxDevices];
   std::vector<Block*> pending_free_;
 };
