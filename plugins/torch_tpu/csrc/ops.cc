@@ -1211,8 +1211,15 @@ at::Scalar LocalScalarDense(const at::Tensor& self) {
   }
 }
 
+// Tensor.record_stream: the block is reused only after `stream` passed the
+// point where the tensor was freed (see allocator.cc).
+void RecordStream(at::Tensor& self, c10::Stream stream) {
+  GetTpuAllocator()->recordStream(self.storage().data_ptr(), stream);
+}
+
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty.memory_format", Empty);
+  m.impl("record_stream", RecordStream);
   m.impl("empty_strided", EmptyStridedNative);
   m.impl("_efficientzerotensor", EfficientZeroTensor);
   m.impl("as_strided", at::native::as_strided_tensorimpl);
