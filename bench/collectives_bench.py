@@ -1,0 +1,216 @@
+"""Collectives inside tpud against gloo on CPU tensors, same ranks, same run.
+
+    .venv/bin/python bench/collectives_bench.py --start-daemon [--ranks 4] [--big-mib 256]
+
+Each figure is a ratio measured in one run, with the same number of rank
+processes (one per chip of a simulated v6e-4) for both backends:
+
+  allreduce_small   latency of a 4-byte all_reduce (each call waited on by the
+                    host) with gloo / with tpu. Target >= 5.
+  allreduce_big     bus bandwidth 2(n-1)/n x bytes / time of an all_reduce of
+                    --big-mib MiB per rank, tpu / gloo. Target >= 2. Also
+                    reported against one single-thread memcpy of that size.
+  ddp_step          time of a DistributedDataParallel training step (an MLP,
+                    a few MB of gradients) with gloo on CPU / with tpu; with
+                    the same step without DDP on each device, for the share
+                    the all-reduce takes.
+
+Prints one JSON document; --out writes it to a file too.
+"""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- one rank
+
+def worker(backend, rank, world, port, big_mib, small_iters, big_iters, ddp_steps):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    if backend == "tpu":
+        import torch_tpu  # noqa: F401
+
+        torch.tpu.set_device(rank % torch.tpu.device_count())
+        dev = torch.device("tpu", rank % torch.tpu.device_count())
+        sync = torch.tpu.synchronize
+    else:
+        dev = torch.device("cpu")
+        sync = lambda: None  # noqa: E731  gloo's calls return when done
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    out = {}
+
+    def timed(fn, iters):
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / iters
+
+    small = torch.ones(1, device=dev)
+
+    def small_step():
+        dist.all_reduce(small)
+        sync()  # the host waits for each: latency, not pipelined throughput
+
+    for _ in range(20):
+        small_step()
+    out["small_s"] = timed(small_step, small_iters)
+
+    n = big_mib * (1 << 20) // 4
+    big = torch.ones(n, device=dev)
+    dist.all_reduce(big)
+    sync()
+    out["big_s"] = timed(lambda: dist.all_reduce(big), big_iters)
+    del big
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 10)).to(dev)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    x = torch.randn(32, 256).to(dev)
+    y = torch.randint(0, 10, (32,)).to(dev)
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+
+    def local_step():  # the same step without DDP: its compute alone
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+        local_step()
+    sync()
+    out["ddp_step_s"] = timed(step, ddp_steps)
+    out["local_step_s"] = timed(local_step, ddp_steps)
+    out["ddp_grad_bytes"] = sum(p.numel() * 4 for p in model.parameters())
+    dist.destroy_process_group()
+    print(json.dumps(out), flush=True)
+
+
+# ---------------------------------------------------------------- driver
+
+def run_backend(backend, args, env):
+    port = free_port()
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", backend, "--ranks", str(args.ranks),
+           "--port", str(port), "--big-mib", str(args.big_mib), "--small-iters",
+           str(args.small_iters), "--big-iters", str(args.big_iters), "--ddp-steps",
+           str(args.ddp_steps)]
+    procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(args.ranks)]
+    results = []
+    for p in procs:
+        so, se = p.communicate(timeout=1800)
+        if p.returncode != 0:
+            raise RuntimeError(f"{backend} rank failed:\n{se[-3000:]}")
+        results.append(json.loads(so.strip().splitlines()[-1]))
+    # The collective's time is its slowest rank's.
+    return {k: max(r[k] for r in results) for k in results[0]}
+
+
+def memcpy_gbytes_per_s(mib):
+    import torch
+
+    torch.set_num_threads(1)
+    src = torch.ones(mib * (1 << 20) // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return mib * (1 << 20) / best / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--start-daemon", action="store_true")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--big-mib", type=int, default=256)
+    ap.add_argument("--small-iters", type=int, default=300)
+    ap.add_argument("--big-iters", type=int, default=3)
+    ap.add_argument("--ddp-steps", type=int, default=20)
+    ap.add_argument("--out")
+    ap.add_argument("--worker")
+    ap.add_argument("--rank", type=int)
+    ap.add_argument("--port", type=int)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, args.rank, args.ranks, args.port, args.big_mib, args.small_iters,
+               args.big_iters, args.ddp_steps)
+        return
+    env = dict(os.environ)
+    daemon = None
+    if args.start_daemon:
+        sys.path.insert(0, os.path.join(ROOT, "tools"))
+        from tpud_process import TpudProcess
+
+        hbm_mib = max(1024, 4 * args.big_mib + 512)
+        daemon = TpudProcess(os.path.join(ROOT, "bazel-bin", "daemon", "tpud"),
+                             hbm=f"{hbm_mib}MiB", prefix="tpud-bench.")
+        daemon.start()
+        env.update(daemon.env())
+    try:
+        gloo = run_backend("gloo", args, env)
+        tpu = run_backend("tpu", args, env)
+    finally:
+        if daemon is not None:
+            daemon.close()
+    n = args.ranks
+    nbytes = args.big_mib * (1 << 20)
+    bus = lambda t: 2 * (n - 1) / n * nbytes / t / 1e9  # noqa: E731
+    memcpy = memcpy_gbytes_per_s(args.big_mib)
+    doc = {
+        "ranks": n,
+        "allreduce_small": {"gloo_us": gloo["small_s"] * 1e6, "tpu_us": tpu["small_s"] * 1e6,
+                            "ratio": gloo["small_s"] / tpu["small_s"], "target": 5.0},
+        "allreduce_big": {"mib": args.big_mib, "gloo_busbw_gbytes_per_s": bus(gloo["big_s"]),
+                          "tpu_busbw_gbytes_per_s": bus(tpu["big_s"]),
+                          "ratio": gloo["big_s"] / tpu["big_s"], "target": 2.0,
+                          "memcpy_gbytes_per_s": memcpy,
+                          "tpu_busbw_vs_memcpy": bus(tpu["big_s"]) / memcpy},
+        "ddp_step": {"gloo_ms": gloo["ddp_step_s"] * 1e3, "tpu_ms": tpu["ddp_step_s"] * 1e3,
+                     "ratio": gloo["ddp_step_s"] / tpu["ddp_step_s"],
+                     # The same step without DDP, on each backend's device:
+                     # what the step costs apart from its gradient all-reduce.
+                     "cpu_local_ms": gloo["local_step_s"] * 1e3,
+                     "tpu_local_ms": tpu["local_step_s"] * 1e3,
+                     "grad_bytes": tpu["ddp_grad_bytes"]},
+    }
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
