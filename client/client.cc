@@ -116,6 +116,11 @@ TopologyInfo ConvertTopology(const v1::TopologyInfo& t) {
     chip.ops_executed = c.ops_executed();
     out.chips.push_back(std::move(chip));
   }
+  for (const v1::IciLinkInfo& l : t.links()) {
+    out.links.push_back(IciLinkInfo{static_cast<int>(l.a()), static_cast<int>(l.b()),
+                                    static_cast<int>(l.axis()), l.bytes_a_to_b(),
+                                    l.bytes_b_to_a()});
+  }
   return out;
 }
 
@@ -390,6 +395,20 @@ absl::StatusOr<DaemonStatus> AdminClient::GetStatus() {
     rec.chip = static_cast<int>(r.chip());
     rec.sequence = r.sequence();
     out.executor_restarts.push_back(std::move(rec));
+  }
+  out.collectives_run = resp.collectives_run();
+  for (const v1::CommunicatorInfo& c : resp.communicators()) {
+    CommunicatorInfo info;
+    info.id = c.id();
+    info.size = static_cast<int>(c.size());
+    info.chips.assign(c.chips().begin(), c.chips().end());
+    info.sessions.assign(c.sessions().begin(), c.sessions().end());
+    info.ring.assign(c.ring().begin(), c.ring().end());
+    info.failed = c.failed();
+    info.failure = c.failure();
+    info.groups_done = c.groups_done();
+    info.bytes_moved = c.bytes_moved();
+    out.communicators.push_back(std::move(info));
   }
   return out;
 }

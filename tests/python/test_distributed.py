@@ -124,3 +124,25 @@ def test_training_across_chips_matches_one_process(host, scenario):
     results = run_ranks(host, scenario, 4)
     for rank, (rc, result, text) in enumerate(results):
         assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
+
+
+def test_tpuctl_shows_bytes_per_ici_link(host):
+    from conftest import bazel_bin
+
+    results = run_ranks(host, "job", 2, extra=("0,1",), env_extra={"TPU_VISIBLE_CHIPS": "0,1"})
+    assert all(rc == 0 for rc, _, _ in results), results[0][2][-2000:]
+    tpuctl = bazel_bin("tools/tpuctl/tpuctl")
+    doc = json.loads(subprocess.run([tpuctl, "status", "--json"], env=host.env(), check=True,
+                                    capture_output=True, text=True).stdout)
+    links = {(l["a"], l["b"]): l for l in doc["links"]}
+    assert set(links) == {(0, 1), (0, 2), (1, 3), (2, 3)}, links  # v6e-4: a 2x2 torus
+    # Chips 0 and 1 are neighbours: their ring crosses only the link between them.
+    assert links[(0, 1)]["bytes_a_to_b"] > 0 and links[(0, 1)]["bytes_b_to_a"] > 0, links
+    assert links[(2, 3)]["bytes_a_to_b"] == 0, links
+    assert doc["collectives_run"] >= 50
+    topo = json.loads(subprocess.run([tpuctl, "topology", "--json"], env=host.env(), check=True,
+                                     capture_output=True, text=True).stdout)
+    assert len(topo["links"]) == 4
+    text = subprocess.run([tpuctl, "topology"], env=host.env(), check=True, capture_output=True,
+                          text=True).stdout
+    assert "ICI LINK" in text and "0 - 1" in text, text

@@ -112,6 +112,49 @@ void WriteChips(JsonWriter& w, const tpu::TopologyInfo& t) {
   w.EndArray();
 }
 
+void WriteLinks(JsonWriter& w, const tpu::TopologyInfo& t) {
+  w.Key("links").BeginArray();
+  for (const tpu::IciLinkInfo& l : t.links) {
+    w.BeginObject();
+    w.Key("a").Int(l.a);
+    w.Key("b").Int(l.b);
+    w.Key("axis").Int(l.axis);
+    w.Key("bytes_a_to_b").Uint(l.bytes_a_to_b);
+    w.Key("bytes_b_to_a").Uint(l.bytes_b_to_a);
+    w.EndObject();
+  }
+  w.EndArray();
+}
+
+void WriteCommunicators(JsonWriter& w, const tpu::DaemonStatus& st) {
+  w.Key("collectives_run").Uint(st.collectives_run);
+  w.Key("communicators").BeginArray();
+  for (const tpu::CommunicatorInfo& c : st.communicators) {
+    w.BeginObject();
+    w.Key("id").Uint(c.id);
+    w.Key("size").Int(c.size);
+    w.Key("chips").IntArray(c.chips);
+    w.Key("sessions").BeginArray();
+    for (uint64_t s : c.sessions) w.Uint(s);
+    w.EndArray();
+    w.Key("ring").IntArray(c.ring);
+    w.Key("failed").Bool(c.failed);
+    w.Key("failure").String(c.failure);
+    w.Key("groups_done").Uint(c.groups_done);
+    w.Key("bytes_moved").Uint(c.bytes_moved);
+    w.EndObject();
+  }
+  w.EndArray();
+}
+
+void PrintLinks(const tpu::TopologyInfo& t) {
+  std::printf("%-10s %-5s %14s %14s\n", "ICI LINK", "AXIS", "BYTES A->B", "BYTES B->A");
+  for (const tpu::IciLinkInfo& l : t.links) {
+    std::printf("%-10s %-5d %14s %14s\n", absl::StrCat(l.a, " - ", l.b).c_str(), l.axis,
+                tpu::FormatBytes(l.bytes_a_to_b).c_str(), tpu::FormatBytes(l.bytes_b_to_a).c_str());
+  }
+}
+
 void WriteSessions(JsonWriter& w, const std::vector<tpu::SessionInfo>& sessions) {
   w.Key("sessions").BeginArray();
   for (const tpu::SessionInfo& s : sessions) {
@@ -304,8 +347,10 @@ int CmdStatus(tpu::AdminClient& admin, bool json) {
     w.EndObject();
     WriteTopology(w, st->topology);
     WriteChips(w, st->topology);
+    WriteLinks(w, st->topology);
     WriteSessions(w, st->sessions);
     WriteExecutors(w, *st);
+    WriteCommunicators(w, *st);
     w.EndObject();
     std::printf("%s\n", w.str().c_str());
     return 0;
@@ -320,6 +365,19 @@ int CmdStatus(tpu::AdminClient& admin, bool json) {
   PrintChipTable(t);
   std::printf("\n");
   PrintSessionTable(st->sessions);
+  uint64_t ici = 0;
+  for (const tpu::IciLinkInfo& l : t.links) ici += l.bytes_a_to_b + l.bytes_b_to_a;
+  std::printf("\n%llu collective(s) run, %s over ICI links (`tpuctl topology` per link); "
+              "%zu communicator(s) now\n",
+              static_cast<unsigned long long>(st->collectives_run), tpu::FormatBytes(ici).c_str(),
+              st->communicators.size());
+  for (const tpu::CommunicatorInfo& c : st->communicators) {
+    std::printf("  communicator %llu: %d ranks on chips %s, %llu groups, %s moved%s%s\n",
+                static_cast<unsigned long long>(c.id), c.size, absl::StrJoin(c.chips, ",").c_str(),
+                static_cast<unsigned long long>(c.groups_done),
+                tpu::FormatBytes(c.bytes_moved).c_str(), c.failed ? "; FAILED: " : "",
+                c.failed ? c.failure.c_str() : "");
+  }
   uint64_t restarts = 0;
   for (const tpu::ExecutorInfo& e : st->executors) restarts += e.restarts;
   std::printf("\n%zu executor processes, %llu restart(s)%s\n", st->executors.size(),
@@ -339,6 +397,7 @@ int CmdTopology(tpu::AdminClient& admin, bool json) {
     w.Key("schema_version").Int(kJsonSchemaVersion);
     WriteTopology(w, t);
     WriteChips(w, t);
+    WriteLinks(w, t);
     w.EndObject();
     std::printf("%s\n", w.str().c_str());
     return 0;
@@ -357,6 +416,10 @@ int CmdTopology(tpu::AdminClient& admin, bool json) {
     std::printf("%-5d %-10s %s\n", c.id,
                 absl::StrCat("(", absl::StrJoin(c.coords, ","), ")").c_str(),
                 c.neighbors.empty() ? "-" : absl::StrJoin(c.neighbors, ", ").c_str());
+  }
+  if (!t.links.empty()) {
+    std::printf("\n");
+    PrintLinks(t);
   }
   return 0;
 }

@@ -56,12 +56,19 @@ struct ChipInfo {
   uint64_t ops_executed = 0;
 };
 
+// One ICI link (a < b), with the bytes collectives moved over it each way.
+struct IciLinkInfo {
+  int a = 0, b = 0, axis = 0;
+  uint64_t bytes_a_to_b = 0, bytes_b_to_a = 0;
+};
+
 struct TopologyInfo {
   std::string name;  // "v6e-4"
   GenerationInfo generation;
   std::vector<int> shape;
   std::vector<bool> wraparound;
   std::vector<ChipInfo> chips;
+  std::vector<IciLinkInfo> links;
   bool simulated = false;
   std::string ShapeString() const;  // "2x2"
 };
@@ -288,6 +295,19 @@ struct ExecutorRestart {
   uint64_t sequence = 0;
 };
 
+// A communicator of collectives (one rank per chip and session).
+struct CommunicatorInfo {
+  uint64_t id = 0;
+  int size = 0;
+  std::vector<int> chips;         // by rank
+  std::vector<uint64_t> sessions; // by rank
+  std::vector<int> ring;          // ranks in ring order
+  bool failed = false;
+  std::string failure;
+  uint64_t groups_done = 0;
+  uint64_t bytes_moved = 0;
+};
+
 struct DaemonStatus {
   TopologyInfo topology;
   std::vector<SessionInfo> sessions;
@@ -299,6 +319,8 @@ struct DaemonStatus {
   std::vector<ExecutorRestart> executor_restarts;  // oldest first
   bool spin_ok = false;
   std::string wait_advice;  // "spin", "yield" or "sleep"
+  std::vector<CommunicatorInfo> communicators;
+  uint64_t collectives_run = 0;
 };
 
 struct ChipHealth {
