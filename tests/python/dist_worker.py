@@ -404,6 +404,71 @@ def scenario_dtensor(rank, world, port):
     return {}
 
 
+def scenario_multihost(rank, world, port):
+    """Under torchrun across two tpuds (hosts): collectives and DDP equal one host."""
+    import torch_tpu  # noqa: F401
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ["LOCAL_RANK"])
+    torch.tpu.set_device(local)
+    dev = torch.device("tpu", local)
+    dist.init_process_group("tpu", timeout=datetime.timedelta(seconds=120))
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for oname in ("sum", "avg", "max", "min", "product"):
+            if oname == "avg" and not dtype.is_floating_point:
+                continue
+            ins = [data(r, (33, 3), dtype, seed=5) for r in range(world)]
+            x = ins[rank].to(dev)
+            dist.all_reduce(x, op=OPS[oname])
+            close(x, reduce_ref(ins, oname), f"all_reduce {oname} {dtype} across hosts")
+    ins = [data(r, (4, 3), torch.float32, seed=6) for r in range(world)]
+    b = ins[rank].to(dev)
+    dist.broadcast(b, src=world - 3)
+    close(b, ins[world - 3], "broadcast across hosts")
+    outs = [torch.empty(4, 3, device=dev) for _ in range(world)]
+    dist.all_gather(outs, ins[rank].to(dev))
+    for r in range(world):
+        close(outs[r], ins[r], f"all_gather block {r} across hosts")
+    flat = torch.empty(world * 4, 3, device=dev)
+    dist.all_gather_into_tensor(flat, ins[rank].to(dev))
+    close(flat, torch.cat(ins), "all_gather_into_tensor across hosts")
+    big = [data(r, (world * 2, 3), torch.float32, seed=8) for r in range(world)]
+    rs = torch.empty(2, 3, device=dev)
+    dist.reduce_scatter_tensor(rs, big[rank].to(dev))
+    close(rs, reduce_ref(big, "sum")[rank * 2:(rank + 1) * 2], "reduce_scatter_tensor across hosts")
+    red = big[rank].to(dev)
+    dist.reduce(red, dst=6 % world)
+    if rank == 6 % world:
+        close(red, reduce_ref(big, "sum"), "reduce across hosts")
+    glist = [torch.empty(4, 3, device=dev) for _ in range(world)] if rank == 1 else None
+    dist.gather(ins[rank].to(dev), glist, dst=1)
+    if rank == 1:
+        for r in range(world):
+            close(glist[r], ins[r], f"gather block {r} across hosts")
+    sout = torch.empty(4, 3, device=dev)
+    dist.scatter(sout, [i.to(dev) for i in ins] if rank == world - 1 else None, src=world - 1)
+    close(sout, ins[rank], "scatter across hosts")
+    dist.barrier()
+    # DDP over both hosts against one CPU process
+    steps, per_rank = 4, 4
+    ref_model, ref_losses = _reference(steps, world, per_rank)
+    model = torch.nn.parallel.DistributedDataParallel(_mlp(0).to(dev))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step, (xb, yb) in enumerate(_batches(steps, world, per_rank)):
+        xs, ys = xb[rank * per_rank:(rank + 1) * per_rank], yb[rank * per_rank:(rank + 1) * per_rank]
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(xs.to(dev)), ys.to(dev))
+        loss.backward()
+        opt.step()
+        g = loss.detach().clone()
+        dist.all_reduce(g, op=dist.ReduceOp.AVG)
+        assert abs(g.item() - ref_losses[step]) < 1e-4, (step, g.item(), ref_losses[step])
+    for (name, p), q in zip(model.module.named_parameters(), ref_model.parameters()):
+        close(p.detach(), q.detach(), f"DDP parameter {name} across hosts")
+    dist.destroy_process_group()
+    return {"rank": rank}
+
+
 SCENARIOS = {k[len("scenario_"):]: v for k, v in globals().items() if k.startswith("scenario_")}
 
 

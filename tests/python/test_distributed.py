@@ -146,3 +146,36 @@ def test_tpuctl_shows_bytes_per_ici_link(host):
     text = subprocess.run([tpuctl, "topology"], env=host.env(), check=True, capture_output=True,
                           text=True).stdout
     assert "ICI LINK" in text and "0 - 1" in text, text
+
+
+def test_two_hosts_under_torchrun_equal_one_host():
+    # Two tpuds on this machine are two hosts of v6e-4; torchrun starts two
+    # nodes of 4 ranks with the rendezvous on loopback. The "tpu" backend
+    # runs each host's part inside its tpud and joins the hosts over gloo.
+    hosts = [Daemon(hbm="256MiB"), Daemon(hbm="256MiB")]
+    try:
+        port = free_port()
+        procs = []
+        for node, d in enumerate(hosts):
+            env = d.env()
+            env["OMP_NUM_THREADS"] = "1"
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=4",
+                 f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                 "--rdzv-id=tpu-two-hosts", "--max-restarts=0", WORKER, "multihost", "0", "8",
+                 "0"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outs = []
+        try:
+            for p in procs:
+                outs.append(p.communicate(timeout=600)[0])
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        for node, (p, text) in enumerate(zip(procs, outs)):
+            assert p.returncode == 0, f"node {node}:\n{text[-4000:]}"
+            ranks = sorted(json.loads(l)["rank"] for l in text.splitlines() if l.startswith('{"ok"'))
+            assert ranks == [4 * node + i for i in range(4)], text[-2000:]
+    finally:
+        for d in hosts:
+            d.stop()

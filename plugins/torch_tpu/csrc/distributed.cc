@@ -18,7 +18,9 @@
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/chrono.h>
 
+#include <algorithm>
 #include <atomic>
+#include <functional>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -104,9 +106,30 @@ class WorkTPU : public c10d::Work {
 
 class ProcessGroupTPU : public c10d::Backend {
  public:
+  // `host_of[r]`: the host (tpud) of rank r, numbered by first rank; `cross`:
+  // gloo among the first rank of each host, on that host's first rank only
+  // (null elsewhere, and when the group has one host).
   ProcessGroupTPU(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-                  std::chrono::milliseconds timeout)
-      : c10d::Backend(rank, size), store_(std::move(store)), timeout_(timeout) {}
+                  std::chrono::milliseconds timeout, std::vector<int> host_of,
+                  c10::intrusive_ptr<c10d::Backend> cross)
+      : c10d::Backend(rank, size),
+        store_(std::move(store)),
+        timeout_(timeout),
+        host_of_(std::move(host_of)),
+        cross_(std::move(cross)) {
+    if (host_of_.empty()) host_of_.assign(size, 0);
+    TORCH_CHECK(static_cast<int>(host_of_.size()) == size, "tpu backend: host layout of ",
+                host_of_.size(), " ranks for a group of ", size);
+    host_ = host_of_[rank];
+    num_hosts_ = *std::max_element(host_of_.begin(), host_of_.end()) + 1;
+    for (int r = 0; r < size; ++r) {
+      if (host_of_[r] == host_) local_ranks_.push_back(r);
+    }
+    local_rank_ = static_cast<int>(std::find(local_ranks_.begin(), local_ranks_.end(), rank) -
+                                   local_ranks_.begin());
+    TORCH_CHECK(num_hosts_ == 1 || local_rank_ != 0 || cross_, "tpu backend: rank ", rank,
+                " leads its host but has no cross-host group");
+  }
 
   ~ProcessGroupTPU() override {
     for (auto& [device, id] : comms_) (void)GetSession().LeaveCommunicator(id);
@@ -137,6 +160,13 @@ class ProcessGroupTPU : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override {
+    if (MultiHost()) {
+      at::Tensor& t = Single(tensors, "broadcast");
+      Buffer b = Dense(t, true);
+      HierBroadcast(b.t, static_cast<int>(opts.rootRank));
+      if (b.write_back) t.copy_(b.t);
+      return Done(c10d::OpType::BROADCAST, {t}, t);
+    }
     at::Tensor& t = Single(tensors, "broadcast");
     Buffer b = Dense(t, /*write=*/true);
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kBroadcast, b.t);
@@ -147,6 +177,13 @@ class ProcessGroupTPU : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                             const c10d::AllreduceOptions& opts) override {
+    if (MultiHost()) {
+      at::Tensor& t = Single(tensors, "all_reduce");
+      Buffer b = Dense(t, true);
+      HierAllReduce(b.t, ToReduceOp(opts.reduceOp));
+      if (b.write_back) t.copy_(b.t);
+      return Done(c10d::OpType::ALLREDUCE, {t}, t);
+    }
     at::Tensor& t = Single(tensors, "all_reduce");
     Buffer b = Dense(t, true);
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kAllReduce, b.t);
@@ -157,6 +194,15 @@ class ProcessGroupTPU : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
+    if (MultiHost()) {
+      for (at::Tensor& t : tensors) {
+        CheckTpu(t, "allreduce_coalesced's tensor");
+        Buffer b = Dense(t, true);
+        HierAllReduce(b.t, ToReduceOp(opts.reduceOp));
+        if (b.write_back) t.copy_(b.t);
+      }
+      return Done(c10d::OpType::ALLREDUCE_COALESCED, tensors, tensors.at(0));
+    }
     TORCH_CHECK(!tensors.empty(), "tpu backend: allreduce_coalesced of no tensors");
     std::vector<tpu::CollectiveEntry> entries;
     std::vector<Buffer> buffers;
@@ -174,6 +220,13 @@ class ProcessGroupTPU : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
                                         const c10d::ReduceOptions& opts) override {
+    if (MultiHost()) {
+      at::Tensor& t = Single(tensors, "reduce");
+      at::Tensor tmp = t.contiguous().clone();
+      HierAllReduce(tmp, ToReduceOp(opts.reduceOp));
+      if (getRank() == opts.rootRank) t.copy_(tmp.view(t.sizes()));
+      return Done(c10d::OpType::REDUCE, {t}, t);
+    }
     at::Tensor& t = Single(tensors, "reduce");
     Buffer b = Dense(t, true);
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kReduce, b.t);
@@ -186,6 +239,18 @@ class ProcessGroupTPU : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                            std::vector<at::Tensor>& inputs,
                                            const c10d::AllgatherOptions&) override {
+    if (MultiHost()) {
+      at::Tensor& in = Single(inputs, "all_gather");
+      TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == getSize(),
+                  "tpu backend: all_gather needs one output list of ", getSize(), " tensors");
+      at::Tensor flat = at::empty({getSize() * in.numel()}, in.options());
+      HierAllGather(flat, in.contiguous());
+      for (int r = 0; r < getSize(); ++r) {
+        CheckSame(in, outputs[0][r], "all_gather");
+        outputs[0][r].copy_(flat.narrow(0, r * in.numel(), in.numel()).view(outputs[0][r].sizes()));
+      }
+      return Done(c10d::OpType::ALLGATHER, outputs[0], in);
+    }
     at::Tensor& in = Single(inputs, "all_gather");
     TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == getSize(),
                 "tpu backend: all_gather needs one output list of ", getSize(), " tensors");
@@ -204,6 +269,14 @@ class ProcessGroupTPU : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions&) override {
+    if (MultiHost()) {
+      TORCH_CHECK(output.numel() == input.numel() * getSize(),
+                  "tpu backend: all_gather_into_tensor's output must hold ", getSize(), " x the input");
+      Buffer dst = Dense(output, true);
+      HierAllGather(dst.t, input.contiguous());
+      if (dst.write_back) output.copy_(dst.t);
+      return Done(c10d::OpType::_ALLGATHER_BASE, {output}, output);
+    }
     std::vector<tpu::CollectiveEntry> e;
     std::vector<Buffer> b;
     AllGatherInto(output, input, &e, &b);
@@ -254,6 +327,21 @@ class ProcessGroupTPU : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
                                         std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts) override {
+    if (MultiHost()) {
+      at::Tensor& in = Single(inputs, "gather");
+      at::Tensor flat = at::empty({getSize() * in.numel()}, in.options());
+      HierAllGather(flat, in.contiguous());
+      std::vector<at::Tensor> outs;
+      if (getRank() == opts.rootRank) {
+        TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == getSize(),
+                    "tpu backend: gather's root needs one output list of ", getSize(), " tensors");
+        for (int r = 0; r < getSize(); ++r) {
+          outputs[0][r].copy_(flat.narrow(0, r * in.numel(), in.numel()).view(outputs[0][r].sizes()));
+        }
+        outs = outputs[0];
+      }
+      return Done(c10d::OpType::GATHER, outs, in);
+    }
     at::Tensor& in = Single(inputs, "gather");
     Buffer src = Dense(in, false);
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kGather, src.t);
@@ -282,6 +370,20 @@ class ProcessGroupTPU : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
                                          std::vector<std::vector<at::Tensor>>& inputs,
                                          const c10d::ScatterOptions& opts) override {
+    if (MultiHost()) {
+      at::Tensor& out = Single(outputs, "scatter");
+      at::Tensor flat = at::empty({getSize() * out.numel()}, out.options());
+      if (getRank() == opts.rootRank) {
+        TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(),
+                    "tpu backend: scatter's root needs one input list of ", getSize(), " tensors");
+        std::vector<at::Tensor> parts;
+        for (const at::Tensor& t : inputs[0]) parts.push_back(t.reshape({-1}));
+        flat.copy_(at::cat(parts));
+      }
+      HierBroadcast(flat, static_cast<int>(opts.rootRank));
+      out.copy_(flat.narrow(0, getRank() * out.numel(), out.numel()).view(out.sizes()));
+      return Done(c10d::OpType::SCATTER, {out}, out);
+    }
     at::Tensor& out = Single(outputs, "scatter");
     Buffer dst = Dense(out, true);
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kScatter, dst.t);
@@ -309,6 +411,17 @@ class ProcessGroupTPU : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
                                                 std::vector<std::vector<at::Tensor>>& inputs,
                                                 const c10d::ReduceScatterOptions& opts) override {
+    if (MultiHost()) {
+      at::Tensor& out = Single(outputs, "reduce_scatter");
+      TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(),
+                  "tpu backend: reduce_scatter needs one input list of ", getSize(), " tensors");
+      std::vector<at::Tensor> parts;
+      for (const at::Tensor& t : inputs[0]) parts.push_back(t.reshape({-1}));
+      at::Tensor tmp = at::cat(parts);
+      HierAllReduce(tmp, ToReduceOp(opts.reduceOp));
+      out.copy_(tmp.narrow(0, getRank() * out.numel(), out.numel()).view(out.sizes()));
+      return Done(c10d::OpType::REDUCE_SCATTER, {out}, out);
+    }
     at::Tensor& out = Single(outputs, "reduce_scatter");
     TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(),
                 "tpu backend: reduce_scatter needs one input list of ", getSize(), " tensors");
@@ -328,6 +441,14 @@ class ProcessGroupTPU : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
       at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
+    if (MultiHost()) {
+      TORCH_CHECK(input.numel() == output.numel() * getSize(),
+                  "tpu backend: reduce_scatter_tensor's input must hold ", getSize(), " x the output");
+      at::Tensor tmp = input.contiguous().clone().view({-1});
+      HierAllReduce(tmp, ToReduceOp(opts.reduceOp));
+      output.copy_(tmp.narrow(0, getRank() * output.numel(), output.numel()).view(output.sizes()));
+      return Done(c10d::OpType::_REDUCE_SCATTER_BASE, {output}, output);
+    }
     std::vector<tpu::CollectiveEntry> e;
     std::vector<Buffer> b;
     ReduceScatterInto(output, input, opts, &e, &b);
@@ -349,6 +470,9 @@ class ProcessGroupTPU : public c10d::Backend {
                                                std::vector<int64_t>& output_splits,
                                                std::vector<int64_t>& input_splits,
                                                const c10d::AllToAllOptions&) override {
+    TORCH_CHECK(!MultiHost(), "tpu backend: all_to_all in a group that spans hosts is not supported "
+                "yet (all_reduce, broadcast, all_gather, reduce_scatter, reduce, gather, scatter "
+                "and barrier are); use a gloo group for it");
     CheckTpu(input, "all_to_all's input");
     CheckTpu(output, "all_to_all's output");
     TORCH_CHECK(input.scalar_type() == output.scalar_type(),
@@ -390,6 +514,9 @@ class ProcessGroupTPU : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
                                           std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions&) override {
+    TORCH_CHECK(!MultiHost(), "tpu backend: all_to_all in a group that spans hosts is not supported "
+                "yet (all_reduce, broadcast, all_gather, reduce_scatter, reduce, gather, scatter "
+                "and barrier are); use a gloo group for it");
     const int n = getSize();
     TORCH_CHECK(static_cast<int>(outputs.size()) == n && static_cast<int>(inputs.size()) == n,
                 "tpu backend: all_to_all needs ", n, " input and ", n, " output tensors");
@@ -424,6 +551,9 @@ class ProcessGroupTPU : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
                                       int tag) override {
+    TORCH_CHECK(!MultiHost(), "tpu backend: send in a group that spans hosts is not supported "
+                "yet (all_reduce, broadcast, all_gather, reduce_scatter, reduce, gather, scatter "
+                "and barrier are); use a gloo group for it");
     at::Tensor& t = Single(tensors, "send");
     Buffer b = Dense(t, false);
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kSend, b.t);
@@ -434,6 +564,9 @@ class ProcessGroupTPU : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
                                       int tag) override {
+    TORCH_CHECK(!MultiHost(), "tpu backend: recv in a group that spans hosts is not supported "
+                "yet (all_reduce, broadcast, all_gather, reduce_scatter, reduce, gather, scatter "
+                "and barrier are); use a gloo group for it");
     at::Tensor& t = Single(tensors, "recv");
     Buffer b = Dense(t, true);
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kRecv, b.t);
@@ -447,6 +580,21 @@ class ProcessGroupTPU : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    if (MultiHost()) {
+      c10::DeviceIndex device = CurrentDevice();
+      if (!opts.device_ids.empty()) device = static_cast<c10::DeviceIndex>(opts.device_ids[0]);
+      tpu::CollectiveEntry e;
+      e.kind = tpu::CollectiveKind::kBarrier;
+      e.dtype = static_cast<int8_t>(at::kByte);
+      const at::Tensor anchor = at::empty({0}, at::TensorOptions().device(kTpu, device));
+      LocalOp(e, anchor);
+      if (local_rank_ == 0) {
+        Check(GetSession().Synchronize(SessionStream(CurrentStreamId(device))), "barrier");
+        cross_->barrier()->wait();
+      }
+      LocalOp(e, anchor);
+      return Done(c10d::OpType::BARRIER, {}, anchor, /*blocking=*/true);
+    }
     c10::DeviceIndex device = CurrentDevice();
     if (!opts.device_ids.empty()) device = static_cast<c10::DeviceIndex>(opts.device_ids[0]);
     tpu::CollectiveEntry e;
@@ -544,17 +692,19 @@ class ProcessGroupTPU : public c10d::Backend {
     // Ranks form their communicators in the same order (each rank's device
     // may differ): the n-th one of the group is named by n.
     const std::string name = "tpu_comm_" + std::to_string(generation_++);
+    // One communicator per host: its first rank names it.
+    const std::string host_name = name + "_host" + std::to_string(host_);
     std::string key;
-    if (getRank() == 0) {
+    if (local_rank_ == 0) {
       std::random_device rd;
-      key = name + "_" + std::to_string(rd()) + std::to_string(rd());
-      store_->set(name, std::vector<uint8_t>(key.begin(), key.end()));
+      key = host_name + "_" + std::to_string(rd()) + std::to_string(rd());
+      store_->set(host_name, std::vector<uint8_t>(key.begin(), key.end()));
     } else {
-      std::vector<uint8_t> v = store_->get(name);
+      std::vector<uint8_t> v = store_->get(host_name);
       key.assign(v.begin(), v.end());
     }
     absl::StatusOr<uint64_t> id = GetSession().JoinCommunicator(
-        key, getSize(), getRank(), ChipOf(device), absl::FromChrono(timeout_),
+        key, LocalSize(), local_rank_, ChipOf(device), absl::FromChrono(timeout_),
         absl::FromChrono(timeout_));
     Check(id.status(), "forming the tpu communicator");
     comms_[device] = *id;
@@ -620,8 +770,144 @@ class ProcessGroupTPU : public c10d::Backend {
     return c10::make_intrusive<WorkTPU>(type, outputs, RecordOn(device), device, false);
   }
 
+
+  // ---- across hosts: in-daemon collectives inside each host, gloo between
+  // the hosts' first ranks (hierarchical, as NCCL does across nodes) ----
+
+  // Enqueues one collective among this host's ranks on t's device.
+  void LocalOp(tpu::CollectiveEntry e, const at::Tensor& t) {
+    if (LocalSize() == 1 && e.kind != tpu::CollectiveKind::kBarrier) return;
+    const c10::DeviceIndex device = t.defined() ? t.device().index() : CurrentDevice();
+    const int stream = SessionStream(CurrentStreamId(device));
+    Check(GetSession().EnqueueCollective(stream, ChipOf(device), CommFor(device), &e, 1).status(),
+          tpu::CollectiveKindName(e.kind));
+  }
+
+  tpu::CollectiveEntry LocalEntry(tpu::CollectiveKind kind, const at::Tensor& t, int root,
+                                  tpu::ReduceOp op = tpu::ReduceOp::kSum) {
+    tpu::CollectiveEntry e = Entry(kind, t);
+    e.peer = root;
+    e.reduce = op;
+    e.send = e.recv = Address(t);
+    return e;
+  }
+
+  // On the host's first rank: t (after this host's step) through the host's
+  // memory, `fn` over gloo, and back.
+  void Cross(at::Tensor& t, const std::function<c10::intrusive_ptr<c10d::Work>(
+                                 std::vector<at::Tensor>&)>& fn) {
+    std::vector<at::Tensor> cpu{t.to(at::kCPU)};  // waits for the host's step
+    fn(cpu)->wait();
+    t.copy_(cpu[0]);
+  }
+
+  static c10d::ReduceOp::RedOpType Gloo(tpu::ReduceOp op) {
+    switch (op) {
+      case tpu::ReduceOp::kProduct: return c10d::ReduceOp::PRODUCT;
+      case tpu::ReduceOp::kMin: return c10d::ReduceOp::MIN;
+      case tpu::ReduceOp::kMax: return c10d::ReduceOp::MAX;
+      default: return c10d::ReduceOp::SUM;
+    }
+  }
+
+  void HierAllReduce(at::Tensor& t, tpu::ReduceOp op) {
+    const bool avg = op == tpu::ReduceOp::kAvg;
+    TORCH_CHECK(!avg || at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()),
+                "tpu backend: avg across hosts needs a floating-point tensor");
+    const tpu::ReduceOp local = avg ? tpu::ReduceOp::kSum : op;
+    LocalOp(LocalEntry(tpu::CollectiveKind::kReduce, t, 0, local), t);
+    if (local_rank_ == 0) {
+      Cross(t, [&](std::vector<at::Tensor>& v) {
+        c10d::AllreduceOptions o;
+        o.reduceOp = c10d::ReduceOp(Gloo(local));
+        return cross_->allreduce(v, o);
+      });
+    }
+    LocalOp(LocalEntry(tpu::CollectiveKind::kBroadcast, t, 0), t);
+    if (avg) t.div_(getSize());
+  }
+
+  void HierBroadcast(at::Tensor& t, int root) {
+    const int root_host = host_of_[root];
+    const std::vector<int> ranks = RanksOf(root_host);
+    const int root_local =
+        static_cast<int>(std::find(ranks.begin(), ranks.end(), root) - ranks.begin());
+    if (host_ == root_host) LocalOp(LocalEntry(tpu::CollectiveKind::kBroadcast, t, root_local), t);
+    if (local_rank_ == 0) {
+      Cross(t, [&](std::vector<at::Tensor>& v) {
+        c10d::BroadcastOptions o;
+        o.rootRank = root_host;  // the cross group's ranks are the hosts, in order
+        return cross_->broadcast(v, o);
+      });
+    }
+    if (host_ != root_host) LocalOp(LocalEntry(tpu::CollectiveKind::kBroadcast, t, 0), t);
+  }
+
+  // out: size x in.numel() elements, in global rank order.
+  void HierAllGather(at::Tensor& out, const at::Tensor& in) {
+    for (int h = 0; h < num_hosts_; ++h) {
+      TORCH_CHECK(static_cast<int>(RanksOf(h).size()) == LocalSize(),
+                  "tpu backend: all_gather across hosts needs the same number of ranks on each");
+    }
+    const int64_t n = in.numel();
+    at::Tensor local = at::empty({LocalSize() * n}, in.options());
+    tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kAllGather, in);
+    e.send = Address(in);
+    e.recv = Address(local);
+    if (LocalSize() > 1) {
+      LocalOp(e, in);
+    } else {
+      local.copy_(in.reshape({-1}));
+    }
+    at::Tensor full = at::empty({getSize() * n}, in.options());
+    if (local_rank_ == 0) {
+      std::vector<at::Tensor> mine{local.to(at::kCPU)};
+      std::vector<std::vector<at::Tensor>> hosts(1);
+      for (int h = 0; h < num_hosts_; ++h) hosts[0].push_back(at::empty_like(mine[0]));
+      cross_->allgather(hosts, mine)->wait();
+      at::Tensor cpu = at::empty({getSize() * n}, mine[0].options());
+      for (int h = 0; h < num_hosts_; ++h) {
+        const std::vector<int> ranks = RanksOf(h);
+        for (size_t j = 0; j < ranks.size(); ++j) {
+          cpu.narrow(0, ranks[j] * n, n).copy_(hosts[0][h].narrow(0, j * n, n));
+        }
+      }
+      full.copy_(cpu);
+    }
+    LocalOp(LocalEntry(tpu::CollectiveKind::kBroadcast, full, 0), full);
+    out.view({-1}).copy_(full);
+  }
+
+  std::vector<int> RanksOf(int host) const {
+    std::vector<int> r;
+    for (int i = 0; i < getSize(); ++i) {
+      if (host_of_[i] == host) r.push_back(i);
+    }
+    return r;
+  }
+
+  c10::intrusive_ptr<c10d::Work> Done(c10d::OpType type, const std::vector<at::Tensor>& outputs,
+                                      const at::Tensor& anchor, bool blocking = false) {
+    const c10::DeviceIndex device = anchor.defined() ? anchor.device().index() : CurrentDevice();
+    return c10::make_intrusive<WorkTPU>(type, outputs, RecordOn(device), device, blocking);
+  }
+
+  // Every collective of a group that spans hosts.
+  c10::intrusive_ptr<c10d::Work> Hier(c10d::OpType type, const std::vector<at::Tensor>& outputs,
+                                      const std::function<void()>& body, const at::Tensor& anchor) {
+    body();
+    return Done(type, outputs, anchor);
+  }
+
+  int LocalSize() const { return static_cast<int>(local_ranks_.size()); }
+  bool MultiHost() const { return num_hosts_ > 1; }
+
   c10::intrusive_ptr<c10d::Store> store_;
   std::chrono::milliseconds timeout_;
+  std::vector<int> host_of_;
+  c10::intrusive_ptr<c10d::Backend> cross_;
+  int host_ = 0, num_hosts_ = 1, local_rank_ = 0;
+  std::vector<int> local_ranks_;  // global ranks on this host, in order
   std::map<c10::DeviceIndex, uint64_t> comms_;
   uint64_t generation_ = 0;
   bool coalescing_ = false;
@@ -639,11 +925,13 @@ void RegisterDistributed(py::module& m) {
   py::class_<ProcessGroupTPU, c10d::Backend, c10::intrusive_ptr<ProcessGroupTPU>>(
       m, "_ProcessGroupTPU")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                       std::chrono::milliseconds timeout) {
-             return c10::make_intrusive<ProcessGroupTPU>(store, rank, size, timeout);
+                       std::chrono::milliseconds timeout, std::vector<int> host_of,
+                       c10::intrusive_ptr<c10d::Backend> cross) {
+             return c10::make_intrusive<ProcessGroupTPU>(store, rank, size, timeout,
+                                                         std::move(host_of), std::move(cross));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::call_guard<py::gil_scoped_release>());
+           py::arg("host_of"), py::arg("cross"), py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace torch_tpu

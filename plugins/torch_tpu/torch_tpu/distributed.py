@@ -3,14 +3,41 @@
 `dist.init_process_group("tpu")` makes a process group whose collectives
 on tpu tensors run in tpud along the host's ICI torus; with no backend
 named, torch uses "cpu:gloo,tpu:tpu". Rendezvous goes through c10d's store,
-so torchrun works unchanged. See plugins/torch_tpu/csrc/distributed.cc.
+so torchrun works unchanged.
+
+A group whose ranks use different tpuds (hosts) is hierarchical: each host
+runs its part inside its tpud, and the first rank of each host exchanges
+the hosts' results over gloo (TCP). See plugins/torch_tpu/csrc/distributed.cc
+and docs/design.md.
 """
+import os
+import socket
+
+
+def _host_key():
+    from . import _C
+
+    # One tpud serves one host: its socket names the host (two tpuds on one
+    # machine are two hosts).
+    return f"{socket.gethostname()}|{os.path.realpath(_C._socket())}"
 
 
 def _create_backend(store, rank, size, timeout):
+    import torch.distributed as dist
+
     from . import _C
 
-    return _C._ProcessGroupTPU(store, rank, size, timeout)
+    store.set(f"tpu_host/{rank}", _host_key())
+    keys = [store.get(f"tpu_host/{r}").decode() for r in range(size)]
+    hosts = list(dict.fromkeys(keys))  # numbered by their first rank
+    host_of = [hosts.index(k) for k in keys]
+    cross = None
+    if len(hosts) > 1:
+        leaders = [host_of.index(h) for h in range(len(hosts))]
+        if rank in leaders:
+            cross = dist.ProcessGroupGloo(dist.PrefixStore("tpu_cross/", store),
+                                          leaders.index(rank), len(hosts), timeout)
+    return _C._ProcessGroupTPU(store, rank, size, timeout, host_of, cross)
 
 
 def _register():
