@@ -667,7 +667,7 @@ TEST_CASE("CheckHeader") {
       {header(72, 2), 64, "72"},
       {header(16, 2), 8, "8 bytes available"},
       {header(0xfffffff8, 2), 1 << 20, "4294967288"},
-      {header(16, 6), 64, "kind 6"},
+      {header(16, 7), 64, "kind 7"},
       {header(16, 0xffff), 64, "kind 65535"},
   };
   for (const Bad& b : bad) {
@@ -1322,3 +1322,69 @@ TEST_CASE("TensorFootprint") {
 
 }  // namespace
 }  // namespace tpu
+
+TEST_CASE("kCollective round trip and malformed groups") {
+  using tpu::CollectiveEntry;
+  using tpu::CollectiveKind;
+  std::vector<CollectiveEntry> ops(2);
+  ops[0].kind = CollectiveKind::kAllToAll;
+  ops[0].dtype = 6;
+  ops[0].send = 0x1000;
+  ops[0].recv = 0x2000;
+  ops[0].send_counts = {1, 2, 3};
+  ops[0].recv_counts = {3, 2, 1};
+  ops[1].kind = CollectiveKind::kAllReduce;
+  ops[1].reduce = tpu::ReduceOp::kMax;
+  ops[1].dtype = 15;
+  ops[1].count = 77;
+  auto build = [](const std::vector<CollectiveEntry>& es, uint64_t index) {
+    tpu::RecordWriter w;
+    w.Begin(tpu::RecordKind::kCollective, 9);
+    tpu::WriteCollective(w, 0xabc, index, es.data(), es.size());
+    return std::string(w.Finish());
+  };
+  const std::string rec = build(ops, 5);
+  tpu::DecodedCollective d;
+  REQUIRE(tpu::DecodeCollective(rec, &d).ok());
+  CHECK(d.communicator == 0xabc);
+  CHECK(d.index == 5);
+  REQUIRE(d.ops.size() == 2);
+  CHECK(d.ops[0].send_counts == std::vector<int64_t>{1, 2, 3});
+  CHECK(d.ops[0].recv_counts == std::vector<int64_t>{3, 2, 1});
+  CHECK(d.ops[1].count == 77);
+  CHECK(d.ops[1].reduce == tpu::ReduceOp::kMax);
+
+  SECTION("every truncation is refused") {
+    for (size_t n = 0; n < rec.size(); n += 8) {
+      std::string cut = rec.substr(0, n);
+      if (cut.size() >= sizeof(tpu::RecordHeader)) {
+        const uint32_t len = static_cast<uint32_t>(cut.size());
+        std::memcpy(&cut[0], &len, 4);
+      }
+      CHECK(!tpu::DecodeCollective(cut, &d).ok());
+    }
+  }
+  SECTION("bad kinds, ops, dtypes, splits and empty groups") {
+    std::vector<CollectiveEntry> bad = ops;
+    bad[1].kind = static_cast<CollectiveKind>(99);
+    CHECK(absl::StrContains(tpu::DecodeCollective(build(bad, 1), &d).message(),
+                            "unknown collective kind"));
+    bad = ops;
+    bad[1].reduce = static_cast<tpu::ReduceOp>(9);
+    CHECK(!tpu::DecodeCollective(build(bad, 1), &d).ok());
+    bad = ops;
+    bad[1].dtype = 13;  // quantized
+    CHECK(absl::StrContains(tpu::DecodeCollective(build(bad, 1), &d).message(), "dtype"));
+    bad = ops;
+    bad[1].send_counts = {1};
+    bad[1].recv_counts = {1};
+    CHECK(absl::StrContains(tpu::DecodeCollective(build(bad, 1), &d).message(),
+                            "only all_to_all has splits"));
+    bad = ops;
+    bad[0].send_counts[1] = -4;
+    CHECK(absl::StrContains(tpu::DecodeCollective(build(bad, 1), &d).message(), "negative"));
+    CHECK(!tpu::DecodeCollective(build({}, 1), &d).ok());
+    std::vector<CollectiveEntry> many(tpu::kMaxGroupOps + 1, ops[1]);
+    CHECK(absl::StrContains(tpu::DecodeCollective(build(many, 1), &d).message(), "exceeds"));
+  }
+}
