@@ -177,7 +177,9 @@ int Run() {
       SharedMapping::Create("tpud-collectives", sizeof(CollectiveTable), /*seal=*/false);
   if (!collective_memory.ok()) return Fail(std::string(collective_memory.status().message()));
   collective_memory->CloseFd();
-  auto* collective_table = new (collective_memory->data()) CollectiveTable();
+  // Default-initialised on the memfd's zero pages: writing nothing keeps
+  // the table's unused communicator slots (most of its size) unbacked.
+  auto* collective_table = new (collective_memory->data()) CollectiveTable;
   std::vector<int> executor_of_chip;
   for (int c = 0; c < num_chips; ++c) executor_of_chip.push_back(c);
   CommunicatorRegistry communicators(collective_table, (*core)->topology(), executor_of_chip,
