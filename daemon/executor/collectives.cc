@@ -8,6 +8,7 @@
 #include <complex>
 #include <cstring>
 #include <limits>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 
@@ -498,85 +499,130 @@ void RunCollective(CollectiveTable* table, CommSlot* comm, const std::vector<con
   std::vector<int> order(comm->ring, comm->ring + n);
   std::vector<int> reverse(order.rbegin(), order.rend());
   const uint64_t tile = std::max<uint64_t>(kTileBytes / std::max<uint64_t>(esize, 1), 1);
+  int start = 0;  // ring position of the root (rooted kinds)
+  if (op.kind == CollectiveKind::kBroadcast || op.kind == CollectiveKind::kReduce) {
+    while (order[start] != op.peer) ++start;
+  }
+  // The elements [lo, hi) of every rank's block: the element-wise kinds split
+  // into ranges that run independently (on several threads when large).
+  auto run_range = [&](uint64_t lo_all, uint64_t hi_all, std::vector<char>& buf) {
+    switch (op.kind) {
+      case CollectiveKind::kAllReduce: {
+        for (int r = 0; r < n; ++r) {
+          if (recv[r] != send[r]) {
+            std::memmove(recv[r] + lo_all * esize, send[r] + lo_all * esize,
+                         (hi_all - lo_all) * esize);
+          }
+        }
+        // Bidirectional ring, pipelined in tiles: the first half of each
+        // tile goes one way round, the second half the other.
+        const uint64_t big_tile = tile * n;
+        for (uint64_t lo = lo_all; lo < hi_all; lo += big_tile) {
+          const uint64_t hi = std::min(hi_all, lo + big_tile);
+          const uint64_t mid = lo + (hi - lo) / 2;
+          RingAllReduce(table, comm, order, recv, op, esize, lo, mid);
+          RingAllReduce(table, comm, reverse, recv, op, esize, mid, hi);
+        }
+        break;
+      }
+      case CollectiveKind::kAllGather: {
+        for (int r = 0; r < n; ++r) {
+          std::memmove(recv[r] + (static_cast<uint64_t>(r) * count + lo_all) * esize,
+                       send[r] + lo_all * esize, (hi_all - lo_all) * esize);
+        }
+        for (uint64_t lo = lo_all; lo < hi_all; lo += tile) {
+          const uint64_t hi = std::min(hi_all, lo + tile);
+          const uint64_t mid = lo + (hi - lo) / 2;
+          RingAllGather(table, comm, order, recv, count, esize, lo, mid);
+          RingAllGather(table, comm, reverse, recv, count, esize, mid, hi);
+        }
+        break;
+      }
+      case CollectiveKind::kReduceScatter: {
+        const uint64_t t = std::max<uint64_t>(tile / n, 1);
+        buf.resize(static_cast<size_t>(n) * n * t * esize);
+        for (uint64_t lo = lo_all; lo < hi_all; lo += t) {
+          const uint64_t hi = std::min(hi_all, lo + t);
+          const uint64_t mid = lo + (hi - lo) / 2;
+          RingReduceScatter(table, comm, order, send, recv, op, esize, lo, mid, buf.data());
+          RingReduceScatter(table, comm, reverse, send, recv, op, esize, mid, hi, buf.data());
+        }
+        break;
+      }
+      case CollectiveKind::kBroadcast: {
+        // Along the ring from the root, one hop after another.
+        const int root = op.peer;
+        const uint64_t off = lo_all * esize, len = (hi_all - lo_all) * esize;
+        if (recv[root] != send[root]) std::memmove(recv[root] + off, send[root] + off, len);
+        for (int k = 0; k + 1 < n; ++k) {
+          const int src = order[Mod(start + k, n)], dst = order[Mod(start + k + 1, n)];
+          std::memcpy(recv[dst] + off, recv[src] + off, len);
+          CountRoute(table, comm, src, dst, len);
+        }
+        break;
+      }
+      case CollectiveKind::kReduce: {
+        // Partial results travel the ring towards the root, ending there.
+        const int root = op.peer;
+        buf.resize(tile * esize);
+        for (uint64_t lo = lo_all; lo < hi_all; lo += tile) {
+          const uint64_t len = std::min(hi_all, lo + tile) - lo;
+          char* acc = buf.data();
+          const int first = order[Mod(start + 1, n)];
+          std::memcpy(acc, send[first] + lo * esize, len * esize);
+          for (int k = 2; k <= n; ++k) {
+            const int prev = order[Mod(start + k - 1, n)], r = order[Mod(start + k, n)];
+            ReduceInto(op.dtype, op.reduce, acc, send[r] + lo * esize, len);
+            CountRoute(table, comm, prev, r, len * esize);
+          }
+          if (n == 1) std::memcpy(acc, send[root] + lo * esize, len * esize);
+          if (op.reduce == ReduceOp::kAvg) DivideBy(op.dtype, acc, len, n);
+          std::memcpy(recv[root] + lo * esize, acc, len * esize);
+        }
+        break;
+      }
+      default:
+        break;
+    }
+  };
   uint64_t moved = 0;
   switch (op.kind) {
-    case CollectiveKind::kAllReduce: {
-      for (int r = 0; r < n; ++r) {
-        if (recv[r] != send[r]) std::memmove(recv[r], send[r], count * esize);
-      }
-      // Bidirectional ring, pipelined in tiles: the first half of each tile
-      // goes one way round, the second half the other.
-      const uint64_t big_tile = tile * n;
-      for (uint64_t lo = 0; lo < count; lo += big_tile) {
-        const uint64_t hi = std::min(count, lo + big_tile);
-        const uint64_t mid = lo + (hi - lo) / 2;
-        RingAllReduce(table, comm, order, recv, op, esize, lo, mid);
-        RingAllReduce(table, comm, reverse, recv, op, esize, mid, hi);
-      }
-      if (n == 1 && op.reduce == ReduceOp::kAvg) DivideBy(op.dtype, recv[0], count, 1);
-      moved = 2 * (n - 1) * count * esize;
-      break;
-    }
-    case CollectiveKind::kAllGather: {
-      for (int r = 0; r < n; ++r) {
-        std::memmove(recv[r] + static_cast<uint64_t>(r) * count * esize, send[r], count * esize);
-      }
-      for (uint64_t lo = 0; lo < count; lo += tile) {
-        const uint64_t hi = std::min(count, lo + tile);
-        const uint64_t mid = lo + (hi - lo) / 2;
-        RingAllGather(table, comm, order, recv, count, esize, lo, mid);
-        RingAllGather(table, comm, reverse, recv, count, esize, mid, hi);
-      }
-      moved = (n - 1) * count * esize * n;
-      break;
-    }
-    case CollectiveKind::kReduceScatter: {
-      const uint64_t t = std::max<uint64_t>(tile / n, 1);
-      scratch->resize(static_cast<size_t>(n) * n * t * esize);
-      for (uint64_t lo = 0; lo < count; lo += t) {
-        const uint64_t hi = std::min(count, lo + t);
-        const uint64_t mid = lo + (hi - lo) / 2;
-        RingReduceScatter(table, comm, order, send, recv, op, esize, lo, mid, scratch->data());
-        RingReduceScatter(table, comm, reverse, send, recv, op, esize, mid, hi, scratch->data());
-      }
-      moved = (n - 1) * count * esize * n;
-      break;
-    }
-    case CollectiveKind::kBroadcast: {
-      // Along the ring from the root, one hop after another.
-      const int root = op.peer;
-      if (recv[root] != send[root]) std::memmove(recv[root], send[root], count * esize);
-      int start = 0;
-      while (order[start] != root) ++start;
-      for (int k = 0; k + 1 < n; ++k) {
-        const int src = order[Mod(start + k, n)], dst = order[Mod(start + k + 1, n)];
-        std::memcpy(recv[dst], recv[src], count * esize);
-        CountRoute(table, comm, src, dst, count * esize);
-      }
-      moved = (n - 1) * count * esize;
-      break;
-    }
+    case CollectiveKind::kAllReduce:
+    case CollectiveKind::kAllGather:
+    case CollectiveKind::kReduceScatter:
+    case CollectiveKind::kBroadcast:
     case CollectiveKind::kReduce: {
-      // Partial results travel the ring towards the root, ending there.
-      const int root = op.peer;
-      int start = 0;
-      while (order[start] != root) ++start;
-      scratch->resize(tile * esize);
-      for (uint64_t lo = 0; lo < count; lo += tile) {
-        const uint64_t len = std::min(count, lo + tile) - lo;
-        char* acc = scratch->data();
-        int first = order[Mod(start + 1, n)];
-        std::memcpy(acc, send[first] + lo * esize, len * esize);
-        for (int k = 2; k <= n; ++k) {
-          const int prev = order[Mod(start + k - 1, n)], r = order[Mod(start + k, n)];
-          ReduceInto(op.dtype, op.reduce, acc, send[r] + lo * esize, len);
-          CountRoute(table, comm, prev, r, len * esize);
-        }
-        if (n == 1) std::memcpy(acc, send[root] + lo * esize, len * esize);
-        if (op.reduce == ReduceOp::kAvg) DivideBy(op.dtype, acc, len, n);
-        std::memcpy(recv[root] + lo * esize, acc, len * esize);
+      // Large operations are memory-bound: split them over the host's cores
+      // (contiguous element ranges, each pipelined in tiles as above).
+      const uint64_t bytes = count * esize * static_cast<uint64_t>(n);
+      int threads = 1;
+      if (bytes >= (uint64_t{16} << 20)) {
+        threads = static_cast<int>(std::min<unsigned>(std::max(1u, std::thread::hardware_concurrency()), 8u));
       }
-      moved = (n - 1) * count * esize;
+      if (threads == 1) {
+        run_range(0, count, *scratch);
+      } else {
+        std::vector<std::thread> pool;
+        std::vector<std::vector<char>> bufs(threads);
+        const uint64_t step = (count + threads - 1) / threads;
+        for (int i = 0; i < threads; ++i) {
+          const uint64_t lo = std::min(count, step * i), hi = std::min(count, step * (i + 1));
+          if (i + 1 == threads) {
+            run_range(lo, hi, bufs[i]);  // this thread takes the last range
+          } else {
+            pool.emplace_back([&, lo, hi, i] { run_range(lo, hi, bufs[i]); });
+          }
+        }
+        for (std::thread& t : pool) t.join();
+      }
+      if (n == 1 && op.kind == CollectiveKind::kAllReduce && op.reduce == ReduceOp::kAvg) {
+        DivideBy(op.dtype, recv[0], count, 1);
+      }
+      const bool gathers = op.kind == CollectiveKind::kAllGather ||
+                           op.kind == CollectiveKind::kReduceScatter;
+      moved = op.kind == CollectiveKind::kAllReduce ? 2 * (n - 1) * count * esize
+              : gathers                             ? (n - 1) * count * esize * n
+                                                    : (n - 1) * count * esize;
       break;
     }
     case CollectiveKind::kGather:
