@@ -485,6 +485,10 @@ def test_cached_blocks_stay_with_their_stream(tpud):
         with torch.tpu.stream(s):
             (a * 2).sum()
         del a
+        # The allocator notes the free on the recorded streams at its next
+        # allocation (the deleter may run anywhere); once they pass it, the
+        # block is back.
+        small = torch.empty(16, device="tpu")
         torch.tpu.synchronize()
         b = torch.empty(1 << 16, device="tpu")
         assert b.data_ptr() == a_addr, "a recorded block never came back after its streams passed"

@@ -29,8 +29,10 @@ struct Block {
   std::vector<int> uses;  // other streams it was recorded on (recordStream)
 };
 
-// A freed block whose other streams may still use it: reusable once the
-// events recorded on them at free time have passed (CUDA's rule).
+// A freed block whose other streams may still use it: reusable once events
+// recorded on those streams have passed (CUDA's rule). The events are
+// recorded at the next allocation after the free, not in the deleter, which
+// may run anywhere.
 struct Deferred {
   Block* block;
   std::vector<tpu::Event> events;
