@@ -140,6 +140,27 @@ void DivideTyped(char* dst, uint64_t count, uint64_t n) {
   for (uint64_t i = 0; i < count; ++i) d[i] = static_cast<T>(d[i] / static_cast<T>(n));
 }
 
+
+}  // namespace
+
+void InitSharedMutex(pthread_mutex_t* mu) {
+  pthread_mutexattr_t attr;
+  pthread_mutexattr_init(&attr);
+  pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+  pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+  pthread_mutex_init(mu, &attr);
+  pthread_mutexattr_destroy(&attr);
+}
+
+bool LockShared(pthread_mutex_t* mu) {
+  const int r = pthread_mutex_lock(mu);
+  if (r == EOWNERDEAD) {
+    pthread_mutex_consistent(mu);
+    return true;
+  }
+  return false;
+}
+
 const char* DtypeName(int8_t dtype) {
   switch (dtype) {
     case kUInt8: return "uint8";
@@ -166,35 +187,17 @@ const char* DtypeName(int8_t dtype) {
   return "an unknown dtype";
 }
 
-}  // namespace
-
-void InitSharedMutex(pthread_mutex_t* mu) {
-  pthread_mutexattr_t attr;
-  pthread_mutexattr_init(&attr);
-  pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
-  pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
-  pthread_mutex_init(mu, &attr);
-  pthread_mutexattr_destroy(&attr);
-}
-
-bool LockShared(pthread_mutex_t* mu) {
-  const int r = pthread_mutex_lock(mu);
-  if (r == EOWNERDEAD) {
-    pthread_mutex_consistent(mu);
-    return true;
-  }
-  return false;
+void SetSlotMessage(GroupSlot& slot, const absl::Status& status) {
+  slot.code = static_cast<int32_t>(status.code());
+  const size_t n = std::min(status.message().size(), kCommMessageBytes - 1);
+  std::memcpy(slot.message, status.message().data(), n);
+  slot.message[n] = '\0';
 }
 
 void FinishRankSlot(CommSlot* comm, int rank, int k, const absl::Status& status,
                     const std::vector<int>& wake_fds, int self) {
   GroupSlot& slot = comm->slots[rank][k];
-  if (slot.code == 0) {
-    slot.code = static_cast<int32_t>(status.code());
-    const size_t n = std::min(status.message().size(), kCommMessageBytes - 1);
-    std::memcpy(slot.message, status.message().data(), n);
-    slot.message[n] = '\0';
-  }
+  if (slot.code == 0) SetSlotMessage(slot, status);
   slot.state.store(GroupSlot::kDone, std::memory_order_release);
   comm->groups_done.fetch_add(1, std::memory_order_relaxed);
   const int e = comm->members[rank].executor;

@@ -149,6 +149,11 @@ void FinishRankSlot(CommSlot* comm, int rank, int slot, const absl::Status& stat
 bool FailCommunicator(CommSlot* comm, const std::string& why, const std::vector<int>& wake_fds,
                       int self);
 
+// "float32", "bfloat16", ... for a c10 dtype value, for messages.
+const char* DtypeName(int8_t dtype);
+// Writes `status` (code and message, cut to fit) into the slot.
+void SetSlotMessage(GroupSlot& slot, const absl::Status& status);
+
 // The slot a communicator id names, or null.
 inline CommSlot* CommOf(CollectiveTable* t, uint64_t id) {
   if (id == 0) return nullptr;

@@ -32,31 +32,6 @@ bool Rooted(CollectiveKind k) {
          k == CollectiveKind::kGather || k == CollectiveKind::kScatter;
 }
 
-const char* DtypeName(int8_t dtype) {
-  switch (dtype) {
-    case 0: return "uint8";
-    case 1: return "int8";
-    case 2: return "int16";
-    case 3: return "int32";
-    case 4: return "int64";
-    case 5: return "float16";
-    case 6: return "float32";
-    case 7: return "float64";
-    case 8: return "complex32";
-    case 9: return "complex64";
-    case 10: return "complex128";
-    case 11: return "bool";
-    case 15: return "bfloat16";
-    case 23: return "float8_e5m2";
-    case 24: return "float8_e4m3fn";
-    case 25: return "float8_e5m2fnuz";
-    case 26: return "float8_e4m3fnuz";
-    case 27: return "uint16";
-    case 28: return "uint32";
-    case 29: return "uint64";
-  }
-  return "unknown dtype";
-}
 
 std::string Describe(const PostedOp& op) {
   std::string s = absl::StrCat(tpu::CollectiveKindName(op.kind), "(");
@@ -68,13 +43,6 @@ std::string Describe(const PostedOp& op) {
   return s + ")";
 }
 
-[[maybe_unused]] void SetMessage(GroupSlot& slot, const absl::Status& st) {
-  slot.code = static_cast<int32_t>(st.code());
-  const std::string m(st.message());
-  const size_t n = std::min(m.size(), kCommMessageBytes - 1);
-  std::memcpy(slot.message, m.data(), n);
-  slot.message[n] = '\0';
-}
 
 std::string MemberName(const CommSlot* comm, int r) {
   return absl::StrCat("rank ", r, " (pid ", comm->members[r].pid, ", chip ",
@@ -229,7 +197,7 @@ absl::Status Executor::PostGroup(Ring& ring, CommSlot* comm, int rank, uint64_t 
   slot.posted_ns = tpu::MonotonicNanos();
   slot.code = 0;
   slot.message[0] = '\0';
-  if (!invalid.ok()) SetMessage(slot, invalid);
+  if (!invalid.ok()) SetSlotMessage(slot, invalid);
   for (size_t i = 0; i < ops.size(); ++i) {
     const tpu::CollectiveEntry& e = ops[i];
     PostedOp& p = slot.ops[i];
@@ -449,8 +417,8 @@ void Executor::RunP2P(CommSlot* comm, int a, int ka, int ia, int b, int kb, int 
     }
   }
   if (!st.ok()) {
-    if (sa.code == 0) SetMessage(sa, st);
-    if (sb.code == 0) SetMessage(sb, st);
+    if (sa.code == 0) SetSlotMessage(sa, st);
+    if (sb.code == 0) SetSlotMessage(sb, st);
   }
 }
 

@@ -336,12 +336,11 @@ def _reference(steps, world, per_rank, lr=0.05):
     return model, losses
 
 
-def scenario_ddp(rank, world, port):
-    """DistributedDataParallel over tpu ranks equals one process, step for step."""
-    dev = init(rank, world, port)
-    steps, per_rank = 5, 8
+def _train_like_one_process(model, params, rank, world, dev, steps, per_rank, what):
+    """SGD-momentum steps on this rank's shard of each global batch: the
+    averaged loss and the final parameters (`params()`: name, full tensor)
+    must equal one CPU process over the whole batch."""
     ref_model, ref_losses = _reference(steps, world, per_rank)
-    model = torch.nn.parallel.DistributedDataParallel(_mlp(0).to(dev))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step, (x, y) in enumerate(_batches(steps, world, per_rank)):
         xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
@@ -352,10 +351,19 @@ def scenario_ddp(rank, world, port):
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
         assert abs(global_loss.item() - ref_losses[step]) < 1e-4, (step, global_loss.item(), ref_losses[step])
-    for (name, p), q in zip(model.module.named_parameters(), ref_model.parameters()):
-        close(p.detach(), q.detach(), f"DDP parameter {name}")
+    for (name, p), q in zip(params(), ref_model.parameters()):
+        close(p.detach(), q.detach(), f"{what} parameter {name}")
+    return ref_losses
+
+
+def scenario_ddp(rank, world, port):
+    """DistributedDataParallel over tpu ranks equals one process, step for step."""
+    dev = init(rank, world, port)
+    model = torch.nn.parallel.DistributedDataParallel(_mlp(0).to(dev))
+    losses = _train_like_one_process(model, model.module.named_parameters, rank, world, dev,
+                                     steps=5, per_rank=8, what="DDP")
     dist.destroy_process_group()
-    return {"losses": ref_losses}
+    return {"losses": losses}
 
 
 def scenario_fsdp(rank, world, port):
@@ -365,27 +373,16 @@ def scenario_fsdp(rank, world, port):
 
     dev = init(rank, world, port)
     mesh = init_device_mesh("tpu", (world,))
-    steps, per_rank = 5, 8
-    ref_model, ref_losses = _reference(steps, world, per_rank)
     model = _mlp(0).to(dev)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    for step, (x, y) in enumerate(_batches(steps, world, per_rank)):
-        xs, ys = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(xs.to(dev)), ys.to(dev))
-        loss.backward()
-        opt.step()
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
-        assert abs(global_loss.item() - ref_losses[step]) < 1e-4, (step, global_loss.item(), ref_losses[step])
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        close(p.full_tensor().detach(), q.detach(), f"FSDP parameter {name}")
+    params = lambda: ((n, p.full_tensor()) for n, p in model.named_parameters())  # noqa: E731
+    losses = _train_like_one_process(model, params, rank, world, dev, steps=5, per_rank=8,
+                                     what="FSDP")
     dist.destroy_process_group()
-    return {"losses": ref_losses}
+    return {"losses": losses}
 
 
 def scenario_dtensor(rank, world, port):
@@ -456,21 +453,9 @@ def scenario_multihost(rank, world, port):
     close(sout, ins[rank], "scatter across hosts")
     dist.barrier()
     # DDP over both hosts against one CPU process
-    steps, per_rank = 4, 4
-    ref_model, ref_losses = _reference(steps, world, per_rank)
     model = torch.nn.parallel.DistributedDataParallel(_mlp(0).to(dev))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    for step, (xb, yb) in enumerate(_batches(steps, world, per_rank)):
-        xs, ys = xb[rank * per_rank:(rank + 1) * per_rank], yb[rank * per_rank:(rank + 1) * per_rank]
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(xs.to(dev)), ys.to(dev))
-        loss.backward()
-        opt.step()
-        g = loss.detach().clone()
-        dist.all_reduce(g, op=dist.ReduceOp.AVG)
-        assert abs(g.item() - ref_losses[step]) < 1e-4, (step, g.item(), ref_losses[step])
-    for (name, p), q in zip(model.module.named_parameters(), ref_model.parameters()):
-        close(p.detach(), q.detach(), f"DDP parameter {name} across hosts")
+    _train_like_one_process(model, model.module.named_parameters, rank, world, dev, steps=4,
+                            per_rank=4, what="DDP across hosts")
     dist.destroy_process_group()
     return {"rank": rank}
 
