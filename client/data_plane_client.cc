@@ -793,6 +793,10 @@ absl::StatusOr<Event> Session::RecordEvent(int stream) {
   return Event{slot, ring, sequence};
 }
 
+Event Session::EventAt(int stream, int chip, uint64_t sequence) const {
+  return Event{kUntimedEventSlot, RingIndex(chip, stream), sequence};
+}
+
 absl::Status Session::WaitEvent(int stream, const Event& event) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   if (event.ring < 0 || event.ring >= impl_->num_chips * kStreamsPerChip) {
@@ -831,6 +835,10 @@ absl::StatusOr<double> Session::ElapsedMillis(const Event& start, const Event& e
   if (!EventDone(start) || !EventDone(end)) {
     return absl::FailedPreconditionError(
         "elapsed time needs both events completed; SynchronizeEvent the later one first");
+  }
+  if (start.slot == kUntimedEventSlot || end.slot == kUntimedEventSlot) {
+    return absl::InvalidArgumentError(
+        "elapsed time needs events made by RecordEvent (an EventAt event has no timestamp)");
   }
   if (start.slot >= static_cast<uint32_t>(kMaxEvents) || end.slot >= static_cast<uint32_t>(kMaxEvents)) {
     return absl::InvalidArgumentError(absl::StrCat(

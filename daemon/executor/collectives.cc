@@ -195,13 +195,13 @@ void SetSlotMessage(GroupSlot& slot, const absl::Status& status) {
 }
 
 void FinishRankSlot(CommSlot* comm, int rank, int k, const absl::Status& status,
-                    const std::vector<int>& wake_fds, int self) {
+                    const std::vector<int>& wake_fds, int self, bool wake) {
   GroupSlot& slot = comm->slots[rank][k];
   if (slot.code == 0) SetSlotMessage(slot, status);
-  slot.state.store(GroupSlot::kDone, std::memory_order_release);
+  slot.state.store(GroupSlot::kDone, std::memory_order_seq_cst);
   comm->groups_done.fetch_add(1, std::memory_order_relaxed);
   const int e = comm->members[rank].executor;
-  if (e >= 0 && e < static_cast<int>(wake_fds.size()) && e != self) {
+  if (wake && e >= 0 && e < static_cast<int>(wake_fds.size()) && e != self) {
     const uint64_t one = 1;
     (void)!write(wake_fds[e], &one, sizeof(one));
   }

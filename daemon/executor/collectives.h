@@ -139,10 +139,10 @@ void InitSharedMutex(pthread_mutex_t* mu);
 bool LockShared(pthread_mutex_t* mu);
 
 // Under comm->mu: finishes rank's posted group with `status` (a first
-// error sticks) and wakes its executor (through wake_fds, unless it is
-// `self`).
+// error sticks) and, if `wake`, wakes its executor (through wake_fds,
+// unless it is `self`).
 void FinishRankSlot(CommSlot* comm, int rank, int slot, const absl::Status& status,
-                    const std::vector<int>& wake_fds, int self);
+                    const std::vector<int>& wake_fds, int self, bool wake = true);
 // Under comm->mu: the communicator fails for good; every posted group
 // finishes with `why`, and every member's executor is woken. Returns false
 // if it had failed already (the first reason stays).

@@ -357,6 +357,8 @@ void Executor::MakeRunnable(Ring& ring) {
   if (ring.state == Ring::State::kArmed) {
     ring.ctl->consumer_sleeping.store(0, std::memory_order_relaxed);
     --armed_count_;
+  } else if (ring.in_collective) {
+    ring.ctl->consumer_sleeping.store(0, std::memory_order_relaxed);  // armed parked (Sleep)
   }
   ring.state = Ring::State::kQueued;
   queue_.Push(ring.session->id, ring.handle);
@@ -409,6 +411,20 @@ void Executor::Sleep(int timeout_ms) {
     if (HasWork(*r)) MakeRunnable(*r);
   }
   polled_.clear();
+  // A ring parked on a collective with nothing behind it: its group may be
+  // completed for it by the executor that runs it, which then leaves waking
+  // us to the client's next record (FinishPeerSlot). Arm, then look again.
+  for (Ring* r : parked_) {
+    if (r->state != Ring::State::kParked || !r->in_collective || !r->collective_posted ||
+        r->ctl->submitted.load(std::memory_order_relaxed) != r->collective_sequence) {
+      continue;
+    }
+    ArmDoorbell(*r);
+    if (ParkedReady(*r)) {
+      r->state = Ring::State::kPolled;
+      MakeRunnable(*r);
+    }
+  }
   if (!queue_.empty()) return;
   slot_->sleeping.store(1);
   DrainDoorbells(timeout_ms);
@@ -508,7 +524,12 @@ void Executor::RunRing(Ring& ring) {
 void Executor::Complete(Ring& ring, uint64_t length, uint64_t sequence) {
   const uint64_t head = ring.trusted->head.load(std::memory_order_relaxed) + length;
   ring.trusted->head.store(head, std::memory_order_relaxed);
-  if (sequence != 0) ring.trusted->last_sequence.store(sequence, std::memory_order_seq_cst);
+  if (sequence != 0) {
+    ring.trusted->last_sequence.store(sequence, std::memory_order_seq_cst);
+    if (ring.trusted->completed_early.load(std::memory_order_relaxed) != 0) {
+      ring.trusted->completed_early.store(0, std::memory_order_relaxed);
+    }
+  }
   tpu::RingControl* ctl = ring.ctl;
   ctl->head.store(head, std::memory_order_release);
   if (sequence != 0) {
@@ -589,7 +610,14 @@ bool Executor::Step(Ring& ring) {
     return fail(absl::InvalidArgumentError(
         absl::StrCat("ring ", stream, ": malformed record: ", st.message())));
   }
-  const uint64_t last = ring.trusted->last_sequence.load(std::memory_order_relaxed);
+  uint64_t last = ring.trusted->last_sequence.load(std::memory_order_acquire);
+  // A collective whose group another executor completed for us early is
+  // still ours to take off the ring.
+  if (header.sequence == last && last != 0 &&
+      header.kind == static_cast<uint16_t>(tpu::RecordKind::kCollective) &&
+      ring.trusted->completed_early.load(std::memory_order_acquire) == last) {
+    --last;
+  }
   if (header.sequence != last + 1) {
     return fail(absl::InvalidArgumentError(absl::StrFormat(
         "ring %d: record sequence %d after %d (sequences count up by one)", stream,

@@ -169,6 +169,10 @@ class Executor {
   // Fails every posted group of the communicator, and the communicator.
   void FailComm(CommSlot* comm, const std::string& why);
   void FinishSlot(CommSlot* comm, int rank, int k, const absl::Status& status);
+  // Completes another rank's group record on its ring for it, and finishes
+  // its slot (see the .cc).
+  void FinishPeerSlot(CommSlot* comm, int rank, int k, const absl::Status& status);
+  bool CompleteForRank(CommSlot* comm, int rank, int k);
   void WakeRank(const CommSlot* comm, int rank);
   // Host view of a rank's buffer, checked against that rank's session.
   absl::StatusOr<char*> RankRange(const CommSlot* comm, int rank, uint64_t address,

@@ -78,6 +78,78 @@ void Executor::FinishSlot(CommSlot* comm, int rank, int k, const absl::Status& s
   FinishRankSlot(comm, rank, k, status, config_.wake_fds, config_.index);
 }
 
+// A group that succeeded completes at once on every rank's ring, so each
+// client goes on as soon as the data has moved, without waiting for its own
+// executor to be scheduled first (on a host with few cores that wait is most
+// of a small collective's latency). Only its record's sequence is published:
+// the ring's owner takes the record off the ring later, as usual (it writes
+// the same sequence again, and head). That is safe because the ring is
+// parked on this very record, which is the next one it completes, and this
+// runs before the slot is marked done, after which the owner may go on.
+// Where the rank's outputs carry poison from an earlier failure, its owner
+// must clear that first: such a rank waits for its owner.
+bool Executor::CompleteForRank(CommSlot* comm, int rank, int k) {
+  const GroupSlot& g = comm->slots[rank][k];
+  auto it = sessions_.find(comm->members[rank].session_id);
+  if (it == sessions_.end()) return false;
+  Session& s = *it->second;
+  if (g.ring >= s.layout.num_rings || g.record_sequence == 0) return false;
+  const int chip = comm->members[rank].chip;
+  for (uint32_t q = 0; q < g.num_ops; ++q) {
+    uint64_t sb = 0, rb = 0;
+    if (!BufferBytes(g.ops[q], g.send_counts, g.recv_counts, static_cast<int>(comm->size), rank,
+                     &sb, &rb)
+             .ok()) {
+      return false;
+    }
+    std::string cause;
+    if (rb != 0 && FindPoison(s, chip, g.ops[q].recv, g.ops[q].recv + rb, &cause)) return false;
+  }
+  const int ring = static_cast<int>(g.ring);
+  TrustedRing* trusted = s.state.ring(ring);
+  tpu::RingControl* ctl = tpu::RingControlOf(s.shm.data(), s.layout, ring);
+  if (trusted->last_sequence.load(std::memory_order_acquire) + 1 != g.record_sequence) return false;
+  trusted->completed_early.store(g.record_sequence, std::memory_order_seq_cst);
+  trusted->last_sequence.store(g.record_sequence, std::memory_order_seq_cst);
+  ctl->completed.store(g.record_sequence, std::memory_order_seq_cst);
+  if (ctl->waiters.load() > 0) {
+    ctl->completion_futex.fetch_add(1);
+    tpu::FutexWakeAll(&ctl->completion_futex);
+  }
+  if (trusted->watchers.load(std::memory_order_seq_cst) != 0) {
+    uint64_t w = trusted->watchers.exchange(0);
+    for (int e = 0; w != 0 && e < static_cast<int>(config_.wake_fds.size()); ++e, w >>= 1) {
+      if ((w & 1) == 0 || e == config_.index) continue;
+      const uint64_t one = 1;
+      (void)!write(config_.wake_fds[e], &one, sizeof(one));
+    }
+  }
+  return true;
+}
+
+// Finishes a peer's slot of a group this executor ran. A rank completed
+// early needs its executor only to take the record off the ring, which can
+// wait for the client's next record: its executor armed the parked ring's
+// doorbell before sleeping (Sleep), and looked at the slot after arming. So
+// it is woken only if the client has published more already, or if its
+// executor is awake anyway (then the wake is free to skip too, but cheap).
+void Executor::FinishPeerSlot(CommSlot* comm, int rank, int k, const absl::Status& status) {
+  if (!status.ok() || !CompleteForRank(comm, rank, k)) {
+    FinishSlot(comm, rank, k, status);
+    return;
+  }
+  const GroupSlot& g = comm->slots[rank][k];
+  const uint32_t ring = g.ring;
+  const uint64_t sequence = g.record_sequence;
+  FinishRankSlot(comm, rank, k, status, config_.wake_fds, config_.index, /*wake=*/false);
+  auto it = sessions_.find(comm->members[rank].session_id);
+  const tpu::RingControl* ctl =
+      tpu::RingControlOf(it->second->shm.data(), it->second->layout, static_cast<int>(ring));
+  const bool quiet = ctl->submitted.load(std::memory_order_seq_cst) == sequence &&
+                     ctl->consumer_sleeping.load(std::memory_order_seq_cst) != 0;
+  if (!quiet) WakeRank(comm, rank);
+}
+
 void Executor::FailComm(CommSlot* comm, const std::string& why) {
   if (FailCommunicator(comm, why, config_.wake_fds, config_.index)) {
     spdlog::warn("communicator {} failed: {}", comm->id.load(), why);
@@ -254,7 +326,13 @@ void Executor::RunMet(CommSlot* comm, int rank, int kmine) {
         if (g.state.load() != GroupSlot::kPosted || !g.p2p) continue;
         bool all = true;
         for (uint32_t q = 0; q < g.num_ops && all; ++q) all = g.ops[q].done != 0;
-        if (all) FinishSlot(comm, r, k, absl::Status(static_cast<absl::StatusCode>(g.code), g.message));
+        if (!all) continue;
+        const absl::Status st(static_cast<absl::StatusCode>(g.code), g.message);
+        if (r != rank) {
+          FinishPeerSlot(comm, r, k, st);
+        } else {
+          FinishSlot(comm, r, k, st);
+        }
       }
     }
     return;
@@ -271,7 +349,13 @@ void Executor::RunMet(CommSlot* comm, int rank, int kmine) {
   }
   auto slot_of = [&](int r) -> GroupSlot& { return comm->slots[r][at[r]]; };
   auto finish_all = [&](const absl::Status& st) {
-    for (int r = 0; r < n; ++r) FinishSlot(comm, r, at[r], st);
+    for (int r = 0; r < n; ++r) {
+      if (r != rank) {
+        FinishPeerSlot(comm, r, at[r], st);
+      } else {
+        FinishSlot(comm, r, at[r], st);
+      }
+    }
   };
   const std::string where = absl::StrCat("collective #", index, " on communicator ",
                                          comm->id.load());

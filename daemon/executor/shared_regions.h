@@ -176,6 +176,10 @@ struct alignas(64) TrustedRing {
   // Executors parked on this ring's progress (bit per executor): the ring's
   // executor wakes them when it completes records.
   std::atomic<uint64_t> watchers;
+  // The sequence of a collective record that the executor which ran its
+  // group completed for this ring (executor_collectives.cc), while it still
+  // sits at the ring's head; 0 when none.
+  std::atomic<uint64_t> completed_early;
 };
 
 struct PoisonEntry {

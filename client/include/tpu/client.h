@@ -101,6 +101,9 @@ struct MemoryStats {
 
 // A point in a stream's work (CUDA's event): recorded on one stream, waited on
 // by others, queried, timed.
+// The slot of an event made by EventAt: it has none.
+inline constexpr uint32_t kUntimedEventSlot = 0xffffffffu;
+
 struct Event {
   uint32_t slot = 0;
   int ring = 0;  // the ring (stream and chip) it was recorded on
@@ -227,6 +230,11 @@ class Session {
   bool IsPinned(const void* ptr) const;
 
   absl::StatusOr<Event> RecordEvent(int stream);
+  // An event that completes with the record `sequence` enqueued on `stream`
+  // of `chip` (as EnqueueOp and EnqueueCollective return it), without a
+  // record of its own. It has no timestamp (ElapsedMillis refuses it);
+  // ReleaseEvent of it does nothing.
+  Event EventAt(int stream, int chip, uint64_t sequence) const;
   // Makes `stream` wait (on the device side) until `event` completed.
   absl::Status WaitEvent(int stream, const Event& event);
   bool EventDone(const Event& event);

@@ -748,11 +748,18 @@ class ProcessGroupTPU : public c10d::Backend {
     absl::StatusOr<uint64_t> seq = GetSession().EnqueueCollective(
         stream, ChipOf(device), CommFor(device), entries.data(), entries.size());
     Check(seq.status(), c10d::opTypeToString(type).c_str());
+    bool copied = !after.empty();
     for (const Buffer& b : buffers) {
       if (b.write_back) b.original.copy_(b.t);
+      copied |= b.write_back;
     }
     for (const auto& [dst, src] : after) dst.copy_(src.view(dst.sizes()));
-    return c10::make_intrusive<WorkTPU>(type, outputs, RecordOn(device), device, false);
+    // The Work completes with the collective's own record unless copies into
+    // the caller's tensors follow it (no extra record per call: tpud
+    // completes the record on every rank as soon as the data has moved).
+    const tpu::Event done =
+        copied ? RecordOn(device) : GetSession().EventAt(stream, ChipOf(device), *seq);
+    return c10::make_intrusive<WorkTPU>(type, outputs, done, device, false);
   }
 
   c10::intrusive_ptr<c10d::Work> Flush(c10d::OpType type) {
@@ -761,13 +768,16 @@ class ProcessGroupTPU : public c10d::Backend {
     absl::StatusOr<uint64_t> seq = GetSession().EnqueueCollective(
         stream, ChipOf(device), CommFor(device), pending_.data(), pending_.size());
     Check(seq.status(), "coalesced collectives");
+    const bool copied = !pending_after_.empty();
     for (const auto& [dst, src] : pending_after_) dst.copy_(src.view(dst.sizes()));
     std::vector<at::Tensor> outputs = std::move(pending_outputs_);
     pending_.clear();
     pending_after_.clear();
     pending_keep_.clear();
     pending_outputs_.clear();
-    return c10::make_intrusive<WorkTPU>(type, outputs, RecordOn(device), device, false);
+    const tpu::Event done =
+        copied ? RecordOn(device) : GetSession().EventAt(stream, ChipOf(device), *seq);
+    return c10::make_intrusive<WorkTPU>(type, outputs, done, device, false);
   }
 
 
