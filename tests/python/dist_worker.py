@@ -310,6 +310,33 @@ def scenario_job(rank, world, port, chips):
 
 
 
+def scenario_default_backend(rank, world, port):
+    """init_process_group() naming no backend: "cpu:gloo,tpu:tpu"."""
+    dev = init(rank, world, port, backend=None)
+    pg = dist.group.WORLD
+    assert pg._get_backend(torch.device("tpu")).name() == "tpu"
+    assert pg._get_backend(torch.device("cpu")).name() == "gloo"
+    x = torch.full((8,), float(rank + 1), device=dev)
+    dist.all_reduce(x)
+    c = torch.full((8,), float(rank + 1))
+    dist.all_reduce(c)
+    expect = float(sum(range(1, world + 1)))
+    assert x.cpu().tolist() == [expect] * 8 and c.tolist() == [expect] * 8, (x.cpu(), c)
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank})
+    assert objs == [{"rank": r} for r in range(world)], objs
+    sub = dist.new_group([0, 1])  # no backend either: the same pair
+    if rank in (0, 1):
+        y = torch.ones(4, device=dev) * (rank + 1)
+        dist.all_reduce(y, group=sub)
+        assert y.cpu().tolist() == [3.0] * 4, y.cpu()
+        z = torch.ones(2) * (rank + 1)
+        dist.all_reduce(z, group=sub)
+        assert z.tolist() == [3.0] * 2, z
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _mlp(seed):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),

@@ -127,6 +127,12 @@ def test_training_across_chips_matches_one_process(host, scenario):
         assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
 
 
+def test_no_backend_named_means_gloo_for_cpu_and_tpu_for_tpu(host):
+    results = run_ranks(host, "default_backend", 4)
+    for rank, (rc, result, text) in enumerate(results):
+        assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
+
+
 def test_tpuctl_shows_bytes_per_ici_link(host):
     from conftest import bazel_bin
 

@@ -49,3 +49,26 @@ def _register():
 
     _C._register_distributed()
     dist.Backend.register_backend("tpu", _create_backend, devices=["tpu"])
+    _default_to_gloo_and_tpu()
+
+
+def _default_to_gloo_and_tpu():
+    # init_process_group() (and new_group()) with no backend: torch 2.13
+    # makes only the accelerator's backend, so CPU tensors (object
+    # collectives, a CPU barrier) would have none. As NCCL users get from
+    # "cpu:gloo,cuda:nccl", a group on tpu gets "cpu:gloo,tpu:tpu".
+    from torch.distributed import distributed_c10d as c10d
+
+    config = c10d.BackendConfig
+    if getattr(config, "_torch_tpu_default", False):
+        return
+    init = config.__init__
+
+    def __init__(self, backend):
+        init(self, backend)
+        if str(backend) == c10d.Backend.UNDEFINED and list(self.device_backend_map) == ["tpu"]:
+            self.device_backend_map = {"cpu": c10d.Backend(c10d.Backend.GLOO),
+                                       "tpu": self.device_backend_map["tpu"]}
+
+    config.__init__ = __init__
+    config._torch_tpu_default = True
