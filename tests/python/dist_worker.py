@@ -478,6 +478,39 @@ def scenario_multihost(rank, world, port):
     sout = torch.empty(4, 3, device=dev)
     dist.scatter(sout, [i.to(dev) for i in ins] if rank == world - 1 else None, src=world - 1)
     close(sout, ins[rank], "scatter across hosts")
+    # all_to_all with uneven splits: rank i sends j+1 rows to rank j
+    a2a_in = torch.cat([torch.full((j + 1, 2), float(100 * rank + j)) for j in range(world)])
+    a2a_out = torch.empty(world * (rank + 1), 2, device=dev)
+    dist.all_to_all_single(a2a_out, a2a_in.to(dev), output_split_sizes=[rank + 1] * world,
+                           input_split_sizes=[j + 1 for j in range(world)])
+    close(a2a_out, torch.cat([torch.full((rank + 1, 2), float(100 * i + rank))
+                              for i in range(world)]), "uneven all_to_all_single across hosts")
+    lists_out = [torch.empty(3, device=dev) for _ in range(world)]
+    dist.all_to_all(lists_out, [torch.full((3,), float(10 * rank + j), device=dev)
+                                for j in range(world)])
+    for i in range(world):
+        close(lists_out[i], torch.full((3,), float(10 * i + rank)), f"all_to_all from {i}")
+    # a ring of batched sends and receives over all ranks: hops 3->4 and
+    # 7->0 cross hosts (ranks 0-3 on one tpud, 4-7 on the other) ...
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    got = torch.empty(5, device=dev)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((5,), float(rank), device=dev), nxt),
+                                   dist.P2POp(dist.irecv, got, prv)])
+    for r in reqs:
+        r.wait()
+    close(got, torch.full((5,), float(prv)), "batch_isend_irecv ring across hosts")
+    # ... and plain blocking send/recv: across hosts (i <-> i+4) and inside one
+    half = world // 2
+    for peer in ((rank + half) % world, rank ^ 1):
+        t = torch.full((4,), float(rank * 7), device=dev)
+        back = torch.empty(4, device=dev)
+        if rank < peer:
+            dist.send(t, peer)
+            dist.recv(back, peer)
+        else:
+            dist.recv(back, peer)
+            dist.send(t, peer)
+        close(back, torch.full((4,), float(peer * 7)), f"send/recv with rank {peer}")
     dist.barrier()
     # DDP over both hosts against one CPU process
     model = torch.nn.parallel.DistributedDataParallel(_mlp(0).to(dev))

@@ -104,6 +104,50 @@ class WorkTPU : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+// A Work whose data crosses hosts over gloo: CPU copies of tpu tensors go
+// by gloo; received ones are copied into their tpu tensors once gloo is
+// done (at wait(), or when is_completed() first sees it done). `local`, when
+// set, is the in-host part of the same coalesced group.
+class WorkHost : public c10d::Work {
+ public:
+  struct Part {
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor cpu;  // what gloo reads or writes
+    at::Tensor dst;  // the tpu tensor to fill from `cpu` (received), or undefined
+  };
+  WorkHost(c10d::OpType type, std::vector<Part> parts, c10::intrusive_ptr<c10d::Work> local)
+      : c10d::Work(-1, type), parts_(std::move(parts)), local_(std::move(local)) {}
+
+  bool isCompleted() override {
+    for (const Part& p : parts_) {
+      if (!p.work->isCompleted()) return false;
+    }
+    if (local_ && !local_->isCompleted()) return false;
+    Land();
+    return true;
+  }
+  bool isSuccess() const override { return true; }
+  bool wait(std::chrono::milliseconds timeout) override {
+    for (Part& p : parts_) p.work->wait(timeout);
+    Land();
+    if (local_) local_->wait(timeout);
+    return true;
+  }
+  void synchronize() override {}
+
+ private:
+  void Land() {
+    if (landed_) return;
+    landed_ = true;
+    for (Part& p : parts_) {
+      if (p.dst.defined()) p.dst.copy_(p.cpu.view(p.dst.sizes()));
+    }
+  }
+  std::vector<Part> parts_;
+  c10::intrusive_ptr<c10d::Work> local_;
+  bool landed_ = false;
+};
+
 class ProcessGroupTPU : public c10d::Backend {
  public:
   // `host_of[r]`: the host (tpud) of rank r, numbered by first rank; `cross`:
@@ -111,12 +155,13 @@ class ProcessGroupTPU : public c10d::Backend {
   // (null elsewhere, and when the group has one host).
   ProcessGroupTPU(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                   std::chrono::milliseconds timeout, std::vector<int> host_of,
-                  c10::intrusive_ptr<c10d::Backend> cross)
+                  c10::intrusive_ptr<c10d::Backend> cross, c10::intrusive_ptr<c10d::Backend> world)
       : c10d::Backend(rank, size),
         store_(std::move(store)),
         timeout_(timeout),
         host_of_(std::move(host_of)),
-        cross_(std::move(cross)) {
+        cross_(std::move(cross)),
+        world_(std::move(world)) {
     if (host_of_.empty()) host_of_.assign(size, 0);
     TORCH_CHECK(static_cast<int>(host_of_.size()) == size, "tpu backend: host layout of ",
                 host_of_.size(), " ranks for a group of ", size);
@@ -129,6 +174,8 @@ class ProcessGroupTPU : public c10d::Backend {
                                    local_ranks_.begin());
     TORCH_CHECK(num_hosts_ == 1 || local_rank_ != 0 || cross_, "tpu backend: rank ", rank,
                 " leads its host but has no cross-host group");
+    TORCH_CHECK(num_hosts_ == 1 || world_, "tpu backend: a group across hosts needs a gloo group "
+                "of all its ranks");
   }
 
   ~ProcessGroupTPU() override {
@@ -143,6 +190,7 @@ class ProcessGroupTPU : public c10d::Backend {
     TORCH_CHECK(!coalescing_, "tpu backend: coalescing already started");
     coalescing_ = true;
     pending_.clear();
+    pending_host_.clear();
     pending_outputs_.clear();
     pending_after_.clear();
     pending_device_ = -1;
@@ -151,11 +199,16 @@ class ProcessGroupTPU : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> endCoalescing() override {
     TORCH_CHECK(coalescing_, "tpu backend: endCoalescing without startCoalescing");
     coalescing_ = false;
-    if (pending_.empty()) {
-      return c10::make_intrusive<WorkTPU>(c10d::OpType::COALESCED, std::vector<at::Tensor>{},
-                                          RecordOn(CurrentDevice()), CurrentDevice(), false);
+    c10::intrusive_ptr<c10d::Work> local;
+    if (!pending_.empty()) local = Flush(c10d::OpType::COALESCED);
+    if (!pending_host_.empty()) {
+      std::vector<WorkHost::Part> parts = std::move(pending_host_);
+      pending_host_.clear();
+      return c10::make_intrusive<WorkHost>(c10d::OpType::COALESCED, std::move(parts), local);
     }
-    return Flush(c10d::OpType::COALESCED);
+    if (local) return local;
+    return c10::make_intrusive<WorkTPU>(c10d::OpType::COALESCED, std::vector<at::Tensor>{},
+                                        RecordOn(CurrentDevice()), CurrentDevice(), false);
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -470,9 +523,19 @@ class ProcessGroupTPU : public c10d::Backend {
                                                std::vector<int64_t>& output_splits,
                                                std::vector<int64_t>& input_splits,
                                                const c10d::AllToAllOptions&) override {
-    TORCH_CHECK(!MultiHost(), "tpu backend: all_to_all in a group that spans hosts is not supported "
-                "yet (all_reduce, broadcast, all_gather, reduce_scatter, reduce, gather, scatter "
-                "and barrier are); use a gloo group for it");
+    if (MultiHost()) {
+      // Across hosts every rank exchanges with every other: through the
+      // host's memory, by gloo over all ranks.
+      CheckTpu(input, "all_to_all's input");
+      CheckTpu(output, "all_to_all's output");
+      at::Tensor in_cpu = input.to(at::kCPU).contiguous();
+      at::Tensor out_cpu = at::empty(output.sizes(), output.options().device(at::kCPU));
+      c10d::AllToAllOptions o;
+      o.timeout = timeout_;
+      world_->alltoall_base(out_cpu, in_cpu, output_splits, input_splits, o)->wait();
+      output.copy_(out_cpu);
+      return Done(c10d::OpType::ALLTOALL_BASE, {output}, output);
+    }
     CheckTpu(input, "all_to_all's input");
     CheckTpu(output, "all_to_all's output");
     TORCH_CHECK(input.scalar_type() == output.scalar_type(),
@@ -514,9 +577,23 @@ class ProcessGroupTPU : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
                                           std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions&) override {
-    TORCH_CHECK(!MultiHost(), "tpu backend: all_to_all in a group that spans hosts is not supported "
-                "yet (all_reduce, broadcast, all_gather, reduce_scatter, reduce, gather, scatter "
-                "and barrier are); use a gloo group for it");
+    if (MultiHost()) {
+      TORCH_CHECK(outputs.size() == inputs.size() && static_cast<int>(inputs.size()) == getSize(),
+                  "tpu backend: all_to_all needs ", getSize(), " input and ", getSize(),
+                  " output tensors");
+      std::vector<at::Tensor> in_cpu, out_cpu;
+      for (size_t r = 0; r < inputs.size(); ++r) {
+        CheckTpu(inputs[r], "all_to_all's input");
+        CheckTpu(outputs[r], "all_to_all's output");
+        in_cpu.push_back(inputs[r].to(at::kCPU).contiguous());
+        out_cpu.push_back(at::empty(outputs[r].sizes(), outputs[r].options().device(at::kCPU)));
+      }
+      c10d::AllToAllOptions o;
+      o.timeout = timeout_;
+      world_->alltoall(out_cpu, in_cpu, o)->wait();
+      for (size_t r = 0; r < outputs.size(); ++r) outputs[r].copy_(out_cpu[r]);
+      return Done(c10d::OpType::ALLTOALL, outputs, outputs.at(0));
+    }
     const int n = getSize();
     TORCH_CHECK(static_cast<int>(outputs.size()) == n && static_cast<int>(inputs.size()) == n,
                 "tpu backend: all_to_all needs ", n, " input and ", n, " output tensors");
@@ -551,26 +628,35 @@ class ProcessGroupTPU : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
                                       int tag) override {
-    TORCH_CHECK(!MultiHost(), "tpu backend: send in a group that spans hosts is not supported "
-                "yet (all_reduce, broadcast, all_gather, reduce_scatter, reduce, gather, scatter "
-                "and barrier are); use a gloo group for it");
     at::Tensor& t = Single(tensors, "send");
+    TORCH_CHECK(dst >= 0 && dst < getSize() && dst != getRank(), "tpu backend: send to rank ", dst,
+                " (the group has ranks 0..", getSize() - 1, ", and this is rank ", getRank(), ")");
+    if (MultiHost() && host_of_[dst] != host_) {
+      // To another host: a CPU copy goes by gloo (asynchronously, so that
+      // batched sends and receives around a ring cannot deadlock).
+      std::vector<at::Tensor> cpu{t.to(at::kCPU).contiguous()};
+      return HostPart(c10d::OpType::SEND, {world_->send(cpu, dst, tag), cpu[0], at::Tensor()});
+    }
     Buffer b = Dense(t, false);
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kSend, b.t);
-    e.peer = dst;
+    e.peer = LocalIndex(dst);
     e.send = Address(b.t);
     return Issue(c10d::OpType::SEND, {e}, {t}, {b});
   }
 
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
                                       int tag) override {
-    TORCH_CHECK(!MultiHost(), "tpu backend: recv in a group that spans hosts is not supported "
-                "yet (all_reduce, broadcast, all_gather, reduce_scatter, reduce, gather, scatter "
-                "and barrier are); use a gloo group for it");
     at::Tensor& t = Single(tensors, "recv");
+    TORCH_CHECK(src >= 0 && src < getSize() && src != getRank(), "tpu backend: recv from rank ",
+                src, " (the group has ranks 0..", getSize() - 1, ", and this is rank ", getRank(),
+                ")");
+    if (MultiHost() && host_of_[src] != host_) {
+      std::vector<at::Tensor> cpu{at::empty(t.sizes(), t.options().device(at::kCPU))};
+      return HostPart(c10d::OpType::RECV, {world_->recv(cpu, src, tag), cpu[0], t});
+    }
     Buffer b = Dense(t, true);
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kRecv, b.t);
-    e.peer = src;
+    e.peer = LocalIndex(src);
     e.recv = Address(b.t);
     return Issue(c10d::OpType::RECV, {e}, {t}, {b});
   }
@@ -909,6 +995,23 @@ class ProcessGroupTPU : public c10d::Backend {
     return Done(type, outputs, anchor);
   }
 
+  // A rank of this host, as its rank in the host's communicator.
+  int LocalIndex(int rank) const {
+    return static_cast<int>(std::find(local_ranks_.begin(), local_ranks_.end(), rank) -
+                            local_ranks_.begin());
+  }
+
+  // A point-to-point operation that crosses hosts; inside a coalesced
+  // group it joins the group's Work.
+  c10::intrusive_ptr<c10d::Work> HostPart(c10d::OpType type, WorkHost::Part part) {
+    if (coalescing_) {
+      pending_host_.push_back(part);
+      return c10::make_intrusive<WorkHost>(type, std::vector<WorkHost::Part>{part}, nullptr);
+    }
+    return c10::make_intrusive<WorkHost>(type, std::vector<WorkHost::Part>{std::move(part)},
+                                         nullptr);
+  }
+
   int LocalSize() const { return static_cast<int>(local_ranks_.size()); }
   bool MultiHost() const { return num_hosts_ > 1; }
 
@@ -916,6 +1019,8 @@ class ProcessGroupTPU : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   std::vector<int> host_of_;
   c10::intrusive_ptr<c10d::Backend> cross_;
+  c10::intrusive_ptr<c10d::Backend> world_;  // gloo over all ranks, across hosts only
+  std::vector<WorkHost::Part> pending_host_;   // cross-host p2p of a coalesced group
   int host_ = 0, num_hosts_ = 1, local_rank_ = 0;
   std::vector<int> local_ranks_;  // global ranks on this host, in order
   std::map<c10::DeviceIndex, uint64_t> comms_;
@@ -936,12 +1041,15 @@ void RegisterDistributed(py::module& m) {
       m, "_ProcessGroupTPU")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        std::chrono::milliseconds timeout, std::vector<int> host_of,
-                       c10::intrusive_ptr<c10d::Backend> cross) {
+                       c10::intrusive_ptr<c10d::Backend> cross,
+                       c10::intrusive_ptr<c10d::Backend> world) {
              return c10::make_intrusive<ProcessGroupTPU>(store, rank, size, timeout,
-                                                         std::move(host_of), std::move(cross));
+                                                         std::move(host_of), std::move(cross),
+                                                         std::move(world));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("host_of"), py::arg("cross"), py::call_guard<py::gil_scoped_release>());
+           py::arg("host_of"), py::arg("cross"), py::arg("world") = nullptr,
+           py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace torch_tpu

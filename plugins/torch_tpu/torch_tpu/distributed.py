@@ -7,7 +7,8 @@ so torchrun works unchanged.
 
 A group whose ranks use different tpuds (hosts) is hierarchical: each host
 runs its part inside its tpud, and the first rank of each host exchanges
-the hosts' results over gloo (TCP). See plugins/torch_tpu/csrc/distributed.cc
+the hosts' results over gloo (TCP); all_to_all, and send/recv between
+ranks of different hosts, go over gloo among all the group's ranks. See plugins/torch_tpu/csrc/distributed.cc
 and docs/design.md.
 """
 import os
@@ -31,13 +32,15 @@ def _create_backend(store, rank, size, timeout):
     keys = [store.get(f"tpu_host/{r}").decode() for r in range(size)]
     hosts = list(dict.fromkeys(keys))  # numbered by their first rank
     host_of = [hosts.index(k) for k in keys]
-    cross = None
+    cross = world = None
     if len(hosts) > 1:
         leaders = [host_of.index(h) for h in range(len(hosts))]
         if rank in leaders:
             cross = dist.ProcessGroupGloo(dist.PrefixStore("tpu_cross/", store),
                                           leaders.index(rank), len(hosts), timeout)
-    return _C._ProcessGroupTPU(store, rank, size, timeout, host_of, cross)
+        # all_to_all and point-to-point between hosts: gloo among all ranks.
+        world = dist.ProcessGroupGloo(dist.PrefixStore("tpu_world/", store), rank, size, timeout)
+    return _C._ProcessGroupTPU(store, rank, size, timeout, host_of, cross, world)
 
 
 def _register():
