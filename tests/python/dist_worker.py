@@ -337,6 +337,25 @@ def scenario_default_backend(rank, world, port):
     dist.destroy_process_group()
 
 
+def scenario_p2p_first(rank, world, port):
+    """Two ranks' send/recv is the group's first operation; the others wait."""
+    dev = init(rank, world, port, timeout_s=60)
+    if rank in (0, 1):
+        t = torch.full((6,), float(rank + 1), device=dev)
+        if rank == 0:
+            dist.send(t, 1)
+        else:
+            dist.recv(t, 0)
+        assert t.cpu().tolist() == [1.0] * 6, t.cpu()
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        store.set("p2p_done", "1")
+    else:
+        store.get("p2p_done")  # ranks 2 and 3 touch the group only after the pair is done
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _mlp(seed):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),

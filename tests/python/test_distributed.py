@@ -133,6 +133,12 @@ def test_no_backend_named_means_gloo_for_cpu_and_tpu_for_tpu(host):
         assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
 
 
+def test_send_recv_as_first_operation_needs_only_its_two_ranks(host):
+    results = run_ranks(host, "p2p_first", 4, timeout=120)
+    for rank, (rc, result, text) in enumerate(results):
+        assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
+
+
 def test_tpuctl_shows_bytes_per_ici_link(host):
     from conftest import bazel_bin
 

@@ -176,6 +176,10 @@ class ProcessGroupTPU : public c10d::Backend {
                 " leads its host but has no cross-host group");
     TORCH_CHECK(num_hosts_ == 1 || world_, "tpu backend: a group across hosts needs a gloo group "
                 "of all its ranks");
+    // Every rank makes its backend at once (making a group is collective), so
+    // the communicator of the current device forms now: a first operation
+    // that only some ranks take part in (a send between two) needs no others.
+    CommFor(CurrentDevice());
   }
 
   ~ProcessGroupTPU() override {
