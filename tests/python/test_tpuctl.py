@@ -81,7 +81,8 @@ def test_status_table_reads_like_nvidia_smi(daemon):
     try:
         out = tpuctl(daemon, "status").stdout
         assert "v6e-4 (simulated)" in out
-        assert "128.00 MiB / 256.00 MiB" in out
+        chip2 = next(l for l in out.splitlines() if l.split()[:2] == ["2", "(0,1)"])
+        assert chip2.split()[2:7] == ["128.00", "MiB", "256.00", "MiB", "50%"], chip2
         assert "hello_tpud" in out
         assert "CHIP" in out and "SESSION" in out
     finally:
@@ -152,6 +153,42 @@ def test_activity_figures_after_streaming(daemon):
         assert doc["chips"][0]["ops_executed"] >= 2000
         assert 0.0 <= doc["chips"][0]["duty_cycle"] <= 1.0
         assert "DUTY" in tpuctl(daemon, "status").stdout
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _columns_line_up(text, header_start, right_aligned):
+    """Rows of the table whose header line starts with `header_start`: every
+    right-aligned column's cells end where its heading ends."""
+    lines = text.splitlines()
+    i = next(n for n, l in enumerate(lines) if l.startswith(header_start))
+    header = lines[i]
+    rows = []
+    for l in lines[i + 1:]:
+        if not l.strip():
+            break
+        rows.append(l)
+    assert rows, text
+    for name in right_aligned:
+        end = header.index(name) + len(name)
+        for row in rows:
+            assert row[end - 1] != " " and (end == len(row) or row[end] == " "), \
+                f"column {name} does not line up:\n{header}\n{row}"
+
+
+def test_status_columns_line_up_whatever_the_values(daemon):
+    holder = subprocess.Popen([bazel_bin("examples/cpp/stream_add"), "--iterations=2000",
+                               "--forever"], env=daemon.env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().startswith("round 1")
+        out = tpuctl(daemon, "status").stdout
+        # Chips with and without memory in use, two-digit percentages.
+        _columns_line_up(out, "CHIP", ["CHIP", "HBM USED", "HBM TOTAL", "HBM%", "SESSIONS",
+                                       "DUTY", "OPS"])
+        _columns_line_up(out, "SESSION ", ["SESSION", "PID", "HBM", "BUSY", "OPS"])
+        _columns_line_up(tpuctl(daemon, "executors").stdout, "EXECUTOR",
+                         ["EXECUTOR", "PID", "RESTARTS", "DUTY", "OPS", "BUSY"])
     finally:
         holder.kill()
         holder.wait()

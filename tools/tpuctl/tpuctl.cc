@@ -9,6 +9,7 @@
 // The --json schema is stable and documented in docs/tpuctl-json.md.
 #include <pwd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -36,6 +37,40 @@ ABSL_FLAG(bool, default, false, "quota: set the default for new sessions");
 
 namespace tpuctl {
 namespace {
+
+// A text table whose columns are as wide as their widest cell, so that no
+// value spills into its neighbour; numbers align right. The last column is
+// not padded.
+class Table {
+ public:
+  explicit Table(std::vector<std::string> header, std::string right = "")
+      : right_(std::move(right)) {
+    rows_.push_back(std::move(header));
+  }
+  void Row(std::vector<std::string> cells) { rows_.push_back(std::move(cells)); }
+  void Print() const {
+    std::vector<size_t> width;
+    for (const auto& r : rows_) {
+      if (width.size() < r.size()) width.resize(r.size(), 0);
+      for (size_t c = 0; c < r.size(); ++c) width[c] = std::max(width[c], r[c].size());
+    }
+    for (const auto& r : rows_) {
+      std::string line;
+      for (size_t c = 0; c < r.size(); ++c) {
+        const bool last = c + 1 == r.size();
+        const std::string pad(width[c] - r[c].size(), ' ');
+        const bool right = c < right_.size() && right_[c] == 'r';
+        line += right ? pad + r[c] : (last ? r[c] : r[c] + pad);
+        if (!last) line += "  ";
+      }
+      std::printf("%s\n", line.c_str());
+    }
+  }
+
+ private:
+  std::vector<std::vector<std::string>> rows_;
+  std::string right_;  // 'r' at a column's index: right-aligned
+};
 
 constexpr int kJsonSchemaVersion = 1;
 
@@ -188,21 +223,22 @@ void WriteSessions(JsonWriter& w, const std::vector<tpu::SessionInfo>& sessions)
 }
 
 void PrintChipTable(const tpu::TopologyInfo& t) {
-  std::printf("%-5s %-8s %-28s %-9s %-6s %-12s %s\n", "CHIP", "COORDS", "HBM USED / TOTAL",
-              "SESSIONS", "DUTY", "OPS", "STATE");
+  Table table({"CHIP", "COORDS", "HBM USED", "HBM TOTAL", "HBM%", "SESSIONS", "DUTY", "OPS",
+               "STATE"},
+              "r.rrrrrr.");
   for (const tpu::ChipInfo& c : t.chips) {
     double pct = c.hbm_total_bytes == 0
                      ? 0
                      : 100.0 * static_cast<double>(c.hbm_used_bytes) / c.hbm_total_bytes;
-    std::string hbm = absl::StrFormat("%s / %s %3.0f%%", tpu::FormatBytes(c.hbm_used_bytes),
-                                      tpu::FormatBytes(c.hbm_total_bytes), pct);
     std::string state = c.healthy ? "healthy" : "UNHEALTHY";
     if (c.drained) state += ", drained";
-    std::printf("%-5d %-8s %-28s %-9d %-6s %-12llu %s\n", c.id,
-                absl::StrCat("(", absl::StrJoin(c.coords, ","), ")").c_str(), hbm.c_str(),
-                c.session_count, absl::StrFormat("%3.0f%%", 100 * c.duty_cycle).c_str(),
-                static_cast<unsigned long long>(c.ops_executed), state.c_str());
+    table.Row({absl::StrCat(c.id), absl::StrCat("(", absl::StrJoin(c.coords, ","), ")"),
+               tpu::FormatBytes(c.hbm_used_bytes), tpu::FormatBytes(c.hbm_total_bytes),
+               absl::StrFormat("%.0f%%", pct), absl::StrCat(c.session_count),
+               absl::StrFormat("%.0f%%", 100 * c.duty_cycle), absl::StrCat(c.ops_executed),
+               state});
   }
+  table.Print();
 }
 
 void PrintSessionTable(const std::vector<tpu::SessionInfo>& sessions) {
@@ -210,23 +246,21 @@ void PrintSessionTable(const std::vector<tpu::SessionInfo>& sessions) {
     std::printf("No sessions.\n");
     return;
   }
-  std::printf("%-8s %-8s %-10s %-12s %-26s %-11s %-9s %-10s %s\n", "SESSION", "PID", "USER",
-              "HBM", "HBM PER CHIP", "QUOTA", "BUSY", "OPS", "COMMAND");
+  Table table({"SESSION", "PID", "USER", "HBM", "HBM PER CHIP", "QUOTA", "BUSY", "OPS", "COMMAND"},
+              "rr.r.rrr.");
   for (const tpu::SessionInfo& s : sessions) {
     std::vector<std::string> per_chip;
     for (const auto& [chip, bytes] : s.hbm_bytes_per_chip) {
       per_chip.push_back(absl::StrCat(chip, ": ", tpu::FormatBytes(bytes)));
     }
     std::string command = s.command.size() > 60 ? s.command.substr(0, 57) + "..." : s.command;
-    std::printf("%-8llu %-8d %-10s %-12s %-26s %-11s %-9s %-10llu %s\n",
-                static_cast<unsigned long long>(s.id), s.pid, UserName(s.uid).c_str(),
-                tpu::FormatBytes(s.hbm_bytes).c_str(),
-                per_chip.empty() ? "-" : absl::StrJoin(per_chip, ", ").c_str(),
-                s.quota_bytes_per_chip == 0 ? "none"
-                                            : tpu::FormatBytes(s.quota_bytes_per_chip).c_str(),
-                absl::StrFormat("%.2fs", s.busy_seconds).c_str(),
-                static_cast<unsigned long long>(s.ops_executed), command.c_str());
+    table.Row({absl::StrCat(s.id), absl::StrCat(s.pid), UserName(s.uid),
+               tpu::FormatBytes(s.hbm_bytes),
+               per_chip.empty() ? "-" : absl::StrJoin(per_chip, ", "),
+               s.quota_bytes_per_chip == 0 ? "none" : tpu::FormatBytes(s.quota_bytes_per_chip),
+               absl::StrFormat("%.2fs", s.busy_seconds), absl::StrCat(s.ops_executed), command});
   }
+  table.Print();
 }
 
 void WriteExecutors(JsonWriter& w, const tpu::DaemonStatus& st) {
@@ -303,15 +337,15 @@ int CmdExecutors(tpu::AdminClient& admin, bool json) {
     std::printf("%s\n", w.str().c_str());
     return 0;
   }
-  std::printf("%-9s %-7s %-8s %-7s %-9s %-6s %-12s %s\n", "EXECUTOR", "CHIPS", "PID", "STATE",
-              "RESTARTS", "DUTY", "OPS", "BUSY");
+  Table table({"EXECUTOR", "CHIPS", "PID", "STATE", "RESTARTS", "DUTY", "OPS", "BUSY"},
+              "r.r.rrrr");
   for (const tpu::ExecutorInfo& e : st->executors) {
-    std::printf("%-9d %-7s %-8d %-7s %-9llu %-6s %-12llu %.2fs\n", e.index,
-                absl::StrJoin(e.chips, ",").c_str(), e.pid, e.ready ? "ready" : "STARTING",
-                static_cast<unsigned long long>(e.restarts),
-                absl::StrFormat("%3.0f%%", 100 * e.duty_cycle).c_str(),
-                static_cast<unsigned long long>(e.ops_executed), e.busy_seconds);
+    table.Row({absl::StrCat(e.index), absl::StrJoin(e.chips, ","), absl::StrCat(e.pid),
+               e.ready ? "ready" : "STARTING", absl::StrCat(e.restarts),
+               absl::StrFormat("%.0f%%", 100 * e.duty_cycle), absl::StrCat(e.ops_executed),
+               absl::StrFormat("%.2fs", e.busy_seconds)});
   }
+  table.Print();
   const char* advice = st->wait_advice == "spin"
                            ? "spin (a core is free for them)"
                        : st->wait_advice == "yield"
