@@ -179,7 +179,14 @@ class ProcessGroupTPU : public c10d::Backend {
     // Every rank makes its backend at once (making a group is collective), so
     // the communicator of the current device forms now: a first operation
     // that only some ranks take part in (a send between two) needs no others.
-    CommFor(CurrentDevice());
+    // If it cannot form now (tpud's communicator table is full, say), the
+    // group still works for what it can, and the first use forms it or says why.
+    try {
+      CommFor(CurrentDevice());
+    } catch (const c10::Error& e) {
+      TORCH_WARN("tpu backend: the group's communicator did not form when the group was made; "
+                 "it forms on first use instead: ", e.what_without_backtrace());
+    }
   }
 
   ~ProcessGroupTPU() override {
@@ -633,8 +640,8 @@ class ProcessGroupTPU : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
                                       int tag) override {
     at::Tensor& t = Single(tensors, "send");
-    TORCH_CHECK(dst >= 0 && dst < getSize() && dst != getRank(), "tpu backend: send to rank ", dst,
-                " (the group has ranks 0..", getSize() - 1, ", and this is rank ", getRank(), ")");
+    TORCH_CHECK(dst >= 0 && dst < getSize(), "tpu backend: send to rank ", dst,
+                " (the group has ranks 0..", getSize() - 1, ")");
     if (MultiHost() && host_of_[dst] != host_) {
       // To another host: a CPU copy goes by gloo (asynchronously, so that
       // batched sends and receives around a ring cannot deadlock).
@@ -651,9 +658,8 @@ class ProcessGroupTPU : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
                                       int tag) override {
     at::Tensor& t = Single(tensors, "recv");
-    TORCH_CHECK(src >= 0 && src < getSize() && src != getRank(), "tpu backend: recv from rank ",
-                src, " (the group has ranks 0..", getSize() - 1, ", and this is rank ", getRank(),
-                ")");
+    TORCH_CHECK(src >= 0 && src < getSize(), "tpu backend: recv from rank ", src,
+                " (the group has ranks 0..", getSize() - 1, ")");
     if (MultiHost() && host_of_[src] != host_) {
       std::vector<at::Tensor> cpu{at::empty(t.sizes(), t.options().device(at::kCPU))};
       return HostPart(c10d::OpType::RECV, {world_->recv(cpu, src, tag), cpu[0], t});
