@@ -521,6 +521,19 @@ void Executor::RunRing(Ring& ring) {
 
 // ---------------------------------------------------------------- records
 
+void Executor::WakeCompletionWaiters(TrustedRing* trusted, tpu::RingControl* ctl) {
+  if (ctl->waiters.load() > 0) WakeFutex(&ctl->completion_futex);
+  // Executors parked on this ring.
+  if (trusted->watchers.load(std::memory_order_seq_cst) != 0) {
+    uint64_t w = trusted->watchers.exchange(0);
+    for (int e = 0; w != 0 && e < static_cast<int>(config_.wake_fds.size()); ++e, w >>= 1) {
+      if ((w & 1) == 0 || e == config_.index) continue;
+      const uint64_t one = 1;
+      (void)!write(config_.wake_fds[e], &one, sizeof(one));
+    }
+  }
+}
+
 void Executor::Complete(Ring& ring, uint64_t length, uint64_t sequence) {
   const uint64_t head = ring.trusted->head.load(std::memory_order_relaxed) + length;
   ring.trusted->head.store(head, std::memory_order_relaxed);
@@ -534,16 +547,7 @@ void Executor::Complete(Ring& ring, uint64_t length, uint64_t sequence) {
   ctl->head.store(head, std::memory_order_release);
   if (sequence != 0) {
     ctl->completed.store(sequence, std::memory_order_seq_cst);
-    if (ctl->waiters.load() > 0) WakeFutex(&ctl->completion_futex);
-    // Executors parked on this ring.
-    if (ring.trusted->watchers.load(std::memory_order_seq_cst) != 0) {
-      uint64_t w = ring.trusted->watchers.exchange(0);
-      for (int e = 0; w != 0 && e < static_cast<int>(config_.wake_fds.size()); ++e, w >>= 1) {
-        if ((w & 1) == 0 || e == config_.index) continue;
-        const uint64_t one = 1;
-        (void)!write(config_.wake_fds[e], &one, sizeof(one));
-      }
-    }
+    WakeCompletionWaiters(ring.trusted, ctl);
   }
   if (ctl->producer_waiting.load() != 0 && head >= ctl->wanted_head.load()) {
     ctl->producer_waiting.store(0);

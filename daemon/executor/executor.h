@@ -173,6 +173,9 @@ class Executor {
   // its slot (see the .cc).
   void FinishPeerSlot(CommSlot* comm, int rank, int k, const absl::Status& status);
   bool CompleteForRank(CommSlot* comm, int rank, int k);
+  // After a ring's completed sequence moved: its client's waiters and the
+  // executors parked on it.
+  void WakeCompletionWaiters(TrustedRing* trusted, tpu::RingControl* ctl);
   void WakeRank(const CommSlot* comm, int rank);
   // Host view of a rank's buffer, checked against that rank's session.
   absl::StatusOr<char*> RankRange(const CommSlot* comm, int rank, uint64_t address,

@@ -112,18 +112,7 @@ bool Executor::CompleteForRank(CommSlot* comm, int rank, int k) {
   trusted->completed_early.store(g.record_sequence, std::memory_order_seq_cst);
   trusted->last_sequence.store(g.record_sequence, std::memory_order_seq_cst);
   ctl->completed.store(g.record_sequence, std::memory_order_seq_cst);
-  if (ctl->waiters.load() > 0) {
-    ctl->completion_futex.fetch_add(1);
-    tpu::FutexWakeAll(&ctl->completion_futex);
-  }
-  if (trusted->watchers.load(std::memory_order_seq_cst) != 0) {
-    uint64_t w = trusted->watchers.exchange(0);
-    for (int e = 0; w != 0 && e < static_cast<int>(config_.wake_fds.size()); ++e, w >>= 1) {
-      if ((w & 1) == 0 || e == config_.index) continue;
-      const uint64_t one = 1;
-      (void)!write(config_.wake_fds[e], &one, sizeof(one));
-    }
-  }
+  WakeCompletionWaiters(trusted, ctl);
   return true;
 }
 
