@@ -172,7 +172,8 @@ class Executor {
   // Completes another rank's group record on its ring for it, and finishes
   // its slot (see the .cc).
   void FinishPeerSlot(CommSlot* comm, int rank, int k, const absl::Status& status);
-  bool CompleteForRank(CommSlot* comm, int rank, int k);
+  // The rank's ring control when its record was completed, else null.
+  tpu::RingControl* CompleteForRank(CommSlot* comm, int rank, int k);
   // After a ring's completed sequence moved: its client's waiters and the
   // executors parked on it.
   void WakeCompletionWaiters(TrustedRing* trusted, tpu::RingControl* ctl);

@@ -44,6 +44,19 @@ std::string Describe(const PostedOp& op) {
 }
 
 
+// Calls f(begin, end) for every device range `rank`'s group `g` writes.
+template <typename F>
+void ForEachOutput(const GroupSlot& g, int size, int rank, F&& f) {
+  for (uint32_t q = 0; q < g.num_ops; ++q) {
+    uint64_t sb = 0, rb = 0;
+    if (!BufferBytes(g.ops[q], g.send_counts, g.recv_counts, size, rank, &sb, &rb).ok() ||
+        rb == 0) {
+      continue;
+    }
+    f(g.ops[q].recv, g.ops[q].recv + rb);
+  }
+}
+
 std::string MemberName(const CommSlot* comm, int r) {
   return absl::StrCat("rank ", r, " (pid ", comm->members[r].pid, ", chip ",
                       comm->members[r].chip, ")");
@@ -88,32 +101,30 @@ void Executor::FinishSlot(CommSlot* comm, int rank, int k, const absl::Status& s
 // runs before the slot is marked done, after which the owner may go on.
 // Where the rank's outputs carry poison from an earlier failure, its owner
 // must clear that first: such a rank waits for its owner.
-bool Executor::CompleteForRank(CommSlot* comm, int rank, int k) {
+tpu::RingControl* Executor::CompleteForRank(CommSlot* comm, int rank, int k) {
   const GroupSlot& g = comm->slots[rank][k];
   auto it = sessions_.find(comm->members[rank].session_id);
-  if (it == sessions_.end()) return false;
+  if (it == sessions_.end()) return nullptr;
   Session& s = *it->second;
-  if (g.ring >= s.layout.num_rings || g.record_sequence == 0) return false;
+  if (g.ring >= s.layout.num_rings || g.record_sequence == 0) return nullptr;
   const int chip = comm->members[rank].chip;
-  for (uint32_t q = 0; q < g.num_ops; ++q) {
-    uint64_t sb = 0, rb = 0;
-    if (!BufferBytes(g.ops[q], g.send_counts, g.recv_counts, static_cast<int>(comm->size), rank,
-                     &sb, &rb)
-             .ok()) {
-      return false;
-    }
+  bool poisoned = false;
+  ForEachOutput(g, static_cast<int>(comm->size), rank, [&](uint64_t begin, uint64_t end) {
     std::string cause;
-    if (rb != 0 && FindPoison(s, chip, g.ops[q].recv, g.ops[q].recv + rb, &cause)) return false;
-  }
+    poisoned = poisoned || FindPoison(s, chip, begin, end, &cause);
+  });
+  if (poisoned) return nullptr;
   const int ring = static_cast<int>(g.ring);
   TrustedRing* trusted = s.state.ring(ring);
   tpu::RingControl* ctl = tpu::RingControlOf(s.shm.data(), s.layout, ring);
-  if (trusted->last_sequence.load(std::memory_order_acquire) + 1 != g.record_sequence) return false;
+  if (trusted->last_sequence.load(std::memory_order_acquire) + 1 != g.record_sequence) {
+    return nullptr;
+  }
   trusted->completed_early.store(g.record_sequence, std::memory_order_seq_cst);
   trusted->last_sequence.store(g.record_sequence, std::memory_order_seq_cst);
   ctl->completed.store(g.record_sequence, std::memory_order_seq_cst);
   WakeCompletionWaiters(trusted, ctl);
-  return true;
+  return ctl;
 }
 
 // Finishes a peer's slot of a group this executor ran. A rank completed
@@ -123,17 +134,13 @@ bool Executor::CompleteForRank(CommSlot* comm, int rank, int k) {
 // it is woken only if the client has published more already, or if its
 // executor is awake anyway (then the wake is free to skip too, but cheap).
 void Executor::FinishPeerSlot(CommSlot* comm, int rank, int k, const absl::Status& status) {
-  if (!status.ok() || !CompleteForRank(comm, rank, k)) {
+  const tpu::RingControl* ctl = status.ok() ? CompleteForRank(comm, rank, k) : nullptr;
+  if (ctl == nullptr) {
     FinishSlot(comm, rank, k, status);
     return;
   }
-  const GroupSlot& g = comm->slots[rank][k];
-  const uint32_t ring = g.ring;
-  const uint64_t sequence = g.record_sequence;
+  const uint64_t sequence = comm->slots[rank][k].record_sequence;
   FinishRankSlot(comm, rank, k, status, config_.wake_fds, config_.index, /*wake=*/false);
-  auto it = sessions_.find(comm->members[rank].session_id);
-  const tpu::RingControl* ctl =
-      tpu::RingControlOf(it->second->shm.data(), it->second->layout, static_cast<int>(ring));
   const bool quiet = ctl->submitted.load(std::memory_order_seq_cst) == sequence &&
                      ctl->consumer_sleeping.load(std::memory_order_seq_cst) != 0;
   if (!quiet) WakeRank(comm, rank);
@@ -501,20 +508,13 @@ void Executor::PoisonCollectiveOutputs(Ring& ring, const std::string& cause, boo
   const int rank = ring.collective_rank;
   const GroupSlot& slot = comm->slots[rank][ring.collective_slot];
   Session& s = *ring.session;
-  for (uint32_t q = 0; q < slot.num_ops; ++q) {
-    uint64_t sb = 0, rb = 0;
-    if (!BufferBytes(slot.ops[q], slot.send_counts, slot.recv_counts,
-                     static_cast<int>(comm->size), rank, &sb, &rb)
-             .ok() ||
-        rb == 0) {
-      continue;
-    }
+  ForEachOutput(slot, static_cast<int>(comm->size), rank, [&](uint64_t begin, uint64_t end) {
     if (clear) {
-      ClearPoison(s, ring.chip, slot.ops[q].recv, slot.ops[q].recv + rb);
+      ClearPoison(s, ring.chip, begin, end);
     } else {
-      AddPoison(s, ring.chip, slot.ops[q].recv, slot.ops[q].recv + rb, cause);
+      AddPoison(s, ring.chip, begin, end, cause);
     }
-  }
+  });
 }
 
 absl::Status Executor::StepCollective(Ring& ring, uint64_t sequence, absl::string_view record,
