@@ -808,6 +808,15 @@ absl::Status Session::WaitEvent(int stream, const Event& event) {
   const int chip = p.last_chip >= 0 ? p.last_chip : RingChip(event.ring);
   absl::StatusOr<int> ring = impl_->RouteLocked(stream, p, chip);
   if (!ring.ok()) return ring.status();
+  // Nothing to wait for: a ring runs its records in order, so an event it
+  // was already given is behind anything published after; and a completed
+  // event is over. (A wait record would cost the executor a wake each time,
+  // e.g. for every synchronous collective's Work.wait.)
+  const bool same_ring_published =
+      *ring == event.ring && event.sequence < p.rings[RingChip(*ring)].next_sequence;
+  if (same_ring_published || impl_->Control(event.ring)->completed.load() >= event.sequence) {
+    return absl::OkStatus();
+  }
   impl_->BeginLocked(*ring, p, RecordKind::kEventWait);
   p.writer.U32(event.slot);
   p.writer.U32(static_cast<uint32_t>(event.ring));

@@ -356,6 +356,23 @@ TEST_CASE("streams and events: order, cross-stream waits, timing") {
   absl::StatusOr<double> ms = s->ElapsedMillis(*start, *done);
   REQUIRE(ms.ok());
   CHECK(*ms > 0);
+  // A wait with nothing to wait for publishes no record: on the event's own
+  // stream (its records run in order), or for an event that is done.
+  absl::StatusOr<tpu::Event> on1 = s->RecordEvent(1);
+  absl::StatusOr<tpu::Event> on2 = s->RecordEvent(2);
+  REQUIRE(on1.ok());
+  REQUIRE(on2.ok());
+  REQUIRE(s->WaitEvent(1, *on1).ok());
+  REQUIRE(s->WaitEvent(2, *done).ok());
+  absl::StatusOr<tpu::Event> next1 = s->RecordEvent(1);
+  absl::StatusOr<tpu::Event> next2 = s->RecordEvent(2);
+  REQUIRE(next1.ok());
+  REQUIRE(next2.ok());
+  CHECK(next1->sequence == on1->sequence + 1);
+  CHECK(next2->sequence == on2->sequence + 1);
+  REQUIRE(s->Synchronize(1).ok());
+  REQUIRE(s->Synchronize(2).ok());
+  for (const auto& e : {*on1, *on2, *next1, *next2}) s->ReleaseEvent(e);
   s->ReleaseEvent(*start);
   s->ReleaseEvent(*done);
   CHECK(s->Synchronize(tpu::kNumStreams).code() == absl::StatusCode::kInvalidArgument);
