@@ -2,9 +2,10 @@
 
     .venv/bin/python bench/collectives_bench.py --start-daemon [--ranks 4] [--big-mib 256]
 
-Each figure is a ratio measured in one run (each side the best of three
-rounds), with the same number of rank
-processes (one per chip of a simulated v6e-4) for both backends:
+Each figure is a ratio measured in one run, in the same rank processes (one
+per chip of a simulated v6e-4), whose default group has both backends
+("cpu:gloo,tpu:tpu"); each side is the best of a few rounds, the two
+backends' rounds taking turns:
 
   allreduce_small   latency of a 4-byte all_reduce (each call waited on by the
                     host) with gloo / with tpu. Target >= 5.
@@ -38,94 +39,104 @@ def free_port():
 
 # ---------------------------------------------------------------- one rank
 
-def worker(backend, rank, world, port, big_mib, small_iters, big_iters, ddp_steps):
+def worker(rank, world, port, big_mib, small_iters, big_iters, ddp_steps):
+    """Both backends in the same rank processes ("cpu:gloo,tpu:tpu"), their
+    rounds interleaved: drift on a shared machine hits both alike."""
     import datetime
 
     import torch
     import torch.distributed as dist
+    import torch_tpu  # noqa: F401
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    if backend == "tpu":
-        import torch_tpu  # noqa: F401
-
-        torch.tpu.set_device(rank % torch.tpu.device_count())
-        dev = torch.device("tpu", rank % torch.tpu.device_count())
-        sync = torch.tpu.synchronize
-    else:
-        dev = torch.device("cpu")
-        sync = lambda: None  # noqa: E731  gloo's calls return when done
-    dist.init_process_group(backend, rank=rank, world_size=world,
+    torch.tpu.set_device(rank % torch.tpu.device_count())
+    devs = {"tpu": torch.device("tpu", rank % torch.tpu.device_count()),
+            "gloo": torch.device("cpu")}
+    syncs = {"tpu": torch.tpu.synchronize,
+             "gloo": lambda: None}  # gloo's calls return when done
+    dist.init_process_group("cpu:gloo,tpu:tpu", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
-    out = {}
+    out = {"gloo": {}, "tpu": {}}
 
-    def timed(fn, iters, rounds=3):
-        # The best of a few rounds, for both backends alike: on a shared
-        # 2-core machine one round can lose its core to a neighbour.
-        best = float("inf")
-        for _ in range(rounds):
-            dist.barrier()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            sync()
-            best = min(best, (time.perf_counter() - t0) / iters)
-        return best
+    def timed(key, fns, iters, rounds):
+        # The best of a few rounds for each backend, the backends taking
+        # turns (and turns at going first).
+        best = {b: float("inf") for b in fns}
+        order = list(fns)
+        for r in range(rounds):
+            for b in (order if r % 2 == 0 else order[::-1]):
+                dist.barrier(device_ids=[devs["tpu"].index])
+                syncs[b]()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fns[b]()
+                syncs[b]()
+                best[b] = min(best[b], (time.perf_counter() - t0) / iters)
+        for b in fns:
+            out[b][key] = best[b]
 
-    small = torch.ones(1, device=dev)
+    def small_step(b, t):
+        def step():
+            dist.all_reduce(t)
+            syncs[b]()  # the host waits for each: latency, not pipelined throughput
+        return step
 
-    def small_step():
-        dist.all_reduce(small)
-        sync()  # the host waits for each: latency, not pipelined throughput
-
+    small = {b: small_step(b, torch.ones(1, device=devs[b])) for b in devs}
     for _ in range(20):
-        small_step()
-    out["small_s"] = timed(small_step, small_iters)
+        for f in small.values():
+            f()
+    timed("small_s", small, small_iters, rounds=5)
+    del small
 
     n = big_mib * (1 << 20) // 4
-    big = torch.ones(n, device=dev)
-    dist.all_reduce(big)
-    sync()
-    out["big_s"] = timed(lambda: dist.all_reduce(big), 1, rounds=big_iters)
-    del big
+    bigs = {b: torch.ones(n, device=devs[b]) for b in devs}
+    for b, t in bigs.items():
+        dist.all_reduce(t)
+        syncs[b]()
+    timed("big_s", {b: (lambda t=t: dist.all_reduce(t)) for b, t in bigs.items()}, 1,
+          rounds=big_iters)
+    del bigs
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
-                                torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
-                                torch.nn.Linear(1024, 10)).to(dev)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    x = torch.randn(32, 256).to(dev)
-    y = torch.randint(0, 10, (32,)).to(dev)
+    steps, local_steps = {}, {}
+    for b, dev in devs.items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
+                                    torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+                                    torch.nn.Linear(1024, 10)).to(dev)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        x = torch.randn(32, 256).to(dev)
+        y = torch.randint(0, 10, (32,)).to(dev)
 
-    def step():
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
+        def step(ddp=ddp, opt=opt, x=x, y=y):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
 
-    def local_step():  # the same step without DDP: its compute alone
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        def local_step(model=model, opt=opt, x=x, y=y):  # without DDP: its compute alone
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
 
-    for _ in range(3):
-        step()
-        local_step()
-    sync()
-    out["ddp_step_s"] = timed(step, ddp_steps)
-    out["local_step_s"] = timed(local_step, ddp_steps)
-    out["ddp_grad_bytes"] = sum(p.numel() * 4 for p in model.parameters())
+        for _ in range(3):
+            step()
+            local_step()
+        syncs[b]()
+        steps[b], local_steps[b] = step, local_step
+        out[b]["ddp_grad_bytes"] = sum(p.numel() * 4 for p in model.parameters())
+    timed("ddp_step_s", steps, ddp_steps, rounds=3)
+    timed("local_step_s", local_steps, ddp_steps, rounds=3)
     dist.destroy_process_group()
     print(json.dumps(out), flush=True)
 
 
 # ---------------------------------------------------------------- driver
 
-def run_backend(backend, args, env):
+def run_ranks(args, env):
     port = free_port()
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", backend, "--ranks", str(args.ranks),
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--ranks", str(args.ranks),
            "--port", str(port), "--big-mib", str(args.big_mib), "--small-iters",
            str(args.small_iters), "--big-iters", str(args.big_iters), "--ddp-steps",
            str(args.ddp_steps)]
@@ -135,10 +146,10 @@ def run_backend(backend, args, env):
     for p in procs:
         so, se = p.communicate(timeout=1800)
         if p.returncode != 0:
-            raise RuntimeError(f"{backend} rank failed:\n{se[-3000:]}")
+            raise RuntimeError(f"rank failed:\n{se[-3000:]}")
         results.append(json.loads(so.strip().splitlines()[-1]))
     # The collective's time is its slowest rank's.
-    return {k: max(r[k] for r in results) for k in results[0]}
+    return {b: {k: max(r[b][k] for r in results) for k in results[0][b]} for b in ("gloo", "tpu")}
 
 
 def memcpy_gbytes_per_s(mib):
@@ -165,12 +176,12 @@ def main():
     ap.add_argument("--big-iters", type=int, default=3)
     ap.add_argument("--ddp-steps", type=int, default=10)
     ap.add_argument("--out")
-    ap.add_argument("--worker")
+    ap.add_argument("--worker", action="store_true")
     ap.add_argument("--rank", type=int)
     ap.add_argument("--port", type=int)
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker, args.rank, args.ranks, args.port, args.big_mib, args.small_iters,
+        worker(args.rank, args.ranks, args.port, args.big_mib, args.small_iters,
                args.big_iters, args.ddp_steps)
         return
     env = dict(os.environ)
@@ -185,8 +196,8 @@ def main():
         daemon.start()
         env.update(daemon.env())
     try:
-        gloo = run_backend("gloo", args, env)
-        tpu = run_backend("tpu", args, env)
+        both = run_ranks(args, env)
+        gloo, tpu = both["gloo"], both["tpu"]
     finally:
         if daemon is not None:
             daemon.close()

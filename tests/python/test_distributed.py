@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -16,6 +17,7 @@ from conftest import Daemon
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_worker.py")
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def free_port():
@@ -193,3 +195,21 @@ def test_two_hosts_under_torchrun_equal_one_host():
     finally:
         for d in hosts:
             d.stop()
+
+
+def test_collectives_bench_runs_in_reduced_form():
+    """bench/collectives_bench.py end to end, small sizes: both backends in
+    the same ranks, every figure present (its ratios are the benchmark's
+    business, not this test's)."""
+    out = os.path.join(tempfile.mkdtemp(prefix="collbench."), "out.json")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "collectives_bench.py"),
+                        "--start-daemon", "--big-mib", "4", "--small-iters", "10",
+                        "--big-iters", "1", "--ddp-steps", "1", "--out", out],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    with open(out) as f:
+        doc = json.load(f)
+    for key in ("allreduce_small", "allreduce_big", "ddp_step"):
+        assert doc[key]["ratio"] > 0, doc
+    assert doc["allreduce_big"]["tpu_busbw_vs_memcpy"] > 0
+    assert doc["ddp_step"]["grad_bytes"] > 0
