@@ -46,4 +46,10 @@ if ! .venv/bin/python -c 'import torch, pytest, yaml, transformers, accelerate, 
   # builds); transformers and accelerate for the model tests.
   .venv/bin/pip install -q torch==2.13.0 pytest pyyaml numpy transformers==4.57.1 accelerate==1.11.0
 fi
+# XLA's PJRT CPU plugin and its pjrt_c_api.h: tpud --backend=pjrt in tests,
+# and the header Bazel builds the PJRT backend against (third_party/pjrt.bzl).
+if ! .venv/bin/python -c 'import xla_plugins.xla_cpu_pjrt' 2>/dev/null; then
+  echo "setup: installing xla-cpu-pjrt into .venv"
+  .venv/bin/pip install -q xla-cpu-pjrt==0.0.1
+fi
 echo "setup: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), $(bazel --version 2>/dev/null || echo 'bazel missing'))"

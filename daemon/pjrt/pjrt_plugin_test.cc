@@ -1,0 +1,114 @@
+#include "daemon/pjrt/pjrt_plugin.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "catch2_compat/catch.h"
+
+namespace tpud::pjrt {
+namespace {
+
+constexpr char kAdd[] = R"(
+module @add {
+  func.func public @main(%a: tensor<4xf32>, %b: tensor<4xf32>) -> tensor<4xf32> {
+    %0 = stablehlo.add %a, %b : tensor<4xf32>
+    return %0 : tensor<4xf32>
+  }
+}
+)";
+
+std::unique_ptr<PjrtPlugin> LoadCpu(int devices = 4) {
+  absl::StatusOr<CreateOption> o = ParseCreateOption("cpu_device_count=" + std::to_string(devices));
+  REQUIRE(o.ok());
+  absl::StatusOr<std::unique_ptr<PjrtPlugin>> p = PjrtPlugin::Load(TPUD_PJRT_CPU_PLUGIN, {*o});
+  INFO(p.status().ToString());
+  REQUIRE(p.ok());
+  return *std::move(p);
+}
+
+TEST_CASE("the CPU plugin loads: API version, platform, its devices") {
+  std::unique_ptr<PjrtPlugin> p = LoadCpu(3);
+  CHECK(p->api_major() == 0);
+  CHECK(p->api_minor() >= 81);
+  CHECK(p->platform_name() == "cpu");
+  REQUIRE(p->num_devices() == 3);
+  for (int i = 0; i < 3; ++i) {
+    CHECK(p->devices()[i].id == i);
+    CHECK(!p->devices()[i].kind.empty());
+  }
+  CHECK(absl::StrContains(p->Describe(), "PJRT API 0."));
+  CHECK(absl::StrContains(p->Describe(), "platform cpu"));
+}
+
+TEST_CASE("a StableHLO program compiles once and runs on any device") {
+  std::unique_ptr<PjrtPlugin> p = LoadCpu();
+  absl::StatusOr<std::unique_ptr<Executable>> exe = p->Compile(kAdd);
+  INFO(exe.status().ToString());
+  REQUIRE(exe.ok());
+  CHECK((*exe)->num_outputs() == 1);
+  const std::vector<float> a = {1, 2, 3, 4}, b = {10, 20, 30, 40};
+  const std::vector<int64_t> dims = {4};
+  for (int device : {0, 3}) {
+    absl::StatusOr<Buffer> ba = p->FromHost(device, a.data(), PJRT_Buffer_Type_F32, dims);
+    absl::StatusOr<Buffer> bb = p->FromHost(device, b.data(), PJRT_Buffer_Type_F32, dims);
+    REQUIRE(ba.ok());
+    REQUIRE(bb.ok());
+    std::vector<PJRT_Buffer*> args = {ba->get(), bb->get()};
+    absl::StatusOr<std::vector<Buffer>> out = p->Execute(**exe, device, args);
+    INFO(out.status().ToString());
+    REQUIRE(out.ok());
+    REQUIRE(out->size() == 1);
+    absl::StatusOr<size_t> bytes = p->HostBytes((*out)[0]);
+    REQUIRE(bytes.ok());
+    CHECK(*bytes == 16);
+    std::vector<float> got(4);
+    REQUIRE(p->ToHost((*out)[0], got.data(), 16).ok());
+    CHECK(got == std::vector<float>{11, 22, 33, 44});
+  }
+  CHECK(p->Execute(**exe, 4, {}).status().code() == absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("a compile error is the plugin's message; the plugin goes on") {
+  std::unique_ptr<PjrtPlugin> p = LoadCpu(1);
+  absl::StatusOr<std::unique_ptr<Executable>> bad = p->Compile("module { this is not mlir }");
+  REQUIRE(!bad.ok());
+  CHECK(absl::StartsWith(bad.status().message(), "compiling: "));
+  CHECK(bad.status().message().size() > 12);
+  CHECK(p->Compile(kAdd).ok());
+}
+
+TEST_CASE("what is not a PJRT plugin is refused with a clear error") {
+  absl::StatusOr<std::unique_ptr<PjrtPlugin>> missing = PjrtPlugin::Load("/nonexistent/libtpu.so", {});
+  REQUIRE(!missing.ok());
+  CHECK(missing.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(absl::StrContains(missing.status().message(), "/nonexistent/libtpu.so"));
+  absl::StatusOr<std::unique_ptr<PjrtPlugin>> libm = PjrtPlugin::Load("libm.so.6", {});
+  REQUIRE(!libm.ok());
+  CHECK(absl::StrContains(libm.status().message(), "exports no GetPjrtApi"));
+}
+
+TEST_CASE("create options: the type is inferred or given") {
+  absl::StatusOr<CreateOption> i = ParseCreateOption("cpu_device_count=8");
+  REQUIRE(i.ok());
+  CHECK(i->type == PJRT_NamedValue_kInt64);
+  CHECK(i->int64_value == 8);
+  absl::StatusOr<CreateOption> s = ParseCreateOption("name=string:8");
+  REQUIRE(s.ok());
+  CHECK(s->type == PJRT_NamedValue_kString);
+  CHECK(s->string_value == "8");
+  absl::StatusOr<CreateOption> b = ParseCreateOption("flag=false");
+  REQUIRE(b.ok());
+  CHECK(b->type == PJRT_NamedValue_kBool);
+  CHECK(!b->bool_value);
+  absl::StatusOr<CreateOption> f = ParseCreateOption("fraction=0.75");
+  REQUIRE(f.ok());
+  CHECK(f->type == PJRT_NamedValue_kFloat);
+  CHECK(f->float_value == 0.75f);
+  CHECK(ParseCreateOption("novalue").status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(ParseCreateOption("n=int64:x").status().code() == absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace tpud::pjrt
