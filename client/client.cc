@@ -363,6 +363,11 @@ absl::StatusOr<DaemonStatus> AdminClient::GetStatus() {
   if (!st.ok()) return Annotate(st, impl_->path);
   DaemonStatus out;
   out.topology = ConvertTopology(resp.topology());
+  out.backend.kind = resp.backend().kind();
+  out.backend.description = resp.backend().description();
+  out.backend.plugin_path = resp.backend().plugin_path();
+  out.backend.pjrt_api_version = resp.backend().pjrt_api_version();
+  out.backend.platform = resp.backend().platform();
   for (const v1::SessionInfo& s : resp.sessions()) out.sessions.push_back(ConvertSession(s));
   out.daemon_version = resp.daemon_version();
   out.uptime_seconds = resp.uptime_seconds();

@@ -269,6 +269,14 @@ grpc::Status AdminServiceImpl::GetStatus(grpc::ServerContext* ctx,
     FillSession(s, data_plane_, resp->add_sessions());
   }
   resp->set_daemon_version(kDaemonVersion);
+  resp->mutable_topology()->set_simulated(backend_.kind != "pjrt");
+  v1::BackendInfo* b = resp->mutable_backend();
+  b->set_kind(backend_.kind);
+  b->set_description(backend_.description);
+  b->set_plugin_path(backend_.plugin_path);
+  b->set_pjrt_api_version(backend_.pjrt_api_version);
+  b->set_platform(backend_.platform);
+  for (const std::string& k : backend_.device_kinds) b->add_device_kinds(k);
   resp->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
   resp->set_daemon_pid(getpid());
   resp->set_default_quota_bytes_per_chip(core_->default_quota());

@@ -54,6 +54,16 @@ class RuntimeServiceImpl final : public v1::Runtime::Service {
   CommunicatorRegistry* comms_ = nullptr;
 };
 
+// What runs the ops, for tpuctl status.
+struct BackendStatus {
+  std::string kind;
+  std::string description;
+  std::string plugin_path;
+  std::string pjrt_api_version;
+  std::string platform;
+  std::vector<std::string> device_kinds;
+};
+
 class AdminServiceImpl final : public v1::Admin::Service {
  public:
   // `hangup` closes a connection whose session an administrator killed.
@@ -62,6 +72,8 @@ class AdminServiceImpl final : public v1::Admin::Service {
                    std::function<void(ConnectionId)> hangup)
       : core_(core), connections_(connections), data_plane_(data_plane), pool_(pool),
         hangup_(std::move(hangup)), started_(absl::Now()) {}
+
+  void set_backend(BackendStatus backend) { backend_ = std::move(backend); }
 
   grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest* req,
                          v1::GetStatusResponse* resp) override;
@@ -80,6 +92,7 @@ class AdminServiceImpl final : public v1::Admin::Service {
 
  private:
   grpc::Status CheckAdmin(grpc::ServerContext* ctx) const;
+  BackendStatus backend_;
  public:
   void set_communicators(const CommunicatorRegistry* comms) { comms_ = comms; }
  private:

@@ -8,7 +8,10 @@
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstring>
+#include <vector>
 #include <memory>
 #include <string>
 
@@ -32,6 +35,8 @@
 #include "daemon/executor/executor_pool.h"
 #include "daemon/executor/shared_regions.h"
 #include "daemon/grpc_services.h"
+#include "daemon/pjrt/pjrt_chip.h"
+#include "daemon/pjrt/pjrt_probe.h"
 #include "daemon/runtime_core.h"
 #include "daemon/simulated_chip.h"
 #include "daemon/socket_server.h"
@@ -82,8 +87,26 @@ ABSL_FLAG(absl::Duration, handshake_timeout, absl::Seconds(5),
           "a new connection must send its greeting (gRPC preface or data-plane hello) within "
           "this time");
 
+ABSL_FLAG(std::string, backend, "simulated",
+          "what runs the ops: simulated (ATen CPU kernels on daemon-owned HBM) or pjrt (the "
+          "devices of the PJRT plugin given by --pjrt_plugin, e.g. libtpu.so)");
+ABSL_FLAG(std::string, pjrt_plugin, "", "path of the PJRT plugin for --backend=pjrt");
+ABSL_FLAG(std::vector<std::string>, pjrt_option, {},
+          "a client create option of the PJRT plugin, name=value (repeat the flag for more); "
+          "the value's type is inferred, or given as int64:, string:, bool:, float:");
+ABSL_FLAG(absl::Duration, pjrt_probe_timeout, absl::Seconds(60),
+          "how long the PJRT plugin may take to come up at start-up");
+ABSL_FLAG(int, pjrt_program_cache, 4096,
+          "compiled programs the PJRT backend keeps (least recently used go first)");
+
 namespace tpud {
 namespace {
+
+// Every --pjrt_option=..., in order (absl keeps only the last occurrence).
+std::vector<std::string>& PjrtOptionArgs() {
+  static auto* v = new std::vector<std::string>;
+  return *v;
+}
 
 int Fail(const std::string& message) {
   spdlog::critical("{}", message);
@@ -109,6 +132,54 @@ int Run() {
   absl::StatusOr<Topology> topology =
       Topology::FromPreset(absl::GetFlag(FLAGS_topology), *hbm);
   if (!topology.ok()) return Fail(std::string(topology.status().message()));
+
+  // The backend. A PJRT plugin is probed in a child process first: its
+  // devices are the host's chips, and it is loaded for good only by the one
+  // executor that drives them all.
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  BackendStatus backend_status;
+  backend_status.kind = backend;
+  std::vector<pjrt::CreateOption> pjrt_options;
+  const std::string pjrt_plugin = absl::GetFlag(FLAGS_pjrt_plugin);
+  if (backend == "pjrt") {
+    if (pjrt_plugin.empty()) return Fail("--backend=pjrt needs --pjrt_plugin=PATH");
+    std::vector<std::string> texts = PjrtOptionArgs();
+    if (texts.empty()) texts = absl::GetFlag(FLAGS_pjrt_option);
+    for (const std::string& text : texts) {
+      absl::StatusOr<pjrt::CreateOption> o = pjrt::ParseCreateOption(text);
+      if (!o.ok()) return Fail(std::string(o.status().message()));
+      pjrt_options.push_back(*std::move(o));
+    }
+    absl::StatusOr<pjrt::ProbeResult> probe = pjrt::ProbePlugin(
+        pjrt_plugin, pjrt_options, absl::GetFlag(FLAGS_pjrt_probe_timeout));
+    if (!probe.ok()) return Fail(std::string(probe.status().message()));
+    const int devices = static_cast<int>(probe->devices.size());
+    if (devices != topology->num_chips()) {
+      return Fail(absl::StrCat("the PJRT plugin has ", devices, " devices; --topology=",
+                               topology->name(), " has ", topology->num_chips(),
+                               " chips (pick a topology with as many chips, or set the "
+                               "plugin's device count with --pjrt_option)"));
+    }
+    // HBM: what the devices report, unless --hbm_bytes says.
+    int64_t limit = 0;
+    for (const pjrt::DeviceInfo& d : probe->devices) {
+      if (d.bytes_limit > 0 && (limit == 0 || d.bytes_limit < limit)) limit = d.bytes_limit;
+    }
+    if (*hbm == 0 && limit > 0) {
+      topology = Topology::FromPreset(absl::GetFlag(FLAGS_topology), static_cast<uint64_t>(limit));
+      if (!topology.ok()) return Fail(std::string(topology.status().message()));
+    }
+    backend_status.description = absl::StrCat("PJRT (", probe->description, ")");
+    backend_status.plugin_path = pjrt_plugin;
+    backend_status.pjrt_api_version = absl::StrCat(probe->api_major, ".", probe->api_minor);
+    backend_status.platform = probe->platform;
+    for (const pjrt::DeviceInfo& d : probe->devices) backend_status.device_kinds.push_back(d.kind);
+  } else if (backend == "simulated") {
+    backend_status.description = "simulated (ATen CPU kernels on daemon-owned HBM)";
+  } else {
+    return Fail(absl::StrCat("unknown --backend=", backend, " (simulated or pjrt)"));
+  }
+  const bool one_executor = backend == "pjrt";
 
   DataPlaneOptions dp_options;
   for (auto [flag, target] : {std::pair{absl::GetFlag(FLAGS_pinned_pool_bytes),
@@ -157,15 +228,24 @@ int Run() {
   shared_memory->CloseFd();
   auto* shared = new (shared_memory->data()) ExecutorShared();
   shared->magic = kExecutorSharedMagic;
-  shared->num_executors = static_cast<uint32_t>(num_chips);
+  // One executor per chip; on the PJRT backend one for all (the plugin is
+  // loaded by one process).
+  const int num_executors = one_executor ? 1 : num_chips;
+  shared->num_executors = static_cast<uint32_t>(num_executors);
   ExecutorProcessConfig exec_config;
   exec_config.shared = shared;
   std::vector<int> wake_fds;
+  std::vector<int> executor_of_chip;
+  exec_config.chips_of.resize(num_executors);
   for (int c = 0; c < num_chips; ++c) {
-    exec_config.chips_of.push_back({c});
+    const int e = one_executor ? 0 : c;
+    exec_config.chips_of[e].push_back(c);
+    executor_of_chip.push_back(e);
     exec_config.chip_bases.push_back((*core)->ChipHostBase(c));
     exec_config.chip_capacities.push_back((*core)->topology().hbm_bytes_per_chip());
     exec_config.owner_tables.push_back((*core)->OwnerTableMemory(c));
+  }
+  for (int e = 0; e < num_executors; ++e) {
     const int fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (fd < 0) return Fail("eventfd for the executors failed");
     wake_fds.push_back(fd);
@@ -180,8 +260,6 @@ int Run() {
   // Default-initialised on the memfd's zero pages: writing nothing keeps
   // the table's unused communicator slots (most of its size) unbacked.
   auto* collective_table = new (collective_memory->data()) CollectiveTable;
-  std::vector<int> executor_of_chip;
-  for (int c = 0; c < num_chips; ++c) executor_of_chip.push_back(c);
   CommunicatorRegistry communicators(collective_table, (*core)->topology(), executor_of_chip,
                                      wake_fds);
   exec_config.collectives = collective_table;
@@ -189,7 +267,18 @@ int Run() {
   exec_config.yield_ns = absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_executor_yield));
   exec_config.quantum_ns = absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_executor_quantum));
   const int intra_op_threads = absl::GetFlag(FLAGS_intra_op_threads);
-  exec_config.make_backend = [intra_op_threads]() -> std::unique_ptr<ChipBackend> {
+  const int cache_entries = std::max(1, absl::GetFlag(FLAGS_pjrt_program_cache));
+  exec_config.make_backend = [intra_op_threads, backend, pjrt_plugin, pjrt_options,
+                              cache_entries]() -> std::unique_ptr<ChipBackend> {
+    if (backend == "pjrt") {
+      absl::StatusOr<std::unique_ptr<pjrt::PjrtChip>> chip =
+          pjrt::PjrtChip::Create(pjrt_plugin, pjrt_options, static_cast<size_t>(cache_entries));
+      if (!chip.ok()) {
+        spdlog::critical("{}", std::string(chip.status().message()));
+        return nullptr;
+      }
+      return *std::move(chip);
+    }
     return SimulatedChip::Create(intra_op_threads);
   };
   ExecutorPoolOptions pool_options;
@@ -262,6 +351,7 @@ int Run() {
   });
   runtime_service.set_communicators(&communicators);
   admin_service.set_communicators(&communicators);
+  admin_service.set_backend(backend_status);
 
   // Servers without listening ports: connections arrive through SocketServer.
   constexpr int kMaxMessageBytes = 4 << 20;  // control plane only, never bulk data
@@ -317,10 +407,11 @@ int Run() {
 
   const Topology& t = core_ptr->topology();
   spdlog::info(
-      "tpud {} serving a simulated {} host ({} chips, {} HBM each, {} executor processes) on {} "
+      "tpud {} serving a {} host on {} ({} chips, {} HBM each, {} executor processes) on {} "
       "(admin {})",
-      kDaemonVersion, t.name(), t.num_chips(), tpu::FormatBytes(t.hbm_bytes_per_chip()),
-      pool_ptr->num_executors(), socket_path, admin_path);
+      kDaemonVersion, t.name(), backend_status.description, t.num_chips(),
+      tpu::FormatBytes(t.hbm_bytes_per_chip()), pool_ptr->num_executors(), socket_path,
+      admin_path);
   sd_notifyf(0, "READY=1\nSTATUS=serving %s on %s\nMAINPID=%d", t.name().c_str(),
              socket_path.c_str(), static_cast<int>(getpid()));
 
@@ -348,6 +439,12 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "tpud: per-host TPU runtime daemon.\n  tpud [--topology=v6e-4] [--socket=PATH] "
       "[--admin_socket=PATH] [--hbm_bytes=SIZE] [--session_quota_bytes=SIZE]");
+  for (int i = 1; i < argc; ++i) {
+    constexpr char kOption[] = "--pjrt_option=";
+    if (std::strncmp(argv[i], kOption, sizeof(kOption) - 1) == 0) {
+      tpud::PjrtOptionArgs().push_back(argv[i] + sizeof(kOption) - 1);
+    }
+  }
   absl::ParseCommandLine(argc, argv);
   auto logger = spdlog::stderr_color_mt("tpud");
   spdlog::set_default_logger(logger);

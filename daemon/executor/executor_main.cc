@@ -72,6 +72,7 @@ int RunExecutorProcess(const ExecutorProcessConfig& config, int index, int contr
   ec.wake_fds = config.wake_fds;
   ec.collectives = config.collectives;
   std::unique_ptr<ChipBackend> backend = config.make_backend();
+  if (backend == nullptr) _exit(3);  // it said why; the pool restarts us, backing off
   ec.backend = backend.get();
   ec.spin_ns = config.spin_ns;
   ec.yield_ns = config.yield_ns;

@@ -370,6 +370,15 @@ int CmdStatus(tpu::AdminClient& admin, bool json) {
     w.Key("schema_version").Int(kJsonSchemaVersion);
     w.Key("daemon").BeginObject();
     w.Key("version").String(st->daemon_version);
+    w.Key("backend").BeginObject();
+    w.Key("kind").String(st->backend.kind);
+    w.Key("description").String(st->backend.description);
+    if (st->backend.kind == "pjrt") {
+      w.Key("plugin_path").String(st->backend.plugin_path);
+      w.Key("pjrt_api_version").String(st->backend.pjrt_api_version);
+      w.Key("platform").String(st->backend.platform);
+    }
+    w.EndObject();
     w.Key("pid").Int(st->daemon_pid);
     w.Key("uptime_seconds").Double(st->uptime_seconds);
     w.Key("default_quota_bytes_per_chip");
@@ -390,11 +399,13 @@ int CmdStatus(tpu::AdminClient& admin, bool json) {
     return 0;
   }
   const tpu::TopologyInfo& t = st->topology;
+  const std::string on = st->backend.kind == "pjrt"
+                             ? absl::StrCat(" on ", st->backend.description)
+                             : (t.simulated ? " (simulated)" : "");
   std::printf("tpud %s  pid %d  up %s  |  %s%s: %s, %s, %zu chips, %s HBM each\n",
               st->daemon_version.c_str(), st->daemon_pid, Duration(st->uptime_seconds).c_str(),
-              t.name.c_str(), t.simulated ? " (simulated)" : "", t.generation.name.c_str(),
-              t.ShapeString().c_str(), t.chips.size(),
-              tpu::FormatBytes(t.generation.hbm_bytes_per_chip).c_str());
+              t.name.c_str(), on.c_str(), t.generation.name.c_str(), t.ShapeString().c_str(),
+              t.chips.size(), tpu::FormatBytes(t.generation.hbm_bytes_per_chip).c_str());
   std::printf("\n");
   PrintChipTable(t);
   std::printf("\n");

@@ -316,8 +316,18 @@ struct CommunicatorInfo {
   uint64_t bytes_moved = 0;
 };
 
+// What runs the daemon's ops (tpud --backend).
+struct BackendInfo {
+  std::string kind;         // "simulated" or "pjrt"
+  std::string description;  // "PJRT (xla_cpu_pjrt.so: PJRT API 0.81, platform cpu)"
+  std::string plugin_path;
+  std::string pjrt_api_version;  // "0.81"
+  std::string platform;
+};
+
 struct DaemonStatus {
   TopologyInfo topology;
+  BackendInfo backend;
   std::vector<SessionInfo> sessions;
   std::string daemon_version;
   double uptime_seconds = 0;

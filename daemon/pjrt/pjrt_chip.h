@@ -1,0 +1,72 @@
+// The PJRT chip backend: tpud's chips are a PJRT plugin's devices, and each
+// op of the op stream runs as a StableHLO program lowered from it here,
+// compiled once per signature and cached (see docs/design.md, "The PJRT
+// backend").
+//
+// Memory in this version: a session's tensors stay in tpud's HBM arena
+// (host memory the executor can address), so everything above the backend
+// (quotas, copies, poisoning, collectives, reclaim) is unchanged. Each op
+// copies its inputs into PJRT buffers (strided and expanded views are read
+// by the plugin's transfer, expansion is a broadcast in the program) and
+// its results back into the arena. That fits plugins whose devices are the
+// host (XLA's CPU plugin); opaque device buffers, as on libtpu, are the
+// next step and are not done here.
+//
+// An op without a lowering fails with an error naming it; nothing falls
+// back to the CPU.
+#ifndef TPUD_DAEMON_PJRT_PJRT_CHIP_H_
+#define TPUD_DAEMON_PJRT_PJRT_CHIP_H_
+
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "daemon/chip_backend.h"
+#include "daemon/pjrt/pjrt_plugin.h"
+
+namespace tpud::pjrt {
+
+struct PjrtChipStats {
+  uint64_t compiles = 0;
+  uint64_t compile_ns = 0;
+  uint64_t cache_hits = 0;
+  uint64_t evictions = 0;
+  uint64_t cached = 0;
+};
+
+class PjrtChip : public ChipBackend {
+ public:
+  // Loads the plugin (in the calling process: the one executor that drives
+  // every device). cache_capacity bounds the compiled programs kept.
+  static absl::StatusOr<std::unique_ptr<PjrtChip>> Create(
+      const std::string& plugin_path, const std::vector<CreateOption>& options,
+      size_t cache_capacity);
+
+  std::string Describe() const override;
+  absl::StatusOr<std::shared_ptr<const BackendOp>> LookupOp(absl::string_view schema) override;
+  absl::Status Run(const BackendOp& op, const tpu::DecodedOp& decoded,
+                   const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
+                   ResultAllocator* result_allocator) override;
+
+  const PjrtPlugin& plugin() const { return *plugin_; }
+  const PjrtChipStats& stats() const { return stats_; }
+
+ private:
+  explicit PjrtChip(std::unique_ptr<PjrtPlugin> plugin, size_t capacity)
+      : plugin_(std::move(plugin)), capacity_(capacity) {}
+  absl::StatusOr<const Executable*> Compiled(const std::string& program);
+
+  std::unique_ptr<PjrtPlugin> plugin_;
+  size_t capacity_;
+  // Compiled programs by their text, least recently used first.
+  std::list<std::pair<std::string, std::unique_ptr<Executable>>> lru_;
+  std::unordered_map<std::string, decltype(lru_)::iterator> cache_;
+  PjrtChipStats stats_;
+};
+
+}  // namespace tpud::pjrt
+
+#endif  // TPUD_DAEMON_PJRT_PJRT_CHIP_H_

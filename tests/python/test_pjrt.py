@@ -1,0 +1,145 @@
+"""tpud --backend=pjrt on XLA's CPU plugin (PyPI xla-cpu-pjrt): ops lowered
+to StableHLO, compiled by the plugin, run on its devices."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import Daemon, bazel_bin, run_py
+
+import xla_plugins.xla_cpu_pjrt as _xla_cpu
+
+PLUGIN = os.path.join(os.path.dirname(_xla_cpu.__file__), "xla_cpu_pjrt.so")
+PJRT_FLAGS = ["--backend=pjrt", f"--pjrt_plugin={PLUGIN}", "--pjrt_option=cpu_device_count=4"]
+
+
+@pytest.fixture(scope="module")
+def pjrt():
+    d = Daemon(hbm="512MiB", extra_flags=PJRT_FLAGS)
+    yield d
+    d.stop()
+
+
+def test_ops_match_cpu(pjrt):
+    run_py(pjrt, """
+        import torch, torch_tpu
+        torch.manual_seed(0)
+        x, y, w = torch.randn(4, 5), torch.randn(4, 5), torch.randn(5, 3)
+        a, b = x.to("tpu"), y.to("tpu")
+        checks = {
+            "add": (a + b, x + y), "sub alpha": (torch.sub(a, b, alpha=3), torch.sub(x, y, alpha=3)),
+            "mul scalar": (a * 2.5, x * 2.5), "div": (a / (b.abs() + 1), x / (y.abs() + 1)),
+            "broadcast": (a + b[0], x + y[0]), "expanded": (a * b[:, :1], x * y[:, :1]),
+            "transposed": (a.t() + 1, x.t() + 1), "relu": (torch.relu(a), torch.relu(x)),
+            "exp": (a.exp(), x.exp()), "tanh": (a.tanh(), x.tanh()), "sigmoid": (a.sigmoid(), x.sigmoid()),
+            "pow": (a ** 2, x ** 2), "max": (torch.maximum(a, b), torch.maximum(x, y)),
+            "mm": (a @ w.to("tpu"), x @ w), "addmm": (torch.addmm(b[:, :3], a, w.to("tpu"), beta=0.5, alpha=2),
+                                                  torch.addmm(y[:, :3], x, w, beta=0.5, alpha=2)),
+            "sum dim": (a.sum(1), x.sum(1)), "sum keepdim": (a.sum(0, keepdim=True), x.sum(0, keepdim=True)),
+            "sum all": (a.sum(), x.sum()), "mean": (a.mean(1), x.mean(1)),
+            "to double": (a.double(), x.double()), "int to float": (a.long().float(), x.long().float()),
+        }
+        for name, (got, want) in checks.items():
+            assert got.device.type == "tpu", name
+            assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
+            assert torch.allclose(got.cpu(), want, atol=1e-5), name
+        c = a.clone(); c.add_(b, alpha=2); c.mul_(3)
+        assert torch.allclose(c.cpu(), (x + 2 * y) * 3, atol=1e-5)
+        z = torch.zeros(3, device="tpu"); z.fill_(7)
+        assert z.cpu().tolist() == [7.0, 7.0, 7.0]
+        assert abs(a.sum().item() - x.sum().item()) < 1e-4
+    """)
+
+
+def test_training_reaches_cpu_losses(pjrt):
+    r = run_py(pjrt, """
+        import torch, torch_tpu
+        def run(dev):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                        torch.nn.Linear(16, 1)).to(dev)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            g = torch.Generator().manual_seed(1)
+            losses = []
+            for _ in range(5):
+                x = torch.randn(32, 8, generator=g).to(dev)
+                y = torch.randn(32, 1, generator=g).to(dev)
+                opt.zero_grad()
+                loss = ((model(x) - y) ** 2).mean()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            return losses
+        cpu, tpu = run("cpu"), run("tpu")
+        for c, t in zip(cpu, tpu):
+            assert abs(c - t) < 1e-4 * max(1.0, abs(c)), (cpu, tpu)
+        print("losses", tpu)
+    """)
+    assert "losses" in r.stdout
+
+
+def test_an_op_without_lowering_fails_naming_it_and_the_session_goes_on(pjrt):
+    run_py(pjrt, """
+        import torch, torch_tpu
+        a = torch.ones(4, device="tpu")
+        try:
+            torch.cumsum(a, 0).cpu()
+            raise SystemExit("cumsum ran")
+        except RuntimeError as e:
+            assert "aten::cumsum" in str(e) and "no lowering" in str(e), str(e)
+        assert (a + 1).cpu().tolist() == [2.0] * 4
+    """)
+
+
+def test_two_processes_share_the_devices(pjrt):
+    code = """
+        import sys, torch, torch_tpu
+        chip = int(sys.argv[1])
+        torch.manual_seed(chip)
+        x = torch.randn(64, 64)
+        a = x.to(f"tpu:{chip}")
+        for _ in range(20):
+            a = torch.tanh(a @ a.t() / 64)
+            x = torch.tanh(x @ x.t() / 64)
+        assert torch.allclose(a.cpu(), x, atol=1e-4)
+        print("ok", chip)
+    """
+    import textwrap
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(c)],
+                              env=pjrt.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for c in (0, 1)]
+    for c, p in enumerate(procs):
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0 and f"ok {c}" in out, out[-3000:]
+
+
+def test_status_shows_the_plugin_and_its_api_version(pjrt):
+    tpuctl = bazel_bin("tools/tpuctl/tpuctl")
+    text = subprocess.run([tpuctl, f"--admin_socket={pjrt.admin_socket}", "status"],
+                          capture_output=True, text=True, timeout=30)
+    assert text.returncode == 0, text.stderr
+    assert "PJRT API 0." in text.stdout.splitlines()[0], text.stdout
+    j = subprocess.run([tpuctl, f"--admin_socket={pjrt.admin_socket}", "status", "--json"],
+                       capture_output=True, text=True, timeout=30)
+    backend = json.loads(j.stdout)["daemon"]["backend"]
+    assert backend["kind"] == "pjrt"
+    assert backend["pjrt_api_version"].startswith("0.")
+    assert backend["platform"] == "cpu"
+    assert backend["plugin_path"] == PLUGIN
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--pjrt_plugin=/nonexistent/libtpu.so"], "cannot load PJRT plugin /nonexistent/libtpu.so"),
+    (["--pjrt_plugin=libm.so.6"], "exports no GetPjrtApi"),
+    ([f"--pjrt_plugin={PLUGIN}", "--pjrt_option=cpu_device_count=2"], "has 2 devices"),
+    ([f"--pjrt_plugin={PLUGIN}", "--pjrt_option=cpu_device_count=int64:x"], "is not a int64"),
+    ([], "needs --pjrt_plugin"),
+])
+def test_a_bad_plugin_keeps_tpud_from_starting_with_its_message(tmp_path, flags, message):
+    r = subprocess.run([bazel_bin("daemon/tpud"), "--backend=pjrt", *flags,
+                        f"--socket={tmp_path}/t.sock", f"--admin_socket={tmp_path}/a.sock",
+                        "--hbm_bytes=64MiB"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert message in r.stderr, r.stderr[-2000:]
