@@ -385,6 +385,11 @@ absl::StatusOr<DaemonStatus> AdminClient::GetStatus() {
     info.busy_seconds = e.busy_seconds();
     info.ops_executed = e.ops_executed();
     info.duty_cycle = e.duty_cycle();
+    info.programs_cached = e.programs_cached();
+    for (const v1::ChipCompileStats& c : e.compile()) {
+      info.compile.push_back({static_cast<int>(c.chip()), c.compiles(), c.compile_seconds(),
+                              c.cache_hits()});
+    }
     out.executors.push_back(std::move(info));
   }
   for (const v1::ExecutorRestart& r : resp.executor_restarts()) {

@@ -867,16 +867,27 @@ void Session::ReleaseEvent(const Event& event) {
 absl::Status Session::Synchronize(int stream) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   internal::StreamProducer& p = impl_->streams[stream];
-  std::vector<uint64_t> last(impl_->num_chips, 0);
+  // Only the rings this stream has used can hold its work or its errors
+  // (torch.tpu.synchronize() visits every stream, most of them unused).
+  uint64_t last[kMaxChipsPerHost] = {};
+  bool used = false;
   {
     absl::MutexLock lock(&p.mu);
-    for (int c = 0; c < impl_->num_chips; ++c) last[c] = p.rings[c].next_sequence - 1;
+    for (int c = 0; c < impl_->num_chips; ++c) {
+      last[c] = p.rings[c].next_sequence - 1;
+      used |= last[c] != 0;
+    }
   }
+  if (!used) return absl::OkStatus();
+  absl::Status first;
   for (int c = 0; c < impl_->num_chips; ++c) {
     if (last[c] == 0) continue;
-    if (absl::Status s = impl_->WaitCompleted(RingIndex(c, stream), last[c]); !s.ok()) return s;
+    const int ring = RingIndex(c, stream);
+    if (absl::Status s = impl_->WaitCompleted(ring, last[c]); !s.ok()) return s;
+    absl::Status s = impl_->TakeError(ring);
+    if (first.ok() && !s.ok()) first = s;
   }
-  return impl_->TakeStreamError(stream);
+  return first;
 }
 
 absl::Status Session::WaitIdle() {

@@ -72,9 +72,21 @@ struct ResultValue {
   tpu::TensorRef tensor;
 };
 
+// Programs a compiling backend built for one chip (PJRT), for tpuctl.
+struct CompileStats {
+  uint64_t compiles = 0;    // programs compiled (failed compiles included)
+  uint64_t compile_ns = 0;  // time spent compiling
+  uint64_t hits = 0;        // ops that found their program compiled
+};
+
 class ChipBackend {
  public:
   virtual ~ChipBackend() = default;
+
+  // Whether ops are compiled into programs (then the figures below count).
+  virtual bool Compiles() const { return false; }
+  virtual CompileStats compile_stats(int chip) const { return {}; }
+  virtual uint64_t programs_cached() const { return 0; }
 
   // Name for logs and tpuctl ("simulated (ATen CPU)").
   virtual std::string Describe() const = 0;

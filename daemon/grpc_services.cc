@@ -298,6 +298,14 @@ grpc::Status AdminServiceImpl::GetStatus(grpc::ServerContext* ctx,
       out->set_busy_seconds(e.busy_ns / 1e9);
       out->set_ops_executed(e.ops);
       out->set_duty_cycle(e.duty_cycle);
+      out->set_programs_cached(e.programs_cached);
+      for (size_t i = 0; i < e.compile.size() && i < e.chips.size(); ++i) {
+        v1::ChipCompileStats* c = out->add_compile();
+        c->set_chip(e.chips[i]);
+        c->set_compiles(e.compile[i].compiles);
+        c->set_compile_seconds(e.compile[i].compile_ns / 1e9);
+        c->set_cache_hits(e.compile[i].hits);
+      }
     }
     for (const ExecutorRestart& r : pool_->Restarts()) {
       v1::ExecutorRestart* out = resp->add_executor_restarts();

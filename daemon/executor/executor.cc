@@ -468,6 +468,16 @@ void Executor::DrainDoorbells(int timeout_ms) {
 
 void Executor::UpdateActivity(uint64_t now) {
   last_activity_update_ = now;
+  if (config_.backend->Compiles()) {
+    slot_->compiles_ops.store(1, std::memory_order_relaxed);
+    slot_->programs_cached.store(config_.backend->programs_cached(), std::memory_order_relaxed);
+    for (size_t i = 0; i < config_.chips.size() && i < tpu::kMaxChipsPerHost; ++i) {
+      const CompileStats c = config_.backend->compile_stats(config_.chips[i]);
+      slot_->compiles[i].store(c.compiles, std::memory_order_relaxed);
+      slot_->compile_ns[i].store(c.compile_ns, std::memory_order_relaxed);
+      slot_->program_hits[i].store(c.hits, std::memory_order_relaxed);
+    }
+  }
   uint32_t active = 0;
   for (const auto& [id, s] : sessions_) {
     if (now - s->last_active_ns < kActiveSessionNs) ++active;

@@ -628,6 +628,16 @@ std::vector<ExecutorInfo> ExecutorPool::Executors() const {
     info.busy_ns = w.busy_base_ns + slot.busy_ns.load();
     info.ops = w.ops_base + slot.ops.load();
     info.duty_cycle = static_cast<double>(slot.duty_permille.load()) / 1000.0;
+    if (slot.compiles_ops.load() != 0) {
+      info.programs_cached = slot.programs_cached.load();
+      for (size_t i = 0; i < info.chips.size() && i < tpu::kMaxChipsPerHost; ++i) {
+        CompileStats c;
+        c.compiles = slot.compiles[i].load();
+        c.compile_ns = slot.compile_ns[i].load();
+        c.hits = slot.program_hits[i].load();
+        info.compile.push_back(c);
+      }
+    }
     out.push_back(info);
   }
   return out;

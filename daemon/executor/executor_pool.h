@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "daemon/chip_backend.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -67,6 +68,10 @@ struct ExecutorInfo {
   uint64_t busy_ns = 0;  // since the daemon started (across restarts)
   uint64_t ops = 0;
   double duty_cycle = 0;
+  // A compiling backend's figures (since this executor process started),
+  // one per chip in `chips` order; empty for backends that do not compile.
+  std::vector<CompileStats> compile;
+  uint64_t programs_cached = 0;
 };
 
 class ExecutorPool {

@@ -37,6 +37,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "tpu/shm_layout.h"
 
 namespace tpu {
 struct RingControl;
@@ -110,6 +111,13 @@ struct alignas(64) ExecutorSlot {
   std::atomic<uint64_t> busy_ns;          // chip time, since this executor started
   std::atomic<uint64_t> ops;
   std::atomic<uint64_t> duty_permille;    // busy share of the last full second
+  // A compiling backend's figures (ChipBackend::compile_stats), by position
+  // in this executor's chips; since this executor started.
+  std::atomic<uint32_t> compiles_ops;     // 1: the backend compiles
+  std::atomic<uint64_t> programs_cached;
+  std::atomic<uint64_t> compiles[tpu::kMaxChipsPerHost];
+  std::atomic<uint64_t> compile_ns[tpu::kMaxChipsPerHost];
+  std::atomic<uint64_t> program_hits[tpu::kMaxChipsPerHost];
 };
 
 struct ExecutorShared {

@@ -603,27 +603,27 @@ absl::StatusOr<std::shared_ptr<const BackendOp>> PjrtChip::LookupOp(absl::string
   return std::make_shared<PjrtOp>(std::string(schema), std::move(name), WrittenArgument(schema));
 }
 
-absl::StatusOr<const Executable*> PjrtChip::Compiled(const std::string& program) {
+absl::StatusOr<const Executable*> PjrtChip::Compiled(const std::string& program, int device) {
+  CompileStats& st = stats_[device];
   auto it = cache_.find(program);
   if (it != cache_.end()) {
     lru_.splice(lru_.end(), lru_, it->second);
-    ++stats_.cache_hits;
+    ++st.hits;
     return it->second->second.get();
   }
   const auto t0 = std::chrono::steady_clock::now();
   absl::StatusOr<std::unique_ptr<Executable>> exe = plugin_->Compile(program);
-  stats_.compile_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                           std::chrono::steady_clock::now() - t0).count();
-  ++stats_.compiles;
+  st.compile_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                       std::chrono::steady_clock::now() - t0).count();
+  ++st.compiles;
   if (!exe.ok()) return exe.status();
   if (lru_.size() >= capacity_) {
     cache_.erase(lru_.front().first);
     lru_.pop_front();
-    ++stats_.evictions;
+    ++evictions_;
   }
   lru_.emplace_back(program, *std::move(exe));
   cache_[program] = std::prev(lru_.end());
-  stats_.cached = lru_.size();
   return lru_.back().second.get();
 }
 
@@ -695,12 +695,16 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
                                  ") -> ", TypeOf(stored, *out.type)));
   }
   const std::string program = l.Text(result, TypeOf(stored, *out.type));
-  absl::StatusOr<const Executable*> exe = Compiled(program);
+  // The chip is the output's.
+  const int device = tpu::DeviceAddressChip(out.ref->address);
+  if (device < 0 || device >= plugin_->num_devices()) {
+    return absl::InvalidArgumentError(absl::StrCat(op.name(), ": output on chip ", device,
+                                                   ", which has no device"));
+  }
+  absl::StatusOr<const Executable*> exe = Compiled(program, device);
   if (!exe.ok()) {
     return absl::Status(exe.status().code(), absl::StrCat(op.name(), ": ", exe.status().message()));
   }
-  // The chip is the output's.
-  const int device = tpu::DeviceAddressChip(out.ref->address);
   std::vector<Buffer> inputs;
   std::vector<PJRT_Buffer*> args;
   for (Transfer& x : l.transfers()) {

@@ -29,14 +29,6 @@
 
 namespace tpud::pjrt {
 
-struct PjrtChipStats {
-  uint64_t compiles = 0;
-  uint64_t compile_ns = 0;
-  uint64_t cache_hits = 0;
-  uint64_t evictions = 0;
-  uint64_t cached = 0;
-};
-
 class PjrtChip : public ChipBackend {
  public:
   // Loads the plugin (in the calling process: the one executor that drives
@@ -51,20 +43,28 @@ class PjrtChip : public ChipBackend {
                    const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
                    ResultAllocator* result_allocator) override;
 
+  bool Compiles() const override { return true; }
+  CompileStats compile_stats(int chip) const override {
+    return chip >= 0 && chip < static_cast<int>(stats_.size()) ? stats_[chip] : CompileStats{};
+  }
+  uint64_t programs_cached() const override { return lru_.size(); }
+  uint64_t evictions() const { return evictions_; }
+
   const PjrtPlugin& plugin() const { return *plugin_; }
-  const PjrtChipStats& stats() const { return stats_; }
 
  private:
   explicit PjrtChip(std::unique_ptr<PjrtPlugin> plugin, size_t capacity)
-      : plugin_(std::move(plugin)), capacity_(capacity) {}
-  absl::StatusOr<const Executable*> Compiled(const std::string& program);
+      : plugin_(std::move(plugin)), capacity_(capacity), stats_(plugin_->num_devices()) {}
+  // The program, compiled (once; counted against `device`).
+  absl::StatusOr<const Executable*> Compiled(const std::string& program, int device);
 
   std::unique_ptr<PjrtPlugin> plugin_;
   size_t capacity_;
   // Compiled programs by their text, least recently used first.
   std::list<std::pair<std::string, std::unique_ptr<Executable>>> lru_;
   std::unordered_map<std::string, decltype(lru_)::iterator> cache_;
-  PjrtChipStats stats_;
+  std::vector<CompileStats> stats_;  // per device
+  uint64_t evictions_ = 0;
 };
 
 }  // namespace tpud::pjrt

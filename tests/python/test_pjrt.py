@@ -143,3 +143,35 @@ def test_a_bad_plugin_keeps_tpud_from_starting_with_its_message(tmp_path, flags,
                         "--hbm_bytes=64MiB"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert message in r.stderr, r.stderr[-2000:]
+
+
+def test_programs_compile_once_and_tpuctl_counts_them(pjrt):
+    tpuctl = bazel_bin("tools/tpuctl/tpuctl")
+
+    def compiles():
+        j = subprocess.run([tpuctl, f"--admin_socket={pjrt.admin_socket}", "executors", "--json"],
+                           capture_output=True, text=True, timeout=30)
+        assert j.returncode == 0, j.stderr
+        (e,) = json.loads(j.stdout)["executors"]  # one executor drives every device
+        assert e["chips"] == [0, 1, 2, 3]
+        chip3 = next(c for c in e["compile"] if c["chip"] == 3)
+        return chip3["compiles"], chip3["cache_hits"], e["programs_cached"]
+
+    before = compiles()
+    run_py(pjrt, """
+        import torch, torch_tpu
+        a = torch.full((17, 3), 2.0, device="tpu:3")
+        for i in range(10):
+            b = a * (i + 0.5)   # one program: the scalar is a parameter
+        assert b.cpu()[0, 0].item() == 19.0
+    """)
+    import time
+    time.sleep(0.05)  # executors publish their figures every millisecond of activity
+    after = compiles()
+    assert after[0] - before[0] >= 1
+    assert after[0] - before[0] <= 3, (before, after)  # full, mul, and at most one more
+    assert after[1] - before[1] >= 9, (before, after)
+    assert after[2] >= 1
+    text = subprocess.run([tpuctl, f"--admin_socket={pjrt.admin_socket}", "executors"],
+                          capture_output=True, text=True, timeout=30).stdout
+    assert "COMPILES" in text and "compiled programs cached" in text, text

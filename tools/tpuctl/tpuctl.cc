@@ -277,6 +277,19 @@ void WriteExecutors(JsonWriter& w, const tpu::DaemonStatus& st) {
     w.Key("busy_seconds").Double(e.busy_seconds);
     w.Key("ops_executed").Uint(e.ops_executed);
     w.Key("duty_cycle").Double(e.duty_cycle);
+    if (!e.compile.empty()) {
+      w.Key("programs_cached").Uint(e.programs_cached);
+      w.Key("compile").BeginArray();
+      for (const tpu::ExecutorInfo::Compile& c : e.compile) {
+        w.BeginObject();
+        w.Key("chip").Int(c.chip);
+        w.Key("compiles").Uint(c.compiles);
+        w.Key("compile_seconds").Double(c.compile_seconds);
+        w.Key("cache_hits").Uint(c.cache_hits);
+        w.EndObject();
+      }
+      w.EndArray();
+    }
     w.EndObject();
   }
   w.EndArray();
@@ -346,6 +359,23 @@ int CmdExecutors(tpu::AdminClient& admin, bool json) {
                absl::StrFormat("%.2fs", e.busy_seconds)});
   }
   table.Print();
+  // Compiled programs, per chip, where the backend compiles (PJRT).
+  bool compiling = false;
+  for (const tpu::ExecutorInfo& e : st->executors) compiling |= !e.compile.empty();
+  if (compiling) {
+    std::printf("\n");
+    Table programs({"CHIP", "EXECUTOR", "COMPILES", "COMPILE TIME", "CACHE HITS"}, "rrrrr");
+    uint64_t cached = 0;
+    for (const tpu::ExecutorInfo& e : st->executors) {
+      cached += e.programs_cached;
+      for (const tpu::ExecutorInfo::Compile& c : e.compile) {
+        programs.Row({absl::StrCat(c.chip), absl::StrCat(e.index), absl::StrCat(c.compiles),
+                      absl::StrFormat("%.3fs", c.compile_seconds), absl::StrCat(c.cache_hits)});
+      }
+    }
+    programs.Print();
+    std::printf("%llu compiled programs cached\n", static_cast<unsigned long long>(cached));
+  }
   const char* advice = st->wait_advice == "spin"
                            ? "spin (a core is free for them)"
                        : st->wait_advice == "yield"

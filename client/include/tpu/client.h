@@ -287,6 +287,16 @@ struct ExecutorInfo {
   double busy_seconds = 0;
   uint64_t ops_executed = 0;
   double duty_cycle = 0;
+  // Backends that compile ops into programs (PJRT): per chip, in `chips`
+  // order; empty otherwise.
+  struct Compile {
+    int chip = 0;
+    uint64_t compiles = 0;
+    double compile_seconds = 0;
+    uint64_t cache_hits = 0;
+  };
+  std::vector<Compile> compile;
+  uint64_t programs_cached = 0;
 };
 
 // One replacement of an executor: why, and whose op was running.

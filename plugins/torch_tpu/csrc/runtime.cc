@@ -5,6 +5,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "absl/synchronization/mutex.h"
 #include "tpu/paths.h"
 
 namespace torch_tpu {
@@ -45,6 +46,10 @@ std::vector<int> VisibleChips(int num_chips) {
 void Open() {
   Runtime& r = R();
   std::call_once(r.once, [&r] {
+    // absl's lock-order cycle detection walks a graph on every lock (the
+    // library is built without NDEBUG): too dear for the per-op path, where
+    // each op and synchronize locks a stream. tpud turns it off too.
+    absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
     tpu::ClientOptions options;
     options.client_name = "torch_tpu";
     absl::StatusOr<std::unique_ptr<tpu::Session>> s = tpu::Session::Open(options);
