@@ -7,7 +7,9 @@
 #include <map>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "tpu/device_address.h"
 
@@ -38,6 +40,16 @@ const DType* DTypeOf(int8_t c10) {
 const DType& F64() { return *DTypeOf(7); }
 const DType& I64() { return *DTypeOf(4); }
 
+// An MLIR float literal: it needs a point before any exponent ("1.0e-05").
+std::string FloatLiteral(double v) {
+  std::string s = absl::StrFormat("%.17g", v);
+  if (s.find_first_of(".ni") == std::string::npos) {  // not already 1.5, inf or nan
+    const size_t e = s.find('e');
+    s.insert(e == std::string::npos ? s.size() : e, ".0");
+  }
+  return s;
+}
+
 std::string TypeOf(const std::vector<int64_t>& dims, const DType& t) {
   std::string s = "tensor<";
   for (int64_t d : dims) absl::StrAppend(&s, d, "x");
@@ -51,15 +63,15 @@ absl::Status Unsupported(const std::string& op, const std::string& why) {
 
 class PjrtOp : public BackendOp {
  public:
-  // written: the argument the op writes ("Tensor(a!) self" of an in-place
-  // op, "Tensor(a!) out" of an out= op), or -1.
-  PjrtOp(std::string schema, std::string name, int written)
-      : schema_(std::move(schema)), name_(std::move(name)), written_(written) {}
+  // written: the arguments the op writes ("Tensor(a!) self" of an in-place
+  // op; "Tensor(a!) out", "Tensor(b!) total_weight" of an out= op), in order.
+  PjrtOp(std::string schema, std::string name, std::vector<int> written)
+      : schema_(std::move(schema)), name_(std::move(name)), written_(std::move(written)) {}
   const std::string& schema() const override { return schema_; }
   const std::string& name() const { return name_; }
-  int written() const { return written_; }
+  const std::vector<int>& written() const { return written_; }
   bool WritesArgument(size_t index) const override {
-    return written_ >= 0 && index == static_cast<size_t>(written_);
+    return std::find(written_.begin(), written_.end(), static_cast<int>(index)) != written_.end();
   }
   bool OverwritesArgument(size_t index) const override {
     if (!WritesArgument(index)) return false;
@@ -71,13 +83,14 @@ class PjrtOp : public BackendOp {
  private:
   std::string schema_;
   std::string name_;  // "aten::add_.Tensor"
-  int written_;
+  std::vector<int> written_;
 };
 
-// The index of the first argument annotated "(a!)" in `schema`, or -1.
-int WrittenArgument(absl::string_view schema) {
+// The indices of the arguments annotated as written ("(a!)", "(b!)", ...).
+std::vector<int> WrittenArguments(absl::string_view schema) {
+  std::vector<int> written;
   const size_t open = schema.find('(');
-  if (open == absl::string_view::npos) return -1;
+  if (open == absl::string_view::npos) return written;
   int depth = 0, index = 0;
   bool any = false;
   size_t start = open + 1;
@@ -91,7 +104,8 @@ int WrittenArgument(absl::string_view schema) {
     if ((c == ',' && depth == 0) || (c == ')' && depth == 0)) {
       absl::string_view arg = absl::StripAsciiWhitespace(schema.substr(start, i - start));
       if (arg != "*" && !arg.empty()) {
-        if (arg.find("(a!)") != absl::string_view::npos) return index;
+        const size_t bang = arg.find("!)");
+        if (bang != absl::string_view::npos && arg.find('(') < bang) written.push_back(index);
         ++index;
         any = true;
       }
@@ -100,7 +114,7 @@ int WrittenArgument(absl::string_view schema) {
     }
   }
   (void)any;
-  return -1;
+  return written;
 }
 
 // A host transfer into one program parameter.
@@ -233,6 +247,76 @@ class Lowering {
     return BroadcastTo(*s, {}, dims, as);
   }
 
+  // Tensor `r` (the k-th TensorRef), broadcast to `dims` and converted to `as`.
+  absl::StatusOr<std::string> OperandRef(const tpu::TensorRef& r, size_t k,
+                                         const std::vector<int64_t>& dims, const DType& as) {
+    absl::StatusOr<std::string> v = Tensor(r, k);
+    if (!v.ok()) return v;
+    const std::vector<int64_t> from(r.sizes, r.sizes + r.ndim);
+    return BroadcastTo(Convert(*v, from, *DTypeOf(r.dtype), as), from, dims, as);
+  }
+
+  // `v` (dims `in`) reduced over dimensions `which` with `op` ("add",
+  // "maximum", "minimum") from `init` (a value of t); dims kept in order.
+  std::string ReduceOver(const std::string& v, const std::vector<int64_t>& in,
+                         const std::vector<int64_t>& which, const char* op,
+                         const std::string& init, const DType& t) {
+    return Emit(absl::StrCat("stablehlo.reduce(", v, " init: ", init, ") applies stablehlo.", op,
+                             " across dimensions = [", absl::StrJoin(which, ", "), "] : (",
+                             TypeOf(in, t), ", ", TypeOf({}, t), ") -> ",
+                             TypeOf(Kept(in, which), t)));
+  }
+  static std::vector<int64_t> Kept(const std::vector<int64_t>& in, const std::vector<int64_t>& which) {
+    std::vector<int64_t> kept;
+    for (size_t i = 0; i < in.size(); ++i) {
+      if (std::find(which.begin(), which.end(), static_cast<int64_t>(i)) == which.end()) {
+        kept.push_back(in[i]);
+      }
+    }
+    return kept;
+  }
+  // A reduced value back to `in`, the reduced dimensions broadcast.
+  std::string Expand(const std::string& v, const std::vector<int64_t>& in,
+                     const std::vector<int64_t>& which, const DType& t) {
+    std::vector<int64_t> map;
+    for (size_t i = 0; i < in.size(); ++i) {
+      if (std::find(which.begin(), which.end(), static_cast<int64_t>(i)) == which.end()) {
+        map.push_back(static_cast<int64_t>(i));
+      }
+    }
+    return Emit(absl::StrCat("stablehlo.broadcast_in_dim ", v, ", dims = [",
+                             absl::StrJoin(map, ", "), "] : (", TypeOf(Kept(in, which), t),
+                             ") -> ", TypeOf(in, t)));
+  }
+  std::string Reshape(const std::string& v, const std::vector<int64_t>& from,
+                      const std::vector<int64_t>& to, const DType& t) {
+    if (from == to) return v;
+    return Emit(absl::StrCat("stablehlo.reshape ", v, " : (", TypeOf(from, t), ") -> ",
+                             TypeOf(to, t)));
+  }
+  std::string Compare(const char* dir, const std::string& a, const std::string& b,
+                      const std::vector<int64_t>& dims, const DType& t) {
+    return Emit(absl::StrCat("stablehlo.compare ", dir, ", ", a, ", ", b, ", ",
+                             t.is_float ? "FLOAT" : (t.mlir[0] == 'u' ? "UNSIGNED" : "SIGNED"),
+                             " : (", TypeOf(dims, t), ", ", TypeOf(dims, t), ") -> ",
+                             TypeOf(dims, *DTypeOf(11))));
+  }
+  std::string Select(const std::string& pred, const std::string& a, const std::string& b,
+                     const std::vector<int64_t>& dims, const DType& t) {
+    return Emit(absl::StrCat("stablehlo.select ", pred, ", ", a, ", ", b, " : ",
+                             TypeOf(dims, *DTypeOf(11)), ", ", TypeOf(dims, t)));
+  }
+  std::string Iota(int64_t dim, const std::vector<int64_t>& dims, const DType& t) {
+    return Emit(absl::StrCat("stablehlo.iota dim = ", dim, " : ", TypeOf(dims, t)));
+  }
+  // -inf (floats) or the lowest value, as a 0-d constant.
+  std::string Lowest(const DType& t) {
+    const char* hex = t.c10 == 6 ? "0xFF800000" : t.c10 == 7 ? "0xFFF0000000000000"
+                    : t.c10 == 5 ? "0xFC00" : t.c10 == 15 ? "0xFF80" : nullptr;
+    if (hex == nullptr) return Constant(-9.2e18, {}, t);
+    return Emit(absl::StrCat("stablehlo.constant dense<", hex, "> : ", TypeOf({}, t)));
+  }
+
   std::string Convert(const std::string& v, const std::vector<int64_t>& dims, const DType& from,
                       const DType& to) {
     if (from.c10 == to.c10) return v;
@@ -252,8 +336,7 @@ class Lowering {
   }
 
   std::string Constant(double value, const std::vector<int64_t>& dims, const DType& t) {
-    const std::string lit = t.is_float ? absl::StrCat(value, value == static_cast<int64_t>(value) ? ".0" : "")
-                                       : absl::StrCat(static_cast<int64_t>(value));
+    const std::string lit = t.is_float ? FloatLiteral(value) : absl::StrCat(static_cast<int64_t>(value));
     const std::string c = Emit(absl::StrCat("stablehlo.constant dense<",
                                             t.c10 == 11 ? (value != 0 ? "true" : "false") : lit,
                                             "> : ", TypeOf({}, t)));
@@ -275,14 +358,16 @@ class Lowering {
     return v;
   }
 
-  std::string Text(const std::string& result, const std::string& type) const {
+  std::string Text(const std::vector<std::string>& results,
+                   const std::vector<std::string>& types) const {
     std::vector<std::string> params;
     for (size_t i = 0; i < param_types_.size(); ++i) {
       params.push_back(absl::StrCat("%p", i, ": ", param_types_[i]));
     }
+    const std::string ret = absl::StrJoin(types, ", ");
     return absl::StrCat("module @tpud_op {\n  func.func public @main(", absl::StrJoin(params, ", "),
-                        ") -> ", type, " {\n", body_, "    return ", result, " : ", type,
-                        "\n  }\n}\n");
+                        ") -> (", ret, ") {\n", body_, "    return ", absl::StrJoin(results, ", "),
+                        " : ", ret, "\n  }\n}\n");
   }
 
   std::vector<Transfer>& transfers() { return transfers_; }
@@ -531,6 +616,524 @@ const std::map<std::string, Rule>& Rules() {
   return *rules;
 }
 
+// ---------------------------------------------------------------- more rules
+
+using MultiRule = std::function<absl::StatusOr<std::vector<std::string>>(
+    Lowering&, const tpu::DecodedOp&, const std::vector<Target>&)>;
+
+bool Defined(const tpu::DecodedOp& d, size_t i) {
+  return i < d.num_args && d.args[i].tag == tpu::ArgTag::kTensor;
+}
+
+int64_t WrapDim(int64_t dim, size_t n) { return dim < 0 ? dim + static_cast<int64_t>(n) : dim; }
+
+std::vector<int64_t> DimsOf(const tpu::TensorRef& r) {
+  return std::vector<int64_t>(r.sizes, r.sizes + r.ndim);
+}
+
+double NumberOf(const tpu::OpArg& a) {
+  switch (a.tag) {
+    case tpu::ArgTag::kScalarInt: case tpu::ArgTag::kInt: case tpu::ArgTag::kSymInt:
+      return static_cast<double>(a.i);
+    case tpu::ArgTag::kScalarBool: case tpu::ArgTag::kBool: return a.b ? 1 : 0;
+    default: return a.d;
+  }
+}
+
+// log_softmax / softmax over `dim` of x (dims `in`, type t).
+std::string SoftmaxOf(Lowering& l, const std::string& x, const std::vector<int64_t>& in,
+                      int64_t dim, const DType& t, bool log) {
+  const std::vector<int64_t> which = {dim};
+  const std::string m = l.ReduceOver(x, in, which, "maximum", l.Lowest(t), t);
+  const std::string xm = l.Binary("subtract", x, l.Expand(m, in, which, t), in, t);
+  const std::string e = l.Unary("exponential", xm, in, t);
+  const std::string sum = l.ReduceOver(e, in, which, "add", l.Constant(0, {}, t), t);
+  if (log) {
+    return l.Binary("subtract", xm, l.Expand(l.Unary("log", sum, Lowering::Kept(in, which), t),
+                                             in, which, t), in, t);
+  }
+  return l.Binary("divide", e, l.Expand(sum, in, which, t), in, t);
+}
+
+// erf(x) for gelu: Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7).
+std::string Erf(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const DType& t) {
+  auto c = [&](double v) { return l.Constant(v, d, t); };
+  const std::string ax = l.Unary("abs", x, d, t);
+  const std::string tt = l.Binary("divide", c(1), l.Binary("add", c(1), l.Binary("multiply", c(0.3275911), ax, d, t), d, t), d, t);
+  std::string poly = c(1.061405429);
+  for (double k : {-1.453152027, 1.421413741, -0.284496736, 0.254829592}) {
+    poly = l.Binary("add", l.Binary("multiply", poly, tt, d, t), c(k), d, t);
+  }
+  poly = l.Binary("multiply", poly, tt, d, t);
+  const std::string e = l.Unary("exponential", l.Unary("negate", l.Binary("multiply", ax, ax, d, t), d, t), d, t);
+  const std::string y = l.Binary("subtract", c(1), l.Binary("multiply", poly, e, d, t), d, t);
+  return l.Binary("multiply", l.Unary("sign", x, d, t), y, d, t);
+}
+
+std::string GeluCdf(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const DType& t) {
+  const std::string z = l.Binary("multiply", x, l.Constant(0.70710678118654752, d, t), d, t);
+  return l.Binary("multiply", l.Constant(0.5, d, t),
+                  l.Binary("add", l.Constant(1, d, t), Erf(l, z, d, t), d, t), d, t);
+}
+
+absl::Status ExactGelu(const Lowering& l, const tpu::DecodedOp& d, size_t i) {
+  if (i < d.num_args && d.args[i].tag == tpu::ArgTag::kString && d.args[i].s != "none") {
+    return Unsupported(l.op(), "approximate=\"" + d.args[i].s + "\" is not lowered yet");
+  }
+  return absl::OkStatus();
+}
+
+// The element of each row its target picks, as a mask (one-hot, and the
+// target not ignore_index), weighted: x (N, C), target (N).
+struct Picked {
+  std::string mask;  // (N, C) of t: the picked entries, times their class weight
+  std::string row_weight;  // (N) of t: the weight of each row's target, 0 when ignored
+};
+absl::StatusOr<Picked> PickTargets(Lowering& l, const tpu::DecodedOp& d, size_t target_i,
+                                   size_t weight_i, size_t ignore_i,
+                                   const std::vector<int64_t>& nc, const DType& t) {
+  const tpu::OpArg& target = d.args[target_i];
+  if (target.tag != tpu::ArgTag::kTensor || target.tensor.ndim != 1) {
+    return Unsupported(l.op(), "expects a 2-d input and a 1-d target");
+  }
+  const DType& i64 = I64();
+  absl::StatusOr<std::string> t1 = l.OperandRef(target.tensor, l.TensorIndex(target), {nc[0]}, i64);
+  if (!t1.ok()) return t1.status();
+  // The target along the classes: dims = [0].
+  absl::StatusOr<std::string> tg = l.Emit(absl::StrCat(
+      "stablehlo.broadcast_in_dim ", *t1, ", dims = [0] : (", TypeOf({nc[0]}, i64), ") -> ",
+      TypeOf(nc, i64)));
+  const std::string iota = l.Iota(1, nc, i64);
+  std::string onehot = l.Compare("EQ", *tg, iota, nc, i64);
+  const int64_t ignore = ignore_i < d.num_args ? static_cast<int64_t>(NumberOf(d.args[ignore_i])) : -100;
+  const std::string keep = l.Compare("NE", *tg, l.Constant(static_cast<double>(ignore), nc, i64), nc, i64);
+  onehot = l.Emit(absl::StrCat("stablehlo.and ", onehot, ", ", keep, " : ", TypeOf(nc, *DTypeOf(11))));
+  std::string mask = l.Convert(onehot, nc, *DTypeOf(11), t);
+  if (Defined(d, weight_i)) {
+    const tpu::TensorRef& w = d.args[weight_i].tensor;
+    absl::StatusOr<std::string> wv = l.OperandRef(w, l.TensorIndex(d.args[weight_i]), nc, t);
+    if (!wv.ok()) return wv.status();
+    mask = l.Binary("multiply", mask, *wv, nc, t);
+  }
+  Picked p;
+  p.mask = mask;
+  p.row_weight = l.ReduceOver(mask, nc, {1}, "add", l.Constant(0, {}, t), t);
+  return p;
+}
+
+const std::map<std::string, MultiRule>& MultiRules() {
+  static const auto* rules = [] {
+    auto* m = new std::map<std::string, MultiRule>;
+    (*m)["aten::native_layer_norm"] = [](Lowering& l, const tpu::DecodedOp& d,
+                                         const std::vector<Target>& outs)
+        -> absl::StatusOr<std::vector<std::string>> {
+      if (outs.size() != 3 || !Defined(d, 0) || d.num_args < 5) return Unsupported(l.op(), "expects 3 outputs");
+      const tpu::TensorRef& x = d.args[0].tensor;
+      const DType& t = *outs[0].type;
+      const std::vector<int64_t> in = DimsOf(x);
+      const size_t k = d.args[1].ints.size();
+      if (k == 0 || k > in.size()) return Unsupported(l.op(), "normalized_shape");
+      std::vector<int64_t> which;
+      int64_t count = 1;
+      for (size_t i = in.size() - k; i < in.size(); ++i) {
+        which.push_back(static_cast<int64_t>(i));
+        count *= in[i];
+      }
+      absl::StatusOr<std::string> xv = l.OperandRef(x, 0, in, t);
+      if (!xv.ok()) return xv.status();
+      const std::vector<int64_t> kept = Lowering::Kept(in, which);
+      const std::string n = l.Constant(static_cast<double>(count), kept, t);
+      const std::string mean = l.Binary("divide", l.ReduceOver(*xv, in, which, "add", l.Constant(0, {}, t), t), n, kept, t);
+      const std::string xc = l.Binary("subtract", *xv, l.Expand(mean, in, which, t), in, t);
+      const std::string var = l.Binary("divide", l.ReduceOver(l.Binary("multiply", xc, xc, in, t), in, which, "add", l.Constant(0, {}, t), t), n, kept, t);
+      const std::string rstd = l.Unary("rsqrt", l.Binary("add", var, l.Constant(NumberOf(d.args[4]), kept, t), kept, t), kept, t);
+      std::string y = l.Binary("multiply", xc, l.Expand(rstd, in, which, t), in, t);
+      for (size_t i : {size_t{2}, size_t{3}}) {
+        if (!Defined(d, i)) continue;
+        absl::StatusOr<std::string> p = l.OperandRef(d.args[i].tensor, l.TensorIndex(d.args[i]), in, t);
+        if (!p.ok()) return p.status();
+        y = l.Binary(i == 2 ? "multiply" : "add", y, *p, in, t);
+      }
+      return std::vector<std::string>{y, l.Reshape(mean, kept, outs[1].dims, *outs[1].type),
+                                      l.Reshape(rstd, kept, outs[2].dims, *outs[2].type)};
+    };
+    (*m)["aten::native_layer_norm_backward"] = [](Lowering& l, const tpu::DecodedOp& d,
+                                                  const std::vector<Target>& outs)
+        -> absl::StatusOr<std::vector<std::string>> {
+      // (grad_out, input, normalized_shape, mean, rstd, weight?, bias?, output_mask)
+      if (d.num_args < 8 || !Defined(d, 0) || !Defined(d, 1) || !Defined(d, 3) || !Defined(d, 4)) {
+        return Unsupported(l.op(), "arguments");
+      }
+      const std::vector<bool>& mask = d.args[7].bools;
+      size_t wanted = 0;
+      for (bool b : mask) wanted += b ? 1 : 0;
+      if (mask.size() != 3 || outs.size() != wanted) return Unsupported(l.op(), "output_mask");
+      const DType& t = *outs[0].type;
+      const std::vector<int64_t> in = DimsOf(d.args[1].tensor);
+      const size_t k = d.args[2].ints.size();
+      std::vector<int64_t> which, batch;
+      for (size_t i = 0; i < in.size(); ++i) (i >= in.size() - k ? which : batch).push_back(static_cast<int64_t>(i));
+      int64_t count = 1;
+      for (int64_t w : which) count *= in[w];
+      auto op = [&](size_t i) { return l.OperandRef(d.args[i].tensor, l.TensorIndex(d.args[i]), in, t); };
+      absl::StatusOr<std::string> g = op(0), x = op(1), mean = op(3), rstd = op(4);
+      for (auto* v : {&g, &x, &mean, &rstd}) if (!v->ok()) return v->status();
+      const std::string xhat = l.Binary("multiply", l.Binary("subtract", *x, *mean, in, t), *rstd, in, t);
+      std::string gw = *g;
+      if (Defined(d, 5)) {
+        absl::StatusOr<std::string> w = op(5);
+        if (!w.ok()) return w.status();
+        gw = l.Binary("multiply", gw, *w, in, t);
+      }
+      const std::string zero = l.Constant(0, {}, t);
+      const std::vector<int64_t> kept = Lowering::Kept(in, which);
+      const std::string n = l.Constant(static_cast<double>(count), kept, t);
+      const std::string m1 = l.Expand(l.Binary("divide", l.ReduceOver(gw, in, which, "add", zero, t), n, kept, t), in, which, t);
+      const std::string m2 = l.Expand(l.Binary("divide", l.ReduceOver(l.Binary("multiply", gw, xhat, in, t), in, which, "add", zero, t), n, kept, t), in, which, t);
+      std::vector<std::string> r;
+      if (mask[0]) {
+        r.push_back(l.Binary("multiply", *rstd, l.Binary("subtract", l.Binary("subtract", gw, m1, in, t), l.Binary("multiply", xhat, m2, in, t), in, t), in, t));
+      }
+      for (int j : {1, 2}) {
+        if (!mask[j]) continue;
+        const Target& o = outs[r.size()];
+        const std::string v = j == 1 ? l.Binary("multiply", *g, xhat, in, t) : *g;
+        const std::string s = batch.empty() ? v : l.ReduceOver(v, in, batch, "add", zero, t);
+        r.push_back(l.Reshape(s, Lowering::Kept(in, batch), o.dims, *o.type));
+      }
+      return r;
+    };
+    (*m)["aten::nll_loss_forward"] = [](Lowering& l, const tpu::DecodedOp& d,
+                                        const std::vector<Target>& outs)
+        -> absl::StatusOr<std::vector<std::string>> {
+      // (self, target, weight?, reduction, ignore_index) -> (output, total_weight)
+      if (outs.size() != 2 || !Defined(d, 0) || d.args[0].tensor.ndim != 2 || d.num_args < 5) {
+        return Unsupported(l.op(), "expects a 2-d input");
+      }
+      const DType& t = *outs[0].type;
+      const std::vector<int64_t> nc = DimsOf(d.args[0].tensor);
+      absl::StatusOr<std::string> x = l.OperandRef(d.args[0].tensor, 0, nc, t);
+      if (!x.ok()) return x.status();
+      absl::StatusOr<Picked> p = PickTargets(l, d, 1, 2, 4, nc, t);
+      if (!p.ok()) return p.status();
+      const std::string zero = l.Constant(0, {}, t);
+      const std::vector<int64_t> n = {nc[0]};
+      const std::string rows = l.Unary("negate", l.ReduceOver(l.Binary("multiply", *x, p->mask, nc, t), nc, {1}, "add", zero, t), n, t);
+      const std::string total = l.ReduceOver(p->row_weight, n, {0}, "add", zero, t);
+      const int64_t reduction = static_cast<int64_t>(NumberOf(d.args[3]));
+      std::string out;
+      if (reduction == 0) {
+        out = rows;
+      } else {
+        out = l.ReduceOver(rows, n, {0}, "add", zero, t);
+        if (reduction == 1) out = l.Binary("divide", out, total, {}, t);
+      }
+      return std::vector<std::string>{l.Reshape(out, reduction == 0 ? n : std::vector<int64_t>{}, outs[0].dims, t),
+                                      l.Reshape(l.Convert(total, {}, t, *outs[1].type), {}, outs[1].dims, *outs[1].type)};
+    };
+    (*m)["aten::nll_loss_backward"] = [](Lowering& l, const tpu::DecodedOp& d,
+                                         const std::vector<Target>& outs)
+        -> absl::StatusOr<std::vector<std::string>> {
+      // (grad_output, self, target, weight?, reduction, ignore_index, total_weight)
+      if (outs.size() != 1 || !Defined(d, 1) || d.args[1].tensor.ndim != 2 || d.num_args < 7) {
+        return Unsupported(l.op(), "expects a 2-d input");
+      }
+      const DType& t = *outs[0].type;
+      const std::vector<int64_t> nc = DimsOf(d.args[1].tensor);
+      absl::StatusOr<Picked> p = PickTargets(l, d, 2, 3, 5, nc, t);
+      if (!p.ok()) return p.status();
+      const int64_t reduction = static_cast<int64_t>(NumberOf(d.args[4]));
+      const tpu::TensorRef& go = d.args[0].tensor;
+      std::string g;
+      if (reduction == 0) {
+        absl::StatusOr<std::string> gv = l.OperandRef(go, 0, {nc[0]}, t);
+        if (!gv.ok()) return gv.status();
+        g = l.Emit(absl::StrCat("stablehlo.broadcast_in_dim ", *gv, ", dims = [0] : (",
+                                TypeOf({nc[0]}, t), ") -> ", TypeOf(nc, t)));
+      } else {
+        absl::StatusOr<std::string> gv = l.OperandRef(go, 0, nc, t);
+        if (!gv.ok()) return gv.status();
+        g = *gv;
+        if (reduction == 1) {
+          absl::StatusOr<std::string> tw = l.OperandRef(d.args[6].tensor, l.TensorIndex(d.args[6]), nc, t);
+          if (!tw.ok()) return tw.status();
+          g = l.Binary("divide", g, *tw, nc, t);
+        }
+      }
+      return std::vector<std::string>{l.Unary("negate", l.Binary("multiply", g, p->mask, nc, t), nc, t)};
+    };
+    // torch.optim's foreach paths: each written list element is one output.
+    auto foreach = [](std::function<absl::StatusOr<std::string>(Lowering&, const tpu::DecodedOp&,
+                                                                 const Target&, size_t e)> f) {
+      return [f](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& outs)
+                 -> absl::StatusOr<std::vector<std::string>> {
+        std::vector<std::string> r;
+        for (size_t e = 0; e < outs.size(); ++e) {
+          absl::StatusOr<std::string> v = f(l, d, outs[e], e);
+          if (!v.ok()) return v.status();
+          r.push_back(*v);
+        }
+        return r;
+      };
+    };
+    // Element e of list argument i, as a value of out's type and shape.
+    auto elem = [](Lowering& l, const tpu::DecodedOp& d, size_t i, size_t e,
+                   const Target& o) -> absl::StatusOr<std::string> {
+      if (i >= d.num_args || d.args[i].tag != tpu::ArgTag::kTensorList || e >= d.args[i].tensors.size()) {
+        return Unsupported(l.op(), "list arguments of different lengths");
+      }
+      return l.OperandRef(d.args[i].tensors[e], l.TensorIndex(d.args[i]) + e, o.dims, *o.type);
+    };
+    auto scalar = [](Lowering& l, const tpu::DecodedOp& d, size_t i, size_t e,
+                     const Target& o) -> absl::StatusOr<std::string> {
+      if (i >= d.num_args) return Unsupported(l.op(), "a scalar is missing");
+      const tpu::OpArg& a = d.args[i];
+      if (a.tag == tpu::ArgTag::kDoubleList || a.tag == tpu::ArgTag::kIntList) {
+        const size_t n = a.tag == tpu::ArgTag::kDoubleList ? a.doubles.size() : a.ints.size();
+        if (e >= n) return Unsupported(l.op(), "a scalar list shorter than the tensor list");
+        tpu::OpArg one;
+        one.tag = a.tag == tpu::ArgTag::kDoubleList ? tpu::ArgTag::kScalarDouble : tpu::ArgTag::kScalarInt;
+        one.d = a.tag == tpu::ArgTag::kDoubleList ? a.doubles[e] : 0;
+        one.i = a.tag == tpu::ArgTag::kIntList ? a.ints[e] : 0;
+        absl::StatusOr<std::string> s = l.Scalar(one, *o.type);
+        if (!s.ok()) return s;
+        return l.BroadcastTo(*s, {}, o.dims, *o.type);
+      }
+      return l.Operand(a, o.dims, *o.type);
+    };
+    for (const char* name : {"aten::_foreach_add_.Scalar", "aten::_foreach_mul_.Scalar",
+                             "aten::_foreach_div_.Scalar", "aten::_foreach_sub_.Scalar",
+                             "aten::_foreach_add_.ScalarList", "aten::_foreach_mul_.ScalarList",
+                             "aten::_foreach_div_.ScalarList", "aten::_foreach_sub_.ScalarList",
+                             "aten::_foreach_mul_.Tensor", "aten::_foreach_add_.Tensor",
+                             "aten::_foreach_add_.List", "aten::_foreach_mul_.List",
+                             "aten::_foreach_div_.List", "aten::_foreach_sub_.List"}) {
+      const std::string n = name;
+      const char* op = absl::StrContains(n, "add") ? "add" : absl::StrContains(n, "sub") ? "subtract"
+                     : absl::StrContains(n, "mul") ? "multiply" : "divide";
+      const bool list = absl::EndsWith(n, ".List");
+      const bool alpha = absl::EndsWith(n, ".Tensor") || list;
+      (*m)[n] = foreach([=](Lowering& l, const tpu::DecodedOp& d, const Target& o, size_t e)
+                            -> absl::StatusOr<std::string> {
+        absl::StatusOr<std::string> a = elem(l, d, 0, e, o);
+        if (!a.ok()) return a;
+        absl::StatusOr<std::string> b = list ? elem(l, d, 1, e, o) : scalar(l, d, 1, e, o);
+        if (!b.ok()) return b;
+        std::string rhs = *b;
+        if (alpha && d.num_args > 2 && NumberOf(d.args[2]) != 1.0) {
+          absl::StatusOr<std::string> s = l.Operand(d.args[2], o.dims, *o.type);
+          if (!s.ok()) return s;
+          rhs = l.Binary("multiply", rhs, *s, o.dims, *o.type);
+        }
+        return l.Binary(op, *a, rhs, o.dims, *o.type);
+      });
+    }
+    // self + value * t1 (op) t2
+    for (const char* name : {"aten::_foreach_addcmul_.Scalar", "aten::_foreach_addcdiv_.Scalar",
+                             "aten::_foreach_addcmul_.ScalarList", "aten::_foreach_addcdiv_.ScalarList"}) {
+      const std::string n = name;
+      const char* op = absl::StrContains(n, "addcmul") ? "multiply" : "divide";
+      (*m)[n] = foreach([=](Lowering& l, const tpu::DecodedOp& d, const Target& o, size_t e)
+                            -> absl::StatusOr<std::string> {
+        absl::StatusOr<std::string> a = elem(l, d, 0, e, o), b = elem(l, d, 1, e, o), c = elem(l, d, 2, e, o);
+        for (auto* v : {&a, &b, &c}) if (!v->ok()) return *v;
+        std::string prod = l.Binary(op, *b, *c, o.dims, *o.type);
+        if (d.num_args > 3) {
+          absl::StatusOr<std::string> s = scalar(l, d, 3, e, o);
+          if (!s.ok()) return s;
+          prod = l.Binary("multiply", prod, *s, o.dims, *o.type);
+        }
+        return l.Binary("add", *a, prod, o.dims, *o.type);
+      });
+    }
+    (*m)["aten::_foreach_lerp_.Scalar"] = foreach([=](Lowering& l, const tpu::DecodedOp& d,
+                                                      const Target& o, size_t e)
+                                                      -> absl::StatusOr<std::string> {
+      absl::StatusOr<std::string> a = elem(l, d, 0, e, o), b = elem(l, d, 1, e, o), w = scalar(l, d, 2, e, o);
+      for (auto* v : {&a, &b, &w}) if (!v->ok()) return *v;
+      return l.Binary("add", *a, l.Binary("multiply", *w, l.Binary("subtract", *b, *a, o.dims, *o.type), o.dims, *o.type), o.dims, *o.type);
+    });
+    for (const auto& [name, op] : std::vector<std::pair<std::string, const char*>>{
+             {"sqrt", "sqrt"}, {"neg", "negate"}, {"exp", "exponential"}, {"abs", "abs"}}) {
+      for (const char* suffix : {"", "_"}) {
+        const char* hlo = op;
+        (*m)["aten::_foreach_" + name + suffix] = foreach([=](Lowering& l, const tpu::DecodedOp& d,
+                                                               const Target& o, size_t e)
+                                                               -> absl::StatusOr<std::string> {
+          absl::StatusOr<std::string> a = elem(l, d, 0, e, o);
+          if (!a.ok()) return a;
+          return l.Unary(hlo, *a, o.dims, *o.type);
+        });
+      }
+    }
+    const std::pair<const char*, const char*> outs[] = {
+        {"aten::native_layer_norm.out", "aten::native_layer_norm"},
+        {"aten::native_layer_norm_backward.out", "aten::native_layer_norm_backward"},
+        {"aten::nll_loss_forward.output", "aten::nll_loss_forward"},
+        {"aten::nll_loss_backward.grad_input", "aten::nll_loss_backward"},
+    };
+    for (const auto& [out, functional] : outs) (*m)[out] = (*m)[functional];
+    return m;
+  }();
+  return *rules;
+}
+
+// Single-output rules that need the helpers above.
+const std::map<std::string, Rule>& MoreRules() {
+  static const auto* rules = [] {
+    auto* m = new std::map<std::string, Rule>;
+    for (bool log : {true, false}) {
+      (*m)[log ? "aten::_log_softmax" : "aten::_softmax"] =
+          [log](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+        if (!Defined(d, 0) || d.num_args < 2) return Unsupported(l.op(), "arguments");
+        absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
+        if (!x.ok()) return x;
+        return SoftmaxOf(l, *x, o.dims, WrapDim(d.args[1].i, o.dims.size()), *o.type, log);
+      };
+      (*m)[log ? "aten::_log_softmax_backward_data" : "aten::_softmax_backward_data"] =
+          [log](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+        // (grad_output, output, dim, input_dtype)
+        if (!Defined(d, 0) || !Defined(d, 1) || d.num_args < 3) return Unsupported(l.op(), "arguments");
+        const DType& t = *o.type;
+        absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t), y = l.Operand(d.args[1], o.dims, t);
+        if (!g.ok()) return g;
+        if (!y.ok()) return y;
+        const std::vector<int64_t> which = {WrapDim(d.args[2].i, o.dims.size())};
+        const std::string zero = l.Constant(0, {}, t);
+        if (log) {
+          const std::string sum = l.Expand(l.ReduceOver(*g, o.dims, which, "add", zero, t), o.dims, which, t);
+          return l.Binary("subtract", *g, l.Binary("multiply", l.Unary("exponential", *y, o.dims, t), sum, o.dims, t), o.dims, t);
+        }
+        const std::string gy = l.Binary("multiply", *g, *y, o.dims, t);
+        const std::string sum = l.Expand(l.ReduceOver(gy, o.dims, which, "add", zero, t), o.dims, which, t);
+        return l.Binary("multiply", *y, l.Binary("subtract", *g, sum, o.dims, t), o.dims, t);
+      };
+    }
+    (*m)["aten::argmax"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      // (self, dim?, keepdim): the first index of the largest value.
+      if (!Defined(d, 0)) return Unsupported(l.op(), "arguments");
+      const tpu::TensorRef& x = d.args[0].tensor;
+      const DType* xt = DTypeOf(x.dtype);
+      if (xt == nullptr) return Unsupported(l.op(), "dtype");
+      std::vector<int64_t> in = DimsOf(x);
+      absl::StatusOr<std::string> v = l.Tensor(x, 0);
+      if (!v.ok()) return v;
+      std::string xv = *v;
+      int64_t dim;
+      const bool all = d.num_args < 2 || (d.args[1].tag != tpu::ArgTag::kInt && d.args[1].tag != tpu::ArgTag::kSymInt);
+      if (all) {
+        int64_t n = 1;
+        for (int64_t s : in) n *= s;
+        xv = l.Reshape(xv, in, {n}, *xt);
+        in = {n};
+        dim = 0;
+      } else {
+        dim = WrapDim(d.args[1].i, in.size());
+      }
+      if (dim < 0 || dim >= static_cast<int64_t>(in.size())) return absl::InvalidArgumentError(l.op() + ": dim out of range");
+      const std::vector<int64_t> which = {dim};
+      const std::string mx = l.ReduceOver(xv, in, which, "maximum", l.Lowest(*xt), *xt);
+      const std::string hit = l.Compare("EQ", xv, l.Expand(mx, in, which, *xt), in, *xt);
+      const DType& i64 = I64();
+      const std::string idx = l.Select(hit, l.Iota(dim, in, i64), l.Constant(static_cast<double>(in[dim]), in, i64), in, i64);
+      const std::string r = l.ReduceOver(idx, in, which, "minimum", l.Constant(static_cast<double>(in[dim]), {}, i64), i64);
+      return l.Reshape(l.Convert(r, Lowering::Kept(in, which), i64, *o.type), Lowering::Kept(in, which), o.dims, *o.type);
+    };
+    for (const auto& [name, dir] : std::vector<std::pair<std::string, const char*>>{
+             {"eq", "EQ"}, {"ne", "NE"}, {"lt", "LT"}, {"le", "LE"}, {"gt", "GT"}, {"ge", "GE"}}) {
+      for (const char* overload : {".Tensor", ".Scalar", ".Tensor_out", ".Scalar_out"}) {
+        const char* cmp = dir;
+        (*m)["aten::" + name + overload] = [cmp](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+            -> absl::StatusOr<std::string> {
+          if (d.num_args < 2) return Unsupported(l.op(), "arguments");
+          // Compared in a type both sides fit: double if either is floating.
+          bool floating = false;
+          for (size_t i = 0; i < 2; ++i) {
+            const tpu::OpArg& a = d.args[i];
+            const DType* t = a.tag == tpu::ArgTag::kTensor ? DTypeOf(a.tensor.dtype) : nullptr;
+            floating |= (t != nullptr && t->is_float) || a.tag == tpu::ArgTag::kScalarDouble ||
+                        (a.tag == tpu::ArgTag::kScalarTensor && DTypeOf(a.dtype) != nullptr && DTypeOf(a.dtype)->is_float);
+          }
+          const DType& t = floating ? F64() : I64();
+          absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t);
+          if (!a.ok()) return a;
+          if (!b.ok()) return b;
+          return l.Convert(l.Compare(cmp, *a, *b, o.dims, t), o.dims, *DTypeOf(11), *o.type);
+        };
+      }
+    }
+    (*m)["aten::gelu"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      if (absl::Status st = ExactGelu(l, d, 1); !st.ok()) return st;
+      absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
+      if (!x.ok()) return x;
+      return l.Binary("multiply", *x, GeluCdf(l, *x, o.dims, *o.type), o.dims, *o.type);
+    };
+    (*m)["aten::gelu_backward"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      // (grad_output, self, approximate): grad * (cdf(x) + x * pdf(x))
+      if (absl::Status st = ExactGelu(l, d, 2); !st.ok()) return st;
+      if (d.num_args < 2) return Unsupported(l.op(), "arguments");
+      const DType& t = *o.type;
+      absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t), x = l.Operand(d.args[1], o.dims, t);
+      if (!g.ok()) return g;
+      if (!x.ok()) return x;
+      const std::string x2 = l.Binary("multiply", *x, *x, o.dims, t);
+      const std::string pdf = l.Binary("multiply", l.Constant(0.39894228040143268, o.dims, t),
+                                       l.Unary("exponential", l.Binary("multiply", x2, l.Constant(-0.5, o.dims, t), o.dims, t), o.dims, t), o.dims, t);
+      const std::string dd = l.Binary("add", GeluCdf(l, *x, o.dims, t), l.Binary("multiply", *x, pdf, o.dims, t), o.dims, t);
+      return l.Binary("multiply", *g, dd, o.dims, t);
+    };
+    // self + weight * (end - self)
+    for (const char* name : {"aten::lerp.Scalar", "aten::lerp_.Scalar", "aten::lerp.Scalar_out",
+                             "aten::lerp.Tensor", "aten::lerp_.Tensor", "aten::lerp.Tensor_out"}) {
+      (*m)[name] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+          -> absl::StatusOr<std::string> {
+        if (d.num_args < 3) return Unsupported(l.op(), "arguments");
+        const DType& t = *o.type;
+        absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t),
+                                    w = l.Operand(d.args[2], o.dims, t);
+        for (auto* v : {&a, &b, &w}) if (!v->ok()) return *v;
+        return l.Binary("add", *a, l.Binary("multiply", *w, l.Binary("subtract", *b, *a, o.dims, t), o.dims, t), o.dims, t);
+      };
+    }
+    // self + value * (t1 * t2), self + value * (t1 / t2)
+    for (const char* base : {"addcmul", "addcdiv"}) {
+      const bool mul = std::string(base) == "addcmul";
+      for (const std::string suffix : {"", "_", ".out"}) {
+        (*m)[absl::StrCat("aten::", base, suffix)] = [mul](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+            -> absl::StatusOr<std::string> {
+          if (d.num_args < 3) return Unsupported(l.op(), "arguments");
+          const DType& t = *o.type;
+          absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t),
+                                      c = l.Operand(d.args[2], o.dims, t);
+          for (auto* v : {&a, &b, &c}) if (!v->ok()) return *v;
+          std::string prod = l.Binary(mul ? "multiply" : "divide", *b, *c, o.dims, t);
+          if (d.num_args > 3 && NumberOf(d.args[3]) != 1.0) {
+            absl::StatusOr<std::string> v = l.Operand(d.args[3], o.dims, t);
+            if (!v.ok()) return v;
+            prod = l.Binary("multiply", prod, *v, o.dims, t);
+          }
+          return l.Binary("add", *a, prod, o.dims, t);
+        };
+      }
+    }
+    const std::pair<const char*, const char*> outs[] = {
+        {"aten::_log_softmax.out", "aten::_log_softmax"},
+        {"aten::_softmax.out", "aten::_softmax"},
+        {"aten::_log_softmax_backward_data.out", "aten::_log_softmax_backward_data"},
+        {"aten::_softmax_backward_data.out", "aten::_softmax_backward_data"},
+        {"aten::argmax.out", "aten::argmax"},
+        {"aten::gelu.out", "aten::gelu"},
+        {"aten::gelu_backward.grad_input", "aten::gelu_backward"},
+    };
+    for (const auto& [out, functional] : outs) (*m)[out] = (*m)[functional];
+    return m;
+  }();
+  return *rules;
+}
+
 bool Contiguous(const tpu::TensorRef& r) {
   int64_t expect = 1;
   for (int d = r.ndim - 1; d >= 0; --d) {
@@ -600,7 +1203,7 @@ absl::StatusOr<std::shared_ptr<const BackendOp>> PjrtChip::LookupOp(absl::string
   const size_t colons = name.find("::");
   // Every op is accepted here; one without a lowering fails when it runs,
   // naming itself (so a session can go on with the ops that have one).
-  return std::make_shared<PjrtOp>(std::string(schema), std::move(name), WrittenArgument(schema));
+  return std::make_shared<PjrtOp>(std::string(schema), std::move(name), WrittenArguments(schema));
 }
 
 absl::StatusOr<const Executable*> PjrtChip::Compiled(const std::string& program, int device) {
@@ -632,71 +1235,116 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
                            std::vector<ResultValue>* results, ResultAllocator*) {
   const auto& op = static_cast<const PjrtOp&>(base);
   if (op.name() == "aten::_local_scalar_dense") return ReadScalar(op.name(), decoded, tensors, results);
-  auto rule = Rules().find(op.name());
-  if (rule == Rules().end()) {
+  const Rule* single = nullptr;
+  for (const std::map<std::string, Rule>* rules : {&Rules(), &MoreRules()}) {
+    auto it = rules->find(op.name());
+    if (it != rules->end()) single = &it->second;
+  }
+  auto multi = MultiRules().find(op.name());
+  if (single == nullptr && multi == MultiRules().end()) {
     return Unsupported(op.name(), "no lowering to StableHLO yet");
   }
-  // Where the result goes: self for in-place ops, else the op's output.
-  Target out;
-  size_t out_index = 0;  // its TensorRef's position in `tensors`
   Lowering l(op.name(), decoded, tensors);
-  if (op.written() >= 0) {
-    const size_t w = static_cast<size_t>(op.written());
-    if (w >= decoded.num_args || decoded.args[w].tag != tpu::ArgTag::kTensor) {
+  // Where results go: the written argument (self of an in-place op, out of
+  // an out= op; each element of a written list), else the op's outputs.
+  std::vector<const tpu::TensorRef*> refs;
+  std::vector<size_t> ref_index;  // each one's position in `tensors`
+  for (int w : op.written()) {
+    if (static_cast<size_t>(w) >= decoded.num_args) {
+      return Unsupported(op.name(), "a written argument is missing");
+    }
+    const tpu::OpArg& a = decoded.args[w];
+    if (a.tag == tpu::ArgTag::kTensor) {
+      refs.push_back(&a.tensor);
+      ref_index.push_back(l.TensorIndex(a));
+    } else if (a.tag == tpu::ArgTag::kTensorList) {
+      for (size_t e = 0; e < a.tensors.size(); ++e) {
+        refs.push_back(&a.tensors[e]);
+        ref_index.push_back(l.TensorIndex(a) + e);
+      }
+    } else {
       return Unsupported(op.name(), "writing something that is not a tensor");
     }
-    out.ref = &decoded.args[w].tensor;
-    out_index = l.TensorIndex(decoded.args[w]);
-  } else {
-    if (decoded.outputs.size() != 1) {
-      return Unsupported(op.name(), absl::StrCat(decoded.outputs.size(), " outputs"));
+  }
+  if (op.written().empty()) {
+    for (size_t o = 0; o < decoded.outputs.size(); ++o) {
+      refs.push_back(&decoded.outputs[o]);
+      ref_index.push_back(tensors.size() - decoded.outputs.size() + o);
     }
-    out.ref = &decoded.outputs[0];
-    out_index = tensors.size() - 1;
   }
-  out.type = DTypeOf(out.ref->dtype);
-  if (out.type == nullptr) {
-    return Unsupported(op.name(), absl::StrCat("output dtype ", int(out.ref->dtype), " is not lowered"));
+  if (refs.empty()) return Unsupported(op.name(), "no output to write");
+  if (multi == MultiRules().end() && refs.size() != 1) {
+    return Unsupported(op.name(), absl::StrCat(refs.size(), " outputs"));
   }
-  out.dims.assign(out.ref->sizes, out.ref->sizes + out.ref->ndim);
+  std::vector<Target> outs(refs.size());
+  std::vector<char*> dsts(refs.size());
   // A written tensor whose layout is dense in some order of its dimensions
-  // (a transpose, channels-last) gets the result transposed into that order.
-  std::vector<int64_t> order;
-  if (!Contiguous(*out.ref)) {
-    for (int d = 0; d < out.ref->ndim; ++d) order.push_back(d);
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      return out.ref->strides[a] > out.ref->strides[b];
-    });
-    int64_t expect = 1;
-    for (int i = out.ref->ndim - 1; i >= 0; --i) {
-      const int64_t d = order[i];
-      if (out.ref->sizes[d] != 1 && out.ref->strides[d] != expect) {
-        return Unsupported(op.name(), "writing a tensor whose layout has gaps or overlaps");
+  // (a transpose, channels-last) gets its result transposed into that order.
+  std::vector<std::vector<int64_t>> orders(refs.size());
+  for (size_t o = 0; o < refs.size(); ++o) {
+    const tpu::TensorRef& r = *refs[o];
+    outs[o].ref = &r;
+    outs[o].type = DTypeOf(r.dtype);
+    if (outs[o].type == nullptr) {
+      return Unsupported(op.name(), absl::StrCat("output dtype ", int(r.dtype), " is not lowered"));
+    }
+    outs[o].dims.assign(r.sizes, r.sizes + r.ndim);
+    if (!Contiguous(r)) {
+      std::vector<int64_t>& order = orders[o];
+      for (int d = 0; d < r.ndim; ++d) order.push_back(d);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int64_t a, int64_t b) { return r.strides[a] > r.strides[b]; });
+      int64_t expect = 1;
+      for (int k = r.ndim - 1; k >= 0; --k) {
+        const int64_t d = order[k];
+        if (r.sizes[d] != 1 && r.strides[d] != expect) {
+          return Unsupported(op.name(), "writing a tensor whose layout has gaps or overlaps");
+        }
+        expect *= r.sizes[d];
       }
-      expect *= out.ref->sizes[d];
+    }
+    absl::StatusOr<char*> dst = l.HostOf(r, ref_index[o]);
+    if (!dst.ok()) return dst.status();
+    dsts[o] = *dst;
+  }
+  if (multi == MultiRules().end()) {
+    for (size_t a = 0; a < decoded.num_args; ++a) {
+      const tpu::ArgTag t = decoded.args[a].tag;
+      if (t == tpu::ArgTag::kTensorList || t == tpu::ArgTag::kOptionalTensorList) {
+        return Unsupported(op.name(), "tensor lists are not lowered for this op");
+      }
     }
   }
-  for (size_t i = 0; i < decoded.num_args; ++i) {
-    const tpu::ArgTag t = decoded.args[i].tag;
-    if (t == tpu::ArgTag::kTensorList || t == tpu::ArgTag::kOptionalTensorList) {
-      return Unsupported(op.name(), "tensor lists are not lowered yet");
+  std::vector<std::string> values;
+  if (multi != MultiRules().end()) {
+    absl::StatusOr<std::vector<std::string>> v = multi->second(l, decoded, outs);
+    if (!v.ok()) return v.status();
+    values = *std::move(v);
+  } else {
+    absl::StatusOr<std::string> v = (*single)(l, decoded, outs[0]);
+    if (!v.ok()) return v.status();
+    values.push_back(*v);
+  }
+  if (values.size() != outs.size()) {
+    return absl::InternalError(absl::StrCat(op.name(), ": the lowering made ", values.size(),
+                                            " results for ", outs.size(), " outputs"));
+  }
+  std::vector<std::string> types;
+  for (size_t o = 0; o < outs.size(); ++o) {
+    std::vector<int64_t> stored = outs[o].dims;
+    if (!orders[o].empty()) {
+      for (size_t d = 0; d < orders[o].size(); ++d) stored[d] = outs[o].dims[orders[o][d]];
+      values[o] = l.Emit(absl::StrCat("stablehlo.transpose ", values[o], ", dims = [",
+                                      absl::StrJoin(orders[o], ", "), "] : (",
+                                      TypeOf(outs[o].dims, *outs[o].type), ") -> ",
+                                      TypeOf(stored, *outs[o].type)));
     }
+    types.push_back(TypeOf(stored, *outs[o].type));
   }
-  absl::StatusOr<char*> dst = l.HostOf(*out.ref, out_index);
-  if (!dst.ok()) return dst.status();
-  absl::StatusOr<std::string> value = rule->second(l, decoded, out);
-  if (!value.ok()) return value.status();
-  std::string result = *value;
-  std::vector<int64_t> stored = out.dims;
-  if (!order.empty()) {
-    for (size_t i = 0; i < order.size(); ++i) stored[i] = out.dims[order[i]];
-    result = l.Emit(absl::StrCat("stablehlo.transpose ", result, ", dims = [",
-                                 absl::StrJoin(order, ", "), "] : (", TypeOf(out.dims, *out.type),
-                                 ") -> ", TypeOf(stored, *out.type)));
-  }
-  const std::string program = l.Text(result, TypeOf(stored, *out.type));
-  // The chip is the output's.
-  const int device = tpu::DeviceAddressChip(out.ref->address);
+  const std::string program = l.Text(values, types);
+  // The chip is the first output's; every tensor of the op is on it (the
+  // client keeps an op's tensors on one device).
+  const int device = tpu::DeviceAddressChip(refs[0]->address);
   if (device < 0 || device >= plugin_->num_devices()) {
     return absl::InvalidArgumentError(absl::StrCat(op.name(), ": output on chip ", device,
                                                    ", which has no device"));
@@ -716,23 +1364,31 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     args.push_back(b->get());
     inputs.push_back(*std::move(b));
   }
-  absl::StatusOr<std::vector<Buffer>> outs = plugin_->Execute(**exe, device, args);
-  if (!outs.ok()) {
-    return absl::Status(outs.status().code(), absl::StrCat(op.name(), ": ", outs.status().message()));
+  absl::StatusOr<std::vector<Buffer>> out_buffers = plugin_->Execute(**exe, device, args);
+  if (!out_buffers.ok()) {
+    return absl::Status(out_buffers.status().code(),
+                        absl::StrCat(op.name(), ": ", out_buffers.status().message()));
   }
-  int64_t numel = 1;
-  for (int64_t d : out.dims) numel *= d;
-  const size_t bytes = static_cast<size_t>(numel) * out.type->bytes;
-  if (bytes > 0) {
-    if (absl::Status st = plugin_->ToHost((*outs)[0], *dst, bytes); !st.ok()) {
+  if (out_buffers->size() != outs.size()) {
+    return absl::InternalError(absl::StrCat(op.name(), ": the program gave ", out_buffers->size(),
+                                            " results for ", outs.size(), " outputs"));
+  }
+  for (size_t o = 0; o < outs.size(); ++o) {
+    int64_t numel = 1;
+    for (int64_t d : outs[o].dims) numel *= d;
+    const size_t bytes = static_cast<size_t>(numel) * outs[o].type->bytes;
+    if (bytes == 0) continue;
+    if (absl::Status st = plugin_->ToHost((*out_buffers)[o], dsts[o], bytes); !st.ok()) {
       return absl::Status(st.code(), absl::StrCat(op.name(), ": ", st.message()));
     }
   }
   if (results != nullptr) {
-    ResultValue v;
-    v.kind = ResultValue::Kind::kTensor;
-    v.tensor = *out.ref;
-    results->push_back(v);
+    for (const tpu::TensorRef* r : refs) {
+      ResultValue v;
+      v.kind = ResultValue::Kind::kTensor;
+      v.tensor = *r;
+      results->push_back(v);
+    }
   }
   return absl::OkStatus();
 }

@@ -175,3 +175,21 @@ def test_programs_compile_once_and_tpuctl_counts_them(pjrt):
     text = subprocess.run([tpuctl, f"--admin_socket={pjrt.admin_socket}", "executors"],
                           capture_output=True, text=True, timeout=30).stdout
     assert "COMPILES" in text and "compiled programs cached" in text, text
+
+
+def test_example_training_reaches_cpu_losses_on_pjrt(pjrt):
+    """examples/train_tpu.py (LayerNorm, GELU, cross-entropy, AdamW's foreach
+    step) on the PJRT backend prints CPU's losses."""
+    import re
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "examples", "train_tpu.py")
+    finals = {}
+    for device in ("cpu", "tpu"):
+        r = subprocess.run([sys.executable, example, "--device", device, "--steps", "30",
+                            "--log-every", "10"], env=pjrt.env(), capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        finals[device] = [float(x) for x in re.findall(r"loss (\d+\.\d+)", r.stdout)]
+    assert len(finals["tpu"]) >= 3
+    for c, t in zip(finals["cpu"], finals["tpu"]):
+        assert abs(c - t) < 2e-3, finals
