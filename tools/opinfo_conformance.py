@@ -42,8 +42,9 @@ Otherwise one worker (one tpud session) runs everything, as a user's process
 would: an op's error is caught and the run goes on, so the figure includes any
 harm a failed op does to later work. --isolate measures each op apart instead:
 after an op fails, a new worker (a new session) takes over. With --start-daemon the tool runs its own tpud
-(bazel-bin/daemon/tpud, --hbm_bytes=4GiB) on sockets in a temporary folder,
-restarted if it dies; else it uses the daemon at TPUD_SOCKET.
+(bazel-bin/daemon/tpud, --hbm_bytes=4GiB; --backend pjrt for the PJRT backend on
+XLA's CPU plugin) on sockets in a temporary folder, restarted if it dies; else
+it uses the daemon at TPUD_SOCKET.
 
   .venv/bin/python tools/opinfo_conformance.py --start-daemon --ops add,mm --report r.json
   .venv/bin/python tools/opinfo_conformance.py --start-daemon --max-samples 3 --report all.json
@@ -611,8 +612,8 @@ def select_units(op_db, args, torch):
 class ManagedDaemon(TpudProcess):
     """tpud for the whole run, restarted when it dies or is rebuilt."""
 
-    def __init__(self, binary, hbm):
-        super().__init__(binary, hbm, prefix="tpud-conformance.", log_to_file=True)
+    def __init__(self, binary, hbm, extra_flags=()):
+        super().__init__(binary, hbm, extra_flags, prefix="tpud-conformance.", log_to_file=True)
         self.starts = 0
         self.binary_stamp = None
 
@@ -791,12 +792,22 @@ def write_report(path, args, meta, units, events, started, final):
     os.replace(tmp, path)
 
 
+def backend_flags(backend):
+    """tpud flags for --backend."""
+    if backend != "pjrt":
+        return []
+    import xla_plugins.xla_cpu_pjrt as plugin
+
+    path = os.path.join(os.path.dirname(plugin.__file__), "xla_cpu_pjrt.so")
+    return ["--backend=pjrt", f"--pjrt_plugin={path}", "--pjrt_option=cpu_device_count=4"]
+
+
 def run(args):
     started = time.time()
     env = dict(os.environ)
     daemon = None
     if args.start_daemon:
-        daemon = ManagedDaemon(args.tpud, args.hbm)
+        daemon = ManagedDaemon(args.tpud, args.hbm, backend_flags(args.backend))
         daemon.start()
         daemon.env(env)
     logdir = tempfile.mkdtemp(prefix="opinfo-conformance.", dir="/tmp")
@@ -1004,6 +1015,8 @@ def parse_args(argv):
                    help="run a tpud of our own (--tpud, --hbm) instead of TPUD_SOCKET's")
     p.add_argument("--tpud", default=str(DEFAULT_TPUD), help="the tpud binary for --start-daemon")
     p.add_argument("--hbm", default="4GiB", help="--hbm_bytes of that tpud (4GiB)")
+    p.add_argument("--backend", choices=("simulated", "pjrt"), default="simulated",
+                   help="that tpud's backend; pjrt runs XLA's CPU plugin from .venv (xla-cpu-pjrt)")
     p.add_argument("--min-pass-rate", type=float,
                    help="exit 1 when the pass rate is below this fraction (e.g. 0.9)")
     p.add_argument("--isolate", action="store_true",

@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""The pjrt_* figures: tpud's PJRT backend on XLA's CPU plugin (xla-cpu-pjrt in
+.venv) against calling the same compiled program on the same plugin in-process
+(bench/pjrt_inprocess_bench, inputs resident on the device), in the same run.
+
+    .venv/bin/python bench/pjrt_bench.py [--tpud bazel-bin/daemon/tpud] [--rounds 5]
+
+One JSON object per line (as bench/torch_bench.py):
+  pjrt_tiny_op       x.add_(1) on a 1-element tensor, issued from Python through
+                     tpud, against one in-process call of the program tpud
+                     compiles for it. Target 0.5.
+  pjrt_matmul_1024   a 1024x1024 float32 matmul through tpud against the same
+                     dot in-process. Target 0.95.
+  pjrt_train_step    torch_bench's small-op AdamW training step on tpu (PJRT)
+                     against CPU eager PyTorch, reported as it is (no target).
+"""
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "bench"))
+from tpud_process import TpudProcess  # noqa: E402
+
+
+def plugin_path():
+    import xla_plugins.xla_cpu_pjrt as m
+
+    return os.path.join(os.path.dirname(m.__file__), "xla_cpu_pjrt.so")
+
+
+def figure(name, project, baseline, target, work, baseline_what):
+    return {"name": name, "speed_ratio": round(baseline / project, 4), "target": target,
+            "project_seconds": float(f"{project:.6g}"), "baseline_seconds": float(f"{baseline:.6g}"),
+            "baseline": baseline_what, "work": work}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tpud", default=str(ROOT / "bazel-bin" / "daemon" / "tpud"))
+    p.add_argument("--inprocess", default=str(ROOT / "bazel-bin" / "bench" / "pjrt_inprocess_bench"))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--scale", type=float, default=1.0)
+    args = p.parse_args()
+    plugin = plugin_path()
+    r = subprocess.run([args.inprocess, plugin, "cpu_device_count=4"], capture_output=True,
+                       text=True, timeout=600)
+    if r.returncode != 0:
+        sys.exit(f"pjrt_bench: {args.inprocess} failed: {r.stderr[-2000:]}")
+    base = json.loads(r.stdout.strip().splitlines()[-1])
+
+    daemon = TpudProcess(args.tpud, "1GiB", ["--backend=pjrt", f"--pjrt_plugin={plugin}",
+                                             "--pjrt_option=cpu_device_count=4"],
+                         prefix="tpud-pjrt-bench.")
+    daemon.start(timeout=30)
+    os.environ["TPUD_SOCKET"] = daemon.socket
+    try:
+        import torch
+        import torch_tpu  # noqa: F401
+        import torch_bench
+
+        def per_unit(fn, units, sync):
+            times = []
+            fn()
+            sync()
+            for _ in range(args.rounds):
+                t0 = time.perf_counter()
+                for _ in range(units):
+                    fn()
+                sync()
+                times.append((time.perf_counter() - t0) / units)
+            return statistics.median(times)
+
+        sync = torch.tpu.synchronize
+        x = torch.zeros(1, device="tpu")
+        tiny = per_unit(lambda: x.add_(1), max(1, int(5000 * args.scale)), sync)
+        print(json.dumps(figure("pjrt_tiny_op", tiny, base["tiny_op_s"], 0.5,
+                                "one x.add_(1) on a 1-element tensor, issued from Python",
+                                "the same program called in-process on the plugin")), flush=True)
+        a = torch.full((1024, 1024), 0.5, device="tpu")
+        mm = per_unit(lambda: torch.mm(a, a), max(1, int(3 * args.scale)), sync)
+        print(json.dumps(figure("pjrt_matmul_1024", mm, base["matmul_1024_s"], 0.95,
+                                "one 1024x1024 float32 matmul",
+                                "the same dot called in-process on the plugin")), flush=True)
+        step = {dev: torch_bench.small_op_model(torch, dev) for dev in ("cpu", "tpu")}
+        units = max(1, int(10 * args.scale))
+        t_tpu = per_unit(step["tpu"], units, sync)
+        t_cpu = per_unit(step["cpu"], units, lambda: None)
+        print(json.dumps(figure("pjrt_train_step", t_tpu, t_cpu, None,
+                                "one AdamW step of torch_bench's small-op MLP on --backend=pjrt",
+                                "CPU eager PyTorch, same work, same run")), flush=True)
+    finally:
+        daemon.close()
+
+
+if __name__ == "__main__":
+    main()
