@@ -146,8 +146,10 @@ class Lowering {
     if (!fp.ok()) return fp.status();
     if (ref.address < seg.segment_address || rel > seg.segment_bytes ||
         fp->end > seg.segment_bytes - rel) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(op_, ": a tensor reaches past the end of its segment"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          op_, ": tensor ", k, " of the record (at 0x", absl::Hex(ref.address),
+          ") is not inside its segment [0x", absl::Hex(seg.segment_address), ", +",
+          seg.segment_bytes, " bytes)"));
     }
     for (int d = 0; d < ref.ndim; ++d) {
       if (ref.strides[d] < 0) return Unsupported(op_, "a tensor with a negative stride");
@@ -297,7 +299,7 @@ class Lowering {
   std::string Compare(const char* dir, const std::string& a, const std::string& b,
                       const std::vector<int64_t>& dims, const DType& t) {
     return Emit(absl::StrCat("stablehlo.compare ", dir, ", ", a, ", ", b, ", ",
-                             t.is_float ? "FLOAT" : (t.mlir[0] == 'u' ? "UNSIGNED" : "SIGNED"),
+                             t.is_float ? "FLOAT" : (t.mlir[0] == 'u' || t.c10 == 11 ? "UNSIGNED" : "SIGNED"),
                              " : (", TypeOf(dims, t), ", ", TypeOf(dims, t), ") -> ",
                              TypeOf(dims, *DTypeOf(11))));
   }
@@ -767,7 +769,10 @@ const std::map<std::string, MultiRule>& MultiRules() {
       const std::vector<bool>& mask = d.args[7].bools;
       size_t wanted = 0;
       for (bool b : mask) wanted += b ? 1 : 0;
-      if (mask.size() != 3 || outs.size() != wanted) return Unsupported(l.op(), "output_mask");
+      // Either one output per true entry of the mask, or all three (those
+      // not asked for are empty and get nothing).
+      const bool all_three = outs.size() == 3;
+      if (mask.size() != 3 || (outs.size() != wanted && !all_three)) return Unsupported(l.op(), "output_mask");
       const DType& t = *outs[0].type;
       const std::vector<int64_t> in = DimsOf(d.args[1].tensor);
       const size_t k = d.args[2].ints.size();
@@ -791,11 +796,15 @@ const std::map<std::string, MultiRule>& MultiRules() {
       const std::string m1 = l.Expand(l.Binary("divide", l.ReduceOver(gw, in, which, "add", zero, t), n, kept, t), in, which, t);
       const std::string m2 = l.Expand(l.Binary("divide", l.ReduceOver(l.Binary("multiply", gw, xhat, in, t), in, which, "add", zero, t), n, kept, t), in, which, t);
       std::vector<std::string> r;
-      if (mask[0]) {
+      auto skipped = [&](int j) {
+        if (all_three && !mask[j]) r.push_back(l.Constant(0, outs[j].dims, *outs[j].type));
+        return !mask[j];
+      };
+      if (!skipped(0)) {
         r.push_back(l.Binary("multiply", *rstd, l.Binary("subtract", l.Binary("subtract", gw, m1, in, t), l.Binary("multiply", xhat, m2, in, t), in, t), in, t));
       }
       for (int j : {1, 2}) {
-        if (!mask[j]) continue;
+        if (skipped(j)) continue;
         const Target& o = outs[r.size()];
         const std::string v = j == 1 ? l.Binary("multiply", *g, xhat, in, t) : *g;
         const std::string s = batch.empty() ? v : l.ReduceOver(v, in, batch, "add", zero, t);
@@ -1134,6 +1143,297 @@ const std::map<std::string, Rule>& MoreRules() {
   return *rules;
 }
 
+// Elementwise and reduction rules of the long tail, and the in-place and
+// out= forms every functional rule gets.
+const std::map<std::string, Rule>& TailRules() {
+  static const auto* rules = [] {
+    auto* m = new std::map<std::string, Rule>;
+    using F = std::function<std::string(Lowering&, const std::string&, const Target&)>;
+    auto unary = [m](const std::string& name, F f) {
+      (*m)[name] = UnaryRule(std::move(f));
+    };
+    auto c = [](Lowering& l, double v, const Target& o) { return l.Constant(v, o.dims, *o.type); };
+    auto B = [](Lowering& l, const char* op, const std::string& a, const std::string& b, const Target& o) {
+      return l.Binary(op, a, b, o.dims, *o.type);
+    };
+    auto U = [](Lowering& l, const char* op, const std::string& a, const Target& o) {
+      return l.Unary(op, a, o.dims, *o.type);
+    };
+    for (const auto& [name, op] : std::vector<std::pair<std::string, const char*>>{
+             {"floor", "floor"}, {"ceil", "ceil"}, {"round", "round_nearest_even"},
+             {"sign", "sign"}, {"sgn", "sign"}, {"log1p", "log_plus_one"},
+             {"expm1", "exponential_minus_one"}, {"tan", "tan"}}) {
+      (*m)["aten::" + name] = Simple(op);
+    }
+    unary("aten::reciprocal", [=](Lowering& l, const std::string& x, const Target& o) { return B(l, "divide", c(l, 1, o), x, o); });
+    unary("aten::square", [=](Lowering& l, const std::string& x, const Target& o) { return B(l, "multiply", x, x, o); });
+    unary("aten::trunc", [=](Lowering& l, const std::string& x, const Target& o) {
+      return B(l, "multiply", U(l, "sign", x, o), U(l, "floor", U(l, "abs", x, o), o), o);
+    });
+    unary("aten::erf", [](Lowering& l, const std::string& x, const Target& o) { return Erf(l, x, o.dims, *o.type); });
+    unary("aten::atan", [=](Lowering& l, const std::string& x, const Target& o) { return B(l, "atan2", x, c(l, 1, o), o); });
+    unary("aten::asin", [=](Lowering& l, const std::string& x, const Target& o) {
+      return B(l, "atan2", x, U(l, "sqrt", B(l, "subtract", c(l, 1, o), B(l, "multiply", x, x, o), o), o), o);
+    });
+    unary("aten::acos", [=](Lowering& l, const std::string& x, const Target& o) {
+      return B(l, "atan2", U(l, "sqrt", B(l, "subtract", c(l, 1, o), B(l, "multiply", x, x, o), o), o), x, o);
+    });
+    for (bool sinh : {true, false}) {
+      unary(sinh ? "aten::sinh" : "aten::cosh", [=](Lowering& l, const std::string& x, const Target& o) {
+        const std::string e = U(l, "exponential", x, o), f = U(l, "exponential", U(l, "negate", x, o), o);
+        return B(l, "multiply", B(l, sinh ? "subtract" : "add", e, f, o), c(l, 0.5, o), o);
+      });
+    }
+    unary("aten::log2", [=](Lowering& l, const std::string& x, const Target& o) { return B(l, "divide", U(l, "log", x, o), c(l, 0.69314718055994531, o), o); });
+    unary("aten::log10", [=](Lowering& l, const std::string& x, const Target& o) { return B(l, "divide", U(l, "log", x, o), c(l, 2.3025850929940457, o), o); });
+    unary("aten::silu", [=](Lowering& l, const std::string& x, const Target& o) { return B(l, "multiply", x, U(l, "logistic", x, o), o); });
+    unary("aten::exp2", [=](Lowering& l, const std::string& x, const Target& o) { return B(l, "power", c(l, 2, o), x, o); });
+    // Predicates of one tensor: computed on its own dtype, written as bool.
+    for (const auto& [name, kind] : std::vector<std::pair<std::string, int>>{
+             {"logical_not", 0}, {"isnan", 1}, {"isinf", 2}, {"isfinite", 3}}) {
+      const int k = kind;
+      (*m)["aten::" + name] = [k](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+          -> absl::StatusOr<std::string> {
+        if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
+        const DType* t = DTypeOf(d.args[0].tensor.dtype);
+        if (t == nullptr) return Unsupported(l.op(), "dtype");
+        if (k != 0 && !t->is_float) {
+          return l.Convert(l.Constant(k == 3 ? 1 : 0, o.dims, *DTypeOf(11)), o.dims, *DTypeOf(11), *o.type);
+        }
+        absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *t);
+        if (!x.ok()) return x;
+        std::string p;
+        if (k == 0) p = l.Compare("EQ", *x, l.Constant(0, o.dims, *t), o.dims, *t);
+        if (k == 1) p = l.Compare("NE", *x, *x, o.dims, *t);
+        if (k == 2) p = l.Compare("EQ", l.Unary("abs", *x, o.dims, *t), l.Unary("abs", l.Binary("divide", l.Constant(1, o.dims, *t), l.Constant(0, o.dims, *t), o.dims, *t), o.dims, *t), o.dims, *t);
+        if (k == 3) p = l.Emit(absl::StrCat("stablehlo.is_finite ", *x, " : (", TypeOf(o.dims, *t), ") -> ", TypeOf(o.dims, *DTypeOf(11))));
+        return l.Convert(p, o.dims, *DTypeOf(11), *o.type);
+      };
+    }
+    for (const char* ov : {".Tensor", ".Scalar"}) {
+      (*m)[std::string("aten::atan2") + (std::string(ov) == ".Tensor" ? "" : ".Scalar")] = BinaryRule("atan2", false);
+      (*m)[std::string("aten::remainder") + ov] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+          -> absl::StatusOr<std::string> {
+        // Python's %: the result has the divisor's sign.
+        const DType& t = *o.type;
+        absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t);
+        if (!a.ok()) return a;
+        if (!b.ok()) return b;
+        const std::string r = l.Binary("remainder", *a, *b, o.dims, t);
+        const std::string zero = l.Constant(0, o.dims, t);
+        const std::string nz = l.Compare("NE", r, zero, o.dims, t);
+        const std::string differ = l.Compare("NE", l.Compare("LT", r, zero, o.dims, t), l.Compare("LT", *b, zero, o.dims, t), o.dims, *DTypeOf(11));
+        const std::string fix = l.Emit(absl::StrCat("stablehlo.and ", nz, ", ", differ, " : ", TypeOf(o.dims, *DTypeOf(11))));
+        return l.Select(fix, l.Binary("add", r, *b, o.dims, t), r, o.dims, t);
+      };
+      for (const auto& [name, op] : std::vector<std::pair<std::string, const char*>>{
+               {"bitwise_and", "and"}, {"bitwise_or", "or"}, {"bitwise_xor", "xor"}}) {
+        (*m)["aten::" + name + ov] = BinaryRule(op, false);
+      }
+    }
+    for (const auto& [name, op] : std::vector<std::pair<std::string, const char*>>{
+             {"logical_and", "and"}, {"logical_or", "or"}, {"logical_xor", "xor"}}) {
+      const char* hlo = op;
+      (*m)["aten::" + name] = [hlo](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+          -> absl::StatusOr<std::string> {
+        const DType& f = F64();
+        const DType& pred = *DTypeOf(11);
+        absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, f), b = l.Operand(d.args[1], o.dims, f);
+        if (!a.ok()) return a;
+        if (!b.ok()) return b;
+        const std::string zero = l.Constant(0, o.dims, f);
+        const std::string r = l.Emit(absl::StrCat("stablehlo.", hlo, " ", l.Compare("NE", *a, zero, o.dims, f), ", ",
+                                                  l.Compare("NE", *b, zero, o.dims, f), " : ", TypeOf(o.dims, pred)));
+        return l.Convert(r, o.dims, pred, *o.type);
+      };
+    }
+    (*m)["aten::logaddexp"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      const DType& t = *o.type;
+      absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t);
+      if (!a.ok()) return a;
+      if (!b.ok()) return b;
+      const std::string mx = l.Binary("maximum", *a, *b, o.dims, t);
+      const std::string diff = l.Unary("negate", l.Unary("abs", l.Binary("subtract", *a, *b, o.dims, t), o.dims, t), o.dims, t);
+      return l.Binary("add", mx, l.Unary("log_plus_one", l.Unary("exponential", diff, o.dims, t), o.dims, t), o.dims, t);
+    };
+    // clamp(self, min?, max?): bounds are scalars or tensors, either may be absent.
+    auto clamp = [](bool lo, bool hi) {
+      return [lo, hi](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+        const DType& t = *o.type;
+        absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
+        if (!x.ok()) return x;
+        std::string r = *x;
+        size_t i = 1;
+        for (bool use : {lo, hi}) {
+          if (!use) continue;
+          const size_t k = i++;
+          if (k >= d.num_args) break;
+          const tpu::ArgTag tag = d.args[k].tag;
+          if (tag == tpu::ArgTag::kNone || tag == tpu::ArgTag::kUndefinedTensor) continue;
+          absl::StatusOr<std::string> b = l.Operand(d.args[k], o.dims, t);
+          if (!b.ok()) return b;
+          r = l.Binary(use && k == 1 && lo ? "maximum" : "minimum", r, *b, o.dims, t);
+        }
+        return r;
+      };
+    };
+    (*m)["aten::clamp"] = clamp(true, true);
+    (*m)["aten::clamp.Tensor"] = clamp(true, true);
+    (*m)["aten::clamp_min"] = clamp(true, false);
+    (*m)["aten::clamp_min.Tensor"] = clamp(true, false);
+    (*m)["aten::clamp_max"] = clamp(false, true);
+    (*m)["aten::clamp_max.Tensor"] = clamp(false, true);
+    (*m)["aten::hardtanh"] = clamp(true, true);
+    (*m)["aten::where.self"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      if (d.num_args < 3) return Unsupported(l.op(), "arguments");
+      const DType& pred = *DTypeOf(11);
+      absl::StatusOr<std::string> cnd = l.Operand(d.args[0], o.dims, pred);
+      absl::StatusOr<std::string> a = l.Operand(d.args[1], o.dims, *o.type), b = l.Operand(d.args[2], o.dims, *o.type);
+      for (auto* v : {&cnd, &a, &b}) if (!v->ok()) return *v;
+      return l.Select(*cnd, *a, *b, o.dims, *o.type);
+    };
+    for (const char* name : {"aten::masked_fill.Scalar", "aten::masked_fill.Tensor"}) {
+      (*m)[name] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+        if (d.num_args < 3) return Unsupported(l.op(), "arguments");
+        absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
+        absl::StatusOr<std::string> mask = l.Operand(d.args[1], o.dims, *DTypeOf(11));
+        absl::StatusOr<std::string> v = l.Operand(d.args[2], o.dims, *o.type);
+        for (auto* p : {&x, &mask, &v}) if (!p->ok()) return *p;
+        return l.Select(*mask, *v, *x, o.dims, *o.type);
+      };
+    }
+    for (const char* name : {"aten::rsub.Tensor", "aten::rsub.Scalar"}) {
+      (*m)[name] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+        // other - alpha * self
+        absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, *o.type), b = l.Operand(d.args[1], o.dims, *o.type);
+        if (!a.ok()) return a;
+        if (!b.ok()) return b;
+        std::string s = *a;
+        if (d.num_args > 2 && NumberOf(d.args[2]) != 1.0) {
+          absl::StatusOr<std::string> al = l.Operand(d.args[2], o.dims, *o.type);
+          if (!al.ok()) return al;
+          s = l.Binary("multiply", s, *al, o.dims, *o.type);
+        }
+        return l.Binary("subtract", *b, s, o.dims, *o.type);
+      };
+    }
+    (*m)["aten::fill_.Tensor"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      if (d.num_args < 2) return Unsupported(l.op(), "arguments");
+      return l.Operand(d.args[1], o.dims, *o.type);
+    };
+    (*m)["aten::leaky_relu"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      const DType& t = *o.type;
+      absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
+      if (!x.ok()) return x;
+      const double slope = d.num_args > 1 ? NumberOf(d.args[1]) : 0.01;
+      return l.Select(l.Compare("GT", *x, l.Constant(0, o.dims, t), o.dims, t), *x,
+                      l.Binary("multiply", *x, l.Constant(slope, o.dims, t), o.dims, t), o.dims, t);
+    };
+    (*m)["aten::elu"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      // (self, alpha, scale, input_scale)
+      const DType& t = *o.type;
+      absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
+      if (!x.ok()) return x;
+      const double alpha = d.num_args > 1 ? NumberOf(d.args[1]) : 1, scale = d.num_args > 2 ? NumberOf(d.args[2]) : 1,
+                   in_scale = d.num_args > 3 ? NumberOf(d.args[3]) : 1;
+      const std::string neg = l.Binary("multiply", l.Constant(alpha, o.dims, t),
+                                       l.Unary("exponential_minus_one", l.Binary("multiply", *x, l.Constant(in_scale, o.dims, t), o.dims, t), o.dims, t), o.dims, t);
+      const std::string r = l.Select(l.Compare("GT", *x, l.Constant(0, o.dims, t), o.dims, t), *x, neg, o.dims, t);
+      return l.Binary("multiply", r, l.Constant(scale, o.dims, t), o.dims, t);
+    };
+    // amax / amin over dims (all when none).
+    for (bool mx : {true, false}) {
+      (*m)[mx ? "aten::amax" : "aten::amin"] = [mx](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+          -> absl::StatusOr<std::string> {
+        if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
+        const tpu::TensorRef& x = d.args[0].tensor;
+        const std::vector<int64_t> in = DimsOf(x);
+        std::vector<int64_t> which;
+        if (d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kIntList && !d.args[1].ints.empty()) {
+          for (int64_t dim : d.args[1].ints) which.push_back(WrapDim(dim, in.size()));
+        } else {
+          for (size_t i = 0; i < in.size(); ++i) which.push_back(static_cast<int64_t>(i));
+        }
+        std::sort(which.begin(), which.end());
+        which.erase(std::unique(which.begin(), which.end()), which.end());
+        for (int64_t w : which) {
+          if (!in.empty() && (w < 0 || w >= static_cast<int64_t>(in.size()))) {
+            return absl::InvalidArgumentError(l.op() + ": dim out of range");
+          }
+        }
+        absl::StatusOr<std::string> v = l.Operand(d.args[0], in, *o.type);
+        if (!v.ok()) return v;
+        if (in.empty()) return l.Reshape(*v, in, o.dims, *o.type);  // a 0-d tensor: dim 0 / -1 is itself
+        std::string init = l.Lowest(*o.type);
+        if (!mx) init = l.Unary("negate", init, {}, *o.type);
+        const std::string r = l.ReduceOver(*v, in, which, mx ? "maximum" : "minimum", init, *o.type);
+        return l.Reshape(r, Lowering::Kept(in, which), o.dims, *o.type);
+      };
+    }
+    (*m)["aten::bmm"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      if (!Defined(d, 0) || !Defined(d, 1) || d.args[0].tensor.ndim != 3 || d.args[1].tensor.ndim != 3) {
+        return Unsupported(l.op(), "expects two 3-d tensors");
+      }
+      const std::vector<int64_t> da = DimsOf(d.args[0].tensor), db = DimsOf(d.args[1].tensor);
+      absl::StatusOr<std::string> a = l.Operand(d.args[0], da, *o.type), b = l.Operand(d.args[1], db, *o.type);
+      if (!a.ok()) return a;
+      if (!b.ok()) return b;
+      return l.Emit(absl::StrCat("stablehlo.dot_general ", *a, ", ", *b,
+                                 ", batching_dims = [0] x [0], contracting_dims = [2] x [1] : (",
+                                 TypeOf(da, *o.type), ", ", TypeOf(db, *o.type), ") -> ", TypeOf(o.dims, *o.type)));
+    };
+    (*m)["aten::dot"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      if (!Defined(d, 0) || !Defined(d, 1) || d.args[0].tensor.ndim != 1) return Unsupported(l.op(), "expects vectors");
+      const std::vector<int64_t> n = DimsOf(d.args[0].tensor);
+      absl::StatusOr<std::string> a = l.Operand(d.args[0], n, *o.type), b = l.Operand(d.args[1], n, *o.type);
+      if (!a.ok()) return a;
+      if (!b.ok()) return b;
+      return l.ReduceOver(l.Binary("multiply", *a, *b, n, *o.type), n, {0}, "add", l.Constant(0, {}, *o.type), *o.type);
+    };
+    return m;
+  }();
+  return *rules;
+}
+
+// The name of the in-place form of `name` ("aten::add.Tensor" ->
+// "aten::add_.Tensor") and of its out= form ("aten::add.out",
+// "aten::eq.Tensor_out").
+std::string InPlaceName(const std::string& name) {
+  const size_t dot = name.find('.');
+  return dot == std::string::npos ? name + "_" : name.substr(0, dot) + "_" + name.substr(dot);
+}
+std::string OutName(const std::string& name) {
+  const size_t dot = name.find('.');
+  return dot == std::string::npos ? name + ".out" : name + "_out";
+}
+
+// Every single-output rule, under its own name and its in-place and out=
+// forms (where no rule of that name is given).
+const std::map<std::string, Rule>& AllRules() {
+  static const auto* all = [] {
+    auto* m = new std::map<std::string, Rule>;
+    for (const std::map<std::string, Rule>* rules : {&Rules(), &MoreRules(), &TailRules()}) {
+      for (const auto& [name, rule] : *rules) (*m)[name] = rule;
+    }
+    std::vector<std::pair<std::string, Rule>> derived;
+    for (const auto& [name, rule] : *m) {
+      if (name.find("_.") != std::string::npos || name.back() == '_' || absl::StrContains(name, "out")) continue;
+      derived.emplace_back(InPlaceName(name), rule);
+      derived.emplace_back(OutName(name), rule);
+    }
+    for (auto& [name, rule] : derived) m->emplace(name, rule);  // given names win
+    return m;
+  }();
+  return *all;
+}
+
 bool Contiguous(const tpu::TensorRef& r) {
   int64_t expect = 1;
   for (int d = r.ndim - 1; d >= 0; --d) {
@@ -1236,10 +1536,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   const auto& op = static_cast<const PjrtOp&>(base);
   if (op.name() == "aten::_local_scalar_dense") return ReadScalar(op.name(), decoded, tensors, results);
   const Rule* single = nullptr;
-  for (const std::map<std::string, Rule>* rules : {&Rules(), &MoreRules()}) {
-    auto it = rules->find(op.name());
-    if (it != rules->end()) single = &it->second;
-  }
+  if (auto it = AllRules().find(op.name()); it != AllRules().end()) single = &it->second;
   auto multi = MultiRules().find(op.name());
   if (single == nullptr && multi == MultiRules().end()) {
     return Unsupported(op.name(), "no lowering to StableHLO yet");
@@ -1273,6 +1570,24 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     }
   }
   if (refs.empty()) return Unsupported(op.name(), "no output to write");
+  // Nothing to compute when every output is empty.
+  bool empty = true;
+  for (const tpu::TensorRef* r : refs) {
+    int64_t numel = 1;
+    for (int d = 0; d < r->ndim; ++d) numel *= r->sizes[d];
+    empty = empty && numel == 0;
+  }
+  if (empty) {
+    if (results != nullptr) {
+      for (const tpu::TensorRef* r : refs) {
+        ResultValue v;
+        v.kind = ResultValue::Kind::kTensor;
+        v.tensor = *r;
+        results->push_back(v);
+      }
+    }
+    return absl::OkStatus();
+  }
   if (multi == MultiRules().end() && refs.size() != 1) {
     return Unsupported(op.name(), absl::StrCat(refs.size(), " outputs"));
   }
@@ -1303,6 +1618,12 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
         expect *= r.sizes[d];
       }
     }
+    int64_t numel = 1;
+    for (int d = 0; d < r.ndim; ++d) numel *= r.sizes[d];
+    // Nothing to write: an empty result, or one the client did not ask for
+    // (an output slot without memory, e.g. a masked gradient).
+    if (numel == 0) continue;
+    if (ref_index[o] < tensors.size() && tensors[ref_index[o]].segment_bytes == 0 && r.address == 0) continue;
     absl::StatusOr<char*> dst = l.HostOf(r, ref_index[o]);
     if (!dst.ok()) return dst.status();
     dsts[o] = *dst;
@@ -1377,7 +1698,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     int64_t numel = 1;
     for (int64_t d : outs[o].dims) numel *= d;
     const size_t bytes = static_cast<size_t>(numel) * outs[o].type->bytes;
-    if (bytes == 0) continue;
+    if (bytes == 0 || dsts[o] == nullptr) continue;
     if (absl::Status st = plugin_->ToHost((*out_buffers)[o], dsts[o], bytes); !st.ok()) {
       return absl::Status(st.code(), absl::StrCat(op.name(), ": ", st.message()));
     }

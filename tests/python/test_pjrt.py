@@ -193,3 +193,39 @@ def test_example_training_reaches_cpu_losses_on_pjrt(pjrt):
     assert len(finals["tpu"]) >= 3
     for c, t in zip(finals["cpu"], finals["tpu"]):
         assert abs(c - t) < 2e-3, finals
+
+
+def test_more_ops_match_cpu_forward_and_backward(pjrt):
+    run_py(pjrt, """
+        import torch, torch_tpu
+        import torch.nn.functional as F
+        torch.manual_seed(0)
+        x, y = torch.randn(6, 5), torch.randn(6, 5)
+        a, b = x.to("tpu"), y.to("tpu")
+        checks = {
+            "where": (torch.where(a > b, a, b), torch.where(x > y, x, y)),
+            "clamp": (a.clamp(-0.5, 0.5), x.clamp(-0.5, 0.5)), "clamp_min": (a.clamp(min=0.1), x.clamp(min=0.1)),
+            "eq": (a == b, x == y), "lt scalar": (a < 0.3, x < 0.3), "logical_and": ((a > 0) & (b > 0), (x > 0) & (y > 0)),
+            "floor": (a.floor(), x.floor()), "remainder": (a % 0.7, x % 0.7), "atan2": (torch.atan2(a, b), torch.atan2(x, y)),
+            "erf": (torch.erf(a), torch.erf(x)), "silu": (F.silu(a), F.silu(x)), "amax": (a.amax(1), x.amax(1)),
+            "argmax": (a.argmax(1), x.argmax(1)), "argmax all": (a.argmax(), x.argmax()),
+            "log_softmax": (F.log_softmax(a, 1), F.log_softmax(x, 1)), "softmax": (F.softmax(a, 0), F.softmax(x, 0)),
+            "layer_norm": (F.layer_norm(a, (5,)), F.layer_norm(x, (5,))), "gelu": (F.gelu(a), F.gelu(x)),
+            "masked_fill": (a.masked_fill(a > 0, 2.0), x.masked_fill(x > 0, 2.0)),
+            "bmm": (torch.bmm(a.view(2, 3, 5), b.view(2, 5, 3)), torch.bmm(x.view(2, 3, 5), y.view(2, 5, 3))),
+        }
+        for name, (got, want) in checks.items():
+            assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
+            assert torch.allclose(got.cpu(), want, atol=1e-5), (name, got.cpu(), want)
+        # Backward: cross-entropy through layer norm and GELU, gradients against CPU's.
+        target = torch.tensor([0, 4, 2, 1, 3, 0])
+        def grads(dev):
+            w = torch.randn(5, 5, generator=torch.Generator().manual_seed(3)).to(dev).requires_grad_()
+            inp = x.detach().to(dev).requires_grad_()
+            loss = F.cross_entropy(F.gelu(F.layer_norm(inp @ w, (5,))), target.to(dev))
+            loss.backward()
+            return loss.item(), w.grad.cpu(), inp.grad.cpu()
+        lc, wc, ic = grads("cpu")
+        lt, wt, it = grads("tpu")
+        assert abs(lc - lt) < 1e-5 and torch.allclose(wc, wt, atol=1e-5) and torch.allclose(ic, it, atol=1e-5)
+    """)
