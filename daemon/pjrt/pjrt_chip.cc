@@ -1388,6 +1388,24 @@ const std::map<std::string, Rule>& TailRules() {
                                  ", batching_dims = [0] x [0], contracting_dims = [2] x [1] : (",
                                  TypeOf(da, *o.type), ", ", TypeOf(db, *o.type), ") -> ", TypeOf(o.dims, *o.type)));
     };
+    // Backward of sigmoid and tanh from their output y: grad * y * (1 - y),
+    // grad * (1 - y * y).
+    for (bool sig : {true, false}) {
+      (*m)[sig ? "aten::sigmoid_backward" : "aten::tanh_backward"] =
+          [sig](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+        if (d.num_args < 2) return Unsupported(l.op(), "arguments");
+        const DType& t = *o.type;
+        absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t), y = l.Operand(d.args[1], o.dims, t);
+        if (!g.ok()) return g;
+        if (!y.ok()) return y;
+        const std::string one = l.Constant(1, o.dims, t);
+        const std::string dy = sig ? l.Binary("multiply", *y, l.Binary("subtract", one, *y, o.dims, t), o.dims, t)
+                                   : l.Binary("subtract", one, l.Binary("multiply", *y, *y, o.dims, t), o.dims, t);
+        return l.Binary("multiply", *g, dy, o.dims, t);
+      };
+    }
+    (*m)["aten::sigmoid_backward.grad_input"] = (*m)["aten::sigmoid_backward"];
+    (*m)["aten::tanh_backward.grad_input"] = (*m)["aten::tanh_backward"];
     (*m)["aten::dot"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
         -> absl::StatusOr<std::string> {
       if (!Defined(d, 0) || !Defined(d, 1) || d.args[0].tensor.ndim != 1) return Unsupported(l.op(), "expects vectors");

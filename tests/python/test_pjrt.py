@@ -229,3 +229,52 @@ def test_more_ops_match_cpu_forward_and_backward(pjrt):
         lt, wt, it = grads("tpu")
         assert abs(lc - lt) < 1e-5 and torch.allclose(wc, wt, atol=1e-5) and torch.allclose(ic, it, atol=1e-5)
     """)
+
+
+def test_quota_oom_and_kill_9_reclaim_on_pjrt(pjrt):
+    tpuctl = bazel_bin("tools/tpuctl/tpuctl")
+    admin = f"--admin_socket={pjrt.admin_socket}"
+    subprocess.run([tpuctl, admin, "quota", "--default", "16MiB"], check=True, timeout=30)
+    try:
+        run_py(pjrt, """
+            import torch, torch_tpu
+            a = torch.ones(1024, 1024, device="tpu")          # 4 MiB
+            try:
+                torch.ones(8, 1024, 1024, device="tpu")        # 32 MiB: over the quota
+                raise SystemExit("no quota error")
+            except RuntimeError as e:
+                assert "quota" in str(e), str(e)
+            assert (a * 2).sum().item() == 2 * 1024 * 1024     # the session goes on
+        """)
+    finally:
+        subprocess.run([tpuctl, admin, "quota", "--default", "none"], check=True, timeout=30)
+    # A client killed while its ops run: its memory comes back; the one
+    # executor that holds the plugin serves the next job.
+    import signal
+    import textwrap
+    import time
+    victim = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, torch, torch_tpu
+        a = torch.randn(256, 256, device="tpu:1")
+        print("ready", flush=True)
+        while True:
+            a = torch.tanh(a @ a)
+    """)], env=pjrt.env(), stdout=subprocess.PIPE, text=True)
+    assert victim.stdout.readline().strip() == "ready"
+    time.sleep(0.3)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        doc = json.loads(subprocess.run([tpuctl, admin, "status", "--json"], capture_output=True,
+                                        text=True, timeout=30).stdout)
+        if not doc["sessions"] and all(c["hbm_used_bytes"] == 0 for c in doc["chips"]):
+            break
+        time.sleep(0.05)
+    assert not doc["sessions"], doc["sessions"]
+    assert all(c["hbm_used_bytes"] == 0 for c in doc["chips"]), doc["chips"]
+    run_py(pjrt, """
+        import torch, torch_tpu
+        x = torch.randn(8, 8)
+        assert torch.allclose((x.to("tpu:1") @ x.to("tpu:1")).cpu(), x @ x, atol=1e-5)
+    """)
