@@ -975,7 +975,34 @@ const std::map<std::string, MultiRule>& MultiRules() {
         });
       }
     }
+    (*m)["aten::cat"] = [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& outs)
+        -> absl::StatusOr<std::vector<std::string>> {
+      // (tensors, dim): one output; legacy empty 1-d inputs are skipped.
+      if (outs.size() != 1 || d.num_args < 1 || d.args[0].tag != tpu::ArgTag::kTensorList) {
+        return Unsupported(l.op(), "expects a list of tensors");
+      }
+      const Target& o = outs[0];
+      const int64_t dim = WrapDim(d.num_args > 1 ? d.args[1].i : 0, o.dims.size());
+      std::vector<std::string> parts, types;
+      for (size_t e = 0; e < d.args[0].tensors.size(); ++e) {
+        const tpu::TensorRef& r = d.args[0].tensors[e];
+        std::vector<int64_t> dims = DimsOf(r);
+        int64_t numel = 1;
+        for (int64_t v : dims) numel *= v;
+        if (numel == 0) continue;
+        absl::StatusOr<std::string> v = l.OperandRef(r, l.TensorIndex(d.args[0]) + e, dims, *o.type);
+        if (!v.ok()) return v.status();
+        parts.push_back(*v);
+        types.push_back(TypeOf(dims, *o.type));
+      }
+      if (parts.empty()) return std::vector<std::string>{l.Constant(0, o.dims, *o.type)};
+      if (parts.size() == 1) return parts;
+      return std::vector<std::string>{l.Emit(absl::StrCat(
+          "stablehlo.concatenate ", absl::StrJoin(parts, ", "), ", dim = ", dim, " : (",
+          absl::StrJoin(types, ", "), ") -> ", TypeOf(o.dims, *o.type)))};
+    };
     const std::pair<const char*, const char*> outs[] = {
+        {"aten::cat.out", "aten::cat"},
         {"aten::native_layer_norm.out", "aten::native_layer_norm"},
         {"aten::native_layer_norm_backward.out", "aten::native_layer_norm_backward"},
         {"aten::nll_loss_forward.output", "aten::nll_loss_forward"},
@@ -1404,6 +1431,45 @@ const std::map<std::string, Rule>& TailRules() {
         return l.Binary("multiply", *g, dy, o.dims, t);
       };
     }
+    (*m)["aten::mse_loss"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      // (self, target, reduction): none 0, mean 1, sum 2
+      if (!Defined(d, 0) || d.num_args < 3) return Unsupported(l.op(), "arguments");
+      const DType& t = *o.type;
+      const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+      absl::StatusOr<std::string> a = l.Operand(d.args[0], in, t), b = l.Operand(d.args[1], in, t);
+      if (!a.ok()) return a;
+      if (!b.ok()) return b;
+      const std::string diff = l.Binary("subtract", *a, *b, in, t);
+      const std::string sq = l.Binary("multiply", diff, diff, in, t);
+      const int64_t reduction = static_cast<int64_t>(NumberOf(d.args[2]));
+      if (reduction == 0 || in.empty()) return l.Reshape(sq, in, o.dims, t);
+      std::vector<int64_t> all;
+      int64_t n = 1;
+      for (size_t i = 0; i < in.size(); ++i) {
+        all.push_back(static_cast<int64_t>(i));
+        n *= in[i];
+      }
+      std::string r = l.ReduceOver(sq, in, all, "add", l.Constant(0, {}, t), t);
+      if (reduction == 1) r = l.Binary("divide", r, l.Constant(static_cast<double>(n), {}, t), {}, t);
+      return l.Reshape(r, {}, o.dims, t);
+    };
+    (*m)["aten::mse_loss_backward"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      // (grad_output, self, target, reduction)
+      if (d.num_args < 4) return Unsupported(l.op(), "arguments");
+      const DType& t = *o.type;
+      absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t), a = l.Operand(d.args[1], o.dims, t),
+                                  b = l.Operand(d.args[2], o.dims, t);
+      for (auto* v : {&g, &a, &b}) if (!v->ok()) return *v;
+      int64_t n = 1;
+      for (int64_t v : o.dims) n *= v;
+      const double scale = NumberOf(d.args[3]) == 1 ? 2.0 / static_cast<double>(n) : 2.0;
+      return l.Binary("multiply", l.Binary("multiply", l.Binary("subtract", *a, *b, o.dims, t), *g, o.dims, t),
+                      l.Constant(scale, o.dims, t), o.dims, t);
+    };
+    (*m)["aten::mse_loss.out"] = (*m)["aten::mse_loss"];
+    (*m)["aten::mse_loss_backward.grad_input"] = (*m)["aten::mse_loss_backward"];
     (*m)["aten::sigmoid_backward.grad_input"] = (*m)["aten::sigmoid_backward"];
     (*m)["aten::tanh_backward.grad_input"] = (*m)["aten::tanh_backward"];
     (*m)["aten::dot"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)

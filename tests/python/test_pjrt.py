@@ -278,3 +278,14 @@ def test_quota_oom_and_kill_9_reclaim_on_pjrt(pjrt):
         x = torch.randn(8, 8)
         assert torch.allclose((x.to("tpu:1") @ x.to("tpu:1")).cpu(), x @ x, atol=1e-5)
     """)
+
+
+def test_ddp_over_four_chips_matches_one_process_on_pjrt(pjrt):
+    """The collectives run on the PJRT backend's chips too (tpud moves the
+    bytes; the ops around them are lowered): DDP on 4 ranks, one per device,
+    trains like one process."""
+    from test_distributed import run_ranks
+
+    results = run_ranks(pjrt, "ddp", 4, timeout=600)
+    for rank, (rc, result, text) in enumerate(results):
+        assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
