@@ -92,7 +92,6 @@ std::vector<int> WrittenArguments(absl::string_view schema) {
   const size_t open = schema.find('(');
   if (open == absl::string_view::npos) return written;
   int depth = 0, index = 0;
-  bool any = false;
   size_t start = open + 1;
   for (size_t i = open + 1; i < schema.size(); ++i) {
     const char c = schema[i];
@@ -107,13 +106,11 @@ std::vector<int> WrittenArguments(absl::string_view schema) {
         const size_t bang = arg.find("!)");
         if (bang != absl::string_view::npos && arg.find('(') < bang) written.push_back(index);
         ++index;
-        any = true;
       }
       start = i + 1;
       if (c == ')') break;
     }
   }
-  (void)any;
   return written;
 }
 
@@ -506,30 +503,28 @@ absl::StatusOr<std::string> Reduce(Lowering& l, const tpu::DecodedOp& d, const T
 const std::map<std::string, Rule>& Rules() {
   static const auto* rules = [] {
     auto* m = new std::map<std::string, Rule>;
-    for (const char* suffix : {"", "_"}) {
-      const std::string s = suffix;
-      (*m)["aten::add" + s + ".Tensor"] = BinaryRule("add", true);
-      (*m)["aten::add" + s + ".Scalar"] = BinaryRule("add", true);
-      (*m)["aten::sub" + s + ".Tensor"] = BinaryRule("subtract", true);
-      (*m)["aten::sub" + s + ".Scalar"] = BinaryRule("subtract", true);
-      (*m)["aten::mul" + s + ".Tensor"] = BinaryRule("multiply", false);
-      (*m)["aten::mul" + s + ".Scalar"] = BinaryRule("multiply", false);
-      (*m)["aten::div" + s + ".Tensor"] = BinaryRule("divide", false);
-      (*m)["aten::div" + s + ".Scalar"] = BinaryRule("divide", false);
-      (*m)["aten::neg" + s] = Simple("negate");
-      (*m)["aten::exp" + s] = Simple("exponential");
-      (*m)["aten::log" + s] = Simple("log");
-      (*m)["aten::tanh" + s] = Simple("tanh");
-      (*m)["aten::sqrt" + s] = Simple("sqrt");
-      (*m)["aten::rsqrt" + s] = Simple("rsqrt");
-      (*m)["aten::abs" + s] = Simple("abs");
-      (*m)["aten::sin" + s] = Simple("sine");
-      (*m)["aten::cos" + s] = Simple("cosine");
-      (*m)["aten::sigmoid" + s] = Simple("logistic");
-      (*m)["aten::relu" + s] = UnaryRule([](Lowering& l, const std::string& a, const Target& o) {
-        return l.Binary("maximum", a, l.Constant(0, o.dims, *o.type), o.dims, *o.type);
-      });
-    }
+    // (Their in-place and out= forms come from AllRules.)
+    (*m)["aten::add.Tensor"] = BinaryRule("add", true);
+    (*m)["aten::add.Scalar"] = BinaryRule("add", true);
+    (*m)["aten::sub.Tensor"] = BinaryRule("subtract", true);
+    (*m)["aten::sub.Scalar"] = BinaryRule("subtract", true);
+    (*m)["aten::mul.Tensor"] = BinaryRule("multiply", false);
+    (*m)["aten::mul.Scalar"] = BinaryRule("multiply", false);
+    (*m)["aten::div.Tensor"] = BinaryRule("divide", false);
+    (*m)["aten::div.Scalar"] = BinaryRule("divide", false);
+    (*m)["aten::neg"] = Simple("negate");
+    (*m)["aten::exp"] = Simple("exponential");
+    (*m)["aten::log"] = Simple("log");
+    (*m)["aten::tanh"] = Simple("tanh");
+    (*m)["aten::sqrt"] = Simple("sqrt");
+    (*m)["aten::rsqrt"] = Simple("rsqrt");
+    (*m)["aten::abs"] = Simple("abs");
+    (*m)["aten::sin"] = Simple("sine");
+    (*m)["aten::cos"] = Simple("cosine");
+    (*m)["aten::sigmoid"] = Simple("logistic");
+    (*m)["aten::relu"] = UnaryRule([](Lowering& l, const std::string& a, const Target& o) {
+      return l.Binary("maximum", a, l.Constant(0, o.dims, *o.type), o.dims, *o.type);
+    });
     (*m)["aten::maximum"] = BinaryRule("maximum", false);
     (*m)["aten::pow.Tensor_Scalar"] = BinaryRule("power", false);
     (*m)["aten::pow.Tensor_Tensor"] = BinaryRule("power", false);
@@ -594,23 +589,14 @@ const std::map<std::string, Rule>& Rules() {
                                  ", ", *grad, " : ", TypeOf(out.dims, pred), ", ",
                                  TypeOf(out.dims, *out.type)));
     };
-    // out= overloads lower as their functional op does (the out tensor is
+    // out= overloads whose names AllRules cannot derive (the out tensor is
     // the written argument, after the others).
     const std::pair<const char*, const char*> outs[] = {
         {"aten::add.out", "aten::add.Tensor"},     {"aten::sub.out", "aten::sub.Tensor"},
         {"aten::mul.out", "aten::mul.Tensor"},     {"aten::div.out", "aten::div.Tensor"},
-        {"aten::neg.out", "aten::neg"},            {"aten::exp.out", "aten::exp"},
-        {"aten::log.out", "aten::log"},            {"aten::tanh.out", "aten::tanh"},
-        {"aten::sqrt.out", "aten::sqrt"},          {"aten::rsqrt.out", "aten::rsqrt"},
-        {"aten::abs.out", "aten::abs"},            {"aten::sin.out", "aten::sin"},
-        {"aten::cos.out", "aten::cos"},            {"aten::sigmoid.out", "aten::sigmoid"},
-        {"aten::maximum.out", "aten::maximum"},    {"aten::minimum.out", "aten::minimum"},
-        {"aten::mm.out", "aten::mm"},              {"aten::addmm.out", "aten::addmm"},
         {"aten::sum.IntList_out", "aten::sum.dim_IntList"},
         {"aten::mean.out", "aten::mean.dim"},
         {"aten::threshold_backward.grad_input", "aten::threshold_backward"},
-        {"aten::pow.Tensor_Scalar_out", "aten::pow.Tensor_Scalar"},
-        {"aten::pow.Tensor_Tensor_out", "aten::pow.Tensor_Tensor"},
     };
     for (const auto& [out, functional] : outs) (*m)[out] = (*m)[functional];
     return m;
@@ -628,6 +614,12 @@ bool Defined(const tpu::DecodedOp& d, size_t i) {
 }
 
 int64_t WrapDim(int64_t dim, size_t n) { return dim < 0 ? dim + static_cast<int64_t>(n) : dim; }
+
+int64_t Numel(const tpu::TensorRef& r) {
+  int64_t n = 1;
+  for (int d = 0; d < r.ndim; ++d) n *= r.sizes[d];
+  return n;
+}
 
 std::vector<int64_t> DimsOf(const tpu::TensorRef& r) {
   return std::vector<int64_t>(r.sizes, r.sizes + r.ndim);
@@ -986,10 +978,8 @@ const std::map<std::string, MultiRule>& MultiRules() {
       std::vector<std::string> parts, types;
       for (size_t e = 0; e < d.args[0].tensors.size(); ++e) {
         const tpu::TensorRef& r = d.args[0].tensors[e];
-        std::vector<int64_t> dims = DimsOf(r);
-        int64_t numel = 1;
-        for (int64_t v : dims) numel *= v;
-        if (numel == 0) continue;
+        if (Numel(r) == 0) continue;
+        const std::vector<int64_t> dims = DimsOf(r);
         absl::StatusOr<std::string> v = l.OperandRef(r, l.TensorIndex(d.args[0]) + e, dims, *o.type);
         if (!v.ok()) return v.status();
         parts.push_back(*v);
@@ -1155,16 +1145,7 @@ const std::map<std::string, Rule>& MoreRules() {
         };
       }
     }
-    const std::pair<const char*, const char*> outs[] = {
-        {"aten::_log_softmax.out", "aten::_log_softmax"},
-        {"aten::_softmax.out", "aten::_softmax"},
-        {"aten::_log_softmax_backward_data.out", "aten::_log_softmax_backward_data"},
-        {"aten::_softmax_backward_data.out", "aten::_softmax_backward_data"},
-        {"aten::argmax.out", "aten::argmax"},
-        {"aten::gelu.out", "aten::gelu"},
-        {"aten::gelu_backward.grad_input", "aten::gelu_backward"},
-    };
-    for (const auto& [out, functional] : outs) (*m)[out] = (*m)[functional];
+    (*m)["aten::gelu_backward.grad_input"] = (*m)["aten::gelu_backward"];
     return m;
   }();
   return *rules;
@@ -1468,7 +1449,6 @@ const std::map<std::string, Rule>& TailRules() {
       return l.Binary("multiply", l.Binary("multiply", l.Binary("subtract", *a, *b, o.dims, t), *g, o.dims, t),
                       l.Constant(scale, o.dims, t), o.dims, t);
     };
-    (*m)["aten::mse_loss.out"] = (*m)["aten::mse_loss"];
     (*m)["aten::mse_loss_backward.grad_input"] = (*m)["aten::mse_loss_backward"];
     (*m)["aten::sigmoid_backward.grad_input"] = (*m)["aten::sigmoid_backward"];
     (*m)["aten::tanh_backward.grad_input"] = (*m)["aten::tanh_backward"];
@@ -1536,8 +1516,7 @@ absl::Status ReadScalar(const std::string& op, const tpu::DecodedOp& decoded,
     return Unsupported(op, "expects a tensor");
   }
   const tpu::TensorRef& ref = decoded.args[0].tensor;
-  int64_t numel = 1;
-  for (int d = 0; d < ref.ndim; ++d) numel *= ref.sizes[d];
+  const int64_t numel = Numel(ref);
   if (numel != 1) {
     return absl::InvalidArgumentError(absl::StrCat(op, ": a tensor with ", numel,
                                                    " elements cannot be converted to a scalar"));
@@ -1607,7 +1586,6 @@ absl::StatusOr<const Executable*> PjrtChip::Compiled(const std::string& program,
   if (lru_.size() >= capacity_) {
     cache_.erase(lru_.front().first);
     lru_.pop_front();
-    ++evictions_;
   }
   lru_.emplace_back(program, *std::move(exe));
   cache_[program] = std::prev(lru_.end());
@@ -1654,22 +1632,19 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     }
   }
   if (refs.empty()) return Unsupported(op.name(), "no output to write");
-  // Nothing to compute when every output is empty.
-  bool empty = true;
-  for (const tpu::TensorRef* r : refs) {
-    int64_t numel = 1;
-    for (int d = 0; d < r->ndim; ++d) numel *= r->sizes[d];
-    empty = empty && numel == 0;
-  }
-  if (empty) {
-    if (results != nullptr) {
-      for (const tpu::TensorRef* r : refs) {
-        ResultValue v;
-        v.kind = ResultValue::Kind::kTensor;
-        v.tensor = *r;
-        results->push_back(v);
-      }
+  // The synchronous path learns where each result lies.
+  auto report = [&] {
+    if (results == nullptr) return;
+    for (const tpu::TensorRef* r : refs) {
+      ResultValue v;
+      v.kind = ResultValue::Kind::kTensor;
+      v.tensor = *r;
+      results->push_back(v);
     }
+  };
+  // Nothing to compute when every output is empty.
+  if (std::all_of(refs.begin(), refs.end(), [](const tpu::TensorRef* r) { return Numel(*r) == 0; })) {
+    report();
     return absl::OkStatus();
   }
   if (multi == MultiRules().end() && refs.size() != 1) {
@@ -1702,11 +1677,9 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
         expect *= r.sizes[d];
       }
     }
-    int64_t numel = 1;
-    for (int d = 0; d < r.ndim; ++d) numel *= r.sizes[d];
     // Nothing to write: an empty result, or one the client did not ask for
     // (an output slot without memory, e.g. a masked gradient).
-    if (numel == 0) continue;
+    if (Numel(r) == 0) continue;
     if (ref_index[o] < tensors.size() && tensors[ref_index[o]].segment_bytes == 0 && r.address == 0) continue;
     absl::StatusOr<char*> dst = l.HostOf(r, ref_index[o]);
     if (!dst.ok()) return dst.status();
@@ -1779,22 +1752,13 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
                                             " results for ", outs.size(), " outputs"));
   }
   for (size_t o = 0; o < outs.size(); ++o) {
-    int64_t numel = 1;
-    for (int64_t d : outs[o].dims) numel *= d;
-    const size_t bytes = static_cast<size_t>(numel) * outs[o].type->bytes;
+    const size_t bytes = static_cast<size_t>(Numel(*refs[o])) * outs[o].type->bytes;
     if (bytes == 0 || dsts[o] == nullptr) continue;
     if (absl::Status st = plugin_->ToHost((*out_buffers)[o], dsts[o], bytes); !st.ok()) {
       return absl::Status(st.code(), absl::StrCat(op.name(), ": ", st.message()));
     }
   }
-  if (results != nullptr) {
-    for (const tpu::TensorRef* r : refs) {
-      ResultValue v;
-      v.kind = ResultValue::Kind::kTensor;
-      v.tensor = *r;
-      results->push_back(v);
-    }
-  }
+  report();
   return absl::OkStatus();
 }
 

@@ -48,9 +48,6 @@ class PjrtChip : public ChipBackend {
     return chip >= 0 && chip < static_cast<int>(stats_.size()) ? stats_[chip] : CompileStats{};
   }
   uint64_t programs_cached() const override { return lru_.size(); }
-  uint64_t evictions() const { return evictions_; }
-
-  const PjrtPlugin& plugin() const { return *plugin_; }
 
  private:
   explicit PjrtChip(std::unique_ptr<PjrtPlugin> plugin, size_t capacity)
@@ -64,7 +61,6 @@ class PjrtChip : public ChipBackend {
   std::list<std::pair<std::string, std::unique_ptr<Executable>>> lru_;
   std::unordered_map<std::string, decltype(lru_)::iterator> cache_;
   std::vector<CompileStats> stats_;  // per device
-  uint64_t evictions_ = 0;
 };
 
 }  // namespace tpud::pjrt

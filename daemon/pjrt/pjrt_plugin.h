@@ -64,7 +64,6 @@ class Buffer {
   Buffer& operator=(Buffer&& o) noexcept;
   ~Buffer();
   PJRT_Buffer* get() const { return buffer_; }
-  PJRT_Buffer* release() { return std::exchange(buffer_, nullptr); }
 
  private:
   const PjrtPlugin* plugin_ = nullptr;
