@@ -56,9 +56,10 @@ std::string TypeOf(const std::vector<int64_t>& dims, const DType& t) {
   return absl::StrCat(s, t.mlir, ">");
 }
 
-// The op's error: its name, then why.
+// The op's error: its name, why, and what to do.
 absl::Status Unsupported(const std::string& op, const std::string& why) {
-  return absl::UnimplementedError(absl::StrCat(op, ": ", why, " (PJRT backend)"));
+  return absl::UnimplementedError(absl::StrCat(
+      op, ": ", why, " (PJRT backend; tpud --backend=simulated runs every ATen op)"));
 }
 
 class PjrtOp : public BackendOp {
@@ -756,7 +757,7 @@ const std::map<std::string, MultiRule>& MultiRules() {
         -> absl::StatusOr<std::vector<std::string>> {
       // (grad_out, input, normalized_shape, mean, rstd, weight?, bias?, output_mask)
       if (d.num_args < 8 || !Defined(d, 0) || !Defined(d, 1) || !Defined(d, 3) || !Defined(d, 4)) {
-        return Unsupported(l.op(), "arguments");
+        return Unsupported(l.op(), "arguments of a form not lowered");
       }
       const std::vector<bool>& mask = d.args[7].bools;
       size_t wanted = 0;
@@ -1011,7 +1012,7 @@ const std::map<std::string, Rule>& MoreRules() {
     for (bool log : {true, false}) {
       (*m)[log ? "aten::_log_softmax" : "aten::_softmax"] =
           [log](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-        if (!Defined(d, 0) || d.num_args < 2) return Unsupported(l.op(), "arguments");
+        if (!Defined(d, 0) || d.num_args < 2) return Unsupported(l.op(), "arguments of a form not lowered");
         absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
         if (!x.ok()) return x;
         return SoftmaxOf(l, *x, o.dims, WrapDim(d.args[1].i, o.dims.size()), *o.type, log);
@@ -1019,7 +1020,7 @@ const std::map<std::string, Rule>& MoreRules() {
       (*m)[log ? "aten::_log_softmax_backward_data" : "aten::_softmax_backward_data"] =
           [log](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
         // (grad_output, output, dim, input_dtype)
-        if (!Defined(d, 0) || !Defined(d, 1) || d.num_args < 3) return Unsupported(l.op(), "arguments");
+        if (!Defined(d, 0) || !Defined(d, 1) || d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
         const DType& t = *o.type;
         absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t), y = l.Operand(d.args[1], o.dims, t);
         if (!g.ok()) return g;
@@ -1038,7 +1039,7 @@ const std::map<std::string, Rule>& MoreRules() {
     (*m)["aten::argmax"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
         -> absl::StatusOr<std::string> {
       // (self, dim?, keepdim): the first index of the largest value.
-      if (!Defined(d, 0)) return Unsupported(l.op(), "arguments");
+      if (!Defined(d, 0)) return Unsupported(l.op(), "arguments of a form not lowered");
       const tpu::TensorRef& x = d.args[0].tensor;
       const DType* xt = DTypeOf(x.dtype);
       if (xt == nullptr) return Unsupported(l.op(), "dtype");
@@ -1072,7 +1073,7 @@ const std::map<std::string, Rule>& MoreRules() {
         const char* cmp = dir;
         (*m)["aten::" + name + overload] = [cmp](Lowering& l, const tpu::DecodedOp& d, const Target& o)
             -> absl::StatusOr<std::string> {
-          if (d.num_args < 2) return Unsupported(l.op(), "arguments");
+          if (d.num_args < 2) return Unsupported(l.op(), "arguments of a form not lowered");
           // Compared in a type both sides fit: double if either is floating.
           bool floating = false;
           for (size_t i = 0; i < 2; ++i) {
@@ -1100,7 +1101,7 @@ const std::map<std::string, Rule>& MoreRules() {
         -> absl::StatusOr<std::string> {
       // (grad_output, self, approximate): grad * (cdf(x) + x * pdf(x))
       if (absl::Status st = ExactGelu(l, d, 2); !st.ok()) return st;
-      if (d.num_args < 2) return Unsupported(l.op(), "arguments");
+      if (d.num_args < 2) return Unsupported(l.op(), "arguments of a form not lowered");
       const DType& t = *o.type;
       absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t), x = l.Operand(d.args[1], o.dims, t);
       if (!g.ok()) return g;
@@ -1116,7 +1117,7 @@ const std::map<std::string, Rule>& MoreRules() {
                              "aten::lerp.Tensor", "aten::lerp_.Tensor", "aten::lerp.Tensor_out"}) {
       (*m)[name] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
           -> absl::StatusOr<std::string> {
-        if (d.num_args < 3) return Unsupported(l.op(), "arguments");
+        if (d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
         const DType& t = *o.type;
         absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t),
                                     w = l.Operand(d.args[2], o.dims, t);
@@ -1130,7 +1131,7 @@ const std::map<std::string, Rule>& MoreRules() {
       for (const std::string suffix : {"", "_", ".out"}) {
         (*m)[absl::StrCat("aten::", base, suffix)] = [mul](Lowering& l, const tpu::DecodedOp& d, const Target& o)
             -> absl::StatusOr<std::string> {
-          if (d.num_args < 3) return Unsupported(l.op(), "arguments");
+          if (d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
           const DType& t = *o.type;
           absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t),
                                       c = l.Operand(d.args[2], o.dims, t);
@@ -1295,7 +1296,7 @@ const std::map<std::string, Rule>& TailRules() {
     (*m)["aten::hardtanh"] = clamp(true, true);
     (*m)["aten::where.self"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
         -> absl::StatusOr<std::string> {
-      if (d.num_args < 3) return Unsupported(l.op(), "arguments");
+      if (d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
       const DType& pred = *DTypeOf(11);
       absl::StatusOr<std::string> cnd = l.Operand(d.args[0], o.dims, pred);
       absl::StatusOr<std::string> a = l.Operand(d.args[1], o.dims, *o.type), b = l.Operand(d.args[2], o.dims, *o.type);
@@ -1304,7 +1305,7 @@ const std::map<std::string, Rule>& TailRules() {
     };
     for (const char* name : {"aten::masked_fill.Scalar", "aten::masked_fill.Tensor"}) {
       (*m)[name] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-        if (d.num_args < 3) return Unsupported(l.op(), "arguments");
+        if (d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
         absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
         absl::StatusOr<std::string> mask = l.Operand(d.args[1], o.dims, *DTypeOf(11));
         absl::StatusOr<std::string> v = l.Operand(d.args[2], o.dims, *o.type);
@@ -1329,7 +1330,7 @@ const std::map<std::string, Rule>& TailRules() {
     }
     (*m)["aten::fill_.Tensor"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
         -> absl::StatusOr<std::string> {
-      if (d.num_args < 2) return Unsupported(l.op(), "arguments");
+      if (d.num_args < 2) return Unsupported(l.op(), "arguments of a form not lowered");
       return l.Operand(d.args[1], o.dims, *o.type);
     };
     (*m)["aten::leaky_relu"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
@@ -1401,7 +1402,7 @@ const std::map<std::string, Rule>& TailRules() {
     for (bool sig : {true, false}) {
       (*m)[sig ? "aten::sigmoid_backward" : "aten::tanh_backward"] =
           [sig](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-        if (d.num_args < 2) return Unsupported(l.op(), "arguments");
+        if (d.num_args < 2) return Unsupported(l.op(), "arguments of a form not lowered");
         const DType& t = *o.type;
         absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t), y = l.Operand(d.args[1], o.dims, t);
         if (!g.ok()) return g;
@@ -1415,7 +1416,7 @@ const std::map<std::string, Rule>& TailRules() {
     (*m)["aten::mse_loss"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
         -> absl::StatusOr<std::string> {
       // (self, target, reduction): none 0, mean 1, sum 2
-      if (!Defined(d, 0) || d.num_args < 3) return Unsupported(l.op(), "arguments");
+      if (!Defined(d, 0) || d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
       const DType& t = *o.type;
       const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
       absl::StatusOr<std::string> a = l.Operand(d.args[0], in, t), b = l.Operand(d.args[1], in, t);
@@ -1438,7 +1439,7 @@ const std::map<std::string, Rule>& TailRules() {
     (*m)["aten::mse_loss_backward"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
         -> absl::StatusOr<std::string> {
       // (grad_output, self, target, reduction)
-      if (d.num_args < 4) return Unsupported(l.op(), "arguments");
+      if (d.num_args < 4) return Unsupported(l.op(), "arguments of a form not lowered");
       const DType& t = *o.type;
       absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t), a = l.Operand(d.args[1], o.dims, t),
                                   b = l.Operand(d.args[2], o.dims, t);
