@@ -78,7 +78,8 @@ class PjrtOp : public BackendOp {
     if (!WritesArgument(index)) return false;
     // out= tensors and the targets of copy_, fill_ and zero_ are not read.
     return index > 0 || name_ == "aten::copy_" || name_ == "aten::fill_.Scalar" ||
-           name_ == "aten::zero_";
+           name_ == "aten::zero_" || name_ == "aten::uniform_" || name_ == "aten::normal_" ||
+           absl::StartsWith(name_, "aten::bernoulli_.") || name_ == "aten::random_.from";
   }
 
  private:
@@ -370,6 +371,79 @@ class Lowering {
                         " : ", ret, "\n  }\n}\n");
   }
 
+  // `n` elements of type t at `host`, as a 1-d parameter.
+  std::string Flat(const char* host, const DType& t, int64_t n) {
+    Transfer x;
+    x.data = host;
+    x.type = &t;
+    x.dims = {n};
+    x.byte_strides = {static_cast<int64_t>(t.bytes)};
+    return Param(TypeOf({n}, t), std::move(x));
+  }
+
+  // `v` (dims `dims`) written into `flat` (1-d, `span` elements) at the
+  // element offsets sum_d index_d * strides[d]: a strided output with gaps,
+  // its gaps keeping what `flat` holds.
+  std::string ScatterStrided(const std::string& flat, int64_t span, const std::string& v,
+                             const std::vector<int64_t>& dims, const std::vector<int64_t>& strides,
+                             const DType& t) {
+    int64_t n = 1;
+    for (int64_t d : dims) n *= d;
+    const DType& i64 = I64();
+    std::string index = Constant(0, dims, i64);
+    for (size_t d = 0; d < dims.size(); ++d) {
+      if (dims[d] == 1 || strides[d] == 0) continue;
+      const std::string term = Binary("multiply", Iota(static_cast<int64_t>(d), dims, i64),
+                                      Constant(static_cast<double>(strides[d]), dims, i64), dims, i64);
+      index = Binary("add", index, term, dims, i64);
+    }
+    index = Reshape(index, dims, {n, 1}, i64);
+    const std::string updates = Reshape(v, dims, {n}, t);
+    const std::string scalar = TypeOf({}, t);
+    return Emit(absl::StrCat(
+        "\"stablehlo.scatter\"(", flat, ", ", index, ", ", updates, ") ({\n",
+        "    ^bb0(%old: ", scalar, ", %new: ", scalar, "):\n",
+        "      stablehlo.return %new : ", scalar, "\n",
+        "    }) {indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<",
+        "inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, ",
+        "unique_indices = true} : (", TypeOf({span}, t), ", ", TypeOf({n, 1}, i64), ", ",
+        TypeOf({n}, t), ") -> ", TypeOf({span}, t)));
+  }
+
+  // Uniform values in [0, 1) of type f (f32 or f64), dims `dims` (with a
+  // leading dimension of `draws` when that is above 1), from XLA's
+  // rng_bit_generator keyed by `seed` (a parameter of the program).
+  std::string UniformBits(int64_t seed, const std::vector<int64_t>& dims, const DType& f, int64_t draws) {
+    Transfer x;
+    x.type = &I64();
+    x.scalar_i = seed;
+    const std::string s = Param(TypeOf({}, I64()), std::move(x));
+    const DType& i64 = I64();
+    const std::string pair = Binary("add", BroadcastTo(s, {}, {2}, i64), Iota(0, {2}, i64), {2}, i64);
+    const std::string key = Emit(absl::StrCat("stablehlo.bitcast_convert ", pair, " : (tensor<2xi64>) -> tensor<2xui64>"));
+    std::vector<int64_t> shape = dims;
+    if (draws > 1) shape.insert(shape.begin(), draws);
+    const bool wide = f.c10 == 7;
+    const std::string ut = wide ? "ui64" : "ui32";
+    auto type = [&](const char* elt) {
+      std::string r = "tensor<";
+      for (int64_t d : shape) absl::StrAppend(&r, d, "x");
+      return absl::StrCat(r, elt, ">");
+    };
+    const std::string gen = absl::StrCat("%v", next_++);
+    absl::StrAppend(&body_, "    ", gen, ":2 = stablehlo.rng_bit_generator ", key,
+                    ", algorithm = DEFAULT : (tensor<2xui64>) -> (tensor<2xui64>, ", type(ut.c_str()), ")\n");
+    // The top mantissa bits under an exponent of 1.0: [1, 2), minus 1.
+    const std::string shift = Emit(absl::StrCat("stablehlo.constant dense<", wide ? 12 : 9, "> : ", type(ut.c_str())));
+    const std::string one = Emit(absl::StrCat("stablehlo.constant dense<", wide ? "4607182418800017408" : "1065353216",
+                                              "> : ", type(ut.c_str())));
+    const std::string m = Emit(absl::StrCat("stablehlo.shift_right_logical ", gen, "#1, ", shift, " : ", type(ut.c_str())));
+    const std::string bits = Emit(absl::StrCat("stablehlo.or ", m, ", ", one, " : ", type(ut.c_str())));
+    const std::string v = Emit(absl::StrCat("stablehlo.bitcast_convert ", bits, " : (", type(ut.c_str()), ") -> ",
+                                            TypeOf(shape, f)));
+    return Binary("subtract", v, Constant(1, shape, f), shape, f);
+  }
+
   std::vector<Transfer>& transfers() { return transfers_; }
   const std::string& op() const { return op_; }
 
@@ -397,6 +471,14 @@ struct Target {
 
 using Rule = std::function<absl::StatusOr<std::string>(Lowering&, const tpu::DecodedOp&,
                                                        const Target&)>;
+
+// +inf (floats) or the highest value, as a 0-d constant.
+std::string Highest(Lowering& l, const DType& t) {
+  const char* hex = t.c10 == 6 ? "0x7F800000" : t.c10 == 7 ? "0x7FF0000000000000"
+                  : t.c10 == 5 ? "0x7C00" : t.c10 == 15 ? "0x7F80" : nullptr;
+  if (hex == nullptr) return l.Constant(9.2e18, {}, t);
+  return l.Emit(absl::StrCat("stablehlo.constant dense<", hex, "> : ", TypeOf({}, t)));
+}
 
 Rule BinaryRule(const char* op, bool has_alpha) {
   return [op, has_alpha](Lowering& l, const tpu::DecodedOp& d, const Target& out) -> absl::StatusOr<std::string> {
@@ -464,7 +546,7 @@ absl::StatusOr<std::string> Reduce(Lowering& l, const tpu::DecodedOp& d, const T
   const bool listed = d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kIntList &&
                       !d.args[1].ints.empty();
   for (int i = 0; i < n; ++i) reduced[i] = !listed;
-  if (listed) {
+  if (listed && n > 0) {  // (a 0-d tensor: dim 0 / -1 is itself)
     for (int64_t dim : d.args[1].ints) {
       const int64_t w = dim < 0 ? dim + n : dim;
       if (w < 0 || w >= n) return absl::InvalidArgumentError(absl::StrCat(l.op(), ": dim ", dim, " out of range"));
@@ -671,11 +753,18 @@ std::string GeluCdf(Lowering& l, const std::string& x, const std::vector<int64_t
                   l.Binary("add", l.Constant(1, d, t), Erf(l, z, d, t), d, t), d, t);
 }
 
-absl::Status ExactGelu(const Lowering& l, const tpu::DecodedOp& d, size_t i) {
-  if (i < d.num_args && d.args[i].tag == tpu::ArgTag::kString && d.args[i].s != "none") {
-    return Unsupported(l.op(), "approximate=\"" + d.args[i].s + "\" is not lowered yet");
-  }
-  return absl::OkStatus();
+// gelu's approximate= argument (at i): false for "none", true for "tanh".
+absl::StatusOr<bool> TanhGelu(const Lowering& l, const tpu::DecodedOp& d, size_t i) {
+  if (i >= d.num_args || d.args[i].tag != tpu::ArgTag::kString || d.args[i].s == "none") return false;
+  if (d.args[i].s == "tanh") return true;
+  return Unsupported(l.op(), "approximate=\"" + d.args[i].s + "\" is not lowered");
+}
+
+// tanh(sqrt(2 / pi) * (x + 0.044715 x^3)), of the tanh approximation.
+std::string GeluTanhInner(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const DType& t) {
+  const std::string x3 = l.Binary("multiply", l.Binary("multiply", x, x, d, t), x, d, t);
+  const std::string u = l.Binary("add", x, l.Binary("multiply", l.Constant(0.044715, d, t), x3, d, t), d, t);
+  return l.Unary("tanh", l.Binary("multiply", l.Constant(0.79788456080286536, d, t), u, d, t), d, t);
 }
 
 // The element of each row its target picks, as a mask (one-hot, and the
@@ -1036,9 +1125,10 @@ const std::map<std::string, Rule>& MoreRules() {
         return l.Binary("multiply", *y, l.Binary("subtract", *g, sum, o.dims, t), o.dims, t);
       };
     }
-    (*m)["aten::argmax"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+    for (bool largest : {true, false}) {
+    (*m)[largest ? "aten::argmax" : "aten::argmin"] = [largest](Lowering& l, const tpu::DecodedOp& d, const Target& o)
         -> absl::StatusOr<std::string> {
-      // (self, dim?, keepdim): the first index of the largest value.
+      // (self, dim?, keepdim): the first index of the largest (smallest) value.
       if (!Defined(d, 0)) return Unsupported(l.op(), "arguments of a form not lowered");
       const tpu::TensorRef& x = d.args[0].tensor;
       const DType* xt = DTypeOf(x.dtype);
@@ -1060,13 +1150,15 @@ const std::map<std::string, Rule>& MoreRules() {
       }
       if (dim < 0 || dim >= static_cast<int64_t>(in.size())) return absl::InvalidArgumentError(l.op() + ": dim out of range");
       const std::vector<int64_t> which = {dim};
-      const std::string mx = l.ReduceOver(xv, in, which, "maximum", l.Lowest(*xt), *xt);
+      const std::string mx = largest ? l.ReduceOver(xv, in, which, "maximum", l.Lowest(*xt), *xt)
+                                     : l.ReduceOver(xv, in, which, "minimum", Highest(l, *xt), *xt);
       const std::string hit = l.Compare("EQ", xv, l.Expand(mx, in, which, *xt), in, *xt);
       const DType& i64 = I64();
       const std::string idx = l.Select(hit, l.Iota(dim, in, i64), l.Constant(static_cast<double>(in[dim]), in, i64), in, i64);
       const std::string r = l.ReduceOver(idx, in, which, "minimum", l.Constant(static_cast<double>(in[dim]), {}, i64), i64);
       return l.Reshape(l.Convert(r, Lowering::Kept(in, which), i64, *o.type), Lowering::Kept(in, which), o.dims, *o.type);
     };
+    }
     for (const auto& [name, dir] : std::vector<std::pair<std::string, const char*>>{
              {"eq", "EQ"}, {"ne", "NE"}, {"lt", "LT"}, {"le", "LE"}, {"gt", "GT"}, {"ge", "GE"}}) {
       for (const char* overload : {".Tensor", ".Scalar", ".Tensor_out", ".Scalar_out"}) {
@@ -1092,20 +1184,39 @@ const std::map<std::string, Rule>& MoreRules() {
     }
     (*m)["aten::gelu"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
         -> absl::StatusOr<std::string> {
-      if (absl::Status st = ExactGelu(l, d, 1); !st.ok()) return st;
+      absl::StatusOr<bool> approx = TanhGelu(l, d, 1);
+      if (!approx.ok()) return approx.status();
       absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
       if (!x.ok()) return x;
+      if (*approx) {
+        const DType& t = *o.type;
+        const std::string th = GeluTanhInner(l, *x, o.dims, t);
+        return l.Binary("multiply", l.Binary("multiply", l.Constant(0.5, o.dims, t), *x, o.dims, t),
+                        l.Binary("add", l.Constant(1, o.dims, t), th, o.dims, t), o.dims, t);
+      }
       return l.Binary("multiply", *x, GeluCdf(l, *x, o.dims, *o.type), o.dims, *o.type);
     };
     (*m)["aten::gelu_backward"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
         -> absl::StatusOr<std::string> {
       // (grad_output, self, approximate): grad * (cdf(x) + x * pdf(x))
-      if (absl::Status st = ExactGelu(l, d, 2); !st.ok()) return st;
+      absl::StatusOr<bool> approx = TanhGelu(l, d, 2);
+      if (!approx.ok()) return approx.status();
       if (d.num_args < 2) return Unsupported(l.op(), "arguments of a form not lowered");
       const DType& t = *o.type;
       absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t), x = l.Operand(d.args[1], o.dims, t);
       if (!g.ok()) return g;
       if (!x.ok()) return x;
+      if (*approx) {
+        // 0.5 (1 + th) + 0.5 x (1 - th^2) sqrt(2 / pi) (1 + 3 * 0.044715 x^2)
+        const std::string th = GeluTanhInner(l, *x, o.dims, t);
+        const std::string x2 = l.Binary("multiply", *x, *x, o.dims, t);
+        const std::string du = l.Binary("multiply", l.Constant(0.79788456080286536, o.dims, t),
+                                        l.Binary("add", l.Constant(1, o.dims, t), l.Binary("multiply", l.Constant(0.134145, o.dims, t), x2, o.dims, t), o.dims, t), o.dims, t);
+        const std::string sech2 = l.Binary("subtract", l.Constant(1, o.dims, t), l.Binary("multiply", th, th, o.dims, t), o.dims, t);
+        const std::string dd = l.Binary("add", l.Binary("multiply", l.Constant(0.5, o.dims, t), l.Binary("add", l.Constant(1, o.dims, t), th, o.dims, t), o.dims, t),
+                                        l.Binary("multiply", l.Binary("multiply", l.Constant(0.5, o.dims, t), *x, o.dims, t), l.Binary("multiply", sech2, du, o.dims, t), o.dims, t), o.dims, t);
+        return l.Binary("multiply", *g, dd, o.dims, t);
+      }
       const std::string x2 = l.Binary("multiply", *x, *x, o.dims, t);
       const std::string pdf = l.Binary("multiply", l.Constant(0.39894228040143268, o.dims, t),
                                        l.Unary("exponential", l.Binary("multiply", x2, l.Constant(-0.5, o.dims, t), o.dims, t), o.dims, t), o.dims, t);
@@ -1467,6 +1578,577 @@ const std::map<std::string, Rule>& TailRules() {
   return *rules;
 }
 
+// The dimensions an op reduces over: the int list at argument `i` (every
+// dimension when absent or empty), wrapped, sorted and unique.
+absl::StatusOr<std::vector<int64_t>> ReducedDims(const Lowering& l, const tpu::DecodedOp& d, size_t i,
+                                                 size_t rank) {
+  std::vector<int64_t> which;
+  const bool listed = d.num_args > i && d.args[i].tag == tpu::ArgTag::kIntList && !d.args[i].ints.empty();
+  const bool one = d.num_args > i && (d.args[i].tag == tpu::ArgTag::kInt || d.args[i].tag == tpu::ArgTag::kSymInt);
+  if (listed) {
+    for (int64_t dim : d.args[i].ints) which.push_back(WrapDim(dim, rank));
+  } else if (one) {
+    which.push_back(WrapDim(d.args[i].i, rank));
+  } else {
+    for (size_t k = 0; k < rank; ++k) which.push_back(static_cast<int64_t>(k));
+  }
+  std::sort(which.begin(), which.end());
+  which.erase(std::unique(which.begin(), which.end()), which.end());
+  for (int64_t w : which) {
+    if (rank > 0 && (w < 0 || w >= static_cast<int64_t>(rank))) {
+      return absl::InvalidArgumentError(absl::StrCat(l.op(), ": dim out of range"));
+    }
+  }
+  if (rank == 0) which.clear();  // a 0-d tensor: dim 0 / -1 is itself
+  return which;
+}
+
+int64_t CountOf(const std::vector<int64_t>& in, const std::vector<int64_t>& which) {
+  int64_t n = 1;
+  for (int64_t w : which) n *= in[w];
+  return n;
+}
+
+
+// A running reduction along `dim` (cumsum, cumprod): a reduce_window whose
+// window reaches back over the whole dimension.
+std::string Running(Lowering& l, const std::string& x, const std::vector<int64_t>& in, int64_t dim,
+                    const char* op, double init, const DType& t) {
+  const std::string scalar = TypeOf({}, t);
+  const std::string init_v = l.Constant(init, {}, t);
+  std::vector<int64_t> window(in.size(), 1);
+  std::vector<std::string> pad;
+  for (size_t k = 0; k < in.size(); ++k) {
+    if (static_cast<int64_t>(k) == dim) window[k] = in[k];
+    pad.push_back(static_cast<int64_t>(k) == dim ? absl::StrCat("[", in[k] - 1, ", 0]") : "[0, 0]");
+  }
+  return l.Emit(absl::StrCat(
+      "\"stablehlo.reduce_window\"(", x, ", ", init_v, ") ({\n",
+      "    ^bb0(%acc: ", scalar, ", %elt: ", scalar, "):\n",
+      "      %run = stablehlo.", op, " %acc, %elt : ", scalar, "\n",
+      "      stablehlo.return %run : ", scalar, "\n",
+      "    }) {window_dimensions = array<i64: ", absl::StrJoin(window, ", "), ">, padding = dense<[",
+      absl::StrJoin(pad, ", "), "]> : tensor<", in.size(), "x2xi64>} : (", TypeOf(in, t), ", ",
+      scalar, ") -> ", TypeOf(in, t)));
+}
+
+// Ops PyTorch's decompositions lean on (arange, var, norms, running sums,
+// masks, index_select) and a few more elementwise ones.
+const std::map<std::string, Rule>& ExtraRules() {
+  static const auto* rules = [] {
+    auto* m = new std::map<std::string, Rule>;
+    // arange.start_out(start, end, step, *, out): start + i * step, computed
+    // in double (integers in int64) as the CPU kernel does.
+    (*m)["aten::arange.start_out"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      if (d.num_args < 3 || o.dims.size() != 1) return Unsupported(l.op(), "arguments of a form not lowered");
+      const DType& w = o.type->is_float ? F64() : I64();
+      absl::StatusOr<std::string> start = l.Operand(d.args[0], o.dims, w), step = l.Operand(d.args[2], o.dims, w);
+      if (!start.ok()) return start;
+      if (!step.ok()) return step;
+      const std::string v = l.Binary("add", *start, l.Binary("multiply", l.Iota(0, o.dims, w), *step, o.dims, w), o.dims, w);
+      return l.Convert(v, o.dims, w, *o.type);
+    };
+    (*m)["aten::flip"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      if (!Defined(d, 0) || d.num_args < 2 || d.args[1].tag != tpu::ArgTag::kIntList) return Unsupported(l.op(), "arguments of a form not lowered");
+      absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
+      if (!x.ok()) return x;
+      absl::StatusOr<std::vector<int64_t>> which = ReducedDims(l, d, 1, o.dims.size());
+      if (!which.ok()) return which.status();
+      if (d.args[1].ints.empty() || which->empty()) return *x;
+      return l.Emit(absl::StrCat("stablehlo.reverse ", *x, ", dims = [", absl::StrJoin(*which, ", "), "] : ",
+                                 TypeOf(o.dims, *o.type)));
+    };
+    // tril / triu(self, diagonal): a mask over the last two dimensions.
+    for (bool lower : {true, false}) {
+      (*m)[lower ? "aten::tril" : "aten::triu"] = [lower](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+          -> absl::StatusOr<std::string> {
+        if (!Defined(d, 0) || o.dims.size() < 2) return Unsupported(l.op(), "expects a matrix");
+        absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
+        if (!x.ok()) return x;
+        const int64_t k = d.num_args > 1 ? static_cast<int64_t>(NumberOf(d.args[1])) : 0;
+        const DType& i64 = I64();
+        const int64_t r = static_cast<int64_t>(o.dims.size());
+        const std::string diff = l.Binary("subtract", l.Iota(r - 1, o.dims, i64), l.Iota(r - 2, o.dims, i64), o.dims, i64);
+        const std::string keep = l.Compare(lower ? "LE" : "GE", diff, l.Constant(static_cast<double>(k), o.dims, i64), o.dims, i64);
+        return l.Select(keep, *x, l.Constant(0, o.dims, *o.type), o.dims, *o.type);
+      };
+    }
+    // var / std.correction(self, dim?, *, correction?, keepdim)
+    for (bool root : {false, true}) {
+      (*m)[root ? "aten::std.correction" : "aten::var.correction"] = [root](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+          -> absl::StatusOr<std::string> {
+        if (!Defined(d, 0) || !o.type->is_float) return Unsupported(l.op(), "arguments of a form not lowered");
+        const DType& t = *o.type;
+        const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+        absl::StatusOr<std::vector<int64_t>> which = ReducedDims(l, d, 1, in.size());
+        if (!which.ok()) return which.status();
+        absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t);
+        if (!x.ok()) return x;
+        const double correction = d.num_args > 2 && d.args[2].tag != tpu::ArgTag::kNone ? NumberOf(d.args[2]) : 1.0;
+        const double n = static_cast<double>(CountOf(in, *which));
+        const std::vector<int64_t> kept = Lowering::Kept(in, *which);
+        const std::string zero = l.Constant(0, {}, t);
+        const std::string mean = l.Binary("divide", l.ReduceOver(*x, in, *which, "add", zero, t), l.Constant(n, kept, t), kept, t);
+        const std::string dev = l.Binary("subtract", *x, l.Expand(mean, in, *which, t), in, t);
+        const std::string ss = l.ReduceOver(l.Binary("multiply", dev, dev, in, t), in, *which, "add", zero, t);
+        std::string v = l.Binary("divide", ss, l.Constant(std::max(0.0, n - correction), kept, t), kept, t);
+        if (root) v = l.Unary("sqrt", v, kept, t);
+        return l.Reshape(v, kept, o.dims, t);
+      };
+    }
+    // linalg_vector_norm(self, ord, dim?, keepdim, *, dtype?)
+    (*m)["aten::linalg_vector_norm"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      if (!Defined(d, 0) || !o.type->is_float) return Unsupported(l.op(), "arguments of a form not lowered");
+      const DType& t = *o.type;
+      const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+      absl::StatusOr<std::vector<int64_t>> which = ReducedDims(l, d, 2, in.size());
+      if (!which.ok()) return which.status();
+      absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t);
+      if (!x.ok()) return x;
+      const double p = d.num_args > 1 ? NumberOf(d.args[1]) : 2.0;
+      const std::vector<int64_t> kept = Lowering::Kept(in, *which);
+      const std::string a = l.Unary("abs", *x, in, t);
+      const std::string zero = l.Constant(0, {}, t);
+      std::string v;
+      if (std::isinf(p)) {
+        v = l.ReduceOver(a, in, *which, p > 0 ? "maximum" : "minimum", p > 0 ? l.Lowest(t) : Highest(l, t), t);
+      } else if (p == 0) {
+        const std::string nz = l.Select(l.Compare("NE", a, l.Constant(0, in, t), in, t), l.Constant(1, in, t), l.Constant(0, in, t), in, t);
+        v = l.ReduceOver(nz, in, *which, "add", zero, t);
+      } else if (p == 1) {
+        v = l.ReduceOver(a, in, *which, "add", zero, t);
+      } else if (p == 2) {
+        v = l.Unary("sqrt", l.ReduceOver(l.Binary("multiply", a, a, in, t), in, *which, "add", zero, t), kept, t);
+      } else {
+        const std::string s = l.ReduceOver(l.Binary("power", a, l.Constant(p, in, t), in, t), in, *which, "add", zero, t);
+        v = l.Binary("power", s, l.Constant(1.0 / p, kept, t), kept, t);
+      }
+      return l.Reshape(v, kept, o.dims, t);
+    };
+    // cumsum / cumprod(self, dim, *, dtype?)
+    for (bool sum : {true, false}) {
+      (*m)[sum ? "aten::cumsum" : "aten::cumprod"] = [sum](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+          -> absl::StatusOr<std::string> {
+        if (!Defined(d, 0) || d.num_args < 2) return Unsupported(l.op(), "arguments of a form not lowered");
+        absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
+        if (!x.ok()) return x;
+        if (o.dims.empty()) return *x;
+        const int64_t dim = WrapDim(d.args[1].i, o.dims.size());
+        if (dim < 0 || dim >= static_cast<int64_t>(o.dims.size())) return absl::InvalidArgumentError(l.op() + ": dim out of range");
+        return Running(l, *x, o.dims, dim, sum ? "add" : "multiply", sum ? 0 : 1, *o.type);
+      };
+    }
+    // prod(self, *, dtype?) and prod.dim_int(self, dim, keepdim, *, dtype?)
+    for (bool all : {true, false}) {
+      (*m)[all ? "aten::prod" : "aten::prod.dim_int"] = [all](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+          -> absl::StatusOr<std::string> {
+        if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
+        const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+        absl::StatusOr<std::vector<int64_t>> which = ReducedDims(l, d, all ? 99 : 1, in.size());
+        if (!which.ok()) return which.status();
+        absl::StatusOr<std::string> x = l.Operand(d.args[0], in, *o.type);
+        if (!x.ok()) return x;
+        const std::string v = l.ReduceOver(*x, in, *which, "multiply", l.Constant(1, {}, *o.type), *o.type);
+        return l.Reshape(v, Lowering::Kept(in, *which), o.dims, *o.type);
+      };
+    }
+    // any / all, over everything or dims; a bool result.
+    for (bool any : {true, false}) {
+      Rule r = [any](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+        if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
+        const tpu::TensorRef& x = d.args[0].tensor;
+        const DType* xt = DTypeOf(x.dtype);
+        if (xt == nullptr) return Unsupported(l.op(), "dtype");
+        const std::vector<int64_t> in = DimsOf(x);
+        absl::StatusOr<std::vector<int64_t>> which = ReducedDims(l, d, 1, in.size());
+        if (!which.ok()) return which.status();
+        absl::StatusOr<std::string> v = l.Tensor(x, 0);
+        if (!v.ok()) return v;
+        const DType& b = *DTypeOf(11);
+        const std::string truth = xt->c10 == 11 ? *v : l.Compare("NE", *v, l.Constant(0, in, *xt), in, *xt);
+        const std::string r = l.ReduceOver(truth, in, *which, any ? "or" : "and", l.Constant(any ? 0 : 1, {}, b), b);
+        return l.Reshape(l.Convert(r, Lowering::Kept(in, *which), b, *o.type), Lowering::Kept(in, *which), o.dims, *o.type);
+      };
+      const std::string base = any ? "aten::any" : "aten::all";
+      for (const char* form : {"", ".dim", ".dims", ".all_out", ".out", ".dims_out"}) (*m)[base + form] = r;
+    }
+    (*m)["aten::bitwise_not"] = UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
+      return l.Unary("not", x, o.dims, *o.type);
+    });
+    // Inverse hyperbolic functions from logarithms.
+    (*m)["aten::acosh"] = UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
+      const DType& t = *o.type;
+      const std::string s = l.Unary("sqrt", l.Binary("subtract", l.Binary("multiply", x, x, o.dims, t), l.Constant(1, o.dims, t), o.dims, t), o.dims, t);
+      return l.Unary("log", l.Binary("add", x, s, o.dims, t), o.dims, t);
+    });
+    (*m)["aten::asinh"] = UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
+      const DType& t = *o.type;
+      const std::string a = l.Unary("abs", x, o.dims, t);
+      const std::string s = l.Unary("sqrt", l.Binary("add", l.Binary("multiply", a, a, o.dims, t), l.Constant(1, o.dims, t), o.dims, t), o.dims, t);
+      return l.Binary("multiply", l.Unary("sign", x, o.dims, t), l.Unary("log", l.Binary("add", a, s, o.dims, t), o.dims, t), o.dims, t);
+    });
+    (*m)["aten::atanh"] = UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
+      const DType& t = *o.type;
+      const std::string q = l.Binary("divide", l.Binary("add", l.Constant(1, o.dims, t), x, o.dims, t),
+                                     l.Binary("subtract", l.Constant(1, o.dims, t), x, o.dims, t), o.dims, t);
+      return l.Binary("multiply", l.Constant(0.5, o.dims, t), l.Unary("log", q, o.dims, t), o.dims, t);
+    });
+    // softplus(self, beta, threshold): linear above the threshold.
+    (*m)["aten::softplus"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      const DType& t = *o.type;
+      absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
+      if (!x.ok()) return x;
+      const double beta = d.num_args > 1 ? NumberOf(d.args[1]) : 1, threshold = d.num_args > 2 ? NumberOf(d.args[2]) : 20;
+      const std::string bx = l.Binary("multiply", *x, l.Constant(beta, o.dims, t), o.dims, t);
+      const std::string soft = l.Binary("divide", l.Unary("log_plus_one", l.Unary("exponential", bx, o.dims, t), o.dims, t),
+                                        l.Constant(beta, o.dims, t), o.dims, t);
+      return l.Select(l.Compare("GT", bx, l.Constant(threshold, o.dims, t), o.dims, t), *x, soft, o.dims, t);
+    };
+    // index_select(self, dim, index): a gather of whole slices.
+    (*m)["aten::index_select"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (!Defined(d, 0) || !Defined(d, 2) || d.args[2].tensor.ndim > 1) return Unsupported(l.op(), "arguments of a form not lowered");
+      const tpu::TensorRef& x = d.args[0].tensor;
+      std::vector<int64_t> in = DimsOf(x);
+      absl::StatusOr<std::string> v = l.Operand(d.args[0], in, *o.type);
+      if (!v.ok()) return v;
+      std::string xv = *v;
+      if (in.empty()) {
+        xv = l.Reshape(xv, in, {1}, *o.type);
+        in = {1};
+      }
+      const int64_t dim = WrapDim(d.args[1].i, in.size());
+      if (dim < 0 || dim >= static_cast<int64_t>(in.size())) return absl::InvalidArgumentError(l.op() + ": dim out of range");
+      const tpu::TensorRef& ix = d.args[2].tensor;
+      const DType* it = DTypeOf(ix.dtype);
+      if (it == nullptr || it->is_float) return Unsupported(l.op(), "index dtype");
+      const int64_t k = Numel(ix);
+      absl::StatusOr<std::string> iv = l.OperandRef(ix, l.TensorIndex(d.args[2]), DimsOf(ix), I64());
+      if (!iv.ok()) return iv;
+      const std::string idx = l.Reshape(*iv, DimsOf(ix), {k, 1}, I64());
+      std::vector<int64_t> offset, slice = in, shape = in;
+      for (size_t q = 0; q < in.size(); ++q) if (static_cast<int64_t>(q) != dim) offset.push_back(static_cast<int64_t>(q));
+      slice[dim] = 1;
+      shape[dim] = k;
+      const std::string g = l.Emit(absl::StrCat(
+          "\"stablehlo.gather\"(", xv, ", ", idx, ") {dimension_numbers = #stablehlo.gather<offset_dims = [",
+          absl::StrJoin(offset, ", "), "], collapsed_slice_dims = [", dim, "], start_index_map = [", dim,
+          "], index_vector_dim = 1>, indices_are_sorted = false, slice_sizes = array<i64: ",
+          absl::StrJoin(slice, ", "), ">} : (", TypeOf(in, *o.type), ", ", TypeOf({k, 1}, I64()), ") -> ",
+          TypeOf(shape, *o.type)));
+      return l.Reshape(g, shape, o.dims, *o.type);
+    };
+    // signbit(self): the sign bit, -0.0 and -nan included.
+    (*m)["aten::signbit"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
+      const tpu::TensorRef& x = d.args[0].tensor;
+      const DType* xt = DTypeOf(x.dtype);
+      if (xt == nullptr) return Unsupported(l.op(), "dtype");
+      absl::StatusOr<std::string> v = l.OperandRef(x, l.TensorIndex(d.args[0]), o.dims, *xt);
+      if (!v.ok()) return v;
+      const DType& b = *DTypeOf(11);
+      std::string neg;
+      if (xt->c10 == 11 || xt->c10 == 0) {
+        neg = l.Constant(0, o.dims, b);
+      } else if (xt->is_float) {
+        const DType& bits = *DTypeOf(xt->bytes == 2 ? 2 : xt->bytes == 4 ? 3 : 4);
+        const std::string i = l.Emit(absl::StrCat("stablehlo.bitcast_convert ", *v, " : (", TypeOf(o.dims, *xt),
+                                                  ") -> ", TypeOf(o.dims, bits)));
+        neg = l.Compare("LT", i, l.Constant(0, o.dims, bits), o.dims, bits);
+      } else {
+        neg = l.Compare("LT", *v, l.Constant(0, o.dims, *xt), o.dims, *xt);
+      }
+      return l.Convert(neg, o.dims, b, *o.type);
+    };
+    (*m)["aten::pow.Scalar"] = BinaryRule("power", false);
+    // div with rounding_mode "trunc" or "floor" (None: true division).
+    {
+      Rule r = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+        if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
+        const DType& t = *o.type;
+        absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t);
+        if (!a.ok()) return a;
+        if (!b.ok()) return b;
+        const std::string mode = d.num_args > 2 && d.args[2].tag == tpu::ArgTag::kString ? d.args[2].s : "";
+        const std::string q = l.Binary("divide", *a, *b, o.dims, t);
+        if (mode.empty()) return q;
+        if (mode != "trunc" && mode != "floor") return Unsupported(l.op(), "rounding_mode=\"" + mode + "\"");
+        const std::string zero = l.Constant(0, o.dims, t);
+        if (t.is_float) {
+          if (mode == "floor") return l.Unary("floor", q, o.dims, t);
+          return l.Select(l.Compare("LT", q, zero, o.dims, t), l.Unary("ceil", q, o.dims, t),
+                          l.Unary("floor", q, o.dims, t), o.dims, t);
+        }
+        if (mode == "trunc") return q;  // integer division truncates
+        // Floor: one less where the remainder is nonzero and the signs differ.
+        const std::string rem = l.Binary("remainder", *a, *b, o.dims, t);
+        const std::string inexact = l.Compare("NE", rem, zero, o.dims, t);
+        const std::string differ = l.Compare("NE", l.Compare("LT", *a, zero, o.dims, t),
+                                             l.Compare("LT", *b, zero, o.dims, t), o.dims, *DTypeOf(11));
+        const std::string both = l.Binary("and", inexact, differ, o.dims, *DTypeOf(11));
+        return l.Select(both, l.Binary("subtract", q, l.Constant(1, o.dims, t), o.dims, t), q, o.dims, t);
+      };
+      for (const char* name : {"aten::div.Tensor_mode", "aten::div.Scalar_mode", "aten::div_.Tensor_mode",
+                               "aten::div_.Scalar_mode", "aten::div.out_mode", "aten::div.Scalar_mode_out"}) {
+        (*m)[name] = r;
+      }
+    }
+    // gather(self, dim, index, *, sparse_grad): out[i][j] = self[index[i][j]][j] (dim 0).
+    (*m)["aten::gather"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (!Defined(d, 0) || !Defined(d, 2)) return Unsupported(l.op(), "arguments of a form not lowered");
+      const tpu::TensorRef& x = d.args[0].tensor;
+      const std::vector<int64_t> in = DimsOf(x);
+      absl::StatusOr<std::string> v = l.Operand(d.args[0], in, *o.type);
+      if (!v.ok()) return v;
+      const size_t n = in.size();
+      if (n == 0 || o.dims.size() != n) return l.Reshape(*v, in, o.dims, *o.type);
+      const int64_t dim = WrapDim(d.args[1].i, n);
+      if (dim < 0 || dim >= static_cast<int64_t>(n)) return absl::InvalidArgumentError(l.op() + ": dim out of range");
+      const tpu::TensorRef& ix = d.args[2].tensor;
+      const DType& i64 = I64();
+      absl::StatusOr<std::string> iv = l.OperandRef(ix, l.TensorIndex(d.args[2]), o.dims, i64);
+      if (!iv.ok()) return iv;
+      std::vector<int64_t> one = o.dims, all = o.dims;
+      one.push_back(1);
+      all.push_back(static_cast<int64_t>(n));
+      std::vector<std::string> parts, types;
+      std::vector<int64_t> dims_list;
+      for (size_t q = 0; q < n; ++q) {
+        const std::string c = static_cast<int64_t>(q) == dim ? *iv : l.Iota(static_cast<int64_t>(q), o.dims, i64);
+        parts.push_back(l.Reshape(c, o.dims, one, i64));
+        types.push_back(TypeOf(one, i64));
+        dims_list.push_back(static_cast<int64_t>(q));
+      }
+      const std::string idx = n == 1 ? parts[0] : l.Emit(absl::StrCat(
+          "stablehlo.concatenate ", absl::StrJoin(parts, ", "), ", dim = ", n, " : (",
+          absl::StrJoin(types, ", "), ") -> ", TypeOf(all, i64)));
+      std::vector<int64_t> ones(n, 1);
+      return l.Emit(absl::StrCat(
+          "\"stablehlo.gather\"(", *v, ", ", idx, ") {dimension_numbers = #stablehlo.gather<",
+          "collapsed_slice_dims = [", absl::StrJoin(dims_list, ", "), "], start_index_map = [",
+          absl::StrJoin(dims_list, ", "), "], index_vector_dim = ", n,
+          ">, indices_are_sorted = false, slice_sizes = array<i64: ", absl::StrJoin(ones, ", "), ">} : (",
+          TypeOf(in, *o.type), ", ", TypeOf(all, i64), ") -> ", TypeOf(o.dims, *o.type)));
+    };
+    // index.Tensor(self, indices): advanced indexing with integer index
+    // tensors (bool masks give data-dependent shapes: not lowered). Indices
+    // out of range are clamped, as XLA's gather does, not reported.
+    (*m)["aten::index.Tensor"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (!Defined(d, 0) || d.num_args < 2 || d.args[1].tag != tpu::ArgTag::kOptionalTensorList) {
+        return Unsupported(l.op(), "arguments of a form not lowered");
+      }
+      const tpu::OpArg& list = d.args[1];
+      const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+      absl::StatusOr<std::string> v = l.Operand(d.args[0], in, *o.type);
+      if (!v.ok()) return v;
+      std::vector<int64_t> indexed;  // the dims indexed, in order
+      std::vector<const tpu::TensorRef*> refs;  // (list.tensors has an entry per position)
+      for (size_t p = 0; p < list.tensor_present.size() && p < list.tensors.size(); ++p) {
+        if (!list.tensor_present[p]) continue;
+        const tpu::TensorRef& r = list.tensors[p];
+        const DType* it = DTypeOf(r.dtype);
+        if (it == nullptr || it->is_float || it->c10 == 11 || it->c10 == 0) {
+          return Unsupported(l.op(), "boolean or byte mask indices (their result's shape depends on the data)");
+        }
+        indexed.push_back(static_cast<int64_t>(p));
+        refs.push_back(&r);
+      }
+      if (indexed.empty() || indexed.back() >= static_cast<int64_t>(in.size())) {
+        return Unsupported(l.op(), "arguments of a form not lowered");
+      }
+      // The index tensors broadcast together.
+      std::vector<int64_t> bshape;
+      for (const tpu::TensorRef* r : refs) {
+        const std::vector<int64_t> s = DimsOf(*r);
+        if (s.size() > bshape.size()) bshape.insert(bshape.begin(), s.size() - bshape.size(), 1);
+        for (size_t k = 0; k < s.size(); ++k) {
+          int64_t& b = bshape[bshape.size() - s.size() + k];
+          if (b == 1) b = s[k];
+          else if (s[k] != 1 && s[k] != b) return absl::InvalidArgumentError(l.op() + ": index shapes do not broadcast");
+        }
+      }
+      const DType& i64 = I64();
+      std::vector<int64_t> one = bshape, all = bshape;
+      one.push_back(1);
+      all.push_back(static_cast<int64_t>(indexed.size()));
+      std::vector<std::string> parts, types;
+      for (size_t k = 0; k < refs.size(); ++k) {
+        absl::StatusOr<std::string> iv = l.OperandRef(*refs[k], l.TensorIndex(list) + k, bshape, i64);
+        if (!iv.ok()) return iv;
+        // Negative indices count from the end.
+        const int64_t size = in[indexed[k]];
+        const std::string wrapped = l.Select(l.Compare("LT", *iv, l.Constant(0, bshape, i64), bshape, i64),
+                                             l.Binary("add", *iv, l.Constant(static_cast<double>(size), bshape, i64), bshape, i64),
+                                             *iv, bshape, i64);
+        parts.push_back(l.Reshape(wrapped, bshape, one, i64));
+        types.push_back(TypeOf(one, i64));
+      }
+      const std::string idx = parts.size() == 1 ? parts[0] : l.Emit(absl::StrCat(
+          "stablehlo.concatenate ", absl::StrJoin(parts, ", "), ", dim = ", bshape.size(), " : (",
+          absl::StrJoin(types, ", "), ") -> ", TypeOf(all, i64)));
+      // Where the broadcast dims go: in place of the indexed dims when those
+      // are adjacent, else first (NumPy's rule).
+      bool adjacent = true;
+      for (size_t k = 1; k < indexed.size(); ++k) adjacent = adjacent && indexed[k] == indexed[k - 1] + 1;
+      const int64_t at = adjacent ? indexed[0] : 0;
+      std::vector<int64_t> offset, slice, result;
+      const int64_t nb = static_cast<int64_t>(bshape.size());
+      int64_t pos = 0;
+      for (size_t q = 0; q < in.size(); ++q) {
+        const bool ix = std::find(indexed.begin(), indexed.end(), static_cast<int64_t>(q)) != indexed.end();
+        slice.push_back(ix ? 1 : in[q]);
+        if (ix) continue;
+        if (pos == at) pos += nb;  // skip the batch dims' positions
+        offset.push_back(pos++);
+      }
+      for (size_t q = 0; q < in.size() - indexed.size() + bshape.size(); ++q) result.push_back(0);
+      {
+        size_t ri = 0, oi = 0;
+        for (size_t q = 0; q < result.size(); ++q) {
+          if (oi < offset.size() && offset[oi] == static_cast<int64_t>(q)) {
+            // the oi-th non-indexed dim of self
+            size_t seen = 0;
+            for (size_t s = 0; s < in.size(); ++s) {
+              if (std::find(indexed.begin(), indexed.end(), static_cast<int64_t>(s)) != indexed.end()) continue;
+              if (seen++ == oi) { result[q] = in[s]; break; }
+            }
+            ++oi;
+          } else {
+            result[q] = bshape[ri++];
+          }
+        }
+      }
+      const std::string g = l.Emit(absl::StrCat(
+          "\"stablehlo.gather\"(", *v, ", ", idx, ") {dimension_numbers = #stablehlo.gather<offset_dims = [",
+          absl::StrJoin(offset, ", "), "], collapsed_slice_dims = [", absl::StrJoin(indexed, ", "),
+          "], start_index_map = [", absl::StrJoin(indexed, ", "), "], index_vector_dim = ", nb,
+          ">, indices_are_sorted = false, slice_sizes = array<i64: ", absl::StrJoin(slice, ", "), ">} : (",
+          TypeOf(in, *o.type), ", ", TypeOf(all, i64), ") -> ", TypeOf(result, *o.type)));
+      return l.Reshape(g, result, o.dims, *o.type);
+    };
+    // Random ops. The generator argument carries a 64-bit seed the client's
+    // device generator drew for this op (torch.tpu.manual_seed makes runs
+    // repeat); it travels as a parameter, so one program serves every call.
+    // Values come from XLA's rng_bit_generator: reproducible on this backend,
+    // not equal to the CPU's stream.
+    enum class Dist { kUniform, kNormal, kBernoulli, kRandom };
+    auto random_rule = [](Dist dist) -> Rule {
+      return [dist](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+        const tpu::OpArg* gen = nullptr;
+        for (size_t i = 0; i < d.num_args; ++i) {
+          if (d.args[i].tag == tpu::ArgTag::kGenerator) gen = &d.args[i];
+        }
+        if (gen == nullptr) return Unsupported(l.op(), "no generator argument");
+        const DType& t = *o.type;
+        const DType& f = t.c10 == 7 ? F64() : *DTypeOf(6);  // uniform draws in f32 or f64
+        const bool normal = dist == Dist::kNormal;
+        const std::string u = l.UniformBits(gen->i, o.dims, f, normal ? 2 : 1);
+        std::vector<int64_t> two = o.dims;
+        two.insert(two.begin(), 2);
+        auto half = [&](int k) {  // the k-th of the two draws of a normal
+          std::vector<int64_t> start(two.size(), 0), limit = two;
+          start[0] = k;
+          limit[0] = k + 1;
+          std::vector<int64_t> one = o.dims;
+          one.insert(one.begin(), 1);
+          const std::string s = l.Emit(absl::StrCat("stablehlo.slice ", u, " [", [&] {
+            std::vector<std::string> r;
+            for (size_t q = 0; q < two.size(); ++q) r.push_back(absl::StrCat(start[q], ":", limit[q]));
+            return absl::StrJoin(r, ", ");
+          }(), "] : (", TypeOf(two, f), ") -> ", TypeOf(one, f)));
+          return l.Reshape(s, one, o.dims, f);
+        };
+        auto num = [&](size_t i, double dflt) { return i < d.num_args && d.args[i].tag != tpu::ArgTag::kNone &&
+                                                       d.args[i].tag != tpu::ArgTag::kGenerator ? NumberOf(d.args[i]) : dflt; };
+        std::string v;
+        switch (dist) {
+          case Dist::kUniform: {  // uniform_(self, from, to, *, generator)
+            const double from = num(1, 0), to = num(2, 1);
+            v = l.Binary("add", l.Constant(from, o.dims, f),
+                         l.Binary("multiply", u, l.Constant(to - from, o.dims, f), o.dims, f), o.dims, f);
+            break;
+          }
+          case Dist::kNormal: {  // normal_(self, mean, std, *, generator): Box-Muller
+            const double mean = num(1, 0), stdev = num(2, 1);
+            const std::string u1 = l.Binary("subtract", l.Constant(1, o.dims, f), half(0), o.dims, f);  // (0, 1]
+            const std::string r = l.Unary("sqrt", l.Binary("multiply", l.Constant(-2, o.dims, f), l.Unary("log", u1, o.dims, f), o.dims, f), o.dims, f);
+            const std::string c = l.Unary("cosine", l.Binary("multiply", l.Constant(6.283185307179586, o.dims, f), half(1), o.dims, f), o.dims, f);
+            v = l.Binary("add", l.Constant(mean, o.dims, f),
+                         l.Binary("multiply", l.Binary("multiply", r, c, o.dims, f), l.Constant(stdev, o.dims, f), o.dims, f), o.dims, f);
+            break;
+          }
+          case Dist::kBernoulli: {  // bernoulli_(self, p: float or Tensor, *, generator)
+            std::string p;
+            if (d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kTensor) {
+              absl::StatusOr<std::string> pt = l.Operand(d.args[1], o.dims, f);
+              if (!pt.ok()) return pt;
+              p = *pt;
+            } else {
+              p = l.Constant(num(1, 0.5), o.dims, f);
+            }
+            v = l.Select(l.Compare("LT", u, p, o.dims, f), l.Constant(1, o.dims, f), l.Constant(0, o.dims, f), o.dims, f);
+            break;
+          }
+          case Dist::kRandom: {  // random_.from(self, from, to?, *, generator): integers in [from, to)
+            const double from = num(1, 0), to = num(2, from + 1);
+            const DType& w = F64();
+            const std::string uw = l.Convert(u, o.dims, f, w);
+            v = l.Binary("add", l.Constant(from, o.dims, w),
+                         l.Unary("floor", l.Binary("multiply", uw, l.Constant(to - from, o.dims, w), o.dims, w), o.dims, w), o.dims, w);
+            return l.Convert(v, o.dims, w, t);
+          }
+        }
+        return l.Convert(v, o.dims, f, t);
+      };
+    };
+    (*m)["aten::uniform_"] = random_rule(Dist::kUniform);
+    (*m)["aten::normal_"] = random_rule(Dist::kNormal);
+    (*m)["aten::bernoulli_.float"] = random_rule(Dist::kBernoulli);
+    (*m)["aten::bernoulli_.Tensor"] = random_rule(Dist::kBernoulli);
+    (*m)["aten::random_.from"] = random_rule(Dist::kRandom);
+    (*m)["aten::prod.int_out"] = (*m)["aten::prod.dim_int"];
+    // max / min of everything (self): amax / amin over every dimension.
+    (*m)["aten::max"] = TailRules().at("aten::amax");
+    (*m)["aten::min"] = TailRules().at("aten::amin");
+    (*m)["aten::max.unary_out"] = (*m)["aten::max"];
+    (*m)["aten::min.unary_out"] = (*m)["aten::min"];
+    (*m)["aten::_unsafe_index.Tensor"] = (*m)["aten::index.Tensor"];
+    // fmod: C's remainder, with the dividend's sign (stablehlo.remainder).
+    (*m)["aten::fmod.Tensor"] = BinaryRule("remainder", false);
+    (*m)["aten::fmod.Scalar"] = BinaryRule("remainder", false);
+    // addmv(self, mat, vec, *, beta, alpha) and mv(self, vec).
+    for (bool add : {true, false}) {
+      (*m)[add ? "aten::addmv" : "aten::mv"] = [add](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+          -> absl::StatusOr<std::string> {
+        const size_t mi = add ? 1 : 0;
+        if (!Defined(d, mi) || !Defined(d, mi + 1) || d.args[mi].tensor.ndim != 2 || d.args[mi + 1].tensor.ndim != 1) {
+          return Unsupported(l.op(), "expects a matrix and a vector");
+        }
+        const DType& t = *o.type;
+        const std::vector<int64_t> dm = DimsOf(d.args[mi].tensor), dv = DimsOf(d.args[mi + 1].tensor);
+        absl::StatusOr<std::string> a = l.Operand(d.args[mi], dm, t), v = l.Operand(d.args[mi + 1], dv, t);
+        if (!a.ok()) return a;
+        if (!v.ok()) return v;
+        std::string r = l.Emit(absl::StrCat("stablehlo.dot ", *a, ", ", *v, " : (", TypeOf(dm, t), ", ",
+                                            TypeOf(dv, t), ") -> ", TypeOf(o.dims, t)));
+        if (!add) return r;
+        const double beta = d.num_args > 3 ? NumberOf(d.args[3]) : 1, alpha = d.num_args > 4 ? NumberOf(d.args[4]) : 1;
+        if (alpha != 1) r = l.Binary("multiply", r, l.Constant(alpha, o.dims, t), o.dims, t);
+        if (beta == 0) return r;  // self is not read (nan in it does not spread)
+        absl::StatusOr<std::string> self = l.Operand(d.args[0], o.dims, t);
+        if (!self.ok()) return self;
+        std::string b = *self;
+        if (beta != 1) b = l.Binary("multiply", b, l.Constant(beta, o.dims, t), o.dims, t);
+        return l.Binary("add", b, r, o.dims, t);
+      };
+    }
+    return m;
+  }();
+  return *rules;
+}
+
 // The name of the in-place form of `name` ("aten::add.Tensor" ->
 // "aten::add_.Tensor") and of its out= form ("aten::add.out",
 // "aten::eq.Tensor_out").
@@ -1484,7 +2166,7 @@ std::string OutName(const std::string& name) {
 const std::map<std::string, Rule>& AllRules() {
   static const auto* all = [] {
     auto* m = new std::map<std::string, Rule>;
-    for (const std::map<std::string, Rule>* rules : {&Rules(), &MoreRules(), &TailRules()}) {
+    for (const std::map<std::string, Rule>* rules : {&Rules(), &MoreRules(), &TailRules(), &ExtraRules()}) {
       for (const auto& [name, rule] : *rules) (*m)[name] = rule;
     }
     std::vector<std::pair<std::string, Rule>> derived;
@@ -1547,6 +2229,15 @@ absl::Status ReadScalar(const std::string& op, const tpu::DecodedOp& decoded,
 }
 
 }  // namespace
+
+std::vector<std::string> LoweredOpNames() {
+  std::vector<std::string> names = {"aten::_local_scalar_dense"};
+  for (const auto& [name, rule] : AllRules()) names.push_back(name);
+  for (const auto& [name, rule] : MultiRules()) names.push_back(name);
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  return names;
+}
 
 absl::StatusOr<std::unique_ptr<PjrtChip>> PjrtChip::Create(
     const std::string& plugin_path, const std::vector<CreateOption>& options,
@@ -1656,6 +2347,10 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   // A written tensor whose layout is dense in some order of its dimensions
   // (a transpose, channels-last) gets its result transposed into that order.
   std::vector<std::vector<int64_t>> orders(refs.size());
+  // One with gaps between its elements (a diagonal, a slice with a step, a
+  // column of a row-major matrix) is read whole over its span and its
+  // elements scattered into it, so the gaps keep their bytes.
+  std::vector<int64_t> spans(refs.size(), 0);
   for (size_t o = 0; o < refs.size(); ++o) {
     const tpu::TensorRef& r = *refs[o];
     outs[o].ref = &r;
@@ -1670,12 +2365,27 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
       std::stable_sort(order.begin(), order.end(),
                        [&](int64_t a, int64_t b) { return r.strides[a] > r.strides[b]; });
       int64_t expect = 1;
+      bool dense = true;
       for (int k = r.ndim - 1; k >= 0; --k) {
         const int64_t d = order[k];
-        if (r.sizes[d] != 1 && r.strides[d] != expect) {
-          return Unsupported(op.name(), "writing a tensor whose layout has gaps or overlaps");
-        }
+        if (r.sizes[d] != 1 && r.strides[d] != expect) dense = false;
         expect *= r.sizes[d];
+      }
+      if (!dense) {
+        const std::vector<int64_t> by_stride = std::move(order);
+        order.clear();
+        // Elements apart: walking the dimensions from the smallest stride,
+        // each stride passes the whole extent of the dimensions before it.
+        int64_t extent = 0;  // the last element's offset so far
+        for (int k = r.ndim - 1; k >= 0; --k) {
+          const int64_t d = by_stride[k];
+          if (r.sizes[d] == 1) continue;
+          if (r.strides[d] <= extent) {
+            return Unsupported(op.name(), "writing a tensor whose elements overlap");
+          }
+          extent += (r.sizes[d] - 1) * r.strides[d];
+        }
+        spans[o] = extent + 1;
       }
     }
     // Nothing to write: an empty result, or one the client did not ask for
@@ -1686,7 +2396,10 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     if (!dst.ok()) return dst.status();
     dsts[o] = *dst;
   }
-  if (multi == MultiRules().end()) {
+  // (index.Tensor's rule reads its list of index tensors itself.)
+  const bool takes_list = absl::StartsWith(op.name(), "aten::index.Tensor") ||
+                          absl::StartsWith(op.name(), "aten::_unsafe_index.Tensor");
+  if (multi == MultiRules().end() && !takes_list) {
     for (size_t a = 0; a < decoded.num_args; ++a) {
       const tpu::ArgTag t = decoded.args[a].tag;
       if (t == tpu::ArgTag::kTensorList || t == tpu::ArgTag::kOptionalTensorList) {
@@ -1710,6 +2423,13 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   }
   std::vector<std::string> types;
   for (size_t o = 0; o < outs.size(); ++o) {
+    if (spans[o] > 0 && dsts[o] != nullptr) {
+      const std::vector<int64_t> strides(refs[o]->strides, refs[o]->strides + refs[o]->ndim);
+      const std::string flat = l.Flat(dsts[o], *outs[o].type, spans[o]);
+      values[o] = l.ScatterStrided(flat, spans[o], values[o], outs[o].dims, strides, *outs[o].type);
+      types.push_back(TypeOf({spans[o]}, *outs[o].type));
+      continue;
+    }
     std::vector<int64_t> stored = outs[o].dims;
     if (!orders[o].empty()) {
       for (size_t d = 0; d < orders[o].size(); ++d) stored[d] = outs[o].dims[orders[o][d]];
@@ -1753,7 +2473,8 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
                                             " results for ", outs.size(), " outputs"));
   }
   for (size_t o = 0; o < outs.size(); ++o) {
-    const size_t bytes = static_cast<size_t>(Numel(*refs[o])) * outs[o].type->bytes;
+    const size_t bytes = static_cast<size_t>(spans[o] > 0 ? spans[o] : Numel(*refs[o])) *
+                         outs[o].type->bytes;
     if (bytes == 0 || dsts[o] == nullptr) continue;
     if (absl::Status st = plugin_->ToHost((*out_buffers)[o], dsts[o], bytes); !st.ok()) {
       return absl::Status(st.code(), absl::StrCat(op.name(), ": ", st.message()));

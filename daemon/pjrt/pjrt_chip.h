@@ -29,6 +29,10 @@
 
 namespace tpud::pjrt {
 
+// The ATen ops ("aten::add.Tensor") that PjrtChip lowers whole, sorted. An
+// op may still refuse some forms of its arguments, naming them.
+std::vector<std::string> LoweredOpNames();
+
 class PjrtChip : public ChipBackend {
  public:
   // Loads the plugin (in the calling process: the one executor that drives
