@@ -1632,6 +1632,100 @@ std::string Running(Lowering& l, const std::string& x, const std::vector<int64_t
       scalar, ") -> ", TypeOf(in, t)));
 }
 
+// Advanced indexing by integer index tensors (an optional tensor list, one
+// entry per leading dimension of self, `in`): the index tensors broadcast
+// together to `batch`, negative indices counted from the end, stacked into
+// one index array for gather / scatter. The result is self's dimensions with
+// the indexed ones replaced by `batch` (in place when they are adjacent, else
+// first: NumPy's rule). Bool and byte masks give data-dependent shapes and
+// are not lowered.
+struct IndexPlan {
+  std::vector<int64_t> indexed;  // self's indexed dimensions, in order
+  std::vector<int64_t> batch;    // the index tensors' broadcast shape
+  std::string indices;           // batch + [indexed.size()] of i64
+  std::string indices_type;
+  std::vector<int64_t> window;   // the result's positions of self's other dims
+  std::vector<int64_t> slice;    // gather's slice sizes (1 on indexed dims)
+  std::vector<int64_t> result;
+};
+
+absl::StatusOr<IndexPlan> PlanIndex(Lowering& l, const tpu::OpArg& list, const std::vector<int64_t>& in) {
+  if (list.tag != tpu::ArgTag::kOptionalTensorList && list.tag != tpu::ArgTag::kTensorList) {
+    return Unsupported(l.op(), "arguments of a form not lowered");
+  }
+  IndexPlan p;
+  std::vector<const tpu::TensorRef*> refs;  // (list.tensors has an entry per position)
+  for (size_t q = 0; q < list.tensors.size(); ++q) {
+    if (q < list.tensor_present.size() && !list.tensor_present[q]) continue;
+    const tpu::TensorRef& r = list.tensors[q];
+    const DType* it = DTypeOf(r.dtype);
+    if (it == nullptr || it->is_float || it->c10 == 11 || it->c10 == 0) {
+      return Unsupported(l.op(), "boolean or byte mask indices (their result's shape depends on the data)");
+    }
+    p.indexed.push_back(static_cast<int64_t>(q));
+    refs.push_back(&r);
+  }
+  if (p.indexed.empty() || p.indexed.back() >= static_cast<int64_t>(in.size())) {
+    return Unsupported(l.op(), "arguments of a form not lowered");
+  }
+  for (const tpu::TensorRef* r : refs) {
+    const std::vector<int64_t> s = DimsOf(*r);
+    if (s.size() > p.batch.size()) p.batch.insert(p.batch.begin(), s.size() - p.batch.size(), 1);
+    for (size_t k = 0; k < s.size(); ++k) {
+      int64_t& b = p.batch[p.batch.size() - s.size() + k];
+      if (b == 1) {
+        b = s[k];
+      } else if (s[k] != 1 && s[k] != b) {
+        return absl::InvalidArgumentError(l.op() + ": index shapes do not broadcast");
+      }
+    }
+  }
+  const DType& i64 = I64();
+  const std::vector<int64_t>& bs = p.batch;
+  std::vector<int64_t> one = bs, all = bs;
+  one.push_back(1);
+  all.push_back(static_cast<int64_t>(p.indexed.size()));
+  std::vector<std::string> parts, types;
+  for (size_t k = 0; k < refs.size(); ++k) {
+    absl::StatusOr<std::string> iv = l.OperandRef(*refs[k], l.TensorIndex(list) + k, bs, i64);
+    if (!iv.ok()) return iv.status();
+    const int64_t size = in[p.indexed[k]];
+    const std::string wrapped = l.Select(l.Compare("LT", *iv, l.Constant(0, bs, i64), bs, i64),
+                                         l.Binary("add", *iv, l.Constant(static_cast<double>(size), bs, i64), bs, i64),
+                                         *iv, bs, i64);
+    parts.push_back(l.Reshape(wrapped, bs, one, i64));
+    types.push_back(TypeOf(one, i64));
+  }
+  p.indices = parts.size() == 1 ? parts[0] : l.Emit(absl::StrCat(
+      "stablehlo.concatenate ", absl::StrJoin(parts, ", "), ", dim = ", bs.size(), " : (",
+      absl::StrJoin(types, ", "), ") -> ", TypeOf(all, i64)));
+  p.indices_type = TypeOf(all, i64);
+  bool adjacent = true;
+  for (size_t k = 1; k < p.indexed.size(); ++k) adjacent = adjacent && p.indexed[k] == p.indexed[k - 1] + 1;
+  const int64_t at = adjacent ? p.indexed[0] : 0;
+  const int64_t nb = static_cast<int64_t>(bs.size());
+  // Walk self's dims: an indexed one contributes the batch dims (once, at
+  // `at`), another its own size.
+  int64_t pos = 0;
+  bool batch_placed = false;
+  for (size_t q = 0; q < in.size(); ++q) {
+    const bool ix = std::find(p.indexed.begin(), p.indexed.end(), static_cast<int64_t>(q)) != p.indexed.end();
+    p.slice.push_back(ix ? 1 : in[q]);
+    if (!batch_placed && pos == at && (ix || !adjacent)) {
+      for (int64_t b : bs) p.result.push_back(b);
+      pos += nb;
+      batch_placed = true;
+    }
+    if (ix) continue;
+    p.window.push_back(pos++);
+    p.result.push_back(in[q]);
+  }
+  if (!batch_placed) {
+    for (int64_t b : bs) p.result.push_back(b);
+  }
+  return p;
+}
+
 // Ops PyTorch's decompositions lean on (arange, var, norms, running sums,
 // masks, index_select) and a few more elementwise ones.
 const std::map<std::string, Rule>& ExtraRules() {
@@ -1933,101 +2027,55 @@ const std::map<std::string, Rule>& ExtraRules() {
           TypeOf(in, *o.type), ", ", TypeOf(all, i64), ") -> ", TypeOf(o.dims, *o.type)));
     };
     // index.Tensor(self, indices): advanced indexing with integer index
-    // tensors (bool masks give data-dependent shapes: not lowered). Indices
-    // out of range are clamped, as XLA's gather does, not reported.
+    // tensors, a gather (see PlanIndex).
     (*m)["aten::index.Tensor"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-      if (!Defined(d, 0) || d.num_args < 2 || d.args[1].tag != tpu::ArgTag::kOptionalTensorList) {
-        return Unsupported(l.op(), "arguments of a form not lowered");
-      }
-      const tpu::OpArg& list = d.args[1];
+      if (!Defined(d, 0) || d.num_args < 2) return Unsupported(l.op(), "arguments of a form not lowered");
       const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
       absl::StatusOr<std::string> v = l.Operand(d.args[0], in, *o.type);
       if (!v.ok()) return v;
-      std::vector<int64_t> indexed;  // the dims indexed, in order
-      std::vector<const tpu::TensorRef*> refs;  // (list.tensors has an entry per position)
-      for (size_t p = 0; p < list.tensor_present.size() && p < list.tensors.size(); ++p) {
-        if (!list.tensor_present[p]) continue;
-        const tpu::TensorRef& r = list.tensors[p];
-        const DType* it = DTypeOf(r.dtype);
-        if (it == nullptr || it->is_float || it->c10 == 11 || it->c10 == 0) {
-          return Unsupported(l.op(), "boolean or byte mask indices (their result's shape depends on the data)");
-        }
-        indexed.push_back(static_cast<int64_t>(p));
-        refs.push_back(&r);
-      }
-      if (indexed.empty() || indexed.back() >= static_cast<int64_t>(in.size())) {
-        return Unsupported(l.op(), "arguments of a form not lowered");
-      }
-      // The index tensors broadcast together.
-      std::vector<int64_t> bshape;
-      for (const tpu::TensorRef* r : refs) {
-        const std::vector<int64_t> s = DimsOf(*r);
-        if (s.size() > bshape.size()) bshape.insert(bshape.begin(), s.size() - bshape.size(), 1);
-        for (size_t k = 0; k < s.size(); ++k) {
-          int64_t& b = bshape[bshape.size() - s.size() + k];
-          if (b == 1) b = s[k];
-          else if (s[k] != 1 && s[k] != b) return absl::InvalidArgumentError(l.op() + ": index shapes do not broadcast");
-        }
-      }
-      const DType& i64 = I64();
-      std::vector<int64_t> one = bshape, all = bshape;
-      one.push_back(1);
-      all.push_back(static_cast<int64_t>(indexed.size()));
-      std::vector<std::string> parts, types;
-      for (size_t k = 0; k < refs.size(); ++k) {
-        absl::StatusOr<std::string> iv = l.OperandRef(*refs[k], l.TensorIndex(list) + k, bshape, i64);
-        if (!iv.ok()) return iv;
-        // Negative indices count from the end.
-        const int64_t size = in[indexed[k]];
-        const std::string wrapped = l.Select(l.Compare("LT", *iv, l.Constant(0, bshape, i64), bshape, i64),
-                                             l.Binary("add", *iv, l.Constant(static_cast<double>(size), bshape, i64), bshape, i64),
-                                             *iv, bshape, i64);
-        parts.push_back(l.Reshape(wrapped, bshape, one, i64));
-        types.push_back(TypeOf(one, i64));
-      }
-      const std::string idx = parts.size() == 1 ? parts[0] : l.Emit(absl::StrCat(
-          "stablehlo.concatenate ", absl::StrJoin(parts, ", "), ", dim = ", bshape.size(), " : (",
-          absl::StrJoin(types, ", "), ") -> ", TypeOf(all, i64)));
-      // Where the broadcast dims go: in place of the indexed dims when those
-      // are adjacent, else first (NumPy's rule).
-      bool adjacent = true;
-      for (size_t k = 1; k < indexed.size(); ++k) adjacent = adjacent && indexed[k] == indexed[k - 1] + 1;
-      const int64_t at = adjacent ? indexed[0] : 0;
-      std::vector<int64_t> offset, slice, result;
-      const int64_t nb = static_cast<int64_t>(bshape.size());
-      int64_t pos = 0;
-      for (size_t q = 0; q < in.size(); ++q) {
-        const bool ix = std::find(indexed.begin(), indexed.end(), static_cast<int64_t>(q)) != indexed.end();
-        slice.push_back(ix ? 1 : in[q]);
-        if (ix) continue;
-        if (pos == at) pos += nb;  // skip the batch dims' positions
-        offset.push_back(pos++);
-      }
-      for (size_t q = 0; q < in.size() - indexed.size() + bshape.size(); ++q) result.push_back(0);
-      {
-        size_t ri = 0, oi = 0;
-        for (size_t q = 0; q < result.size(); ++q) {
-          if (oi < offset.size() && offset[oi] == static_cast<int64_t>(q)) {
-            // the oi-th non-indexed dim of self
-            size_t seen = 0;
-            for (size_t s = 0; s < in.size(); ++s) {
-              if (std::find(indexed.begin(), indexed.end(), static_cast<int64_t>(s)) != indexed.end()) continue;
-              if (seen++ == oi) { result[q] = in[s]; break; }
-            }
-            ++oi;
-          } else {
-            result[q] = bshape[ri++];
-          }
-        }
-      }
+      absl::StatusOr<IndexPlan> p = PlanIndex(l, d.args[1], in);
+      if (!p.ok()) return p.status();
       const std::string g = l.Emit(absl::StrCat(
-          "\"stablehlo.gather\"(", *v, ", ", idx, ") {dimension_numbers = #stablehlo.gather<offset_dims = [",
-          absl::StrJoin(offset, ", "), "], collapsed_slice_dims = [", absl::StrJoin(indexed, ", "),
-          "], start_index_map = [", absl::StrJoin(indexed, ", "), "], index_vector_dim = ", nb,
-          ">, indices_are_sorted = false, slice_sizes = array<i64: ", absl::StrJoin(slice, ", "), ">} : (",
-          TypeOf(in, *o.type), ", ", TypeOf(all, i64), ") -> ", TypeOf(result, *o.type)));
-      return l.Reshape(g, result, o.dims, *o.type);
+          "\"stablehlo.gather\"(", *v, ", ", p->indices, ") {dimension_numbers = #stablehlo.gather<offset_dims = [",
+          absl::StrJoin(p->window, ", "), "], collapsed_slice_dims = [", absl::StrJoin(p->indexed, ", "),
+          "], start_index_map = [", absl::StrJoin(p->indexed, ", "), "], index_vector_dim = ", p->batch.size(),
+          ">, indices_are_sorted = false, slice_sizes = array<i64: ", absl::StrJoin(p->slice, ", "), ">} : (",
+          TypeOf(in, *o.type), ", ", p->indices_type, ") -> ", TypeOf(p->result, *o.type)));
+      return l.Reshape(g, p->result, o.dims, *o.type);
     };
+    // index_put_ / _index_put_impl_(self, indices, values, accumulate[, unsafe]):
+    // the values (broadcast to what index would return) scattered into
+    // self, added where accumulate (embedding's backward).
+    {
+      Rule put = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+        if (!Defined(d, 0) || !Defined(d, 2) || d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
+        const DType& t = *o.type;
+        const std::vector<int64_t>& in = o.dims;
+        if (in.empty()) return Unsupported(l.op(), "a 0-d tensor");
+        absl::StatusOr<std::string> self = l.Operand(d.args[0], in, t);
+        if (!self.ok()) return self;
+        absl::StatusOr<IndexPlan> p = PlanIndex(l, d.args[1], in);
+        if (!p.ok()) return p.status();
+        absl::StatusOr<std::string> values = l.Operand(d.args[2], p->result, t);
+        if (!values.ok()) return values;
+        const bool accumulate = d.num_args > 3 && d.args[3].tag == tpu::ArgTag::kBool && d.args[3].b;
+        const std::string scalar = TypeOf({}, t);
+        return l.Emit(absl::StrCat(
+            "\"stablehlo.scatter\"(", *self, ", ", p->indices, ", ", *values, ") ({\n",
+            "    ^bb0(%old: ", scalar, ", %new: ", scalar, "):\n",
+            accumulate ? absl::StrCat("      %sum = stablehlo.add %old, %new : ", scalar, "\n      stablehlo.return %sum : ", scalar, "\n")
+                       : absl::StrCat("      stablehlo.return %new : ", scalar, "\n"),
+            "    }) {indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [",
+            absl::StrJoin(p->window, ", "), "], inserted_window_dims = [", absl::StrJoin(p->indexed, ", "),
+            "], scatter_dims_to_operand_dims = [", absl::StrJoin(p->indexed, ", "), "], index_vector_dim = ",
+            p->batch.size(), ">, unique_indices = false} : (", TypeOf(in, t), ", ", p->indices_type, ", ",
+            TypeOf(p->result, t), ") -> ", TypeOf(in, t)));
+      };
+      for (const char* name : {"aten::_index_put_impl_", "aten::index_put_", "aten::index_put", "aten::index_put.out",
+                               "aten::_index_put_impl", "aten::_index_put_impl.out"}) {
+        (*m)[name] = put;
+      }
+    }
     // Random ops. The generator argument carries a 64-bit seed the client's
     // device generator drew for this op (torch.tpu.manual_seed makes runs
     // repeat); it travels as a parameter, so one program serves every call.
@@ -2398,7 +2446,9 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   }
   // (index.Tensor's rule reads its list of index tensors itself.)
   const bool takes_list = absl::StartsWith(op.name(), "aten::index.Tensor") ||
-                          absl::StartsWith(op.name(), "aten::_unsafe_index.Tensor");
+                          absl::StartsWith(op.name(), "aten::_unsafe_index.Tensor") ||
+                          absl::StartsWith(op.name(), "aten::index_put") ||
+                          absl::StartsWith(op.name(), "aten::_index_put_impl");
   if (multi == MultiRules().end() && !takes_list) {
     for (size_t a = 0; a < decoded.num_args; ++a) {
       const tpu::ArgTag t = decoded.args[a].tag;
