@@ -88,6 +88,8 @@ TopologyInfo ConvertTopology(const v1::TopologyInfo& t) {
   TopologyInfo out;
   out.name = t.name();
   out.simulated = t.simulated();
+  out.backend = t.backend();
+  out.lowered_ops.assign(t.lowered_ops().begin(), t.lowered_ops().end());
   const v1::GenerationFacts& g = t.generation();
   out.generation.name = g.name();
   out.generation.hbm_bytes_per_chip = g.hbm_bytes_per_chip();

@@ -58,7 +58,8 @@ int ChipIndex(uint32_t wire_chip) {
 }  // namespace
 
 void FillTopology(const RuntimeCore& core, DataPlane* data_plane,
-                  const CommunicatorRegistry* comms, v1::TopologyInfo* out) {
+                  const CommunicatorRegistry* comms, const BackendStatus& backend,
+                  v1::TopologyInfo* out) {
   if (comms != nullptr) {
     for (const LinkStats& l : comms->Links()) {
       v1::IciLinkInfo* li = out->add_links();
@@ -71,7 +72,9 @@ void FillTopology(const RuntimeCore& core, DataPlane* data_plane,
   }
   const Topology& t = core.topology();
   out->set_name(t.name());
-  out->set_simulated(true);
+  out->set_simulated(backend.kind != "pjrt");
+  out->set_backend(backend.kind);
+  for (const std::string& op : backend.lowered_ops) out->add_lowered_ops(op);
   v1::GenerationFacts* g = out->mutable_generation();
   const GenerationFacts& f = t.facts();
   g->set_name(f.name);
@@ -157,7 +160,7 @@ grpc::Status RuntimeServiceImpl::LeaveCommunicator(grpc::ServerContext* ctx,
 grpc::Status RuntimeServiceImpl::GetTopology(grpc::ServerContext*,
                                              const v1::GetTopologyRequest*,
                                              v1::GetTopologyResponse* resp) {
-  FillTopology(*core_, data_plane_, comms_, resp->mutable_topology());
+  FillTopology(*core_, data_plane_, comms_, backend_, resp->mutable_topology());
   return grpc::Status::OK;
 }
 
@@ -264,12 +267,11 @@ grpc::Status AdminServiceImpl::GetStatus(grpc::ServerContext* ctx,
                                          const v1::GetStatusRequest*,
                                          v1::GetStatusResponse* resp) {
   if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
-  FillTopology(*core_, data_plane_, comms_, resp->mutable_topology());
+  FillTopology(*core_, data_plane_, comms_, backend_, resp->mutable_topology());
   for (const SessionSnapshot& s : core_->Sessions()) {
     FillSession(s, data_plane_, resp->add_sessions());
   }
   resp->set_daemon_version(kDaemonVersion);
-  resp->mutable_topology()->set_simulated(backend_.kind != "pjrt");
   v1::BackendInfo* b = resp->mutable_backend();
   b->set_kind(backend_.kind);
   b->set_description(backend_.description);

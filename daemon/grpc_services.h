@@ -18,6 +18,17 @@
 
 namespace tpud {
 
+// What runs the ops, for clients and tpuctl status.
+struct BackendStatus {
+  std::string kind;
+  std::string description;
+  std::string plugin_path;
+  std::string pjrt_api_version;
+  std::string platform;
+  std::vector<std::string> device_kinds;
+  std::vector<std::string> lowered_ops;  // pjrt: the ATen ops lowered whole
+};
+
 class RuntimeServiceImpl final : public v1::Runtime::Service {
  public:
   RuntimeServiceImpl(RuntimeCore* core, const ConnectionTable* connections,
@@ -46,23 +57,16 @@ class RuntimeServiceImpl final : public v1::Runtime::Service {
                                  v1::LeaveCommunicatorResponse* resp) override;
 
   void set_communicators(CommunicatorRegistry* comms) { comms_ = comms; }
+  void set_backend(BackendStatus backend) { backend_ = std::move(backend); }
 
  private:
   RuntimeCore* core_;
   const ConnectionTable* connections_;
   DataPlane* data_plane_;
   CommunicatorRegistry* comms_ = nullptr;
+  BackendStatus backend_;
 };
 
-// What runs the ops, for tpuctl status.
-struct BackendStatus {
-  std::string kind;
-  std::string description;
-  std::string plugin_path;
-  std::string pjrt_api_version;
-  std::string platform;
-  std::vector<std::string> device_kinds;
-};
 
 class AdminServiceImpl final : public v1::Admin::Service {
  public:
@@ -106,9 +110,12 @@ class AdminServiceImpl final : public v1::Admin::Service {
   absl::Time started_;
 };
 
-// Fills a TopologyInfo with the topology and the chips' current state
-// (`data_plane` may be null: no activity figures).
-void FillTopology(const RuntimeCore& core, DataPlane* data_plane, v1::TopologyInfo* out);
+// Fills a TopologyInfo with the topology, the backend and the chips'
+// current state (`data_plane` may be null: no activity figures; `comms`
+// null: no link counters).
+void FillTopology(const RuntimeCore& core, DataPlane* data_plane,
+                  const CommunicatorRegistry* comms, const BackendStatus& backend,
+                  v1::TopologyInfo* out);
 
 }  // namespace tpud
 

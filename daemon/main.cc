@@ -174,6 +174,7 @@ int Run() {
     backend_status.pjrt_api_version = absl::StrCat(probe->api_major, ".", probe->api_minor);
     backend_status.platform = probe->platform;
     for (const pjrt::DeviceInfo& d : probe->devices) backend_status.device_kinds.push_back(d.kind);
+    backend_status.lowered_ops = pjrt::LoweredOpNames();
   } else if (backend == "simulated") {
     backend_status.description = "simulated (ATen CPU kernels on daemon-owned HBM)";
   } else {
@@ -351,6 +352,7 @@ int Run() {
   });
   runtime_service.set_communicators(&communicators);
   admin_service.set_communicators(&communicators);
+  runtime_service.set_backend(backend_status);
   admin_service.set_backend(backend_status);
 
   // Servers without listening ports: connections arrive through SocketServer.

@@ -70,6 +70,9 @@ struct TopologyInfo {
   std::vector<ChipInfo> chips;
   std::vector<IciLinkInfo> links;
   bool simulated = false;
+  std::string backend;  // "simulated" or "pjrt" (empty: an older daemon)
+  // pjrt: the ATen ops the backend lowers whole (see the proto).
+  std::vector<std::string> lowered_ops;
   std::string ShapeString() const;  // "2x2"
 };
 

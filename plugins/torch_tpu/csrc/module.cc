@@ -62,11 +62,29 @@ py::dict Properties(c10::DeviceIndex device) {
 }  // namespace
 
 void RegisterDistributed(py::module& m);  // distributed.cc
+
+namespace {
+
+// On a backend that lowers ops (PJRT), every op it does not lower but
+// PyTorch can decompose runs as its decomposition (torch_tpu/_decomp.py).
+void InstallDecompositions(const tpu::TopologyInfo& t) {
+  if (t.backend != "pjrt" || !Py_IsInitialized()) return;
+  py::gil_scoped_acquire gil;
+  try {
+    py::module_::import("torch_tpu._decomp").attr("install")(t.lowered_ops);
+  } catch (py::error_already_set& e) {
+    TORCH_WARN("tpu: PyTorch's decompositions are not in use on the PJRT backend (ops it does "
+               "not lower will fail): ", e.what());
+  }
+}
+
+}  // namespace
 }  // namespace torch_tpu
 
 PYBIND11_MODULE(_C, m) {
   using namespace torch_tpu;
   m.doc() = "torch_tpu native part: the \"tpu\" device through tpud";
+  SetSessionOpenedHook(&InstallDecompositions);
   m.def("_device_count", [] { return static_cast<int>(DeviceCount()); });
   m.def("_ensure_session", [] { GetSession(); });
   m.def("_current_device", [] { return static_cast<int>(CurrentDevice()); });
@@ -93,6 +111,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("_default_generator", [](int d) {
     return py::reinterpret_steal<py::object>(
         THPGenerator_initDefaultGenerator(DefaultGenerator(static_cast<c10::DeviceIndex>(d))));
+  });
+  m.def("_backend", [] {
+    const tpu::TopologyInfo& t = Topology();
+    return py::make_tuple(t.backend.empty() ? std::string("simulated") : t.backend,
+                          t.lowered_ops);
   });
   m.def("_socket", [] { return GetSession().socket_path(); });
   m.def("_session_id", [] { return GetSession().id(); });

@@ -1,5 +1,6 @@
 #include "runtime.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -81,8 +82,29 @@ void Check(const absl::Status& status, const char* what) {
   TORCH_CHECK(false, "tpu: ", what, ": ", status.ToString());
 }
 
+namespace {
+
+std::atomic<void (*)(const tpu::TopologyInfo&)> opened_hook{nullptr};
+std::atomic<bool> opened_hook_ran{false};
+
+// After Open: the hook runs once, outside call_once, so that what it does
+// (torch_tpu's runs Python under the GIL) cannot deadlock with a thread that
+// holds the GIL and waits in Open.
+void RunOpenedHook() {
+  if (opened_hook_ran.load(std::memory_order_acquire)) return;
+  if (R().session == nullptr) return;
+  void (*hook)(const tpu::TopologyInfo&) = opened_hook.load();
+  if (hook == nullptr || opened_hook_ran.exchange(true)) return;
+  hook(R().topology);
+}
+
+}  // namespace
+
+void SetSessionOpenedHook(void (*hook)(const tpu::TopologyInfo&)) { opened_hook.store(hook); }
+
 tpu::Session& GetSession() {
   Open();
+  RunOpenedHook();
   Runtime& r = R();
   if (r.session == nullptr) {
     Check(r.open_status, "cannot use the \"tpu\" device");

@@ -23,6 +23,9 @@ c10::DeviceIndex DeviceCount() noexcept;
 // The physical chip behind a visible device; raises for a bad index.
 int ChipOf(c10::DeviceIndex device);
 const tpu::TopologyInfo& Topology();
+// Called once, by the first thread to find the session open (after the
+// open, outside its lock), with what the daemon said of itself.
+void SetSessionOpenedHook(void (*hook)(const tpu::TopologyInfo&));
 
 c10::DeviceIndex CurrentDevice();
 void SetDevice(c10::DeviceIndex device);

@@ -1,0 +1,101 @@
+"""Ops the daemon's backend does not lower, run as PyTorch's decompositions.
+
+On the PJRT backend tpud lowers a set of ATen ops to StableHLO (the daemon
+sends their names when the session opens). An op outside that set that
+PyTorch can decompose (torch._decomp's table) gets a PrivateUse1 kernel here
+that runs the decomposition: its pieces reach the daemon as ops of their own,
+each lowered or decomposed in turn. An op that is neither fails in the
+daemon with an error naming it; nothing falls back to the CPU.
+
+The simulated backend runs every ATen op and installs nothing.
+"""
+import threading
+
+import torch
+
+_lib = None
+_installed = []  # "aten::name.overload" of every op given a kernel here
+_depth = threading.local()
+
+# Recursion through the same op (a decomposition that calls itself on smaller
+# pieces) is allowed this deep before it is taken for a loop.
+_MAX_DEPTH = 8
+
+
+def _kernel(name, fn, max_depth):
+    def run(*args, **kwargs):
+        counts = getattr(_depth, "counts", None)
+        if counts is None:
+            counts = _depth.counts = {}
+        n = counts.get(name, 0)
+        if n >= max_depth:
+            raise NotImplementedError(
+                f"tpu: {name} is not lowered on the PJRT backend, and PyTorch's decomposition "
+                f"of it comes back to it (tpud --backend=simulated runs every ATen op)")
+        counts[name] = n + 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            counts[name] = n
+        if out is NotImplemented:
+            raise NotImplementedError(
+                f"tpu: {name} is not lowered on the PJRT backend, and PyTorch's decomposition "
+                f"of it does not take these arguments (tpud --backend=simulated runs every "
+                f"ATen op)")
+        return out
+
+    run.__name__ = f"tpu_decomposed_{name.replace('::', '_').replace('.', '_')}"
+    return run
+
+
+def _candidates():
+    """(op, decomposition, how deep it may recurse into op) for everything in
+    torch._decomp's table: its own decompositions, written in ATen ops, and
+    torch._refs' references, written in prims. A reference's prims run as ATen
+    ops in eager mode, sometimes the very op decomposed (flip's rev is flip):
+    a reference reaching its own op again is no decomposition."""
+    import torch._decomp
+    import torch._refs  # noqa: F401  (the references register themselves)
+    import torch._refs.linalg  # noqa: F401
+    import torch._refs.nn.functional  # noqa: F401
+    import torch._refs.special  # noqa: F401
+
+    for op, fn in torch._decomp.decomposition_table.items():
+        own = getattr(fn, "__module__", "").startswith("torch._decomp")
+        yield op, fn, (_MAX_DEPTH if own else 1)
+
+
+# Ops with one of these kernels never reach a backend's kernel (the
+# dispatcher prefers them to torch_tpu's fallback).
+_COMPOSITE = ("CompositeImplicitAutograd", "CompositeExplicitAutograd",
+              "CompositeExplicitAutogradNonFunctional")
+
+
+def install(lowered_ops):
+    """Gives every decomposable ATen op outside `lowered_ops` a PrivateUse1
+    kernel that runs its decomposition. Returns how many; idempotent."""
+    global _lib
+    if _lib is not None:
+        return len(_installed)
+    lowered = set(lowered_ops)
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    lib = torch.library.Library("aten", "IMPL")
+    for op, fn, depth in _candidates():
+        if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
+            continue
+        name = op.name()  # "aten::add.Tensor"; "aten::relu" for .default
+        if name in lowered:
+            continue
+        # torch_tpu's own kernels (allocation, views, copies between devices)
+        # stay; composite ops never reach a backend kernel.
+        if has_kernel(name, "PrivateUse1") or any(has_kernel(name, k) for k in _COMPOSITE):
+            continue
+        lib.impl(name.split("::", 1)[1], _kernel(name, fn, depth), "PrivateUse1")
+        _installed.append(name)
+    _lib = lib
+    return len(_installed)
+
+
+def installed():
+    """The ops that run decomposed in this process (empty unless PJRT)."""
+    return list(_installed)
