@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs tpud's benchmarks against a daemon started here on temporary sockets.
-# Output: one JSON object per line (name, speed_ratio, ...): the C++ benchmarks, then
-# bench/torch_bench.py (torch_tpu against CPU eager PyTorch).
+# Output: one JSON object per line (name, speed_ratio, ...): the C++ benchmarks,
+# bench/torch_bench.py (torch_tpu against CPU eager PyTorch), then the pjrt_*
+# lines of bench/pjrt_bench.py (tpud's PJRT backend on XLA's CPU plugin against
+# the same programs called in-process; it starts its own daemon).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -18,3 +20,6 @@ export TPUD_SOCKET="$DIR/tpud.sock"
 "$BIN/bench/dataplane_bench" "$@"
 # PyTorch level (torch_tpu as installed in .venv) against CPU eager PyTorch.
 "$ROOT/.venv/bin/python" "$ROOT/bench/torch_bench.py"
+# The PJRT backend, on its own daemon (bench/pjrt_bench.py starts it).
+"$ROOT/.venv/bin/python" "$ROOT/bench/pjrt_bench.py" --tpud "$BIN/daemon/tpud" \
+  --inprocess "$BIN/bench/pjrt_inprocess_bench"

@@ -268,6 +268,8 @@ grpc::Status AdminServiceImpl::GetStatus(grpc::ServerContext* ctx,
                                          v1::GetStatusResponse* resp) {
   if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
   FillTopology(*core_, data_plane_, comms_, backend_, resp->mutable_topology());
+  // The lowered ops' names are for clients (torch_tpu); status stays short.
+  resp->mutable_topology()->clear_lowered_ops();
   for (const SessionSnapshot& s : core_->Sessions()) {
     FillSession(s, data_plane_, resp->add_sessions());
   }

@@ -126,6 +126,19 @@ struct Transfer {
   int64_t scalar_i = 0;
 };
 
+// The largest (`high`) or smallest value of an integer or bool type, as a
+// literal.
+std::string IntLimit(const DType& t, bool high) {
+  switch (t.c10) {
+    case 11: return high ? "true" : "false";
+    case 0: return high ? "255" : "0";
+    case 1: return high ? "127" : "-128";
+    case 2: return high ? "32767" : "-32768";
+    case 3: return high ? "2147483647" : "-2147483648";
+    default: return high ? "9223372036854775807" : "-9223372036854775808";
+  }
+}
+
 // Builds one op's program and the transfers that feed it.
 class Lowering {
  public:
@@ -314,7 +327,7 @@ class Lowering {
   std::string Lowest(const DType& t) {
     const char* hex = t.c10 == 6 ? "0xFF800000" : t.c10 == 7 ? "0xFFF0000000000000"
                     : t.c10 == 5 ? "0xFC00" : t.c10 == 15 ? "0xFF80" : nullptr;
-    if (hex == nullptr) return Constant(-9.2e18, {}, t);
+    if (hex == nullptr) return Emit(absl::StrCat("stablehlo.constant dense<", IntLimit(t, false), "> : ", TypeOf({}, t)));
     return Emit(absl::StrCat("stablehlo.constant dense<", hex, "> : ", TypeOf({}, t)));
   }
 
@@ -476,7 +489,7 @@ using Rule = std::function<absl::StatusOr<std::string>(Lowering&, const tpu::Dec
 std::string Highest(Lowering& l, const DType& t) {
   const char* hex = t.c10 == 6 ? "0x7F800000" : t.c10 == 7 ? "0x7FF0000000000000"
                   : t.c10 == 5 ? "0x7C00" : t.c10 == 15 ? "0x7F80" : nullptr;
-  if (hex == nullptr) return l.Constant(9.2e18, {}, t);
+  if (hex == nullptr) return l.Emit(absl::StrCat("stablehlo.constant dense<", IntLimit(t, true), "> : ", TypeOf({}, t)));
   return l.Emit(absl::StrCat("stablehlo.constant dense<", hex, "> : ", TypeOf({}, t)));
 }
 
@@ -1489,8 +1502,7 @@ const std::map<std::string, Rule>& TailRules() {
         absl::StatusOr<std::string> v = l.Operand(d.args[0], in, *o.type);
         if (!v.ok()) return v;
         if (in.empty()) return l.Reshape(*v, in, o.dims, *o.type);  // a 0-d tensor: dim 0 / -1 is itself
-        std::string init = l.Lowest(*o.type);
-        if (!mx) init = l.Unary("negate", init, {}, *o.type);
+        const std::string init = mx ? l.Lowest(*o.type) : Highest(l, *o.type);
         const std::string r = l.ReduceOver(*v, in, which, mx ? "maximum" : "minimum", init, *o.type);
         return l.Reshape(r, Lowering::Kept(in, which), o.dims, *o.type);
       };

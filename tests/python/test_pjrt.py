@@ -154,6 +154,12 @@ def test_new_lowerings_match_cpu(pjrt):
             assert got.device.type == "tpu", name
             assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, got.shape)
             assert torch.allclose(got.cpu().double(), want.double(), atol=1e-5), name
+        # integer reductions start from the type's own limits
+        xi = torch.tensor([[3, -7, 5], [2, 9, 9]], dtype=torch.int32)
+        ti = xi.to("tpu")
+        for name, f in {"argmin": lambda v: v.argmin(1), "argmax": lambda v: v.argmax(1),
+                        "amin": lambda v: v.amin(0), "min": lambda v: v.min()}.items():
+            assert torch.equal(f(ti).cpu(), f(xi)), name
         # index_put, plain and accumulating, and embedding's backward (which uses it)
         for acc in (False, True):
             z, zc = torch.zeros(5, 6, device="tpu"), torch.zeros(5, 6)
