@@ -2469,19 +2469,28 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
       }
     }
   }
+  // Half-precision results (float16, bfloat16) are computed in float32 and
+  // rounded once at the end, as ATen's CPU kernels do (their "opmath" type).
+  std::vector<Target> compute = outs;
+  for (Target& c : compute) {
+    if (c.type->c10 == 5 || c.type->c10 == 15) c.type = DTypeOf(6);
+  }
   std::vector<std::string> values;
   if (multi != MultiRules().end()) {
-    absl::StatusOr<std::vector<std::string>> v = multi->second(l, decoded, outs);
+    absl::StatusOr<std::vector<std::string>> v = multi->second(l, decoded, compute);
     if (!v.ok()) return v.status();
     values = *std::move(v);
   } else {
-    absl::StatusOr<std::string> v = (*single)(l, decoded, outs[0]);
+    absl::StatusOr<std::string> v = (*single)(l, decoded, compute[0]);
     if (!v.ok()) return v.status();
     values.push_back(*v);
   }
   if (values.size() != outs.size()) {
     return absl::InternalError(absl::StrCat(op.name(), ": the lowering made ", values.size(),
                                             " results for ", outs.size(), " outputs"));
+  }
+  for (size_t o = 0; o < outs.size(); ++o) {
+    values[o] = l.Convert(values[o], outs[o].dims, *compute[o].type, *outs[o].type);
   }
   std::vector<std::string> types;
   for (size_t o = 0; o < outs.size(); ++o) {
