@@ -106,6 +106,9 @@ def test_ops_without_lowering_run_as_pytorch_decompositions(pjrt):
         torch.manual_seed(0)
         x = torch.randn(2, 3, 8)
         a = x.to("tpu")
+        props = torch.tpu.get_device_properties(0)
+        assert props.backend == "pjrt" and not props.simulated, props
+        assert torch.tpu.get_device_name(0).endswith("(PJRT)"), torch.tpu.get_device_name(0)
         names = decomp.installed()
         assert len(names) > 100 and "aten::hardswish" in names, len(names)
         assert not any(n in names for n in ("aten::add.Tensor", "aten::mm", "aten::empty_strided"))

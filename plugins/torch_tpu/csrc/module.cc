@@ -45,7 +45,8 @@ py::dict Properties(c10::DeviceIndex device) {
   const tpu::TopologyInfo& t = Topology();
   const tpu::ChipInfo& c = t.chips.at(chip);
   py::dict d;
-  d["name"] = "TPU " + t.generation.name + (t.simulated ? " (simulated)" : "");
+  d["name"] = "TPU " + t.generation.name +
+              (t.backend == "pjrt" ? " (PJRT)" : t.simulated ? " (simulated)" : "");
   d["generation"] = t.generation.name;
   d["host"] = t.name;
   d["chip"] = chip;
@@ -56,6 +57,7 @@ py::dict Properties(c10::DeviceIndex device) {
   d["peak_bf16_tflops"] = t.generation.peak_bf16_tflops;
   d["tensorcores"] = t.generation.tensorcores_per_chip;
   d["simulated"] = t.simulated;
+  d["backend"] = t.backend.empty() ? std::string("simulated") : t.backend;
   return d;
 }
 
