@@ -1102,6 +1102,38 @@ const std::map<std::string, MultiRule>& MultiRules() {
         {"aten::nll_loss_backward.grad_input", "aten::nll_loss_backward"},
     };
     for (const auto& [out, functional] : outs) (*m)[out] = (*m)[functional];
+    // max.dim / min.dim(self, dim, keepdim): the values and the first index
+    // of each.
+    for (bool largest : {true, false}) {
+      MultiRule r = [largest](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+          -> absl::StatusOr<std::vector<std::string>> {
+        if (o.size() != 2 || !Defined(d, 0) || d.num_args < 2) return Unsupported(l.op(), "expects 2 outputs");
+        const tpu::TensorRef& x = d.args[0].tensor;
+        const DType& t = *o[0].type;
+        const std::vector<int64_t> in = DimsOf(x);
+        absl::StatusOr<std::string> v = l.OperandRef(x, 0, in, t);
+        if (!v.ok()) return v.status();
+        if (in.empty()) {
+          return std::vector<std::string>{l.Reshape(*v, in, o[0].dims, t), l.Constant(0, o[1].dims, *o[1].type)};
+        }
+        const int64_t dim = WrapDim(d.args[1].i, in.size());
+        if (dim < 0 || dim >= static_cast<int64_t>(in.size())) return absl::InvalidArgumentError(l.op() + ": dim out of range");
+        const std::vector<int64_t> which = {dim};
+        const std::vector<int64_t> kept = Lowering::Kept(in, which);
+        const std::string best = largest ? l.ReduceOver(*v, in, which, "maximum", l.Lowest(t), t)
+                                         : l.ReduceOver(*v, in, which, "minimum", Highest(l, t), t);
+        const std::string hit = l.Compare("EQ", *v, l.Expand(best, in, which, t), in, t);
+        const DType& i64 = I64();
+        const std::string none = l.Constant(static_cast<double>(in[dim]), in, i64);
+        const std::string idx = l.ReduceOver(l.Select(hit, l.Iota(dim, in, i64), none, in, i64), in, which, "minimum",
+                                             l.Constant(static_cast<double>(in[dim]), {}, i64), i64);
+        return std::vector<std::string>{
+            l.Reshape(best, kept, o[0].dims, t),
+            l.Reshape(l.Convert(idx, kept, i64, *o[1].type), kept, o[1].dims, *o[1].type)};
+      };
+      (*m)[largest ? "aten::max.dim" : "aten::min.dim"] = r;
+      (*m)[largest ? "aten::max.dim_max" : "aten::min.dim_min"] = r;
+    }
     return m;
   }();
   return *rules;

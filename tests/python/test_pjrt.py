@@ -157,6 +157,11 @@ def test_new_lowerings_match_cpu(pjrt):
             assert got.device.type == "tpu", name
             assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, got.shape)
             assert torch.allclose(got.cpu().double(), want.double(), atol=1e-5), name
+        # max / min along a dim (values and first indices); max_pool2d runs decomposed onto them
+        for got, want in ((a.max(1), x.max(1)), (a.min(0, keepdim=True), x.min(0, keepdim=True))):
+            assert torch.equal(got.values.cpu(), want.values) and torch.equal(got.indices.cpu(), want.indices)
+        img = torch.randn(2, 3, 8, 8)
+        assert torch.allclose(F.max_pool2d(img.to("tpu"), 2).cpu(), F.max_pool2d(img, 2))
         # integer reductions start from the type's own limits
         xi = torch.tensor([[3, -7, 5], [2, 9, 9]], dtype=torch.int32)
         ti = xi.to("tpu")
