@@ -10,6 +10,7 @@ daemon with an error naming it; nothing falls back to the CPU.
 The simulated backend runs every ATen op and installs nothing.
 """
 import threading
+import warnings
 
 import torch
 
@@ -65,6 +66,11 @@ def _candidates():
         yield op, fn, (_MAX_DEPTH if own else 1)
 
 
+# torch_tpu sends these whole to the daemon (ops.cc: the simulated chip's CPU
+# kernel is more exact than their decompositions); on a backend that does
+# not lower them, their decompositions replace that kernel.
+_SENT_WHOLE = ("aten::native_group_norm", "aten::addr", "aten::addr.out", "aten::mish_backward")
+
 # Ops with one of these kernels never reach a backend's kernel (the
 # dispatcher prefers them to torch_tpu's fallback).
 _COMPOSITE = ("CompositeImplicitAutograd", "CompositeExplicitAutograd",
@@ -88,6 +94,12 @@ def install(lowered_ops):
             continue
         # torch_tpu's own kernels (allocation, views, copies between devices)
         # stay; composite ops never reach a backend kernel.
+        if name in _SENT_WHOLE:
+            with warnings.catch_warnings():  # (torch warns that a kernel is overridden)
+                warnings.simplefilter("ignore")
+                lib.impl(name.split("::", 1)[1], _kernel(name, fn, depth), "PrivateUse1")
+            _installed.append(name)
+            continue
         if has_kernel(name, "PrivateUse1") or any(has_kernel(name, k) for k in _COMPOSITE):
             continue
         lib.impl(name.split("::", 1)[1], _kernel(name, fn, depth), "PrivateUse1")
