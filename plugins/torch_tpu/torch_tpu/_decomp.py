@@ -53,8 +53,8 @@ def _candidates():
     """(op, decomposition, how deep it may recurse into op) for everything in
     torch._decomp's table: its own decompositions, written in ATen ops, and
     torch._refs' references, written in prims. A reference's prims run as ATen
-    ops in eager mode, sometimes the very op decomposed (flip's rev is flip):
-    a reference reaching its own op again is no decomposition."""
+    ops in eager mode, sometimes the very op decomposed (lgamma's prim is
+    lgamma): a reference reaching its own op again is no decomposition."""
     import torch._decomp
     import torch._refs  # noqa: F401  (the references register themselves)
     import torch._refs.linalg  # noqa: F401
@@ -92,14 +92,14 @@ def install(lowered_ops):
         name = op.name()  # "aten::add.Tensor"; "aten::relu" for .default
         if name in lowered:
             continue
-        # torch_tpu's own kernels (allocation, views, copies between devices)
-        # stay; composite ops never reach a backend kernel.
         if name in _SENT_WHOLE:
             with warnings.catch_warnings():  # (torch warns that a kernel is overridden)
                 warnings.simplefilter("ignore")
                 lib.impl(name.split("::", 1)[1], _kernel(name, fn, depth), "PrivateUse1")
             _installed.append(name)
             continue
+        # torch_tpu's own kernels (allocation, views, copies between devices)
+        # stay; composite ops never reach a backend kernel.
         if has_kernel(name, "PrivateUse1") or any(has_kernel(name, k) for k in _COMPOSITE):
             continue
         lib.impl(name.split("::", 1)[1], _kernel(name, fn, depth), "PrivateUse1")
