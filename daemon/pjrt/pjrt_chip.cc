@@ -2200,6 +2200,52 @@ const std::map<std::string, Rule>& ExtraRules() {
     (*m)["aten::bernoulli_.float"] = random_rule(Dist::kBernoulli);
     (*m)["aten::bernoulli_.Tensor"] = random_rule(Dist::kBernoulli);
     (*m)["aten::random_.from"] = random_rule(Dist::kRandom);
+    // convolution(input, weight, bias?, stride, padding, dilation, transposed,
+    // output_padding, groups), forward, not transposed: stablehlo.convolution
+    // over NC(D)(H)W.
+    (*m)["aten::convolution"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (d.num_args < 9 || !Defined(d, 0) || !Defined(d, 1)) return Unsupported(l.op(), "arguments of a form not lowered");
+      if (d.args[6].tag == tpu::ArgTag::kBool && d.args[6].b) return Unsupported(l.op(), "transposed convolution");
+      const DType& t = *o.type;
+      const std::vector<int64_t> in = DimsOf(d.args[0].tensor), wd = DimsOf(d.args[1].tensor);
+      const size_t sp = in.size() < 3 ? 0 : in.size() - 2;
+      if (sp == 0 || sp > 3 || wd.size() != in.size() || o.dims.size() != in.size()) {
+        return Unsupported(l.op(), "expects a batched input of 1 to 3 spatial dimensions");
+      }
+      auto list = [&](size_t i, int64_t dflt) {
+        std::vector<int64_t> v = d.args[i].tag == tpu::ArgTag::kIntList ? d.args[i].ints : std::vector<int64_t>{};
+        if (v.empty()) v.push_back(dflt);
+        while (v.size() < sp) v.push_back(v.back());
+        v.resize(sp);
+        return v;
+      };
+      const std::vector<int64_t> stride = list(3, 1), pad = list(4, 0), dilation = list(5, 1);
+      const int64_t groups = d.args[8].tag == tpu::ArgTag::kInt || d.args[8].tag == tpu::ArgTag::kSymInt ? d.args[8].i : 1;
+      absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t), w = l.Operand(d.args[1], wd, t);
+      if (!x.ok()) return x;
+      if (!w.ok()) return w;
+      std::vector<std::string> spatial, pads;
+      for (size_t k = 0; k < sp; ++k) {
+        spatial.push_back(absl::StrCat(k));
+        pads.push_back(absl::StrCat("[", pad[k], ", ", pad[k], "]"));
+      }
+      const std::string dims = absl::StrJoin(spatial, ", ");
+      std::string r = l.Emit(absl::StrCat(
+          "stablehlo.convolution(", *x, ", ", *w, ") dim_numbers = [b, f, ", dims, "]x[o, i, ", dims,
+          "]->[b, f, ", dims, "], window = {stride = [", absl::StrJoin(stride, ", "), "], pad = [",
+          absl::StrJoin(pads, ", "), "], rhs_dilate = [", absl::StrJoin(dilation, ", "),
+          "]} {batch_group_count = 1 : i64, feature_group_count = ", groups, " : i64} : (", TypeOf(in, t), ", ",
+          TypeOf(wd, t), ") -> ", TypeOf(o.dims, t)));
+      if (Defined(d, 2)) {
+        const tpu::TensorRef& b = d.args[2].tensor;
+        absl::StatusOr<std::string> bv = l.OperandRef(b, l.TensorIndex(d.args[2]), DimsOf(b), t);
+        if (!bv.ok()) return bv;
+        const std::string bb = l.Emit(absl::StrCat("stablehlo.broadcast_in_dim ", *bv, ", dims = [1] : (",
+                                                   TypeOf(DimsOf(b), t), ") -> ", TypeOf(o.dims, t)));
+        r = l.Binary("add", r, bb, o.dims, t);
+      }
+      return r;
+    };
     (*m)["aten::prod.int_out"] = (*m)["aten::prod.dim_int"];
     // max / min of everything (self): amax / amin over every dimension.
     (*m)["aten::max"] = TailRules().at("aten::amax");

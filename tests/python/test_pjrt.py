@@ -160,6 +160,14 @@ def test_new_lowerings_match_cpu(pjrt):
             assert got.device.type == "tpu", name
             assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, got.shape)
             assert torch.allclose(got.cpu().double(), want.double(), atol=1e-5), name
+        # convolution forward: 1-d to 3-d, stride, padding, dilation, groups, bias
+        cx, cw, cb = torch.randn(2, 4, 9, 9), torch.randn(6, 2, 3, 3), torch.randn(6)
+        got = F.conv2d(cx.to("tpu"), cw.to("tpu"), cb.to("tpu"), stride=2, padding=1, dilation=2, groups=2)
+        assert torch.allclose(got.cpu(), F.conv2d(cx, cw, cb, stride=2, padding=1, dilation=2, groups=2), atol=1e-4)
+        c1, w1 = torch.randn(2, 3, 10), torch.randn(5, 3, 4)
+        assert torch.allclose(F.conv1d(c1.to("tpu"), w1.to("tpu"), padding=2).cpu(), F.conv1d(c1, w1, padding=2), atol=1e-4)
+        c3, w3 = torch.randn(1, 2, 5, 5, 5), torch.randn(3, 2, 2, 2, 2)
+        assert torch.allclose(F.conv3d(c3.to("tpu"), w3.to("tpu")).cpu(), F.conv3d(c3, w3), atol=1e-4)
         # max / min along a dim (values and first indices); max_pool2d runs decomposed onto them
         for got, want in ((a.max(1), x.max(1)), (a.min(0, keepdim=True), x.min(0, keepdim=True))):
             assert torch.equal(got.values.cpu(), want.values) and torch.equal(got.indices.cpu(), want.indices)
