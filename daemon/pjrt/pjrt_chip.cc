@@ -1102,6 +1102,71 @@ const std::map<std::string, MultiRule>& MultiRules() {
         {"aten::nll_loss_backward.grad_input", "aten::nll_loss_backward"},
     };
     for (const auto& [out, functional] : outs) (*m)[out] = (*m)[functional];
+    // convolution_backward(grad_output, input, weight, bias_sizes, stride,
+    // padding, dilation, transposed, output_padding, groups, output_mask):
+    // the input's gradient is a convolution of the gradient, dilated by the
+    // stride, with the spatially reversed weight; the weight's is one of the
+    // input with the gradient, batch and features swapped; the bias's a sum.
+    // Not transposed, one group.
+    (*m)["aten::convolution_backward"] = [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+        -> absl::StatusOr<std::vector<std::string>> {
+      if (o.size() != 3 || d.num_args < 11 || !Defined(d, 0) || !Defined(d, 1) || !Defined(d, 2)) {
+        return Unsupported(l.op(), "arguments of a form not lowered");
+      }
+      if (d.args[7].tag == tpu::ArgTag::kBool && d.args[7].b) return Unsupported(l.op(), "transposed convolution");
+      const int64_t groups = d.args[9].tag == tpu::ArgTag::kInt || d.args[9].tag == tpu::ArgTag::kSymInt ? d.args[9].i : 1;
+      if (groups != 1) return Unsupported(l.op(), "grouped convolution");
+      const DType& t = o[1].type != nullptr ? *o[1].type : *o[0].type;
+      const std::vector<int64_t> gd = DimsOf(d.args[0].tensor), in = DimsOf(d.args[1].tensor), wd = DimsOf(d.args[2].tensor);
+      const size_t sp = in.size() < 3 ? 0 : in.size() - 2;
+      if (sp == 0 || sp > 3 || wd.size() != in.size() || gd.size() != in.size()) {
+        return Unsupported(l.op(), "expects a batched input of 1 to 3 spatial dimensions");
+      }
+      auto list = [&](size_t i, int64_t dflt) {
+        std::vector<int64_t> v = d.args[i].tag == tpu::ArgTag::kIntList ? d.args[i].ints : std::vector<int64_t>{};
+        if (v.empty()) v.push_back(dflt);
+        while (v.size() < sp) v.push_back(v.back());
+        v.resize(sp);
+        return v;
+      };
+      const std::vector<int64_t> stride = list(4, 1), pad = list(5, 0), dilation = list(6, 1);
+      absl::StatusOr<std::string> g = l.Operand(d.args[0], gd, t), x = l.Operand(d.args[1], in, t),
+                                  w = l.Operand(d.args[2], wd, t);
+      for (auto* v : {&g, &x, &w}) if (!v->ok()) return v->status();
+      std::vector<std::string> spatial, pin, pw;
+      std::vector<int64_t> rev, ones(sp, 1);
+      for (size_t k = 0; k < sp; ++k) {
+        const int64_t h = in[k + 2], hout = gd[k + 2], kk = wd[k + 2];
+        spatial.push_back(absl::StrCat(k));
+        rev.push_back(static_cast<int64_t>(k + 2));
+        const int64_t lo = dilation[k] * (kk - 1) - pad[k];
+        pin.push_back(absl::StrCat("[", lo, ", ", h - (hout - 1) * stride[k] - 1 + pad[k], "]"));
+        pw.push_back(absl::StrCat("[", pad[k], ", ", (kk - 1) * dilation[k] + (hout - 1) * stride[k] + 1 - h - pad[k], "]"));
+      }
+      const std::string sd = absl::StrJoin(spatial, ", ");
+      const std::string wrev = l.Emit(absl::StrCat("stablehlo.reverse ", *w, ", dims = [", absl::StrJoin(rev, ", "),
+                                                   "] : ", TypeOf(wd, t)));
+      const std::string gi = l.Emit(absl::StrCat(
+          "stablehlo.convolution(", *g, ", ", wrev, ") dim_numbers = [b, f, ", sd, "]x[i, o, ", sd, "]->[b, f, ", sd,
+          "], window = {stride = [", absl::StrJoin(ones, ", "), "], pad = [", absl::StrJoin(pin, ", "),
+          "], lhs_dilate = [", absl::StrJoin(stride, ", "), "], rhs_dilate = [", absl::StrJoin(dilation, ", "),
+          "]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (", TypeOf(gd, t), ", ", TypeOf(wd, t),
+          ") -> ", TypeOf(in, t)));
+      const std::string gw = l.Emit(absl::StrCat(
+          "stablehlo.convolution(", *x, ", ", *g, ") dim_numbers = [f, b, ", sd, "]x[i, o, ", sd, "]->[f, b, ", sd,
+          "], window = {stride = [", absl::StrJoin(dilation, ", "), "], pad = [", absl::StrJoin(pw, ", "),
+          "], rhs_dilate = [", absl::StrJoin(stride, ", "),
+          "]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (", TypeOf(in, t), ", ", TypeOf(gd, t),
+          ") -> ", TypeOf(wd, t)));
+      std::vector<int64_t> all_but_1;
+      for (size_t k = 0; k < gd.size(); ++k) if (k != 1) all_but_1.push_back(static_cast<int64_t>(k));
+      const std::string gb = l.ReduceOver(*g, gd, all_but_1, "add", l.Constant(0, {}, t), t);
+      // An output the mask leaves out has no shape to match: zeros of its own.
+      auto fit = [&](const std::string& v, const std::vector<int64_t>& dims, size_t k) {
+        return o[k].dims == dims ? v : l.Constant(0, o[k].dims, *o[k].type);
+      };
+      return std::vector<std::string>{fit(gi, in, 0), fit(gw, wd, 1), fit(gb, {gd[1]}, 2)};
+    };
     // max.dim / min.dim(self, dim, keepdim): the values and the first index
     // of each.
     for (bool largest : {true, false}) {
@@ -2246,6 +2311,72 @@ const std::map<std::string, Rule>& ExtraRules() {
       }
       return r;
     };
+    // scatter / scatter_add(self, dim, index, src or value): self with
+    // out[index[i][j]][j] = (or +=) src[i][j] (dim 0); src may be larger
+    // than index, whose extent is what counts.
+    for (int kind = 0; kind < 3; ++kind) {  // 0: scatter.src, 1: scatter.value, 2: scatter_add
+      Rule r = [kind](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+        if (!Defined(d, 0) || !Defined(d, 2) || d.num_args < 4) return Unsupported(l.op(), "arguments of a form not lowered");
+        const DType& t = *o.type;
+        const std::vector<int64_t>& in = o.dims;
+        const size_t n = in.size();
+        const tpu::TensorRef& ix = d.args[2].tensor;
+        const std::vector<int64_t> id = DimsOf(ix);
+        if (n == 0 || id.size() != n) return Unsupported(l.op(), "arguments of a form not lowered");
+        absl::StatusOr<std::string> self = l.Operand(d.args[0], in, t);
+        if (!self.ok()) return self;
+        if (Numel(ix) == 0) return *self;
+        const int64_t dim = WrapDim(d.args[1].i, n);
+        if (dim < 0 || dim >= static_cast<int64_t>(n)) return absl::InvalidArgumentError(l.op() + ": dim out of range");
+        std::string upd;
+        if (kind == 1) {
+          absl::StatusOr<std::string> v = l.Operand(d.args[3], id, t);
+          if (!v.ok()) return v;
+          upd = *v;
+        } else {
+          if (!Defined(d, 3)) return Unsupported(l.op(), "arguments of a form not lowered");
+          const std::vector<int64_t> sd = DimsOf(d.args[3].tensor);
+          if (sd.size() != n) return Unsupported(l.op(), "src of another rank");
+          absl::StatusOr<std::string> v = l.Operand(d.args[3], sd, t);
+          if (!v.ok()) return v;
+          upd = *v;
+          if (sd != id) {
+            std::vector<std::string> lim;
+            for (size_t q = 0; q < n; ++q) lim.push_back(absl::StrCat("0:", id[q]));
+            upd = l.Emit(absl::StrCat("stablehlo.slice ", upd, " [", absl::StrJoin(lim, ", "), "] : (", TypeOf(sd, t),
+                                      ") -> ", TypeOf(id, t)));
+          }
+        }
+        const DType& i64 = I64();
+        absl::StatusOr<std::string> iv = l.OperandRef(ix, l.TensorIndex(d.args[2]), id, i64);
+        if (!iv.ok()) return iv;
+        std::vector<int64_t> one = id, all = id;
+        one.push_back(1);
+        all.push_back(static_cast<int64_t>(n));
+        std::vector<std::string> parts, types;
+        std::vector<int64_t> dims_list;
+        for (size_t q = 0; q < n; ++q) {
+          const std::string c = static_cast<int64_t>(q) == dim ? *iv : l.Iota(static_cast<int64_t>(q), id, i64);
+          parts.push_back(l.Reshape(c, id, one, i64));
+          types.push_back(TypeOf(one, i64));
+          dims_list.push_back(static_cast<int64_t>(q));
+        }
+        const std::string idx = n == 1 ? parts[0] : l.Emit(absl::StrCat(
+            "stablehlo.concatenate ", absl::StrJoin(parts, ", "), ", dim = ", n, " : (",
+            absl::StrJoin(types, ", "), ") -> ", TypeOf(all, i64)));
+        const std::string scalar = TypeOf({}, t);
+        return l.Emit(absl::StrCat(
+            "\"stablehlo.scatter\"(", *self, ", ", idx, ", ", upd, ") ({\n",
+            "    ^bb0(%old: ", scalar, ", %new: ", scalar, "):\n",
+            kind == 2 ? absl::StrCat("      %sum = stablehlo.add %old, %new : ", scalar, "\n      stablehlo.return %sum : ", scalar, "\n")
+                      : absl::StrCat("      stablehlo.return %new : ", scalar, "\n"),
+            "    }) {indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<",
+            "inserted_window_dims = [", absl::StrJoin(dims_list, ", "), "], scatter_dims_to_operand_dims = [",
+            absl::StrJoin(dims_list, ", "), "], index_vector_dim = ", n, ">, unique_indices = false} : (",
+            TypeOf(in, t), ", ", TypeOf(all, i64), ", ", TypeOf(id, t), ") -> ", TypeOf(in, t)));
+      };
+      (*m)[kind == 0 ? "aten::scatter.src" : kind == 1 ? "aten::scatter.value" : "aten::scatter_add"] = r;
+    }
     (*m)["aten::prod.int_out"] = (*m)["aten::prod.dim_int"];
     // max / min of everything (self): amax / amin over every dimension.
     (*m)["aten::max"] = TailRules().at("aten::amax");
@@ -2590,9 +2721,18 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     types.push_back(TypeOf(stored, *outs[o].type));
   }
   const std::string program = l.Text(values, types);
-  // The chip is the first output's; every tensor of the op is on it (the
-  // client keeps an op's tensors on one device).
-  const int device = tpu::DeviceAddressChip(refs[0]->address);
+  // The chip is the outputs'; every tensor of the op is on it (the client
+  // keeps an op's tensors on one device).
+  // (An output the client did not ask for has no address: the first that
+  // has one decides.)
+  uint64_t placed = refs[0]->address;
+  for (const tpu::TensorRef* r : refs) {
+    if (r->address != 0) {
+      placed = r->address;
+      break;
+    }
+  }
+  const int device = tpu::DeviceAddressChip(placed);
   if (device < 0 || device >= plugin_->num_devices()) {
     return absl::InvalidArgumentError(absl::StrCat(op.name(), ": output on chip ", device,
                                                    ", which has no device"));

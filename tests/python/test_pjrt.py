@@ -168,6 +168,21 @@ def test_new_lowerings_match_cpu(pjrt):
         assert torch.allclose(F.conv1d(c1.to("tpu"), w1.to("tpu"), padding=2).cpu(), F.conv1d(c1, w1, padding=2), atol=1e-4)
         c3, w3 = torch.randn(1, 2, 5, 5, 5), torch.randn(3, 2, 2, 2, 2)
         assert torch.allclose(F.conv3d(c3.to("tpu"), w3.to("tpu")).cpu(), F.conv3d(c3, w3), atol=1e-4)
+        # scatter, scatter of a value, scatter_add
+        z, src = torch.zeros(3, 5), torch.arange(1., 16).reshape(3, 5)
+        si = torch.tensor([[0, 1, 2, 0, 0], [2, 0, 0, 1, 2]])
+        zt, st, sit = z.to("tpu"), src.to("tpu"), si.to("tpu")
+        assert torch.equal(zt.scatter_add(0, sit, st).cpu(), z.scatter_add(0, si, src))
+        assert torch.equal(zt.scatter(1, sit % 5, 2.5).cpu(), z.scatter(1, si % 5, 2.5))
+        assert torch.equal(zt.scatter(1, sit, st[:2]).cpu(), z.scatter(1, si, src[:2]))
+        # convolution backward with stride, padding and dilation
+        cg = []
+        for dev in ("cpu", "tpu"):
+            xg = cx.detach().clone().to(dev).requires_grad_()
+            wg = torch.randn(4, 4, 3, 2, generator=torch.Generator().manual_seed(2)).to(dev).requires_grad_()
+            F.conv2d(xg, wg, stride=2, padding=2, dilation=2).pow(2).sum().backward()
+            cg.append((xg.grad.cpu(), wg.grad.cpu()))
+        assert all(torch.allclose(p, q, atol=1e-3, rtol=1e-4) for p, q in zip(*cg))
         # max / min along a dim (values and first indices); max_pool2d runs decomposed onto them
         for got, want in ((a.max(1), x.max(1)), (a.min(0, keepdim=True), x.min(0, keepdim=True))):
             assert torch.equal(got.values.cpu(), want.values) and torch.equal(got.indices.cpu(), want.indices)
@@ -200,6 +215,33 @@ def test_new_lowerings_match_cpu(pjrt):
         w = a.clone().requires_grad_(); v = x.clone().requires_grad_()
         F.gelu(w, approximate="tanh").sum().backward(); F.gelu(v, approximate="tanh").sum().backward()
         assert torch.allclose(w.grad.cpu(), v.grad, atol=1e-5)
+    """)
+
+
+def test_a_cnn_trains_like_on_cpu(pjrt):
+    run_py(pjrt, """
+        import torch, torch_tpu
+        def run(dev):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(
+                torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                torch.nn.Conv2d(8, 8, 3, stride=2, dilation=1), torch.nn.GELU(), torch.nn.Flatten(),
+                torch.nn.Linear(8, 4)).to(dev)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            g = torch.Generator().manual_seed(1)
+            losses = []
+            for _ in range(5):
+                x = torch.randn(6, 3, 8, 8, generator=g).to(dev)
+                y = torch.randint(0, 4, (6,), generator=g).to(dev)
+                opt.zero_grad()
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            return losses
+        cpu, tpu = run("cpu"), run("tpu")
+        for c, t in zip(cpu, tpu):
+            assert abs(c - t) < 1e-4 * max(1.0, abs(c)), (cpu, tpu)
     """)
 
 

@@ -9,6 +9,7 @@ daemon with an error naming it; nothing falls back to the CPU.
 
 The simulated backend runs every ATen op and installs nothing.
 """
+import inspect
 import threading
 import warnings
 
@@ -77,6 +78,39 @@ _COMPOSITE = ("CompositeImplicitAutograd", "CompositeExplicitAutograd",
               "CompositeExplicitAutogradNonFunctional")
 
 
+def _takes_outs(op, fn):
+    """Whether fn accepts op's out= arguments (the table maps some out=
+    overloads to a functional decomposition that does not)."""
+    outs = [a.name for a in op._schema.arguments if a.is_out]
+    if not outs:
+        return True
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return True
+    return all(n in params for n in outs)
+
+
+def _into_outs(op, fn):
+    """A functional decomposition made to serve op's out= overload: its
+    results are copied into the out tensors (passed as keywords)."""
+    names = [a.name for a in op._schema.arguments if a.is_out]
+
+    def run(*args, **kwargs):
+        outs = [kwargs.pop(n) for n in names]
+        result = fn(*args, **kwargs)
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        for out, value in zip(outs, results):
+            if out.shape != value.shape:
+                out.resize_(value.shape)
+            out.copy_(value)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return run
+
+
 def install(lowered_ops):
     """Gives every decomposable ATen op outside `lowered_ops` a PrivateUse1
     kernel that runs its decomposition. Returns how many; idempotent."""
@@ -92,6 +126,8 @@ def install(lowered_ops):
         name = op.name()  # "aten::add.Tensor"; "aten::relu" for .default
         if name in lowered:
             continue
+        if not _takes_outs(op, fn):
+            fn = _into_outs(op, fn)
         if name in _SENT_WHOLE:
             with warnings.catch_warnings():  # (torch warns that a kernel is overridden)
                 warnings.simplefilter("ignore")
