@@ -3,6 +3,7 @@ connections cannot wear tpud down, many processes share a host, and clients
 survive a daemon restart with a clear error."""
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -214,11 +215,14 @@ def test_an_executor_dying_mid_op_ends_only_that_session(daemon, sig):
         print("neighbour ok", flush=True)
     """)
     wait_ready(neighbour)
-    # The victim's first 3000x3000 matmul (about a second here) is running.
+    # One of the victim's ops is running: a 3000x3000 matmul takes 0.3 to 1 s
+    # on these machines, and the norm and division between them far less, so
+    # the kill usually lands in aten::mm, but it may land in another of them.
     time.sleep(0.3)
     os.kill(executor_pids(daemon)[2], getattr(signal, sig))
     rc, out, err = finish(victim)
-    assert "ERROR:" in out and sig in out and "aten::mm" in out, out + err
+    assert "ERROR:" in out and sig in out, out + err
+    assert re.search(r"aten::(mm|div|linalg_vector_norm)\b.*crashed its tpud executor", out), out + err
     rc, out, err = finish(neighbour, say="go\n")
     assert rc == 0 and "neighbour ok" in out, out + err
 
