@@ -730,6 +730,75 @@ double NumberOf(const tpu::OpArg& a) {
   }
 }
 
+// The dimensions an op reduces over: the int list at argument `i` (every
+// dimension when absent or empty), wrapped, sorted and unique.
+absl::StatusOr<std::vector<int64_t>> ReducedDims(const Lowering& l, const tpu::DecodedOp& d, size_t i,
+                                                 size_t rank) {
+  std::vector<int64_t> which;
+  const bool listed = d.num_args > i && d.args[i].tag == tpu::ArgTag::kIntList && !d.args[i].ints.empty();
+  const bool one = d.num_args > i && (d.args[i].tag == tpu::ArgTag::kInt || d.args[i].tag == tpu::ArgTag::kSymInt);
+  if (listed) {
+    for (int64_t dim : d.args[i].ints) which.push_back(WrapDim(dim, rank));
+  } else if (one) {
+    which.push_back(WrapDim(d.args[i].i, rank));
+  } else {
+    for (size_t k = 0; k < rank; ++k) which.push_back(static_cast<int64_t>(k));
+  }
+  std::sort(which.begin(), which.end());
+  which.erase(std::unique(which.begin(), which.end()), which.end());
+  for (int64_t w : which) {
+    if (rank > 0 && (w < 0 || w >= static_cast<int64_t>(rank))) {
+      return absl::InvalidArgumentError(absl::StrCat(l.op(), ": dim out of range"));
+    }
+  }
+  if (rank == 0) which.clear();  // a 0-d tensor: dim 0 / -1 is itself
+  return which;
+}
+
+int64_t CountOf(const std::vector<int64_t>& in, const std::vector<int64_t>& which) {
+  int64_t n = 1;
+  for (int64_t w : which) n *= in[w];
+  return n;
+}
+
+
+// A convolution's window: its spatial dimensions and, from the arguments
+// at `first` on (stride, padding, dilation, transposed, output_padding,
+// groups, as convolution and convolution_backward take them), one stride,
+// padding and dilation per spatial dimension. `in` is the input's dims, `wd`
+// the weight's and `other` the third tensor's (the output or the gradient).
+struct ConvWindow {
+  size_t sp = 0;
+  std::vector<int64_t> stride, pad, dilation;
+  int64_t groups = 1;
+};
+
+absl::StatusOr<ConvWindow> ConvWindowOf(const Lowering& l, const tpu::DecodedOp& d, size_t first,
+                                        const std::vector<int64_t>& in, const std::vector<int64_t>& wd,
+                                        const std::vector<int64_t>& other) {
+  if (d.num_args < first + 6) return Unsupported(l.op(), "arguments of a form not lowered");
+  const tpu::OpArg& transposed = d.args[first + 3];
+  if (transposed.tag == tpu::ArgTag::kBool && transposed.b) return Unsupported(l.op(), "transposed convolution");
+  ConvWindow w;
+  w.sp = in.size() < 3 ? 0 : in.size() - 2;
+  if (w.sp == 0 || w.sp > 3 || wd.size() != in.size() || other.size() != in.size()) {
+    return Unsupported(l.op(), "expects a batched input of 1 to 3 spatial dimensions");
+  }
+  auto list = [&](size_t i, int64_t dflt) {
+    std::vector<int64_t> v = d.args[i].tag == tpu::ArgTag::kIntList ? d.args[i].ints : std::vector<int64_t>{};
+    if (v.empty()) v.push_back(dflt);
+    while (v.size() < w.sp) v.push_back(v.back());
+    v.resize(w.sp);
+    return v;
+  };
+  w.stride = list(first, 1);
+  w.pad = list(first + 1, 0);
+  w.dilation = list(first + 2, 1);
+  const tpu::OpArg& groups = d.args[first + 5];
+  if (groups.tag == tpu::ArgTag::kInt || groups.tag == tpu::ArgTag::kSymInt) w.groups = groups.i;
+  return w;
+}
+
 // log_softmax / softmax over `dim` of x (dims `in`, type t).
 std::string SoftmaxOf(Lowering& l, const std::string& x, const std::vector<int64_t>& in,
                       int64_t dim, const DType& t, bool log) {
@@ -1113,23 +1182,13 @@ const std::map<std::string, MultiRule>& MultiRules() {
       if (o.size() != 3 || d.num_args < 11 || !Defined(d, 0) || !Defined(d, 1) || !Defined(d, 2)) {
         return Unsupported(l.op(), "arguments of a form not lowered");
       }
-      if (d.args[7].tag == tpu::ArgTag::kBool && d.args[7].b) return Unsupported(l.op(), "transposed convolution");
-      const int64_t groups = d.args[9].tag == tpu::ArgTag::kInt || d.args[9].tag == tpu::ArgTag::kSymInt ? d.args[9].i : 1;
-      if (groups != 1) return Unsupported(l.op(), "grouped convolution");
       const DType& t = o[1].type != nullptr ? *o[1].type : *o[0].type;
       const std::vector<int64_t> gd = DimsOf(d.args[0].tensor), in = DimsOf(d.args[1].tensor), wd = DimsOf(d.args[2].tensor);
-      const size_t sp = in.size() < 3 ? 0 : in.size() - 2;
-      if (sp == 0 || sp > 3 || wd.size() != in.size() || gd.size() != in.size()) {
-        return Unsupported(l.op(), "expects a batched input of 1 to 3 spatial dimensions");
-      }
-      auto list = [&](size_t i, int64_t dflt) {
-        std::vector<int64_t> v = d.args[i].tag == tpu::ArgTag::kIntList ? d.args[i].ints : std::vector<int64_t>{};
-        if (v.empty()) v.push_back(dflt);
-        while (v.size() < sp) v.push_back(v.back());
-        v.resize(sp);
-        return v;
-      };
-      const std::vector<int64_t> stride = list(4, 1), pad = list(5, 0), dilation = list(6, 1);
+      absl::StatusOr<ConvWindow> cw = ConvWindowOf(l, d, 4, in, wd, gd);
+      if (!cw.ok()) return cw.status();
+      if (cw->groups != 1) return Unsupported(l.op(), "grouped convolution");
+      const size_t sp = cw->sp;
+      const std::vector<int64_t>&stride = cw->stride, &pad = cw->pad, &dilation = cw->dilation;
       absl::StatusOr<std::string> g = l.Operand(d.args[0], gd, t), x = l.Operand(d.args[1], in, t),
                                   w = l.Operand(d.args[2], wd, t);
       for (auto* v : {&g, &x, &w}) if (!v->ok()) return v->status();
@@ -1583,25 +1642,14 @@ const std::map<std::string, Rule>& TailRules() {
         if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
         const tpu::TensorRef& x = d.args[0].tensor;
         const std::vector<int64_t> in = DimsOf(x);
-        std::vector<int64_t> which;
-        if (d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kIntList && !d.args[1].ints.empty()) {
-          for (int64_t dim : d.args[1].ints) which.push_back(WrapDim(dim, in.size()));
-        } else {
-          for (size_t i = 0; i < in.size(); ++i) which.push_back(static_cast<int64_t>(i));
-        }
-        std::sort(which.begin(), which.end());
-        which.erase(std::unique(which.begin(), which.end()), which.end());
-        for (int64_t w : which) {
-          if (!in.empty() && (w < 0 || w >= static_cast<int64_t>(in.size()))) {
-            return absl::InvalidArgumentError(l.op() + ": dim out of range");
-          }
-        }
+        absl::StatusOr<std::vector<int64_t>> which = ReducedDims(l, d, 1, in.size());
+        if (!which.ok()) return which.status();
         absl::StatusOr<std::string> v = l.Operand(d.args[0], in, *o.type);
         if (!v.ok()) return v;
         if (in.empty()) return l.Reshape(*v, in, o.dims, *o.type);  // a 0-d tensor: dim 0 / -1 is itself
         const std::string init = mx ? l.Lowest(*o.type) : Highest(l, *o.type);
-        const std::string r = l.ReduceOver(*v, in, which, mx ? "maximum" : "minimum", init, *o.type);
-        return l.Reshape(r, Lowering::Kept(in, which), o.dims, *o.type);
+        const std::string r = l.ReduceOver(*v, in, *which, mx ? "maximum" : "minimum", init, *o.type);
+        return l.Reshape(r, Lowering::Kept(in, *which), o.dims, *o.type);
       };
     }
     (*m)["aten::bmm"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
@@ -1687,38 +1735,6 @@ const std::map<std::string, Rule>& TailRules() {
   return *rules;
 }
 
-// The dimensions an op reduces over: the int list at argument `i` (every
-// dimension when absent or empty), wrapped, sorted and unique.
-absl::StatusOr<std::vector<int64_t>> ReducedDims(const Lowering& l, const tpu::DecodedOp& d, size_t i,
-                                                 size_t rank) {
-  std::vector<int64_t> which;
-  const bool listed = d.num_args > i && d.args[i].tag == tpu::ArgTag::kIntList && !d.args[i].ints.empty();
-  const bool one = d.num_args > i && (d.args[i].tag == tpu::ArgTag::kInt || d.args[i].tag == tpu::ArgTag::kSymInt);
-  if (listed) {
-    for (int64_t dim : d.args[i].ints) which.push_back(WrapDim(dim, rank));
-  } else if (one) {
-    which.push_back(WrapDim(d.args[i].i, rank));
-  } else {
-    for (size_t k = 0; k < rank; ++k) which.push_back(static_cast<int64_t>(k));
-  }
-  std::sort(which.begin(), which.end());
-  which.erase(std::unique(which.begin(), which.end()), which.end());
-  for (int64_t w : which) {
-    if (rank > 0 && (w < 0 || w >= static_cast<int64_t>(rank))) {
-      return absl::InvalidArgumentError(absl::StrCat(l.op(), ": dim out of range"));
-    }
-  }
-  if (rank == 0) which.clear();  // a 0-d tensor: dim 0 / -1 is itself
-  return which;
-}
-
-int64_t CountOf(const std::vector<int64_t>& in, const std::vector<int64_t>& which) {
-  int64_t n = 1;
-  for (int64_t w : which) n *= in[w];
-  return n;
-}
-
-
 // A running reduction along `dim` (cumsum, cumprod): a reduce_window whose
 // window reaches back over the whole dimension.
 std::string Running(Lowering& l, const std::string& x, const std::vector<int64_t>& in, int64_t dim,
@@ -1739,6 +1755,41 @@ std::string Running(Lowering& l, const std::string& x, const std::vector<int64_t
       "    }) {window_dimensions = array<i64: ", absl::StrJoin(window, ", "), ">, padding = dense<[",
       absl::StrJoin(pad, ", "), "]> : tensor<", in.size(), "x2xi64>} : (", TypeOf(in, t), ", ",
       scalar, ") -> ", TypeOf(in, t)));
+}
+
+// Index arrays (each i64 of dims `shape`) stacked along a new last
+// dimension, the layout gather and scatter take: shape + [parts.size()].
+std::string StackIndices(Lowering& l, const std::vector<std::string>& parts, const std::vector<int64_t>& shape) {
+  const DType& i64 = I64();
+  std::vector<int64_t> one = shape, all = shape;
+  one.push_back(1);
+  all.push_back(static_cast<int64_t>(parts.size()));
+  std::vector<std::string> columns, types;
+  for (const std::string& p : parts) {
+    columns.push_back(l.Reshape(p, shape, one, i64));
+    types.push_back(TypeOf(one, i64));
+  }
+  if (columns.size() == 1) return columns[0];
+  return l.Emit(absl::StrCat("stablehlo.concatenate ", absl::StrJoin(columns, ", "), ", dim = ", shape.size(),
+                             " : (", absl::StrJoin(types, ", "), ") -> ", TypeOf(all, i64)));
+}
+
+// For torch.gather / scatter: the full index of every element of an index
+// tensor of dims `shape` into a tensor of the same rank, its position on
+// each dimension but `dim`, where `along` (i64, dims `shape`) gives it.
+std::string ElementIndex(Lowering& l, const std::string& along, const std::vector<int64_t>& shape, int64_t dim) {
+  std::vector<std::string> parts;
+  for (size_t q = 0; q < shape.size(); ++q) {
+    parts.push_back(static_cast<int64_t>(q) == dim ? along : l.Iota(static_cast<int64_t>(q), shape, I64()));
+  }
+  return StackIndices(l, parts, shape);
+}
+
+// 0, 1, ..., n - 1.
+std::vector<int64_t> Range(size_t n) {
+  std::vector<int64_t> r(n);
+  for (size_t q = 0; q < n; ++q) r[q] = static_cast<int64_t>(q);
+  return r;
 }
 
 // Advanced indexing by integer index tensors (an optional tensor list, one
@@ -1791,10 +1842,9 @@ absl::StatusOr<IndexPlan> PlanIndex(Lowering& l, const tpu::OpArg& list, const s
   }
   const DType& i64 = I64();
   const std::vector<int64_t>& bs = p.batch;
-  std::vector<int64_t> one = bs, all = bs;
-  one.push_back(1);
+  std::vector<int64_t> all = bs;
   all.push_back(static_cast<int64_t>(p.indexed.size()));
-  std::vector<std::string> parts, types;
+  std::vector<std::string> parts;
   for (size_t k = 0; k < refs.size(); ++k) {
     absl::StatusOr<std::string> iv = l.OperandRef(*refs[k], l.TensorIndex(list) + k, bs, i64);
     if (!iv.ok()) return iv.status();
@@ -1802,12 +1852,9 @@ absl::StatusOr<IndexPlan> PlanIndex(Lowering& l, const tpu::OpArg& list, const s
     const std::string wrapped = l.Select(l.Compare("LT", *iv, l.Constant(0, bs, i64), bs, i64),
                                          l.Binary("add", *iv, l.Constant(static_cast<double>(size), bs, i64), bs, i64),
                                          *iv, bs, i64);
-    parts.push_back(l.Reshape(wrapped, bs, one, i64));
-    types.push_back(TypeOf(one, i64));
+    parts.push_back(wrapped);
   }
-  p.indices = parts.size() == 1 ? parts[0] : l.Emit(absl::StrCat(
-      "stablehlo.concatenate ", absl::StrJoin(parts, ", "), ", dim = ", bs.size(), " : (",
-      absl::StrJoin(types, ", "), ") -> ", TypeOf(all, i64)));
+  p.indices = StackIndices(l, parts, bs);
   p.indices_type = TypeOf(all, i64);
   bool adjacent = true;
   for (size_t k = 1; k < p.indexed.size(); ++k) adjacent = adjacent && p.indexed[k] == p.indexed[k - 1] + 1;
@@ -2113,21 +2160,10 @@ const std::map<std::string, Rule>& ExtraRules() {
       const DType& i64 = I64();
       absl::StatusOr<std::string> iv = l.OperandRef(ix, l.TensorIndex(d.args[2]), o.dims, i64);
       if (!iv.ok()) return iv;
-      std::vector<int64_t> one = o.dims, all = o.dims;
-      one.push_back(1);
+      std::vector<int64_t> all = o.dims;
       all.push_back(static_cast<int64_t>(n));
-      std::vector<std::string> parts, types;
-      std::vector<int64_t> dims_list;
-      for (size_t q = 0; q < n; ++q) {
-        const std::string c = static_cast<int64_t>(q) == dim ? *iv : l.Iota(static_cast<int64_t>(q), o.dims, i64);
-        parts.push_back(l.Reshape(c, o.dims, one, i64));
-        types.push_back(TypeOf(one, i64));
-        dims_list.push_back(static_cast<int64_t>(q));
-      }
-      const std::string idx = n == 1 ? parts[0] : l.Emit(absl::StrCat(
-          "stablehlo.concatenate ", absl::StrJoin(parts, ", "), ", dim = ", n, " : (",
-          absl::StrJoin(types, ", "), ") -> ", TypeOf(all, i64)));
-      std::vector<int64_t> ones(n, 1);
+      const std::string idx = ElementIndex(l, *iv, o.dims, dim);
+      const std::vector<int64_t> dims_list = Range(n), ones(n, 1);
       return l.Emit(absl::StrCat(
           "\"stablehlo.gather\"(", *v, ", ", idx, ") {dimension_numbers = #stablehlo.gather<",
           "collapsed_slice_dims = [", absl::StrJoin(dims_list, ", "), "], start_index_map = [",
@@ -2269,23 +2305,14 @@ const std::map<std::string, Rule>& ExtraRules() {
     // output_padding, groups), forward, not transposed: stablehlo.convolution
     // over NC(D)(H)W.
     (*m)["aten::convolution"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-      if (d.num_args < 9 || !Defined(d, 0) || !Defined(d, 1)) return Unsupported(l.op(), "arguments of a form not lowered");
-      if (d.args[6].tag == tpu::ArgTag::kBool && d.args[6].b) return Unsupported(l.op(), "transposed convolution");
+      if (!Defined(d, 0) || !Defined(d, 1)) return Unsupported(l.op(), "arguments of a form not lowered");
       const DType& t = *o.type;
       const std::vector<int64_t> in = DimsOf(d.args[0].tensor), wd = DimsOf(d.args[1].tensor);
-      const size_t sp = in.size() < 3 ? 0 : in.size() - 2;
-      if (sp == 0 || sp > 3 || wd.size() != in.size() || o.dims.size() != in.size()) {
-        return Unsupported(l.op(), "expects a batched input of 1 to 3 spatial dimensions");
-      }
-      auto list = [&](size_t i, int64_t dflt) {
-        std::vector<int64_t> v = d.args[i].tag == tpu::ArgTag::kIntList ? d.args[i].ints : std::vector<int64_t>{};
-        if (v.empty()) v.push_back(dflt);
-        while (v.size() < sp) v.push_back(v.back());
-        v.resize(sp);
-        return v;
-      };
-      const std::vector<int64_t> stride = list(3, 1), pad = list(4, 0), dilation = list(5, 1);
-      const int64_t groups = d.args[8].tag == tpu::ArgTag::kInt || d.args[8].tag == tpu::ArgTag::kSymInt ? d.args[8].i : 1;
+      absl::StatusOr<ConvWindow> cw = ConvWindowOf(l, d, 3, in, wd, o.dims);
+      if (!cw.ok()) return cw.status();
+      const size_t sp = cw->sp;
+      const std::vector<int64_t>&stride = cw->stride, &pad = cw->pad, &dilation = cw->dilation;
+      const int64_t groups = cw->groups;
       absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t), w = l.Operand(d.args[1], wd, t);
       if (!x.ok()) return x;
       if (!w.ok()) return w;
@@ -2350,20 +2377,10 @@ const std::map<std::string, Rule>& ExtraRules() {
         const DType& i64 = I64();
         absl::StatusOr<std::string> iv = l.OperandRef(ix, l.TensorIndex(d.args[2]), id, i64);
         if (!iv.ok()) return iv;
-        std::vector<int64_t> one = id, all = id;
-        one.push_back(1);
+        std::vector<int64_t> all = id;
         all.push_back(static_cast<int64_t>(n));
-        std::vector<std::string> parts, types;
-        std::vector<int64_t> dims_list;
-        for (size_t q = 0; q < n; ++q) {
-          const std::string c = static_cast<int64_t>(q) == dim ? *iv : l.Iota(static_cast<int64_t>(q), id, i64);
-          parts.push_back(l.Reshape(c, id, one, i64));
-          types.push_back(TypeOf(one, i64));
-          dims_list.push_back(static_cast<int64_t>(q));
-        }
-        const std::string idx = n == 1 ? parts[0] : l.Emit(absl::StrCat(
-            "stablehlo.concatenate ", absl::StrJoin(parts, ", "), ", dim = ", n, " : (",
-            absl::StrJoin(types, ", "), ") -> ", TypeOf(all, i64)));
+        const std::string idx = ElementIndex(l, *iv, id, dim);
+        const std::vector<int64_t> dims_list = Range(n);
         const std::string scalar = TypeOf({}, t);
         return l.Emit(absl::StrCat(
             "\"stablehlo.scatter\"(", *self, ", ", idx, ", ", upd, ") ({\n",
@@ -2524,7 +2541,6 @@ absl::StatusOr<std::shared_ptr<const BackendOp>> PjrtChip::LookupOp(absl::string
     return absl::InvalidArgumentError(absl::StrCat("not an operator schema: ", schema));
   }
   std::string name(schema.substr(0, paren));
-  const size_t colons = name.find("::");
   // Every op is accepted here; one without a lowering fails when it runs,
   // naming itself (so a session can go on with the ops that have one).
   return std::make_shared<PjrtOp>(std::string(schema), std::move(name), WrittenArguments(schema));
