@@ -6,6 +6,7 @@
 
 #include "allocator.h"
 #include "generator.h"
+#include "ops.h"
 #include "runtime.h"
 #include "sparse.h"
 
@@ -118,6 +119,11 @@ PYBIND11_MODULE(_C, m) {
     const tpu::TopologyInfo& t = Topology();
     return py::make_tuple(t.backend.empty() ? std::string("simulated") : t.backend,
                           t.lowered_ops);
+  });
+  m.def("_sent_whole_ops", [] {
+    std::vector<std::string> names;
+    for (const std::string& op : SentWholeOps()) names.push_back("aten::" + op);
+    return names;
   });
   m.def("_socket", [] { return GetSession().socket_path(); });
   m.def("_session_id", [] { return GetSession().id(); });

@@ -23,6 +23,8 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "ops.h"
+
 #include "allocator.h"
 #include "generator.h"
 #include "runtime.h"
@@ -1243,9 +1245,8 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   // of bfloat16 with float weights came back in float); send them whole.
   // The same holds for group norm (float16 gradients differed from the CPU's
   // by 0.5%), addr, and mish's backward (CompositeImplicitAutograd).
-  for (const char* name :
-       {"native_layer_norm", "native_group_norm", "addr", "addr.out", "mish_backward"}) {
-    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&Fallback>());
+  for (const std::string& name : SentWholeOps()) {
+    m.impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&Fallback>());
   }
   m.impl("convolution_overrideable",
          torch::CppFunction::makeFromBoxedFunction<&ConvolutionOverrideable>());
@@ -1300,6 +1301,12 @@ class PinnedAllocator final : public at::Allocator {
 };
 
 }  // namespace
+
+const std::vector<std::string>& SentWholeOps() {
+  static const auto* ops = new std::vector<std::string>{"native_layer_norm", "native_group_norm", "addr",
+                                                        "addr.out", "mish_backward"};
+  return *ops;
+}
 
 at::Allocator* GetPinnedAllocator() {
   static PinnedAllocator* a = new PinnedAllocator();

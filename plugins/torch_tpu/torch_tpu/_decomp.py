@@ -67,11 +67,6 @@ def _candidates():
         yield op, fn, (_MAX_DEPTH if own else 1)
 
 
-# torch_tpu sends these whole to the daemon (ops.cc: the simulated chip's CPU
-# kernel is more exact than their decompositions); on a backend that does
-# not lower them, their decompositions replace that kernel.
-_SENT_WHOLE = ("aten::native_group_norm", "aten::addr", "aten::addr.out", "aten::mish_backward")
-
 # Ops with one of these kernels never reach a backend's kernel (the
 # dispatcher prefers them to torch_tpu's fallback).
 _COMPOSITE = ("CompositeImplicitAutograd", "CompositeExplicitAutograd",
@@ -118,6 +113,12 @@ def install(lowered_ops):
     if _lib is not None:
         return len(_installed)
     lowered = set(lowered_ops)
+    # torch_tpu sends these whole to the daemon (ops.cc: the simulated chip's
+    # CPU kernel is more exact than their decompositions); on a backend that
+    # does not lower them, their decompositions replace that kernel.
+    from . import _C
+
+    sent_whole = set(_C._sent_whole_ops())
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     lib = torch.library.Library("aten", "IMPL")
     for op, fn, depth in _candidates():
@@ -128,7 +129,7 @@ def install(lowered_ops):
             continue
         if not _takes_outs(op, fn):
             fn = _into_outs(op, fn)
-        if name in _SENT_WHOLE:
+        if name in sent_whole:
             with warnings.catch_warnings():  # (torch warns that a kernel is overridden)
                 warnings.simplefilter("ignore")
                 lib.impl(name.split("::", 1)[1], _kernel(name, fn, depth), "PrivateUse1")
