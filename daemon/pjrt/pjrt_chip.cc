@@ -124,6 +124,25 @@ struct Transfer {
   std::vector<int64_t> byte_strides;
   double scalar_d = 0;  // scalars: the value (data points here)
   int64_t scalar_i = 0;
+  // The result this parameter is donated to (-1: none): the program's
+  // output `aliased` is written into this parameter's memory.
+  int aliased = -1;
+
+  // Whether the bytes are dense in row-major order (dimensions of size 1
+  // aside), so that the plugin may read them in place.
+  bool Dense() const {
+    int64_t expect = type->bytes;
+    for (size_t d = dims.size(); d-- > 0;) {
+      if (dims[d] != 1 && byte_strides[d] != expect) return false;
+      expect *= dims[d];
+    }
+    return true;
+  }
+  int64_t Bytes() const {
+    int64_t n = type->bytes;
+    for (int64_t d : dims) n *= d;
+    return n;
+  }
 };
 
 // The largest (`high`) or smallest value of an integer or bool type, as a
@@ -377,6 +396,9 @@ class Lowering {
     std::vector<std::string> params;
     for (size_t i = 0; i < param_types_.size(); ++i) {
       params.push_back(absl::StrCat("%p", i, ": ", param_types_[i]));
+      if (transfers_[i].aliased >= 0) {
+        absl::StrAppend(&params.back(), " {tf.aliasing_output = ", transfers_[i].aliased, " : i32}");
+      }
     }
     const std::string ret = absl::StrJoin(types, ", ");
     return absl::StrCat("module @tpud_op {\n  func.func public @main(", absl::StrJoin(params, ", "),
@@ -459,6 +481,30 @@ class Lowering {
 
   std::vector<Transfer>& transfers() { return transfers_; }
   const std::string& op() const { return op_; }
+
+  // Donates the memory of result `o` (dense, `dims` of t at `host`) to the
+  // program: a parameter that already reads exactly those bytes (self of an
+  // in-place op, the span of a gapped write), else one more, unused.
+  void Donate(int o, char* host, const DType& t, const std::vector<int64_t>& dims) {
+    for (Transfer& x : transfers_) {
+      if (x.aliased < 0 && x.data == host && x.type == &t && x.dims == dims && x.Dense()) {
+        x.aliased = o;
+        return;
+      }
+    }
+    Transfer x;
+    x.data = host;
+    x.type = &t;
+    x.dims = dims;
+    int64_t stride = t.bytes;
+    x.byte_strides.assign(dims.size(), 0);
+    for (size_t d = dims.size(); d-- > 0;) {
+      x.byte_strides[d] = stride;
+      stride *= dims[d];
+    }
+    x.aliased = o;
+    Param(TypeOf(dims, t), std::move(x));
+  }
 
  private:
   std::string Param(const std::string& type, Transfer x) {
@@ -2736,6 +2782,22 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     }
     types.push_back(TypeOf(stored, *outs[o].type));
   }
+  // Results land in place: each dense result whose memory the plugin can
+  // alias (XLA's CPU plugin: 64-byte aligned) is donated, so the program
+  // writes it where it lies; the others are copied back after the run.
+  const bool host_devices = plugin_->platform_name() == "cpu";
+  std::vector<bool> donated(outs.size(), false);
+  for (size_t o = 0; o < outs.size(); ++o) {
+    if (!host_devices || dsts[o] == nullptr || reinterpret_cast<uintptr_t>(dsts[o]) % 64 != 0) continue;
+    std::vector<int64_t> stored = outs[o].dims;
+    if (spans[o] > 0) {
+      stored = {spans[o]};
+    } else if (!orders[o].empty()) {
+      for (size_t d = 0; d < orders[o].size(); ++d) stored[d] = outs[o].dims[orders[o][d]];
+    }
+    l.Donate(static_cast<int>(o), dsts[o], *outs[o].type, stored);
+    donated[o] = true;
+  }
   const std::string program = l.Text(values, types);
   // The chip is the outputs'; every tensor of the op is on it (the client
   // keeps an op's tensors on one device).
@@ -2757,13 +2819,29 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   if (!exe.ok()) {
     return absl::Status(exe.status().code(), absl::StrCat(op.name(), ": ", exe.status().message()));
   }
+  // Inputs are read in place where they are dense and aligned, unless they
+  // overlap memory a donated result is written to while the program runs
+  // (the donated parameter itself aside: the plugin knows that alias).
+  std::vector<std::pair<const char*, const char*>> written;
+  for (const Transfer& x : l.transfers()) {
+    if (x.aliased >= 0) written.emplace_back(x.data, x.data + x.Bytes());
+  }
   std::vector<Buffer> inputs;
   std::vector<PJRT_Buffer*> args;
   for (Transfer& x : l.transfers()) {
     const void* data = x.data;
     if (data == nullptr) data = x.type->is_float ? static_cast<const void*>(&x.scalar_d)
                                                  : static_cast<const void*>(&x.scalar_i);
-    absl::StatusOr<Buffer> b = plugin_->FromHost(device, data, x.type->pjrt, x.dims, x.byte_strides);
+    bool in_place = x.aliased >= 0;
+    if (!in_place && host_devices && x.data != nullptr && x.Dense() &&
+        reinterpret_cast<uintptr_t>(x.data) % 64 == 0) {
+      in_place = std::none_of(written.begin(), written.end(), [&](const auto& w) {
+        return x.data < w.second && w.first < x.data + x.Bytes();
+      });
+    }
+    absl::StatusOr<Buffer> b =
+        in_place ? plugin_->Alias(device, const_cast<char*>(x.data), x.type->pjrt, x.dims, x.aliased >= 0)
+                 : plugin_->FromHost(device, data, x.type->pjrt, x.dims, x.byte_strides);
     if (!b.ok()) return absl::Status(b.status().code(), absl::StrCat(op.name(), ": ", b.status().message()));
     args.push_back(b->get());
     inputs.push_back(*std::move(b));
@@ -2781,10 +2859,17 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     const size_t bytes = static_cast<size_t>(spans[o] > 0 ? spans[o] : Numel(*refs[o])) *
                          outs[o].type->bytes;
     if (bytes == 0 || dsts[o] == nullptr) continue;
+    if (donated[o]) {
+      absl::StatusOr<uintptr_t> at = plugin_->UnsafePointer((*out_buffers)[o]);
+      if (at.ok() && *at == reinterpret_cast<uintptr_t>(dsts[o])) continue;  // written in place
+    }
     if (absl::Status st = plugin_->ToHost((*out_buffers)[o], dsts[o], bytes); !st.ok()) {
       return absl::Status(st.code(), absl::StrCat(op.name(), ": ", st.message()));
     }
   }
+  // The results go before the inputs they may alias.
+  out_buffers->clear();
+  inputs.clear();
   report();
   return absl::OkStatus();
 }

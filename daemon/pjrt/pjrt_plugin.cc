@@ -97,6 +97,7 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
     this->~Buffer();
     plugin_ = o.plugin_;
     buffer_ = std::exchange(o.buffer_, nullptr);
+    released_ = std::exchange(o.released_, nullptr);
   }
   return *this;
 }
@@ -107,6 +108,9 @@ Buffer::~Buffer() {
   args.buffer = buffer_;
   (void)plugin_->Check(plugin_->api()->PJRT_Buffer_Destroy(&args), "destroying a buffer");
   buffer_ = nullptr;
+  if (released_ != nullptr) {
+    (void)plugin_->Await(std::exchange(released_, nullptr), "releasing host memory");
+  }
 }
 
 Executable::~Executable() {
@@ -380,6 +384,36 @@ absl::StatusOr<Buffer> PjrtPlugin::FromHost(int device, const void* data, PJRT_B
   Buffer b(this, args.buffer);
   if (absl::Status st = Await(args.done_with_host_buffer, "copying to device"); !st.ok()) return st;
   return b;
+}
+
+absl::StatusOr<Buffer> PjrtPlugin::Alias(int device, void* data, PJRT_Buffer_Type type,
+                                         absl::Span<const int64_t> dims, bool writable) const {
+  if (device < 0 || device >= num_devices()) {
+    return absl::InvalidArgumentError(absl::StrCat("no device ", device));
+  }
+  auto args = TPUD_ARGS(PJRT_Client_BufferFromHostBuffer_Args);
+  args.client = client_;
+  args.data = data;
+  args.type = type;
+  args.dims = dims.data();
+  args.num_dims = dims.size();
+  args.host_buffer_semantics = writable ? PJRT_HostBufferSemantics_kMutableZeroCopy
+                                        : PJRT_HostBufferSemantics_kImmutableZeroCopy;
+  args.device = device_handles_[device];
+  if (absl::Status st = Check(api_->PJRT_Client_BufferFromHostBuffer(&args), "aliasing host memory");
+      !st.ok()) {
+    return st;
+  }
+  return Buffer(this, args.buffer, args.done_with_host_buffer);
+}
+
+absl::StatusOr<uintptr_t> PjrtPlugin::UnsafePointer(const Buffer& buffer) const {
+  auto* fn = TPUD_PJRT_FN(this, PJRT_Buffer_UnsafePointer);
+  if (fn == nullptr) return absl::UnimplementedError("the plugin has no PJRT_Buffer_UnsafePointer");
+  auto args = TPUD_ARGS(PJRT_Buffer_UnsafePointer_Args);
+  args.buffer = buffer.get();
+  if (absl::Status st = Check(fn(&args), "buffer address"); !st.ok()) return st;
+  return args.buffer_pointer;
 }
 
 absl::StatusOr<size_t> PjrtPlugin::HostBytes(const Buffer& buffer) const {

@@ -59,7 +59,8 @@ class PjrtPlugin;
 class Buffer {
  public:
   Buffer() = default;
-  Buffer(const PjrtPlugin* plugin, PJRT_Buffer* buffer) : plugin_(plugin), buffer_(buffer) {}
+  Buffer(const PjrtPlugin* plugin, PJRT_Buffer* buffer, PJRT_Event* released = nullptr)
+      : plugin_(plugin), buffer_(buffer), released_(released) {}
   Buffer(Buffer&& o) noexcept { *this = std::move(o); }
   Buffer& operator=(Buffer&& o) noexcept;
   ~Buffer();
@@ -68,6 +69,9 @@ class Buffer {
  private:
   const PjrtPlugin* plugin_ = nullptr;
   PJRT_Buffer* buffer_ = nullptr;
+  // For a buffer over host memory (Alias): fires once the plugin no longer
+  // uses that memory; the destructor waits for it.
+  PJRT_Event* released_ = nullptr;
 };
 
 // A program compiled and loaded for this client's devices.
@@ -119,6 +123,18 @@ class PjrtPlugin {
   absl::StatusOr<Buffer> FromHost(int device, const void* data, PJRT_Buffer_Type type,
                                   absl::Span<const int64_t> dims,
                                   absl::Span<const int64_t> byte_strides = {}) const;
+  // A buffer on `device` over host memory `data` itself (dense, row-major,
+  // `dims` of `type`), no copy: the plugin reads it in place, and, where
+  // `writable`, a program that takes it donated writes its aliased result
+  // there. The memory must stay valid until the Buffer is destroyed (its
+  // destructor waits until the plugin lets go of it). A plugin may copy
+  // instead (XLA's CPU plugin does for data not aligned to 64 bytes):
+  // UnsafePointer tells.
+  absl::StatusOr<Buffer> Alias(int device, void* data, PJRT_Buffer_Type type,
+                               absl::Span<const int64_t> dims, bool writable) const;
+  // Where the buffer's bytes lie, for a plugin whose devices are the host;
+  // an error where it does not say.
+  absl::StatusOr<uintptr_t> UnsafePointer(const Buffer& buffer) const;
   // Copies `buffer` (dense, row-major) to host `dst` of `bytes`; waits.
   absl::Status ToHost(const Buffer& buffer, void* dst, size_t bytes) const;
   // The size the buffer's host copy needs.
@@ -139,6 +155,7 @@ class PjrtPlugin {
   PjrtPlugin() = default;
   absl::Status Init(const std::vector<CreateOption>& options);
   absl::Status Await(PJRT_Event* event, absl::string_view what) const;
+  friend class Buffer;
 
   std::string path_;
   void* handle_ = nullptr;
