@@ -2484,6 +2484,110 @@ const std::map<std::string, Rule>& ExtraRules() {
 // The name of the in-place form of `name` ("aten::add.Tensor" ->
 // "aten::add_.Tensor") and of its out= form ("aten::add.out",
 // "aten::eq.Tensor_out").
+// Special functions from XLA's CHLO dialect (which StableHLO consumers
+// accept beside StableHLO: lgamma, digamma, polygamma, zeta, erf_inv, erfc,
+// next_after, bessel_i1e), and NaN-aware binaries built from comparisons.
+const std::map<std::string, Rule>& SpecialRules() {
+  static const auto* rules = [] {
+    auto* m = new std::map<std::string, Rule>;
+    auto chlo = [](Lowering& l, const char* op, const std::vector<std::string>& xs, const Target& o) {
+      std::vector<std::string> types(xs.size(), TypeOf(o.dims, *o.type));
+      return l.Emit(absl::StrCat("\"chlo.", op, "\"(", absl::StrJoin(xs, ", "), ") : (",
+                                 absl::StrJoin(types, ", "), ") -> ", TypeOf(o.dims, *o.type)));
+    };
+    for (const auto& [name, op] : std::vector<std::pair<std::string, const char*>>{
+             {"lgamma", "lgamma"}, {"digamma", "digamma"}, {"erfinv", "erf_inv"},
+             {"erfc", "erfc"}, {"special_i1e", "bessel_i1e"}}) {
+      const char* f = op;
+      (*m)["aten::" + name] = UnaryRule([=](Lowering& l, const std::string& x, const Target& o) {
+        return chlo(l, f, {x}, o);
+      });
+    }
+    auto binary = [m, chlo](const std::string& name, const char* op) {
+      (*m)[name] = [=](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+        if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
+        absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, *o.type);
+        if (!a.ok()) return a;
+        absl::StatusOr<std::string> b = l.Operand(d.args[1], o.dims, *o.type);
+        if (!b.ok()) return b;
+        return chlo(l, op, {*a, *b}, o);
+      };
+    };
+    binary("aten::nextafter", "next_after");
+    // zeta(x, q): the Hurwitz zeta function, CHLO's operand order too.
+    binary("aten::special_zeta", "zeta");
+    // polygamma(n, self): n is an int argument, a tensor of the output's
+    // type for CHLO.
+    (*m)["aten::polygamma"] = [=](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (d.num_args < 2 || d.args[1].tag != tpu::ArgTag::kTensor) return Unsupported(l.op(), "expects (int n, Tensor self)");
+      absl::StatusOr<std::string> x = l.Operand(d.args[1], o.dims, *o.type);
+      if (!x.ok()) return x;
+      const int64_t n = static_cast<int64_t>(NumberOf(d.args[0]));
+      if (n < 0) return absl::InvalidArgumentError("polygamma(n, x) does not support negative n.");
+      if (n == 0) return chlo(l, "digamma", {*x}, o);
+      // CHLO's polygamma is inexact for x < 0, so it is taken at x + K and
+      // brought back by the recurrence psi_n(x) = psi_n(x + 1) - (-1)^n n! / x^(n+1)
+      // (exact for x >= -K; ATen shifts its zeta function the same way).
+      const DType& t = *o.type;
+      constexpr int kShift = 16;
+      double factorial = 1;
+      for (int64_t k = 2; k <= n; ++k) factorial *= static_cast<double>(k);
+      const std::string shifted = l.Binary("add", *x, l.Constant(kShift, o.dims, t), o.dims, t);
+      // The terms in float64: near a pole, x + j loses the digits that matter.
+      const DType& w = F64();
+      const std::string xw = t.c10 == 7 ? *x : l.Convert(*x, o.dims, t, w);
+      std::string sum = l.Constant(0, o.dims, w);
+      const std::string power = l.Constant(static_cast<double>(-(n + 1)), o.dims, w);
+      for (int j = 0; j < kShift; ++j) {
+        const std::string xj = j == 0 ? xw : l.Binary("add", xw, l.Constant(j, o.dims, w), o.dims, w);
+        sum = l.Binary("add", sum, l.Binary("power", xj, power, o.dims, w), o.dims, w);
+      }
+      if (t.c10 != 7) sum = l.Convert(sum, o.dims, w, t);
+      const std::string far = chlo(l, "polygamma", {l.Constant(static_cast<double>(n), o.dims, t), shifted}, o);
+      const double sign = n % 2 == 0 ? 1 : -1;
+      return l.Binary("subtract", far, l.Binary("multiply", l.Constant(sign * factorial, o.dims, t), sum, o.dims, t), o.dims, t);
+    };
+    (*m)["aten::hypot"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
+      absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, *o.type);
+      if (!a.ok()) return a;
+      absl::StatusOr<std::string> b = l.Operand(d.args[1], o.dims, *o.type);
+      if (!b.ok()) return b;
+      const DType& t = *o.type;
+      // max * sqrt(1 + (min/max)^2), without overflow; 0 where both are.
+      const std::string x = l.Unary("abs", *a, o.dims, t), y = l.Unary("abs", *b, o.dims, t);
+      const std::string hi = l.Binary("maximum", x, y, o.dims, t), lo = l.Binary("minimum", x, y, o.dims, t);
+      const std::string zero = l.Constant(0, o.dims, t);
+      const std::string q = l.Emit(absl::StrCat("stablehlo.select ", l.Compare("EQ", hi, zero, o.dims, t), ", ", zero, ", ",
+                                                l.Binary("divide", lo, hi, o.dims, t), " : ", TypeOf(o.dims, *DTypeOf(11)), ", ", TypeOf(o.dims, t)));
+      const std::string r = l.Binary("multiply", hi, l.Unary("sqrt", l.Binary("add", l.Constant(1, o.dims, t),
+                                                                              l.Binary("multiply", q, q, o.dims, t), o.dims, t), o.dims, t), o.dims, t);
+      // An infinite side makes it infinite, even beside a NaN.
+      const std::string inf = l.Binary("divide", l.Constant(1, o.dims, t), zero, o.dims, t);
+      const std::string any_inf = l.Binary("or", l.Compare("EQ", x, inf, o.dims, t), l.Compare("EQ", y, inf, o.dims, t), o.dims, *DTypeOf(11));
+      return l.Emit(absl::StrCat("stablehlo.select ", any_inf, ", ", inf, ", ", r, " : ", TypeOf(o.dims, *DTypeOf(11)), ", ", TypeOf(o.dims, t)));
+    };
+    // fmax/fmin: the other operand where one is NaN.
+    for (bool max : {true, false}) {
+      (*m)[max ? "aten::fmax" : "aten::fmin"] = [max](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+        if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
+        absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, *o.type);
+        if (!a.ok()) return a;
+        absl::StatusOr<std::string> b = l.Operand(d.args[1], o.dims, *o.type);
+        if (!b.ok()) return b;
+        const DType& t = *o.type;
+        std::string r = l.Binary(max ? "maximum" : "minimum", *a, *b, o.dims, t);
+        if (!t.is_float) return r;
+        const std::string sel = absl::StrCat(" : ", TypeOf(o.dims, *DTypeOf(11)), ", ", TypeOf(o.dims, t));
+        r = l.Emit(absl::StrCat("stablehlo.select ", l.Compare("NE", *b, *b, o.dims, t), ", ", *a, ", ", r, sel));
+        return l.Emit(absl::StrCat("stablehlo.select ", l.Compare("NE", *a, *a, o.dims, t), ", ", *b, ", ", r, sel));
+      };
+    }
+    return m;
+  }();
+  return *rules;
+}
+
 std::string InPlaceName(const std::string& name) {
   const size_t dot = name.find('.');
   return dot == std::string::npos ? name + "_" : name.substr(0, dot) + "_" + name.substr(dot);
@@ -2498,7 +2602,7 @@ std::string OutName(const std::string& name) {
 const std::map<std::string, Rule>& AllRules() {
   static const auto* all = [] {
     auto* m = new std::map<std::string, Rule>;
-    for (const std::map<std::string, Rule>* rules : {&Rules(), &MoreRules(), &TailRules(), &ExtraRules()}) {
+    for (const std::map<std::string, Rule>* rules : {&Rules(), &MoreRules(), &TailRules(), &ExtraRules(), &SpecialRules()}) {
       for (const auto& [name, rule] : *rules) (*m)[name] = rule;
     }
     std::vector<std::pair<std::string, Rule>> derived;
