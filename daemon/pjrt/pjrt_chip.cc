@@ -482,6 +482,57 @@ class Lowering {
   std::vector<Transfer>& transfers() { return transfers_; }
   const std::string& op() const { return op_; }
 
+  // An op with `n` results (`rhs` written whole); result k is `name#k`.
+  std::string EmitResults(const std::string& rhs, int n) {
+    const std::string v = absl::StrCat("%v", next_++);
+    absl::StrAppend(&body_, "    ", v, ":", n, " = ", rhs, "\n");
+    return v;
+  }
+
+  // `v` (dims `in`, type t) sorted along `dim`, stably, with NaN above
+  // everything as in PyTorch; returns the values and their int64 indices.
+  std::pair<std::string, std::string> Sort(const std::string& v, const std::vector<int64_t>& in,
+                                           int64_t dim, bool descending, const DType& t) {
+    const DType& i64 = *DTypeOf(4);
+    const std::string s = TypeOf({}, t), si = TypeOf({}, i64), b = TypeOf({}, *DTypeOf(11));
+    const char* kind = t.is_float ? "FLOAT" : (t.mlir[0] == 'u' || t.c10 == 11 ? "UNSIGNED" : "SIGNED");
+    // before(a, b): a sorts first.
+    std::string cmp = absl::StrCat("      %before = stablehlo.compare ", descending ? "GT" : "LT", ", %a, %b, ", kind,
+                                   " : (", s, ", ", s, ") -> ", b, "\n");
+    std::string result = "%before";
+    if (t.is_float) {
+      // A NaN sorts last going up, first going down.
+      const char* nan_first = descending ? "%a" : "%b";
+      const char* other = descending ? "%b" : "%a";
+      absl::StrAppend(&cmp, "      %n1 = stablehlo.compare NE, ", nan_first, ", ", nan_first, ", FLOAT : (", s, ", ", s, ") -> ", b, "\n",
+                      "      %n2 = stablehlo.compare EQ, ", other, ", ", other, ", FLOAT : (", s, ", ", s, ") -> ", b, "\n",
+                      "      %n3 = stablehlo.and %n1, %n2 : ", b, "\n",
+                      "      %r = stablehlo.or %before, %n3 : ", b, "\n");
+      result = "%r";
+    }
+    const std::string r = EmitResults(absl::StrCat(
+        "\"stablehlo.sort\"(", v, ", ", Iota(dim, in, i64), ") ({\n",
+        "    ^bb0(%a: ", s, ", %b: ", s, ", %ia: ", si, ", %ib: ", si, "):\n", cmp,
+        "      stablehlo.return ", result, " : ", b, "\n",
+        "    }) {dimension = ", dim, " : i64, is_stable = true} : (", TypeOf(in, t), ", ", TypeOf(in, i64),
+        ") -> (", TypeOf(in, t), ", ", TypeOf(in, i64), ")"), 2);
+    return {r + "#0", r + "#1"};
+  }
+
+  // Elements [begin, end) of `v` along `dim`.
+  std::string SliceAlong(const std::string& v, const std::vector<int64_t>& in, int64_t dim,
+                         int64_t begin, int64_t end, const DType& t) {
+    std::vector<int64_t> lo(in.size(), 0), hi = in, out = in;
+    lo[dim] = begin;
+    hi[dim] = end;
+    out[dim] = end - begin;
+    return Emit(absl::StrCat("stablehlo.slice ", v, " [", [&] {
+      std::vector<std::string> r;
+      for (size_t k = 0; k < in.size(); ++k) r.push_back(absl::StrCat(lo[k], ":", hi[k]));
+      return absl::StrJoin(r, ", ");
+    }(), "] : (", TypeOf(in, t), ") -> ", TypeOf(out, t)));
+  }
+
   // Donates the memory of result `o` (dense, `dims` of t at `host`) to the
   // program: a parameter that already reads exactly those bytes (self of an
   // in-place op, the span of a gapped write), else one more, unused.
@@ -1303,6 +1354,157 @@ const std::map<std::string, MultiRule>& MultiRules() {
       };
       (*m)[largest ? "aten::max.dim" : "aten::min.dim"] = r;
       (*m)[largest ? "aten::max.dim_max" : "aten::min.dim_min"] = r;
+    }
+    // sort(self, [stable,] dim, descending): a stable sort (PyTorch's CPU
+    // sort is stable either way), NaN last going up.
+    for (bool with_stable : {false, true}) {
+      MultiRule r = [with_stable](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+          -> absl::StatusOr<std::vector<std::string>> {
+        if (o.size() != 2 || !Defined(d, 0)) return Unsupported(l.op(), "expects 2 outputs");
+        const size_t at = with_stable ? 2 : 1;
+        const DType& t = *DTypeOf(d.args[0].tensor.dtype);
+        const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+        absl::StatusOr<std::string> v = l.OperandRef(d.args[0].tensor, 0, in, t);
+        if (!v.ok()) return v.status();
+        if (in.empty()) return std::vector<std::string>{l.Convert(*v, in, t, *o[0].type), l.Constant(0, o[1].dims, *o[1].type)};
+        const int64_t dim = WrapDim(d.num_args > at ? static_cast<int64_t>(NumberOf(d.args[at])) : -1, in.size());
+        if (dim < 0 || dim >= static_cast<int64_t>(in.size())) return absl::InvalidArgumentError(l.op() + ": dim out of range");
+        const bool descending = d.num_args > at + 1 && NumberOf(d.args[at + 1]) != 0;
+        auto [values, indices] = l.Sort(*v, in, dim, descending, t);
+        return std::vector<std::string>{l.Convert(values, in, t, *o[0].type), l.Convert(indices, in, I64(), *o[1].type)};
+      };
+      for (const char* name : with_stable ? std::vector<const char*>{"aten::sort.stable", "aten::sort.values_stable"}
+                                          : std::vector<const char*>{"aten::sort", "aten::sort.values"}) {
+        (*m)[name] = r;
+      }
+    }
+    // median / nanmedian, of everything or along dim (values and indices):
+    // the lower middle of the sorted elements. median gives NaN (and the
+    // first NaN's index) where a row holds one; nanmedian skips them.
+    for (bool nan : {false, true}) {
+      MultiRule r = [nan](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+          -> absl::StatusOr<std::vector<std::string>> {
+        if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
+        const DType& t = *DTypeOf(d.args[0].tensor.dtype);
+        const std::vector<int64_t> given = DimsOf(d.args[0].tensor);
+        absl::StatusOr<std::string> v = l.OperandRef(d.args[0].tensor, 0, given, t);
+        if (!v.ok()) return v.status();
+        const bool whole = o.size() == 1;
+        std::vector<int64_t> in = given;
+        int64_t dim = 0;
+        if (whole || in.empty()) {
+          int64_t n = 1;
+          for (int64_t x : given) n *= x;
+          in = {n};
+          v = l.Reshape(*v, given, in, t);
+          if (!whole && d.num_args > 1 && WrapDim(static_cast<int64_t>(NumberOf(d.args[1])), 1) > 0) {
+            return absl::InvalidArgumentError(l.op() + ": dim out of range");
+          }
+        } else {
+          dim = WrapDim(d.num_args > 1 ? static_cast<int64_t>(NumberOf(d.args[1])) : -1, in.size());
+          if (dim < 0 || dim >= static_cast<int64_t>(in.size())) return absl::InvalidArgumentError(l.op() + ": dim out of range");
+        }
+        if (in[dim] == 0) return Unsupported(l.op(), "an empty dimension");
+        auto [values, indices] = l.Sort(*v, in, dim, false, t);
+        const DType& i64 = I64();
+        const std::vector<int64_t> which = {dim};
+        const std::vector<int64_t> kept = Lowering::Kept(in, which);
+        const std::string count = l.Constant(static_cast<double>(in[dim]), kept, i64);
+        std::string pos;
+        if (t.is_float) {
+          const std::string isnan = l.Convert(l.Compare("NE", values, values, in, t), in, *DTypeOf(11), i64);
+          const std::string nans = l.ReduceOver(isnan, in, which, "add", l.Constant(0, {}, i64), i64);
+          const std::string valid = l.Binary("subtract", count, nans, kept, i64);
+          const std::string one = l.Constant(1, kept, i64), two = l.Constant(2, kept, i64);
+          const std::string mid = l.Binary("divide", l.Binary("subtract", valid, one, kept, i64), two, kept, i64);
+          if (nan) {
+            // All NaN: the first (a NaN).
+            pos = l.Binary("maximum", mid, l.Constant(0, kept, i64), kept, i64);
+          } else {
+            pos = l.Select(l.Compare("GT", nans, l.Constant(0, kept, i64), kept, i64), valid, mid, kept, i64);
+          }
+        } else {
+          pos = l.Constant(static_cast<double>((in[dim] - 1) / 2), kept, i64);
+        }
+        const std::string hit = l.Compare("EQ", l.Iota(dim, in, i64), l.Expand(pos, in, which, i64), in, i64);
+        const std::string value = l.ReduceOver(l.Select(hit, values, l.Constant(0, in, t), in, t), in, which, "add",
+                                               l.Constant(0, {}, t), t);
+        const std::string index = l.ReduceOver(l.Select(hit, indices, l.Constant(0, in, i64), in, i64), in, which, "add",
+                                               l.Constant(0, {}, i64), i64);
+        std::vector<std::string> out = {l.Reshape(l.Convert(value, kept, t, *o[0].type), kept, o[0].dims, *o[0].type)};
+        if (!whole) out.push_back(l.Reshape(l.Convert(index, kept, i64, *o[1].type), kept, o[1].dims, *o[1].type));
+        return out;
+      };
+      const std::string base = nan ? "aten::nanmedian" : "aten::median";
+      for (const char* form : {"", ".dim", ".dim_values", ".out"}) (*m)[base + form] = r;
+    }
+    // searchsorted(sorted_sequence, self, out_int32, right, side, sorter):
+    // for each value, how many elements of its row sort before it.
+    (*m)["aten::searchsorted.Tensor"] = (*m)["aten::searchsorted.Tensor_out"] = [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+        -> absl::StatusOr<std::vector<std::string>> {
+      if (o.size() != 1 || !Defined(d, 0) || !Defined(d, 1)) return Unsupported(l.op(), "expects two tensors");
+      if (Defined(d, 5)) return Unsupported(l.op(), "a sorter");
+      bool right = d.num_args > 3 && NumberOf(d.args[3]) != 0;
+      if (d.num_args > 4 && d.args[4].tag == tpu::ArgTag::kString) right = right || d.args[4].s == "right";
+      const tpu::TensorRef& seq = d.args[0].tensor;
+      const tpu::TensorRef& val = d.args[1].tensor;
+      const DType& t = *DTypeOf(seq.dtype);
+      const std::vector<int64_t> sd = DimsOf(seq), vd = DimsOf(val);
+      if (sd.empty()) return Unsupported(l.op(), "a 0-d sequence");
+      const int64_t n = sd.back();
+      int64_t m = 1;
+      for (int64_t x : vd) m *= x;
+      // Rows: the sequence's batch dimensions (one row when it is 1-d).
+      std::vector<int64_t> batch(sd.begin(), sd.end() - 1);
+      int64_t rows = 1;
+      for (int64_t x : batch) rows *= x;
+      const int64_t per = rows == 0 ? 0 : m / std::max<int64_t>(rows, 1);
+      absl::StatusOr<std::string> s = l.OperandRef(seq, 0, sd, t);
+      if (!s.ok()) return s.status();
+      absl::StatusOr<std::string> v = l.OperandRef(val, 1, vd, t);
+      if (!v.ok()) return v.status();
+      const std::vector<int64_t> s2 = {rows, n, 1}, v2 = {rows, 1, per}, full = {rows, n, per};
+      const std::string sb = l.BroadcastTo(l.Reshape(*s, sd, s2, t), s2, full, t);
+      const std::string vb = l.BroadcastTo(l.Reshape(*v, vd, v2, t), v2, full, t);
+      const DType& i64 = I64();
+      const std::string before = l.Convert(l.Compare(right ? "LE" : "LT", sb, vb, full, t), full, *DTypeOf(11), i64);
+      const std::string c = l.ReduceOver(before, full, {1}, "add", l.Constant(0, {}, i64), i64);
+      return std::vector<std::string>{l.Reshape(l.Convert(c, {rows, per}, i64, *o[0].type), {rows, per}, o[0].dims, *o[0].type)};
+    };
+    // topk(self, k, dim, largest, sorted) and kthvalue(self, k, dim,
+    // keepdim): a sort, then a slice.
+    for (bool top : {true, false}) {
+      MultiRule r = [top](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+          -> absl::StatusOr<std::vector<std::string>> {
+        if (o.size() != 2 || !Defined(d, 0) || d.num_args < 2) return Unsupported(l.op(), "expects 2 outputs");
+        const DType& t = *DTypeOf(d.args[0].tensor.dtype);
+        std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+        absl::StatusOr<std::string> v = l.OperandRef(d.args[0].tensor, 0, in, t);
+        if (!v.ok()) return v.status();
+        if (in.empty()) {
+          in = {1};
+          v = l.Reshape(*v, {}, in, t);
+        }
+        const int64_t k = static_cast<int64_t>(NumberOf(d.args[1]));
+        const int64_t dim = WrapDim(d.num_args > 2 ? static_cast<int64_t>(NumberOf(d.args[2])) : -1, in.size());
+        if (dim < 0 || dim >= static_cast<int64_t>(in.size())) return absl::InvalidArgumentError(l.op() + ": dim out of range");
+        const bool descending = top && (d.num_args <= 3 || NumberOf(d.args[3]) != 0);
+        if (top ? (k < 0 || k > in[dim]) : (k < 1 || k > in[dim])) {
+          return absl::InvalidArgumentError(absl::StrCat(l.op(), ": k (", k, ") is out of range for a dimension of ", in[dim]));
+        }
+        auto [values, indices] = l.Sort(*v, in, dim, descending, t);
+        const int64_t begin = top ? 0 : k - 1, end = top ? k : k;
+        std::vector<int64_t> cut = in;
+        cut[dim] = end - begin;
+        const std::string vs = l.SliceAlong(values, in, dim, begin, end, t);
+        const std::string is = l.SliceAlong(indices, in, dim, begin, end, I64());
+        return std::vector<std::string>{l.Reshape(l.Convert(vs, cut, t, *o[0].type), cut, o[0].dims, *o[0].type),
+                                        l.Reshape(l.Convert(is, cut, I64(), *o[1].type), cut, o[1].dims, *o[1].type)};
+      };
+      for (const char* name : top ? std::vector<const char*>{"aten::topk", "aten::topk.values"}
+                                  : std::vector<const char*>{"aten::kthvalue", "aten::kthvalue.values"}) {
+        (*m)[name] = r;
+      }
     }
     return m;
   }();
@@ -2496,13 +2698,21 @@ const std::map<std::string, Rule>& SpecialRules() {
                                  absl::StrJoin(types, ", "), ") -> ", TypeOf(o.dims, *o.type)));
     };
     for (const auto& [name, op] : std::vector<std::pair<std::string, const char*>>{
-             {"lgamma", "lgamma"}, {"digamma", "digamma"}, {"erfinv", "erf_inv"},
+             {"lgamma", "lgamma"}, {"erfinv", "erf_inv"},
              {"erfc", "erfc"}, {"special_i1e", "bessel_i1e"}}) {
       const char* f = op;
       (*m)["aten::" + name] = UnaryRule([=](Lowering& l, const std::string& x, const Target& o) {
         return chlo(l, f, {x}, o);
       });
     }
+    // digamma has poles at 0 and the negative integers: at 0 it is -inf
+    // from above and +inf from below, as in ATen (-1/x gives that sign).
+    auto digamma = [chlo](Lowering& l, const std::string& x, const Target& o) {
+      const DType& t = *o.type;
+      const std::string pole = l.Binary("divide", l.Constant(-1, o.dims, t), x, o.dims, t);
+      return l.Select(l.Compare("EQ", x, l.Constant(0, o.dims, t), o.dims, t), pole, chlo(l, "digamma", {x}, o), o.dims, t);
+    };
+    (*m)["aten::digamma"] = UnaryRule(digamma);
     auto binary = [m, chlo](const std::string& name, const char* op) {
       (*m)[name] = [=](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
         if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
@@ -2524,7 +2734,7 @@ const std::map<std::string, Rule>& SpecialRules() {
       if (!x.ok()) return x;
       const int64_t n = static_cast<int64_t>(NumberOf(d.args[0]));
       if (n < 0) return absl::InvalidArgumentError("polygamma(n, x) does not support negative n.");
-      if (n == 0) return chlo(l, "digamma", {*x}, o);
+      if (n == 0) return digamma(l, *x, o);
       // CHLO's polygamma is inexact for x < 0, so it is taken at x + K and
       // brought back by the recurrence psi_n(x) = psi_n(x + 1) - (-1)^n n! / x^(n+1)
       // (exact for x >= -K; ATen shifts its zeta function the same way).
