@@ -2713,19 +2713,24 @@ const std::map<std::string, Rule>& SpecialRules() {
       return l.Select(l.Compare("EQ", x, l.Constant(0, o.dims, t), o.dims, t), pole, chlo(l, "digamma", {x}, o), o.dims, t);
     };
     (*m)["aten::digamma"] = UnaryRule(digamma);
-    auto binary = [m, chlo](const std::string& name, const char* op) {
-      (*m)[name] = [=](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+    // Two operands of the output's type, then f(a, b).
+    using F2 = std::function<std::string(Lowering&, const std::string&, const std::string&, const Target&)>;
+    auto binary = [m](const std::string& name, F2 f) {
+      (*m)[name] = [f](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
         if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
         absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, *o.type);
         if (!a.ok()) return a;
         absl::StatusOr<std::string> b = l.Operand(d.args[1], o.dims, *o.type);
         if (!b.ok()) return b;
-        return chlo(l, op, {*a, *b}, o);
+        return f(l, *a, *b, o);
       };
     };
-    binary("aten::nextafter", "next_after");
+    auto chlo2 = [chlo](const char* op) {
+      return [=](Lowering& l, const std::string& a, const std::string& b, const Target& o) { return chlo(l, op, {a, b}, o); };
+    };
+    binary("aten::nextafter", chlo2("next_after"));
     // zeta(x, q): the Hurwitz zeta function, CHLO's operand order too.
-    binary("aten::special_zeta", "zeta");
+    binary("aten::special_zeta", chlo2("zeta"));
     // polygamma(n, self): n is an int argument, a tensor of the output's
     // type for CHLO.
     (*m)["aten::polygamma"] = [=](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
@@ -2757,41 +2762,29 @@ const std::map<std::string, Rule>& SpecialRules() {
       const double sign = n % 2 == 0 ? 1 : -1;
       return l.Binary("subtract", far, l.Binary("multiply", l.Constant(sign * factorial, o.dims, t), sum, o.dims, t), o.dims, t);
     };
-    (*m)["aten::hypot"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-      if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
-      absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, *o.type);
-      if (!a.ok()) return a;
-      absl::StatusOr<std::string> b = l.Operand(d.args[1], o.dims, *o.type);
-      if (!b.ok()) return b;
+    binary("aten::hypot", [](Lowering& l, const std::string& a, const std::string& b, const Target& o) {
       const DType& t = *o.type;
       // max * sqrt(1 + (min/max)^2), without overflow; 0 where both are.
-      const std::string x = l.Unary("abs", *a, o.dims, t), y = l.Unary("abs", *b, o.dims, t);
+      const std::string x = l.Unary("abs", a, o.dims, t), y = l.Unary("abs", b, o.dims, t);
       const std::string hi = l.Binary("maximum", x, y, o.dims, t), lo = l.Binary("minimum", x, y, o.dims, t);
       const std::string zero = l.Constant(0, o.dims, t);
-      const std::string q = l.Emit(absl::StrCat("stablehlo.select ", l.Compare("EQ", hi, zero, o.dims, t), ", ", zero, ", ",
-                                                l.Binary("divide", lo, hi, o.dims, t), " : ", TypeOf(o.dims, *DTypeOf(11)), ", ", TypeOf(o.dims, t)));
+      const std::string q = l.Select(l.Compare("EQ", hi, zero, o.dims, t), zero, l.Binary("divide", lo, hi, o.dims, t), o.dims, t);
       const std::string r = l.Binary("multiply", hi, l.Unary("sqrt", l.Binary("add", l.Constant(1, o.dims, t),
                                                                               l.Binary("multiply", q, q, o.dims, t), o.dims, t), o.dims, t), o.dims, t);
       // An infinite side makes it infinite, even beside a NaN.
       const std::string inf = l.Binary("divide", l.Constant(1, o.dims, t), zero, o.dims, t);
       const std::string any_inf = l.Binary("or", l.Compare("EQ", x, inf, o.dims, t), l.Compare("EQ", y, inf, o.dims, t), o.dims, *DTypeOf(11));
-      return l.Emit(absl::StrCat("stablehlo.select ", any_inf, ", ", inf, ", ", r, " : ", TypeOf(o.dims, *DTypeOf(11)), ", ", TypeOf(o.dims, t)));
-    };
+      return l.Select(any_inf, inf, r, o.dims, t);
+    });
     // fmax/fmin: the other operand where one is NaN.
     for (bool max : {true, false}) {
-      (*m)[max ? "aten::fmax" : "aten::fmin"] = [max](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-        if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
-        absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, *o.type);
-        if (!a.ok()) return a;
-        absl::StatusOr<std::string> b = l.Operand(d.args[1], o.dims, *o.type);
-        if (!b.ok()) return b;
+      binary(max ? "aten::fmax" : "aten::fmin", [max](Lowering& l, const std::string& a, const std::string& b, const Target& o) {
         const DType& t = *o.type;
-        std::string r = l.Binary(max ? "maximum" : "minimum", *a, *b, o.dims, t);
+        const std::string r = l.Binary(max ? "maximum" : "minimum", a, b, o.dims, t);
         if (!t.is_float) return r;
-        const std::string sel = absl::StrCat(" : ", TypeOf(o.dims, *DTypeOf(11)), ", ", TypeOf(o.dims, t));
-        r = l.Emit(absl::StrCat("stablehlo.select ", l.Compare("NE", *b, *b, o.dims, t), ", ", *a, ", ", r, sel));
-        return l.Emit(absl::StrCat("stablehlo.select ", l.Compare("NE", *a, *a, o.dims, t), ", ", *b, ", ", r, sel));
-      };
+        return l.Select(l.Compare("NE", a, a, o.dims, t), b,
+                        l.Select(l.Compare("NE", b, b, o.dims, t), a, r, o.dims, t), o.dims, t);
+      });
     }
     return m;
   }();

@@ -356,9 +356,11 @@ absl::StatusOr<std::unique_ptr<Executable>> PjrtPlugin::Compile(absl::string_vie
   return exe;
 }
 
-absl::StatusOr<Buffer> PjrtPlugin::FromHost(int device, const void* data, PJRT_Buffer_Type type,
-                                            absl::Span<const int64_t> dims,
-                                            absl::Span<const int64_t> byte_strides) const {
+absl::StatusOr<Buffer> PjrtPlugin::HostBuffer(int device, const void* data, PJRT_Buffer_Type type,
+                                              absl::Span<const int64_t> dims,
+                                              absl::Span<const int64_t> byte_strides,
+                                              PJRT_HostBufferSemantics semantics,
+                                              PJRT_Event** done) const {
   if (device < 0 || device >= num_devices()) {
     return absl::InvalidArgumentError(absl::StrCat("no device ", device));
   }
@@ -375,36 +377,39 @@ absl::StatusOr<Buffer> PjrtPlugin::FromHost(int device, const void* data, PJRT_B
     args.byte_strides = byte_strides.data();
     args.num_byte_strides = byte_strides.size();
   }
-  args.host_buffer_semantics = PJRT_HostBufferSemantics_kImmutableUntilTransferCompletes;
+  args.host_buffer_semantics = semantics;
   args.device = device_handles_[device];
-  if (absl::Status st = Check(api_->PJRT_Client_BufferFromHostBuffer(&args), "copying to device");
+  const bool copies = semantics == PJRT_HostBufferSemantics_kImmutableUntilTransferCompletes;
+  if (absl::Status st = Check(api_->PJRT_Client_BufferFromHostBuffer(&args),
+                              copies ? "copying to device" : "aliasing host memory");
       !st.ok()) {
     return st;
   }
-  Buffer b(this, args.buffer);
-  if (absl::Status st = Await(args.done_with_host_buffer, "copying to device"); !st.ok()) return st;
+  *done = args.done_with_host_buffer;
+  return Buffer(this, args.buffer);
+}
+
+absl::StatusOr<Buffer> PjrtPlugin::FromHost(int device, const void* data, PJRT_Buffer_Type type,
+                                            absl::Span<const int64_t> dims,
+                                            absl::Span<const int64_t> byte_strides) const {
+  PJRT_Event* done = nullptr;
+  absl::StatusOr<Buffer> b = HostBuffer(device, data, type, dims, byte_strides,
+                                        PJRT_HostBufferSemantics_kImmutableUntilTransferCompletes, &done);
+  if (!b.ok()) return b;
+  if (absl::Status st = Await(done, "copying to device"); !st.ok()) return st;
   return b;
 }
 
 absl::StatusOr<Buffer> PjrtPlugin::Alias(int device, void* data, PJRT_Buffer_Type type,
                                          absl::Span<const int64_t> dims, bool writable) const {
-  if (device < 0 || device >= num_devices()) {
-    return absl::InvalidArgumentError(absl::StrCat("no device ", device));
-  }
-  auto args = TPUD_ARGS(PJRT_Client_BufferFromHostBuffer_Args);
-  args.client = client_;
-  args.data = data;
-  args.type = type;
-  args.dims = dims.data();
-  args.num_dims = dims.size();
-  args.host_buffer_semantics = writable ? PJRT_HostBufferSemantics_kMutableZeroCopy
-                                        : PJRT_HostBufferSemantics_kImmutableZeroCopy;
-  args.device = device_handles_[device];
-  if (absl::Status st = Check(api_->PJRT_Client_BufferFromHostBuffer(&args), "aliasing host memory");
-      !st.ok()) {
-    return st;
-  }
-  return Buffer(this, args.buffer, args.done_with_host_buffer);
+  PJRT_Event* done = nullptr;
+  absl::StatusOr<Buffer> b = HostBuffer(device, data, type, dims, {},
+                                        writable ? PJRT_HostBufferSemantics_kMutableZeroCopy
+                                                 : PJRT_HostBufferSemantics_kImmutableZeroCopy,
+                                        &done);
+  if (!b.ok()) return b;
+  b->released_ = done;
+  return b;
 }
 
 absl::StatusOr<uintptr_t> PjrtPlugin::UnsafePointer(const Buffer& buffer) const {

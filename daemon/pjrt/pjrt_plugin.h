@@ -69,6 +69,7 @@ class Buffer {
  private:
   const PjrtPlugin* plugin_ = nullptr;
   PJRT_Buffer* buffer_ = nullptr;
+  friend class PjrtPlugin;
   // For a buffer over host memory (Alias): fires once the plugin no longer
   // uses that memory; the destructor waits for it.
   PJRT_Event* released_ = nullptr;
@@ -155,6 +156,12 @@ class PjrtPlugin {
   PjrtPlugin() = default;
   absl::Status Init(const std::vector<CreateOption>& options);
   absl::Status Await(PJRT_Event* event, absl::string_view what) const;
+  // BufferFromHostBuffer with `semantics`; `done` gets its
+  // done_with_host_buffer event, for the caller to await or keep.
+  absl::StatusOr<Buffer> HostBuffer(int device, const void* data, PJRT_Buffer_Type type,
+                                    absl::Span<const int64_t> dims,
+                                    absl::Span<const int64_t> byte_strides,
+                                    PJRT_HostBufferSemantics semantics, PJRT_Event** done) const;
   friend class Buffer;
 
   std::string path_;
