@@ -327,10 +327,13 @@ class Lowering {
     return Emit(absl::StrCat("stablehlo.reshape ", v, " : (", TypeOf(from, t), ") -> ",
                              TypeOf(to, t)));
   }
+  // The comparison type stablehlo.compare takes for values of t.
+  static const char* CompareKind(const DType& t) {
+    return t.is_float ? "FLOAT" : (t.mlir[0] == 'u' || t.c10 == 11 ? "UNSIGNED" : "SIGNED");
+  }
   std::string Compare(const char* dir, const std::string& a, const std::string& b,
                       const std::vector<int64_t>& dims, const DType& t) {
-    return Emit(absl::StrCat("stablehlo.compare ", dir, ", ", a, ", ", b, ", ",
-                             t.is_float ? "FLOAT" : (t.mlir[0] == 'u' || t.c10 == 11 ? "UNSIGNED" : "SIGNED"),
+    return Emit(absl::StrCat("stablehlo.compare ", dir, ", ", a, ", ", b, ", ", CompareKind(t),
                              " : (", TypeOf(dims, t), ", ", TypeOf(dims, t), ") -> ",
                              TypeOf(dims, *DTypeOf(11))));
   }
@@ -493,9 +496,9 @@ class Lowering {
   // everything as in PyTorch; returns the values and their int64 indices.
   std::pair<std::string, std::string> Sort(const std::string& v, const std::vector<int64_t>& in,
                                            int64_t dim, bool descending, const DType& t) {
-    const DType& i64 = *DTypeOf(4);
+    const DType& i64 = I64();
     const std::string s = TypeOf({}, t), si = TypeOf({}, i64), b = TypeOf({}, *DTypeOf(11));
-    const char* kind = t.is_float ? "FLOAT" : (t.mlir[0] == 'u' || t.c10 == 11 ? "UNSIGNED" : "SIGNED");
+    const char* kind = CompareKind(t);
     // before(a, b): a sorts first.
     std::string cmp = absl::StrCat("      %before = stablehlo.compare ", descending ? "GT" : "LT", ", %a, %b, ", kind,
                                    " : (", s, ", ", s, ") -> ", b, "\n");
@@ -519,18 +522,25 @@ class Lowering {
     return {r + "#0", r + "#1"};
   }
 
+  // Elements [start, limit) of `v` (dims `in`) in every dimension.
+  std::string Slice(const std::string& v, const std::vector<int64_t>& in, const std::vector<int64_t>& start,
+                    const std::vector<int64_t>& limit, const DType& t) {
+    std::vector<std::string> r;
+    std::vector<int64_t> out;
+    for (size_t k = 0; k < in.size(); ++k) {
+      r.push_back(absl::StrCat(start[k], ":", limit[k]));
+      out.push_back(limit[k] - start[k]);
+    }
+    return Emit(absl::StrCat("stablehlo.slice ", v, " [", absl::StrJoin(r, ", "), "] : (", TypeOf(in, t), ") -> ",
+                             TypeOf(out, t)));
+  }
   // Elements [begin, end) of `v` along `dim`.
   std::string SliceAlong(const std::string& v, const std::vector<int64_t>& in, int64_t dim,
                          int64_t begin, int64_t end, const DType& t) {
-    std::vector<int64_t> lo(in.size(), 0), hi = in, out = in;
-    lo[dim] = begin;
-    hi[dim] = end;
-    out[dim] = end - begin;
-    return Emit(absl::StrCat("stablehlo.slice ", v, " [", [&] {
-      std::vector<std::string> r;
-      for (size_t k = 0; k < in.size(); ++k) r.push_back(absl::StrCat(lo[k], ":", hi[k]));
-      return absl::StrJoin(r, ", ");
-    }(), "] : (", TypeOf(in, t), ") -> ", TypeOf(out, t)));
+    std::vector<int64_t> start(in.size(), 0), limit = in;
+    start[dim] = begin;
+    limit[dim] = end;
+    return Slice(v, in, start, limit, t);
   }
 
   // Donates the memory of result `o` (dense, `dims` of t at `host`) to the
@@ -807,6 +817,17 @@ bool Defined(const tpu::DecodedOp& d, size_t i) {
 }
 
 int64_t WrapDim(int64_t dim, size_t n) { return dim < 0 ? dim + static_cast<int64_t>(n) : dim; }
+
+// Dimension argument `dim` of a tensor of `rank` dimensions, wrapped
+// (-1 is the last) and checked.
+absl::StatusOr<int64_t> CheckedDim(const std::string& op, int64_t dim, size_t rank) {
+  const int64_t w = WrapDim(dim, rank);
+  if (w < 0 || w >= static_cast<int64_t>(rank)) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": dim ", dim, " is out of range for a tensor of ", rank,
+                                                   " dimensions (expected -", rank, " to ", static_cast<int64_t>(rank) - 1, ")"));
+  }
+  return w;
+}
 
 int64_t Numel(const tpu::TensorRef& r) {
   int64_t n = 1;
@@ -1337,8 +1358,9 @@ const std::map<std::string, MultiRule>& MultiRules() {
         if (in.empty()) {
           return std::vector<std::string>{l.Reshape(*v, in, o[0].dims, t), l.Constant(0, o[1].dims, *o[1].type)};
         }
-        const int64_t dim = WrapDim(d.args[1].i, in.size());
-        if (dim < 0 || dim >= static_cast<int64_t>(in.size())) return absl::InvalidArgumentError(l.op() + ": dim out of range");
+        absl::StatusOr<int64_t> checked = CheckedDim(l.op(), d.args[1].i, in.size());
+        if (!checked.ok()) return checked.status();
+        const int64_t dim = *checked;
         const std::vector<int64_t> which = {dim};
         const std::vector<int64_t> kept = Lowering::Kept(in, which);
         const std::string best = largest ? l.ReduceOver(*v, in, which, "maximum", l.Lowest(t), t)
@@ -1367,8 +1389,9 @@ const std::map<std::string, MultiRule>& MultiRules() {
         absl::StatusOr<std::string> v = l.OperandRef(d.args[0].tensor, 0, in, t);
         if (!v.ok()) return v.status();
         if (in.empty()) return std::vector<std::string>{l.Convert(*v, in, t, *o[0].type), l.Constant(0, o[1].dims, *o[1].type)};
-        const int64_t dim = WrapDim(d.num_args > at ? static_cast<int64_t>(NumberOf(d.args[at])) : -1, in.size());
-        if (dim < 0 || dim >= static_cast<int64_t>(in.size())) return absl::InvalidArgumentError(l.op() + ": dim out of range");
+        absl::StatusOr<int64_t> checked = CheckedDim(l.op(), d.num_args > at ? static_cast<int64_t>(NumberOf(d.args[at])) : -1, in.size());
+        if (!checked.ok()) return checked.status();
+        const int64_t dim = *checked;
         const bool descending = d.num_args > at + 1 && NumberOf(d.args[at + 1]) != 0;
         auto [values, indices] = l.Sort(*v, in, dim, descending, t);
         return std::vector<std::string>{l.Convert(values, in, t, *o[0].type), l.Convert(indices, in, I64(), *o[1].type)};
@@ -1397,12 +1420,15 @@ const std::map<std::string, MultiRule>& MultiRules() {
           for (int64_t x : given) n *= x;
           in = {n};
           v = l.Reshape(*v, given, in, t);
-          if (!whole && d.num_args > 1 && WrapDim(static_cast<int64_t>(NumberOf(d.args[1])), 1) > 0) {
-            return absl::InvalidArgumentError(l.op() + ": dim out of range");
+          if (!whole && d.num_args > 1) {
+            // A 0-d tensor takes dim 0 or -1, as a 1-d one.
+            absl::StatusOr<int64_t> checked = CheckedDim(l.op(), static_cast<int64_t>(NumberOf(d.args[1])), 1);
+            if (!checked.ok()) return checked.status();
           }
         } else {
-          dim = WrapDim(d.num_args > 1 ? static_cast<int64_t>(NumberOf(d.args[1])) : -1, in.size());
-          if (dim < 0 || dim >= static_cast<int64_t>(in.size())) return absl::InvalidArgumentError(l.op() + ": dim out of range");
+          absl::StatusOr<int64_t> checked = CheckedDim(l.op(), d.num_args > 1 ? static_cast<int64_t>(NumberOf(d.args[1])) : -1, in.size());
+          if (!checked.ok()) return checked.status();
+          dim = *checked;
         }
         if (in[dim] == 0) return Unsupported(l.op(), "an empty dimension");
         auto [values, indices] = l.Sort(*v, in, dim, false, t);
@@ -1486,18 +1512,19 @@ const std::map<std::string, MultiRule>& MultiRules() {
           v = l.Reshape(*v, {}, in, t);
         }
         const int64_t k = static_cast<int64_t>(NumberOf(d.args[1]));
-        const int64_t dim = WrapDim(d.num_args > 2 ? static_cast<int64_t>(NumberOf(d.args[2])) : -1, in.size());
-        if (dim < 0 || dim >= static_cast<int64_t>(in.size())) return absl::InvalidArgumentError(l.op() + ": dim out of range");
+        absl::StatusOr<int64_t> checked = CheckedDim(l.op(), d.num_args > 2 ? static_cast<int64_t>(NumberOf(d.args[2])) : -1, in.size());
+        if (!checked.ok()) return checked.status();
+        const int64_t dim = *checked;
         const bool descending = top && (d.num_args <= 3 || NumberOf(d.args[3]) != 0);
         if (top ? (k < 0 || k > in[dim]) : (k < 1 || k > in[dim])) {
           return absl::InvalidArgumentError(absl::StrCat(l.op(), ": k (", k, ") is out of range for a dimension of ", in[dim]));
         }
         auto [values, indices] = l.Sort(*v, in, dim, descending, t);
-        const int64_t begin = top ? 0 : k - 1, end = top ? k : k;
+        const int64_t begin = top ? 0 : k - 1;
         std::vector<int64_t> cut = in;
-        cut[dim] = end - begin;
-        const std::string vs = l.SliceAlong(values, in, dim, begin, end, t);
-        const std::string is = l.SliceAlong(indices, in, dim, begin, end, I64());
+        cut[dim] = k - begin;
+        const std::string vs = l.SliceAlong(values, in, dim, begin, k, t);
+        const std::string is = l.SliceAlong(indices, in, dim, begin, k, I64());
         return std::vector<std::string>{l.Reshape(l.Convert(vs, cut, t, *o[0].type), cut, o[0].dims, *o[0].type),
                                         l.Reshape(l.Convert(is, cut, I64(), *o[1].type), cut, o[1].dims, *o[1].type)};
       };
@@ -1563,9 +1590,10 @@ const std::map<std::string, Rule>& MoreRules() {
         in = {n};
         dim = 0;
       } else {
-        dim = WrapDim(d.args[1].i, in.size());
+        absl::StatusOr<int64_t> checked = CheckedDim(l.op(), d.args[1].i, in.size());
+        if (!checked.ok()) return checked.status();
+        dim = *checked;
       }
-      if (dim < 0 || dim >= static_cast<int64_t>(in.size())) return absl::InvalidArgumentError(l.op() + ": dim out of range");
       const std::vector<int64_t> which = {dim};
       const std::string mx = largest ? l.ReduceOver(xv, in, which, "maximum", l.Lowest(*xt), *xt)
                                      : l.ReduceOver(xv, in, which, "minimum", Highest(l, *xt), *xt);
@@ -2234,8 +2262,9 @@ const std::map<std::string, Rule>& ExtraRules() {
         absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
         if (!x.ok()) return x;
         if (o.dims.empty()) return *x;
-        const int64_t dim = WrapDim(d.args[1].i, o.dims.size());
-        if (dim < 0 || dim >= static_cast<int64_t>(o.dims.size())) return absl::InvalidArgumentError(l.op() + ": dim out of range");
+        absl::StatusOr<int64_t> checked = CheckedDim(l.op(), d.args[1].i, o.dims.size());
+        if (!checked.ok()) return checked.status();
+        const int64_t dim = *checked;
         return Running(l, *x, o.dims, dim, sum ? "add" : "multiply", sum ? 0 : 1, *o.type);
       };
     }
@@ -2317,8 +2346,9 @@ const std::map<std::string, Rule>& ExtraRules() {
         xv = l.Reshape(xv, in, {1}, *o.type);
         in = {1};
       }
-      const int64_t dim = WrapDim(d.args[1].i, in.size());
-      if (dim < 0 || dim >= static_cast<int64_t>(in.size())) return absl::InvalidArgumentError(l.op() + ": dim out of range");
+      absl::StatusOr<int64_t> checked = CheckedDim(l.op(), d.args[1].i, in.size());
+      if (!checked.ok()) return checked.status();
+      const int64_t dim = *checked;
       const tpu::TensorRef& ix = d.args[2].tensor;
       const DType* it = DTypeOf(ix.dtype);
       if (it == nullptr || it->is_float) return Unsupported(l.op(), "index dtype");
@@ -2402,8 +2432,9 @@ const std::map<std::string, Rule>& ExtraRules() {
       if (!v.ok()) return v;
       const size_t n = in.size();
       if (n == 0 || o.dims.size() != n) return l.Reshape(*v, in, o.dims, *o.type);
-      const int64_t dim = WrapDim(d.args[1].i, n);
-      if (dim < 0 || dim >= static_cast<int64_t>(n)) return absl::InvalidArgumentError(l.op() + ": dim out of range");
+      absl::StatusOr<int64_t> checked = CheckedDim(l.op(), d.args[1].i, n);
+      if (!checked.ok()) return checked.status();
+      const int64_t dim = *checked;
       const tpu::TensorRef& ix = d.args[2].tensor;
       const DType& i64 = I64();
       absl::StatusOr<std::string> iv = l.OperandRef(ix, l.TensorIndex(d.args[2]), o.dims, i64);
@@ -2489,17 +2520,9 @@ const std::map<std::string, Rule>& ExtraRules() {
         std::vector<int64_t> two = o.dims;
         two.insert(two.begin(), 2);
         auto half = [&](int k) {  // the k-th of the two draws of a normal
-          std::vector<int64_t> start(two.size(), 0), limit = two;
-          start[0] = k;
-          limit[0] = k + 1;
           std::vector<int64_t> one = o.dims;
           one.insert(one.begin(), 1);
-          const std::string s = l.Emit(absl::StrCat("stablehlo.slice ", u, " [", [&] {
-            std::vector<std::string> r;
-            for (size_t q = 0; q < two.size(); ++q) r.push_back(absl::StrCat(start[q], ":", limit[q]));
-            return absl::StrJoin(r, ", ");
-          }(), "] : (", TypeOf(two, f), ") -> ", TypeOf(one, f)));
-          return l.Reshape(s, one, o.dims, f);
+          return l.Reshape(l.SliceAlong(u, two, 0, k, k + 1, f), one, o.dims, f);
         };
         auto num = [&](size_t i, double dflt) { return i < d.num_args && d.args[i].tag != tpu::ArgTag::kNone &&
                                                        d.args[i].tag != tpu::ArgTag::kGenerator ? NumberOf(d.args[i]) : dflt; };
@@ -2601,8 +2624,9 @@ const std::map<std::string, Rule>& ExtraRules() {
         absl::StatusOr<std::string> self = l.Operand(d.args[0], in, t);
         if (!self.ok()) return self;
         if (Numel(ix) == 0) return *self;
-        const int64_t dim = WrapDim(d.args[1].i, n);
-        if (dim < 0 || dim >= static_cast<int64_t>(n)) return absl::InvalidArgumentError(l.op() + ": dim out of range");
+        absl::StatusOr<int64_t> checked = CheckedDim(l.op(), d.args[1].i, n);
+        if (!checked.ok()) return checked.status();
+        const int64_t dim = *checked;
         std::string upd;
         if (kind == 1) {
           absl::StatusOr<std::string> v = l.Operand(d.args[3], id, t);
@@ -2615,12 +2639,7 @@ const std::map<std::string, Rule>& ExtraRules() {
           absl::StatusOr<std::string> v = l.Operand(d.args[3], sd, t);
           if (!v.ok()) return v;
           upd = *v;
-          if (sd != id) {
-            std::vector<std::string> lim;
-            for (size_t q = 0; q < n; ++q) lim.push_back(absl::StrCat("0:", id[q]));
-            upd = l.Emit(absl::StrCat("stablehlo.slice ", upd, " [", absl::StrJoin(lim, ", "), "] : (", TypeOf(sd, t),
-                                      ") -> ", TypeOf(id, t)));
-          }
+          if (sd != id) upd = l.Slice(upd, sd, std::vector<int64_t>(n, 0), id, t);
         }
         const DType& i64 = I64();
         absl::StatusOr<std::string> iv = l.OperandRef(ix, l.TensorIndex(d.args[2]), id, i64);
@@ -2683,9 +2702,6 @@ const std::map<std::string, Rule>& ExtraRules() {
   return *rules;
 }
 
-// The name of the in-place form of `name` ("aten::add.Tensor" ->
-// "aten::add_.Tensor") and of its out= form ("aten::add.out",
-// "aten::eq.Tensor_out").
 // Special functions from XLA's CHLO dialect (which StableHLO consumers
 // accept beside StableHLO: lgamma, digamma, polygamma, zeta, erf_inv, erfc,
 // next_after, bessel_i1e), and NaN-aware binaries built from comparisons.
@@ -2738,7 +2754,7 @@ const std::map<std::string, Rule>& SpecialRules() {
       absl::StatusOr<std::string> x = l.Operand(d.args[1], o.dims, *o.type);
       if (!x.ok()) return x;
       const int64_t n = static_cast<int64_t>(NumberOf(d.args[0]));
-      if (n < 0) return absl::InvalidArgumentError("polygamma(n, x) does not support negative n.");
+      if (n < 0) return absl::InvalidArgumentError(absl::StrCat(l.op(), ": n is ", n, "; polygamma(n, x) takes n >= 0"));
       if (n == 0) return digamma(l, *x, o);
       // CHLO's polygamma is inexact for x < 0, so it is taken at x + K and
       // brought back by the recurrence psi_n(x) = psi_n(x + 1) - (-1)^n n! / x^(n+1)
@@ -2791,6 +2807,9 @@ const std::map<std::string, Rule>& SpecialRules() {
   return *rules;
 }
 
+// The name of the in-place form of `name` ("aten::add.Tensor" ->
+// "aten::add_.Tensor") and of its out= form ("aten::add.out",
+// "aten::eq.Tensor_out").
 std::string InPlaceName(const std::string& name) {
   const size_t dot = name.find('.');
   return dot == std::string::npos ? name + "_" : name.substr(0, dot) + "_" + name.substr(dot);
