@@ -30,6 +30,7 @@ constexpr DType kDTypes[] = {
     {4, "i64", PJRT_Buffer_Type_S64, false, 8},  {5, "f16", PJRT_Buffer_Type_F16, true, 2},
     {6, "f32", PJRT_Buffer_Type_F32, true, 4},   {7, "f64", PJRT_Buffer_Type_F64, true, 8},
     {11, "i1", PJRT_Buffer_Type_PRED, false, 1}, {15, "bf16", PJRT_Buffer_Type_BF16, true, 2},
+    {9, "complex<f32>", PJRT_Buffer_Type_C64, false, 8}, {10, "complex<f64>", PJRT_Buffer_Type_C128, false, 16},
 };
 const DType* DTypeOf(int8_t c10) {
   for (const DType& d : kDTypes) {
@@ -39,6 +40,13 @@ const DType* DTypeOf(int8_t c10) {
 }
 const DType& F64() { return *DTypeOf(7); }
 const DType& I64() { return *DTypeOf(4); }
+// complex64 and complex128 (c10's ComplexFloat and ComplexDouble; its
+// ComplexHalf is not lowered).
+bool IsComplex(const DType& t) { return t.c10 == 9 || t.c10 == 10; }
+// The type of a complex type's parts (float32 for complex64).
+const DType& PartOf(const DType& t) { return *DTypeOf(t.c10 == 10 ? 7 : 6); }
+// The complex type whose parts are float t (complex128 for float64).
+const DType& ComplexOf(const DType& t) { return *DTypeOf(t.c10 == 7 ? 10 : 9); }
 
 // An MLIR float literal: it needs a point before any exponent ("1.0e-05").
 std::string FloatLiteral(double v) {
@@ -356,6 +364,18 @@ class Lowering {
   std::string Convert(const std::string& v, const std::vector<int64_t>& dims, const DType& from,
                       const DType& to) {
     if (from.c10 == to.c10) return v;
+    // Complex to real keeps the real part; real to complex has no imaginary
+    // part (XLA converts neither way itself).
+    if (IsComplex(from) && !IsComplex(to)) {
+      const DType& part = PartOf(from);
+      return Convert(Emit(absl::StrCat("stablehlo.real ", v, " : (", TypeOf(dims, from), ") -> ", TypeOf(dims, part))),
+                     dims, part, to);
+    }
+    if (IsComplex(to) && !IsComplex(from)) {
+      const DType& part = PartOf(to);
+      const std::string re = Convert(v, dims, from, part);
+      return Emit(absl::StrCat("stablehlo.complex ", re, ", ", Constant(0, dims, part), " : ", TypeOf(dims, to)));
+    }
     return Emit(absl::StrCat("stablehlo.convert ", v, " : (", TypeOf(dims, from), ") -> ",
                              TypeOf(dims, to)));
   }
@@ -372,7 +392,9 @@ class Lowering {
   }
 
   std::string Constant(double value, const std::vector<int64_t>& dims, const DType& t) {
-    const std::string lit = t.is_float ? FloatLiteral(value) : absl::StrCat(static_cast<int64_t>(value));
+    const std::string lit = t.is_float ? FloatLiteral(value)
+                          : IsComplex(t) ? absl::StrCat("(", FloatLiteral(value), ", 0.0)")
+                                         : absl::StrCat(static_cast<int64_t>(value));
     const std::string c = Emit(absl::StrCat("stablehlo.constant dense<",
                                             t.c10 == 11 ? (value != 0 ? "true" : "false") : lit,
                                             "> : ", TypeOf({}, t)));
@@ -484,6 +506,19 @@ class Lowering {
 
   std::vector<Transfer>& transfers() { return transfers_; }
   const std::string& op() const { return op_; }
+
+  // The text of the ops `emit` emits, kept apart from the body: a region
+  // (of a while loop) to place in an op's text.
+  std::string Region(const std::function<void()>& emit) {
+    std::string saved;
+    saved.swap(body_);
+    emit();
+    std::string region;
+    region.swap(body_);
+    body_.swap(saved);
+    return region;
+  }
+  int NextId() { return next_++; }
 
   // An op with `n` results (`rhs` written whole); result k is `name#k`.
   std::string EmitResults(const std::string& rhs, int n) {
@@ -887,17 +922,19 @@ int64_t CountOf(const std::vector<int64_t>& in, const std::vector<int64_t>& whic
 // the weight's and `other` the third tensor's (the output or the gradient).
 struct ConvWindow {
   size_t sp = 0;
-  std::vector<int64_t> stride, pad, dilation;
+  std::vector<int64_t> stride, pad, dilation, output_padding;
   int64_t groups = 1;
+  bool transposed = false;
 };
 
 absl::StatusOr<ConvWindow> ConvWindowOf(const Lowering& l, const tpu::DecodedOp& d, size_t first,
                                         const std::vector<int64_t>& in, const std::vector<int64_t>& wd,
-                                        const std::vector<int64_t>& other) {
+                                        const std::vector<int64_t>& other, bool allow_transposed = false) {
   if (d.num_args < first + 6) return Unsupported(l.op(), "arguments of a form not lowered");
   const tpu::OpArg& transposed = d.args[first + 3];
-  if (transposed.tag == tpu::ArgTag::kBool && transposed.b) return Unsupported(l.op(), "transposed convolution");
   ConvWindow w;
+  w.transposed = transposed.tag == tpu::ArgTag::kBool && transposed.b;
+  if (w.transposed && !allow_transposed) return Unsupported(l.op(), "transposed convolution");
   w.sp = in.size() < 3 ? 0 : in.size() - 2;
   if (w.sp == 0 || w.sp > 3 || wd.size() != in.size() || other.size() != in.size()) {
     return Unsupported(l.op(), "expects a batched input of 1 to 3 spatial dimensions");
@@ -912,8 +949,10 @@ absl::StatusOr<ConvWindow> ConvWindowOf(const Lowering& l, const tpu::DecodedOp&
   w.stride = list(first, 1);
   w.pad = list(first + 1, 0);
   w.dilation = list(first + 2, 1);
+  w.output_padding = list(first + 4, 0);
   const tpu::OpArg& groups = d.args[first + 5];
   if (groups.tag == tpu::ArgTag::kInt || groups.tag == tpu::ArgTag::kSymInt) w.groups = groups.i;
+  if (w.groups < 1 || in[1] % w.groups != 0) return Unsupported(l.op(), "groups must divide the input's channels");
   return w;
 }
 
@@ -1003,6 +1042,68 @@ absl::StatusOr<Picked> PickTargets(Lowering& l, const tpu::DecodedOp& d, size_t 
   p.mask = mask;
   p.row_weight = l.ReduceOver(mask, nc, {1}, "add", l.Constant(0, {}, t), t);
   return p;
+}
+
+// ---------------------------------------------------------------- linear algebra
+// Matrices are the last two dimensions; the ones before are a batch.
+
+// v (dims `in`) with the other triangle zeroed: the lower (i >= j) or upper
+// one kept.
+std::string Triangle(Lowering& l, const std::string& v, const std::vector<int64_t>& in, bool lower, const DType& t) {
+  const DType& i64 = I64();
+  const int64_t r = static_cast<int64_t>(in.size());
+  const std::string i = l.Iota(r - 2, in, i64), j = l.Iota(r - 1, in, i64);
+  const std::string keep = l.Compare(lower ? "GE" : "LE", i, j, in, i64);
+  return l.Select(keep, v, l.Constant(0, in, t), in, t);
+}
+
+// Cholesky factor of v (dims `in`): lower, or upper (L^T), the other
+// triangle zero.
+std::string Cholesky(Lowering& l, const std::string& v, const std::vector<int64_t>& in, bool upper, const DType& t) {
+  const std::string c = l.Emit(absl::StrCat("stablehlo.cholesky ", v, ", lower = ", upper ? "false" : "true", " : ",
+                                            TypeOf(in, t)));
+  return Triangle(l, c, in, !upper, t);
+}
+
+// X with op(A) X = B (left) or X op(A) = B: A triangular (dims `ad`), B of
+// dims `bd`, both already broadcast to one batch.
+std::string TriangularSolve(Lowering& l, const std::string& a, const std::vector<int64_t>& ad, const std::string& b,
+                            const std::vector<int64_t>& bd, bool left, bool lower, bool unit, bool transpose,
+                            const DType& t) {
+  return l.Emit(absl::StrCat("\"stablehlo.triangular_solve\"(", a, ", ", b, ") {left_side = ", left ? "true" : "false",
+                             ", lower = ", lower ? "true" : "false", ", unit_diagonal = ", unit ? "true" : "false",
+                             ", transpose_a = #stablehlo<transpose ", transpose ? "TRANSPOSE" : "NO_TRANSPOSE", ">} : (",
+                             TypeOf(ad, t), ", ", TypeOf(bd, t), ") -> ", TypeOf(bd, t)));
+}
+
+// dims with the batch (all but the last two) replaced by `batch`.
+std::vector<int64_t> WithBatch(const std::vector<int64_t>& dims, const std::vector<int64_t>& batch) {
+  std::vector<int64_t> r = batch;
+  r.insert(r.end(), dims.end() - 2, dims.end());
+  return r;
+}
+
+// A matrix operand broadcast over `batch`, of type t.
+absl::StatusOr<std::string> MatrixOperand(Lowering& l, const tpu::OpArg& a, const std::vector<int64_t>& batch,
+                                          const DType& t) {
+  if (a.tag != tpu::ArgTag::kTensor || a.tensor.ndim < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
+  const std::vector<int64_t> dims = DimsOf(a.tensor);
+  absl::StatusOr<std::string> v = l.Operand(a, dims, t);
+  if (!v.ok()) return v;
+  return l.BroadcastTo(*v, dims, WithBatch(dims, batch), t);
+}
+
+// The batch of an output of dims `dims`.
+std::vector<int64_t> BatchOf(const std::vector<int64_t>& dims) {
+  return dims.size() < 2 ? std::vector<int64_t>{} : std::vector<int64_t>(dims.begin(), dims.end() - 2);
+}
+
+// An identity matrix of dims `dims` (the last two equal).
+std::string Identity(Lowering& l, const std::vector<int64_t>& dims, const DType& t) {
+  const DType& i64 = I64();
+  const int64_t r = static_cast<int64_t>(dims.size());
+  const std::string eq = l.Compare("EQ", l.Iota(r - 2, dims, i64), l.Iota(r - 1, dims, i64), dims, i64);
+  return l.Select(eq, l.Constant(1, dims, t), l.Constant(0, dims, t), dims, t);
 }
 
 const std::map<std::string, MultiRule>& MultiRules() {
@@ -1533,6 +1634,50 @@ const std::map<std::string, MultiRule>& MultiRules() {
         (*m)[name] = r;
       }
     }
+    // linalg_cholesky_ex(self, upper, check_errors) -> (L, info): XLA's
+    // Cholesky, which leaves NaN from the first pivot that is not positive
+    // on; info is that pivot's order (1-based), 0 when there is none.
+    (*m)["aten::linalg_cholesky_ex"] = [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+        -> absl::StatusOr<std::vector<std::string>> {
+      if (o.size() != 2 || !Defined(d, 0) || d.args[0].tensor.ndim < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
+      const DType& t = *o[0].type;
+      const std::vector<int64_t> in = o[0].dims;
+      const bool upper = d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kBool && d.args[1].b;
+      absl::StatusOr<std::string> a = l.Operand(d.args[0], in, t);
+      if (!a.ok()) return a.status();
+      const std::string c = Cholesky(l, *a, in, upper, t);
+      const int64_t n = in.back();
+      const DType& i64 = I64();
+      const std::vector<int64_t> batch = BatchOf(in);
+      // NaN on the diagonal, counted per matrix.
+      const std::string nan = l.Compare("NE", c, c, in, t);
+      const std::string diag = l.Compare("EQ", l.Iota(in.size() - 2, in, i64), l.Iota(in.size() - 1, in, i64), in, i64);
+      const std::string bad = l.Convert(l.Binary("and", nan, diag, in, *DTypeOf(11)), in, *DTypeOf(11), i64);
+      const std::string count = l.ReduceOver(bad, in, {static_cast<int64_t>(in.size() - 2), static_cast<int64_t>(in.size() - 1)},
+                                             "add", l.Constant(0, {}, i64), i64);
+      const std::string failed = l.Compare("GT", count, l.Constant(0, batch, i64), batch, i64);
+      const std::string order = l.Binary("add", l.Binary("subtract", l.Constant(static_cast<double>(n), batch, i64), count, batch, i64),
+                                         l.Constant(1, batch, i64), batch, i64);
+      const std::string info = l.Select(failed, order, l.Constant(0, batch, i64), batch, i64);
+      return std::vector<std::string>{c, l.Reshape(l.Convert(info, batch, i64, *o[1].type), batch, o[1].dims, *o[1].type)};
+    };
+    (*m)["aten::linalg_cholesky_ex.L"] = (*m)["aten::linalg_cholesky_ex"];
+    // triangular_solve(self = B, A, upper, transpose, unitriangular) ->
+    // (solution, cloned_coefficient).
+    (*m)["aten::triangular_solve"] = [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+        -> absl::StatusOr<std::vector<std::string>> {
+      if (o.size() != 2 || d.num_args < 5) return Unsupported(l.op(), "arguments of a form not lowered");
+      const DType& t = *o[0].type;
+      const std::vector<int64_t> batch = BatchOf(o[0].dims);
+      absl::StatusOr<std::string> b = MatrixOperand(l, d.args[0], batch, t), a = MatrixOperand(l, d.args[1], batch, t);
+      if (!b.ok()) return b.status();
+      if (!a.ok()) return a.status();
+      const std::vector<int64_t> ad = WithBatch(DimsOf(d.args[1].tensor), batch);
+      const bool upper = d.args[2].b, transpose = d.args[3].b, unit = d.args[4].b;
+      const std::string x = TriangularSolve(l, *a, ad, *b, o[0].dims, true, !upper, unit, transpose, t);
+      return std::vector<std::string>{x, l.BroadcastTo(*a, ad, o[1].dims, t)};
+    };
+    (*m)["aten::triangular_solve.X"] = (*m)["aten::triangular_solve"];
     return m;
   }();
   return *rules;
@@ -1583,7 +1728,11 @@ const std::map<std::string, Rule>& MoreRules() {
       std::string xv = *v;
       int64_t dim;
       const bool all = d.num_args < 2 || (d.args[1].tag != tpu::ArgTag::kInt && d.args[1].tag != tpu::ArgTag::kSymInt);
-      if (all) {
+      if (!all && in.empty()) {
+        // A 0-d tensor has one dimension to name: 0 or -1.
+        if (absl::StatusOr<int64_t> c = CheckedDim(l.op(), d.args[1].i, 1); !c.ok()) return c.status();
+      }
+      if (all || in.empty()) {
         int64_t n = 1;
         for (int64_t s : in) n *= s;
         xv = l.Reshape(xv, in, {n}, *xt);
@@ -1597,7 +1746,14 @@ const std::map<std::string, Rule>& MoreRules() {
       const std::vector<int64_t> which = {dim};
       const std::string mx = largest ? l.ReduceOver(xv, in, which, "maximum", l.Lowest(*xt), *xt)
                                      : l.ReduceOver(xv, in, which, "minimum", Highest(l, *xt), *xt);
-      const std::string hit = l.Compare("EQ", xv, l.Expand(mx, in, which, *xt), in, *xt);
+      const std::string mxe = l.Expand(mx, in, which, *xt);
+      std::string hit = l.Compare("EQ", xv, mxe, in, *xt);
+      if (xt->is_float) {
+        // NaN is the largest and the smallest: its first place is the answer.
+        const DType& i1 = *DTypeOf(11);
+        const std::string nan = l.Binary("and", l.Compare("NE", xv, xv, in, *xt), l.Compare("NE", mxe, mxe, in, *xt), in, i1);
+        hit = l.Binary("or", hit, nan, in, i1);
+      }
       const DType& i64 = I64();
       const std::string idx = l.Select(hit, l.Iota(dim, in, i64), l.Constant(static_cast<double>(in[dim]), in, i64), in, i64);
       const std::string r = l.ReduceOver(idx, in, which, "minimum", l.Constant(static_cast<double>(in[dim]), {}, i64), i64);
@@ -2033,6 +2189,26 @@ std::string Running(Lowering& l, const std::string& x, const std::vector<int64_t
       scalar, ") -> ", TypeOf(in, t)));
 }
 
+// `x` (dims `in`) reduced with `op` over windows of `window`, `strides`
+// apart, after padding each dimension by (lo, hi) with `init`: dims `out`.
+std::string ReduceWindow(Lowering& l, const std::string& x, const std::vector<int64_t>& in,
+                         const std::vector<int64_t>& window, const std::vector<int64_t>& strides,
+                         const std::vector<std::pair<int64_t, int64_t>>& pads, const char* op, double init,
+                         const std::vector<int64_t>& out, const DType& t) {
+  const std::string scalar = TypeOf({}, t);
+  const std::string init_v = l.Constant(init, {}, t);
+  std::vector<std::string> pad;
+  for (const auto& [lo, hi] : pads) pad.push_back(absl::StrCat("[", lo, ", ", hi, "]"));
+  return l.Emit(absl::StrCat(
+      "\"stablehlo.reduce_window\"(", x, ", ", init_v, ") ({\n",
+      "    ^bb0(%acc: ", scalar, ", %elt: ", scalar, "):\n",
+      "      %run = stablehlo.", op, " %acc, %elt : ", scalar, "\n",
+      "      stablehlo.return %run : ", scalar, "\n",
+      "    }) {window_dimensions = array<i64: ", absl::StrJoin(window, ", "), ">, window_strides = array<i64: ",
+      absl::StrJoin(strides, ", "), ">, padding = dense<[", absl::StrJoin(pad, ", "), "]> : tensor<", in.size(),
+      "x2xi64>} : (", TypeOf(in, t), ", ", scalar, ") -> ", TypeOf(out, t)));
+}
+
 // Index arrays (each i64 of dims `shape`) stacked along a new last
 // dimension, the layout gather and scatter take: shape + [parts.size()].
 std::string StackIndices(Lowering& l, const std::vector<std::string>& parts, const std::vector<int64_t>& shape) {
@@ -2163,6 +2339,102 @@ absl::StatusOr<IndexPlan> PlanIndex(Lowering& l, const tpu::OpArg& list, const s
 const std::map<std::string, Rule>& ExtraRules() {
   static const auto* rules = [] {
     auto* m = new std::map<std::string, Rule>;
+    // avg_pool2d / avg_pool3d(self, kernel_size, stride, padding, ceil_mode,
+    // count_include_pad, divisor_override) and their backward (grad_output
+    // first): window sums by reduce_window over the zero-padded input, each
+    // divided by its count, which is itself a window sum of ones over the
+    // input (or the padded input, with count_include_pad). The backward
+    // spreads grad / count over each window: the gradient dilated by the
+    // stride, summed over windows of the kernel's size.
+    for (int sp : {2, 3}) {
+      for (bool backward : {false, true}) {
+        Rule r = [sp, backward](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+          const size_t a0 = backward ? 1 : 0;  // self
+          if (d.num_args < a0 + 6 || !Defined(d, a0) || (backward && !Defined(d, 0))) {
+            return Unsupported(l.op(), "arguments of a form not lowered");
+          }
+          const DType& t = *o.type;
+          const std::vector<int64_t> in = DimsOf(d.args[a0].tensor);
+          const std::vector<int64_t> out = backward ? DimsOf(d.args[0].tensor) : o.dims;
+          if (in.size() < static_cast<size_t>(sp) || out.size() != in.size()) {
+            return Unsupported(l.op(), "input of too few dimensions");
+          }
+          const size_t lead = in.size() - sp;
+          auto list = [&](size_t i, const std::vector<int64_t>& dflt) -> absl::StatusOr<std::vector<int64_t>> {
+            std::vector<int64_t> v = d.args[i].tag == tpu::ArgTag::kIntList ? d.args[i].ints : std::vector<int64_t>{};
+            if (v.empty()) v = dflt;
+            if (v.size() == 1) v.assign(sp, v[0]);
+            if (v.size() != static_cast<size_t>(sp)) return Unsupported(l.op(), "a window list of the wrong length");
+            return v;
+          };
+          absl::StatusOr<std::vector<int64_t>> kernel = list(a0 + 1, {});
+          if (!kernel.ok()) return kernel.status();
+          absl::StatusOr<std::vector<int64_t>> stride = list(a0 + 2, *kernel), pad = list(a0 + 3, {0});
+          if (!stride.ok()) return stride.status();
+          if (!pad.ok()) return pad.status();
+          const bool include_pad = d.args[a0 + 5].tag != tpu::ArgTag::kBool || d.args[a0 + 5].b;
+          const bool has_divisor = d.num_args > a0 + 6 && (d.args[a0 + 6].tag == tpu::ArgTag::kInt ||
+                                                           d.args[a0 + 6].tag == tpu::ArgTag::kSymInt);
+          std::vector<int64_t> window(in.size(), 1), strides(in.size(), 1), sdims, sout;
+          std::vector<std::pair<int64_t, int64_t>> pads(in.size(), {0, 0}), count_pads;
+          for (int k = 0; k < sp; ++k) {
+            const int64_t kk = (*kernel)[k], st = (*stride)[k], p = (*pad)[k], h = in[lead + k], n = out[lead + k];
+            if (kk < 1 || st < 1 || p < 0 || n < 1) return Unsupported(l.op(), "a window of this form");
+            window[lead + k] = kk;
+            strides[lead + k] = st;
+            const int64_t extra = std::max<int64_t>(0, (n - 1) * st + kk - (h + 2 * p));
+            pads[lead + k] = {p, p + extra};
+            sdims.push_back(include_pad ? h + 2 * p : h);
+            sout.push_back(n);
+            count_pads.push_back(include_pad ? std::make_pair(int64_t{0}, extra) : std::make_pair(p, p + extra));
+          }
+          std::string count;
+          if (has_divisor) {
+            count = l.Constant(static_cast<double>(d.args[a0 + 6].i), out, t);
+          } else {
+            const std::vector<int64_t> sw(window.begin() + lead, window.end()), ss(strides.begin() + lead, strides.end());
+            const std::string c = ReduceWindow(l, l.Constant(1, sdims, t), sdims, sw, ss, count_pads, "add", 0, sout, t);
+            count = l.BroadcastTo(c, sout, out, t);
+          }
+          if (!backward) {
+            absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t);
+            if (!x.ok()) return x;
+            const std::string sum = ReduceWindow(l, *x, in, window, strides, pads, "add", 0, out, t);
+            return l.Binary("divide", sum, count, out, t);
+          }
+          absl::StatusOr<std::string> g = l.Operand(d.args[0], out, t);
+          if (!g.ok()) return g;
+          const std::string share = l.Binary("divide", *g, count, out, t);
+          // Dilated by the stride, kernel - 1 zeros before, cut or padded to
+          // the padded input's extent after; windows of the kernel, stride 1.
+          std::vector<int64_t> lo(in.size(), 0), hi(in.size(), 0), interior(in.size(), 0), grown = out, padded = in;
+          for (int k = 0; k < sp; ++k) {
+            const size_t q = lead + k;
+            const int64_t kk = window[q], st = strides[q], hp = in[q] + 2 * (*pad)[k];
+            lo[q] = kk - 1;
+            hi[q] = hp - (out[q] - 1) * st - 1;
+            interior[q] = st - 1;
+            grown[q] = (kk - 1) + (out[q] - 1) * st + 1 + hi[q];
+            padded[q] = hp;
+          }
+          const std::string zero = l.Constant(0, {}, t);
+          const std::string spread = l.Emit(absl::StrCat(
+              "stablehlo.pad ", share, ", ", zero, ", low = [", absl::StrJoin(lo, ", "), "], high = [",
+              absl::StrJoin(hi, ", "), "], interior = [", absl::StrJoin(interior, ", "), "] : (", TypeOf(out, t), ", ",
+              TypeOf({}, t), ") -> ", TypeOf(grown, t)));
+          const std::string summed = ReduceWindow(l, spread, grown, window, std::vector<int64_t>(in.size(), 1),
+                                                  std::vector<std::pair<int64_t, int64_t>>(in.size(), {0, 0}), "add", 0,
+                                                  padded, t);
+          std::vector<int64_t> start(in.size(), 0), limit = padded;
+          for (int k = 0; k < sp; ++k) {
+            start[lead + k] = (*pad)[k];
+            limit[lead + k] = (*pad)[k] + in[lead + k];
+          }
+          return l.Slice(summed, padded, start, limit, t);
+        };
+        (*m)[absl::StrCat("aten::avg_pool", sp, "d", backward ? "_backward" : "")] = r;
+      }
+    }
     // arange.start_out(start, end, step, *, out): start + i * step, computed
     // in double (integers in int64) as the CPU kernel does.
     (*m)["aten::arange.start_out"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
@@ -2573,13 +2845,16 @@ const std::map<std::string, Rule>& ExtraRules() {
     (*m)["aten::bernoulli_.Tensor"] = random_rule(Dist::kBernoulli);
     (*m)["aten::random_.from"] = random_rule(Dist::kRandom);
     // convolution(input, weight, bias?, stride, padding, dilation, transposed,
-    // output_padding, groups), forward, not transposed: stablehlo.convolution
-    // over NC(D)(H)W.
+    // output_padding, groups): stablehlo.convolution over NC(D)(H)W. A
+    // transposed one is the gradient of a convolution: the input dilated by
+    // the stride, padded by dilation * (k - 1) - padding (plus output_padding
+    // at the end), under the spatially reversed weight, whose (in, out / g)
+    // channels become, per group, the kernel's (in / g, out).
     (*m)["aten::convolution"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
       if (!Defined(d, 0) || !Defined(d, 1)) return Unsupported(l.op(), "arguments of a form not lowered");
       const DType& t = *o.type;
       const std::vector<int64_t> in = DimsOf(d.args[0].tensor), wd = DimsOf(d.args[1].tensor);
-      absl::StatusOr<ConvWindow> cw = ConvWindowOf(l, d, 3, in, wd, o.dims);
+      absl::StatusOr<ConvWindow> cw = ConvWindowOf(l, d, 3, in, wd, o.dims, /*allow_transposed=*/true);
       if (!cw.ok()) return cw.status();
       const size_t sp = cw->sp;
       const std::vector<int64_t>&stride = cw->stride, &pad = cw->pad, &dilation = cw->dilation;
@@ -2588,17 +2863,48 @@ const std::map<std::string, Rule>& ExtraRules() {
       if (!x.ok()) return x;
       if (!w.ok()) return w;
       std::vector<std::string> spatial, pads;
+      std::vector<int64_t> ones(sp, 1), rev;
       for (size_t k = 0; k < sp; ++k) {
         spatial.push_back(absl::StrCat(k));
-        pads.push_back(absl::StrCat("[", pad[k], ", ", pad[k], "]"));
+        rev.push_back(static_cast<int64_t>(k + 2));
+        if (cw->transposed) {
+          const int64_t lo = dilation[k] * (wd[k + 2] - 1) - pad[k];
+          pads.push_back(absl::StrCat("[", lo, ", ", lo + cw->output_padding[k], "]"));
+        } else {
+          pads.push_back(absl::StrCat("[", pad[k], ", ", pad[k], "]"));
+        }
       }
       const std::string dims = absl::StrJoin(spatial, ", ");
+      std::string kernel = *w, layout = "o, i";
+      std::vector<int64_t> kd = wd;
+      if (cw->transposed) {
+        kernel = l.Emit(absl::StrCat("stablehlo.reverse ", *w, ", dims = [", absl::StrJoin(rev, ", "), "] : ",
+                                     TypeOf(wd, t)));
+        layout = "i, o";
+        if (groups > 1) {
+          // (g * ci, co, k...) -> (g, ci, co, k...) -> (ci, g, co, k...) -> (ci, g * co, k...)
+          const int64_t ci = wd[0] / groups, co = wd[1];
+          std::vector<int64_t> split = {groups, ci, co}, perm = {1, 0, 2}, moved = {ci, groups, co};
+          for (size_t k = 0; k < sp; ++k) {
+            split.push_back(wd[k + 2]);
+            moved.push_back(wd[k + 2]);
+            perm.push_back(static_cast<int64_t>(k + 3));
+          }
+          kd = {ci, groups * co};
+          for (size_t k = 0; k < sp; ++k) kd.push_back(wd[k + 2]);
+          kernel = l.Reshape(kernel, wd, split, t);
+          kernel = l.Emit(absl::StrCat("stablehlo.transpose ", kernel, ", dims = [", absl::StrJoin(perm, ", "), "] : (",
+                                       TypeOf(split, t), ") -> ", TypeOf(moved, t)));
+          kernel = l.Reshape(kernel, moved, kd, t);
+        }
+      }
       std::string r = l.Emit(absl::StrCat(
-          "stablehlo.convolution(", *x, ", ", *w, ") dim_numbers = [b, f, ", dims, "]x[o, i, ", dims,
-          "]->[b, f, ", dims, "], window = {stride = [", absl::StrJoin(stride, ", "), "], pad = [",
-          absl::StrJoin(pads, ", "), "], rhs_dilate = [", absl::StrJoin(dilation, ", "),
+          "stablehlo.convolution(", *x, ", ", kernel, ") dim_numbers = [b, f, ", dims, "]x[", layout, ", ", dims,
+          "]->[b, f, ", dims, "], window = {stride = [", absl::StrJoin(cw->transposed ? ones : stride, ", "), "], pad = [",
+          absl::StrJoin(pads, ", "), "], ", cw->transposed ? absl::StrCat("lhs_dilate = [", absl::StrJoin(stride, ", "), "], ") : "",
+          "rhs_dilate = [", absl::StrJoin(dilation, ", "),
           "]} {batch_group_count = 1 : i64, feature_group_count = ", groups, " : i64} : (", TypeOf(in, t), ", ",
-          TypeOf(wd, t), ") -> ", TypeOf(o.dims, t)));
+          TypeOf(kd, t), ") -> ", TypeOf(o.dims, t)));
       if (Defined(d, 2)) {
         const tpu::TensorRef& b = d.args[2].tensor;
         absl::StatusOr<std::string> bv = l.OperandRef(b, l.TensorIndex(d.args[2]), DimsOf(b), t);
@@ -2609,32 +2915,64 @@ const std::map<std::string, Rule>& ExtraRules() {
       }
       return r;
     };
-    // scatter / scatter_add(self, dim, index, src or value): self with
-    // out[index[i][j]][j] = (or +=) src[i][j] (dim 0); src may be larger
-    // than index, whose extent is what counts.
-    for (int kind = 0; kind < 3; ++kind) {  // 0: scatter.src, 1: scatter.value, 2: scatter_add
+    // scatter / scatter_add / scatter_reduce / index_reduce: self with
+    // out[index[i][j]][j] combined with src[i][j] (dim 0): replaced, added,
+    // multiplied, the larger or smaller kept, or averaged. src may be larger
+    // than index, whose extent is what counts; index_reduce's index is one
+    // list along `dim`, broadcast over source's other dimensions. Without
+    // include_self, an element some index reaches starts from the combiner's
+    // identity instead of self's value; mean divides by the count of what was
+    // combined (flooring for integers, as the CPU kernel does).
+    enum class Kind { kSrc, kValue, kAdd, kSrcReduce, kValueReduce, kScatterReduce, kIndexReduce };
+    for (Kind kind : {Kind::kSrc, Kind::kValue, Kind::kAdd, Kind::kSrcReduce, Kind::kValueReduce,
+                      Kind::kScatterReduce, Kind::kIndexReduce}) {
       Rule r = [kind](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
         if (!Defined(d, 0) || !Defined(d, 2) || d.num_args < 4) return Unsupported(l.op(), "arguments of a form not lowered");
         const DType& t = *o.type;
-        const std::vector<int64_t>& in = o.dims;
+        // A 0-d self (and its 0-d index and src) is taken as one element.
+        const std::vector<int64_t> in = o.dims.empty() ? std::vector<int64_t>{1} : o.dims;
         const size_t n = in.size();
+        auto done = [&](const std::string& v) { return l.Reshape(v, in, o.dims, t); };
         const tpu::TensorRef& ix = d.args[2].tensor;
-        const std::vector<int64_t> id = DimsOf(ix);
-        if (n == 0 || id.size() != n) return Unsupported(l.op(), "arguments of a form not lowered");
+        // The reduction: "" (replace), "sum", "prod", "mean", "amax", "amin".
+        std::string reduce = kind == Kind::kAdd ? "sum" : "";
+        bool include_self = true;
+        if (kind == Kind::kSrcReduce || kind == Kind::kValueReduce || kind == Kind::kScatterReduce ||
+            kind == Kind::kIndexReduce) {
+          if (d.num_args < 5 || d.args[4].tag != tpu::ArgTag::kString) return Unsupported(l.op(), "reduce must be a string");
+          reduce = d.args[4].s;
+          if (reduce == "add") reduce = "sum";
+          if (reduce == "multiply") reduce = "prod";
+          if (reduce != "sum" && reduce != "prod" && reduce != "mean" && reduce != "amax" && reduce != "amin") {
+            return absl::InvalidArgumentError(absl::StrCat(l.op(), ": reduce \"", d.args[4].s, "\" is not one of sum, prod, mean, amax, amin"));
+          }
+          if (d.num_args > 5 && d.args[5].tag == tpu::ArgTag::kBool) include_self = d.args[5].b;
+        }
+        std::vector<int64_t> sd = kind == Kind::kValue || kind == Kind::kValueReduce
+                                      ? DimsOf(ix) : (Defined(d, 3) ? DimsOf(d.args[3].tensor) : std::vector<int64_t>{});
+        if (sd.empty()) sd = {1};
+        std::vector<int64_t> id = kind == Kind::kIndexReduce ? sd : DimsOf(ix);
+        if (id.empty()) id = {1};
+        if (n == 0 || id.size() != n || (kind == Kind::kIndexReduce && ix.ndim != 1)) {
+          return Unsupported(l.op(), "arguments of a form not lowered");
+        }
         absl::StatusOr<std::string> self = l.Operand(d.args[0], in, t);
         if (!self.ok()) return self;
-        if (Numel(ix) == 0) return *self;
         absl::StatusOr<int64_t> checked = CheckedDim(l.op(), d.args[1].i, n);
         if (!checked.ok()) return checked.status();
         const int64_t dim = *checked;
+        if (kind == Kind::kIndexReduce && id[dim] != ix.sizes[0]) {
+          return absl::InvalidArgumentError(absl::StrCat(l.op(), ": index has ", ix.sizes[0], " entries, source ",
+                                                         id[dim], " along dim ", dim));
+        }
+        if (Numel(ix) == 0) return done(*self);
         std::string upd;
-        if (kind == 1) {
+        if (kind == Kind::kValue || kind == Kind::kValueReduce) {
           absl::StatusOr<std::string> v = l.Operand(d.args[3], id, t);
           if (!v.ok()) return v;
           upd = *v;
         } else {
           if (!Defined(d, 3)) return Unsupported(l.op(), "arguments of a form not lowered");
-          const std::vector<int64_t> sd = DimsOf(d.args[3].tensor);
           if (sd.size() != n) return Unsupported(l.op(), "src of another rank");
           absl::StatusOr<std::string> v = l.Operand(d.args[3], sd, t);
           if (!v.ok()) return v;
@@ -2642,24 +2980,67 @@ const std::map<std::string, Rule>& ExtraRules() {
           if (sd != id) upd = l.Slice(upd, sd, std::vector<int64_t>(n, 0), id, t);
         }
         const DType& i64 = I64();
-        absl::StatusOr<std::string> iv = l.OperandRef(ix, l.TensorIndex(d.args[2]), id, i64);
-        if (!iv.ok()) return iv;
+        std::string along;
+        if (kind == Kind::kIndexReduce) {
+          absl::StatusOr<std::string> iv = l.OperandRef(ix, l.TensorIndex(d.args[2]), {ix.sizes[0]}, i64);
+          if (!iv.ok()) return iv;
+          along = l.Emit(absl::StrCat("stablehlo.broadcast_in_dim ", *iv, ", dims = [", dim, "] : (",
+                                      TypeOf({ix.sizes[0]}, i64), ") -> ", TypeOf(id, i64)));
+        } else {
+          absl::StatusOr<std::string> iv = l.OperandRef(ix, l.TensorIndex(d.args[2]), id, i64);
+          if (!iv.ok()) return iv;
+          along = *iv;
+        }
         std::vector<int64_t> all = id;
         all.push_back(static_cast<int64_t>(n));
-        const std::string idx = ElementIndex(l, *iv, id, dim);
+        const std::string idx = ElementIndex(l, along, id, dim);
         const std::vector<int64_t> dims_list = Range(n);
-        const std::string scalar = TypeOf({}, t);
-        return l.Emit(absl::StrCat(
-            "\"stablehlo.scatter\"(", *self, ", ", idx, ", ", upd, ") ({\n",
-            "    ^bb0(%old: ", scalar, ", %new: ", scalar, "):\n",
-            kind == 2 ? absl::StrCat("      %sum = stablehlo.add %old, %new : ", scalar, "\n      stablehlo.return %sum : ", scalar, "\n")
-                      : absl::StrCat("      stablehlo.return %new : ", scalar, "\n"),
-            "    }) {indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<",
-            "inserted_window_dims = [", absl::StrJoin(dims_list, ", "), "], scatter_dims_to_operand_dims = [",
-            absl::StrJoin(dims_list, ", "), "], index_vector_dim = ", n, ">, unique_indices = false} : (",
-            TypeOf(in, t), ", ", TypeOf(all, i64), ", ", TypeOf(id, t), ") -> ", TypeOf(in, t)));
+        // base with the updates `u` (type ut) combined by `op` ("" replaces).
+        auto scatter = [&](const std::string& base, const std::string& u, const char* op, const DType& ut) {
+          const std::string scalar = TypeOf({}, ut);
+          return l.Emit(absl::StrCat(
+              "\"stablehlo.scatter\"(", base, ", ", idx, ", ", u, ") ({\n",
+              "    ^bb0(%old: ", scalar, ", %new: ", scalar, "):\n",
+              *op != 0 ? absl::StrCat("      %r = stablehlo.", op, " %old, %new : ", scalar, "\n      stablehlo.return %r : ", scalar, "\n")
+                       : absl::StrCat("      stablehlo.return %new : ", scalar, "\n"),
+              "    }) {indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<",
+              "inserted_window_dims = [", absl::StrJoin(dims_list, ", "), "], scatter_dims_to_operand_dims = [",
+              absl::StrJoin(dims_list, ", "), "], index_vector_dim = ", n, ">, unique_indices = false} : (",
+              TypeOf(in, ut), ", ", TypeOf(all, i64), ", ", TypeOf(id, ut), ") -> ", TypeOf(in, ut)));
+        };
+        if (reduce.empty()) return done(scatter(*self, upd, "", t));
+        const char* op = reduce == "sum" || reduce == "mean" ? "add" : reduce == "prod" ? "multiply"
+                       : reduce == "amax" ? "maximum" : "minimum";
+        // How many updates reach each element.
+        const std::string count = scatter(l.Constant(0, in, i64), l.Constant(1, id, i64), "add", i64);
+        const std::string touched = l.Compare("GT", count, l.Constant(0, in, i64), in, i64);
+        std::string base = *self;
+        if (!include_self) {
+          const std::string identity = reduce == "prod" ? l.Constant(1, in, t)
+                                     : reduce == "amax" ? l.BroadcastTo(l.Lowest(t), {}, in, t)
+                                     : reduce == "amin" ? l.BroadcastTo(Highest(l, t), {}, in, t)
+                                                        : l.Constant(0, in, t);
+          base = l.Select(touched, identity, *self, in, t);
+        }
+        const std::string combined = scatter(base, upd, op, t);
+        if (reduce != "mean") return done(combined);
+        std::string denom = l.Convert(include_self ? l.Binary("add", count, l.Constant(1, in, i64), in, i64) : count, in, i64, t);
+        // Untouched elements keep self (divided by 1, or not at all).
+        denom = l.Select(touched, denom, l.Constant(1, in, t), in, t);
+        std::string q = l.Binary("divide", combined, denom, in, t);
+        if (!t.is_float && t.c10 != 11) {
+          // Floor: truncation one lower where the remainder is negative.
+          const std::string rem = l.Binary("remainder", combined, denom, in, t);
+          const std::string neg = l.Compare("LT", rem, l.Constant(0, in, t), in, t);
+          q = l.Select(neg, l.Binary("subtract", q, l.Constant(1, in, t), in, t), q, in, t);
+        }
+        return done(q);
       };
-      (*m)[kind == 0 ? "aten::scatter.src" : kind == 1 ? "aten::scatter.value" : "aten::scatter_add"] = r;
+      const char* name = kind == Kind::kSrc ? "aten::scatter.src" : kind == Kind::kValue ? "aten::scatter.value"
+                       : kind == Kind::kAdd ? "aten::scatter_add" : kind == Kind::kSrcReduce ? "aten::scatter.reduce"
+                       : kind == Kind::kValueReduce ? "aten::scatter.value_reduce"
+                       : kind == Kind::kScatterReduce ? "aten::scatter_reduce.two" : "aten::index_reduce";
+      (*m)[name] = r;
     }
     (*m)["aten::prod.int_out"] = (*m)["aten::prod.dim_int"];
     // max / min of everything (self): amax / amin over every dimension.
@@ -2807,6 +3188,409 @@ const std::map<std::string, Rule>& SpecialRules() {
   return *rules;
 }
 
+// The FFTs ATen's torch.fft functions come down to: _fft_r2c (real to
+// complex, the last transformed dimension halved when onesided), _fft_c2c
+// (forward or inverse) and _fft_c2r (the inverse of a onesided r2c, of
+// last_dim_size). stablehlo.fft transforms the trailing dimensions, so the
+// transformed ones are moved there, in the order given, and back. XLA's
+// inverse transforms divide by n; ATen's normalization (0: none, 1: by
+// sqrt(n), 2: by n) is applied on top of the unnormalized transform.
+const std::map<std::string, Rule>& FftRules() {
+  static const auto* rules = [] {
+    auto* m = new std::map<std::string, Rule>;
+    enum class Fft { kR2C, kC2C, kC2R };
+    for (Fft kind : {Fft::kR2C, Fft::kC2C, Fft::kC2R}) {
+      Rule r = [kind](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+        if (d.num_args < 4 || !Defined(d, 0) || d.args[1].tag != tpu::ArgTag::kIntList) {
+          return Unsupported(l.op(), "arguments of a form not lowered");
+        }
+        const tpu::TensorRef& x = d.args[0].tensor;
+        const DType* xt = DTypeOf(x.dtype);
+        if (xt == nullptr || (kind == Fft::kR2C ? !xt->is_float : !IsComplex(*xt))) {
+          return Unsupported(l.op(), "an input of this dtype");
+        }
+        const std::vector<int64_t> in = DimsOf(x);
+        const size_t n = in.size();
+        std::vector<int64_t> fdims;
+        for (int64_t dim : d.args[1].ints) {
+          absl::StatusOr<int64_t> c = CheckedDim(l.op(), dim, n);
+          if (!c.ok()) return c.status();
+          if (std::find(fdims.begin(), fdims.end(), *c) != fdims.end()) return Unsupported(l.op(), "a repeated dim");
+          fdims.push_back(*c);
+        }
+        if (fdims.empty()) {
+          absl::StatusOr<std::string> same = l.Operand(d.args[0], in, *xt);
+          if (!same.ok()) return same;
+          return l.Convert(*same, in, *xt, *o.type);
+        }
+        const int64_t norm = d.args[2].i;
+        const DType& part = kind == Fft::kC2R ? *o.type : (kind == Fft::kR2C ? (xt->c10 == 7 ? F64() : *DTypeOf(6)) : PartOf(*xt));
+        const DType& ct = ComplexOf(part);
+        if (o.dims.size() != n) return Unsupported(l.op(), "an output of another rank");
+        // perm: the other dimensions, then the transformed ones.
+        std::vector<int64_t> perm;
+        for (size_t q = 0; q < n; ++q) {
+          if (std::find(fdims.begin(), fdims.end(), static_cast<int64_t>(q)) == fdims.end()) perm.push_back(q);
+        }
+        for (int64_t q : fdims) perm.push_back(q);
+        auto permuted = [&](const std::vector<int64_t>& dims) {
+          std::vector<int64_t> r;
+          for (int64_t q : perm) r.push_back(dims[q]);
+          return r;
+        };
+        std::vector<int64_t> inverse(n);
+        for (size_t q = 0; q < n; ++q) inverse[perm[q]] = static_cast<int64_t>(q);
+        // The signal: its lengths (the output's for c2r, the input's else).
+        std::vector<int64_t> length;
+        int64_t count = 1;
+        for (int64_t q : fdims) {
+          length.push_back(kind == Fft::kC2R ? o.dims[q] : in[q]);
+          count *= length.back();
+        }
+        const DType& vt = kind == Fft::kR2C ? part : ct;
+        absl::StatusOr<std::string> xv = l.Operand(d.args[0], in, *xt);
+        if (!xv.ok()) return xv;
+        std::string v = l.Convert(*xv, in, *xt, vt);
+        const std::vector<int64_t> pin = permuted(in), pout = permuted(o.dims);
+        v = l.Emit(absl::StrCat("stablehlo.transpose ", v, ", dims = [", absl::StrJoin(perm, ", "), "] : (",
+                                TypeOf(in, vt), ") -> ", TypeOf(pin, vt)));
+        bool inverse_fft = false;
+        const char* type = "FFT";
+        const DType* rt = &ct;
+        std::vector<int64_t> pres = pout;
+        if (kind == Fft::kR2C) {
+          const bool onesided = d.args[3].tag != tpu::ArgTag::kBool || d.args[3].b;
+          if (onesided) {
+            type = "RFFT";
+          } else {
+            v = l.Convert(v, pin, part, ct);
+          }
+        } else if (kind == Fft::kC2C) {
+          inverse_fft = d.args[3].tag == tpu::ArgTag::kBool && !d.args[3].b;
+          type = inverse_fft ? "IFFT" : "FFT";
+        } else {
+          type = "IRFFT";
+          inverse_fft = true;
+          rt = &part;
+          // The input's last transformed dimension holds length / 2 + 1 values.
+          const int64_t want = length.back() / 2 + 1;
+          std::vector<int64_t> cut = pin;
+          if (cut.back() != want) {
+            if (cut.back() < want) return Unsupported(l.op(), "an input shorter than last_dim_size / 2 + 1");
+            cut.back() = want;
+            v = l.Slice(v, pin, std::vector<int64_t>(n, 0), cut, ct);
+          }
+          pres = cut;
+          pres.back() = length.back();
+          if (pres != pout) return Unsupported(l.op(), "an output of another shape");
+          std::vector<int64_t> fin = cut;
+          v = l.Emit(absl::StrCat("stablehlo.fft ", v, ", type = IRFFT, length = [", absl::StrJoin(length, ", "), "] : (",
+                                  TypeOf(fin, ct), ") -> ", TypeOf(pres, part)));
+        }
+        if (kind != Fft::kC2R) {
+          const DType& from = kind == Fft::kR2C && std::string(type) == "RFFT" ? part : ct;
+          v = l.Emit(absl::StrCat("stablehlo.fft ", v, ", type = ", type, ", length = [", absl::StrJoin(length, ", "),
+                                  "] : (", TypeOf(pin, from), ") -> ", TypeOf(pres, ct)));
+        }
+        // Undo XLA's 1/n on inverses, then apply ATen's normalization.
+        double scale = inverse_fft ? static_cast<double>(count) : 1.0;
+        if (norm == 1) scale /= std::sqrt(static_cast<double>(count));
+        if (norm == 2) scale /= static_cast<double>(count);
+        if (scale != 1.0) v = l.Binary("multiply", v, l.Convert(l.Constant(scale, pres, part), pres, part, *rt), pres, *rt);
+        v = l.Emit(absl::StrCat("stablehlo.transpose ", v, ", dims = [", absl::StrJoin(inverse, ", "), "] : (",
+                                TypeOf(pres, *rt), ") -> ", TypeOf(o.dims, *rt)));
+        return l.Convert(v, o.dims, *rt, *o.type);
+      };
+      (*m)[kind == Fft::kR2C ? "aten::_fft_r2c" : kind == Fft::kC2C ? "aten::_fft_c2c" : "aten::_fft_c2r"] = r;
+    }
+    // conj_physical: the imaginary part negated (real tensors as they are).
+    (*m)["aten::conj_physical"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
+      if (!x.ok() || !IsComplex(*o.type)) return x;
+      const DType& part = PartOf(*o.type);
+      const std::string re = l.Emit(absl::StrCat("stablehlo.real ", *x, " : (", TypeOf(o.dims, *o.type), ") -> ", TypeOf(o.dims, part)));
+      const std::string im = l.Emit(absl::StrCat("stablehlo.imag ", *x, " : (", TypeOf(o.dims, *o.type), ") -> ", TypeOf(o.dims, part)));
+      return l.Emit(absl::StrCat("stablehlo.complex ", re, ", ", l.Unary("negate", im, o.dims, part), " : ", TypeOf(o.dims, *o.type)));
+    };
+    (*m)["aten::_conj_physical"] = (*m)["aten::conj_physical"];
+    // angle: atan2(imag, real) of a complex tensor; of a real one, pi where
+    // it is negative, 0 elsewhere, NaN where it is NaN.
+    (*m)["aten::angle"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
+      const DType* xt = DTypeOf(d.args[0].tensor.dtype);
+      if (xt == nullptr) return Unsupported(l.op(), "an input of this dtype");
+      const DType& t = *o.type;
+      if (IsComplex(*xt)) {
+        absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *xt);
+        if (!x.ok()) return x;
+        const DType& part = PartOf(*xt);
+        const std::string re = l.Emit(absl::StrCat("stablehlo.real ", *x, " : (", TypeOf(o.dims, *xt), ") -> ", TypeOf(o.dims, part)));
+        const std::string im = l.Emit(absl::StrCat("stablehlo.imag ", *x, " : (", TypeOf(o.dims, *xt), ") -> ", TypeOf(o.dims, part)));
+        return l.Convert(l.Binary("atan2", im, re, o.dims, part), o.dims, part, t);
+      }
+      absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
+      if (!x.ok()) return x;
+      const std::string neg = l.Compare("LT", *x, l.Constant(0, o.dims, t), o.dims, t);
+      const std::string nan = l.Compare("NE", *x, *x, o.dims, t);
+      const std::string a = l.Select(neg, l.Constant(M_PI, o.dims, t), l.Constant(0, o.dims, t), o.dims, t);
+      return l.Select(nan, *x, a, o.dims, t);
+    };
+    return m;
+  }();
+  return *rules;
+}
+
+// The orthogonal polynomials of torch.special (Chebyshev T, U, V, W and
+// their shifted forms, Hermite H and He, Laguerre, Legendre) at x, of
+// degree n (truncated to an integer), as ATen computes them: its special
+// cases first (n < 0, the ends of the interval, the trigonometric forms
+// for large n inside it, degrees 0 and 1), else the three-term recurrence
+// P_m = (a_m(x) P_{m-1} - b_m P_{m-2}) / c_m from P_0 = 1, P_1, run by a
+// while loop up to the largest degree that needs it (an element stops at
+// its own degree, and the loop stops once every element it still runs is
+// NaN).
+enum class Poly { kT, kU, kV, kW, kShiftedT, kShiftedU, kShiftedV, kShiftedW, kH, kHe, kL, kP };
+
+Rule PolynomialRule(Poly kind) {
+  return [kind](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+    if (d.num_args < 2) return Unsupported(l.op(), "expects x and n");
+    const DType& t = *o.type;
+    const DType& i64 = I64();
+    const DType& i1 = *DTypeOf(11);
+    const std::vector<int64_t>& dims = o.dims;
+    absl::StatusOr<std::string> xs = l.Operand(d.args[0], dims, t), ns = l.Operand(d.args[1], dims, i64);
+    if (!xs.ok()) return xs;
+    if (!ns.ok()) return ns;
+    const std::string x = *xs;
+    std::string n = *ns;
+    auto c = [&](double v) { return l.Constant(v, dims, t); };
+    auto ci = [&](double v) { return l.Constant(v, dims, i64); };
+    auto add = [&](const std::string& a, const std::string& b) { return l.Binary("add", a, b, dims, t); };
+    auto sub = [&](const std::string& a, const std::string& b) { return l.Binary("subtract", a, b, dims, t); };
+    auto mul = [&](const std::string& a, const std::string& b) { return l.Binary("multiply", a, b, dims, t); };
+    auto div = [&](const std::string& a, const std::string& b) { return l.Binary("divide", a, b, dims, t); };
+    auto un = [&](const char* op, const std::string& a) { return l.Unary(op, a, dims, t); };
+    auto cmp = [&](const char* dir, const std::string& a, const std::string& b) { return l.Compare(dir, a, b, dims, t); };
+    auto cmpi = [&](const char* dir, const std::string& a, double b) { return l.Compare(dir, a, ci(b), dims, i64); };
+    auto both = [&](const std::string& a, const std::string& b) { return l.Binary("and", a, b, dims, i1); };
+    auto sel = [&](const std::string& p, const std::string& a, const std::string& b) { return l.Select(p, a, b, dims, t); };
+    auto acos = [&](const std::string& a) {  // acos(a) = atan2(sqrt(1 - a^2), a)
+      return l.Binary("atan2", un("sqrt", sub(c(1), mul(a, a))), a, dims, t);
+    };
+    if (kind == Poly::kH && DTypeOf(d.args[1].tag == tpu::ArgTag::kTensor ? d.args[1].tensor.dtype : 4)->is_float) {
+      // A NaN or infinite degree counts as -1.
+      absl::StatusOr<std::string> nf = l.Operand(d.args[1], dims, t);
+      if (!nf.ok()) return nf;
+      const std::string finite = l.Emit(absl::StrCat("stablehlo.is_finite ", *nf, " : (", TypeOf(dims, t), ") -> ", TypeOf(dims, i1)));
+      n = l.Select(finite, n, ci(-1), dims, i64);
+    }
+    const std::string nt = l.Convert(n, dims, i64, t);
+    const std::string even = l.Compare("EQ", l.Binary("remainder", n, ci(2), dims, i64), ci(0), dims, i64);
+    const bool shifted = kind == Poly::kShiftedT || kind == Poly::kShiftedU || kind == Poly::kShiftedV || kind == Poly::kShiftedW;
+    const bool chebyshev = kind <= Poly::kShiftedW;
+    // y: the argument of the Chebyshev forms (2x - 1 when shifted).
+    const std::string y = shifted ? sub(add(x, x), c(1)) : x;
+    const std::string two_y = add(y, y);
+    std::string p1;
+    switch (kind) {
+      case Poly::kT: case Poly::kShiftedT: case Poly::kP: case Poly::kHe: p1 = y; break;
+      case Poly::kU: case Poly::kShiftedU: case Poly::kH: p1 = two_y; break;
+      case Poly::kV: case Poly::kShiftedV: p1 = sub(two_y, c(1)); break;
+      case Poly::kW: case Poly::kShiftedW: p1 = add(two_y, c(1)); break;
+      case Poly::kL: p1 = sub(c(1), x); break;
+    }
+    const std::string two_n1 = add(add(nt, nt), c(1));  // 2n + 1
+    const std::string sign_even = sel(even, c(1), c(-1));
+    // Special cases in ATen's order: `cases` from the first that applies.
+    std::vector<std::pair<std::string, std::string>> cases;
+    cases.emplace_back(cmpi("LT", n, 0), c(0));
+    const std::string ax = un("abs", x);
+    if (chebyshev) {
+      // The ends: |x| = 1 (x = 1 and x = 0 when shifted).
+      const std::string hi = shifted ? cmp("EQ", x, c(1)) : both(cmp("EQ", ax, c(1)), cmp("GT", x, c(0)));
+      const std::string lo = shifted ? cmp("EQ", x, c(0)) : both(cmp("EQ", ax, c(1)), cmp("LE", x, c(0)));
+      const std::string n1 = add(nt, c(1));
+      const bool tk = kind == Poly::kT || kind == Poly::kShiftedT, uk = kind == Poly::kU || kind == Poly::kShiftedU;
+      const bool vk = kind == Poly::kV || kind == Poly::kShiftedV;
+      const std::string at_hi = tk ? c(1) : uk ? n1 : vk ? c(1) : two_n1;
+      const std::string at_lo = tk ? sign_even : uk ? mul(n1, sign_even) : vk ? mul(two_n1, sign_even) : sign_even;
+      cases.emplace_back(hi, at_hi);
+      cases.emplace_back(lo, at_lo);
+      const int limit = tk ? 6 : shifted ? (kind == Poly::kShiftedW ? 4 : 6) : 8;
+      const std::string inside = both(cmpi("GT", n, limit), cmp("LT", un("abs", y), c(1)));
+      const std::string th = acos(y);
+      std::string trig;
+      if (tk) {
+        trig = un("cosine", mul(nt, th));
+      } else if (uk) {
+        const std::string st = un("sine", th);
+        trig = sel(cmp("NE", st, c(0)), div(un("sine", mul(n1, th)), st), div(mul(n1, un("cosine", mul(n1, th))), y));
+      } else {
+        const std::string half = div(th, c(2)), nh = mul(add(nt, c(0.5)), th);
+        if (vk) {
+          trig = sel(cmp("NE", un("sine", half), c(1)), div(un("cosine", nh), un("cosine", half)), mul(two_n1, sign_even));
+        } else {
+          const std::string w_end = shifted ? sign_even : sel(cmp("GT", x, c(0)), two_n1, sign_even);
+          trig = sel(cmp("NE", un("cosine", half), c(1)), div(un("sine", nh), un("sine", half)), w_end);
+        }
+      }
+      cases.emplace_back(inside, trig);
+    } else if (kind == Poly::kH || kind == Poly::kHe) {
+      const int limit = t.c10 == 7 ? 512 : 128;
+      cases.emplace_back(both(cmpi("GT", n, limit), cmpi("GE", n, 2)), div(c(0), c(0)));  // NaN
+    } else if (kind == Poly::kL) {
+      cases.emplace_back(cmp("EQ", ax, c(0)), c(1));
+    } else {
+      cases.emplace_back(cmp("EQ", ax, c(1)), sign_even);
+      // (x > 0 or n even: 1; else -1.)
+      cases.back().second = sel(cmp("GT", x, c(0)), c(1), sign_even);
+    }
+    cases.emplace_back(cmpi("EQ", n, 0), c(1));
+    cases.emplace_back(cmpi("EQ", n, 1), p1);
+    // The degrees the recurrence runs to: 0 where a special case answers.
+    std::string special = l.Constant(0, dims, i1);
+    for (const auto& [when, value] : cases) special = l.Binary("or", special, when, dims, i1);
+    const std::string degree = l.Select(special, ci(0), n, dims, i64);
+    const std::string top = l.ReduceOver(degree, dims, Range(dims.size()), "maximum", l.Constant(0, {}, i64), i64);
+    // The loop: (m, p, q) from (2, 1, P_1) while m <= top and some element
+    // at m <= its degree is not NaN.
+    const int id = l.NextId();
+    const std::string m_arg = absl::StrCat("%w", id, "m"), p_arg = absl::StrCat("%w", id, "p"), q_arg = absl::StrCat("%w", id, "q");
+    const std::string ts = TypeOf({}, i64), tv = TypeOf(dims, t);
+    std::string going;
+    const std::string cond = l.Region([&] {
+      const std::string active = both(l.Compare("LE", l.BroadcastTo(m_arg, {}, dims, i64), degree, dims, i64), cmp("EQ", q_arg, q_arg));
+      const std::string any = l.ReduceOver(active, dims, Range(dims.size()), "or", l.Constant(0, {}, i1), i1);
+      going = l.Binary("and", l.Compare("LE", m_arg, top, {}, i64), any, {}, i1);
+    });
+    std::string m_next, q_next, p_next;
+    const std::string body = l.Region([&] {
+      const std::string mb = l.BroadcastTo(m_arg, {}, dims, i64);
+      const std::string k = l.Convert(l.Binary("subtract", mb, ci(1), dims, i64), dims, i64, t);  // m - 1
+      std::string r;
+      switch (kind) {
+        case Poly::kH: r = sub(mul(add(x, x), q_arg), mul(add(k, k), p_arg)); break;
+        case Poly::kHe: r = sub(mul(x, q_arg), mul(k, p_arg)); break;
+        case Poly::kL: r = div(sub(mul(add(add(k, k), sub(c(1), x)), q_arg), mul(k, p_arg)), add(k, c(1))); break;
+        case Poly::kP: r = div(sub(mul(mul(add(add(k, k), c(1)), x), q_arg), mul(k, p_arg)), add(k, c(1))); break;
+        default: r = sub(mul(two_y, q_arg), p_arg); break;
+      }
+      const std::string step = l.Compare("LE", mb, degree, dims, i64);
+      q_next = sel(step, r, q_arg);
+      p_next = sel(step, q_arg, p_arg);
+      m_next = l.Binary("add", m_arg, l.Constant(1, {}, i64), {}, i64);
+    });
+    const std::string loop = l.EmitResults(absl::StrCat(
+        "stablehlo.while(", m_arg, " = ", l.Constant(2, {}, i64), ", ", p_arg, " = ", c(1), ", ", q_arg, " = ", p1, ") : ",
+        ts, ", ", tv, ", ", tv, "\n    cond {\n", cond, "      stablehlo.return ", going, " : ", TypeOf({}, i1),
+        "\n    } do {\n", body, "      stablehlo.return ", m_next, ", ", p_next, ", ", q_next, " : ", ts, ", ", tv, ", ", tv,
+        "\n    }"), 3);
+    std::string r = loop + "#2";
+    for (size_t i = cases.size(); i-- > 0;) r = sel(cases[i].first, cases[i].second, r);
+    return r;
+  };
+}
+
+const std::map<std::string, Rule>& PolynomialRules() {
+  static const auto* rules = [] {
+    auto* m = new std::map<std::string, Rule>;
+    const std::pair<const char*, Poly> polys[] = {
+        {"chebyshev_polynomial_t", Poly::kT}, {"chebyshev_polynomial_u", Poly::kU},
+        {"chebyshev_polynomial_v", Poly::kV}, {"chebyshev_polynomial_w", Poly::kW},
+        {"shifted_chebyshev_polynomial_t", Poly::kShiftedT}, {"shifted_chebyshev_polynomial_u", Poly::kShiftedU},
+        {"shifted_chebyshev_polynomial_v", Poly::kShiftedV}, {"shifted_chebyshev_polynomial_w", Poly::kShiftedW},
+        {"hermite_polynomial_h", Poly::kH}, {"hermite_polynomial_he", Poly::kHe},
+        {"laguerre_polynomial_l", Poly::kL}, {"legendre_polynomial_p", Poly::kP},
+    };
+    for (const auto& [name, kind] : polys) {
+      for (const char* form : {"", ".x_scalar", ".n_scalar"}) (*m)[absl::StrCat("aten::special_", name, form)] = PolynomialRule(kind);
+    }
+    return m;
+  }();
+  return *rules;
+}
+
+// Factorizations and solves XLA has ops for: Cholesky and triangular
+// solves (and what is built from them).
+const std::map<std::string, Rule>& LinalgRules() {
+  static const auto* rules = [] {
+    auto* m = new std::map<std::string, Rule>;
+    // cholesky(self, upper).
+    (*m)["aten::cholesky"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (!Defined(d, 0) || o.dims.size() < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
+      absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, *o.type);
+      if (!a.ok()) return a;
+      const bool upper = d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kBool && d.args[1].b;
+      return Cholesky(l, *a, o.dims, upper, *o.type);
+    };
+    // linalg_solve_triangular(self = A, B, *, upper, left, unitriangular).
+    (*m)["aten::linalg_solve_triangular"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      if (d.num_args < 5 || o.dims.size() < 2) return Unsupported(l.op(), "arguments of a form not lowered");
+      const DType& t = *o.type;
+      const std::vector<int64_t> batch = BatchOf(o.dims);
+      absl::StatusOr<std::string> a = MatrixOperand(l, d.args[0], batch, t), b = MatrixOperand(l, d.args[1], batch, t);
+      if (!a.ok()) return a;
+      if (!b.ok()) return b;
+      const std::vector<int64_t> ad = WithBatch(DimsOf(d.args[0].tensor), batch);
+      return TriangularSolve(l, *a, ad, *b, o.dims, d.args[3].b, !d.args[2].b, d.args[4].b, false, t);
+    };
+    // _cholesky_solve_helper(self = B, A = the factor, upper): two
+    // triangular solves, L (L^T X) = B or U^T (U X) = B.
+    (*m)["aten::_cholesky_solve_helper"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      if (d.num_args < 3 || o.dims.size() < 2) return Unsupported(l.op(), "arguments of a form not lowered");
+      const DType& t = *o.type;
+      const std::vector<int64_t> batch = BatchOf(o.dims);
+      absl::StatusOr<std::string> b = MatrixOperand(l, d.args[0], batch, t), a = MatrixOperand(l, d.args[1], batch, t);
+      if (!a.ok()) return a;
+      if (!b.ok()) return b;
+      const std::vector<int64_t> ad = WithBatch(DimsOf(d.args[1].tensor), batch);
+      const bool upper = d.args[2].b;
+      const std::string y = TriangularSolve(l, *a, ad, *b, o.dims, true, !upper, false, upper, t);
+      return TriangularSolve(l, *a, ad, y, o.dims, true, !upper, false, !upper, t);
+    };
+    // cholesky_inverse(self = the factor, upper): (L L^T)^-1, the solve of
+    // the identity.
+    (*m)["aten::cholesky_inverse"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      if (!Defined(d, 0) || o.dims.size() < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
+      const DType& t = *o.type;
+      absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t);
+      if (!a.ok()) return a;
+      const bool upper = d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kBool && d.args[1].b;
+      const std::string y = TriangularSolve(l, *a, o.dims, Identity(l, o.dims, t), o.dims, true, !upper, false, upper, t);
+      return TriangularSolve(l, *a, o.dims, y, o.dims, true, !upper, false, !upper, t);
+    };
+    // addbmm(self, batch1, batch2, *, beta, alpha): beta self + alpha
+    // sum_b batch1[b] @ batch2[b], one dot contracting the batch and k.
+    (*m)["aten::addbmm"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (d.num_args < 5 || !Defined(d, 1) || !Defined(d, 2) || d.args[1].tensor.ndim != 3 || d.args[2].tensor.ndim != 3 ||
+          o.dims.size() != 2) {
+        return Unsupported(l.op(), "expects two batches of matrices");
+      }
+      const DType& t = *o.type;
+      const std::vector<int64_t> d1 = DimsOf(d.args[1].tensor), d2 = DimsOf(d.args[2].tensor);
+      absl::StatusOr<std::string> a = l.Operand(d.args[1], d1, t), b = l.Operand(d.args[2], d2, t);
+      if (!a.ok()) return a;
+      if (!b.ok()) return b;
+      std::string r = l.Emit(absl::StrCat("stablehlo.dot_general ", *a, ", ", *b,
+                                          ", contracting_dims = [0, 2] x [0, 1] : (", TypeOf(d1, t), ", ",
+                                          TypeOf(d2, t), ") -> ", TypeOf(o.dims, t)));
+      absl::StatusOr<std::string> alpha = l.Operand(d.args[4], o.dims, t), beta = l.Operand(d.args[3], o.dims, t),
+                                  self = l.Operand(d.args[0], o.dims, t);
+      for (auto* v : {&alpha, &beta, &self}) if (!v->ok()) return *v;
+      r = l.Binary("multiply", r, *alpha, o.dims, t);
+      // beta = 0 ignores self (NaN included), as ATen does.
+      const std::string scaled = l.Binary("multiply", *self, *beta, o.dims, t);
+      const std::string zero = l.Compare("EQ", *beta, l.Constant(0, o.dims, t), o.dims, t);
+      return l.Binary("add", r, l.Select(zero, l.Constant(0, o.dims, t), scaled, o.dims, t), o.dims, t);
+    };
+    return m;
+  }();
+  return *rules;
+}
+
 // The name of the in-place form of `name` ("aten::add.Tensor" ->
 // "aten::add_.Tensor") and of its out= form ("aten::add.out",
 // "aten::eq.Tensor_out").
@@ -2824,7 +3608,8 @@ std::string OutName(const std::string& name) {
 const std::map<std::string, Rule>& AllRules() {
   static const auto* all = [] {
     auto* m = new std::map<std::string, Rule>;
-    for (const std::map<std::string, Rule>* rules : {&Rules(), &MoreRules(), &TailRules(), &ExtraRules(), &SpecialRules()}) {
+    for (const std::map<std::string, Rule>* rules : {&Rules(), &MoreRules(), &TailRules(), &ExtraRules(), &SpecialRules(), &FftRules(),
+                                                         &LinalgRules(), &PolynomialRules()}) {
       for (const auto& [name, rule] : *rules) (*m)[name] = rule;
     }
     std::vector<std::pair<std::string, Rule>> derived;
@@ -2889,7 +3674,7 @@ absl::Status ReadScalar(const std::string& op, const tpu::DecodedOp& decoded,
 }  // namespace
 
 std::vector<std::string> LoweredOpNames() {
-  std::vector<std::string> names = {"aten::_local_scalar_dense"};
+  std::vector<std::string> names = {"aten::_local_scalar_dense", "aten::equal"};
   for (const auto& [name, rule] : AllRules()) names.push_back(name);
   for (const auto& [name, rule] : MultiRules()) names.push_back(name);
   std::sort(names.begin(), names.end());
@@ -2941,11 +3726,66 @@ absl::StatusOr<const Executable*> PjrtChip::Compiled(const std::string& program,
   return lru_.back().second.get();
 }
 
+// equal(self, other) -> bool: the same sizes and every element equal (NaN
+// is not), computed on the device and read back as a host value.
+absl::Status PjrtChip::Equal(const std::string& name, const tpu::DecodedOp& decoded,
+                             const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results) {
+  if (decoded.num_args < 2 || decoded.args[0].tag != tpu::ArgTag::kTensor ||
+      decoded.args[1].tag != tpu::ArgTag::kTensor) {
+    return Unsupported(name, "expects two tensors");
+  }
+  const tpu::TensorRef &a = decoded.args[0].tensor, &b = decoded.args[1].tensor;
+  ResultValue v;
+  v.kind = ResultValue::Kind::kBool;
+  v.b = DimsOf(a) == DimsOf(b);
+  if (v.b && Numel(a) > 0) {
+    const DType* ta = DTypeOf(a.dtype);
+    const DType* tb = DTypeOf(b.dtype);
+    if (ta == nullptr || tb == nullptr) return Unsupported(name, "a dtype that is not lowered");
+    // Compared in the wider kind: float64 if either is a float, else int64.
+    const DType& t = ta->is_float || tb->is_float ? F64() : I64();
+    const std::vector<int64_t> dims = DimsOf(a);
+    Lowering l(name, decoded, tensors);
+    absl::StatusOr<std::string> x = l.Operand(decoded.args[0], dims, t), y = l.Operand(decoded.args[1], dims, t);
+    if (!x.ok()) return x.status();
+    if (!y.ok()) return y.status();
+    const DType& i1 = *DTypeOf(11);
+    const std::string eq = l.Compare("EQ", *x, *y, dims, t);
+    const std::string all = l.ReduceOver(eq, dims, Range(dims.size()), "and", l.Constant(1, {}, i1), i1);
+    const std::string program = l.Text({all}, {TypeOf({}, i1)});
+    const int device = tpu::DeviceAddressChip(a.address);
+    if (device < 0 || device >= plugin_->num_devices()) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": a tensor on chip ", device, ", which has no device"));
+    }
+    absl::StatusOr<const Executable*> exe = Compiled(program, device);
+    if (!exe.ok()) return absl::Status(exe.status().code(), absl::StrCat(name, ": ", exe.status().message()));
+    std::vector<Buffer> inputs;
+    std::vector<PJRT_Buffer*> args;
+    for (const Transfer& t_in : l.transfers()) {
+      absl::StatusOr<Buffer> buf = plugin_->FromHost(device, t_in.data, t_in.type->pjrt, t_in.dims, t_in.byte_strides);
+      if (!buf.ok()) return absl::Status(buf.status().code(), absl::StrCat(name, ": ", buf.status().message()));
+      args.push_back(buf->get());
+      inputs.push_back(*std::move(buf));
+    }
+    absl::StatusOr<std::vector<Buffer>> out = plugin_->Execute(**exe, device, args);
+    if (!out.ok()) return absl::Status(out.status().code(), absl::StrCat(name, ": ", out.status().message()));
+    if (out->size() != 1) return absl::InternalError(absl::StrCat(name, ": the program gave ", out->size(), " results"));
+    uint8_t byte = 0;
+    if (absl::Status st = plugin_->ToHost((*out)[0], &byte, 1); !st.ok()) {
+      return absl::Status(st.code(), absl::StrCat(name, ": ", st.message()));
+    }
+    v.b = byte != 0;
+  }
+  if (results != nullptr) results->push_back(v);
+  return absl::OkStatus();
+}
+
 absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
                            const std::vector<ResolvedTensor>& tensors,
                            std::vector<ResultValue>* results, ResultAllocator*) {
   const auto& op = static_cast<const PjrtOp&>(base);
   if (op.name() == "aten::_local_scalar_dense") return ReadScalar(op.name(), decoded, tensors, results);
+  if (op.name() == "aten::equal") return Equal(op.name(), decoded, tensors, results);
   const Rule* single = nullptr;
   if (auto it = AllRules().find(op.name()); it != AllRules().end()) single = &it->second;
   auto multi = MultiRules().find(op.name());

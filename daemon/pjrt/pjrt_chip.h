@@ -58,6 +58,8 @@ class PjrtChip : public ChipBackend {
       : plugin_(std::move(plugin)), capacity_(capacity), stats_(plugin_->num_devices()) {}
   // The program, compiled (once; counted against `device`).
   absl::StatusOr<const Executable*> Compiled(const std::string& program, int device);
+  absl::Status Equal(const std::string& name, const tpu::DecodedOp& decoded,
+                     const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results);
 
   std::unique_ptr<PjrtPlugin> plugin_;
   size_t capacity_;
