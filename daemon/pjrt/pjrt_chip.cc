@@ -1106,6 +1106,208 @@ std::string Identity(Lowering& l, const std::vector<int64_t>& dims, const DType&
   return l.Select(eq, l.Constant(1, dims, t), l.Constant(0, dims, t), dims, t);
 }
 
+// v (dims `from`) broadcast to `to`, its dimension q going to map[q].
+std::string BroadcastInDim(Lowering& l, const std::string& v, const std::vector<int64_t>& from,
+                           const std::vector<int64_t>& to, const std::vector<int64_t>& map, const DType& t) {
+  if (from == to) return v;
+  return l.Emit(absl::StrCat("stablehlo.broadcast_in_dim ", v, ", dims = [", absl::StrJoin(map, ", "), "] : (",
+                             TypeOf(from, t), ") -> ", TypeOf(to, t)));
+}
+
+// The shapes of a batch of matrices (dims = batch + [m, n]) and the maps
+// that broadcast a per-matrix value, a column (length m) or a row (length
+// n) over it.
+struct MatrixShape {
+  std::vector<int64_t> dims, batch, col, row;
+  std::vector<int64_t> batch_map, col_map, row_map;
+  int64_t m = 0, n = 0;
+  explicit MatrixShape(const std::vector<int64_t>& d) : dims(d), batch(BatchOf(d)) {
+    const int64_t r = static_cast<int64_t>(d.size());
+    m = d[r - 2];
+    n = d[r - 1];
+    col = batch;
+    col.push_back(m);
+    row = batch;
+    row.push_back(n);
+    for (int64_t q = 0; q < r - 2; ++q) batch_map.push_back(q);
+    col_map = batch_map;
+    col_map.push_back(r - 2);
+    row_map = batch_map;
+    row_map.push_back(r - 1);
+  }
+  int64_t rank() const { return static_cast<int64_t>(dims.size()); }
+};
+
+// The rows `j` and `p` (i64 per matrix, dims batch) of x swapped.
+std::string SwapRows(Lowering& l, const std::string& x, const MatrixShape& s, const std::string& j,
+                     const std::string& p, const DType& t) {
+  const DType& i64 = I64();
+  const std::string ri = l.Iota(s.rank() - 2, s.dims, i64);
+  const std::string at_j = l.Compare("EQ", ri, BroadcastInDim(l, j, s.batch, s.dims, s.batch_map, i64), s.dims, i64);
+  const std::string at_p = l.Compare("EQ", ri, BroadcastInDim(l, p, s.batch, s.dims, s.batch_map, i64), s.dims, i64);
+  const std::string zero = l.Constant(0, s.dims, t);
+  const int64_t rows = s.rank() - 2;
+  const std::string row_j = l.ReduceOver(l.Select(at_j, x, zero, s.dims, t), s.dims, {rows}, "add", l.Constant(0, {}, t), t);
+  const std::string row_p = l.ReduceOver(l.Select(at_p, x, zero, s.dims, t), s.dims, {rows}, "add", l.Constant(0, {}, t), t);
+  const std::string bj = BroadcastInDim(l, row_j, s.row, s.dims, s.row_map, t);
+  const std::string bp = BroadcastInDim(l, row_p, s.row, s.dims, s.row_map, t);
+  return l.Select(at_j, bp, l.Select(at_p, bj, x, s.dims, t), s.dims, t);
+}
+
+// A counted loop: `count` iterations of `step` over (j, state...), j from 0.
+// `step` emits the next state from j (an i64 scalar) and the current state.
+std::vector<std::string> CountedLoop(Lowering& l, int64_t count, const std::vector<std::string>& init,
+                                     const std::vector<std::string>& types,
+                                     const std::function<std::vector<std::string>(const std::string& j,
+                                                                                  const std::vector<std::string>& state)>& step) {
+  const DType& i64 = I64();
+  const int id = l.NextId();
+  const std::string j = absl::StrCat("%w", id, "j");
+  std::vector<std::string> args, inits = {absl::StrCat(j, " = ", l.Constant(0, {}, i64))};
+  for (size_t q = 0; q < init.size(); ++q) {
+    args.push_back(absl::StrCat("%w", id, "s", q));
+    inits.push_back(absl::StrCat(args.back(), " = ", init[q]));
+  }
+  std::vector<std::string> all_types = {TypeOf({}, i64)};
+  all_types.insert(all_types.end(), types.begin(), types.end());
+  std::string going;
+  const std::string cond = l.Region([&] { going = l.Compare("LT", j, l.Constant(static_cast<double>(count), {}, i64), {}, i64); });
+  std::vector<std::string> next;
+  const std::string body = l.Region([&] {
+    next = step(j, args);
+    next.insert(next.begin(), l.Binary("add", j, l.Constant(1, {}, i64), {}, i64));
+  });
+  const std::string ts = absl::StrJoin(all_types, ", ");
+  const std::string loop = l.EmitResults(absl::StrCat(
+      "stablehlo.while(", absl::StrJoin(inits, ", "), ") : ", ts, "\n    cond {\n", cond, "      stablehlo.return ", going,
+      " : tensor<i1>\n    } do {\n", body, "      stablehlo.return ", absl::StrJoin(next, ", "), " : ", ts, "\n    }"),
+      static_cast<int>(all_types.size()));
+  std::vector<std::string> out;
+  for (size_t q = 0; q < init.size(); ++q) out.push_back(absl::StrCat(loop, "#", q + 1));
+  return out;
+}
+
+// LU factorization with partial pivoting, as LAPACK's getrf: for each
+// column j, the first row at or below j of the largest magnitude is swapped
+// up, the column below is scaled by the pivot's reciprocal, and the
+// trailing block updated. Returns LU, the 1-based pivots (i64, batch +
+// [min(m, n)]) and info (i64, batch: the first zero pivot's 1-based order,
+// else 0).
+struct Lu {
+  std::string lu, pivots, info;
+};
+Lu LuFactor(Lowering& l, const std::string& a, const MatrixShape& s, const DType& t) {
+  const DType& i64 = I64();
+  const DType& i1 = *DTypeOf(11);
+  const int64_t k = std::min(s.m, s.n);
+  std::vector<int64_t> pdims = s.batch;
+  pdims.push_back(k);
+  const int64_t rows = s.rank() - 2, cols = s.rank() - 1;
+  const std::vector<std::string> state = CountedLoop(
+      l, k, {a, l.Constant(0, pdims, i64), l.Constant(0, s.batch, i64)},
+      {TypeOf(s.dims, t), TypeOf(pdims, i64), TypeOf(s.batch, i64)},
+      [&](const std::string& j, const std::vector<std::string>& st) {
+        const std::string& x = st[0];
+        const std::string jd = l.BroadcastTo(j, {}, s.dims, i64), jc = l.BroadcastTo(j, {}, s.col, i64);
+        const std::string ri = l.Iota(rows, s.dims, i64), ci = l.Iota(cols, s.dims, i64);
+        const std::string is_col = l.Compare("EQ", ci, jd, s.dims, i64);
+        const std::string zero = l.Constant(0, s.dims, t), zs = l.Constant(0, {}, t);
+        // Column j, and the first row at or below j of its largest magnitude.
+        const std::string colv = l.ReduceOver(l.Select(is_col, x, zero, s.dims, t), s.dims, {cols}, "add", zs, t);
+        const std::string below = l.Compare("GE", l.Iota(rows, s.col, i64), jc, s.col, i64);
+        const std::string mag = l.Select(below, l.Unary("abs", colv, s.col, t), l.Constant(-1, s.col, t), s.col, t);
+        const std::string top = l.ReduceOver(mag, s.col, {rows}, "maximum", l.Lowest(t), t);
+        const std::string hit = l.Compare("EQ", mag, BroadcastInDim(l, top, s.batch, s.col, s.batch_map, t), s.col, t);
+        const std::string p = l.ReduceOver(l.Select(hit, l.Iota(rows, s.col, i64), l.Constant(static_cast<double>(s.m), s.col, i64), s.col, i64),
+                                           s.col, {rows}, "minimum", l.Constant(static_cast<double>(s.m), {}, i64), i64);
+        // (A column of NaN has no largest: it keeps row j.)
+        const std::string pj = l.Select(l.Compare("LT", p, l.Constant(static_cast<double>(s.m), s.batch, i64), s.batch, i64), p,
+                                        l.BroadcastTo(j, {}, s.batch, i64), s.batch, i64);
+        const std::string x1 = SwapRows(l, x, s, l.BroadcastTo(j, {}, s.batch, i64), pj, t);
+        const std::string colv1 = l.ReduceOver(l.Select(is_col, x1, zero, s.dims, t), s.dims, {cols}, "add", zs, t);
+        const std::string at_j = l.Compare("EQ", l.Iota(rows, s.col, i64), jc, s.col, i64);
+        const std::string pv = l.ReduceOver(l.Select(at_j, colv1, l.Constant(0, s.col, t), s.col, t), s.col, {rows}, "add", zs, t);
+        const std::string nonzero = l.Compare("NE", pv, l.Constant(0, s.batch, t), s.batch, t);
+        const std::string inv = l.Binary("divide", l.Constant(1, s.batch, t), pv, s.batch, t);
+        const std::string scaled = l.Binary("multiply", colv1, BroadcastInDim(l, inv, s.batch, s.col, s.batch_map, t), s.col, t);
+        const std::string lcol = l.Select(BroadcastInDim(l, nonzero, s.batch, s.col, s.batch_map, i1), scaled, colv1, s.col, t);
+        const std::string row_j = l.ReduceOver(l.Select(l.Compare("EQ", ri, jd, s.dims, i64), x1, zero, s.dims, t), s.dims, {rows},
+                                               "add", zs, t);
+        const std::string lb = BroadcastInDim(l, lcol, s.col, s.dims, s.col_map, t);
+        const std::string rb = BroadcastInDim(l, row_j, s.row, s.dims, s.row_map, t);
+        const std::string below_j = l.Compare("GT", ri, jd, s.dims, i64);
+        const std::string right_j = l.Compare("GT", ci, jd, s.dims, i64);
+        const std::string trailing = l.Binary("and", below_j, right_j, s.dims, i1);
+        std::string x2 = l.Select(trailing, l.Binary("subtract", x1, l.Binary("multiply", lb, rb, s.dims, t), s.dims, t), x1, s.dims, t);
+        x2 = l.Select(l.Binary("and", below_j, is_col, s.dims, i1), lb, x2, s.dims, t);
+        const std::string is_k = l.Compare("EQ", l.Iota(static_cast<int64_t>(pdims.size() - 1), pdims, i64),
+                                           l.BroadcastTo(j, {}, pdims, i64), pdims, i64);
+        const std::string one_based = l.Binary("add", pj, l.Constant(1, s.batch, i64), s.batch, i64);
+        const std::string piv = l.Select(is_k, BroadcastInDim(l, one_based, s.batch, pdims, s.batch_map, i64), st[1], pdims, i64);
+        const std::string first = l.Binary("and", l.Compare("EQ", st[2], l.Constant(0, s.batch, i64), s.batch, i64),
+                                           l.Unary("not", nonzero, s.batch, i1), s.batch, i1);
+        const std::string info = l.Select(first, l.Binary("add", l.BroadcastTo(j, {}, s.batch, i64), l.Constant(1, s.batch, i64), s.batch, i64),
+                                          st[2], s.batch, i64);
+        return std::vector<std::string>{x2, piv, info};
+      });
+  return {state[0], state[1], state[2]};
+}
+
+// x (dims `s`, m = the pivots' length or more) with LAPACK's row swaps
+// applied: row j with row pivots[j] - 1, for j in order (reversed: undone).
+std::string ApplySwaps(Lowering& l, const std::string& x, const MatrixShape& s, const std::string& pivots, int64_t k,
+                       bool reversed, const DType& t) {
+  const DType& i64 = I64();
+  std::vector<int64_t> pdims = s.batch;
+  pdims.push_back(k);
+  return CountedLoop(l, k, {x}, {TypeOf(s.dims, t)}, [&](const std::string& step, const std::vector<std::string>& st) {
+    const std::string j = reversed ? l.Binary("subtract", l.Constant(static_cast<double>(k - 1), {}, i64), step, {}, i64) : step;
+    const std::string is_j = l.Compare("EQ", l.Iota(static_cast<int64_t>(pdims.size() - 1), pdims, i64), l.BroadcastTo(j, {}, pdims, i64),
+                                       pdims, i64);
+    const std::string p = l.ReduceOver(l.Select(is_j, pivots, l.Constant(0, pdims, i64), pdims, i64), pdims,
+                                       {static_cast<int64_t>(pdims.size() - 1)}, "add", l.Constant(0, {}, i64), i64);
+    const std::string p0 = l.Binary("subtract", p, l.Constant(1, s.batch, i64), s.batch, i64);
+    return std::vector<std::string>{SwapRows(l, st[0], s, l.BroadcastTo(j, {}, s.batch, i64), p0, t)};
+  })[0];
+}
+
+// Solves A X = B from A's LU and pivots (B: dims `bs`, its batch A's).
+std::string LuSolve(Lowering& l, const std::string& lu, const std::vector<int64_t>& ad, const std::string& pivots,
+                    const std::string& b, const MatrixShape& bs, bool adjoint, const DType& t) {
+  const int64_t n = ad.back();
+  if (!adjoint) {
+    const std::string pb = ApplySwaps(l, b, bs, pivots, n, false, t);
+    const std::string y = TriangularSolve(l, lu, ad, pb, bs.dims, true, true, true, false, t);
+    return TriangularSolve(l, lu, ad, y, bs.dims, true, false, false, false, t);
+  }
+  // A^T X = B: U^T L^T P^T X = B.
+  const std::string y = TriangularSolve(l, lu, ad, b, bs.dims, true, false, false, true, t);
+  const std::string z = TriangularSolve(l, lu, ad, y, bs.dims, true, true, true, true, t);
+  return ApplySwaps(l, z, bs, pivots, n, true, t);
+}
+
+// +1 or -1 per matrix: the parity of the row swaps the pivots record.
+std::string SwapSign(Lowering& l, const std::string& pivots, const std::vector<int64_t>& batch, int64_t k, const DType& t) {
+  const DType& i64 = I64();
+  std::vector<int64_t> pdims = batch;
+  pdims.push_back(k);
+  const int64_t last = static_cast<int64_t>(pdims.size() - 1);
+  const std::string moved = l.Compare("NE", pivots, l.Binary("add", l.Iota(last, pdims, i64), l.Constant(1, pdims, i64), pdims, i64),
+                                      pdims, i64);
+  const std::string count = l.ReduceOver(l.Select(moved, l.Constant(1, pdims, i64), l.Constant(0, pdims, i64), pdims, i64), pdims,
+                                         {last}, "add", l.Constant(0, {}, i64), i64);
+  const std::string odd = l.Compare("EQ", l.Binary("remainder", count, l.Constant(2, batch, i64), batch, i64),
+                                    l.Constant(1, batch, i64), batch, i64);
+  return l.Select(odd, l.Constant(-1, batch, t), l.Constant(1, batch, t), batch, t);
+}
+
+// The diagonal of square matrices (dims `s`): batch + [n].
+std::string Diagonal(Lowering& l, const std::string& x, const MatrixShape& s, const DType& t) {
+  const DType& i64 = I64();
+  const std::string diag = l.Compare("EQ", l.Iota(s.rank() - 2, s.dims, i64), l.Iota(s.rank() - 1, s.dims, i64), s.dims, i64);
+  return l.ReduceOver(l.Select(diag, x, l.Constant(0, s.dims, t), s.dims, t), s.dims, {s.rank() - 2}, "add", l.Constant(0, {}, t), t);
+}
+
 const std::map<std::string, MultiRule>& MultiRules() {
   static const auto* rules = [] {
     auto* m = new std::map<std::string, MultiRule>;
@@ -1678,6 +1880,152 @@ const std::map<std::string, MultiRule>& MultiRules() {
       return std::vector<std::string>{x, l.BroadcastTo(*a, ad, o[1].dims, t)};
     };
     (*m)["aten::triangular_solve.X"] = (*m)["aten::triangular_solve"];
+    // The LU family, from LuFactor: linalg_lu_factor_ex(A, pivot,
+    // check_errors) -> (LU, pivots, info); linalg_lu(A, pivot) -> (P, L, U);
+    // lu_unpack(LU, pivots, unpack_data, unpack_pivots) -> (P, L, U);
+    // linalg_inv_ex(A, check_errors) -> (inverse, info); _linalg_solve_ex(A,
+    // B, left, check_errors) -> (result, LU, pivots, info); _linalg_det(A)
+    // -> (det, LU, pivots); _linalg_slogdet(A) -> (sign, logabsdet, LU,
+    // pivots). Without pivoting is not lowered.
+    enum class LuOp { kFactor, kLu, kUnpack, kInv, kSolve, kDet, kSlogdet };
+    for (LuOp which : {LuOp::kFactor, LuOp::kLu, LuOp::kUnpack, LuOp::kInv, LuOp::kSolve, LuOp::kDet, LuOp::kSlogdet}) {
+      MultiRule r = [which](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+          -> absl::StatusOr<std::vector<std::string>> {
+        const size_t want = which == LuOp::kFactor || which == LuOp::kLu || which == LuOp::kUnpack || which == LuOp::kDet ? 3
+                          : which == LuOp::kInv ? 2 : 4;
+        if (o.size() != want || !Defined(d, 0) || d.args[0].tensor.ndim < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
+        if ((which == LuOp::kFactor || which == LuOp::kLu) && d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kBool && !d.args[1].b) {
+          return Unsupported(l.op(), "LU without pivoting");
+        }
+        const DType& i64 = I64();
+        // The type the factorization runs in: the first float output's.
+        const DType& t = which == LuOp::kSlogdet ? *o[1].type : *o[0].type;
+        // A's dims: broadcast over the batch where an output says so.
+        const std::vector<int64_t> ad = which == LuOp::kFactor ? o[0].dims
+                                      : which == LuOp::kSolve ? o[1].dims
+                                      : which == LuOp::kDet ? o[1].dims
+                                      : which == LuOp::kSlogdet ? o[2].dims
+                                      : which == LuOp::kInv ? o[0].dims : DimsOf(d.args[0].tensor);
+        if (ad.size() < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
+        const MatrixShape as(ad);
+        const int64_t k = std::min(as.m, as.n);
+        if ((which == LuOp::kInv || which == LuOp::kSolve || which == LuOp::kDet || which == LuOp::kSlogdet) && as.m != as.n) {
+          return absl::InvalidArgumentError(absl::StrCat(l.op(), ": A must be batches of square matrices, but they are ", as.m,
+                                                         " by ", as.n, " matrices"));
+        }
+        absl::StatusOr<std::string> av = l.Operand(d.args[0], DimsOf(d.args[0].tensor), t);
+        if (!av.ok()) return av.status();
+        const std::string a = l.BroadcastTo(*av, DimsOf(d.args[0].tensor), ad, t);
+        std::vector<int64_t> pdims = as.batch;
+        pdims.push_back(k);
+        Lu f;
+        if (which == LuOp::kUnpack) {
+          f.lu = a;
+          if (!Defined(d, 1)) return Unsupported(l.op(), "expects pivots");
+          absl::StatusOr<std::string> pv = l.Operand(d.args[1], pdims, i64);
+          if (!pv.ok()) return pv.status();
+          f.pivots = *pv;
+        } else {
+          f = LuFactor(l, a, as, t);
+        }
+        auto as_type = [&](const std::string& v, const std::vector<int64_t>& dims, const DType& from, const Target& out) {
+          return l.Reshape(l.Convert(v, dims, from, *out.type), dims, out.dims, *out.type);
+        };
+        auto unpack = [&]() {
+          // P from the swaps applied to the identity (its transpose), L unit
+          // lower (m x k), U upper (k x n).
+          const MatrixShape ps(WithBatch({as.m, as.m}, as.batch));
+          const std::string swapped = ApplySwaps(l, Identity(l, ps.dims, t), ps, f.pivots, k, false, t);
+          std::vector<int64_t> perm = ps.batch_map;
+          perm.push_back(ps.rank() - 1);
+          perm.push_back(ps.rank() - 2);
+          const std::string pm = l.Emit(absl::StrCat("stablehlo.transpose ", swapped, ", dims = [", absl::StrJoin(perm, ", "), "] : (",
+                                                     TypeOf(ps.dims, t), ") -> ", TypeOf(ps.dims, t)));
+          const std::vector<int64_t> ld = WithBatch({as.m, k}, as.batch), ud = WithBatch({k, as.n}, as.batch);
+          std::vector<int64_t> zero(ad.size(), 0);
+          const std::string lpart = l.Slice(f.lu, ad, zero, ld, t);
+          std::vector<int64_t> ustart(ad.size(), 0);
+          const std::string upart = l.Slice(f.lu, ad, ustart, ud, t);
+          const MatrixShape ls(ld);
+          const std::string ri = l.Iota(ls.rank() - 2, ld, i64), ci = l.Iota(ls.rank() - 1, ld, i64);
+          std::string lower = l.Select(l.Compare("GT", ri, ci, ld, i64), lpart, l.Constant(0, ld, t), ld, t);
+          lower = l.Select(l.Compare("EQ", ri, ci, ld, i64), l.Constant(1, ld, t), lower, ld, t);
+          const std::string upper = Triangle(l, upart, ud, false, t);
+          return std::vector<std::string>{pm, lower, upper};
+        };
+        switch (which) {
+          case LuOp::kFactor:
+            return std::vector<std::string>{f.lu, as_type(f.pivots, pdims, i64, o[1]), as_type(f.info, as.batch, i64, o[2])};
+          case LuOp::kLu:
+          case LuOp::kUnpack: {
+            std::vector<std::string> v = unpack();
+            for (size_t q = 0; q < 3; ++q) {
+              if (Numel(*o[q].ref) == 0 || o[q].dims != DimsOf(*o[q].ref)) v[q] = l.Constant(0, o[q].dims, *o[q].type);
+              else v[q] = l.Convert(v[q], o[q].dims, t, *o[q].type);
+            }
+            return v;
+          }
+          case LuOp::kInv: {
+            const std::string x = LuSolve(l, f.lu, ad, f.pivots, Identity(l, ad, t), as, false, t);
+            return std::vector<std::string>{x, as_type(f.info, as.batch, i64, o[1])};
+          }
+          case LuOp::kSolve: {
+            if (d.num_args < 3 || !Defined(d, 1)) return Unsupported(l.op(), "expects A and B");
+            if (d.args[2].tag == tpu::ArgTag::kBool && !d.args[2].b) return Unsupported(l.op(), "left=False");
+            // B as a batch of matrices: a vector gets a column dimension.
+            const std::vector<int64_t>& rd = o[0].dims;
+            const bool vector = rd.size() + 1 == ad.size();
+            const std::vector<int64_t> bd = vector ? [&] { std::vector<int64_t> v = rd; v.push_back(1); return v; }() : rd;
+            const std::vector<int64_t> bin = DimsOf(d.args[1].tensor);
+            absl::StatusOr<std::string> bv = l.Operand(d.args[1], bin, t);
+            if (!bv.ok()) return bv.status();
+            std::string b = l.BroadcastTo(*bv, bin, rd, t);
+            b = l.Reshape(b, rd, bd, t);
+            const MatrixShape bs(bd);
+            if (bs.m != as.n || bs.batch != as.batch) return Unsupported(l.op(), "B of a shape not lowered");
+            const std::string x = l.Reshape(LuSolve(l, f.lu, ad, f.pivots, b, bs, false, t), bd, rd, t);
+            return std::vector<std::string>{x, f.lu, as_type(f.pivots, pdims, i64, o[2]), as_type(f.info, as.batch, i64, o[3])};
+          }
+          case LuOp::kDet:
+          case LuOp::kSlogdet: {
+            const std::string diag = Diagonal(l, f.lu, as, t);
+            std::vector<int64_t> dd = as.batch;
+            dd.push_back(as.n);
+            const int64_t last = static_cast<int64_t>(dd.size() - 1);
+            const std::string sign = SwapSign(l, f.pivots, as.batch, k, t);
+            if (which == LuOp::kDet) {
+              const std::string prod = l.ReduceOver(diag, dd, {last}, "multiply", l.Constant(1, {}, t), t);
+              return std::vector<std::string>{l.Reshape(l.Binary("multiply", sign, prod, as.batch, t), as.batch, o[0].dims, t), f.lu,
+                                              as_type(f.pivots, pdims, i64, o[2])};
+            }
+            const std::string signs = l.ReduceOver(l.Unary("sign", diag, dd, t), dd, {last}, "multiply", l.Constant(1, {}, t), t);
+            const std::string logabs = l.ReduceOver(l.Unary("log", l.Unary("abs", diag, dd, t), dd, t), dd, {last}, "add",
+                                                    l.Constant(0, {}, t), t);
+            return std::vector<std::string>{l.Reshape(l.Binary("multiply", sign, signs, as.batch, t), as.batch, o[0].dims, t),
+                                            l.Reshape(logabs, as.batch, o[1].dims, t), f.lu, as_type(f.pivots, pdims, i64, o[3])};
+          }
+        }
+        return Unsupported(l.op(), "this form");
+      };
+      const char* const* names;
+      static const char* kFactor[] = {"aten::linalg_lu_factor_ex", "aten::linalg_lu_factor_ex.out", nullptr};
+      static const char* kLu[] = {"aten::linalg_lu", "aten::linalg_lu.out", nullptr};
+      static const char* kUnpack[] = {"aten::lu_unpack", "aten::lu_unpack.out", nullptr};
+      static const char* kInv[] = {"aten::linalg_inv_ex", "aten::linalg_inv_ex.inverse", nullptr};
+      static const char* kSolve[] = {"aten::_linalg_solve_ex", "aten::_linalg_solve_ex.result", nullptr};
+      static const char* kDet[] = {"aten::_linalg_det", "aten::_linalg_det.result", nullptr};
+      static const char* kSlogdet[] = {"aten::_linalg_slogdet", "aten::_linalg_slogdet.sign", nullptr};
+      switch (which) {
+        case LuOp::kFactor: names = kFactor; break;
+        case LuOp::kLu: names = kLu; break;
+        case LuOp::kUnpack: names = kUnpack; break;
+        case LuOp::kInv: names = kInv; break;
+        case LuOp::kSolve: names = kSolve; break;
+        case LuOp::kDet: names = kDet; break;
+        default: names = kSlogdet; break;
+      }
+      for (const char* const* n = names; *n != nullptr; ++n) (*m)[*n] = r;
+    }
     return m;
   }();
   return *rules;
@@ -3561,6 +3909,28 @@ const std::map<std::string, Rule>& LinalgRules() {
       const bool upper = d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kBool && d.args[1].b;
       const std::string y = TriangularSolve(l, *a, o.dims, Identity(l, o.dims, t), o.dims, true, !upper, false, upper, t);
       return TriangularSolve(l, *a, o.dims, y, o.dims, true, !upper, false, !upper, t);
+    };
+    // linalg_lu_solve(LU, pivots, B, *, left, adjoint): the solve of A X = B
+    // (A^T X = B) from A's factorization; left=False is not lowered.
+    (*m)["aten::linalg_lu_solve"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (d.num_args < 5 || !Defined(d, 0) || !Defined(d, 1) || !Defined(d, 2) || o.dims.size() < 2) {
+        return Unsupported(l.op(), "arguments of a form not lowered");
+      }
+      if (d.args[3].tag == tpu::ArgTag::kBool && !d.args[3].b) return Unsupported(l.op(), "left=False");
+      const DType& t = *o.type;
+      const std::vector<int64_t> batch = BatchOf(o.dims);
+      const std::vector<int64_t> ad = WithBatch(DimsOf(d.args[0].tensor), batch);
+      absl::StatusOr<std::string> lu = MatrixOperand(l, d.args[0], batch, t), b = MatrixOperand(l, d.args[2], batch, t);
+      if (!lu.ok()) return lu;
+      if (!b.ok()) return b;
+      std::vector<int64_t> pdims = batch;
+      pdims.push_back(ad.back());
+      const std::vector<int64_t> pin = DimsOf(d.args[1].tensor);
+      absl::StatusOr<std::string> pv = l.Operand(d.args[1], pin, I64());
+      if (!pv.ok()) return pv;
+      const std::string piv = l.BroadcastTo(*pv, pin, pdims, I64());
+      const bool adjoint = d.args[4].tag == tpu::ArgTag::kBool && d.args[4].b;
+      return LuSolve(l, *lu, ad, piv, *b, MatrixShape(o.dims), adjoint, t);
     };
     // addbmm(self, batch1, batch2, *, beta, alpha): beta self + alpha
     // sum_b batch1[b] @ batch2[b], one dot contracting the batch and k.
