@@ -124,6 +124,8 @@ std::vector<int> WrittenArguments(absl::string_view schema) {
   return written;
 }
 
+}  // namespace
+
 // A host transfer into one program parameter.
 struct Transfer {
   const char* data = nullptr;
@@ -152,6 +154,8 @@ struct Transfer {
     return n;
   }
 };
+
+namespace {
 
 // The largest (`high`) or smallest value of an integer or bool type, as a
 // literal.
@@ -3098,11 +3102,36 @@ const std::map<std::string, Rule>& ExtraRules() {
         if (in.empty()) return Unsupported(l.op(), "a 0-d tensor");
         absl::StatusOr<std::string> self = l.Operand(d.args[0], in, t);
         if (!self.ok()) return self;
+        const bool accumulate = d.num_args > 3 && d.args[3].tag == tpu::ArgTag::kBool && d.args[3].b;
+        // One boolean mask over the leading dimensions and one value
+        // (x[mask] = v, x[mask] += v): a select, whatever the mask holds.
+        const tpu::OpArg& list = d.args[1];
+        if (list.tag == tpu::ArgTag::kOptionalTensorList && !list.tensor_present.empty() && list.tensor_present[0] &&
+            std::count(list.tensor_present.begin(), list.tensor_present.end(), true) == 1 && !list.tensors.empty() &&
+            (list.tensors[0].dtype == 11 || list.tensors[0].dtype == 0) && Numel(d.args[2].tensor) == 1) {
+          const tpu::TensorRef& mr = list.tensors[0];
+          const std::vector<int64_t> md = DimsOf(mr);
+          if (md.size() > in.size() || !std::equal(md.begin(), md.end(), in.begin())) {
+            return absl::InvalidArgumentError(absl::StrCat(l.op(), ": the mask's shape does not match self's leading dimensions"));
+          }
+          const DType& i1 = *DTypeOf(11);
+          absl::StatusOr<std::string> mv = l.OperandRef(mr, l.TensorIndex(list), md, *DTypeOf(mr.dtype));
+          if (!mv.ok()) return mv;
+          const std::string mb = l.Compare("NE", *mv, l.Constant(0, md, *DTypeOf(mr.dtype)), md, *DTypeOf(mr.dtype));
+          std::vector<int64_t> lead;
+          for (size_t q = 0; q < md.size(); ++q) lead.push_back(static_cast<int64_t>(q));
+          const std::string mask = l.Emit(absl::StrCat("stablehlo.broadcast_in_dim ", mb, ", dims = [", absl::StrJoin(lead, ", "),
+                                                       "] : (", TypeOf(md, i1), ") -> ", TypeOf(in, i1)));
+          const std::vector<int64_t> vd = DimsOf(d.args[2].tensor);
+          absl::StatusOr<std::string> value = l.Operand(d.args[2], vd, t);
+          if (!value.ok()) return value;
+          const std::string vb = l.BroadcastTo(l.Reshape(*value, vd, {}, t), {}, in, t);
+          return l.Select(mask, accumulate ? l.Binary("add", *self, vb, in, t) : vb, *self, in, t);
+        }
         absl::StatusOr<IndexPlan> p = PlanIndex(l, d.args[1], in);
         if (!p.ok()) return p.status();
         absl::StatusOr<std::string> values = l.Operand(d.args[2], p->result, t);
         if (!values.ok()) return values;
-        const bool accumulate = d.num_args > 3 && d.args[3].tag == tpu::ArgTag::kBool && d.args[3].b;
         const std::string scalar = TypeOf({}, t);
         return l.Emit(absl::StrCat(
             "\"stablehlo.scatter\"(", *self, ", ", p->indices, ", ", *values, ") ({\n",
@@ -4044,7 +4073,7 @@ absl::Status ReadScalar(const std::string& op, const tpu::DecodedOp& decoded,
 }  // namespace
 
 std::vector<std::string> LoweredOpNames() {
-  std::vector<std::string> names = {"aten::_local_scalar_dense", "aten::equal"};
+  std::vector<std::string> names = {"aten::_local_scalar_dense", "aten::equal", "aten::nonzero", "aten::masked_select"};
   for (const auto& [name, rule] : AllRules()) names.push_back(name);
   for (const auto& [name, rule] : MultiRules()) names.push_back(name);
   std::sort(names.begin(), names.end());
@@ -4096,6 +4125,245 @@ absl::StatusOr<const Executable*> PjrtChip::Compiled(const std::string& program,
   return lru_.back().second.get();
 }
 
+// Runs `program` on `device`, its parameters copied in from `transfers`,
+// and copies its results out to `dsts` (one per result: where, and how many
+// bytes).
+absl::Status PjrtChip::RunToHost(const std::string& name, const std::vector<Transfer>& transfers, const std::string& program,
+                                 int device, const std::vector<std::pair<void*, size_t>>& dsts) {
+  absl::StatusOr<const Executable*> exe = Compiled(program, device);
+  if (!exe.ok()) return absl::Status(exe.status().code(), absl::StrCat(name, ": ", exe.status().message()));
+  std::vector<Buffer> inputs;
+  std::vector<PJRT_Buffer*> args;
+  for (const Transfer& x : transfers) {
+    const void* data = x.data;
+    if (data == nullptr) data = x.type->is_float ? static_cast<const void*>(&x.scalar_d) : static_cast<const void*>(&x.scalar_i);
+    absl::StatusOr<Buffer> buf = plugin_->FromHost(device, data, x.type->pjrt, x.dims, x.byte_strides);
+    if (!buf.ok()) return absl::Status(buf.status().code(), absl::StrCat(name, ": ", buf.status().message()));
+    args.push_back(buf->get());
+    inputs.push_back(*std::move(buf));
+  }
+  absl::StatusOr<std::vector<Buffer>> out = plugin_->Execute(**exe, device, args);
+  if (!out.ok()) return absl::Status(out.status().code(), absl::StrCat(name, ": ", out.status().message()));
+  if (out->size() != dsts.size()) {
+    return absl::InternalError(absl::StrCat(name, ": the program gave ", out->size(), " results for ", dsts.size()));
+  }
+  for (size_t o = 0; o < dsts.size(); ++o) {
+    if (dsts[o].second == 0) continue;
+    if (absl::Status st = plugin_->ToHost((*out)[o], dsts[o].first, dsts[o].second); !st.ok()) {
+      return absl::Status(st.code(), absl::StrCat(name, ": ", st.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// nonzero(self) and masked_select(self, mask), whose result's length is
+// the data's: one program gives the count and, for every element, the flat
+// positions of the selected ones first (a stable sort of the positions,
+// the others keyed past the end); the first `count` rows are copied into
+// memory the result allocator charges to the session.
+absl::Status PjrtChip::Selected(const std::string& name, const tpu::DecodedOp& decoded,
+                                const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
+                                ResultAllocator* allocator) {
+  const bool select = name == "aten::masked_select";
+  const bool index = name == "aten::index.Tensor";
+  if (decoded.num_args < (select || index ? 2u : 1u) || decoded.args[0].tag != tpu::ArgTag::kTensor ||
+      (select && decoded.args[1].tag != tpu::ArgTag::kTensor)) {
+    return Unsupported(name, "expects tensors");
+  }
+  if (index) return MaskIndex(name, decoded, tensors, results, allocator);
+  if (!decoded.outputs.empty() || allocator == nullptr || results == nullptr) {
+    return Unsupported(name, "an output given in advance");
+  }
+  const tpu::TensorRef& x = decoded.args[0].tensor;
+  const DType* xt = DTypeOf(x.dtype);
+  if (xt == nullptr) return Unsupported(name, "a dtype that is not lowered");
+  // The elements: self's dims, broadcast with the mask's.
+  std::vector<int64_t> dims = DimsOf(x);
+  if (select) {
+    const std::vector<int64_t> md = DimsOf(decoded.args[1].tensor);
+    std::vector<int64_t> b(std::max(dims.size(), md.size()), 1);
+    for (size_t q = 0; q < b.size(); ++q) {
+      const int64_t u = q + dims.size() >= b.size() ? dims[q + dims.size() - b.size()] : 1;
+      const int64_t v = q + md.size() >= b.size() ? md[q + md.size() - b.size()] : 1;
+      if (u != v && u != 1 && v != 1) {
+        return absl::InvalidArgumentError(absl::StrCat(name, ": the shapes of self and mask do not broadcast"));
+      }
+      b[q] = u == 1 ? v : u;
+    }
+    dims = b;
+  }
+  int64_t total = 1;
+  for (int64_t s : dims) total *= s;
+  const DType& i64 = I64();
+  const DType& i1 = *DTypeOf(11);
+  const size_t rank = dims.size();
+  ResultValue v;
+  v.kind = ResultValue::Kind::kTensor;
+  v.tensor.dtype = select ? x.dtype : 4;
+  v.tensor.ndim = select ? 1 : 2;
+  int64_t count = 0;
+  std::vector<char> rows;
+  const size_t row_bytes = select ? xt->bytes : rank * 8;
+  if (total > 0) {
+    Lowering l(name, decoded, tensors);
+    const std::vector<int64_t> flat = {total};
+    absl::StatusOr<std::string> xv = l.Operand(decoded.args[0], dims, *xt);
+    if (!xv.ok()) return xv.status();
+    std::string mask;
+    if (select) {
+      absl::StatusOr<std::string> mv = l.Operand(decoded.args[1], dims, i1);
+      if (!mv.ok()) return mv.status();
+      mask = *mv;
+    } else {
+      mask = l.Compare("NE", *xv, l.Constant(0, dims, *xt), dims, *xt);
+    }
+    const std::string mflat = l.Reshape(mask, dims, flat, i1);
+    const std::string key = l.Select(mflat, l.Iota(0, flat, i64), l.Constant(static_cast<double>(total), flat, i64), flat, i64);
+    const std::string n = l.ReduceOver(l.Convert(mflat, flat, i1, i64), flat, {0}, "add", l.Constant(0, {}, i64), i64);
+    std::string out;
+    std::string out_type;
+    if (select) {
+      // Sort (key, value) pairs by key.
+      const std::string vs = TypeOf({}, *xt), ks = TypeOf({}, i64), b = TypeOf({}, i1);
+      const std::string sorted = l.EmitResults(absl::StrCat(
+          "\"stablehlo.sort\"(", key, ", ", l.Reshape(*xv, dims, flat, *xt), ") ({\n",
+          "    ^bb0(%ka: ", ks, ", %kb: ", ks, ", %va: ", vs, ", %vb: ", vs, "):\n",
+          "      %lt = stablehlo.compare LT, %ka, %kb, SIGNED : (", ks, ", ", ks, ") -> ", b, "\n",
+          "      stablehlo.return %lt : ", b, "\n",
+          "    }) {dimension = 0 : i64, is_stable = true} : (", TypeOf(flat, i64), ", ", TypeOf(flat, *xt), ") -> (",
+          TypeOf(flat, i64), ", ", TypeOf(flat, *xt), ")"), 2);
+      out = sorted + "#1";
+      out_type = TypeOf(flat, *xt);
+    } else {
+      const std::string keys = l.Sort(key, flat, 0, false, i64).first;
+      std::vector<std::string> parts;
+      int64_t stride = total;
+      for (size_t q = 0; q < rank; ++q) {
+        stride /= dims[q];
+        parts.push_back(l.Binary("remainder", l.Binary("divide", keys, l.Constant(static_cast<double>(stride), flat, i64), flat, i64),
+                                 l.Constant(static_cast<double>(dims[q]), flat, i64), flat, i64));
+      }
+      if (rank == 0) {
+        out = l.Constant(0, {total, 0}, i64);
+        out_type = TypeOf({total, 0}, i64);
+      } else {
+        out = StackIndices(l, parts, flat);
+        out_type = TypeOf({total, static_cast<int64_t>(rank)}, i64);
+      }
+    }
+    const std::string program = l.Text({n, out}, {TypeOf({}, i64), out_type});
+    const int device = tpu::DeviceAddressChip(x.address);
+    if (device < 0 || device >= plugin_->num_devices()) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": a tensor on chip ", device, ", which has no device"));
+    }
+    rows.resize(static_cast<size_t>(total) * row_bytes);
+    if (absl::Status st = RunToHost(name, l.transfers(), program, device, {{&count, 8}, {rows.data(), rows.size()}}); !st.ok()) {
+      return st;
+    }
+    if (count < 0 || count > total) return absl::InternalError(absl::StrCat(name, ": the program counted ", count));
+  }
+  v.tensor.sizes[0] = count;
+  if (select) {
+    v.tensor.strides[0] = 1;
+  } else {
+    v.tensor.sizes[1] = static_cast<int64_t>(rank);
+    v.tensor.strides[0] = std::max<int64_t>(static_cast<int64_t>(rank), 1);
+    v.tensor.strides[1] = 1;
+  }
+  const uint64_t bytes = static_cast<uint64_t>(count) * row_bytes;
+  if (bytes > 0) {
+    absl::StatusOr<ResultAllocator::Block> block = allocator->Allocate(bytes);
+    if (!block.ok()) return block.status();
+    std::memcpy(block->host, rows.data(), bytes);
+    v.tensor.address = block->address;
+  }
+  results->push_back(v);
+  return absl::OkStatus();
+}
+
+// index.Tensor(self, [mask]) with one boolean (or byte) mask over self's
+// leading dimensions: the rows the mask selects, in order, as the CPU
+// kernel gives them (its other forms take index tensors and are lowered
+// with the other rules).
+absl::Status PjrtChip::MaskIndex(const std::string& name, const tpu::DecodedOp& decoded,
+                                 const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
+                                 ResultAllocator* allocator) {
+  const tpu::OpArg& list = decoded.args[1];
+  if (list.tag != tpu::ArgTag::kOptionalTensorList || list.tensor_present.empty() || !list.tensor_present[0] ||
+      std::count(list.tensor_present.begin(), list.tensor_present.end(), true) != 1 || list.tensors.empty() ||
+      (list.tensors[0].dtype != 11 && list.tensors[0].dtype != 0)) {
+    return Unsupported(name, "a data-dependent result other than one leading boolean mask");
+  }
+  const tpu::TensorRef& x = decoded.args[0].tensor;
+  const tpu::TensorRef& mr = list.tensors[0];
+  const DType* xt = DTypeOf(x.dtype);
+  if (xt == nullptr) return Unsupported(name, "a dtype that is not lowered");
+  const std::vector<int64_t> xd = DimsOf(x), md = DimsOf(mr);
+  if (md.size() > xd.size() || !std::equal(md.begin(), md.end(), xd.begin())) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": the mask's shape does not match self's leading dimensions"));
+  }
+  int64_t rows_n = 1, payload = 1;
+  for (int64_t s : md) rows_n *= s;
+  for (size_t q = md.size(); q < xd.size(); ++q) payload *= xd[q];
+  const DType& i64 = I64();
+  const DType& i1 = *DTypeOf(11);
+  ResultValue v;
+  v.kind = ResultValue::Kind::kTensor;
+  v.tensor.dtype = x.dtype;
+  v.tensor.ndim = static_cast<uint8_t>(1 + xd.size() - md.size());
+  int64_t count = 0;
+  std::vector<char> rows;
+  const size_t row_bytes = static_cast<size_t>(payload) * xt->bytes;
+  if (rows_n > 0 && payload > 0) {
+    Lowering l(name, decoded, tensors);
+    const std::vector<int64_t> flat = {rows_n}, table = {rows_n, payload};
+    absl::StatusOr<std::string> xv = l.Operand(decoded.args[0], xd, *xt);
+    if (!xv.ok()) return xv.status();
+    const DType& mt = *DTypeOf(mr.dtype);
+    absl::StatusOr<std::string> mv = l.OperandRef(mr, 1, md, mt);
+    if (!mv.ok()) return mv.status();
+    const std::string mflat = l.Reshape(l.Compare("NE", *mv, l.Constant(0, md, mt), md, mt), md, flat, i1);
+    const std::string key = l.Select(mflat, l.Iota(0, flat, i64), l.Constant(static_cast<double>(rows_n), flat, i64), flat, i64);
+    const std::string n = l.ReduceOver(l.Convert(mflat, flat, i1, i64), flat, {0}, "add", l.Constant(0, {}, i64), i64);
+    const std::string keys = l.Sort(key, flat, 0, false, i64).first;
+    const std::string at = l.Reshape(l.Binary("minimum", keys, l.Constant(static_cast<double>(rows_n - 1), flat, i64), flat, i64),
+                                     flat, {rows_n, 1}, i64);
+    const std::string gathered = l.Emit(absl::StrCat(
+        "\"stablehlo.gather\"(", l.Reshape(*xv, xd, table, *xt), ", ", at,
+        ") {dimension_numbers = #stablehlo.gather<offset_dims = [1], collapsed_slice_dims = [0], start_index_map = [0], "
+        "index_vector_dim = 1>, indices_are_sorted = false, slice_sizes = array<i64: 1, ", payload, ">} : (",
+        TypeOf(table, *xt), ", ", TypeOf({rows_n, 1}, i64), ") -> ", TypeOf(table, *xt)));
+    const std::string program = l.Text({n, gathered}, {TypeOf({}, i64), TypeOf(table, *xt)});
+    const int device = tpu::DeviceAddressChip(x.address);
+    if (device < 0 || device >= plugin_->num_devices()) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": a tensor on chip ", device, ", which has no device"));
+    }
+    rows.resize(static_cast<size_t>(rows_n) * row_bytes);
+    if (absl::Status st = RunToHost(name, l.transfers(), program, device, {{&count, 8}, {rows.data(), rows.size()}}); !st.ok()) {
+      return st;
+    }
+    if (count < 0 || count > rows_n) return absl::InternalError(absl::StrCat(name, ": the program counted ", count));
+  }
+  v.tensor.sizes[0] = count;
+  int64_t stride = 1;
+  for (size_t q = xd.size(); q-- > md.size();) {
+    const size_t o = 1 + q - md.size();
+    v.tensor.sizes[o] = xd[q];
+    v.tensor.strides[o] = stride;
+    stride *= std::max<int64_t>(xd[q], 1);
+  }
+  v.tensor.strides[0] = stride;
+  const uint64_t bytes = static_cast<uint64_t>(count) * row_bytes;
+  if (bytes > 0) {
+    absl::StatusOr<ResultAllocator::Block> block = allocator->Allocate(bytes);
+    if (!block.ok()) return block.status();
+    std::memcpy(block->host, rows.data(), bytes);
+    v.tensor.address = block->address;
+  }
+  results->push_back(v);
+  return absl::OkStatus();
+}
+
 // equal(self, other) -> bool: the same sizes and every element equal (NaN
 // is not), computed on the device and read back as a host value.
 absl::Status PjrtChip::Equal(const std::string& name, const tpu::DecodedOp& decoded,
@@ -4127,23 +4395,8 @@ absl::Status PjrtChip::Equal(const std::string& name, const tpu::DecodedOp& deco
     if (device < 0 || device >= plugin_->num_devices()) {
       return absl::InvalidArgumentError(absl::StrCat(name, ": a tensor on chip ", device, ", which has no device"));
     }
-    absl::StatusOr<const Executable*> exe = Compiled(program, device);
-    if (!exe.ok()) return absl::Status(exe.status().code(), absl::StrCat(name, ": ", exe.status().message()));
-    std::vector<Buffer> inputs;
-    std::vector<PJRT_Buffer*> args;
-    for (const Transfer& t_in : l.transfers()) {
-      absl::StatusOr<Buffer> buf = plugin_->FromHost(device, t_in.data, t_in.type->pjrt, t_in.dims, t_in.byte_strides);
-      if (!buf.ok()) return absl::Status(buf.status().code(), absl::StrCat(name, ": ", buf.status().message()));
-      args.push_back(buf->get());
-      inputs.push_back(*std::move(buf));
-    }
-    absl::StatusOr<std::vector<Buffer>> out = plugin_->Execute(**exe, device, args);
-    if (!out.ok()) return absl::Status(out.status().code(), absl::StrCat(name, ": ", out.status().message()));
-    if (out->size() != 1) return absl::InternalError(absl::StrCat(name, ": the program gave ", out->size(), " results"));
     uint8_t byte = 0;
-    if (absl::Status st = plugin_->ToHost((*out)[0], &byte, 1); !st.ok()) {
-      return absl::Status(st.code(), absl::StrCat(name, ": ", st.message()));
-    }
+    if (absl::Status st = RunToHost(name, l.transfers(), program, device, {{&byte, 1}}); !st.ok()) return st;
     v.b = byte != 0;
   }
   if (results != nullptr) results->push_back(v);
@@ -4152,10 +4405,14 @@ absl::Status PjrtChip::Equal(const std::string& name, const tpu::DecodedOp& deco
 
 absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
                            const std::vector<ResolvedTensor>& tensors,
-                           std::vector<ResultValue>* results, ResultAllocator*) {
+                           std::vector<ResultValue>* results, ResultAllocator* allocator) {
   const auto& op = static_cast<const PjrtOp&>(base);
   if (op.name() == "aten::_local_scalar_dense") return ReadScalar(op.name(), decoded, tensors, results);
   if (op.name() == "aten::equal") return Equal(op.name(), decoded, tensors, results);
+  if (op.name() == "aten::nonzero" || op.name() == "aten::masked_select" ||
+      (op.name() == "aten::index.Tensor" && decoded.outputs.empty())) {
+    return Selected(op.name(), decoded, tensors, results, allocator);
+  }
   const Rule* single = nullptr;
   if (auto it = AllRules().find(op.name()); it != AllRules().end()) single = &it->second;
   auto multi = MultiRules().find(op.name());

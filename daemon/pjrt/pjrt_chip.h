@@ -33,6 +33,8 @@ namespace tpud::pjrt {
 // op may still refuse some forms of its arguments, naming them.
 std::vector<std::string> LoweredOpNames();
 
+struct Transfer;  // one parameter of a program, from the host
+
 class PjrtChip : public ChipBackend {
  public:
   // Loads the plugin (in the calling process: the one executor that drives
@@ -60,6 +62,14 @@ class PjrtChip : public ChipBackend {
   absl::StatusOr<const Executable*> Compiled(const std::string& program, int device);
   absl::Status Equal(const std::string& name, const tpu::DecodedOp& decoded,
                      const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results);
+  absl::Status Selected(const std::string& name, const tpu::DecodedOp& decoded,
+                        const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
+                        ResultAllocator* allocator);
+  absl::Status MaskIndex(const std::string& name, const tpu::DecodedOp& decoded,
+                         const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
+                         ResultAllocator* allocator);
+  absl::Status RunToHost(const std::string& name, const std::vector<Transfer>& transfers,
+                         const std::string& program, int device, const std::vector<std::pair<void*, size_t>>& dsts);
 
   std::unique_ptr<PjrtPlugin> plugin_;
   size_t capacity_;
