@@ -1048,6 +1048,9 @@ absl::StatusOr<Picked> PickTargets(Lowering& l, const tpu::DecodedOp& d, size_t 
   return p;
 }
 
+std::string Running(Lowering& l, const std::string& x, const std::vector<int64_t>& in, int64_t dim,
+                    const char* op, double init, const DType& t, const std::string& init_value = "");
+
 // ---------------------------------------------------------------- linear algebra
 // Matrices are the last two dimensions; the ones before are a batch.
 
@@ -1884,6 +1887,70 @@ const std::map<std::string, MultiRule>& MultiRules() {
       return std::vector<std::string>{x, l.BroadcastTo(*a, ad, o[1].dims, t)};
     };
     (*m)["aten::triangular_solve.X"] = (*m)["aten::triangular_solve"];
+    // frexp(self) -> (mantissa, exponent): x = mantissa * 2^exponent with
+    // |mantissa| in [0.5, 1), from the bits (subnormals scaled up first);
+    // zero, infinity and NaN keep themselves with exponent 0.
+    (*m)["aten::frexp.Tensor"] = [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+        -> absl::StatusOr<std::vector<std::string>> {
+      if (o.size() != 2 || !Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
+      const DType& t = *o[0].type;
+      if (t.c10 != 6 && t.c10 != 7) return Unsupported(l.op(), "a dtype that is not lowered");
+      const bool wide = t.c10 == 7;
+      const DType& it = wide ? I64() : *DTypeOf(3);
+      const std::vector<int64_t>& dims = o[0].dims;
+      absl::StatusOr<std::string> xs = l.Operand(d.args[0], dims, t);
+      if (!xs.ok()) return xs.status();
+      const int mant = wide ? 52 : 23, bias = wide ? 1022 : 126, scale = wide ? 54 : 25;
+      const double mask = wide ? 2047 : 255;
+      const std::string x = *xs;
+      const std::string tiny = l.Compare("LT", l.Unary("abs", x, dims, t), l.Constant(wide ? 2.2250738585072014e-308 : 1.1754943508222875e-38, dims, t), dims, t);
+      const std::string up = l.Select(tiny, l.Binary("multiply", x, l.Constant(std::ldexp(1.0, scale), dims, t), dims, t), x, dims, t);
+      const std::string bits = l.Emit(absl::StrCat("stablehlo.bitcast_convert ", up, " : (", TypeOf(dims, t), ") -> ", TypeOf(dims, it)));
+      const std::string field = l.Binary("and", l.Binary("shift_right_logical", bits, l.Constant(mant, dims, it), dims, it),
+                                         l.Constant(mask, dims, it), dims, it);
+      std::string e = l.Binary("subtract", field, l.Constant(bias, dims, it), dims, it);
+      e = l.Select(tiny, l.Binary("subtract", e, l.Constant(scale, dims, it), dims, it), e, dims, it);
+      // Clear the exponent field, then set it to the bias: [0.5, 1).
+      const std::string keep = l.Unary("not", l.Binary("shift_left", l.Constant(mask, dims, it), l.Constant(mant, dims, it), dims, it), dims, it);
+      const std::string mbits = l.Binary("or", l.Binary("and", bits, keep, dims, it),
+                                         l.Binary("shift_left", l.Constant(bias, dims, it), l.Constant(mant, dims, it), dims, it), dims, it);
+      const std::string mv = l.Emit(absl::StrCat("stablehlo.bitcast_convert ", mbits, " : (", TypeOf(dims, it), ") -> ", TypeOf(dims, t)));
+      const DType& i1 = *DTypeOf(11);
+      const std::string finite = l.Emit(absl::StrCat("stablehlo.is_finite ", x, " : (", TypeOf(dims, t), ") -> ", TypeOf(dims, i1)));
+      const std::string plain = l.Binary("and", finite, l.Compare("NE", x, l.Constant(0, dims, t), dims, t), dims, i1);
+      return std::vector<std::string>{l.Select(plain, mv, x, dims, t),
+                                      l.Convert(l.Select(plain, e, l.Constant(0, dims, it), dims, it), dims, it, *o[1].type)};
+    };
+    (*m)["aten::frexp.Tensor_out"] = (*m)["aten::frexp.Tensor"];
+    // _cummax_helper / _cummin_helper(self, values!, indices!, dim): the
+    // running largest (smallest) value, NaN sticking, and the last place it
+    // was seen: the running largest of the positions where an element equals
+    // the running value (both NaN counting as equal).
+    for (bool largest : {true, false}) {
+      (*m)[largest ? "aten::_cummax_helper" : "aten::_cummin_helper"] = [largest](Lowering& l, const tpu::DecodedOp& d,
+                                                                                   const std::vector<Target>& o)
+          -> absl::StatusOr<std::vector<std::string>> {
+        if (o.size() != 2 || !Defined(d, 0) || d.num_args < 4) return Unsupported(l.op(), "arguments of a form not lowered");
+        const DType& t = *o[0].type;
+        const DType& i64 = I64();
+        const std::vector<int64_t>& dims = o[0].dims;
+        absl::StatusOr<std::string> x = l.Operand(d.args[0], dims, t);
+        if (!x.ok()) return x.status();
+        if (dims.empty()) return std::vector<std::string>{*x, l.Constant(0, {}, *o[1].type)};
+        absl::StatusOr<int64_t> dim = CheckedDim(l.op(), d.args[3].i, dims.size());
+        if (!dim.ok()) return dim.status();
+        const std::string v = Running(l, *x, dims, *dim, largest ? "maximum" : "minimum", 0, t,
+                                      largest ? l.Lowest(t) : Highest(l, t));
+        std::string same = l.Compare("EQ", *x, v, dims, t);
+        if (t.is_float) {
+          const DType& i1 = *DTypeOf(11);
+          same = l.Binary("or", same, l.Binary("and", l.Compare("NE", *x, *x, dims, t), l.Compare("NE", v, v, dims, t), dims, i1), dims, i1);
+        }
+        const std::string at = l.Select(same, l.Iota(*dim, dims, i64), l.Constant(-1, dims, i64), dims, i64);
+        const std::string idx = Running(l, at, dims, *dim, "maximum", -1, i64);
+        return std::vector<std::string>{v, l.Convert(idx, dims, i64, *o[1].type)};
+      };
+    }
     // The LU family, from LuFactor: linalg_lu_factor_ex(A, pivot,
     // check_errors) -> (LU, pivots, info); linalg_lu(A, pivot) -> (P, L, U);
     // lu_unpack(LU, pivots, unpack_data, unpack_pivots) -> (P, L, U);
@@ -2522,9 +2589,21 @@ const std::map<std::string, Rule>& TailRules() {
 // A running reduction along `dim` (cumsum, cumprod): a reduce_window whose
 // window reaches back over the whole dimension.
 std::string Running(Lowering& l, const std::string& x, const std::vector<int64_t>& in, int64_t dim,
-                    const char* op, double init, const DType& t) {
+                    const char* op, double init, const DType& t, const std::string& init_value) {
   const std::string scalar = TypeOf({}, t);
-  const std::string init_v = l.Constant(init, {}, t);
+  const std::string init_v = init_value.empty() ? l.Constant(init, {}, t) : init_value;
+  // op "logaddexp": log(exp(acc) + exp(elt)), kept finite where it can be.
+  const std::string body = std::string(op) != "logaddexp"
+      ? absl::StrCat("      %run = stablehlo.", op, " %acc, %elt : ", scalar, "\n")
+      : absl::StrCat("      %hi = stablehlo.maximum %acc, %elt : ", scalar, "\n",
+                     "      %gap = stablehlo.subtract %acc, %elt : ", scalar, "\n",
+                     "      %ag = stablehlo.abs %gap : ", scalar, "\n",
+                     "      %ng = stablehlo.negate %ag : ", scalar, "\n",
+                     "      %ex = stablehlo.exponential %ng : ", scalar, "\n",
+                     "      %lp = stablehlo.log_plus_one %ex : ", scalar, "\n",
+                     "      %sum = stablehlo.add %hi, %lp : ", scalar, "\n",
+                     "      %ok = stablehlo.compare EQ, %gap, %gap, FLOAT : (", scalar, ", ", scalar, ") -> tensor<i1>\n",
+                     "      %run = stablehlo.select %ok, %sum, %hi : tensor<i1>, ", scalar, "\n");
   std::vector<int64_t> window(in.size(), 1);
   std::vector<std::string> pad;
   for (size_t k = 0; k < in.size(); ++k) {
@@ -2533,8 +2612,7 @@ std::string Running(Lowering& l, const std::string& x, const std::vector<int64_t
   }
   return l.Emit(absl::StrCat(
       "\"stablehlo.reduce_window\"(", x, ", ", init_v, ") ({\n",
-      "    ^bb0(%acc: ", scalar, ", %elt: ", scalar, "):\n",
-      "      %run = stablehlo.", op, " %acc, %elt : ", scalar, "\n",
+      "    ^bb0(%acc: ", scalar, ", %elt: ", scalar, "):\n", body,
       "      stablehlo.return %run : ", scalar, "\n",
       "    }) {window_dimensions = array<i64: ", absl::StrJoin(window, ", "), ">, padding = dense<[",
       absl::StrJoin(pad, ", "), "]> : tensor<", in.size(), "x2xi64>} : (", TypeOf(in, t), ", ",
@@ -3887,6 +3965,268 @@ const std::map<std::string, Rule>& PolynomialRules() {
   return *rules;
 }
 
+// Flat positions and shifts: roll, put_, masked_scatter_, nonzero_static;
+// running log-sum-exp; distances (cdist, pdist).
+const std::map<std::string, Rule>& ReshuffleRules() {
+  static const auto* rules = [] {
+    auto* m = new std::map<std::string, Rule>;
+    // roll(self, shifts, dims): each dim rotated by its shift (no dims: the
+    // flattened tensor), as two slices joined.
+    (*m)["aten::roll"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (!Defined(d, 0) || d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
+      const DType& t = *o.type;
+      absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
+      if (!x.ok()) return x;
+      const std::vector<int64_t>& shifts = d.args[1].ints;
+      std::vector<int64_t> dims = d.args[2].ints;
+      std::vector<int64_t> in = o.dims;
+      std::string v = *x;
+      const bool flat = dims.empty();
+      int64_t total = 1;
+      for (int64_t s : in) total *= s;
+      if (flat) {
+        if (shifts.size() != 1) return absl::InvalidArgumentError(absl::StrCat(l.op(), ": shifts and dims must match"));
+        v = l.Reshape(v, in, {total}, t);
+        in = {total};
+        dims = {0};
+      }
+      if (shifts.size() != dims.size()) return absl::InvalidArgumentError(absl::StrCat(l.op(), ": shifts and dims must match"));
+      for (size_t q = 0; q < dims.size(); ++q) {
+        absl::StatusOr<int64_t> dim = CheckedDim(l.op(), dims[q], in.size());
+        if (!dim.ok()) return dim.status();
+        const int64_t size = in[*dim];
+        if (size == 0) continue;
+        const int64_t sh = ((shifts[q] % size) + size) % size;
+        if (sh == 0) continue;
+        const std::string tail = l.SliceAlong(v, in, *dim, size - sh, size, t), head = l.SliceAlong(v, in, *dim, 0, size - sh, t);
+        std::vector<int64_t> td = in, hd = in;
+        td[*dim] = sh;
+        hd[*dim] = size - sh;
+        v = l.Emit(absl::StrCat("stablehlo.concatenate ", tail, ", ", head, ", dim = ", *dim, " : (", TypeOf(td, t), ", ",
+                                TypeOf(hd, t), ") -> ", TypeOf(in, t)));
+      }
+      return flat ? l.Reshape(v, in, o.dims, t) : v;
+    };
+    // _logcumsumexp(self, dim): a running log-sum-exp.
+    (*m)["aten::_logcumsumexp"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (!Defined(d, 0) || d.num_args < 2) return Unsupported(l.op(), "arguments of a form not lowered");
+      absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
+      if (!x.ok() || o.dims.empty()) return x;
+      absl::StatusOr<int64_t> dim = CheckedDim(l.op(), d.args[1].i, o.dims.size());
+      if (!dim.ok()) return dim.status();
+      return Running(l, *x, o.dims, *dim, "logaddexp", 0, *o.type, l.Lowest(*o.type));
+    };
+    // put_(self, index, source, accumulate): self flattened, source written
+    // (or added) at the flat positions index gives (negative from the end).
+    (*m)["aten::put_"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (d.num_args < 4 || !Defined(d, 0) || !Defined(d, 1) || !Defined(d, 2)) return Unsupported(l.op(), "arguments of a form not lowered");
+      const DType& t = *o.type;
+      const DType& i64 = I64();
+      int64_t total = 1;
+      for (int64_t s : o.dims) total *= s;
+      const int64_t n = Numel(d.args[1].tensor);
+      absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
+      if (!x.ok() || n == 0) return x;
+      if (Numel(d.args[2].tensor) != n) return absl::InvalidArgumentError(absl::StrCat(l.op(), ": source and index need as many elements"));
+      absl::StatusOr<std::string> ix = l.Operand(d.args[1], DimsOf(d.args[1].tensor), i64),
+                                  src = l.Operand(d.args[2], DimsOf(d.args[2].tensor), t);
+      if (!ix.ok()) return ix;
+      if (!src.ok()) return src;
+      std::string idx = l.Reshape(*ix, DimsOf(d.args[1].tensor), {n}, i64);
+      idx = l.Select(l.Compare("LT", idx, l.Constant(0, {n}, i64), {n}, i64),
+                     l.Binary("add", idx, l.Constant(static_cast<double>(total), {n}, i64), {n}, i64), idx, {n}, i64);
+      const bool accumulate = d.args[3].tag == tpu::ArgTag::kBool && d.args[3].b;
+      const std::string scalar = TypeOf({}, t);
+      const std::string r = l.Emit(absl::StrCat(
+          "\"stablehlo.scatter\"(", l.Reshape(*x, o.dims, {total}, t), ", ", l.Reshape(idx, {n}, {n, 1}, i64), ", ",
+          l.Reshape(*src, DimsOf(d.args[2].tensor), {n}, t), ") ({\n",
+          "    ^bb0(%old: ", scalar, ", %new: ", scalar, "):\n",
+          accumulate ? absl::StrCat("      %sum = stablehlo.add %old, %new : ", scalar, "\n      stablehlo.return %sum : ", scalar, "\n")
+                     : absl::StrCat("      stablehlo.return %new : ", scalar, "\n"),
+          "    }) {indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<inserted_window_dims = [0], ",
+          "scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, unique_indices = false} : (", TypeOf({total}, t), ", ",
+          TypeOf({n, 1}, i64), ", ", TypeOf({n}, t), ") -> ", TypeOf({total}, t)));
+      return l.Reshape(r, {total}, o.dims, t);
+    };
+    // masked_scatter_(self, mask, source): the k-th selected element of self
+    // (in order) becomes source's k-th.
+    (*m)["aten::masked_scatter_"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (d.num_args < 3 || !Defined(d, 0) || !Defined(d, 1) || !Defined(d, 2)) return Unsupported(l.op(), "arguments of a form not lowered");
+      const DType& t = *o.type;
+      const DType& i64 = I64();
+      const DType& i1 = *DTypeOf(11);
+      int64_t total = 1;
+      for (int64_t s : o.dims) total *= s;
+      const int64_t ns = Numel(d.args[2].tensor);
+      absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t), mk = l.Operand(d.args[1], o.dims, i1);
+      if (!x.ok()) return x;
+      if (!mk.ok()) return mk;
+      if (total == 0 || ns == 0) return *x;
+      absl::StatusOr<std::string> src = l.Operand(d.args[2], DimsOf(d.args[2].tensor), t);
+      if (!src.ok()) return src;
+      const std::vector<int64_t> flat = {total};
+      const std::string mf = l.Reshape(*mk, o.dims, flat, i1);
+      const std::string pos = l.Binary("subtract", Running(l, l.Convert(mf, flat, i1, i64), flat, 0, "add", 0, i64),
+                                       l.Constant(1, flat, i64), flat, i64);
+      const std::string at = l.Reshape(l.Binary("minimum", l.Binary("maximum", pos, l.Constant(0, flat, i64), flat, i64),
+                                                l.Constant(static_cast<double>(ns - 1), flat, i64), flat, i64),
+                                       flat, {total, 1}, i64);
+      const std::string got = l.Emit(absl::StrCat(
+          "\"stablehlo.gather\"(", l.Reshape(*src, DimsOf(d.args[2].tensor), {ns}, t), ", ", at,
+          ") {dimension_numbers = #stablehlo.gather<collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 1>, "
+          "indices_are_sorted = false, slice_sizes = array<i64: 1>} : (", TypeOf({ns}, t), ", ", TypeOf({total, 1}, i64),
+          ") -> ", TypeOf(flat, t)));
+      return l.Select(*mk, l.Reshape(got, flat, o.dims, t), *x, o.dims, t);
+    };
+    // nonzero_static(self, *, size, fill_value): the first `size` positions
+    // of nonzero elements, in order, the rest fill_value.
+    (*m)["aten::nonzero_static"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (d.num_args < 3 || !Defined(d, 0) || o.dims.size() != 2) return Unsupported(l.op(), "arguments of a form not lowered");
+      const DType& i64 = I64();
+      const DType& i1 = *DTypeOf(11);
+      const DType* xt = DTypeOf(d.args[0].tensor.dtype);
+      if (xt == nullptr) return Unsupported(l.op(), "a dtype that is not lowered");
+      const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+      const int64_t size = o.dims[0];
+      int64_t total = 1;
+      for (int64_t s : in) total *= s;
+      const double fill = NumberOf(d.args[2]);
+      if (size == 0 || o.dims[1] == 0) return l.Constant(fill, o.dims, i64);
+      absl::StatusOr<std::string> x = l.Operand(d.args[0], in, *xt);
+      if (!x.ok()) return x;
+      const int64_t len = std::max(total, size);
+      const std::vector<int64_t> flat = {total};
+      const std::string mf = l.Reshape(l.Compare("NE", *x, l.Constant(0, in, *xt), in, *xt), in, flat, i1);
+      std::string key = l.Select(mf, l.Iota(0, flat, i64), l.Constant(static_cast<double>(total), flat, i64), flat, i64);
+      if (len > total) {
+        key = l.Emit(absl::StrCat("stablehlo.pad ", key, ", ", l.Constant(static_cast<double>(total), {}, i64), ", low = [0], high = [",
+                                  len - total, "], interior = [0] : (", TypeOf(flat, i64), ", ", TypeOf({}, i64), ") -> ",
+                                  TypeOf({len}, i64)));
+      }
+      const std::string keys = l.SliceAlong(l.Sort(key, {len}, 0, false, i64).first, {len}, 0, 0, size, i64);
+      const std::vector<int64_t> sv = {size};
+      const std::string missing = l.Compare("GE", keys, l.Constant(static_cast<double>(total), sv, i64), sv, i64);
+      std::vector<std::string> parts;
+      int64_t stride = total;
+      for (int64_t dsz : in) {
+        stride /= dsz;
+        const std::string c = l.Binary("remainder", l.Binary("divide", keys, l.Constant(static_cast<double>(stride), sv, i64), sv, i64),
+                                       l.Constant(static_cast<double>(dsz), sv, i64), sv, i64);
+        parts.push_back(l.Select(missing, l.Constant(fill, sv, i64), c, sv, i64));
+      }
+      return l.Convert(StackIndices(l, parts, sv), o.dims, i64, *o.type);
+    };
+    // _cdist_forward(x1, x2, p, compute_mode): p-norm distances between the
+    // rows of x1 (.., P, M) and x2 (.., R, M); Euclidean distances of many
+    // rows go by matrix products, as ATen's do (compute_mode 0 past 25 rows,
+    // 1 always, 2 never).
+    (*m)["aten::_cdist_forward"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (d.num_args < 3 || !Defined(d, 0) || !Defined(d, 1) || o.dims.size() < 2) return Unsupported(l.op(), "arguments of a form not lowered");
+      const DType& t = *o.type;
+      const std::vector<int64_t> batch = BatchOf(o.dims);
+      const std::vector<int64_t> d1 = DimsOf(d.args[0].tensor), d2 = DimsOf(d.args[1].tensor);
+      const int64_t pr = o.dims[o.dims.size() - 2], rr = o.dims.back(), mm = d1.back();
+      absl::StatusOr<std::string> a = MatrixOperand(l, d.args[0], batch, t), b = MatrixOperand(l, d.args[1], batch, t);
+      if (!a.ok()) return a;
+      if (!b.ok()) return b;
+      const double p = NumberOf(d.args[2]);
+      const int64_t mode = d.num_args > 3 && (d.args[3].tag == tpu::ArgTag::kInt || d.args[3].tag == tpu::ArgTag::kSymInt) ? d.args[3].i : 0;
+      const size_t nb = batch.size();
+      std::vector<int64_t> ad = batch, bd = batch;
+      ad.insert(ad.end(), {pr, mm});
+      bd.insert(bd.end(), {rr, mm});
+      std::vector<int64_t> bmap;
+      for (size_t q = 0; q < nb; ++q) bmap.push_back(static_cast<int64_t>(q));
+      if (p == 2 && (mode == 1 || (mode == 0 && (pr > 25 || rr > 25)))) {
+        // |a|^2 + |b|^2 - 2 a.b, at least 0, square-rooted.
+        const std::string an = l.ReduceOver(l.Binary("multiply", *a, *a, ad, t), ad, {static_cast<int64_t>(nb + 1)}, "add", l.Constant(0, {}, t), t);
+        const std::string bn = l.ReduceOver(l.Binary("multiply", *b, *b, bd, t), bd, {static_cast<int64_t>(nb + 1)}, "add", l.Constant(0, {}, t), t);
+        std::vector<int64_t> am = bmap, bm = bmap;
+        am.push_back(static_cast<int64_t>(nb));
+        bm.push_back(static_cast<int64_t>(nb + 1));
+        std::vector<int64_t> an_d = batch, bn_d = batch;
+        an_d.push_back(pr);
+        bn_d.push_back(rr);
+        const std::string dot = l.Emit(absl::StrCat(
+            "stablehlo.dot_general ", *a, ", ", *b, ", batching_dims = [", absl::StrJoin(bmap, ", "), "] x [", absl::StrJoin(bmap, ", "),
+            "], contracting_dims = [", nb + 1, "] x [", nb + 1, "] : (", TypeOf(ad, t), ", ", TypeOf(bd, t), ") -> ", TypeOf(o.dims, t)));
+        std::string sq = l.Binary("add", BroadcastInDim(l, an, an_d, o.dims, am, t), BroadcastInDim(l, bn, bn_d, o.dims, bm, t), o.dims, t);
+        sq = l.Binary("subtract", sq, l.Binary("multiply", l.Constant(2, o.dims, t), dot, o.dims, t), o.dims, t);
+        sq = l.Binary("maximum", sq, l.Constant(0, o.dims, t), o.dims, t);
+        return l.Unary("sqrt", sq, o.dims, t);
+      }
+      // |a_i - b_j| over (.., P, R, M).
+      std::vector<int64_t> full = o.dims;
+      full.push_back(mm);
+      std::vector<int64_t> amap = bmap, bmap2 = bmap;
+      amap.insert(amap.end(), {static_cast<int64_t>(nb), static_cast<int64_t>(nb + 2)});
+      bmap2.insert(bmap2.end(), {static_cast<int64_t>(nb + 1), static_cast<int64_t>(nb + 2)});
+      const std::string diff = l.Unary("abs", l.Binary("subtract", BroadcastInDim(l, *a, ad, full, amap, t),
+                                                       BroadcastInDim(l, *b, bd, full, bmap2, t), full, t), full, t);
+      const std::vector<int64_t> last = {static_cast<int64_t>(nb + 2)};
+      const std::string zero = l.Constant(0, {}, t);
+      if (p == 0) {
+        const std::string nz = l.Select(l.Compare("NE", diff, l.Constant(0, full, t), full, t), l.Constant(1, full, t),
+                                        l.Constant(0, full, t), full, t);
+        return l.ReduceOver(nz, full, last, "add", zero, t);
+      }
+      if (std::isinf(p)) return l.ReduceOver(diff, full, last, "maximum", zero, t);
+      if (p == 1) return l.ReduceOver(diff, full, last, "add", zero, t);
+      if (p == 2) return l.Unary("sqrt", l.ReduceOver(l.Binary("multiply", diff, diff, full, t), full, last, "add", zero, t), o.dims, t);
+      const std::string s = l.ReduceOver(l.Binary("power", diff, l.Constant(p, full, t), full, t), full, last, "add", zero, t);
+      return l.Binary("power", s, l.Constant(1.0 / p, o.dims, t), o.dims, t);
+    };
+    // _pdist_forward(self, p): the distances of the pairs of rows i < j, in
+    // order: the upper triangle of cdist(self, self), gathered.
+    (*m)["aten::_pdist_forward"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (d.num_args < 2 || !Defined(d, 0) || d.args[0].tensor.ndim != 2 || o.dims.size() != 1) {
+        return Unsupported(l.op(), "expects a matrix");
+      }
+      const DType& t = *o.type;
+      const DType& i64 = I64();
+      const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+      const int64_t n = in[0], mm = in[1], pairs = o.dims[0];
+      if (pairs != n * (n - 1) / 2) return absl::InvalidArgumentError(absl::StrCat(l.op(), ": the output does not hold every pair"));
+      if (pairs == 0) return l.Constant(0, o.dims, t);
+      if (pairs > (int64_t{1} << 16)) return Unsupported(l.op(), "more than 65536 pairs");
+      absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t);
+      if (!x.ok()) return x;
+      const double p = NumberOf(d.args[1]);
+      const std::vector<int64_t> full = {n, n, mm};
+      const std::string diff = l.Unary("abs", l.Binary("subtract", BroadcastInDim(l, *x, in, full, {0, 2}, t),
+                                                       BroadcastInDim(l, *x, in, full, {1, 2}, t), full, t), full, t);
+      const std::vector<int64_t> last = {2}, nn = {n, n};
+      const std::string zero = l.Constant(0, {}, t);
+      std::string dist;
+      if (p == 0) {
+        dist = l.ReduceOver(l.Select(l.Compare("NE", diff, l.Constant(0, full, t), full, t), l.Constant(1, full, t), l.Constant(0, full, t), full, t),
+                            full, last, "add", zero, t);
+      } else if (std::isinf(p)) {
+        dist = l.ReduceOver(diff, full, last, "maximum", zero, t);
+      } else if (p == 1) {
+        dist = l.ReduceOver(diff, full, last, "add", zero, t);
+      } else if (p == 2) {
+        dist = l.Unary("sqrt", l.ReduceOver(l.Binary("multiply", diff, diff, full, t), full, last, "add", zero, t), nn, t);
+      } else {
+        dist = l.Binary("power", l.ReduceOver(l.Binary("power", diff, l.Constant(p, full, t), full, t), full, last, "add", zero, t),
+                        l.Constant(1.0 / p, nn, t), nn, t);
+      }
+      std::vector<std::string> at;
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t j = i + 1; j < n; ++j) at.push_back(absl::StrCat(i * n + j));
+      }
+      const std::string index = l.Emit(absl::StrCat("stablehlo.constant dense<[", absl::StrJoin(at, ", "), "]> : ", TypeOf({pairs}, i64)));
+      return l.Emit(absl::StrCat(
+          "\"stablehlo.gather\"(", l.Reshape(dist, nn, {n * n}, t), ", ", l.Reshape(index, {pairs}, {pairs, 1}, i64),
+          ") {dimension_numbers = #stablehlo.gather<collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 1>, "
+          "indices_are_sorted = true, slice_sizes = array<i64: 1>} : (", TypeOf({n * n}, t), ", ", TypeOf({pairs, 1}, i64),
+          ") -> ", TypeOf({pairs}, t)));
+    };
+    return m;
+  }();
+  return *rules;
+}
+
 // Factorizations and solves XLA has ops for: Cholesky and triangular
 // solves (and what is built from them).
 const std::map<std::string, Rule>& LinalgRules() {
@@ -4008,7 +4348,7 @@ const std::map<std::string, Rule>& AllRules() {
   static const auto* all = [] {
     auto* m = new std::map<std::string, Rule>;
     for (const std::map<std::string, Rule>* rules : {&Rules(), &MoreRules(), &TailRules(), &ExtraRules(), &SpecialRules(), &FftRules(),
-                                                         &LinalgRules(), &PolynomialRules()}) {
+                                                         &LinalgRules(), &PolynomialRules(), &ReshuffleRules()}) {
       for (const auto& [name, rule] : *rules) (*m)[name] = rule;
     }
     std::vector<std::pair<std::string, Rule>> derived;
