@@ -1293,6 +1293,110 @@ std::string LuSolve(Lowering& l, const std::string& lu, const std::vector<int64_
   return ApplySwaps(l, z, bs, pivots, n, true, t);
 }
 
+// The Householder vector of column j of a (LAPACK's storage: 1 at row j,
+// a's column below it), for rows at or below j, zero above.
+std::string ReflectorOf(Lowering& l, const std::string& a, const MatrixShape& s, const std::string& j, const DType& t) {
+  const DType& i64 = I64();
+  const int64_t rows = s.rank() - 2, cols = s.rank() - 1;
+  const std::string jd = l.BroadcastTo(j, {}, s.dims, i64);
+  const std::string colv = l.ReduceOver(l.Select(l.Compare("EQ", l.Iota(cols, s.dims, i64), jd, s.dims, i64), a,
+                                                 l.Constant(0, s.dims, t), s.dims, t),
+                                        s.dims, {cols}, "add", l.Constant(0, {}, t), t);
+  const std::string ri = l.Iota(rows, s.col, i64), jc = l.BroadcastTo(j, {}, s.col, i64);
+  return l.Select(l.Compare("GT", ri, jc, s.col, i64), colv,
+                  l.Select(l.Compare("EQ", ri, jc, s.col, i64), l.Constant(1, s.col, t), l.Constant(0, s.col, t), s.col, t), s.col, t);
+}
+
+// (I - tau v v^T) c: v a column (dims cs.col), tau one per matrix.
+std::string Reflect(Lowering& l, const std::string& c, const MatrixShape& cs, const std::string& v, const std::string& tau,
+                    const DType& t) {
+  const int64_t rows = cs.rank() - 2;
+  const std::string vb = BroadcastInDim(l, v, cs.col, cs.dims, cs.col_map, t);
+  const std::string w = l.ReduceOver(l.Binary("multiply", vb, c, cs.dims, t), cs.dims, {rows}, "add", l.Constant(0, {}, t), t);
+  const std::string tw = l.Binary("multiply", BroadcastInDim(l, tau, cs.batch, cs.row, cs.batch_map, t), w, cs.row, t);
+  return l.Binary("subtract", c, l.Binary("multiply", vb, BroadcastInDim(l, tw, cs.row, cs.dims, cs.row_map, t), cs.dims, t),
+                  cs.dims, t);
+}
+
+// Element j of per-matrix vectors (dims batch + [k]).
+std::string ElementAt(Lowering& l, const std::string& v, const std::vector<int64_t>& vd, const std::string& j, const DType& t) {
+  const DType& i64 = I64();
+  const int64_t last = static_cast<int64_t>(vd.size() - 1);
+  return l.ReduceOver(l.Select(l.Compare("EQ", l.Iota(last, vd, i64), l.BroadcastTo(j, {}, vd, i64), vd, i64), v,
+                               l.Constant(0, vd, t), vd, t),
+                      vd, {last}, "add", l.Constant(0, {}, t), t);
+}
+
+// QR by Householder reflections, as LAPACK's geqrf stores it: R on and
+// above the diagonal, each reflector's vector below it, and tau.
+struct Qr {
+  std::string a, tau;
+};
+Qr Geqrf(Lowering& l, const std::string& a, const MatrixShape& s, const DType& t) {
+  const DType& i64 = I64();
+  const DType& i1 = *DTypeOf(11);
+  const int64_t k = std::min(s.m, s.n);
+  std::vector<int64_t> td = s.batch;
+  td.push_back(k);
+  const int64_t rows = s.rank() - 2, cols = s.rank() - 1;
+  const std::vector<std::string> st = CountedLoop(
+      l, k, {a, l.Constant(0, td, t)}, {TypeOf(s.dims, t), TypeOf(td, t)},
+      [&](const std::string& j, const std::vector<std::string>& state) {
+        const std::string& x = state[0];
+        const std::string jd = l.BroadcastTo(j, {}, s.dims, i64), jc = l.BroadcastTo(j, {}, s.col, i64);
+        const std::string ri = l.Iota(rows, s.col, i64);
+        const std::string colv = l.ReduceOver(l.Select(l.Compare("EQ", l.Iota(cols, s.dims, i64), jd, s.dims, i64), x,
+                                                       l.Constant(0, s.dims, t), s.dims, t),
+                                              s.dims, {cols}, "add", l.Constant(0, {}, t), t);
+        const std::string zc = l.Constant(0, s.col, t), zs = l.Constant(0, {}, t);
+        const std::string alpha = l.ReduceOver(l.Select(l.Compare("EQ", ri, jc, s.col, i64), colv, zc, s.col, t), s.col, {rows}, "add", zs, t);
+        const std::string tail = l.Select(l.Compare("GT", ri, jc, s.col, i64), colv, zc, s.col, t);
+        const std::string xnorm = l.Unary("sqrt", l.ReduceOver(l.Binary("multiply", tail, tail, s.col, t), s.col, {rows}, "add", zs, t), s.batch, t);
+        const std::string norm = l.Unary("sqrt", l.Binary("add", l.Binary("multiply", alpha, alpha, s.batch, t),
+                                                          l.Binary("multiply", xnorm, xnorm, s.batch, t), s.batch, t), s.batch, t);
+        // beta = -sign(alpha) * |(alpha, xnorm)|
+        const std::string neg = l.Compare("LT", alpha, l.Constant(0, s.batch, t), s.batch, t);
+        const std::string beta = l.Select(neg, norm, l.Unary("negate", norm, s.batch, t), s.batch, t);
+        const std::string plain = l.Compare("EQ", xnorm, l.Constant(0, s.batch, t), s.batch, t);
+        const std::string tau = l.Select(plain, l.Constant(0, s.batch, t),
+                                         l.Binary("divide", l.Binary("subtract", beta, alpha, s.batch, t), beta, s.batch, t), s.batch, t);
+        const std::string inv = l.Binary("divide", l.Constant(1, s.batch, t), l.Binary("subtract", alpha, beta, s.batch, t), s.batch, t);
+        const std::string scaled = l.Binary("multiply", tail, BroadcastInDim(l, inv, s.batch, s.col, s.batch_map, t), s.col, t);
+        const std::string vtail = l.Select(BroadcastInDim(l, plain, s.batch, s.col, s.batch_map, i1), tail, scaled, s.col, t);
+        const std::string v = l.Select(l.Compare("EQ", ri, jc, s.col, i64), l.Constant(1, s.col, t), vtail, s.col, t);
+        // The trailing columns reflected; column j becomes beta over v.
+        const std::string reflected = Reflect(l, x, s, v, tau, t);
+        const std::string cj = l.Iota(cols, s.dims, i64), rj = l.Iota(rows, s.dims, i64);
+        std::string x2 = l.Select(l.Compare("GT", cj, jd, s.dims, i64), reflected, x, s.dims, t);
+        const std::string newcol = l.Select(l.Compare("EQ", ri, jc, s.col, i64),
+                                            l.Select(BroadcastInDim(l, plain, s.batch, s.col, s.batch_map, i1),
+                                                     BroadcastInDim(l, alpha, s.batch, s.col, s.batch_map, t),
+                                                     BroadcastInDim(l, beta, s.batch, s.col, s.batch_map, t), s.col, t),
+                                            vtail, s.col, t);
+        const std::string at_col = l.Binary("and", l.Compare("EQ", cj, jd, s.dims, i64), l.Compare("GE", rj, jd, s.dims, i64), s.dims, i1);
+        x2 = l.Select(at_col, BroadcastInDim(l, newcol, s.col, s.dims, s.col_map, t), x2, s.dims, t);
+        const std::string taus = l.Select(l.Compare("EQ", l.Iota(static_cast<int64_t>(td.size() - 1), td, i64), l.BroadcastTo(j, {}, td, i64), td, i64),
+                                          BroadcastInDim(l, tau, s.batch, td, s.batch_map, t), state[1], td, t);
+        return std::vector<std::string>{x2, taus};
+      });
+  return {st[0], st[1]};
+}
+
+// H_0 ... H_{k-1} c (reversed = false applies H_{k-1} first), or
+// H_{k-1} ... H_0 c (transposed): the reflectors of `a` (dims `as`) and
+// tau (batch + [k]).
+std::string ApplyQ(Lowering& l, const std::string& a, const MatrixShape& as, const std::string& tau, int64_t k,
+                   const std::string& c, const MatrixShape& cs, bool transposed, const DType& t) {
+  const DType& i64 = I64();
+  std::vector<int64_t> td = as.batch;
+  td.push_back(k);
+  return CountedLoop(l, k, {c}, {TypeOf(cs.dims, t)}, [&](const std::string& step, const std::vector<std::string>& st) {
+    const std::string j = transposed ? step : l.Binary("subtract", l.Constant(static_cast<double>(k - 1), {}, i64), step, {}, i64);
+    const std::string v = ReflectorOf(l, a, as, j, t);
+    return std::vector<std::string>{Reflect(l, st[0], cs, v, ElementAt(l, tau, td, j, t), t)};
+  })[0];
+}
+
 // +1 or -1 per matrix: the parity of the row swaps the pivots record.
 std::string SwapSign(Lowering& l, const std::string& pivots, const std::vector<int64_t>& batch, int64_t k, const DType& t) {
   const DType& i64 = I64();
@@ -1887,6 +1991,48 @@ const std::map<std::string, MultiRule>& MultiRules() {
       return std::vector<std::string>{x, l.BroadcastTo(*a, ad, o[1].dims, t)};
     };
     (*m)["aten::triangular_solve.X"] = (*m)["aten::triangular_solve"];
+    // geqrf(self) -> (a, tau); linalg_qr(A, mode) -> (Q, R), mode reduced,
+    // complete or r (Q empty): Householder QR as LAPACK's, Q formed by
+    // applying the reflectors to the identity.
+    (*m)["aten::geqrf"] = [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+        -> absl::StatusOr<std::vector<std::string>> {
+      if (o.size() != 2 || !Defined(d, 0) || o[0].dims.size() < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
+      const DType& t = *o[0].type;
+      absl::StatusOr<std::string> a = l.Operand(d.args[0], o[0].dims, t);
+      if (!a.ok()) return a.status();
+      const Qr f = Geqrf(l, *a, MatrixShape(o[0].dims), t);
+      return std::vector<std::string>{f.a, f.tau};
+    };
+    (*m)["aten::geqrf.a"] = (*m)["aten::geqrf"];
+    (*m)["aten::linalg_qr"] = [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+        -> absl::StatusOr<std::vector<std::string>> {
+      if (o.size() != 2 || !Defined(d, 0) || d.args[0].tensor.ndim < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
+      const std::string mode = d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kString ? d.args[1].s : "reduced";
+      if (mode != "reduced" && mode != "complete" && mode != "r") {
+        return absl::InvalidArgumentError(absl::StrCat(l.op(), ": mode \"", mode, "\" is not reduced, complete or r"));
+      }
+      const DType& t = *o[1].type;
+      const std::vector<int64_t> ad = DimsOf(d.args[0].tensor);
+      const MatrixShape as(ad);
+      const int64_t k = std::min(as.m, as.n);
+      absl::StatusOr<std::string> a = l.Operand(d.args[0], ad, t);
+      if (!a.ok()) return a.status();
+      const Qr f = Geqrf(l, *a, as, t);
+      const int64_t rq = mode == "complete" ? as.m : k;
+      const std::vector<int64_t> rd = WithBatch({rq, as.n}, as.batch);
+      std::vector<int64_t> zero(ad.size(), 0);
+      std::string r = f.a;
+      if (rq < as.m) r = l.Slice(f.a, ad, zero, rd, t);
+      r = Triangle(l, r, rd, false, t);
+      std::string q = l.Constant(0, o[0].dims, *o[0].type);
+      if (mode != "r") {
+        const MatrixShape qs(WithBatch({as.m, rq}, as.batch));
+        const std::string eye = Identity(l, qs.dims, t);
+        q = ApplyQ(l, f.a, as, f.tau, k, eye, qs, false, t);
+      }
+      return std::vector<std::string>{q, r};
+    };
+    (*m)["aten::linalg_qr.out"] = (*m)["aten::linalg_qr"];
     // frexp(self) -> (mantissa, exponent): x = mantissa * 2^exponent with
     // |mantissa| in [0.5, 1), from the bits (subnormals scaled up first);
     // zero, infinity and NaN keep themselves with exponent 0.
@@ -1922,6 +2068,59 @@ const std::map<std::string, MultiRule>& MultiRules() {
                                       l.Convert(l.Select(plain, e, l.Constant(0, dims, it), dims, it), dims, it, *o[1].type)};
     };
     (*m)["aten::frexp.Tensor_out"] = (*m)["aten::frexp.Tensor"];
+    // adaptive_max_pool2d(self, output_size) -> (out, indices): the largest
+    // of each adaptive window (as _adaptive_avg_pool2d's) and its flat
+    // position h * W + w, the first one (the last NaN, where there is one).
+    (*m)["aten::adaptive_max_pool2d"] = [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+        -> absl::StatusOr<std::vector<std::string>> {
+      if (o.size() != 2 || !Defined(d, 0) || o[0].dims.size() < 3) return Unsupported(l.op(), "arguments of a form not lowered");
+      const DType& t = *o[0].type;
+      const DType& i64 = I64();
+      const DType& i1 = *DTypeOf(11);
+      const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+      const std::vector<int64_t>& od = o[0].dims;
+      if (in.size() != od.size()) return Unsupported(l.op(), "an output of another rank");
+      const size_t lead = in.size() - 2;
+      const int64_t h = in[lead], w = in[lead + 1], oh = od[lead], ow = od[lead + 1];
+      if (h == 0 || w == 0) return Unsupported(l.op(), "an empty input");
+      absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t);
+      if (!x.ok()) return x.status();
+      // full: lead + [oh, ow, h, w]
+      std::vector<int64_t> full(in.begin(), in.begin() + lead), xmap;
+      full.insert(full.end(), {oh, ow, h, w});
+      for (size_t r = 0; r < lead; ++r) xmap.push_back(static_cast<int64_t>(r));
+      xmap.push_back(static_cast<int64_t>(lead + 2));
+      xmap.push_back(static_cast<int64_t>(lead + 3));
+      const int64_t a = static_cast<int64_t>(lead);
+      auto window = [&](int64_t out_axis, int64_t in_axis, int64_t n, int64_t out) {
+        const std::string oi = l.Iota(out_axis, full, i64), ii = l.Iota(in_axis, full, i64);
+        const std::string start = l.Binary("divide", l.Binary("multiply", oi, l.Constant(static_cast<double>(n), full, i64), full, i64),
+                                           l.Constant(static_cast<double>(out), full, i64), full, i64);
+        const std::string end = l.Binary("divide", l.Binary("add", l.Binary("multiply", l.Binary("add", oi, l.Constant(1, full, i64), full, i64),
+                                                                            l.Constant(static_cast<double>(n), full, i64), full, i64),
+                                                           l.Constant(static_cast<double>(out - 1), full, i64), full, i64),
+                                         l.Constant(static_cast<double>(out), full, i64), full, i64);
+        return l.Binary("and", l.Compare("GE", ii, start, full, i64), l.Compare("LT", ii, end, full, i64), full, i1);
+      };
+      const std::string mask = l.Binary("and", window(a, a + 2, h, oh), window(a + 1, a + 3, w, ow), full, i1);
+      const std::string xb = BroadcastInDim(l, *x, in, full, xmap, t);
+      const std::vector<int64_t> last2 = {a + 2, a + 3};
+      const std::string mx = l.ReduceOver(l.Select(mask, xb, l.BroadcastTo(l.Lowest(t), {}, full, t), full, t), full, last2, "maximum",
+                                          l.Lowest(t), t);
+      std::vector<int64_t> omap;
+      for (int64_t r = 0; r < a + 2; ++r) omap.push_back(r);
+      const std::string pos = l.Binary("add", l.Binary("multiply", l.Iota(a + 2, full, i64), l.Constant(static_cast<double>(w), full, i64), full, i64),
+                                       l.Iota(a + 3, full, i64), full, i64);
+      const std::string hit = l.Binary("and", mask, l.Compare("EQ", xb, BroadcastInDim(l, mx, od, full, omap, t), full, t), full, i1);
+      const std::string first = l.ReduceOver(l.Select(hit, pos, l.Constant(static_cast<double>(h * w), full, i64), full, i64), full, last2,
+                                             "minimum", l.Constant(static_cast<double>(h * w), {}, i64), i64);
+      const std::string nan = l.Binary("and", mask, l.Compare("NE", xb, xb, full, t), full, i1);
+      const std::string last_nan = l.ReduceOver(l.Select(nan, pos, l.Constant(-1, full, i64), full, i64), full, last2, "maximum",
+                                                l.Constant(-1, {}, i64), i64);
+      const std::string idx = l.Select(l.Compare("GE", last_nan, l.Constant(0, od, i64), od, i64), last_nan, first, od, i64);
+      return std::vector<std::string>{mx, l.Convert(idx, od, i64, *o[1].type)};
+    };
+    (*m)["aten::adaptive_max_pool2d.out"] = (*m)["aten::adaptive_max_pool2d"];
     // _cummax_helper / _cummin_helper(self, values!, indices!, dim): the
     // running largest (smallest) value, NaN sticking, and the last place it
     // was seen: the running largest of the positions where an element equals
@@ -4176,6 +4375,120 @@ const std::map<std::string, Rule>& ReshuffleRules() {
       const std::string s = l.ReduceOver(l.Binary("power", diff, l.Constant(p, full, t), full, t), full, last, "add", zero, t);
       return l.Binary("power", s, l.Constant(1.0 / p, o.dims, t), o.dims, t);
     };
+    // special_spherical_bessel_j0: sin(x) / x, by its series below 0.5,
+    // 0 at infinity (as ATen).
+    (*m)["aten::special_spherical_bessel_j0"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      const DType& t = *o.type;
+      const std::vector<int64_t>& dims = o.dims;
+      absl::StatusOr<std::string> xs = l.Operand(d.args[0], dims, t);
+      if (!xs.ok()) return xs;
+      const std::string x = *xs, x2 = l.Binary("multiply", x, x, dims, t);
+      const double coef[] = {1.0 / 6227020800.0, -1.0 / 39916800.0, 1.0 / 362880.0, -1.0 / 5040.0, 1.0 / 120.0, -1.0 / 6.0};
+      std::string series = l.Constant(coef[0], dims, t);
+      for (int q = 1; q < 6; ++q) series = l.Binary("add", l.Constant(coef[q], dims, t), l.Binary("multiply", x2, series, dims, t), dims, t);
+      series = l.Binary("add", l.Constant(1, dims, t), l.Binary("multiply", x2, series, dims, t), dims, t);
+      const std::string ratio = l.Binary("divide", l.Unary("sine", x, dims, t), x, dims, t);
+      const std::string ax = l.Unary("abs", x, dims, t);
+      std::string r = l.Select(l.Compare("LT", ax, l.Constant(0.5, dims, t), dims, t), series, ratio, dims, t);
+      const std::string inf = l.Compare("EQ", ax, l.BroadcastTo(Highest(l, t), {}, dims, t), dims, t);
+      return l.Select(inf, l.Constant(0, dims, t), r, dims, t);
+    };
+    // histc(self, bins, min, max): counts in `bins` equal bins over
+    // [min, max] (the data's range when min = max, widened by 1 each way
+    // when that is one value); the top edge falls in the last bin, what lies
+    // outside (and NaN) is not counted.
+    (*m)["aten::histc"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (d.num_args < 4 || !Defined(d, 0) || o.dims.size() != 1) return Unsupported(l.op(), "arguments of a form not lowered");
+      const DType& t = *o.type;
+      const DType& i64 = I64();
+      const int64_t bins = o.dims[0];
+      if (bins <= 0) return absl::InvalidArgumentError(absl::StrCat(l.op(), ": bins must be positive"));
+      const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+      int64_t total = 1;
+      for (int64_t q : in) total *= q;
+      if (total == 0) return l.Constant(0, o.dims, t);
+      const std::vector<int64_t> flat = {total};
+      absl::StatusOr<std::string> xs = l.Operand(d.args[0], in, t);
+      if (!xs.ok()) return xs;
+      const std::string x = l.Reshape(*xs, in, flat, t);
+      const double lo_arg = NumberOf(d.args[2]), hi_arg = NumberOf(d.args[3]);
+      if (lo_arg > hi_arg) return absl::InvalidArgumentError(absl::StrCat(l.op(), ": max must be larger than min"));
+      std::string lo = l.Constant(lo_arg, {}, t), hi = l.Constant(hi_arg, {}, t);
+      if (lo_arg == hi_arg) {
+        lo = l.ReduceOver(x, flat, {0}, "minimum", Highest(l, t), t);
+        hi = l.ReduceOver(x, flat, {0}, "maximum", l.Lowest(t), t);
+      }
+      const std::string same = l.Compare("EQ", lo, hi, {}, t);
+      lo = l.Select(same, l.Binary("subtract", lo, l.Constant(1, {}, t), {}, t), lo, {}, t);
+      hi = l.Select(same, l.Binary("add", hi, l.Constant(1, {}, t), {}, t), hi, {}, t);
+      const std::string lb = l.BroadcastTo(lo, {}, flat, t), hb = l.BroadcastTo(hi, {}, flat, t);
+      const DType& i1 = *DTypeOf(11);
+      const std::string inside = l.Binary("and", l.Compare("GE", x, lb, flat, t), l.Compare("LE", x, hb, flat, t), flat, i1);
+      const std::string scaled = l.Binary("divide", l.Binary("multiply", l.Binary("subtract", x, lb, flat, t),
+                                                             l.Constant(static_cast<double>(bins), flat, t), flat, t),
+                                          l.Binary("subtract", hb, lb, flat, t), flat, t);
+      std::string pos = l.Convert(l.Select(inside, scaled, l.Constant(0, flat, t), flat, t), flat, t, i64);
+      pos = l.Binary("minimum", pos, l.Constant(static_cast<double>(bins - 1), flat, i64), flat, i64);
+      const std::string ones = l.Select(inside, l.Constant(1, flat, t), l.Constant(0, flat, t), flat, t);
+      const std::string scalar = TypeOf({}, t);
+      return l.Emit(absl::StrCat(
+          "\"stablehlo.scatter\"(", l.Constant(0, o.dims, t), ", ", l.Reshape(pos, flat, {total, 1}, i64), ", ", ones, ") ({\n",
+          "    ^bb0(%old: ", scalar, ", %new: ", scalar, "):\n",
+          "      %sum = stablehlo.add %old, %new : ", scalar, "\n      stablehlo.return %sum : ", scalar, "\n",
+          "    }) {indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<inserted_window_dims = [0], ",
+          "scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, unique_indices = false} : (", TypeOf(o.dims, t), ", ",
+          TypeOf({total, 1}, i64), ", ", TypeOf(flat, t), ") -> ", TypeOf(o.dims, t)));
+    };
+    // _adaptive_avg_pool2d / 3d(self, output_size): output o of a dimension
+    // of n inputs averages inputs [floor(o n / out), ceil((o + 1) n / out)),
+    // one spatial dimension at a time (sums), divided by the window's size.
+    for (int sp : {2, 3}) {
+      (*m)[absl::StrCat("aten::_adaptive_avg_pool", sp, "d")] = [sp](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+          -> absl::StatusOr<std::string> {
+        if (!Defined(d, 0) || o.dims.size() < static_cast<size_t>(sp)) return Unsupported(l.op(), "arguments of a form not lowered");
+        const DType& t = *o.type;
+        const DType& i64 = I64();
+        std::vector<int64_t> cur = DimsOf(d.args[0].tensor);
+        if (cur.size() != o.dims.size()) return Unsupported(l.op(), "an output of another rank");
+        absl::StatusOr<std::string> x = l.Operand(d.args[0], cur, t);
+        if (!x.ok()) return x;
+        std::string v = *x, count = l.Constant(1, o.dims, t);
+        const size_t lead = cur.size() - sp;
+        for (int k = 0; k < sp; ++k) {
+          const size_t q = lead + k;
+          const int64_t n = cur[q], out = o.dims[q];
+          if (n == 0 || out == 0) return l.Constant(0, o.dims, t);
+          // window mask (out, n), and its sizes
+          const std::vector<int64_t> wd = {out, n};
+          const std::string oi = l.Iota(0, wd, i64), ii = l.Iota(1, wd, i64);
+          const std::string start = l.Binary("divide", l.Binary("multiply", oi, l.Constant(static_cast<double>(n), wd, i64), wd, i64),
+                                             l.Constant(static_cast<double>(out), wd, i64), wd, i64);
+          const std::string end = l.Binary("divide", l.Binary("add", l.Binary("multiply", l.Binary("add", oi, l.Constant(1, wd, i64), wd, i64),
+                                                                              l.Constant(static_cast<double>(n), wd, i64), wd, i64),
+                                                             l.Constant(static_cast<double>(out - 1), wd, i64), wd, i64),
+                                           l.Constant(static_cast<double>(out), wd, i64), wd, i64);
+          const DType& i1 = *DTypeOf(11);
+          const std::string in_win = l.Binary("and", l.Compare("GE", ii, start, wd, i64), l.Compare("LT", ii, end, wd, i64), wd, i1);
+          const std::string w = l.Select(in_win, l.Constant(1, wd, t), l.Constant(0, wd, t), wd, t);
+          // full: cur with (out, n) at (q, q + 1)
+          std::vector<int64_t> full, xmap, wmap = {static_cast<int64_t>(q), static_cast<int64_t>(q + 1)};
+          for (size_t r = 0; r < cur.size(); ++r) {
+            if (r == q) full.push_back(out);
+            full.push_back(cur[r]);
+          }
+          for (size_t r = 0; r < cur.size(); ++r) xmap.push_back(static_cast<int64_t>(r < q ? r : r + 1));
+          const std::string prod = l.Binary("multiply", BroadcastInDim(l, v, cur, full, xmap, t), BroadcastInDim(l, w, wd, full, wmap, t), full, t);
+          std::vector<int64_t> next = cur;
+          next[q] = out;
+          v = l.ReduceOver(prod, full, {static_cast<int64_t>(q + 1)}, "add", l.Constant(0, {}, t), t);
+          const std::string sizes = l.ReduceOver(w, wd, {1}, "add", l.Constant(0, {}, t), t);
+          count = l.Binary("multiply", count, BroadcastInDim(l, sizes, {out}, o.dims, {static_cast<int64_t>(q)}, t), o.dims, t);
+          cur = next;
+        }
+        return l.Binary("divide", v, count, o.dims, t);
+      };
+    }
     // _pdist_forward(self, p): the distances of the pairs of rows i < j, in
     // order: the upper triangle of cdist(self, self), gathered.
     (*m)["aten::_pdist_forward"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
@@ -4300,6 +4613,55 @@ const std::map<std::string, Rule>& LinalgRules() {
       const std::string piv = l.BroadcastTo(*pv, pin, pdims, I64());
       const bool adjoint = d.args[4].tag == tpu::ArgTag::kBool && d.args[4].b;
       return LuSolve(l, *lu, ad, piv, *b, MatrixShape(o.dims), adjoint, t);
+    };
+    // linalg_householder_product(input, tau): the first n columns of
+    // H_0 ... H_{k-1}; ormqr(input, tau, other, left, transpose): Q or Q^T
+    // times other (left), or other times them (right, by transposing).
+    (*m)["aten::linalg_householder_product"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
+        -> absl::StatusOr<std::string> {
+      if (d.num_args < 2 || !Defined(d, 0) || !Defined(d, 1) || o.dims.size() < 2) return Unsupported(l.op(), "arguments of a form not lowered");
+      const DType& t = *o.type;
+      const MatrixShape as(o.dims);
+      const int64_t k = d.args[1].tensor.ndim == 0 ? 1 : d.args[1].tensor.sizes[d.args[1].tensor.ndim - 1];
+      std::vector<int64_t> td = as.batch;
+      td.push_back(k);
+      absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), tau = l.Operand(d.args[1], td, t);
+      if (!a.ok()) return a;
+      if (!tau.ok()) return tau;
+      return ApplyQ(l, *a, as, *tau, k, Identity(l, o.dims, t), as, false, t);
+    };
+    (*m)["aten::ormqr"] = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      if (d.num_args < 5 || !Defined(d, 0) || !Defined(d, 1) || !Defined(d, 2) || o.dims.size() < 2) {
+        return Unsupported(l.op(), "arguments of a form not lowered");
+      }
+      const DType& t = *o.type;
+      const std::vector<int64_t> batch = BatchOf(o.dims);
+      const std::vector<int64_t> ad = WithBatch(DimsOf(d.args[0].tensor), batch);
+      const MatrixShape as(ad);
+      const int64_t k = d.args[1].tensor.sizes[d.args[1].tensor.ndim - 1];
+      std::vector<int64_t> td = batch;
+      td.push_back(k);
+      absl::StatusOr<std::string> a = MatrixOperand(l, d.args[0], batch, t), c = MatrixOperand(l, d.args[2], batch, t);
+      if (!a.ok()) return a;
+      if (!c.ok()) return c;
+      const std::vector<int64_t> tin = DimsOf(d.args[1].tensor);
+      absl::StatusOr<std::string> tv = l.Operand(d.args[1], tin, t);
+      if (!tv.ok()) return tv;
+      const std::string tau = l.BroadcastTo(*tv, tin, td, t);
+      const bool left = d.args[3].b, transpose = d.args[4].b;
+      if (left) return ApplyQ(l, *a, as, tau, k, *c, MatrixShape(o.dims), transpose, t);
+      // C Q = (Q^T C^T)^T, C Q^T = (Q C^T)^T.
+      std::vector<int64_t> perm;
+      for (size_t q = 0; q + 2 < o.dims.size(); ++q) perm.push_back(static_cast<int64_t>(q));
+      perm.push_back(static_cast<int64_t>(o.dims.size() - 1));
+      perm.push_back(static_cast<int64_t>(o.dims.size() - 2));
+      std::vector<int64_t> tdims = batch;
+      tdims.insert(tdims.end(), {o.dims.back(), o.dims[o.dims.size() - 2]});
+      const std::string ct = l.Emit(absl::StrCat("stablehlo.transpose ", *c, ", dims = [", absl::StrJoin(perm, ", "), "] : (",
+                                                 TypeOf(o.dims, t), ") -> ", TypeOf(tdims, t)));
+      const std::string r = ApplyQ(l, *a, as, tau, k, ct, MatrixShape(tdims), !transpose, t);
+      return l.Emit(absl::StrCat("stablehlo.transpose ", r, ", dims = [", absl::StrJoin(perm, ", "), "] : (", TypeOf(tdims, t),
+                                 ") -> ", TypeOf(o.dims, t)));
     };
     // addbmm(self, batch1, batch2, *, beta, alpha): beta self + alpha
     // sum_b batch1[b] @ batch2[b], one dot contracting the batch and k.
