@@ -4,7 +4,9 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <cmath>
 #include <map>
+#include <tuple>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -4775,7 +4777,8 @@ absl::Status ReadScalar(const std::string& op, const tpu::DecodedOp& decoded,
 }  // namespace
 
 std::vector<std::string> LoweredOpNames() {
-  std::vector<std::string> names = {"aten::_local_scalar_dense", "aten::equal", "aten::nonzero", "aten::masked_select"};
+  std::vector<std::string> names = {"aten::_local_scalar_dense", "aten::equal", "aten::nonzero", "aten::masked_select",
+                                    "aten::_unique2", "aten::unique_consecutive"};
   for (const auto& [name, rule] : AllRules()) names.push_back(name);
   for (const auto& [name, rule] : MultiRules()) names.push_back(name);
   std::sort(names.begin(), names.end());
@@ -5066,6 +5069,112 @@ absl::Status PjrtChip::MaskIndex(const std::string& name, const tpu::DecodedOp& 
   return absl::OkStatus();
 }
 
+// _unique2(self, sorted, return_inverse, return_counts) and
+// unique_consecutive(self, return_inverse, return_counts, dim = None) ->
+// (values, inverse, counts): the elements sorted (stably, NaN last; in
+// place for unique_consecutive), a new group wherever an element differs
+// from the one before (each NaN its own), the groups' values, every
+// element's group and the groups' sizes, computed for all elements in one
+// program; the first `count` values and counts are copied into memory the
+// result allocator charges to the session. (Sorted whether asked or not.)
+absl::Status PjrtChip::Unique(const std::string& name, const tpu::DecodedOp& decoded,
+                              const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
+                              ResultAllocator* allocator) {
+  const bool consecutive = name == "aten::unique_consecutive";
+  if (decoded.num_args < (consecutive ? 3u : 4u) || decoded.args[0].tag != tpu::ArgTag::kTensor) {
+    return Unsupported(name, "arguments of a form not lowered");
+  }
+  if (!decoded.outputs.empty() || allocator == nullptr || results == nullptr) {
+    return Unsupported(name, "an output given in advance");
+  }
+  if (consecutive && decoded.num_args > 3 && decoded.args[3].tag != tpu::ArgTag::kNone) return Unsupported(name, "dim");
+  const bool want_inverse = decoded.args[consecutive ? 1 : 2].b, want_counts = decoded.args[consecutive ? 2 : 3].b;
+  const tpu::TensorRef& x = decoded.args[0].tensor;
+  const DType* xt = DTypeOf(x.dtype);
+  if (xt == nullptr || IsComplex(*xt)) return Unsupported(name, "a dtype that is not lowered");
+  const std::vector<int64_t> xd = DimsOf(x);
+  const int64_t total = Numel(x);
+  const DType& i64 = I64();
+  const DType& i1 = *DTypeOf(11);
+  int64_t count = 0;
+  std::vector<char> values(static_cast<size_t>(total) * xt->bytes);
+  std::vector<int64_t> inverse(static_cast<size_t>(total)), counts(static_cast<size_t>(total));
+  if (total > 0) {
+    Lowering l(name, decoded, tensors);
+    const std::vector<int64_t> flat = {total};
+    absl::StatusOr<std::string> xv = l.Operand(decoded.args[0], xd, *xt);
+    if (!xv.ok()) return xv.status();
+    std::string sv = l.Reshape(*xv, xd, flat, *xt), perm = l.Iota(0, flat, i64);
+    if (!consecutive) std::tie(sv, perm) = l.Sort(sv, flat, 0, false, *xt);
+    std::string before = sv;
+    if (total > 1) {
+      const std::string head = l.SliceAlong(sv, flat, 0, 0, 1, *xt), body = l.SliceAlong(sv, flat, 0, 0, total - 1, *xt);
+      before = l.Emit(absl::StrCat("stablehlo.concatenate ", head, ", ", body, ", dim = 0 : (", TypeOf({1}, *xt), ", ",
+                                   TypeOf({total - 1}, *xt), ") -> ", TypeOf(flat, *xt)));
+    }
+    const std::string first = l.Compare("EQ", l.Iota(0, flat, i64), l.Constant(0, flat, i64), flat, i64);
+    const std::string is_new = l.Binary("or", first, l.Compare("NE", sv, before, flat, *xt), flat, i1);
+    const std::string ones = l.Convert(is_new, flat, i1, i64);
+    const std::string group = l.Binary("subtract", Running(l, ones, flat, 0, "add", 0, i64), l.Constant(1, flat, i64), flat, i64);
+    const std::string n = l.ReduceOver(ones, flat, {0}, "add", l.Constant(0, {}, i64), i64);
+    auto scatter = [&](const std::string& into, const std::string& at, const std::string& what, const DType& t, bool add) {
+      const std::string scalar = TypeOf({}, t);
+      return l.Emit(absl::StrCat(
+          "\"stablehlo.scatter\"(", into, ", ", l.Reshape(at, flat, {total, 1}, i64), ", ", what, ") ({\n",
+          "    ^bb0(%old: ", scalar, ", %new: ", scalar, "):\n",
+          add ? absl::StrCat("      %sum = stablehlo.add %old, %new : ", scalar, "\n      stablehlo.return %sum : ", scalar, "\n")
+              : absl::StrCat("      stablehlo.return %new : ", scalar, "\n"),
+          "    }) {indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<inserted_window_dims = [0], ",
+          "scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, unique_indices = false} : (", TypeOf(flat, t), ", ",
+          TypeOf({total, 1}, i64), ", ", TypeOf(flat, t), ") -> ", TypeOf(flat, t)));
+    };
+    // Each group's value from its first element (a later element of the
+    // group is sent nowhere: past the end).
+    const std::string dest = l.Select(is_new, group, l.Constant(static_cast<double>(total), flat, i64), flat, i64);
+    const std::string vals = scatter(l.Constant(0, flat, *xt), dest, sv, *xt, false);
+    const std::string inv = scatter(l.Constant(0, flat, i64), perm, group, i64, false);
+    const std::string cnt = scatter(l.Constant(0, flat, i64), group, l.Constant(1, flat, i64), i64, true);
+    const std::string program = l.Text({n, vals, inv, cnt}, {TypeOf({}, i64), TypeOf(flat, *xt), TypeOf(flat, i64), TypeOf(flat, i64)});
+    const int device = tpu::DeviceAddressChip(x.address);
+    if (device < 0 || device >= plugin_->num_devices()) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": a tensor on chip ", device, ", which has no device"));
+    }
+    if (absl::Status st = RunToHost(name, l.transfers(), program, device,
+                                    {{&count, 8}, {values.data(), values.size()}, {inverse.data(), inverse.size() * 8},
+                                     {counts.data(), counts.size() * 8}});
+        !st.ok()) {
+      return st;
+    }
+    if (count < 0 || count > total) return absl::InternalError(absl::StrCat(name, ": the program counted ", count));
+  }
+  // One result: `dims` of dtype from `data`.
+  auto emit = [&](int8_t dtype, const std::vector<int64_t>& dims, const void* data, size_t esize) -> absl::Status {
+    ResultValue v;
+    v.kind = ResultValue::Kind::kTensor;
+    v.tensor.dtype = dtype;
+    v.tensor.ndim = static_cast<uint8_t>(dims.size());
+    int64_t stride = 1, n = 1;
+    for (size_t q = dims.size(); q-- > 0;) {
+      v.tensor.sizes[q] = dims[q];
+      v.tensor.strides[q] = stride;
+      stride *= std::max<int64_t>(dims[q], 1);
+      n *= dims[q];
+    }
+    const uint64_t bytes = static_cast<uint64_t>(n) * esize;
+    if (bytes > 0) {
+      absl::StatusOr<ResultAllocator::Block> block = allocator->Allocate(bytes);
+      if (!block.ok()) return block.status();
+      std::memcpy(block->host, data, bytes);
+      v.tensor.address = block->address;
+    }
+    results->push_back(v);
+    return absl::OkStatus();
+  };
+  if (absl::Status st = emit(x.dtype, {count}, values.data(), xt->bytes); !st.ok()) return st;
+  if (absl::Status st = emit(4, want_inverse ? xd : std::vector<int64_t>{0}, inverse.data(), 8); !st.ok()) return st;
+  return emit(4, {want_counts ? count : 0}, counts.data(), 8);
+}
+
 // equal(self, other) -> bool: the same sizes and every element equal (NaN
 // is not), computed on the device and read back as a host value.
 absl::Status PjrtChip::Equal(const std::string& name, const tpu::DecodedOp& decoded,
@@ -5114,6 +5223,58 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   if (op.name() == "aten::nonzero" || op.name() == "aten::masked_select" ||
       (op.name() == "aten::index.Tensor" && decoded.outputs.empty())) {
     return Selected(op.name(), decoded, tensors, results, allocator);
+  }
+  if (op.name() == "aten::_unique2" || op.name() == "aten::unique_consecutive") {
+    return Unique(op.name(), decoded, tensors, results, allocator);
+  }
+  // An op PyTorch has no meta kernel for comes without outputs (the client
+  // cannot size them): those whose outputs follow from their inputs' shapes
+  // get them here, in memory the result allocator charges to the session.
+  if (op.written().empty() && decoded.outputs.empty() && allocator != nullptr && results != nullptr) {
+    std::vector<tpu::TensorRef> made;
+    if (decoded.num_args >= 1 && decoded.args[0].tag == tpu::ArgTag::kTensor) {
+      const tpu::TensorRef& x = decoded.args[0].tensor;
+      auto dense = [](const tpu::TensorRef& like, const std::vector<int64_t>& dims) {
+        tpu::TensorRef r;
+        r.dtype = like.dtype;
+        r.ndim = static_cast<uint8_t>(dims.size());
+        int64_t stride = 1;
+        for (size_t q = dims.size(); q-- > 0;) {
+          r.sizes[q] = dims[q];
+          r.strides[q] = stride;
+          stride *= std::max<int64_t>(dims[q], 1);
+        }
+        return r;
+      };
+      const std::vector<int64_t> xd = DimsOf(x);
+      if (op.name() == "aten::_logcumsumexp") {
+        made.push_back(dense(x, xd));
+      } else if (op.name() == "aten::geqrf" && xd.size() >= 2) {
+        made.push_back(dense(x, xd));
+        std::vector<int64_t> td(xd.begin(), xd.end() - 2);
+        td.push_back(std::min(xd[xd.size() - 2], xd.back()));
+        made.push_back(dense(x, td));
+      }
+    }
+    if (!made.empty()) {
+      tpu::DecodedOp sized = decoded;
+      std::vector<ResolvedTensor> all = tensors;
+      for (tpu::TensorRef& r : made) {
+        const uint64_t bytes = static_cast<uint64_t>(Numel(r)) * static_cast<uint64_t>(tpu::ElementSize(r.dtype));
+        ResolvedTensor rt;
+        if (bytes > 0) {
+          absl::StatusOr<ResultAllocator::Block> block = allocator->Allocate(bytes);
+          if (!block.ok()) return block.status();
+          r.address = block->address;
+          rt.segment_host_base = block->host;
+          rt.segment_address = block->address;
+          rt.segment_bytes = bytes;
+        }
+        sized.outputs.push_back(r);
+        all.push_back(rt);
+      }
+      return Run(base, sized, all, results, nullptr);
+    }
   }
   const Rule* single = nullptr;
   if (auto it = AllRules().find(op.name()); it != AllRules().end()) single = &it->second;

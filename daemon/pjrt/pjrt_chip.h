@@ -65,6 +65,9 @@ class PjrtChip : public ChipBackend {
   absl::Status Selected(const std::string& name, const tpu::DecodedOp& decoded,
                         const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
                         ResultAllocator* allocator);
+  absl::Status Unique(const std::string& name, const tpu::DecodedOp& decoded,
+                      const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
+                      ResultAllocator* allocator);
   absl::Status MaskIndex(const std::string& name, const tpu::DecodedOp& decoded,
                          const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
                          ResultAllocator* allocator);
