@@ -513,6 +513,24 @@ class Lowering {
   std::vector<Transfer>& transfers() { return transfers_; }
   const std::string& op() const { return op_; }
 
+  // Records that every element of `idx` (i64, dims `dims`) must lie in
+  // [0, size): the program returns whether one does not, and the op fails
+  // with `what` after it runs (XLA itself clamps or drops such indices).
+  void CheckRange(const std::string& idx, const std::vector<int64_t>& dims, int64_t size, const std::string& what) {
+    const DType& i64 = I64();
+    const DType& i1 = *DTypeOf(11);
+    const std::string bad = Binary("or", Compare("LT", idx, Constant(0, dims, i64), dims, i64),
+                                   Compare("GE", idx, Constant(static_cast<double>(size), dims, i64), dims, i64), dims, i1);
+    std::vector<int64_t> all;
+    for (size_t q = 0; q < dims.size(); ++q) all.push_back(static_cast<int64_t>(q));
+    const std::string any = ReduceOver(bad, dims, all, "or", Constant(0, {}, i1), i1);
+    out_of_range_ = out_of_range_.empty() ? any : Binary("or", out_of_range_, any, {}, i1);
+    if (range_message_.empty()) range_message_ = what;
+  }
+  // The combined check (an i1 scalar), or "" when nothing was checked.
+  const std::string& out_of_range() const { return out_of_range_; }
+  const std::string& range_message() const { return range_message_; }
+
   // The text of the ops `emit` emits, kept apart from the body: a region
   // (of a while loop) to place in an op's text.
   std::string Region(const std::function<void()>& emit) {
@@ -622,6 +640,7 @@ class Lowering {
   std::vector<Transfer> transfers_;
   std::string body_;
   int next_ = 0;
+  std::string out_of_range_, range_message_;
 };
 
 struct Target {
@@ -1710,7 +1729,7 @@ const std::map<std::string, MultiRule>& MultiRules() {
     // the input's gradient is a convolution of the gradient, dilated by the
     // stride, with the spatially reversed weight; the weight's is one of the
     // input with the gradient, batch and features swapped; the bias's a sum.
-    // Not transposed, one group.
+    // Transposed convolutions and groups too (see `one` below).
     (*m)["aten::convolution_backward"] = [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
         -> absl::StatusOr<std::vector<std::string>> {
       if (o.size() != 3 || d.num_args < 11 || !Defined(d, 0) || !Defined(d, 1) || !Defined(d, 2)) {
@@ -1718,39 +1737,97 @@ const std::map<std::string, MultiRule>& MultiRules() {
       }
       const DType& t = o[1].type != nullptr ? *o[1].type : *o[0].type;
       const std::vector<int64_t> gd = DimsOf(d.args[0].tensor), in = DimsOf(d.args[1].tensor), wd = DimsOf(d.args[2].tensor);
-      absl::StatusOr<ConvWindow> cw = ConvWindowOf(l, d, 4, in, wd, gd);
+      absl::StatusOr<ConvWindow> cw = ConvWindowOf(l, d, 4, in, wd, gd, /*allow_transposed=*/true);
       if (!cw.ok()) return cw.status();
-      if (cw->groups != 1) return Unsupported(l.op(), "grouped convolution");
       const size_t sp = cw->sp;
       const std::vector<int64_t>&stride = cw->stride, &pad = cw->pad, &dilation = cw->dilation;
+      const int64_t groups = cw->groups;
+      const bool transposed = cw->transposed;
       absl::StatusOr<std::string> g = l.Operand(d.args[0], gd, t), x = l.Operand(d.args[1], in, t),
                                   w = l.Operand(d.args[2], wd, t);
       for (auto* v : {&g, &x, &w}) if (!v->ok()) return v->status();
-      std::vector<std::string> spatial, pin, pw;
+      if (gd[1] % groups != 0 || wd[0] % groups != 0) return Unsupported(l.op(), "groups that do not divide the channels");
+      std::vector<std::string> spatial;
       std::vector<int64_t> rev, ones(sp, 1);
       for (size_t k = 0; k < sp; ++k) {
-        const int64_t h = in[k + 2], hout = gd[k + 2], kk = wd[k + 2];
         spatial.push_back(absl::StrCat(k));
         rev.push_back(static_cast<int64_t>(k + 2));
-        const int64_t lo = dilation[k] * (kk - 1) - pad[k];
-        pin.push_back(absl::StrCat("[", lo, ", ", h - (hout - 1) * stride[k] - 1 + pad[k], "]"));
-        pw.push_back(absl::StrCat("[", pad[k], ", ", (kk - 1) * dilation[k] + (hout - 1) * stride[k] + 1 - h - pad[k], "]"));
       }
       const std::string sd = absl::StrJoin(spatial, ", ");
-      const std::string wrev = l.Emit(absl::StrCat("stablehlo.reverse ", *w, ", dims = [", absl::StrJoin(rev, ", "),
-                                                   "] : ", TypeOf(wd, t)));
-      const std::string gi = l.Emit(absl::StrCat(
-          "stablehlo.convolution(", *g, ", ", wrev, ") dim_numbers = [b, f, ", sd, "]x[i, o, ", sd, "]->[b, f, ", sd,
-          "], window = {stride = [", absl::StrJoin(ones, ", "), "], pad = [", absl::StrJoin(pin, ", "),
-          "], lhs_dilate = [", absl::StrJoin(stride, ", "), "], rhs_dilate = [", absl::StrJoin(dilation, ", "),
-          "]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (", TypeOf(gd, t), ", ", TypeOf(wd, t),
-          ") -> ", TypeOf(in, t)));
-      const std::string gw = l.Emit(absl::StrCat(
-          "stablehlo.convolution(", *x, ", ", *g, ") dim_numbers = [f, b, ", sd, "]x[i, o, ", sd, "]->[f, b, ", sd,
-          "], window = {stride = [", absl::StrJoin(dilation, ", "), "], pad = [", absl::StrJoin(pw, ", "),
-          "], rhs_dilate = [", absl::StrJoin(stride, ", "),
-          "]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (", TypeOf(in, t), ", ", TypeOf(gd, t),
-          ") -> ", TypeOf(wd, t)));
+      // One group's gradients: of the input and of the weight, for a
+      // convolution (input `xi`, weight `wi`, output gradient `gi`) with
+      // groups = 1. A transposed convolution y = conv_transpose(x, w) is the
+      // input gradient of a convolution with weight w: its input's gradient
+      // is that convolution of the gradient, its weight's the convolution's
+      // weight gradient with the roles of input and output gradient swapped.
+      auto one = [&](const std::string& gv, const std::vector<int64_t>& gdim, const std::string& xv,
+                     const std::vector<int64_t>& xdim, const std::string& wv, const std::vector<int64_t>& wdim) {
+        // A convolution of `a` (dims ad: the input) giving `b` (dims bd):
+        // the gradient of its input from the gradient `gb`, and of its weight.
+        auto weight_grad = [&](const std::string& av, const std::vector<int64_t>& ad, const std::string& bv,
+                               const std::vector<int64_t>& bd) {
+          std::vector<std::string> pw;
+          for (size_t k = 0; k < sp; ++k) {
+            const int64_t h = ad[k + 2], hout = bd[k + 2], kk = wdim[k + 2];
+            pw.push_back(absl::StrCat("[", pad[k], ", ", (kk - 1) * dilation[k] + (hout - 1) * stride[k] + 1 - h - pad[k], "]"));
+          }
+          return l.Emit(absl::StrCat(
+              "stablehlo.convolution(", av, ", ", bv, ") dim_numbers = [f, b, ", sd, "]x[i, o, ", sd, "]->[f, b, ", sd,
+              "], window = {stride = [", absl::StrJoin(dilation, ", "), "], pad = [", absl::StrJoin(pw, ", "),
+              "], rhs_dilate = [", absl::StrJoin(stride, ", "),
+              "]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (", TypeOf(ad, t), ", ", TypeOf(bd, t),
+              ") -> ", TypeOf(wdim, t)));
+        };
+        if (transposed) {
+          std::vector<std::string> pads;
+          for (size_t k = 0; k < sp; ++k) pads.push_back(absl::StrCat("[", pad[k], ", ", pad[k], "]"));
+          const std::string gx = l.Emit(absl::StrCat(
+              "stablehlo.convolution(", gv, ", ", wv, ") dim_numbers = [b, f, ", sd, "]x[o, i, ", sd, "]->[b, f, ", sd,
+              "], window = {stride = [", absl::StrJoin(stride, ", "), "], pad = [", absl::StrJoin(pads, ", "), "], rhs_dilate = [",
+              absl::StrJoin(dilation, ", "), "]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (",
+              TypeOf(gdim, t), ", ", TypeOf(wdim, t), ") -> ", TypeOf(xdim, t)));
+          return std::make_pair(gx, weight_grad(gv, gdim, xv, xdim));
+        }
+        std::vector<std::string> pin;
+        for (size_t k = 0; k < sp; ++k) {
+          const int64_t h = xdim[k + 2], hout = gdim[k + 2], kk = wdim[k + 2];
+          const int64_t lo = dilation[k] * (kk - 1) - pad[k];
+          pin.push_back(absl::StrCat("[", lo, ", ", h - (hout - 1) * stride[k] - 1 + pad[k], "]"));
+        }
+        const std::string wrev = l.Emit(absl::StrCat("stablehlo.reverse ", wv, ", dims = [", absl::StrJoin(rev, ", "),
+                                                     "] : ", TypeOf(wdim, t)));
+        const std::string gx = l.Emit(absl::StrCat(
+            "stablehlo.convolution(", gv, ", ", wrev, ") dim_numbers = [b, f, ", sd, "]x[i, o, ", sd, "]->[b, f, ", sd,
+            "], window = {stride = [", absl::StrJoin(ones, ", "), "], pad = [", absl::StrJoin(pin, ", "),
+            "], lhs_dilate = [", absl::StrJoin(stride, ", "), "], rhs_dilate = [", absl::StrJoin(dilation, ", "),
+            "]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (", TypeOf(gdim, t), ", ", TypeOf(wdim, t),
+            ") -> ", TypeOf(xdim, t)));
+        return std::make_pair(gx, weight_grad(xv, xdim, gv, gdim));
+      };
+      std::string grad_in, grad_w;
+      if (groups == 1) {
+        std::tie(grad_in, grad_w) = one(*g, gd, *x, in, *w, wd);
+      } else {
+        // Group q: its slice of the channels of each (the weight's first
+        // dimension holds the groups one after another).
+        const int64_t gc = gd[1] / groups, xc = in[1] / groups, wc = wd[0] / groups;
+        std::vector<std::string> gis, gws;
+        std::vector<int64_t> gdq = gd, inq = in, wdq = wd;
+        gdq[1] = gc;
+        inq[1] = xc;
+        wdq[0] = wc;
+        for (int64_t q = 0; q < groups; ++q) {
+          const auto [a, b] = one(l.SliceAlong(*g, gd, 1, q * gc, (q + 1) * gc, t), gdq, l.SliceAlong(*x, in, 1, q * xc, (q + 1) * xc, t),
+                                  inq, l.SliceAlong(*w, wd, 0, q * wc, (q + 1) * wc, t), wdq);
+          gis.push_back(a);
+          gws.push_back(b);
+        }
+        std::vector<std::string> tin(groups, TypeOf(inq, t)), tw(groups, TypeOf(wdq, t));
+        grad_in = l.Emit(absl::StrCat("stablehlo.concatenate ", absl::StrJoin(gis, ", "), ", dim = 1 : (", absl::StrJoin(tin, ", "),
+                                      ") -> ", TypeOf(in, t)));
+        grad_w = l.Emit(absl::StrCat("stablehlo.concatenate ", absl::StrJoin(gws, ", "), ", dim = 0 : (", absl::StrJoin(tw, ", "),
+                                     ") -> ", TypeOf(wd, t)));
+      }
       std::vector<int64_t> all_but_1;
       for (size_t k = 0; k < gd.size(); ++k) if (k != 1) all_but_1.push_back(static_cast<int64_t>(k));
       const std::string gb = l.ReduceOver(*g, gd, all_but_1, "add", l.Constant(0, {}, t), t);
@@ -1758,7 +1835,7 @@ const std::map<std::string, MultiRule>& MultiRules() {
       auto fit = [&](const std::string& v, const std::vector<int64_t>& dims, size_t k) {
         return o[k].dims == dims ? v : l.Constant(0, o[k].dims, *o[k].type);
       };
-      return std::vector<std::string>{fit(gi, in, 0), fit(gw, wd, 1), fit(gb, {gd[1]}, 2)};
+      return std::vector<std::string>{fit(grad_in, in, 0), fit(grad_w, wd, 1), fit(gb, {gd[1]}, 2)};
     };
     // max.dim / min.dim(self, dim, keepdim): the values and the first index
     // of each.
@@ -2935,6 +3012,7 @@ absl::StatusOr<IndexPlan> PlanIndex(Lowering& l, const tpu::OpArg& list, const s
     const std::string wrapped = l.Select(l.Compare("LT", *iv, l.Constant(0, bs, i64), bs, i64),
                                          l.Binary("add", *iv, l.Constant(static_cast<double>(size), bs, i64), bs, i64),
                                          *iv, bs, i64);
+    l.CheckRange(wrapped, bs, size, absl::StrCat("an index is out of bounds for dimension ", p.indexed[k], " with size ", size));
     parts.push_back(wrapped);
   }
   p.indices = StackIndices(l, parts, bs);
@@ -3258,6 +3336,7 @@ const std::map<std::string, Rule>& ExtraRules() {
       const int64_t k = Numel(ix);
       absl::StatusOr<std::string> iv = l.OperandRef(ix, l.TensorIndex(d.args[2]), DimsOf(ix), I64());
       if (!iv.ok()) return iv;
+      l.CheckRange(*iv, DimsOf(ix), in[dim], absl::StrCat("index out of range in self (dim ", dim, " has size ", in[dim], ")"));
       const std::string idx = l.Reshape(*iv, DimsOf(ix), {k, 1}, I64());
       std::vector<int64_t> offset, slice = in, shape = in;
       for (size_t q = 0; q < in.size(); ++q) if (static_cast<int64_t>(q) != dim) offset.push_back(static_cast<int64_t>(q));
@@ -3342,6 +3421,7 @@ const std::map<std::string, Rule>& ExtraRules() {
       const DType& i64 = I64();
       absl::StatusOr<std::string> iv = l.OperandRef(ix, l.TensorIndex(d.args[2]), o.dims, i64);
       if (!iv.ok()) return iv;
+      l.CheckRange(*iv, o.dims, in[dim], absl::StrCat("index out of bounds for dimension ", dim, " with size ", in[dim]));
       std::vector<int64_t> all = o.dims;
       all.push_back(static_cast<int64_t>(n));
       const std::string idx = ElementIndex(l, *iv, o.dims, dim);
@@ -3647,6 +3727,7 @@ const std::map<std::string, Rule>& ExtraRules() {
           if (!iv.ok()) return iv;
           along = *iv;
         }
+        l.CheckRange(along, id, in[dim], absl::StrCat("index out of bounds for dimension ", dim, " with size ", in[dim]));
         std::vector<int64_t> all = id;
         all.push_back(static_cast<int64_t>(n));
         const std::string idx = ElementIndex(l, along, id, dim);
@@ -4236,6 +4317,7 @@ const std::map<std::string, Rule>& ReshuffleRules() {
       std::string idx = l.Reshape(*ix, DimsOf(d.args[1].tensor), {n}, i64);
       idx = l.Select(l.Compare("LT", idx, l.Constant(0, {n}, i64), {n}, i64),
                      l.Binary("add", idx, l.Constant(static_cast<double>(total), {n}, i64), {n}, i64), idx, {n}, i64);
+      l.CheckRange(idx, {n}, total, absl::StrCat("an index is out of range for a tensor of ", total, " elements"));
       const bool accumulate = d.args[3].tag == tpu::ArgTag::kBool && d.args[3].b;
       const std::string scalar = TypeOf({}, t);
       const std::string r = l.Emit(absl::StrCat(
@@ -5402,6 +5484,30 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   for (Target& c : compute) {
     if (c.type->c10 == 5 || c.type->c10 == 15) c.type = DTypeOf(6);
   }
+  // A written tensor wider than the op's own result (torch.add(bf16, 1,
+  // out=float64 tensor)) gets the result as ATen computes it: in the
+  // inputs' half-precision type, then cast. Taken as that type when every
+  // tensor input has it, the op takes no dtype= and its output is a
+  // wider float.
+  const DType* natural = nullptr;
+  if (!op.written().empty() && outs.size() == 1 && outs[0].type->is_float) {
+    bool dtype_arg = false;
+    for (size_t a = 0; a < decoded.num_args; ++a) {
+      const tpu::OpArg& arg = decoded.args[a];
+      if (arg.tag == tpu::ArgTag::kDtype) dtype_arg = true;
+      if (arg.tag != tpu::ArgTag::kTensor || static_cast<int>(a) == op.written()[0]) continue;
+      const DType* at = DTypeOf(arg.tensor.dtype);
+      if (at == nullptr || (natural != nullptr && natural != at)) {
+        natural = nullptr;
+        dtype_arg = true;
+        break;
+      }
+      natural = at;
+    }
+    if (dtype_arg || natural == nullptr || (natural->c10 != 5 && natural->c10 != 15) || natural->bytes >= outs[0].type->bytes) {
+      natural = nullptr;
+    }
+  }
   std::vector<std::string> values;
   if (multi != MultiRules().end()) {
     absl::StatusOr<std::vector<std::string>> v = multi->second(l, decoded, compute);
@@ -5417,6 +5523,10 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
                                             " results for ", outs.size(), " outputs"));
   }
   for (size_t o = 0; o < outs.size(); ++o) {
+    if (natural != nullptr) {
+      values[o] = l.Convert(l.Convert(values[o], outs[o].dims, *compute[o].type, *natural), outs[o].dims, *natural, *outs[o].type);
+      continue;
+    }
     values[o] = l.Convert(values[o], outs[o].dims, *compute[o].type, *outs[o].type);
   }
   std::vector<std::string> types;
@@ -5453,6 +5563,12 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     }
     l.Donate(static_cast<int>(o), dsts[o], *outs[o].type, stored);
     donated[o] = true;
+  }
+  // Index checks come back as one more result, after the op's own.
+  const bool checked = !l.out_of_range().empty();
+  if (checked) {
+    values.push_back(l.out_of_range());
+    types.push_back(TypeOf({}, *DTypeOf(11)));
   }
   const std::string program = l.Text(values, types);
   // The chip is the outputs'; every tensor of the op is on it (the client
@@ -5507,9 +5623,20 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     return absl::Status(out_buffers.status().code(),
                         absl::StrCat(op.name(), ": ", out_buffers.status().message()));
   }
-  if (out_buffers->size() != outs.size()) {
+  if (out_buffers->size() != outs.size() + (checked ? 1 : 0)) {
     return absl::InternalError(absl::StrCat(op.name(), ": the program gave ", out_buffers->size(),
                                             " results for ", outs.size(), " outputs"));
+  }
+  if (checked) {
+    uint8_t bad = 0;
+    if (absl::Status st = plugin_->ToHost(out_buffers->back(), &bad, 1); !st.ok()) {
+      return absl::Status(st.code(), absl::StrCat(op.name(), ": ", st.message()));
+    }
+    if (bad != 0) {
+      out_buffers->clear();
+      inputs.clear();
+      return absl::InvalidArgumentError(absl::StrCat(op.name(), ": ", l.range_message()));
+    }
   }
   for (size_t o = 0; o < outs.size(); ++o) {
     const size_t bytes = static_cast<size_t>(spans[o] > 0 ? spans[o] : Numel(*refs[o])) *

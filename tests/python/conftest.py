@@ -38,6 +38,26 @@ def daemon():
     d.stop()
 
 
+def pjrt_flags():
+    """tpud's flags for the PJRT backend on XLA's CPU plugin (xla-cpu-pjrt,
+    installed into .venv by the setup step), four devices."""
+    import xla_plugins.xla_cpu_pjrt as xla_cpu
+
+    plugin = os.path.join(os.path.dirname(xla_cpu.__file__), "xla_cpu_pjrt.so")
+    return ["--backend=pjrt", f"--pjrt_plugin={plugin}", "--pjrt_option=cpu_device_count=4"]
+
+
+@pytest.fixture(scope="module", params=["simulated", "pjrt"])
+def any_backend(request):
+    """One tpud for a whole test module, run once per chip backend: the
+    simulated host, then the PJRT backend on XLA's CPU plugin."""
+    flags = pjrt_flags() if request.param == "pjrt" else []
+    d = Daemon(hbm=getattr(request.module, "TPUD_HBM", "1GiB"), extra_flags=flags)
+    d.backend = request.param
+    yield d
+    d.stop()
+
+
 @pytest.fixture(scope="module")
 def tpud(request):
     """One tpud for a whole test module; HBM per chip from the module's

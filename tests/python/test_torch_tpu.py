@@ -4,7 +4,16 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from conftest import Daemon, run_py
+
+
+@pytest.fixture(scope="module")
+def tpud(any_backend):
+    """Every test here runs on both chip backends (the simulated host, and
+    PJRT on XLA's CPU plugin)."""
+    return any_backend
 
 
 def test_device_and_accelerator_apis(tpud):
