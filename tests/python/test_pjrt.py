@@ -305,6 +305,82 @@ def test_sort_median_and_special_functions_match_cpu(pjrt):
     """)
 
 
+def test_ffts_linear_algebra_and_polynomials_match_cpu(pjrt):
+    # FFTs (complex results), LU / QR / Cholesky and what is built on them
+    # (each a while loop in one program), the orthogonal polynomials.
+    run_py(pjrt, """
+        import torch, torch_tpu
+        torch.manual_seed(0)
+        x = torch.randn(3, 8)
+        a = torch.randn(2, 4, 4) + 4 * torch.eye(4)
+        b = torch.randn(2, 4, 3)
+        spd = a @ a.mT + torch.eye(4)
+        n = torch.randint(0, 9, (3, 8)).float()
+        t = lambda v: v.to("tpu")
+        checks = {
+            "fft": (torch.fft.fft(t(x)), torch.fft.fft(x)),
+            "rfft2": (torch.fft.rfft2(t(x)), torch.fft.rfft2(x)),
+            "irfft ortho": (torch.fft.irfft(t(x), norm="ortho"), torch.fft.irfft(x, norm="ortho")),
+            "ifft of complex": (torch.fft.ifft(torch.fft.fft(t(x))), torch.fft.ifft(torch.fft.fft(x))),
+            "solve": (torch.linalg.solve(t(a), t(b)), torch.linalg.solve(a, b)),
+            "inv": (torch.linalg.inv(t(a)), torch.linalg.inv(a)),
+            "det": (torch.linalg.det(t(a)), torch.linalg.det(a)),
+            "slogdet": (torch.linalg.slogdet(t(a))[1], torch.linalg.slogdet(a)[1]),
+            "lu_factor": (torch.linalg.lu_factor(t(a))[0], torch.linalg.lu_factor(a)[0]),
+            "pivots": (torch.linalg.lu_factor(t(a))[1], torch.linalg.lu_factor(a)[1]),
+            "qr q": (torch.linalg.qr(t(a))[0], torch.linalg.qr(a)[0]),
+            "qr r": (torch.linalg.qr(t(a))[1], torch.linalg.qr(a)[1]),
+            "cholesky": (torch.linalg.cholesky(t(spd)), torch.linalg.cholesky(spd)),
+            "cholesky_solve": (torch.cholesky_solve(t(b), torch.linalg.cholesky(t(spd))),
+                               torch.cholesky_solve(b, torch.linalg.cholesky(spd))),
+            "triangular": (torch.linalg.solve_triangular(t(a).triu(), t(b), upper=True),
+                           torch.linalg.solve_triangular(a.triu(), b, upper=True)),
+            "chebyshev_t": (torch.special.chebyshev_polynomial_t(t(x), t(n)), torch.special.chebyshev_polynomial_t(x, n)),
+            "hermite_h": (torch.special.hermite_polynomial_h(t(x), t(n)), torch.special.hermite_polynomial_h(x, n)),
+            "legendre_p": (torch.special.legendre_polynomial_p(t(x), t(n)), torch.special.legendre_polynomial_p(x, n)),
+        }
+        for name, (got, want) in checks.items():
+            assert got.device.type == "tpu" and got.dtype == want.dtype, (name, got.dtype, want.dtype)
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4, msg=name)
+        # A singular matrix: info names the first zero pivot, as LAPACK's.
+        s = torch.tensor([[1.0, 2.0], [2.0, 4.0]])
+        assert torch.linalg.lu_factor_ex(t(s)).info.item() == torch.linalg.lu_factor_ex(s).info.item() == 2
+    """)
+
+
+def test_data_dependent_results_and_index_errors(pjrt):
+    # nonzero, boolean masks and unique size their results from the data (in
+    # memory tpud allocates and charges to the session); an index out of
+    # range is an error naming the op, and the session goes on.
+    run_py(pjrt, """
+        import torch, torch_tpu
+        torch.manual_seed(0)
+        x = torch.randn(5, 6)
+        m = x > 0.3
+        t, tm = x.to("tpu"), m.to("tpu")
+        assert torch.equal(torch.nonzero(t).cpu(), torch.nonzero(x))
+        assert torch.equal(t[tm].cpu(), x[m])
+        assert torch.equal(t[tm[:, 0]].cpu(), x[m[:, 0]])
+        assert torch.equal(torch.masked_select(t, tm).cpu(), torch.masked_select(x, m))
+        v = torch.tensor([3, 1, 3, 2, 1, 1])
+        for got, want in zip(torch.unique(v.to("tpu"), return_inverse=True, return_counts=True),
+                             torch.unique(v, return_inverse=True, return_counts=True)):
+            assert torch.equal(got.cpu(), want), (got, want)
+        y = t.clone(); y[tm] = 0.0; x2 = x.clone(); x2[m] = 0.0
+        assert torch.equal(y.cpu(), x2)
+        assert torch.nonzero(torch.zeros(3, device="tpu")).shape == (0, 1)
+        for bad in (lambda: t.index_select(0, torch.tensor([0, 9], device="tpu")),
+                    lambda: t[torch.tensor([7], device="tpu")],
+                    lambda: torch.gather(t, 1, torch.tensor([[6]], device="tpu"))):
+            try:
+                bad().cpu()
+                raise AssertionError("no error")
+            except RuntimeError as e:
+                assert "out of" in str(e) and "aten::" in str(e), e
+        assert (t + 1).sum().item() == (x + 1).sum().item() or abs((t + 1).sum().item() - (x + 1).sum().item()) < 1e-4
+    """)
+
+
 def test_random_ops_repeat_under_manual_seed_and_have_their_distribution(pjrt):
     run_py(pjrt, """
         import torch, torch_tpu
