@@ -52,4 +52,11 @@ if ! .venv/bin/python -c 'import xla_plugins.xla_cpu_pjrt' 2>/dev/null; then
   echo "setup: installing xla-cpu-pjrt into .venv"
   .venv/bin/pip install -q xla-cpu-pjrt==0.0.1
 fi
+# libtpu (the TPU plugin) only for the test that tpud on it fails fast on
+# a machine without a TPU; its absence skips that test, so a failed download
+# does not fail the setup.
+if ! .venv/bin/python -c 'import libtpu' 2>/dev/null; then
+  echo "setup: installing libtpu into .venv (for the no-TPU fail-fast test)"
+  .venv/bin/pip install -q --no-deps libtpu==0.0.51 || echo "setup: libtpu not installed; its test will skip"
+fi
 echo "setup: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), $(bazel --version 2>/dev/null || echo 'bazel missing'))"

@@ -1,7 +1,9 @@
 #include "daemon/pjrt/pjrt_probe.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -58,11 +60,38 @@ void WriteAll(int fd, const std::string& s) {
   _exit(0);
 }
 
+// libtpu's lock on the host's TPUs: a file it creates and flock()s.
+constexpr char kLibtpuLockfile[] = "/tmp/libtpu_lockfile";
+
+// Removes libtpu's lockfile after a failed probe, when the probe made it
+// (it was not there before) and nobody holds its lock now; an unlocked
+// file left behind reads as a TPU in use to tools that only look for it.
+void RemoveLockfileLeftBehind(bool existed_before) {
+  if (existed_before) return;
+  const int fd = open(kLibtpuLockfile, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  if (flock(fd, LOCK_EX | LOCK_NB) == 0) unlink(kLibtpuLockfile);
+  close(fd);
+}
+
+absl::StatusOr<ProbeResult> ProbeOnce(const std::string& path, const std::vector<CreateOption>& options,
+                                      absl::Duration timeout);
+
 }  // namespace
 
 absl::StatusOr<ProbeResult> ProbePlugin(const std::string& path,
                                         const std::vector<CreateOption>& options,
                                         absl::Duration timeout) {
+  const bool lockfile_existed = access(kLibtpuLockfile, F_OK) == 0;
+  absl::StatusOr<ProbeResult> r = ProbeOnce(path, options, timeout);
+  if (!r.ok()) RemoveLockfileLeftBehind(lockfile_existed);
+  return r;
+}
+
+namespace {
+
+absl::StatusOr<ProbeResult> ProbeOnce(const std::string& path, const std::vector<CreateOption>& options,
+                                      absl::Duration timeout) {
   int fds[2];
   if (pipe(fds) != 0) return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
   const pid_t pid = fork();
@@ -145,4 +174,5 @@ absl::StatusOr<ProbeResult> ProbePlugin(const std::string& path,
   return r;
 }
 
+}  // namespace
 }  // namespace tpud::pjrt

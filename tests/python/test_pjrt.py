@@ -451,6 +451,31 @@ def test_a_bad_plugin_keeps_tpud_from_starting_with_its_message(tmp_path, flags,
     assert message in r.stderr, r.stderr[-2000:]
 
 
+def test_libtpu_without_a_tpu_fails_fast_and_leaves_no_lockfile(tmp_path):
+    # libtpu (PyPI, installed by the setup step) on a machine without a TPU:
+    # with TPU_SKIP_MDS_QUERY=1 client creation fails at once and tpud
+    # refuses to start with libtpu's message; without it libtpu waits for
+    # the cloud metadata server, and tpud gives up after
+    # --pjrt_probe_timeout. Neither leaves libtpu's lockfile behind.
+    libtpu = pytest.importorskip("libtpu")
+    plugin = os.path.join(os.path.dirname(libtpu.__file__), "libtpu.so")
+    lockfile = "/tmp/libtpu_lockfile"
+    if os.path.exists(lockfile):
+        pytest.skip(f"{lockfile} exists already (another libtpu user on this machine?)")
+    for env, flags, message, limit in (
+            ({"TPU_SKIP_MDS_QUERY": "1"}, [], "No jellyfish device found", 30),
+            ({}, ["--pjrt_probe_timeout=3s"], "did not come up within 3s", 30)):
+        cmd = [bazel_bin("daemon/tpud"), f"--socket={tmp_path}/t.sock", f"--admin_socket={tmp_path}/a.sock",
+               "--hbm_bytes=1GiB", "--backend=pjrt", f"--pjrt_plugin={plugin}"] + flags
+        e = dict(os.environ)
+        e.pop("TPU_SKIP_MDS_QUERY", None)
+        e.update(env)
+        r = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=limit)
+        assert r.returncode != 0, r.stdout + r.stderr
+        assert message in r.stderr + r.stdout, r.stderr[-2000:]
+        assert not os.path.exists(lockfile), "libtpu's lockfile was left behind"
+
+
 def test_programs_compile_once_and_tpuctl_counts_them(pjrt):
     tpuctl = bazel_bin("tools/tpuctl/tpuctl")
 
