@@ -5,12 +5,13 @@
 //
 // Memory in this version: a session's tensors stay in tpud's HBM arena
 // (host memory the executor can address), so everything above the backend
-// (quotas, copies, poisoning, collectives, reclaim) is unchanged. Each op
-// copies its inputs into PJRT buffers (strided and expanded views are read
-// by the plugin's transfer, expansion is a broadcast in the program) and
-// its results back into the arena. That fits plugins whose devices are the
-// host (XLA's CPU plugin); opaque device buffers, as on libtpu, are the
-// next step and are not done here.
+// (quotas, copies, poisoning, collectives, reclaim) is unchanged. On a
+// plugin whose devices are the host (XLA's CPU plugin) dense, aligned
+// inputs are zero-copy buffers over the arena and results are donated, so
+// the program writes them where they lie; other inputs are copied in by
+// the plugin's transfer (which reads strides) and other results copied
+// back. Opaque device buffers, as on libtpu, are the next step and are not
+// done here (docs/design.md).
 //
 // An op without a lowering fails with an error naming it; nothing falls
 // back to the CPU.
