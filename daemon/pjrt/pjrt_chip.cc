@@ -4876,6 +4876,8 @@ absl::StatusOr<std::unique_ptr<PjrtChip>> PjrtChip::Create(
   return std::unique_ptr<PjrtChip>(new PjrtChip(*std::move(p), std::max<size_t>(1, cache_capacity)));
 }
 
+PjrtChip::~PjrtChip() = default;
+
 std::string PjrtChip::Describe() const { return absl::StrCat("PJRT (", plugin_->Describe(), ")"); }
 
 absl::StatusOr<std::shared_ptr<const BackendOp>> PjrtChip::LookupOp(absl::string_view schema) {
@@ -4889,13 +4891,13 @@ absl::StatusOr<std::shared_ptr<const BackendOp>> PjrtChip::LookupOp(absl::string
   return std::make_shared<PjrtOp>(std::string(schema), std::move(name), WrittenArguments(schema));
 }
 
-absl::StatusOr<const Executable*> PjrtChip::Compiled(const std::string& program, int device) {
+absl::StatusOr<std::shared_ptr<const Executable>> PjrtChip::Compiled(const std::string& program, int device) {
   CompileStats& st = stats_[device];
   auto it = cache_.find(program);
   if (it != cache_.end()) {
     lru_.splice(lru_.end(), lru_, it->second);
     ++st.hits;
-    return it->second->second.get();
+    return it->second->second;
   }
   const auto t0 = std::chrono::steady_clock::now();
   absl::StatusOr<std::unique_ptr<Executable>> exe = plugin_->Compile(program);
@@ -4907,17 +4909,136 @@ absl::StatusOr<const Executable*> PjrtChip::Compiled(const std::string& program,
     cache_.erase(lru_.front().first);
     lru_.pop_front();
   }
-  lru_.emplace_back(program, *std::move(exe));
+  lru_.emplace_back(program, std::shared_ptr<const Executable>(*std::move(exe)));
   cache_[program] = std::prev(lru_.end());
-  return lru_.back().second.get();
+  return lru_.back().second;
 }
+
+// A lowered op, kept by its signature: the compiled program, where each
+// parameter reads (a tensor of the record, by its index, or a scalar), and
+// what comes back for each output.
+struct Plan {
+  struct In {
+    int k = -1;  // the record's tensor k; -1: a scalar; -2: `data` (a plan not kept)
+    const char* data = nullptr;
+    const DType* type = nullptr;
+    std::vector<int64_t> dims, byte_strides;
+    double scalar_d = 0;
+    int64_t scalar_i = 0;
+    int aliased = -1;
+    int64_t bytes = 0;
+    bool dense = false;
+  };
+  struct Out {
+    bool write = false;  // has memory to write
+    size_t bytes = 0;
+    bool donated = false;
+  };
+  std::shared_ptr<const Executable> exe;
+  std::vector<In> inputs;
+  std::vector<Out> outputs;
+  std::vector<int> used;  // the tensors read or written, by index
+  bool checked = false;
+  std::string range_message;
+  bool keep = true;
+};
+
+namespace {
+
+void KeyBytes(std::string* key, const void* p, size_t n) { key->append(static_cast<const char*>(p), n); }
+template <typename T>
+void KeyValue(std::string* key, const T& v) {
+  KeyBytes(key, &v, sizeof(v));
+}
+void KeyTensor(std::string* key, const tpu::TensorRef& r) {
+  KeyValue(key, r.dtype);
+  KeyValue(key, r.ndim);
+  const int n = std::min<int>(r.ndim, tpu::kMaxDims);
+  KeyBytes(key, r.sizes, sizeof(int64_t) * n);
+  KeyBytes(key, r.strides, sizeof(int64_t) * n);
+}
+
+// The signature an op's program depends on: its name, chip and every
+// argument's value (scalars included: a rule may fold one into the
+// program), every tensor's dtype, sizes and strides, and how the tensors
+// lie: without memory, aligned to 64 bytes, or at the same place as an
+// earlier one. False (not kept) for random ops, whose seed is new each time.
+bool SignatureKey(const std::string& name, int device, const tpu::DecodedOp& d,
+                  const std::vector<const tpu::TensorRef*>& all, const std::vector<ResolvedTensor>& tensors,
+                  const std::vector<uintptr_t>& raw, std::string* key) {
+  key->clear();
+  key->reserve(128 + 64 * all.size());
+  key->append(name);
+  key->push_back('\0');
+  KeyValue(key, device);
+  KeyValue(key, d.num_args);
+  for (size_t a = 0; a < d.num_args; ++a) {
+    const tpu::OpArg& arg = d.args[a];
+    KeyValue(key, arg.tag);
+    switch (arg.tag) {
+      case tpu::ArgTag::kGenerator: return false;
+      case tpu::ArgTag::kTensor: KeyTensor(key, arg.tensor); break;
+      case tpu::ArgTag::kTensorList: case tpu::ArgTag::kOptionalTensorList:
+        KeyValue(key, arg.tensors.size());
+        for (size_t e = 0; e < arg.tensors.size(); ++e) {
+          const bool present = e >= arg.tensor_present.size() || arg.tensor_present[e];
+          KeyValue(key, present);
+          if (present) KeyTensor(key, arg.tensors[e]);
+        }
+        break;
+      case tpu::ArgTag::kString:
+        KeyValue(key, arg.s.size());
+        key->append(arg.s);
+        break;
+      case tpu::ArgTag::kIntList:
+        KeyValue(key, arg.ints.size());
+        KeyBytes(key, arg.ints.data(), sizeof(int64_t) * arg.ints.size());
+        break;
+      case tpu::ArgTag::kDoubleList:
+        KeyValue(key, arg.doubles.size());
+        KeyBytes(key, arg.doubles.data(), sizeof(double) * arg.doubles.size());
+        break;
+      case tpu::ArgTag::kBoolList:
+        KeyValue(key, arg.bools.size());
+        for (bool b : arg.bools) KeyValue(key, b);
+        break;
+      default:
+        KeyValue(key, arg.i);
+        KeyValue(key, arg.device_index);
+        KeyValue(key, arg.d);
+        KeyValue(key, arg.d_imag);
+        KeyValue(key, arg.b);
+        KeyValue(key, arg.dtype);
+        break;
+    }
+  }
+  KeyValue(key, d.outputs.size());
+  for (const tpu::TensorRef& r : d.outputs) KeyTensor(key, r);
+  for (size_t k = 0; k < all.size(); ++k) {
+    const uint8_t absent = (all[k]->address == 0 ? 1 : 0) | (tensors[k].segment_bytes == 0 ? 2 : 0);
+    const uint8_t aligned = raw[k] % 64 == 0 ? 1 : 0;
+    int32_t same = -1;
+    for (size_t j = 0; j < k; ++j) {
+      if (raw[j] == raw[k] && raw[k] != 0) {
+        same = static_cast<int32_t>(j);
+        break;
+      }
+    }
+    KeyValue(key, absent);
+    KeyValue(key, aligned);
+    KeyValue(key, same);
+  }
+  return true;
+}
+
+}  // namespace
 
 // Runs `program` on `device`, its parameters copied in from `transfers`,
 // and copies its results out to `dsts` (one per result: where, and how many
 // bytes).
 absl::Status PjrtChip::RunToHost(const std::string& name, const std::vector<Transfer>& transfers, const std::string& program,
                                  int device, const std::vector<std::pair<void*, size_t>>& dsts) {
-  absl::StatusOr<const Executable*> exe = Compiled(program, device);
+  absl::StatusOr<std::shared_ptr<const Executable>> exe = Compiled(program, device);
   if (!exe.ok()) return absl::Status(exe.status().code(), absl::StrCat(name, ": ", exe.status().message()));
   std::vector<Buffer> inputs;
   std::vector<PJRT_Buffer*> args;
@@ -5408,6 +5529,65 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     report();
     return absl::OkStatus();
   }
+  // The program and how to feed it: from the plan cache when this op's
+  // signature (its arguments' values, dtypes, shapes and strides, and how
+  // its tensors lie: aligned, shared, absent) has run before, else lowered.
+  std::vector<const tpu::TensorRef*> all_refs;
+  for (size_t a = 0; a < decoded.num_args; ++a) {
+    const tpu::OpArg& arg = decoded.args[a];
+    if (arg.tag == tpu::ArgTag::kTensor) {
+      all_refs.push_back(&arg.tensor);
+    } else if (arg.tag == tpu::ArgTag::kTensorList) {
+      for (const tpu::TensorRef& t : arg.tensors) all_refs.push_back(&t);
+    } else if (arg.tag == tpu::ArgTag::kOptionalTensorList) {
+      for (size_t e = 0; e < arg.tensors.size(); ++e) {
+        if (e >= arg.tensor_present.size() || arg.tensor_present[e]) all_refs.push_back(&arg.tensors[e]);
+      }
+    }
+  }
+  for (const tpu::TensorRef& t : decoded.outputs) all_refs.push_back(&t);
+  if (all_refs.size() != tensors.size()) {
+    return absl::InternalError(absl::StrCat(op.name(), ": ", all_refs.size(), " tensors in the record, ", tensors.size(), " resolved"));
+  }
+  // Where each tensor's first element would lie (unchecked; 0 without memory).
+  std::vector<uintptr_t> raw(all_refs.size(), 0);
+  for (size_t k = 0; k < all_refs.size(); ++k) {
+    const tpu::TensorRef& r = *all_refs[k];
+    const ResolvedTensor& seg = tensors[k];
+    if (r.address == 0 || seg.segment_bytes == 0 || r.address < seg.segment_address) continue;
+    raw[k] = reinterpret_cast<uintptr_t>(seg.segment_host_base) + (r.address - seg.segment_address) +
+             static_cast<uintptr_t>(r.storage_offset) * static_cast<uintptr_t>(std::max(1, tpu::ElementSize(r.dtype)));
+  }
+  // The chip is the outputs'; every tensor of the op is on it (the client
+  // keeps an op's tensors on one device).
+  // (An output the client did not ask for has no address: the first that
+  // has one decides.)
+  uint64_t placed = refs[0]->address;
+  for (const tpu::TensorRef* r : refs) {
+    if (r->address != 0) {
+      placed = r->address;
+      break;
+    }
+  }
+  const int device = tpu::DeviceAddressChip(placed);
+  if (device < 0 || device >= plugin_->num_devices()) {
+    return absl::InvalidArgumentError(absl::StrCat(op.name(), ": output on chip ", device,
+                                                   ", which has no device"));
+  }
+  const bool host_devices = plugin_->platform_name() == "cpu";
+  std::string key;
+  const bool keyed = SignatureKey(op.name(), device, decoded, all_refs, tensors, raw, &key);
+  Plan fresh;
+  const Plan* found = nullptr;
+  if (keyed) {
+    if (auto it = plans_.find(key); it != plans_.end()) {
+      plan_lru_.splice(plan_lru_.end(), plan_lru_, it->second);
+      found = it->second->second.get();
+      ++stats_[device].hits;
+    }
+  }
+  auto lower = [&](Plan& plan) -> absl::Status {
+  Lowering l(op.name(), decoded, tensors);
   if (multi == MultiRules().end() && refs.size() != 1) {
     return Unsupported(op.name(), absl::StrCat(refs.size(), " outputs"));
   }
@@ -5551,7 +5731,6 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   // Results land in place: each dense result whose memory the plugin can
   // alias (XLA's CPU plugin: 64-byte aligned) is donated, so the program
   // writes it where it lies; the others are copied back after the run.
-  const bool host_devices = plugin_->platform_name() == "cpu";
   std::vector<bool> donated(outs.size(), false);
   for (size_t o = 0; o < outs.size(); ++o) {
     if (!host_devices || dsts[o] == nullptr || reinterpret_cast<uintptr_t>(dsts[o]) % 64 != 0) continue;
@@ -5571,63 +5750,106 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     types.push_back(TypeOf({}, *DTypeOf(11)));
   }
   const std::string program = l.Text(values, types);
-  // The chip is the outputs'; every tensor of the op is on it (the client
-  // keeps an op's tensors on one device).
-  // (An output the client did not ask for has no address: the first that
-  // has one decides.)
-  uint64_t placed = refs[0]->address;
-  for (const tpu::TensorRef* r : refs) {
-    if (r->address != 0) {
-      placed = r->address;
-      break;
-    }
-  }
-  const int device = tpu::DeviceAddressChip(placed);
-  if (device < 0 || device >= plugin_->num_devices()) {
-    return absl::InvalidArgumentError(absl::StrCat(op.name(), ": output on chip ", device,
-                                                   ", which has no device"));
-  }
-  absl::StatusOr<const Executable*> exe = Compiled(program, device);
+  absl::StatusOr<std::shared_ptr<const Executable>> exe = Compiled(program, device);
   if (!exe.ok()) {
     return absl::Status(exe.status().code(), absl::StrCat(op.name(), ": ", exe.status().message()));
   }
+  plan.exe = *std::move(exe);
+  plan.checked = checked;
+  plan.range_message = l.range_message();
+  for (size_t o = 0; o < outs.size(); ++o) {
+    const size_t bytes = static_cast<size_t>(spans[o] > 0 ? spans[o] : Numel(*refs[o])) * outs[o].type->bytes;
+    plan.outputs.push_back({dsts[o] != nullptr, bytes, static_cast<bool>(donated[o])});
+    if (dsts[o] != nullptr) plan.used.push_back(static_cast<int>(ref_index[o]));
+  }
+  // Each parameter by where it reads: a tensor of the record (by the host
+  // address it has now), a scalar, or (a plan that is not kept) the bytes.
+  for (const Transfer& x : l.transfers()) {
+    Plan::In in;
+    in.type = x.type;
+    in.dims = x.dims;
+    in.byte_strides = x.byte_strides;
+    in.scalar_d = x.scalar_d;
+    in.scalar_i = x.scalar_i;
+    in.aliased = x.aliased;
+    in.bytes = x.Bytes();
+    in.dense = x.Dense();
+    if (x.data == nullptr) {
+      in.k = -1;
+    } else {
+      const auto at = std::find(raw.begin(), raw.end(), reinterpret_cast<uintptr_t>(x.data));
+      if (at == raw.end()) {
+        in.k = -2;
+        in.data = x.data;
+        plan.keep = false;
+      } else {
+        in.k = static_cast<int>(at - raw.begin());
+        plan.used.push_back(in.k);
+      }
+    }
+    plan.inputs.push_back(std::move(in));
+  }
+  return absl::OkStatus();
+  };
+  if (found == nullptr) {
+    if (absl::Status st = lower(fresh); !st.ok()) return st;
+    found = &fresh;
+  }
+  const Plan& plan = *found;
+  // The tensors the program reads and writes, checked to lie in their
+  // segments.
+  std::vector<char*> host(all_refs.size(), nullptr);
+  for (int k : plan.used) {
+    if (host[k] != nullptr) continue;
+    absl::StatusOr<char*> h = l.HostOf(*all_refs[k], k);
+    if (!h.ok()) return h.status();
+    host[k] = *h;
+  }
+  std::vector<char*> dsts(refs.size(), nullptr);
+  for (size_t o = 0; o < refs.size(); ++o) {
+    if (plan.outputs[o].write) dsts[o] = host[ref_index[o]];
+  }
+  auto data_of = [&](const Plan::In& in) -> const char* {
+    return in.k >= 0 ? host[in.k] : in.k == -2 ? in.data : nullptr;
+  };
   // Inputs are read in place where they are dense and aligned, unless they
   // overlap memory a donated result is written to while the program runs
   // (the donated parameter itself aside: the plugin knows that alias).
   std::vector<std::pair<const char*, const char*>> written;
-  for (const Transfer& x : l.transfers()) {
-    if (x.aliased >= 0) written.emplace_back(x.data, x.data + x.Bytes());
+  for (const Plan::In& x : plan.inputs) {
+    if (x.aliased >= 0) written.emplace_back(data_of(x), data_of(x) + x.bytes);
   }
   std::vector<Buffer> inputs;
   std::vector<PJRT_Buffer*> args;
-  for (Transfer& x : l.transfers()) {
-    const void* data = x.data;
+  for (const Plan::In& x : plan.inputs) {
+    const char* at = data_of(x);
+    const void* data = at;
     if (data == nullptr) data = x.type->is_float ? static_cast<const void*>(&x.scalar_d)
                                                  : static_cast<const void*>(&x.scalar_i);
     bool in_place = x.aliased >= 0;
-    if (!in_place && host_devices && x.data != nullptr && x.Dense() &&
-        reinterpret_cast<uintptr_t>(x.data) % 64 == 0) {
+    if (!in_place && host_devices && at != nullptr && x.dense && reinterpret_cast<uintptr_t>(at) % 64 == 0) {
       in_place = std::none_of(written.begin(), written.end(), [&](const auto& w) {
-        return x.data < w.second && w.first < x.data + x.Bytes();
+        return at < w.second && w.first < at + x.bytes;
       });
     }
     absl::StatusOr<Buffer> b =
-        in_place ? plugin_->Alias(device, const_cast<char*>(x.data), x.type->pjrt, x.dims, x.aliased >= 0)
+        in_place ? plugin_->Alias(device, const_cast<char*>(at), x.type->pjrt, x.dims, x.aliased >= 0)
                  : plugin_->FromHost(device, data, x.type->pjrt, x.dims, x.byte_strides);
     if (!b.ok()) return absl::Status(b.status().code(), absl::StrCat(op.name(), ": ", b.status().message()));
     args.push_back(b->get());
     inputs.push_back(*std::move(b));
   }
-  absl::StatusOr<std::vector<Buffer>> out_buffers = plugin_->Execute(**exe, device, args);
+  absl::StatusOr<std::vector<Buffer>> out_buffers = plugin_->Execute(*plan.exe, device, args);
   if (!out_buffers.ok()) {
     return absl::Status(out_buffers.status().code(),
                         absl::StrCat(op.name(), ": ", out_buffers.status().message()));
   }
-  if (out_buffers->size() != outs.size() + (checked ? 1 : 0)) {
+  const size_t n_out = plan.outputs.size();
+  if (out_buffers->size() != n_out + (plan.checked ? 1 : 0)) {
     return absl::InternalError(absl::StrCat(op.name(), ": the program gave ", out_buffers->size(),
-                                            " results for ", outs.size(), " outputs"));
+                                            " results for ", n_out, " outputs"));
   }
-  if (checked) {
+  if (plan.checked) {
     uint8_t bad = 0;
     if (absl::Status st = plugin_->ToHost(out_buffers->back(), &bad, 1); !st.ok()) {
       return absl::Status(st.code(), absl::StrCat(op.name(), ": ", st.message()));
@@ -5635,14 +5857,13 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     if (bad != 0) {
       out_buffers->clear();
       inputs.clear();
-      return absl::InvalidArgumentError(absl::StrCat(op.name(), ": ", l.range_message()));
+      return absl::InvalidArgumentError(absl::StrCat(op.name(), ": ", plan.range_message));
     }
   }
-  for (size_t o = 0; o < outs.size(); ++o) {
-    const size_t bytes = static_cast<size_t>(spans[o] > 0 ? spans[o] : Numel(*refs[o])) *
-                         outs[o].type->bytes;
+  for (size_t o = 0; o < n_out; ++o) {
+    const size_t bytes = plan.outputs[o].bytes;
     if (bytes == 0 || dsts[o] == nullptr) continue;
-    if (donated[o]) {
+    if (plan.outputs[o].donated) {
       absl::StatusOr<uintptr_t> at = plugin_->UnsafePointer((*out_buffers)[o]);
       if (at.ok() && *at == reinterpret_cast<uintptr_t>(dsts[o])) continue;  // written in place
     }
@@ -5653,6 +5874,15 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   // The results go before the inputs they may alias.
   out_buffers->clear();
   inputs.clear();
+  // A plan lowered now is kept for the next op of this signature.
+  if (found == &fresh && keyed && fresh.keep) {
+    if (plan_lru_.size() >= 4 * capacity_) {
+      plans_.erase(plan_lru_.front().first);
+      plan_lru_.pop_front();
+    }
+    plan_lru_.emplace_back(key, std::make_shared<const Plan>(std::move(fresh)));
+    plans_[key] = std::prev(plan_lru_.end());
+  }
   report();
   return absl::OkStatus();
 }

@@ -35,6 +35,7 @@ namespace tpud::pjrt {
 std::vector<std::string> LoweredOpNames();
 
 struct Transfer;  // one parameter of a program, from the host
+struct Plan;      // a lowered op, kept by its signature
 
 class PjrtChip : public ChipBackend {
  public:
@@ -44,6 +45,7 @@ class PjrtChip : public ChipBackend {
       const std::string& plugin_path, const std::vector<CreateOption>& options,
       size_t cache_capacity);
 
+  ~PjrtChip() override;
   std::string Describe() const override;
   absl::StatusOr<std::shared_ptr<const BackendOp>> LookupOp(absl::string_view schema) override;
   absl::Status Run(const BackendOp& op, const tpu::DecodedOp& decoded,
@@ -60,7 +62,7 @@ class PjrtChip : public ChipBackend {
   explicit PjrtChip(std::unique_ptr<PjrtPlugin> plugin, size_t capacity)
       : plugin_(std::move(plugin)), capacity_(capacity), stats_(plugin_->num_devices()) {}
   // The program, compiled (once; counted against `device`).
-  absl::StatusOr<const Executable*> Compiled(const std::string& program, int device);
+  absl::StatusOr<std::shared_ptr<const Executable>> Compiled(const std::string& program, int device);
   absl::Status Equal(const std::string& name, const tpu::DecodedOp& decoded,
                      const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results);
   absl::Status Selected(const std::string& name, const tpu::DecodedOp& decoded,
@@ -78,8 +80,12 @@ class PjrtChip : public ChipBackend {
   std::unique_ptr<PjrtPlugin> plugin_;
   size_t capacity_;
   // Compiled programs by their text, least recently used first.
-  std::list<std::pair<std::string, std::unique_ptr<Executable>>> lru_;
+  std::list<std::pair<std::string, std::shared_ptr<const Executable>>> lru_;
   std::unordered_map<std::string, decltype(lru_)::iterator> cache_;
+  // Lowered ops by their signature (SignatureKey), least recently used
+  // first: an op seen before skips lowering and the program lookup.
+  std::list<std::pair<std::string, std::shared_ptr<const Plan>>> plan_lru_;
+  std::unordered_map<std::string, decltype(plan_lru_)::iterator> plans_;
   std::vector<CompileStats> stats_;  // per device
 };
 
