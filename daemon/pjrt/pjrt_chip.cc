@@ -8,6 +8,7 @@
 #include <map>
 #include <tuple>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -4964,8 +4965,8 @@ void KeyTensor(std::string* key, const tpu::TensorRef& r) {
 // lie: without memory, aligned to 64 bytes, or at the same place as an
 // earlier one. False (not kept) for random ops, whose seed is new each time.
 bool SignatureKey(const std::string& name, int device, const tpu::DecodedOp& d,
-                  const std::vector<const tpu::TensorRef*>& all, const std::vector<ResolvedTensor>& tensors,
-                  const std::vector<uintptr_t>& raw, std::string* key) {
+                  absl::Span<const tpu::TensorRef* const> all, const std::vector<ResolvedTensor>& tensors,
+                  absl::Span<const uintptr_t> raw, std::string* key) {
   key->clear();
   key->reserve(128 + 64 * all.size());
   key->append(name);
@@ -5532,7 +5533,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   // The program and how to feed it: from the plan cache when this op's
   // signature (its arguments' values, dtypes, shapes and strides, and how
   // its tensors lie: aligned, shared, absent) has run before, else lowered.
-  std::vector<const tpu::TensorRef*> all_refs;
+  absl::InlinedVector<const tpu::TensorRef*, 8> all_refs;
   for (size_t a = 0; a < decoded.num_args; ++a) {
     const tpu::OpArg& arg = decoded.args[a];
     if (arg.tag == tpu::ArgTag::kTensor) {
@@ -5550,7 +5551,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     return absl::InternalError(absl::StrCat(op.name(), ": ", all_refs.size(), " tensors in the record, ", tensors.size(), " resolved"));
   }
   // Where each tensor's first element would lie (unchecked; 0 without memory).
-  std::vector<uintptr_t> raw(all_refs.size(), 0);
+  absl::InlinedVector<uintptr_t, 8> raw(all_refs.size(), 0);
   for (size_t k = 0; k < all_refs.size(); ++k) {
     const tpu::TensorRef& r = *all_refs[k];
     const ResolvedTensor& seg = tensors[k];
@@ -5575,7 +5576,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
                                                    ", which has no device"));
   }
   const bool host_devices = plugin_->platform_name() == "cpu";
-  std::string key;
+  std::string& key = key_;
   const bool keyed = SignatureKey(op.name(), device, decoded, all_refs, tensors, raw, &key);
   Plan fresh;
   const Plan* found = nullptr;
@@ -5798,14 +5799,14 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   const Plan& plan = *found;
   // The tensors the program reads and writes, checked to lie in their
   // segments.
-  std::vector<char*> host(all_refs.size(), nullptr);
+  absl::InlinedVector<char*, 8> host(all_refs.size(), nullptr);
   for (int k : plan.used) {
     if (host[k] != nullptr) continue;
     absl::StatusOr<char*> h = l.HostOf(*all_refs[k], k);
     if (!h.ok()) return h.status();
     host[k] = *h;
   }
-  std::vector<char*> dsts(refs.size(), nullptr);
+  absl::InlinedVector<char*, 4> dsts(refs.size(), nullptr);
   for (size_t o = 0; o < refs.size(); ++o) {
     if (plan.outputs[o].write) dsts[o] = host[ref_index[o]];
   }
@@ -5815,17 +5816,31 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   // Inputs are read in place where they are dense and aligned, unless they
   // overlap memory a donated result is written to while the program runs
   // (the donated parameter itself aside: the plugin knows that alias).
-  std::vector<std::pair<const char*, const char*>> written;
+  absl::InlinedVector<std::pair<const char*, const char*>, 4> written;
   for (const Plan::In& x : plan.inputs) {
     if (x.aliased >= 0) written.emplace_back(data_of(x), data_of(x) + x.bytes);
   }
-  std::vector<Buffer> inputs;
-  std::vector<PJRT_Buffer*> args;
+  absl::InlinedVector<Buffer, 8> inputs;
+  absl::InlinedVector<PJRT_Buffer*, 8> args;
+  // Scalars stay on the device between ops, one buffer per value.
+  if (scalars_.size() >= 4096) scalars_.clear();
   for (const Plan::In& x : plan.inputs) {
     const char* at = data_of(x);
     const void* data = at;
-    if (data == nullptr) data = x.type->is_float ? static_cast<const void*>(&x.scalar_d)
-                                                 : static_cast<const void*>(&x.scalar_i);
+    if (data == nullptr) {
+      data = x.type->is_float ? static_cast<const void*>(&x.scalar_d) : static_cast<const void*>(&x.scalar_i);
+      std::string id(1, static_cast<char>(device));
+      id.push_back(static_cast<char>(x.type->pjrt));
+      id.append(static_cast<const char*>(data), 8);
+      auto it = scalars_.find(id);
+      if (it == scalars_.end()) {
+        absl::StatusOr<Buffer> b = plugin_->FromHost(device, data, x.type->pjrt, x.dims, x.byte_strides);
+        if (!b.ok()) return absl::Status(b.status().code(), absl::StrCat(op.name(), ": ", b.status().message()));
+        it = scalars_.emplace(std::move(id), *std::move(b)).first;
+      }
+      args.push_back(it->second.get());
+      continue;
+    }
     bool in_place = x.aliased >= 0;
     if (!in_place && host_devices && at != nullptr && x.dense && reinterpret_cast<uintptr_t>(at) % 64 == 0) {
       in_place = std::none_of(written.begin(), written.end(), [&](const auto& w) {
@@ -5839,7 +5854,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     args.push_back(b->get());
     inputs.push_back(*std::move(b));
   }
-  absl::StatusOr<std::vector<Buffer>> out_buffers = plugin_->Execute(*plan.exe, device, args);
+  absl::StatusOr<std::vector<Buffer>> out_buffers = plugin_->Execute(*plan.exe, device, absl::MakeConstSpan(args));
   if (!out_buffers.ok()) {
     return absl::Status(out_buffers.status().code(),
                         absl::StrCat(op.name(), ": ", out_buffers.status().message()));

@@ -86,6 +86,10 @@ class PjrtChip : public ChipBackend {
   // first: an op seen before skips lowering and the program lookup.
   std::list<std::pair<std::string, std::shared_ptr<const Plan>>> plan_lru_;
   std::unordered_map<std::string, decltype(plan_lru_)::iterator> plans_;
+  std::string key_;  // the signature being looked up (kept to reuse its memory)
+  // Scalar parameters on the device, by device, type and value: never
+  // donated, so one buffer serves every op that passes that value.
+  std::unordered_map<std::string, Buffer> scalars_;
   std::vector<CompileStats> stats_;  // per device
 };
 
