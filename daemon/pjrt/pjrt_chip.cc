@@ -4947,6 +4947,19 @@ struct Plan {
 namespace {
 
 void KeyBytes(std::string* key, const void* p, size_t n) { key->append(static_cast<const char*>(p), n); }
+
+// A buffer kept over arena memory: its device, place, type, dims and
+// whether it is the kind that is donated.
+std::string ResidentKey(int device, const char* at, PJRT_Buffer_Type type, const std::vector<int64_t>& dims, bool donate) {
+  std::string id;
+  id.reserve(24 + 8 * dims.size());
+  id.push_back(static_cast<char>(device));
+  id.push_back(static_cast<char>(type));
+  id.push_back(donate ? 1 : 0);
+  KeyBytes(&id, &at, sizeof(at));
+  KeyBytes(&id, dims.data(), sizeof(int64_t) * dims.size());
+  return id;
+}
 template <typename T>
 void KeyValue(std::string* key, const T& v) {
   KeyBytes(key, &v, sizeof(v));
@@ -5822,8 +5835,11 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   }
   absl::InlinedVector<Buffer, 8> inputs;
   absl::InlinedVector<PJRT_Buffer*, 8> args;
+  // For each output, the position in `inputs` of the buffer donated to it.
+  absl::InlinedVector<int, 4> donor(plan.outputs.size(), -1);
   // Scalars stay on the device between ops, one buffer per value.
   if (scalars_.size() >= 4096) scalars_.clear();
+  if (resident_.size() >= 8192) resident_.clear();
   for (const Plan::In& x : plan.inputs) {
     const char* at = data_of(x);
     const void* data = at;
@@ -5847,12 +5863,36 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
         return at < w.second && w.first < at + x.bytes;
       });
     }
-    absl::StatusOr<Buffer> b =
-        in_place ? plugin_->Alias(device, const_cast<char*>(at), x.type->pjrt, x.dims, x.aliased >= 0)
-                 : plugin_->FromHost(device, data, x.type->pjrt, x.dims, x.byte_strides);
-    if (!b.ok()) return absl::Status(b.status().code(), absl::StrCat(op.name(), ": ", b.status().message()));
-    args.push_back(b->get());
-    inputs.push_back(*std::move(b));
+    if (!in_place) {
+      absl::StatusOr<Buffer> b = plugin_->FromHost(device, data, x.type->pjrt, x.dims, x.byte_strides);
+      if (!b.ok()) return absl::Status(b.status().code(), absl::StrCat(op.name(), ": ", b.status().message()));
+      args.push_back(b->get());
+      inputs.push_back(*std::move(b));
+      continue;
+    }
+    // Buffers over the arena are kept between ops: one that is read stays
+    // in the cache; one that is donated is consumed by the run (and its
+    // result, at the same place, takes its entry afterwards).
+    const bool donate = x.aliased >= 0;
+    std::string id = ResidentKey(device, at, x.type->pjrt, x.dims, donate);
+    auto it = resident_.find(id);
+    if (it == resident_.end()) {
+      absl::StatusOr<Buffer> b = plugin_->Alias(device, const_cast<char*>(at), x.type->pjrt, x.dims, donate);
+      if (!b.ok()) return absl::Status(b.status().code(), absl::StrCat(op.name(), ": ", b.status().message()));
+      if (donate) {
+        args.push_back(b->get());
+        donor[x.aliased] = static_cast<int>(inputs.size());
+        inputs.push_back(*std::move(b));
+        continue;
+      }
+      it = resident_.emplace(std::move(id), *std::move(b)).first;
+    }
+    args.push_back(it->second.get());
+    if (donate) {
+      donor[x.aliased] = static_cast<int>(inputs.size());
+      inputs.push_back(std::move(it->second));
+      resident_.erase(it);
+    }
   }
   absl::StatusOr<std::vector<Buffer>> out_buffers = plugin_->Execute(*plan.exe, device, absl::MakeConstSpan(args));
   if (!out_buffers.ok()) {
@@ -5880,7 +5920,18 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     if (bytes == 0 || dsts[o] == nullptr) continue;
     if (plan.outputs[o].donated) {
       absl::StatusOr<uintptr_t> at = plugin_->UnsafePointer((*out_buffers)[o]);
-      if (at.ok() && *at == reinterpret_cast<uintptr_t>(dsts[o])) continue;  // written in place
+      if (at.ok() && *at == reinterpret_cast<uintptr_t>(dsts[o])) {
+        // Written in place: the result's buffer is the one to donate there
+        // next time.
+        for (const Plan::In& x : plan.inputs) {
+          if (x.aliased != static_cast<int>(o) || donor[o] < 0) continue;
+          Buffer& result = (*out_buffers)[o];
+          result.InheritRelease(inputs[donor[o]]);
+          resident_.insert_or_assign(ResidentKey(device, dsts[o], x.type->pjrt, x.dims, true), std::move(result));
+          break;
+        }
+        continue;
+      }
     }
     if (absl::Status st = plugin_->ToHost((*out_buffers)[o], dsts[o], bytes); !st.ok()) {
       return absl::Status(st.code(), absl::StrCat(op.name(), ": ", st.message()));

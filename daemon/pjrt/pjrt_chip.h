@@ -90,6 +90,10 @@ class PjrtChip : public ChipBackend {
   // Scalar parameters on the device, by device, type and value: never
   // donated, so one buffer serves every op that passes that value.
   std::unordered_map<std::string, Buffer> scalars_;
+  // Zero-copy buffers over the arena (host-memory devices), by device,
+  // place, type, dims and donation: the memory outlives them, so they are
+  // kept between ops instead of made and destroyed per op.
+  std::unordered_map<std::string, Buffer> resident_;
   std::vector<CompileStats> stats_;  // per device
 };
 

@@ -65,6 +65,12 @@ class Buffer {
   Buffer& operator=(Buffer&& o) noexcept;
   ~Buffer();
   PJRT_Buffer* get() const { return buffer_; }
+  // A buffer that took over the host memory `donor` aliased (the result
+  // the plugin wrote into a donated buffer) waits, when destroyed, for the
+  // release the donor was to wait for: only this buffer's end brings it.
+  void InheritRelease(Buffer& donor) {
+    if (released_ == nullptr) released_ = std::exchange(donor.released_, nullptr);
+  }
 
  private:
   const PjrtPlugin* plugin_ = nullptr;
