@@ -5047,6 +5047,25 @@ bool SignatureKey(const std::string& name, int device, const tpu::DecodedOp& d,
 
 }  // namespace
 
+namespace {
+
+// A result of a size only the data gave: its first `bytes` of `data` go
+// into memory the session's result allocator hands out (charged to its
+// quota), and `v` (its dtype and shape) points there.
+absl::Status PushAllocated(ResultAllocator* allocator, ResultValue v, const void* data, uint64_t bytes,
+                           std::vector<ResultValue>* results) {
+  if (bytes > 0) {
+    absl::StatusOr<ResultAllocator::Block> block = allocator->Allocate(bytes);
+    if (!block.ok()) return block.status();
+    std::memcpy(block->host, data, bytes);
+    v.tensor.address = block->address;
+  }
+  results->push_back(v);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 // Runs `program` on `device`, its parameters copied in from `transfers`,
 // and copies its results out to `dsts` (one per result: where, and how many
 // bytes).
@@ -5192,15 +5211,7 @@ absl::Status PjrtChip::Selected(const std::string& name, const tpu::DecodedOp& d
     v.tensor.strides[0] = std::max<int64_t>(static_cast<int64_t>(rank), 1);
     v.tensor.strides[1] = 1;
   }
-  const uint64_t bytes = static_cast<uint64_t>(count) * row_bytes;
-  if (bytes > 0) {
-    absl::StatusOr<ResultAllocator::Block> block = allocator->Allocate(bytes);
-    if (!block.ok()) return block.status();
-    std::memcpy(block->host, rows.data(), bytes);
-    v.tensor.address = block->address;
-  }
-  results->push_back(v);
-  return absl::OkStatus();
+  return PushAllocated(allocator, v, rows.data(), static_cast<uint64_t>(count) * row_bytes, results);
 }
 
 // index.Tensor(self, [mask]) with one boolean (or byte) mask over self's
@@ -5275,15 +5286,7 @@ absl::Status PjrtChip::MaskIndex(const std::string& name, const tpu::DecodedOp& 
     stride *= std::max<int64_t>(xd[q], 1);
   }
   v.tensor.strides[0] = stride;
-  const uint64_t bytes = static_cast<uint64_t>(count) * row_bytes;
-  if (bytes > 0) {
-    absl::StatusOr<ResultAllocator::Block> block = allocator->Allocate(bytes);
-    if (!block.ok()) return block.status();
-    std::memcpy(block->host, rows.data(), bytes);
-    v.tensor.address = block->address;
-  }
-  results->push_back(v);
-  return absl::OkStatus();
+  return PushAllocated(allocator, v, rows.data(), static_cast<uint64_t>(count) * row_bytes, results);
 }
 
 // _unique2(self, sorted, return_inverse, return_counts) and
@@ -5377,15 +5380,7 @@ absl::Status PjrtChip::Unique(const std::string& name, const tpu::DecodedOp& dec
       stride *= std::max<int64_t>(dims[q], 1);
       n *= dims[q];
     }
-    const uint64_t bytes = static_cast<uint64_t>(n) * esize;
-    if (bytes > 0) {
-      absl::StatusOr<ResultAllocator::Block> block = allocator->Allocate(bytes);
-      if (!block.ok()) return block.status();
-      std::memcpy(block->host, data, bytes);
-      v.tensor.address = block->address;
-    }
-    results->push_back(v);
-    return absl::OkStatus();
+    return PushAllocated(allocator, v, data, static_cast<uint64_t>(n) * esize, results);
   };
   if (absl::Status st = emit(x.dtype, {count}, values.data(), xt->bytes); !st.ok()) return st;
   if (absl::Status st = emit(4, want_inverse ? xd : std::vector<int64_t>{0}, inverse.data(), 8); !st.ok()) return st;
