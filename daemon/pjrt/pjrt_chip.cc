@@ -1073,6 +1073,58 @@ absl::StatusOr<Picked> PickTargets(Lowering& l, const tpu::DecodedOp& d, size_t 
 std::string Running(Lowering& l, const std::string& x, const std::vector<int64_t>& in, int64_t dim,
                     const char* op, double init, const DType& t, const std::string& init_value = "");
 
+// The p-norm of `diff` (|a - b|, dims `full`) over dimension `axis`:
+// the count of nonzero entries for p = 0, the largest for infinity.
+std::string PNorm(Lowering& l, const std::string& diff, const std::vector<int64_t>& full, int64_t axis, double p,
+                  const DType& t) {
+  const std::vector<int64_t> kept = Lowering::Kept(full, {axis});
+  const std::string zero = l.Constant(0, {}, t);
+  if (p == 0) {
+    const std::string nz = l.Select(l.Compare("NE", diff, l.Constant(0, full, t), full, t), l.Constant(1, full, t),
+                                    l.Constant(0, full, t), full, t);
+    return l.ReduceOver(nz, full, {axis}, "add", zero, t);
+  }
+  if (std::isinf(p)) return l.ReduceOver(diff, full, {axis}, "maximum", zero, t);
+  if (p == 1) return l.ReduceOver(diff, full, {axis}, "add", zero, t);
+  if (p == 2) return l.Unary("sqrt", l.ReduceOver(l.Binary("multiply", diff, diff, full, t), full, {axis}, "add", zero, t), kept, t);
+  const std::string sum = l.ReduceOver(l.Binary("power", diff, l.Constant(p, full, t), full, t), full, {axis}, "add", zero, t);
+  return l.Binary("power", sum, l.Constant(1.0 / p, kept, t), kept, t);
+}
+
+// 1-d: `into` (n elements) with `what` (m elements) written, or added, at
+// the positions `at` (i64, m).
+std::string ScatterFlat(Lowering& l, const std::string& into, int64_t n, const std::string& at, const std::string& what,
+                        int64_t m, bool add, const DType& t) {
+  const DType& i64 = I64();
+  const std::string scalar = TypeOf({}, t);
+  return l.Emit(absl::StrCat(
+      "\"stablehlo.scatter\"(", into, ", ", l.Reshape(at, {m}, {m, 1}, i64), ", ", what, ") ({\n",
+      "    ^bb0(%old: ", scalar, ", %new: ", scalar, "):\n",
+      add ? absl::StrCat("      %sum = stablehlo.add %old, %new : ", scalar, "\n      stablehlo.return %sum : ", scalar, "\n")
+          : absl::StrCat("      stablehlo.return %new : ", scalar, "\n"),
+      "    }) {indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<inserted_window_dims = [0], ",
+      "scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, unique_indices = false} : (", TypeOf({n}, t), ", ",
+      TypeOf({m, 1}, i64), ", ", TypeOf({m}, t), ") -> ", TypeOf({n}, t)));
+}
+
+// Whether input i of n falls in adaptive window o of out (dims `dims`,
+// o along `out_axis`, i along `in_axis`): [floor(o n / out),
+// ceil((o + 1) n / out)).
+std::string AdaptiveWindow(Lowering& l, const std::vector<int64_t>& dims, int64_t out_axis, int64_t in_axis, int64_t n,
+                           int64_t out) {
+  const DType& i64 = I64();
+  auto c = [&](double v) { return l.Constant(v, dims, i64); };
+  const std::string oi = l.Iota(out_axis, dims, i64), ii = l.Iota(in_axis, dims, i64);
+  const std::string start = l.Binary("divide", l.Binary("multiply", oi, c(static_cast<double>(n)), dims, i64),
+                                     c(static_cast<double>(out)), dims, i64);
+  const std::string end = l.Binary(
+      "divide",
+      l.Binary("add", l.Binary("multiply", l.Binary("add", oi, c(1), dims, i64), c(static_cast<double>(n)), dims, i64),
+               c(static_cast<double>(out - 1)), dims, i64),
+      c(static_cast<double>(out)), dims, i64);
+  return l.Binary("and", l.Compare("GE", ii, start, dims, i64), l.Compare("LT", ii, end, dims, i64), dims, *DTypeOf(11));
+}
+
 // ---------------------------------------------------------------- linear algebra
 // Matrices are the last two dimensions; the ones before are a batch.
 
@@ -2172,17 +2224,8 @@ const std::map<std::string, MultiRule>& MultiRules() {
       xmap.push_back(static_cast<int64_t>(lead + 2));
       xmap.push_back(static_cast<int64_t>(lead + 3));
       const int64_t a = static_cast<int64_t>(lead);
-      auto window = [&](int64_t out_axis, int64_t in_axis, int64_t n, int64_t out) {
-        const std::string oi = l.Iota(out_axis, full, i64), ii = l.Iota(in_axis, full, i64);
-        const std::string start = l.Binary("divide", l.Binary("multiply", oi, l.Constant(static_cast<double>(n), full, i64), full, i64),
-                                           l.Constant(static_cast<double>(out), full, i64), full, i64);
-        const std::string end = l.Binary("divide", l.Binary("add", l.Binary("multiply", l.Binary("add", oi, l.Constant(1, full, i64), full, i64),
-                                                                            l.Constant(static_cast<double>(n), full, i64), full, i64),
-                                                           l.Constant(static_cast<double>(out - 1), full, i64), full, i64),
-                                         l.Constant(static_cast<double>(out), full, i64), full, i64);
-        return l.Binary("and", l.Compare("GE", ii, start, full, i64), l.Compare("LT", ii, end, full, i64), full, i1);
-      };
-      const std::string mask = l.Binary("and", window(a, a + 2, h, oh), window(a + 1, a + 3, w, ow), full, i1);
+      const std::string mask = l.Binary("and", AdaptiveWindow(l, full, a, a + 2, h, oh), AdaptiveWindow(l, full, a + 1, a + 3, w, ow),
+                                        full, i1);
       const std::string xb = BroadcastInDim(l, *x, in, full, xmap, t);
       const std::vector<int64_t> last2 = {a + 2, a + 3};
       const std::string mx = l.ReduceOver(l.Select(mask, xb, l.BroadcastTo(l.Lowest(t), {}, full, t), full, t), full, last2, "maximum",
@@ -4320,16 +4363,8 @@ const std::map<std::string, Rule>& ReshuffleRules() {
                      l.Binary("add", idx, l.Constant(static_cast<double>(total), {n}, i64), {n}, i64), idx, {n}, i64);
       l.CheckRange(idx, {n}, total, absl::StrCat("an index is out of range for a tensor of ", total, " elements"));
       const bool accumulate = d.args[3].tag == tpu::ArgTag::kBool && d.args[3].b;
-      const std::string scalar = TypeOf({}, t);
-      const std::string r = l.Emit(absl::StrCat(
-          "\"stablehlo.scatter\"(", l.Reshape(*x, o.dims, {total}, t), ", ", l.Reshape(idx, {n}, {n, 1}, i64), ", ",
-          l.Reshape(*src, DimsOf(d.args[2].tensor), {n}, t), ") ({\n",
-          "    ^bb0(%old: ", scalar, ", %new: ", scalar, "):\n",
-          accumulate ? absl::StrCat("      %sum = stablehlo.add %old, %new : ", scalar, "\n      stablehlo.return %sum : ", scalar, "\n")
-                     : absl::StrCat("      stablehlo.return %new : ", scalar, "\n"),
-          "    }) {indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<inserted_window_dims = [0], ",
-          "scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, unique_indices = false} : (", TypeOf({total}, t), ", ",
-          TypeOf({n, 1}, i64), ", ", TypeOf({n}, t), ") -> ", TypeOf({total}, t)));
+      const std::string r = ScatterFlat(l, l.Reshape(*x, o.dims, {total}, t), total, idx,
+                                        l.Reshape(*src, DimsOf(d.args[2].tensor), {n}, t), n, accumulate, t);
       return l.Reshape(r, {total}, o.dims, t);
     };
     // masked_scatter_(self, mask, source): the k-th selected element of self
@@ -4447,18 +4482,7 @@ const std::map<std::string, Rule>& ReshuffleRules() {
       bmap2.insert(bmap2.end(), {static_cast<int64_t>(nb + 1), static_cast<int64_t>(nb + 2)});
       const std::string diff = l.Unary("abs", l.Binary("subtract", BroadcastInDim(l, *a, ad, full, amap, t),
                                                        BroadcastInDim(l, *b, bd, full, bmap2, t), full, t), full, t);
-      const std::vector<int64_t> last = {static_cast<int64_t>(nb + 2)};
-      const std::string zero = l.Constant(0, {}, t);
-      if (p == 0) {
-        const std::string nz = l.Select(l.Compare("NE", diff, l.Constant(0, full, t), full, t), l.Constant(1, full, t),
-                                        l.Constant(0, full, t), full, t);
-        return l.ReduceOver(nz, full, last, "add", zero, t);
-      }
-      if (std::isinf(p)) return l.ReduceOver(diff, full, last, "maximum", zero, t);
-      if (p == 1) return l.ReduceOver(diff, full, last, "add", zero, t);
-      if (p == 2) return l.Unary("sqrt", l.ReduceOver(l.Binary("multiply", diff, diff, full, t), full, last, "add", zero, t), o.dims, t);
-      const std::string s = l.ReduceOver(l.Binary("power", diff, l.Constant(p, full, t), full, t), full, last, "add", zero, t);
-      return l.Binary("power", s, l.Constant(1.0 / p, o.dims, t), o.dims, t);
+      return PNorm(l, diff, full, static_cast<int64_t>(nb + 2), p, t);
     };
     // special_spherical_bessel_j0: sin(x) / x, by its series below 0.5,
     // 0 at infinity (as ATen).
@@ -4516,14 +4540,7 @@ const std::map<std::string, Rule>& ReshuffleRules() {
       std::string pos = l.Convert(l.Select(inside, scaled, l.Constant(0, flat, t), flat, t), flat, t, i64);
       pos = l.Binary("minimum", pos, l.Constant(static_cast<double>(bins - 1), flat, i64), flat, i64);
       const std::string ones = l.Select(inside, l.Constant(1, flat, t), l.Constant(0, flat, t), flat, t);
-      const std::string scalar = TypeOf({}, t);
-      return l.Emit(absl::StrCat(
-          "\"stablehlo.scatter\"(", l.Constant(0, o.dims, t), ", ", l.Reshape(pos, flat, {total, 1}, i64), ", ", ones, ") ({\n",
-          "    ^bb0(%old: ", scalar, ", %new: ", scalar, "):\n",
-          "      %sum = stablehlo.add %old, %new : ", scalar, "\n      stablehlo.return %sum : ", scalar, "\n",
-          "    }) {indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<inserted_window_dims = [0], ",
-          "scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, unique_indices = false} : (", TypeOf(o.dims, t), ", ",
-          TypeOf({total, 1}, i64), ", ", TypeOf(flat, t), ") -> ", TypeOf(o.dims, t)));
+      return ScatterFlat(l, l.Constant(0, o.dims, t), bins, pos, ones, total, true, t);
     };
     // _adaptive_avg_pool2d / 3d(self, output_size): output o of a dimension
     // of n inputs averages inputs [floor(o n / out), ceil((o + 1) n / out)),
@@ -4533,7 +4550,6 @@ const std::map<std::string, Rule>& ReshuffleRules() {
           -> absl::StatusOr<std::string> {
         if (!Defined(d, 0) || o.dims.size() < static_cast<size_t>(sp)) return Unsupported(l.op(), "arguments of a form not lowered");
         const DType& t = *o.type;
-        const DType& i64 = I64();
         std::vector<int64_t> cur = DimsOf(d.args[0].tensor);
         if (cur.size() != o.dims.size()) return Unsupported(l.op(), "an output of another rank");
         absl::StatusOr<std::string> x = l.Operand(d.args[0], cur, t);
@@ -4546,15 +4562,7 @@ const std::map<std::string, Rule>& ReshuffleRules() {
           if (n == 0 || out == 0) return l.Constant(0, o.dims, t);
           // window mask (out, n), and its sizes
           const std::vector<int64_t> wd = {out, n};
-          const std::string oi = l.Iota(0, wd, i64), ii = l.Iota(1, wd, i64);
-          const std::string start = l.Binary("divide", l.Binary("multiply", oi, l.Constant(static_cast<double>(n), wd, i64), wd, i64),
-                                             l.Constant(static_cast<double>(out), wd, i64), wd, i64);
-          const std::string end = l.Binary("divide", l.Binary("add", l.Binary("multiply", l.Binary("add", oi, l.Constant(1, wd, i64), wd, i64),
-                                                                              l.Constant(static_cast<double>(n), wd, i64), wd, i64),
-                                                             l.Constant(static_cast<double>(out - 1), wd, i64), wd, i64),
-                                           l.Constant(static_cast<double>(out), wd, i64), wd, i64);
-          const DType& i1 = *DTypeOf(11);
-          const std::string in_win = l.Binary("and", l.Compare("GE", ii, start, wd, i64), l.Compare("LT", ii, end, wd, i64), wd, i1);
+          const std::string in_win = AdaptiveWindow(l, wd, 0, 1, n, out);
           const std::string w = l.Select(in_win, l.Constant(1, wd, t), l.Constant(0, wd, t), wd, t);
           // full: cur with (out, n) at (q, q + 1)
           std::vector<int64_t> full, xmap, wmap = {static_cast<int64_t>(q), static_cast<int64_t>(q + 1)};
@@ -4593,22 +4601,8 @@ const std::map<std::string, Rule>& ReshuffleRules() {
       const std::vector<int64_t> full = {n, n, mm};
       const std::string diff = l.Unary("abs", l.Binary("subtract", BroadcastInDim(l, *x, in, full, {0, 2}, t),
                                                        BroadcastInDim(l, *x, in, full, {1, 2}, t), full, t), full, t);
-      const std::vector<int64_t> last = {2}, nn = {n, n};
-      const std::string zero = l.Constant(0, {}, t);
-      std::string dist;
-      if (p == 0) {
-        dist = l.ReduceOver(l.Select(l.Compare("NE", diff, l.Constant(0, full, t), full, t), l.Constant(1, full, t), l.Constant(0, full, t), full, t),
-                            full, last, "add", zero, t);
-      } else if (std::isinf(p)) {
-        dist = l.ReduceOver(diff, full, last, "maximum", zero, t);
-      } else if (p == 1) {
-        dist = l.ReduceOver(diff, full, last, "add", zero, t);
-      } else if (p == 2) {
-        dist = l.Unary("sqrt", l.ReduceOver(l.Binary("multiply", diff, diff, full, t), full, last, "add", zero, t), nn, t);
-      } else {
-        dist = l.Binary("power", l.ReduceOver(l.Binary("power", diff, l.Constant(p, full, t), full, t), full, last, "add", zero, t),
-                        l.Constant(1.0 / p, nn, t), nn, t);
-      }
+      const std::vector<int64_t> nn = {n, n};
+      const std::string dist = PNorm(l, diff, full, 2, p, t);
       std::vector<std::string> at;
       for (int64_t i = 0; i < n; ++i) {
         for (int64_t j = i + 1; j < n; ++j) at.push_back(absl::StrCat(i * n + j));
@@ -4919,16 +4913,10 @@ absl::StatusOr<std::shared_ptr<const Executable>> PjrtChip::Compiled(const std::
 // parameter reads (a tensor of the record, by its index, or a scalar), and
 // what comes back for each output.
 struct Plan {
-  struct In {
+  // A parameter as the lowering made it; `data` is kept only for k = -2
+  // (the record's tensors move between ops: a kept plan finds them by k).
+  struct In : Transfer {
     int k = -1;  // the record's tensor k; -1: a scalar; -2: `data` (a plan not kept)
-    const char* data = nullptr;
-    const DType* type = nullptr;
-    std::vector<int64_t> dims, byte_strides;
-    double scalar_d = 0;
-    int64_t scalar_i = 0;
-    int aliased = -1;
-    int64_t bytes = 0;
-    bool dense = false;
   };
   struct Out {
     bool write = false;  // has memory to write
@@ -5066,6 +5054,16 @@ absl::Status PushAllocated(ResultAllocator* allocator, ResultValue v, const void
 
 }  // namespace
 
+// The device a tensor at device address `address` lies on.
+absl::StatusOr<int> PjrtChip::DeviceOf(const std::string& name, uint64_t address) const {
+  const int device = tpu::DeviceAddressChip(address);
+  if (device < 0 || device >= plugin_->num_devices()) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": a tensor on chip ", device, ", which has no device (this host has ",
+                                                   plugin_->num_devices(), ")"));
+  }
+  return device;
+}
+
 // Runs `program` on `device`, its parameters copied in from `transfers`,
 // and copies its results out to `dsts` (one per result: where, and how many
 // bytes).
@@ -5193,12 +5191,10 @@ absl::Status PjrtChip::Selected(const std::string& name, const tpu::DecodedOp& d
       }
     }
     const std::string program = l.Text({n, out}, {TypeOf({}, i64), out_type});
-    const int device = tpu::DeviceAddressChip(x.address);
-    if (device < 0 || device >= plugin_->num_devices()) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ": a tensor on chip ", device, ", which has no device"));
-    }
+    absl::StatusOr<int> device = DeviceOf(name, x.address);
+    if (!device.ok()) return device.status();
     rows.resize(static_cast<size_t>(total) * row_bytes);
-    if (absl::Status st = RunToHost(name, l.transfers(), program, device, {{&count, 8}, {rows.data(), rows.size()}}); !st.ok()) {
+    if (absl::Status st = RunToHost(name, l.transfers(), program, *device, {{&count, 8}, {rows.data(), rows.size()}}); !st.ok()) {
       return st;
     }
     if (count < 0 || count > total) return absl::InternalError(absl::StrCat(name, ": the program counted ", count));
@@ -5267,12 +5263,10 @@ absl::Status PjrtChip::MaskIndex(const std::string& name, const tpu::DecodedOp& 
         "index_vector_dim = 1>, indices_are_sorted = false, slice_sizes = array<i64: 1, ", payload, ">} : (",
         TypeOf(table, *xt), ", ", TypeOf({rows_n, 1}, i64), ") -> ", TypeOf(table, *xt)));
     const std::string program = l.Text({n, gathered}, {TypeOf({}, i64), TypeOf(table, *xt)});
-    const int device = tpu::DeviceAddressChip(x.address);
-    if (device < 0 || device >= plugin_->num_devices()) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ": a tensor on chip ", device, ", which has no device"));
-    }
+    absl::StatusOr<int> device = DeviceOf(name, x.address);
+    if (!device.ok()) return device.status();
     rows.resize(static_cast<size_t>(rows_n) * row_bytes);
-    if (absl::Status st = RunToHost(name, l.transfers(), program, device, {{&count, 8}, {rows.data(), rows.size()}}); !st.ok()) {
+    if (absl::Status st = RunToHost(name, l.transfers(), program, *device, {{&count, 8}, {rows.data(), rows.size()}}); !st.ok()) {
       return st;
     }
     if (count < 0 || count > rows_n) return absl::InternalError(absl::StrCat(name, ": the program counted ", count));
@@ -5338,15 +5332,7 @@ absl::Status PjrtChip::Unique(const std::string& name, const tpu::DecodedOp& dec
     const std::string group = l.Binary("subtract", Running(l, ones, flat, 0, "add", 0, i64), l.Constant(1, flat, i64), flat, i64);
     const std::string n = l.ReduceOver(ones, flat, {0}, "add", l.Constant(0, {}, i64), i64);
     auto scatter = [&](const std::string& into, const std::string& at, const std::string& what, const DType& t, bool add) {
-      const std::string scalar = TypeOf({}, t);
-      return l.Emit(absl::StrCat(
-          "\"stablehlo.scatter\"(", into, ", ", l.Reshape(at, flat, {total, 1}, i64), ", ", what, ") ({\n",
-          "    ^bb0(%old: ", scalar, ", %new: ", scalar, "):\n",
-          add ? absl::StrCat("      %sum = stablehlo.add %old, %new : ", scalar, "\n      stablehlo.return %sum : ", scalar, "\n")
-              : absl::StrCat("      stablehlo.return %new : ", scalar, "\n"),
-          "    }) {indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<inserted_window_dims = [0], ",
-          "scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, unique_indices = false} : (", TypeOf(flat, t), ", ",
-          TypeOf({total, 1}, i64), ", ", TypeOf(flat, t), ") -> ", TypeOf(flat, t)));
+      return ScatterFlat(l, into, total, at, what, total, add, t);
     };
     // Each group's value from its first element (a later element of the
     // group is sent nowhere: past the end).
@@ -5355,11 +5341,9 @@ absl::Status PjrtChip::Unique(const std::string& name, const tpu::DecodedOp& dec
     const std::string inv = scatter(l.Constant(0, flat, i64), perm, group, i64, false);
     const std::string cnt = scatter(l.Constant(0, flat, i64), group, l.Constant(1, flat, i64), i64, true);
     const std::string program = l.Text({n, vals, inv, cnt}, {TypeOf({}, i64), TypeOf(flat, *xt), TypeOf(flat, i64), TypeOf(flat, i64)});
-    const int device = tpu::DeviceAddressChip(x.address);
-    if (device < 0 || device >= plugin_->num_devices()) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ": a tensor on chip ", device, ", which has no device"));
-    }
-    if (absl::Status st = RunToHost(name, l.transfers(), program, device,
+    absl::StatusOr<int> device = DeviceOf(name, x.address);
+    if (!device.ok()) return device.status();
+    if (absl::Status st = RunToHost(name, l.transfers(), program, *device,
                                     {{&count, 8}, {values.data(), values.size()}, {inverse.data(), inverse.size() * 8},
                                      {counts.data(), counts.size() * 8}});
         !st.ok()) {
@@ -5414,12 +5398,10 @@ absl::Status PjrtChip::Equal(const std::string& name, const tpu::DecodedOp& deco
     const std::string eq = l.Compare("EQ", *x, *y, dims, t);
     const std::string all = l.ReduceOver(eq, dims, Range(dims.size()), "and", l.Constant(1, {}, i1), i1);
     const std::string program = l.Text({all}, {TypeOf({}, i1)});
-    const int device = tpu::DeviceAddressChip(a.address);
-    if (device < 0 || device >= plugin_->num_devices()) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ": a tensor on chip ", device, ", which has no device"));
-    }
+    absl::StatusOr<int> device = DeviceOf(name, a.address);
+    if (!device.ok()) return device.status();
     uint8_t byte = 0;
-    if (absl::Status st = RunToHost(name, l.transfers(), program, device, {{&byte, 1}}); !st.ok()) return st;
+    if (absl::Status st = RunToHost(name, l.transfers(), program, *device, {{&byte, 1}}); !st.ok()) return st;
     v.b = byte != 0;
   }
   if (results != nullptr) results->push_back(v);
@@ -5775,24 +5757,17 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   // address it has now), a scalar, or (a plan that is not kept) the bytes.
   for (const Transfer& x : l.transfers()) {
     Plan::In in;
-    in.type = x.type;
-    in.dims = x.dims;
-    in.byte_strides = x.byte_strides;
-    in.scalar_d = x.scalar_d;
-    in.scalar_i = x.scalar_i;
-    in.aliased = x.aliased;
-    in.bytes = x.Bytes();
-    in.dense = x.Dense();
+    static_cast<Transfer&>(in) = x;
     if (x.data == nullptr) {
       in.k = -1;
     } else {
       const auto at = std::find(raw.begin(), raw.end(), reinterpret_cast<uintptr_t>(x.data));
       if (at == raw.end()) {
         in.k = -2;
-        in.data = x.data;
         plan.keep = false;
       } else {
         in.k = static_cast<int>(at - raw.begin());
+        in.data = nullptr;
         plan.used.push_back(in.k);
       }
     }
@@ -5826,7 +5801,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   // (the donated parameter itself aside: the plugin knows that alias).
   absl::InlinedVector<std::pair<const char*, const char*>, 4> written;
   for (const Plan::In& x : plan.inputs) {
-    if (x.aliased >= 0) written.emplace_back(data_of(x), data_of(x) + x.bytes);
+    if (x.aliased >= 0) written.emplace_back(data_of(x), data_of(x) + x.Bytes());
   }
   absl::InlinedVector<Buffer, 8> inputs;
   absl::InlinedVector<PJRT_Buffer*, 8> args;
@@ -5853,9 +5828,9 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
       continue;
     }
     bool in_place = x.aliased >= 0;
-    if (!in_place && host_devices && at != nullptr && x.dense && reinterpret_cast<uintptr_t>(at) % 64 == 0) {
+    if (!in_place && host_devices && at != nullptr && x.Dense() && reinterpret_cast<uintptr_t>(at) % 64 == 0) {
       in_place = std::none_of(written.begin(), written.end(), [&](const auto& w) {
-        return at < w.second && w.first < at + x.bytes;
+        return at < w.second && w.first < at + x.Bytes();
       });
     }
     if (!in_place) {

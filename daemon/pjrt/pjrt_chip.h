@@ -74,6 +74,7 @@ class PjrtChip : public ChipBackend {
   absl::Status MaskIndex(const std::string& name, const tpu::DecodedOp& decoded,
                          const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
                          ResultAllocator* allocator);
+  absl::StatusOr<int> DeviceOf(const std::string& name, uint64_t address) const;
   absl::Status RunToHost(const std::string& name, const std::vector<Transfer>& transfers,
                          const std::string& program, int device, const std::vector<std::pair<void*, size_t>>& dsts);
 
