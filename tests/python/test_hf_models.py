@@ -27,6 +27,7 @@ def to(x, device):
 def check_equal(ref, dev, batch, steps=3, atol=2e-5, rtol=2e-4):
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt_dev = torch.optim.AdamW(dev.parameters(), lr=1e-3)
+    noise = set()
     for step in range(steps):
         inputs = batch()
         out_ref = ref(**inputs)
@@ -44,10 +45,17 @@ def check_equal(ref, dev, batch, steps=3, atol=2e-5, rtol=2e-4):
                 continue
             torch.testing.assert_close(q.grad.cpu(), p.grad, atol=atol, rtol=rtol,
                                        msg=lambda m: f"step {step} grad {name}: {m}")
+            # A gradient that is zero in exact arithmetic (an attention key's
+            # bias: softmax ignores a shift) is rounding noise on both sides,
+            # and Adam scales noise up to steps of about lr: such a parameter
+            # is held to that bound instead.
+            if p.grad.abs().max() < 1e-6:
+                noise.add(name)
         opt_ref.step()
         opt_dev.step()
         for (name, p), q in zip(ref.named_parameters(), dev.parameters()):
-            torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=atol, rtol=rtol,
+            tol = 1e-3 * (step + 1) if name in noise else atol
+            torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=tol, rtol=rtol,
                                        msg=lambda m: f"step {step} param {name}: {m}")
 
 def check_generate(ref, dev, g, vocab):
