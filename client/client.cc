@@ -388,6 +388,7 @@ absl::StatusOr<DaemonStatus> AdminClient::GetStatus() {
     info.ops_executed = e.ops_executed();
     info.duty_cycle = e.duty_cycle();
     info.programs_cached = e.programs_cached();
+    info.device_buffer_bytes = e.device_buffer_bytes();
     for (const v1::ChipCompileStats& c : e.compile()) {
       info.compile.push_back({static_cast<int>(c.chip()), c.compiles(), c.compile_seconds(),
                               c.cache_hits()});

@@ -45,6 +45,7 @@ struct ResolvedTensor {
   char* segment_host_base = nullptr;  // host view of the segment's first byte
   uint64_t segment_address = 0;       // device address of that byte
   uint64_t segment_bytes = 0;
+  uint64_t owner = 0;  // the session whose segment it is (its id)
 };
 
 // Storage for results the host needs but the client could not allocate in
@@ -87,6 +88,24 @@ class ChipBackend {
   virtual bool Compiles() const { return false; }
   virtual CompileStats compile_stats(int chip) const { return {}; }
   virtual uint64_t programs_cached() const { return 0; }
+  // Bytes of segments held in device memory of the backend's own.
+  virtual uint64_t device_buffer_bytes() const { return 0; }
+
+  // Backends whose memory is the device's own (PJRT buffers, not the arena's
+  // bytes) keep the arena as the host's copy of each segment, brought up to
+  // date when the host side touches it. The executor calls HostAccess before
+  // it reads device bytes [address, +bytes) on the host (copies out,
+  // collectives) and, with `write`, before it writes them there, for the
+  // session `owner` (a device copy another session left there is dropped,
+  // never copied out); Released
+  // when tpud frees a segment (its device memory goes, and a later owner of
+  // those pages sees the arena's zeros). Both are no-ops on backends that
+  // compute on the arena itself.
+  virtual absl::Status HostAccess(uint64_t address, uint64_t bytes, bool write, uint64_t owner) {
+    return absl::OkStatus();
+  }
+  virtual void Released(uint64_t address, uint64_t bytes) {}
+  virtual bool DeviceMemory() const { return false; }
 
   // Name for logs and tpuctl ("simulated (ATen CPU)").
   virtual std::string Describe() const = 0;

@@ -303,6 +303,7 @@ grpc::Status AdminServiceImpl::GetStatus(grpc::ServerContext* ctx,
       out->set_ops_executed(e.ops);
       out->set_duty_cycle(e.duty_cycle);
       out->set_programs_cached(e.programs_cached);
+      out->set_device_buffer_bytes(e.device_buffer_bytes);
       for (size_t i = 0; i < e.compile.size() && i < e.chips.size(); ++i) {
         v1::ChipCompileStats* c = out->add_compile();
         c->set_chip(e.chips[i]);

@@ -96,6 +96,11 @@ ABSL_FLAG(std::vector<std::string>, pjrt_option, {},
           "the value's type is inferred, or given as int64:, string:, bool:, float:");
 ABSL_FLAG(absl::Duration, pjrt_probe_timeout, absl::Seconds(60),
           "how long the PJRT plugin may take to come up at start-up");
+ABSL_FLAG(std::string, pjrt_memory, "auto",
+          "where the PJRT backend keeps tensors: host (ops compute on tpud's HBM arena, which "
+          "the plugin's devices must be able to address: XLA's CPU plugin), device (each "
+          "segment is a PJRT buffer on its device, the arena its host copy; as on libtpu), or "
+          "auto (host on a plugin whose platform is cpu, else device)");
 ABSL_FLAG(int, pjrt_program_cache, 4096,
           "compiled programs the PJRT backend keeps (least recently used go first)");
 
@@ -141,7 +146,12 @@ int Run() {
   backend_status.kind = backend;
   std::vector<pjrt::CreateOption> pjrt_options;
   const std::string pjrt_plugin = absl::GetFlag(FLAGS_pjrt_plugin);
+  bool device_memory = false;
   if (backend == "pjrt") {
+    const std::string memory = absl::GetFlag(FLAGS_pjrt_memory);
+    if (memory != "auto" && memory != "host" && memory != "device") {
+      return Fail(absl::StrCat("unknown --pjrt_memory=", memory, " (auto, host or device)"));
+    }
     if (pjrt_plugin.empty()) return Fail("--backend=pjrt needs --pjrt_plugin=PATH");
     std::vector<std::string> texts = PjrtOptionArgs();
     if (texts.empty()) texts = absl::GetFlag(FLAGS_pjrt_option);
@@ -169,7 +179,14 @@ int Run() {
       topology = Topology::FromPreset(absl::GetFlag(FLAGS_topology), static_cast<uint64_t>(limit));
       if (!topology.ok()) return Fail(std::string(topology.status().message()));
     }
-    backend_status.description = absl::StrCat("PJRT (", probe->description, ")");
+    // Computing on the arena needs devices that address host memory.
+    device_memory = memory == "device" || (memory == "auto" && probe->platform != "cpu");
+    if (memory == "host" && probe->platform != "cpu") {
+      return Fail(absl::StrCat("--pjrt_memory=host needs a plugin whose devices are the host's (platform cpu); this one's "
+                               "platform is ", probe->platform));
+    }
+    backend_status.description = absl::StrCat("PJRT (", probe->description, ")",
+                                              device_memory ? ", tensors in device buffers" : "");
     backend_status.plugin_path = pjrt_plugin;
     backend_status.pjrt_api_version = absl::StrCat(probe->api_major, ".", probe->api_minor);
     backend_status.platform = probe->platform;
@@ -270,10 +287,10 @@ int Run() {
   const int intra_op_threads = absl::GetFlag(FLAGS_intra_op_threads);
   const int cache_entries = std::max(1, absl::GetFlag(FLAGS_pjrt_program_cache));
   exec_config.make_backend = [intra_op_threads, backend, pjrt_plugin, pjrt_options,
-                              cache_entries]() -> std::unique_ptr<ChipBackend> {
+                              cache_entries, device_memory]() -> std::unique_ptr<ChipBackend> {
     if (backend == "pjrt") {
-      absl::StatusOr<std::unique_ptr<pjrt::PjrtChip>> chip =
-          pjrt::PjrtChip::Create(pjrt_plugin, pjrt_options, static_cast<size_t>(cache_entries));
+      absl::StatusOr<std::unique_ptr<pjrt::PjrtChip>> chip = pjrt::PjrtChip::Create(
+          pjrt_plugin, pjrt_options, static_cast<size_t>(cache_entries), device_memory);
       if (!chip.ok()) {
         spdlog::critical("{}", std::string(chip.status().message()));
         return nullptr;
@@ -319,6 +336,9 @@ int Run() {
   });
   ExecutorPool* pool_ptr = pool->get();
   (*core)->SetMemoryFence([pool_ptr](uint32_t tag) { pool_ptr->Fence(tag); });
+  if (device_memory) {
+    (*core)->SetReleaseHook([pool_ptr](uint64_t address, uint64_t bytes) { pool_ptr->Released(address, bytes); });
+  }
 
   ConnectionTable connections;
   std::unique_ptr<SocketServer> sockets;

@@ -186,8 +186,13 @@ void RuntimeCore::ReleaseBlocks(uint32_t tag, const std::vector<SegmentGrant>& b
   if (blocks.empty()) return;
   // No executor may still be inside an op that resolved these pages.
   if (memory_fence_) memory_fence_(tag);
-  absl::MutexLock lock(&mu_);
-  for (const SegmentGrant& seg : blocks) FreeBlockLocked(seg.chip, seg.offset);
+  {
+    absl::MutexLock lock(&mu_);
+    for (const SegmentGrant& seg : blocks) FreeBlockLocked(seg.chip, seg.offset);
+  }
+  if (release_hook_) {
+    for (const SegmentGrant& seg : blocks) release_hook_(seg.address, seg.size);
+  }
 }
 
 absl::StatusOr<ReclaimResult> RuntimeCore::EndSessionById(uint64_t session_id) {
@@ -463,6 +468,10 @@ void RuntimeCore::SetSessionEndHook(std::function<void(uint64_t)> hook) {
 
 void RuntimeCore::SetMemoryFence(std::function<void(uint32_t)> fence) {
   memory_fence_ = std::move(fence);
+}
+
+void RuntimeCore::SetReleaseHook(std::function<void(uint64_t, uint64_t)> hook) {
+  release_hook_ = std::move(hook);
 }
 
 ConnectionId RuntimeCore::ConnectionOf(uint64_t session_id) const {

@@ -128,6 +128,10 @@ class RuntimeCore {
   // returns once no executor can still be using them (ExecutorPool::Fence).
   // Set once, before serving.
   void SetMemoryFence(std::function<void(uint32_t tag)> fence);
+  // Called, without the lock, with each segment once it went back to the
+  // allocator: a backend keeping device memory per segment lets it go
+  // (ExecutorPool::Released). Set once, before serving.
+  void SetReleaseHook(std::function<void(uint64_t address, uint64_t bytes)> hook);
 
   // Binds a data-plane connection to its session: the token must match and
   // the peer must be the session's user. Once per session. Returns the
@@ -263,6 +267,7 @@ class RuntimeCore {
   uint32_t next_tag_ ABSL_GUARDED_BY(mu_) = 1;
   std::function<void(uint64_t)> session_end_hook_;
   std::function<void(uint32_t)> memory_fence_;
+  std::function<void(uint64_t, uint64_t)> release_hook_;
 };
 
 }  // namespace tpud

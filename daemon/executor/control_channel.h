@@ -22,6 +22,7 @@ enum class ControlType : uint32_t {
   kDetach = 2,      // session_id
   kAllocReply = 3,  // request_id, code, a = device address, b = bytes, text
   kStop = 4,
+  kReleased = 5,    // a = device address, b = bytes: a freed segment
   // executor -> tpud
   kReady = 100,
   kAllocRequest = 101,  // request_id, session_id, a = chip, b = bytes

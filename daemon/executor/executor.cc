@@ -127,6 +127,8 @@ int Executor::ChipSlot(int chip) const {
 
 int Executor::Run() {
   slot_->pid.store(getpid());
+  // tpud sends releases only to executors that said they are ready.
+  releases_seen_ = slot_->releases_sent.load(std::memory_order_seq_cst);
   slot_->state.store(ExecutorSlot::kReady);
   ControlMessage ready;
   ready.type = ControlType::kReady;
@@ -220,6 +222,10 @@ void Executor::HandleControl() {
       case ControlType::kDetach:
         Detach(m.session_id);
         break;
+      case ControlType::kReleased:
+        config_.backend->Released(m.a, m.b);
+        ++releases_seen_;
+        break;
       case ControlType::kStop:
         stopping_ = true;
         break;
@@ -227,6 +233,42 @@ void Executor::HandleControl() {
         break;
     }
     for (int f : fds) close(f);
+  }
+}
+
+void Executor::SyncReleases() {
+  if (!config_.backend->DeviceMemory()) return;
+  const uint64_t sent = slot_->releases_sent.load(std::memory_order_seq_cst);
+  if (sent == releases_seen_) return;
+  for (auto it = pending_control_.begin(); it != pending_control_.end();) {
+    if (it->first.type != ControlType::kReleased) {
+      ++it;
+      continue;
+    }
+    config_.backend->Released(it->first.a, it->first.b);
+    ++releases_seen_;
+    it = pending_control_.erase(it);
+  }
+  // Each is queued before it is counted; bounded all the same.
+  const uint64_t deadline = tpu::MonotonicNanos() + 1000000000ull;
+  while (releases_seen_ < sent && !stopping_ && tpu::MonotonicNanos() < deadline) {
+    pollfd p{config_.control_fd, POLLIN, 0};
+    if (poll(&p, 1, 10) <= 0) continue;
+    ControlMessage m;
+    std::vector<int> fds;
+    const int r = ReceiveControl(config_.control_fd, &m, &fds);
+    if (r == 0) {
+      stopping_ = true;
+      return;
+    }
+    if (r < 0) continue;
+    if (m.type == ControlType::kReleased) {
+      config_.backend->Released(m.a, m.b);
+      ++releases_seen_;
+      for (int f : fds) close(f);
+      continue;
+    }
+    pending_control_.emplace_back(m, std::move(fds));
   }
 }
 
@@ -471,6 +513,7 @@ void Executor::UpdateActivity(uint64_t now) {
   if (config_.backend->Compiles()) {
     slot_->compiles_ops.store(1, std::memory_order_relaxed);
     slot_->programs_cached.store(config_.backend->programs_cached(), std::memory_order_relaxed);
+    slot_->device_buffer_bytes.store(config_.backend->device_buffer_bytes(), std::memory_order_relaxed);
     for (size_t i = 0; i < config_.chips.size() && i < tpu::kMaxChipsPerHost; ++i) {
       const CompileStats c = config_.backend->compile_stats(config_.chips[i]);
       slot_->compiles[i].store(c.compiles, std::memory_order_relaxed);
@@ -825,7 +868,7 @@ absl::Status Executor::ResolveTensors(Ring& ring) {
       return absl::NotFoundError("");  // worded by the caller
     }
     resolved_[i] = ResolvedTensor{config_.chip_bases[c] + seg->offset,
-                                  tpu::MakeDeviceAddress(c, seg->offset), seg->bytes};
+                                  tpu::MakeDeviceAddress(c, seg->offset), seg->bytes, s.id};
   }
   return absl::OkStatus();
 }
@@ -845,6 +888,7 @@ absl::Status Executor::RunOp(Ring& ring, uint64_t sequence) {
   if (s.state.header()->dead.load(std::memory_order_seq_cst) != 0) {
     status = absl::UnavailableError("the session ended");
   } else {
+    SyncReleases();
     status = ResolveTensors(ring);
     if (!status.ok() && status.code() != absl::StatusCode::kNotFound) {
       status = absl::Status(status.code(), absl::StrCat(OpName(&op), ": ", status.message()));
@@ -968,6 +1012,7 @@ absl::Status Executor::RunCopy(Ring& ring, const tpu::DecodedCopy& copy) {
         "the chip they write (or, to the host, read)",
         to_device ? "to" : "from", own, own_chip, ring.chip));
   }
+  SyncReleases();
   absl::StatusOr<char*> src = from_device ? DeviceRange(s, copy.src, copy.bytes, "source")
                                           : HostRange(s, copy.src, copy.bytes);
   if (!src.ok()) return src.status();
@@ -981,6 +1026,13 @@ absl::Status Executor::RunCopy(Ring& ring, const tpu::DecodedCopy& copy) {
     if (to_device) AddPoison(s, ring.chip, copy.dst, copy.dst + copy.bytes, cause);
     return absl::FailedPreconditionError(
         absl::StrCat("the copied data was produced by an op that failed earlier: ", cause));
+  }
+  // A backend with memory of its own brings the arena's copy up to date.
+  if (from_device) {
+    if (absl::Status st = config_.backend->HostAccess(copy.src, copy.bytes, false, s.id); !st.ok()) return st;
+  }
+  if (to_device) {
+    if (absl::Status st = config_.backend->HostAccess(copy.dst, copy.bytes, true, s.id); !st.ok()) return st;
   }
   std::memmove(*dst, *src, copy.bytes);
   if (to_device) ClearPoison(s, ring.chip, copy.dst, copy.dst + copy.bytes);

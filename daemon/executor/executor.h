@@ -125,6 +125,10 @@ class Executor {
 
   // ---- control ----
   void HandleControl();
+  // Reads every kReleased message tpud has sent (ExecutorSlot::releases_sent)
+  // and passes it to the backend; other messages wait in pending_control_.
+  // Called before memory is resolved, by backends with device memory only.
+  void SyncReleases();
   void Attach(const ControlMessage& msg, std::vector<int>& fds);
   void Detach(uint64_t session_id);
   // Waits for tpud's answer to a request (other messages are queued).
@@ -218,6 +222,7 @@ class Executor {
   std::vector<Ring*> parked_;
   int armed_count_ = 0;
   std::deque<std::pair<ControlMessage, std::vector<int>>> pending_control_;
+  uint64_t releases_seen_ = 0;
   uint64_t next_request_ = 1;
   bool wake_pending_ = false;
 

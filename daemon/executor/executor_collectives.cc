@@ -162,6 +162,7 @@ absl::StatusOr<char*> Executor::RankRange(const CommSlot* comm, int rank, uint64
         "rank %d's %s buffer 0x%x is not on its chip %d", rank, what, address, m.chip));
   }
   const uint64_t offset = tpu::DeviceAddressOffset(address);
+  SyncReleases();
   if (!config_.owners[c].Find(offset, bytes, m.tag).has_value()) {
     const uint32_t owner = config_.owners[c].OwnerOf(offset);
     const std::string msg = absl::StrFormat(
@@ -171,6 +172,9 @@ absl::StatusOr<char*> Executor::RankRange(const CommSlot* comm, int rank, uint64
     if (owner != 0 && owner != m.tag) return absl::PermissionDeniedError(msg);
     return absl::InvalidArgumentError(msg);
   }
+  // A backend with memory of its own brings the arena's copy up to date (a
+  // buffer written here is the arena's from now on).
+  if (absl::Status st = config_.backend->HostAccess(address, bytes, !input, m.session_id); !st.ok()) return st;
   if (input) {
     auto it = sessions_.find(m.session_id);
     std::string cause;

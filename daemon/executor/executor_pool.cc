@@ -350,6 +350,20 @@ void ExecutorPool::Detach(uint64_t session_id) {
   sessions_.erase(it);
 }
 
+void ExecutorPool::Released(uint64_t address, uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  for (Worker& w : workers_) {
+    if (!w.ready || w.control_fd < 0) continue;
+    ControlMessage m;
+    m.type = ControlType::kReleased;
+    m.a = address;
+    m.b = bytes;
+    if (SendControl(w.control_fd, m)) {
+      shared_->slots[&w - workers_.data()].releases_sent.fetch_add(1, std::memory_order_seq_cst);
+    }
+  }
+}
+
 void ExecutorPool::Fence(uint32_t tag) {
   if (tag == 0) return;
   auto inside = [tag](const ExecutorSlot& slot) {
@@ -630,6 +644,7 @@ std::vector<ExecutorInfo> ExecutorPool::Executors() const {
     info.duty_cycle = static_cast<double>(slot.duty_permille.load()) / 1000.0;
     if (slot.compiles_ops.load() != 0) {
       info.programs_cached = slot.programs_cached.load();
+      info.device_buffer_bytes = w.ready ? slot.device_buffer_bytes.load() : 0;
       for (size_t i = 0; i < info.chips.size() && i < tpu::kMaxChipsPerHost; ++i) {
         CompileStats c;
         c.compiles = slot.compiles[i].load();

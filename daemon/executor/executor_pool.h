@@ -72,6 +72,7 @@ struct ExecutorInfo {
   // one per chip in `chips` order; empty for backends that do not compile.
   std::vector<CompileStats> compile;
   uint64_t programs_cached = 0;
+  uint64_t device_buffer_bytes = 0;
 };
 
 class ExecutorPool {
@@ -110,6 +111,8 @@ class ExecutorPool {
   // Returns once no executor is inside an op of the session tagged `tag`
   // (pages cleared before the call are then unused; see shared_regions.h).
   void Fence(uint32_t tag);
+  // Tells every executor that the segment [address, +bytes) was freed.
+  void Released(uint64_t address, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
   int num_executors() const { return static_cast<int>(options_.chips_of.size()); }
   int ExecutorOfChip(int chip) const;

@@ -115,9 +115,15 @@ struct alignas(64) ExecutorSlot {
   // in this executor's chips; since this executor started.
   std::atomic<uint32_t> compiles_ops;     // 1: the backend compiles
   std::atomic<uint64_t> programs_cached;
+  std::atomic<uint64_t> device_buffer_bytes;
   std::atomic<uint64_t> compiles[tpu::kMaxChipsPerHost];
   std::atomic<uint64_t> compile_ns[tpu::kMaxChipsPerHost];
   std::atomic<uint64_t> program_hits[tpu::kMaxChipsPerHost];
+  // kReleased messages tpud sent this executor (counted after each is
+  // queued): an executor keeping device memory per segment reads them all
+  // before it resolves memory, so pages freed and handed out again never
+  // meet the old segment's device copy.
+  std::atomic<uint64_t> releases_sent;
 };
 
 struct ExecutorShared {

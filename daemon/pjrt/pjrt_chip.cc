@@ -627,6 +627,200 @@ class Lowering {
     Param(TypeOf(dims, t), std::move(x));
   }
 
+  // ---- device memory (PjrtChip with device buffers; docs/design.md)
+  //
+  // There, a segment is one PJRT buffer of bytes (u8[segment bytes]) on its
+  // device, and a program takes the segments its tensors lie in instead of
+  // the tensors: each tensor parameter is read out of its segment inside the
+  // program (a slice of its bytes, reinterpreted as its type, and a gather
+  // where it is strided), and each result is written back into its segment
+  // (its bytes updated in place: the segment is donated to the program and
+  // aliased to the new segment it returns).
+
+  // Bytes (u8[count * size of t]) as `count` values of t.
+  std::string Decode(const std::string& bytes, int64_t count, const DType& t) {
+    const DType& u8 = *DTypeOf(0);
+    const int64_t n = count * t.bytes;
+    if (t.c10 == 0) return bytes;
+    if (t.c10 == 11) return Compare("NE", bytes, Constant(0, {n}, u8), {n}, u8);
+    if (IsComplex(t)) {
+      const DType& part = PartOf(t);
+      const std::string grouped = Reshape(bytes, {n}, {count, 2, part.bytes}, u8);
+      const std::string parts = Emit(absl::StrCat("stablehlo.bitcast_convert ", grouped, " : (",
+                                                  TypeOf({count, 2, part.bytes}, u8), ") -> ",
+                                                  TypeOf({count, 2}, part)));
+      const std::string re = Reshape(SliceAlong(parts, {count, 2}, 1, 0, 1, part), {count, 1}, {count}, part);
+      const std::string im = Reshape(SliceAlong(parts, {count, 2}, 1, 1, 2, part), {count, 1}, {count}, part);
+      return Emit(absl::StrCat("stablehlo.complex ", re, ", ", im, " : ", TypeOf({count}, t)));
+    }
+    if (t.bytes == 1) {
+      return Emit(absl::StrCat("stablehlo.bitcast_convert ", bytes, " : (", TypeOf({n}, u8), ") -> ", TypeOf({count}, t)));
+    }
+    const std::string grouped = Reshape(bytes, {n}, {count, t.bytes}, u8);
+    return Emit(absl::StrCat("stablehlo.bitcast_convert ", grouped, " : (", TypeOf({count, t.bytes}, u8), ") -> ",
+                             TypeOf({count}, t)));
+  }
+  // `count` values of t as their bytes (u8[count * size of t]).
+  std::string Encode(const std::string& v, int64_t count, const DType& t) {
+    const DType& u8 = *DTypeOf(0);
+    const int64_t n = count * t.bytes;
+    if (t.c10 == 0) return v;
+    if (t.c10 == 11) return Convert(v, {count}, t, u8);
+    if (IsComplex(t)) {
+      const DType& part = PartOf(t);
+      const std::string re = Reshape(Emit(absl::StrCat("stablehlo.real ", v, " : (", TypeOf({count}, t), ") -> ",
+                                                       TypeOf({count}, part))), {count}, {count, 1}, part);
+      const std::string im = Reshape(Emit(absl::StrCat("stablehlo.imag ", v, " : (", TypeOf({count}, t), ") -> ",
+                                                       TypeOf({count}, part))), {count}, {count, 1}, part);
+      const std::string parts = Emit(absl::StrCat("stablehlo.concatenate ", re, ", ", im, ", dim = 1 : (",
+                                                  TypeOf({count, 1}, part), ", ", TypeOf({count, 1}, part), ") -> ",
+                                                  TypeOf({count, 2}, part)));
+      const std::string bytes = Emit(absl::StrCat("stablehlo.bitcast_convert ", parts, " : (", TypeOf({count, 2}, part),
+                                                  ") -> ", TypeOf({count, 2, part.bytes}, u8)));
+      return Reshape(bytes, {count, 2, part.bytes}, {n}, u8);
+    }
+    if (t.bytes == 1) {
+      return Emit(absl::StrCat("stablehlo.bitcast_convert ", v, " : (", TypeOf({count}, t), ") -> ", TypeOf({n}, u8)));
+    }
+    const std::string bytes = Emit(absl::StrCat("stablehlo.bitcast_convert ", v, " : (", TypeOf({count}, t), ") -> ",
+                                                TypeOf({count, t.bytes}, u8)));
+    return Reshape(bytes, {count, t.bytes}, {n}, u8);
+  }
+  // Transfer x's tensor, read out of segment value `seg` (u8[seg_bytes])
+  // where it starts `offset` bytes in.
+  absl::StatusOr<std::string> ReadView(const std::string& seg, uint64_t seg_bytes, uint64_t offset, const Transfer& x) {
+    const DType& t = *x.type;
+    const DType& u8 = *DTypeOf(0);
+    int64_t n = 1;
+    for (int64_t d : x.dims) n *= d;
+    if (n == 0) return Constant(0, x.dims, t);
+    const bool dense = x.Dense();
+    std::vector<int64_t> strides(x.dims.size(), 0);  // in elements
+    int64_t count = n;
+    if (!dense) {
+      count = 1;
+      for (size_t d = 0; d < x.dims.size(); ++d) {
+        if (x.dims[d] == 1) continue;
+        if (x.byte_strides[d] <= 0 || x.byte_strides[d] % t.bytes != 0) {
+          return Unsupported(op_, "a tensor whose strides are not whole elements");
+        }
+        strides[d] = x.byte_strides[d] / t.bytes;
+        count += (x.dims[d] - 1) * strides[d];
+      }
+    }
+    const uint64_t span = static_cast<uint64_t>(count) * static_cast<uint64_t>(t.bytes);
+    if (offset > seg_bytes || span > seg_bytes - offset) {
+      return absl::InvalidArgumentError(absl::StrCat(op_, ": a tensor reaches past its segment"));
+    }
+    std::string bytes = seg;
+    if (offset != 0 || span != seg_bytes) {
+      bytes = Emit(absl::StrCat("stablehlo.slice ", seg, " [", offset, ":", offset + span, "] : (",
+                                TypeOf({static_cast<int64_t>(seg_bytes)}, u8), ") -> ",
+                                TypeOf({static_cast<int64_t>(span)}, u8)));
+    }
+    const std::string flat = Decode(bytes, count, t);
+    if (dense) return Reshape(flat, {count}, x.dims, t);
+    const DType& i64 = I64();
+    std::string index = Constant(0, x.dims, i64);
+    for (size_t d = 0; d < x.dims.size(); ++d) {
+      if (x.dims[d] == 1) continue;
+      index = Binary("add", index,
+                     Binary("multiply", Iota(static_cast<int64_t>(d), x.dims, i64),
+                            Constant(static_cast<double>(strides[d]), x.dims, i64), x.dims, i64),
+                     x.dims, i64);
+    }
+    index = Reshape(index, x.dims, {n, 1}, i64);
+    const std::string picked = Emit(absl::StrCat(
+        "\"stablehlo.gather\"(", flat, ", ", index, ") {dimension_numbers = #stablehlo.gather<",
+        "collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 1>, indices_are_sorted = false, ",
+        "slice_sizes = array<i64: 1>} : (", TypeOf({count}, t), ", ", TypeOf({n, 1}, i64), ") -> ",
+        TypeOf({n}, t)));
+    return Reshape(picked, {n}, x.dims, t);
+  }
+
+  // A segment parameter of a device-memory program.
+  struct SegmentParam {
+    uint64_t bytes = 0;
+    int result = -1;  // the program's result it is donated to (-1: read only)
+  };
+  // A result written into a segment: `value` (dims `dims` of t, dense) at
+  // byte `offset` of segment `seg`.
+  struct SegmentWrite {
+    std::string value;
+    std::vector<int64_t> dims;
+    const DType* type = nullptr;
+    int seg = -1;
+    uint64_t offset = 0;
+  };
+  // The program for device memory: parameters are the segments, then the
+  // transfers with `in_seg[i]` < 0 (scalars) in order; transfer i with a
+  // segment is read from it at `in_off[i]`. Results: each segment with a
+  // `result`, in that order, then `extra` (typed `extra_types`).
+  absl::StatusOr<std::string> DeviceText(const std::vector<SegmentParam>& segs, const std::vector<int>& in_seg,
+                                         const std::vector<uint64_t>& in_off, const std::vector<SegmentWrite>& writes,
+                                         const std::vector<std::string>& extra,
+                                         const std::vector<std::string>& extra_types) {
+    const DType& u8 = *DTypeOf(0);
+    absl::Status failed;
+    // The reads come first: the body names transfer i's value %p<i>.
+    const std::string prologue = Region([&] {
+      for (size_t i = 0; i < transfers_.size() && failed.ok(); ++i) {
+        if (in_seg[i] < 0) continue;
+        absl::StatusOr<std::string> v = ReadView(absl::StrCat("%s", in_seg[i]), segs[in_seg[i]].bytes, in_off[i], transfers_[i]);
+        if (!v.ok()) {
+          failed = v.status();
+          return;
+        }
+        absl::StrAppend(&body_, "    %p", i, " = stablehlo.reshape ", *v, " : (", param_types_[i], ") -> ",
+                        param_types_[i], "\n");
+      }
+    });
+    if (!failed.ok()) return failed;
+    std::vector<std::string> now(segs.size());
+    for (size_t j = 0; j < segs.size(); ++j) now[j] = absl::StrCat("%s", j);
+    for (const SegmentWrite& w : writes) {
+      int64_t n = 1;
+      for (int64_t d : w.dims) n *= d;
+      const DType& t = *w.type;
+      const int64_t seg_bytes = static_cast<int64_t>(segs[w.seg].bytes);
+      const int64_t bytes = n * t.bytes;
+      if (w.offset > static_cast<uint64_t>(seg_bytes) || bytes > seg_bytes - static_cast<int64_t>(w.offset)) {
+        return absl::InvalidArgumentError(absl::StrCat(op_, ": a result reaches past its segment"));
+      }
+      const std::string enc = Encode(Reshape(w.value, w.dims, {n}, t), n, t);
+      const std::string at = Emit(absl::StrCat("stablehlo.constant dense<", w.offset, "> : tensor<i64>"));
+      now[w.seg] = Emit(absl::StrCat("stablehlo.dynamic_update_slice ", now[w.seg], ", ", enc, ", ", at, " : (",
+                                     TypeOf({seg_bytes}, u8), ", ", TypeOf({bytes}, u8), ", tensor<i64>) -> ",
+                                     TypeOf({seg_bytes}, u8)));
+    }
+    std::vector<std::string> params, results, types;
+    for (size_t j = 0; j < segs.size(); ++j) {
+      params.push_back(absl::StrCat("%s", j, ": ", TypeOf({static_cast<int64_t>(segs[j].bytes)}, u8)));
+      if (segs[j].result >= 0) {
+        absl::StrAppend(&params.back(), " {tf.aliasing_output = ", segs[j].result, " : i32}");
+      }
+    }
+    // Donated segments are results in the order of their `result`.
+    std::vector<std::pair<int, size_t>> order;
+    for (size_t j = 0; j < segs.size(); ++j) {
+      if (segs[j].result >= 0) order.emplace_back(segs[j].result, j);
+    }
+    std::sort(order.begin(), order.end());
+    for (const auto& [r, j] : order) {
+      results.push_back(now[j]);
+      types.push_back(TypeOf({static_cast<int64_t>(segs[j].bytes)}, u8));
+    }
+    for (size_t i = 0; i < transfers_.size(); ++i) {
+      if (in_seg[i] < 0) params.push_back(absl::StrCat("%p", i, ": ", param_types_[i]));
+    }
+    results.insert(results.end(), extra.begin(), extra.end());
+    types.insert(types.end(), extra_types.begin(), extra_types.end());
+    const std::string ret = absl::StrJoin(types, ", ");
+    return absl::StrCat("module @tpud_op {\n  func.func public @main(", absl::StrJoin(params, ", "), ") -> (", ret,
+                        ") {\n", prologue, body_, "    return ", absl::StrJoin(results, ", "), " : ", ret,
+                        "\n  }\n}\n");
+  }
+
  private:
   std::string Param(const std::string& type, Transfer x) {
     param_types_.push_back(type);
@@ -4865,10 +5059,10 @@ std::vector<std::string> LoweredOpNames() {
 
 absl::StatusOr<std::unique_ptr<PjrtChip>> PjrtChip::Create(
     const std::string& plugin_path, const std::vector<CreateOption>& options,
-    size_t cache_capacity) {
+    size_t cache_capacity, bool device_memory) {
   absl::StatusOr<std::unique_ptr<PjrtPlugin>> p = PjrtPlugin::Load(plugin_path, options);
   if (!p.ok()) return p.status();
-  return std::unique_ptr<PjrtChip>(new PjrtChip(*std::move(p), std::max<size_t>(1, cache_capacity)));
+  return std::unique_ptr<PjrtChip>(new PjrtChip(*std::move(p), std::max<size_t>(1, cache_capacity), device_memory));
 }
 
 PjrtChip::~PjrtChip() = default;
@@ -4927,6 +5121,17 @@ struct Plan {
   std::vector<In> inputs;
   std::vector<Out> outputs;
   std::vector<int> used;  // the tensors read or written, by index
+  // Device memory: the program's first parameters are segments, each named
+  // by a record tensor k that lies in it; `result` >= 0 for a segment the
+  // program writes (donated, and returned as that result). `inputs` then
+  // holds only the other parameters (scalars).
+  struct Seg {
+    int k = -1;
+    int result = -1;
+  };
+  bool device = false;
+  std::vector<Seg> segs;
+  int segments_written = 0;
   bool checked = false;
   std::string range_message;
   bool keep = true;
@@ -4967,7 +5172,7 @@ void KeyTensor(std::string* key, const tpu::TensorRef& r) {
 // earlier one. False (not kept) for random ops, whose seed is new each time.
 bool SignatureKey(const std::string& name, int device, const tpu::DecodedOp& d,
                   absl::Span<const tpu::TensorRef* const> all, const std::vector<ResolvedTensor>& tensors,
-                  absl::Span<const uintptr_t> raw, std::string* key) {
+                  absl::Span<const uintptr_t> raw, bool device_memory, std::string* key) {
   key->clear();
   key->reserve(128 + 64 * all.size());
   key->append(name);
@@ -5029,6 +5234,20 @@ bool SignatureKey(const std::string& name, int device, const tpu::DecodedOp& d,
     KeyValue(key, absent);
     KeyValue(key, aligned);
     KeyValue(key, same);
+    if (device_memory) {
+      // Programs take whole segments: their sizes, where each tensor lies in
+      // its own, and which tensors share one.
+      KeyValue(key, tensors[k].segment_bytes);
+      KeyValue(key, raw[k] == 0 ? uintptr_t{0} : raw[k] - reinterpret_cast<uintptr_t>(tensors[k].segment_host_base));
+      int32_t shared = -1;
+      for (size_t j = 0; j < k; ++j) {
+        if (tensors[j].segment_bytes != 0 && tensors[j].segment_address == tensors[k].segment_address) {
+          shared = static_cast<int32_t>(j);
+          break;
+        }
+      }
+      KeyValue(key, shared);
+    }
   }
   return true;
 }
@@ -5412,6 +5631,13 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
                            const std::vector<ResolvedTensor>& tensors,
                            std::vector<ResultValue>* results, ResultAllocator* allocator) {
   const auto& op = static_cast<const PjrtOp&>(base);
+  // The ops computed from the arena's bytes read them there, up to date.
+  if (device_memory_ && (op.name() == "aten::_local_scalar_dense" || op.name() == "aten::equal" ||
+                         op.name() == "aten::nonzero" || op.name() == "aten::masked_select" ||
+                         (op.name() == "aten::index.Tensor" && decoded.outputs.empty()) ||
+                         op.name() == "aten::_unique2" || op.name() == "aten::unique_consecutive")) {
+    if (absl::Status st = HostAccessAll(tensors); !st.ok()) return st;
+  }
   if (op.name() == "aten::_local_scalar_dense") return ReadScalar(op.name(), decoded, tensors, results);
   if (op.name() == "aten::equal") return Equal(op.name(), decoded, tensors, results);
   if (op.name() == "aten::nonzero" || op.name() == "aten::masked_select" ||
@@ -5456,6 +5682,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
       for (tpu::TensorRef& r : made) {
         const uint64_t bytes = static_cast<uint64_t>(Numel(r)) * static_cast<uint64_t>(tpu::ElementSize(r.dtype));
         ResolvedTensor rt;
+        for (const ResolvedTensor& t : tensors) rt.owner = std::max(rt.owner, t.owner);
         if (bytes > 0) {
           absl::StatusOr<ResultAllocator::Block> block = allocator->Allocate(bytes);
           if (!block.ok()) return block.status();
@@ -5565,9 +5792,9 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     return absl::InvalidArgumentError(absl::StrCat(op.name(), ": output on chip ", device,
                                                    ", which has no device"));
   }
-  const bool host_devices = plugin_->platform_name() == "cpu";
+  const bool host_devices = plugin_->platform_name() == "cpu" && !device_memory_;
   std::string& key = key_;
-  const bool keyed = SignatureKey(op.name(), device, decoded, all_refs, tensors, raw, &key);
+  const bool keyed = SignatureKey(op.name(), device, decoded, all_refs, tensors, raw, device_memory_, &key);
   Plan fresh;
   const Plan* found = nullptr;
   if (keyed) {
@@ -5740,7 +5967,66 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     values.push_back(l.out_of_range());
     types.push_back(TypeOf({}, *DTypeOf(11)));
   }
-  const std::string program = l.Text(values, types);
+  std::string program;
+  // Device memory: the program takes the segments its tensors lie in (see
+  // Lowering::DeviceText); in_seg[i] is transfer i's, -1 for a scalar.
+  std::vector<int> in_seg;
+  if (device_memory_) {
+    std::vector<Lowering::SegmentParam> segs;
+    std::vector<uint64_t> seg_address;
+    auto segment_of = [&](const char* p, uint64_t* offset) -> int {
+      for (size_t k = 0; k < tensors.size(); ++k) {
+        const ResolvedTensor& rt = tensors[k];
+        if (rt.segment_bytes == 0 || p < rt.segment_host_base || p >= rt.segment_host_base + rt.segment_bytes) continue;
+        *offset = static_cast<uint64_t>(p - rt.segment_host_base);
+        for (size_t j = 0; j < seg_address.size(); ++j) {
+          if (seg_address[j] == rt.segment_address) return static_cast<int>(j);
+        }
+        seg_address.push_back(rt.segment_address);
+        segs.push_back({rt.segment_bytes, -1});
+        plan.segs.push_back({static_cast<int>(k), -1});
+        return static_cast<int>(segs.size() - 1);
+      }
+      return -1;
+    };
+    std::vector<uint64_t> in_off;
+    for (const Transfer& x : l.transfers()) {
+      uint64_t offset = 0;
+      in_seg.push_back(x.data == nullptr ? -1 : segment_of(x.data, &offset));
+      in_off.push_back(offset);
+      if (x.data != nullptr && in_seg.back() < 0) {
+        return absl::InternalError(absl::StrCat(op.name(), ": a parameter outside every segment of the op"));
+      }
+    }
+    std::vector<Lowering::SegmentWrite> writes;
+    for (size_t o = 0; o < outs.size(); ++o) {
+      if (dsts[o] == nullptr) continue;
+      uint64_t offset = 0;
+      const int j = segment_of(dsts[o], &offset);
+      if (j < 0) return absl::InternalError(absl::StrCat(op.name(), ": a result outside every segment of the op"));
+      if (segs[j].result < 0) segs[j].result = plan.segments_written++;
+      std::vector<int64_t> stored = outs[o].dims;
+      if (spans[o] > 0) {
+        stored = {spans[o]};
+      } else if (!orders[o].empty()) {
+        for (size_t d = 0; d < orders[o].size(); ++d) stored[d] = outs[o].dims[orders[o][d]];
+      }
+      writes.push_back({values[o], stored, outs[o].type, j, offset});
+    }
+    for (size_t j = 0; j < segs.size(); ++j) plan.segs[j].result = segs[j].result;
+    std::vector<std::string> extra, extra_types;
+    if (checked) {
+      extra.push_back(l.out_of_range());
+      extra_types.push_back(TypeOf({}, *DTypeOf(11)));
+    }
+    if (writes.empty() && !checked) return Unsupported(op.name(), "no result to write");
+    absl::StatusOr<std::string> text = l.DeviceText(segs, in_seg, in_off, writes, extra, extra_types);
+    if (!text.ok()) return text.status();
+    program = *std::move(text);
+    plan.device = true;
+  } else {
+    program = l.Text(values, types);
+  }
   absl::StatusOr<std::shared_ptr<const Executable>> exe = Compiled(program, device);
   if (!exe.ok()) {
     return absl::Status(exe.status().code(), absl::StrCat(op.name(), ": ", exe.status().message()));
@@ -5755,7 +6041,14 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   }
   // Each parameter by where it reads: a tensor of the record (by the host
   // address it has now), a scalar, or (a plan that is not kept) the bytes.
-  for (const Transfer& x : l.transfers()) {
+  for (size_t i = 0; i < l.transfers().size(); ++i) {
+    const Transfer& x = l.transfers()[i];
+    if (plan.device && in_seg[i] >= 0) {
+      // Read inside the program from its segment: only checked here.
+      const auto at = std::find(raw.begin(), raw.end(), reinterpret_cast<uintptr_t>(x.data));
+      if (at != raw.end()) plan.used.push_back(static_cast<int>(at - raw.begin()));
+      continue;
+    }
     Plan::In in;
     static_cast<Transfer&>(in) = x;
     if (x.data == nullptr) {
@@ -5796,6 +6089,13 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   auto data_of = [&](const Plan::In& in) -> const char* {
     return in.k >= 0 ? host[in.k] : in.k == -2 ? in.data : nullptr;
   };
+  if (plan.device) {
+    absl::Status st = RunDevice(op.name(), plan, tensors, device, [&](size_t i) { return data_of(plan.inputs[i]); });
+    if (!st.ok()) return st;
+    if (found == &fresh && keyed && fresh.keep) KeepPlan(key, std::move(fresh));
+    report();
+    return absl::OkStatus();
+  }
   // Inputs are read in place where they are dense and aligned, unless they
   // overlap memory a donated result is written to while the program runs
   // (the donated parameter itself aside: the plugin knows that alias).
@@ -5911,15 +6211,161 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   out_buffers->clear();
   inputs.clear();
   // A plan lowered now is kept for the next op of this signature.
-  if (found == &fresh && keyed && fresh.keep) {
-    if (plan_lru_.size() >= 4 * capacity_) {
-      plans_.erase(plan_lru_.front().first);
-      plan_lru_.pop_front();
-    }
-    plan_lru_.emplace_back(key, std::make_shared<const Plan>(std::move(fresh)));
-    plans_[key] = std::prev(plan_lru_.end());
-  }
+  if (found == &fresh && keyed && fresh.keep) KeepPlan(key, std::move(fresh));
   report();
+  return absl::OkStatus();
+}
+
+void PjrtChip::KeepPlan(const std::string& key, Plan&& plan) {
+  if (plan_lru_.size() >= 4 * capacity_) {
+    plans_.erase(plan_lru_.front().first);
+    plan_lru_.pop_front();
+  }
+  plan_lru_.emplace_back(key, std::make_shared<const Plan>(std::move(plan)));
+  plans_[key] = std::prev(plan_lru_.end());
+}
+
+// ---------------------------------------------------------------- device memory
+
+absl::StatusOr<PjrtChip::Mirror*> PjrtChip::MirrorOf(const ResolvedTensor& seg, int device) {
+  auto it = mirrors_.find(seg.segment_address);
+  if (it != mirrors_.end() && it->second.bytes == seg.segment_bytes && it->second.owner == seg.owner &&
+      it->second.device == device) {
+    return &it->second;
+  }
+  // Nothing else may cover these pages now: a copy that does is of memory
+  // freed since (releases are read before an op resolves its tensors), and
+  // is dropped unread.
+  Drop(seg.segment_address, seg.segment_bytes);
+  absl::StatusOr<Buffer> b =
+      plugin_->FromHost(device, seg.segment_host_base, PJRT_Buffer_Type_U8, {static_cast<int64_t>(seg.segment_bytes)});
+  if (!b.ok()) return b.status();
+  Mirror m;
+  m.buffer = *std::move(b);
+  m.host = seg.segment_host_base;
+  m.bytes = seg.segment_bytes;
+  m.owner = seg.owner;
+  m.device = device;
+  m.host_current = true;
+  device_bytes_ += m.bytes;
+  return &mirrors_.emplace(seg.segment_address, std::move(m)).first->second;
+}
+
+void PjrtChip::Drop(uint64_t address, uint64_t bytes) {
+  auto it = mirrors_.upper_bound(address);
+  if (it != mirrors_.begin() && std::prev(it)->first + std::prev(it)->second.bytes > address) --it;
+  while (it != mirrors_.end() && it->first < address + bytes) {
+    device_bytes_ -= it->second.bytes;
+    it = mirrors_.erase(it);
+  }
+}
+
+absl::Status PjrtChip::HostAccess(uint64_t address, uint64_t bytes, bool write, uint64_t owner) {
+  if (!device_memory_ || bytes == 0) return absl::OkStatus();
+  auto it = mirrors_.upper_bound(address);
+  if (it != mirrors_.begin() && std::prev(it)->first + std::prev(it)->second.bytes > address) --it;
+  while (it != mirrors_.end() && it->first < address + bytes) {
+    Mirror& m = it->second;
+    if (m.owner == owner && !m.host_current) {
+      if (absl::Status st = plugin_->ToHost(m.buffer, m.host, m.bytes); !st.ok()) {
+        return absl::Status(st.code(), absl::StrCat("copying device memory at 0x", absl::Hex(it->first),
+                                                    " to the host: ", st.message()));
+      }
+      m.host_current = true;
+    }
+    // Another session's copy is of pages freed since: dropped unread. One
+    // the host writes is the arena's from now on.
+    if (m.owner != owner || write) {
+      device_bytes_ -= m.bytes;
+      it = mirrors_.erase(it);
+      continue;
+    }
+    ++it;
+  }
+  return absl::OkStatus();
+}
+
+void PjrtChip::Released(uint64_t address, uint64_t bytes) {
+  if (device_memory_) Drop(address, bytes);
+}
+
+absl::Status PjrtChip::HostAccessAll(const std::vector<ResolvedTensor>& tensors) {
+  for (const ResolvedTensor& t : tensors) {
+    if (t.segment_bytes == 0) continue;
+    if (absl::Status st = HostAccess(t.segment_address, t.segment_bytes, false, t.owner); !st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PjrtChip::RunDevice(const std::string& name, const Plan& plan, const std::vector<ResolvedTensor>& tensors,
+                                 int device, const std::function<const char*(size_t input)>& data_of) {
+  auto named = [&](const absl::Status& st) { return absl::Status(st.code(), absl::StrCat(name, ": ", st.message())); };
+  absl::InlinedVector<PJRT_Buffer*, 8> args;
+  absl::InlinedVector<Mirror*, 4> segs;
+  for (const Plan::Seg& s : plan.segs) {
+    if (s.k < 0 || static_cast<size_t>(s.k) >= tensors.size() || tensors[s.k].segment_bytes == 0) {
+      return absl::InternalError(absl::StrCat(name, ": a segment parameter without a segment"));
+    }
+    absl::StatusOr<Mirror*> m = MirrorOf(tensors[s.k], device);
+    if (!m.ok()) return named(m.status());
+    segs.push_back(*m);
+    args.push_back((*m)->buffer.get());
+  }
+  // A segment named twice would be donated while also read.
+  for (size_t a = 0; a < segs.size(); ++a) {
+    for (size_t b = 0; b < a; ++b) {
+      if (segs[a] == segs[b]) return absl::InternalError(absl::StrCat(name, ": a segment passed twice"));
+    }
+  }
+  absl::InlinedVector<Buffer, 4> inputs;
+  if (scalars_.size() >= 4096) scalars_.clear();
+  for (size_t i = 0; i < plan.inputs.size(); ++i) {
+    const Plan::In& x = plan.inputs[i];
+    const char* at = data_of(i);
+    if (at != nullptr) {
+      absl::StatusOr<Buffer> b = plugin_->FromHost(device, at, x.type->pjrt, x.dims, x.byte_strides);
+      if (!b.ok()) return named(b.status());
+      args.push_back(b->get());
+      inputs.push_back(*std::move(b));
+      continue;
+    }
+    const void* data = x.type->is_float ? static_cast<const void*>(&x.scalar_d) : static_cast<const void*>(&x.scalar_i);
+    std::string id(1, static_cast<char>(device));
+    id.push_back(static_cast<char>(x.type->pjrt));
+    id.append(static_cast<const char*>(data), 8);
+    auto it = scalars_.find(id);
+    if (it == scalars_.end()) {
+      absl::StatusOr<Buffer> b = plugin_->FromHost(device, data, x.type->pjrt, x.dims, x.byte_strides);
+      if (!b.ok()) return named(b.status());
+      it = scalars_.emplace(std::move(id), *std::move(b)).first;
+    }
+    args.push_back(it->second.get());
+  }
+  absl::StatusOr<std::vector<Buffer>> out = plugin_->Execute(*plan.exe, device, absl::MakeConstSpan(args));
+  if (!out.ok()) {
+    // A donated segment may be gone with the failed run: what the host has
+    // of it is all there is now.
+    for (size_t j = 0; j < segs.size(); ++j) {
+      if (plan.segs[j].result >= 0) Drop(tensors[plan.segs[j].k].segment_address, segs[j]->bytes);
+    }
+    return named(out.status());
+  }
+  const size_t want = static_cast<size_t>(plan.segments_written) + (plan.checked ? 1 : 0);
+  if (out->size() != want) {
+    return absl::InternalError(absl::StrCat(name, ": the program gave ", out->size(), " results for ", want));
+  }
+  // Each written segment's new buffer replaces the donated one.
+  for (size_t j = 0; j < segs.size(); ++j) {
+    const int r = plan.segs[j].result;
+    if (r < 0) continue;
+    segs[j]->buffer = std::move((*out)[r]);
+    segs[j]->host_current = false;
+  }
+  if (plan.checked) {
+    uint8_t bad = 0;
+    if (absl::Status st = plugin_->ToHost(out->back(), &bad, 1); !st.ok()) return named(st);
+    if (bad != 0) return absl::InvalidArgumentError(absl::StrCat(name, ": ", plan.range_message));
+  }
   return absl::OkStatus();
 }
 

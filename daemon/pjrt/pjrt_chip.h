@@ -10,8 +10,10 @@
 // inputs are zero-copy buffers over the arena and results are donated, so
 // the program writes them where they lie; other inputs are copied in by
 // the plugin's transfer (which reads strides) and other results copied
-// back. Opaque device buffers, as on libtpu, are the next step and are not
-// done here (docs/design.md).
+// back. With device memory (libtpu; --pjrt_memory=device) each segment is a
+// PJRT buffer on its device instead, the arena its host copy brought up to
+// date when the host side touches it; programs read views out of segments
+// and write results into them by donation (docs/design.md).
 //
 // An op without a lowering fails with an error naming it; nothing falls
 // back to the CPU.
@@ -19,7 +21,9 @@
 #define TPUD_DAEMON_PJRT_PJRT_CHIP_H_
 
 #include <cstdint>
+#include <functional>
 #include <list>
+#include <map>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -43,7 +47,7 @@ class PjrtChip : public ChipBackend {
   // every device). cache_capacity bounds the compiled programs kept.
   static absl::StatusOr<std::unique_ptr<PjrtChip>> Create(
       const std::string& plugin_path, const std::vector<CreateOption>& options,
-      size_t cache_capacity);
+      size_t cache_capacity, bool device_memory = false);
 
   ~PjrtChip() override;
   std::string Describe() const override;
@@ -58,9 +62,34 @@ class PjrtChip : public ChipBackend {
   }
   uint64_t programs_cached() const override { return lru_.size(); }
 
+  absl::Status HostAccess(uint64_t address, uint64_t bytes, bool write, uint64_t owner) override;
+  void Released(uint64_t address, uint64_t bytes) override;
+  bool DeviceMemory() const override { return device_memory_; }
+  uint64_t device_buffer_bytes() const override { return device_bytes_; }
+
  private:
-  explicit PjrtChip(std::unique_ptr<PjrtPlugin> plugin, size_t capacity)
-      : plugin_(std::move(plugin)), capacity_(capacity), stats_(plugin_->num_devices()) {}
+  // A segment's device buffer (device memory): u8[bytes] on `device`; the
+  // arena at `host` is its host copy, current when `host_current`.
+  struct Mirror {
+    Buffer buffer;
+    char* host = nullptr;
+    uint64_t bytes = 0;
+    uint64_t owner = 0;  // the session (a freed segment's pages may go to another)
+    int device = 0;
+    bool host_current = true;
+  };
+  PjrtChip(std::unique_ptr<PjrtPlugin> plugin, size_t capacity, bool device_memory)
+      : plugin_(std::move(plugin)), capacity_(capacity), device_memory_(device_memory),
+        stats_(plugin_->num_devices()) {}
+  void KeepPlan(const std::string& key, Plan&& plan);
+  // The segment's device buffer, made from the arena's bytes if it has none.
+  absl::StatusOr<Mirror*> MirrorOf(const ResolvedTensor& seg, int device);
+  // Forgets the device buffers over [address, +bytes), unread.
+  void Drop(uint64_t address, uint64_t bytes);
+  // Brings the host copy of every segment of `tensors` up to date.
+  absl::Status HostAccessAll(const std::vector<ResolvedTensor>& tensors);
+  absl::Status RunDevice(const std::string& name, const Plan& plan, const std::vector<ResolvedTensor>& tensors,
+                         int device, const std::function<const char*(size_t input)>& data_of);
   // The program, compiled (once; counted against `device`).
   absl::StatusOr<std::shared_ptr<const Executable>> Compiled(const std::string& program, int device);
   absl::Status Equal(const std::string& name, const tpu::DecodedOp& decoded,
@@ -95,6 +124,10 @@ class PjrtChip : public ChipBackend {
   // place, type, dims and donation: the memory outlives them, so they are
   // kept between ops instead of made and destroyed per op.
   std::unordered_map<std::string, Buffer> resident_;
+  bool device_memory_;
+  // Device memory: each segment's buffer, by the segment's device address.
+  std::map<uint64_t, Mirror> mirrors_;
+  uint64_t device_bytes_ = 0;
   std::vector<CompileStats> stats_;  // per device
 };
 

@@ -47,11 +47,14 @@ def pjrt_flags():
     return ["--backend=pjrt", f"--pjrt_plugin={plugin}", "--pjrt_option=cpu_device_count=4"]
 
 
-@pytest.fixture(scope="module", params=["simulated", "pjrt"])
+@pytest.fixture(scope="module", params=["simulated", "pjrt", "pjrt-device"])
 def any_backend(request):
     """One tpud for a whole test module, run once per chip backend: the
-    simulated host, then the PJRT backend on XLA's CPU plugin."""
-    flags = pjrt_flags() if request.param == "pjrt" else []
+    simulated host, then the PJRT backend on XLA's CPU plugin computing on
+    tpud's arena, then the same with every segment in a device buffer (as
+    on a TPU, whose memory the host cannot address)."""
+    flags = {"simulated": [], "pjrt": pjrt_flags(),
+             "pjrt-device": pjrt_flags() + ["--pjrt_memory=device"]}[request.param]
     d = Daemon(hbm=getattr(request.module, "TPUD_HBM", "1GiB"), extra_flags=flags)
     d.backend = request.param
     yield d

@@ -15,9 +15,13 @@ PLUGIN = os.path.join(os.path.dirname(_xla_cpu.__file__), "xla_cpu_pjrt.so")
 PJRT_FLAGS = ["--backend=pjrt", f"--pjrt_plugin={PLUGIN}", "--pjrt_option=cpu_device_count=4"]
 
 
-@pytest.fixture(scope="module")
-def pjrt():
-    d = Daemon(hbm="512MiB", extra_flags=PJRT_FLAGS)
+@pytest.fixture(scope="module", params=["host", "device"])
+def pjrt(request):
+    """tpud on the CPU plugin, twice: computing on tpud's arena (what a
+    plugin whose devices are the host allows), then with every segment in a
+    device buffer, the arena only its host copy (what libtpu needs)."""
+    d = Daemon(hbm="512MiB", extra_flags=PJRT_FLAGS + [f"--pjrt_memory={request.param}"])
+    d.memory = request.param
     yield d
     d.stop()
 
@@ -620,3 +624,55 @@ def test_ddp_over_four_chips_matches_one_process_on_pjrt(pjrt):
     results = run_ranks(pjrt, "ddp", 4, timeout=600)
     for rank, (rc, result, text) in enumerate(results):
         assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
+
+
+def _device_buffer_bytes(pjrt):
+    j = subprocess.run([bazel_bin("tools/tpuctl/tpuctl"), f"--admin_socket={pjrt.admin_socket}", "executors",
+                        "--json"], capture_output=True, text=True, timeout=30)
+    assert j.returncode == 0, j.stderr
+    (e,) = json.loads(j.stdout)["executors"]
+    return e["device_buffer_bytes"]
+
+
+def test_host_writes_frees_and_reuse_keep_memory_right(pjrt):
+    """What the host writes into a tensor the device last wrote joins it;
+    memory freed and handed out again reads as zeros, never as its old
+    contents; device buffers go with their segments (device memory)."""
+    import time
+    before = _device_buffer_bytes(pjrt)
+    out = run_py(pjrt, """
+        import subprocess, sys, torch, torch_tpu
+        x = torch.ones(4096, device="tpu")
+        x.mul_(2)                                     # the device's copy is the newest
+        x[2:4] = torch.tensor([5.0, 6.0])             # the host writes part of it
+        y = x + 0
+        want = torch.full((4096,), 2.0); want[2:4] = torch.tensor([5.0, 6.0])
+        assert torch.equal(y.cpu(), want), y.cpu()[:6]
+        # Strided and offset views read out of their segment.
+        m = torch.arange(24.0).reshape(4, 6).to("tpu").mul_(3)
+        ref = torch.arange(24.0).reshape(4, 6) * 3
+        assert torch.equal((m[:, 1::2].t() * 1).cpu(), ref[:, 1::2].t())
+        assert torch.equal(m.diagonal().cpu(), ref.diagonal())
+        torch.tpu.synchronize()
+        print("held", flush=True)
+        del x, y
+        torch.tpu.empty_cache()                       # the segment goes back to tpud
+        z = torch.empty(4096, device="tpu")           # and likely comes back here
+        assert torch.count_nonzero(z.cpu()).item() == 0, z.cpu()[:6]
+        z.fill_(9)
+        torch.tpu.synchronize()
+    """)
+    assert "held" in out.stdout
+    # The process ended: tpud reclaimed its segments, and their device
+    # buffers went with them.
+    if pjrt.memory == "device":
+        deadline = time.time() + 5
+        while _device_buffer_bytes(pjrt) > before and time.time() < deadline:
+            time.sleep(0.05)
+        assert _device_buffer_bytes(pjrt) <= before
+    # A new session gets zeros where the last one left nines.
+    run_py(pjrt, """
+        import torch, torch_tpu
+        z = torch.empty(4096, device="tpu")
+        assert torch.count_nonzero(z.cpu()).item() == 0
+    """)

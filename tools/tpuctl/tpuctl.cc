@@ -279,6 +279,7 @@ void WriteExecutors(JsonWriter& w, const tpu::DaemonStatus& st) {
     w.Key("duty_cycle").Double(e.duty_cycle);
     if (!e.compile.empty()) {
       w.Key("programs_cached").Uint(e.programs_cached);
+      w.Key("device_buffer_bytes").Uint(e.device_buffer_bytes);
       w.Key("compile").BeginArray();
       for (const tpu::ExecutorInfo::Compile& c : e.compile) {
         w.BeginObject();
@@ -365,9 +366,10 @@ int CmdExecutors(tpu::AdminClient& admin, bool json) {
   if (compiling) {
     std::printf("\n");
     Table programs({"CHIP", "EXECUTOR", "COMPILES", "COMPILE TIME", "CACHE HITS"}, "rrrrr");
-    uint64_t cached = 0;
+    uint64_t cached = 0, device_bytes = 0;
     for (const tpu::ExecutorInfo& e : st->executors) {
       cached += e.programs_cached;
+      device_bytes += e.device_buffer_bytes;
       for (const tpu::ExecutorInfo::Compile& c : e.compile) {
         programs.Row({absl::StrCat(c.chip), absl::StrCat(e.index), absl::StrCat(c.compiles),
                       absl::StrFormat("%.3fs", c.compile_seconds), absl::StrCat(c.cache_hits)});
@@ -375,6 +377,9 @@ int CmdExecutors(tpu::AdminClient& admin, bool json) {
     }
     programs.Print();
     std::printf("%llu compiled programs cached\n", static_cast<unsigned long long>(cached));
+    if (device_bytes != 0) {
+      std::printf("%s of segments in device buffers\n", tpu::FormatBytes(device_bytes).c_str());
+    }
   }
   const char* advice = st->wait_advice == "spin"
                            ? "spin (a core is free for them)"

@@ -300,6 +300,7 @@ struct ExecutorInfo {
   };
   std::vector<Compile> compile;
   uint64_t programs_cached = 0;
+  uint64_t device_buffer_bytes = 0;  // held in device buffers (PJRT device memory)
 };
 
 // One replacement of an executor: why, and whose op was running.
