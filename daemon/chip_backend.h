@@ -78,6 +78,32 @@ struct CompileStats {
   uint64_t compiles = 0;    // programs compiled (failed compiles included)
   uint64_t compile_ns = 0;  // time spent compiling
   uint64_t hits = 0;        // ops that found their program compiled
+  uint64_t collectives = 0; // collective operations run as programs on this chip
+};
+
+// One collective operation whose ranks have all met and been checked
+// (daemon/executor/collectives.h): each rank's buffers lie inside segments
+// of that rank's session, on its chip.
+struct CollectiveRank {
+  int chip = 0;
+  uint64_t send = 0;  // device addresses; a side with no bytes is unused
+  uint64_t send_bytes = 0;
+  uint64_t recv = 0;
+  uint64_t recv_bytes = 0;
+  ResolvedTensor send_segment;  // the segments they lie in (owner: the rank's session)
+  ResolvedTensor recv_segment;
+  char* host_send = nullptr;  // their place in the arena
+  char* host_recv = nullptr;
+};
+struct CollectiveCall {
+  tpu::CollectiveKind kind = tpu::CollectiveKind::kAllReduce;
+  tpu::ReduceOp reduce = tpu::ReduceOp::kSum;
+  int8_t dtype = 0;  // c10 ScalarType
+  uint64_t count = 0;
+  int root = 0;  // broadcast, reduce
+  std::vector<CollectiveRank> ranks;  // by rank
+  // all_to_all: elements rank i sends to rank j, send_counts[i][j]
+  std::vector<std::vector<int64_t>> send_counts;
 };
 
 class ChipBackend {
@@ -106,6 +132,13 @@ class ChipBackend {
   }
   virtual void Released(uint64_t address, uint64_t bytes) {}
   virtual bool DeviceMemory() const { return false; }
+
+  // Runs a collective as the backend's own program across the ranks' chips
+  // (PJRT: one replicated program, its all_reduce on the devices
+  // themselves) and returns true; or returns false, touching nothing, when
+  // the executor is to move the data in the arena (every kind on the
+  // simulated chip). An error is the operation's, for every rank.
+  virtual absl::StatusOr<bool> RunCollective(const CollectiveCall& call) { return false; }
 
   // Name for logs and tpuctl ("simulated (ATen CPU)").
   virtual std::string Describe() const = 0;

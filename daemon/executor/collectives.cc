@@ -491,6 +491,18 @@ void RingReduceScatter(CollectiveTable* t, const CommSlot* comm, const std::vect
 
 }  // namespace
 
+// Bytes the ring schedules move in all, over every link, for an element-wise
+// kind with `block` bytes per rank.
+static uint64_t RingBytesMoved(CollectiveKind kind, int n, uint64_t block) {
+  const uint64_t hops = static_cast<uint64_t>(n - 1);
+  switch (kind) {
+    case CollectiveKind::kAllReduce: return 2 * hops * block;
+    case CollectiveKind::kAllGather:
+    case CollectiveKind::kReduceScatter: return hops * block * static_cast<uint64_t>(n);
+    default: return hops * block;
+  }
+}
+
 void RunCollective(CollectiveTable* table, CommSlot* comm, const std::vector<const PostedOp*>& ops,
                    const std::vector<char*>& send, const std::vector<char*>& recv,
                    const std::vector<const int64_t*>& send_counts,
@@ -621,11 +633,7 @@ void RunCollective(CollectiveTable* table, CommSlot* comm, const std::vector<con
       if (n == 1 && op.kind == CollectiveKind::kAllReduce && op.reduce == ReduceOp::kAvg) {
         DivideBy(op.dtype, recv[0], count, 1);
       }
-      const bool gathers = op.kind == CollectiveKind::kAllGather ||
-                           op.kind == CollectiveKind::kReduceScatter;
-      moved = op.kind == CollectiveKind::kAllReduce ? 2 * (n - 1) * count * esize
-              : gathers                             ? (n - 1) * count * esize * n
-                                                    : (n - 1) * count * esize;
+      moved = RingBytesMoved(op.kind, n, count * esize);
       break;
     }
     case CollectiveKind::kGather:
@@ -663,6 +671,77 @@ void RunCollective(CollectiveTable* table, CommSlot* comm, const std::vector<con
     case CollectiveKind::kBarrier:
     case CollectiveKind::kSend:
     case CollectiveKind::kRecv:
+      break;
+  }
+  comm->bytes_moved.fetch_add(moved, std::memory_order_relaxed);
+}
+
+void CountCollectiveTraffic(CollectiveTable* table, CommSlot* comm, const PostedOp& op,
+                            const std::vector<const int64_t*>& send_counts) {
+  const int n = static_cast<int>(comm->size);
+  const uint64_t esize = static_cast<uint64_t>(tpu::ElementSize(op.dtype));
+  const uint64_t block = op.count * esize;
+  std::vector<int> order(comm->ring, comm->ring + n);
+  std::vector<int> reverse(order.rbegin(), order.rend());
+  // Each link between ring neighbours, in both directions of the ring.
+  auto around = [&](const std::vector<int>& ring, uint64_t per_link) {
+    if (n < 2) return;
+    for (int p = 0; p < n; ++p) CountRoute(table, comm, ring[p], ring[Mod(p + 1, n)], per_link);
+  };
+  uint64_t moved = 0;
+  switch (op.kind) {
+    case CollectiveKind::kAllReduce: {
+      // Half each way round; 2(n - 1) steps of a 1/n share of that half.
+      const uint64_t half = block / 2;
+      around(order, 2 * (n - 1) * (half / n));
+      around(reverse, 2 * (n - 1) * ((block - half) / n));
+      moved = RingBytesMoved(op.kind, n, block);
+      break;
+    }
+    case CollectiveKind::kAllGather:
+    case CollectiveKind::kReduceScatter: {
+      const uint64_t half = block / 2;
+      around(order, (n - 1) * half);
+      around(reverse, (n - 1) * (block - half));
+      moved = RingBytesMoved(op.kind, n, block);
+      break;
+    }
+    case CollectiveKind::kBroadcast:
+    case CollectiveKind::kReduce: {
+      int start = 0;
+      while (start < n && order[start] != op.peer) ++start;
+      for (int k = 0; k + 1 < n; ++k) {
+        const int a = order[Mod(start + k, n)], b = order[Mod(start + k + 1, n)];
+        if (op.kind == CollectiveKind::kBroadcast) {
+          CountRoute(table, comm, a, b, block);
+        } else {
+          CountRoute(table, comm, b, a, block);
+        }
+      }
+      moved = RingBytesMoved(op.kind, n, block);
+      break;
+    }
+    case CollectiveKind::kGather:
+    case CollectiveKind::kScatter:
+      for (int r = 0; r < n; ++r) {
+        if (op.kind == CollectiveKind::kGather) {
+          CountRoute(table, comm, r, op.peer, block);
+        } else {
+          CountRoute(table, comm, op.peer, r, block);
+        }
+      }
+      moved = (n - 1) * block;
+      break;
+    case CollectiveKind::kAllToAll:
+      for (int i = 0; i < n; ++i) {
+        for (int j = 0; j < n; ++j) {
+          const uint64_t bytes = static_cast<uint64_t>(send_counts[i][j]) * esize;
+          CountRoute(table, comm, i, j, bytes);
+          if (i != j) moved += bytes;
+        }
+      }
+      break;
+    default:
       break;
   }
   comm->bytes_moved.fetch_add(moved, std::memory_order_relaxed);

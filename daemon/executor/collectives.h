@@ -183,6 +183,13 @@ void RunCollective(CollectiveTable* table, CommSlot* comm, const std::vector<con
                    const std::vector<const int64_t*>& send_counts,
                    const std::vector<const int64_t*>& recv_counts, std::vector<char>* scratch);
 
+// Counts, on the links and in the communicator's bytes moved, what
+// RunCollective's schedule would move for `op` (ops[0] of every rank), for
+// an operation a backend ran as its own program (which picks its own
+// schedule on the device; these are the torus schedule's figures).
+void CountCollectiveTraffic(CollectiveTable* table, CommSlot* comm, const PostedOp& op,
+                            const std::vector<const int64_t*>& send_counts);
+
 // Bytes the buffers of one op span on its rank (send, recv), for the
 // communicator's size `n`; INVALID_ARGUMENT on overflow or absurd counts.
 absl::Status BufferBytes(const PostedOp& op, const int64_t* send_counts,

@@ -519,6 +519,7 @@ void Executor::UpdateActivity(uint64_t now) {
       slot_->compiles[i].store(c.compiles, std::memory_order_relaxed);
       slot_->compile_ns[i].store(c.compile_ns, std::memory_order_relaxed);
       slot_->program_hits[i].store(c.hits, std::memory_order_relaxed);
+      slot_->collective_programs[i].store(c.collectives, std::memory_order_relaxed);
     }
   }
   uint32_t active = 0;

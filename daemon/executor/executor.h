@@ -182,9 +182,13 @@ class Executor {
   // executors parked on it.
   void WakeCompletionWaiters(TrustedRing* trusted, tpu::RingControl* ctl);
   void WakeRank(const CommSlot* comm, int rank);
-  // Host view of a rank's buffer, checked against that rank's session.
+  // Host view of a rank's buffer, checked against that rank's session;
+  // `segment` (if given) gets the segment it lies in. With `host_access`,
+  // a backend with memory of its own first brings the arena's copy up to
+  // date (input) or drops its own (output).
   absl::StatusOr<char*> RankRange(const CommSlot* comm, int rank, uint64_t address,
-                                  uint64_t bytes, const char* what, bool input);
+                                  uint64_t bytes, const char* what, bool input,
+                                  ResolvedTensor* segment = nullptr, bool host_access = true);
   void PoisonCollectiveOutputs(Ring& ring, const std::string& cause, bool clear);
   const OpSlot& LookupOp(Ring& ring, uint32_t op_id);
   void Complete(Ring& ring, uint64_t length, uint64_t sequence);

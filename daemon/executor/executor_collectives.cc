@@ -153,8 +153,10 @@ void Executor::FailComm(CommSlot* comm, const std::string& why) {
 }
 
 absl::StatusOr<char*> Executor::RankRange(const CommSlot* comm, int rank, uint64_t address,
-                                          uint64_t bytes, const char* what, bool input) {
+                                          uint64_t bytes, const char* what, bool input,
+                                          ResolvedTensor* segment, bool host_access) {
   const CommMember& m = comm->members[rank];
+  if (segment != nullptr) *segment = ResolvedTensor{};
   if (bytes == 0) return config_.chip_bases[m.chip];
   const int c = tpu::DeviceAddressChip(address);
   if (c != m.chip) {
@@ -163,7 +165,8 @@ absl::StatusOr<char*> Executor::RankRange(const CommSlot* comm, int rank, uint64
   }
   const uint64_t offset = tpu::DeviceAddressOffset(address);
   SyncReleases();
-  if (!config_.owners[c].Find(offset, bytes, m.tag).has_value()) {
+  const std::optional<PageOwnerTable::Segment> seg = config_.owners[c].Find(offset, bytes, m.tag);
+  if (!seg.has_value()) {
     const uint32_t owner = config_.owners[c].OwnerOf(offset);
     const std::string msg = absl::StrFormat(
         "rank %d's %s buffer [0x%x, +%d bytes) is %s", rank, what, address, bytes,
@@ -172,9 +175,17 @@ absl::StatusOr<char*> Executor::RankRange(const CommSlot* comm, int rank, uint64
     if (owner != 0 && owner != m.tag) return absl::PermissionDeniedError(msg);
     return absl::InvalidArgumentError(msg);
   }
+  if (segment != nullptr) {
+    *segment = ResolvedTensor{config_.chip_bases[c] + seg->offset,
+                              tpu::MakeDeviceAddress(c, seg->offset), seg->bytes, m.session_id};
+  }
   // A backend with memory of its own brings the arena's copy up to date (a
   // buffer written here is the arena's from now on).
-  if (absl::Status st = config_.backend->HostAccess(address, bytes, !input, m.session_id); !st.ok()) return st;
+  if (host_access) {
+    if (absl::Status st = config_.backend->HostAccess(address, bytes, !input, m.session_id); !st.ok()) {
+      return st;
+    }
+  }
   if (input) {
     auto it = sessions_.find(m.session_id);
     std::string cause;
@@ -417,6 +428,13 @@ void Executor::RunMet(CommSlot* comm, int rank, int kmine) {
   std::vector<char*> send(n), recv(n);
   std::vector<const int64_t*> send_counts(n), recv_counts(n);
   for (uint32_t q = 0; q < first.num_ops && result.ok(); ++q) {
+    CollectiveCall call;
+    call.kind = first.ops[q].kind;
+    call.reduce = first.ops[q].reduce;
+    call.dtype = first.ops[q].dtype;
+    call.count = first.ops[q].count;
+    call.root = first.ops[q].peer;
+    call.ranks.resize(n);
     for (int r = 0; r < n && result.ok(); ++r) {
       const GroupSlot& s = slot_of(r);
       ops[r] = &s.ops[q];
@@ -425,23 +443,56 @@ void Executor::RunMet(CommSlot* comm, int rank, int kmine) {
       uint64_t sb = 0, rb = 0;
       result = BufferBytes(s.ops[q], s.send_counts, s.recv_counts, n, r, &sb, &rb);
       if (!result.ok()) break;
-      absl::StatusOr<char*> sp = RankRange(comm, r, s.ops[q].send, sb, "send", /*input=*/true);
+      CollectiveRank& cr = call.ranks[r];
+      cr.chip = comm->members[r].chip;
+      // Checked here; the arena's copies are brought up to date only if the
+      // data moves there (below).
+      absl::StatusOr<char*> sp = RankRange(comm, r, s.ops[q].send, sb, "send", /*input=*/true,
+                                           &cr.send_segment, /*host_access=*/false);
       if (!sp.ok()) {
         result = sp.status();
         break;
       }
-      absl::StatusOr<char*> rp = RankRange(comm, r, s.ops[q].recv, rb, "recv", /*input=*/false);
+      absl::StatusOr<char*> rp = RankRange(comm, r, s.ops[q].recv, rb, "recv", /*input=*/false,
+                                           &cr.recv_segment, /*host_access=*/false);
       if (!rp.ok()) {
         result = rp.status();
         break;
       }
       send[r] = *sp;
       recv[r] = *rp;
+      cr.send = s.ops[q].send;
+      cr.send_bytes = sb;
+      cr.recv = s.ops[q].recv;
+      cr.recv_bytes = rb;
+      cr.host_send = *sp;
+      cr.host_recv = *rp;
       if (s.ops[q].kind == CollectiveKind::kAllToAll && sb != 0 && rb != 0 &&
           send[r] < recv[r] + rb && recv[r] < send[r] + sb) {
         result = absl::InvalidArgumentError(absl::StrCat(
             "rank ", r, "'s all_to_all send and recv buffers overlap; use separate tensors"));
       }
+      if (s.ops[q].kind == CollectiveKind::kAllToAll) {
+        call.send_counts.emplace_back(s.send_counts, s.send_counts + n);
+      }
+    }
+    if (!result.ok()) break;
+    // A backend that runs collectives as programs of its own (PJRT) moves
+    // the data on its devices.
+    absl::StatusOr<bool> ran = config_.backend->RunCollective(call);
+    if (!ran.ok()) {
+      result = ran.status();
+      break;
+    }
+    if (*ran) {
+      CountCollectiveTraffic(config_.collectives, comm, *ops[0], send_counts);
+      continue;
+    }
+    for (int r = 0; r < n && result.ok(); ++r) {
+      const CollectiveRank& cr = call.ranks[r];
+      const uint64_t owner = comm->members[r].session_id;
+      result = config_.backend->HostAccess(cr.send, cr.send_bytes, /*write=*/false, owner);
+      if (result.ok()) result = config_.backend->HostAccess(cr.recv, cr.recv_bytes, /*write=*/true, owner);
     }
     if (!result.ok()) break;
     RunCollective(config_.collectives, comm, ops, send, recv, send_counts, recv_counts,

@@ -650,6 +650,7 @@ std::vector<ExecutorInfo> ExecutorPool::Executors() const {
         c.compiles = slot.compiles[i].load();
         c.compile_ns = slot.compile_ns[i].load();
         c.hits = slot.program_hits[i].load();
+        c.collectives = slot.collective_programs[i].load();
         info.compile.push_back(c);
       }
     }

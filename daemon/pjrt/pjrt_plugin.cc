@@ -37,6 +37,24 @@ absl::StatusCode CodeOf(PJRT_Error_Code code) {
 // message aborts XLA ("replica_count > 0").
 constexpr char kCompileOptions[] = {0x1a, 0x04, 0x20, 0x01, 0x28, 0x01, 0x20, 0x01};
 
+// Protobuf wire format, for the few option messages written here.
+void AppendVarint(std::string* out, uint64_t v) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>((v & 0x7f) | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+void AppendVarintField(std::string* out, int field, uint64_t v) {
+  AppendVarint(out, static_cast<uint64_t>(field) << 3);
+  AppendVarint(out, v);
+}
+void AppendBytesField(std::string* out, int field, const std::string& bytes) {
+  AppendVarint(out, (static_cast<uint64_t>(field) << 3) | 2);
+  AppendVarint(out, bytes.size());
+  out->append(bytes);
+}
+
 }  // namespace
 
 absl::StatusOr<CreateOption> ParseCreateOption(absl::string_view text) {
@@ -323,6 +341,57 @@ absl::Status PjrtPlugin::Await(PJRT_Event* event, absl::string_view what) const 
 }
 
 absl::StatusOr<std::unique_ptr<Executable>> PjrtPlugin::Compile(absl::string_view mlir) const {
+  return CompileWith(mlir, std::string(kCompileOptions, sizeof(kCompileOptions)));
+}
+
+absl::StatusOr<std::unique_ptr<Executable>> PjrtPlugin::CompileReplicated(
+    absl::string_view mlir, absl::Span<const int> devices) const {
+  if (devices.empty()) return absl::InvalidArgumentError("a replicated program needs a device");
+  std::string ids;  // DeviceAssignmentProto.ComputationDevice.replica_device_ids
+  for (size_t r = 0; r < devices.size(); ++r) {
+    const int d = devices[r];
+    if (d < 0 || d >= num_devices()) return absl::InvalidArgumentError(absl::StrCat("no device ", d));
+    for (size_t q = 0; q < r; ++q) {
+      if (devices[q] == d) return absl::InvalidArgumentError(absl::StrCat("device ", d, " named twice"));
+    }
+    AppendVarintField(&ids, 1, static_cast<uint64_t>(devices_[d].id));
+  }
+  std::string assignment;  // DeviceAssignmentProto
+  AppendVarintField(&assignment, 1, devices.size());  // replica_count
+  AppendVarintField(&assignment, 2, 1);               // computation_count
+  AppendBytesField(&assignment, 3, ids);              // computation_devices
+  std::string build;  // ExecutableBuildOptionsProto
+  AppendVarintField(&build, 4, devices.size());  // num_replicas
+  AppendVarintField(&build, 5, 1);               // num_partitions
+  AppendBytesField(&build, 9, assignment);       // device_assignment
+  std::string options;  // CompileOptionsProto; not portable: its devices are fixed
+  AppendBytesField(&options, 3, build);
+  absl::StatusOr<std::unique_ptr<Executable>> exe = CompileWith(mlir, options);
+  if (!exe.ok()) return exe.status();
+  // The order its argument lists take the devices in is the executable's.
+  auto listed = TPUD_ARGS(PJRT_LoadedExecutable_AddressableDevices_Args);
+  listed.executable = (*exe)->get();
+  if (absl::Status st = Check(api_->PJRT_LoadedExecutable_AddressableDevices(&listed), "replica devices");
+      !st.ok()) {
+    return st;
+  }
+  for (size_t i = 0; i < listed.num_addressable_devices; ++i) {
+    int found = -1;
+    for (int d = 0; d < num_devices(); ++d) {
+      if (device_handles_[d] == listed.addressable_devices[i]) found = d;
+    }
+    if (found < 0) return absl::InternalError("a replicated program on a device the client does not list");
+    (*exe)->replica_devices_.push_back(found);
+  }
+  if ((*exe)->replica_devices_.size() != devices.size()) {
+    return absl::InternalError(absl::StrCat("the plugin placed a program of ", devices.size(), " replicas on ",
+                                            (*exe)->replica_devices_.size(), " devices"));
+  }
+  return exe;
+}
+
+absl::StatusOr<std::unique_ptr<Executable>> PjrtPlugin::CompileWith(absl::string_view mlir,
+                                                                    const std::string& options) const {
   auto program = TPUD_ARGS(PJRT_Program);
   std::string code(mlir);
   program.code = code.data();
@@ -333,8 +402,8 @@ absl::StatusOr<std::unique_ptr<Executable>> PjrtPlugin::Compile(absl::string_vie
   auto args = TPUD_ARGS(PJRT_Client_Compile_Args);
   args.client = client_;
   args.program = &program;
-  args.compile_options = kCompileOptions;
-  args.compile_options_size = sizeof(kCompileOptions);
+  args.compile_options = options.data();
+  args.compile_options_size = options.size();
   if (absl::Status st = Check(api_->PJRT_Client_Compile(&args), "compiling"); !st.ok()) return st;
   PJRT_LoadedExecutable* loaded = args.executable;
   // Its output count, from the executable behind it.
@@ -467,6 +536,49 @@ absl::StatusOr<std::vector<Buffer>> PjrtPlugin::Execute(const Executable& exe, i
   for (int i = 0; i < exe.num_outputs(); ++i) result.emplace_back(this, outs[i]);
   if (!st.ok()) return st;
   if (absl::Status w = Await(done, "executing"); !w.ok()) return w;
+  return result;
+}
+
+absl::StatusOr<std::vector<std::vector<Buffer>>> PjrtPlugin::ExecuteReplicated(
+    const Executable& exe, const std::vector<std::vector<PJRT_Buffer*>>& args) const {
+  const size_t n = exe.replica_devices().size();
+  if (n == 0 || args.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat("a program of ", n, " replicas given ", args.size(),
+                                                   " argument lists"));
+  }
+  for (const auto& a : args) {
+    if (a.size() != args[0].size()) return absl::InvalidArgumentError("replicas given different argument counts");
+  }
+  auto options = TPUD_ARGS(PJRT_ExecuteOptions);
+  const size_t outputs = static_cast<size_t>(exe.num_outputs());
+  std::vector<PJRT_Buffer*> outs(n * (outputs + 1), nullptr);
+  std::vector<PJRT_Buffer**> out_lists(n);
+  std::vector<PJRT_Buffer* const*> arg_lists(n);
+  std::vector<PJRT_Event*> done(n, nullptr);
+  for (size_t r = 0; r < n; ++r) {
+    out_lists[r] = outs.data() + r * (outputs + 1);
+    arg_lists[r] = args[r].data();
+  }
+  auto run = TPUD_ARGS(PJRT_LoadedExecutable_Execute_Args);
+  run.executable = exe.get();
+  run.options = &options;
+  run.argument_lists = arg_lists.data();
+  run.num_devices = n;
+  run.num_args = args[0].size();
+  run.output_lists = out_lists.data();
+  run.device_complete_events = done.data();
+  absl::Status st = Check(api_->PJRT_LoadedExecutable_Execute(&run), "executing");
+  std::vector<std::vector<Buffer>> result(n);
+  for (size_t r = 0; r < n; ++r) {
+    for (size_t i = 0; i < outputs; ++i) result[r].emplace_back(this, out_lists[r][i]);
+  }
+  // Every replica's event is awaited (and destroyed), even after a failure.
+  for (size_t r = 0; r < n; ++r) {
+    if (done[r] == nullptr) continue;
+    absl::Status w = Await(done[r], "executing");
+    if (st.ok()) st = w;
+  }
+  if (!st.ok()) return st;
   return result;
 }
 

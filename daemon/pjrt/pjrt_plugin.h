@@ -91,11 +91,16 @@ class Executable {
   ~Executable();
   PJRT_LoadedExecutable* get() const { return exe_; }
   int num_outputs() const { return num_outputs_; }
+  // A replicated program (CompileReplicated): the devices it runs on, in
+  // the order its argument and output lists take them. Empty otherwise.
+  const std::vector<int>& replica_devices() const { return replica_devices_; }
 
  private:
+  friend class PjrtPlugin;
   const PjrtPlugin* plugin_;
   PJRT_LoadedExecutable* exe_;
   int num_outputs_;
+  std::vector<int> replica_devices_;
 };
 
 class PjrtPlugin {
@@ -122,6 +127,12 @@ class PjrtPlugin {
   // Compiles a StableHLO module (MLIR text) for one replica and partition,
   // portable: it runs on any of the devices.
   absl::StatusOr<std::unique_ptr<Executable>> Compile(absl::string_view mlir) const;
+  // Compiles a module for `devices.size()` replicas (one partition), replica
+  // r on device devices[r] (tpud's device index): its collectives
+  // (stablehlo.all_reduce, all_gather, ...) run among those devices.
+  // INVALID_ARGUMENT for an unknown or repeated device.
+  absl::StatusOr<std::unique_ptr<Executable>> CompileReplicated(absl::string_view mlir,
+                                                                absl::Span<const int> devices) const;
 
   // A buffer on `device` holding `dims` of `type` copied from host `data`
   // (dense, row-major). The copy is done when this returns.
@@ -150,6 +161,11 @@ class PjrtPlugin {
   // Runs `exe` on `device` with `args`; returns its outputs once it is done.
   absl::StatusOr<std::vector<Buffer>> Execute(const Executable& exe, int device,
                                               absl::Span<PJRT_Buffer* const> args) const;
+  // Runs a replicated `exe` once on each of its devices: args[r] are the
+  // arguments of replica r (on exe.replica_devices()[r]); returns each
+  // replica's outputs once all are done.
+  absl::StatusOr<std::vector<std::vector<Buffer>>> ExecuteReplicated(
+      const Executable& exe, const std::vector<std::vector<PJRT_Buffer*>>& args) const;
 
   // ---- internals shared with Buffer and Executable
   const PJRT_Api* api() const { return api_; }
@@ -161,6 +177,8 @@ class PjrtPlugin {
  private:
   PjrtPlugin() = default;
   absl::Status Init(const std::vector<CreateOption>& options);
+  absl::StatusOr<std::unique_ptr<Executable>> CompileWith(absl::string_view mlir,
+                                                          const std::string& options) const;
   absl::Status Await(PJRT_Event* event, absl::string_view what) const;
   // BufferFromHostBuffer with `semantics`; `done` gets its
   // done_with_host_buffer event, for the caller to await or keep.

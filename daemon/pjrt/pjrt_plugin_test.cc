@@ -42,6 +42,53 @@ TEST_CASE("the CPU plugin loads: API version, platform, its devices") {
   CHECK(absl::StrContains(p->Describe(), "platform cpu"));
 }
 
+constexpr char kAllReduce[] = R"(
+module @all_reduce {
+  func.func public @main(%a: tensor<3xf32>) -> tensor<3xf32> {
+    %0 = "stablehlo.all_reduce"(%a) ({
+      ^bb0(%x: tensor<f32>, %y: tensor<f32>):
+        %s = stablehlo.add %x, %y : tensor<f32>
+        stablehlo.return %s : tensor<f32>
+    }) {replica_groups = dense<[[0, 1, 2]]> : tensor<1x3xi64>} : (tensor<3xf32>) -> tensor<3xf32>
+    return %0 : tensor<3xf32>
+  }
+}
+)";
+
+TEST_CASE("a replicated program runs one replica per device, its all_reduce across them") {
+  std::unique_ptr<PjrtPlugin> p = LoadCpu();
+  const std::vector<int> devices = {3, 0, 2};  // replica r on devices[r]
+  absl::StatusOr<std::unique_ptr<Executable>> exe = p->CompileReplicated(kAllReduce, devices);
+  INFO(exe.status().ToString());
+  REQUIRE(exe.ok());
+  const std::vector<int>& order = (*exe)->replica_devices();
+  REQUIRE(order.size() == 3);
+  std::vector<Buffer> in;
+  std::vector<std::vector<PJRT_Buffer*>> args;
+  const std::vector<int64_t> dims = {3};
+  for (int d : order) {
+    const std::vector<float> v = {float(d), 10.0f * d, 100.0f};
+    absl::StatusOr<Buffer> b = p->FromHost(d, v.data(), PJRT_Buffer_Type_F32, dims);
+    REQUIRE(b.ok());
+    args.push_back({b->get()});
+    in.push_back(*std::move(b));
+  }
+  absl::StatusOr<std::vector<std::vector<Buffer>>> out = p->ExecuteReplicated(**exe, args);
+  INFO(out.status().ToString());
+  REQUIRE(out.ok());
+  REQUIRE(out->size() == 3);
+  for (const std::vector<Buffer>& r : *out) {
+    REQUIRE(r.size() == 1);
+    std::vector<float> got(3);
+    REQUIRE(p->ToHost(r[0], got.data(), 12).ok());
+    CHECK(got == std::vector<float>{5, 50, 300});  // devices 3 + 0 + 2
+  }
+  // Bad placements are refused, not passed to the plugin.
+  CHECK(p->CompileReplicated(kAllReduce, {0, 0, 1}).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(p->CompileReplicated(kAllReduce, {0, 1, 9}).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(p->ExecuteReplicated(**exe, {args[0]}).status().code() == absl::StatusCode::kInvalidArgument);
+}
+
 TEST_CASE("a StableHLO program compiles once and runs on any device") {
   std::unique_ptr<PjrtPlugin> p = LoadCpu();
   absl::StatusOr<std::unique_ptr<Executable>> exe = p->Compile(kAdd);

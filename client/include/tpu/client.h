@@ -297,6 +297,7 @@ struct ExecutorInfo {
     uint64_t compiles = 0;
     double compile_seconds = 0;
     uint64_t cache_hits = 0;
+    uint64_t collective_programs = 0;  // collectives run as one program
   };
   std::vector<Compile> compile;
   uint64_t programs_cached = 0;
