@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <thread>
 
@@ -240,6 +241,47 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
   RingControl* ctl = Control(ring);
   internal::RingProducer& rp = p.rings[RingChip(ring)];
   const absl::string_view record = p.writer.Finish();
+  if (p.capturing) {
+    RecordHeader h;
+    std::memcpy(&h, record.data(), sizeof(h));
+    const auto kind = static_cast<RecordKind>(h.kind);
+    // Op definitions are the session's, not the stream's: they go to the
+    // ring as always.
+    if (kind != RecordKind::kDefineOp) {
+      --rp.next_sequence;  // a captured record takes no place in the ring
+      const bool device_copy = kind == RecordKind::kCopy &&
+                               static_cast<uint8_t>(record[sizeof(h)]) ==
+                                   static_cast<uint8_t>(CopyKind::kDeviceToDevice);
+      absl::Status refused;
+      if (kind != RecordKind::kOp && !device_copy) {
+        const char* what = kind == RecordKind::kCopy         ? "copy with the host"
+                           : kind == RecordKind::kEventRecord ? "event"
+                           : kind == RecordKind::kEventWait   ? "wait for another stream or chip"
+                           : kind == RecordKind::kCollective  ? "collective"
+                                                              : "program run";
+        refused = absl::FailedPreconditionError(absl::StrCat(
+            "a ", what, " cannot be captured into a program (only ops and device-to-device copies)"));
+      } else if ((h.kind == static_cast<uint16_t>(RecordKind::kOp) &&
+                  (record[sizeof(h) + 8] & kOpFlagSync) != 0)) {
+        refused = absl::FailedPreconditionError(
+            "a synchronous op (its values go to the host) cannot be captured into a program");
+      } else if (p.capture_chip >= 0 && p.capture_chip != RingChip(ring)) {
+        refused = absl::FailedPreconditionError(absl::StrCat(
+            "a program runs on one chip: chip ", RingChip(ring), " after chip ", p.capture_chip));
+      } else if (p.captured.size() + record.size() > (uint64_t{1} << 30) ||
+                 p.captured_records >= kMaxProgramRecords) {
+        refused = absl::ResourceExhaustedError("a program of more than 1 GiB or 2^20 records");
+      }
+      if (!refused.ok()) {
+        if (p.capture_error.ok()) p.capture_error = refused;
+        return refused;
+      }
+      p.capture_chip = RingChip(ring);
+      p.captured.append(record.data(), record.size());
+      ++p.captured_records;
+      return absl::OkStatus();
+    }
+  }
   const uint64_t ring_bytes = layout.ring_bytes;
   if (record.size() > ring_bytes / 2 - 64) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -915,6 +957,105 @@ absl::Status Session::SynchronizeAll() {
     if (first.ok() && !st.ok()) first = st;
   }
   return first;
+}
+
+// ---------------------------------------------------------------- programs
+
+absl::Status Session::BeginCapture(int stream) {
+  if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
+  internal::StreamProducer& p = impl_->streams[stream];
+  absl::MutexLock lock(&p.mu);
+  if (p.capturing) {
+    return absl::FailedPreconditionError(absl::StrCat("stream ", stream, " is capturing already"));
+  }
+  p.capturing = true;
+  p.captured.clear();
+  p.captured_records = 0;
+  p.capture_chip = -1;
+  p.capture_error = absl::OkStatus();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Program> Session::EndCapture(int stream, const std::string& name) {
+  if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
+  internal::StreamProducer& p = impl_->streams[stream];
+  std::string records;
+  uint32_t num_records = 0;
+  int chip = 0;
+  {
+    absl::MutexLock lock(&p.mu);
+    if (!p.capturing) {
+      return absl::FailedPreconditionError(absl::StrCat("stream ", stream, " is not capturing"));
+    }
+    p.capturing = false;
+    if (!p.capture_error.ok()) {
+      return absl::Status(p.capture_error.code(),
+                          absl::StrCat("capture failed: ", p.capture_error.message()));
+    }
+    records.swap(p.captured);
+    num_records = p.captured_records;
+    chip = p.capture_chip >= 0 ? p.capture_chip : (p.last_chip >= 0 ? p.last_chip : 0);
+  }
+  const std::string title = name.substr(0, kMaxProgramNameBytes);
+  const uint64_t name_bytes = (title.size() + 7) / 8 * 8;
+  const uint64_t bytes = sizeof(ProgramHeader) + name_bytes + records.size();
+  absl::StatusOr<void*> memory = AllocatePinned(bytes);
+  if (!memory.ok()) {
+    return absl::Status(memory.status().code(),
+                        absl::StrCat("no shared memory for a program of ", bytes, " bytes: ",
+                                     memory.status().message()));
+  }
+  char* at = static_cast<char*>(*memory);
+  ProgramHeader header{kProgramMagic, num_records, static_cast<uint32_t>(title.size()), 0};
+  std::memcpy(at, &header, sizeof(header));
+  std::memset(at + sizeof(header), 0, name_bytes);
+  std::memcpy(at + sizeof(header), title.data(), title.size());
+  std::memcpy(at + sizeof(header) + name_bytes, records.data(), records.size());
+  static std::atomic<uint32_t> next_id{1};
+  Program program;
+  program.id = next_id.fetch_add(1);
+  program.chip = chip;
+  program.offset = static_cast<uint64_t>(at - impl_->shm);
+  program.bytes = bytes;
+  program.num_records = num_records;
+  program.name = title;
+  program.memory = *memory;
+  return program;
+}
+
+absl::StatusOr<uint64_t> Session::RunProgram(int stream, const Program& program,
+                                             const std::vector<ProgramBinding>& bindings,
+                                             uint64_t seed) {
+  if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
+  if (bindings.size() > kMaxProgramBindings) {
+    return absl::InvalidArgumentError(absl::StrCat("a program run with ", bindings.size(),
+                                                   " bindings (at most ", kMaxProgramBindings, ")"));
+  }
+  if (program.chip < 0 || program.chip >= impl_->num_chips) {
+    return absl::InvalidArgumentError(absl::StrCat("program on chip ", program.chip));
+  }
+  internal::StreamProducer& p = impl_->streams[stream];
+  absl::MutexLock lock(&p.mu);
+  absl::StatusOr<int> ring = impl_->RouteLocked(stream, p, program.chip);
+  if (!ring.ok()) return ring.status();
+  const uint64_t sequence = impl_->BeginLocked(*ring, p, RecordKind::kRunProgram);
+  p.writer.U32(program.id);
+  p.writer.U32(static_cast<uint32_t>(bindings.size()));
+  p.writer.U64(program.offset);
+  p.writer.U64(program.bytes);
+  p.writer.U64(seed);
+  for (const ProgramBinding& b : bindings) {
+    p.writer.U64(b.from);
+    p.writer.U64(b.bytes);
+    p.writer.U64(b.to);
+  }
+  if (absl::Status s = impl_->Publish(*ring, p); !s.ok()) return s;
+  return sequence;
+}
+
+absl::Status Session::ReleaseProgram(const Program& program) {
+  if (program.memory == nullptr) return absl::OkStatus();
+  return FreePinned(program.memory);
 }
 
 }  // namespace tpu

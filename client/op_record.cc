@@ -39,6 +39,8 @@ const char* KindName(uint16_t kind) {
       return "kEventWait";
     case RecordKind::kCollective:
       return "kCollective";
+    case RecordKind::kRunProgram:
+      return "kRunProgram";
   }
   return "unknown";
 }
@@ -652,10 +654,10 @@ absl::Status CheckHeader(const RecordHeader& header, size_t bytes_available) {
                      bytes_available, " bytes available (kind ", header.kind,
                      ", sequence ", header.sequence, ")"));
   }
-  if (header.kind > static_cast<uint16_t>(RecordKind::kCollective)) {
+  if (header.kind > static_cast<uint16_t>(RecordKind::kLastKind)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "unknown record kind ", header.kind, " (known kinds are 0..",
-        static_cast<int>(RecordKind::kCollective), "; length ", header.length,
+        static_cast<int>(RecordKind::kLastKind), "; length ", header.length,
         ", sequence ", header.sequence, ")"));
   }
   return absl::OkStatus();
@@ -763,6 +765,42 @@ absl::Status DecodeCopy(absl::string_view record, DecodedCopy* out) {
     return BodyError(h, "", r.error());
   }
   out->kind = static_cast<CopyKind>(kind);
+  return absl::OkStatus();
+}
+
+uint64_t MixSeed(uint64_t seed, uint64_t k) {
+  uint64_t z = seed + (k + 1) * 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+absl::Status DecodeRunProgram(absl::string_view record, DecodedRunProgram* out) {
+  RecordHeader h;
+  absl::Status status = OpenRecord(record, RecordKind::kRunProgram, &h);
+  if (!status.ok()) return status;
+  BodyReader r(record.data(), kHeaderBytes, h.length);
+  uint32_t n = 0;
+  if (!r.Read("program_id", &out->program_id) || !r.Read("num_bindings", &n)) {
+    return BodyError(h, "", r.error());
+  }
+  if (n > kMaxProgramBindings) {
+    r.Fail(kHeaderBytes + 4, absl::StrCat("num_bindings ", n, " exceeds the limit of ",
+                                          kMaxProgramBindings));
+    return BodyError(h, "", r.error());
+  }
+  if (!r.Read("program offset", &out->offset) || !r.Read("program bytes", &out->bytes) ||
+      !r.Read("seed", &out->seed)) {
+    return BodyError(h, "", r.error());
+  }
+  out->bindings.resize(n);
+  for (ProgramBinding& b : out->bindings) {
+    if (!r.Read("binding from", &b.from) || !r.Read("binding bytes", &b.bytes) ||
+        !r.Read("binding to", &b.to)) {
+      return BodyError(h, "", r.error());
+    }
+  }
+  if (!r.End()) return BodyError(h, "", r.error());
   return absl::OkStatus();
 }
 

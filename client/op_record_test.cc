@@ -667,7 +667,7 @@ TEST_CASE("CheckHeader") {
       {header(72, 2), 64, "72"},
       {header(16, 2), 8, "8 bytes available"},
       {header(0xfffffff8, 2), 1 << 20, "4294967288"},
-      {header(16, 7), 64, "kind 7"},
+      {header(16, 8), 64, "kind 8"},
       {header(16, 0xffff), 64, "kind 65535"},
   };
   for (const Bad& b : bad) {
@@ -676,6 +676,46 @@ TEST_CASE("CheckHeader") {
     CHECK(CleanError(s));
     CHECK(absl::StrContains(s.message(), b.mentions));
   }
+}
+
+TEST_CASE("a program run record round-trips; bad counts and cut records are refused") {
+  RecordWriter w;
+  w.Begin(RecordKind::kRunProgram, 9);
+  w.U32(5);  // program id
+  w.U32(2);  // bindings
+  w.U64(4096);
+  w.U64(800);
+  w.U64(77);
+  for (uint64_t i = 0; i < 2; ++i) {
+    w.U64(0x1000 * (i + 1));
+    w.U64(256);
+    w.U64(0x9000 * (i + 1));
+  }
+  const std::string good(w.Finish());
+  DecodedRunProgram run;
+  REQUIRE(DecodeRunProgram(good, &run).ok());
+  CHECK(run.program_id == 5);
+  CHECK(run.offset == 4096);
+  CHECK(run.bytes == 800);
+  CHECK(run.seed == 77);
+  REQUIRE(run.bindings.size() == 2);
+  CHECK(run.bindings[1].from == 0x2000);
+  CHECK(run.bindings[1].to == 0x12000);
+  // A count that claims more bindings than the record holds.
+  std::string more = good;
+  const uint32_t three = 3;
+  std::memcpy(&more[sizeof(RecordHeader) + 4], &three, 4);
+  absl::Status s = DecodeRunProgram(more, &run);
+  CHECK(CleanError(s));
+  // Absurd counts are refused before anything is sized by them.
+  const uint32_t absurd = 0xffffffffu;
+  std::memcpy(&more[sizeof(RecordHeader) + 4], &absurd, 4);
+  s = DecodeRunProgram(more, &run);
+  CHECK(CleanError(s));
+  CHECK(absl::StrContains(s.message(), "num_bindings"));
+  // Distinct seeds per random op, and never the run's seed itself.
+  CHECK(MixSeed(77, 0) != MixSeed(77, 1));
+  CHECK(MixSeed(77, 0) != 77);
 }
 
 TEST_CASE("decoders refuse records of another kind") {

@@ -70,6 +70,12 @@ struct StreamProducer {
   // One synchronous op at a time per stream (a ring's response area is
   // shared by its records).
   absl::Mutex sync_mu;
+  // Capture (Session::BeginCapture): records go here instead of a ring.
+  bool capturing ABSL_GUARDED_BY(mu) = false;
+  std::string captured ABSL_GUARDED_BY(mu);
+  uint32_t captured_records ABSL_GUARDED_BY(mu) = 0;
+  int capture_chip ABSL_GUARDED_BY(mu) = -1;
+  absl::Status capture_error ABSL_GUARDED_BY(mu);
 };
 
 }  // namespace internal

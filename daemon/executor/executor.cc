@@ -735,6 +735,12 @@ bool Executor::Step(Ring& ring) {
       if (!st.ok()) RecordRingError(ctl, header.sequence, st);
       break;
     }
+    case tpu::RecordKind::kRunProgram: {
+      if (absl::Status st = tpu::DecodeRunProgram(record, &run_); !st.ok()) return fail(st);
+      absl::Status st = RunProgram(ring, header.sequence, run_);
+      if (!st.ok()) RecordRingError(ctl, header.sequence, st);
+      break;
+    }
     case tpu::RecordKind::kEventWait: {
       tpu::DecodedEventWait wait;
       if (absl::Status st = tpu::DecodeEventWait(record, &wait); !st.ok()) return fail(st);
@@ -1206,6 +1212,165 @@ absl::Status Executor::CheckInputPoison(Ring& ring, const BackendOp& op) {
           absl::StrCat("an input was produced by an op that failed earlier: ", poison_root_));
     }
   }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------- programs
+
+absl::StatusOr<std::shared_ptr<Executor::Program>> Executor::ProgramOf(
+    Session& s, const tpu::DecodedRunProgram& run) {
+  auto it = s.programs.find(run.program_id);
+  if (it != s.programs.end() && it->second->offset == run.offset && it->second->bytes == run.bytes) {
+    return it->second;
+  }
+  // Read once from the session's shared memory into our own copy (the
+  // client could rewrite its copy meanwhile), and checked record by record.
+  absl::StatusOr<char*> at = HostRange(s, run.offset, run.bytes);
+  if (!at.ok()) return at.status();
+  auto p = std::make_shared<Program>();
+  p->offset = run.offset;
+  p->bytes = run.bytes;
+  p->data.assign(*at, run.bytes);
+  const std::string& d = p->data;
+  tpu::ProgramHeader h;
+  if (d.size() < sizeof(h)) return absl::InvalidArgumentError("a program shorter than its header");
+  std::memcpy(&h, d.data(), sizeof(h));
+  if (h.magic != tpu::kProgramMagic || h.name_len > tpu::kMaxProgramNameBytes ||
+      h.num_records > tpu::kMaxProgramRecords) {
+    return absl::InvalidArgumentError("not a program (bad magic, name or record count)");
+  }
+  size_t pos = sizeof(h) + (h.name_len + 7) / 8 * 8;
+  if (pos > d.size()) return absl::InvalidArgumentError("a program's name runs past its end");
+  p->name.assign(d.data() + sizeof(h), h.name_len);
+  while (pos < d.size()) {
+    tpu::RecordHeader rh;
+    if (d.size() - pos < sizeof(rh)) {
+      return absl::InvalidArgumentError(absl::StrCat("program record ", p->records.size(), " is cut short"));
+    }
+    std::memcpy(&rh, d.data() + pos, sizeof(rh));
+    if (absl::Status st = tpu::CheckHeader(rh, d.size() - pos); !st.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("program record ", p->records.size(), ": ", st.message()));
+    }
+    const auto kind = static_cast<tpu::RecordKind>(rh.kind);
+    if (kind != tpu::RecordKind::kOp && kind != tpu::RecordKind::kCopy) {
+      return absl::InvalidArgumentError(absl::StrCat("program record ", p->records.size(), " is of kind ",
+                                                     rh.kind, "; programs hold ops and device copies"));
+    }
+    p->records.emplace_back(pos, rh.length);
+    pos += rh.length;
+  }
+  if (p->records.size() != h.num_records) {
+    return absl::InvalidArgumentError(absl::StrCat("a program of ", p->records.size(), " records says it has ",
+                                                   h.num_records));
+  }
+  if (s.programs.size() >= 1024) s.programs.clear();  // a bound; dropped ones are read again
+  s.programs[run.program_id] = p;
+  return p;
+}
+
+absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence, const tpu::DecodedRunProgram& run) {
+  Session& s = *ring.session;
+  absl::StatusOr<std::shared_ptr<Program>> prog = ProgramOf(s, run);
+  if (!prog.ok()) {
+    return absl::Status(prog.status().code(),
+                        absl::StrCat("program ", run.program_id, ": ", prog.status().message()));
+  }
+  Program& p = **prog;
+  // Bindings by their captured range, which must not overlap.
+  std::vector<tpu::ProgramBinding> bindings(run.bindings);
+  std::sort(bindings.begin(), bindings.end(),
+            [](const tpu::ProgramBinding& a, const tpu::ProgramBinding& b) { return a.from < b.from; });
+  for (size_t i = 0; i < bindings.size(); ++i) {
+    const tpu::ProgramBinding& b = bindings[i];
+    if (b.bytes == 0 || b.from + b.bytes < b.from || b.to + b.bytes < b.to ||
+        (i > 0 && bindings[i - 1].from + bindings[i - 1].bytes > b.from)) {
+      return absl::InvalidArgumentError(absl::StrCat("program '", p.name, "': binding ", i,
+                                                     " is empty, wraps or overlaps another"));
+    }
+  }
+  auto move = [&](uint64_t& address) {
+    if (bindings.empty() || address == 0) return;
+    auto it = std::upper_bound(bindings.begin(), bindings.end(), address,
+                               [](uint64_t a, const tpu::ProgramBinding& b) { return a < b.from; });
+    if (it == bindings.begin()) return;
+    --it;
+    if (address < it->from + it->bytes) address = it->to + (address - it->from);
+  };
+  uint64_t generators = 0;
+  auto rebind = [&](tpu::DecodedOp& op) {
+    for (size_t a = 0; a < op.num_args; ++a) {
+      tpu::OpArg& arg = op.args[a];
+      switch (arg.tag) {
+        case tpu::ArgTag::kTensor: move(arg.tensor.address); break;
+        case tpu::ArgTag::kTensorList:
+        case tpu::ArgTag::kOptionalTensorList:
+          for (tpu::TensorRef& t : arg.tensors) move(t.address);
+          break;
+        case tpu::ArgTag::kGenerator:
+          if (run.seed != 0) arg.i = static_cast<int64_t>(tpu::MixSeed(run.seed, generators));
+          ++generators;
+          break;
+        default: break;
+      }
+    }
+    for (tpu::TensorRef& t : op.outputs) move(t.address);
+  };
+  const size_t n = p.records.size();
+  for (size_t k = 0; k < n; ++k) {
+    const absl::string_view rec(p.data.data() + p.records[k].first, p.records[k].second);
+    tpu::RecordHeader rh;
+    std::memcpy(&rh, rec.data(), sizeof(rh));
+    absl::Status st;
+    std::string what = "copy";
+    if (rh.kind == static_cast<uint16_t>(tpu::RecordKind::kOp)) {
+      st = tpu::DecodeOp(rec, &op_);
+      if (st.ok() && (op_.flags & tpu::kOpFlagSync) != 0) {
+        st = absl::InvalidArgumentError("a synchronous op in a program");
+      }
+      if (st.ok()) {
+        rebind(op_);
+        poison_root_.clear();
+        st = RunOp(ring, sequence);
+        const OpSlot& slot = LookupOp(ring, op_.op_id);
+        what = slot.op != nullptr ? OpName(slot.op.get()) : absl::StrCat("op ", op_.op_id);
+        if (!st.ok()) PoisonOutputs(ring, slot.op.get(), poison_root_.empty() ? std::string(st.message()) : poison_root_);
+      }
+    } else {
+      tpu::DecodedCopy copy;
+      st = tpu::DecodeCopy(rec, &copy);
+      if (st.ok() && copy.kind != tpu::CopyKind::kDeviceToDevice) {
+        st = absl::InvalidArgumentError("a copy with the host in a program");
+      }
+      if (st.ok()) {
+        move(copy.src);
+        move(copy.dst);
+        BeginOp(ring, sequence, "copy", 4);
+        st = RunCopy(ring, copy);
+        EndOp();
+      }
+    }
+    if (st.ok()) continue;
+    const std::string cause = absl::StrCat("program '", p.name, "', record ", k + 1, " of ", n, " (", what,
+                                           "): ", st.message());
+    // What the rest of the program would have written is not valid either.
+    for (size_t j = k + 1; j < n; ++j) {
+      const absl::string_view later(p.data.data() + p.records[j].first, p.records[j].second);
+      std::memcpy(&rh, later.data(), sizeof(rh));
+      if (rh.kind == static_cast<uint16_t>(tpu::RecordKind::kOp)) {
+        if (!tpu::DecodeOp(later, &op_).ok()) continue;
+        rebind(op_);
+        const OpSlot& slot = LookupOp(ring, op_.op_id);
+        PoisonOutputs(ring, slot.op.get(), cause);
+      } else {
+        tpu::DecodedCopy copy;
+        if (!tpu::DecodeCopy(later, &copy).ok()) continue;
+        move(copy.dst);
+        if (tpu::DeviceAddressChip(copy.dst) == ring.chip) AddPoison(s, ring.chip, copy.dst, copy.dst + copy.bytes, cause);
+      }
+    }
+    return absl::Status(st.code(), cause);
+  }
+  ++p.calls;
   return absl::OkStatus();
 }
 

@@ -107,6 +107,16 @@ class Executor {
     absl::Status status;  // why its schema could not be resolved
     bool resolved = false;
   };
+  // A captured program, copied out of the session's shared memory and
+  // checked once: its records, in order.
+  struct Program {
+    uint64_t offset = 0;  // where it was read from
+    uint64_t bytes = 0;
+    std::string name;
+    std::string data;
+    std::vector<std::pair<size_t, size_t>> records;  // (offset, length) in data
+    uint64_t calls = 0;
+  };
   struct Session {
     uint64_t id = 0;
     uint32_t tag = 0;
@@ -120,6 +130,8 @@ class Executor {
     std::vector<std::vector<OpSlot>> ops;      // per chip index in config.chips
     uint64_t last_active_ns = 0;
     bool failed = false;
+    // Captured programs this session ran, parsed once (by program id).
+    std::unordered_map<uint32_t, std::shared_ptr<Program>> programs;
   };
   class ResultAllocatorImpl;
 
@@ -153,6 +165,10 @@ class Executor {
   absl::Status HandleDefineOp(Ring& ring, absl::string_view record);
   absl::Status RunOp(Ring& ring, uint64_t sequence);
   absl::Status RunCopy(Ring& ring, const tpu::DecodedCopy& copy);
+  // Runs a captured program's records back to back (kRunProgram).
+  absl::Status RunProgram(Ring& ring, uint64_t sequence, const tpu::DecodedRunProgram& run);
+  absl::StatusOr<std::shared_ptr<Program>> ProgramOf(Session& s,
+                                                           const tpu::DecodedRunProgram& run);
   // OK: satisfied; kUnavailable-free "not yet" is reported through *wait.
   absl::Status CheckEventWait(Ring& ring, uint64_t sequence, const tpu::DecodedEventWait& wait,
                               bool* ready);
@@ -233,6 +249,7 @@ class Executor {
   // Scratch for the record being handled (one at a time).
   std::string record_;
   tpu::DecodedOp op_;
+  tpu::DecodedRunProgram run_;
   std::vector<const tpu::TensorRef*> refs_;
   std::vector<ResolvedTensor> resolved_;
   std::vector<ResultValue> results_;

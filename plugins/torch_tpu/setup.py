@@ -34,6 +34,7 @@ setup(
     packages=["torch_tpu"],
     package_data={"torch_tpu": ["_C.so"]},
     cmdclass={"build_py": BuildWithBazel},
-    entry_points={"torch.backends": ["torch_tpu = torch_tpu:_autoload"]},
+    entry_points={"torch.backends": ["torch_tpu = torch_tpu:_autoload"],
+                  "torch_dynamo_backends": ["tpu = torch_tpu._compile:tpu_backend"]},
     python_requires=">=3.11",
 )

@@ -114,6 +114,18 @@ struct Event {
 };
 
 // A value returned by a synchronous op (Session::RunSync).
+// A captured program (Session::BeginCapture/EndCapture): its records live in
+// the session's shared memory until ReleaseProgram.
+struct Program {
+  uint32_t id = 0;
+  int chip = 0;
+  uint64_t offset = 0;  // in the session's shared memory
+  uint64_t bytes = 0;
+  uint32_t num_records = 0;
+  std::string name;
+  void* memory = nullptr;  // its pinned block
+};
+
 struct OpResult {
   enum class Kind : uint8_t { kNone = 0, kInt, kDouble, kBool, kComplex, kTensor };
   Kind kind = Kind::kNone;
@@ -254,6 +266,30 @@ class Session {
   // errors (they stay for the next Synchronize). For freeing memory that
   // queued work may still use.
   absl::Status WaitIdle();
+
+  // ---- programs: a stream's work captured once, then run by one record ----
+  // As CUDA's stream capture: between BeginCapture and EndCapture, ops and
+  // device-to-device copies enqueued on `stream` are recorded, not run.
+  // Work that cannot be replayed (synchronous ops, copies with the host,
+  // events, collectives, a second chip) fails with FAILED_PRECONDITION and
+  // spoils the capture. Ops keep the device addresses they were given:
+  // RunProgram moves the ranges it binds (inputs, outputs) and leaves the
+  // rest (the program's own intermediates, which the caller must keep
+  // allocated and unused by others while the program lives).
+  absl::Status BeginCapture(int stream);
+  // Ends the capture of `stream`: the program, written once into the
+  // session's shared memory; or why the capture failed (nothing kept).
+  absl::StatusOr<Program> EndCapture(int stream, const std::string& name);
+  // Enqueues one run of `program` on `stream`: its records run back to back
+  // in tpud, every address inside bindings[i].from + [0, bytes) moved to
+  // bindings[i].to; seed != 0 reseeds its random ops. Returns the record's
+  // sequence. An op's failure stops the run, poisons what the rest would
+  // have written, and surfaces at the stream's next synchronisation naming
+  // the program and the op.
+  absl::StatusOr<uint64_t> RunProgram(int stream, const Program& program,
+                                      const std::vector<ProgramBinding>& bindings, uint64_t seed);
+  // Frees the program's shared memory. REQUIRES: no run of it is queued.
+  absl::Status ReleaseProgram(const Program& program);
 
  private:
   struct Impl;

@@ -30,6 +30,15 @@
 //               communicator (daemon/executor/collectives.h), run as one
 //               unit: the stream waits until every operation of the group
 //               has completed with its peers.
+//   kRunProgram u32 program_id, u32 num_bindings, u64 offset, u64 bytes,
+//               u64 seed, num_bindings x (u64 from, u64 bytes, u64 to)
+//               Runs a captured program (Session::BeginCapture): its records
+//               lie in the session's shared memory at [offset, +bytes) (a
+//               ProgramHeader, then kOp and device-to-device kCopy records);
+//               every device address inside [from, +bytes) of a binding is
+//               moved to `to` (inputs and outputs of this run); a non-zero
+//               seed reseeds the program's random ops (the k-th generator
+//               argument gets MixSeed(seed, k)).
 //
 // A CollectiveEntry is: u8 kind (CollectiveKind), u8 reduce op (ReduceOp),
 // i8 dtype, u8 pad, i32 root or peer rank, u64 count (elements), u64 send
@@ -99,7 +108,25 @@ enum class RecordKind : uint16_t {
   kEventRecord = 4,
   kEventWait = 5,
   kCollective = 6,
+  kRunProgram = 7,
+  kLastKind = kRunProgram,
 };
+
+// The start of a program's bytes in shared memory; its records follow,
+// each 8-byte aligned.
+struct ProgramHeader {
+  uint32_t magic;  // kProgramMagic
+  uint32_t num_records;
+  uint32_t name_len;  // bytes of name that follow (padded to 8)
+  uint32_t pad;
+};
+inline constexpr uint32_t kProgramMagic = 0x47525054;  // "TPRG"
+inline constexpr uint32_t kMaxProgramBindings = 1 << 16;
+inline constexpr uint32_t kMaxProgramRecords = 1 << 20;
+inline constexpr uint32_t kMaxProgramNameBytes = 256;
+
+// One k-th seed of a program run (splitmix64 of seed + k).
+uint64_t MixSeed(uint64_t seed, uint64_t k);
 
 // What a collective entry does. Counts are elements of `dtype`; n is the
 // communicator's size. Buffers are dense; send and recv may be the same.
@@ -248,6 +275,20 @@ struct DecodedOp {
   size_t num_args = 0;           // args[0, num_args) are valid
 };
 
+struct ProgramBinding {
+  uint64_t from = 0;  // device address range as captured
+  uint64_t bytes = 0;
+  uint64_t to = 0;    // where it lies in this run
+};
+
+struct DecodedRunProgram {
+  uint32_t program_id = 0;
+  uint64_t offset = 0;  // of the program in the session's shared memory
+  uint64_t bytes = 0;
+  uint64_t seed = 0;
+  std::vector<ProgramBinding> bindings;
+};
+
 struct DecodedCopy {
   CopyKind kind = CopyKind::kHostToDevice;
   uint64_t src = 0;
@@ -295,6 +336,7 @@ absl::Status DecodeCopy(absl::string_view record, DecodedCopy* out);
 absl::Status DecodeEventRecord(absl::string_view record, uint32_t* event_slot);
 absl::Status DecodeEventWait(absl::string_view record, DecodedEventWait* out);
 absl::Status DecodeCollective(absl::string_view record, DecodedCollective* out);
+absl::Status DecodeRunProgram(absl::string_view record, DecodedRunProgram* out);
 // Writes a kCollective body (after Begin) for `ops`.
 void WriteCollective(RecordWriter& w, uint64_t communicator, uint64_t index,
                      const CollectiveEntry* ops, size_t num_ops);

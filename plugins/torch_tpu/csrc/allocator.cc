@@ -27,6 +27,8 @@ struct Block {
   bool adopted;      // a daemon-made result: freed straight back
   int stream = 0;    // the stream it was allocated on: only that stream reuses it
   std::vector<int> uses;  // other streams it was recorded on (recordStream)
+  uint64_t hold = 0;      // the captured program whose memory it is (0: none)
+  bool parked = false;    // held, and its tensor is gone
 };
 
 // A freed block whose other streams may still use it: reusable once events
@@ -63,6 +65,10 @@ class TpuAllocator final : public c10::DeviceAllocator {
       }
     }
     if (block == nullptr) block = NewSegment(device, want);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (capturing_) captured_.push_back(block);
+    }
     block->requested = n;
     block->stream = stream;
     block->uses.clear();
@@ -90,6 +96,11 @@ class TpuAllocator final : public c10::DeviceAllocator {
   bool initialized() override { return true; }
 
   void emptyCache(c10::MempoolId_t) override {
+    {
+      // A capture notes the blocks it uses; none may go meanwhile.
+      std::lock_guard<std::mutex> lock(mu_);
+      if (capturing_) return;
+    }
     // Queued work may still use cached blocks: let it finish first.
     (void)GetSession().WaitIdle();
     SweepDeferred();
@@ -171,11 +182,78 @@ class TpuAllocator final : public c10::DeviceAllocator {
       pending_free_.push_back(b);
       return;
     }
+    if (b->hold != 0) {
+      b->parked = true;  // the program's until it is released
+      return;
+    }
     if (b->uses.empty()) {
       free_[b->device][b->stream].emplace(b->size, b);
       return;
     }
     to_record_.push_back(b);
+  }
+
+  void BeginHold() {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(!capturing_, "tpu: a capture is in progress already");
+    capturing_ = true;
+    captured_.clear();
+  }
+
+  uint64_t EndHold(const std::vector<uint64_t>& outputs) {
+    std::lock_guard<std::mutex> lock(mu_);
+    capturing_ = false;
+    const uint64_t id = ++next_hold_;
+    std::vector<Block*>& held = holds_[id];
+    std::sort(captured_.begin(), captured_.end());
+    captured_.erase(std::unique(captured_.begin(), captured_.end()), captured_.end());
+    for (Block* b : captured_) {
+      if (std::find(outputs.begin(), outputs.end(), b->address) != outputs.end()) continue;
+      if (b->hold != 0) continue;  // another program's already
+      // Freed during the capture: out of the cache, into the program.
+      auto& cache = free_[b->device][b->stream];
+      auto range = cache.equal_range(b->size);
+      bool cached = false;
+      for (auto it = range.first; it != range.second; ++it) {
+        if (it->second == b) {
+          cache.erase(it);
+          cached = true;
+          break;
+        }
+      }
+      if (!cached && std::find(to_record_.begin(), to_record_.end(), b) != to_record_.end()) {
+        continue;  // freed while other streams used it: left to the cache (rare)
+      }
+      b->hold = id;
+      b->parked = cached;
+      held.push_back(b);
+    }
+    captured_.clear();
+    return id;
+  }
+
+  void ReleaseHold(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = holds_.find(id);
+    if (it == holds_.end()) return;
+    for (Block* b : it->second) {
+      b->hold = 0;
+      if (b->parked) {
+        b->parked = false;
+        free_[b->device][b->stream].emplace(b->size, b);
+      }
+    }
+    holds_.erase(it);
+  }
+
+  uint64_t HoldBytes(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = holds_.find(id);
+    uint64_t n = 0;
+    if (it != holds_.end()) {
+      for (Block* b : it->second) n += b->size;
+    }
+    return n;
   }
 
   // Blocks freed while other streams used them: an event on each of those
@@ -296,6 +374,10 @@ class TpuAllocator final : public c10::DeviceAllocator {
   std::vector<Deferred> deferred_;
   c10::CachingDeviceAllocator::DeviceStats stats_[kMaxDevices];
   std::vector<Block*> pending_free_;
+  bool capturing_ = false;
+  std::vector<Block*> captured_;
+  uint64_t next_hold_ = 0;
+  std::unordered_map<uint64_t, std::vector<Block*>> holds_;
 };
 
 TpuAllocator& Instance() {
@@ -311,6 +393,11 @@ void TpuAllocator::Deleter(void* ctx) {
 }  // namespace
 
 c10::DeviceAllocator* GetTpuAllocator() { return &Instance(); }
+
+void BeginCaptureHold() { Instance().BeginHold(); }
+uint64_t EndCaptureHold(const std::vector<uint64_t>& outputs) { return Instance().EndHold(outputs); }
+void ReleaseCaptureHold(uint64_t hold) { Instance().ReleaseHold(hold); }
+uint64_t CaptureHoldBytes(uint64_t hold) { return Instance().HoldBytes(hold); }
 
 c10::DataPtr AdoptSegment(uint64_t address, size_t bytes, c10::DeviceIndex device) {
   Block* b = Instance().Adopt(address, bytes, device);

@@ -14,4 +14,16 @@ c10::DeviceAllocator* GetTpuAllocator();
 // data-dependent result) as a DataPtr whose deleter frees the segment.
 c10::DataPtr AdoptSegment(uint64_t address, size_t bytes, c10::DeviceIndex device);
 
+// Memory of captured programs (as CUDA graphs' private pools). Between
+// BeginCaptureHold and EndCaptureHold every block handed out is noted; at
+// the end, those not at an address in `outputs` (a run binds outputs anew)
+// become the program's: they never go back to the cache, freed or not,
+// until ReleaseCaptureHold, since the program's records keep their
+// addresses. The cache is not emptied while a capture runs.
+void BeginCaptureHold();
+uint64_t EndCaptureHold(const std::vector<uint64_t>& outputs);
+void ReleaseCaptureHold(uint64_t hold);
+// Bytes the program holds.
+uint64_t CaptureHoldBytes(uint64_t hold);
+
 }  // namespace torch_tpu

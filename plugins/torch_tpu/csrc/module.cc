@@ -4,6 +4,10 @@
 #include <torch/csrc/Generator.h>
 #include <torch/extension.h>
 
+#include <mutex>
+#include <tuple>
+#include <unordered_map>
+
 #include "allocator.h"
 #include "generator.h"
 #include "ops.h"
@@ -68,6 +72,112 @@ void RegisterDistributed(py::module& m);  // distributed.cc
 
 namespace {
 
+// ---- captured programs (torch.compile(backend="tpu"); torch_tpu/_compile.py)
+
+struct CapturedProgram {
+  tpu::Program program;
+  uint64_t hold = 0;
+  int stream = 0;
+};
+std::mutex g_programs_mu;
+std::unordered_map<uint64_t, CapturedProgram>* g_programs = new std::unordered_map<uint64_t, CapturedProgram>();
+uint64_t g_next_program = 0;
+int g_capture_stream = -1;
+
+void CaptureBegin() {
+  const c10::DeviceIndex device = CurrentDevice();
+  const int stream = SessionStream(CurrentStreamId(device));
+  BeginCaptureHold();
+  absl::Status st = GetSession().BeginCapture(stream);
+  if (!st.ok()) ReleaseCaptureHold(EndCaptureHold({}));
+  Check(st, "beginning a capture");
+  g_capture_stream = stream;
+}
+
+// Ends the capture; the program's handle, or raises why it failed (the
+// memory the capture used goes back).
+uint64_t CaptureEnd(const std::string& name, const std::vector<uint64_t>& outputs) {
+  const int stream = g_capture_stream;
+  g_capture_stream = -1;
+  absl::StatusOr<tpu::Program> p = GetSession().EndCapture(stream, name);
+  const uint64_t hold = EndCaptureHold(outputs);
+  if (!p.ok()) {
+    ReleaseCaptureHold(hold);
+    Check(p.status(), "capturing a program");
+  }
+  std::lock_guard<std::mutex> lock(g_programs_mu);
+  const uint64_t id = ++g_next_program;
+  (*g_programs)[id] = CapturedProgram{*p, hold, stream};
+  return id;
+}
+
+void CaptureAbort() {
+  if (g_capture_stream < 0) return;
+  (void)GetSession().EndCapture(g_capture_stream, "");
+  g_capture_stream = -1;
+  ReleaseCaptureHold(EndCaptureHold({}));
+}
+
+CapturedProgram Find(uint64_t id) {
+  std::lock_guard<std::mutex> lock(g_programs_mu);
+  auto it = g_programs->find(id);
+  TORCH_CHECK(it != g_programs->end(), "tpu: no program ", id, " (released?)");
+  return it->second;
+}
+
+void ProgramRun(uint64_t id, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& bindings,
+                uint64_t seed) {
+  const CapturedProgram p = Find(id);
+  std::vector<tpu::ProgramBinding> b;
+  b.reserve(bindings.size());
+  for (const auto& [from, bytes, to] : bindings) {
+    if (from != to) b.push_back(tpu::ProgramBinding{from, bytes, to});
+  }
+  const int stream = SessionStream(CurrentStreamId(CurrentDevice()));
+  Check(GetSession().RunProgram(stream, p.program, b, seed).status(), p.program.name.c_str());
+}
+
+void ProgramRelease(uint64_t id) {
+  CapturedProgram p;
+  {
+    std::lock_guard<std::mutex> lock(g_programs_mu);
+    auto it = g_programs->find(id);
+    if (it == g_programs->end()) return;
+    p = it->second;
+    g_programs->erase(it);
+  }
+  // Runs still queued read its records and its memory.
+  (void)GetSession().WaitIdle();
+  (void)GetSession().ReleaseProgram(p.program);
+  ReleaseCaptureHold(p.hold);
+}
+
+// A program run's seed, from the device's default generator (what its
+// random ops would have drawn one by one in eager mode).
+uint64_t NextRunSeed() {
+  at::Generator gen = DefaultGenerator(CurrentDevice());
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  auto* tg = dynamic_cast<TpuGenerator*>(gen.unsafeGetGeneratorImpl());
+  TORCH_CHECK(tg != nullptr, "tpu: the default generator is not a tpu generator");
+  uint64_t seed = tg->NextOpSeed();
+  return seed == 0 ? 1 : seed;  // 0 means "keep the captured seeds"
+}
+
+py::dict ProgramInfo(uint64_t id) {
+  const CapturedProgram p = Find(id);
+  py::dict d;
+  d["name"] = p.program.name;
+  d["records"] = p.program.num_records;
+  d["bytes"] = p.program.bytes;
+  d["chip"] = p.program.chip;
+  d["held_bytes"] = CaptureHoldBytes(p.hold);
+  return d;
+}
+
+}  // namespace
+
+namespace {
+
 // On a backend that lowers ops (PJRT), every op it does not lower but
 // PyTorch can decompose runs as its decomposition (torch_tpu/_decomp.py).
 void InstallDecompositions(const tpu::TopologyInfo& t) {
@@ -129,4 +239,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("_session_id", [] { return GetSession().id(); });
   m.def("_sparse_shared_kernels", [] { return SharedSparseKernelNames(); });
   m.def("_register_distributed", [m]() mutable { torch_tpu::RegisterDistributed(m); });
+  m.def("_capture_begin", &CaptureBegin);
+  m.def("_capture_end", &CaptureEnd, py::arg("name"), py::arg("outputs"));
+  m.def("_capture_abort", &CaptureAbort);
+  m.def("_program_run", &ProgramRun, py::arg("program"), py::arg("bindings"), py::arg("seed"));
+  m.def("_program_release", &ProgramRelease);
+  m.def("_program_info", &ProgramInfo);
+  m.def("_next_run_seed", &NextRunSeed);
 }

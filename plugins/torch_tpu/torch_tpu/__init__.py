@@ -27,6 +27,10 @@ def _init():
     from . import distributed
 
     distributed._register()
+    from . import _compile, _random
+
+    _compile.install_default_compile()
+    _random.install()
 
 
 def _autoload():
