@@ -186,6 +186,14 @@ class TpuAllocator final : public c10::DeviceAllocator {
       b->parked = true;  // the program's until it is released
       return;
     }
+    if (capturing_) {
+      // Never handed out again during the capture: each address the
+      // program records then belongs to one tensor, so binding an input or
+      // an output moves only that tensor's uses.
+      b->parked = true;
+      capture_freed_.push_back(b);
+      return;
+    }
     if (b->uses.empty()) {
       free_[b->device][b->stream].emplace(b->size, b);
       return;
@@ -198,6 +206,7 @@ class TpuAllocator final : public c10::DeviceAllocator {
     TORCH_CHECK(!capturing_, "tpu: a capture is in progress already");
     capturing_ = true;
     captured_.clear();
+    capture_freed_.clear();
   }
 
   uint64_t EndHold(const std::vector<uint64_t>& outputs) {
@@ -210,25 +219,22 @@ class TpuAllocator final : public c10::DeviceAllocator {
     for (Block* b : captured_) {
       if (std::find(outputs.begin(), outputs.end(), b->address) != outputs.end()) continue;
       if (b->hold != 0) continue;  // another program's already
-      // Freed during the capture: out of the cache, into the program.
-      auto& cache = free_[b->device][b->stream];
-      auto range = cache.equal_range(b->size);
-      bool cached = false;
-      for (auto it = range.first; it != range.second; ++it) {
-        if (it->second == b) {
-          cache.erase(it);
-          cached = true;
-          break;
-        }
-      }
-      if (!cached && std::find(to_record_.begin(), to_record_.end(), b) != to_record_.end()) {
-        continue;  // freed while other streams used it: left to the cache (rare)
-      }
-      b->hold = id;
-      b->parked = cached;
+      b->hold = id;  // parked if it was freed during the capture
       held.push_back(b);
     }
     captured_.clear();
+    // Blocks from before the capture that it freed: the program knows them
+    // only as bound inputs, so they go back to the cache.
+    for (Block* b : capture_freed_) {
+      if (b->hold != 0) continue;
+      b->parked = false;
+      if (b->uses.empty()) {
+        free_[b->device][b->stream].emplace(b->size, b);
+      } else {
+        to_record_.push_back(b);
+      }
+    }
+    capture_freed_.clear();
     return id;
   }
 
@@ -376,6 +382,7 @@ class TpuAllocator final : public c10::DeviceAllocator {
   std::vector<Block*> pending_free_;
   bool capturing_ = false;
   std::vector<Block*> captured_;
+  std::vector<Block*> capture_freed_;  // freed during the capture (parked)
   uint64_t next_hold_ = 0;
   std::unordered_map<uint64_t, std::vector<Block*>> holds_;
 };

@@ -15,11 +15,13 @@ c10::DeviceAllocator* GetTpuAllocator();
 c10::DataPtr AdoptSegment(uint64_t address, size_t bytes, c10::DeviceIndex device);
 
 // Memory of captured programs (as CUDA graphs' private pools). Between
-// BeginCaptureHold and EndCaptureHold every block handed out is noted; at
-// the end, those not at an address in `outputs` (a run binds outputs anew)
-// become the program's: they never go back to the cache, freed or not,
-// until ReleaseCaptureHold, since the program's records keep their
-// addresses. The cache is not emptied while a capture runs.
+// BeginCaptureHold and EndCaptureHold every block handed out is noted, and
+// none freed is handed out again (so each address the program records is
+// one tensor's); at the end, those not at an address in `outputs` (a run
+// binds outputs anew) become the program's: they never go back to the
+// cache, freed or not, until ReleaseCaptureHold, since the program's
+// records keep their addresses. The cache is not emptied while a capture
+// runs.
 void BeginCaptureHold();
 uint64_t EndCaptureHold(const std::vector<uint64_t>& outputs);
 void ReleaseCaptureHold(uint64_t hold);

@@ -37,6 +37,10 @@ log = logging.getLogger("torch_tpu.compile")
 __all__ = ["tpu_backend", "explain"]
 
 _graph_ids = itertools.count(1)
+# Signatures captured per graph before new ones run eagerly: a host value
+# that changes every call (a CPU step count) would otherwise capture anew
+# each time.
+MAX_CAPTURES_PER_GRAPH = 8
 # Why graphs ran eagerly, by graph name (for explain() and tests).
 _eager_reasons = {}
 # Programs captured and runs made, for tests and tpuctl-less inspection.
@@ -50,7 +54,7 @@ def explain():
 
 def _signature(args):
     key = []
-    storages = []
+    storages = {}  # which inputs share storage matters to the program
     for a in args:
         if isinstance(a, torch.Tensor):
             if a.device.type != "tpu":
@@ -59,11 +63,7 @@ def _signature(args):
                     continue
                 return None  # a host tensor in the graph: eager
             st = a.untyped_storage()
-            ptr = st.data_ptr()
-            idx = next((i for i, p in enumerate(storages) if p == ptr), None)
-            if idx is None:
-                storages.append(ptr)
-                idx = len(storages) - 1
+            idx = storages.setdefault(st.data_ptr(), len(storages))
             key.append(("t", a.device.index, a.dtype, tuple(a.shape), tuple(a.stride()),
                         a.storage_offset(), st.nbytes(), idx))
         elif isinstance(a, (int, float, bool)) or a is None:
@@ -101,6 +101,12 @@ class _CompiledGraph:
         key = _signature(args)
         prog = self.programs.get(key) if key is not None else None
         if prog is None and key is not None and key not in self.programs:
+            if len(self.programs) >= MAX_CAPTURES_PER_GRAPH:
+                self._give_up(key, f"{len(self.programs)} input signatures captured already (a host "
+                                   "value that changes every call? a capturable optimizer keeps "
+                                   "its step on the device)")
+                stats["eager_calls"] += 1
+                return self._eager(args)
             prog, out = self._capture(key, args)
             if prog is not None:
                 return out

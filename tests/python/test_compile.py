@@ -1,0 +1,284 @@
+"""torch.compile on "tpu": graphs captured once and run by tpud as programs.
+
+Every check compares against eager CPU PyTorch (or tpu eager) in a fresh
+interpreter on a daemon started for this module, and asserts through
+torch_tpu._compile.stats/explain() that the graphs really ran as programs
+(not eagerly, op by op)."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import run_py
+
+TPUD_HBM = "2GiB"
+
+# Shared by the scripts: `same(a, b)` compares nested outputs; `ran_as_programs()`
+# asserts that no graph fell back to eager.
+PRELUDE = """
+import torch, torch_tpu
+from torch_tpu import _compile
+
+def same(a, b, atol=2e-5, rtol=2e-4, what=""):
+    torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), atol=atol, rtol=rtol,
+                               msg=lambda m: f"{what}: {m}")
+
+def ran_as_programs(min_captures=1):
+    assert not _compile.explain(), _compile.explain()
+    assert _compile.stats["captures"] >= min_captures, _compile.stats
+    assert _compile.stats["eager_calls"] == 0, _compile.stats
+
+def fwd_bwd(model_cpu, model_tpu, x, steps=2, **compile_kw):
+    cm = torch.compile(model_tpu, backend="tpu", **compile_kw)
+    for step in range(steps):
+        ref = model_cpu(x)
+        out = cm(x.to("tpu"))
+        same(out, ref, what=f"step {step} output")
+        ref.float().pow(2).mean().backward()
+        out.float().pow(2).mean().backward()
+        for (name, p), q in zip(model_cpu.named_parameters(), model_tpu.parameters()):
+            same(q.grad, p.grad, what=f"step {step} grad {name}")
+            p.grad = None
+            q.grad = None
+"""
+
+
+def script(body):
+    return PRELUDE + textwrap.dedent(body)
+
+
+def test_compiled_equals_eager_for_mlp_cnn_with_batch_norm_and_transformer_block(tpud):
+    run_py(tpud, script("""
+        import copy
+        torch.manual_seed(0)
+        nn = torch.nn
+        mlp = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3))
+        fwd_bwd(mlp, copy.deepcopy(mlp).to("tpu"), torch.randn(5, 12))
+        cnn = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                            nn.Conv2d(8, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 2 * 2, 5))
+        cnn_tpu = copy.deepcopy(cnn).to("tpu")
+        fwd_bwd(cnn, cnn_tpu, torch.randn(4, 3, 8, 8))
+        # batch norm's running statistics are input mutations the program writes
+        same(cnn_tpu[1].running_mean, cnn[1].running_mean, what="running_mean")
+        same(cnn_tpu[1].running_var, cnn[1].running_var, what="running_var")
+        block = nn.TransformerEncoderLayer(d_model=16, nhead=4, dim_feedforward=32, dropout=0.0,
+                                           batch_first=True)
+        fwd_bwd(block, copy.deepcopy(block).to("tpu"), torch.randn(2, 7, 16))
+        ran_as_programs(min_captures=6)
+        print("ok", _compile.stats)
+    """), timeout=600)
+
+
+def test_hugging_face_models_compiled_equal_cpu(tpud):
+    pytest.importorskip("transformers")
+    run_py(tpud, script("""
+        import copy, transformers
+        torch.manual_seed(0)
+        models = {
+            "llama": transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)),
+            "gpt2": transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+            "bert": transformers.BertForMaskedLM(transformers.BertConfig(
+                vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0)),
+        }
+        ids = torch.randint(0, 128, (2, 12))
+        captured = {}
+        for name, ref in models.items():
+            before = _compile.stats["captures"]
+            ref.eval()
+            dev = copy.deepcopy(ref).to("tpu")
+            cm = torch.compile(dev, backend="tpu")
+            out_ref = ref(input_ids=ids, labels=ids)
+            out_dev = cm(input_ids=ids.to("tpu"), labels=ids.to("tpu"))
+            same(out_dev.logits, out_ref.logits, what=f"{name} logits")
+            same(out_dev.loss, out_ref.loss, what=f"{name} loss")
+            out_ref.loss.backward()
+            out_dev.loss.backward()
+            for (pname, p), q in zip(ref.named_parameters(), dev.parameters()):
+                if p.grad is None:
+                    continue
+                same(q.grad, p.grad, atol=1e-4, what=f"{name} grad {pname}")
+            captured[name] = _compile.stats["captures"] - before
+        # Each model's graphs ran as programs (a graph holding an op the
+        # client must run synchronously runs eagerly instead, still equal).
+        assert all(n >= 1 for n in captured.values()), (captured, _compile.explain())
+        print("ok", captured, _compile.stats, _compile.explain())
+    """), timeout=900)
+
+
+def test_training_loop_with_compiled_model_and_optimizer_step_reaches_cpu_losses(tpud):
+    run_py(tpud, script("""
+        import copy
+        torch.manual_seed(0)
+        nn = torch.nn
+        ref = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 1))
+        dev = copy.deepcopy(ref).to("tpu")
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        # capturable: the step count stays on the device (Dynamo sets it for CUDA)
+        opt_dev = torch.optim.AdamW(dev.parameters(), lr=1e-2, capturable=True)
+        cm = torch.compile(dev, backend="tpu")
+        step = torch.compile(opt_dev.step, backend="tpu")
+        g = torch.Generator().manual_seed(1)
+        for i in range(6):
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+            l_ref = ((ref(x) - y) ** 2).mean()
+            l_dev = ((cm(x.to("tpu")) - y.to("tpu")) ** 2).mean()
+            same(l_dev, l_ref, atol=1e-5, what=f"loss {i}")
+            opt_ref.zero_grad(); opt_dev.zero_grad()
+            l_ref.backward(); l_dev.backward()
+            opt_ref.step(); step()
+        for p, q in zip(ref.parameters(), dev.parameters()):
+            same(q, p, atol=1e-5, what="parameters after 6 steps")
+        ran_as_programs(min_captures=3)
+        # one capture per graph: later steps only ran programs
+        assert _compile.stats["runs"] >= 3 * 6, _compile.stats
+        print("ok", _compile.stats)
+    """), timeout=600)
+
+
+def test_a_shape_change_recompiles_and_marked_dynamic_dims_work(tpud):
+    run_py(tpud, script("""
+        f = torch.compile(lambda x: (x * 2 + 1).sum(0), backend="tpu")
+        for n in (4, 8, 16, 8, 16):
+            x = torch.randn(n, 3)
+            same(f(x.to("tpu")), (x * 2 + 1).sum(0), what=f"batch {n}")
+        # 3 distinct shapes (Dynamo's static graph for 4, then a dynamic one):
+        # each captured once, the repeats only run
+        assert _compile.stats["captures"] == 3, _compile.stats
+        g = torch.compile(lambda x: torch.relu(x).mean(1), backend="tpu")
+        for n in (5, 6, 7):
+            x = torch.randn(n, 4)
+            xt = x.to("tpu")
+            torch._dynamo.mark_dynamic(xt, 0)
+            same(g(xt), torch.relu(x).mean(1), what=f"dynamic batch {n}")
+        ran_as_programs()
+        print("ok", _compile.stats)
+    """), timeout=300)
+
+
+def test_graph_breaks_run_the_pieces_and_the_break_eagerly(tpud):
+    run_py(tpud, script("""
+        def f(x):
+            y = torch.sin(x) * 3
+            if y.sum().item() > 0:        # data-dependent: a graph break
+                y = y + 1
+            else:
+                y = y - 1
+            print("between graphs")        # another break
+            return torch.cos(y).sum()
+        x = torch.randn(6, 5)
+        c = torch.compile(f, backend="tpu")
+        same(c(x.to("tpu")), f(x), what="graph breaks")
+        same(c((-x).to("tpu")), f(-x), what="the other branch")
+        ran_as_programs(min_captures=2)
+        print("ok", _compile.stats)
+    """), timeout=300)
+
+
+def test_in_place_ops_on_inputs_write_the_callers_tensors(tpud):
+    run_py(tpud, script("""
+        def f(x, y):
+            x.add_(1)
+            y.mul_(x)
+            return x + y
+        c = torch.compile(f, backend="tpu")
+        for i in range(3):
+            x, y = torch.randn(4, 4), torch.randn(4, 4)
+            xt, yt = x.to("tpu"), y.to("tpu")
+            out_ref = f(x, y)
+            out = c(xt, yt)
+            same(out, out_ref, what=f"call {i} result")
+            same(xt, x, what=f"call {i} x")
+            same(yt, y, what=f"call {i} y")
+        ran_as_programs()
+        print("ok", _compile.stats)
+    """), timeout=300)
+
+
+def test_compiled_dropout_repeats_under_manual_seed_and_varies_between_calls(tpud):
+    run_py(tpud, script("""
+        d = torch.compile(lambda t: torch.nn.functional.dropout(t, 0.5, training=True), backend="tpu")
+        z = torch.ones(4000, device="tpu")
+        torch.tpu.manual_seed(7); a, b = d(z).cpu(), d(z).cpu()
+        torch.tpu.manual_seed(7); a2, b2 = d(z).cpu(), d(z).cpu()
+        assert torch.equal(a, a2) and torch.equal(b, b2), "not reproducible under manual_seed"
+        assert not torch.equal(a, b), "the same mask on every call"
+        kept = (a != 0).float().mean().item()
+        assert 0.45 < kept < 0.55, kept
+        assert set(a.unique().tolist()) <= {0.0, 2.0}
+        # eager dropout on tpu repeats too
+        torch.tpu.manual_seed(3); e1 = torch.nn.functional.dropout(z, 0.5).cpu()
+        torch.tpu.manual_seed(3); e2 = torch.nn.functional.dropout(z, 0.5).cpu()
+        assert torch.equal(e1, e2)
+        ran_as_programs()
+        print("ok")
+    """), timeout=300)
+
+
+def test_an_error_inside_a_program_names_the_op_and_the_graph_and_poisons_the_result(tpud):
+    run_py(tpud, script("""
+        f = torch.compile(lambda x, i: x.index_select(0, i) * 2, backend="tpu")
+        x = torch.randn(5, 3)
+        same(f(x.to("tpu"), torch.tensor([0, 4]).to("tpu")), x[[0, 4]] * 2, what="in range")
+        bad = f(x.to("tpu"), torch.tensor([0, 9]).to("tpu"))   # the same program, a bad index
+        try:
+            torch.tpu.synchronize()
+            raise AssertionError("no error")
+        except RuntimeError as e:
+            msg = str(e)
+        assert "index_select" in msg and "graph" in msg and "program" in msg, msg
+        try:
+            bad.cpu()
+            raise AssertionError("the failed program's output read as data")
+        except RuntimeError as e:
+            assert "index_select" in str(e), str(e)
+        # the session goes on, and so does the program
+        same(f(x.to("tpu"), torch.tensor([2, 1]).to("tpu")), x[[2, 1]] * 2, what="after the error")
+        print("ok", msg)
+    """), timeout=300)
+
+
+def test_the_default_torch_compile_runs_tpu_graphs_as_programs(tpud):
+    run_py(tpud, script("""
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU())
+        x = torch.randn(3, 6)
+        ref = m(x)
+        out = torch.compile(m.to("tpu"))(x.to("tpu"))   # no backend named: Inductor's default
+        same(out, ref, what="default compile")
+        ran_as_programs()
+        print("ok")
+    """), timeout=300)
+
+
+TWO = PRELUDE + """
+import sys, copy
+torch.manual_seed(int(sys.argv[1]))
+nn = torch.nn
+ref = nn.Sequential(nn.Linear(10, 20), nn.Tanh(), nn.Linear(20, 1))
+dev = copy.deepcopy(ref).to("tpu")
+cm = torch.compile(dev, backend="tpu")
+o1, o2 = torch.optim.SGD(ref.parameters(), lr=0.05), torch.optim.SGD(dev.parameters(), lr=0.05)
+for i in range(30):
+    x = torch.randn(8, 10)
+    l1 = ref(x).pow(2).mean(); l2 = cm(x.to("tpu")).pow(2).mean()
+    same(l2, l1, atol=1e-5, what=f"loss {i}")
+    o1.zero_grad(); o2.zero_grad(); l1.backward(); l2.backward(); o1.step(); o2.step()
+ran_as_programs(min_captures=2)
+print("ok")
+"""
+
+
+def test_two_processes_run_compiled_programs_at_once(tpud):
+    env = tpud.env()
+    procs = [subprocess.Popen([sys.executable, "-c", TWO, str(seed)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for seed in (1, 2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0 and "ok" in out, out[-3000:]
