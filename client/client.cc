@@ -143,6 +143,10 @@ SessionInfo ConvertSession(const v1::SessionInfo& s) {
   out.segment_count = s.segment_count();
   out.busy_seconds = s.busy_seconds();
   out.ops_executed = s.ops_executed();
+  for (const auto& p : s.programs()) {
+    out.programs.push_back({p.id(), p.name(), static_cast<int>(p.chip()), p.records(), p.calls(),
+                            p.busy_seconds()});
+  }
   return out;
 }
 

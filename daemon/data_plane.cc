@@ -215,6 +215,18 @@ SessionActivity DataPlane::Activity(uint64_t session_id) {
   for (uint32_t c = 0; c < it->second->layout.num_chips; ++c) {
     a.busy_ns += view.chip(static_cast<int>(c))->busy_ns.load(std::memory_order_relaxed);
     a.ops += view.chip(static_cast<int>(c))->ops.load(std::memory_order_relaxed);
+    for (const ProgramStat& p : view.chip(static_cast<int>(c))->programs) {
+      const uint32_t id = p.id.load(std::memory_order_acquire);
+      if (id == 0) continue;
+      ProgramActivity pa;
+      pa.id = id;
+      pa.chip = static_cast<int>(c);
+      pa.name.assign(p.name, strnlen(p.name, sizeof(p.name)));
+      pa.records = p.records;
+      pa.calls = p.calls.load(std::memory_order_relaxed);
+      pa.busy_ns = p.busy_ns.load(std::memory_order_relaxed);
+      a.programs.push_back(std::move(pa));
+    }
   }
   return a;
 }

@@ -41,9 +41,19 @@ struct DataPlaneOptions {
   uint64_t max_pinned_bytes = uint64_t{4} << 30;
 };
 
+struct ProgramActivity {
+  uint32_t id = 0;
+  int chip = 0;
+  std::string name;
+  uint32_t records = 0;
+  uint64_t calls = 0;
+  uint64_t busy_ns = 0;
+};
+
 struct SessionActivity {
   uint64_t busy_ns = 0;
   uint64_t ops = 0;
+  std::vector<ProgramActivity> programs;  // captured programs it ran
 };
 
 struct ChipUsage {

@@ -31,6 +31,15 @@ void FillSession(const SessionSnapshot& s, DataPlane* data_plane, v1::SessionInf
     SessionActivity a = data_plane->Activity(s.id);
     out->set_busy_seconds(a.busy_ns / 1e9);
     out->set_ops_executed(a.ops);
+    for (const ProgramActivity& p : a.programs) {
+      v1::ProgramInfo* pi = out->add_programs();
+      pi->set_id(p.id);
+      pi->set_name(p.name);
+      pi->set_chip(static_cast<uint32_t>(p.chip));
+      pi->set_records(p.records);
+      pi->set_calls(p.calls);
+      pi->set_busy_seconds(p.busy_ns / 1e9);
+    }
   }
   out->set_id(s.id);
   out->set_pid(s.peer.pid);

@@ -1276,6 +1276,38 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence, const tpu::Deco
                         absl::StrCat("program ", run.program_id, ": ", prog.status().message()));
   }
   Program& p = **prog;
+  const uint64_t started = tpu::MonotonicNanos();
+  ProgramStat* stat = nullptr;
+  {
+    ProgramStat* table = s.state.chip(ring.chip)->programs;
+    for (int i = 0; i < kMaxProgramStats && stat == nullptr; ++i) {
+      if (table[i].id.load(std::memory_order_relaxed) == run.program_id) stat = &table[i];
+    }
+    if (stat == nullptr) {
+      stat = &table[0];
+      for (int i = 1; i < kMaxProgramStats; ++i) {
+        if (table[i].calls.load(std::memory_order_relaxed) < stat->calls.load(std::memory_order_relaxed)) {
+          stat = &table[i];
+        }
+      }
+      stat->id.store(0, std::memory_order_release);
+      stat->records = static_cast<uint32_t>(p.records.size());
+      const size_t n = std::min(p.name.size(), sizeof(stat->name) - 1);
+      std::memcpy(stat->name, p.name.data(), n);
+      stat->name[n] = '\0';
+      stat->calls.store(0, std::memory_order_relaxed);
+      stat->busy_ns.store(0, std::memory_order_relaxed);
+      stat->id.store(run.program_id, std::memory_order_release);
+    }
+  }
+  struct Count {
+    ProgramStat* stat;
+    uint64_t started;
+    ~Count() {
+      stat->calls.fetch_add(1, std::memory_order_relaxed);
+      stat->busy_ns.fetch_add(tpu::MonotonicNanos() - started, std::memory_order_relaxed);
+    }
+  } count{stat, started};
   // Bindings by their captured range, which must not overlap.
   std::vector<tpu::ProgramBinding> bindings(run.bindings);
   std::sort(bindings.begin(), bindings.end(),

@@ -226,6 +226,17 @@ struct OpTableEntry {
 };
 
 // Per chip of a session, written by that chip's executor.
+// A captured program this session ran on a chip (kRunProgram), for tpuctl:
+// written by the chip's executor, read by tpud.
+inline constexpr int kMaxProgramStats = 16;
+struct ProgramStat {
+  std::atomic<uint32_t> id;  // 0: unused
+  uint32_t records;
+  std::atomic<uint64_t> calls;
+  std::atomic<uint64_t> busy_ns;
+  char name[48];
+};
+
 struct SessionChipState {
   std::atomic<uint64_t> busy_ns;
   std::atomic<uint64_t> ops;
@@ -235,6 +246,8 @@ struct SessionChipState {
   OpTableEntry op_table[kMaxOpIds];
   char op_arena[kOpArenaBytes];
   PoisonTable poison;
+  // The programs run most, a slot per program (the least called gives way).
+  ProgramStat programs[kMaxProgramStats];
 };
 
 struct SessionStateHeader {

@@ -282,3 +282,29 @@ def test_two_processes_run_compiled_programs_at_once(tpud):
     for p in procs:
         out, _ = p.communicate(timeout=600)
         assert p.returncode == 0 and "ok" in out, out[-3000:]
+
+
+def test_tpuctl_lists_each_sessions_programs_with_calls_and_time(tpud):
+    from conftest import bazel_bin
+
+    tpuctl = bazel_bin("tools/tpuctl/tpuctl")
+    run_py(tpud, script(f"""
+        import json, os, subprocess
+        f = torch.compile(lambda x: torch.tanh(x) * 3 + x, backend="tpu")
+        x = torch.randn(64, device="tpu")
+        for _ in range(5):
+            y = f(x)
+        torch.tpu.synchronize()
+        def tpuctl(*args):
+            r = subprocess.run([{tpuctl!r}, *args], capture_output=True, text=True, timeout=30)
+            assert r.returncode == 0, r.stderr
+            return r.stdout
+        doc = json.loads(tpuctl("sessions", "--json"))
+        (me,) = [s for s in doc["sessions"] if s["pid"] == os.getpid()]
+        (p,) = me["programs"]
+        assert p["calls"] == 5 and p["records"] >= 3 and p["busy_seconds"] > 0, p
+        assert "inference" in p["name"], p
+        table = tpuctl("programs")
+        assert p["name"] in table and "PER CALL" in table, table
+        print("ok", p)
+    """), timeout=300)

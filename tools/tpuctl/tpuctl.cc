@@ -217,9 +217,41 @@ void WriteSessions(JsonWriter& w, const std::vector<tpu::SessionInfo>& sessions)
     w.Key("opened_unix_seconds").Double(s.opened_unix_seconds);
     w.Key("busy_seconds").Double(s.busy_seconds);
     w.Key("ops_executed").Uint(s.ops_executed);
+    w.Key("programs").BeginArray();
+    for (const tpu::SessionInfo::Program& p : s.programs) {
+      w.BeginObject();
+      w.Key("id").Uint(p.id);
+      w.Key("name").String(p.name);
+      w.Key("chip").Int(p.chip);
+      w.Key("records").Uint(p.records);
+      w.Key("calls").Uint(p.calls);
+      w.Key("busy_seconds").Double(p.busy_seconds);
+      w.EndObject();
+    }
+    w.EndArray();
     w.EndObject();
   }
   w.EndArray();
+}
+
+// Captured programs (torch.compile), per session.
+void PrintProgramTable(const std::vector<tpu::SessionInfo>& sessions) {
+  Table table({"SESSION", "PID", "CHIP", "PROGRAM", "RECORDS", "CALLS", "BUSY", "PER CALL"}, "rrr.rrrr");
+  size_t n = 0;
+  for (const tpu::SessionInfo& s : sessions) {
+    for (const tpu::SessionInfo::Program& p : s.programs) {
+      ++n;
+      table.Row({absl::StrCat(s.id), absl::StrCat(s.pid), absl::StrCat(p.chip),
+                 absl::StrCat(p.id, " ", p.name), absl::StrCat(p.records), absl::StrCat(p.calls),
+                 absl::StrFormat("%.3fs", p.busy_seconds),
+                 p.calls == 0 ? "-" : absl::StrFormat("%.1fus", 1e6 * p.busy_seconds / p.calls)});
+    }
+  }
+  if (n == 0) {
+    std::printf("No programs.\n");
+    return;
+  }
+  table.Print();
 }
 
 void PrintChipTable(const tpu::TopologyInfo& t) {
@@ -522,6 +554,14 @@ int CmdSessions(tpu::AdminClient& admin, bool json) {
   return 0;
 }
 
+int CmdPrograms(tpu::AdminClient& admin, bool json) {
+  absl::StatusOr<std::vector<tpu::SessionInfo>> sessions = admin.ListSessions();
+  if (!sessions.ok()) return Error(sessions.status());
+  if (json) return CmdSessions(admin, true);  // programs are in each session
+  PrintProgramTable(*sessions);
+  return 0;
+}
+
 int CmdHealth(tpu::AdminClient& admin, bool json) {
   absl::StatusOr<tpu::HealthReport> h = admin.Health();
   if (!h.ok()) return Error(h.status());
@@ -575,6 +615,7 @@ int Main(std::vector<std::string> args) {
   if (cmd == "executors" && args.size() == 1) return CmdExecutors(a, json);
   if (cmd == "topology" && args.size() == 1) return CmdTopology(a, json);
   if (cmd == "sessions" && args.size() == 1) return CmdSessions(a, json);
+  if (cmd == "programs" && args.size() == 1) return CmdPrograms(a, json);
   if (cmd == "health" && args.size() == 1) return CmdHealth(a, json);
   if (cmd == "kill" && args.size() == 2) {
     uint64_t id = 0;
@@ -626,6 +667,7 @@ int main(int argc, char** argv) {
       "  tpuctl executors [--json]   executor processes and why any was restarted\n"
       "  tpuctl topology  [--json]   host shape, chip coordinates, ICI neighbours\n"
       "  tpuctl sessions  [--json]   client sessions\n"
+      "  tpuctl programs  [--json]   captured programs (torch.compile) per session: calls, time\n"
       "  tpuctl health    [--json]   exit 0 when serving\n"
       "  tpuctl kill SESSION         end a session, reclaim its HBM\n"
       "  tpuctl quota SESSION SIZE   per-chip HBM quota (SIZE e.g. 8GiB, or none)\n"

@@ -313,6 +313,15 @@ struct SessionInfo {
   uint64_t segment_count = 0;
   double busy_seconds = 0;  // chip time this session's ops used
   uint64_t ops_executed = 0;
+  struct Program {
+    uint32_t id = 0;
+    std::string name;
+    int chip = 0;
+    uint32_t records = 0;
+    uint64_t calls = 0;
+    double busy_seconds = 0;
+  };
+  std::vector<Program> programs;  // captured programs it ran
 };
 
 // An executor process of tpud: where the ops of its chips run. A kernel that
