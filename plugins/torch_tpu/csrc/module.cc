@@ -181,6 +181,7 @@ namespace {
 // On a backend that lowers ops (PJRT), every op it does not lower but
 // PyTorch can decompose runs as its decomposition (torch_tpu/_decomp.py).
 void InstallDecompositions(const tpu::TopologyInfo& t) {
+  if (t.backend != "pjrt") SendForeachOpsWhole();
   if (t.backend != "pjrt" || !Py_IsInitialized()) return;
   py::gil_scoped_acquire gil;
   try {

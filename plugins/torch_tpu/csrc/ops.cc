@@ -1302,6 +1302,40 @@ class PinnedAllocator final : public at::Allocator {
 
 }  // namespace
 
+void SendForeachOpsWhole() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // ATen's foreach ops have, for devices other than CUDA, a composite
+    // kernel that loops over the lists: one record per tensor. Sent whole
+    // they are one record each, and the daemon's CPU kernel does the loop.
+    // Only overloads whose tensors all come in lists and take no list of
+    // scalars: a lone Tensor argument (a step size as a CPU scalar tensor)
+    // travels as a scalar, and scalar lists are not forwarded as such.
+    static auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
+                                          __FILE__, __LINE__);
+    for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
+      if (name.name.rfind("aten::_foreach_", 0) != 0) continue;
+      std::optional<c10::OperatorHandle> op = c10::Dispatcher::singleton().findOp(name);
+      if (!op.has_value() || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
+      bool lists_only = true;
+      for (const c10::Argument& a : op->schema().arguments()) {
+        const c10::TypePtr& t = a.real_type();
+        const bool optional_tensor =
+            t->kind() == c10::TypeKind::OptionalType &&
+            t->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::TensorType;
+        const bool other_list = t->kind() == c10::TypeKind::ListType &&
+                                t->castRaw<c10::ListType>()->getElementType()->kind() !=
+                                    c10::TypeKind::TensorType;
+        if (t->kind() == c10::TypeKind::TensorType || optional_tensor || other_list) lists_only = false;
+      }
+      if (!lists_only) continue;
+      const std::string base = name.name.substr(6);
+      const std::string full = name.overload_name.empty() ? base : base + "." + name.overload_name;
+      lib->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&Fallback>());
+    }
+  });
+}
+
 const std::vector<std::string>& SentWholeOps() {
   static const auto* ops = new std::vector<std::string>{"native_layer_norm", "native_group_norm", "addr",
                                                         "addr.out", "mish_backward"};
