@@ -3,7 +3,8 @@
 # Output: one JSON object per line (name, speed_ratio, ...): the C++ benchmarks,
 # bench/torch_bench.py (torch_tpu against CPU eager PyTorch), then the pjrt_*
 # lines of bench/pjrt_bench.py (tpud's PJRT backend on XLA's CPU plugin against
-# the same programs called in-process; it starts its own daemon).
+# the same programs called in-process; it starts its own daemon), then the
+# compiled_* lines of bench/compile_bench.py (torch.compile on tpu).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -23,3 +24,5 @@ export TPUD_SOCKET="$DIR/tpud.sock"
 # The PJRT backend, on its own daemon (bench/pjrt_bench.py starts it).
 "$ROOT/.venv/bin/python" "$ROOT/bench/pjrt_bench.py" --tpud "$BIN/daemon/tpud" \
   --inprocess "$BIN/bench/pjrt_inprocess_bench"
+# torch.compile on tpu (programs) against tpu eager and CPU eager.
+"$ROOT/.venv/bin/python" "$ROOT/bench/compile_bench.py" --start-daemon --tpud "$BIN/daemon/tpud"

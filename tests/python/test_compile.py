@@ -308,3 +308,18 @@ def test_tpuctl_lists_each_sessions_programs_with_calls_and_time(tpud):
         assert p["name"] in table and "PER CALL" in table, table
         print("ok", p)
     """), timeout=300)
+
+
+def test_compile_bench_runs_in_reduced_form(tpud):
+    """bench/compile_bench.py's figures come out (the full run is bench/run.sh's)."""
+    import json
+    import pathlib
+
+    bench = pathlib.Path(__file__).resolve().parents[2] / "bench" / "compile_bench.py"
+    r = subprocess.run([sys.executable, str(bench), "--rounds", "1", "--scale", "0.2"], env=tpud.env(),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    figures = {d["name"]: d for d in map(json.loads, (l for l in r.stdout.splitlines() if l.startswith("{")))}
+    assert set(figures) == {"compiled_vs_eager_small_op_train_step", "compiled_vs_cpu_small_op_train_step",
+                            "compiled_generate"}, figures
+    assert all(f["speed_ratio"] > 0 for f in figures.values()), figures
