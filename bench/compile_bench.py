@@ -26,10 +26,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 
-def figure(name, project, baseline, target, work, baseline_what):
-    return {"name": name, "speed_ratio": round(baseline / project, 4), "target": target,
-            "project_seconds": float(f"{project:.6g}"), "baseline_seconds": float(f"{baseline:.6g}"),
-            "baseline": baseline_what, "work": work}
+from pjrt_bench import figure  # noqa: E402  (one JSON line per figure, as every bench)
 
 
 def per_unit(fn, units, sync, rounds):

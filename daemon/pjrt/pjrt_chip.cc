@@ -5080,26 +5080,38 @@ absl::StatusOr<std::shared_ptr<const BackendOp>> PjrtChip::LookupOp(absl::string
   return std::make_shared<PjrtOp>(std::string(schema), std::move(name), WrittenArguments(schema));
 }
 
-absl::StatusOr<std::shared_ptr<const Executable>> PjrtChip::Compiled(const std::string& program, int device) {
-  CompileStats& st = stats_[device];
-  auto it = cache_.find(program);
+absl::StatusOr<std::shared_ptr<const Executable>> PjrtChip::Compiled(const std::string& program, int device,
+                                                                     const std::vector<int>& replicas) {
+  CompileStats& st = stats_[replicas.empty() ? device : replicas[0]];
+  // A replicated program is kept by its devices too.
+  std::string replicated_key;
+  if (!replicas.empty()) replicated_key = absl::StrCat("replicas ", absl::StrJoin(replicas, ","), "\n", program);
+  const std::string& key = replicas.empty() ? program : replicated_key;
+  auto it = cache_.find(key);
   if (it != cache_.end()) {
     lru_.splice(lru_.end(), lru_, it->second);
     ++st.hits;
     return it->second->second;
   }
   const auto t0 = std::chrono::steady_clock::now();
-  absl::StatusOr<std::unique_ptr<Executable>> exe = plugin_->Compile(program);
+  absl::StatusOr<std::unique_ptr<Executable>> exe =
+      replicas.empty() ? plugin_->Compile(program) : plugin_->CompileReplicated(program, replicas);
   st.compile_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                        std::chrono::steady_clock::now() - t0).count();
   ++st.compiles;
   if (!exe.ok()) return exe.status();
+  if (!replicas.empty() && (*exe)->replica_devices() != replicas) {
+    // Argument lists follow the executable's order; tpud gives them by rank.
+    return absl::InternalError(absl::StrCat("the plugin placed the replicas on devices ",
+                                            absl::StrJoin((*exe)->replica_devices(), ","), ", not ",
+                                            absl::StrJoin(replicas, ",")));
+  }
   if (lru_.size() >= capacity_) {
     cache_.erase(lru_.front().first);
     lru_.pop_front();
   }
-  lru_.emplace_back(program, std::shared_ptr<const Executable>(*std::move(exe)));
-  cache_[program] = std::prev(lru_.end());
+  lru_.emplace_back(key, std::shared_ptr<const Executable>(*std::move(exe)));
+  cache_[key] = std::prev(lru_.end());
   return lru_.back().second;
 }
 
@@ -6480,38 +6492,6 @@ std::string ValuesToBytes(const std::string& v, int64_t count, const DType& t, c
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<const Executable>> PjrtChip::CompiledReplicated(const std::string& program,
-                                                                               const std::vector<int>& devices) {
-  std::string key = absl::StrJoin(devices, ",");
-  absl::StrAppend(&key, "\n", program);
-  CompileStats& st = stats_[devices[0]];
-  auto it = replicated_.find(key);
-  if (it != replicated_.end()) {
-    replicated_lru_.splice(replicated_lru_.end(), replicated_lru_, it->second);
-    ++st.hits;
-    return it->second->second;
-  }
-  const auto t0 = std::chrono::steady_clock::now();
-  absl::StatusOr<std::unique_ptr<Executable>> exe = plugin_->CompileReplicated(program, devices);
-  st.compile_ns +=
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-  ++st.compiles;
-  if (!exe.ok()) return exe.status();
-  if ((*exe)->replica_devices() != devices) {
-    // Argument lists follow the executable's order; tpud gives them by rank.
-    return absl::InternalError(absl::StrCat("the plugin placed the replicas on devices ",
-                                            absl::StrJoin((*exe)->replica_devices(), ","), ", not ",
-                                            absl::StrJoin(devices, ",")));
-  }
-  if (replicated_lru_.size() >= capacity_) {
-    replicated_.erase(replicated_lru_.front().first);
-    replicated_lru_.pop_front();
-  }
-  replicated_lru_.emplace_back(key, std::shared_ptr<const Executable>(*std::move(exe)));
-  replicated_[key] = std::prev(replicated_lru_.end());
-  return replicated_lru_.back().second;
-}
-
 absl::StatusOr<Buffer> PjrtChip::ReadSegment(const ResolvedTensor& seg, uint64_t address, int64_t count,
                                              int8_t dtype, int device) {
   const DType& t = *DTypeOf(dtype);
@@ -6636,7 +6616,7 @@ absl::StatusOr<bool> PjrtChip::RunCollective(const CollectiveCall& call) {
     }
   }
   const std::string program = CollectiveProgram(call, t, in, out);
-  absl::StatusOr<std::shared_ptr<const Executable>> exe = CompiledReplicated(program, devices);
+  absl::StatusOr<std::shared_ptr<const Executable>> exe = Compiled(program, devices[0], devices);
   if (!exe.ok()) return exe.status();
   std::vector<Buffer> inputs;
   std::vector<std::vector<PJRT_Buffer*>> args(n);

@@ -60,7 +60,7 @@ class PjrtChip : public ChipBackend {
   CompileStats compile_stats(int chip) const override {
     return chip >= 0 && chip < static_cast<int>(stats_.size()) ? stats_[chip] : CompileStats{};
   }
-  uint64_t programs_cached() const override { return lru_.size() + replicated_lru_.size(); }
+  uint64_t programs_cached() const override { return lru_.size(); }
 
   absl::Status HostAccess(uint64_t address, uint64_t bytes, bool write, uint64_t owner) override;
   void Released(uint64_t address, uint64_t bytes) override;
@@ -95,9 +95,6 @@ class PjrtChip : public ChipBackend {
   absl::Status HostAccessAll(const std::vector<ResolvedTensor>& tensors);
   absl::Status RunDevice(const std::string& name, const Plan& plan, const std::vector<ResolvedTensor>& tensors,
                          int device, const std::function<const char*(size_t input)>& data_of);
-  // A replicated program, compiled once per text and device list.
-  absl::StatusOr<std::shared_ptr<const Executable>> CompiledReplicated(const std::string& program,
-                                                                       const std::vector<int>& devices);
   // Device memory: `bytes` at `offset` of the segment's buffer, as `count`
   // values of c10 dtype `dtype` (a buffer on `device`); and the reverse,
   // `value` written into the segment there (donated and replaced).
@@ -105,8 +102,10 @@ class PjrtChip : public ChipBackend {
                                      int device);
   absl::Status WriteSegment(const ResolvedTensor& seg, uint64_t address, const Buffer& value, int64_t count,
                             int8_t dtype, int device);
-  // The program, compiled (once; counted against `device`).
-  absl::StatusOr<std::shared_ptr<const Executable>> Compiled(const std::string& program, int device);
+  // The program, compiled (once; counted against `device`); with
+  // `replicas`, for one replica on each of those devices (a collective).
+  absl::StatusOr<std::shared_ptr<const Executable>> Compiled(const std::string& program, int device,
+                                                             const std::vector<int>& replicas = {});
   absl::Status Equal(const std::string& name, const tpu::DecodedOp& decoded,
                      const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results);
   absl::Status Selected(const std::string& name, const tpu::DecodedOp& decoded,
@@ -127,9 +126,6 @@ class PjrtChip : public ChipBackend {
   // Compiled programs by their text, least recently used first.
   std::list<std::pair<std::string, std::shared_ptr<const Executable>>> lru_;
   std::unordered_map<std::string, decltype(lru_)::iterator> cache_;
-  // Replicated programs (collectives) by device list and text.
-  std::list<std::pair<std::string, std::shared_ptr<const Executable>>> replicated_lru_;
-  std::unordered_map<std::string, decltype(replicated_lru_)::iterator> replicated_;
   // Lowered ops by their signature (SignatureKey), least recently used
   // first: an op seen before skips lowering and the program lookup.
   std::list<std::pair<std::string, std::shared_ptr<const Plan>>> plan_lru_;
