@@ -17,29 +17,17 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import sys
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 
-from pjrt_bench import figure  # noqa: E402  (one JSON line per figure, as every bench)
+from pjrt_bench import figure, per_unit_seconds  # noqa: E402  (the benches' shared helpers)
 
 
-def per_unit(fn, units, sync, rounds):
-    times = []
-    fn()
-    sync()
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(units):
-            fn()
-        sync()
-        times.append((time.perf_counter() - t0) / units)
-    return statistics.median(times)
+per_unit = per_unit_seconds
 
 
 def compiled_step(torch, torch_bench):

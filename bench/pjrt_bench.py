@@ -41,6 +41,21 @@ def figure(name, project, baseline, target, work, baseline_what):
             "baseline": baseline_what, "work": work}
 
 
+def per_unit_seconds(fn, units, sync, rounds):
+    """Median seconds per call of fn over `rounds` rounds of `units` calls
+    (after one warm-up call), each round ended by sync()."""
+    times = []
+    fn()
+    sync()
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(units):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) / units)
+    return statistics.median(times)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tpud", default=str(ROOT / "bazel-bin" / "daemon" / "tpud"))
@@ -66,16 +81,7 @@ def main():
         import torch_bench
 
         def per_unit(fn, units, sync):
-            times = []
-            fn()
-            sync()
-            for _ in range(args.rounds):
-                t0 = time.perf_counter()
-                for _ in range(units):
-                    fn()
-                sync()
-                times.append((time.perf_counter() - t0) / units)
-            return statistics.median(times)
+            return per_unit_seconds(fn, units, sync, args.rounds)
 
         sync = torch.tpu.synchronize
         x = torch.zeros(1, device="tpu")
