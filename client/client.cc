@@ -395,7 +395,7 @@ absl::StatusOr<DaemonStatus> AdminClient::GetStatus() {
     info.device_buffer_bytes = e.device_buffer_bytes();
     for (const v1::ChipCompileStats& c : e.compile()) {
       info.compile.push_back({static_cast<int>(c.chip()), c.compiles(), c.compile_seconds(),
-                              c.cache_hits(), c.collective_programs()});
+                              c.cache_hits(), c.collective_programs(), c.graph_programs()});
     }
     out.executors.push_back(std::move(info));
   }

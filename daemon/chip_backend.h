@@ -79,6 +79,17 @@ struct CompileStats {
   uint64_t compile_ns = 0;  // time spent compiling
   uint64_t hits = 0;        // ops that found their program compiled
   uint64_t collectives = 0; // collective operations run as programs on this chip
+  uint64_t graphs = 0;      // captured graphs run as one program of their own
+};
+
+// One op of a captured graph (a program of the op stream), resolved and
+// checked by the executor as for Run.
+struct ProgramOp {
+  const BackendOp* op = nullptr;  // null: a copy between device addresses
+  const tpu::DecodedOp* decoded = nullptr;
+  // An op's tensors as for Run; a copy's source and destination segments.
+  const std::vector<ResolvedTensor>* tensors = nullptr;
+  const tpu::DecodedCopy* copy = nullptr;
 };
 
 // One collective operation whose ranks have all met and been checked
@@ -139,6 +150,17 @@ class ChipBackend {
   // the executor is to move the data in the arena (every kind on the
   // simulated chip). An error is the operation's, for every rank.
   virtual absl::StatusOr<bool> RunCollective(const CollectiveCall& call) { return false; }
+
+  // Runs a captured graph's ops (in order, all on one chip) as one program
+  // of the backend's own and returns true; or returns false, running
+  // nothing, when the executor is to run them one by one through Run. On an
+  // error, `*failed` is the op it belongs to: the ops before it completed,
+  // what it and the ops after it write is not valid. Declining, it says why
+  // in `*declined`.
+  virtual absl::StatusOr<bool> RunProgram(const std::vector<ProgramOp>& ops, size_t* failed,
+                                          std::string* declined) {
+    return false;
+  }
 
   // Name for logs and tpuctl ("simulated (ATen CPU)").
   virtual std::string Describe() const = 0;

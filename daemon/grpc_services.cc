@@ -320,6 +320,7 @@ grpc::Status AdminServiceImpl::GetStatus(grpc::ServerContext* ctx,
         c->set_compile_seconds(e.compile[i].compile_ns / 1e9);
         c->set_cache_hits(e.compile[i].hits);
         c->set_collective_programs(e.compile[i].collectives);
+        c->set_graph_programs(e.compile[i].graphs);
       }
     }
     for (const ExecutorRestart& r : pool_->Restarts()) {

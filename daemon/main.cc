@@ -103,6 +103,9 @@ ABSL_FLAG(std::string, pjrt_memory, "auto",
           "auto (host on a plugin whose platform is cpu, else device)");
 ABSL_FLAG(int, pjrt_program_cache, 4096,
           "compiled programs the PJRT backend keeps (least recently used go first)");
+ABSL_FLAG(bool, pjrt_graphs, true,
+          "with device memory, run each captured graph (torch.compile) as one StableHLO module; "
+          "false: its ops one by one, as eager ops");
 
 namespace tpud {
 namespace {
@@ -286,8 +289,9 @@ int Run() {
   exec_config.quantum_ns = absl::ToInt64Nanoseconds(absl::GetFlag(FLAGS_executor_quantum));
   const int intra_op_threads = absl::GetFlag(FLAGS_intra_op_threads);
   const int cache_entries = std::max(1, absl::GetFlag(FLAGS_pjrt_program_cache));
+  const bool graphs = absl::GetFlag(FLAGS_pjrt_graphs);
   exec_config.make_backend = [intra_op_threads, backend, pjrt_plugin, pjrt_options,
-                              cache_entries, device_memory]() -> std::unique_ptr<ChipBackend> {
+                              cache_entries, device_memory, graphs]() -> std::unique_ptr<ChipBackend> {
     if (backend == "pjrt") {
       absl::StatusOr<std::unique_ptr<pjrt::PjrtChip>> chip = pjrt::PjrtChip::Create(
           pjrt_plugin, pjrt_options, static_cast<size_t>(cache_entries), device_memory);
@@ -295,6 +299,7 @@ int Run() {
         spdlog::critical("{}", std::string(chip.status().message()));
         return nullptr;
       }
+      (*chip)->set_graphs(graphs);
       return *std::move(chip);
     }
     return SimulatedChip::Create(intra_op_threads);

@@ -520,6 +520,7 @@ void Executor::UpdateActivity(uint64_t now) {
       slot_->compile_ns[i].store(c.compile_ns, std::memory_order_relaxed);
       slot_->program_hits[i].store(c.hits, std::memory_order_relaxed);
       slot_->collective_programs[i].store(c.collectives, std::memory_order_relaxed);
+      slot_->graph_programs[i].store(c.graphs, std::memory_order_relaxed);
     }
   }
   uint32_t active = 0;
@@ -1348,6 +1349,127 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence, const tpu::Deco
     for (tpu::TensorRef& t : op.outputs) move(t.address);
   };
   const size_t n = p.records.size();
+  // What record `first` and the rest of the program would have written is
+  // not valid after a failure there.
+  auto poison_from = [&](size_t first, const std::string& cause) {
+    for (size_t j = first; j < n; ++j) {
+      const absl::string_view later(p.data.data() + p.records[j].first, p.records[j].second);
+      tpu::RecordHeader lh;
+      std::memcpy(&lh, later.data(), sizeof(lh));
+      if (lh.kind == static_cast<uint16_t>(tpu::RecordKind::kOp)) {
+        if (!tpu::DecodeOp(later, &op_).ok()) continue;
+        rebind(op_);
+        const OpSlot& slot = LookupOp(ring, op_.op_id);
+        PoisonOutputs(ring, slot.op.get(), cause);
+      } else {
+        tpu::DecodedCopy copy;
+        if (!tpu::DecodeCopy(later, &copy).ok()) continue;
+        move(copy.dst);
+        if (tpu::DeviceAddressChip(copy.dst) == ring.chip) AddPoison(s, ring.chip, copy.dst, copy.dst + copy.bytes, cause);
+      }
+    }
+  };
+  // A backend that runs a graph as one program of its own (PJRT with device
+  // memory: one StableHLO module) gets the ops whole, resolved and checked
+  // here as RunOp does; anything unusual (a poisoned input, a tensor that
+  // does not resolve) runs record by record, which words it. (Only a
+  // compiling backend can; the simulated chip runs records one by one.)
+  if (!p.one_by_one && config_.backend->Compiles()) {
+    whole_ops_.resize(n);
+    whole_copies_.resize(n);
+    whole_tensors_.resize(n);
+    std::vector<ProgramOp> ops;
+    ops.reserve(n);
+    for (size_t k = 0; k < n && !p.one_by_one; ++k) {
+      const absl::string_view rec(p.data.data() + p.records[k].first, p.records[k].second);
+      tpu::RecordHeader rh;
+      std::memcpy(&rh, rec.data(), sizeof(rh));
+      if (rh.kind == static_cast<uint16_t>(tpu::RecordKind::kCopy)) {
+        tpu::DecodedCopy& copy = whole_copies_[k];
+        if (!tpu::DecodeCopy(rec, &copy).ok() || copy.kind != tpu::CopyKind::kDeviceToDevice) {
+          p.one_by_one = true;
+          break;
+        }
+        move(copy.src);
+        move(copy.dst);
+        ops.push_back({nullptr, nullptr, &whole_tensors_[k], &copy});
+        continue;
+      }
+      if (rh.kind != static_cast<uint16_t>(tpu::RecordKind::kOp) || !tpu::DecodeOp(rec, &whole_ops_[k]).ok() ||
+          (whole_ops_[k].flags & tpu::kOpFlagSync) != 0) {
+        p.one_by_one = true;
+        break;
+      }
+      rebind(whole_ops_[k]);
+      const OpSlot& slot = LookupOp(ring, whole_ops_[k].op_id);
+      if (slot.op == nullptr) p.one_by_one = true;
+      ops.push_back({slot.op.get(), &whole_ops_[k], &whole_tensors_[k]});
+    }
+    if (p.one_by_one) {
+      spdlog::info("session {}: program '{}' runs op by op: it holds a copy, a synchronous op or an undefined op",
+                   s.id, p.name);
+    }
+    if (!p.one_by_one) {
+      BeginOp(ring, sequence, "program", 7);
+      bool resolved = s.state.header()->dead.load(std::memory_order_seq_cst) == 0;
+      if (resolved) SyncReleases();
+      for (size_t k = 0; k < n && resolved; ++k) {
+        if (ops[k].copy != nullptr) {
+          // Both ends whole inside segments of the session, on this chip.
+          whole_tensors_[k].clear();
+          for (uint64_t at : {ops[k].copy->src, ops[k].copy->dst}) {
+            const uint64_t bytes = ops[k].copy->bytes;
+            std::optional<PageOwnerTable::Segment> seg;
+            if (bytes != 0 && tpu::DeviceAddressChip(at) == ring.chip) {
+              seg = config_.owners[ring.chip].Find(tpu::DeviceAddressOffset(at), bytes, s.tag);
+            }
+            if (bytes != 0 && !seg.has_value()) resolved = false;
+            std::string cause;
+            if (bytes != 0 && at == ops[k].copy->src && FindPoison(s, ring.chip, at, at + bytes, &cause)) {
+              resolved = false;
+            }
+            if (resolved && at == ops[k].copy->dst) ClearPoison(s, ring.chip, at, at + bytes);
+            if (seg.has_value()) {
+              whole_tensors_[k].push_back(ResolvedTensor{config_.chip_bases[ring.chip] + seg->offset,
+                                                         tpu::MakeDeviceAddress(ring.chip, seg->offset), seg->bytes,
+                                                         s.id});
+            }
+          }
+          continue;
+        }
+        std::swap(op_, whole_ops_[k]);
+        resolved = ResolveTensors(ring).ok() && CheckInputPoison(ring, *ops[k].op).ok();
+        // What an op writes is good for the ops after it (the graph writes
+        // it; or, run record by record, the op before those ops read it).
+        if (resolved && s.state.chip(ring.chip)->poison.count != 0) UnpoisonOutputs(ring, *ops[k].op);
+        std::swap(op_, whole_ops_[k]);
+        whole_tensors_[k] = resolved_;
+      }
+      size_t failed = 0;
+      std::string declined;
+      absl::StatusOr<bool> ran = false;
+      if (resolved) ran = config_.backend->RunProgram(ops, &failed, &declined);
+      EndOp();
+      if (ran.ok() && *ran) {
+        ++p.calls;
+        return absl::OkStatus();
+      }
+      if (!ran.ok()) {
+        failed = std::min(failed, n - 1);
+        const std::string cause = absl::StrCat("program '", p.name, "', record ", failed + 1, " of ", n, " (",
+                                               ops[failed].copy != nullptr ? "copy" : OpName(ops[failed].op), "): ",
+                                               ran.status().message());
+        poison_from(failed, cause);
+        return absl::Status(ran.status().code(), cause);
+      }
+      if (resolved) {
+        // Declined: not offered again.
+        p.one_by_one = true;
+        spdlog::info("session {}: program '{}' runs op by op: {}", s.id, p.name, declined);
+      }
+    }
+  }
+  generators = 0;  // the records' seeds again from the first, as the whole program had them
   for (size_t k = 0; k < n; ++k) {
     const absl::string_view rec(p.data.data() + p.records[k].first, p.records[k].second);
     tpu::RecordHeader rh;
@@ -1385,21 +1507,7 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence, const tpu::Deco
     const std::string cause = absl::StrCat("program '", p.name, "', record ", k + 1, " of ", n, " (", what,
                                            "): ", st.message());
     // What the rest of the program would have written is not valid either.
-    for (size_t j = k + 1; j < n; ++j) {
-      const absl::string_view later(p.data.data() + p.records[j].first, p.records[j].second);
-      std::memcpy(&rh, later.data(), sizeof(rh));
-      if (rh.kind == static_cast<uint16_t>(tpu::RecordKind::kOp)) {
-        if (!tpu::DecodeOp(later, &op_).ok()) continue;
-        rebind(op_);
-        const OpSlot& slot = LookupOp(ring, op_.op_id);
-        PoisonOutputs(ring, slot.op.get(), cause);
-      } else {
-        tpu::DecodedCopy copy;
-        if (!tpu::DecodeCopy(later, &copy).ok()) continue;
-        move(copy.dst);
-        if (tpu::DeviceAddressChip(copy.dst) == ring.chip) AddPoison(s, ring.chip, copy.dst, copy.dst + copy.bytes, cause);
-      }
-    }
+    poison_from(k + 1, cause);
     return absl::Status(st.code(), cause);
   }
   ++p.calls;

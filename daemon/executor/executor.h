@@ -116,6 +116,9 @@ class Executor {
     std::string data;
     std::vector<std::pair<size_t, size_t>> records;  // (offset, length) in data
     uint64_t calls = 0;
+    // The backend declined to run it whole (ChipBackend::RunProgram): its
+    // records run one by one from now on.
+    bool one_by_one = false;
   };
   struct Session {
     uint64_t id = 0;
@@ -253,6 +256,10 @@ class Executor {
   std::vector<const tpu::TensorRef*> refs_;
   std::vector<ResolvedTensor> resolved_;
   std::vector<ResultValue> results_;
+  // A program's ops, decoded and resolved, for a backend that runs it whole.
+  std::vector<tpu::DecodedOp> whole_ops_;
+  std::vector<tpu::DecodedCopy> whole_copies_;
+  std::vector<std::vector<ResolvedTensor>> whole_tensors_;
   size_t bad_ref_ = 0;
   bool bad_ref_foreign_ = false;
   std::string poison_root_;

@@ -651,6 +651,7 @@ std::vector<ExecutorInfo> ExecutorPool::Executors() const {
         c.compile_ns = slot.compile_ns[i].load();
         c.hits = slot.program_hits[i].load();
         c.collectives = slot.collective_programs[i].load();
+        c.graphs = slot.graph_programs[i].load();
         info.compile.push_back(c);
       }
     }

@@ -120,6 +120,7 @@ struct alignas(64) ExecutorSlot {
   std::atomic<uint64_t> compile_ns[tpu::kMaxChipsPerHost];
   std::atomic<uint64_t> program_hits[tpu::kMaxChipsPerHost];
   std::atomic<uint64_t> collective_programs[tpu::kMaxChipsPerHost];
+  std::atomic<uint64_t> graph_programs[tpu::kMaxChipsPerHost];
   // kReleased messages tpud sent this executor (counted after each is
   // queued): an executor keeping device memory per segment reads them all
   // before it resolves memory, so pages freed and handed out again never

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "tpu/device_address.h"
 
 namespace tpud::pjrt {
@@ -687,8 +688,10 @@ class Lowering {
     return Reshape(bytes, {count, t.bytes}, {n}, u8);
   }
   // Transfer x's tensor, read out of segment value `seg` (u8[seg_bytes])
-  // where it starts `offset` bytes in.
-  absl::StatusOr<std::string> ReadView(const std::string& seg, uint64_t seg_bytes, uint64_t offset, const Transfer& x) {
+  // where it starts `offset` bytes in; or, with `at` (a tensor<i64> value),
+  // where `at` says when the program runs (`offset` is where it starts now).
+  absl::StatusOr<std::string> ReadView(const std::string& seg, uint64_t seg_bytes, uint64_t offset, const Transfer& x,
+                                       const std::string& at = "") {
     const DType& t = *x.type;
     const DType& u8 = *DTypeOf(0);
     int64_t n = 1;
@@ -713,7 +716,11 @@ class Lowering {
       return absl::InvalidArgumentError(absl::StrCat(op_, ": a tensor reaches past its segment"));
     }
     std::string bytes = seg;
-    if (offset != 0 || span != seg_bytes) {
+    if (!at.empty()) {
+      bytes = Emit(absl::StrCat("stablehlo.dynamic_slice ", seg, ", ", at, ", sizes = [", span, "] : (",
+                                TypeOf({static_cast<int64_t>(seg_bytes)}, u8), ", tensor<i64>) -> ",
+                                TypeOf({static_cast<int64_t>(span)}, u8)));
+    } else if (offset != 0 || span != seg_bytes) {
       bytes = Emit(absl::StrCat("stablehlo.slice ", seg, " [", offset, ":", offset + span, "] : (",
                                 TypeOf({static_cast<int64_t>(seg_bytes)}, u8), ") -> ",
                                 TypeOf({static_cast<int64_t>(span)}, u8)));
@@ -755,18 +762,22 @@ class Lowering {
   // The program for device memory: parameters are the segments, then the
   // transfers with `in_seg[i]` < 0 (scalars) in order; transfer i with a
   // segment is read from it at `in_off[i]`. Results: each segment with a
-  // `result`, in that order, then `extra` (typed `extra_types`).
+  // `result`, in that order, then `extra` (typed `extra_types`). With
+  // `dynamic`, the offsets are the program's last parameters (tensor<i64>,
+  // each read's in transfer order, then each write's) instead of constants
+  // in it, so one program serves its op wherever the tensors lie.
   absl::StatusOr<std::string> DeviceText(const std::vector<SegmentParam>& segs, const std::vector<int>& in_seg,
                                          const std::vector<uint64_t>& in_off, const std::vector<SegmentWrite>& writes,
                                          const std::vector<std::string>& extra,
-                                         const std::vector<std::string>& extra_types) {
+                                         const std::vector<std::string>& extra_types, bool dynamic = false) {
     const DType& u8 = *DTypeOf(0);
     absl::Status failed;
     // The reads come first: the body names transfer i's value %p<i>.
     const std::string prologue = Region([&] {
       for (size_t i = 0; i < transfers_.size() && failed.ok(); ++i) {
         if (in_seg[i] < 0) continue;
-        absl::StatusOr<std::string> v = ReadView(absl::StrCat("%s", in_seg[i]), segs[in_seg[i]].bytes, in_off[i], transfers_[i]);
+        absl::StatusOr<std::string> v = ReadView(absl::StrCat("%s", in_seg[i]), segs[in_seg[i]].bytes, in_off[i],
+                                                 transfers_[i], dynamic ? absl::StrCat("%o", i) : "");
         if (!v.ok()) {
           failed = v.status();
           return;
@@ -778,7 +789,8 @@ class Lowering {
     if (!failed.ok()) return failed;
     std::vector<std::string> now(segs.size());
     for (size_t j = 0; j < segs.size(); ++j) now[j] = absl::StrCat("%s", j);
-    for (const SegmentWrite& w : writes) {
+    for (size_t wi = 0; wi < writes.size(); ++wi) {
+      const SegmentWrite& w = writes[wi];
       int64_t n = 1;
       for (int64_t d : w.dims) n *= d;
       const DType& t = *w.type;
@@ -788,7 +800,8 @@ class Lowering {
         return absl::InvalidArgumentError(absl::StrCat(op_, ": a result reaches past its segment"));
       }
       const std::string enc = Encode(Reshape(w.value, w.dims, {n}, t), n, t);
-      const std::string at = Emit(absl::StrCat("stablehlo.constant dense<", w.offset, "> : tensor<i64>"));
+      const std::string at = dynamic ? absl::StrCat("%w", wi)
+                                     : Emit(absl::StrCat("stablehlo.constant dense<", w.offset, "> : tensor<i64>"));
       now[w.seg] = Emit(absl::StrCat("stablehlo.dynamic_update_slice ", now[w.seg], ", ", enc, ", ", at, " : (",
                                      TypeOf({seg_bytes}, u8), ", ", TypeOf({bytes}, u8), ", tensor<i64>) -> ",
                                      TypeOf({seg_bytes}, u8)));
@@ -812,6 +825,12 @@ class Lowering {
     }
     for (size_t i = 0; i < transfers_.size(); ++i) {
       if (in_seg[i] < 0) params.push_back(absl::StrCat("%p", i, ": ", param_types_[i]));
+    }
+    if (dynamic) {
+      for (size_t i = 0; i < transfers_.size(); ++i) {
+        if (in_seg[i] >= 0) params.push_back(absl::StrCat("%o", i, ": tensor<i64>"));
+      }
+      for (size_t wi = 0; wi < writes.size(); ++wi) params.push_back(absl::StrCat("%w", wi, ": tensor<i64>"));
     }
     results.insert(results.end(), extra.begin(), extra.end());
     types.insert(types.end(), extra_types.begin(), extra_types.end());
@@ -5147,6 +5166,16 @@ struct Plan {
   bool checked = false;
   std::string range_message;
   bool keep = true;
+  // Device memory: the program's text (a graph's programs are composed of
+  // their ops' texts: PjrtChip::RunProgram) and the device it is for.
+  std::string text;
+  int on_device = 0;
+  // Device memory: the record tensor whose place in its segment each offset
+  // parameter (the program's last) is, reads then writes; or, where a read
+  // does not start at a tensor of the record, `fixed` (the offsets are in
+  // the program, which is then not kept).
+  std::vector<int> offset_k;
+  std::string fixed;
 };
 
 namespace {
@@ -5181,12 +5210,14 @@ void KeyTensor(std::string* key, const tpu::TensorRef& r) {
 // argument's value (scalars included: a rule may fold one into the
 // program), every tensor's dtype, sizes and strides, and how the tensors
 // lie: without memory, aligned to 64 bytes, or at the same place as an
-// earlier one. False (not kept) for random ops, whose seed is new each time.
+// earlier one. False (not kept) for random ops, whose seed is new each time;
+// their key is still made whole (the seed left out), for graph programs.
 bool SignatureKey(const std::string& name, int device, const tpu::DecodedOp& d,
                   absl::Span<const tpu::TensorRef* const> all, const std::vector<ResolvedTensor>& tensors,
                   absl::Span<const uintptr_t> raw, bool device_memory, std::string* key) {
   key->clear();
   key->reserve(128 + 64 * all.size());
+  bool random = false;
   key->append(name);
   key->push_back('\0');
   KeyValue(key, device);
@@ -5195,7 +5226,7 @@ bool SignatureKey(const std::string& name, int device, const tpu::DecodedOp& d,
     const tpu::OpArg& arg = d.args[a];
     KeyValue(key, arg.tag);
     switch (arg.tag) {
-      case tpu::ArgTag::kGenerator: return false;
+      case tpu::ArgTag::kGenerator: random = true; break;
       case tpu::ArgTag::kTensor: KeyTensor(key, arg.tensor); break;
       case tpu::ArgTag::kTensorList: case tpu::ArgTag::kOptionalTensorList:
         KeyValue(key, arg.tensors.size());
@@ -5247,10 +5278,10 @@ bool SignatureKey(const std::string& name, int device, const tpu::DecodedOp& d,
     KeyValue(key, aligned);
     KeyValue(key, same);
     if (device_memory) {
-      // Programs take whole segments: their sizes, where each tensor lies in
-      // its own, and which tensors share one.
+      // Programs take whole segments: their sizes and which tensors share
+      // one (where each tensor lies in its own is a parameter; a program
+      // with those fixed in it is not kept).
       KeyValue(key, tensors[k].segment_bytes);
-      KeyValue(key, raw[k] == 0 ? uintptr_t{0} : raw[k] - reinterpret_cast<uintptr_t>(tensors[k].segment_host_base));
       int32_t shared = -1;
       for (size_t j = 0; j < k; ++j) {
         if (tensors[j].segment_bytes != 0 && tensors[j].segment_address == tensors[k].segment_address) {
@@ -5261,7 +5292,7 @@ bool SignatureKey(const std::string& name, int device, const tpu::DecodedOp& d,
       KeyValue(key, shared);
     }
   }
-  return true;
+  return !random;
 }
 
 }  // namespace
@@ -5643,12 +5674,26 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
                            const std::vector<ResolvedTensor>& tensors,
                            std::vector<ResultValue>* results, ResultAllocator* allocator) {
   const auto& op = static_cast<const PjrtOp&>(base);
+  Probe* const probe = probe_;
+  probe_ = nullptr;
+  // Asked for the plan only (a graph's op, RunProgram): what a plan cannot
+  // describe (results sized by the data, reads on the host) leaves the probe
+  // empty.
+  if (probe != nullptr && (results != nullptr || !device_memory_ || (op.written().empty() && decoded.outputs.empty()))) {
+    return absl::OkStatus();
+  }
   // The ops computed from the arena's bytes read them there, up to date.
   if (device_memory_ && (op.name() == "aten::_local_scalar_dense" || op.name() == "aten::equal" ||
                          op.name() == "aten::nonzero" || op.name() == "aten::masked_select" ||
                          (op.name() == "aten::index.Tensor" && decoded.outputs.empty()) ||
                          op.name() == "aten::_unique2" || op.name() == "aten::unique_consecutive")) {
     if (absl::Status st = HostAccessAll(tensors); !st.ok()) return st;
+  }
+  if (probe != nullptr && (op.name() == "aten::_local_scalar_dense" || op.name() == "aten::equal" ||
+                           op.name() == "aten::nonzero" || op.name() == "aten::masked_select" ||
+                           op.name() == "aten::index.Tensor" || op.name() == "aten::_unique2" ||
+                           op.name() == "aten::unique_consecutive")) {
+    return absl::OkStatus();
   }
   if (op.name() == "aten::_local_scalar_dense") return ReadScalar(op.name(), decoded, tensors, results);
   if (op.name() == "aten::equal") return Equal(op.name(), decoded, tensors, results);
@@ -5756,6 +5801,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   };
   // Nothing to compute when every output is empty.
   if (std::all_of(refs.begin(), refs.end(), [](const tpu::TensorRef* r) { return Numel(*r) == 0; })) {
+    if (probe != nullptr) probe->nothing = true;
     report();
     return absl::OkStatus();
   }
@@ -5809,11 +5855,19 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   const bool keyed = SignatureKey(op.name(), device, decoded, all_refs, tensors, raw, device_memory_, &key);
   Plan fresh;
   const Plan* found = nullptr;
+  std::shared_ptr<const Plan> kept;
   if (keyed) {
     if (auto it = plans_.find(key); it != plans_.end()) {
       plan_lru_.splice(plan_lru_.end(), plan_lru_, it->second);
-      found = it->second->second.get();
-      ++stats_[device].hits;
+      kept = it->second->second;
+      found = kept.get();
+      if (found->exe == nullptr && probe == nullptr) {
+        // Lowered for a graph's program only: compiled now, on its own.
+        kept.reset();
+        found = nullptr;
+      } else if (probe == nullptr) {
+        ++stats_[device].hits;
+      }
     }
   }
   auto lower = [&](Plan& plan) -> absl::Status {
@@ -6032,18 +6086,45 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
       extra_types.push_back(TypeOf({}, *DTypeOf(11)));
     }
     if (writes.empty() && !checked) return Unsupported(op.name(), "no result to write");
-    absl::StatusOr<std::string> text = l.DeviceText(segs, in_seg, in_off, writes, extra, extra_types);
+    // Offsets are parameters where each read and write starts at a tensor
+    // of the record: the program then serves the op wherever they lie.
+    bool dynamic = true;
+    for (size_t i = 0; i < l.transfers().size() && dynamic; ++i) {
+      if (in_seg[i] < 0) continue;
+      const auto at = std::find(raw.begin(), raw.end(), reinterpret_cast<uintptr_t>(l.transfers()[i].data));
+      dynamic = at != raw.end();
+      if (dynamic) plan.offset_k.push_back(static_cast<int>(at - raw.begin()));
+    }
+    for (size_t o = 0; o < outs.size() && dynamic; ++o) {
+      if (dsts[o] == nullptr) continue;
+      dynamic = reinterpret_cast<uintptr_t>(dsts[o]) == raw[ref_index[o]];
+      plan.offset_k.push_back(static_cast<int>(ref_index[o]));
+    }
+    if (!dynamic) {
+      plan.offset_k.clear();
+      plan.keep = false;
+      for (size_t i = 0; i < in_off.size(); ++i) {
+        if (in_seg[i] >= 0) absl::StrAppend(&plan.fixed, " ", in_off[i]);
+      }
+      for (const Lowering::SegmentWrite& w : writes) absl::StrAppend(&plan.fixed, " ", w.offset);
+    }
+    absl::StatusOr<std::string> text = l.DeviceText(segs, in_seg, in_off, writes, extra, extra_types, dynamic);
     if (!text.ok()) return text.status();
     program = *std::move(text);
     plan.device = true;
+    plan.text = program;
+    plan.on_device = device;
   } else {
     program = l.Text(values, types);
   }
-  absl::StatusOr<std::shared_ptr<const Executable>> exe = Compiled(program, device);
-  if (!exe.ok()) {
-    return absl::Status(exe.status().code(), absl::StrCat(op.name(), ": ", exe.status().message()));
+  // (A graph's op is compiled only within the graph's program.)
+  if (probe == nullptr) {
+    absl::StatusOr<std::shared_ptr<const Executable>> exe = Compiled(program, device);
+    if (!exe.ok()) {
+      return absl::Status(exe.status().code(), absl::StrCat(op.name(), ": ", exe.status().message()));
+    }
+    plan.exe = *std::move(exe);
   }
-  plan.exe = *std::move(exe);
   plan.checked = checked;
   plan.range_message = l.range_message();
   for (size_t o = 0; o < outs.size(); ++o) {
@@ -6094,6 +6175,22 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     if (!h.ok()) return h.status();
     host[k] = *h;
   }
+  // Device memory: where in its segment each offset parameter's tensor lies.
+  absl::InlinedVector<int64_t, 8> offsets;
+  for (int k : plan.offset_k) offsets.push_back(host[k] - tensors[k].segment_host_base);
+  if (probe != nullptr) {
+    // The plan, its signature and offsets, for the graph's program; nothing
+    // runs.
+    probe->offsets.assign(offsets.begin(), offsets.end());
+    probe->key = key;
+    probe->key.append(plan.fixed);
+    if (kept == nullptr) {
+      kept = std::make_shared<const Plan>(std::move(fresh));
+      if (keyed && kept->keep) KeepPlan(key, kept);
+    }
+    probe->plan = std::move(kept);
+    return absl::OkStatus();
+  }
   absl::InlinedVector<char*, 4> dsts(refs.size(), nullptr);
   for (size_t o = 0; o < refs.size(); ++o) {
     if (plan.outputs[o].write) dsts[o] = host[ref_index[o]];
@@ -6102,7 +6199,8 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     return in.k >= 0 ? host[in.k] : in.k == -2 ? in.data : nullptr;
   };
   if (plan.device) {
-    absl::Status st = RunDevice(op.name(), plan, tensors, device, [&](size_t i) { return data_of(plan.inputs[i]); });
+    absl::Status st = RunDevice(op.name(), plan, tensors, device, [&](size_t i) { return data_of(plan.inputs[i]); },
+                                offsets);
     if (!st.ok()) return st;
     if (found == &fresh && keyed && fresh.keep) KeepPlan(key, std::move(fresh));
     report();
@@ -6229,11 +6327,19 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
 }
 
 void PjrtChip::KeepPlan(const std::string& key, Plan&& plan) {
+  KeepPlan(key, std::make_shared<const Plan>(std::move(plan)));
+}
+
+void PjrtChip::KeepPlan(const std::string& key, std::shared_ptr<const Plan> plan) {
+  if (auto it = plans_.find(key); it != plans_.end()) {
+    plan_lru_.erase(it->second);
+    plans_.erase(it);
+  }
   if (plan_lru_.size() >= 4 * capacity_) {
     plans_.erase(plan_lru_.front().first);
     plan_lru_.pop_front();
   }
-  plan_lru_.emplace_back(key, std::make_shared<const Plan>(std::move(plan)));
+  plan_lru_.emplace_back(key, std::move(plan));
   plans_[key] = std::prev(plan_lru_.end());
 }
 
@@ -6310,7 +6416,8 @@ absl::Status PjrtChip::HostAccessAll(const std::vector<ResolvedTensor>& tensors)
 }
 
 absl::Status PjrtChip::RunDevice(const std::string& name, const Plan& plan, const std::vector<ResolvedTensor>& tensors,
-                                 int device, const std::function<const char*(size_t input)>& data_of) {
+                                 int device, const std::function<const char*(size_t input)>& data_of,
+                                 absl::Span<const int64_t> offsets) {
   auto named = [&](const absl::Status& st) { return absl::Status(st.code(), absl::StrCat(name, ": ", st.message())); };
   absl::InlinedVector<PJRT_Buffer*, 8> args;
   absl::InlinedVector<Mirror*, 4> segs;
@@ -6341,17 +6448,14 @@ absl::Status PjrtChip::RunDevice(const std::string& name, const Plan& plan, cons
       inputs.push_back(*std::move(b));
       continue;
     }
-    const void* data = x.type->is_float ? static_cast<const void*>(&x.scalar_d) : static_cast<const void*>(&x.scalar_i);
-    std::string id(1, static_cast<char>(device));
-    id.push_back(static_cast<char>(x.type->pjrt));
-    id.append(static_cast<const char*>(data), 8);
-    auto it = scalars_.find(id);
-    if (it == scalars_.end()) {
-      absl::StatusOr<Buffer> b = plugin_->FromHost(device, data, x.type->pjrt, x.dims, x.byte_strides);
-      if (!b.ok()) return named(b.status());
-      it = scalars_.emplace(std::move(id), *std::move(b)).first;
-    }
-    args.push_back(it->second.get());
+    absl::StatusOr<PJRT_Buffer*> b = ScalarBuffer(device, x);
+    if (!b.ok()) return named(b.status());
+    args.push_back(*b);
+  }
+  for (int64_t offset : offsets) {
+    absl::StatusOr<PJRT_Buffer*> b = OffsetBuffer(device, offset);
+    if (!b.ok()) return named(b.status());
+    args.push_back(*b);
   }
   absl::StatusOr<std::vector<Buffer>> out = plugin_->Execute(*plan.exe, device, absl::MakeConstSpan(args));
   if (!out.ok()) {
@@ -6379,6 +6483,347 @@ absl::Status PjrtChip::RunDevice(const std::string& name, const Plan& plan, cons
     if (bad != 0) return absl::InvalidArgumentError(absl::StrCat(name, ": ", plan.range_message));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<PJRT_Buffer*> PjrtChip::ScalarBuffer(int device, const Transfer& x) {
+  const void* data = x.type->is_float ? static_cast<const void*>(&x.scalar_d) : static_cast<const void*>(&x.scalar_i);
+  std::string id(1, static_cast<char>(device));
+  id.push_back(static_cast<char>(x.type->pjrt));
+  id.append(static_cast<const char*>(data), 8);
+  auto it = scalars_.find(id);
+  if (it == scalars_.end()) {
+    absl::StatusOr<Buffer> b = plugin_->FromHost(device, data, x.type->pjrt, x.dims, x.byte_strides);
+    if (!b.ok()) return b.status();
+    it = scalars_.emplace(std::move(id), *std::move(b)).first;
+  }
+  return it->second.get();
+}
+
+absl::StatusOr<PJRT_Buffer*> PjrtChip::OffsetBuffer(int device, int64_t offset) {
+  Transfer x;
+  x.type = &I64();
+  x.scalar_i = offset;
+  return ScalarBuffer(device, x);
+}
+
+// ---------------------------------------------------------------- graphs
+
+// A graph's module: its ops' programs as private functions of one module,
+// whose main takes each segment any op names once (donated where an op
+// writes it) and the ops' scalars, calls the ops in order with the
+// segments' latest values, and returns the written segments and, where an
+// op checks its indices, the first op whose check failed (0: none).
+struct PjrtChip::Graph {
+  std::shared_ptr<const Executable> exe;  // null: it did not compile, for `why`
+  std::string why;
+  std::vector<std::pair<size_t, size_t>> segs;  // each parameter segment: op i's segment j
+  std::vector<int> result_of;                   // each segment's result (-1: read only)
+  int written = 0;
+  bool checked = false;
+};
+
+namespace {
+
+// The parts of an op's device program (Lowering::DeviceText): its main's
+// parameter types, result types and the function itself as `name`,
+// private and without donation (the graph's main donates).
+struct OpFunction {
+  std::vector<std::string> params;
+  std::vector<std::string> results;
+  std::string text;
+};
+
+absl::StatusOr<OpFunction> AsFunction(const std::string& program, const std::string& name) {
+  static const std::string kHead = "module @tpud_op {\n  func.func public @main(";
+  static const std::string kArrow = ") -> (";
+  static const std::string kOpen = ") {\n";
+  static const std::string kAlias = " {tf.aliasing_output = ";
+  if (!absl::StartsWith(program, kHead) || !absl::EndsWith(program, "\n}\n")) {
+    return absl::InternalError("an op's program is not of the form a graph composes");
+  }
+  const size_t params_at = kHead.size();
+  const size_t arrow = program.find(kArrow, params_at);
+  const size_t open = arrow == std::string::npos ? arrow : program.find(kOpen, arrow);
+  if (open == std::string::npos) return absl::InternalError("an op's program without a signature");
+  OpFunction f;
+  std::string header;
+  for (absl::string_view p : absl::StrSplit(absl::string_view(program).substr(params_at, arrow - params_at), ", ")) {
+    std::string param(p);
+    if (size_t a = param.find(kAlias); a != std::string::npos) param.erase(a);
+    const size_t colon = param.find(": ");
+    if (colon == std::string::npos) return absl::InternalError("an op's program with an untyped parameter");
+    f.params.push_back(param.substr(colon + 2));
+    absl::StrAppend(&header, header.empty() ? "" : ", ", param);
+  }
+  for (absl::string_view r : absl::StrSplit(absl::string_view(program).substr(arrow + kArrow.size(), open - arrow - kArrow.size()), ", ")) {
+    f.results.emplace_back(r);
+  }
+  f.text = absl::StrCat("  func.func private @", name, "(", header, program.substr(arrow, program.size() - arrow - 2));
+  return f;
+}
+
+}  // namespace
+
+// A copy between device addresses of one graph, as an op's plan: its bytes
+// sliced out of the source segment and written into the destination's.
+absl::StatusOr<PjrtChip::Probe> PjrtChip::CopyPlan(const tpu::DecodedCopy& copy,
+                                                   const std::vector<ResolvedTensor>& ends) {
+  if (ends.size() != 2) return absl::InternalError("a copy without its two segments");
+  const ResolvedTensor& src = ends[0];
+  const ResolvedTensor& dst = ends[1];
+  if (copy.src < src.segment_address || copy.src - src.segment_address > src.segment_bytes ||
+      copy.bytes > src.segment_bytes - (copy.src - src.segment_address) || copy.dst < dst.segment_address ||
+      copy.dst - dst.segment_address > dst.segment_bytes ||
+      copy.bytes > dst.segment_bytes - (copy.dst - dst.segment_address)) {
+    return absl::InvalidArgumentError("a copy reaches past its segments");
+  }
+  const int64_t from = static_cast<int64_t>(copy.src - src.segment_address);
+  const int64_t to = static_cast<int64_t>(copy.dst - dst.segment_address);
+  const int64_t n = static_cast<int64_t>(copy.bytes);
+  const bool same = src.segment_address == dst.segment_address;
+  const DType& u8 = *DTypeOf(0);
+  const std::string st = TypeOf({static_cast<int64_t>(src.segment_bytes)}, u8);
+  const std::string dt = TypeOf({static_cast<int64_t>(dst.segment_bytes)}, u8);
+  const std::string nt = TypeOf({n}, u8);
+  const std::string s = "%s0", d = same ? "%s0" : "%s1";
+  auto plan = std::make_shared<Plan>();
+  plan->device = true;
+  plan->on_device = tpu::DeviceAddressChip(copy.dst);
+  plan->segments_written = 1;
+  if (same) {
+    plan->segs.push_back({1, 0});
+  } else {
+    plan->segs.push_back({0, -1});
+    plan->segs.push_back({1, 0});
+  }
+  // (Where it reads and writes are parameters, as an op's offsets are.)
+  const std::string params = same ? absl::StrCat("%s0: ", dt, " {tf.aliasing_output = 0 : i32}")
+                                  : absl::StrCat("%s0: ", st, ", %s1: ", dt, " {tf.aliasing_output = 0 : i32}");
+  plan->text = absl::StrCat(
+      "module @tpud_op {\n  func.func public @main(", params, ", %from: tensor<i64>, %to: tensor<i64>) -> (", dt,
+      ") {\n",
+      "    %0 = stablehlo.dynamic_slice ", s, ", %from, sizes = [", n, "] : (", st, ", tensor<i64>) -> ", nt, "\n",
+      "    %1 = stablehlo.dynamic_update_slice ", d, ", %0, %to : (", dt, ", ", nt, ", tensor<i64>) -> ", dt, "\n",
+      "    return %1 : ", dt, "\n  }\n}\n");
+  Probe probe;
+  probe.key = absl::StrCat("copy ", src.segment_bytes, " ", dst.segment_bytes, " ", n, " ", same);
+  probe.offsets = {from, to};
+  probe.plan = std::move(plan);
+  return probe;
+}
+
+absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, size_t* failed,
+                                          std::string* declined) {
+  *failed = 0;
+  auto decline = [&](size_t i, const std::string& why) {
+    *declined = i < ops.size() ? absl::StrCat("record ", i + 1, " (", ops[i].op == nullptr ? std::string("copy")
+                                              : static_cast<const PjrtOp&>(*ops[i].op).name(), "): ", why)
+                               : why;
+    return false;
+  };
+  if (!device_memory_) return decline(ops.size(), "segments are not in device memory (--pjrt_memory=host)");
+  if (!graphs_on_) return decline(ops.size(), "--pjrt_graphs=false");
+  if (ops.empty()) return decline(0, "no ops");
+  // Each op's plan and signature, lowered where not seen before (not
+  // compiled: the graph's module is).
+  std::vector<Probe> probes(ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (ops[i].op == nullptr) {
+      if (ops[i].copy == nullptr) return decline(i, "neither an op nor a copy");
+      if (ops[i].copy->bytes == 0) {
+        probes[i].nothing = true;
+        continue;
+      }
+      absl::StatusOr<Probe> copy = CopyPlan(*ops[i].copy, *ops[i].tensors);
+      if (!copy.ok()) return decline(i, std::string(copy.status().message()));
+      probes[i] = *std::move(copy);
+      continue;
+    }
+    probe_ = &probes[i];
+    absl::Status st = Run(*ops[i].op, *ops[i].decoded, *ops[i].tensors, nullptr, nullptr);
+    probe_ = nullptr;
+    if (!st.ok()) return decline(i, std::string(st.message()));  // run one by one, the op reports it
+    if (probes[i].nothing) continue;
+    if (probes[i].plan == nullptr || !probes[i].plan->device || probes[i].plan->text.empty()) {
+      return decline(i, "read on the host or sized by the data");
+    }
+  }
+  int device = -1;
+  std::string key;
+  std::vector<uint64_t> seg_address;
+  std::vector<std::vector<int>> seg_of(ops.size());  // op i's segment j: the graph's
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const Probe& pr = probes[i];
+    if (pr.nothing) continue;
+    const Plan& plan = *pr.plan;
+    if (device >= 0 && plan.on_device != device) return decline(i, "on another device");
+    device = plan.on_device;
+    absl::StrAppend(&key, i, ":", pr.key.size(), ":");
+    key.append(pr.key);
+    for (const Plan::Seg& sg : plan.segs) {
+      const ResolvedTensor& rt = (*ops[i].tensors)[sg.k];
+      size_t g = std::find(seg_address.begin(), seg_address.end(), rt.segment_address) - seg_address.begin();
+      if (g == seg_address.size()) seg_address.push_back(rt.segment_address);
+      seg_of[i].push_back(static_cast<int>(g));
+      absl::StrAppend(&key, g, ",");
+    }
+    for (const Plan::In& x : plan.inputs) {
+      if (x.k != -1) return decline(i, "a parameter from the host");
+    }
+  }
+  if (device < 0) return decline(ops.size(), "nothing to run");
+  std::shared_ptr<const Graph> graph;
+  if (auto it = graphs_.find(key); it != graphs_.end()) {
+    graph_lru_.splice(graph_lru_.end(), graph_lru_, it->second);
+    graph = it->second->second;
+    ++stats_[device].hits;
+  } else {
+    auto made = std::make_shared<Graph>();
+    made->result_of.assign(seg_address.size(), -1);
+    made->segs.resize(seg_address.size());
+    std::vector<bool> named(seg_address.size(), false);
+    std::vector<uint64_t> seg_bytes(seg_address.size(), 0);
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (probes[i].nothing) continue;
+      for (size_t j = 0; j < seg_of[i].size(); ++j) {
+        const int g = seg_of[i][j];
+        if (!named[g]) {
+          named[g] = true;
+          made->segs[g] = {i, j};
+          seg_bytes[g] = (*ops[i].tensors)[probes[i].plan->segs[j].k].segment_bytes;
+        }
+        if (probes[i].plan->segs[j].result >= 0 && made->result_of[g] < 0) made->result_of[g] = made->written++;
+      }
+    }
+    const DType& u8 = *DTypeOf(0);
+    std::string funcs, body, params;
+    std::vector<std::string> now(seg_address.size()), checks;
+    std::vector<size_t> check_op;
+    for (size_t g = 0; g < seg_address.size(); ++g) {
+      now[g] = absl::StrCat("%g", g);
+      absl::StrAppend(&params, g == 0 ? "" : ", ", now[g], ": ", TypeOf({static_cast<int64_t>(seg_bytes[g])}, u8));
+      if (made->result_of[g] >= 0) absl::StrAppend(&params, " {tf.aliasing_output = ", made->result_of[g], " : i32}");
+    }
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (probes[i].nothing) continue;
+      const Plan& plan = *probes[i].plan;
+      absl::StatusOr<OpFunction> f = AsFunction(plan.text, absl::StrCat("op", i));
+      if (!f.ok()) return decline(i, std::string(f.status().message()));
+      const size_t scalars = plan.inputs.size() + probes[i].offsets.size();
+      if (f->params.size() != plan.segs.size() + scalars ||
+          f->results.size() != static_cast<size_t>(plan.segments_written) + (plan.checked ? 1 : 0)) {
+        return decline(i, "its program's signature does not match its plan");
+      }
+      absl::StrAppend(&funcs, f->text);
+      std::vector<std::string> args;
+      for (size_t j = 0; j < plan.segs.size(); ++j) args.push_back(now[seg_of[i][j]]);
+      for (size_t m = 0; m < scalars; ++m) {
+        const std::string a = absl::StrCat("%a", i, "_", m);
+        args.push_back(a);
+        absl::StrAppend(&params, ", ", a, ": ", f->params[plan.segs.size() + m]);
+      }
+      const std::string c = absl::StrCat("%c", i);
+      const size_t nres = f->results.size();
+      auto result = [&](size_t r) { return nres == 1 ? c : absl::StrCat(c, "#", r); };
+      absl::StrAppend(&body, "    ", c, nres == 1 ? "" : absl::StrCat(":", nres), " = func.call @op", i, "(",
+                      absl::StrJoin(args, ", "), ") : (", absl::StrJoin(f->params, ", "), ") -> (",
+                      absl::StrJoin(f->results, ", "), ")\n");
+      for (size_t j = 0; j < plan.segs.size(); ++j) {
+        if (plan.segs[j].result >= 0) now[seg_of[i][j]] = result(plan.segs[j].result);
+      }
+      if (plan.checked) {
+        checks.push_back(result(nres - 1));
+        check_op.push_back(i);
+      }
+    }
+    std::vector<std::string> results(made->written), types(made->written);
+    for (size_t g = 0; g < seg_address.size(); ++g) {
+      if (made->result_of[g] < 0) continue;
+      results[made->result_of[g]] = now[g];
+      types[made->result_of[g]] = TypeOf({static_cast<int64_t>(seg_bytes[g])}, u8);
+    }
+    if (!checks.empty()) {
+      made->checked = true;
+      std::string first = "%fail";
+      absl::StrAppend(&body, "    ", first, " = stablehlo.constant dense<0> : tensor<i32>\n");
+      for (size_t q = checks.size(); q-- > 0;) {
+        absl::StrAppend(&body, "    %at", q, " = stablehlo.constant dense<", check_op[q] + 1, "> : tensor<i32>\n",
+                        "    %fail", q, " = stablehlo.select ", checks[q], ", %at", q, ", ", first,
+                        " : tensor<i1>, tensor<i32>\n");
+        first = absl::StrCat("%fail", q);
+      }
+      results.push_back(first);
+      types.push_back("tensor<i32>");
+    }
+    if (results.empty()) return decline(ops.size(), "no results");
+    const std::string ret = absl::StrJoin(types, ", ");
+    const std::string text = absl::StrCat("module @tpud_graph {\n", funcs, "  func.func public @main(", params,
+                                          ") -> (", ret, ") {\n", body, "    return ", absl::StrJoin(results, ", "),
+                                          " : ", ret, "\n  }\n}\n");
+    absl::StatusOr<std::shared_ptr<const Executable>> exe = Compiled(text, device);
+    if (exe.ok()) {
+      made->exe = *std::move(exe);
+    } else {
+      made->why = std::string(exe.status().message()).substr(0, 2000);
+    }
+    if (graph_lru_.size() >= capacity_) {
+      graphs_.erase(graph_lru_.front().first);
+      graph_lru_.pop_front();
+    }
+    graph_lru_.emplace_back(key, made);
+    graphs_[key] = std::prev(graph_lru_.end());
+    graph = std::move(made);
+  }
+  if (graph->exe == nullptr) return decline(ops.size(), absl::StrCat("the module did not compile: ", graph->why));
+  // Segments first, then each op's scalars and offsets in order.
+  if (scalars_.size() >= 4096) scalars_.clear();
+  absl::InlinedVector<PJRT_Buffer*, 32> args;
+  std::vector<Mirror*> segs;
+  for (const auto& [i, j] : graph->segs) {
+    absl::StatusOr<Mirror*> m = MirrorOf((*ops[i].tensors)[probes[i].plan->segs[j].k], device);
+    if (!m.ok()) return m.status();
+    segs.push_back(*m);
+    args.push_back((*m)->buffer.get());
+  }
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (probes[i].nothing) continue;
+    for (const Plan::In& x : probes[i].plan->inputs) {
+      absl::StatusOr<PJRT_Buffer*> b = ScalarBuffer(device, x);
+      if (!b.ok()) return b.status();
+      args.push_back(*b);
+    }
+    for (int64_t offset : probes[i].offsets) {
+      absl::StatusOr<PJRT_Buffer*> b = OffsetBuffer(device, offset);
+      if (!b.ok()) return b.status();
+      args.push_back(*b);
+    }
+  }
+  absl::StatusOr<std::vector<Buffer>> out = plugin_->Execute(*graph->exe, device, absl::MakeConstSpan(args));
+  if (!out.ok()) {
+    for (size_t g = 0; g < segs.size(); ++g) {
+      if (graph->result_of[g] >= 0) Drop(seg_address[g], segs[g]->bytes);
+    }
+    return absl::Status(out.status().code(), absl::StrCat("the graph's module: ", out.status().message()));
+  }
+  if (out->size() != static_cast<size_t>(graph->written) + (graph->checked ? 1 : 0)) {
+    return absl::InternalError(absl::StrCat("a graph's program gave ", out->size(), " results for ", graph->written));
+  }
+  for (size_t g = 0; g < segs.size(); ++g) {
+    if (graph->result_of[g] < 0) continue;
+    segs[g]->buffer = std::move((*out)[graph->result_of[g]]);
+    segs[g]->host_current = false;
+  }
+  ++stats_[device].graphs;
+  if (graph->checked) {
+    int32_t first = 0;
+    if (absl::Status st = plugin_->ToHost(out->back(), &first, sizeof(first)); !st.ok()) return st;
+    if (first > 0 && static_cast<size_t>(first) <= ops.size()) {
+      *failed = static_cast<size_t>(first - 1);
+      const auto& op = static_cast<const PjrtOp&>(*ops[*failed].op);
+      return absl::InvalidArgumentError(absl::StrCat(op.name(), ": ", probes[*failed].plan->range_message));
+    }
+  }
+  return true;
 }
 
 // ---------------------------------------------------------------- collectives

@@ -71,8 +71,26 @@ class PjrtChip : public ChipBackend {
   // rest, and ranks that share a device, are left to the arena.
   absl::StatusOr<bool> RunCollective(const CollectiveCall& call) override;
   uint64_t device_buffer_bytes() const override { return device_bytes_; }
+  // Device memory: a captured graph's ops as one StableHLO module (each
+  // op's program a function of it, the segments threaded through), compiled
+  // once per signature of the whole graph and run as one execution, so XLA
+  // fuses across ops. False where an op cannot be part of one (a read on
+  // the host, results sized by the data) or the module does not compile.
+  absl::StatusOr<bool> RunProgram(const std::vector<ProgramOp>& ops, size_t* failed,
+                                  std::string* declined) override;
+  void set_graphs(bool on) { graphs_on_ = on; }  // tpud --pjrt_graphs
 
  private:
+  // Run() asked for an op's plan only (RunProgram): it fills this and runs
+  // nothing; left empty for an op no plan describes.
+  struct Probe {
+    std::shared_ptr<const Plan> plan;
+    std::string key;
+    std::vector<int64_t> offsets;  // its offset parameters' values
+    bool nothing = false;          // no output has elements: nothing to run
+  };
+  struct Graph;  // a graph's module (pjrt_chip.cc)
+  absl::StatusOr<Probe> CopyPlan(const tpu::DecodedCopy& copy, const std::vector<ResolvedTensor>& ends);
   // A segment's device buffer (device memory): u8[bytes] on `device`; the
   // arena at `host` is its host copy, current when `host_current`.
   struct Mirror {
@@ -87,6 +105,10 @@ class PjrtChip : public ChipBackend {
       : plugin_(std::move(plugin)), capacity_(capacity), device_memory_(device_memory),
         stats_(plugin_->num_devices()) {}
   void KeepPlan(const std::string& key, Plan&& plan);
+  void KeepPlan(const std::string& key, std::shared_ptr<const Plan> plan);
+  // A scalar parameter's device buffer (kept by device, type and value).
+  absl::StatusOr<PJRT_Buffer*> ScalarBuffer(int device, const Transfer& x);
+  absl::StatusOr<PJRT_Buffer*> OffsetBuffer(int device, int64_t offset);
   // The segment's device buffer, made from the arena's bytes if it has none.
   absl::StatusOr<Mirror*> MirrorOf(const ResolvedTensor& seg, int device);
   // Forgets the device buffers over [address, +bytes), unread.
@@ -94,7 +116,8 @@ class PjrtChip : public ChipBackend {
   // Brings the host copy of every segment of `tensors` up to date.
   absl::Status HostAccessAll(const std::vector<ResolvedTensor>& tensors);
   absl::Status RunDevice(const std::string& name, const Plan& plan, const std::vector<ResolvedTensor>& tensors,
-                         int device, const std::function<const char*(size_t input)>& data_of);
+                         int device, const std::function<const char*(size_t input)>& data_of,
+                         absl::Span<const int64_t> offsets = {});
   // Device memory: `bytes` at `offset` of the segment's buffer, as `count`
   // values of c10 dtype `dtype` (a buffer on `device`); and the reverse,
   // `value` written into the segment there (donated and replaced).
@@ -131,6 +154,12 @@ class PjrtChip : public ChipBackend {
   std::list<std::pair<std::string, std::shared_ptr<const Plan>>> plan_lru_;
   std::unordered_map<std::string, decltype(plan_lru_)::iterator> plans_;
   std::string key_;  // the signature being looked up (kept to reuse its memory)
+  Probe* probe_ = nullptr;
+  bool graphs_on_ = true;
+  // Graph modules by the graph's signature (its ops' signatures and which
+  // segments they share), least recently used first.
+  std::list<std::pair<std::string, std::shared_ptr<const Graph>>> graph_lru_;
+  std::unordered_map<std::string, decltype(graph_lru_)::iterator> graphs_;
   // Scalar parameters on the device, by device, type and value: never
   // donated, so one buffer serves every op that passes that value.
   std::unordered_map<std::string, Buffer> scalars_;

@@ -320,6 +320,7 @@ void WriteExecutors(JsonWriter& w, const tpu::DaemonStatus& st) {
         w.Key("compile_seconds").Double(c.compile_seconds);
         w.Key("cache_hits").Uint(c.cache_hits);
         w.Key("collective_programs").Uint(c.collective_programs);
+        w.Key("graph_programs").Uint(c.graph_programs);
         w.EndObject();
       }
       w.EndArray();
@@ -398,7 +399,7 @@ int CmdExecutors(tpu::AdminClient& admin, bool json) {
   for (const tpu::ExecutorInfo& e : st->executors) compiling |= !e.compile.empty();
   if (compiling) {
     std::printf("\n");
-    Table programs({"CHIP", "EXECUTOR", "COMPILES", "COMPILE TIME", "CACHE HITS", "COLLECTIVES"}, "rrrrrr");
+    Table programs({"CHIP", "EXECUTOR", "COMPILES", "COMPILE TIME", "CACHE HITS", "COLLECTIVES", "GRAPHS"}, "rrrrrrr");
     uint64_t cached = 0, device_bytes = 0;
     for (const tpu::ExecutorInfo& e : st->executors) {
       cached += e.programs_cached;
@@ -406,7 +407,7 @@ int CmdExecutors(tpu::AdminClient& admin, bool json) {
       for (const tpu::ExecutorInfo::Compile& c : e.compile) {
         programs.Row({absl::StrCat(c.chip), absl::StrCat(e.index), absl::StrCat(c.compiles),
                       absl::StrFormat("%.3fs", c.compile_seconds), absl::StrCat(c.cache_hits),
-                      absl::StrCat(c.collective_programs)});
+                      absl::StrCat(c.collective_programs), absl::StrCat(c.graph_programs)});
       }
     }
     programs.Print();

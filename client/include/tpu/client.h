@@ -343,6 +343,7 @@ struct ExecutorInfo {
     double compile_seconds = 0;
     uint64_t cache_hits = 0;
     uint64_t collective_programs = 0;  // collectives run as one program
+    uint64_t graph_programs = 0;       // captured graphs run as one module
   };
   std::vector<Compile> compile;
   uint64_t programs_cached = 0;
