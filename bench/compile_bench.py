@@ -12,6 +12,10 @@ One JSON object per line (as bench/torch_bench.py):
       Target 1.0.
   compiled_generate                      tokens/s of a tiny Llama's greedy
       generate() (static KV cache, forward compiled) against eager tpu. No target.
+
+With --backend pjrt (and --start-daemon) the daemon runs the PJRT backend on XLA's
+CPU plugin with device memory, where each compiled graph is one StableHLO module;
+the figures are then named pjrt_compiled_* and have no target (as pjrt_train_step).
 """
 import argparse
 import json
@@ -85,12 +89,24 @@ def main():
     p.add_argument("--start-daemon", action="store_true")
     p.add_argument("--tpud", default=str(ROOT / "bazel-bin" / "daemon" / "tpud"))
     p.add_argument("--skip-generate", action="store_true")
+    p.add_argument("--backend", choices=("simulated", "pjrt"), default="simulated",
+                   help="the daemon's backend, with --start-daemon (pjrt: XLA's CPU plugin, device memory)")
+    p.add_argument("--daemon-flag", action="append", default=[],
+                   help="one more tpud flag, with --start-daemon (e.g. --pjrt_graphs=false)")
     args = p.parse_args()
     daemon = None
+    pjrt = args.backend == "pjrt"
+    prefix = "pjrt_" if pjrt else ""
     if args.start_daemon:
         from tpud_process import TpudProcess
 
-        daemon = TpudProcess(args.tpud, "1GiB", [], prefix="tpud-compile-bench.")
+        flags = []
+        if pjrt:
+            from pjrt_bench import plugin_path
+
+            flags = ["--backend=pjrt", f"--pjrt_plugin={plugin_path()}", "--pjrt_option=cpu_device_count=4",
+                     "--pjrt_memory=device"]
+        daemon = TpudProcess(args.tpud, "1GiB", flags + args.daemon_flag, prefix="tpud-compile-bench.")
         daemon.start(timeout=30)
         os.environ["TPUD_SOCKET"] = daemon.socket
     try:
@@ -107,12 +123,14 @@ def main():
         t_eager = per_unit(eager, units, sync, args.rounds)
         t_cpu = per_unit(cpu, units, lambda: None, args.rounds)
         work = "one AdamW step of torch_bench's small-op MLP (4 blocks, width 16, batch 8)"
-        print(json.dumps(figure("compiled_vs_eager_small_op_train_step", t_comp, t_eager, 2.0, work,
-                                "the same step in tpu eager")), flush=True)
-        print(json.dumps(figure("compiled_vs_cpu_small_op_train_step", t_comp, t_cpu, 1.0, work,
-                                "the same step in CPU eager PyTorch")), flush=True)
+        print(json.dumps(figure(prefix + "compiled_vs_eager_small_op_train_step", t_comp, t_eager,
+                                None if pjrt else 2.0, work, "the same step in tpu eager")), flush=True)
+        print(json.dumps(figure(prefix + "compiled_vs_cpu_small_op_train_step", t_comp, t_cpu,
+                                None if pjrt else 1.0, work, "the same step in CPU eager PyTorch")), flush=True)
         if not args.skip_generate:
-            print(json.dumps(generate_figure(torch, args.rounds, args.scale)), flush=True)
+            f = generate_figure(torch, args.rounds, args.scale)
+            f["name"] = prefix + f["name"]
+            print(json.dumps(f), flush=True)
     finally:
         if daemon is not None:
             daemon.close()

@@ -4,7 +4,8 @@
 # bench/torch_bench.py (torch_tpu against CPU eager PyTorch), then the pjrt_*
 # lines of bench/pjrt_bench.py (tpud's PJRT backend on XLA's CPU plugin against
 # the same programs called in-process; it starts its own daemon), then the
-# compiled_* lines of bench/compile_bench.py (torch.compile on tpu).
+# compiled_* lines of bench/compile_bench.py (torch.compile on tpu; pjrt_compiled_* on
+# the PJRT backend).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -26,3 +27,5 @@ export TPUD_SOCKET="$DIR/tpud.sock"
   --inprocess "$BIN/bench/pjrt_inprocess_bench"
 # torch.compile on tpu (programs) against tpu eager and CPU eager.
 "$ROOT/.venv/bin/python" "$ROOT/bench/compile_bench.py" --start-daemon --tpud "$BIN/daemon/tpud"
+# The same on the PJRT backend with device memory (a graph is one StableHLO module).
+"$ROOT/.venv/bin/python" "$ROOT/bench/compile_bench.py" --start-daemon --tpud "$BIN/daemon/tpud" --backend pjrt

@@ -323,3 +323,118 @@ def test_compile_bench_runs_in_reduced_form(tpud):
     assert set(figures) == {"compiled_vs_eager_small_op_train_step", "compiled_vs_cpu_small_op_train_step",
                             "compiled_generate"}, figures
     assert all(f["speed_ratio"] > 0 for f in figures.values()), figures
+
+
+# ---------------------------------------------------------------- PJRT: a graph is one module
+
+@pytest.fixture(scope="module")
+def pjrt_device():
+    """tpud on the PJRT backend (XLA's CPU plugin) with every segment in a
+    device buffer, as on a TPU: the mode in which a graph runs as one
+    StableHLO module."""
+    from conftest import Daemon, pjrt_flags
+
+    pytest.importorskip("xla_plugins.xla_cpu_pjrt")
+    d = Daemon(hbm="2GiB", extra_flags=pjrt_flags() + ["--pjrt_memory=device"])
+    yield d
+    d.stop()
+
+
+def _graph_figures(daemon):
+    """(graphs run as one module, programs compiled), summed over chips."""
+    import json
+
+    from conftest import bazel_bin
+
+    r = subprocess.run([bazel_bin("tools/tpuctl/tpuctl"), f"--admin_socket={daemon.admin_socket}", "executors",
+                        "--json"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    chips = [c for e in json.loads(r.stdout)["executors"] for c in e["compile"]]
+    return sum(c["graph_programs"] for c in chips), sum(c["compiles"] for c in chips)
+
+
+def _runs(out):
+    (line,) = [l for l in out.stdout.splitlines() if l.startswith("runs ")]
+    return int(line.split()[1])
+
+
+def test_on_pjrt_each_graph_runs_as_one_stablehlo_module_and_matches_cpu(pjrt_device):
+    from conftest import bazel_bin
+
+    graphs0, _ = _graph_figures(pjrt_device)
+    tpuctl = [bazel_bin("tools/tpuctl/tpuctl"), f"--admin_socket={pjrt_device.admin_socket}", "executors", "--json"]
+    out = run_py(pjrt_device, script(f"""
+        import copy, json, subprocess
+        def compiles():
+            doc = json.loads(subprocess.run({tpuctl!r}, capture_output=True, text=True, check=True).stdout)
+            return sum(c["compiles"] for e in doc["executors"] for c in e["compile"])
+        torch.manual_seed(0)
+        nn = torch.nn
+        ref = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.LayerNorm(16), nn.Linear(16, 1))
+        dev = copy.deepcopy(ref).to("tpu")
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        opt_dev = torch.optim.AdamW(dev.parameters(), lr=1e-2, capturable=True)
+        cm = torch.compile(dev, backend="tpu")
+        step = torch.compile(opt_dev.step, backend="tpu")
+        g = torch.Generator().manual_seed(1)
+        for i in range(8):
+            if i == 3:
+                warm = compiles()
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+            l_ref = ((ref(x) - y) ** 2).mean()
+            l_dev = ((cm(x.to("tpu")) - y.to("tpu")) ** 2).mean()
+            same(l_dev, l_ref, atol=1e-5, what=f"loss {{i}}")
+            opt_ref.zero_grad(); opt_dev.zero_grad()
+            l_ref.backward(); l_dev.backward()
+            opt_ref.step(); step()
+        for p, q in zip(ref.parameters(), dev.parameters()):
+            same(q, p, atol=1e-5, what="parameters after 8 steps")
+        # Warm, each step reran the graphs' modules: nothing was compiled again
+        # (offsets into segments are parameters, not constants).
+        assert compiles() == warm, (compiles(), warm)
+        # a CNN with batch norm (its running statistics are copies inside the
+        # graph), forward and backward
+        ref = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                            nn.Linear(4 * 6 * 6, 3))
+        dev = copy.deepcopy(ref).to("tpu")
+        fwd_bwd(ref, dev, torch.randn(2, 3, 6, 6), steps=3)
+        for name, b in ref.named_buffers():
+            same(dict(dev.named_buffers())[name], b, what=f"buffer {{name}}")
+        ran_as_programs(min_captures=5)
+        print("runs", _compile.stats["runs"])
+    """), timeout=900)
+    graphs, _ = _graph_figures(pjrt_device)
+    # Every run was one module.
+    assert graphs - graphs0 >= _runs(out), (graphs - graphs0, _runs(out))
+
+
+def test_on_pjrt_an_index_error_inside_a_graph_names_its_op_and_poisons_only_its_results(pjrt_device):
+    graphs0, _ = _graph_figures(pjrt_device)
+    run_py(pjrt_device, script("""
+        def f(x, i, w):
+            y = (x * w).sum(0)         # before the bad op: valid
+            z = x.index_select(0, i)   # the bad op
+            return y, z.relu() + 1     # after it
+        cf = torch.compile(f, backend="tpu")
+        x, w = torch.randn(5, 3), torch.randn(5, 3)
+        y, z = cf(x.to("tpu"), torch.tensor([0, 4]).to("tpu"), w.to("tpu"))
+        same(y, (x * w).sum(0)); same(z, x[[0, 4]].relu() + 1)
+        y, z = cf(x.to("tpu"), torch.tensor([1, 7]).to("tpu"), w.to("tpu"))
+        try:
+            torch.tpu.synchronize()
+            raise AssertionError("no error")
+        except RuntimeError as e:
+            msg = str(e)
+        assert "index_select" in msg and "program" in msg and "out of range" in msg, msg
+        try:
+            z.cpu()
+            raise AssertionError("the bad op's result read as data")
+        except RuntimeError as e:
+            assert "index_select" in str(e), str(e)
+        y2, z2 = cf(x.to("tpu"), torch.tensor([3, 2]).to("tpu"), w.to("tpu"))
+        same(z2, x[[3, 2]].relu() + 1, what="after the error")
+        same(y2, (x * w).sum(0), what="after the error")
+        print("ok", msg)
+    """), timeout=300)
+    graphs, _ = _graph_figures(pjrt_device)
+    assert graphs - graphs0 >= 3, graphs - graphs0
