@@ -30,7 +30,10 @@ def ran_as_programs(min_captures=1):
     assert _compile.stats["eager_calls"] == 0, _compile.stats
 
 def fwd_bwd(model_cpu, model_tpu, x, steps=2, **compile_kw):
-    cm = torch.compile(model_tpu, backend="tpu", **compile_kw)
+    compile_kw = {"backend": "tpu", **compile_kw}   # backend=None: torch.compile's default
+    if compile_kw["backend"] is None:
+        del compile_kw["backend"]
+    cm = torch.compile(model_tpu, **compile_kw)
     for step in range(steps):
         ref = model_cpu(x)
         out = cm(x.to("tpu"))
@@ -254,6 +257,19 @@ def test_the_default_torch_compile_runs_tpu_graphs_as_programs(tpud):
         same(out, ref, what="default compile")
         ran_as_programs()
         print("ok")
+    """), timeout=300)
+
+
+def test_reduce_overhead_mode_trains_as_programs_with_and_without_the_tpu_backend_named(tpud):
+    run_py(tpud, script("""
+        import copy
+        torch.manual_seed(0)
+        ref = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.GELU(), torch.nn.Linear(12, 2))
+        for kw in (dict(mode="reduce-overhead"), dict(backend=None, mode="reduce-overhead")):
+            torch._dynamo.reset()
+            fwd_bwd(ref, copy.deepcopy(ref).to("tpu"), torch.randn(4, 6), steps=3, **kw)
+        ran_as_programs(min_captures=4)
+        print("ok", _compile.stats)
     """), timeout=300)
 
 
