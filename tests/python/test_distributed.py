@@ -161,6 +161,13 @@ def test_tpuctl_shows_bytes_per_ici_link(host):
     text = subprocess.run([tpuctl, "topology"], env=host.env(), check=True, capture_output=True,
                           text=True).stdout
     assert "ICI LINK" in text and "0 - 1" in text, text
+    # The drawing: chips 0 and 1 side by side, the link between them labelled
+    # with what it carried; chips 2 and 3 below, their link idle.
+    rows = text.splitlines()
+    (top,) = [r for r in rows if r.startswith("[ 0")]
+    (bottom,) = [r for r in rows if r.startswith("[ 2")]
+    assert "[ 1" in top and "-0 B-" not in top and re.search(r"-[\d.]+ [KMG]?i?B-", top), text
+    assert "[ 3" in bottom and "-0 B-" in bottom, text
 
 
 def test_two_hosts_under_torchrun_equal_one_host():

@@ -103,7 +103,11 @@ def test_topology_and_health(daemon):
     assert doc["chips"][0]["neighbors"] == [1, 2]
     h = json.loads(tpuctl(daemon, "health", "--json").stdout)
     assert h["serving"] is True and len(h["chips"]) == 4
-    assert "ICI NEIGHBOURS" in tpuctl(daemon, "topology").stdout
+    text = tpuctl(daemon, "topology").stdout
+    assert "ICI NEIGHBOURS" in text, text
+    # the 2x2 torus drawn: two rows of two chips, joined across and down
+    rows = [r for r in text.splitlines() if r.startswith("[")]
+    assert len(rows) == 2 and "[ 1" in rows[0] and "[ 3" in rows[1] and "--0 B--" in rows[0], text
 
 
 def test_quota_and_drain(daemon):

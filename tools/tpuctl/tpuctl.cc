@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -187,6 +188,89 @@ void PrintLinks(const tpu::TopologyInfo& t) {
   for (const tpu::IciLinkInfo& l : t.links) {
     std::printf("%-10s %-5d %14s %14s\n", absl::StrCat(l.a, " - ", l.b).c_str(), l.axis,
                 tpu::FormatBytes(l.bytes_a_to_b).c_str(), tpu::FormatBytes(l.bytes_b_to_a).c_str());
+  }
+}
+
+// The torus as a picture: each plane of the first two axes a grid of chips
+// (id, HBM in use, duty), the links between grid neighbours labelled with
+// the bytes they carried (both ways). Wrap-around links and links along a
+// third axis are in the link table below it.
+void DrawTorus(const tpu::TopologyInfo& t) {
+  const int nx = t.shape.empty() ? 1 : t.shape[0];
+  const int ny = t.shape.size() > 1 ? t.shape[1] : 1;
+  const int nz = t.shape.size() > 2 ? t.shape[2] : 1;
+  std::map<std::vector<int>, const tpu::ChipInfo*> at;
+  for (const tpu::ChipInfo& c : t.chips) {
+    std::vector<int> xyz = c.coords;
+    xyz.resize(3, 0);
+    at[xyz] = &c;
+  }
+  // Bytes on the link between chips a and b (both ways); -1: no link.
+  auto carried = [&](const tpu::ChipInfo* a, const tpu::ChipInfo* b) -> int64_t {
+    if (a == nullptr || b == nullptr) return -1;
+    for (const tpu::IciLinkInfo& l : t.links) {
+      if ((l.a == a->id && l.b == b->id) || (l.a == b->id && l.b == a->id)) {
+        return static_cast<int64_t>(l.bytes_a_to_b + l.bytes_b_to_a);
+      }
+    }
+    return -1;
+  };
+  auto cell = [](const tpu::ChipInfo* c) -> std::string {
+    if (c == nullptr) return "[  absent  ]";
+    const double pct = c->hbm_total_bytes == 0 ? 0 : 100.0 * c->hbm_used_bytes / c->hbm_total_bytes;
+    return absl::StrFormat("[%2d %3.0f%% %3.0f%%%s]", c->id, pct, 100 * c->duty_cycle,
+                           !c->healthy ? " !" : c->drained ? " d" : "");
+  };
+  auto label = [](int64_t bytes) { return bytes < 0 ? std::string() : tpu::FormatBytes(static_cast<uint64_t>(bytes)); };
+  // Column widths: cells and the horizontal links' labels.
+  size_t cw = 0, lw = 0;
+  for (const tpu::ChipInfo& c : t.chips) cw = std::max(cw, cell(&c).size());
+  for (const tpu::IciLinkInfo& l : t.links) lw = std::max(lw, label(static_cast<int64_t>(l.bytes_a_to_b + l.bytes_b_to_a)).size());
+  lw += 4;
+  auto centred = [](const std::string& s, size_t w) {
+    const size_t left = s.size() >= w ? 0 : (w - s.size()) / 2;
+    return std::string(left, ' ') + s + std::string(s.size() + left >= w ? 0 : w - s.size() - left, ' ');
+  };
+  std::printf("chips as [id HBM%% duty%%] (! unhealthy, d drained); links: bytes carried, both ways\n");
+  for (int z = 0; z < nz; ++z) {
+    if (nz > 1) std::printf("\nz = %d\n", z);
+    for (int y = 0; y < ny; ++y) {
+      std::string row;
+      for (int x = 0; x < nx; ++x) {
+        const tpu::ChipInfo* c = at.count({x, y, z}) ? at[{x, y, z}] : nullptr;
+        row += centred(cell(c), cw);
+        if (x + 1 < nx) {
+          const tpu::ChipInfo* r = at.count({x + 1, y, z}) ? at[{x + 1, y, z}] : nullptr;
+          const int64_t b = carried(c, r);
+          std::string link = b < 0 ? std::string(lw, ' ') : centred(" " + label(b) + " ", lw);
+          if (b >= 0) {
+            for (char& ch : link) {
+              if (ch != ' ') break;
+              ch = '-';
+            }
+            for (size_t i = link.size(); i-- > 0 && link[i] == ' ';) link[i] = '-';
+          }
+          row += link;
+        }
+      }
+      std::printf("%s\n", row.c_str());
+      if (y + 1 == ny) break;
+      // The links down to the next row: a bar, the bytes, a bar.
+      std::string bars, bytes;
+      for (int x = 0; x < nx; ++x) {
+        const tpu::ChipInfo* c = at.count({x, y, z}) ? at[{x, y, z}] : nullptr;
+        const tpu::ChipInfo* d = at.count({x, y + 1, z}) ? at[{x, y + 1, z}] : nullptr;
+        const int64_t b = carried(c, d);
+        bars += centred(b < 0 ? "" : "|", cw);
+        bytes += centred(label(b), cw);
+        if (x + 1 < nx) {
+          bars += std::string(lw, ' ');
+          bytes += std::string(lw, ' ');
+        }
+      }
+      for (std::string* s : {&bars, &bytes}) s->erase(s->find_last_not_of(' ') + 1);
+      std::printf("%s\n%s\n%s\n", bars.c_str(), bytes.c_str(), bars.c_str());
+    }
   }
 }
 
@@ -526,7 +610,9 @@ int CmdTopology(tpu::AdminClient& admin, bool json) {
   std::printf("per chip: %s HBM at %.0f GB/s, ICI %.0f GB/s, %.0f bf16 TFLOP/s, %d TensorCore(s)\n",
               tpu::FormatBytes(g.hbm_bytes_per_chip).c_str(), g.hbm_bandwidth_gbytes_per_s,
               g.ici_bandwidth_gbytes_per_s, g.peak_bf16_tflops, g.tensorcores_per_chip);
-  std::printf("%-5s %-10s %s\n", "CHIP", "COORDS", "ICI NEIGHBOURS");
+  std::printf("\n");
+  DrawTorus(t);
+  std::printf("\n%-5s %-10s %s\n", "CHIP", "COORDS", "ICI NEIGHBOURS");
   for (const tpu::ChipInfo& c : t.chips) {
     std::printf("%-5d %-10s %s\n", c.id,
                 absl::StrCat("(", absl::StrJoin(c.coords, ","), ")").c_str(),
