@@ -362,11 +362,9 @@ absl::StatusOr<std::unique_ptr<AdminClient>> AdminClient::Connect(
   return std::unique_ptr<AdminClient>(new AdminClient(std::move(impl)));
 }
 
-absl::StatusOr<DaemonStatus> AdminClient::GetStatus() {
-  grpc::ClientContext ctx;
-  v1::GetStatusResponse resp;
-  grpc::Status st = impl_->stub->GetStatus(impl_->Prepare(&ctx), {}, &resp);
-  if (!st.ok()) return Annotate(st, impl_->path);
+namespace {
+
+DaemonStatus ConvertStatus(const v1::GetStatusResponse& resp) {
   DaemonStatus out;
   out.topology = ConvertTopology(resp.topology());
   out.backend.kind = resp.backend().kind();
@@ -428,6 +426,36 @@ absl::StatusOr<DaemonStatus> AdminClient::GetStatus() {
     out.communicators.push_back(std::move(info));
   }
   return out;
+}
+
+}  // namespace
+
+absl::StatusOr<DaemonStatus> AdminClient::GetStatus() {
+  grpc::ClientContext ctx;
+  v1::GetStatusResponse resp;
+  grpc::Status st = impl_->stub->GetStatus(impl_->Prepare(&ctx), {}, &resp);
+  if (!st.ok()) return Annotate(st, impl_->path);
+  return ConvertStatus(resp);
+}
+
+absl::Status AdminClient::Watch(double interval_seconds, uint32_t count,
+                                const std::function<bool(const DaemonStatus&)>& on_update) {
+  // No deadline: the stream lasts as long as the caller wants updates.
+  grpc::ClientContext ctx;
+  v1::WatchRequest req;
+  req.set_interval_seconds(interval_seconds);
+  req.set_count(count);
+  std::unique_ptr<grpc::ClientReader<v1::GetStatusResponse>> reader = impl_->stub->Watch(&ctx, req);
+  v1::GetStatusResponse resp;
+  while (reader->Read(&resp)) {
+    if (!on_update(ConvertStatus(resp))) {
+      ctx.TryCancel();
+      break;
+    }
+  }
+  grpc::Status st = reader->Finish();
+  if (!st.ok() && st.error_code() != grpc::StatusCode::CANCELLED) return Annotate(st, impl_->path);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<SessionInfo>> AdminClient::ListSessions() {

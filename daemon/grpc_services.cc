@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
@@ -276,6 +278,39 @@ grpc::Status AdminServiceImpl::GetStatus(grpc::ServerContext* ctx,
                                          const v1::GetStatusRequest*,
                                          v1::GetStatusResponse* resp) {
   if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
+  FillStatus(resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status AdminServiceImpl::Watch(grpc::ServerContext* ctx, const v1::WatchRequest* req,
+                                     grpc::ServerWriter<v1::GetStatusResponse>* writer) {
+  if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
+  const double seconds = req->interval_seconds() == 0 ? 1.0 : req->interval_seconds();
+  if (!(seconds >= 0.1 && seconds <= 3600)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("watch interval ", seconds, " s: give 0.1 to 3600 seconds"));
+  }
+  const absl::Duration interval = absl::Seconds(seconds);
+  absl::Time next = absl::Now();
+  for (uint32_t sent = 0; req->count() == 0 || sent < req->count(); ++sent) {
+    if (sent > 0) {
+      // Updates keep to the interval's grid, however long one took to send.
+      next += interval;
+      while (!ctx->IsCancelled() && !stopping_.HasBeenNotified()) {
+        const absl::Duration left = next - absl::Now();
+        if (left <= absl::ZeroDuration()) break;
+        stopping_.WaitForNotificationWithTimeout(std::min(left, absl::Milliseconds(200)));
+      }
+    }
+    if (ctx->IsCancelled() || stopping_.HasBeenNotified()) break;
+    v1::GetStatusResponse resp;
+    FillStatus(&resp);
+    if (!writer->Write(resp)) break;  // the client went away
+  }
+  return grpc::Status::OK;
+}
+
+void AdminServiceImpl::FillStatus(v1::GetStatusResponse* resp) {
   FillTopology(*core_, data_plane_, comms_, backend_, resp->mutable_topology());
   // The lowered ops' names are for clients (torch_tpu); status stays short.
   resp->mutable_topology()->clear_lowered_ops();
@@ -352,7 +387,6 @@ grpc::Status AdminServiceImpl::GetStatus(grpc::ServerContext* ctx,
       out->set_bytes_moved(c.bytes_moved);
     }
   }
-  return grpc::Status::OK;
 }
 
 grpc::Status AdminServiceImpl::ListSessions(grpc::ServerContext* ctx,

@@ -8,6 +8,7 @@
 
 #include <functional>
 
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "daemon/communicators.h"
 #include "daemon/connection_table.h"
@@ -93,10 +94,16 @@ class AdminServiceImpl final : public v1::Admin::Service {
                            v1::UndrainChipResponse* resp) override;
   grpc::Status Health(grpc::ServerContext* ctx, const v1::HealthRequest* req,
                       v1::HealthResponse* resp) override;
+  grpc::Status Watch(grpc::ServerContext* ctx, const v1::WatchRequest* req,
+                     grpc::ServerWriter<v1::GetStatusResponse>* writer) override;
+  // Ends every Watch stream now (tpud is stopping).
+  void StopWatches() { stopping_.Notify(); }
 
  private:
   grpc::Status CheckAdmin(grpc::ServerContext* ctx) const;
+  void FillStatus(v1::GetStatusResponse* resp);
   BackendStatus backend_;
+  absl::Notification stopping_;
  public:
   void set_communicators(const CommunicatorRegistry* comms) { comms_ = comms; }
  private:

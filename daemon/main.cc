@@ -450,6 +450,7 @@ int Run() {
   sockets->Stop();
   data_plane.StopAll();
   pool_ptr->Stop();
+  admin_service.StopWatches();
   runtime_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   admin_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   spdlog::info("tpud stopped; sockets removed");

@@ -196,3 +196,40 @@ def test_status_columns_line_up_whatever_the_values(daemon):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_watch_streams_json_lines_and_top_redraws_while_a_job_runs(daemon):
+    holder = subprocess.Popen([bazel_bin("examples/cpp/stream_add"), "--iterations=2000",
+                               "--forever"], env=daemon.env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().startswith("round 1")
+        # watch --json: one status document per line, every interval
+        r = tpuctl(daemon, "watch", "--json", "--count", "3", "--interval", "0.3")
+        docs = [json.loads(l) for l in r.stdout.splitlines()]
+        assert len(docs) == 3 and all(d["schema_version"] == 1 for d in docs), r.stdout[:500]
+        up = [d["daemon"]["uptime_seconds"] for d in docs]
+        assert up == sorted(up) and up[2] - up[0] >= 0.5, up
+        ops = [d["chips"][0]["ops_executed"] for d in docs]
+        assert ops[2] > ops[0], ops
+        assert any(s["pid"] == holder.pid for s in docs[-1]["sessions"]), docs[-1]["sessions"]
+        # watch: a line per chip per update, with ops/s from the second on
+        lines = tpuctl(daemon, "watch", "--count", "2", "--interval", "0.3").stdout.splitlines()
+        assert lines[0].startswith("#") and "ops/s" in lines[0] and len(lines) == 1 + 2 * 4, lines
+        assert float(lines[5].split()[5]) > 0, lines  # chip 0, second update
+        # top: two frames (not a terminal: one after the other), the job's
+        # session with its rate of ops in the second
+        out = tpuctl(daemon, "top", "--count", "2", "--interval", "0.3").stdout
+        frames = [f for f in out.split("\ntpud ") if f.strip()]
+        assert len(frames) == 2, out
+        last = "tpud " + frames[1].lstrip("tpud ")
+        _columns_line_up(last, "CHIP", ["CHIP", "HBM USED", "HBM%", "DUTY", "OPS/S", "SESSIONS"])
+        _columns_line_up(last, "SESSION ", ["SESSION", "PID", "HBM", "BUSY", "OPS/S"])
+        (row,) = [l for l in last.splitlines() if l.split()[1:2] == [str(holder.pid)]]
+        (header,) = [l for l in last.splitlines() if l.startswith("SESSION ")]
+        end = header.index("OPS/S") + len("OPS/S")   # a right-aligned column ends there
+        assert float(row[:end].split()[-1]) > 0, last
+    finally:
+        holder.kill()
+        holder.wait()
+    bad = tpuctl(daemon, "watch", "--interval", "0.01", "--count", "1", check=False)
+    assert bad.returncode != 0 and "0.1 to 3600" in bad.stderr, bad.stderr

@@ -8,10 +8,12 @@
 //
 // The --json schema is stable and documented in docs/tpuctl-json.md.
 #include <pwd.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,6 +37,8 @@ ABSL_FLAG(std::string, admin_socket, "",
           "tpud admin socket (default $TPUD_ADMIN_SOCKET, or admin.sock beside the "
           "runtime socket given by --socket/$TPUD_SOCKET)");
 ABSL_FLAG(bool, default, false, "quota: set the default for new sessions");
+ABSL_FLAG(double, interval, 1.0, "top, watch: seconds between updates");
+ABSL_FLAG(uint32_t, count, 0, "top, watch: stop after this many updates (0: run until interrupted)");
 
 namespace tpuctl {
 namespace {
@@ -515,41 +519,47 @@ int CmdExecutors(tpu::AdminClient& admin, bool json) {
   return 0;
 }
 
+// `tpuctl status --json` of `st`, on one line.
+std::string StatusJson(const tpu::DaemonStatus& status) {
+  const tpu::DaemonStatus* st = &status;
+  JsonWriter w;
+  w.BeginObject();
+  w.Key("schema_version").Int(kJsonSchemaVersion);
+  w.Key("daemon").BeginObject();
+  w.Key("version").String(st->daemon_version);
+  w.Key("backend").BeginObject();
+  w.Key("kind").String(st->backend.kind);
+  w.Key("description").String(st->backend.description);
+  if (st->backend.kind == "pjrt") {
+    w.Key("plugin_path").String(st->backend.plugin_path);
+    w.Key("pjrt_api_version").String(st->backend.pjrt_api_version);
+    w.Key("platform").String(st->backend.platform);
+  }
+  w.EndObject();
+  w.Key("pid").Int(st->daemon_pid);
+  w.Key("uptime_seconds").Double(st->uptime_seconds);
+  w.Key("default_quota_bytes_per_chip");
+  if (st->default_quota_bytes_per_chip == 0) {
+    w.Null();
+  } else {
+    w.Uint(st->default_quota_bytes_per_chip);
+  }
+  w.EndObject();
+  WriteTopology(w, st->topology);
+  WriteChips(w, st->topology);
+  WriteLinks(w, st->topology);
+  WriteSessions(w, st->sessions);
+  WriteExecutors(w, *st);
+  WriteCommunicators(w, *st);
+  w.EndObject();
+  return w.str();
+}
+
 int CmdStatus(tpu::AdminClient& admin, bool json) {
   absl::StatusOr<tpu::DaemonStatus> st = admin.GetStatus();
   if (!st.ok()) return Error(st.status());
   if (json) {
-    JsonWriter w;
-    w.BeginObject();
-    w.Key("schema_version").Int(kJsonSchemaVersion);
-    w.Key("daemon").BeginObject();
-    w.Key("version").String(st->daemon_version);
-    w.Key("backend").BeginObject();
-    w.Key("kind").String(st->backend.kind);
-    w.Key("description").String(st->backend.description);
-    if (st->backend.kind == "pjrt") {
-      w.Key("plugin_path").String(st->backend.plugin_path);
-      w.Key("pjrt_api_version").String(st->backend.pjrt_api_version);
-      w.Key("platform").String(st->backend.platform);
-    }
-    w.EndObject();
-    w.Key("pid").Int(st->daemon_pid);
-    w.Key("uptime_seconds").Double(st->uptime_seconds);
-    w.Key("default_quota_bytes_per_chip");
-    if (st->default_quota_bytes_per_chip == 0) {
-      w.Null();
-    } else {
-      w.Uint(st->default_quota_bytes_per_chip);
-    }
-    w.EndObject();
-    WriteTopology(w, st->topology);
-    WriteChips(w, st->topology);
-    WriteLinks(w, st->topology);
-    WriteSessions(w, st->sessions);
-    WriteExecutors(w, *st);
-    WriteCommunicators(w, *st);
-    w.EndObject();
-    std::printf("%s\n", w.str().c_str());
+    std::printf("%s\n", StatusJson(*st).c_str());
     return 0;
   }
   const tpu::TopologyInfo& t = st->topology;
@@ -583,6 +593,135 @@ int CmdStatus(tpu::AdminClient& admin, bool json) {
               static_cast<unsigned long long>(restarts),
               restarts == 0 ? "" : "; the last (`tpuctl executors` lists all):");
   if (!st->executor_restarts.empty()) PrintRestart(st->executor_restarts.back());
+  return 0;
+}
+
+// Rates between two updates of the status: per chip ops/s, per session
+// ops/s and the share of the interval its ops kept a chip busy.
+struct Rates {
+  double seconds = 0;  // between the two updates (0: the first update)
+  std::map<int, double> chip_ops;
+  std::map<uint64_t, double> session_ops, session_busy;
+};
+
+Rates RatesBetween(const tpu::DaemonStatus* before, const tpu::DaemonStatus& now) {
+  Rates r;
+  if (before == nullptr || now.uptime_seconds <= before->uptime_seconds) return r;
+  r.seconds = now.uptime_seconds - before->uptime_seconds;
+  std::map<int, uint64_t> chip_ops;
+  for (const tpu::ChipInfo& c : before->topology.chips) chip_ops[c.id] = c.ops_executed;
+  for (const tpu::ChipInfo& c : now.topology.chips) {
+    auto it = chip_ops.find(c.id);
+    if (it != chip_ops.end() && c.ops_executed >= it->second) r.chip_ops[c.id] = (c.ops_executed - it->second) / r.seconds;
+  }
+  std::map<uint64_t, const tpu::SessionInfo*> sessions;
+  for (const tpu::SessionInfo& s : before->sessions) sessions[s.id] = &s;
+  for (const tpu::SessionInfo& s : now.sessions) {
+    auto it = sessions.find(s.id);
+    const uint64_t ops0 = it == sessions.end() ? 0 : it->second->ops_executed;
+    const double busy0 = it == sessions.end() ? 0 : it->second->busy_seconds;
+    r.session_ops[s.id] = s.ops_executed >= ops0 ? (s.ops_executed - ops0) / r.seconds : 0;
+    r.session_busy[s.id] = std::max(0.0, s.busy_seconds - busy0) / r.seconds;
+  }
+  return r;
+}
+
+std::string Rate(const std::map<int, double>& m, int k, double seconds) {
+  if (seconds == 0) return "-";
+  auto it = m.find(k);
+  return it == m.end() ? "-" : absl::StrFormat("%.0f", it->second);
+}
+
+// tpuctl watch: `--json` prints each update as one line of `status --json`;
+// without it, one line per chip per update, like nvidia-smi dmon.
+int CmdWatch(tpu::AdminClient& admin, bool json) {
+  std::optional<tpu::DaemonStatus> last;
+  bool header = false;
+  absl::Status st = admin.Watch(absl::GetFlag(FLAGS_interval), absl::GetFlag(FLAGS_count),
+                                [&](const tpu::DaemonStatus& now) {
+    if (json) {
+      std::printf("%s\n", StatusJson(now).c_str());
+    } else {
+      if (!header) {
+        std::printf("# %9s %5s %10s %5s %5s %8s %8s\n", "uptime_s", "chip", "hbm_used", "hbm%", "duty%",
+                    "ops/s", "sessions");
+        header = true;
+      }
+      const Rates r = RatesBetween(last ? &*last : nullptr, now);
+      for (const tpu::ChipInfo& c : now.topology.chips) {
+        const double pct = c.hbm_total_bytes == 0 ? 0 : 100.0 * c.hbm_used_bytes / c.hbm_total_bytes;
+        std::printf("  %9.1f %5d %10s %5.0f %5.0f %8s %8d\n", now.uptime_seconds, c.id,
+                    tpu::FormatBytes(c.hbm_used_bytes).c_str(), pct, 100 * c.duty_cycle,
+                    Rate(r.chip_ops, c.id, r.seconds).c_str(), c.session_count);
+      }
+    }
+    std::fflush(stdout);
+    last = now;
+    return true;
+  });
+  if (!st.ok()) return Error(st);
+  return 0;
+}
+
+// tpuctl top: a refreshing view of the chips and of the sessions, busiest
+// first, like htop (on a terminal the screen is redrawn; otherwise each
+// update follows the last).
+int CmdTop(tpu::AdminClient& admin) {
+  std::optional<tpu::DaemonStatus> last;
+  const bool tty = isatty(STDOUT_FILENO) != 0;
+  absl::Status st = admin.Watch(absl::GetFlag(FLAGS_interval), absl::GetFlag(FLAGS_count),
+                                [&](const tpu::DaemonStatus& now) {
+    const Rates r = RatesBetween(last ? &*last : nullptr, now);
+    const tpu::TopologyInfo& t = now.topology;
+    std::printf(tty ? "\033[H\033[2J" : "\n");
+    uint64_t used = 0, total = 0;
+    for (const tpu::ChipInfo& c : t.chips) {
+      used += c.hbm_used_bytes;
+      total += c.hbm_total_bytes;
+    }
+    std::printf("tpud %s  up %s  |  %s: %zu chips, HBM %s of %s, %zu session(s)  |  every %.1fs\n\n",
+                now.daemon_version.c_str(), Duration(now.uptime_seconds).c_str(), t.name.c_str(), t.chips.size(),
+                tpu::FormatBytes(used).c_str(), tpu::FormatBytes(total).c_str(), now.sessions.size(),
+                absl::GetFlag(FLAGS_interval));
+    Table chips({"CHIP", "HBM USED", "HBM%", "DUTY", "OPS/S", "SESSIONS", "STATE"}, "rrrrrr.");
+    for (const tpu::ChipInfo& c : t.chips) {
+      const double pct = c.hbm_total_bytes == 0 ? 0 : 100.0 * c.hbm_used_bytes / c.hbm_total_bytes;
+      std::string state = c.healthy ? "healthy" : "UNHEALTHY";
+      if (c.drained) state += ", drained";
+      chips.Row({absl::StrCat(c.id), tpu::FormatBytes(c.hbm_used_bytes), absl::StrFormat("%.0f%%", pct),
+                 absl::StrFormat("%.0f%%", 100 * c.duty_cycle), Rate(r.chip_ops, c.id, r.seconds),
+                 absl::StrCat(c.session_count), state});
+    }
+    chips.Print();
+    std::printf("\n");
+    std::vector<const tpu::SessionInfo*> order;
+    for (const tpu::SessionInfo& s : now.sessions) order.push_back(&s);
+    auto busy = [&](const tpu::SessionInfo* s) {
+      auto it = r.session_busy.find(s->id);
+      return it == r.session_busy.end() ? 0.0 : it->second;
+    };
+    std::stable_sort(order.begin(), order.end(), [&](const tpu::SessionInfo* a, const tpu::SessionInfo* b) {
+      return busy(a) != busy(b) ? busy(a) > busy(b) : a->hbm_bytes > b->hbm_bytes;
+    });
+    if (order.empty()) {
+      std::printf("No sessions.\n");
+    } else {
+      Table sessions({"SESSION", "PID", "USER", "HBM", "BUSY", "OPS/S", "OPS", "COMMAND"}, "rr.rrrr.");
+      for (const tpu::SessionInfo* s : order) {
+        const std::string command = s->command.size() > 50 ? s->command.substr(0, 47) + "..." : s->command;
+        auto ops = r.session_ops.find(s->id);
+        sessions.Row({absl::StrCat(s->id), absl::StrCat(s->pid), UserName(s->uid), tpu::FormatBytes(s->hbm_bytes),
+                      r.seconds == 0 ? "-" : absl::StrFormat("%.0f%%", 100 * busy(s)),
+                      r.seconds == 0 || ops == r.session_ops.end() ? "-" : absl::StrFormat("%.0f", ops->second),
+                      absl::StrCat(s->ops_executed), command});
+      }
+      sessions.Print();
+    }
+    std::fflush(stdout);
+    last = now;
+    return true;
+  });
+  if (!st.ok()) return Error(st);
   return 0;
 }
 
@@ -704,6 +843,8 @@ int Main(std::vector<std::string> args) {
   if (cmd == "sessions" && args.size() == 1) return CmdSessions(a, json);
   if (cmd == "programs" && args.size() == 1) return CmdPrograms(a, json);
   if (cmd == "health" && args.size() == 1) return CmdHealth(a, json);
+  if (cmd == "watch" && args.size() == 1) return CmdWatch(a, json);
+  if (cmd == "top" && args.size() == 1) return CmdTop(a);
   if (cmd == "kill" && args.size() == 2) {
     uint64_t id = 0;
     if (!ParseUint(args[1], &id)) return Usage();
@@ -756,6 +897,9 @@ int main(int argc, char** argv) {
       "  tpuctl sessions  [--json]   client sessions\n"
       "  tpuctl programs  [--json]   captured programs (torch.compile) per session: calls, time\n"
       "  tpuctl health    [--json]   exit 0 when serving\n"
+      "  tpuctl top                  live view of chips and sessions (--interval S, --count N)\n"
+      "  tpuctl watch     [--json]   the status every --interval seconds: a line per chip, or\n"
+      "                              with --json one status document per line\n"
       "  tpuctl kill SESSION         end a session, reclaim its HBM\n"
       "  tpuctl quota SESSION SIZE   per-chip HBM quota (SIZE e.g. 8GiB, or none)\n"
       "  tpuctl quota --default SIZE default quota for new sessions\n"

@@ -16,6 +16,7 @@
 #define TPU_CLIENT_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -424,6 +425,11 @@ class AdminClient {
   ~AdminClient();
 
   absl::StatusOr<DaemonStatus> GetStatus();
+  // The status now and then every `interval_seconds` (0: 1 s), streamed
+  // (tpuctl top, tpuctl watch), to `on_update` until it returns false,
+  // `count` updates came (0: no limit) or tpud stops.
+  absl::Status Watch(double interval_seconds, uint32_t count,
+                     const std::function<bool(const DaemonStatus&)>& on_update);
   absl::StatusOr<std::vector<SessionInfo>> ListSessions();
   // Ends a session and reclaims its HBM; returns the bytes reclaimed.
   absl::StatusOr<uint64_t> KillSession(uint64_t session_id);
