@@ -173,6 +173,24 @@ int Run() {
                                " chips (pick a topology with as many chips, or set the "
                                "plugin's device count with --pjrt_option)"));
     }
+    // Devices with coordinates are chips in torus order (PjrtPlugin): they
+    // must be where the topology has its chips.
+    for (int i = 0; i < devices; ++i) {
+      const std::vector<int64_t>& at = probe->devices[i].coords;
+      if (at.empty()) continue;
+      const std::vector<int>& want = topology->coords(i);
+      bool same = true;
+      for (size_t a = 0; a < std::max(at.size(), want.size()); ++a) {
+        const int64_t have = a < at.size() ? at[a] : 0;
+        const int64_t need = a < want.size() ? want[a] : 0;
+        same = same && have == need;
+      }
+      if (!same) {
+        spdlog::warn("PJRT device {} (chip {}) is at ({}), where --topology={} has chip {} at ({}): ICI "
+                     "figures follow the topology, not the device",
+                     probe->devices[i].id, i, absl::StrJoin(at, ","), topology->name(), i, absl::StrJoin(want, ","));
+      }
+    }
     // HBM: what the devices report, unless --hbm_bytes says.
     int64_t limit = 0;
     for (const pjrt::DeviceInfo& d : probe->devices) {

@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
@@ -305,7 +306,38 @@ absl::Status PjrtPlugin::Init(const std::vector<CreateOption>& options) {
     }
     devices_.push_back(std::move(info));
   }
+  // Chip i of tpud is device TorusOrder()[i] of the plugin (libtpu lists its
+  // devices in an order of its own).
+  const std::vector<size_t> order = TorusOrder(devices_);
+  std::vector<DeviceInfo> devices;
+  std::vector<PJRT_Device*> handles;
+  for (size_t i : order) {
+    devices.push_back(std::move(devices_[i]));
+    handles.push_back(device_handles_[i]);
+  }
+  devices_ = std::move(devices);
+  device_handles_ = std::move(handles);
   return absl::OkStatus();
+}
+
+std::vector<size_t> TorusOrder(const std::vector<DeviceInfo>& devices) {
+  std::vector<size_t> order(devices.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  if (devices.empty() || devices[0].coords.empty()) return order;
+  for (const DeviceInfo& d : devices) {
+    if (d.coords.size() != devices[0].coords.size()) return order;
+  }
+  // Compared from the last axis to the first: the first varies fastest.
+  auto before = [&](size_t a, size_t b) {
+    return std::lexicographical_compare(devices[a].coords.rbegin(), devices[a].coords.rend(),
+                                        devices[b].coords.rbegin(), devices[b].coords.rend());
+  };
+  std::vector<size_t> sorted = order;
+  std::stable_sort(sorted.begin(), sorted.end(), before);
+  for (size_t i = 1; i < sorted.size(); ++i) {
+    if (devices[sorted[i - 1]].coords == devices[sorted[i]].coords) return order;  // shared: no order
+  }
+  return sorted;
 }
 
 PjrtPlugin::~PjrtPlugin() {

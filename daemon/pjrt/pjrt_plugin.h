@@ -53,6 +53,12 @@ struct DeviceInfo {
   std::string description;      // the plugin's ToString
 };
 
+// The order tpud numbers the plugin's devices in: by their `coords` (the
+// first axis fastest, as tpud's topologies number chips: chip x + y*nx ...)
+// where every device has coordinates of one rank and no two share them;
+// else the plugin's own order. Entry i is the plugin's index of chip i.
+std::vector<size_t> TorusOrder(const std::vector<DeviceInfo>& devices);
+
 class PjrtPlugin;
 
 // A device buffer of the plugin's.

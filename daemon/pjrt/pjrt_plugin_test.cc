@@ -28,6 +28,27 @@ std::unique_ptr<PjrtPlugin> LoadCpu(int devices = 4) {
   return *std::move(p);
 }
 
+TEST_CASE("devices with coordinates are numbered in torus order, the first axis fastest") {
+  auto at = [](std::vector<std::vector<int64_t>> coords) {
+    std::vector<DeviceInfo> d(coords.size());
+    for (size_t i = 0; i < coords.size(); ++i) {
+      d[i].id = static_cast<int>(10 + i);
+      d[i].coords = coords[i];
+    }
+    return d;
+  };
+  // A 2x2 host listed in an order of the plugin's own (x, y, z as libtpu gives them).
+  CHECK(TorusOrder(at({{1, 1, 0}, {0, 0, 0}, {0, 1, 0}, {1, 0, 0}})) == std::vector<size_t>{1, 3, 2, 0});
+  // A 2x4 host: chip x + 2y.
+  CHECK(TorusOrder(at({{0, 3}, {1, 3}, {0, 0}, {1, 0}, {0, 1}, {1, 1}, {0, 2}, {1, 2}})) ==
+        std::vector<size_t>{2, 3, 4, 5, 6, 7, 0, 1});
+  // The plugin's own order where coordinates do not decide one.
+  CHECK(TorusOrder(at({{}, {}, {}})) == std::vector<size_t>{0, 1, 2});
+  CHECK(TorusOrder(at({{1, 0}, {0, 0}, {1, 0}})) == std::vector<size_t>{0, 1, 2});  // two share one
+  CHECK(TorusOrder(at({{1, 0}, {0}})) == std::vector<size_t>{0, 1});                // ranks differ
+  CHECK(TorusOrder({}).empty());
+}
+
 TEST_CASE("the CPU plugin loads: API version, platform, its devices") {
   std::unique_ptr<PjrtPlugin> p = LoadCpu(3);
   CHECK(p->api_major() == 0);
