@@ -6224,17 +6224,9 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     const char* at = data_of(x);
     const void* data = at;
     if (data == nullptr) {
-      data = x.type->is_float ? static_cast<const void*>(&x.scalar_d) : static_cast<const void*>(&x.scalar_i);
-      std::string id(1, static_cast<char>(device));
-      id.push_back(static_cast<char>(x.type->pjrt));
-      id.append(static_cast<const char*>(data), 8);
-      auto it = scalars_.find(id);
-      if (it == scalars_.end()) {
-        absl::StatusOr<Buffer> b = plugin_->FromHost(device, data, x.type->pjrt, x.dims, x.byte_strides);
-        if (!b.ok()) return absl::Status(b.status().code(), absl::StrCat(op.name(), ": ", b.status().message()));
-        it = scalars_.emplace(std::move(id), *std::move(b)).first;
-      }
-      args.push_back(it->second.get());
+      absl::StatusOr<PJRT_Buffer*> b = ScalarBuffer(device, x);
+      if (!b.ok()) return absl::Status(b.status().code(), absl::StrCat(op.name(), ": ", b.status().message()));
+      args.push_back(*b);
       continue;
     }
     bool in_place = x.aliased >= 0;

@@ -24,6 +24,14 @@ def same(a, b, atol=2e-5, rtol=2e-4, what=""):
     torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), atol=atol, rtol=rtol,
                                msg=lambda m: f"{what}: {m}")
 
+# The message of the RuntimeError fn() raises (AssertionError naming `what` if none).
+def error_of(fn, what):
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    raise AssertionError(what)
+
 def ran_as_programs(min_captures=1):
     assert not _compile.explain(), _compile.explain()
     assert _compile.stats["captures"] >= min_captures, _compile.stats
@@ -230,17 +238,10 @@ def test_an_error_inside_a_program_names_the_op_and_the_graph_and_poisons_the_re
         x = torch.randn(5, 3)
         same(f(x.to("tpu"), torch.tensor([0, 4]).to("tpu")), x[[0, 4]] * 2, what="in range")
         bad = f(x.to("tpu"), torch.tensor([0, 9]).to("tpu"))   # the same program, a bad index
-        try:
-            torch.tpu.synchronize()
-            raise AssertionError("no error")
-        except RuntimeError as e:
-            msg = str(e)
+        msg = error_of(torch.tpu.synchronize, "no error")
         assert "index_select" in msg and "graph" in msg and "program" in msg, msg
-        try:
-            bad.cpu()
-            raise AssertionError("the failed program's output read as data")
-        except RuntimeError as e:
-            assert "index_select" in str(e), str(e)
+        read = error_of(bad.cpu, "the failed program's output read as data")
+        assert "index_select" in read, read
         # the session goes on, and so does the program
         same(f(x.to("tpu"), torch.tensor([2, 1]).to("tpu")), x[[2, 1]] * 2, what="after the error")
         print("ok", msg)
@@ -436,17 +437,10 @@ def test_on_pjrt_an_index_error_inside_a_graph_names_its_op_and_poisons_only_its
         y, z = cf(x.to("tpu"), torch.tensor([0, 4]).to("tpu"), w.to("tpu"))
         same(y, (x * w).sum(0)); same(z, x[[0, 4]].relu() + 1)
         y, z = cf(x.to("tpu"), torch.tensor([1, 7]).to("tpu"), w.to("tpu"))
-        try:
-            torch.tpu.synchronize()
-            raise AssertionError("no error")
-        except RuntimeError as e:
-            msg = str(e)
+        msg = error_of(torch.tpu.synchronize, "no error")
         assert "index_select" in msg and "program" in msg and "out of range" in msg, msg
-        try:
-            z.cpu()
-            raise AssertionError("the bad op's result read as data")
-        except RuntimeError as e:
-            assert "index_select" in str(e), str(e)
+        read = error_of(z.cpu, "the bad op's result read as data")
+        assert "index_select" in read, read
         y2, z2 = cf(x.to("tpu"), torch.tensor([3, 2]).to("tpu"), w.to("tpu"))
         same(z2, x[[3, 2]].relu() + 1, what="after the error")
         same(y2, (x * w).sum(0), what="after the error")
