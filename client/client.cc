@@ -129,6 +129,7 @@ TopologyInfo ConvertTopology(const v1::TopologyInfo& t) {
 SessionInfo ConvertSession(const v1::SessionInfo& s) {
   SessionInfo out;
   out.id = s.id();
+  out.allocation_id = s.allocation_id();
   out.pid = s.pid();
   out.uid = s.uid();
   out.command = s.command();
@@ -173,6 +174,10 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(ClientOptions options) {
   req.set_min_protocol_version(tpud::kMinProtocolVersion);
   req.set_max_protocol_version(tpud::kMaxProtocolVersion);
   req.set_client_name(options.client_name);
+  if (options.allocation_token.empty() && getenv("TPUD_TOKEN") != nullptr) {
+    options.allocation_token = getenv("TPUD_TOKEN");
+  }
+  req.set_allocation_token(options.allocation_token);
   v1::OpenSessionResponse resp;
   grpc::ClientContext ctx;
   grpc::Status st = stub->OpenSession(impl->Prepare(&ctx), req, &resp);
@@ -528,6 +533,52 @@ absl::StatusOr<HealthReport> AdminClient::Health() {
   out.daemon_version = resp.daemon_version();
   for (const v1::ChipHealth& c : resp.chips()) {
     out.chips.push_back({static_cast<int>(c.chip()), c.healthy(), c.drained(), c.detail()});
+  }
+  return out;
+}
+
+absl::StatusOr<CreatedAllocation> AdminClient::CreateAllocation(
+    const std::vector<int>& chips, const std::vector<uint64_t>& quota_bytes,
+    const std::string& name) {
+  v1::CreateAllocationRequest req;
+  for (int c : chips) {
+    if (c < 0) return absl::InvalidArgumentError(absl::StrCat("no chip ", c));
+    req.add_chips(static_cast<uint32_t>(c));
+  }
+  for (uint64_t q : quota_bytes) req.add_chip_quota_bytes(q);
+  req.set_name(name);
+  grpc::ClientContext ctx;
+  v1::CreateAllocationResponse resp;
+  grpc::Status st = impl_->stub->CreateAllocation(impl_->Prepare(&ctx), req, &resp);
+  if (!st.ok()) return Annotate(st, impl_->path);
+  return CreatedAllocation{resp.id(), resp.token()};
+}
+
+absl::Status AdminClient::ReleaseAllocation(const std::string& token) {
+  v1::ReleaseAllocationRequest req;
+  req.set_token(token);
+  grpc::ClientContext ctx;
+  v1::ReleaseAllocationResponse resp;
+  grpc::Status st = impl_->stub->ReleaseAllocation(impl_->Prepare(&ctx), req, &resp);
+  return st.ok() ? absl::OkStatus() : Annotate(st, impl_->path);
+}
+
+absl::StatusOr<std::vector<AllocationInfo>> AdminClient::ListAllocations() {
+  grpc::ClientContext ctx;
+  v1::ListAllocationsResponse resp;
+  grpc::Status st = impl_->stub->ListAllocations(impl_->Prepare(&ctx), {}, &resp);
+  if (!st.ok()) return Annotate(st, impl_->path);
+  std::vector<AllocationInfo> out;
+  for (const v1::AllocationInfo& a : resp.allocations()) {
+    AllocationInfo info;
+    info.id = a.id();
+    info.name = a.name();
+    for (const v1::AllocationChip& c : a.chips()) {
+      info.chips.push_back({static_cast<int>(c.chip()), c.quota_bytes()});
+    }
+    info.created_unix_seconds = a.created_unix_seconds();
+    info.session_count = static_cast<int>(a.session_count());
+    out.push_back(std::move(info));
   }
   return out;
 }

@@ -44,6 +44,7 @@ void FillSession(const SessionSnapshot& s, DataPlane* data_plane, v1::SessionInf
     }
   }
   out->set_id(s.id);
+  out->set_allocation_id(s.allocation_id);
   out->set_pid(s.peer.pid);
   out->set_uid(s.peer.uid);
   out->set_command(s.peer.command);
@@ -182,7 +183,8 @@ grpc::Status RuntimeServiceImpl::OpenSession(grpc::ServerContext* ctx,
   if (!caller.ok()) return ToGrpcStatus(caller.status());
   absl::StatusOr<OpenedSession> opened =
       core_->OpenSession(caller->id, caller->peer, req->min_protocol_version(),
-                         req->max_protocol_version(), req->client_name());
+                         req->max_protocol_version(), req->client_name(),
+                         req->allocation_token());
   if (!opened.ok()) return ToGrpcStatus(opened.status());
   spdlog::info("session {} opened by pid {} uid {} ({}), protocol v{}",
                opened->session_id, caller->peer.pid, caller->peer.uid,
@@ -192,6 +194,7 @@ grpc::Status RuntimeServiceImpl::OpenSession(grpc::ServerContext* ctx,
   resp->set_daemon_version(kDaemonVersion);
   resp->set_quota_bytes_per_chip(opened->quota_bytes_per_chip);
   resp->set_data_plane_token(opened->data_plane_token);
+  for (int c : opened->allowed_chips) resp->add_allowed_chips(static_cast<uint32_t>(c));
   return grpc::Status::OK;
 }
 
@@ -258,7 +261,10 @@ grpc::Status RuntimeServiceImpl::GetMemoryStats(grpc::ServerContext* ctx,
     c->set_chip_peak_bytes(v.hbm.peak_used_bytes);
     c->set_drained(v.drained);
   }
-  if (!views->empty()) resp->set_quota_bytes_per_chip(views->front().session_quota_bytes);
+  // Quotas differ per chip only for sessions of an allocation: the largest.
+  uint64_t quota = 0;
+  for (const ChipMemoryView& v : *views) quota = std::max(quota, v.session_quota_bytes);
+  resp->set_quota_bytes_per_chip(quota);
   return grpc::Status::OK;
 }
 
@@ -466,6 +472,49 @@ grpc::Status AdminServiceImpl::Health(grpc::ServerContext* ctx, const v1::Health
   }
   resp->set_serving(all_healthy);
   resp->set_daemon_version(kDaemonVersion);
+  return grpc::Status::OK;
+}
+
+grpc::Status AdminServiceImpl::CreateAllocation(grpc::ServerContext* ctx,
+                                                const v1::CreateAllocationRequest* req,
+                                                v1::CreateAllocationResponse* resp) {
+  if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
+  AllocationSpec spec;
+  for (uint32_t c : req->chips()) spec.chips.push_back(ChipIndex(c));
+  spec.chip_quota_bytes.assign(req->chip_quota_bytes().begin(), req->chip_quota_bytes().end());
+  spec.quota_bytes_per_chip = req->quota_bytes_per_chip();
+  spec.name = req->name();
+  absl::StatusOr<CreatedAllocation> created = core_->CreateAllocation(std::move(spec));
+  if (!created.ok()) return ToGrpcStatus(created.status());
+  spdlog::info("allocation {} created for \"{}\"", created->id, req->name());
+  resp->set_token(created->token);
+  resp->set_id(created->id);
+  return grpc::Status::OK;
+}
+
+grpc::Status AdminServiceImpl::ReleaseAllocation(grpc::ServerContext* ctx,
+                                                 const v1::ReleaseAllocationRequest* req,
+                                                 v1::ReleaseAllocationResponse*) {
+  if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
+  return ToGrpcStatus(core_->ReleaseAllocation(req->token()));
+}
+
+grpc::Status AdminServiceImpl::ListAllocations(grpc::ServerContext* ctx,
+                                               const v1::ListAllocationsRequest*,
+                                               v1::ListAllocationsResponse* resp) {
+  if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
+  for (const AllocationSnapshot& a : core_->Allocations()) {
+    v1::AllocationInfo* out = resp->add_allocations();
+    out->set_id(a.id);
+    out->set_name(a.name);
+    for (size_t i = 0; i < a.chips.size(); ++i) {
+      v1::AllocationChip* c = out->add_chips();
+      c->set_chip(static_cast<uint32_t>(a.chips[i]));
+      c->set_quota_bytes(a.quota_bytes[i]);
+    }
+    out->set_created_unix_seconds(absl::ToDoubleSeconds(a.created - absl::UnixEpoch()));
+    out->set_session_count(static_cast<uint32_t>(a.session_count));
+  }
   return grpc::Status::OK;
 }
 

@@ -94,14 +94,23 @@ class AdminServiceImpl final : public v1::Admin::Service {
                            v1::UndrainChipResponse* resp) override;
   grpc::Status Health(grpc::ServerContext* ctx, const v1::HealthRequest* req,
                       v1::HealthResponse* resp) override;
+  grpc::Status CreateAllocation(grpc::ServerContext* ctx, const v1::CreateAllocationRequest* req,
+                                v1::CreateAllocationResponse* resp) override;
+  grpc::Status ReleaseAllocation(grpc::ServerContext* ctx,
+                                 const v1::ReleaseAllocationRequest* req,
+                                 v1::ReleaseAllocationResponse* resp) override;
+  grpc::Status ListAllocations(grpc::ServerContext* ctx, const v1::ListAllocationsRequest* req,
+                               v1::ListAllocationsResponse* resp) override;
   grpc::Status Watch(grpc::ServerContext* ctx, const v1::WatchRequest* req,
                      grpc::ServerWriter<v1::GetStatusResponse>* writer) override;
   // Ends every Watch stream now (tpud is stopping).
   void StopWatches() { stopping_.Notify(); }
+  // What GetStatus answers (also read by the metrics endpoint).
+  void FillStatus(v1::GetStatusResponse* resp);
+  absl::Time started() const { return started_; }
 
  private:
   grpc::Status CheckAdmin(grpc::ServerContext* ctx) const;
-  void FillStatus(v1::GetStatusResponse* resp);
   BackendStatus backend_;
   absl::Notification stopping_;
  public:

@@ -23,6 +23,25 @@ std::string RandomToken() {
   return token;
 }
 
+// A printable secret (it travels in environment variables): 128 random bits
+// in hex.
+std::string HexToken() {
+  const std::string raw = RandomToken();
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : raw) {
+    out.push_back(kHex[c >> 4]);
+    out.push_back(kHex[c & 15]);
+  }
+  return out;
+}
+
+std::string ChipList(const std::vector<int>& chips) {
+  std::string out;
+  for (size_t i = 0; i < chips.size(); ++i) absl::StrAppend(&out, i ? ", " : "", chips[i]);
+  return out;
+}
+
 }  // namespace
 
 uint64_t SessionSnapshot::total_bytes() const {
@@ -73,7 +92,8 @@ absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(ConnectionId connection,
                                                        const PeerIdentity& peer,
                                                        uint32_t client_min_version,
                                                        uint32_t client_max_version,
-                                                       std::string client_name) {
+                                                       std::string client_name,
+                                                       absl::string_view allocation_token) {
   if (client_min_version > client_max_version) {
     return absl::InvalidArgumentError(
         absl::StrCat("protocol version range [", client_min_version, ", ",
@@ -106,6 +126,17 @@ absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(ConnectionId connection,
           "); end some (exit idle processes), or ask an administrator to raise the limit"));
     }
   }
+  const Allocation* allocation = nullptr;
+  if (!allocation_token.empty()) {
+    auto a = allocations_.find(allocation_token);
+    if (a == allocations_.end()) {
+      return absl::PermissionDeniedError(
+          "the allocation token given (TPUD_TOKEN) names no allocation of this tpud: it was "
+          "released, or tpud restarted since the device plugin made it; restart the pod to get "
+          "a fresh allocation, or unset TPUD_TOKEN to run without one");
+    }
+    allocation = &a->second;
+  }
   auto session = std::make_unique<Session>();
   session->id = next_session_id_++;
   session->connection = connection;
@@ -117,6 +148,21 @@ absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(ConnectionId connection,
   session->bytes_per_chip.assign(chips_.size(), 0);
   session->peak_bytes_per_chip.assign(chips_.size(), 0);
   session->segments_per_chip.assign(chips_.size(), 0);
+  if (allocation != nullptr) {
+    AllocationUsage& usage = allocation_usage_[allocation->id];
+    if (usage.held.empty()) usage.held.assign(chips_.size(), 0);
+    ++usage.sessions;
+    session->allocation_id = allocation->id;
+    session->chip_allowed.assign(chips_.size(), false);
+    session->chip_quota.assign(chips_.size(), 0);
+    session->quota_bytes_per_chip = 0;
+    for (size_t i = 0; i < allocation->chips.size(); ++i) {
+      session->chip_allowed[allocation->chips[i]] = true;
+      session->chip_quota[allocation->chips[i]] = allocation->quota_bytes[i];
+      session->quota_bytes_per_chip =
+          std::max(session->quota_bytes_per_chip, allocation->quota_bytes[i]);
+    }
+  }
   session->data_plane_token = RandomToken();
   if (!free_tags_.empty()) {
     session->tag = free_tags_.back();
@@ -124,10 +170,16 @@ absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(ConnectionId connection,
   } else {
     session->tag = next_tag_++;
   }
-  OpenedSession opened{session->id, session->tag, version, session->quota_bytes_per_chip,
-                       session->data_plane_token};
+  OpenedSession opened;
+  opened.session_id = session->id;
+  opened.tag = session->tag;
+  opened.protocol_version = version;
+  opened.quota_bytes_per_chip = session->quota_bytes_per_chip;
+  if (allocation != nullptr) opened.allowed_chips = allocation->chips;
+  opened.data_plane_token = session->data_plane_token;
   session_by_connection_[connection] = session->id;
   sessions_[session->id] = std::move(session);
+  ++counts_.opened;
   return opened;
 }
 
@@ -155,6 +207,73 @@ absl::StatusOr<RuntimeCore::Session*> RuntimeCore::FindSessionLocked(
   return it->second.get();
 }
 
+uint64_t RuntimeCore::QuotaOn(const Session& s, int chip) {
+  if (!s.chip_quota.empty()) return s.chip_quota[chip];
+  return s.quota_bytes_per_chip;
+}
+
+absl::StatusOr<CreatedAllocation> RuntimeCore::CreateAllocation(AllocationSpec spec) {
+  absl::MutexLock lock(&mu_);
+  if (spec.chips.empty()) {
+    return absl::InvalidArgumentError("an allocation needs at least one chip");
+  }
+  if (!spec.chip_quota_bytes.empty() && spec.chip_quota_bytes.size() != spec.chips.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "an allocation of ", spec.chips.size(), " chips was given ",
+        spec.chip_quota_bytes.size(), " per-chip quotas; give one per chip, or none"));
+  }
+  std::vector<bool> seen(chips_.size(), false);
+  for (int chip : spec.chips) {
+    if (absl::Status st = CheckChipLocked(chip); !st.ok()) return st;
+    if (seen[chip]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chip ", chip, " is listed twice in the allocation"));
+    }
+    seen[chip] = true;
+  }
+  Allocation a;
+  a.id = next_allocation_id_++;
+  a.token = HexToken();
+  a.name = std::move(spec.name);
+  a.chips = std::move(spec.chips);
+  a.quota_bytes = spec.chip_quota_bytes.empty()
+                      ? std::vector<uint64_t>(a.chips.size(), spec.quota_bytes_per_chip)
+                      : std::move(spec.chip_quota_bytes);
+  a.created = absl::Now();
+  CreatedAllocation created{a.id, a.token};
+  allocations_[a.token] = std::move(a);
+  return created;
+}
+
+absl::Status RuntimeCore::ReleaseAllocation(absl::string_view token) {
+  absl::MutexLock lock(&mu_);
+  auto it = allocations_.find(token);
+  if (it == allocations_.end()) {
+    return absl::NotFoundError("no allocation has this token (already released?)");
+  }
+  allocations_.erase(it);
+  return absl::OkStatus();
+}
+
+std::vector<AllocationSnapshot> RuntimeCore::Allocations() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<AllocationSnapshot> out;
+  for (const auto& [token, a] : allocations_) {
+    AllocationSnapshot snap;
+    snap.id = a.id;
+    snap.name = a.name;
+    snap.chips = a.chips;
+    snap.quota_bytes = a.quota_bytes;
+    snap.created = a.created;
+    for (const auto& [id, s] : sessions_) snap.session_count += s->allocation_id == a.id ? 1 : 0;
+    out.push_back(std::move(snap));
+  }
+  std::sort(out.begin(), out.end(), [](const AllocationSnapshot& x, const AllocationSnapshot& y) {
+    return x.id < y.id;
+  });
+  return out;
+}
+
 absl::Status RuntimeCore::CheckChipLocked(int chip) const {
   if (chip < 0 || chip >= static_cast<int>(chips_.size())) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -177,6 +296,11 @@ void RuntimeCore::FreeBlockLocked(int chip, uint64_t offset) {
 void RuntimeCore::UnlistLocked(Session& s, const SegmentGrant& seg) {
   s.segments.erase(seg.address);
   s.bytes_per_chip[seg.chip] -= seg.size;
+  if (s.allocation_id != 0) {
+    if (auto u = allocation_usage_.find(s.allocation_id); u != allocation_usage_.end()) {
+      u->second.held[seg.chip] -= seg.size;
+    }
+  }
   s.segments_per_chip[seg.chip] -= 1;
   Chip& c = *chips_[seg.chip];
   if (c.arena != nullptr) c.owners.Clear(seg.offset, seg.size);
@@ -195,7 +319,8 @@ void RuntimeCore::ReleaseBlocks(uint32_t tag, const std::vector<SegmentGrant>& b
   }
 }
 
-absl::StatusOr<ReclaimResult> RuntimeCore::EndSessionById(uint64_t session_id) {
+absl::StatusOr<ReclaimResult> RuntimeCore::EndSessionById(uint64_t session_id,
+                                                          EndReason reason) {
   {
     absl::MutexLock lock(&mu_);
     auto it = sessions_.find(session_id);
@@ -203,6 +328,12 @@ absl::StatusOr<ReclaimResult> RuntimeCore::EndSessionById(uint64_t session_id) {
       return absl::NotFoundError(absl::StrCat("no session ", session_id));
     }
     it->second->ending = true;
+    switch (reason) {
+      case EndReason::kClosed: ++counts_.closed; break;
+      case EndReason::kDisconnected: ++counts_.disconnected; break;
+      case EndReason::kKilled: ++counts_.killed; break;
+      case EndReason::kFailed: ++counts_.failed; break;
+    }
   }
   // The data plane marks the session dead and detaches it from the executors.
   if (session_end_hook_) session_end_hook_(session_id);
@@ -224,6 +355,12 @@ absl::StatusOr<ReclaimResult> RuntimeCore::EndSessionById(uint64_t session_id) {
     result.segments = blocks.size();
     result.sessions = 1;
     session_by_connection_.erase(s.connection);
+    if (s.allocation_id != 0) {
+      if (auto u = allocation_usage_.find(s.allocation_id);
+          u != allocation_usage_.end() && --u->second.sessions == 0) {
+        allocation_usage_.erase(u);
+      }
+    }
     sessions_.erase(it);
   }
   ReleaseBlocks(tag, blocks);
@@ -240,7 +377,7 @@ absl::StatusOr<uint64_t> RuntimeCore::CloseSession(ConnectionId caller,
     absl::StatusOr<Session*> s = FindSessionLocked(caller, session_id);
     if (!s.ok()) return s.status();
   }
-  absl::StatusOr<ReclaimResult> r = EndSessionById(session_id);
+  absl::StatusOr<ReclaimResult> r = EndSessionById(session_id, EndReason::kClosed);
   if (!r.ok()) return r.status();
   return r->bytes;
 }
@@ -253,12 +390,12 @@ ReclaimResult RuntimeCore::EndConnection(ConnectionId connection) {
     if (it == session_by_connection_.end()) return {};
     session_id = it->second;
   }
-  absl::StatusOr<ReclaimResult> r = EndSessionById(session_id);
+  absl::StatusOr<ReclaimResult> r = EndSessionById(session_id, EndReason::kDisconnected);
   return r.ok() ? *r : ReclaimResult{};
 }
 
-ReclaimResult RuntimeCore::EndSession(uint64_t session_id) {
-  absl::StatusOr<ReclaimResult> r = EndSessionById(session_id);
+ReclaimResult RuntimeCore::EndSession(uint64_t session_id, EndReason reason) {
+  absl::StatusOr<ReclaimResult> r = EndSessionById(session_id, reason);
   return r.ok() ? *r : ReclaimResult{};
 }
 
@@ -278,6 +415,17 @@ absl::StatusOr<SegmentGrant> RuntimeCore::AllocateLocked(Session& s, int chip,
   if (bytes == 0) {
     return absl::InvalidArgumentError("cannot allocate a segment of 0 bytes");
   }
+  if (!s.chip_allowed.empty() && !s.chip_allowed[chip]) {
+    std::vector<int> allowed;
+    for (size_t i = 0; i < s.chip_allowed.size(); ++i) {
+      if (s.chip_allowed[i]) allowed.push_back(static_cast<int>(i));
+    }
+    return absl::PermissionDeniedError(absl::StrCat(
+        "chip ", chip, " is not in this session's allocation ", s.allocation_id,
+        " (chips ", ChipList(allowed),
+        "): a session opened with an allocation token (TPUD_TOKEN) may allocate only on its "
+        "chips; use those (TPU_VISIBLE_CHIPS lists them), or request more chips for the pod"));
+  }
   Chip& c = *chips_[chip];
   if (c.drained) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -293,25 +441,47 @@ absl::StatusOr<SegmentGrant> RuntimeCore::AllocateLocked(Session& s, int chip,
   const HbmAllocatorStats stats = c.allocator.stats();
   const uint64_t rounded = HbmAllocator::RoundUp(bytes, kHbmGranularity);
   const uint64_t held = s.bytes_per_chip[chip];
-  if (s.quota_bytes_per_chip != 0 &&
-      (rounded == 0 || held > s.quota_bytes_per_chip ||
-       rounded > s.quota_bytes_per_chip - held)) {
+  const uint64_t quota = QuotaOn(s, chip);
+  // An allocation's quota binds all of its sessions together (unless an
+  // administrator gave this session a quota of its own). Their holdings are
+  // counted either way, as UnlistLocked takes them off.
+  AllocationUsage* usage = nullptr;
+  if (s.allocation_id != 0) {
+    if (auto u = allocation_usage_.find(s.allocation_id); u != allocation_usage_.end()) {
+      usage = &u->second;
+    }
+  }
+  if (usage != nullptr && !s.chip_quota.empty() && quota != 0) {
+    const uint64_t together = usage->held[chip];
+    if (rounded == 0 || together > quota || rounded > quota - together) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "HBM quota exceeded on chip %d: asked %s; the sessions of allocation %d hold %s of "
+          "its %s quota (session %d holds %s of it). The quota covers every process of the "
+          "pod; free memory, or request more chip shares for the pod",
+          chip, FormatBytes(bytes), s.allocation_id, FormatBytes(together),
+          FormatBytes(quota), session_id, FormatBytes(held)));
+    }
+  } else if (quota != 0 && (rounded == 0 || held > quota || rounded > quota - held)) {
+    const std::string from =
+        s.allocation_id != 0 && !s.chip_quota.empty()
+            ? absl::StrCat(" (set by its allocation ", s.allocation_id,
+                           "; a pod gets more by requesting more chip shares)")
+            : std::string();
     return absl::ResourceExhaustedError(absl::StrFormat(
         "HBM quota exceeded on chip %d: asked %s, session %d holds %s of its %s "
-        "quota; free memory, or ask an administrator to raise it (tpuctl quota "
+        "quota%s; free memory, or ask an administrator to raise it (tpuctl quota "
         "%d SIZE)",
-        chip, FormatBytes(bytes), session_id, FormatBytes(held),
-        FormatBytes(s.quota_bytes_per_chip), session_id));
+        chip, FormatBytes(bytes), session_id, FormatBytes(held), FormatBytes(quota), from,
+        session_id));
   }
   std::optional<HbmBlock> block = c.allocator.Allocate(bytes, session_id);
   if (!block.has_value()) {
-    std::string quota = s.quota_bytes_per_chip == 0
-                            ? std::string("no quota")
-                            : absl::StrCat("quota ", FormatBytes(s.quota_bytes_per_chip));
+    std::string quota_text =
+        quota == 0 ? std::string("no quota") : absl::StrCat("quota ", FormatBytes(quota));
     return absl::ResourceExhaustedError(absl::StrFormat(
         "HBM exhausted on chip %d: asked %s, session %d holds %s (%s); chip has "
         "%s in use, free %s of %s (largest free block %s)",
-        chip, FormatBytes(bytes), session_id, FormatBytes(held), quota,
+        chip, FormatBytes(bytes), session_id, FormatBytes(held), quota_text,
         FormatBytes(stats.used_bytes), FormatBytes(stats.free_bytes),
         FormatBytes(stats.capacity_bytes), FormatBytes(stats.largest_free_block)));
   }
@@ -322,6 +492,7 @@ absl::StatusOr<SegmentGrant> RuntimeCore::AllocateLocked(Session& s, int chip,
   grant.requested_bytes = bytes;
   grant.address = tpu::MakeDeviceAddress(chip, block->offset);
   s.bytes_per_chip[chip] += grant.size;
+  if (usage != nullptr) usage->held[chip] += grant.size;
   s.segments_per_chip[chip] += 1;
   s.peak_bytes_per_chip[chip] =
       std::max(s.peak_bytes_per_chip[chip], s.bytes_per_chip[chip]);
@@ -381,7 +552,7 @@ absl::StatusOr<std::vector<ChipMemoryView>> RuntimeCore::MemoryStats(
   for (size_t c = 0; c < chips_.size(); ++c) {
     ChipMemoryView v;
     v.chip = static_cast<int>(c);
-    v.session_quota_bytes = s.quota_bytes_per_chip;
+    v.session_quota_bytes = QuotaOn(s, static_cast<int>(c));
     v.session_bytes = s.bytes_per_chip[c];
     v.session_peak_bytes = s.peak_bytes_per_chip[c];
     v.session_segments = segments[c];
@@ -390,6 +561,11 @@ absl::StatusOr<std::vector<ChipMemoryView>> RuntimeCore::MemoryStats(
     views.push_back(v);
   }
   return views;
+}
+
+RuntimeCore::SessionCounts RuntimeCore::session_counts() const {
+  absl::MutexLock lock(&mu_);
+  return counts_;
 }
 
 std::vector<ChipSnapshot> RuntimeCore::Chips() const {
@@ -412,6 +588,7 @@ std::vector<ChipSnapshot> RuntimeCore::Chips() const {
 SessionSnapshot RuntimeCore::SnapshotLocked(const Session& s) const {
   SessionSnapshot snap;
   snap.id = s.id;
+  snap.allocation_id = s.allocation_id;
   snap.connection = s.connection;
   snap.peer = s.peer;
   snap.client_name = s.client_name;
@@ -443,7 +620,7 @@ absl::StatusOr<uint64_t> RuntimeCore::KillSession(uint64_t session_id,
     }
     if (connection != nullptr) *connection = it->second->connection;
   }
-  absl::StatusOr<ReclaimResult> r = EndSessionById(session_id);
+  absl::StatusOr<ReclaimResult> r = EndSessionById(session_id, EndReason::kKilled);
   if (!r.ok()) return r.status();
   return r->bytes;
 }
@@ -533,8 +710,10 @@ absl::Status RuntimeCore::SetSessionQuota(uint64_t session_id,
     return absl::NotFoundError(absl::StrCat("no session ", session_id));
   }
   // A quota below current holdings is allowed: it blocks new allocations
-  // until the session frees enough, and never takes memory away.
+  // until the session frees enough, and never takes memory away. It replaces
+  // an allocation's per-chip quotas (the allocation's chips still bind).
   it->second->quota_bytes_per_chip = quota_bytes_per_chip;
+  it->second->chip_quota.clear();
   return absl::OkStatus();
 }
 

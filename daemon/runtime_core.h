@@ -45,7 +45,9 @@ struct OpenedSession {
   uint64_t session_id = 0;
   uint32_t tag = 0;  // names the session in page-owner tables
   uint32_t protocol_version = 0;
+  // With an allocation: the largest of its chips' quotas.
   uint64_t quota_bytes_per_chip = 0;
+  std::vector<int> allowed_chips;  // empty: every chip
   // Proves to the data-plane connection that it belongs to this session.
   std::string data_plane_token;
 };
@@ -58,8 +60,33 @@ struct SegmentGrant {
   uint64_t requested_bytes = 0;
 };
 
+// Chips and HBM quotas set aside for one consumer (a Kubernetes container,
+// from the device plugin); sessions that present its token get them.
+struct AllocationSpec {
+  std::vector<int> chips;
+  // One per chip, or empty with `quota_bytes_per_chip` for all; 0: no quota.
+  std::vector<uint64_t> chip_quota_bytes;
+  uint64_t quota_bytes_per_chip = 0;
+  std::string name;  // informational (the device IDs it was made for)
+};
+
+struct CreatedAllocation {
+  uint64_t id = 0;
+  std::string token;  // printable, secret
+};
+
+struct AllocationSnapshot {
+  uint64_t id = 0;
+  std::string name;
+  std::vector<int> chips;
+  std::vector<uint64_t> quota_bytes;  // per entry of `chips`; 0: none
+  absl::Time created;
+  int session_count = 0;  // open sessions that presented its token
+};
+
 struct SessionSnapshot {
   uint64_t id = 0;
+  uint64_t allocation_id = 0;  // 0: none
   ConnectionId connection = 0;
   PeerIdentity peer;
   std::string client_name;
@@ -147,8 +174,12 @@ class RuntimeCore {
   // wait on executors, so the executors' supervisor may call it.
   void FreeResult(uint64_t session_id, uint64_t address) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Ends a session (its data-plane connection closed): like EndConnection.
-  ReclaimResult EndSession(uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Why a session ended, for the counts in session_counts().
+  enum class EndReason { kClosed, kDisconnected, kKilled, kFailed };
+  // Ends a session (by default: its data-plane connection closed), like
+  // EndConnection.
+  ReclaimResult EndSession(uint64_t session_id,
+                           EndReason reason = EndReason::kDisconnected) ABSL_LOCKS_EXCLUDED(mu_);
   // The connection a session was opened on (0 if none).
   ConnectionId ConnectionOf(uint64_t session_id) const ABSL_LOCKS_EXCLUDED(mu_);
   // The page-owner tag of a session the caller owns.
@@ -156,13 +187,28 @@ class RuntimeCore {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Opens a session bound to `connection`, agreeing on a protocol version.
-  // One session per connection: a second one is FAILED_PRECONDITION.
+  // One session per connection: a second one is FAILED_PRECONDITION. With an
+  // `allocation_token`, the session takes that allocation's chips and quotas
+  // (an unknown token is PERMISSION_DENIED); without, the default quota and
+  // every chip.
   absl::StatusOr<OpenedSession> OpenSession(ConnectionId connection,
                                             const PeerIdentity& peer,
                                             uint32_t client_min_version,
                                             uint32_t client_max_version,
-                                            std::string client_name)
+                                            std::string client_name,
+                                            absl::string_view allocation_token = {})
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // ---- allocations ----
+  // Sets chips and quotas aside under a new random token. The chips must be
+  // valid and distinct (INVALID_ARGUMENT otherwise). Chips are not reserved
+  // against sessions without a token: the device plugin keeps consumers apart.
+  absl::StatusOr<CreatedAllocation> CreateAllocation(AllocationSpec spec)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Forgets an allocation: new sessions with its token are refused; sessions
+  // already open keep their limits. An unknown token is NOT_FOUND.
+  absl::Status ReleaseAllocation(absl::string_view token) ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<AllocationSnapshot> Allocations() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Ends the session and frees all of its HBM; returns the bytes reclaimed.
   absl::StatusOr<uint64_t> CloseSession(ConnectionId caller, uint64_t session_id)
@@ -186,6 +232,15 @@ class RuntimeCore {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- administration ----
+  // Sessions opened, and ended by reason, since the daemon started.
+  struct SessionCounts {
+    uint64_t opened = 0;
+    uint64_t closed = 0;        // the client closed it
+    uint64_t disconnected = 0;  // its connection went away (exit, crash, kill -9)
+    uint64_t killed = 0;        // an administrator ended it (tpuctl kill)
+    uint64_t failed = 0;        // tpud ended it (its op crashed an executor)
+  };
+  SessionCounts session_counts() const ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<ChipSnapshot> Chips() const ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<SessionSnapshot> Sessions() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -210,8 +265,22 @@ class RuntimeCore {
     bool drained = false;
     explicit Chip(uint64_t capacity) : allocator(capacity) {}
   };
+  struct Allocation {
+    uint64_t id = 0;
+    std::string token;
+    std::string name;
+    std::vector<int> chips;
+    std::vector<uint64_t> quota_bytes;  // per entry of `chips`
+    absl::Time created;
+  };
   struct Session {
     uint64_t id = 0;
+    uint64_t allocation_id = 0;
+    // From an allocation: per chip of the host, whether it may allocate there
+    // and its quota there (these replace quota_bytes_per_chip until an
+    // administrator sets a quota). Empty: every chip, quota_bytes_per_chip.
+    std::vector<bool> chip_allowed;
+    std::vector<uint64_t> chip_quota;
     ConnectionId connection = 0;
     PeerIdentity peer;
     std::string client_name;
@@ -233,10 +302,13 @@ class RuntimeCore {
   absl::StatusOr<Session*> FindSessionLocked(ConnectionId caller, uint64_t session_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckChipLocked(int chip) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The session's quota on `chip` (0: none).
+  static uint64_t QuotaOn(const Session& s, int chip);
   // Ends a session: marks it ending, runs the end hook without mu_, then
   // frees every segment and forgets it. NOT_FOUND if it is not (or no longer)
   // open; a concurrent second call for the same session returns NOT_FOUND.
-  absl::StatusOr<ReclaimResult> EndSessionById(uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<ReclaimResult> EndSessionById(uint64_t session_id, EndReason reason)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Allocates, lists and publishes (page owners) a segment of `s`.
   absl::StatusOr<SegmentGrant> AllocateLocked(Session& s, int chip, uint64_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -259,6 +331,18 @@ class RuntimeCore {
   absl::flat_hash_map<ConnectionId, uint64_t> session_by_connection_
       ABSL_GUARDED_BY(mu_);
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<std::string, Allocation> allocations_ ABSL_GUARDED_BY(mu_);  // by token
+  // HBM held per chip by all open sessions of one allocation, by allocation
+  // id: its quota binds them together (a pod's processes share its share).
+  // Kept while any of its sessions is open, even after the allocation is
+  // released.
+  struct AllocationUsage {
+    std::vector<uint64_t> held;  // per chip of the host
+    int sessions = 0;
+  };
+  absl::flat_hash_map<uint64_t, AllocationUsage> allocation_usage_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_allocation_id_ ABSL_GUARDED_BY(mu_) = 1;
+  SessionCounts counts_ ABSL_GUARDED_BY(mu_);
   uint64_t default_quota_ ABSL_GUARDED_BY(mu_) = 0;
   const uint32_t max_sessions_per_uid_;
   // Tags of ended sessions, for reuse (tags stay small and unique among

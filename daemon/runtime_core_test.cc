@@ -830,5 +830,143 @@ TEST_CASE("absurd sizes on chips too big to back with memory") {
   RequireAllChipsEmpty(*core);
 }
 
+TEST_CASE("an allocation's token gives a session its chips and quotas") {
+  RuntimeCore::Options options;
+  options.default_quota_bytes_per_chip = 32 * kMiB;
+  auto core = MakeCore(options);
+
+  AllocationSpec spec;
+  spec.chips = {1, 3};
+  spec.chip_quota_bytes = {8 * kMiB, 16 * kMiB};
+  spec.name = "chip-1-share-0,chip-3-share-0,chip-3-share-1";
+  absl::StatusOr<CreatedAllocation> created = core->CreateAllocation(spec);
+  INFO(created.status().ToString());
+  REQUIRE(created.ok());
+  CHECK(created->token.size() == 32);
+  CHECK(created->token.find_first_not_of("0123456789abcdef") == std::string::npos);
+
+  absl::StatusOr<OpenedSession> opened = core->OpenSession(
+      1, Peer(), kMinProtocolVersion, kMaxProtocolVersion, "pod", created->token);
+  INFO(opened.status().ToString());
+  REQUIRE(opened.ok());
+  CHECK(opened->allowed_chips == std::vector<int>{1, 3});
+  CHECK(opened->quota_bytes_per_chip == 16 * kMiB);
+  const uint64_t s = opened->session_id;
+
+  SECTION("its quota applies per chip, in place of the default") {
+    MustAllocate(*core, 1, s, 1, 8 * kMiB);
+    absl::StatusOr<SegmentGrant> over = core->Allocate(1, s, 1, 4096);
+    REQUIRE(over.status().code() == absl::StatusCode::kResourceExhausted);
+    const std::string msg(over.status().message());
+    CHECK(Contains(msg, "quota"));
+    CHECK(Contains(msg, "8.00 MiB"));
+    CHECK(Contains(msg, "allocation"));
+    MustAllocate(*core, 1, s, 3, 16 * kMiB);
+    CHECK_CODE(core->Allocate(1, s, 3, 4096), kResourceExhausted);
+    const std::vector<ChipMemoryView> views = MustStats(*core, 1, s);
+    CHECK(views[1].session_quota_bytes == 8 * kMiB);
+    CHECK(views[3].session_quota_bytes == 16 * kMiB);
+  }
+
+  SECTION("its sessions share the quota: a pod's processes together get its share") {
+    absl::StatusOr<OpenedSession> second = core->OpenSession(
+        2, Peer(), kMinProtocolVersion, kMaxProtocolVersion, "pod-2", created->token);
+    REQUIRE(second.ok());
+    const uint64_t s2 = second->session_id;
+    const SegmentGrant first = MustAllocate(*core, 1, s, 1, 6 * kMiB);
+    absl::StatusOr<SegmentGrant> over = core->Allocate(2, s2, 1, 4 * kMiB);
+    REQUIRE(over.status().code() == absl::StatusCode::kResourceExhausted);
+    CHECK(Contains(std::string(over.status().message()), "sessions of allocation"));
+    MustAllocate(*core, 2, s2, 1, 2 * kMiB);  // exactly what is left
+    CHECK_CODE(core->Allocate(1, s, 1, 4096), kResourceExhausted);
+    // Freed bytes come back to every session of the allocation.
+    REQUIRE(core->Free(1, s, first.address).ok());
+    MustAllocate(*core, 2, s2, 1, 6 * kMiB);
+    // A session that ends takes its holdings off the allocation's.
+    REQUIRE(core->CloseSession(2, s2).ok());
+    MustAllocate(*core, 1, s, 1, 8 * kMiB);
+    // An administrator's quota for one session replaces the shared one.
+    REQUIRE(core->SetSessionQuota(s, 64 * kMiB).ok());
+    MustAllocate(*core, 1, s, 1, 8 * kMiB);
+  }
+
+  SECTION("chips outside the allocation are refused, naming the allowed ones") {
+    absl::StatusOr<SegmentGrant> other = core->Allocate(1, s, 0, 4096);
+    REQUIRE(other.status().code() == absl::StatusCode::kPermissionDenied);
+    const std::string msg(other.status().message());
+    CHECK(Contains(msg, "chip 0"));
+    CHECK(Contains(msg, "chips 1, 3"));
+    CHECK(ChipUsed(*core, 0) == 0);
+    CHECK_CODE(core->Allocate(1, s, 2, 4096), kPermissionDenied);
+  }
+
+  SECTION("a session without a token keeps the default quota and every chip") {
+    const uint64_t plain = MustOpen(*core, 2);
+    MustAllocate(*core, 2, plain, 0, 32 * kMiB);
+    CHECK_CODE(core->Allocate(2, plain, 0, 4096), kResourceExhausted);
+    const std::vector<SessionSnapshot> sessions = core->Sessions();
+    REQUIRE(sessions.size() == 2);
+    CHECK(sessions[0].allocation_id == created->id);
+    CHECK(sessions[1].allocation_id == 0);
+  }
+
+  SECTION("allocations are listed with their open sessions") {
+    const std::vector<AllocationSnapshot> all = core->Allocations();
+    REQUIRE(all.size() == 1);
+    CHECK(all[0].id == created->id);
+    CHECK(all[0].name == spec.name);
+    CHECK(all[0].chips == std::vector<int>{1, 3});
+    CHECK(all[0].quota_bytes == std::vector<uint64_t>{8 * kMiB, 16 * kMiB});
+    CHECK(all[0].session_count == 1);
+  }
+
+  SECTION("after release, the token opens nothing; open sessions keep their limits") {
+    REQUIRE(core->ReleaseAllocation(created->token).ok());
+    CHECK(core->Allocations().empty());
+    CHECK_CODE(core->ReleaseAllocation(created->token), kNotFound);
+    CHECK_CODE(core->OpenSession(2, Peer(), kMinProtocolVersion, kMaxProtocolVersion, "late",
+                                 created->token),
+               kPermissionDenied);
+    CHECK_CODE(core->Allocate(1, s, 0, 4096), kPermissionDenied);
+  }
+}
+
+TEST_CASE("unknown tokens and malformed allocations are refused clearly") {
+  auto core = MakeCore();
+  absl::StatusOr<OpenedSession> bad =
+      core->OpenSession(1, Peer(), kMinProtocolVersion, kMaxProtocolVersion, "pod", "f00d");
+  REQUIRE(bad.status().code() == absl::StatusCode::kPermissionDenied);
+  CHECK(Contains(std::string(bad.status().message()), "TPUD_TOKEN"));
+
+  AllocationSpec none;
+  CHECK_CODE(core->CreateAllocation(none), kInvalidArgument);
+  AllocationSpec twice;
+  twice.chips = {2, 2};
+  CHECK_CODE(core->CreateAllocation(twice), kInvalidArgument);
+  AllocationSpec off_host;
+  off_host.chips = {4};
+  CHECK_CODE(core->CreateAllocation(off_host), kInvalidArgument);
+  AllocationSpec mismatched;
+  mismatched.chips = {0, 1};
+  mismatched.chip_quota_bytes = {kMiB};
+  CHECK_CODE(core->CreateAllocation(mismatched), kInvalidArgument);
+
+  // A uniform quota applies to every chip of the allocation.
+  AllocationSpec uniform;
+  uniform.chips = {0};
+  uniform.quota_bytes_per_chip = 4 * kMiB;
+  absl::StatusOr<CreatedAllocation> a = core->CreateAllocation(uniform);
+  REQUIRE(a.ok());
+  absl::StatusOr<OpenedSession> s =
+      core->OpenSession(2, Peer(), kMinProtocolVersion, kMaxProtocolVersion, "pod", a->token);
+  REQUIRE(s.ok());
+  MustAllocate(*core, 2, s->session_id, 0, 4 * kMiB);
+  CHECK_CODE(core->Allocate(2, s->session_id, 0, 1), kResourceExhausted);
+  // An administrator's quota replaces the allocation's; its chips still bind.
+  REQUIRE(core->SetSessionQuota(s->session_id, 0).ok());
+  MustAllocate(*core, 2, s->session_id, 0, 4 * kMiB);
+  CHECK_CODE(core->Allocate(2, s->session_id, 1, 1), kPermissionDenied);
+}
+
 }  // namespace
 }  // namespace tpud

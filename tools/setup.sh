@@ -52,6 +52,12 @@ if ! .venv/bin/python -c 'import xla_plugins.xla_cpu_pjrt' 2>/dev/null; then
   echo "setup: installing xla-cpu-pjrt into .venv"
   .venv/bin/pip install -q xla-cpu-pjrt==0.0.1
 fi
+# grpcio and grpcio-tools: the device plugin test's stub kubelet, with Python
+# stubs generated from plugins/k8s_device_plugin/api.proto at test time.
+if ! .venv/bin/python -c 'import grpc, grpc_tools, sys; sys.exit(grpc.__version__ != "1.85.3")' 2>/dev/null; then
+  echo "setup: installing grpcio and grpcio-tools into .venv"
+  .venv/bin/pip install -q grpcio==1.85.3 grpcio-tools==1.85.1 protobuf==7.36.2
+fi
 # libtpu (the TPU plugin) only for the test that tpud on it fails fast on
 # a machine without a TPU; its absence skips that test, so a failed download
 # does not fail the setup.

@@ -14,6 +14,8 @@ UNIT = DEPLOY / "systemd" / "tpud.service"
 SYSUSERS = DEPLOY / "systemd" / "tpud-sysusers.conf"
 FLAGFILE = DEPLOY / "config" / "tpud.flags"
 K8S = DEPLOY / "kubernetes" / "tpud-daemonset.yaml"
+EXAMPLE_POD = DEPLOY / "kubernetes" / "example-pod.yaml"
+DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 
 # Every flag tpud documents; the example flagfile must show each exactly once.
 DOCUMENTED_FLAGS = {
@@ -125,11 +127,21 @@ def configmap(docs):
     return by_kind(docs, "ConfigMap")
 
 
+def containers_by_name(daemonset):
+    containers = daemonset["spec"]["template"]["spec"]["containers"]
+    by_name = {c["name"]: c for c in containers}
+    assert len(by_name) == len(containers), "container names repeat"
+    return by_name
+
+
 @pytest.fixture(scope="module")
 def container(daemonset):
-    containers = daemonset["spec"]["template"]["spec"]["containers"]
-    assert len(containers) == 1
-    return containers[0]
+    return containers_by_name(daemonset)["tpud"]
+
+
+@pytest.fixture(scope="module")
+def plugin_container(daemonset):
+    return containers_by_name(daemonset)["device-plugin"]
 
 
 # --- flagfile ----------------------------------------------------------------
@@ -391,3 +403,78 @@ def test_tpud_accepts_the_example_flagfile(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(10) == 0
+
+
+# --- the device plugin beside tpud --------------------------------------------
+
+
+def plugin_flags(plugin_container):
+    command = plugin_container["command"]
+    assert command[0] == "/usr/bin/tpud-device-plugin"
+    flags = {}
+    for arg in command[1:]:
+        match = FLAG_LINE.match(arg)
+        assert match, f"not a --name=value flag: {arg!r}"
+        flags[match.group(1)] = match.group(2)
+    return flags
+
+
+def test_daemonset_runs_the_device_plugin_beside_tpud(daemonset, plugin_container):
+    assert set(containers_by_name(daemonset)) == {"tpud", "device-plugin"}
+    assert plugin_container["image"] == "tpud:latest"
+    security = plugin_container["securityContext"]
+    assert not security.get("privileged", False)
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+
+
+def test_device_plugin_mounts_the_kubelet_directory(daemonset, plugin_container):
+    mount, volume = volume_for_mount(daemonset, plugin_container, DEVICE_PLUGIN_DIR)
+    assert not mount.get("readOnly", False)
+    assert volume["hostPath"]["path"] == DEVICE_PLUGIN_DIR
+    assert plugin_flags(plugin_container)["device_plugin_dir"] == DEVICE_PLUGIN_DIR
+
+
+def test_device_plugin_reaches_tpud_and_hands_out_its_socket(daemonset, plugin_container,
+                                                            configmap):
+    tpud_flags = flag_dict(configmap["data"]["tpud.flags"])
+    flags = plugin_flags(plugin_container)
+    assert flags["admin_socket"] == tpud_flags["admin_socket"]
+    assert flags["container_tpud_socket"] == tpud_flags["socket"]
+    assert flags["host_tpud_socket_dir"] == "/run/tpud"
+    assert int(flags["shares_per_chip"]) >= 1
+    _, volume = volume_for_mount(daemonset, plugin_container, "/run/tpud")
+    assert volume["hostPath"]["path"] == "/run/tpud"
+
+
+def test_device_plugin_accepts_its_flags(plugin_container, tmp_path):
+    """The manifest's flags parse in the real binary (it then waits for tpud)."""
+    import subprocess
+
+    from conftest import bazel_bin
+
+    flags = plugin_flags(plugin_container)
+    flags["admin_socket"] = str(tmp_path / "no-tpud.sock")
+    flags["device_plugin_dir"] = str(tmp_path)
+    proc = subprocess.Popen([bazel_bin("plugins/k8s_device_plugin/tpud-device-plugin"),
+                             *(f"--{k}={v}" for k, v in flags.items())],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(1.5)  # still waiting for tpud: the flags were accepted
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0, proc.stderr.read()
+
+
+def test_example_pod_requests_one_chip_share():
+    (pod,) = [d for d in yaml.safe_load_all(EXAMPLE_POD.read_text()) if d is not None]
+    assert pod["apiVersion"] == "v1" and pod["kind"] == "Pod"
+    spec = pod["spec"]
+    (container,) = spec["containers"]
+    assert container["resources"]["limits"] == {"tpud.io/chip-share": 1}
+    # The device plugin's Allocate supplies the socket, the mount and the token.
+    assert "volumes" not in spec and "volumeMounts" not in container
+    env = {e["name"] for e in container.get("env", [])}
+    assert not env & {"TPUD_SOCKET", "TPUD_TOKEN", "TPU_VISIBLE_CHIPS"}
+    assert spec["securityContext"]["supplementalGroups"], "join the socket's group"

@@ -53,6 +53,7 @@ def test_status_json_schema(daemon):
         assert session["hbm_bytes_per_chip"] == {"1": 64 << 20}
         assert session["segment_count"] == 2
         assert session["quota_bytes_per_chip"] is None
+        assert session["allocation_id"] is None
         assert abs(session["opened_unix_seconds"] - time.time()) < 60
     finally:
         holder.kill()

@@ -1,6 +1,7 @@
 // tpuctl: administer tpud (think nvidia-smi plus MPS control).
 //
 //   tpuctl status | topology | sessions | executors | health      [--json]
+//   tpuctl allocations [--json]
 //   tpuctl kill SESSION
 //   tpuctl quota SESSION SIZE        (SIZE like 8GiB; "none" removes it)
 //   tpuctl quota --default SIZE      (for sessions opened from now on)
@@ -299,6 +300,12 @@ void WriteSessions(JsonWriter& w, const std::vector<tpu::SessionInfo>& sessions)
       w.Null();
     } else {
       w.Uint(s.quota_bytes_per_chip);
+    }
+    w.Key("allocation_id");
+    if (s.allocation_id == 0) {
+      w.Null();
+    } else {
+      w.Uint(s.allocation_id);
     }
     w.Key("segment_count").Uint(s.segment_count);
     w.Key("protocol_version").Uint(s.protocol_version);
@@ -820,6 +827,60 @@ int CmdHealth(tpu::AdminClient& admin, bool json) {
   return h->serving ? 0 : 1;
 }
 
+int CmdAllocations(tpu::AdminClient& admin, bool json) {
+  absl::StatusOr<std::vector<tpu::AllocationInfo>> all = admin.ListAllocations();
+  if (!all.ok()) return Error(all.status());
+  if (json) {
+    JsonWriter w;
+    w.BeginObject();
+    w.Key("schema_version").Int(kJsonSchemaVersion);
+    w.Key("allocations").BeginArray();
+    for (const tpu::AllocationInfo& a : *all) {
+      w.BeginObject();
+      w.Key("id").Uint(a.id);
+      w.Key("name").String(a.name);
+      w.Key("chips").BeginArray();
+      for (const tpu::AllocationInfo::Chip& c : a.chips) {
+        w.BeginObject();
+        w.Key("chip").Int(c.chip);
+        w.Key("quota_bytes");
+        if (c.quota_bytes == 0) {
+          w.Null();
+        } else {
+          w.Uint(c.quota_bytes);
+        }
+        w.EndObject();
+      }
+      w.EndArray();
+      w.Key("created_unix_seconds").Double(a.created_unix_seconds);
+      w.Key("session_count").Int(a.session_count);
+      w.EndObject();
+    }
+    w.EndArray();
+    w.EndObject();
+    std::printf("%s\n", w.str().c_str());
+    return 0;
+  }
+  if (all->empty()) {
+    std::printf("no allocations (the Kubernetes device plugin makes one per container)\n");
+    return 0;
+  }
+  Table table({"ID", "CHIPS (QUOTA)", "SESSIONS", "AGE", "NAME"}, "rlrr");
+  const double now = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  for (const tpu::AllocationInfo& a : *all) {
+    std::vector<std::string> chips;
+    for (const tpu::AllocationInfo::Chip& c : a.chips) {
+      const std::string quota =
+          c.quota_bytes == 0 ? std::string("no quota") : tpu::FormatBytes(c.quota_bytes);
+      chips.push_back(absl::StrCat(c.chip, " (", quota, ")"));
+    }
+    table.Row({absl::StrCat(a.id), absl::StrJoin(chips, ", "), absl::StrCat(a.session_count),
+               Duration(now - a.created_unix_seconds), a.name});
+  }
+  table.Print();
+  return 0;
+}
+
 int Usage() {
   std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());
   return 2;
@@ -843,6 +904,7 @@ int Main(std::vector<std::string> args) {
   if (cmd == "sessions" && args.size() == 1) return CmdSessions(a, json);
   if (cmd == "programs" && args.size() == 1) return CmdPrograms(a, json);
   if (cmd == "health" && args.size() == 1) return CmdHealth(a, json);
+  if (cmd == "allocations" && args.size() == 1) return CmdAllocations(a, json);
   if (cmd == "watch" && args.size() == 1) return CmdWatch(a, json);
   if (cmd == "top" && args.size() == 1) return CmdTop(a);
   if (cmd == "kill" && args.size() == 2) {
@@ -897,6 +959,7 @@ int main(int argc, char** argv) {
       "  tpuctl sessions  [--json]   client sessions\n"
       "  tpuctl programs  [--json]   captured programs (torch.compile) per session: calls, time\n"
       "  tpuctl health    [--json]   exit 0 when serving\n"
+      "  tpuctl allocations [--json] chips and quotas set aside per container (device plugin)\n"
       "  tpuctl top                  live view of chips and sessions (--interval S, --count N)\n"
       "  tpuctl watch     [--json]   the status every --interval seconds: a line per chip, or\n"
       "                              with --json one status document per line\n"

@@ -150,6 +150,9 @@ struct ClientOptions {
   std::string socket_path;
   // Informational name shown by `tpuctl sessions`.
   std::string client_name;
+  // An allocation's token (from the Kubernetes device plugin): the session
+  // gets its chips and quotas. Empty: $TPUD_TOKEN, else none.
+  std::string allocation_token;
   // Size of this session's pinned host pool; 0: the daemon's default.
   uint64_t pinned_pool_bytes = 0;
   // Deadline of each control-plane call, so a wedged daemon never hangs us.
@@ -302,6 +305,7 @@ class Session {
 
 struct SessionInfo {
   uint64_t id = 0;
+  uint64_t allocation_id = 0;  // 0: opened without an allocation token
   int pid = 0;
   uint32_t uid = 0;
   std::string command;
@@ -410,6 +414,25 @@ struct ChipHealth {
   std::string detail;
 };
 
+// Chips and quotas set aside for one consumer (a Kubernetes container);
+// sessions that present its token get them.
+struct AllocationInfo {
+  uint64_t id = 0;
+  std::string name;
+  struct Chip {
+    int chip = 0;
+    uint64_t quota_bytes = 0;  // 0: none
+  };
+  std::vector<Chip> chips;
+  double created_unix_seconds = 0;
+  int session_count = 0;  // open sessions that presented its token
+};
+
+struct CreatedAllocation {
+  uint64_t id = 0;
+  std::string token;
+};
+
 struct HealthReport {
   bool serving = false;
   std::vector<ChipHealth> chips;
@@ -440,6 +463,13 @@ class AdminClient {
   absl::Status DrainChip(int chip);
   absl::Status UndrainChip(int chip);
   absl::StatusOr<HealthReport> Health();
+  // Sets `chips` aside with a quota per chip (one entry per chip; 0: none)
+  // under a new token, which sessions present (TPUD_TOKEN).
+  absl::StatusOr<CreatedAllocation> CreateAllocation(const std::vector<int>& chips,
+                                                     const std::vector<uint64_t>& quota_bytes,
+                                                     const std::string& name);
+  absl::Status ReleaseAllocation(const std::string& token);
+  absl::StatusOr<std::vector<AllocationInfo>> ListAllocations();
 
  private:
   struct Impl;

@@ -1,0 +1,494 @@
+"""tpud's Kubernetes device plugin against a stub kubelet and a real tpud.
+
+The stub kubelet is written here: a gRPC Registration server on kubelet.sock
+in a temporary device-plugins directory. On Register it connects to the
+plugin's endpoint and follows ListAndWatch, as the kubelet does; the tests
+then call GetPreferredAllocation and Allocate on the registered endpoints
+and run PyTorch jobs with the environment Allocate returned. Python stubs
+of the plugin API are generated from plugins/k8s_device_plugin/api.proto with
+grpcio-tools at test time.
+"""
+import importlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from concurrent import futures
+
+import pytest
+
+from conftest import Daemon, bazel_bin
+
+grpc = pytest.importorskip("grpc", reason="grpcio is not installed (tools/setup.sh installs it)")
+protoc = pytest.importorskip("grpc_tools.protoc",
+                             reason="grpcio-tools is not installed (tools/setup.sh installs it)")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+API_PROTO = ROOT / "plugins" / "k8s_device_plugin" / "api.proto"
+CHIP = "tpud.io/chip"
+SHARE = "tpud.io/chip-share"
+HBM = 256 << 20  # per chip
+SHARES = 4
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    """api_pb2 and api_pb2_grpc, generated from the plugin's proto."""
+    out = tmp_path_factory.mktemp("kubelet_api")
+    rc = protoc.main(["grpc_tools.protoc", f"-I{API_PROTO.parent}", f"--python_out={out}",
+                      f"--grpc_python_out={out}", str(API_PROTO)])
+    assert rc == 0, "protoc failed on api.proto"
+    sys.path.insert(0, str(out))
+    try:
+        pb2 = importlib.import_module("api_pb2")
+        pb2_grpc = importlib.import_module("api_pb2_grpc")
+    finally:
+        sys.path.remove(str(out))
+    return pb2, pb2_grpc
+
+
+class StubKubelet:
+    """Serves Registration on <dir>/kubelet.sock; follows each registered
+    plugin's ListAndWatch and keeps its latest device list."""
+
+    def __init__(self, api, directory):
+        self.pb2, self.pb2_grpc = api
+        self.dir = directory
+        self.socket = os.path.join(directory, "kubelet.sock")
+        self.cond = threading.Condition()
+        self.registrations = []  # RegisterRequest, in order
+        self.devices = {}  # resource -> {id: health}
+        self.updates = {}  # resource -> number of ListAndWatch responses
+        self.channels = {}  # resource -> grpc channel to the plugin
+        self.server = None
+        self.start()
+
+    def start(self):
+        kubelet = self
+
+        class Registration(self.pb2_grpc.RegistrationServicer):
+            def Register(self, request, context):
+                kubelet.on_register(request)
+                return kubelet.pb2.Empty()
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        self.pb2_grpc.add_RegistrationServicer_to_server(Registration(), self.server)
+        self.server.add_insecure_port("unix:" + self.socket)
+        self.server.start()
+
+    def stop(self, remove_plugin_sockets=False):
+        """Stops serving and deletes kubelet.sock (and, as a restarting kubelet
+        does, every plugin socket in the directory)."""
+        self.server.stop(grace=None).wait()
+        for name in os.listdir(self.dir):
+            if name == "kubelet.sock" or remove_plugin_sockets:
+                os.unlink(os.path.join(self.dir, name))
+
+    def on_register(self, request):
+        with self.cond:
+            self.registrations.append(request)
+            self.cond.notify_all()
+        channel = grpc.insecure_channel("unix:" + os.path.join(self.dir, request.endpoint))
+        stub = self.pb2_grpc.DevicePluginStub(channel)
+        resource = request.resource_name
+        with self.cond:
+            self.channels[resource] = channel
+
+        def follow():
+            try:
+                for resp in stub.ListAndWatch(self.pb2.Empty()):
+                    with self.cond:
+                        self.devices[resource] = {d.ID: d.health for d in resp.devices}
+                        self.updates[resource] = self.updates.get(resource, 0) + 1
+                        self.cond.notify_all()
+            except grpc.RpcError:
+                pass  # the plugin went away (or we did)
+
+        threading.Thread(target=follow, daemon=True).start()
+
+    def plugin(self, resource):
+        with self.cond:
+            return self.pb2_grpc.DevicePluginStub(self.channels[resource])
+
+    def wait(self, predicate, timeout=15, what="condition"):
+        with self.cond:
+            ok = self.cond.wait_for(lambda: predicate(self), timeout)
+        assert ok, f"stub kubelet: timed out waiting for {what}"
+
+    def registered(self, after=0):
+        with self.cond:
+            return {r.resource_name: r for r in self.registrations[after:]}
+
+
+class Plugin:
+    def __init__(self, daemon, directory, extra=()):
+        self.proc = subprocess.Popen(
+            [bazel_bin("plugins/k8s_device_plugin/tpud-device-plugin"),
+             f"--admin_socket={daemon.admin_socket}", f"--device_plugin_dir={directory}",
+             f"--shares_per_chip={SHARES}", f"--container_tpud_socket={daemon.socket}",
+             f"--host_tpud_socket_dir={daemon.dir}", "--health_interval=100ms",
+             "--kubelet_check_interval=100ms", "--log_level=warn", *extra],
+            stdin=subprocess.DEVNULL)
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            assert self.proc.wait(10) == 0
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+@pytest.fixture(scope="module")
+def cluster(api):
+    """A v6e-8 tpud, a stub kubelet and the device plugin, registered."""
+    daemon = Daemon(hbm="256MiB", extra_flags=["--topology=v6e-8"])
+    directory = tempfile.mkdtemp(prefix="kdp.", dir="/tmp")
+    kubelet = StubKubelet(api, directory)
+    plugin = Plugin(daemon, directory)
+    try:
+        kubelet.wait(lambda k: {CHIP, SHARE} <= set(k.devices), what="both resources' devices")
+        yield daemon, kubelet, plugin
+    finally:
+        plugin.stop()
+        kubelet.stop()
+        daemon.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def tpuctl(daemon, *args, check=True):
+    r = subprocess.run([bazel_bin("tools/tpuctl/tpuctl"), *args], env=daemon.env(),
+                       capture_output=True, text=True, timeout=30)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def allocate(kubelet, resource, *containers):
+    pb2 = kubelet.pb2
+    req = pb2.AllocateRequest(container_requests=[
+        pb2.ContainerAllocateRequest(devices_ids=list(ids)) for ids in containers])
+    return kubelet.plugin(resource).Allocate(req, timeout=10).container_responses
+
+
+def preferred(kubelet, resource, available, size, must=()):
+    pb2 = kubelet.pb2
+    req = pb2.PreferredAllocationRequest(container_requests=[
+        pb2.ContainerPreferredAllocationRequest(available_deviceIDs=list(available),
+                                                must_include_deviceIDs=list(must),
+                                                allocation_size=size)])
+    (resp,) = kubelet.plugin(resource).GetPreferredAllocation(req, timeout=10).container_responses
+    return list(resp.deviceIDs)
+
+
+def chips(*ids):
+    return [f"chip-{i}" for i in ids]
+
+
+def job_env(container):
+    """The environment of a container given `container`'s Allocate answer."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TPUD_SOCKET", "TPUD_ADMIN_SOCKET", "TPUD_TOKEN", "TPU_VISIBLE_CHIPS")}
+    env.update(container.envs)
+    return env
+
+
+def run_job(env, code, timeout=120):
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# --- registration and devices -------------------------------------------------
+
+
+def test_both_resources_register_with_the_kubelet(cluster):
+    _, kubelet, _ = cluster
+    regs = kubelet.registered()
+    assert set(regs) == {CHIP, SHARE}
+    for resource, reg in regs.items():
+        assert reg.version == "v1beta1"
+        assert "/" not in reg.endpoint and reg.endpoint.endswith(".sock")
+        assert os.path.exists(os.path.join(kubelet.dir, reg.endpoint))
+        assert reg.options.get_preferred_allocation_available is True
+        opts = kubelet.plugin(resource).GetDevicePluginOptions(kubelet.pb2.Empty(), timeout=10)
+        assert opts.get_preferred_allocation_available is True
+    assert regs[CHIP].endpoint != regs[SHARE].endpoint
+
+
+def test_device_lists(cluster):
+    _, kubelet, _ = cluster
+    with kubelet.cond:
+        chip_devices = dict(kubelet.devices[CHIP])
+        share_devices = dict(kubelet.devices[SHARE])
+    assert chip_devices == {f"chip-{i}": "Healthy" for i in range(8)}
+    assert share_devices == {f"chip-{c}-share-{s}": "Healthy"
+                             for c in range(8) for s in range(SHARES)}
+
+
+def test_drained_chip_turns_unhealthy_and_back(cluster):
+    daemon, kubelet, _ = cluster
+    tpuctl(daemon, "drain", "3")
+    try:
+        kubelet.wait(lambda k: k.devices[CHIP]["chip-3"] == "Unhealthy"
+                     and k.devices[SHARE]["chip-3-share-0"] == "Unhealthy",
+                     what="chip 3 unhealthy after tpuctl drain")
+        with kubelet.cond:
+            unhealthy = {d for d, h in kubelet.devices[CHIP].items() if h != "Healthy"}
+            unhealthy_shares = {d for d, h in kubelet.devices[SHARE].items() if h != "Healthy"}
+        assert unhealthy == {"chip-3"}
+        assert unhealthy_shares == {f"chip-3-share-{s}" for s in range(SHARES)}
+    finally:
+        tpuctl(daemon, "undrain", "3")
+    kubelet.wait(lambda k: all(h == "Healthy" for h in k.devices[CHIP].values())
+                 and all(h == "Healthy" for h in k.devices[SHARE].values()),
+                 what="chip 3 healthy again after undrain")
+
+
+# --- preferred allocation -----------------------------------------------------
+
+
+def test_preferred_chips_are_a_contiguous_sub_slice(cluster):
+    _, kubelet, _ = cluster
+    all_chips = chips(*range(8))  # v6e-8: 2x4, chip = x + 2y
+    assert preferred(kubelet, CHIP, all_chips, 4) == chips(0, 1, 2, 3)  # 2x2, not a 1x4 line
+    assert preferred(kubelet, CHIP, chips(1, 2, 3, 4, 5, 6, 7), 4) == chips(2, 3, 4, 5)
+    assert preferred(kubelet, CHIP, all_chips, 4, must=chips(7)) == chips(4, 5, 6, 7)
+    assert preferred(kubelet, CHIP, chips(0, 3, 5), 2) == chips(3, 5)  # neighbours
+
+
+def test_preferred_shares_pack_onto_few_chips(cluster):
+    _, kubelet, _ = cluster
+    everything = [f"chip-{c}-share-{s}" for c in range(8) for s in range(SHARES)]
+    assert preferred(kubelet, SHARE, everything, 3) == [f"chip-0-share-{s}" for s in range(3)]
+    # One share left on chip 5, four on chip 6: a single share fills chip 5.
+    some = ["chip-5-share-2"] + [f"chip-6-share-{s}" for s in range(SHARES)]
+    assert preferred(kubelet, SHARE, some, 1) == ["chip-5-share-2"]
+    assert preferred(kubelet, SHARE, some, 2, must=["chip-6-share-3"]) == [
+        "chip-6-share-0", "chip-6-share-3"]
+
+
+# --- allocation, quotas, jobs -------------------------------------------------
+
+HOLDER = """
+    import os, sys, time, torch, torch_tpu
+    assert torch.tpu.device_count() == 1, torch.tpu.device_count()
+    x = torch.ones(1024, 1024, device="tpu")        # 4 MiB
+    held = torch.empty(40 << 20, dtype=torch.uint8, device="tpu")  # within a 64 MiB share
+    print("ready", flush=True)
+    while not os.path.exists(sys.argv[1] if len(sys.argv) > 1 else os.environ["GO_FILE"]):
+        time.sleep(0.05)
+    y = (x * 3).sum().item()
+    assert y == 3 * 1024 * 1024, y
+    print("done", y)
+"""
+
+GREEDY = """
+    import torch, torch_tpu
+    x = torch.ones(256, 256, device="tpu")
+    assert x.sum().item() == 65536
+    try:
+        big = torch.empty(100 << 20, dtype=torch.uint8, device="tpu")  # over a 64 MiB share
+    except RuntimeError as e:
+        print("REFUSED:", e)
+    else:
+        print("GRANTED")
+"""
+
+
+def test_two_pods_share_a_chip_each_held_to_its_share(cluster, tmp_path):
+    daemon, kubelet, _ = cluster
+    # Two pods, one share each; the plugin packs both onto chip 1 when that
+    # is what the kubelet offers.
+    free = ["chip-1-share-0", "chip-1-share-1"] + [f"chip-2-share-{s}" for s in range(SHARES)]
+    first = preferred(kubelet, SHARE, free, 1)
+    assert first == ["chip-1-share-0"]
+    second = preferred(kubelet, SHARE, [d for d in free if d not in first], 1)
+    assert second == ["chip-1-share-1"]
+    (pod_a,) = allocate(kubelet, SHARE, first)
+    (pod_b,) = allocate(kubelet, SHARE, second)
+
+    for pod in (pod_a, pod_b):
+        assert pod.envs["TPUD_SOCKET"] == daemon.socket
+        assert pod.envs["TPU_VISIBLE_CHIPS"] == "1"
+        assert re.fullmatch(r"[0-9a-f]{32}", pod.envs["TPUD_TOKEN"])
+        (mount,) = pod.mounts
+        assert mount.host_path == daemon.dir
+        assert mount.container_path == os.path.dirname(daemon.socket)
+    assert pod_a.envs["TPUD_TOKEN"] != pod_b.envs["TPUD_TOKEN"]
+
+    go = tmp_path / "go"
+    holder_env = job_env(pod_b)
+    holder_env["GO_FILE"] = str(go)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER)], env=holder_env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready", holder.stderr.read()
+
+        # tpud holds each pod's sessions to its allocation: chip 1, 64 MiB.
+        doc = json.loads(tpuctl(daemon, "allocations", "--json").stdout)
+        assert doc["schema_version"] == 1
+        by_name = {a["name"]: a for a in doc["allocations"]}
+        b = by_name[f"{SHARE}: chip-1-share-1"]
+        assert b["chips"] == [{"chip": 1, "quota_bytes": HBM // SHARES}]
+        assert b["session_count"] == 1
+        assert by_name[f"{SHARE}: chip-1-share-0"]["session_count"] == 0
+        sessions = json.loads(tpuctl(daemon, "sessions", "--json").stdout)["sessions"]
+        (held,) = [s for s in sessions if s["allocation_id"] == b["id"]]
+        assert held["quota_bytes_per_chip"] == HBM // SHARES
+        assert set(held["hbm_bytes_per_chip"]) == {"1"}
+        assert 44 * MiB <= held["hbm_bytes_per_chip"]["1"] <= HBM // SHARES
+
+        # Pod A runs a small job, then asks for more than its share.
+        r = run_job(job_env(pod_a), GREEDY)
+        assert r.returncode == 0, r.stderr
+        assert "GRANTED" not in r.stdout
+        assert "REFUSED:" in r.stdout, r.stdout
+        refusal = r.stdout
+        assert "quota" in refusal and "64.00 MiB" in refusal, refusal
+        assert "chip 1" in refusal, refusal
+
+        # Pod B is unaffected: its memory and its work.
+        go.touch()
+        out, err = holder.communicate(timeout=60)
+        assert holder.returncode == 0, err
+        assert "done 3145728" in out
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
+def test_a_pod_cannot_use_chips_outside_its_allocation(cluster):
+    _, kubelet, _ = cluster
+    (pod,) = allocate(kubelet, SHARE, ["chip-2-share-0"])
+    env = job_env(pod)
+    del env["TPU_VISIBLE_CHIPS"]  # sees every chip, may use only chip 2
+    r = run_job(env, """
+        import torch, torch_tpu
+        x = torch.ones(16, device="tpu:2")
+        assert x.sum().item() == 16
+        try:
+            torch.ones(16, device="tpu:0")
+        except RuntimeError as e:
+            print("REFUSED:", e)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "REFUSED:" in r.stdout and "chip 0" in r.stdout and "chips 2" in r.stdout, r.stdout
+
+
+def test_whole_chips_get_a_whole_chip_quota(cluster):
+    daemon, kubelet, _ = cluster
+    (pod,) = allocate(kubelet, CHIP, chips(4, 5))
+    assert pod.envs["TPU_VISIBLE_CHIPS"] == "4,5"
+    doc = json.loads(tpuctl(daemon, "allocations", "--json").stdout)
+    (a,) = [a for a in doc["allocations"] if a["name"] == f"{CHIP}: chip-4,chip-5"]
+    assert a["chips"] == [{"chip": 4, "quota_bytes": HBM}, {"chip": 5, "quota_bytes": HBM}]
+    r = run_job(job_env(pod), """
+        import torch, torch_tpu
+        assert torch.tpu.device_count() == 2
+        x = torch.ones(64, device="tpu:1") + torch.ones(64, device="tpu:1")
+        print(x.sum().item())
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "128.0"
+    # Allocating a device again ends the allocation that held it (its pod is gone).
+    (alone,) = allocate(kubelet, CHIP, chips(5))
+    names = [a["name"] for a in json.loads(tpuctl(daemon, "allocations", "--json").stdout)
+             ["allocations"]]
+    assert f"{CHIP}: chip-4,chip-5" not in names
+    assert f"{CHIP}: chip-5" in names
+    assert "chip-5" in tpuctl(daemon, "allocations").stdout
+    r = run_job(job_env(pod), "import torch, torch_tpu; torch.ones(1, device='tpu')")
+    assert r.returncode != 0 and "TPUD_TOKEN" in r.stderr, r.stderr[-2000:]
+    # The same devices again (the pod's next container) keep their allocation.
+    (again,) = allocate(kubelet, CHIP, chips(5))
+    assert again.envs["TPUD_TOKEN"] == alone.envs["TPUD_TOKEN"]
+    assert again.annotations == alone.annotations
+    names_again = [a["name"] for a in json.loads(tpuctl(daemon, "allocations", "--json").stdout)
+                   ["allocations"]]
+    assert names_again == names
+
+
+def test_unknown_token_is_refused_at_session_open(cluster):
+    daemon, _, _ = cluster
+    env = daemon.env()
+    env["TPUD_TOKEN"] = "0123456789abcdef0123456789abcdef"
+    r = run_job(env, """
+        import torch, torch_tpu
+        torch.ones(4, device="tpu")
+    """)
+    assert r.returncode != 0
+    assert "TPUD_TOKEN" in r.stderr and "PERMISSION_DENIED" in r.stderr, r.stderr[-2000:]
+
+
+# --- bad input ------------------------------------------------------------------
+
+
+def test_bad_device_ids_get_clear_errors(cluster):
+    _, kubelet, _ = cluster
+    with pytest.raises(grpc.RpcError) as e:
+        allocate(kubelet, CHIP, ["chip-99"])
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chip-99" in e.value.details() and "chip-0 .. chip-7" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        allocate(kubelet, SHARE, ["chip-0"])  # a whole chip's ID on the share resource
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chip-<0..7>-share-<0..3>" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        allocate(kubelet, SHARE, ["chip-0-share-0"], [])  # a container with no devices
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:
+        preferred(kubelet, CHIP, chips(0, 1), 3)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cannot pick 3" in e.value.details()
+
+
+# --- kubelet restarts -----------------------------------------------------------
+
+
+def test_registers_again_when_the_kubelet_restarts(cluster):
+    _, kubelet, _ = cluster
+    before = len(kubelet.registrations)
+    updates = dict(kubelet.updates)
+    # A restarting kubelet removes every socket in the directory, then
+    # serves a new kubelet.sock.
+    kubelet.stop(remove_plugin_sockets=True)
+    time.sleep(0.3)
+    kubelet.start()
+    kubelet.wait(lambda k: set(k.registered(before)) == {CHIP, SHARE},
+                 what="both resources registering again")
+    kubelet.wait(lambda k: all(k.updates.get(r, 0) > updates.get(r, 0) for r in (CHIP, SHARE)),
+                 what="device lists from the restarted plugin servers")
+    for reg in kubelet.registered(before).values():
+        assert os.path.exists(os.path.join(kubelet.dir, reg.endpoint))
+    (pod,) = allocate(kubelet, CHIP, chips(6))
+    assert pod.envs["TPU_VISIBLE_CHIPS"] == "6"
+
+
+def test_registers_again_when_only_kubelet_sock_is_recreated(cluster):
+    _, kubelet, _ = cluster
+    before = len(kubelet.registrations)
+    kubelet.stop(remove_plugin_sockets=False)
+    kubelet.start()
+    kubelet.wait(lambda k: set(k.registered(before)) == {CHIP, SHARE},
+                 what="both resources registering again")
+
+
+def test_restarts_its_server_when_its_socket_is_removed(cluster):
+    _, kubelet, _ = cluster
+    before = len(kubelet.registrations)
+    endpoint = kubelet.registered()[SHARE].endpoint
+    os.unlink(os.path.join(kubelet.dir, endpoint))
+    kubelet.wait(lambda k: SHARE in k.registered(before), what="chip-share registering again")
+    assert os.path.exists(os.path.join(kubelet.dir, endpoint))
+    (pod,) = allocate(kubelet, SHARE, ["chip-7-share-3"])
+    assert pod.envs["TPU_VISIBLE_CHIPS"] == "7"
