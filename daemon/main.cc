@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <grpcpp/grpcpp.h>
@@ -35,6 +36,9 @@
 #include "daemon/executor/executor_pool.h"
 #include "daemon/executor/shared_regions.h"
 #include "daemon/grpc_services.h"
+#include "daemon/metrics/http_endpoint.h"
+#include "daemon/metrics/rpc_status_counts.h"
+#include "daemon/metrics/tpud_metrics.h"
 #include "daemon/pjrt/pjrt_chip.h"
 #include "daemon/pjrt/pjrt_probe.h"
 #include "daemon/runtime_core.h"
@@ -107,6 +111,10 @@ ABSL_FLAG(bool, pjrt_graphs, true,
           "with device memory, run each captured graph (torch.compile) as one StableHLO module; "
           "false: its ops one by one, as eager ops");
 
+ABSL_FLAG(std::string, metrics_address, "",
+          "serve Prometheus metrics (GET /metrics) on this loopback HOST:PORT "
+          "(127.0.0.1:9464) or unix socket path; empty: no metrics endpoint");
+
 namespace tpud {
 namespace {
 
@@ -136,6 +144,12 @@ int Run() {
       tpu::ParseBytes(absl::GetFlag(FLAGS_session_quota_bytes));
   if (!quota.ok()) {
     return Fail(absl::StrCat("--session_quota_bytes: ", quota.status().message()));
+  }
+  std::optional<MetricsAddress> metrics_address;
+  if (const std::string m = absl::GetFlag(FLAGS_metrics_address); !m.empty()) {
+    absl::StatusOr<MetricsAddress> parsed = ParseMetricsAddress(m);
+    if (!parsed.ok()) return Fail(std::string(parsed.status().message()));
+    metrics_address = *parsed;
   }
   absl::StatusOr<Topology> topology =
       Topology::FromPreset(absl::GetFlag(FLAGS_topology), *hbm);
@@ -379,7 +393,7 @@ int Run() {
         // Its client reads why first; then the session ends like a killed one.
         data_plane.FailSession(session, absl::AbortedError(message));
         const ConnectionId conn = core_for_pool->ConnectionOf(session);
-        ReclaimResult r = core_for_pool->EndSession(session);
+        ReclaimResult r = core_for_pool->EndSession(session, RuntimeCore::EndReason::kFailed);
         spdlog::warn("session {} ended: {} (reclaimed {})", session, message,
                      tpu::FormatBytes(r.bytes));
         if (sockets != nullptr && conn != 0) sockets->Hangup(conn);
@@ -400,19 +414,49 @@ int Run() {
 
   // Servers without listening ports: connections arrive through SocketServer.
   constexpr int kMaxMessageBytes = 4 << 20;  // control plane only, never bulk data
+  // Every RPC's status is counted for tpud_errors_total (both services).
+  RpcStatusCounts rpc_statuses;
+  auto count_statuses = [&rpc_statuses] {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> v;
+    v.push_back(CountRpcStatuses(&rpc_statuses));
+    return v;
+  };
   grpc::ServerBuilder runtime_builder;
   runtime_builder.RegisterService(&runtime_service);
   runtime_builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  runtime_builder.experimental().SetInterceptorCreators(count_statuses());
   std::unique_ptr<grpc::Server> runtime_server = runtime_builder.BuildAndStart();
   grpc::ServerBuilder admin_builder;
   admin_builder.RegisterService(&admin_service);
   admin_builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  admin_builder.experimental().SetInterceptorCreators(count_statuses());
   std::unique_ptr<grpc::Server> admin_server = admin_builder.BuildAndStart();
   if (runtime_server == nullptr || admin_server == nullptr) {
     return Fail("could not start the gRPC servers");
   }
 
   RuntimeCore* core_ptr = core->get();
+  // Metrics before the sockets: once tpud answers, so does its endpoint.
+  std::unique_ptr<TpudCollector> metrics;
+  std::unique_ptr<HttpEndpoint> metrics_endpoint;
+  if (metrics_address.has_value()) {
+    metrics = std::make_unique<TpudCollector>([&admin_service, pool_ptr, core_ptr,
+                                               &rpc_statuses] {
+      MetricsInputs in;
+      admin_service.FillStatus(&in.status);
+      in.executors = pool_ptr->Executors();
+      in.sessions = core_ptr->session_counts();
+      in.rpc_statuses = rpc_statuses.Snapshot();
+      in.start_unix_seconds = absl::ToDoubleSeconds(admin_service.started() - absl::UnixEpoch());
+      return in;
+    });
+    absl::StatusOr<std::unique_ptr<HttpEndpoint>> endpoint =
+        HttpEndpoint::Start(*metrics_address, [m = metrics.get()] { return m->Render(); });
+    if (!endpoint.ok()) return Fail(std::string(endpoint.status().message()));
+    metrics_endpoint = *std::move(endpoint);
+    spdlog::info("Prometheus metrics on {}", metrics_endpoint->url());
+  }
+
   auto on_hangup = [core_ptr](const ConnectionInfo& conn) {
     absl::Time start = absl::Now();
     ReclaimResult r = conn.data_plane ? core_ptr->EndSession(conn.session_id)
@@ -465,6 +509,7 @@ int Run() {
   }
   spdlog::info("received {}, shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   sd_notify(0, "STOPPING=1");
+  metrics_endpoint.reset();
   sockets->Stop();
   data_plane.StopAll();
   pool_ptr->Stop();

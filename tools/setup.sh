@@ -10,6 +10,8 @@ APT_PACKAGES=(
   bazel-bootstrap g++ pkg-config
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
   libabsl-dev libspdlog-dev libfmt-dev catch2 libsystemd-dev systemd
+  # tpud's metrics (prometheus-cpp), and a real Prometheus for their tests.
+  prometheus-cpp-dev prometheus
 )
 
 missing=()

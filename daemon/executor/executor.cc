@@ -118,6 +118,17 @@ Executor::~Executor() {
   if (epoll_fd_ >= 0) close(epoll_fd_);
 }
 
+void Executor::CountError(const absl::Status& status) {
+  const int code = static_cast<int>(status.code());
+  if (code > 0 && code < kStatusCodes) BumpSingleWriter(slot_->op_errors[code]);
+}
+
+void Executor::RecordOpError(tpu::RingControl* ctl, uint64_t sequence,
+                             const absl::Status& status) {
+  CountError(status);
+  RecordRingError(ctl, sequence, status);
+}
+
 int Executor::ChipSlot(int chip) const {
   for (size_t i = 0; i < config_.chips.size(); ++i) {
     if (config_.chips[i] == chip) return static_cast<int>(i);
@@ -168,6 +179,7 @@ int Executor::Run() {
       }
       if (found) continue;
     }
+    UpdateActivity(now);  // what it shows holds while it sleeps
     Sleep(parked_.empty() ? 100 : 10);
     last_epoll = tpu::MonotonicNanos();
   }
@@ -528,6 +540,26 @@ void Executor::UpdateActivity(uint64_t now) {
     if (now - s->last_active_ns < kActiveSessionNs) ++active;
   }
   slot_->active_sessions.store(active, std::memory_order_relaxed);
+  // Queue depth: records clients published that are not done yet. A
+  // client's `submitted` is its own word, so a hostile one moves only its own
+  // figure, and by at most a ring's worth of records.
+  uint64_t depth[tpu::kMaxChipsPerHost] = {};
+  for (const auto& [id, s] : sessions_) {
+    if (s->failed) continue;
+    for (const auto& r : s->rings) {
+      const int i = ChipSlot(r->chip);
+      if (i < 0 || i >= tpu::kMaxChipsPerHost) continue;
+      const uint64_t submitted = r->ctl->submitted.load(std::memory_order_relaxed);
+      const uint64_t done = r->trusted->last_sequence.load(std::memory_order_relaxed);
+      if (submitted > done) {
+        depth[i] += std::min<uint64_t>(submitted - done,
+                                       s->layout.ring_bytes / sizeof(tpu::RecordHeader));
+      }
+    }
+  }
+  for (size_t i = 0; i < config_.chips.size() && i < tpu::kMaxChipsPerHost; ++i) {
+    slot_->queue_depth[i].store(depth[i], std::memory_order_relaxed);
+  }
   if (window_start_ns_ == 0) window_start_ns_ = now;
   if (now - window_start_ns_ >= kActivityWindowNs) {
     slot_->duty_permille.store(window_busy_ns_ * 1000 / (now - window_start_ns_),
@@ -542,6 +574,7 @@ void Executor::RunRing(Ring& ring) {
   const uint64_t start = tpu::MonotonicNanos();
   uint64_t now = start;
   uint64_t records = 0;
+  const int chip_slot = ChipSlot(ring.chip);
   while (true) {
     if (s.failed || s.state.header()->dead.load(std::memory_order_relaxed) != 0) {
       ring.state = Ring::State::kDone;
@@ -553,9 +586,14 @@ void Executor::RunRing(Ring& ring) {
       polled_.push_back(&ring);
       break;
     }
+    const uint64_t op_start = now;
     if (!Step(ring)) break;  // parked, or the session failed
     ++records;
     now = tpu::MonotonicNanos();
+    if (chip_slot >= 0 && chip_slot < tpu::kMaxChipsPerHost) {
+      BumpSingleWriter(slot_->op_latency[chip_slot][OpLatencyBucket(now - op_start)]);
+      BumpSingleWriter(slot_->op_latency_sum_ns[chip_slot], now - op_start);
+    }
     if (now - start >= config_.quantum_ns && !queue_.empty()) {
       ring.state = Ring::State::kQueued;
       queue_.Push(s.id, ring.handle);
@@ -614,6 +652,7 @@ void Executor::FailSession(Session& s, const absl::Status& status) {
   // A malformed record fails the whole session's data plane: the client is
   // broken or hostile. The executor and every other session go on.
   spdlog::warn("session {} failed: {}", s.id, std::string(status.message()));
+  CountError(status);
   s.failed = true;
   s.state.header()->dead.store(1);
   const absl::Status st(status.code(), absl::StrCat("session failed: ", status.message()));
@@ -700,7 +739,7 @@ bool Executor::Step(Ring& ring) {
         const OpSlot& slot = LookupOp(ring, op_.op_id);
         PoisonOutputs(ring, slot.op.get(),
                       poison_root_.empty() ? std::string(st.message()) : poison_root_);
-        RecordRingError(ctl, header.sequence, st);
+        RecordOpError(ctl, header.sequence, st);
       }
       break;
     }
@@ -710,7 +749,7 @@ bool Executor::Step(Ring& ring) {
       BeginOp(ring, header.sequence, "copy", 4);
       absl::Status st = RunCopy(ring, copy);
       EndOp();
-      if (!st.ok()) RecordRingError(ctl, header.sequence, st);
+      if (!st.ok()) RecordOpError(ctl, header.sequence, st);
       break;
     }
     case tpu::RecordKind::kEventRecord: {
@@ -733,13 +772,13 @@ bool Executor::Step(Ring& ring) {
         parked_.push_back(&ring);
         return false;  // the record stays at the head until its group is done
       }
-      if (!st.ok()) RecordRingError(ctl, header.sequence, st);
+      if (!st.ok()) RecordOpError(ctl, header.sequence, st);
       break;
     }
     case tpu::RecordKind::kRunProgram: {
       if (absl::Status st = tpu::DecodeRunProgram(record, &run_); !st.ok()) return fail(st);
       absl::Status st = RunProgram(ring, header.sequence, run_);
-      if (!st.ok()) RecordRingError(ctl, header.sequence, st);
+      if (!st.ok()) RecordOpError(ctl, header.sequence, st);
       break;
     }
     case tpu::RecordKind::kEventWait: {
@@ -748,7 +787,7 @@ bool Executor::Step(Ring& ring) {
       bool ready = false;
       absl::Status st = CheckEventWait(ring, header.sequence, wait, &ready);
       if (!st.ok()) {
-        RecordRingError(ctl, header.sequence, st);
+        RecordOpError(ctl, header.sequence, st);
       } else if (!ready) {
         ring.wait_ring = static_cast<int>(wait.stream);
         ring.wait_sequence = wait.sequence;

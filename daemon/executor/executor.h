@@ -160,6 +160,10 @@ class Executor {
   void DrainDoorbells(int timeout_ms);
   void RunRing(Ring& ring);
   void UpdateActivity(uint64_t now);
+  // Errors for metrics (ExecutorSlot::op_errors): every failed record, and
+  // the record's ring error with it.
+  void CountError(const absl::Status& status);
+  void RecordOpError(tpu::RingControl* ctl, uint64_t sequence, const absl::Status& status);
 
   // ---- records ----
   // Handles the record at the ring's head. Returns false when the ring

@@ -569,6 +569,14 @@ void ExecutorPool::OnWorkerDeath(int e, int wait_status) {
     tpu::FutexWakeAll(&slot.op_epoch);
     w.busy_base_ns += slot.busy_ns.exchange(0);
     w.ops_base += slot.ops.exchange(0);
+    for (int i = 0; i < tpu::kMaxChipsPerHost; ++i) {
+      for (int b = 0; b < kOpLatencyBuckets; ++b) {
+        w.latency_base[i][b] += slot.op_latency[i][b].exchange(0);
+      }
+      w.latency_sum_base[i] += slot.op_latency_sum_ns[i].exchange(0);
+      slot.queue_depth[i].store(0);
+    }
+    for (int c = 0; c < kStatusCodes; ++c) w.errors_base[c] += slot.op_errors[c].exchange(0);
     ++w.restarts;
     // Back off when an executor keeps dying (e.g. at start-up).
     int recent = 0;
@@ -642,6 +650,18 @@ std::vector<ExecutorInfo> ExecutorPool::Executors() const {
     info.busy_ns = w.busy_base_ns + slot.busy_ns.load();
     info.ops = w.ops_base + slot.ops.load();
     info.duty_cycle = static_cast<double>(slot.duty_permille.load()) / 1000.0;
+    for (size_t i = 0; i < info.chips.size() && i < tpu::kMaxChipsPerHost; ++i) {
+      std::array<uint64_t, kOpLatencyBuckets> buckets;
+      for (int b = 0; b < kOpLatencyBuckets; ++b) {
+        buckets[b] = w.latency_base[i][b] + slot.op_latency[i][b].load();
+      }
+      info.op_latency.push_back(buckets);
+      info.op_latency_sum_ns.push_back(w.latency_sum_base[i] + slot.op_latency_sum_ns[i].load());
+      info.queue_depth.push_back(w.ready ? slot.queue_depth[i].load() : 0);
+    }
+    for (int c = 0; c < kStatusCodes; ++c) {
+      info.op_errors[c] = w.errors_base[c] + slot.op_errors[c].load();
+    }
     if (slot.compiles_ops.load() != 0) {
       info.programs_cached = slot.programs_cached.load();
       info.device_buffer_bytes = w.ready ? slot.device_buffer_bytes.load() : 0;

@@ -19,6 +19,7 @@
 #ifndef TPUD_DAEMON_EXECUTOR_EXECUTOR_POOL_H_
 #define TPUD_DAEMON_EXECUTOR_EXECUTOR_POOL_H_
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -73,6 +74,14 @@ struct ExecutorInfo {
   std::vector<CompileStats> compile;
   uint64_t programs_cached = 0;
   uint64_t device_buffer_bytes = 0;
+  // For metrics, since the daemon started (across restarts), by position in
+  // `chips`: records run per latency bucket (kOpLatencyBoundsNs; not
+  // cumulative) and their total time; and records waiting now.
+  std::vector<std::array<uint64_t, kOpLatencyBuckets>> op_latency;
+  std::vector<uint64_t> op_latency_sum_ns;
+  std::vector<uint64_t> queue_depth;
+  // Failed op records by absl::StatusCode, across restarts.
+  std::array<uint64_t, kStatusCodes> op_errors{};
 };
 
 class ExecutorPool {
@@ -129,6 +138,10 @@ class ExecutorPool {
     uint64_t restarts = 0;
     uint64_t busy_base_ns = 0;  // from earlier incarnations
     uint64_t ops_base = 0;
+    // Metrics counters of earlier incarnations (see ExecutorInfo).
+    std::array<std::array<uint64_t, kOpLatencyBuckets>, tpu::kMaxChipsPerHost> latency_base{};
+    std::array<uint64_t, tpu::kMaxChipsPerHost> latency_sum_base{};
+    std::array<uint64_t, kStatusCodes> errors_base{};
     absl::Time next_start = absl::InfinitePast();
     bool start_pending = false;
   };

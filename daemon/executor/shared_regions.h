@@ -82,6 +82,30 @@ class SharedMapping {
 
 // ---------------------------------------------------------------- executors
 
+// Upper bounds of the op latency histogram's buckets (ExecutorSlot::op_latency),
+// 1 µs to 10 s; one more bucket takes the rest.
+inline constexpr uint64_t kOpLatencyBoundsNs[] = {
+    1'000,      2'500,       5'000,       10'000,      25'000,      50'000,     100'000,
+    250'000,    500'000,     1'000'000,   2'500'000,   5'000'000,   10'000'000, 25'000'000,
+    50'000'000, 100'000'000, 250'000'000, 1'000'000'000, 10'000'000'000};
+inline constexpr int kOpLatencyBuckets =
+    static_cast<int>(sizeof(kOpLatencyBoundsNs) / sizeof(kOpLatencyBoundsNs[0])) + 1;
+// absl::StatusCode values 0..16.
+inline constexpr int kStatusCodes = 17;
+
+// Adds to a counter only one thread writes (a relaxed load and store: no
+// locked instruction on the op path).
+inline void BumpSingleWriter(std::atomic<uint64_t>& c, uint64_t n = 1) {
+  c.store(c.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+}
+
+// The bucket of kOpLatencyBoundsNs a duration falls in.
+inline int OpLatencyBucket(uint64_t ns) {
+  int b = 0;
+  while (b < kOpLatencyBuckets - 1 && ns > kOpLatencyBoundsNs[b]) ++b;
+  return b;
+}
+
 // What an executor is doing, written by that executor (and reset by tpud
 // after the executor died).
 struct alignas(64) ExecutorSlot {
@@ -121,6 +145,19 @@ struct alignas(64) ExecutorSlot {
   std::atomic<uint64_t> program_hits[tpu::kMaxChipsPerHost];
   std::atomic<uint64_t> collective_programs[tpu::kMaxChipsPerHost];
   std::atomic<uint64_t> graph_programs[tpu::kMaxChipsPerHost];
+  // For metrics (daemon/metrics): counters since this executor started, by
+  // position in its chips. Single writer (this executor): it adds with a
+  // relaxed load and store.
+  // Records run, by how long each took on the chip (kOpLatencyBoundsNs;
+  // the last bucket is everything above), and their total time.
+  alignas(64) std::atomic<uint64_t> op_latency[tpu::kMaxChipsPerHost][kOpLatencyBuckets];
+  std::atomic<uint64_t> op_latency_sum_ns[tpu::kMaxChipsPerHost];
+  // Records published by clients and not yet done, per chip (sampled about
+  // every millisecond while busy, and before the executor sleeps).
+  std::atomic<uint64_t> queue_depth[tpu::kMaxChipsPerHost];
+  // Op records that failed, by absl::StatusCode (sessions failed for a
+  // malformed record included).
+  std::atomic<uint64_t> op_errors[kStatusCodes];
   // kReleased messages tpud sent this executor (counted after each is
   // queued): an executor keeping device memory per segment reads them all
   // before it resolves memory, so pages freed and handed out again never

@@ -30,6 +30,7 @@ DOCUMENTED_FLAGS = {
     "session_quota_bytes",
     "log_level",
     "socket_group",
+    "metrics_address",
 }
 FLAG_LINE = re.compile(r"^--([a-z_][a-z0-9_]*)=(\S*)$")
 TPUCTL_HEALTH = ["/usr/bin/tpuctl", "--admin_socket=/run/tpud/admin.sock", "health"]
@@ -165,6 +166,7 @@ def test_flagfile_shows_every_flag_once_with_sane_values():
     assert flags["hbm_bytes"].isdigit()
     assert flags["session_quota_bytes"].isdigit()
     assert flags["socket_group"] == "tpu"
+    assert re.fullmatch(r"(127\.0\.0\.1|localhost):\d+|/\S+", flags["metrics_address"])
 
 
 def test_flagfile_parser_rejects_bad_lines():
@@ -391,6 +393,7 @@ def test_tpud_accepts_the_example_flagfile(tmp_path):
     proc = subprocess.Popen(
         [bazel_bin("daemon/tpud"), f"--flagfile={FLAGFILE}", f"--socket={sock}",
          f"--admin_socket={tmp_path / 'admin.sock'}", "--socket_group=root",
+         f"--metrics_address={tmp_path / 'metrics.sock'}",
          "--hbm_bytes=1MiB"], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 10
