@@ -291,6 +291,17 @@ HOLDER = """
     print("done", y)
 """
 
+SECOND_PROCESS = """
+    import torch, torch_tpu
+    small = torch.empty(8 << 20, dtype=torch.uint8, device="tpu")   # fits beside the holder
+    try:
+        more = torch.empty(24 << 20, dtype=torch.uint8, device="tpu")  # together over 64 MiB
+    except RuntimeError as e:
+        print("REFUSED:", e)
+    else:
+        print("GRANTED")
+"""
+
 GREEDY = """
     import torch, torch_tpu
     x = torch.ones(256, 256, device="tpu")
@@ -346,6 +357,12 @@ def test_two_pods_share_a_chip_each_held_to_its_share(cluster, tmp_path):
         assert held["quota_bytes_per_chip"] == HBM // SHARES
         assert set(held["hbm_bytes_per_chip"]) == {"1"}
         assert 44 * MiB <= held["hbm_bytes_per_chip"]["1"] <= HBM // SHARES
+
+        # A second process of pod B shares pod B's share with the holder: the
+        # allocation's quota binds its sessions together.
+        r = run_job(job_env(pod_b), SECOND_PROCESS)
+        assert r.returncode == 0, r.stderr
+        assert "REFUSED:" in r.stdout and "sessions of allocation" in r.stdout, r.stdout
 
         # Pod A runs a small job, then asks for more than its share.
         r = run_job(job_env(pod_a), GREEDY)
