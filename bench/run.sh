@@ -5,11 +5,11 @@
 # lines of bench/pjrt_bench.py (tpud's PJRT backend on XLA's CPU plugin against
 # the same programs called in-process; it starts its own daemon), then the
 # compiled_* lines of bench/compile_bench.py (torch.compile on tpu; pjrt_compiled_* on
-# the PJRT backend).
+# the PJRT backend), then the metrics_scrape_* lines of bench/metrics_bench.py.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-"$ROOT/tools/bazel.sh" build -c opt //daemon:tpud //bench:all >&2
+"$ROOT/tools/bazel.sh" build -c opt //daemon:tpud //bench:all //examples/cpp:hello_tpud >&2
 DIR="$(mktemp -d /tmp/tpud-bench.XXXXXX)"
 BIN="$(tools/bazel.sh info -c opt bazel-bin 2>/dev/null)"
 "$BIN/daemon/tpud" --socket="$DIR/tpud.sock" --admin_socket="$DIR/admin.sock" \
@@ -29,3 +29,6 @@ export TPUD_SOCKET="$DIR/tpud.sock"
 "$ROOT/.venv/bin/python" "$ROOT/bench/compile_bench.py" --start-daemon --tpud "$BIN/daemon/tpud"
 # The same on the PJRT backend with device memory (a graph is one StableHLO module).
 "$ROOT/.venv/bin/python" "$ROOT/bench/compile_bench.py" --start-daemon --tpud "$BIN/daemon/tpud" --backend pjrt
+# What a Prometheus scrape costs with 0, 16 and 64 sessions open.
+"$ROOT/.venv/bin/python" "$ROOT/bench/metrics_bench.py" --tpud "$BIN/daemon/tpud" \
+  --client "$BIN/examples/cpp/hello_tpud"

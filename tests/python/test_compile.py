@@ -173,6 +173,40 @@ def test_a_shape_change_recompiles_and_marked_dynamic_dims_work(tpud):
     """), timeout=300)
 
 
+def test_a_calls_signature_tells_apart_what_a_capture_depends_on(tpud):
+    # _signature (in C++) keys the captures of a graph: what differs here must
+    # give another key, what is equal the same one.
+    run_py(tpud, script("""
+        sig = _compile._signature
+        a = torch.zeros(4, 4, device="tpu")
+        b = torch.zeros(4, 4, device="tpu")
+        assert isinstance(sig([a, b]), bytes)
+        assert sig([a, b]) == sig([torch.ones(4, 4, device="tpu"), torch.ones(4, 4, device="tpu")])
+        assert sig([a, a]) != sig([a, b]), "shared storage matters"
+        assert sig([a, a[1:]]) != sig([a, a]), "offsets"
+        assert sig([a.t()]) != sig([a]), "strides"
+        assert sig([a]) != sig([a.double()]), "dtypes"
+        assert sig([a]) != sig([torch.zeros(2, 8, device="tpu")]), "shapes"
+        assert sig([a[:2]]) != sig([torch.zeros(2, 4, device="tpu")]), "storage sizes"
+        if torch.tpu.device_count() > 1:
+            assert sig([a]) != sig([torch.zeros(4, 4, device="tpu:1")]), "devices"
+        # Python scalars: type and value.
+        keys = {sig([a, v]) for v in (1, 1.0, True, None, 2, 2.5, -0.0)}
+        assert len(keys) == 7, keys
+        assert sig([a, 3]) == sig([a, 3]) and sig([a, 1.5]) == sig([a, 1.5])
+        # Host scalar tensors by value; other host tensors: eager (None).
+        assert sig([a, torch.tensor(2.0)]) == sig([a, torch.tensor(2.0)])
+        assert sig([a, torch.tensor(2.0)]) != sig([a, torch.tensor(3.0)])
+        assert sig([a, torch.tensor(2)]) != sig([a, torch.tensor(2.0)])
+        assert sig([a, torch.zeros(3)]) is None
+        # What C++ does not know goes to the Python version: a huge int, a string.
+        assert isinstance(sig([a, 1 << 70]), tuple)
+        assert sig([a, 1 << 70]) != sig([a, 1 << 71])
+        assert sig([a, "text"]) is None
+        print("ok")
+    """))
+
+
 def test_graph_breaks_run_the_pieces_and_the_break_eagerly(tpud):
     run_py(tpud, script("""
         def f(x):

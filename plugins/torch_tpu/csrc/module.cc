@@ -1,10 +1,13 @@
 // torch_tpu._C: registration of the "tpu" allocator and the functions behind
 // torch.tpu (thin bindings; the work is in runtime/allocator/guard/ops).
 #include <c10/core/Allocator.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/Generator.h>
 #include <torch/extension.h>
 
+#include <cstring>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <unordered_map>
 
@@ -163,6 +166,155 @@ uint64_t NextRunSeed() {
   return seed == 0 ? 1 : seed;  // 0 means "keep the captured seeds"
 }
 
+// What a captured graph's call depends on, as _compile._signature computes
+// it in Python, in C++ (it runs on every call of a compiled graph): per
+// argument, a tensor's device, dtype, shape, strides, offset, storage size and
+// which earlier argument's storage it shares; a host scalar tensor's value; a
+// Python scalar's type and value. Returns the key as bytes, None when a tensor
+// sits on the host (the graph runs eagerly), or False for an argument of
+// another kind (the caller computes the key in Python).
+py::object ProgramSignature(const py::sequence& args) {
+  std::string key;
+  key.reserve(args.size() * 96);
+  auto put = [&key](int64_t v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
+  std::vector<const void*> storages;
+  for (py::handle a : args) {
+    PyObject* o = a.ptr();
+    if (THPVariable_Check(o)) {
+      const at::Tensor& t = THPVariable_Unpack(o);
+      if (t.device().type() != c10::DeviceType::PrivateUse1) {
+        if (t.dim() != 0 || t.numel() != 1) return py::none();
+        const c10::Scalar v = t.item();
+        key.push_back('c');
+        put(static_cast<int64_t>(t.scalar_type()));
+        if (v.isBoolean()) {
+          put(v.toBool() ? 1 : 0);
+        } else if (v.isIntegral(/*includeBool=*/false)) {
+          put(v.toLong());
+        } else if (v.isFloatingPoint()) {
+          const double d = v.toDouble();
+          int64_t bits;
+          std::memcpy(&bits, &d, sizeof(bits));
+          put(bits);
+        } else {
+          return py::bool_(false);
+        }
+        continue;
+      }
+      key.push_back('t');
+      put(t.device().index());
+      put(static_cast<int64_t>(t.scalar_type()));
+      put(t.dim());
+      for (int64_t d : t.sizes()) put(d);
+      for (int64_t d : t.strides()) put(d);
+      put(t.storage_offset());
+      const c10::Storage& st = t.storage();
+      put(static_cast<int64_t>(st.nbytes()));
+      const void* ptr = st.data();
+      size_t index = 0;
+      while (index < storages.size() && storages[index] != ptr) ++index;
+      if (index == storages.size()) storages.push_back(ptr);
+      put(static_cast<int64_t>(index));
+    } else if (o == Py_None) {
+      key.push_back('n');
+    } else if (PyBool_Check(o)) {
+      key.push_back(o == Py_True ? 'T' : 'F');
+    } else if (PyLong_CheckExact(o)) {
+      int overflow = 0;
+      const long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+      if (overflow != 0) return py::bool_(false);
+      key.push_back('i');
+      put(static_cast<int64_t>(v));
+    } else if (PyFloat_CheckExact(o)) {
+      const double d = PyFloat_AS_DOUBLE(o);
+      int64_t bits;
+      std::memcpy(&bits, &d, sizeof(bits));
+      key.push_back('f');
+      put(bits);
+    } else {
+      return py::bool_(false);
+    }
+  }
+  return py::bytes(key);
+}
+
+at::ScalarType DtypeOf(py::handle h) {
+  TORCH_CHECK(THPDtype_Check(h.ptr()), "tpu: expected a torch.dtype");
+  return reinterpret_cast<THPDtype*>(h.ptr())->scalar_type;
+}
+
+// One call of a captured program (what _compile._Program.run does, in C++):
+// binds each input storage of the capture to the call's, allocates the
+// storages its outputs need anew, runs it on the first tpu argument's device,
+// and returns the outputs as tensors on those storages.
+//   inputs:  [(arg index, captured address, bytes)]
+//   fresh:   [(captured address, bytes, device index)]
+//   outputs: [(0, value) | (1, arg index, dtype, shape, strides, offset)
+//             | (2, fresh slot, dtype, shape, strides, offset)]
+py::list ProgramCall(uint64_t id, const py::sequence& args, const py::list& inputs,
+                     const py::list& fresh, const py::list& outputs, uint64_t seed) {
+  std::vector<std::tuple<uint64_t, uint64_t, uint64_t>> bindings;
+  bindings.reserve(inputs.size() + fresh.size());
+  std::optional<c10::Device> device;
+  for (py::handle a : args) {
+    if (THPVariable_Check(a.ptr())) {
+      const at::Tensor& t = THPVariable_Unpack(a.ptr());
+      if (t.device().type() == c10::DeviceType::PrivateUse1) {
+        device = t.device();
+        break;
+      }
+    }
+  }
+  auto arg_tensor = [&args](int64_t i) -> const at::Tensor& {
+    py::handle h = args[static_cast<size_t>(i)];
+    TORCH_CHECK(THPVariable_Check(h.ptr()), "tpu: program argument ", i, " is not a tensor");
+    return THPVariable_Unpack(h.ptr());
+  };
+  for (py::handle in : inputs) {
+    const auto [i, ptr, bytes] = in.cast<std::tuple<int64_t, uint64_t, uint64_t>>();
+    bindings.emplace_back(ptr, bytes,
+                          reinterpret_cast<uint64_t>(arg_tensor(i).storage().data()));
+  }
+  std::vector<c10::Storage> storages;
+  storages.reserve(fresh.size());
+  for (py::handle f : fresh) {
+    const auto [ptr, bytes, index] = f.cast<std::tuple<uint64_t, int64_t, int64_t>>();
+    at::Tensor t = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(
+                                          c10::Device(c10::DeviceType::PrivateUse1,
+                                                      static_cast<c10::DeviceIndex>(index))));
+    storages.push_back(t.storage());
+    if (ptr != 0) {
+      bindings.emplace_back(ptr, static_cast<uint64_t>(bytes),
+                            reinterpret_cast<uint64_t>(storages.back().data()));
+    }
+  }
+  {
+    std::optional<c10::DeviceGuard> guard;
+    if (device.has_value()) guard.emplace(*device);
+    ProgramRun(id, bindings, seed);
+  }
+  py::list out(outputs.size());
+  size_t k = 0;
+  for (py::handle o : outputs) {
+    const py::tuple spec = py::reinterpret_borrow<py::tuple>(o);
+    const int kind = spec[0].cast<int>();
+    if (kind == 0) {
+      out[k++] = spec[1];
+      continue;
+    }
+    const int64_t index = spec[1].cast<int64_t>();
+    const c10::Storage storage =
+        kind == 1 ? arg_tensor(index).storage() : storages.at(static_cast<size_t>(index));
+    const auto sizes = spec[3].cast<std::vector<int64_t>>();
+    const auto strides = spec[4].cast<std::vector<int64_t>>();
+    at::Tensor t = at::empty({0}, at::TensorOptions().dtype(DtypeOf(spec[2])).device(
+                                      storage.device()));
+    t.set_(storage, spec[5].cast<int64_t>(), sizes, strides);
+    out[k++] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t)));
+  }
+  return out;
+}
+
 py::dict ProgramInfo(uint64_t id) {
   const CapturedProgram p = Find(id);
   py::dict d;
@@ -247,4 +399,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("_program_release", &ProgramRelease);
   m.def("_program_info", &ProgramInfo);
   m.def("_next_run_seed", &NextRunSeed);
+  m.def("_program_signature", &ProgramSignature);
+  m.def("_program_call", &ProgramCall, py::arg("program"), py::arg("args"), py::arg("inputs"),
+        py::arg("fresh"), py::arg("outputs"), py::arg("seed"));
 }

@@ -53,6 +53,13 @@ def explain():
 
 
 def _signature(args):
+    # In C++ (it runs on every call): bytes, None (a host tensor: eager), or
+    # False for an argument it does not know (a SymInt): then in Python.
+    key = _C._program_signature(args)
+    return _signature_py(args) if key is False else key
+
+
+def _signature_py(args):
     key = []
     storages = {}  # which inputs share storage matters to the program
     for a in args:
@@ -86,6 +93,10 @@ class _Program:
         self.outputs = outputs
         # Per storage the outputs need anew each run: (captured address, bytes, device)
         self.new_specs = new_specs
+        # The same, as _C._program_call takes them.
+        self.call_fresh = [(ptr, nbytes, device.index) for ptr, nbytes, device in new_specs]
+        self.call_outputs = [(0, o[1]) if o[0] == "value" else
+                             (1 if o[0] == "input" else 2, o[1], *o[2]) for o in outputs]
         weakref.finalize(self, _C._program_release, handle)
 
 
@@ -188,30 +199,9 @@ class _CompiledGraph:
         return None
 
     def _run(self, prog, args):
-        bindings = []
-        for i, ptr, nbytes in prog.inputs:
-            bindings.append((ptr, nbytes, args[i].untyped_storage().data_ptr()))
-        fresh = []
-        for ptr, nbytes, device in prog.new_specs:
-            st = torch.empty(nbytes, dtype=torch.uint8, device=device).untyped_storage()
-            fresh.append(st)
-            if ptr != 0:
-                bindings.append((ptr, nbytes, st.data_ptr()))
-        device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "tpu"),
-                      None)
-        with torch.tpu.device(device):
-            _C._program_run(prog.handle, bindings, _C._next_run_seed())
+        out = _C._program_call(prog.handle, args, prog.inputs, prog.call_fresh,
+                               prog.call_outputs, _C._next_run_seed())
         stats["runs"] += 1
-        out = []
-        for o in prog.outputs:
-            if o[0] == "value":
-                out.append(o[1])
-                continue
-            dtype, shape, stride, offset = o[2]
-            storage = args[o[1]].untyped_storage() if o[0] == "input" else fresh[o[1]]
-            t = torch.empty(0, dtype=dtype, device=storage.device)
-            t.set_(storage, offset, shape, stride)
-            out.append(t)
         return out
 
 
