@@ -215,9 +215,9 @@ HttpEndpoint::~HttpEndpoint() {
   (void)!write(stop_fd_, &one, sizeof(one));
   if (acceptor_.joinable()) acceptor_.join();
   {
-    absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(
-        +[](int* n) { return *n == 0; }, &open_connections_));
+    absl::MutexLock lock(&connections_->mu);
+    connections_->mu.Await(absl::Condition(
+        +[](int* n) { return *n == 0; }, &connections_->open));
   }
   close(listen_fd_);
   close(stop_fd_);
@@ -236,9 +236,9 @@ void HttpEndpoint::AcceptLoop() {
     if (fd < 0) continue;
     bool admitted = false;
     {
-      absl::MutexLock lock(&mu_);
-      if (open_connections_ < kMaxConnections) {
-        ++open_connections_;
+      absl::MutexLock lock(&connections_->mu);
+      if (connections_->open < kMaxConnections) {
+        ++connections_->open;
         admitted = true;
       }
     }
@@ -248,11 +248,13 @@ void HttpEndpoint::AcceptLoop() {
       close(fd);
       continue;
     }
-    std::thread([this, fd] {
+    // The destructor waits for `open` to drop to 0, so `this` outlives
+    // Serve; `connections` outlives the unlock after the decrement.
+    std::thread([this, fd, connections = connections_] {
       Serve(fd);
       close(fd);
-      absl::MutexLock lock(&mu_);
-      --open_connections_;
+      absl::MutexLock lock(&connections->mu);
+      --connections->open;
     }).detach();
   }
 }

@@ -64,8 +64,14 @@ class HttpEndpoint {
   const std::string unix_path_;
   const std::function<std::string()> render_;
   std::thread acceptor_;
-  absl::Mutex mu_;
-  int open_connections_ ABSL_GUARDED_BY(mu_) = 0;
+  // Connections being served, each on a thread of its own. Held by those
+  // threads too, so the last one may finish unlocking after the endpoint is
+  // gone.
+  struct Connections {
+    absl::Mutex mu;
+    int open ABSL_GUARDED_BY(mu) = 0;
+  };
+  std::shared_ptr<Connections> connections_ = std::make_shared<Connections>();
 };
 
 }  // namespace tpud
