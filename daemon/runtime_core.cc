@@ -265,7 +265,9 @@ std::vector<AllocationSnapshot> RuntimeCore::Allocations() const {
     snap.chips = a.chips;
     snap.quota_bytes = a.quota_bytes;
     snap.created = a.created;
-    for (const auto& [id, s] : sessions_) snap.session_count += s->allocation_id == a.id ? 1 : 0;
+    if (auto u = allocation_usage_.find(a.id); u != allocation_usage_.end()) {
+      snap.session_count = u->second.sessions;
+    }
     out.push_back(std::move(snap));
   }
   std::sort(out.begin(), out.end(), [](const AllocationSnapshot& x, const AllocationSnapshot& y) {

@@ -60,11 +60,6 @@ namespace {
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop = true; }
 
-ino_t InodeOf(const std::string& path) {
-  struct stat st;
-  return stat(path.c_str(), &st) == 0 ? st.st_ino : 0;
-}
-
 // Tells when kubelet.sock was created anew in the device-plugins directory
 // (inotify). A deleted file's inode number may come back at once for the new
 // one, so comparing inodes alone can miss a restart; the caller does that

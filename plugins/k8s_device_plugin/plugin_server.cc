@@ -12,15 +12,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "proto/protocol.h"
 
 namespace tpud::k8s {
 namespace {
 
 constexpr char kApiVersion[] = "v1beta1";
-
-grpc::Status ToGrpc(const absl::Status& st) {
-  return grpc::Status(static_cast<grpc::StatusCode>(st.code()), std::string(st.message()));
-}
 
 std::string Dirname(const std::string& path) {
   const size_t slash = path.rfind('/');
@@ -28,12 +25,12 @@ std::string Dirname(const std::string& path) {
   return slash == 0 ? "/" : path.substr(0, slash);
 }
 
+}  // namespace
+
 ino_t InodeOf(const std::string& path) {
   struct stat st;
   return stat(path.c_str(), &st) == 0 ? st.st_ino : 0;
 }
-
-}  // namespace
 
 DevicePluginServer::DevicePluginServer(const TpuResource* resource,
                                        const ChipHealthWatcher* health, TpudAdmin* tpud,
@@ -93,7 +90,7 @@ absl::Status DevicePluginServer::Register(const std::string& kubelet_socket) con
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   grpc::Status st = stub->Register(&ctx, req, &resp);
   if (!st.ok()) {
-    return absl::Status(static_cast<absl::StatusCode>(st.error_code()),
+    return absl::Status(FromGrpcStatus(st).code(),
                         absl::StrCat("registering ", resource_->resource_name(),
                                      " with the kubelet at ", kubelet_socket, " failed: ",
                                      st.error_message()));
@@ -150,7 +147,7 @@ grpc::Status DevicePluginServer::GetPreferredAllocation(
                                   c.must_include_deviceids().end());
     absl::StatusOr<std::vector<std::string>> picked =
         resource_->Preferred(available, must, c.allocation_size());
-    if (!picked.ok()) return ToGrpc(picked.status());
+    if (!picked.ok()) return ToGrpcStatus(picked.status());
     v1beta1::ContainerPreferredAllocationResponse* out = resp->add_container_responses();
     for (const std::string& id : *picked) out->add_deviceids(id);
   }
@@ -166,7 +163,7 @@ grpc::Status DevicePluginServer::Allocate(grpc::ServerContext*,
   for (const v1beta1::ContainerAllocateRequest& c : req->container_requests()) {
     ids.emplace_back(c.devices_ids().begin(), c.devices_ids().end());
     absl::StatusOr<AllocationPlan> plan = resource_->Plan(ids.back());
-    if (!plan.ok()) return ToGrpc(plan.status());
+    if (!plan.ok()) return ToGrpcStatus(plan.status());
     plans.push_back(*std::move(plan));
   }
   absl::MutexLock lock(&mu_);
@@ -212,7 +209,7 @@ grpc::Status DevicePluginServer::Allocate(grpc::ServerContext*,
     absl::StatusOr<tpu::CreatedAllocation> created =
         tpud_->CreateAllocation(plans[i].chips, plans[i].quota_bytes, name);
     if (!created.ok()) {
-      return ToGrpc(absl::Status(
+      return ToGrpcStatus(absl::Status(
           created.status().code(),
           absl::StrCat("tpud (", tpud_->admin_socket(), ") refused the allocation for ",
                        absl::StrJoin(ids[i], ","), ": ", created.status().message())));

@@ -40,6 +40,10 @@
 
 namespace tpud::k8s {
 
+// The inode of `path`, 0 if it does not exist (a socket recreated has a new
+// one, though the number may come back).
+ino_t InodeOf(const std::string& path);
+
 struct PluginOptions {
   std::string device_plugin_dir;     // the kubelet's; its sockets live here
   std::string container_tpud_socket;  // TPUD_SOCKET inside the container
