@@ -24,8 +24,10 @@
 namespace tpud {
 namespace {
 
-absl::Status Errno(absl::string_view what) {
-  return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
+// "<what>: <errno text>[; <what to do>]"
+absl::Status Errno(absl::string_view what, absl::string_view todo = "") {
+  return absl::InternalError(
+      absl::StrCat(what, ": ", std::strerror(errno), todo.empty() ? "" : "; ", todo));
 }
 
 std::string StatusLine(int code) {
@@ -148,7 +150,8 @@ absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(
     sa.sun_family = AF_UNIX;
     std::strncpy(sa.sun_path, address.path.c_str(), sizeof(sa.sun_path) - 1);
     if (bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
-      absl::Status s = Errno(absl::StrCat("binding the metrics socket ", address.path));
+      absl::Status s = Errno(absl::StrCat("--metrics_address=", address.path, ": binding"),
+                             "give a path in a directory tpud may write");
       close(fd);
       return s;
     }
@@ -175,7 +178,8 @@ absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(
       len = sizeof(*s4);
     }
     if (bind(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0) {
-      absl::Status s = Errno(absl::StrCat("binding metrics to ", address.host, ":", address.port));
+      absl::Status s = Errno(absl::StrCat("--metrics_address=", address.host, ":", address.port, ": binding"),
+                             "give a free port, or 0 for any free one");
       close(fd);
       return s;
     }
