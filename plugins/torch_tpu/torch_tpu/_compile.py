@@ -7,7 +7,9 @@ which needs JAX; torch_tpu routes such graphs here instead) both end in
 `tpu_backend`:
 
 - AOTAutograd splits the graph into functional forward and backward graphs
-  (mutations functionalized, written back by its wrapper).
+  (mutations functionalized, written back by its wrapper or by copy_ ops in
+  the graph); ops whose results only replace their inputs are then turned
+  back into in-place ops (_reinplace.py).
 - Each graph, for each input signature (dtypes, shapes, strides, which inputs
   share storage, scalar values), is *captured* once, as CUDA graphs are: its
   ATen ops go through torch_tpu as in eager mode, but their records are kept
@@ -30,7 +32,7 @@ import weakref
 
 import torch
 
-from . import _C
+from . import _C, _reinplace
 
 log = logging.getLogger("torch_tpu.compile")
 
@@ -44,7 +46,7 @@ MAX_CAPTURES_PER_GRAPH = 8
 # Why graphs ran eagerly, by graph name (for explain() and tests).
 _eager_reasons = {}
 # Programs captured and runs made, for tests and tpuctl-less inspection.
-stats = {"captures": 0, "runs": 0, "eager_calls": 0}
+stats = {"captures": 0, "runs": 0, "eager_calls": 0, "reinplaced": 0}
 
 
 def explain():
@@ -207,6 +209,9 @@ class _CompiledGraph:
 
 def _graph_compiler(kind):
     def compile_graph(gm, example_inputs):
+        # Functional ops whose results only replace their inputs run in place
+        # (no fresh memory, no copy_ back): torch_tpu/_reinplace.py.
+        stats["reinplaced"] += _reinplace.reinplace(gm)
         graph = _CompiledGraph(gm, kind)
 
         def run(args):
