@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "absl/base/optimization.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -34,7 +35,8 @@ class SimulatedOp final : public BackendOp {
       : schema_(std::move(schema)),
         name_(std::move(name)),
         handle_(std::move(handle)),
-        function_schema_(handle_.schema()) {}
+        function_schema_(handle_.schema()),
+        packable_foreach_(IsPackableForeach(name_, function_schema_)) {}
 
   const std::string& schema() const override { return schema_; }
   bool WritesArgument(size_t index) const override {
@@ -72,15 +74,72 @@ class SimulatedOp final : public BackendOp {
   // CPU kernels may keep the statistics in another floating type.
   bool meta_dtype_may_differ() const { return function_schema_.returns().size() > 1; }
   void disable_out_variant() const { out_variant_failed_.store(true); }
+  // An elementwise _foreach_ op over tensor lists and scalars only, in place
+  // on its first list or returning one new list: run as one kernel over the
+  // lists packed end to end (see OpRun::TryPackedForeach).
+  bool packable_foreach() const { return packable_foreach_; }
 
  private:
+  static bool IsPackableForeach(const std::string& name, const c10::FunctionSchema& schema);
+
   const std::string schema_;
   const std::string name_;
   const c10::OperatorHandle handle_;
   const c10::FunctionSchema function_schema_;
+  const bool packable_foreach_;
   std::optional<c10::OperatorHandle> out_variant_;
   mutable std::atomic<bool> out_variant_failed_{false};
 };
+
+bool SimulatedOp::IsPackableForeach(const std::string& name, const c10::FunctionSchema& schema) {
+  constexpr absl::string_view kPrefix = "aten::_foreach_";
+  if (!absl::StartsWith(name, kPrefix)) return false;
+  absl::string_view base(name);
+  base.remove_prefix(kPrefix.size());
+  base = base.substr(0, base.find('.'));
+  const bool in_place = absl::EndsWith(base, "_");
+  if (in_place) base.remove_suffix(1);
+  // Element by element, each output element from the same position of each
+  // input: never a reduction (_foreach_norm, _foreach_max) or a product.
+  static const auto* const kElementwise = new std::set<std::string, std::less<>>{
+      "abs",   "acos",  "add",       "addcdiv",   "addcmul", "asin",    "atan",
+      "ceil",  "clamp_max", "clamp_min", "copy",  "cos",     "cosh",    "div",
+      "erf",   "erfc",  "exp",       "expm1",     "floor",   "frac",    "lerp",
+      "lgamma", "log",  "log10",     "log1p",     "log2",    "maximum", "minimum",
+      "mul",   "neg",   "pow",       "reciprocal", "round",  "rsqrt",   "sigmoid",
+      "sign",  "sin",   "sinh",      "sqrt",      "sub",     "tan",     "tanh",
+      "trunc", "zero"};
+  if (kElementwise->count(base) == 0) return false;
+  const auto& args = schema.arguments();
+  bool has_list = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::TypePtr& type = args[i].type();
+    const bool written = args[i].alias_info() != nullptr && args[i].alias_info()->isWrite();
+    if (written != (in_place && i == 0)) return false;
+    if (type->kind() == c10::TypeKind::ListType) {
+      if (type->containedType(0)->kind() != c10::TypeKind::TensorType) return false;
+      has_list = true;
+      continue;
+    }
+    // Scalars, numbers and flags; no single tensor broadcast against a list.
+    switch (type->kind()) {
+      case c10::TypeKind::NumberType:
+      case c10::TypeKind::FloatType:
+      case c10::TypeKind::IntType:
+      case c10::TypeKind::BoolType:
+        continue;
+      default:
+        return false;
+    }
+  }
+  if (!has_list) return false;
+  const auto& rets = schema.returns();
+  if (in_place) {
+    return rets.empty() && args[0].type()->kind() == c10::TypeKind::ListType;
+  }
+  return rets.size() == 1 && rets[0].type()->kind() == c10::TypeKind::ListType &&
+         rets[0].alias_info() == nullptr;
+}
 
 // Finds `functional`'s out= variant: same name, overload "<overload>_out" or
 // "out", arguments identical followed by one written Tensor per return.
@@ -146,14 +205,32 @@ struct SegmentAlias {
 // Per-thread buffers reused from op to op, so that the success path does
 // not allocate for its bookkeeping. Emptied at the end of every Run, so no
 // view of HBM outlives the op that made it.
+// One tensor of a packed _foreach_ op: where its bytes are, which list and
+// index it is, whether the op writes it.
+struct PackedTensor {
+  char* data;
+  uint64_t bytes;
+  uint32_t list;
+  uint32_t index;
+  bool written;
+};
+
 struct Scratch {
   torch::jit::Stack stack;
   std::vector<ArgTensor> args;
   std::vector<SegmentAlias> segments;
+  // TryPackedForeach's: the tensors of every list (list by list, then the
+  // outputs), in address order for the overlap check, and one buffer per
+  // list that the packed kernel reads and writes.
+  std::vector<PackedTensor> packed;
+  std::vector<PackedTensor> by_address;
+  std::vector<std::vector<std::max_align_t>> pack_buffers;
 
   void Clear() {
     stack.clear();
     args.clear();
+    packed.clear();
+    by_address.clear();
     for (const SegmentAlias& seg : segments) c10::refcounted_deleter(seg.ctx);
     segments.clear();
   }
@@ -229,8 +306,22 @@ class OpRun {
         s_(scratch) {}
 
   absl::Status Run();
+  bool ran_packed() const { return ran_packed_; }
 
  private:
+  // A packable _foreach_ op (SimulatedOp::packable_foreach) run as one
+  // kernel call: each tensor list copied end to end into one flat buffer,
+  // the op called with one-element lists of those, the written list (or the
+  // new one) copied back out. Elementwise ops give the same values as they
+  // do tensor by tensor; the point is one kernel call instead of one per
+  // tensor. false, having written nothing, where this op's tensors do not
+  // allow it (mixed dtypes or shapes, strided tensors, a written tensor that
+  // overlaps another, bad references): the usual way then runs it, and
+  // reports any error.
+  absl::StatusOr<bool> TryPackedForeach();
+  // The host bytes of a contiguous `ref` in `seg`, after MakeView's checks.
+  absl::Status Locate(const tpu::TensorRef& ref, const ResolvedTensor& seg, char** data,
+                      uint64_t* bytes);
   absl::Status BuildStack();
   absl::Status PushArg(size_t index, const tpu::OpArg& arg);
   // The next argument TensorRef as a CPU tensor (recorded in s_.args).
@@ -239,6 +330,8 @@ class OpRun {
   // storages in that segment. `data` (optional): its first element.
   absl::Status MakeView(const tpu::TensorRef& ref, const ResolvedTensor& seg,
                         at::Tensor* out, char** data);
+  absl::Status CheckPlace(const tpu::TensorRef& ref, const ResolvedTensor& seg,
+                          tpu::Footprint* footprint, char** base) const;
   absl::Status HandleReturn(size_t index, const c10::IValue& value);
   absl::Status HandleTensor(const at::Tensor& t);
   absl::Status CopyToOutput(const at::Tensor& t, size_t slot);
@@ -258,11 +351,14 @@ class OpRun {
   size_t next_tensor_ = 0;      // next entry of tensors_ to use
   size_t num_arg_tensors_ = 0;  // where the outputs' entries start
   size_t next_slot_ = 0;        // next output slot a returned tensor takes
+  bool ran_packed_ = false;
 };
 
-absl::Status OpRun::MakeView(const tpu::TensorRef& ref,
-                             const ResolvedTensor& seg, at::Tensor* out,
-                             char** data) {
+// The checks every tensor reference passes before its memory is touched:
+// a known dtype, inside its segment, aligned, its footprint within the
+// segment. On success *fp is its footprint and *base where its storage starts.
+absl::Status OpRun::CheckPlace(const tpu::TensorRef& ref, const ResolvedTensor& seg,
+                               tpu::Footprint* footprint, char** base) const {
   const int esize = tpu::ElementSize(ref.dtype);
   if (ABSL_PREDICT_FALSE(esize == 0)) {
     return Error(absl::StrCat("tensor dtype ", static_cast<int>(ref.dtype),
@@ -290,6 +386,30 @@ absl::Status OpRun::MakeView(const tpu::TensorRef& ref,
                               " reaches ", fp->end - (seg.segment_bytes - rel),
                               " bytes past the end of its segment"));
   }
+  *footprint = *fp;
+  *base = seg.segment_host_base + rel;
+  return absl::OkStatus();
+}
+
+absl::Status OpRun::Locate(const tpu::TensorRef& ref, const ResolvedTensor& seg, char** data,
+                           uint64_t* bytes) {
+  tpu::Footprint fp;
+  char* base = nullptr;
+  absl::Status st = CheckPlace(ref, seg, &fp, &base);
+  if (ABSL_PREDICT_FALSE(!st.ok())) return st;
+  *data = base + fp.begin;
+  *bytes = fp.end - fp.begin;
+  return absl::OkStatus();
+}
+
+absl::Status OpRun::MakeView(const tpu::TensorRef& ref,
+                             const ResolvedTensor& seg, at::Tensor* out,
+                             char** data) {
+  tpu::Footprint fp_value;
+  char* base = nullptr;
+  absl::Status checked = CheckPlace(ref, seg, &fp_value, &base);
+  if (ABSL_PREDICT_FALSE(!checked.ok())) return checked;
+  const tpu::Footprint* fp = &fp_value;
 
   c10::RefcountedDeleterContext* ctx = nullptr;
   for (const SegmentAlias& sa : s_.segments) {
@@ -304,7 +424,6 @@ absl::Status OpRun::MakeView(const tpu::TensorRef& ref,
     s_.segments.push_back(SegmentAlias{seg.segment_host_base, ctx});
   }
   ++ctx->refcount;  // this storage's reference
-  char* const base = seg.segment_host_base + rel;
   c10::Storage storage(
       c10::Storage::use_byte_size_t(), static_cast<size_t>(fp->end),
       c10::DataPtr(base, ctx, &c10::refcounted_deleter, c10::Device(c10::kCPU)),
@@ -733,10 +852,195 @@ absl::Status OpRun::HandleReturn(size_t index, const c10::IValue& value) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> OpRun::TryPackedForeach() {
+  const std::vector<c10::Argument>& formals = op_.function_schema().arguments();
+  const size_t nargs = decoded_.num_args;
+  if (nargs > formals.size() || nargs > decoded_.args.size()) return false;
+  const bool in_place = op_.function_schema().returns().empty();
+
+  // Every list: the same length, one dtype, contiguous, in its segment.
+  std::vector<PackedTensor>& packed = s_.packed;
+  size_t count = 0;
+  uint32_t lists = 0;
+  int8_t dtype = 0;
+  size_t next = 0;
+  size_t first_list = 0;
+  for (size_t i = 0; i < nargs; ++i) {
+    const tpu::OpArg& a = decoded_.args[i];
+    switch (a.tag) {
+      case tpu::ArgTag::kTensorList:
+        break;
+      case tpu::ArgTag::kScalarInt:
+      case tpu::ArgTag::kScalarDouble:
+      case tpu::ArgTag::kScalarBool:
+      case tpu::ArgTag::kInt:
+      case tpu::ArgTag::kDouble:
+      case tpu::ArgTag::kBool:
+        continue;
+      default:
+        return false;
+    }
+    if (lists == 0) {
+      first_list = i;
+      count = a.tensors.size();
+      if (count < 2 || a.tensors[0].dtype < 0 ||
+          a.tensors[0].dtype >= static_cast<int8_t>(c10::ScalarType::NumOptions)) {
+        return false;
+      }
+      dtype = a.tensors[0].dtype;
+    } else if (a.tensors.size() != count) {
+      return false;
+    }
+    for (size_t k = 0; k < count; ++k) {
+      const tpu::TensorRef& ref = a.tensors[k];
+      if (ref.dtype != dtype || !IsContiguous(ref) || next >= tensors_.size()) return false;
+      // Element k of every list has element k of the first list's shape.
+      const tpu::TensorRef& first = decoded_.args[first_list].tensors[k];
+      if (ref.ndim != first.ndim || !std::equal(ref.sizes, ref.sizes + ref.ndim, first.sizes)) {
+        return false;
+      }
+      PackedTensor t{nullptr, 0, lists, static_cast<uint32_t>(k), in_place && i == 0};
+      if (!Locate(ref, tensors_[next++], &t.data, &t.bytes).ok()) return false;
+      packed.push_back(t);
+    }
+    ++lists;
+  }
+  if (lists == 0 || next + decoded_.outputs.size() != tensors_.size()) return false;
+  // A new list goes into the outputs the client allocated, shaped as the first list.
+  if (in_place != decoded_.outputs.empty()) return false;
+  if (!in_place) {
+    if (decoded_.outputs.size() != count) return false;
+    for (size_t k = 0; k < count; ++k) {
+      const tpu::TensorRef& out = decoded_.outputs[k];
+      const tpu::TensorRef& first = decoded_.args[first_list].tensors[k];
+      if (out.dtype != dtype || !IsContiguous(out) || out.ndim != first.ndim ||
+          !std::equal(out.sizes, out.sizes + out.ndim, first.sizes)) {
+        return false;
+      }
+      PackedTensor t{nullptr, 0, lists, static_cast<uint32_t>(k), true};
+      if (!Locate(out, tensors_[next++], &t.data, &t.bytes).ok()) return false;
+      packed.push_back(t);
+    }
+  }
+
+  // Packing reads every input before anything is written, where the kernel
+  // tensor by tensor would see earlier tensors' results: so a written tensor
+  // may overlap nothing but itself read at the same index.
+  std::vector<PackedTensor>& by_address = s_.by_address;
+  for (const PackedTensor& t : packed) {
+    if (t.bytes > 0) by_address.push_back(t);
+  }
+  std::sort(by_address.begin(), by_address.end(),
+            [](const PackedTensor& a, const PackedTensor& b) { return a.data < b.data; });
+  for (size_t g = 0; g < by_address.size();) {
+    const char* end = by_address[g].data + by_address[g].bytes;
+    size_t h = g + 1;
+    while (h < by_address.size() && by_address[h].data < end) {
+      end = std::max<const char*>(end, by_address[h].data + by_address[h].bytes);
+      ++h;
+    }
+    if (h - g > 1) {
+      size_t writers = 0;
+      bool identical = true;
+      for (size_t j = g; j < h; ++j) {
+        writers += by_address[j].written ? 1 : 0;
+        identical = identical && by_address[j].data == by_address[g].data &&
+                    by_address[j].bytes == by_address[g].bytes &&
+                    by_address[j].index == by_address[g].index;
+      }
+      if (writers > 1 || (writers == 1 && !identical)) return false;
+    }
+    g = h;
+  }
+
+  // Pack: list l's elements end to end in buffer l.
+  uint64_t total = 0;
+  for (size_t k = 0; k < count; ++k) total += packed[k].bytes;
+  const int esize = tpu::ElementSize(dtype);
+  if (esize <= 0 || total % static_cast<uint64_t>(esize) != 0) return false;
+  if (s_.pack_buffers.size() < lists) s_.pack_buffers.resize(lists);
+  for (uint32_t l = 0; l < lists; ++l) {
+    auto& buf = s_.pack_buffers[l];
+    buf.resize(std::max<size_t>(1, (total + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t)));
+    char* dst = reinterpret_cast<char*>(buf.data());
+    for (size_t k = 0; k < count; ++k) {
+      const PackedTensor& t = packed[l * count + k];
+      if (t.bytes != packed[k].bytes) return false;
+      if (t.bytes > 0) std::memcpy(dst, t.data, t.bytes);
+      dst += t.bytes;
+    }
+  }
+  const auto scalar_type = static_cast<c10::ScalarType>(dtype);
+  const int64_t numel = static_cast<int64_t>(total / static_cast<uint64_t>(esize));
+  uint32_t list = 0;
+  for (size_t i = 0; i < nargs; ++i) {
+    const tpu::OpArg& a = decoded_.args[i];
+    if (a.tag != tpu::ArgTag::kTensorList) {
+      absl::Status st = PushArg(i, a);
+      if (ABSL_PREDICT_FALSE(!st.ok())) return st;
+      continue;
+    }
+    c10::List<at::Tensor> one;
+    one.push_back(at::from_blob(s_.pack_buffers[list++].data(), {numel},
+                                at::TensorOptions().dtype(scalar_type)));
+    s_.stack.emplace_back(std::move(one));
+  }
+  for (size_t i = nargs; i < formals.size(); ++i) {
+    const std::optional<c10::IValue>& def = formals[i].default_value();
+    if (!def.has_value()) return false;
+    s_.stack.push_back(*def);
+  }
+  op_.handle().callBoxed(s_.stack);
+
+  // Unpack what was written.
+  const char* src = nullptr;
+  if (in_place) {
+    src = reinterpret_cast<const char*>(s_.pack_buffers[0].data());
+  } else {
+    if (s_.stack.size() != 1 || !s_.stack[0].isTensorList()) return false;
+    const c10::List<at::Tensor> result = s_.stack[0].toTensorList();
+    if (result.size() != 1) return false;
+    const at::Tensor flat = result.get(0);
+    if (!flat.defined() || flat.scalar_type() != scalar_type || flat.numel() != numel ||
+        !flat.is_contiguous() || flat.is_conj() || flat.is_neg() ||
+        (numel > 0 && flat.const_data_ptr() == nullptr)) {
+      return false;
+    }
+    src = static_cast<const char*>(flat.const_data_ptr());
+    s_.stack.clear();
+    s_.stack.emplace_back(flat);  // keeps the result alive while it is copied out
+  }
+  const size_t first_written = in_place ? 0 : static_cast<size_t>(lists) * count;
+  for (size_t k = 0; k < count; ++k) {
+    const PackedTensor& t = packed[first_written + k];
+    if (t.bytes > 0) std::memmove(t.data, src, t.bytes);
+    src += t.bytes;
+  }
+  if (results_ != nullptr && !in_place) {
+    for (const tpu::TensorRef& out : decoded_.outputs) {
+      ResultValue v;
+      v.kind = ResultValue::Kind::kTensor;
+      v.tensor = out;
+      results_->push_back(v);
+    }
+  }
+  return true;
+}
+
 absl::Status OpRun::Run() {
   // The tensors are plain CPU tensors: skip autograd and run the CPU kernel.
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   c10::NoGradGuard no_grad;
+
+  if (op_.packable_foreach()) {
+    absl::StatusOr<bool> packed = TryPackedForeach();
+    if (!packed.ok()) return packed.status();
+    if (*packed) {
+      ran_packed_ = true;
+      return absl::OkStatus();
+    }
+    s_.Clear();  // the usual way, from the start
+  }
 
   absl::Status st = BuildStack();
   if (ABSL_PREDICT_FALSE(!st.ok())) return st;
@@ -915,8 +1219,10 @@ absl::Status SimulatedChip::Run(const BackendOp& op,
   Scratch& scratch = tls_scratch;
   ClearOnExit clear(scratch);
   try {
-    return OpRun(*sim_op, decoded, tensors, results, result_allocator, scratch)
-        .Run();
+    OpRun run(*sim_op, decoded, tensors, results, result_allocator, scratch);
+    absl::Status st = run.Run();
+    if (st.ok() && run.ran_packed()) packed_foreach_runs_.fetch_add(1, std::memory_order_relaxed);
+    return st;
   } catch (const c10::OutOfMemoryError& e) {
     return absl::ResourceExhaustedError(absl::StrCat(
         sim_op->name(), ": ", FirstLines(e.what_without_backtrace())));

@@ -21,10 +21,16 @@
 //    ResultAllocator. A reported tensor with no elements has address 0 and
 //    takes no memory.
 //
+// Elementwise _foreach_ ops over same-dtype contiguous tensors run packed:
+// each list copied end to end into one buffer, the op called once on those
+// (see packed_foreach_runs below); the values are ATen's tensor by tensor.
+//
 // This header does not include ATen; simulated_chip.cc does.
 #ifndef TPUD_DAEMON_SIMULATED_CHIP_H_
 #define TPUD_DAEMON_SIMULATED_CHIP_H_
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -73,10 +79,19 @@ class SimulatedChip : public ChipBackend {
                    std::vector<ResultValue>* results,
                    ResultAllocator* result_allocator) override;
 
+  // How many _foreach_ ops ran packed: each tensor list copied end to end
+  // into one buffer and the op run as one kernel call over those (an
+  // elementwise _foreach_ op over same-dtype contiguous tensors, whose
+  // written tensors overlap nothing else). Others run tensor by tensor.
+  uint64_t packed_foreach_runs() const {
+    return packed_foreach_runs_.load(std::memory_order_relaxed);
+  }
+
  private:
   SimulatedChip() = default;
 
   absl::Mutex mu_;
+  std::atomic<uint64_t> packed_foreach_runs_{0};
   absl::flat_hash_map<std::string, std::shared_ptr<const SimulatedOp>> ops_
       ABSL_GUARDED_BY(mu_);
 };

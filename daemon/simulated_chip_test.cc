@@ -595,6 +595,167 @@ TEST_CASE("indexing and tensor lists match ATen on CPU") {
   }
 }
 
+// Tensor-by-tensor reference for the packed _foreach_ path: each test runs
+// the op through the chip and through ATen on CPU copies, and says whether
+// the chip packed it (SimulatedChip::packed_foreach_runs).
+struct ForeachCase {
+  Fixture& f;
+  std::vector<at::Tensor> cpu;   // the first list, as ATen sees it
+  std::vector<Placed> placed;
+
+  ForeachCase(Fixture& fixture, const std::vector<at::Tensor>& xs) : f(fixture) {
+    int s = 0;
+    for (const at::Tensor& x : xs) {
+      cpu.push_back(x.clone());
+      placed.push_back(f.hbm.Put(x, s));
+      s = 1 - s;  // alternate segments
+    }
+  }
+  std::vector<at::Tensor> Now() const {
+    std::vector<at::Tensor> out;
+    for (const Placed& p : placed) out.push_back(f.hbm.Get(p.ref));
+    return out;
+  }
+};
+
+std::vector<Placed> PutAll(Fixture& f, const std::vector<at::Tensor>& ts) {
+  std::vector<Placed> out;
+  for (const at::Tensor& t : ts) out.push_back(f.hbm.Put(t, 1));
+  return out;
+}
+
+TEST_CASE("elementwise _foreach_ ops run packed and equal ATen tensor by tensor") {
+  Fixture f;
+  const std::vector<at::Tensor> xs = {at::randn({16, 16}), at::randn({16}), at::randn({3, 5, 7})};
+  const std::vector<at::Tensor> ys = {at::randn({16, 16}), at::randn({16}), at::randn({3, 5, 7})};
+  const std::vector<at::Tensor> zs = {at::randn({16, 16}), at::randn({16}), at::randn({3, 5, 7})};
+  ForeachCase c(f, xs);
+  const uint64_t before = f.chip->packed_foreach_runs();
+
+  SECTION("in place, with a scalar") {
+    OpBuilder ob;
+    ob.TensorList(c.placed).Double(0.25, tpu::ArgTag::kScalarDouble);
+    absl::Status st = f.Run(f.Op("aten::_foreach_add_", "Scalar"), ob);
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+    at::_foreach_add_(c.cpu, 0.25);
+    for (size_t k = 0; k < xs.size(); ++k) CHECK(at::equal(c.Now()[k], c.cpu[k]));
+    CHECK(f.chip->packed_foreach_runs() == before + 1);
+  }
+  SECTION("in place over three lists (addcmul_), a list read twice") {
+    std::vector<Placed> py = PutAll(f, ys);
+    OpBuilder ob;
+    ob.TensorList(c.placed).TensorList(py).TensorList(py).Double(0.3, tpu::ArgTag::kScalarDouble);
+    absl::Status st = f.Run(f.Op("aten::_foreach_addcmul_", "Scalar"), ob);
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+    at::_foreach_addcmul_(c.cpu, ys, ys, 0.3);
+    for (size_t k = 0; k < xs.size(); ++k) CHECK(at::equal(c.Now()[k], c.cpu[k]));
+    CHECK(f.chip->packed_foreach_runs() == before + 1);
+  }
+  SECTION("a new list into the client's outputs, results reported") {
+    std::vector<Placed> py = PutAll(f, ys);
+    std::vector<at::Tensor> want = at::_foreach_mul(xs, ys);
+    OpBuilder ob;
+    ob.TensorList(c.placed).TensorList(py);
+    std::vector<Placed> outs;
+    for (const at::Tensor& w : want) {
+      outs.push_back(f.hbm.Empty(w.sizes(), w.scalar_type()));
+      ob.Output(outs.back());
+    }
+    std::vector<ResultValue> results;
+    absl::Status st = f.Run(f.Op("aten::_foreach_mul", "List"), ob, &results);
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+    REQUIRE(results.size() == want.size());
+    for (size_t k = 0; k < want.size(); ++k) {
+      CHECK(at::equal(f.hbm.Get(outs[k].ref), want[k]));
+      CHECK(results[k].tensor.address == outs[k].ref.address);
+      CHECK(at::equal(c.Now()[k], xs[k]));  // inputs untouched
+    }
+    CHECK(f.chip->packed_foreach_runs() == before + 1);
+  }
+  SECTION("a scalar base raised to a list (pow.ScalarAndTensor)") {
+    std::vector<at::Tensor> want = at::_foreach_pow(at::Scalar(0.9), xs);
+    OpBuilder ob;
+    ob.Double(0.9, tpu::ArgTag::kScalarDouble).TensorList(c.placed);
+    std::vector<Placed> outs;
+    for (const at::Tensor& w : want) {
+      outs.push_back(f.hbm.Empty(w.sizes(), w.scalar_type()));
+      ob.Output(outs.back());
+    }
+    absl::Status st = f.Run(f.Op("aten::_foreach_pow", "ScalarAndTensor"), ob);
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+    for (size_t k = 0; k < want.size(); ++k) CHECK(at::equal(f.hbm.Get(outs[k].ref), want[k]));
+    CHECK(f.chip->packed_foreach_runs() == before + 1);
+  }
+}
+
+TEST_CASE("_foreach_ ops whose tensors forbid packing run tensor by tensor, as ATen") {
+  Fixture f;
+  const uint64_t before = f.chip->packed_foreach_runs();
+  const std::vector<at::Tensor> xs = {at::randn({4, 4}), at::randn({4, 4})};
+  ForeachCase c(f, xs);
+
+  SECTION("one tensor twice in the written list is multiplied twice") {
+    OpBuilder ob;
+    ob.TensorList({c.placed[0], c.placed[0]}).Double(2.0, tpu::ArgTag::kScalarDouble);
+    REQUIRE(f.Run(f.Op("aten::_foreach_mul_", "Scalar"), ob).ok());
+    CHECK(at::equal(c.Now()[0], xs[0] * 4));
+  }
+  SECTION("a written tensor read at another index sees the earlier result") {
+    // x0 += x1, then x1 += x0 (the new x0), as ATen does it in order.
+    OpBuilder ob;
+    ob.TensorList(c.placed).TensorList({c.placed[1], c.placed[0]})
+        .Int(1, tpu::ArgTag::kScalarInt);
+    REQUIRE(f.Run(f.Op("aten::_foreach_add_", "List"), ob).ok());
+    std::vector<at::Tensor> cpu = {xs[0].clone(), xs[1].clone()};
+    at::_foreach_add_(cpu, std::vector<at::Tensor>{cpu[1], cpu[0]});
+    CHECK(at::equal(c.Now()[0], cpu[0]));
+    CHECK(at::equal(c.Now()[1], cpu[1]));
+  }
+  SECTION("a strided tensor") {
+    OpBuilder ob;
+    ob.TensorList({Transposed(c.placed[0]), c.placed[1]}).Double(3.0, tpu::ArgTag::kScalarDouble);
+    REQUIRE(f.Run(f.Op("aten::_foreach_mul_", "Scalar"), ob).ok());
+    CHECK(at::equal(c.Now()[0], xs[0] * 3));
+    CHECK(at::equal(c.Now()[1], xs[1] * 3));
+  }
+  SECTION("mixed dtypes") {
+    Placed d = f.hbm.Put(at::randn({4}, at::kDouble));
+    at::Tensor d0 = f.hbm.Get(d.ref);
+    OpBuilder ob;
+    ob.TensorList({c.placed[0], d}).Double(3.0, tpu::ArgTag::kScalarDouble);
+    REQUIRE(f.Run(f.Op("aten::_foreach_mul_", "Scalar"), ob).ok());
+    CHECK(at::equal(c.Now()[0], xs[0] * 3));
+    CHECK(at::equal(f.hbm.Get(d.ref), d0 * 3));
+  }
+  SECTION("a reduction (_foreach_norm) is never packed") {
+    std::vector<at::Tensor> want = at::_foreach_norm(xs, 2);
+    OpBuilder ob;
+    ob.TensorList(c.placed).Double(2.0, tpu::ArgTag::kScalarDouble);
+    std::vector<Placed> outs;
+    for (const at::Tensor& w : want) {
+      outs.push_back(f.hbm.Empty(w.sizes(), w.scalar_type()));
+      ob.Output(outs.back());
+    }
+    REQUIRE(f.Run(f.Op("aten::_foreach_norm", "Scalar"), ob).ok());
+    for (size_t k = 0; k < want.size(); ++k) CHECK(Same(f.hbm.Get(outs[k].ref), want[k]));
+  }
+  SECTION("an op ATen refuses fails with its message and writes nothing") {
+    std::vector<Placed> ints = {f.hbm.Put(at::arange(4)), f.hbm.Put(at::arange(4), 1)};
+    OpBuilder ob;
+    ob.TensorList(ints).Double(0.5, tpu::ArgTag::kScalarDouble);
+    absl::Status st = f.Run(f.Op("aten::_foreach_mul_", "Scalar"), ob);
+    CHECK(st.code() == absl::StatusCode::kInvalidArgument);
+    CHECK(st.message().find("aten::_foreach_mul_") != std::string::npos);
+    CHECK(at::equal(f.hbm.Get(ints[0].ref), at::arange(4)));
+    CHECK(at::equal(f.hbm.Get(ints[1].ref), at::arange(4)));
+  }
+  CHECK(f.chip->packed_foreach_runs() == before);
+}
+
 TEST_CASE("mixed dtypes follow ATen's promotion") {
   Fixture f;
   SECTION("bfloat16 + float16 -> float32") {
