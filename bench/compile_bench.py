@@ -2,6 +2,9 @@
 """torch.compile on "tpu" (tpud programs) against tpu eager and CPU eager, in one run.
 
     TPUD_SOCKET=... .venv/bin/python bench/compile_bench.py [--rounds 5] [--scale 1]
+
+The three small-op steps (compiled, tpu eager, CPU eager) are measured in
+interleaved rounds (2 * rounds + 1 of them), medians reported.
     .venv/bin/python bench/compile_bench.py --start-daemon    # its own tpud (bazel-bin)
 
 One JSON object per line (as bench/torch_bench.py):
@@ -21,7 +24,9 @@ import argparse
 import json
 import os
 import pathlib
+import statistics
 import sys
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -32,6 +37,26 @@ from pjrt_bench import figure, per_unit_seconds  # noqa: E402  (the benches' sha
 
 
 per_unit = per_unit_seconds
+
+
+def interleaved_per_unit(runs, units, rounds):
+    """Median seconds per call of each of `runs` ({name: (fn, sync)}), measured
+    in interleaved rounds of `units` calls (the order rotating each round), so
+    that a machine whose speed drifts during the run slows every side alike."""
+    names = list(runs)
+    for fn, sync in runs.values():  # warm-up
+        fn()
+        sync()
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            fn, sync = runs[n]
+            t0 = time.perf_counter()
+            for _ in range(units):
+                fn()
+            sync()
+            times[n].append((time.perf_counter() - t0) / units)
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def compiled_step(torch, torch_bench):
@@ -119,9 +144,9 @@ def main():
         eager = torch_bench.small_op_model(torch, "tpu")
         cpu = torch_bench.small_op_model(torch, "cpu")
         comp = compiled_step(torch, torch_bench)
-        t_comp = per_unit(comp, units, sync, args.rounds)
-        t_eager = per_unit(eager, units, sync, args.rounds)
-        t_cpu = per_unit(cpu, units, lambda: None, args.rounds)
+        t = interleaved_per_unit({"compiled": (comp, sync), "eager": (eager, sync),
+                                  "cpu": (cpu, lambda: None)}, units, max(3, 2 * args.rounds + 1))
+        t_comp, t_eager, t_cpu = t["compiled"], t["eager"], t["cpu"]
         work = "one AdamW step of torch_bench's small-op MLP (4 blocks, width 16, batch 8)"
         print(json.dumps(figure(prefix + "compiled_vs_eager_small_op_train_step", t_comp, t_eager,
                                 None if pjrt else 2.0, work, "the same step in tpu eager")), flush=True)
