@@ -23,7 +23,9 @@
 //
 // Elementwise _foreach_ ops over same-dtype contiguous tensors run packed:
 // each list copied end to end into one buffer, the op called once on those
-// (see packed_foreach_runs below); the values are ATen's tensor by tensor.
+// (see packed_foreach_runs below). Arithmetic gives the values ATen gives
+// tensor by tensor bit for bit; transcendental functions may differ in the
+// last bit (vector loop here, scalar tail there).
 //
 // This header does not include ATen; simulated_chip.cc does.
 #ifndef TPUD_DAEMON_SIMULATED_CHIP_H_
