@@ -5,6 +5,10 @@
 
     .venv/bin/python bench/pjrt_bench.py [--tpud bazel-bin/daemon/tpud] [--rounds 5]
 
+The in-process baseline and the tpud figure are measured in pairs, one
+after the other, --rounds times; speed_ratio is the median of the pairs'
+ratios (pair_ratios lists them).
+
 One JSON object per line (as bench/torch_bench.py):
   pjrt_tiny_op       x.add_(1) on a 1-element tensor, issued from Python through
                      tpud, against one in-process call of the program tpud
@@ -64,11 +68,13 @@ def main():
     p.add_argument("--scale", type=float, default=1.0)
     args = p.parse_args()
     plugin = plugin_path()
-    r = subprocess.run([args.inprocess, plugin, "cpu_device_count=4"], capture_output=True,
-                       text=True, timeout=600)
-    if r.returncode != 0:
-        sys.exit(f"pjrt_bench: {args.inprocess} failed: {r.stderr[-2000:]}")
-    base = json.loads(r.stdout.strip().splitlines()[-1])
+
+    def inprocess():
+        r = subprocess.run([args.inprocess, plugin, "cpu_device_count=4"], capture_output=True,
+                           text=True, timeout=600)
+        if r.returncode != 0:
+            sys.exit(f"pjrt_bench: {args.inprocess} failed: {r.stderr[-2000:]}")
+        return json.loads(r.stdout.strip().splitlines()[-1])
 
     daemon = TpudProcess(args.tpud, "1GiB", ["--backend=pjrt", f"--pjrt_plugin={plugin}",
                                              "--pjrt_option=cpu_device_count=4"],
@@ -85,15 +91,30 @@ def main():
 
         sync = torch.tpu.synchronize
         x = torch.zeros(1, device="tpu")
-        tiny = per_unit(lambda: x.add_(1), max(1, int(5000 * args.scale)), sync)
-        print(json.dumps(figure("pjrt_tiny_op", tiny, base["tiny_op_s"], 0.5,
-                                "one x.add_(1) on a 1-element tensor, issued from Python",
-                                "the same program called in-process on the plugin")), flush=True)
         a = torch.full((1024, 1024), 0.5, device="tpu")
-        mm = per_unit(lambda: torch.mm(a, a), max(1, int(3 * args.scale)), sync)
-        print(json.dumps(figure("pjrt_matmul_1024", mm, base["matmul_1024_s"], 0.95,
-                                "one 1024x1024 float32 matmul",
-                                "the same dot called in-process on the plugin")), flush=True)
+        # Pairs of (in-process baseline, the same through tpud), one after the
+        # other, so that a machine whose speed drifts during the run slows
+        # both sides of each pair alike; medians over the pairs.
+        pairs = {"tiny": [], "mm": [], "base_tiny": [], "base_mm": []}
+        for _ in range(args.rounds):
+            base = inprocess()
+            pairs["base_tiny"].append(base["tiny_op_s"])
+            pairs["base_mm"].append(base["matmul_1024_s"])
+            pairs["tiny"].append(per_unit_seconds(lambda: x.add_(1), max(1, int(5000 * args.scale)),
+                                                  sync, 3))
+            pairs["mm"].append(per_unit_seconds(lambda: torch.mm(a, a), max(1, int(3 * args.scale)),
+                                                sync, 3))
+        for key, name, target, work, baseline in (
+                ("tiny", "pjrt_tiny_op", 0.5, "one x.add_(1) on a 1-element tensor, issued from Python",
+                 "the same program called in-process on the plugin"),
+                ("mm", "pjrt_matmul_1024", 0.95, "one 1024x1024 float32 matmul",
+                 "the same dot called in-process on the plugin")):
+            f = figure(name, statistics.median(pairs[key]), statistics.median(pairs["base_" + key]),
+                       target, work, baseline)
+            ratios = [b / p for b, p in zip(pairs["base_" + key], pairs[key])]
+            f["speed_ratio"] = round(statistics.median(ratios), 4)  # median of the pairs' ratios
+            f["pair_ratios"] = [round(v, 4) for v in ratios]
+            print(json.dumps(f), flush=True)
         step = {dev: torch_bench.small_op_model(torch, dev) for dev in ("cpu", "tpu")}
         units = max(1, int(10 * args.scale))
         t_tpu = per_unit(step["tpu"], units, sync)
