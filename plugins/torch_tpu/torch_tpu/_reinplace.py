@@ -97,7 +97,12 @@ class _Pass:
         # storage, and so every view of that result made later in the graph
         # (whose fake tensor still names the result's own storage).
         self.merged = {}
+        # The nodes whose values live in each storage (by its representative),
+        # so that finding a storage's readers does not scan the whole graph.
+        self.members = {}
         for n in self.graph.nodes:
+            for st in _fake_storages(n):
+                self.members.setdefault(st, []).append(n)
             if n.op == "placeholder":
                 self.inputs |= self.storages(n)
 
@@ -119,10 +124,10 @@ class _Pass:
     def users_after(self, storages, after, ignore=()):
         """Nodes after position `after` that use a value living in `storages`."""
         found = []
-        for n in self.graph.nodes:
-            if not (self.storages(n) & storages):
-                continue
-            found += [u for u in n.users if self.order[u] > after and u not in ignore]
+        for st in storages:
+            for n in self.members.get(st, ()):
+                if n not in self.erased:
+                    found += [u for u in n.users if self.order[u] > after and u not in ignore]
         return found
 
     def results(self, node, foreach, count):
@@ -217,6 +222,7 @@ class _Pass:
             st = self.find(StorageWeakRef(rv.untyped_storage()))
             if st != target:
                 self.merged[st] = target
+                self.members.setdefault(target, []).extend(self.members.pop(st, ()))
         for s, r in zip(selves, results):
             if r is None:
                 continue
