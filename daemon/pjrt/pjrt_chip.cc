@@ -74,30 +74,70 @@ absl::Status Unsupported(const std::string& op, const std::string& why) {
       op, ": ", why, " (PJRT backend; tpud --backend=simulated runs every ATen op)"));
 }
 
+class Lowering;
+struct Target;
+// How an op becomes StableHLO: one result (Rule) or several (MultiRule).
+using Rule = std::function<absl::StatusOr<std::string>(Lowering&, const tpu::DecodedOp&,
+                                                       const Target&)>;
+using MultiRule = std::function<absl::StatusOr<std::vector<std::string>>(
+    Lowering&, const tpu::DecodedOp&, const std::vector<Target>&)>;
+const std::map<std::string, Rule>& AllRules();
+const std::map<std::string, MultiRule>& MultiRules();
+
 class PjrtOp : public BackendOp {
  public:
+  // The ops that do not run as a program of their own: computed from the
+  // arena's bytes on the host, or with results sized by the data.
+  enum class Special : uint8_t {
+    kNone,
+    kLocalScalar,  // _local_scalar_dense
+    kEqual,
+    kSelect,       // nonzero, masked_select
+    kIndex,        // index.Tensor: a selection when it comes without outputs
+    kUnique,       // _unique2, unique_consecutive
+  };
+
   // written: the arguments the op writes ("Tensor(a!) self" of an in-place
   // op; "Tensor(a!) out", "Tensor(b!) total_weight" of an out= op), in order.
+  // What depends on the name alone is found here once, not per op run.
   PjrtOp(std::string schema, std::string name, std::vector<int> written)
-      : schema_(std::move(schema)), name_(std::move(name)), written_(std::move(written)) {}
+      : schema_(std::move(schema)), name_(std::move(name)), written_(std::move(written)) {
+    overwrites_first_ = name_ == "aten::copy_" || name_ == "aten::fill_.Scalar" ||
+                        name_ == "aten::zero_" || name_ == "aten::uniform_" ||
+                        name_ == "aten::normal_" || absl::StartsWith(name_, "aten::bernoulli_.") ||
+                        name_ == "aten::random_.from";
+    if (name_ == "aten::_local_scalar_dense") special_ = Special::kLocalScalar;
+    if (name_ == "aten::equal") special_ = Special::kEqual;
+    if (name_ == "aten::nonzero" || name_ == "aten::masked_select") special_ = Special::kSelect;
+    if (name_ == "aten::index.Tensor") special_ = Special::kIndex;
+    if (name_ == "aten::_unique2" || name_ == "aten::unique_consecutive") special_ = Special::kUnique;
+    if (auto it = AllRules().find(name_); it != AllRules().end()) rule_ = &it->second;
+    if (auto it = MultiRules().find(name_); it != MultiRules().end()) multi_ = &it->second;
+  }
   const std::string& schema() const override { return schema_; }
   const std::string& name() const { return name_; }
   const std::vector<int>& written() const { return written_; }
+  Special special() const { return special_; }
+  // Its lowering rule, if it has one (the tables live as long as the process).
+  const Rule* rule() const { return rule_; }
+  const MultiRule* multi_rule() const { return multi_; }
   bool WritesArgument(size_t index) const override {
     return std::find(written_.begin(), written_.end(), static_cast<int>(index)) != written_.end();
   }
   bool OverwritesArgument(size_t index) const override {
     if (!WritesArgument(index)) return false;
     // out= tensors and the targets of copy_, fill_ and zero_ are not read.
-    return index > 0 || name_ == "aten::copy_" || name_ == "aten::fill_.Scalar" ||
-           name_ == "aten::zero_" || name_ == "aten::uniform_" || name_ == "aten::normal_" ||
-           absl::StartsWith(name_, "aten::bernoulli_.") || name_ == "aten::random_.from";
+    return index > 0 || overwrites_first_;
   }
 
  private:
   std::string schema_;
   std::string name_;  // "aten::add_.Tensor"
   std::vector<int> written_;
+  bool overwrites_first_ = false;
+  Special special_ = Special::kNone;
+  const Rule* rule_ = nullptr;
+  const MultiRule* multi_ = nullptr;
 };
 
 // The indices of the arguments annotated as written ("(a!)", "(b!)", ...).
@@ -863,9 +903,6 @@ struct Target {
   const DType* type;
 };
 
-using Rule = std::function<absl::StatusOr<std::string>(Lowering&, const tpu::DecodedOp&,
-                                                       const Target&)>;
-
 // +inf (floats) or the highest value, as a 0-d constant.
 std::string Highest(Lowering& l, const DType& t) {
   const char* hex = t.c10 == 6 ? "0x7F800000" : t.c10 == 7 ? "0x7FF0000000000000"
@@ -1082,9 +1119,6 @@ const std::map<std::string, Rule>& Rules() {
 }
 
 // ---------------------------------------------------------------- more rules
-
-using MultiRule = std::function<absl::StatusOr<std::vector<std::string>>(
-    Lowering&, const tpu::DecodedOp&, const std::vector<Target>&)>;
 
 bool Defined(const tpu::DecodedOp& d, size_t i) {
   return i < d.num_args && d.args[i].tag == tpu::ArgTag::kTensor;
@@ -5180,25 +5214,54 @@ struct Plan {
 
 namespace {
 
-void KeyBytes(std::string* key, const void* p, size_t n) { key->append(static_cast<const char*>(p), n); }
+// Where a key is built: its pieces (a few dozen small ones per op) gather
+// in a local buffer and reach the string in one append.
+class KeySink {
+ public:
+  explicit KeySink(std::string* out) : out_(out) { out_->clear(); }
+  ~KeySink() { Flush(); }
+  KeySink(const KeySink&) = delete;
+  KeySink& operator=(const KeySink&) = delete;
+  void Bytes(const void* p, size_t n) {
+    if (n > sizeof(buf_) - used_) {
+      Flush();
+      if (n > sizeof(buf_)) {
+        out_->append(static_cast<const char*>(p), n);
+        return;
+      }
+    }
+    std::memcpy(buf_ + used_, p, n);
+    used_ += n;
+  }
+  void Flush() {
+    out_->append(buf_, used_);
+    used_ = 0;
+  }
+
+ private:
+  std::string* out_;
+  size_t used_ = 0;
+  char buf_[1024];
+};
+
+void KeyBytes(KeySink* key, const void* p, size_t n) { key->Bytes(p, n); }
 
 // A buffer kept over arena memory: its device, place, type, dims and
-// whether it is the kind that is donated.
-std::string ResidentKey(int device, const char* at, PJRT_Buffer_Type type, const std::vector<int64_t>& dims, bool donate) {
-  std::string id;
-  id.reserve(24 + 8 * dims.size());
-  id.push_back(static_cast<char>(device));
-  id.push_back(static_cast<char>(type));
-  id.push_back(donate ? 1 : 0);
-  KeyBytes(&id, &at, sizeof(at));
-  KeyBytes(&id, dims.data(), sizeof(int64_t) * dims.size());
-  return id;
+// whether it is the kind that is donated. Written into *id (a string kept
+// by the caller, so that a lookup allocates nothing).
+void ResidentKey(int device, const char* at, PJRT_Buffer_Type type, const std::vector<int64_t>& dims, bool donate,
+                 std::string* id) {
+  KeySink sink(id);
+  const char head[3] = {static_cast<char>(device), static_cast<char>(type), static_cast<char>(donate ? 1 : 0)};
+  sink.Bytes(head, sizeof(head));
+  sink.Bytes(&at, sizeof(at));
+  sink.Bytes(dims.data(), sizeof(int64_t) * dims.size());
 }
 template <typename T>
-void KeyValue(std::string* key, const T& v) {
+void KeyValue(KeySink* key, const T& v) {
   KeyBytes(key, &v, sizeof(v));
 }
-void KeyTensor(std::string* key, const tpu::TensorRef& r) {
+void KeyTensor(KeySink* key, const tpu::TensorRef& r) {
   KeyValue(key, r.dtype);
   KeyValue(key, r.ndim);
   const int n = std::min<int>(r.ndim, tpu::kMaxDims);
@@ -5214,12 +5277,11 @@ void KeyTensor(std::string* key, const tpu::TensorRef& r) {
 // their key is still made whole (the seed left out), for graph programs.
 bool SignatureKey(const std::string& name, int device, const tpu::DecodedOp& d,
                   absl::Span<const tpu::TensorRef* const> all, const std::vector<ResolvedTensor>& tensors,
-                  absl::Span<const uintptr_t> raw, bool device_memory, std::string* key) {
-  key->clear();
-  key->reserve(128 + 64 * all.size());
+                  absl::Span<const uintptr_t> raw, bool device_memory, std::string* out) {
+  KeySink sink(out);
+  KeySink* const key = &sink;
   bool random = false;
-  key->append(name);
-  key->push_back('\0');
+  key->Bytes(name.c_str(), name.size() + 1);  // with its '\0'
   KeyValue(key, device);
   KeyValue(key, d.num_args);
   for (size_t a = 0; a < d.num_args; ++a) {
@@ -5238,7 +5300,7 @@ bool SignatureKey(const std::string& name, int device, const tpu::DecodedOp& d,
         break;
       case tpu::ArgTag::kString:
         KeyValue(key, arg.s.size());
-        key->append(arg.s);
+        KeyBytes(key, arg.s.data(), arg.s.size());
         break;
       case tpu::ArgTag::kIntList:
         KeyValue(key, arg.ints.size());
@@ -5682,28 +5744,19 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   if (probe != nullptr && (results != nullptr || !device_memory_ || (op.written().empty() && decoded.outputs.empty()))) {
     return absl::OkStatus();
   }
+  using Special = PjrtOp::Special;
+  const Special special = op.special();
   // The ops computed from the arena's bytes read them there, up to date.
-  if (device_memory_ && (op.name() == "aten::_local_scalar_dense" || op.name() == "aten::equal" ||
-                         op.name() == "aten::nonzero" || op.name() == "aten::masked_select" ||
-                         (op.name() == "aten::index.Tensor" && decoded.outputs.empty()) ||
-                         op.name() == "aten::_unique2" || op.name() == "aten::unique_consecutive")) {
+  if (device_memory_ && special != Special::kNone && (special != Special::kIndex || decoded.outputs.empty())) {
     if (absl::Status st = HostAccessAll(tensors); !st.ok()) return st;
   }
-  if (probe != nullptr && (op.name() == "aten::_local_scalar_dense" || op.name() == "aten::equal" ||
-                           op.name() == "aten::nonzero" || op.name() == "aten::masked_select" ||
-                           op.name() == "aten::index.Tensor" || op.name() == "aten::_unique2" ||
-                           op.name() == "aten::unique_consecutive")) {
-    return absl::OkStatus();
-  }
-  if (op.name() == "aten::_local_scalar_dense") return ReadScalar(op.name(), decoded, tensors, results);
-  if (op.name() == "aten::equal") return Equal(op.name(), decoded, tensors, results);
-  if (op.name() == "aten::nonzero" || op.name() == "aten::masked_select" ||
-      (op.name() == "aten::index.Tensor" && decoded.outputs.empty())) {
+  if (probe != nullptr && special != Special::kNone) return absl::OkStatus();
+  if (special == Special::kLocalScalar) return ReadScalar(op.name(), decoded, tensors, results);
+  if (special == Special::kEqual) return Equal(op.name(), decoded, tensors, results);
+  if (special == Special::kSelect || (special == Special::kIndex && decoded.outputs.empty())) {
     return Selected(op.name(), decoded, tensors, results, allocator);
   }
-  if (op.name() == "aten::_unique2" || op.name() == "aten::unique_consecutive") {
-    return Unique(op.name(), decoded, tensors, results, allocator);
-  }
+  if (special == Special::kUnique) return Unique(op.name(), decoded, tensors, results, allocator);
   // An op PyTorch has no meta kernel for comes without outputs (the client
   // cannot size them): those whose outputs follow from their inputs' shapes
   // get them here, in memory the result allocator charges to the session.
@@ -5754,10 +5807,9 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
       return Run(base, sized, all, results, nullptr);
     }
   }
-  const Rule* single = nullptr;
-  if (auto it = AllRules().find(op.name()); it != AllRules().end()) single = &it->second;
-  auto multi = MultiRules().find(op.name());
-  if (single == nullptr && multi == MultiRules().end()) {
+  const Rule* single = op.rule();
+  const MultiRule* multi = op.multi_rule();
+  if (single == nullptr && multi == nullptr) {
     return Unsupported(op.name(), "no lowering to StableHLO yet");
   }
   Lowering l(op.name(), decoded, tensors);
@@ -5872,7 +5924,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   }
   auto lower = [&](Plan& plan) -> absl::Status {
   Lowering l(op.name(), decoded, tensors);
-  if (multi == MultiRules().end() && refs.size() != 1) {
+  if (multi == nullptr && refs.size() != 1) {
     return Unsupported(op.name(), absl::StrCat(refs.size(), " outputs"));
   }
   std::vector<Target> outs(refs.size());
@@ -5934,7 +5986,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
                           absl::StartsWith(op.name(), "aten::_unsafe_index.Tensor") ||
                           absl::StartsWith(op.name(), "aten::index_put") ||
                           absl::StartsWith(op.name(), "aten::_index_put_impl");
-  if (multi == MultiRules().end() && !takes_list) {
+  if (multi == nullptr && !takes_list) {
     for (size_t a = 0; a < decoded.num_args; ++a) {
       const tpu::ArgTag t = decoded.args[a].tag;
       if (t == tpu::ArgTag::kTensorList || t == tpu::ArgTag::kOptionalTensorList) {
@@ -5973,8 +6025,8 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     }
   }
   std::vector<std::string> values;
-  if (multi != MultiRules().end()) {
-    absl::StatusOr<std::vector<std::string>> v = multi->second(l, decoded, compute);
+  if (multi != nullptr) {
+    absl::StatusOr<std::vector<std::string>> v = (*multi)(l, decoded, compute);
     if (!v.ok()) return v.status();
     values = *std::move(v);
   } else {
@@ -6246,7 +6298,8 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     // in the cache; one that is donated is consumed by the run (and its
     // result, at the same place, takes its entry afterwards).
     const bool donate = x.aliased >= 0;
-    std::string id = ResidentKey(device, at, x.type->pjrt, x.dims, donate);
+    std::string& id = resident_key_;
+    ResidentKey(device, at, x.type->pjrt, x.dims, donate, &id);
     auto it = resident_.find(id);
     if (it == resident_.end()) {
       absl::StatusOr<Buffer> b = plugin_->Alias(device, const_cast<char*>(at), x.type->pjrt, x.dims, donate);
@@ -6299,7 +6352,8 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
           if (x.aliased != static_cast<int>(o) || donor[o] < 0) continue;
           Buffer& result = (*out_buffers)[o];
           result.InheritRelease(inputs[donor[o]]);
-          resident_.insert_or_assign(ResidentKey(device, dsts[o], x.type->pjrt, x.dims, true), std::move(result));
+          ResidentKey(device, dsts[o], x.type->pjrt, x.dims, true, &resident_key_);
+          resident_.insert_or_assign(resident_key_, std::move(result));
           break;
         }
         continue;

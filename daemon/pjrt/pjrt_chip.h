@@ -154,6 +154,7 @@ class PjrtChip : public ChipBackend {
   std::list<std::pair<std::string, std::shared_ptr<const Plan>>> plan_lru_;
   std::unordered_map<std::string, decltype(plan_lru_)::iterator> plans_;
   std::string key_;  // the signature being looked up (kept to reuse its memory)
+  std::string resident_key_;  // likewise, a kept buffer's key
   Probe* probe_ = nullptr;
   bool graphs_on_ = true;
   // Graph modules by the graph's signature (its ops' signatures and which

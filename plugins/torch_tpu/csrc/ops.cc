@@ -37,26 +37,110 @@ const c10::DispatchKeySet kTpuKeys(c10::DispatchKey::PrivateUse1);
 
 bool IsTpu(const at::Tensor& t) { return t.defined() && t.device().type() == kTpu; }
 
-tpu::TensorRef RefOf(const at::Tensor& t) {
+// Writes t's wire form into *r: its sizes and strides up to its rank (the
+// rest of the arrays is neither written nor sent).
+void RefInto(const at::Tensor& t, tpu::TensorRef* r) {
   // The wire format has no lazy conjugate/negative bits: refuse rather than
   // compute with the bit silently dropped.
   TORCH_CHECK(!t.is_conj() && !t.is_neg(), "tpu: a tensor with a lazy ",
               t.is_conj() ? "conjugate" : "negative",
               " bit cannot be forwarded yet; materialize it with .resolve_conj() / "
               ".resolve_neg() before moving it to tpu");
-  tpu::TensorRef r;
-  TORCH_CHECK(t.dim() <= tpu::kMaxDims, "tpu: tensors of more than ", tpu::kMaxDims,
+  const int64_t dim = t.dim();
+  TORCH_CHECK(dim <= tpu::kMaxDims, "tpu: tensors of more than ", tpu::kMaxDims,
               " dimensions are not supported");
-  r.address = reinterpret_cast<uint64_t>(t.storage().data_ptr().get());
-  r.storage_offset = t.storage_offset();
-  r.dtype = static_cast<int8_t>(t.scalar_type());
-  r.ndim = static_cast<uint8_t>(t.dim());
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    r.sizes[d] = t.size(d);
-    r.strides[d] = t.stride(d);
+  r->address = reinterpret_cast<uint64_t>(t.storage().data_ptr().get());
+  r->storage_offset = t.storage_offset();
+  r->dtype = static_cast<int8_t>(t.scalar_type());
+  r->ndim = static_cast<uint8_t>(dim);
+  const c10::IntArrayRef sizes = t.sizes();
+  const c10::IntArrayRef strides = t.strides();
+  for (int64_t d = 0; d < dim; ++d) {
+    r->sizes[d] = sizes[d];
+    r->strides[d] = strides[d];
   }
+}
+
+tpu::TensorRef RefOf(const at::Tensor& t) {
+  tpu::TensorRef r;
+  RefInto(t, &r);
   return r;
 }
+
+// An argument slot made empty again (kNone), keeping its lists' capacity.
+void ResetArg(tpu::OpArg& a) {
+  a.tag = tpu::ArgTag::kNone;
+  a.i = 0;
+  a.device_index = 0;
+  a.d = 0;
+  a.d_imag = 0;
+  a.b = false;
+  a.dtype = 0;
+  a.tensor.address = 0;
+  a.tensor.storage_offset = 0;
+  a.tensor.dtype = 0;
+  a.tensor.ndim = 0;
+  a.s.clear();
+  a.ints.clear();
+  a.doubles.clear();
+  a.bools.clear();
+  a.tensors.clear();
+  a.tensor_present.clear();
+}
+
+// The value of a host scalar tensor (a Python number wrapped by an op like
+// `x + 1`, or a CPU 0-dim tensor), read from its memory. Going through
+// item() would dispatch _local_scalar_dense twice per op (signature key and
+// wire argument); item() stays for what it alone handles (lazy bits, types
+// read rarely, and its error for more than one element).
+at::Scalar HostScalarValue(const at::Tensor& t) {
+  if (t.numel() != 1 || t.is_conj() || t.is_neg()) return t.item();
+  const void* p = t.const_data_ptr();
+  switch (t.scalar_type()) {
+    case at::kDouble: return at::Scalar(*static_cast<const double*>(p));
+    case at::kFloat: return at::Scalar(*static_cast<const float*>(p));
+    case at::kLong: return at::Scalar(*static_cast<const int64_t*>(p));
+    case at::kInt: return at::Scalar(*static_cast<const int32_t*>(p));
+    case at::kBool: return at::Scalar(*static_cast<const bool*>(p));
+    default: return t.item();
+  }
+}
+
+// Vectors an op on its way reuses from one op to the next on a thread, so
+// that forwarding an op allocates nothing for its wire form (an OpArg holds
+// a TensorRef of kMaxDims sizes and strides: a few arguments make a
+// kilobyte-sized block per op, and its malloc and free cost more than the
+// rest of the encoding). A vector comes as the last op left it (argument
+// slots are reset one by one as they are written). An op issued while
+// another is on its way (a copy_ into an out= tensor) takes another vector
+// from the pool.
+template <typename T>
+class ScratchVector {
+ public:
+  ScratchVector() {
+    std::vector<std::vector<T>>& pool = Pool();
+    if (!pool.empty()) {
+      v_ = std::move(pool.back());
+      pool.pop_back();
+    }
+  }
+  ~ScratchVector() {
+    std::vector<std::vector<T>>& pool = Pool();
+    // Huge lists (a foreach over thousands of tensors) are not kept.
+    if (pool.size() < 8 && v_.capacity() <= 1024) pool.push_back(std::move(v_));
+  }
+  ScratchVector(const ScratchVector&) = delete;
+  ScratchVector& operator=(const ScratchVector&) = delete;
+  std::vector<T>& operator*() { return v_; }
+  std::vector<T>* operator->() { return &v_; }
+
+ private:
+  static std::vector<std::vector<T>>& Pool() {
+    thread_local std::vector<std::vector<T>> pool;
+    return pool;
+  }
+  std::vector<T> v_;
+};
 
 // Interned op ids, per operator (the schema string is built once).
 uint32_t OpIdFor(const c10::FunctionSchema& schema) {
@@ -170,9 +254,11 @@ class ForwardedOp {
       spec = ComputeSpec(inputs);
       if (cacheable) CacheStore(key, spec);
     }
-    std::vector<tpu::OpArg> wire(n);
+    ScratchVector<tpu::OpArg> wire_scratch;
+    std::vector<tpu::OpArg>& wire = *wire_scratch;
+    wire.resize(n);
     auto encode_args = [&] {
-      for (size_t i = 0; i < n; ++i) wire[i] = ToWire(inputs[i], schema_.arguments()[i], i);
+      for (size_t i = 0; i < n; ++i) ToWire(inputs[i], schema_.arguments()[i], i, wire[i]);
     };
     const uint32_t id = OpIdFor(schema_);
     tpu::Session& session = GetSession();
@@ -185,7 +271,9 @@ class ForwardedOp {
       PushSyncResults(*results);
       return;
     }
-    std::vector<tpu::TensorRef> outputs;
+    ScratchVector<tpu::TensorRef> outputs_scratch;
+    std::vector<tpu::TensorRef>& outputs = *outputs_scratch;
+    outputs.clear();
     std::vector<c10::IValue> returns;
     bool all_alias = true;
     for (const ReturnSpec& r : spec->returns) returns.push_back(Apply(r, &outputs, &all_alias));
@@ -231,7 +319,7 @@ class ForwardedOp {
       k->push_back('S');
       Put(k, static_cast<int8_t>(t.scalar_type()));
       Put(k, t.unsafeGetTensorImpl()->is_wrapped_number());
-      const at::Scalar v = t.item();
+      const at::Scalar v = HostScalarValue(t);
       if (v.isComplex()) {
         Put(k, v.toComplexDouble());
       } else if (v.isFloatingPoint()) {
@@ -727,17 +815,18 @@ class ForwardedOp {
     return t;
   }
 
-  tpu::OpArg TensorArg(const at::Tensor& t) {
-    tpu::OpArg a;
+  // The wire form of an argument, written over `a` (an argument slot kept
+  // from an earlier op: what it held is cleared first).
+  void TensorArg(const at::Tensor& t, tpu::OpArg& a) {
     if (!t.defined()) {
       a.tag = tpu::ArgTag::kUndefinedTensor;
-      return a;
+      return;
     }
     if (t.device().is_cpu()) {
       a.tag = tpu::ArgTag::kScalarTensor;
       a.dtype = static_cast<int8_t>(t.scalar_type());
       a.b = t.unsafeGetTensorImpl()->is_wrapped_number();
-      const at::Scalar v = t.item();
+      const at::Scalar v = HostScalarValue(t);
       if (c10::isIntegralType(t.scalar_type(), /*includeBool=*/true)) {
         a.i = v.toLong();
       } else if (c10::isComplexType(t.scalar_type())) {
@@ -746,26 +835,27 @@ class ForwardedOp {
       } else {
         a.d = v.toDouble();
       }
-      return a;
+      return;
     }
     a.tag = tpu::ArgTag::kTensor;
-    a.tensor = RefOf(t);
-    return a;
+    RefInto(t, &a.tensor);
+    return;
   }
 
-  tpu::OpArg ToWire(const c10::IValue& v, const c10::Argument& formal, size_t index) {
-    tpu::OpArg a;
+  void ToWire(const c10::IValue& v, const c10::Argument& formal, size_t index, tpu::OpArg& a) {
+    ResetArg(a);
     c10::TypePtr type = formal.real_type();
     if (type->kind() == c10::TypeKind::OptionalType) {
       if (v.isNone() && type->containedType(0)->kind() != c10::TypeKind::GeneratorType) {
         a.tag = tpu::ArgTag::kNone;
-        return a;
+        return;
       }
       type = type->containedType(0);
     }
     switch (type->kind()) {
       case c10::TypeKind::TensorType:
-        return TensorArg(v.isNone() ? at::Tensor() : v.toTensor());
+        TensorArg(v.isNone() ? at::Tensor() : v.toTensor(), a);
+        return;
       case c10::TypeKind::GeneratorType: {
         // The seed this op uses, drawn from the chosen generator here.
         at::Generator gen = v.isGenerator() ? v.toGenerator() : DefaultGenerator(device_);
@@ -775,33 +865,33 @@ class ForwardedOp {
                     " is a generator of another device");
         a.tag = tpu::ArgTag::kGenerator;
         a.i = static_cast<int64_t>(tg->NextOpSeed());
-        return a;
+        return;
       }
       case c10::TypeKind::IntType:
         a.tag = tpu::ArgTag::kInt;
         a.i = v.toInt();
-        return a;
+        return;
       case c10::TypeKind::SymIntType:
         a.tag = tpu::ArgTag::kSymInt;
         a.i = v.toSymInt().expect_int();
-        return a;
+        return;
       case c10::TypeKind::FloatType:
         a.tag = tpu::ArgTag::kDouble;
         a.d = v.toDouble();
-        return a;
+        return;
       case c10::TypeKind::BoolType:
         a.tag = tpu::ArgTag::kBool;
         a.b = v.toBool();
-        return a;
+        return;
       case c10::TypeKind::ComplexType:
         a.tag = tpu::ArgTag::kComplex;
         a.d = v.toComplexDouble().real();
         a.d_imag = v.toComplexDouble().imag();
-        return a;
+        return;
       case c10::TypeKind::StringType:
         a.tag = tpu::ArgTag::kString;
         a.s = v.toStringRef();
-        return a;
+        return;
       case c10::TypeKind::NumberType: {  // Scalar
         const at::Scalar s = v.toScalar();
         if (s.isBoolean()) {
@@ -818,25 +908,25 @@ class ForwardedOp {
           a.tag = tpu::ArgTag::kScalarDouble;
           a.d = s.toDouble();
         }
-        return a;
+        return;
       }
       case c10::TypeKind::ScalarTypeType:
         a.tag = tpu::ArgTag::kDtype;
         a.i = static_cast<int64_t>(v.toScalarType());
-        return a;
+        return;
       case c10::TypeKind::LayoutType:
         a.tag = tpu::ArgTag::kLayout;
         a.i = static_cast<int64_t>(v.toLayout());
-        return a;
+        return;
       case c10::TypeKind::MemoryFormatType:
         a.tag = tpu::ArgTag::kMemoryFormat;
         a.i = static_cast<int64_t>(v.toMemoryFormat());
-        return a;
+        return;
       case c10::TypeKind::DeviceObjType:
         a.tag = tpu::ArgTag::kDevice;
         a.i = static_cast<int64_t>(v.toDevice().type());
         a.device_index = v.toDevice().index();
-        return a;
+        return;
       case c10::TypeKind::ListType: {
         const auto elem = type->containedType(0);
         if (elem->kind() == c10::TypeKind::IntType || elem->kind() == c10::TypeKind::SymIntType) {
@@ -846,22 +936,22 @@ class ForwardedOp {
           } else {
             for (const c10::IValue& e : v.toListRef()) a.ints.push_back(e.toSymInt().expect_int());
           }
-          return a;
+          return;
         }
         if (elem->kind() == c10::TypeKind::FloatType) {
           a.tag = tpu::ArgTag::kDoubleList;
           a.doubles = v.toDoubleVector();
-          return a;
+          return;
         }
         if (elem->kind() == c10::TypeKind::BoolType) {
           a.tag = tpu::ArgTag::kBoolList;
           for (bool b : v.toBoolList()) a.bools.push_back(b);
-          return a;
+          return;
         }
         if (elem->kind() == c10::TypeKind::TensorType) {
           a.tag = tpu::ArgTag::kTensorList;
           for (const at::Tensor& t : v.toTensorList()) a.tensors.push_back(RefOf(t));
-          return a;
+          return;
         }
         if (elem->kind() == c10::TypeKind::OptionalType) {
           a.tag = tpu::ArgTag::kOptionalTensorList;
@@ -870,7 +960,7 @@ class ForwardedOp {
             a.tensor_present.push_back(present);
             a.tensors.push_back(present ? RefOf(e.toTensor()) : tpu::TensorRef{});
           }
-          return a;
+          return;
         }
         break;
       }
