@@ -1289,7 +1289,8 @@ absl::StatusOr<Picked> PickTargets(Lowering& l, const tpu::DecodedOp& d, size_t 
                                    size_t weight_i, size_t ignore_i,
                                    const std::vector<int64_t>& nc, const DType& t) {
   const tpu::OpArg& target = d.args[target_i];
-  if (target.tag != tpu::ArgTag::kTensor || target.tensor.ndim != 1) {
+  // (An unbatched input comes as one row, its target 0-d.)
+  if (target.tag != tpu::ArgTag::kTensor || (target.tensor.ndim != 1 && !(target.tensor.ndim == 0 && nc[0] == 1))) {
     return Unsupported(l.op(), "expects a 2-d input and a 1-d target");
   }
   const DType& i64 = I64();
@@ -1832,12 +1833,15 @@ const std::map<std::string, MultiRule>& MultiRules() {
     (*m)["aten::nll_loss_forward"] = [](Lowering& l, const tpu::DecodedOp& d,
                                         const std::vector<Target>& outs)
         -> absl::StatusOr<std::vector<std::string>> {
-      // (self, target, weight?, reduction, ignore_index) -> (output, total_weight)
-      if (outs.size() != 2 || !Defined(d, 0) || d.args[0].tensor.ndim != 2 || d.num_args < 5) {
-        return Unsupported(l.op(), "expects a 2-d input");
+      // (self, target, weight?, reduction, ignore_index) -> (output, total_weight);
+      // a 1-d self (one unbatched sample) is taken as one row.
+      if (outs.size() != 2 || !Defined(d, 0) || d.args[0].tensor.ndim < 1 || d.args[0].tensor.ndim > 2 ||
+          d.num_args < 5) {
+        return Unsupported(l.op(), "expects a 1-d or 2-d input");
       }
       const DType& t = *outs[0].type;
-      const std::vector<int64_t> nc = DimsOf(d.args[0].tensor);
+      std::vector<int64_t> nc = DimsOf(d.args[0].tensor);
+      if (nc.size() == 1) nc.insert(nc.begin(), 1);
       absl::StatusOr<std::string> x = l.OperandRef(d.args[0].tensor, 0, nc, t);
       if (!x.ok()) return x.status();
       absl::StatusOr<Picked> p = PickTargets(l, d, 1, 2, 4, nc, t);
@@ -1861,11 +1865,13 @@ const std::map<std::string, MultiRule>& MultiRules() {
                                          const std::vector<Target>& outs)
         -> absl::StatusOr<std::vector<std::string>> {
       // (grad_output, self, target, weight?, reduction, ignore_index, total_weight)
-      if (outs.size() != 1 || !Defined(d, 1) || d.args[1].tensor.ndim != 2 || d.num_args < 7) {
-        return Unsupported(l.op(), "expects a 2-d input");
+      if (outs.size() != 1 || !Defined(d, 1) || d.args[1].tensor.ndim < 1 || d.args[1].tensor.ndim > 2 ||
+          d.num_args < 7) {
+        return Unsupported(l.op(), "expects a 1-d or 2-d input");
       }
       const DType& t = *outs[0].type;
-      const std::vector<int64_t> nc = DimsOf(d.args[1].tensor);
+      std::vector<int64_t> nc = DimsOf(d.args[1].tensor);
+      if (nc.size() == 1) nc.insert(nc.begin(), 1);
       absl::StatusOr<Picked> p = PickTargets(l, d, 2, 3, 5, nc, t);
       if (!p.ok()) return p.status();
       const int64_t reduction = static_cast<int64_t>(NumberOf(d.args[4]));
@@ -1886,7 +1892,8 @@ const std::map<std::string, MultiRule>& MultiRules() {
           g = l.Binary("divide", g, *tw, nc, t);
         }
       }
-      return std::vector<std::string>{l.Unary("negate", l.Binary("multiply", g, p->mask, nc, t), nc, t)};
+      return std::vector<std::string>{
+          l.Reshape(l.Unary("negate", l.Binary("multiply", g, p->mask, nc, t), nc, t), nc, outs[0].dims, t)};
     };
     // torch.optim's foreach paths: each written list element is one output.
     auto foreach = [](std::function<absl::StatusOr<std::string>(Lowering&, const tpu::DecodedOp&,

@@ -563,6 +563,20 @@ def test_more_ops_match_cpu_forward_and_backward(pjrt):
         lc, wc, ic = grads("cpu")
         lt, wt, it = grads("tpu")
         assert abs(lc - lt) < 1e-5 and torch.allclose(wc, wt, atol=1e-5) and torch.allclose(ic, it, atol=1e-5)
+        # One unbatched sample (a 1-d input, a 0-d target): nll_loss takes it
+        # as one row, with each reduction and a class weight.
+        weight = torch.rand(5) + 0.5
+        for reduction in ("none", "mean", "sum"):
+            for wgt in (None, weight):
+                def unbatched(dev):
+                    inp = x[2].detach().to(dev).requires_grad_()
+                    w = None if wgt is None else wgt.to(dev)
+                    loss = F.cross_entropy(inp, torch.tensor(3).to(dev), weight=w, reduction=reduction)
+                    loss.backward()
+                    return loss.detach().cpu(), inp.grad.cpu()
+                (lc, gc), (lt, gt) = unbatched("cpu"), unbatched("tpu")
+                assert lt.shape == lc.shape and torch.allclose(lt, lc, atol=1e-5), (reduction, lt, lc)
+                assert torch.allclose(gt, gc, atol=1e-5), (reduction, gt, gc)
     """)
 
 
