@@ -1,6 +1,7 @@
 #include "daemon/pjrt/pjrt_chip.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -5069,6 +5070,24 @@ bool Contiguous(const tpu::TensorRef& r) {
 
 // .item(): the one element, read where it lies (a device-to-host copy of
 // one element; tensors live in tpud's arena in this version).
+// An IEEE half-precision value, exactly, as a float (every half is one).
+float HalfToFloat(uint16_t h) {
+  const bool negative = (h & 0x8000u) != 0;
+  const uint32_t exponent = (h >> 10) & 0x1fu;
+  const uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
+    const float f = std::ldexp(static_cast<float>(mantissa), -24);
+    return negative ? -f : f;
+  }
+  // Infinity and NaN keep an all-ones exponent; normal numbers are rebiased
+  // (15 to 127).
+  const uint32_t bits = (negative ? 0x80000000u : 0u) |
+                        (exponent == 31 ? 0x7f800000u : (exponent + 112) << 23) | (mantissa << 13);
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 absl::Status ReadScalar(const std::string& op, const tpu::DecodedOp& decoded,
                         const std::vector<ResolvedTensor>& tensors,
                         std::vector<ResultValue>* results) {
@@ -5099,6 +5118,29 @@ absl::Status ReadScalar(const std::string& op, const tpu::DecodedOp& decoded,
     case 6: v.kind = ResultValue::Kind::kDouble; v.d = get(float{}); break;
     case 7: v.kind = ResultValue::Kind::kDouble; v.d = get(double{}); break;
     case 11: v.kind = ResultValue::Kind::kBool; v.b = get(uint8_t{}) != 0; break;
+    case 5: v.kind = ResultValue::Kind::kDouble; v.d = HalfToFloat(get(uint16_t{})); break;
+    case 15: {  // bfloat16: the high half of a float32
+      const uint32_t bits = static_cast<uint32_t>(get(uint16_t{})) << 16;
+      float f;
+      std::memcpy(&f, &bits, sizeof(f));
+      v.kind = ResultValue::Kind::kDouble;
+      v.d = f;
+      break;
+    }
+    case 9: {
+      const auto c = get(std::array<float, 2>{});
+      v.kind = ResultValue::Kind::kComplex;
+      v.d = c[0];
+      v.d_imag = c[1];
+      break;
+    }
+    case 10: {
+      const auto c = get(std::array<double, 2>{});
+      v.kind = ResultValue::Kind::kComplex;
+      v.d = c[0];
+      v.d_imag = c[1];
+      break;
+    }
     default: return Unsupported(op, absl::StrCat("reading a scalar of dtype ", int(ref.dtype)));
   }
   results->push_back(v);

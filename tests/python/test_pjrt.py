@@ -580,6 +580,25 @@ def test_more_ops_match_cpu_forward_and_backward(pjrt):
     """)
 
 
+def test_item_reads_every_float_and_complex_type(pjrt):
+    # .item() on half, bfloat16 and complex tensors (loss.item() under bf16
+    # training): values equal the CPU's, subnormal halves and infinities too.
+    run_py(pjrt, """
+        import torch, torch_tpu
+        values = (1.5, -3.0e-7, 65504.0, -2.0 ** -14, float("inf"), 0.0)
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            for v in values:
+                t = torch.tensor(v, dtype=dtype)
+                got, want = t.to("tpu").item(), t.item()
+                assert got == want, (dtype, v, got, want)
+            s = torch.tensor([0.25, 0.5, 1.0], dtype=dtype)
+            assert s.to("tpu").sum().item() == s.sum().item(), dtype
+        for dtype in (torch.complex64, torch.complex128):
+            t = torch.tensor(1.5 - 0.25j, dtype=dtype)
+            assert t.to("tpu").item() == t.item(), dtype
+    """)
+
+
 def test_quota_oom_and_kill_9_reclaim_on_pjrt(pjrt):
     tpuctl = bazel_bin("tools/tpuctl/tpuctl")
     admin = f"--admin_socket={pjrt.admin_socket}"
