@@ -471,6 +471,55 @@ def test_out_and_inplace_results_cast_to_the_out_dtype_as_on_cpu(tpud):
     """)
 
 
+def test_structured_ops_go_to_the_daemon_whole_and_keep_atens_checks(tpud):
+    # ATen's default kernel for structured ops on other devices runs the meta
+    # function (a TensorIterator) and then the out= op; torch_tpu sends
+    # them to its fallback directly, which keeps meta results per signature.
+    # In-place ops still check what ATen checks, and their results match
+    # the CPU's on views, broadcasts and mixed dtypes.
+    run_py(tpud, """
+        import torch, torch_tpu
+        torch.zeros(1, device="tpu")  # (the session opens at first use)
+        whole = set(torch_tpu._C._structured_ops_sent_whole())
+        for name in ("aten::add.Tensor", "aten::add_.Tensor", "aten::mul_.Tensor", "aten::div.Tensor"):
+            assert name in whole, (name, len(whole))
+            assert "ops.cc" in [l for l in torch._C._dispatch_dump_table(name).splitlines()
+                                if l.startswith("PrivateUse1:")][0], name
+        assert not any("zero_" in n or n == "aten::copy" for n in whole)
+        torch.manual_seed(0)
+        base = torch.randn(4, 6)
+        other = torch.randn(6)
+        def run(d):
+            a = base.to(d).clone()
+            a.t()[1:4].add_(other[:4].to(d), alpha=2)   # in place on a strided view
+            b = base.to(d).clone()
+            b[:, ::2].mul_(other[:3].to(d))               # broadcast into a view with gaps
+            c = torch.arange(12, device=d).reshape(3, 4)
+            c.add_(3).mul_(2).sub_(torch.tensor(1, device=d))  # integers, host scalars
+            e = base.to(d).clone().clamp_(-0.5, 0.5).sigmoid_()
+            f = torch.tensor([1.5, 2.5], device=d, dtype=torch.bfloat16).add_(torch.tensor(0.25))
+            g = base.to(d)[torch.tensor([True, False, True, False], device=d)]  # data-dependent meta
+            return a, b, c, e, f, g, base.to(d) + other.to(d), torch.maximum(base.to(d), other.to(d))
+        for want, got in zip(run("cpu"), run("tpu")):
+            assert got.device.type == "tpu" and got.dtype == want.dtype
+            torch.testing.assert_close(got.cpu(), want)
+        for bad, text in ((lambda: torch.zeros(1, device="tpu").add_(torch.ones(3, device="tpu")),
+                           "doesn't match the broadcast shape"),
+                          (lambda: torch.zeros(2, device="tpu", dtype=torch.long).mul_(1.5),
+                           "can't be cast to the desired output type Long"),
+                          (lambda: torch.zeros(2, device="tpu") + torch.ones(3, device="tpu"),
+                           "broadcast")):
+            try:
+                bad()
+                raise AssertionError("no error: " + text)
+            except RuntimeError as err:
+                assert text in str(err), err
+        x = torch.ones(3, device="tpu")
+        x.add_(1)
+        assert x.cpu().tolist() == [2.0, 2.0, 2.0]  # the session goes on after those errors
+    """)
+
+
 def test_cached_blocks_stay_with_their_stream(tpud):
     # A block freed on one stream may still be in use by that stream's queued
     # work; as in CUDA's caching allocator, only that stream reuses it, and a

@@ -5,6 +5,7 @@
 #include <torch/csrc/Generator.h>
 #include <torch/extension.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -334,6 +335,10 @@ namespace {
 // PyTorch can decompose runs as its decomposition (torch_tpu/_decomp.py).
 void InstallDecompositions(const tpu::TopologyInfo& t) {
   if (t.backend != "pjrt") SendForeachOpsWhole();
+  if (std::getenv("TORCH_TPU_STRUCTURED_WHOLE") == nullptr ||
+      std::string(std::getenv("TORCH_TPU_STRUCTURED_WHOLE")) != "0") {
+    SendStructuredOpsWhole(t.backend == "pjrt" ? &t.lowered_ops : nullptr);
+  }
   if (t.backend != "pjrt" || !Py_IsInitialized()) return;
   py::gil_scoped_acquire gil;
   try {
@@ -388,6 +393,7 @@ PYBIND11_MODULE(_C, m) {
     for (const std::string& op : SentWholeOps()) names.push_back("aten::" + op);
     return names;
   });
+  m.def("_structured_ops_sent_whole", [] { return StructuredOpsSentWhole(); });
   m.def("_socket", [] { return GetSession().socket_path(); });
   m.def("_session_id", [] { return GetSession().id(); });
   m.def("_sparse_shared_kernels", [] { return SharedSparseKernelNames(); });

@@ -19,7 +19,9 @@
 #include <ATen/ops/view_native.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
+#include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <mutex>
 #include <unordered_map>
 
@@ -236,7 +238,15 @@ class ForwardedOp {
 
   // Runs `op` (a functional op) with its results written into `outs` (the
   // out= tensors of the op the caller asked for), resized as needed.
-  void SetForcedOutputs(std::vector<at::Tensor> outs) { forced_ = std::move(outs); }
+  // in_place: the op was called in place on the one forced output; its
+  // result must then have that tensor's shape (ATen broadcasts the other
+  // operands to it, never it to them).
+  void SetForcedOutputs(std::vector<at::Tensor> outs, bool in_place = false) {
+    forced_ = std::move(outs);
+    in_place_ = in_place;
+  }
+  // A structured op sent whole: its meta kernel fails only on bad arguments.
+  void SetStrictMeta() { strict_meta_ = true; }
 
   void Run() {
     const size_t n = schema_.arguments().size();
@@ -541,6 +551,8 @@ class ForwardedOp {
                       ": result type ", o.dtype, " can't be cast to the desired output type ",
                       out.scalar_type());
           if (out.sizes() != at::IntArrayRef(o.sizes)) {
+            TORCH_CHECK(!in_place_, "output with shape ", out.sizes(),
+                        " doesn't match the broadcast shape ", at::IntArrayRef(o.sizes));
             Resize(out, o.sizes, std::nullopt);
           }
           if (cast || !out.is_contiguous() || out.strides() != at::IntArrayRef(o.strides)) {
@@ -724,9 +736,27 @@ class ForwardedOp {
     for (const c10::IValue& v : inputs) meta.push_back(MetaOf(v));
     try {
       op_.callBoxed(&meta);
+    } catch (const c10::NotImplementedError&) {
+      // A meta kernel that needs data (boolean indexing calls nonzero).
+      if (in_place_) throw;
+      return false;
+    } catch (const pybind11::error_already_set& e) {
+      // The same from a Python meta registration (torch._meta_registrations).
+      bool data_dependent = false;
+      {
+        pybind11::gil_scoped_acquire gil;
+        data_dependent = e.matches(PyExc_NotImplementedError);
+      }
+      if (in_place_ || (strict_meta_ && !data_dependent)) throw;
+      return false;
     } catch (const std::exception&) {
       // c10::Error from C++ meta kernels, or a Python meta registration's
-      // NotImplementedError: the shape depends on data.
+      // NotImplementedError: the shape depends on data. Not so for a
+      // structured op sent whole (its meta function is written for meta
+      // tensors), nor for an op called in place (its result has its first
+      // argument's shape): a failing meta kernel means bad arguments, and
+      // its message is ATen's own.
+      if (in_place_ || strict_meta_) throw;
       return false;
     }
     *results = std::move(meta);
@@ -783,7 +813,11 @@ class ForwardedOp {
   at::Tensor IntoForced(const at::Tensor& result) {
     if (next_forced_ >= forced_.size()) return result;
     at::Tensor& out = forced_[next_forced_++];
-    if (out.sizes() != result.sizes()) Resize(out, result.sizes(), std::nullopt);
+    if (out.sizes() != result.sizes()) {
+      TORCH_CHECK(!in_place_, "output with shape ", out.sizes(), " doesn't match the broadcast shape ",
+                  result.sizes());
+      Resize(out, result.sizes(), std::nullopt);
+    }
     ForwardInPlace("aten::copy_", "", out, {result, false});
     return out;
   }
@@ -981,6 +1015,8 @@ class ForwardedOp {
   std::vector<at::Tensor> reals_;              // device tensors of the inputs
   std::vector<at::Tensor> forced_;             // out= tensors to write results into
   size_t next_forced_ = 0;
+  bool in_place_ = false;
+  bool strict_meta_ = false;
   std::vector<std::pair<at::Tensor, at::Tensor>> pending_copies_;  // (tmp, out)
   std::vector<const void*> seen_storages_;     // for the signature key
 };
@@ -1020,21 +1056,89 @@ std::optional<c10::OperatorHandle> FunctionalOf(const c10::FunctionSchema& schem
   return f;
 }
 
+// An in-place op's functional twin ("aten::add_.Tensor" ->
+// "aten::add.Tensor"): the same arguments, of which the in-place op writes
+// only the first, and one result.
+std::optional<c10::OperatorHandle> InPlaceFunctionalOf(const c10::FunctionSchema& schema) {
+  const std::string& name = schema.name();
+  const auto& args = schema.arguments();
+  if (name.size() < 2 || name.back() != '_' || args.empty() || schema.returns().size() != 1) {
+    return std::nullopt;
+  }
+  for (size_t i = 0; i < args.size(); ++i) {
+    const bool writes = args[i].alias_info() != nullptr && args[i].alias_info()->isWrite();
+    if (writes != (i == 0)) return std::nullopt;
+  }
+  auto f = c10::Dispatcher::singleton().findSchema({name.substr(0, name.size() - 1), schema.overload_name()});
+  if (!f.has_value()) return std::nullopt;
+  const auto& fargs = f->schema().arguments();
+  if (fargs.size() != args.size() || f->schema().returns().size() != 1 ||
+      f->schema().returns()[0].type()->kind() != c10::TypeKind::TensorType) {
+    return std::nullopt;
+  }
+  for (size_t i = 0; i < fargs.size(); ++i) {
+    if (fargs[i].name() != args[i].name() || fargs[i].alias_info() != nullptr ||
+        fargs[i].real_type()->str() != args[i].real_type()->str()) {
+      return std::nullopt;
+    }
+  }
+  return f;
+}
+
+// Whether SendStructuredOpsWhole registered `name` (an in-place op reaching
+// the fallback otherwise, zero_ for one, runs as itself).
+std::mutex g_structured_mu;
+std::vector<c10::OperatorName>* g_structured_ops = new std::vector<c10::OperatorName>();
+bool SentWholeStructured(const c10::OperatorName& name) {
+  std::lock_guard<std::mutex> lock(g_structured_mu);
+  return std::find(g_structured_ops->begin(), g_structured_ops->end(), name) != g_structured_ops->end();
+}
+
+// How the fallback runs an op: as itself, or as its functional twin with
+// the results written into its out= tensors, or into its first argument.
+struct Twin {
+  std::optional<c10::OperatorHandle> functional;
+  size_t num_out = 0;     // out= tensors at the end of the arguments
+  bool in_place = false;  // the result goes into argument 0
+  bool structured = false;  // sent whole by SendStructuredOpsWhole
+};
+
+const Twin& TwinOf(const c10::OperatorHandle& op) {
+  static std::mutex mu;
+  static auto* twins = new std::unordered_map<const c10::FunctionSchema*, Twin>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = twins->find(&op.schema());
+  if (it != twins->end()) return it->second;
+  Twin t;
+  t.functional = FunctionalOf(op.schema(), &t.num_out);
+  t.structured = SentWholeStructured(op.operator_name());
+  if (!t.functional.has_value() && t.structured) {
+    t.functional = InPlaceFunctionalOf(op.schema());
+    t.in_place = t.functional.has_value();
+  }
+  return twins->emplace(&op.schema(), std::move(t)).first->second;  // (nodes stay put)
+}
+
 void Fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   // out= ops run as their functional twin with the results written into
   // the out= tensors: some out= kernels use `out` as scratch of another
-  // shape, which a tensor viewing fixed device memory cannot be.
-  static std::mutex mu;
-  static auto* twins =
-      new std::unordered_map<const c10::FunctionSchema*, std::optional<c10::OperatorHandle>>();
-  std::optional<c10::OperatorHandle> functional;
-  size_t num_out = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = twins->find(&op.schema());
-    if (it == twins->end()) it = twins->emplace(&op.schema(), FunctionalOf(op.schema(), &num_out)).first;
-    functional = it->second;
+  // shape, which a tensor viewing fixed device memory cannot be. In-place
+  // ops sent here whole (SendStructuredOpsWhole) run the same way, into
+  // their first argument, as ATen's own in-place kernels for other
+  // backends do through the out= op.
+  const Twin& twin = TwinOf(op);
+  const std::optional<c10::OperatorHandle>& functional = twin.functional;
+  if (twin.in_place) {
+    at::Tensor self = (*stack)[stack->size() - op.schema().arguments().size()].toTensor();
+    ForwardedOp f(*functional, stack);
+    f.SetForcedOutputs({self}, /*in_place=*/true);
+    f.SetStrictMeta();
+    f.Run();
+    torch::jit::drop(*stack, 1);
+    torch::jit::push(*stack, std::move(self));
+    return;
   }
+  size_t num_out = twin.num_out;
   if (functional.has_value()) {
     num_out = op.schema().arguments().size() - functional->schema().arguments().size();
     std::vector<at::Tensor> outs;
@@ -1048,7 +1152,9 @@ void Fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     for (const at::Tensor& t : outs) torch::jit::push(*stack, t);
     return;
   }
-  ForwardedOp(op, stack).Run();
+  ForwardedOp f(op, stack);
+  if (twin.structured) f.SetStrictMeta();
+  f.Run();
 }
 
 // ATen sends convolutions of backends it does not know to the
@@ -1424,6 +1530,88 @@ void SendForeachOpsWhole() {
       lib->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&Fallback>());
     }
   });
+}
+
+std::vector<std::string> StructuredOpsToSendWhole(const std::vector<std::string>* lowered) {
+  // ATen's structured ops have, for devices other than CPU and CUDA, a
+  // default kernel (CompositeExplicitAutogradNonFunctional) that runs the
+  // op's meta function on the real tensors (a TensorIterator for pointwise
+  // ops), allocates the result and calls the out= op, which reaches the
+  // fallback as the functional op again. The fallback keeps the meta
+  // result per signature: sent whole, the op skips that work. What the
+  // daemon gets is unchanged.
+  c10::Dispatcher& d = c10::Dispatcher::singleton();
+  std::vector<std::string> names;
+  // f has an out= form: f's arguments, then only written tensors ("add.out"
+  // for "add.Tensor", "max.dim_max" is not looked for).
+  auto structured = [&](const c10::OperatorHandle& f) {
+    const c10::OperatorName& n = f.operator_name();
+    const auto& fargs = f.schema().arguments();
+    for (const std::string& overload : {std::string("out"), n.overload_name + "_out"}) {
+      auto out = d.findSchema({n.name, overload});
+      if (!out.has_value()) continue;
+      const auto& args = out->schema().arguments();
+      bool match = args.size() > fargs.size();
+      for (size_t i = 0; match && i < args.size(); ++i) {
+        const bool writes = args[i].alias_info() != nullptr && args[i].alias_info()->isWrite();
+        match = i < fargs.size() ? (!writes && args[i].name() == fargs[i].name() &&
+                                    args[i].real_type()->str() == fargs[i].real_type()->str())
+                                 : writes;
+      }
+      if (match) return true;
+    }
+    return false;
+  };
+  auto full_name = [](const c10::OperatorName& n) {
+    return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
+  };
+  for (const c10::OperatorName& name : d.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0 || name.name == "aten::copy" ||
+        name.name.rfind("aten::new_", 0) == 0 || name.name.find("nested") != std::string::npos) {
+      continue;
+    }
+    std::optional<c10::OperatorHandle> op = d.findOp(name);
+    if (!op.has_value() || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional)) {
+      continue;
+    }
+    std::optional<c10::OperatorHandle> functional = InPlaceFunctionalOf(op->schema());
+    if (!functional.has_value()) functional = op;
+    if (!structured(*functional)) continue;
+    if (lowered != nullptr &&
+        std::find(lowered->begin(), lowered->end(), full_name(functional->operator_name())) ==
+            lowered->end()) {
+      continue;
+    }
+    names.push_back(full_name(name).substr(6));
+  }
+  return names;
+}
+
+void SendStructuredOpsWhole(const std::vector<std::string>* lowered) {
+  static std::once_flag once;
+  std::call_once(once, [lowered] {
+    static auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
+                                          __FILE__, __LINE__);
+    for (const std::string& name : StructuredOpsToSendWhole(lowered)) {
+      const size_t dot = name.find('.');
+      {
+        std::lock_guard<std::mutex> lock(g_structured_mu);
+        g_structured_ops->push_back(c10::OperatorName(
+            "aten::" + name.substr(0, dot), dot == std::string::npos ? "" : name.substr(dot + 1)));
+      }
+      lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&Fallback>());
+    }
+  });
+}
+
+std::vector<std::string> StructuredOpsSentWhole() {
+  std::lock_guard<std::mutex> lock(g_structured_mu);
+  std::vector<std::string> names;
+  for (const c10::OperatorName& n : *g_structured_ops) {
+    names.push_back(n.overload_name.empty() ? n.name : n.name + "." + n.overload_name);
+  }
+  return names;
 }
 
 const std::vector<std::string>& SentWholeOps() {
