@@ -366,6 +366,11 @@ absl::Status Session::Impl::WaitCompleted(int ring, uint64_t sequence) {
   while (true) {
     const uint32_t v = ctl->completion_futex.load();
     ctl->waiters.fetch_add(1);
+    // Ask to be woken at `sequence` (or earlier, for another waiter); the
+    // executor resets wake_at when it wakes us, so this runs every round.
+    uint64_t at = ctl->wake_at.load();
+    while (at > sequence && !ctl->wake_at.compare_exchange_weak(at, sequence)) {
+    }
     const bool done = ctl->completed.load() >= sequence || ctl->dead.load() != 0;
     if (!done) FutexWait(&ctl->completion_futex, v, kLivenessCheckNanos);
     ctl->waiters.fetch_sub(1);

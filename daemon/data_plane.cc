@@ -121,6 +121,7 @@ absl::StatusOr<DataPlaneGrant> DataPlane::Attach(uint64_t session_id, absl::stri
   for (int r = 0; r < num_rings; ++r) {
     tpu::RingControl* ctl = new (tpu::RingControlOf(base, h, r)) tpu::RingControl();
     ctl->consumer_sleeping.store(1);  // until an executor polls it: ring the doorbell
+    ctl->wake_at.store(~uint64_t{0});  // nobody waits yet
   }
   for (int e = 0; e < tpu::kMaxEvents; ++e) new (tpu::EventOf(base, h, e)) tpu::EventSlot();
 

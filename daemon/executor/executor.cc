@@ -615,7 +615,12 @@ void Executor::RunRing(Ring& ring) {
 // ---------------------------------------------------------------- records
 
 void Executor::WakeCompletionWaiters(TrustedRing* trusted, tpu::RingControl* ctl) {
-  if (ctl->waiters.load() > 0) WakeFutex(&ctl->completion_futex);
+  // Waiters are woken once what the earliest of them waits for is done
+  // (tpu/shm_layout.h); they set wake_at again if they still wait.
+  if (ctl->waiters.load() > 0 && ctl->completed.load() >= ctl->wake_at.load()) {
+    ctl->wake_at.store(~uint64_t{0});
+    WakeFutex(&ctl->completion_futex);
+  }
   // Executors parked on this ring.
   if (trusted->watchers.load(std::memory_order_seq_cst) != 0) {
     uint64_t w = trusted->watchers.exchange(0);

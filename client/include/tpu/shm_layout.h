@@ -20,8 +20,12 @@
 //    it had already done starts a new epoch);
 //  - a waiting client spins on `completed` while DaemonHints::wait_advice
 //    says a core is free for it (or yields the core for a moment while only
-//    tpud's parties compete), then counts itself in `waiters` and sleeps on
-//    `completion_futex`;
+//    tpud's parties compete), then counts itself in `waiters`, lowers
+//    `wake_at` to the sequence it waits for, and sleeps on
+//    `completion_futex`. The executor bumps and wakes that word when
+//    `completed` reaches `wake_at` (resetting it to ~0: whoever still waits
+//    sets it again), not on every record: a client waiting for the last of
+//    thousands of queued ops is woken once. A dead ring wakes everyone;
 //  - a producer facing a full ring sets `wanted_head` (a quarter of the ring
 //    past what it needs, so it is not woken for every record) and
 //    `producer_waiting`, and sleeps on `head_futex`, which the executor bumps
@@ -42,7 +46,7 @@ namespace tpu {
 inline constexpr uint64_t kShmMagic = 0x324d485344555054ULL;  // "TPUDSHM2"
 // Version of the data plane as a whole: this layout, the hello below and the
 // record format of tpu/op_record.h. Both ends must speak the same one.
-inline constexpr uint32_t kDataPlaneVersion = 2;
+inline constexpr uint32_t kDataPlaneVersion = 3;
 inline constexpr int kStreamsPerChip = 8;
 inline constexpr int kMaxChipsPerHost = 16;
 inline constexpr int kMaxEvents = 1024;
@@ -122,6 +126,7 @@ struct alignas(64) RingControl {
   alignas(64) std::atomic<uint64_t> completed;  // last sequence done
   std::atomic<uint32_t> completion_futex;       // futex word, bumped on progress
   std::atomic<uint32_t> waiters;                // clients sleeping on it
+  std::atomic<uint64_t> wake_at;                // the least sequence one of them waits for
   // Sticky error of this ring: the first failure since the client last
   // cleared it. error_sequence != 0 means set; the daemon writes the rest
   // before publishing error_sequence.
@@ -174,7 +179,9 @@ inline char* RingOf(void* base, const ShmHeader& h, int ring) {
 // client of another version is told so by name, whatever else changed; the
 // reply's layout is the same in every version.
 inline constexpr char kDataPlaneMagicPrefix[6] = {'T', 'P', 'U', 'D', 'D', 'P'};
-inline constexpr char kDataPlaneMagic[8] = {'T', 'P', 'U', 'D', 'D', 'P', '0', '2'};
+inline constexpr char kDataPlaneMagic[8] = {'T', 'P', 'U', 'D', 'D', 'P', '0', '3'};
+static_assert((kDataPlaneMagic[6] - '0') * 10 + (kDataPlaneMagic[7] - '0') == kDataPlaneVersion,
+              "the hello's magic names kDataPlaneVersion");
 
 struct DataPlaneHello {
   char magic[8];
