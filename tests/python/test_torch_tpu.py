@@ -508,7 +508,11 @@ def test_structured_ops_go_to_the_daemon_whole_and_keep_atens_checks(tpud):
                           (lambda: torch.zeros(2, device="tpu", dtype=torch.long).mul_(1.5),
                            "can't be cast to the desired output type Long"),
                           (lambda: torch.zeros(2, device="tpu") + torch.ones(3, device="tpu"),
-                           "broadcast")):
+                           "broadcast"),
+                          (lambda: torch.zeros(1, device="tpu").expand(3).add_(1),
+                           "more than one element of the written-to tensor"),
+                          (lambda: (lambda a: a[1:].add_(a[:-1]))(torch.arange(6., device="tpu")),
+                           "some elements of the input tensor and the written-to tensor")):
             try:
                 bad()
                 raise AssertionError("no error: " + text)

@@ -6,6 +6,7 @@
 // host, take the synchronous path. Nothing falls back to the CPU silently.
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/CPUFallback.h>
@@ -1129,7 +1130,16 @@ void Fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const Twin& twin = TwinOf(op);
   const std::optional<c10::OperatorHandle>& functional = twin.functional;
   if (twin.in_place) {
-    at::Tensor self = (*stack)[stack->size() - op.schema().arguments().size()].toTensor();
+    const size_t n = op.schema().arguments().size();
+    at::Tensor self = (*stack)[stack->size() - n].toTensor();
+    // What ATen's TensorIterator refuses before writing: an expanded self,
+    // and an input that overlaps self in part (the functional op would
+    // read it whole before the write, which no in-place kernel does).
+    at::assert_no_internal_overlap(self);
+    for (size_t i = stack->size() - n + 1; i < stack->size(); ++i) {
+      const c10::IValue& v = (*stack)[i];
+      if (v.isTensor() && IsTpu(v.toTensor())) at::assert_no_partial_overlap(self, v.toTensor());
+    }
     ForwardedOp f(*functional, stack);
     f.SetForcedOutputs({self}, /*in_place=*/true);
     f.SetStrictMeta();
