@@ -5109,6 +5109,13 @@ absl::Status ReadScalar(const std::string& op, const tpu::DecodedOp& decoded,
     std::memcpy(&x, *host, sizeof(x));
     return x;
   };
+  // complex64 and complex128: the real part, then the imaginary one.
+  auto complex = [&](auto pair) {
+    const auto c = get(pair);
+    v.kind = ResultValue::Kind::kComplex;
+    v.d = c[0];
+    v.d_imag = c[1];
+  };
   switch (ref.dtype) {
     case 0: v.kind = ResultValue::Kind::kInt; v.i = get(uint8_t{}); break;
     case 1: v.kind = ResultValue::Kind::kInt; v.i = get(int8_t{}); break;
@@ -5127,20 +5134,8 @@ absl::Status ReadScalar(const std::string& op, const tpu::DecodedOp& decoded,
       v.d = f;
       break;
     }
-    case 9: {
-      const auto c = get(std::array<float, 2>{});
-      v.kind = ResultValue::Kind::kComplex;
-      v.d = c[0];
-      v.d_imag = c[1];
-      break;
-    }
-    case 10: {
-      const auto c = get(std::array<double, 2>{});
-      v.kind = ResultValue::Kind::kComplex;
-      v.d = c[0];
-      v.d_imag = c[1];
-      break;
-    }
+    case 9: complex(std::array<float, 2>{}); break;
+    case 10: complex(std::array<double, 2>{}); break;
     default: return Unsupported(op, absl::StrCat("reading a scalar of dtype ", int(ref.dtype)));
   }
   results->push_back(v);

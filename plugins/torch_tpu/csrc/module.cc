@@ -335,8 +335,8 @@ namespace {
 // PyTorch can decompose runs as its decomposition (torch_tpu/_decomp.py).
 void InstallDecompositions(const tpu::TopologyInfo& t) {
   if (t.backend != "pjrt") SendForeachOpsWhole();
-  if (std::getenv("TORCH_TPU_STRUCTURED_WHOLE") == nullptr ||
-      std::string(std::getenv("TORCH_TPU_STRUCTURED_WHOLE")) != "0") {
+  const char* whole = std::getenv("TORCH_TPU_STRUCTURED_WHOLE");  // "0": off
+  if (whole == nullptr || std::string(whole) != "0") {
     SendStructuredOpsWhole(t.backend == "pjrt" ? &t.lowered_ops : nullptr);
   }
   if (t.backend != "pjrt" || !Py_IsInitialized()) return;

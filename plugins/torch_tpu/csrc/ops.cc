@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "ops.h"
 
@@ -144,6 +145,11 @@ class ScratchVector {
   }
   std::vector<T> v_;
 };
+
+// "aten::add.Tensor"; "aten::relu" for an op without an overload name.
+std::string FullName(const c10::OperatorName& n) {
+  return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
+}
 
 // Interned op ids, per operator (the schema string is built once).
 uint32_t OpIdFor(const c10::FunctionSchema& schema) {
@@ -1535,23 +1541,24 @@ void SendForeachOpsWhole() {
         if (t->kind() == c10::TypeKind::TensorType || optional_tensor || other_list) lists_only = false;
       }
       if (!lists_only) continue;
-      const std::string base = name.name.substr(6);
-      const std::string full = name.overload_name.empty() ? base : base + "." + name.overload_name;
-      lib->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&Fallback>());
+      lib->impl(FullName(name).substr(6).c_str(), torch::CppFunction::makeFromBoxedFunction<&Fallback>());
     }
   });
 }
 
-std::vector<std::string> StructuredOpsToSendWhole(const std::vector<std::string>* lowered) {
-  // ATen's structured ops have, for devices other than CPU and CUDA, a
-  // default kernel (CompositeExplicitAutogradNonFunctional) that runs the
-  // op's meta function on the real tensors (a TensorIterator for pointwise
-  // ops), allocates the result and calls the out= op, which reaches the
-  // fallback as the functional op again. The fallback keeps the meta
-  // result per signature: sent whole, the op skips that work. What the
-  // daemon gets is unchanged.
+namespace {
+
+// ATen's structured ops have, for devices other than CPU and CUDA, a default
+// kernel (CompositeExplicitAutogradNonFunctional) that runs the op's meta
+// function on the real tensors (a TensorIterator for pointwise ops),
+// allocates the result and calls the out= op, which reaches the fallback as
+// the functional op again. The fallback keeps the meta result per
+// signature: sent whole, the op skips that work. What the daemon gets is
+// unchanged. `lowered` (nullptr: all) limits them to ops the daemon runs.
+std::vector<c10::OperatorName> StructuredOpsToSendWhole(const std::vector<std::string>* lowered) {
   c10::Dispatcher& d = c10::Dispatcher::singleton();
-  std::vector<std::string> names;
+  std::unordered_set<std::string> runs;
+  if (lowered != nullptr) runs.insert(lowered->begin(), lowered->end());
   // f has an out= form: f's arguments, then only written tensors ("add.out"
   // for "add.Tensor", "max.dim_max" is not looked for).
   auto structured = [&](const c10::OperatorHandle& f) {
@@ -1572,9 +1579,7 @@ std::vector<std::string> StructuredOpsToSendWhole(const std::vector<std::string>
     }
     return false;
   };
-  auto full_name = [](const c10::OperatorName& n) {
-    return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
-  };
+  std::vector<c10::OperatorName> names;
   for (const c10::OperatorName& name : d.getAllOpNames()) {
     if (name.name.rfind("aten::", 0) != 0 || name.name == "aten::copy" ||
         name.name.rfind("aten::new_", 0) == 0 || name.name.find("nested") != std::string::npos) {
@@ -1588,29 +1593,25 @@ std::vector<std::string> StructuredOpsToSendWhole(const std::vector<std::string>
     std::optional<c10::OperatorHandle> functional = InPlaceFunctionalOf(op->schema());
     if (!functional.has_value()) functional = op;
     if (!structured(*functional)) continue;
-    if (lowered != nullptr &&
-        std::find(lowered->begin(), lowered->end(), full_name(functional->operator_name())) ==
-            lowered->end()) {
-      continue;
-    }
-    names.push_back(full_name(name).substr(6));
+    if (lowered != nullptr && runs.count(FullName(functional->operator_name())) == 0) continue;
+    names.push_back(name);
   }
   return names;
 }
+
+}  // namespace
 
 void SendStructuredOpsWhole(const std::vector<std::string>* lowered) {
   static std::once_flag once;
   std::call_once(once, [lowered] {
     static auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
                                           __FILE__, __LINE__);
-    for (const std::string& name : StructuredOpsToSendWhole(lowered)) {
-      const size_t dot = name.find('.');
+    for (const c10::OperatorName& name : StructuredOpsToSendWhole(lowered)) {
       {
         std::lock_guard<std::mutex> lock(g_structured_mu);
-        g_structured_ops->push_back(c10::OperatorName(
-            "aten::" + name.substr(0, dot), dot == std::string::npos ? "" : name.substr(dot + 1)));
+        g_structured_ops->push_back(name);
       }
-      lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&Fallback>());
+      lib->impl(FullName(name).substr(6).c_str(), torch::CppFunction::makeFromBoxedFunction<&Fallback>());
     }
   });
 }
@@ -1618,9 +1619,7 @@ void SendStructuredOpsWhole(const std::vector<std::string>* lowered) {
 std::vector<std::string> StructuredOpsSentWhole() {
   std::lock_guard<std::mutex> lock(g_structured_mu);
   std::vector<std::string> names;
-  for (const c10::OperatorName& n : *g_structured_ops) {
-    names.push_back(n.overload_name.empty() ? n.name : n.name + "." + n.overload_name);
-  }
+  for (const c10::OperatorName& n : *g_structured_ops) names.push_back(FullName(n));
   return names;
 }
 

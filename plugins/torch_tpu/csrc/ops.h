@@ -12,12 +12,11 @@ const std::vector<std::string>& SentWholeOps();
 // Sends ATen's _foreach_ ops whose tensors are all in lists to the daemon
 // whole (for a backend that runs every ATen op: the simulated chip). Once.
 void SendForeachOpsWhole();
-// ATen's structured ops (add.Tensor, add_.Tensor, ...) that would reach the
-// fallback through ATen's default kernel and their out= op: the ones
-// eligible, and, once, their registration to go to the fallback directly.
-// `lowered` (the PJRT backend's lowered ops) limits them to ops the daemon
-// runs whole; nullptr: all (the simulated chip runs every ATen op).
-std::vector<std::string> StructuredOpsToSendWhole(const std::vector<std::string>* lowered);
+// Sends ATen's structured ops (add.Tensor, add_.Tensor, ...), which would
+// reach the fallback through ATen's default kernel and their out= op, to
+// the fallback directly. Once. `lowered` (the PJRT backend's lowered ops)
+// limits them to ops the daemon runs whole; nullptr: all (the simulated
+// chip runs every ATen op).
 void SendStructuredOpsWhole(const std::vector<std::string>* lowered);
 // What SendStructuredOpsWhole registered ("aten::add_.Tensor"), or nothing.
 std::vector<std::string> StructuredOpsSentWhole();
