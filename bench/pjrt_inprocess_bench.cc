@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "daemon/pjrt/pjrt_plugin.h"
+#include "daemon/backends/pjrt/pjrt_plugin.h"
 
 namespace {
 

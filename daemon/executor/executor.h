@@ -34,11 +34,11 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "daemon/chip_backend.h"
-#include "daemon/executor/collectives.h"
+#include "daemon/backends/chip_backend.h"
+#include "daemon/collectives/collectives.h"
 #include "daemon/executor/control_channel.h"
 #include "daemon/executor/fair_queue.h"
-#include "daemon/executor/shared_regions.h"
+#include "daemon/core/shared_regions.h"
 #include "tpu/op_record.h"
 #include "tpu/shm_layout.h"
 

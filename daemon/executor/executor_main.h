@@ -8,9 +8,9 @@
 #include <utility>
 #include <vector>
 
-#include "daemon/chip_backend.h"
-#include "daemon/executor/collectives.h"
-#include "daemon/executor/shared_regions.h"
+#include "daemon/backends/chip_backend.h"
+#include "daemon/collectives/collectives.h"
+#include "daemon/core/shared_regions.h"
 
 namespace tpud {
 

@@ -30,13 +30,13 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "daemon/chip_backend.h"
+#include "daemon/backends/chip_backend.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/executor/control_channel.h"
-#include "daemon/executor/shared_regions.h"
+#include "daemon/core/shared_regions.h"
 
 namespace tpud {
 

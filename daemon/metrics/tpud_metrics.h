@@ -17,7 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "daemon/executor/executor_pool.h"
 #include "daemon/metrics/rpc_status_counts.h"
-#include "daemon/runtime_core.h"
+#include "daemon/core/runtime_core.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "proto/tpud.pb.h"

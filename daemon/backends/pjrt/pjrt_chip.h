@@ -1,0 +1,180 @@
+// The PJRT chip backend: tpud's chips are a PJRT plugin's devices, and each
+// op of the op stream runs as a StableHLO program lowered from it here,
+// compiled once per signature and cached (see docs/design.md, "The PJRT
+// backend").
+//
+// Memory in this version: a session's tensors stay in tpud's HBM arena
+// (host memory the executor can address), so everything above the backend
+// (quotas, copies, poisoning, collectives, reclaim) is unchanged. On a
+// plugin whose devices are the host (XLA's CPU plugin) dense, aligned
+// inputs are zero-copy buffers over the arena and results are donated, so
+// the program writes them where they lie; other inputs are copied in by
+// the plugin's transfer (which reads strides) and other results copied
+// back. With device memory (libtpu; --pjrt_memory=device) each segment is a
+// PJRT buffer on its device instead, the arena its host copy brought up to
+// date when the host side touches it; programs read views out of segments
+// and write results into them by donation (docs/design.md).
+//
+// An op without a lowering fails with an error naming it; nothing falls
+// back to the CPU.
+#ifndef TPUD_DAEMON_BACKENDS_PJRT_PJRT_CHIP_H_
+#define TPUD_DAEMON_BACKENDS_PJRT_PJRT_CHIP_H_
+
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "daemon/backends/chip_backend.h"
+#include "daemon/backends/pjrt/pjrt_plugin.h"
+
+namespace tpud::pjrt {
+
+// The ATen ops ("aten::add.Tensor") that PjrtChip lowers whole, sorted. An
+// op may still refuse some forms of its arguments, naming them.
+std::vector<std::string> LoweredOpNames();
+
+struct Transfer;  // one parameter of a program, from the host
+struct Plan;      // a lowered op, kept by its signature
+
+class PjrtChip : public ChipBackend {
+ public:
+  // Loads the plugin (in the calling process: the one executor that drives
+  // every device). cache_capacity bounds the compiled programs kept.
+  static absl::StatusOr<std::unique_ptr<PjrtChip>> Create(
+      const std::string& plugin_path, const std::vector<CreateOption>& options,
+      size_t cache_capacity, bool device_memory = false);
+
+  ~PjrtChip() override;
+  std::string Describe() const override;
+  absl::StatusOr<std::shared_ptr<const BackendOp>> LookupOp(absl::string_view schema) override;
+  absl::Status Run(const BackendOp& op, const tpu::DecodedOp& decoded,
+                   const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
+                   ResultAllocator* result_allocator) override;
+
+  bool Compiles() const override { return true; }
+  CompileStats compile_stats(int chip) const override {
+    return chip >= 0 && chip < static_cast<int>(stats_.size()) ? stats_[chip] : CompileStats{};
+  }
+  uint64_t programs_cached() const override { return lru_.size(); }
+
+  absl::Status HostAccess(uint64_t address, uint64_t bytes, bool write, uint64_t owner) override;
+  void Released(uint64_t address, uint64_t bytes) override;
+  bool DeviceMemory() const override { return device_memory_; }
+  // all_reduce, reduce, reduce_scatter, all_gather, broadcast and even
+  // all_to_all among ranks on distinct devices run as one replicated
+  // program (its stablehlo collective across the ranks' devices); the
+  // rest, and ranks that share a device, are left to the arena.
+  absl::StatusOr<bool> RunCollective(const CollectiveCall& call) override;
+  uint64_t device_buffer_bytes() const override { return device_bytes_; }
+  // Device memory: a captured graph's ops as one StableHLO module (each
+  // op's program a function of it, the segments threaded through), compiled
+  // once per signature of the whole graph and run as one execution, so XLA
+  // fuses across ops. False where an op cannot be part of one (a read on
+  // the host, results sized by the data) or the module does not compile.
+  absl::StatusOr<bool> RunProgram(const std::vector<ProgramOp>& ops, size_t* failed,
+                                  std::string* declined) override;
+  void set_graphs(bool on) { graphs_on_ = on; }  // tpud --pjrt_graphs
+
+ private:
+  // Run() asked for an op's plan only (RunProgram): it fills this and runs
+  // nothing; left empty for an op no plan describes.
+  struct Probe {
+    std::shared_ptr<const Plan> plan;
+    std::string key;
+    std::vector<int64_t> offsets;  // its offset parameters' values
+    bool nothing = false;          // no output has elements: nothing to run
+  };
+  struct Graph;  // a graph's module (pjrt_chip.cc)
+  absl::StatusOr<Probe> CopyPlan(const tpu::DecodedCopy& copy, const std::vector<ResolvedTensor>& ends);
+  // A segment's device buffer (device memory): u8[bytes] on `device`; the
+  // arena at `host` is its host copy, current when `host_current`.
+  struct Mirror {
+    Buffer buffer;
+    char* host = nullptr;
+    uint64_t bytes = 0;
+    uint64_t owner = 0;  // the session (a freed segment's pages may go to another)
+    int device = 0;
+    bool host_current = true;
+  };
+  PjrtChip(std::unique_ptr<PjrtPlugin> plugin, size_t capacity, bool device_memory)
+      : plugin_(std::move(plugin)), capacity_(capacity), device_memory_(device_memory),
+        stats_(plugin_->num_devices()) {}
+  void KeepPlan(const std::string& key, Plan&& plan);
+  void KeepPlan(const std::string& key, std::shared_ptr<const Plan> plan);
+  // A scalar parameter's device buffer (kept by device, type and value).
+  absl::StatusOr<PJRT_Buffer*> ScalarBuffer(int device, const Transfer& x);
+  absl::StatusOr<PJRT_Buffer*> OffsetBuffer(int device, int64_t offset);
+  // The segment's device buffer, made from the arena's bytes if it has none.
+  absl::StatusOr<Mirror*> MirrorOf(const ResolvedTensor& seg, int device);
+  // Forgets the device buffers over [address, +bytes), unread.
+  void Drop(uint64_t address, uint64_t bytes);
+  // Brings the host copy of every segment of `tensors` up to date.
+  absl::Status HostAccessAll(const std::vector<ResolvedTensor>& tensors);
+  absl::Status RunDevice(const std::string& name, const Plan& plan, const std::vector<ResolvedTensor>& tensors,
+                         int device, const std::function<const char*(size_t input)>& data_of,
+                         absl::Span<const int64_t> offsets = {});
+  // Device memory: `bytes` at `offset` of the segment's buffer, as `count`
+  // values of c10 dtype `dtype` (a buffer on `device`); and the reverse,
+  // `value` written into the segment there (donated and replaced).
+  absl::StatusOr<Buffer> ReadSegment(const ResolvedTensor& seg, uint64_t address, int64_t count, int8_t dtype,
+                                     int device);
+  absl::Status WriteSegment(const ResolvedTensor& seg, uint64_t address, const Buffer& value, int64_t count,
+                            int8_t dtype, int device);
+  // The program, compiled (once; counted against `device`); with
+  // `replicas`, for one replica on each of those devices (a collective).
+  absl::StatusOr<std::shared_ptr<const Executable>> Compiled(const std::string& program, int device,
+                                                             const std::vector<int>& replicas = {});
+  absl::Status Equal(const std::string& name, const tpu::DecodedOp& decoded,
+                     const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results);
+  absl::Status Selected(const std::string& name, const tpu::DecodedOp& decoded,
+                        const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
+                        ResultAllocator* allocator);
+  absl::Status Unique(const std::string& name, const tpu::DecodedOp& decoded,
+                      const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
+                      ResultAllocator* allocator);
+  absl::Status MaskIndex(const std::string& name, const tpu::DecodedOp& decoded,
+                         const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
+                         ResultAllocator* allocator);
+  absl::StatusOr<int> DeviceOf(const std::string& name, uint64_t address) const;
+  absl::Status RunToHost(const std::string& name, const std::vector<Transfer>& transfers,
+                         const std::string& program, int device, const std::vector<std::pair<void*, size_t>>& dsts);
+
+  std::unique_ptr<PjrtPlugin> plugin_;
+  size_t capacity_;
+  // Compiled programs by their text, least recently used first.
+  std::list<std::pair<std::string, std::shared_ptr<const Executable>>> lru_;
+  std::unordered_map<std::string, decltype(lru_)::iterator> cache_;
+  // Lowered ops by their signature (SignatureKey), least recently used
+  // first: an op seen before skips lowering and the program lookup.
+  std::list<std::pair<std::string, std::shared_ptr<const Plan>>> plan_lru_;
+  std::unordered_map<std::string, decltype(plan_lru_)::iterator> plans_;
+  std::string key_;  // the signature being looked up (kept to reuse its memory)
+  std::string resident_key_;  // likewise, a kept buffer's key
+  Probe* probe_ = nullptr;
+  bool graphs_on_ = true;
+  // Graph modules by the graph's signature (its ops' signatures and which
+  // segments they share), least recently used first.
+  std::list<std::pair<std::string, std::shared_ptr<const Graph>>> graph_lru_;
+  std::unordered_map<std::string, decltype(graph_lru_)::iterator> graphs_;
+  // Scalar parameters on the device, by device, type and value: never
+  // donated, so one buffer serves every op that passes that value.
+  std::unordered_map<std::string, Buffer> scalars_;
+  // Zero-copy buffers over the arena (host-memory devices), by device,
+  // place, type, dims and donation: the memory outlives them, so they are
+  // kept between ops instead of made and destroyed per op.
+  std::unordered_map<std::string, Buffer> resident_;
+  bool device_memory_;
+  // Device memory: each segment's buffer, by the segment's device address.
+  std::map<uint64_t, Mirror> mirrors_;
+  uint64_t device_bytes_ = 0;
+  std::vector<CompileStats> stats_;  // per device
+};
+
+}  // namespace tpud::pjrt
+
+#endif  // TPUD_DAEMON_BACKENDS_PJRT_PJRT_CHIP_H_
