@@ -445,37 +445,7 @@ bool DecodeArg(BodyReader& r, OpArg* a) {
 
 }  // namespace
 
-int ElementSize(int8_t dtype) {
-  switch (dtype) {
-    case 0:   // Byte
-    case 1:   // Char
-    case 11:  // Bool
-    case 23:  // Float8_e5m2
-    case 24:  // Float8_e4m3fn
-    case 25:  // Float8_e5m2fnuz
-    case 26:  // Float8_e4m3fnuz
-      return 1;
-    case 2:   // Short
-    case 5:   // Half
-    case 15:  // BFloat16
-    case 27:  // UInt16
-      return 2;
-    case 3:   // Int
-    case 6:   // Float
-    case 8:   // ComplexHalf
-    case 28:  // UInt32
-      return 4;
-    case 4:   // Long
-    case 7:   // Double
-    case 9:   // ComplexFloat
-    case 29:  // UInt64
-      return 8;
-    case 10:  // ComplexDouble
-      return 16;
-    default:  // quantized (12-14, 16), bits / sub-byte (17-22), unknown
-      return 0;
-  }
-}
+int ElementSize(int8_t dtype) { return ElementSizeOf(DTypeFromCode(dtype)); }
 
 // ---------------------------------------------------------------- writer
 

@@ -27,7 +27,7 @@
 //               0 for point-to-point groups): ranks' groups meet by it,
 //               whichever stream each went to.
 //               A group of collective or point-to-point operations on one
-//               communicator (daemon/executor/collectives.h), run as one
+//               communicator (daemon/collectives/collectives.h), run as one
 //               unit: the stream waits until every operation of the group
 //               has completed with its peers.
 //   kRunProgram u32 program_id, u32 num_bindings, u64 offset, u64 bytes,
@@ -89,6 +89,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "tpu/dtype.h"
 
 namespace tpu {
 
@@ -233,8 +234,8 @@ struct OpArg {
   std::vector<bool> tensor_present;   // kOptionalTensorList
 };
 
-// Bytes per element of a c10::ScalarType value; 0 for values tpud does not
-// know (sub-byte, quantized and unknown types are refused).
+// Bytes per element of a wire dtype code (tpu/dtype.h); 0 for codes tpud
+// does not carry (sub-byte, quantized and unknown types are refused).
 int ElementSize(int8_t dtype);
 
 // Builds one record into a caller-owned buffer. Append* calls follow the
