@@ -60,6 +60,12 @@ if ! .venv/bin/python -c 'import grpc, grpc_tools, sys; sys.exit(grpc.__version_
   echo "setup: installing grpcio and grpcio-tools into .venv"
   .venv/bin/pip install -q grpcio==1.85.3 grpcio-tools==1.85.1 protobuf==7.36.2
 fi
+# clang-format, pinned, so that tools/format.sh formats the same on every
+# Debian release (Debian 12 and 13 ship different versions).
+if [[ "$(.venv/bin/clang-format --version 2>/dev/null)" != *"version 14.0.6"* ]]; then
+  echo "setup: installing clang-format 14.0.6 into .venv"
+  .venv/bin/pip install -q clang-format==14.0.6
+fi
 # libtpu (the TPU plugin) only for the test that tpud on it fails fast on
 # a machine without a TPU; its absence skips that test, so a failed download
 # does not fail the setup.

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Formats the project's C++ (Google style, .clang-format) with the pinned
+# clang-format that tools/setup.sh installs into .venv.
+#   tools/format.sh            format every tracked .cc/.h file in place
+#   tools/format.sh --check    change nothing; list the files that are not
+#                              formatted and exit 1 if there are any
+#   tools/format.sh FILE...    format just these files
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+CF="$ROOT/.venv/bin/clang-format"
+[[ -x "$CF" ]] || { echo "format: $CF is missing; run tools/setup.sh first" >&2; exit 2; }
+
+check=0
+if [[ "${1:-}" == "--check" ]]; then
+  check=1
+  shift
+fi
+if (($#)); then
+  files=("$@")
+else
+  mapfile -t files < <(git ls-files '*.cc' '*.h' | grep -v '^third_party/')
+fi
+
+if ((check)); then
+  bad=()
+  for f in "${files[@]}"; do
+    if ! "$CF" --style=file --dry-run -Werror "$f" >/dev/null 2>&1; then bad+=("$f"); fi
+  done
+  if ((${#bad[@]})); then
+    printf 'format: not formatted (run tools/format.sh): %s\n' "${bad[@]}"
+    exit 1
+  fi
+  echo "format: ${#files[@]} files formatted"
+else
+  "$CF" --style=file -i "${files[@]}"
+fi
