@@ -563,10 +563,7 @@ void RecordWriter::Arg(const OpArg& arg) {
       U8(arg.b ? 1 : 0);
       Pad(6);
       // Integral and bool scalars travel as i64, the rest as f64.
-      const bool integral = arg.dtype == 0 || arg.dtype == 1 || arg.dtype == 2 ||
-                            arg.dtype == 3 || arg.dtype == 4 || arg.dtype == 11 ||
-                            arg.dtype == 27 || arg.dtype == 28 || arg.dtype == 29;
-      if (integral) {
+      if (IsIntegral(DTypeFromCode(arg.dtype))) {
         I64(arg.i);
       } else {
         F64(arg.d);

@@ -61,10 +61,10 @@ void operator delete[](void* p, const std::nothrow_t&) noexcept {
 namespace tpu {
 namespace {
 
-constexpr int8_t kFloat = 6;
-constexpr int8_t kDoubleType = 7;
-constexpr int8_t kByte = 0;
-constexpr int8_t kComplexDouble = 10;
+constexpr int8_t kFloat = Code(DType::kFloat);
+constexpr int8_t kDoubleType = Code(DType::kDouble);
+constexpr int8_t kByte = Code(DType::kUInt8);
+constexpr int8_t kComplexDouble = Code(DType::kComplexDouble);
 
 // ------------------------------------------------------------ helpers
 
@@ -999,12 +999,19 @@ class RandomRecords {
   }
 
   TensorRef AnyTensor() {
-    static constexpr int8_t kDtypes[] = {
-        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 15, 23, 24, 25, 26, 27, 28, 29};
+    // Every dtype the wire carries.
+    static constexpr DType kDtypes[] = {
+        DType::kUInt8,          DType::kInt8,           DType::kInt16,
+        DType::kInt32,          DType::kInt64,          DType::kHalf,
+        DType::kFloat,          DType::kDouble,         DType::kComplexHalf,
+        DType::kComplexFloat,   DType::kComplexDouble,  DType::kBool,
+        DType::kBFloat16,       DType::kFloat8E5M2,     DType::kFloat8E4M3FN,
+        DType::kFloat8E5M2FNUZ, DType::kFloat8E4M3FNUZ, DType::kUInt16,
+        DType::kUInt32,         DType::kUInt64};
     TensorRef t;
     t.address = rng_();
     t.storage_offset = static_cast<int64_t>(rng_());
-    t.dtype = kDtypes[Below(sizeof(kDtypes))];
+    t.dtype = Code(kDtypes[Below(sizeof(kDtypes) / sizeof(kDtypes[0]))]);
     t.ndim =
         static_cast<uint8_t>(Below(8) == 0 ? Below(kMaxDims + 1) : Below(5));
     for (int d = 0; d < t.ndim; ++d) {
@@ -1368,14 +1375,14 @@ TEST_CASE("kCollective round trip and malformed groups") {
   using tpu::CollectiveKind;
   std::vector<CollectiveEntry> ops(2);
   ops[0].kind = CollectiveKind::kAllToAll;
-  ops[0].dtype = 6;
+  ops[0].dtype = Code(tpu::DType::kFloat);
   ops[0].send = 0x1000;
   ops[0].recv = 0x2000;
   ops[0].send_counts = {1, 2, 3};
   ops[0].recv_counts = {3, 2, 1};
   ops[1].kind = CollectiveKind::kAllReduce;
   ops[1].reduce = tpu::ReduceOp::kMax;
-  ops[1].dtype = 15;
+  ops[1].dtype = Code(tpu::DType::kBFloat16);
   ops[1].count = 77;
   auto build = [](const std::vector<CollectiveEntry>& es, uint64_t index) {
     tpu::RecordWriter w;
