@@ -1,4 +1,5 @@
 """Shared fixtures: a real tpud started on sockets in a temporary folder."""
+import json
 import os
 import pathlib
 import subprocess
@@ -7,7 +8,8 @@ import textwrap
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 from tpud_process import TpudProcess  # noqa: E402
 
@@ -71,11 +73,36 @@ def tpud(request):
 
 
 def run_py(daemon, code, env_extra=None, check=True, timeout=120):
-    """Runs `code` in a fresh interpreter pointed at `daemon`."""
+    """Runs `code` in a fresh interpreter pointed at `daemon`. For what a
+    fresh process is the point of: import order, autoload, crashes."""
     env = daemon.env() if daemon is not None else dict(os.environ)
     env.update(env_extra or {})
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
                        capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def child_argv(fn, *args):
+    """A command line that runs fn(*args) in a fresh interpreter: fn is a
+    module-level function of a module in this folder (a test module's own),
+    which the child imports by name; args go as JSON."""
+    code = (f"import importlib, json, sys\n"
+            f"sys.path.insert(0, {str(HERE)!r})\n"
+            f"fn = getattr(importlib.import_module({fn.__module__!r}), {fn.__name__!r})\n"
+            f"fn(*json.loads(sys.argv[1]))\n")
+    return [sys.executable, "-c", code, json.dumps(args)]
+
+
+def run_in_child(daemon, fn, *args, env_extra=None, check=True, timeout=120):
+    """Runs fn(*args) (see child_argv) in a fresh interpreter pointed at
+    `daemon`; with check, a failed assertion there fails the test with the
+    child's traceback."""
+    env = daemon.env()
+    env.update(env_extra or {})
+    r = subprocess.run(child_argv(fn, *args), env=env, capture_output=True, text=True,
+                       timeout=timeout)
     if check:
         assert r.returncode == 0, r.stdout + r.stderr
     return r
