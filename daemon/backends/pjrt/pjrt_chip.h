@@ -129,6 +129,10 @@ class PjrtChip : public ChipBackend {
   // `replicas`, for one replica on each of those devices (a collective).
   absl::StatusOr<std::shared_ptr<const Executable>> Compiled(const std::string& program, int device,
                                                              const std::vector<int>& replicas = {});
+  // .item(): the one element, read where it lies.
+  static absl::Status ReadScalar(const std::string& op, const tpu::DecodedOp& decoded,
+                                 const std::vector<ResolvedTensor>& tensors,
+                                 std::vector<ResultValue>* results);
   absl::Status Equal(const std::string& name, const tpu::DecodedOp& decoded,
                      const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results);
   absl::Status Selected(const std::string& name, const tpu::DecodedOp& decoded,

@@ -1,0 +1,348 @@
+// Graph modules (device memory): a captured graph's ops as one StableHLO
+// module, compiled once per signature of the whole graph.
+#include "daemon/backends/pjrt/pjrt_chip.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "daemon/backends/pjrt/lowering/helpers.h"
+#include "daemon/backends/pjrt/lowering/lowering.h"
+#include "daemon/backends/pjrt/lowering/registry.h"
+#include "daemon/backends/pjrt/plan.h"
+#include "daemon/backends/pjrt/pjrt_op.h"
+
+namespace tpud::pjrt {
+
+// A graph's module: its ops' programs as private functions of one module,
+// whose main takes each segment any op names once (donated where an op
+// writes it) and the ops' scalars, calls the ops in order with the
+// segments' latest values, and returns the written segments and, where an
+// op checks its indices, the first op whose check failed (0: none).
+struct PjrtChip::Graph {
+  std::shared_ptr<const Executable> exe;  // null: it did not compile, for `why`
+  std::string why;
+  std::vector<std::pair<size_t, size_t>> segs;  // each parameter segment: op i's segment j
+  std::vector<int> result_of;                   // each segment's result (-1: read only)
+  int written = 0;
+  bool checked = false;
+};
+
+namespace {
+
+// The parts of an op's device program (Lowering::DeviceText): its main's
+// parameter types, result types and the function itself as `name`,
+// private and without donation (the graph's main donates).
+struct OpFunction {
+  std::vector<std::string> params;
+  std::vector<std::string> results;
+  std::string text;
+};
+
+absl::StatusOr<OpFunction> AsFunction(const std::string& program, const std::string& name) {
+  static const std::string kHead = "module @tpud_op {\n  func.func public @main(";
+  static const std::string kArrow = ") -> (";
+  static const std::string kOpen = ") {\n";
+  static const std::string kAlias = " {tf.aliasing_output = ";
+  if (!absl::StartsWith(program, kHead) || !absl::EndsWith(program, "\n}\n")) {
+    return absl::InternalError("an op's program is not of the form a graph composes");
+  }
+  const size_t params_at = kHead.size();
+  const size_t arrow = program.find(kArrow, params_at);
+  const size_t open = arrow == std::string::npos ? arrow : program.find(kOpen, arrow);
+  if (open == std::string::npos) return absl::InternalError("an op's program without a signature");
+  OpFunction f;
+  std::string header;
+  for (absl::string_view p : absl::StrSplit(absl::string_view(program).substr(params_at, arrow - params_at), ", ")) {
+    std::string param(p);
+    if (size_t a = param.find(kAlias); a != std::string::npos) param.erase(a);
+    const size_t colon = param.find(": ");
+    if (colon == std::string::npos) return absl::InternalError("an op's program with an untyped parameter");
+    f.params.push_back(param.substr(colon + 2));
+    absl::StrAppend(&header, header.empty() ? "" : ", ", param);
+  }
+  for (absl::string_view r : absl::StrSplit(absl::string_view(program).substr(arrow + kArrow.size(), open - arrow - kArrow.size()), ", ")) {
+    f.results.emplace_back(r);
+  }
+  f.text = absl::StrCat("  func.func private @", name, "(", header, program.substr(arrow, program.size() - arrow - 2));
+  return f;
+}
+
+}  // namespace
+
+// A copy between device addresses of one graph, as an op's plan: its bytes
+// sliced out of the source segment and written into the destination's.
+absl::StatusOr<PjrtChip::Probe> PjrtChip::CopyPlan(const tpu::DecodedCopy& copy,
+                                                   const std::vector<ResolvedTensor>& ends) {
+  if (ends.size() != 2) return absl::InternalError("a copy without its two segments");
+  const ResolvedTensor& src = ends[0];
+  const ResolvedTensor& dst = ends[1];
+  if (copy.src < src.segment_address || copy.src - src.segment_address > src.segment_bytes ||
+      copy.bytes > src.segment_bytes - (copy.src - src.segment_address) || copy.dst < dst.segment_address ||
+      copy.dst - dst.segment_address > dst.segment_bytes ||
+      copy.bytes > dst.segment_bytes - (copy.dst - dst.segment_address)) {
+    return absl::InvalidArgumentError("a copy reaches past its segments");
+  }
+  const int64_t from = static_cast<int64_t>(copy.src - src.segment_address);
+  const int64_t to = static_cast<int64_t>(copy.dst - dst.segment_address);
+  const int64_t n = static_cast<int64_t>(copy.bytes);
+  const bool same = src.segment_address == dst.segment_address;
+  const DType& u8 = *DTypeOf(0);
+  const std::string st = TypeOf({static_cast<int64_t>(src.segment_bytes)}, u8);
+  const std::string dt = TypeOf({static_cast<int64_t>(dst.segment_bytes)}, u8);
+  const std::string nt = TypeOf({n}, u8);
+  const std::string s = "%s0", d = same ? "%s0" : "%s1";
+  auto plan = std::make_shared<Plan>();
+  plan->device = true;
+  plan->on_device = tpu::DeviceAddressChip(copy.dst);
+  plan->segments_written = 1;
+  if (same) {
+    plan->segs.push_back({1, 0});
+  } else {
+    plan->segs.push_back({0, -1});
+    plan->segs.push_back({1, 0});
+  }
+  // (Where it reads and writes are parameters, as an op's offsets are.)
+  const std::string params = same ? absl::StrCat("%s0: ", dt, " {tf.aliasing_output = 0 : i32}")
+                                  : absl::StrCat("%s0: ", st, ", %s1: ", dt, " {tf.aliasing_output = 0 : i32}");
+  plan->text = absl::StrCat(
+      "module @tpud_op {\n  func.func public @main(", params, ", %from: tensor<i64>, %to: tensor<i64>) -> (", dt,
+      ") {\n",
+      "    %0 = stablehlo.dynamic_slice ", s, ", %from, sizes = [", n, "] : (", st, ", tensor<i64>) -> ", nt, "\n",
+      "    %1 = stablehlo.dynamic_update_slice ", d, ", %0, %to : (", dt, ", ", nt, ", tensor<i64>) -> ", dt, "\n",
+      "    return %1 : ", dt, "\n  }\n}\n");
+  Probe probe;
+  probe.key = absl::StrCat("copy ", src.segment_bytes, " ", dst.segment_bytes, " ", n, " ", same);
+  probe.offsets = {from, to};
+  probe.plan = std::move(plan);
+  return probe;
+}
+
+absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, size_t* failed,
+                                          std::string* declined) {
+  *failed = 0;
+  auto decline = [&](size_t i, const std::string& why) {
+    *declined = i < ops.size() ? absl::StrCat("record ", i + 1, " (", ops[i].op == nullptr ? std::string("copy")
+                                              : static_cast<const PjrtOp&>(*ops[i].op).name(), "): ", why)
+                               : why;
+    return false;
+  };
+  if (!device_memory_) return decline(ops.size(), "segments are not in device memory (--pjrt_memory=host)");
+  if (!graphs_on_) return decline(ops.size(), "--pjrt_graphs=false");
+  if (ops.empty()) return decline(0, "no ops");
+  // Each op's plan and signature, lowered where not seen before (not
+  // compiled: the graph's module is).
+  std::vector<Probe> probes(ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (ops[i].op == nullptr) {
+      if (ops[i].copy == nullptr) return decline(i, "neither an op nor a copy");
+      if (ops[i].copy->bytes == 0) {
+        probes[i].nothing = true;
+        continue;
+      }
+      absl::StatusOr<Probe> copy = CopyPlan(*ops[i].copy, *ops[i].tensors);
+      if (!copy.ok()) return decline(i, std::string(copy.status().message()));
+      probes[i] = *std::move(copy);
+      continue;
+    }
+    probe_ = &probes[i];
+    absl::Status st = Run(*ops[i].op, *ops[i].decoded, *ops[i].tensors, nullptr, nullptr);
+    probe_ = nullptr;
+    if (!st.ok()) return decline(i, std::string(st.message()));  // run one by one, the op reports it
+    if (probes[i].nothing) continue;
+    if (probes[i].plan == nullptr || !probes[i].plan->device || probes[i].plan->text.empty()) {
+      return decline(i, "read on the host or sized by the data");
+    }
+  }
+  int device = -1;
+  std::string key;
+  std::vector<uint64_t> seg_address;
+  std::vector<std::vector<int>> seg_of(ops.size());  // op i's segment j: the graph's
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const Probe& pr = probes[i];
+    if (pr.nothing) continue;
+    const Plan& plan = *pr.plan;
+    if (device >= 0 && plan.on_device != device) return decline(i, "on another device");
+    device = plan.on_device;
+    absl::StrAppend(&key, i, ":", pr.key.size(), ":");
+    key.append(pr.key);
+    for (const Plan::Seg& sg : plan.segs) {
+      const ResolvedTensor& rt = (*ops[i].tensors)[sg.k];
+      size_t g = std::find(seg_address.begin(), seg_address.end(), rt.segment_address) - seg_address.begin();
+      if (g == seg_address.size()) seg_address.push_back(rt.segment_address);
+      seg_of[i].push_back(static_cast<int>(g));
+      absl::StrAppend(&key, g, ",");
+    }
+    for (const Plan::In& x : plan.inputs) {
+      if (x.k != -1) return decline(i, "a parameter from the host");
+    }
+  }
+  if (device < 0) return decline(ops.size(), "nothing to run");
+  std::shared_ptr<const Graph> graph;
+  if (auto it = graphs_.find(key); it != graphs_.end()) {
+    graph_lru_.splice(graph_lru_.end(), graph_lru_, it->second);
+    graph = it->second->second;
+    ++stats_[device].hits;
+  } else {
+    auto made = std::make_shared<Graph>();
+    made->result_of.assign(seg_address.size(), -1);
+    made->segs.resize(seg_address.size());
+    std::vector<bool> named(seg_address.size(), false);
+    std::vector<uint64_t> seg_bytes(seg_address.size(), 0);
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (probes[i].nothing) continue;
+      for (size_t j = 0; j < seg_of[i].size(); ++j) {
+        const int g = seg_of[i][j];
+        if (!named[g]) {
+          named[g] = true;
+          made->segs[g] = {i, j};
+          seg_bytes[g] = (*ops[i].tensors)[probes[i].plan->segs[j].k].segment_bytes;
+        }
+        if (probes[i].plan->segs[j].result >= 0 && made->result_of[g] < 0) made->result_of[g] = made->written++;
+      }
+    }
+    const DType& u8 = *DTypeOf(0);
+    std::string funcs, body, params;
+    std::vector<std::string> now(seg_address.size()), checks;
+    std::vector<size_t> check_op;
+    for (size_t g = 0; g < seg_address.size(); ++g) {
+      now[g] = absl::StrCat("%g", g);
+      absl::StrAppend(&params, g == 0 ? "" : ", ", now[g], ": ", TypeOf({static_cast<int64_t>(seg_bytes[g])}, u8));
+      if (made->result_of[g] >= 0) absl::StrAppend(&params, " {tf.aliasing_output = ", made->result_of[g], " : i32}");
+    }
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (probes[i].nothing) continue;
+      const Plan& plan = *probes[i].plan;
+      absl::StatusOr<OpFunction> f = AsFunction(plan.text, absl::StrCat("op", i));
+      if (!f.ok()) return decline(i, std::string(f.status().message()));
+      const size_t scalars = plan.inputs.size() + probes[i].offsets.size();
+      if (f->params.size() != plan.segs.size() + scalars ||
+          f->results.size() != static_cast<size_t>(plan.segments_written) + (plan.checked ? 1 : 0)) {
+        return decline(i, "its program's signature does not match its plan");
+      }
+      absl::StrAppend(&funcs, f->text);
+      std::vector<std::string> args;
+      for (size_t j = 0; j < plan.segs.size(); ++j) args.push_back(now[seg_of[i][j]]);
+      for (size_t m = 0; m < scalars; ++m) {
+        const std::string a = absl::StrCat("%a", i, "_", m);
+        args.push_back(a);
+        absl::StrAppend(&params, ", ", a, ": ", f->params[plan.segs.size() + m]);
+      }
+      const std::string c = absl::StrCat("%c", i);
+      const size_t nres = f->results.size();
+      auto result = [&](size_t r) { return nres == 1 ? c : absl::StrCat(c, "#", r); };
+      absl::StrAppend(&body, "    ", c, nres == 1 ? "" : absl::StrCat(":", nres), " = func.call @op", i, "(",
+                      absl::StrJoin(args, ", "), ") : (", absl::StrJoin(f->params, ", "), ") -> (",
+                      absl::StrJoin(f->results, ", "), ")\n");
+      for (size_t j = 0; j < plan.segs.size(); ++j) {
+        if (plan.segs[j].result >= 0) now[seg_of[i][j]] = result(plan.segs[j].result);
+      }
+      if (plan.checked) {
+        checks.push_back(result(nres - 1));
+        check_op.push_back(i);
+      }
+    }
+    std::vector<std::string> results(made->written), types(made->written);
+    for (size_t g = 0; g < seg_address.size(); ++g) {
+      if (made->result_of[g] < 0) continue;
+      results[made->result_of[g]] = now[g];
+      types[made->result_of[g]] = TypeOf({static_cast<int64_t>(seg_bytes[g])}, u8);
+    }
+    if (!checks.empty()) {
+      made->checked = true;
+      std::string first = "%fail";
+      absl::StrAppend(&body, "    ", first, " = stablehlo.constant dense<0> : tensor<i32>\n");
+      for (size_t q = checks.size(); q-- > 0;) {
+        absl::StrAppend(&body, "    %at", q, " = stablehlo.constant dense<", check_op[q] + 1, "> : tensor<i32>\n",
+                        "    %fail", q, " = stablehlo.select ", checks[q], ", %at", q, ", ", first,
+                        " : tensor<i1>, tensor<i32>\n");
+        first = absl::StrCat("%fail", q);
+      }
+      results.push_back(first);
+      types.push_back("tensor<i32>");
+    }
+    if (results.empty()) return decline(ops.size(), "no results");
+    const std::string ret = absl::StrJoin(types, ", ");
+    const std::string text = absl::StrCat("module @tpud_graph {\n", funcs, "  func.func public @main(", params,
+                                          ") -> (", ret, ") {\n", body, "    return ", absl::StrJoin(results, ", "),
+                                          " : ", ret, "\n  }\n}\n");
+    absl::StatusOr<std::shared_ptr<const Executable>> exe = Compiled(text, device);
+    if (exe.ok()) {
+      made->exe = *std::move(exe);
+    } else {
+      made->why = std::string(exe.status().message()).substr(0, 2000);
+    }
+    if (graph_lru_.size() >= capacity_) {
+      graphs_.erase(graph_lru_.front().first);
+      graph_lru_.pop_front();
+    }
+    graph_lru_.emplace_back(key, made);
+    graphs_[key] = std::prev(graph_lru_.end());
+    graph = std::move(made);
+  }
+  if (graph->exe == nullptr) return decline(ops.size(), absl::StrCat("the module did not compile: ", graph->why));
+  // Segments first, then each op's scalars and offsets in order.
+  if (scalars_.size() >= 4096) scalars_.clear();
+  absl::InlinedVector<PJRT_Buffer*, 32> args;
+  std::vector<Mirror*> segs;
+  for (const auto& [i, j] : graph->segs) {
+    absl::StatusOr<Mirror*> m = MirrorOf((*ops[i].tensors)[probes[i].plan->segs[j].k], device);
+    if (!m.ok()) return m.status();
+    segs.push_back(*m);
+    args.push_back((*m)->buffer.get());
+  }
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (probes[i].nothing) continue;
+    for (const Plan::In& x : probes[i].plan->inputs) {
+      absl::StatusOr<PJRT_Buffer*> b = ScalarBuffer(device, x);
+      if (!b.ok()) return b.status();
+      args.push_back(*b);
+    }
+    for (int64_t offset : probes[i].offsets) {
+      absl::StatusOr<PJRT_Buffer*> b = OffsetBuffer(device, offset);
+      if (!b.ok()) return b.status();
+      args.push_back(*b);
+    }
+  }
+  absl::StatusOr<std::vector<Buffer>> out = plugin_->Execute(*graph->exe, device, absl::MakeConstSpan(args));
+  if (!out.ok()) {
+    for (size_t g = 0; g < segs.size(); ++g) {
+      if (graph->result_of[g] >= 0) Drop(seg_address[g], segs[g]->bytes);
+    }
+    return absl::Status(out.status().code(), absl::StrCat("the graph's module: ", out.status().message()));
+  }
+  if (out->size() != static_cast<size_t>(graph->written) + (graph->checked ? 1 : 0)) {
+    return absl::InternalError(absl::StrCat("a graph's program gave ", out->size(), " results for ", graph->written));
+  }
+  for (size_t g = 0; g < segs.size(); ++g) {
+    if (graph->result_of[g] < 0) continue;
+    segs[g]->buffer = std::move((*out)[graph->result_of[g]]);
+    segs[g]->host_current = false;
+  }
+  ++stats_[device].graphs;
+  if (graph->checked) {
+    int32_t first = 0;
+    if (absl::Status st = plugin_->ToHost(out->back(), &first, sizeof(first)); !st.ok()) return st;
+    if (first > 0 && static_cast<size_t>(first) <= ops.size()) {
+      *failed = static_cast<size_t>(first - 1);
+      const auto& op = static_cast<const PjrtOp&>(*ops[*failed].op);
+      return absl::InvalidArgumentError(absl::StrCat(op.name(), ": ", probes[*failed].plan->range_message));
+    }
+  }
+  return true;
+}
+
+}  // namespace tpud::pjrt

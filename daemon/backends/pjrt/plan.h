@@ -1,0 +1,60 @@
+// A lowered op as PjrtChip keeps it (by its signature) and runs it.
+#ifndef TPUD_DAEMON_BACKENDS_PJRT_PLAN_H_
+#define TPUD_DAEMON_BACKENDS_PJRT_PLAN_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "daemon/backends/pjrt/lowering/lowering.h"
+#include "daemon/backends/pjrt/pjrt_plugin.h"
+
+namespace tpud::pjrt {
+
+// A lowered op, kept by its signature: the compiled program, where each
+// parameter reads (a tensor of the record, by its index, or a scalar), and
+// what comes back for each output.
+struct Plan {
+  // A parameter as the lowering made it; `data` is kept only for k = -2
+  // (the record's tensors move between ops: a kept plan finds them by k).
+  struct In : Transfer {
+    int k = -1;  // the record's tensor k; -1: a scalar; -2: `data` (a plan not kept)
+  };
+  struct Out {
+    bool write = false;  // has memory to write
+    size_t bytes = 0;
+    bool donated = false;
+  };
+  std::shared_ptr<const Executable> exe;
+  std::vector<In> inputs;
+  std::vector<Out> outputs;
+  std::vector<int> used;  // the tensors read or written, by index
+  // Device memory: the program's first parameters are segments, each named
+  // by a record tensor k that lies in it; `result` >= 0 for a segment the
+  // program writes (donated, and returned as that result). `inputs` then
+  // holds only the other parameters (scalars).
+  struct Seg {
+    int k = -1;
+    int result = -1;
+  };
+  bool device = false;
+  std::vector<Seg> segs;
+  int segments_written = 0;
+  bool checked = false;
+  std::string range_message;
+  bool keep = true;
+  // Device memory: the program's text (a graph's programs are composed of
+  // their ops' texts: PjrtChip::RunProgram) and the device it is for.
+  std::string text;
+  int on_device = 0;
+  // Device memory: the record tensor whose place in its segment each offset
+  // parameter (the program's last) is, reads then writes; or, where a read
+  // does not start at a tensor of the record, `fixed` (the offsets are in
+  // the program, which is then not kept).
+  std::vector<int> offset_k;
+  std::string fixed;
+};
+
+}  // namespace tpud::pjrt
+
+#endif  // TPUD_DAEMON_BACKENDS_PJRT_PLAN_H_
