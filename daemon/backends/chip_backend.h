@@ -93,7 +93,7 @@ struct ProgramOp {
 };
 
 // One collective operation whose ranks have all met and been checked
-// (daemon/collectives/collectives.h): each rank's buffers lie inside segments
+// (daemon/collectives/groups.h): each rank's buffers lie inside segments
 // of that rank's session, on its chip.
 struct CollectiveRank {
   int chip = 0;

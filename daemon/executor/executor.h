@@ -35,7 +35,7 @@
 
 #include "absl/status/status.h"
 #include "daemon/backends/chip_backend.h"
-#include "daemon/collectives/collectives.h"
+#include "daemon/collectives/shared_table.h"
 #include "daemon/executor/control_channel.h"
 #include "daemon/executor/fair_queue.h"
 #include "daemon/core/shared_regions.h"
@@ -55,8 +55,8 @@ struct ExecutorConfig {
   // Every executor's wake-up eventfd, by index (to wake a parked ring's
   // executor).
   std::vector<int> wake_fds;
-  // Communicators and their meeting places (collectives.h); null: no
-  // collectives on this host.
+  // Communicators and their meeting places (collectives/shared_table.h);
+  // null: no collectives on this host.
   CollectiveTable* collectives = nullptr;
   ChipBackend* backend = nullptr;
   // How long an idle executor spins (when a core is free) or yields
@@ -180,7 +180,7 @@ class Executor {
   absl::Status CheckEventWait(Ring& ring, uint64_t sequence, const tpu::DecodedEventWait& wait,
                               bool* ready);
   absl::Status ResolveTensors(Ring& ring);
-  // ---- collectives (executor_collectives.cc) ----
+  // ---- collectives (collective_steps.cc) ----
   // Handles a kCollective record at the ring's head: posts its group (once),
   // runs whatever met, and reports whether the group is done (*done; then
   // the status is its result).
@@ -213,6 +213,9 @@ class Executor {
                                   uint64_t bytes, const char* what, bool input,
                                   ResolvedTensor* segment = nullptr, bool host_access = true);
   void PoisonCollectiveOutputs(Ring& ring, const std::string& cause, bool clear);
+  // Ends the memory fence of a collective over `ranks` ranks (their session
+  // tags published in slot_->collective_tags) and wakes its waiters.
+  void EndCollectiveFence(int ranks);
   const OpSlot& LookupOp(Ring& ring, uint32_t op_id);
   void Complete(Ring& ring, uint64_t length, uint64_t sequence);
   void FailSession(Session& s, const absl::Status& status);

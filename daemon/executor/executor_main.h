@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "daemon/backends/chip_backend.h"
-#include "daemon/collectives/collectives.h"
+#include "daemon/collectives/shared_table.h"
 #include "daemon/core/shared_regions.h"
 
 namespace tpud {

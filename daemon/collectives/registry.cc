@@ -1,4 +1,4 @@
-#include "daemon/collectives/communicators.h"
+#include "daemon/collectives/registry.h"
 
 #include <algorithm>
 #include <cstddef>

@@ -1,392 +1,16 @@
-#include "daemon/collectives/collectives.h"
-
-#include <errno.h>
-#include <unistd.h>
+#include "daemon/collectives/algorithms.h"
 
 #include <algorithm>
-#include <cmath>
-#include <complex>
 #include <cstring>
-#include <limits>
 #include <thread>
 
-#include "absl/strings/str_cat.h"
+#include "daemon/collectives/reduction.h"
+#include "tpu/dtype.h"
 
 namespace tpud {
-namespace {
 
 using tpu::CollectiveKind;
 using tpu::ReduceOp;
-
-// c10::ScalarType values.
-enum Dtype : int8_t {
-  kUInt8 = 0,
-  kInt8 = 1,
-  kInt16 = 2,
-  kInt32 = 3,
-  kInt64 = 4,
-  kHalf = 5,
-  kFloat = 6,
-  kDouble = 7,
-  kComplexHalf = 8,
-  kComplexFloat = 9,
-  kComplexDouble = 10,
-  kBool = 11,
-  kBFloat16 = 15,
-  kUInt16 = 27,
-  kUInt32 = 28,
-  kUInt64 = 29,
-};
-
-float Bf16ToFloat(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-uint16_t FloatToBf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if (std::isnan(f)) return 0x7fc0;
-  bits += 0x7fff + ((bits >> 16) & 1);  // round to nearest even
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-template <typename T>
-T Apply(ReduceOp op, T a, T b) {
-  switch (op) {
-    case ReduceOp::kSum:
-    case ReduceOp::kAvg:
-      return static_cast<T>(a + b);
-    case ReduceOp::kProduct:
-      return static_cast<T>(a * b);
-    case ReduceOp::kMin:
-      // NaN propagates, as torch's minimum does.
-      if constexpr (std::is_floating_point_v<T>) {
-        if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<T>::quiet_NaN();
-      }
-      return b < a ? b : a;
-    case ReduceOp::kMax:
-      if constexpr (std::is_floating_point_v<T>) {
-        if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<T>::quiet_NaN();
-      }
-      return a < b ? b : a;
-  }
-  return a;
-}
-
-template <typename T>
-void ReduceTyped(ReduceOp op, char* dst, const char* src, uint64_t count) {
-  T* d = reinterpret_cast<T*>(dst);
-  const T* s = reinterpret_cast<const T*>(src);
-  switch (op) {
-    case ReduceOp::kSum:
-    case ReduceOp::kAvg:
-      for (uint64_t i = 0; i < count; ++i) d[i] = static_cast<T>(d[i] + s[i]);
-      return;
-    case ReduceOp::kProduct:
-      for (uint64_t i = 0; i < count; ++i) d[i] = static_cast<T>(d[i] * s[i]);
-      return;
-    default:
-      for (uint64_t i = 0; i < count; ++i) d[i] = Apply(op, d[i], s[i]);
-  }
-}
-
-template <typename T>
-void ReduceComplex(ReduceOp op, char* dst, const char* src, uint64_t count) {
-  auto* d = reinterpret_cast<std::complex<T>*>(dst);
-  const auto* s = reinterpret_cast<const std::complex<T>*>(src);
-  if (op == ReduceOp::kProduct) {
-    for (uint64_t i = 0; i < count; ++i) d[i] *= s[i];
-  } else {
-    for (uint64_t i = 0; i < count; ++i) d[i] += s[i];
-  }
-}
-
-template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
-void ReduceHalfLike(ReduceOp op, char* dst, const char* src, uint64_t count) {
-  auto* d = reinterpret_cast<uint16_t*>(dst);
-  const auto* s = reinterpret_cast<const uint16_t*>(src);
-  for (uint64_t i = 0; i < count; ++i) d[i] = FromFloat(Apply(op, ToFloat(d[i]), ToFloat(s[i])));
-}
-
-float HalfToFloat(uint16_t v) {
-  _Float16 h;
-  std::memcpy(&h, &v, 2);
-  return static_cast<float>(h);
-}
-
-uint16_t FloatToHalf(float f) {
-  const _Float16 h = static_cast<_Float16>(f);
-  uint16_t v;
-  std::memcpy(&v, &h, 2);
-  return v;
-}
-
-void ReduceBool(ReduceOp op, char* dst, const char* src, uint64_t count) {
-  // As torch's NCCL backend: sum and max are "or", product and min "and".
-  auto* d = reinterpret_cast<uint8_t*>(dst);
-  const auto* s = reinterpret_cast<const uint8_t*>(src);
-  const bool any = op == ReduceOp::kSum || op == ReduceOp::kMax;
-  for (uint64_t i = 0; i < count; ++i) {
-    d[i] = any ? static_cast<uint8_t>((d[i] | s[i]) != 0) : static_cast<uint8_t>(d[i] && s[i]);
-  }
-}
-
-template <typename T>
-void DivideTyped(char* dst, uint64_t count, uint64_t n) {
-  T* d = reinterpret_cast<T*>(dst);
-  for (uint64_t i = 0; i < count; ++i) d[i] = static_cast<T>(d[i] / static_cast<T>(n));
-}
-
-
-}  // namespace
-
-void InitSharedMutex(pthread_mutex_t* mu) {
-  pthread_mutexattr_t attr;
-  pthread_mutexattr_init(&attr);
-  pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
-  pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
-  pthread_mutex_init(mu, &attr);
-  pthread_mutexattr_destroy(&attr);
-}
-
-bool LockShared(pthread_mutex_t* mu) {
-  const int r = pthread_mutex_lock(mu);
-  if (r == EOWNERDEAD) {
-    pthread_mutex_consistent(mu);
-    return true;
-  }
-  return false;
-}
-
-const char* DtypeName(int8_t dtype) {
-  switch (dtype) {
-    case kUInt8: return "uint8";
-    case kInt8: return "int8";
-    case kInt16: return "int16";
-    case kInt32: return "int32";
-    case kInt64: return "int64";
-    case kHalf: return "float16";
-    case kFloat: return "float32";
-    case kDouble: return "float64";
-    case kComplexHalf: return "complex32";
-    case kComplexFloat: return "complex64";
-    case kComplexDouble: return "complex128";
-    case kBool: return "bool";
-    case kBFloat16: return "bfloat16";
-    case kUInt16: return "uint16";
-    case kUInt32: return "uint32";
-    case kUInt64: return "uint64";
-    case 23: return "float8_e5m2";
-    case 24: return "float8_e4m3fn";
-    case 25: return "float8_e5m2fnuz";
-    case 26: return "float8_e4m3fnuz";
-  }
-  return "an unknown dtype";
-}
-
-void SetSlotMessage(GroupSlot& slot, const absl::Status& status) {
-  slot.code = static_cast<int32_t>(status.code());
-  const size_t n = std::min(status.message().size(), kCommMessageBytes - 1);
-  std::memcpy(slot.message, status.message().data(), n);
-  slot.message[n] = '\0';
-}
-
-void FinishRankSlot(CommSlot* comm, int rank, int k, const absl::Status& status,
-                    const std::vector<int>& wake_fds, int self, bool wake) {
-  GroupSlot& slot = comm->slots[rank][k];
-  if (slot.code == 0) SetSlotMessage(slot, status);
-  slot.state.store(GroupSlot::kDone, std::memory_order_seq_cst);
-  comm->groups_done.fetch_add(1, std::memory_order_relaxed);
-  const int e = comm->members[rank].executor;
-  if (wake && e >= 0 && e < static_cast<int>(wake_fds.size()) && e != self) {
-    const uint64_t one = 1;
-    (void)!write(wake_fds[e], &one, sizeof(one));
-  }
-}
-
-bool FailCommunicator(CommSlot* comm, const std::string& why, const std::vector<int>& wake_fds,
-                      int self) {
-  if (comm->state.load() == CommSlot::kFailed) return false;
-  const size_t n = std::min(why.size(), kCommMessageBytes - 1);
-  std::memcpy(comm->failure, why.data(), n);
-  comm->failure[n] = '\0';
-  comm->state.store(CommSlot::kFailed, std::memory_order_release);
-  const absl::Status st = absl::AbortedError(why);
-  for (uint32_t r = 0; r < comm->size; ++r) {
-    for (int k = 0; k < kSlotsPerRank; ++k) {
-      if (comm->slots[r][k].state.load() == GroupSlot::kPosted) {
-        FinishRankSlot(comm, static_cast<int>(r), k, st, wake_fds, self);
-      }
-    }
-  }
-  for (uint32_t r = 0; r < comm->size; ++r) {
-    const int e = comm->members[r].executor;
-    if (e >= 0 && e < static_cast<int>(wake_fds.size()) && e != self) {
-      const uint64_t one = 1;
-      (void)!write(wake_fds[e], &one, sizeof(one));
-    }
-  }
-  return true;
-}
-
-absl::Status CheckReducible(int8_t dtype, ReduceOp op) {
-  switch (dtype) {
-    case kUInt8: case kInt8: case kInt16: case kInt32: case kInt64: case kHalf: case kFloat:
-    case kDouble: case kBFloat16: case kUInt16: case kUInt32: case kUInt64:
-      return absl::OkStatus();
-    case kBool:
-      if (op == ReduceOp::kAvg) {
-        return absl::InvalidArgumentError("avg cannot reduce bool tensors");
-      }
-      return absl::OkStatus();
-    case kComplexFloat:
-    case kComplexDouble:
-      if (op == ReduceOp::kMin || op == ReduceOp::kMax) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            tpu::ReduceOpName(op), " cannot reduce ", DtypeName(dtype),
-            " tensors (complex numbers have no order)"));
-      }
-      return absl::OkStatus();
-    default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "reductions of ", DtypeName(dtype),
-          " tensors are not supported (gather, broadcast and all_to_all move them)"));
-  }
-}
-
-void ReduceInto(int8_t dtype, ReduceOp op, char* dst, const char* src, uint64_t count) {
-  switch (dtype) {
-    case kUInt8: return ReduceTyped<uint8_t>(op, dst, src, count);
-    case kInt8: return ReduceTyped<int8_t>(op, dst, src, count);
-    case kInt16: return ReduceTyped<int16_t>(op, dst, src, count);
-    case kInt32: return ReduceTyped<int32_t>(op, dst, src, count);
-    case kInt64: return ReduceTyped<int64_t>(op, dst, src, count);
-    case kUInt16: return ReduceTyped<uint16_t>(op, dst, src, count);
-    case kUInt32: return ReduceTyped<uint32_t>(op, dst, src, count);
-    case kUInt64: return ReduceTyped<uint64_t>(op, dst, src, count);
-    case kFloat: return ReduceTyped<float>(op, dst, src, count);
-    case kDouble: return ReduceTyped<double>(op, dst, src, count);
-    case kHalf: return ReduceHalfLike<HalfToFloat, FloatToHalf>(op, dst, src, count);
-    case kBFloat16: return ReduceHalfLike<Bf16ToFloat, FloatToBf16>(op, dst, src, count);
-    case kComplexFloat: return ReduceComplex<float>(op, dst, src, count);
-    case kComplexDouble: return ReduceComplex<double>(op, dst, src, count);
-    case kBool: return ReduceBool(op, dst, src, count);
-    default: return;  // refused by CheckReducible
-  }
-}
-
-void DivideBy(int8_t dtype, char* dst, uint64_t count, uint64_t n) {
-  switch (dtype) {
-    case kUInt8: return DivideTyped<uint8_t>(dst, count, n);
-    case kInt8: return DivideTyped<int8_t>(dst, count, n);
-    case kInt16: return DivideTyped<int16_t>(dst, count, n);
-    case kInt32: return DivideTyped<int32_t>(dst, count, n);
-    case kInt64: return DivideTyped<int64_t>(dst, count, n);
-    case kUInt16: return DivideTyped<uint16_t>(dst, count, n);
-    case kUInt32: return DivideTyped<uint32_t>(dst, count, n);
-    case kUInt64: return DivideTyped<uint64_t>(dst, count, n);
-    case kFloat: return DivideTyped<float>(dst, count, n);
-    case kDouble: return DivideTyped<double>(dst, count, n);
-    case kComplexFloat: return DivideTyped<std::complex<float>>(dst, count * 1, n);
-    case kComplexDouble: return DivideTyped<std::complex<double>>(dst, count, n);
-    case kHalf: {
-      auto* d = reinterpret_cast<uint16_t*>(dst);
-      for (uint64_t i = 0; i < count; ++i) d[i] = FloatToHalf(HalfToFloat(d[i]) / n);
-      return;
-    }
-    case kBFloat16: {
-      auto* d = reinterpret_cast<uint16_t*>(dst);
-      for (uint64_t i = 0; i < count; ++i) d[i] = FloatToBf16(Bf16ToFloat(d[i]) / n);
-      return;
-    }
-    default:
-      return;
-  }
-}
-
-absl::Status BufferBytes(const PostedOp& op, const int64_t* send_counts,
-                         const int64_t* recv_counts, int n, int rank, uint64_t* send_bytes,
-                         uint64_t* recv_bytes) {
-  const uint64_t esize = static_cast<uint64_t>(tpu::ElementSize(op.dtype));
-  // Bounded so that n * count * esize cannot overflow: no chip has 2^48 bytes.
-  constexpr uint64_t kMaxBytes = uint64_t{1} << 48;
-  auto bytes = [&](uint64_t elements, uint64_t* out) -> absl::Status {
-    if (elements > kMaxBytes / std::max<uint64_t>(esize, 1)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          tpu::CollectiveKindName(op.kind), " of ", elements,
-          " elements is larger than any chip's memory"));
-    }
-    *out = elements * esize;
-    return absl::OkStatus();
-  };
-  const uint64_t size = static_cast<uint64_t>(n);
-  if (op.count > kMaxBytes) return bytes(op.count, send_bytes);
-  const bool root = op.peer == rank;
-  *send_bytes = 0;
-  *recv_bytes = 0;
-  switch (op.kind) {
-    case CollectiveKind::kAllReduce:
-      if (absl::Status s = bytes(op.count, send_bytes); !s.ok()) return s;
-      return bytes(op.count, recv_bytes);
-    case CollectiveKind::kBroadcast:
-      if (root) {
-        if (absl::Status s = bytes(op.count, send_bytes); !s.ok()) return s;
-      }
-      return bytes(op.count, recv_bytes);
-    case CollectiveKind::kReduce:
-      if (absl::Status s = bytes(op.count, send_bytes); !s.ok()) return s;
-      return root ? bytes(op.count, recv_bytes) : absl::OkStatus();
-    case CollectiveKind::kAllGather:
-      if (absl::Status s = bytes(op.count, send_bytes); !s.ok()) return s;
-      return bytes(op.count * size, recv_bytes);
-    case CollectiveKind::kReduceScatter:
-      if (absl::Status s = bytes(op.count * size, send_bytes); !s.ok()) return s;
-      return bytes(op.count, recv_bytes);
-    case CollectiveKind::kGather:
-      if (absl::Status s = bytes(op.count, send_bytes); !s.ok()) return s;
-      return root ? bytes(op.count * size, recv_bytes) : absl::OkStatus();
-    case CollectiveKind::kScatter:
-      if (root) {
-        if (absl::Status s = bytes(op.count * size, send_bytes); !s.ok()) return s;
-      }
-      return bytes(op.count, recv_bytes);
-    case CollectiveKind::kAllToAll: {
-      uint64_t sends = 0, recvs = 0;
-      for (int j = 0; j < n; ++j) {
-        sends += static_cast<uint64_t>(send_counts[j]);
-        recvs += static_cast<uint64_t>(recv_counts[j]);
-        if (sends > kMaxBytes || recvs > kMaxBytes) return bytes(kMaxBytes + 1, send_bytes);
-      }
-      if (absl::Status s = bytes(sends, send_bytes); !s.ok()) return s;
-      return bytes(recvs, recv_bytes);
-    }
-    case CollectiveKind::kBarrier:
-      return absl::OkStatus();
-    case CollectiveKind::kSend:
-      return bytes(op.count, send_bytes);
-    case CollectiveKind::kRecv:
-      return bytes(op.count, recv_bytes);
-  }
-  return absl::OkStatus();
-}
-
-void CountRoute(CollectiveTable* table, const CommSlot* comm, int rank_a, int rank_b,
-                uint64_t bytes) {
-  if (bytes == 0) return;
-  const int u = comm->members[rank_a].chip;
-  const int v = comm->members[rank_b].chip;
-  if (u == v || u < 0 || v < 0 || u >= kMaxTableChips || v >= kMaxTableChips) return;
-  for (int k = 0; k < kMaxRouteLinks; ++k) {
-    const int16_t e = table->routes[u][v][k];
-    if (e < 0) break;
-    const int link = e / 2;
-    if (link >= static_cast<int>(table->num_links)) break;
-    table->links[link].bytes[e % 2].fetch_add(bytes, std::memory_order_relaxed);
-  }
-}
 
 namespace {
 
@@ -410,12 +34,13 @@ void RingAllReduce(CollectiveTable* t, const CommSlot* comm, const std::vector<i
                    uint64_t lo, uint64_t hi) {
   const int n = static_cast<int>(order.size());
   if (hi <= lo || n < 2) return;
+  const tpu::DType dtype = tpu::DTypeFromCode(op.dtype);
   const Chunking ch{lo, hi, n};
   for (int s = 0; s < n - 1; ++s) {
     for (int p = 0; p < n; ++p) {
       const int src = order[p], dst = order[Mod(p + 1, n)], c = Mod(p - s, n);
       const uint64_t b = ch.begin(c), len = ch.end(c) - b;
-      ReduceInto(op.dtype, op.reduce, buf[dst] + b * esize, buf[src] + b * esize, len);
+      ReduceInto(dtype, op.reduce, buf[dst] + b * esize, buf[src] + b * esize, len);
       CountRoute(t, comm, src, dst, len * esize);
     }
   }
@@ -423,7 +48,7 @@ void RingAllReduce(CollectiveTable* t, const CommSlot* comm, const std::vector<i
     for (int p = 0; p < n; ++p) {
       const int c = Mod(p + 1, n);
       const uint64_t b = ch.begin(c);
-      DivideBy(op.dtype, buf[order[p]] + b * esize, ch.end(c) - b, n);
+      DivideBy(dtype, buf[order[p]] + b * esize, ch.end(c) - b, n);
     }
   }
   for (int s = 0; s < n - 1; ++s) {
@@ -462,6 +87,7 @@ void RingReduceScatter(CollectiveTable* t, const CommSlot* comm, const std::vect
                        const PostedOp& op, uint64_t esize, uint64_t lo, uint64_t hi,
                        char* scratch) {
   const int n = static_cast<int>(order.size());
+  const tpu::DType dtype = tpu::DTypeFromCode(op.dtype);
   const uint64_t len = hi - lo;
   if (len == 0) return;
   const uint64_t tile = len * esize;
@@ -478,22 +104,20 @@ void RingReduceScatter(CollectiveTable* t, const CommSlot* comm, const std::vect
   for (int s = 0; s < n - 1; ++s) {
     for (int p = 0; p < n; ++p) {
       const int q = Mod(p + 1, n), c = Mod(p - s, n);
-      ReduceInto(op.dtype, op.reduce, at(q, c), at(p, c), len);
+      ReduceInto(dtype, op.reduce, at(q, c), at(p, c), len);
       CountRoute(t, comm, order[p], order[q], tile);
     }
   }
   for (int p = 0; p < n; ++p) {
     char* own = at(p, Mod(p + 1, n));
-    if (op.reduce == ReduceOp::kAvg) DivideBy(op.dtype, own, len, n);
+    if (op.reduce == ReduceOp::kAvg) DivideBy(dtype, own, len, n);
     std::memcpy(recv[order[p]] + lo * esize, own, tile);
   }
 }
 
-}  // namespace
-
 // Bytes the ring schedules move in all, over every link, for an element-wise
 // kind with `block` bytes per rank.
-static uint64_t RingBytesMoved(CollectiveKind kind, int n, uint64_t block) {
+uint64_t RingBytesMoved(CollectiveKind kind, int n, uint64_t block) {
   const uint64_t hops = static_cast<uint64_t>(n - 1);
   switch (kind) {
     case CollectiveKind::kAllReduce: return 2 * hops * block;
@@ -503,12 +127,15 @@ static uint64_t RingBytesMoved(CollectiveKind kind, int n, uint64_t block) {
   }
 }
 
+}  // namespace
+
 void RunCollective(CollectiveTable* table, CommSlot* comm, const std::vector<const PostedOp*>& ops,
                    const std::vector<char*>& send, const std::vector<char*>& recv,
                    const std::vector<const int64_t*>& send_counts,
                    const std::vector<const int64_t*>& recv_counts, std::vector<char>* scratch) {
   const int n = static_cast<int>(comm->size);
   const PostedOp& op = *ops[0];
+  const tpu::DType dtype = tpu::DTypeFromCode(op.dtype);
   const uint64_t esize = static_cast<uint64_t>(tpu::ElementSize(op.dtype));
   const uint64_t count = op.count;
   std::vector<int> order(comm->ring, comm->ring + n);
@@ -587,11 +214,11 @@ void RunCollective(CollectiveTable* table, CommSlot* comm, const std::vector<con
           std::memcpy(acc, send[first] + lo * esize, len * esize);
           for (int k = 2; k <= n; ++k) {
             const int prev = order[Mod(start + k - 1, n)], r = order[Mod(start + k, n)];
-            ReduceInto(op.dtype, op.reduce, acc, send[r] + lo * esize, len);
+            ReduceInto(dtype, op.reduce, acc, send[r] + lo * esize, len);
             CountRoute(table, comm, prev, r, len * esize);
           }
           if (n == 1) std::memcpy(acc, send[root] + lo * esize, len * esize);
-          if (op.reduce == ReduceOp::kAvg) DivideBy(op.dtype, acc, len, n);
+          if (op.reduce == ReduceOp::kAvg) DivideBy(dtype, acc, len, n);
           std::memcpy(recv[root] + lo * esize, acc, len * esize);
         }
         break;
@@ -631,7 +258,7 @@ void RunCollective(CollectiveTable* table, CommSlot* comm, const std::vector<con
         for (std::thread& t : pool) t.join();
       }
       if (n == 1 && op.kind == CollectiveKind::kAllReduce && op.reduce == ReduceOp::kAvg) {
-        DivideBy(op.dtype, recv[0], count, 1);
+        DivideBy(dtype, recv[0], count, 1);
       }
       moved = RingBytesMoved(op.kind, n, count * esize);
       break;

@@ -1,8 +1,13 @@
-// The executor's side of collectives (see collectives.h): a kCollective
-// record posts its group into the rank's slot of the communicator; whoever
-// posts last moves the data; the rank's ring waits, parked, until its group
-// is done, and then takes its result like any op's.
-#include <unistd.h>
+// The executor's steps of collectives: a kCollective record posts its group
+// into the rank's slot of the communicator (daemon/collectives/groups.h);
+// whoever posts last checks the meeting, resolves every rank's buffers
+// against that rank's session and moves the data (the backend's own
+// program, or daemon/collectives/algorithms.h in the arena); the rank's
+// ring waits, parked, until its group is done, and then takes its result
+// like any op's. What needs no executor state (checks, matching, messages)
+// lives in daemon/collectives/; what stays here touches the executor's
+// sessions, rings, poison, fence and backend.
+#include <pthread.h>
 
 #include <algorithm>
 #include <cstring>
@@ -11,58 +16,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
+#include "daemon/collectives/algorithms.h"
+#include "daemon/collectives/groups.h"
+#include "daemon/collectives/kinds.h"
 #include "daemon/executor/executor.h"
 #include "tpu/device_address.h"
 
 namespace tpud {
-namespace {
 
 using tpu::CollectiveKind;
-
-bool IsP2P(CollectiveKind k) { return k == CollectiveKind::kSend || k == CollectiveKind::kRecv; }
-
-bool Reduces(CollectiveKind k) {
-  return k == CollectiveKind::kAllReduce || k == CollectiveKind::kReduce ||
-         k == CollectiveKind::kReduceScatter;
-}
-
-bool Rooted(CollectiveKind k) {
-  return k == CollectiveKind::kBroadcast || k == CollectiveKind::kReduce ||
-         k == CollectiveKind::kGather || k == CollectiveKind::kScatter;
-}
-
-
-std::string Describe(const PostedOp& op) {
-  std::string s = absl::StrCat(tpu::CollectiveKindName(op.kind), "(");
-  if (Reduces(op.kind)) absl::StrAppend(&s, tpu::ReduceOpName(op.reduce), ", ");
-  absl::StrAppend(&s, DtypeName(op.dtype), ", ", op.count, " elements");
-  if (Rooted(op.kind)) absl::StrAppend(&s, ", root ", op.peer);
-  if (IsP2P(op.kind)) absl::StrAppend(&s, op.kind == CollectiveKind::kSend ? ", to " : ", from ",
-                                      "rank ", op.peer);
-  return s + ")";
-}
-
-
-// Calls f(begin, end) for every device range `rank`'s group `g` writes.
-template <typename F>
-void ForEachOutput(const GroupSlot& g, int size, int rank, F&& f) {
-  for (uint32_t q = 0; q < g.num_ops; ++q) {
-    uint64_t sb = 0, rb = 0;
-    if (!BufferBytes(g.ops[q], g.send_counts, g.recv_counts, size, rank, &sb, &rb).ok() ||
-        rb == 0) {
-      continue;
-    }
-    f(g.ops[q].recv, g.ops[q].recv + rb);
-  }
-}
-
-std::string MemberName(const CommSlot* comm, int r) {
-  return absl::StrCat("rank ", r, " (pid ", comm->members[r].pid, ", chip ",
-                      comm->members[r].chip, ")");
-}
-
-}  // namespace
 
 bool Executor::CollectiveReady(const Ring& ring, uint64_t now) const {
   CommSlot* comm = CommOf(config_.collectives, ring.collective_comm);
@@ -81,10 +43,7 @@ bool Executor::CollectiveReady(const Ring& ring, uint64_t now) const {
 }
 
 void Executor::WakeRank(const CommSlot* comm, int rank) {
-  const int e = comm->members[rank].executor;
-  if (e < 0 || e >= static_cast<int>(config_.wake_fds.size()) || e == config_.index) return;
-  const uint64_t one = 1;
-  (void)!write(config_.wake_fds[e], &one, sizeof(one));
+  WakeExecutor(config_.wake_fds, comm->members[rank].executor, config_.index);
 }
 
 void Executor::FinishSlot(CommSlot* comm, int rank, int k, const absl::Status& status) {
@@ -230,75 +189,18 @@ absl::Status Executor::PostGroup(Ring& ring, CommSlot* comm, int rank, uint64_t 
   // Every slot busy: this rank has more groups outstanding on other streams;
   // wait for one of them.
   if (free_slot < 0) return absl::OkStatus();
-  const std::vector<tpu::CollectiveEntry>& ops = collective_.ops;
-  const bool p2p = IsP2P(ops[0].kind);
+  const bool p2p = IsP2P(collective_.ops[0].kind);
   // Arguments only this rank can get wrong. A collective posts anyway, so
   // that its peers fail at once naming this rank instead of waiting.
-  absl::Status invalid;
-  int all_to_alls = 0;
-  if (!p2p && collective_.index == 0) {
-    invalid = absl::InvalidArgumentError("a collective group without an index (it starts at 1)");
-  }
-  for (size_t i = 0; i < ops.size() && invalid.ok(); ++i) {
-    const tpu::CollectiveEntry& e = ops[i];
-    const std::string at = ops.size() > 1 ? absl::StrCat(" (operation ", i, " of the group)") : "";
-    if (IsP2P(e.kind) != p2p) {
-      invalid = absl::InvalidArgumentError(
-          "a group mixes point-to-point operations with collectives; group them separately");
-    } else if ((Rooted(e.kind) || IsP2P(e.kind)) && (e.peer < 0 || e.peer >= n)) {
-      invalid = absl::InvalidArgumentError(absl::StrCat(
-          tpu::CollectiveKindName(e.kind), IsP2P(e.kind) ? " peer " : " root ", e.peer,
-          " is not a rank of this communicator of ", n, " ranks", at));
-    } else if (Reduces(e.kind)) {
-      invalid = CheckReducible(e.dtype, e.reduce);
-    } else if (e.kind == CollectiveKind::kAllToAll) {
-      if (static_cast<int>(e.send_counts.size()) != n) {
-        invalid = absl::InvalidArgumentError(absl::StrCat(
-            "all_to_all with ", e.send_counts.size(), " splits on a communicator of ", n,
-            " ranks", at));
-      } else if (++all_to_alls > 1) {
-        invalid = absl::InvalidArgumentError("a group holds at most one all_to_all");
-      }
-    }
-  }
+  const absl::Status invalid = CheckOwnGroup(collective_, n);
   if (p2p && !invalid.ok()) return invalid;
   if (!p2p) {
-    for (int k = 0; k < kSlotsPerRank; ++k) {
-      const GroupSlot& g = comm->slots[rank][k];
-      if (g.state.load() != GroupSlot::kFree && !g.p2p && g.index == collective_.index) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "collective group #", collective_.index, " was issued twice by this rank"));
-      }
+    if (absl::Status st = CheckNotIssuedTwice(*comm, rank, collective_.index); !st.ok()) {
+      return st;
     }
   }
-  GroupSlot& slot = comm->slots[rank][free_slot];
-  slot.num_ops = static_cast<uint32_t>(ops.size());
-  slot.p2p = p2p ? 1 : 0;
-  slot.ring = static_cast<uint32_t>(ring.index);
-  slot.record_sequence = sequence;
-  slot.index = p2p ? 0 : collective_.index;
-  slot.posted_ns = tpu::MonotonicNanos();
-  slot.code = 0;
-  slot.message[0] = '\0';
-  if (!invalid.ok()) SetSlotMessage(slot, invalid);
-  for (size_t i = 0; i < ops.size(); ++i) {
-    const tpu::CollectiveEntry& e = ops[i];
-    PostedOp& p = slot.ops[i];
-    p.kind = e.kind;
-    p.reduce = e.reduce;
-    p.dtype = e.dtype;
-    p.done = 0;
-    p.peer = e.peer;
-    p.count = e.count;
-    p.send = e.send;
-    p.recv = e.recv;
-    p.pair_index = e.pair_sequence;
-    if (e.kind == CollectiveKind::kAllToAll && invalid.ok()) {
-      std::copy(e.send_counts.begin(), e.send_counts.end(), slot.send_counts);
-      std::copy(e.recv_counts.begin(), e.recv_counts.end(), slot.recv_counts);
-    }
-  }
-  slot.state.store(GroupSlot::kPosted, std::memory_order_release);
+  WriteGroup(collective_, static_cast<uint32_t>(ring.index), sequence, tpu::MonotonicNanos(),
+             invalid, &comm->slots[rank][free_slot]);
   ring.collective_slot = free_slot;
   *posted = true;
   RunMet(comm, rank, free_slot);
@@ -309,55 +211,25 @@ void Executor::RunMet(CommSlot* comm, int rank, int kmine) {
   const int n = static_cast<int>(comm->size);
   GroupSlot& mine = comm->slots[rank][kmine];
   if (mine.p2p) {
-    for (uint32_t i = 0; i < mine.num_ops; ++i) {
-      PostedOp& a = mine.ops[i];
-      if (a.done) continue;
-      const CollectiveKind want =
-          a.kind == CollectiveKind::kSend ? CollectiveKind::kRecv : CollectiveKind::kSend;
-      bool matched = false;
-      for (int kp = 0; kp < kSlotsPerRank && !matched; ++kp) {
-        GroupSlot& peer = comm->slots[a.peer][kp];
-        if (peer.state.load() != GroupSlot::kPosted || !peer.p2p) continue;
-        for (uint32_t j = 0; j < peer.num_ops; ++j) {
-          const PostedOp& b = peer.ops[j];
-          if (b.done || b.kind != want || b.peer != rank || b.pair_index != a.pair_index ||
-              (&peer == &mine && j == i)) {
-            continue;
-          }
-          RunP2P(comm, rank, kmine, static_cast<int>(i), a.peer, kp, static_cast<int>(j));
-          matched = true;
-          break;
-        }
-      }
-    }
+    MatchPointToPoint(comm, rank, kmine, [&](int ka, int ia, int peer, int kb, int ib) {
+      RunP2P(comm, rank, ka, ia, peer, kb, ib);
+    });
     // Every group whose operations are all done is finished.
-    for (int r = 0; r < n; ++r) {
-      for (int k = 0; k < kSlotsPerRank; ++k) {
-        GroupSlot& g = comm->slots[r][k];
-        if (g.state.load() != GroupSlot::kPosted || !g.p2p) continue;
-        bool all = true;
-        for (uint32_t q = 0; q < g.num_ops && all; ++q) all = g.ops[q].done != 0;
-        if (!all) continue;
-        const absl::Status st(static_cast<absl::StatusCode>(g.code), g.message);
-        if (r != rank) {
-          FinishPeerSlot(comm, r, k, st);
-        } else {
-          FinishSlot(comm, r, k, st);
-        }
+    ForEachCompletedPointToPoint(*comm, [&](int r, int k) {
+      const GroupSlot& g = comm->slots[r][k];
+      const absl::Status st(static_cast<absl::StatusCode>(g.code), g.message);
+      if (r != rank) {
+        FinishPeerSlot(comm, r, k, st);
+      } else {
+        FinishSlot(comm, r, k, st);
       }
-    }
+    });
     return;
   }
   // A collective runs once every rank has posted the group of the same index.
   const uint64_t index = mine.index;
-  std::vector<int> at(n, -1);
-  for (int r = 0; r < n; ++r) {
-    for (int k = 0; k < kSlotsPerRank; ++k) {
-      const GroupSlot& g = comm->slots[r][k];
-      if (g.state.load() == GroupSlot::kPosted && !g.p2p && g.index == index) at[r] = k;
-    }
-    if (at[r] < 0) return;
-  }
+  std::vector<int> at;
+  if (!FindMetGroups(*comm, index, &at)) return;
   auto slot_of = [&](int r) -> GroupSlot& { return comm->slots[r][at[r]]; };
   auto finish_all = [&](const absl::Status& st) {
     for (int r = 0; r < n; ++r) {
@@ -370,50 +242,10 @@ void Executor::RunMet(CommSlot* comm, int rank, int kmine) {
   };
   const std::string where = absl::StrCat("collective #", index, " on communicator ",
                                          comm->id.load());
-  for (int r = 0; r < n; ++r) {
-    const GroupSlot& s = slot_of(r);
-    if (s.code != 0) {
-      return finish_all(absl::Status(static_cast<absl::StatusCode>(s.code),
-                                     absl::StrCat(where, ": rank ", r, ": ", s.message)));
-    }
+  if (absl::Status agree = CheckGroupsAgree(*comm, at, where); !agree.ok()) {
+    return finish_all(agree);
   }
-  // The same operations on every rank.
   const GroupSlot& first = slot_of(0);
-  for (int r = 1; r < n; ++r) {
-    const GroupSlot& s = slot_of(r);
-    if (s.num_ops != first.num_ops) {
-      return finish_all(absl::InvalidArgumentError(absl::StrCat(
-          where, " does not match across ranks: rank 0 groups ", first.num_ops,
-          " operations, rank ", r, " groups ", s.num_ops)));
-    }
-    for (uint32_t q = 0; q < s.num_ops; ++q) {
-      const PostedOp& a = first.ops[q];
-      const PostedOp& b = s.ops[q];
-      const bool same = a.kind == b.kind && a.dtype == b.dtype &&
-                        (a.kind == CollectiveKind::kAllToAll || a.count == b.count) &&
-                        (!Reduces(a.kind) || a.reduce == b.reduce) &&
-                        (!Rooted(a.kind) || a.peer == b.peer);
-      if (!same) {
-        const std::string op_at = s.num_ops > 1 ? absl::StrCat(" (operation ", q, ")") : "";
-        return finish_all(absl::InvalidArgumentError(absl::StrCat(
-            where, " does not match across ranks", op_at, ": rank 0 calls ", Describe(a),
-            ", rank ", r, " calls ", Describe(b))));
-      }
-    }
-  }
-  for (uint32_t q = 0; q < first.num_ops; ++q) {
-    if (first.ops[q].kind != CollectiveKind::kAllToAll) continue;
-    for (int i = 0; i < n; ++i) {
-      for (int j = 0; j < n; ++j) {
-        if (slot_of(i).send_counts[j] != slot_of(j).recv_counts[i]) {
-          return finish_all(absl::InvalidArgumentError(absl::StrCat(
-              where, ": all_to_all splits do not match: rank ", i, " sends ",
-              slot_of(i).send_counts[j], " elements to rank ", j, ", which expects ",
-              slot_of(j).recv_counts[i])));
-        }
-      }
-    }
-  }
   // The fence: every rank's session tag is published before its page owners
   // are read (as in BeginOp), so none of their memory is freed under us.
   for (int r = 0; r < n; ++r) {
@@ -500,11 +332,7 @@ void Executor::RunMet(CommSlot* comm, int rank, int kmine) {
   }
   config_.collectives->collectives_run.fetch_add(1, std::memory_order_relaxed);
   slot_->op_started_ns.store(0, std::memory_order_relaxed);
-  for (int r = 0; r < n; ++r) slot_->collective_tags[r].store(0, std::memory_order_seq_cst);
-  if (slot_->fence_waiters.load(std::memory_order_seq_cst) != 0) {
-    slot_->op_epoch.fetch_add(1);
-    tpu::FutexWakeAll(&slot_->op_epoch);
-  }
+  EndCollectiveFence(n);
   if (!result.ok()) {
     result = absl::Status(result.code(), absl::StrCat(where, " (", name, "): ", result.message()));
   }
@@ -522,15 +350,8 @@ void Executor::RunP2P(CommSlot* comm, int a, int ka, int ia, int b, int kb, int 
   const PostedOp& rcv = a_sends ? ob : oa;
   oa.done = 1;
   ob.done = 1;
-  absl::Status st;
-  if (snd.dtype != rcv.dtype || snd.count != rcv.count) {
-    st = absl::InvalidArgumentError(absl::StrCat(
-        "send/recv #", snd.pair_index + 1, " from rank ", sender, " to rank ", receiver,
-        " does not match: the sender sends ", snd.count, " ", DtypeName(snd.dtype),
-        " elements, the receiver expects ", rcv.count, " ", DtypeName(rcv.dtype)));
-  } else if (snd.count > (uint64_t{1} << 44)) {
-    st = absl::InvalidArgumentError("send of more elements than any chip holds");
-  } else {
+  absl::Status st = CheckPair(snd, rcv, sender, receiver);
+  if (st.ok()) {
     const uint64_t bytes = snd.count * static_cast<uint64_t>(tpu::ElementSize(snd.dtype));
     slot_->collective_tags[0].store(comm->members[sender].tag, std::memory_order_seq_cst);
     slot_->collective_tags[1].store(comm->members[receiver].tag, std::memory_order_seq_cst);
@@ -544,12 +365,7 @@ void Executor::RunP2P(CommSlot* comm, int a, int ka, int ia, int b, int kb, int 
       CountRoute(config_.collectives, comm, sender, receiver, bytes);
       comm->bytes_moved.fetch_add(bytes, std::memory_order_relaxed);
     }
-    slot_->collective_tags[0].store(0, std::memory_order_seq_cst);
-    slot_->collective_tags[1].store(0, std::memory_order_seq_cst);
-    if (slot_->fence_waiters.load(std::memory_order_seq_cst) != 0) {
-      slot_->op_epoch.fetch_add(1);
-      tpu::FutexWakeAll(&slot_->op_epoch);
-    }
+    EndCollectiveFence(2);
   }
   if (!st.ok()) {
     if (sa.code == 0) SetSlotMessage(sa, st);
@@ -570,6 +386,14 @@ void Executor::PoisonCollectiveOutputs(Ring& ring, const std::string& cause, boo
       AddPoison(s, ring.chip, begin, end, cause);
     }
   });
+}
+
+void Executor::EndCollectiveFence(int ranks) {
+  for (int r = 0; r < ranks; ++r) slot_->collective_tags[r].store(0, std::memory_order_seq_cst);
+  if (slot_->fence_waiters.load(std::memory_order_seq_cst) != 0) {
+    slot_->op_epoch.fetch_add(1);
+    tpu::FutexWakeAll(&slot_->op_epoch);
+  }
 }
 
 absl::Status Executor::StepCollective(Ring& ring, uint64_t sequence, absl::string_view record,
@@ -641,33 +465,7 @@ absl::Status Executor::StepCollective(Ring& ring, uint64_t sequence, absl::strin
       FailComm(comm, "an executor died while running an operation of this communicator");
     }
     if (slot.state.load() == GroupSlot::kPosted) {
-      // Who never came.
-      std::vector<std::string> missing;
-      for (uint32_t r = 0; r < comm->size; ++r) {
-        if (static_cast<int>(r) == rank) continue;
-        bool involved = !slot.p2p;
-        if (slot.p2p) {
-          for (uint32_t q = 0; q < slot.num_ops; ++q) {
-            involved |= !slot.ops[q].done && slot.ops[q].peer == static_cast<int32_t>(r);
-          }
-        }
-        if (!involved) continue;
-        bool met = false;
-        if (!slot.p2p) {
-          for (int k = 0; k < kSlotsPerRank; ++k) {
-            const GroupSlot& o = comm->slots[r][k];
-            met |= o.state.load() != GroupSlot::kFree && !o.p2p && o.index == slot.index;
-          }
-        }
-        if (!met) missing.push_back(MemberName(comm, static_cast<int>(r)));
-      }
-      FailComm(comm, absl::StrCat(
-          slot.p2p ? std::string("point-to-point operations")
-                   : absl::StrCat("collective #", slot.index, " (",
-                                  tpu::CollectiveKindName(slot.ops[0].kind), ")"),
-          " of rank ", rank, " timed out after ", comm->timeout_ns / 1000000000,
-          " s on communicator ", comm->id.load(), ": waiting for ",
-          absl::StrJoin(missing, ", "), ", which did not take part"));
+      FailComm(comm, TimeoutMessage(*comm, rank, slot));
     }
     pthread_mutex_unlock(&comm->mu);
   }

@@ -1,4 +1,6 @@
-// Collectives inside tpud: communicators, and how their operations meet.
+// The collective table: the shared memory where the ranks of communicators
+// meet (see registry.h for how communicators form, ring.h for how the data
+// moves).
 //
 // Every chip of the host lives in tpud, and every executor maps every chip's
 // HBM, so ranks of a communicator (one per chip and session) exchange data
@@ -9,21 +11,25 @@
 //
 // Shared state lives in one CollectiveTable that tpud owns and every
 // executor maps read-write (never clients):
-//  - tpud forms communicators (CommunicatorRegistry in daemon/), writes their
-//    members and ring, and fails them when a member's session ends;
+//  - tpud forms communicators (CommunicatorRegistry, registry.h), writes
+//    their members and ring, and fails them when a member's session ends;
 //  - executors post their ranks' operation groups into the rank's slot and
-//    run what has met, under the communicator's robust process-shared
-//    mutex (an executor that dies holding it leaves it to be recovered).
+//    run what has met (groups.h), under the communicator's robust
+//    process-shared mutex (an executor that dies holding it leaves it to be
+//    recovered).
 //
 // A group is what one kCollective record carries: collectives (every rank
 // posts the same sequence of operations) or point-to-point operations
 // (send/recv, matched pairwise in order per (source, destination)). A rank
 // has at most one group posted; its ring waits until the group is done.
 //
+// The layout is shared between processes of one tpud build only (tpud and
+// the executors it forks); kCollectiveTableMagic marks it.
+//
 // Thread-safety: fields marked atomic are read without the mutex; the rest
 // only under CommSlot::mu.
-#ifndef TPUD_DAEMON_COLLECTIVES_COLLECTIVES_H_
-#define TPUD_DAEMON_COLLECTIVES_COLLECTIVES_H_
+#ifndef TPUD_DAEMON_COLLECTIVES_SHARED_TABLE_H_
+#define TPUD_DAEMON_COLLECTIVES_SHARED_TABLE_H_
 
 #include <pthread.h>
 
@@ -52,7 +58,7 @@ inline constexpr size_t kCommMessageBytes = 512;
 struct PostedOp {
   tpu::CollectiveKind kind;
   tpu::ReduceOp reduce;
-  int8_t dtype;
+  int8_t dtype;  // wire code (tpu::Code of a tpu::DType)
   uint8_t done;  // point-to-point: matched and moved
   int32_t peer;
   uint64_t count;
@@ -132,11 +138,19 @@ struct CollectiveTable {
   CommSlot comms[kMaxCommunicators];
 };
 
+// ---- the communicator's robust, process-shared mutex ----
+
 // Initialises a robust, process-shared mutex in shared memory.
 void InitSharedMutex(pthread_mutex_t* mu);
 // Locks it; returns true if its previous owner died holding it (the state
 // it guards may be half-written; the caller decides).
 bool LockShared(pthread_mutex_t* mu);
+
+// ---- groups' results, and failure ----
+
+// Wakes executor `executor` through its eventfd in `wake_fds`, unless it is
+// `self` or not an executor.
+void WakeExecutor(const std::vector<int>& wake_fds, int executor, int self);
 
 // Under comm->mu: finishes rank's posted group with `status` (a first
 // error sticks) and, if `wake`, wakes its executor (through wake_fds,
@@ -149,8 +163,6 @@ void FinishRankSlot(CommSlot* comm, int rank, int slot, const absl::Status& stat
 bool FailCommunicator(CommSlot* comm, const std::string& why, const std::vector<int>& wake_fds,
                       int self);
 
-// "float32", "bfloat16", ... for a c10 dtype value, for messages.
-const char* DtypeName(int8_t dtype);
 // Writes `status` (code and message, cut to fit) into the slot.
 void SetSlotMessage(GroupSlot& slot, const absl::Status& status);
 
@@ -161,40 +173,7 @@ inline CommSlot* CommOf(CollectiveTable* t, uint64_t id) {
   return c->id.load(std::memory_order_acquire) == id ? c : nullptr;
 }
 
-// Element arithmetic for reductions, by c10 dtype: dst[i] = dst[i] op src[i]
-// for i < count. INVALID_ARGUMENT when the dtype cannot be reduced with op.
-absl::Status CheckReducible(int8_t dtype, tpu::ReduceOp op);
-void ReduceInto(int8_t dtype, tpu::ReduceOp op, char* dst, const char* src, uint64_t count);
-// dst[i] /= n (the last step of avg).
-void DivideBy(int8_t dtype, char* dst, uint64_t count, uint64_t n);
-
-// What an executor needs to run operations that met.
-struct CollectiveContext {
-  CollectiveTable* table = nullptr;
-  std::vector<char*> chip_bases;  // host view of every chip's HBM
-};
-
-// Moves the data of one collective operation (ops[r] for each rank r, all
-// already checked to match). `host_send[r]`, `host_recv[r]` are the host
-// views of rank r's buffers (null where the kind has none). Counts the
-// bytes each link carries.
-void RunCollective(CollectiveTable* table, CommSlot* comm, const std::vector<const PostedOp*>& ops,
-                   const std::vector<char*>& host_send, const std::vector<char*>& host_recv,
-                   const std::vector<const int64_t*>& send_counts,
-                   const std::vector<const int64_t*>& recv_counts, std::vector<char>* scratch);
-
-// Counts, on the links and in the communicator's bytes moved, what
-// RunCollective's schedule would move for `op` (ops[0] of every rank), for
-// an operation a backend ran as its own program (which picks its own
-// schedule on the device; these are the torus schedule's figures).
-void CountCollectiveTraffic(CollectiveTable* table, CommSlot* comm, const PostedOp& op,
-                            const std::vector<const int64_t*>& send_counts);
-
-// Bytes the buffers of one op span on its rank (send, recv), for the
-// communicator's size `n`; INVALID_ARGUMENT on overflow or absurd counts.
-absl::Status BufferBytes(const PostedOp& op, const int64_t* send_counts,
-                         const int64_t* recv_counts, int n, int rank, uint64_t* send_bytes,
-                         uint64_t* recv_bytes);
+// ---- link traffic ----
 
 // Adds `bytes` to every link on the route from rank a's chip to rank b's.
 void CountRoute(CollectiveTable* table, const CommSlot* comm, int rank_a, int rank_b,
@@ -202,4 +181,4 @@ void CountRoute(CollectiveTable* table, const CommSlot* comm, int rank_a, int ra
 
 }  // namespace tpud
 
-#endif  // TPUD_DAEMON_COLLECTIVES_COLLECTIVES_H_
+#endif  // TPUD_DAEMON_COLLECTIVES_SHARED_TABLE_H_

@@ -1,10 +1,11 @@
-#include "daemon/collectives/collectives.h"
+#include "daemon/collectives/algorithms.h"
 
-#include <cstring>
+#include <cstdint>
 #include <memory>
 #include <vector>
 
 #include "catch2_compat/catch.h"
+#include "tpu/dtype.h"
 
 namespace tpud {
 namespace {
@@ -12,74 +13,7 @@ namespace {
 using tpu::CollectiveKind;
 using tpu::ReduceOp;
 
-TEST_CASE("ReduceInto per dtype and op") {
-  SECTION("float32 sum, product, min, max") {
-    std::vector<float> a{1, -2, 3}, b{4, 5, -6};
-    auto run = [&](ReduceOp op) {
-      std::vector<float> d = a;
-      ReduceInto(6, op, reinterpret_cast<char*>(d.data()), reinterpret_cast<char*>(b.data()), 3);
-      return d;
-    };
-    CHECK(run(ReduceOp::kSum) == std::vector<float>{5, 3, -3});
-    CHECK(run(ReduceOp::kProduct) == std::vector<float>{4, -10, -18});
-    CHECK(run(ReduceOp::kMin) == std::vector<float>{1, -2, -6});
-    CHECK(run(ReduceOp::kMax) == std::vector<float>{4, 5, 3});
-  }
-  SECTION("int64 and uint8 wrap like torch") {
-    std::vector<int64_t> a{INT64_MAX, -7}, b{1, 3};
-    ReduceInto(4, ReduceOp::kSum, reinterpret_cast<char*>(a.data()),
-               reinterpret_cast<char*>(b.data()), 2);
-    CHECK(a[0] == INT64_MIN);
-    CHECK(a[1] == -4);
-    std::vector<uint8_t> u{250}, v{10};
-    ReduceInto(0, ReduceOp::kSum, reinterpret_cast<char*>(u.data()),
-               reinterpret_cast<char*>(v.data()), 1);
-    CHECK(u[0] == 4);
-  }
-  SECTION("bfloat16 rounds to nearest even") {
-    // 1.0 and 2^-8: the exact sum 1.00390625 lies halfway between bf16
-    // neighbours 1.0 and 1.0078125; ties go to the even one (1.0).
-    std::vector<uint16_t> a{0x3f80}, b{0x3b80};
-    ReduceInto(15, ReduceOp::kSum, reinterpret_cast<char*>(a.data()),
-               reinterpret_cast<char*>(b.data()), 1);
-    CHECK(a[0] == 0x3f80);
-  }
-  SECTION("bool: sum is or, product is and") {
-    std::vector<uint8_t> a{0, 1, 1}, b{1, 0, 1};
-    std::vector<uint8_t> d = a;
-    ReduceInto(11, ReduceOp::kSum, reinterpret_cast<char*>(d.data()),
-               reinterpret_cast<char*>(b.data()), 3);
-    CHECK(d == std::vector<uint8_t>{1, 1, 1});
-    d = a;
-    ReduceInto(11, ReduceOp::kProduct, reinterpret_cast<char*>(d.data()),
-               reinterpret_cast<char*>(b.data()), 3);
-    CHECK(d == std::vector<uint8_t>{0, 0, 1});
-  }
-  SECTION("what cannot be reduced is refused") {
-    CHECK(!CheckReducible(9, ReduceOp::kMax).ok());   // complex64 has no order
-    CHECK(CheckReducible(9, ReduceOp::kSum).ok());
-    CHECK(!CheckReducible(24, ReduceOp::kSum).ok());  // float8
-    CHECK(!CheckReducible(11, ReduceOp::kAvg).ok());  // bool
-    CHECK(CheckReducible(5, ReduceOp::kAvg).ok());
-  }
-}
-
-TEST_CASE("BufferBytes refuses absurd sizes") {
-  PostedOp op{};
-  op.kind = CollectiveKind::kAllGather;
-  op.dtype = 6;
-  op.count = uint64_t{1} << 62;
-  uint64_t s = 0, r = 0;
-  CHECK(!BufferBytes(op, nullptr, nullptr, 4, 0, &s, &r).ok());
-  op.count = 10;
-  REQUIRE(BufferBytes(op, nullptr, nullptr, 4, 0, &s, &r).ok());
-  CHECK(s == 40);
-  CHECK(r == 160);
-  op.kind = CollectiveKind::kGather;
-  op.peer = 1;
-  REQUIRE(BufferBytes(op, nullptr, nullptr, 4, 0, &s, &r).ok());
-  CHECK(r == 0);  // only the root receives
-}
+constexpr int8_t kFloat32 = tpu::Code(tpu::DType::kFloat);
 
 // Runs one collective over n ranks on plain host buffers.
 struct Harness {
@@ -128,7 +62,7 @@ TEST_CASE("ring all_reduce equals the sum, for sizes around the tiles") {
       Harness h(n);
       PostedOp op{};
       op.kind = CollectiveKind::kAllReduce;
-      op.dtype = 6;
+      op.dtype = kFloat32;
       op.count = count;
       op.reduce = ReduceOp::kAvg;
       std::vector<std::vector<float>> send(n, std::vector<float>(count)),
@@ -159,7 +93,7 @@ TEST_CASE("reduce_scatter and all_gather put blocks where they belong") {
   Harness h(n);
   PostedOp rs{};
   rs.kind = CollectiveKind::kReduceScatter;
-  rs.dtype = 6;
+  rs.dtype = kFloat32;
   rs.count = count;
   rs.reduce = ReduceOp::kSum;
   std::vector<std::vector<float>> send(n, std::vector<float>(n * count)),
@@ -175,7 +109,7 @@ TEST_CASE("reduce_scatter and all_gather put blocks where they belong") {
   }
   PostedOp ag{};
   ag.kind = CollectiveKind::kAllGather;
-  ag.dtype = 6;
+  ag.dtype = kFloat32;
   ag.count = count;
   std::vector<std::vector<float>> in(n, std::vector<float>(count)),
       out(n, std::vector<float>(n * count));
@@ -192,7 +126,7 @@ TEST_CASE("broadcast and reduce from a root in the middle of the ring") {
   Harness h(n);
   PostedOp b{};
   b.kind = CollectiveKind::kBroadcast;
-  b.dtype = 6;
+  b.dtype = kFloat32;
   b.count = 5;
   b.peer = 2;
   std::vector<std::vector<float>> send(n, std::vector<float>(5)), recv(n, std::vector<float>(5));
@@ -210,34 +144,28 @@ TEST_CASE("broadcast and reduce from a root in the middle of the ring") {
   CHECK(out[0] == std::vector<float>(5, 7));  // only the root is written
 }
 
-}  // namespace
-}  // namespace tpud
-
-namespace tpud {
-namespace {
-
 TEST_CASE("large operations split over threads give the same result") {
   // 4 ranks x 2 Mi floats: past the size where RunCollective uses every core.
   const int n = 4;
   const uint64_t count = 2 << 20;
   Harness h(n);
-  for (auto kind : {tpu::CollectiveKind::kAllReduce, tpu::CollectiveKind::kBroadcast,
-                    tpu::CollectiveKind::kReduce}) {
+  for (auto kind : {CollectiveKind::kAllReduce, CollectiveKind::kBroadcast,
+                    CollectiveKind::kReduce}) {
     PostedOp op{};
     op.kind = kind;
-    op.dtype = 6;
+    op.dtype = kFloat32;
     op.count = count;
     op.peer = 1;
-    op.reduce = tpu::ReduceOp::kSum;
+    op.reduce = ReduceOp::kSum;
     std::vector<std::vector<float>> send(n, std::vector<float>(count)),
         recv(n, std::vector<float>(count, -1));
     for (int r = 0; r < n; ++r)
       for (uint64_t i = 0; i < count; ++i) send[r][i] = static_cast<float>(r + 1 + (i % 7));
     h.Run(op, send, recv);
     for (int r = 0; r < n; ++r) {
-      if (kind == tpu::CollectiveKind::kReduce && r != 1) continue;
+      if (kind == CollectiveKind::kReduce && r != 1) continue;
       for (uint64_t i = 0; i < count; i += 4099) {
-        const float want = kind == tpu::CollectiveKind::kBroadcast
+        const float want = kind == CollectiveKind::kBroadcast
                                ? static_cast<float>(2 + (i % 7))
                                : static_cast<float>(10 + 4 * (i % 7));
         INFO("kind " << static_cast<int>(kind) << " rank " << r << " i " << i);
@@ -247,8 +175,8 @@ TEST_CASE("large operations split over threads give the same result") {
     }
   }
   PostedOp ag{};
-  ag.kind = tpu::CollectiveKind::kAllGather;
-  ag.dtype = 6;
+  ag.kind = CollectiveKind::kAllGather;
+  ag.dtype = kFloat32;
   ag.count = count;
   std::vector<std::vector<float>> in(n, std::vector<float>(count)),
       out(n, std::vector<float>(n * count));
