@@ -43,14 +43,14 @@ std::string ReduceRegion(tpu::ReduceOp op, const std::string& e) {
 // parameter (its input, `in` elements of `t`) and one result (`out`
 // elements). Reductions of half-precision types run in float32, rounded
 // once, as ATen's CPU kernels compute them.
-std::string CollectiveProgram(const CollectiveCall& call, const DType& t, int64_t in, int64_t out) {
+std::string CollectiveProgram(const CollectiveCall& call, const HloType& t, int64_t in, int64_t out) {
   const int n = static_cast<int>(call.ranks.size());
   std::vector<std::string> ids;
   for (int r = 0; r < n; ++r) ids.push_back(std::to_string(r));
   const std::string groups = absl::StrCat("replica_groups = dense<[[", absl::StrJoin(ids, ", "), "]]> : tensor<1x", n,
                                           "xi64>");
-  const bool half = t.c10 == 5 || t.c10 == 15;
-  const DType& c = half ? *DTypeOf(6) : t;  // the type reduced in
+  const bool half = t.dtype == tpu::DType::kHalf || t.dtype == tpu::DType::kBFloat16;
+  const HloType& c = half ? *DTypeOf(tpu::DType::kFloat) : t;  // the type reduced in
   std::string body;
   std::string x = "%x";
   if (half && call.kind != tpu::CollectiveKind::kAllGather && call.kind != tpu::CollectiveKind::kBroadcast &&
@@ -84,9 +84,9 @@ std::string CollectiveProgram(const CollectiveCall& call, const DType& t, int64_
       absl::StrAppend(&body, "    %id = stablehlo.replica_id : tensor<ui32>\n",
                       "    %root = stablehlo.constant dense<", call.root, "> : tensor<ui32>\n",
                       "    %is = stablehlo.compare EQ, %id, %root : (tensor<ui32>, tensor<ui32>) -> tensor<i1>\n",
-                      "    %mask = stablehlo.broadcast_in_dim %is, dims = [] : (tensor<i1>) -> ", TypeOf({in}, *DTypeOf(11)),
+                      "    %mask = stablehlo.broadcast_in_dim %is, dims = [] : (tensor<i1>) -> ", TypeOf({in}, *DTypeOf(tpu::DType::kBool)),
                       "\n    %zero = stablehlo.constant dense<0> : ", TypeOf({in}, t), "\n",
-                      "    %mine = stablehlo.select %mask, %x, %zero : ", TypeOf({in}, *DTypeOf(11)), ", ",
+                      "    %mine = stablehlo.select %mask, %x, %zero : ", TypeOf({in}, *DTypeOf(tpu::DType::kBool)), ", ",
                       TypeOf({in}, t), "\n",
                       "    %r = \"stablehlo.all_reduce\"(%mine) ({\n      ^bb0(%a: tensor<ui8>, %b: tensor<ui8>):\n",
                       "        %c = stablehlo.maximum %a, %b : tensor<ui8>\n        stablehlo.return %c : tensor<ui8>\n    }) {",
@@ -113,9 +113,9 @@ std::string CollectiveProgram(const CollectiveCall& call, const DType& t, int64_
 }
 
 // `count` values of t as u8[count * bytes] and back, inside a program.
-std::string BytesToValues(const std::string& v, int64_t count, const DType& t, const std::string& name) {
-  const DType& u8 = *DTypeOf(0);
-  if (t.c10 == 0) return absl::StrCat("    ", name, " = stablehlo.reshape ", v, " : (", TypeOf({count}, u8), ") -> ",
+std::string BytesToValues(const std::string& v, int64_t count, const HloType& t, const std::string& name) {
+  const HloType& u8 = *DTypeOf(tpu::DType::kUInt8);
+  if (t.dtype == tpu::DType::kUInt8) return absl::StrCat("    ", name, " = stablehlo.reshape ", v, " : (", TypeOf({count}, u8), ") -> ",
                                       TypeOf({count}, u8), "\n");
   if (t.bytes == 1) return absl::StrCat("    ", name, " = stablehlo.bitcast_convert ", v, " : (", TypeOf({count}, u8),
                                         ") -> ", TypeOf({count}, t), "\n");
@@ -123,9 +123,9 @@ std::string BytesToValues(const std::string& v, int64_t count, const DType& t, c
                       TypeOf({count, t.bytes}, u8), "\n    ", name, " = stablehlo.bitcast_convert ", name, "_g : (",
                       TypeOf({count, t.bytes}, u8), ") -> ", TypeOf({count}, t), "\n");
 }
-std::string ValuesToBytes(const std::string& v, int64_t count, const DType& t, const std::string& name) {
-  const DType& u8 = *DTypeOf(0);
-  if (t.c10 == 0) return absl::StrCat("    ", name, " = stablehlo.reshape ", v, " : (", TypeOf({count}, u8), ") -> ",
+std::string ValuesToBytes(const std::string& v, int64_t count, const HloType& t, const std::string& name) {
+  const HloType& u8 = *DTypeOf(tpu::DType::kUInt8);
+  if (t.dtype == tpu::DType::kUInt8) return absl::StrCat("    ", name, " = stablehlo.reshape ", v, " : (", TypeOf({count}, u8), ") -> ",
                                       TypeOf({count}, u8), "\n");
   if (t.bytes == 1) return absl::StrCat("    ", name, " = stablehlo.bitcast_convert ", v, " : (", TypeOf({count}, t),
                                         ") -> ", TypeOf({count}, u8), "\n");
@@ -137,9 +137,9 @@ std::string ValuesToBytes(const std::string& v, int64_t count, const DType& t, c
 }  // namespace
 
 absl::StatusOr<Buffer> PjrtChip::ReadSegment(const ResolvedTensor& seg, uint64_t address, int64_t count,
-                                             int8_t dtype, int device) {
-  const DType& t = *DTypeOf(dtype);
-  const DType& u8 = *DTypeOf(0);
+                                             tpu::DType dtype, int device) {
+  const HloType& t = *DTypeOf(dtype);
+  const HloType& u8 = *DTypeOf(tpu::DType::kUInt8);
   const int64_t seg_bytes = static_cast<int64_t>(seg.segment_bytes);
   const int64_t offset = static_cast<int64_t>(address - seg.segment_address);
   const int64_t bytes = count * t.bytes;
@@ -160,9 +160,9 @@ absl::StatusOr<Buffer> PjrtChip::ReadSegment(const ResolvedTensor& seg, uint64_t
 }
 
 absl::Status PjrtChip::WriteSegment(const ResolvedTensor& seg, uint64_t address, const Buffer& value, int64_t count,
-                                    int8_t dtype, int device) {
-  const DType& t = *DTypeOf(dtype);
-  const DType& u8 = *DTypeOf(0);
+                                    tpu::DType dtype, int device) {
+  const HloType& t = *DTypeOf(dtype);
+  const HloType& u8 = *DTypeOf(tpu::DType::kUInt8);
   const int64_t seg_bytes = static_cast<int64_t>(seg.segment_bytes);
   const int64_t offset = static_cast<int64_t>(address - seg.segment_address);
   const int64_t bytes = count * t.bytes;
@@ -198,10 +198,10 @@ absl::StatusOr<bool> PjrtChip::RunCollective(const CollectiveCall& call) {
                        call.kind == CollectiveKind::kReduceScatter;
   // Reductions in the tensor's type (bool, complex and unsigned 16/32/64
   // ones go through the arena); data movement as bytes, any type.
-  const DType* type = DTypeOf(call.dtype);
+  const HloType* type = DTypeOf(call.dtype);
   const int64_t esize = tpu::ElementSize(call.dtype);
-  if (esize <= 0 || (reduces && (type == nullptr || type->c10 == 11 || IsComplex(*type)))) return false;
-  const DType& t = reduces ? *type : *DTypeOf(0);
+  if (esize <= 0 || (reduces && (type == nullptr || type->dtype == tpu::DType::kBool || IsComplex(*type)))) return false;
+  const HloType& t = reduces ? *type : *DTypeOf(tpu::DType::kUInt8);
   const int64_t per = reduces ? static_cast<int64_t>(call.count) : static_cast<int64_t>(call.count) * esize;
   int64_t in = per, out = per;
   switch (call.kind) {
@@ -269,7 +269,7 @@ absl::StatusOr<bool> PjrtChip::RunCollective(const CollectiveCall& call) {
     absl::StatusOr<Buffer> b;
     if (device_memory_) {
       // Read out of the segment on the device; its host copy may be stale.
-      b = ReadSegment(*x.seg, x.address, in, t.c10, devices[r]);
+      b = ReadSegment(*x.seg, x.address, in, t.dtype, devices[r]);
     } else if (reinterpret_cast<uintptr_t>(x.host) % 64 == 0) {
       b = plugin_->Alias(devices[r], x.host, t.pjrt, {in}, /*writable=*/false);
     } else {
@@ -286,7 +286,7 @@ absl::StatusOr<bool> PjrtChip::RunCollective(const CollectiveCall& call) {
     if (!writes(r)) continue;
     if ((*results)[r].size() != 1) return absl::InternalError("a collective program gave no result");
     const CollectiveRank& cr = call.ranks[r];
-    absl::Status st = device_memory_ ? WriteSegment(cr.recv_segment, cr.recv, (*results)[r][0], out, t.c10, devices[r])
+    absl::Status st = device_memory_ ? WriteSegment(cr.recv_segment, cr.recv, (*results)[r][0], out, t.dtype, devices[r])
                                      : plugin_->ToHost((*results)[r][0], cr.host_recv, out_bytes);
     if (!st.ok()) return absl::Status(st.code(), absl::StrCat("rank ", r, "'s result: ", st.message()));
   }

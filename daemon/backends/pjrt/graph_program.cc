@@ -100,7 +100,7 @@ absl::StatusOr<PjrtChip::Probe> PjrtChip::CopyPlan(const tpu::DecodedCopy& copy,
   const int64_t to = static_cast<int64_t>(copy.dst - dst.segment_address);
   const int64_t n = static_cast<int64_t>(copy.bytes);
   const bool same = src.segment_address == dst.segment_address;
-  const DType& u8 = *DTypeOf(0);
+  const HloType& u8 = *DTypeOf(tpu::DType::kUInt8);
   const std::string st = TypeOf({static_cast<int64_t>(src.segment_bytes)}, u8);
   const std::string dt = TypeOf({static_cast<int64_t>(dst.segment_bytes)}, u8);
   const std::string nt = TypeOf({n}, u8);
@@ -214,7 +214,7 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, siz
         if (probes[i].plan->segs[j].result >= 0 && made->result_of[g] < 0) made->result_of[g] = made->written++;
       }
     }
-    const DType& u8 = *DTypeOf(0);
+    const HloType& u8 = *DTypeOf(tpu::DType::kUInt8);
     std::string funcs, body, params;
     std::vector<std::string> now(seg_address.size()), checks;
     std::vector<size_t> check_op;

@@ -77,26 +77,20 @@ absl::Status PjrtChip::ReadScalar(const std::string& op, const tpu::DecodedOp& d
     v.d = c[0];
     v.d_imag = c[1];
   };
-  switch (ref.dtype) {
-    case 0: v.kind = ResultValue::Kind::kInt; v.i = get(uint8_t{}); break;
-    case 1: v.kind = ResultValue::Kind::kInt; v.i = get(int8_t{}); break;
-    case 2: v.kind = ResultValue::Kind::kInt; v.i = get(int16_t{}); break;
-    case 3: v.kind = ResultValue::Kind::kInt; v.i = get(int32_t{}); break;
-    case 4: v.kind = ResultValue::Kind::kInt; v.i = get(int64_t{}); break;
-    case 6: v.kind = ResultValue::Kind::kDouble; v.d = get(float{}); break;
-    case 7: v.kind = ResultValue::Kind::kDouble; v.d = get(double{}); break;
-    case 11: v.kind = ResultValue::Kind::kBool; v.b = get(uint8_t{}) != 0; break;
-    case 5: v.kind = ResultValue::Kind::kDouble; v.d = tpu::HalfToFloat(get(uint16_t{})); break;
-    case 15: {  // bfloat16: the high half of a float32
-      const uint32_t bits = static_cast<uint32_t>(get(uint16_t{})) << 16;
-      float f;
-      std::memcpy(&f, &bits, sizeof(f));
-      v.kind = ResultValue::Kind::kDouble;
-      v.d = f;
-      break;
-    }
-    case 9: complex(std::array<float, 2>{}); break;
-    case 10: complex(std::array<double, 2>{}); break;
+  using tpu::DType;
+  switch (tpu::DTypeFromCode(ref.dtype)) {
+    case DType::kUInt8: v.kind = ResultValue::Kind::kInt; v.i = get(uint8_t{}); break;
+    case DType::kInt8: v.kind = ResultValue::Kind::kInt; v.i = get(int8_t{}); break;
+    case DType::kInt16: v.kind = ResultValue::Kind::kInt; v.i = get(int16_t{}); break;
+    case DType::kInt32: v.kind = ResultValue::Kind::kInt; v.i = get(int32_t{}); break;
+    case DType::kInt64: v.kind = ResultValue::Kind::kInt; v.i = get(int64_t{}); break;
+    case DType::kFloat: v.kind = ResultValue::Kind::kDouble; v.d = get(float{}); break;
+    case DType::kDouble: v.kind = ResultValue::Kind::kDouble; v.d = get(double{}); break;
+    case DType::kBool: v.kind = ResultValue::Kind::kBool; v.b = get(uint8_t{}) != 0; break;
+    case DType::kHalf: v.kind = ResultValue::Kind::kDouble; v.d = tpu::HalfToFloat(get(uint16_t{})); break;
+    case DType::kBFloat16: v.kind = ResultValue::Kind::kDouble; v.d = tpu::BFloat16ToFloat(get(uint16_t{})); break;
+    case DType::kComplexFloat: complex(std::array<float, 2>{}); break;
+    case DType::kComplexDouble: complex(std::array<double, 2>{}); break;
     default: return Unsupported(op, absl::StrCat("reading a scalar of dtype ", int(ref.dtype)));
   }
   results->push_back(v);
@@ -163,7 +157,7 @@ absl::Status PjrtChip::Selected(const std::string& name, const tpu::DecodedOp& d
     return Unsupported(name, "an output given in advance");
   }
   const tpu::TensorRef& x = decoded.args[0].tensor;
-  const DType* xt = DTypeOf(x.dtype);
+  const HloType* xt = DTypeOf(x.dtype);
   if (xt == nullptr) return Unsupported(name, "a dtype that is not lowered");
   // The elements: self's dims, broadcast with the mask's.
   std::vector<int64_t> dims = DimsOf(x);
@@ -182,8 +176,8 @@ absl::Status PjrtChip::Selected(const std::string& name, const tpu::DecodedOp& d
   }
   int64_t total = 1;
   for (int64_t s : dims) total *= s;
-  const DType& i64 = I64();
-  const DType& i1 = *DTypeOf(11);
+  const HloType& i64 = I64();
+  const HloType& i1 = *DTypeOf(tpu::DType::kBool);
   const size_t rank = dims.size();
   ResultValue v;
   v.kind = ResultValue::Kind::kTensor;
@@ -269,12 +263,12 @@ absl::Status PjrtChip::MaskIndex(const std::string& name, const tpu::DecodedOp& 
   const tpu::OpArg& list = decoded.args[1];
   if (list.tag != tpu::ArgTag::kOptionalTensorList || list.tensor_present.empty() || !list.tensor_present[0] ||
       std::count(list.tensor_present.begin(), list.tensor_present.end(), true) != 1 || list.tensors.empty() ||
-      (list.tensors[0].dtype != 11 && list.tensors[0].dtype != 0)) {
+      (list.tensors[0].dtype != tpu::Code(tpu::DType::kBool) && list.tensors[0].dtype != tpu::Code(tpu::DType::kUInt8))) {
     return Unsupported(name, "a data-dependent result other than one leading boolean mask");
   }
   const tpu::TensorRef& x = decoded.args[0].tensor;
   const tpu::TensorRef& mr = list.tensors[0];
-  const DType* xt = DTypeOf(x.dtype);
+  const HloType* xt = DTypeOf(x.dtype);
   if (xt == nullptr) return Unsupported(name, "a dtype that is not lowered");
   const std::vector<int64_t> xd = DimsOf(x), md = DimsOf(mr);
   if (md.size() > xd.size() || !std::equal(md.begin(), md.end(), xd.begin())) {
@@ -283,8 +277,8 @@ absl::Status PjrtChip::MaskIndex(const std::string& name, const tpu::DecodedOp& 
   int64_t rows_n = 1, payload = 1;
   for (int64_t s : md) rows_n *= s;
   for (size_t q = md.size(); q < xd.size(); ++q) payload *= xd[q];
-  const DType& i64 = I64();
-  const DType& i1 = *DTypeOf(11);
+  const HloType& i64 = I64();
+  const HloType& i1 = *DTypeOf(tpu::DType::kBool);
   ResultValue v;
   v.kind = ResultValue::Kind::kTensor;
   v.tensor.dtype = x.dtype;
@@ -297,7 +291,7 @@ absl::Status PjrtChip::MaskIndex(const std::string& name, const tpu::DecodedOp& 
     const std::vector<int64_t> flat = {rows_n}, table = {rows_n, payload};
     absl::StatusOr<std::string> xv = l.Operand(decoded.args[0], xd, *xt);
     if (!xv.ok()) return xv.status();
-    const DType& mt = *DTypeOf(mr.dtype);
+    const HloType& mt = *DTypeOf(mr.dtype);
     absl::StatusOr<std::string> mv = l.OperandRef(mr, 1, md, mt);
     if (!mv.ok()) return mv.status();
     const std::string mflat = l.Reshape(l.Compare("NE", *mv, l.Constant(0, md, mt), md, mt), md, flat, i1);
@@ -353,12 +347,12 @@ absl::Status PjrtChip::Unique(const std::string& name, const tpu::DecodedOp& dec
   if (consecutive && decoded.num_args > 3 && decoded.args[3].tag != tpu::ArgTag::kNone) return Unsupported(name, "dim");
   const bool want_inverse = decoded.args[consecutive ? 1 : 2].b, want_counts = decoded.args[consecutive ? 2 : 3].b;
   const tpu::TensorRef& x = decoded.args[0].tensor;
-  const DType* xt = DTypeOf(x.dtype);
+  const HloType* xt = DTypeOf(x.dtype);
   if (xt == nullptr || IsComplex(*xt)) return Unsupported(name, "a dtype that is not lowered");
   const std::vector<int64_t> xd = DimsOf(x);
   const int64_t total = Numel(x);
-  const DType& i64 = I64();
-  const DType& i1 = *DTypeOf(11);
+  const HloType& i64 = I64();
+  const HloType& i1 = *DTypeOf(tpu::DType::kBool);
   int64_t count = 0;
   std::vector<char> values(static_cast<size_t>(total) * xt->bytes);
   std::vector<int64_t> inverse(static_cast<size_t>(total)), counts(static_cast<size_t>(total));
@@ -380,7 +374,7 @@ absl::Status PjrtChip::Unique(const std::string& name, const tpu::DecodedOp& dec
     const std::string ones = l.Convert(is_new, flat, i1, i64);
     const std::string group = l.Binary("subtract", Running(l, ones, flat, 0, "add", 0, i64), l.Constant(1, flat, i64), flat, i64);
     const std::string n = l.ReduceOver(ones, flat, {0}, "add", l.Constant(0, {}, i64), i64);
-    auto scatter = [&](const std::string& into, const std::string& at, const std::string& what, const DType& t, bool add) {
+    auto scatter = [&](const std::string& into, const std::string& at, const std::string& what, const HloType& t, bool add) {
       return ScatterFlat(l, into, total, at, what, total, add, t);
     };
     // Each group's value from its first element (a later element of the
@@ -433,17 +427,17 @@ absl::Status PjrtChip::Equal(const std::string& name, const tpu::DecodedOp& deco
   v.kind = ResultValue::Kind::kBool;
   v.b = DimsOf(a) == DimsOf(b);
   if (v.b && Numel(a) > 0) {
-    const DType* ta = DTypeOf(a.dtype);
-    const DType* tb = DTypeOf(b.dtype);
+    const HloType* ta = DTypeOf(a.dtype);
+    const HloType* tb = DTypeOf(b.dtype);
     if (ta == nullptr || tb == nullptr) return Unsupported(name, "a dtype that is not lowered");
     // Compared in the wider kind: float64 if either is a float, else int64.
-    const DType& t = ta->is_float || tb->is_float ? F64() : I64();
+    const HloType& t = ta->is_float || tb->is_float ? F64() : I64();
     const std::vector<int64_t> dims = DimsOf(a);
     Lowering l(name, decoded, tensors);
     absl::StatusOr<std::string> x = l.Operand(decoded.args[0], dims, t), y = l.Operand(decoded.args[1], dims, t);
     if (!x.ok()) return x.status();
     if (!y.ok()) return y.status();
-    const DType& i1 = *DTypeOf(11);
+    const HloType& i1 = *DTypeOf(tpu::DType::kBool);
     const std::string eq = l.Compare("EQ", *x, *y, dims, t);
     const std::string all = l.ReduceOver(eq, dims, Range(dims.size()), "and", l.Constant(1, {}, i1), i1);
     const std::string program = l.Text({all}, {TypeOf({}, i1)});

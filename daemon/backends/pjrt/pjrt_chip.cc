@@ -497,21 +497,21 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   // rounded once at the end, as ATen's CPU kernels do (their "opmath" type).
   std::vector<Target> compute = outs;
   for (Target& c : compute) {
-    if (c.type->c10 == 5 || c.type->c10 == 15) c.type = DTypeOf(6);
+    if (c.type->dtype == tpu::DType::kHalf || c.type->dtype == tpu::DType::kBFloat16) c.type = DTypeOf(tpu::DType::kFloat);
   }
   // A written tensor wider than the op's own result (torch.add(bf16, 1,
   // out=float64 tensor)) gets the result as ATen computes it: in the
   // inputs' half-precision type, then cast. Taken as that type when every
   // tensor input has it, the op takes no dtype= and its output is a
   // wider float.
-  const DType* natural = nullptr;
+  const HloType* natural = nullptr;
   if (!op.written().empty() && outs.size() == 1 && outs[0].type->is_float) {
     bool dtype_arg = false;
     for (size_t a = 0; a < decoded.num_args; ++a) {
       const tpu::OpArg& arg = decoded.args[a];
       if (arg.tag == tpu::ArgTag::kDtype) dtype_arg = true;
       if (arg.tag != tpu::ArgTag::kTensor || static_cast<int>(a) == op.written()[0]) continue;
-      const DType* at = DTypeOf(arg.tensor.dtype);
+      const HloType* at = DTypeOf(arg.tensor.dtype);
       if (at == nullptr || (natural != nullptr && natural != at)) {
         natural = nullptr;
         dtype_arg = true;
@@ -519,7 +519,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
       }
       natural = at;
     }
-    if (dtype_arg || natural == nullptr || (natural->c10 != 5 && natural->c10 != 15) || natural->bytes >= outs[0].type->bytes) {
+    if (dtype_arg || natural == nullptr || (natural->dtype != tpu::DType::kHalf && natural->dtype != tpu::DType::kBFloat16) || natural->bytes >= outs[0].type->bytes) {
       natural = nullptr;
     }
   }
@@ -582,7 +582,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   const bool checked = !l.out_of_range().empty();
   if (checked) {
     values.push_back(l.out_of_range());
-    types.push_back(TypeOf({}, *DTypeOf(11)));
+    types.push_back(TypeOf({}, *DTypeOf(tpu::DType::kBool)));
   }
   std::string program;
   // Device memory: the program takes the segments its tensors lie in (see
@@ -634,7 +634,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     std::vector<std::string> extra, extra_types;
     if (checked) {
       extra.push_back(l.out_of_range());
-      extra_types.push_back(TypeOf({}, *DTypeOf(11)));
+      extra_types.push_back(TypeOf({}, *DTypeOf(tpu::DType::kBool)));
     }
     if (writes.empty() && !checked) return Unsupported(op.name(), "no result to write");
     // Offsets are parameters where each read and write starts at a tensor

@@ -31,6 +31,7 @@
 
 #include "daemon/backends/chip_backend.h"
 #include "daemon/backends/pjrt/pjrt_plugin.h"
+#include "tpu/dtype.h"
 
 namespace tpud::pjrt {
 
@@ -119,12 +120,12 @@ class PjrtChip : public ChipBackend {
                          int device, const std::function<const char*(size_t input)>& data_of,
                          absl::Span<const int64_t> offsets = {});
   // Device memory: `bytes` at `offset` of the segment's buffer, as `count`
-  // values of c10 dtype `dtype` (a buffer on `device`); and the reverse,
+  // values of dtype `dtype` (a buffer on `device`); and the reverse,
   // `value` written into the segment there (donated and replaced).
-  absl::StatusOr<Buffer> ReadSegment(const ResolvedTensor& seg, uint64_t address, int64_t count, int8_t dtype,
+  absl::StatusOr<Buffer> ReadSegment(const ResolvedTensor& seg, uint64_t address, int64_t count, tpu::DType dtype,
                                      int device);
   absl::Status WriteSegment(const ResolvedTensor& seg, uint64_t address, const Buffer& value, int64_t count,
-                            int8_t dtype, int device);
+                            tpu::DType dtype, int device);
   // The program, compiled (once; counted against `device`); with
   // `replicas`, for one replica on each of those devices (a collective).
   absl::StatusOr<std::shared_ptr<const Executable>> Compiled(const std::string& program, int device,

@@ -35,7 +35,7 @@ void RegisterActivation(OpRegistry& reg) {
     if (!self.ok()) return self;
     absl::StatusOr<std::string> thr = l.Operand(d.args[2], out.dims, *out.type);
     if (!thr.ok()) return thr;
-    const DType& pred = *DTypeOf(11);
+    const HloType& pred = *DTypeOf(tpu::DType::kBool);
     const std::string c = l.Emit(absl::StrCat(
         "stablehlo.compare LE, ", *self, ", ", *thr, ", ",
         out.type->is_float ? "FLOAT" : "SIGNED", " : (", TypeOf(out.dims, *out.type), ", ",
@@ -53,7 +53,7 @@ void RegisterActivation(OpRegistry& reg) {
     reg.Add(log ? "aten::_log_softmax_backward_data" : "aten::_softmax_backward_data", [log](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
       // (grad_output, output, dim, input_dtype)
       if (!Defined(d, 0) || !Defined(d, 1) || d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
-      const DType& t = *o.type;
+      const HloType& t = *o.type;
       absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t), y = l.Operand(d.args[1], o.dims, t);
       if (!g.ok()) return g;
       if (!y.ok()) return y;
@@ -75,7 +75,7 @@ void RegisterActivation(OpRegistry& reg) {
     absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
     if (!x.ok()) return x;
     if (*approx) {
-      const DType& t = *o.type;
+      const HloType& t = *o.type;
       const std::string th = GeluTanhInner(l, *x, o.dims, t);
       return l.Binary("multiply", l.Binary("multiply", l.Constant(0.5, o.dims, t), *x, o.dims, t),
                       l.Binary("add", l.Constant(1, o.dims, t), th, o.dims, t), o.dims, t);
@@ -88,7 +88,7 @@ void RegisterActivation(OpRegistry& reg) {
     absl::StatusOr<bool> approx = TanhGelu(l, d, 2);
     if (!approx.ok()) return approx.status();
     if (d.num_args < 2) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t), x = l.Operand(d.args[1], o.dims, t);
     if (!g.ok()) return g;
     if (!x.ok()) return x;
@@ -112,7 +112,7 @@ void RegisterActivation(OpRegistry& reg) {
   reg.Alias("aten::gelu_backward.grad_input", "aten::gelu_backward");
   reg.Add("aten::leaky_relu", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
       -> absl::StatusOr<std::string> {
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
     if (!x.ok()) return x;
     const double slope = d.num_args > 1 ? NumberOf(d.args[1]) : 0.01;
@@ -122,7 +122,7 @@ void RegisterActivation(OpRegistry& reg) {
   reg.Add("aten::elu", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
       -> absl::StatusOr<std::string> {
     // (self, alpha, scale, input_scale)
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
     if (!x.ok()) return x;
     const double alpha = d.num_args > 1 ? NumberOf(d.args[1]) : 1, scale = d.num_args > 2 ? NumberOf(d.args[2]) : 1,
@@ -137,7 +137,7 @@ void RegisterActivation(OpRegistry& reg) {
   for (bool sig : {true, false}) {
     reg.Add(sig ? "aten::sigmoid_backward" : "aten::tanh_backward", [sig](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
       if (d.num_args < 2) return Unsupported(l.op(), "arguments of a form not lowered");
-      const DType& t = *o.type;
+      const HloType& t = *o.type;
       absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t), y = l.Operand(d.args[1], o.dims, t);
       if (!g.ok()) return g;
       if (!y.ok()) return y;
@@ -151,7 +151,7 @@ void RegisterActivation(OpRegistry& reg) {
   reg.Alias("aten::tanh_backward.grad_input", "aten::tanh_backward");
   // softplus(self, beta, threshold): linear above the threshold.
   reg.Add("aten::softplus", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
     if (!x.ok()) return x;
     const double beta = d.num_args > 1 ? NumberOf(d.args[1]) : 1, threshold = d.num_args > 2 ? NumberOf(d.args[2]) : 20;

@@ -70,10 +70,10 @@ void RegisterElementwise(OpRegistry& reg) {
   reg.AddMulti("aten::frexp.Tensor", [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
       -> absl::StatusOr<std::vector<std::string>> {
     if (o.size() != 2 || !Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
-    const DType& t = *o[0].type;
-    if (t.c10 != 6 && t.c10 != 7) return Unsupported(l.op(), "a dtype that is not lowered");
-    const bool wide = t.c10 == 7;
-    const DType& it = wide ? I64() : *DTypeOf(3);
+    const HloType& t = *o[0].type;
+    if (t.dtype != tpu::DType::kFloat && t.dtype != tpu::DType::kDouble) return Unsupported(l.op(), "a dtype that is not lowered");
+    const bool wide = t.dtype == tpu::DType::kDouble;
+    const HloType& it = wide ? I64() : *DTypeOf(tpu::DType::kInt32);
     const std::vector<int64_t>& dims = o[0].dims;
     absl::StatusOr<std::string> xs = l.Operand(d.args[0], dims, t);
     if (!xs.ok()) return xs.status();
@@ -92,7 +92,7 @@ void RegisterElementwise(OpRegistry& reg) {
     const std::string mbits = l.Binary("or", l.Binary("and", bits, keep, dims, it),
                                        l.Binary("shift_left", l.Constant(bias, dims, it), l.Constant(mant, dims, it), dims, it), dims, it);
     const std::string mv = l.Emit(absl::StrCat("stablehlo.bitcast_convert ", mbits, " : (", TypeOf(dims, it), ") -> ", TypeOf(dims, t)));
-    const DType& i1 = *DTypeOf(11);
+    const HloType& i1 = *DTypeOf(tpu::DType::kBool);
     const std::string finite = l.Emit(absl::StrCat("stablehlo.is_finite ", x, " : (", TypeOf(dims, t), ") -> ", TypeOf(dims, i1)));
     const std::string plain = l.Binary("and", finite, l.Compare("NE", x, l.Constant(0, dims, t), dims, t), dims, i1);
     return std::vector<std::string>{l.Select(plain, mv, x, dims, t),
@@ -110,15 +110,15 @@ void RegisterElementwise(OpRegistry& reg) {
         bool floating = false;
         for (size_t i = 0; i < 2; ++i) {
           const tpu::OpArg& a = d.args[i];
-          const DType* t = a.tag == tpu::ArgTag::kTensor ? DTypeOf(a.tensor.dtype) : nullptr;
+          const HloType* t = a.tag == tpu::ArgTag::kTensor ? DTypeOf(a.tensor.dtype) : nullptr;
           floating |= (t != nullptr && t->is_float) || a.tag == tpu::ArgTag::kScalarDouble ||
                       (a.tag == tpu::ArgTag::kScalarTensor && DTypeOf(a.dtype) != nullptr && DTypeOf(a.dtype)->is_float);
         }
-        const DType& t = floating ? F64() : I64();
+        const HloType& t = floating ? F64() : I64();
         absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t);
         if (!a.ok()) return a;
         if (!b.ok()) return b;
-        return l.Convert(l.Compare(cmp, *a, *b, o.dims, t), o.dims, *DTypeOf(11), *o.type);
+        return l.Convert(l.Compare(cmp, *a, *b, o.dims, t), o.dims, *DTypeOf(tpu::DType::kBool), *o.type);
       });
     }
   }
@@ -128,7 +128,7 @@ void RegisterElementwise(OpRegistry& reg) {
     reg.Add(name, [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
         -> absl::StatusOr<std::string> {
       if (d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
-      const DType& t = *o.type;
+      const HloType& t = *o.type;
       absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t),
                                   w = l.Operand(d.args[2], o.dims, t);
       for (auto* v : {&a, &b, &w}) if (!v->ok()) return *v;
@@ -142,7 +142,7 @@ void RegisterElementwise(OpRegistry& reg) {
       reg.Add(absl::StrCat("aten::", base, suffix), [mul](Lowering& l, const tpu::DecodedOp& d, const Target& o)
           -> absl::StatusOr<std::string> {
         if (d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
-        const DType& t = *o.type;
+        const HloType& t = *o.type;
         absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t),
                                     c = l.Operand(d.args[2], o.dims, t);
         for (auto* v : {&a, &b, &c}) if (!v->ok()) return *v;
@@ -202,10 +202,10 @@ void RegisterElementwise(OpRegistry& reg) {
     reg.Add("aten::" + name, [k](Lowering& l, const tpu::DecodedOp& d, const Target& o)
         -> absl::StatusOr<std::string> {
       if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
-      const DType* t = DTypeOf(d.args[0].tensor.dtype);
+      const HloType* t = DTypeOf(d.args[0].tensor.dtype);
       if (t == nullptr) return Unsupported(l.op(), "dtype");
       if (k != 0 && !t->is_float) {
-        return l.Convert(l.Constant(k == 3 ? 1 : 0, o.dims, *DTypeOf(11)), o.dims, *DTypeOf(11), *o.type);
+        return l.Convert(l.Constant(k == 3 ? 1 : 0, o.dims, *DTypeOf(tpu::DType::kBool)), o.dims, *DTypeOf(tpu::DType::kBool), *o.type);
       }
       absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *t);
       if (!x.ok()) return x;
@@ -213,8 +213,8 @@ void RegisterElementwise(OpRegistry& reg) {
       if (k == 0) p = l.Compare("EQ", *x, l.Constant(0, o.dims, *t), o.dims, *t);
       if (k == 1) p = l.Compare("NE", *x, *x, o.dims, *t);
       if (k == 2) p = l.Compare("EQ", l.Unary("abs", *x, o.dims, *t), l.Unary("abs", l.Binary("divide", l.Constant(1, o.dims, *t), l.Constant(0, o.dims, *t), o.dims, *t), o.dims, *t), o.dims, *t);
-      if (k == 3) p = l.Emit(absl::StrCat("stablehlo.is_finite ", *x, " : (", TypeOf(o.dims, *t), ") -> ", TypeOf(o.dims, *DTypeOf(11))));
-      return l.Convert(p, o.dims, *DTypeOf(11), *o.type);
+      if (k == 3) p = l.Emit(absl::StrCat("stablehlo.is_finite ", *x, " : (", TypeOf(o.dims, *t), ") -> ", TypeOf(o.dims, *DTypeOf(tpu::DType::kBool))));
+      return l.Convert(p, o.dims, *DTypeOf(tpu::DType::kBool), *o.type);
     });
   }
   for (const char* ov : {".Tensor", ".Scalar"}) {
@@ -222,15 +222,15 @@ void RegisterElementwise(OpRegistry& reg) {
     reg.Add(std::string("aten::remainder") + ov, [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
         -> absl::StatusOr<std::string> {
       // Python's %: the result has the divisor's sign.
-      const DType& t = *o.type;
+      const HloType& t = *o.type;
       absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t);
       if (!a.ok()) return a;
       if (!b.ok()) return b;
       const std::string r = l.Binary("remainder", *a, *b, o.dims, t);
       const std::string zero = l.Constant(0, o.dims, t);
       const std::string nz = l.Compare("NE", r, zero, o.dims, t);
-      const std::string differ = l.Compare("NE", l.Compare("LT", r, zero, o.dims, t), l.Compare("LT", *b, zero, o.dims, t), o.dims, *DTypeOf(11));
-      const std::string fix = l.Emit(absl::StrCat("stablehlo.and ", nz, ", ", differ, " : ", TypeOf(o.dims, *DTypeOf(11))));
+      const std::string differ = l.Compare("NE", l.Compare("LT", r, zero, o.dims, t), l.Compare("LT", *b, zero, o.dims, t), o.dims, *DTypeOf(tpu::DType::kBool));
+      const std::string fix = l.Emit(absl::StrCat("stablehlo.and ", nz, ", ", differ, " : ", TypeOf(o.dims, *DTypeOf(tpu::DType::kBool))));
       return l.Select(fix, l.Binary("add", r, *b, o.dims, t), r, o.dims, t);
     });
     for (const auto& [name, op] : std::vector<std::pair<std::string, const char*>>{
@@ -243,8 +243,8 @@ void RegisterElementwise(OpRegistry& reg) {
     const char* hlo = op;
     reg.Add("aten::" + name, [hlo](Lowering& l, const tpu::DecodedOp& d, const Target& o)
         -> absl::StatusOr<std::string> {
-      const DType& f = F64();
-      const DType& pred = *DTypeOf(11);
+      const HloType& f = F64();
+      const HloType& pred = *DTypeOf(tpu::DType::kBool);
       absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, f), b = l.Operand(d.args[1], o.dims, f);
       if (!a.ok()) return a;
       if (!b.ok()) return b;
@@ -256,7 +256,7 @@ void RegisterElementwise(OpRegistry& reg) {
   }
   reg.Add("aten::logaddexp", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
       -> absl::StatusOr<std::string> {
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t);
     if (!a.ok()) return a;
     if (!b.ok()) return b;
@@ -267,7 +267,7 @@ void RegisterElementwise(OpRegistry& reg) {
   // clamp(self, min?, max?): bounds are scalars or tensors, either may be absent.
   auto clamp = [](bool lo, bool hi) {
     return [lo, hi](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-      const DType& t = *o.type;
+      const HloType& t = *o.type;
       absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
       if (!x.ok()) return x;
       std::string r = *x;
@@ -295,7 +295,7 @@ void RegisterElementwise(OpRegistry& reg) {
   reg.Add("aten::where.self", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
       -> absl::StatusOr<std::string> {
     if (d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& pred = *DTypeOf(11);
+    const HloType& pred = *DTypeOf(tpu::DType::kBool);
     absl::StatusOr<std::string> cnd = l.Operand(d.args[0], o.dims, pred);
     absl::StatusOr<std::string> a = l.Operand(d.args[1], o.dims, *o.type), b = l.Operand(d.args[2], o.dims, *o.type);
     for (auto* v : {&cnd, &a, &b}) if (!v->ok()) return *v;
@@ -305,7 +305,7 @@ void RegisterElementwise(OpRegistry& reg) {
     reg.Add(name, [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
       if (d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
       absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
-      absl::StatusOr<std::string> mask = l.Operand(d.args[1], o.dims, *DTypeOf(11));
+      absl::StatusOr<std::string> mask = l.Operand(d.args[1], o.dims, *DTypeOf(tpu::DType::kBool));
       absl::StatusOr<std::string> v = l.Operand(d.args[2], o.dims, *o.type);
       for (auto* p : {&x, &mask, &v}) if (!p->ok()) return *p;
       return l.Select(*mask, *v, *x, o.dims, *o.type);
@@ -336,18 +336,18 @@ void RegisterElementwise(OpRegistry& reg) {
   }));
   // Inverse hyperbolic functions from logarithms.
   reg.Add("aten::acosh", UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     const std::string s = l.Unary("sqrt", l.Binary("subtract", l.Binary("multiply", x, x, o.dims, t), l.Constant(1, o.dims, t), o.dims, t), o.dims, t);
     return l.Unary("log", l.Binary("add", x, s, o.dims, t), o.dims, t);
   }));
   reg.Add("aten::asinh", UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     const std::string a = l.Unary("abs", x, o.dims, t);
     const std::string s = l.Unary("sqrt", l.Binary("add", l.Binary("multiply", a, a, o.dims, t), l.Constant(1, o.dims, t), o.dims, t), o.dims, t);
     return l.Binary("multiply", l.Unary("sign", x, o.dims, t), l.Unary("log", l.Binary("add", a, s, o.dims, t), o.dims, t), o.dims, t);
   }));
   reg.Add("aten::atanh", UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     const std::string q = l.Binary("divide", l.Binary("add", l.Constant(1, o.dims, t), x, o.dims, t),
                                    l.Binary("subtract", l.Constant(1, o.dims, t), x, o.dims, t), o.dims, t);
     return l.Binary("multiply", l.Constant(0.5, o.dims, t), l.Unary("log", q, o.dims, t), o.dims, t);
@@ -356,16 +356,18 @@ void RegisterElementwise(OpRegistry& reg) {
   reg.Add("aten::signbit", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
     if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
     const tpu::TensorRef& x = d.args[0].tensor;
-    const DType* xt = DTypeOf(x.dtype);
+    const HloType* xt = DTypeOf(x.dtype);
     if (xt == nullptr) return Unsupported(l.op(), "dtype");
     absl::StatusOr<std::string> v = l.OperandRef(x, l.TensorIndex(d.args[0]), o.dims, *xt);
     if (!v.ok()) return v;
-    const DType& b = *DTypeOf(11);
+    const HloType& b = *DTypeOf(tpu::DType::kBool);
     std::string neg;
-    if (xt->c10 == 11 || xt->c10 == 0) {
+    if (xt->dtype == tpu::DType::kBool || xt->dtype == tpu::DType::kUInt8) {
       neg = l.Constant(0, o.dims, b);
     } else if (xt->is_float) {
-      const DType& bits = *DTypeOf(xt->bytes == 2 ? 2 : xt->bytes == 4 ? 3 : 4);
+      const HloType& bits = *DTypeOf(xt->bytes == 2   ? tpu::DType::kInt16
+                                         : xt->bytes == 4 ? tpu::DType::kInt32
+                                                          : tpu::DType::kInt64);
       const std::string i = l.Emit(absl::StrCat("stablehlo.bitcast_convert ", *v, " : (", TypeOf(o.dims, *xt),
                                                 ") -> ", TypeOf(o.dims, bits)));
       neg = l.Compare("LT", i, l.Constant(0, o.dims, bits), o.dims, bits);
@@ -379,7 +381,7 @@ void RegisterElementwise(OpRegistry& reg) {
   {
     Rule r = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
       if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
-      const DType& t = *o.type;
+      const HloType& t = *o.type;
       absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t);
       if (!a.ok()) return a;
       if (!b.ok()) return b;
@@ -398,8 +400,8 @@ void RegisterElementwise(OpRegistry& reg) {
       const std::string rem = l.Binary("remainder", *a, *b, o.dims, t);
       const std::string inexact = l.Compare("NE", rem, zero, o.dims, t);
       const std::string differ = l.Compare("NE", l.Compare("LT", *a, zero, o.dims, t),
-                                           l.Compare("LT", *b, zero, o.dims, t), o.dims, *DTypeOf(11));
-      const std::string both = l.Binary("and", inexact, differ, o.dims, *DTypeOf(11));
+                                           l.Compare("LT", *b, zero, o.dims, t), o.dims, *DTypeOf(tpu::DType::kBool));
+      const std::string both = l.Binary("and", inexact, differ, o.dims, *DTypeOf(tpu::DType::kBool));
       return l.Select(both, l.Binary("subtract", q, l.Constant(1, o.dims, t), o.dims, t), q, o.dims, t);
     };
     for (const char* name : {"aten::div.Tensor_mode", "aten::div.Scalar_mode", "aten::div_.Tensor_mode",

@@ -39,7 +39,7 @@ void RegisterFft(OpRegistry& reg) {
         return Unsupported(l.op(), "arguments of a form not lowered");
       }
       const tpu::TensorRef& x = d.args[0].tensor;
-      const DType* xt = DTypeOf(x.dtype);
+      const HloType* xt = DTypeOf(x.dtype);
       if (xt == nullptr || (kind == Fft::kR2C ? !xt->is_float : !IsComplex(*xt))) {
         return Unsupported(l.op(), "an input of this dtype");
       }
@@ -58,8 +58,8 @@ void RegisterFft(OpRegistry& reg) {
         return l.Convert(*same, in, *xt, *o.type);
       }
       const int64_t norm = d.args[2].i;
-      const DType& part = kind == Fft::kC2R ? *o.type : (kind == Fft::kR2C ? (xt->c10 == 7 ? F64() : *DTypeOf(6)) : PartOf(*xt));
-      const DType& ct = ComplexOf(part);
+      const HloType& part = kind == Fft::kC2R ? *o.type : (kind == Fft::kR2C ? (xt->dtype == tpu::DType::kDouble ? F64() : *DTypeOf(tpu::DType::kFloat)) : PartOf(*xt));
+      const HloType& ct = ComplexOf(part);
       if (o.dims.size() != n) return Unsupported(l.op(), "an output of another rank");
       // perm: the other dimensions, then the transformed ones.
       std::vector<int64_t> perm;
@@ -81,7 +81,7 @@ void RegisterFft(OpRegistry& reg) {
         length.push_back(kind == Fft::kC2R ? o.dims[q] : in[q]);
         count *= length.back();
       }
-      const DType& vt = kind == Fft::kR2C ? part : ct;
+      const HloType& vt = kind == Fft::kR2C ? part : ct;
       absl::StatusOr<std::string> xv = l.Operand(d.args[0], in, *xt);
       if (!xv.ok()) return xv;
       std::string v = l.Convert(*xv, in, *xt, vt);
@@ -90,7 +90,7 @@ void RegisterFft(OpRegistry& reg) {
                               TypeOf(in, vt), ") -> ", TypeOf(pin, vt)));
       bool inverse_fft = false;
       const char* type = "FFT";
-      const DType* rt = &ct;
+      const HloType* rt = &ct;
       std::vector<int64_t> pres = pout;
       if (kind == Fft::kR2C) {
         const bool onesided = d.args[3].tag != tpu::ArgTag::kBool || d.args[3].b;
@@ -122,7 +122,7 @@ void RegisterFft(OpRegistry& reg) {
                                 TypeOf(fin, ct), ") -> ", TypeOf(pres, part)));
       }
       if (kind != Fft::kC2R) {
-        const DType& from = kind == Fft::kR2C && std::string(type) == "RFFT" ? part : ct;
+        const HloType& from = kind == Fft::kR2C && std::string(type) == "RFFT" ? part : ct;
         v = l.Emit(absl::StrCat("stablehlo.fft ", v, ", type = ", type, ", length = [", absl::StrJoin(length, ", "),
                                 "] : (", TypeOf(pin, from), ") -> ", TypeOf(pres, ct)));
       }
@@ -141,7 +141,7 @@ void RegisterFft(OpRegistry& reg) {
   reg.Add("aten::conj_physical", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
     absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
     if (!x.ok() || !IsComplex(*o.type)) return x;
-    const DType& part = PartOf(*o.type);
+    const HloType& part = PartOf(*o.type);
     const std::string re = l.Emit(absl::StrCat("stablehlo.real ", *x, " : (", TypeOf(o.dims, *o.type), ") -> ", TypeOf(o.dims, part)));
     const std::string im = l.Emit(absl::StrCat("stablehlo.imag ", *x, " : (", TypeOf(o.dims, *o.type), ") -> ", TypeOf(o.dims, part)));
     return l.Emit(absl::StrCat("stablehlo.complex ", re, ", ", l.Unary("negate", im, o.dims, part), " : ", TypeOf(o.dims, *o.type)));
@@ -151,13 +151,13 @@ void RegisterFft(OpRegistry& reg) {
   // it is negative, 0 elsewhere, NaN where it is NaN.
   reg.Add("aten::angle", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
     if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
-    const DType* xt = DTypeOf(d.args[0].tensor.dtype);
+    const HloType* xt = DTypeOf(d.args[0].tensor.dtype);
     if (xt == nullptr) return Unsupported(l.op(), "an input of this dtype");
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     if (IsComplex(*xt)) {
       absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *xt);
       if (!x.ok()) return x;
-      const DType& part = PartOf(*xt);
+      const HloType& part = PartOf(*xt);
       const std::string re = l.Emit(absl::StrCat("stablehlo.real ", *x, " : (", TypeOf(o.dims, *xt), ") -> ", TypeOf(o.dims, part)));
       const std::string im = l.Emit(absl::StrCat("stablehlo.imag ", *x, " : (", TypeOf(o.dims, *xt), ") -> ", TypeOf(o.dims, part)));
       return l.Convert(l.Binary("atan2", im, re, o.dims, part), o.dims, part, t);

@@ -21,9 +21,9 @@
 
 namespace tpud::pjrt {
 
-std::string Highest(Lowering& l, const DType& t) {
-  const char* hex = t.c10 == 6 ? "0x7F800000" : t.c10 == 7 ? "0x7FF0000000000000"
-                  : t.c10 == 5 ? "0x7C00" : t.c10 == 15 ? "0x7F80" : nullptr;
+std::string Highest(Lowering& l, const HloType& t) {
+  const char* hex = t.dtype == tpu::DType::kFloat ? "0x7F800000" : t.dtype == tpu::DType::kDouble ? "0x7FF0000000000000"
+                  : t.dtype == tpu::DType::kHalf ? "0x7C00" : t.dtype == tpu::DType::kBFloat16 ? "0x7F80" : nullptr;
   if (hex == nullptr) return l.Emit(absl::StrCat("stablehlo.constant dense<", IntLimit(t, true), "> : ", TypeOf({}, t)));
   return l.Emit(absl::StrCat("stablehlo.constant dense<", hex, "> : ", TypeOf({}, t)));
 }
@@ -238,7 +238,7 @@ absl::StatusOr<ConvWindow> ConvWindowOf(const Lowering& l, const tpu::DecodedOp&
 
 
 std::string SoftmaxOf(Lowering& l, const std::string& x, const std::vector<int64_t>& in,
-                      int64_t dim, const DType& t, bool log) {
+                      int64_t dim, const HloType& t, bool log) {
   const std::vector<int64_t> which = {dim};
   const std::string m = l.ReduceOver(x, in, which, "maximum", l.Lowest(t), t);
   const std::string xm = l.Binary("subtract", x, l.Expand(m, in, which, t), in, t);
@@ -252,7 +252,7 @@ std::string SoftmaxOf(Lowering& l, const std::string& x, const std::vector<int64
 }
 
 
-std::string Erf(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const DType& t) {
+std::string Erf(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const HloType& t) {
   auto c = [&](double v) { return l.Constant(v, d, t); };
   const std::string ax = l.Unary("abs", x, d, t);
   const std::string tt = l.Binary("divide", c(1), l.Binary("add", c(1), l.Binary("multiply", c(0.3275911), ax, d, t), d, t), d, t);
@@ -267,7 +267,7 @@ std::string Erf(Lowering& l, const std::string& x, const std::vector<int64_t>& d
 }
 
 
-std::string GeluCdf(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const DType& t) {
+std::string GeluCdf(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const HloType& t) {
   const std::string z = l.Binary("multiply", x, l.Constant(0.70710678118654752, d, t), d, t);
   return l.Binary("multiply", l.Constant(0.5, d, t),
                   l.Binary("add", l.Constant(1, d, t), Erf(l, z, d, t), d, t), d, t);
@@ -281,7 +281,7 @@ absl::StatusOr<bool> TanhGelu(const Lowering& l, const tpu::DecodedOp& d, size_t
 }
 
 
-std::string GeluTanhInner(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const DType& t) {
+std::string GeluTanhInner(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const HloType& t) {
   const std::string x3 = l.Binary("multiply", l.Binary("multiply", x, x, d, t), x, d, t);
   const std::string u = l.Binary("add", x, l.Binary("multiply", l.Constant(0.044715, d, t), x3, d, t), d, t);
   return l.Unary("tanh", l.Binary("multiply", l.Constant(0.79788456080286536, d, t), u, d, t), d, t);
@@ -290,13 +290,13 @@ std::string GeluTanhInner(Lowering& l, const std::string& x, const std::vector<i
 
 absl::StatusOr<Picked> PickTargets(Lowering& l, const tpu::DecodedOp& d, size_t target_i,
                                    size_t weight_i, size_t ignore_i,
-                                   const std::vector<int64_t>& nc, const DType& t) {
+                                   const std::vector<int64_t>& nc, const HloType& t) {
   const tpu::OpArg& target = d.args[target_i];
   // (An unbatched input comes as one row, its target 0-d.)
   if (target.tag != tpu::ArgTag::kTensor || (target.tensor.ndim != 1 && !(target.tensor.ndim == 0 && nc[0] == 1))) {
     return Unsupported(l.op(), "expects a 2-d input and a 1-d target");
   }
-  const DType& i64 = I64();
+  const HloType& i64 = I64();
   absl::StatusOr<std::string> t1 = l.OperandRef(target.tensor, l.TensorIndex(target), {nc[0]}, i64);
   if (!t1.ok()) return t1.status();
   // The target along the classes: dims = [0].
@@ -307,8 +307,8 @@ absl::StatusOr<Picked> PickTargets(Lowering& l, const tpu::DecodedOp& d, size_t 
   std::string onehot = l.Compare("EQ", *tg, iota, nc, i64);
   const int64_t ignore = ignore_i < d.num_args ? static_cast<int64_t>(NumberOf(d.args[ignore_i])) : -100;
   const std::string keep = l.Compare("NE", *tg, l.Constant(static_cast<double>(ignore), nc, i64), nc, i64);
-  onehot = l.Emit(absl::StrCat("stablehlo.and ", onehot, ", ", keep, " : ", TypeOf(nc, *DTypeOf(11))));
-  std::string mask = l.Convert(onehot, nc, *DTypeOf(11), t);
+  onehot = l.Emit(absl::StrCat("stablehlo.and ", onehot, ", ", keep, " : ", TypeOf(nc, *DTypeOf(tpu::DType::kBool))));
+  std::string mask = l.Convert(onehot, nc, *DTypeOf(tpu::DType::kBool), t);
   if (Defined(d, weight_i)) {
     const tpu::TensorRef& w = d.args[weight_i].tensor;
     absl::StatusOr<std::string> wv = l.OperandRef(w, l.TensorIndex(d.args[weight_i]), nc, t);
@@ -323,7 +323,7 @@ absl::StatusOr<Picked> PickTargets(Lowering& l, const tpu::DecodedOp& d, size_t 
 
 
 std::string PNorm(Lowering& l, const std::string& diff, const std::vector<int64_t>& full, int64_t axis, double p,
-                  const DType& t) {
+                  const HloType& t) {
   const std::vector<int64_t> kept = Lowering::Kept(full, {axis});
   const std::string zero = l.Constant(0, {}, t);
   if (p == 0) {
@@ -340,8 +340,8 @@ std::string PNorm(Lowering& l, const std::string& diff, const std::vector<int64_
 
 
 std::string ScatterFlat(Lowering& l, const std::string& into, int64_t n, const std::string& at, const std::string& what,
-                        int64_t m, bool add, const DType& t) {
-  const DType& i64 = I64();
+                        int64_t m, bool add, const HloType& t) {
+  const HloType& i64 = I64();
   const std::string scalar = TypeOf({}, t);
   return l.Emit(absl::StrCat(
       "\"stablehlo.scatter\"(", into, ", ", l.Reshape(at, {m}, {m, 1}, i64), ", ", what, ") ({\n",
@@ -356,7 +356,7 @@ std::string ScatterFlat(Lowering& l, const std::string& into, int64_t n, const s
 
 std::string AdaptiveWindow(Lowering& l, const std::vector<int64_t>& dims, int64_t out_axis, int64_t in_axis, int64_t n,
                            int64_t out) {
-  const DType& i64 = I64();
+  const HloType& i64 = I64();
   auto c = [&](double v) { return l.Constant(v, dims, i64); };
   const std::string oi = l.Iota(out_axis, dims, i64), ii = l.Iota(in_axis, dims, i64);
   const std::string start = l.Binary("divide", l.Binary("multiply", oi, c(static_cast<double>(n)), dims, i64),
@@ -366,12 +366,12 @@ std::string AdaptiveWindow(Lowering& l, const std::vector<int64_t>& dims, int64_
       l.Binary("add", l.Binary("multiply", l.Binary("add", oi, c(1), dims, i64), c(static_cast<double>(n)), dims, i64),
                c(static_cast<double>(out - 1)), dims, i64),
       c(static_cast<double>(out)), dims, i64);
-  return l.Binary("and", l.Compare("GE", ii, start, dims, i64), l.Compare("LT", ii, end, dims, i64), dims, *DTypeOf(11));
+  return l.Binary("and", l.Compare("GE", ii, start, dims, i64), l.Compare("LT", ii, end, dims, i64), dims, *DTypeOf(tpu::DType::kBool));
 }
 
 
 std::string Running(Lowering& l, const std::string& x, const std::vector<int64_t>& in, int64_t dim,
-                    const char* op, double init, const DType& t, const std::string& init_value) {
+                    const char* op, double init, const HloType& t, const std::string& init_value) {
   const std::string scalar = TypeOf({}, t);
   const std::string init_v = init_value.empty() ? l.Constant(init, {}, t) : init_value;
   // op "logaddexp": log(exp(acc) + exp(elt)), kept finite where it can be.
@@ -405,7 +405,7 @@ std::string Running(Lowering& l, const std::string& x, const std::vector<int64_t
 std::string ReduceWindow(Lowering& l, const std::string& x, const std::vector<int64_t>& in,
                          const std::vector<int64_t>& window, const std::vector<int64_t>& strides,
                          const std::vector<std::pair<int64_t, int64_t>>& pads, const char* op, double init,
-                         const std::vector<int64_t>& out, const DType& t) {
+                         const std::vector<int64_t>& out, const HloType& t) {
   const std::string scalar = TypeOf({}, t);
   const std::string init_v = l.Constant(init, {}, t);
   std::vector<std::string> pad;
@@ -422,7 +422,7 @@ std::string ReduceWindow(Lowering& l, const std::string& x, const std::vector<in
 
 
 std::string StackIndices(Lowering& l, const std::vector<std::string>& parts, const std::vector<int64_t>& shape) {
-  const DType& i64 = I64();
+  const HloType& i64 = I64();
   std::vector<int64_t> one = shape, all = shape;
   one.push_back(1);
   all.push_back(static_cast<int64_t>(parts.size()));
@@ -462,8 +462,8 @@ absl::StatusOr<IndexPlan> PlanIndex(Lowering& l, const tpu::OpArg& list, const s
   for (size_t q = 0; q < list.tensors.size(); ++q) {
     if (q < list.tensor_present.size() && !list.tensor_present[q]) continue;
     const tpu::TensorRef& r = list.tensors[q];
-    const DType* it = DTypeOf(r.dtype);
-    if (it == nullptr || it->is_float || it->c10 == 11 || it->c10 == 0) {
+    const HloType* it = DTypeOf(r.dtype);
+    if (it == nullptr || it->is_float || it->dtype == tpu::DType::kBool || it->dtype == tpu::DType::kUInt8) {
       return Unsupported(l.op(), "boolean or byte mask indices (their result's shape depends on the data)");
     }
     p.indexed.push_back(static_cast<int64_t>(q));
@@ -484,7 +484,7 @@ absl::StatusOr<IndexPlan> PlanIndex(Lowering& l, const tpu::OpArg& list, const s
       }
     }
   }
-  const DType& i64 = I64();
+  const HloType& i64 = I64();
   const std::vector<int64_t>& bs = p.batch;
   std::vector<int64_t> all = bs;
   all.push_back(static_cast<int64_t>(p.indexed.size()));

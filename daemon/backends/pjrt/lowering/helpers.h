@@ -14,7 +14,7 @@
 namespace tpud::pjrt {
 
 // +inf (floats) or the highest value, as a 0-d constant.
-std::string Highest(Lowering& l, const DType& t);
+std::string Highest(Lowering& l, const HloType& t);
 
 Rule BinaryRule(const char* op, bool has_alpha);
 
@@ -68,18 +68,18 @@ absl::StatusOr<ConvWindow> ConvWindowOf(const Lowering& l, const tpu::DecodedOp&
 
 // log_softmax / softmax over `dim` of x (dims `in`, type t).
 std::string SoftmaxOf(Lowering& l, const std::string& x, const std::vector<int64_t>& in,
-                      int64_t dim, const DType& t, bool log);
+                      int64_t dim, const HloType& t, bool log);
 
 // erf(x) for gelu: Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7).
-std::string Erf(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const DType& t);
+std::string Erf(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const HloType& t);
 
-std::string GeluCdf(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const DType& t);
+std::string GeluCdf(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const HloType& t);
 
 // gelu's approximate= argument (at i): false for "none", true for "tanh".
 absl::StatusOr<bool> TanhGelu(const Lowering& l, const tpu::DecodedOp& d, size_t i);
 
 // tanh(sqrt(2 / pi) * (x + 0.044715 x^3)), of the tanh approximation.
-std::string GeluTanhInner(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const DType& t);
+std::string GeluTanhInner(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const HloType& t);
 
 // The element of each row its target picks, as a mask (one-hot, and the
 // target not ignore_index), weighted: x (N, C), target (N).
@@ -90,17 +90,17 @@ struct Picked {
 
 absl::StatusOr<Picked> PickTargets(Lowering& l, const tpu::DecodedOp& d, size_t target_i,
                                    size_t weight_i, size_t ignore_i,
-                                   const std::vector<int64_t>& nc, const DType& t);
+                                   const std::vector<int64_t>& nc, const HloType& t);
 
 // The p-norm of `diff` (|a - b|, dims `full`) over dimension `axis`:
 // the count of nonzero entries for p = 0, the largest for infinity.
 std::string PNorm(Lowering& l, const std::string& diff, const std::vector<int64_t>& full, int64_t axis, double p,
-                  const DType& t);
+                  const HloType& t);
 
 // 1-d: `into` (n elements) with `what` (m elements) written, or added, at
 // the positions `at` (i64, m).
 std::string ScatterFlat(Lowering& l, const std::string& into, int64_t n, const std::string& at, const std::string& what,
-                        int64_t m, bool add, const DType& t);
+                        int64_t m, bool add, const HloType& t);
 
 // Whether input i of n falls in adaptive window o of out (dims `dims`,
 // o along `out_axis`, i along `in_axis`): [floor(o n / out),
@@ -111,14 +111,14 @@ std::string AdaptiveWindow(Lowering& l, const std::vector<int64_t>& dims, int64_
 // A running reduction along `dim` (cumsum, cumprod): a reduce_window whose
 // window reaches back over the whole dimension.
 std::string Running(Lowering& l, const std::string& x, const std::vector<int64_t>& in, int64_t dim,
-                    const char* op, double init, const DType& t, const std::string& init_value = "");
+                    const char* op, double init, const HloType& t, const std::string& init_value = "");
 
 // `x` (dims `in`) reduced with `op` over windows of `window`, `strides`
 // apart, after padding each dimension by (lo, hi) with `init`: dims `out`.
 std::string ReduceWindow(Lowering& l, const std::string& x, const std::vector<int64_t>& in,
                          const std::vector<int64_t>& window, const std::vector<int64_t>& strides,
                          const std::vector<std::pair<int64_t, int64_t>>& pads, const char* op, double init,
-                         const std::vector<int64_t>& out, const DType& t);
+                         const std::vector<int64_t>& out, const HloType& t);
 
 // Index arrays (each i64 of dims `shape`) stacked along a new last
 // dimension, the layout gather and scatter take: shape + [parts.size()].

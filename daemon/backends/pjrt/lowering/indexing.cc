@@ -42,7 +42,7 @@ void RegisterIndexing(OpRegistry& reg) {
     if (!checked.ok()) return checked.status();
     const int64_t dim = *checked;
     const tpu::TensorRef& ix = d.args[2].tensor;
-    const DType* it = DTypeOf(ix.dtype);
+    const HloType* it = DTypeOf(ix.dtype);
     if (it == nullptr || it->is_float) return Unsupported(l.op(), "index dtype");
     const int64_t k = Numel(ix);
     absl::StatusOr<std::string> iv = l.OperandRef(ix, l.TensorIndex(d.args[2]), DimsOf(ix), I64());
@@ -74,7 +74,7 @@ void RegisterIndexing(OpRegistry& reg) {
     if (!checked.ok()) return checked.status();
     const int64_t dim = *checked;
     const tpu::TensorRef& ix = d.args[2].tensor;
-    const DType& i64 = I64();
+    const HloType& i64 = I64();
     absl::StatusOr<std::string> iv = l.OperandRef(ix, l.TensorIndex(d.args[2]), o.dims, i64);
     if (!iv.ok()) return iv;
     l.CheckRange(*iv, o.dims, in[dim], absl::StrCat("index out of bounds for dimension ", dim, " with size ", in[dim]));
@@ -112,7 +112,7 @@ void RegisterIndexing(OpRegistry& reg) {
   {
     Rule put = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
       if (!Defined(d, 0) || !Defined(d, 2) || d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
-      const DType& t = *o.type;
+      const HloType& t = *o.type;
       const std::vector<int64_t>& in = o.dims;
       if (in.empty()) return Unsupported(l.op(), "a 0-d tensor");
       absl::StatusOr<std::string> self = l.Operand(d.args[0], in, t);
@@ -123,13 +123,13 @@ void RegisterIndexing(OpRegistry& reg) {
       const tpu::OpArg& list = d.args[1];
       if (list.tag == tpu::ArgTag::kOptionalTensorList && !list.tensor_present.empty() && list.tensor_present[0] &&
           std::count(list.tensor_present.begin(), list.tensor_present.end(), true) == 1 && !list.tensors.empty() &&
-          (list.tensors[0].dtype == 11 || list.tensors[0].dtype == 0) && Numel(d.args[2].tensor) == 1) {
+          (list.tensors[0].dtype == tpu::Code(tpu::DType::kBool) || list.tensors[0].dtype == tpu::Code(tpu::DType::kUInt8)) && Numel(d.args[2].tensor) == 1) {
         const tpu::TensorRef& mr = list.tensors[0];
         const std::vector<int64_t> md = DimsOf(mr);
         if (md.size() > in.size() || !std::equal(md.begin(), md.end(), in.begin())) {
           return absl::InvalidArgumentError(absl::StrCat(l.op(), ": the mask's shape does not match self's leading dimensions"));
         }
-        const DType& i1 = *DTypeOf(11);
+        const HloType& i1 = *DTypeOf(tpu::DType::kBool);
         absl::StatusOr<std::string> mv = l.OperandRef(mr, l.TensorIndex(list), md, *DTypeOf(mr.dtype));
         if (!mv.ok()) return mv;
         const std::string mb = l.Compare("NE", *mv, l.Constant(0, md, *DTypeOf(mr.dtype)), md, *DTypeOf(mr.dtype));
@@ -177,7 +177,7 @@ void RegisterIndexing(OpRegistry& reg) {
                     Kind::kScatterReduce, Kind::kIndexReduce}) {
     Rule r = [kind](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
       if (!Defined(d, 0) || !Defined(d, 2) || d.num_args < 4) return Unsupported(l.op(), "arguments of a form not lowered");
-      const DType& t = *o.type;
+      const HloType& t = *o.type;
       // A 0-d self (and its 0-d index and src) is taken as one element.
       const std::vector<int64_t> in = o.dims.empty() ? std::vector<int64_t>{1} : o.dims;
       const size_t n = in.size();
@@ -228,7 +228,7 @@ void RegisterIndexing(OpRegistry& reg) {
         upd = *v;
         if (sd != id) upd = l.Slice(upd, sd, std::vector<int64_t>(n, 0), id, t);
       }
-      const DType& i64 = I64();
+      const HloType& i64 = I64();
       std::string along;
       if (kind == Kind::kIndexReduce) {
         absl::StatusOr<std::string> iv = l.OperandRef(ix, l.TensorIndex(d.args[2]), {ix.sizes[0]}, i64);
@@ -246,7 +246,7 @@ void RegisterIndexing(OpRegistry& reg) {
       const std::string idx = ElementIndex(l, along, id, dim);
       const std::vector<int64_t> dims_list = Range(n);
       // base with the updates `u` (type ut) combined by `op` ("" replaces).
-      auto scatter = [&](const std::string& base, const std::string& u, const char* op, const DType& ut) {
+      auto scatter = [&](const std::string& base, const std::string& u, const char* op, const HloType& ut) {
         const std::string scalar = TypeOf({}, ut);
         return l.Emit(absl::StrCat(
             "\"stablehlo.scatter\"(", base, ", ", idx, ", ", u, ") ({\n",
@@ -278,7 +278,7 @@ void RegisterIndexing(OpRegistry& reg) {
       // Untouched elements keep self (divided by 1, or not at all).
       denom = l.Select(touched, denom, l.Constant(1, in, t), in, t);
       std::string q = l.Binary("divide", combined, denom, in, t);
-      if (!t.is_float && t.c10 != 11) {
+      if (!t.is_float && t.dtype != tpu::DType::kBool) {
         // Floor: truncation one lower where the remainder is negative.
         const std::string rem = l.Binary("remainder", combined, denom, in, t);
         const std::string neg = l.Compare("LT", rem, l.Constant(0, in, t), in, t);
@@ -297,8 +297,8 @@ void RegisterIndexing(OpRegistry& reg) {
   // (or added) at the flat positions index gives (negative from the end).
   reg.Add("aten::put_", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
     if (d.num_args < 4 || !Defined(d, 0) || !Defined(d, 1) || !Defined(d, 2)) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& t = *o.type;
-    const DType& i64 = I64();
+    const HloType& t = *o.type;
+    const HloType& i64 = I64();
     int64_t total = 1;
     for (int64_t s : o.dims) total *= s;
     const int64_t n = Numel(d.args[1].tensor);
@@ -322,9 +322,9 @@ void RegisterIndexing(OpRegistry& reg) {
   // (in order) becomes source's k-th.
   reg.Add("aten::masked_scatter_", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
     if (d.num_args < 3 || !Defined(d, 0) || !Defined(d, 1) || !Defined(d, 2)) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& t = *o.type;
-    const DType& i64 = I64();
-    const DType& i1 = *DTypeOf(11);
+    const HloType& t = *o.type;
+    const HloType& i64 = I64();
+    const HloType& i1 = *DTypeOf(tpu::DType::kBool);
     int64_t total = 1;
     for (int64_t s : o.dims) total *= s;
     const int64_t ns = Numel(d.args[2].tensor);
@@ -352,9 +352,9 @@ void RegisterIndexing(OpRegistry& reg) {
   // of nonzero elements, in order, the rest fill_value.
   reg.Add("aten::nonzero_static", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
     if (d.num_args < 3 || !Defined(d, 0) || o.dims.size() != 2) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& i64 = I64();
-    const DType& i1 = *DTypeOf(11);
-    const DType* xt = DTypeOf(d.args[0].tensor.dtype);
+    const HloType& i64 = I64();
+    const HloType& i1 = *DTypeOf(tpu::DType::kBool);
+    const HloType* xt = DTypeOf(d.args[0].tensor.dtype);
     if (xt == nullptr) return Unsupported(l.op(), "a dtype that is not lowered");
     const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
     const int64_t size = o.dims[0];

@@ -66,19 +66,19 @@ void RegisterLinalg(OpRegistry& reg) {
   reg.AddMulti("aten::linalg_cholesky_ex", [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
       -> absl::StatusOr<std::vector<std::string>> {
     if (o.size() != 2 || !Defined(d, 0) || d.args[0].tensor.ndim < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
-    const DType& t = *o[0].type;
+    const HloType& t = *o[0].type;
     const std::vector<int64_t> in = o[0].dims;
     const bool upper = d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kBool && d.args[1].b;
     absl::StatusOr<std::string> a = l.Operand(d.args[0], in, t);
     if (!a.ok()) return a.status();
     const std::string c = Cholesky(l, *a, in, upper, t);
     const int64_t n = in.back();
-    const DType& i64 = I64();
+    const HloType& i64 = I64();
     const std::vector<int64_t> batch = BatchOf(in);
     // NaN on the diagonal, counted per matrix.
     const std::string nan = l.Compare("NE", c, c, in, t);
     const std::string diag = l.Compare("EQ", l.Iota(in.size() - 2, in, i64), l.Iota(in.size() - 1, in, i64), in, i64);
-    const std::string bad = l.Convert(l.Binary("and", nan, diag, in, *DTypeOf(11)), in, *DTypeOf(11), i64);
+    const std::string bad = l.Convert(l.Binary("and", nan, diag, in, *DTypeOf(tpu::DType::kBool)), in, *DTypeOf(tpu::DType::kBool), i64);
     const std::string count = l.ReduceOver(bad, in, {static_cast<int64_t>(in.size() - 2), static_cast<int64_t>(in.size() - 1)},
                                            "add", l.Constant(0, {}, i64), i64);
     const std::string failed = l.Compare("GT", count, l.Constant(0, batch, i64), batch, i64);
@@ -93,7 +93,7 @@ void RegisterLinalg(OpRegistry& reg) {
   reg.AddMulti("aten::triangular_solve", [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
       -> absl::StatusOr<std::vector<std::string>> {
     if (o.size() != 2 || d.num_args < 5) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& t = *o[0].type;
+    const HloType& t = *o[0].type;
     const std::vector<int64_t> batch = BatchOf(o[0].dims);
     absl::StatusOr<std::string> b = MatrixOperand(l, d.args[0], batch, t), a = MatrixOperand(l, d.args[1], batch, t);
     if (!b.ok()) return b.status();
@@ -110,7 +110,7 @@ void RegisterLinalg(OpRegistry& reg) {
   reg.AddMulti("aten::geqrf", [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
       -> absl::StatusOr<std::vector<std::string>> {
     if (o.size() != 2 || !Defined(d, 0) || o[0].dims.size() < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
-    const DType& t = *o[0].type;
+    const HloType& t = *o[0].type;
     absl::StatusOr<std::string> a = l.Operand(d.args[0], o[0].dims, t);
     if (!a.ok()) return a.status();
     const Qr f = Geqrf(l, *a, MatrixShape(o[0].dims), t);
@@ -124,7 +124,7 @@ void RegisterLinalg(OpRegistry& reg) {
     if (mode != "reduced" && mode != "complete" && mode != "r") {
       return absl::InvalidArgumentError(absl::StrCat(l.op(), ": mode \"", mode, "\" is not reduced, complete or r"));
     }
-    const DType& t = *o[1].type;
+    const HloType& t = *o[1].type;
     const std::vector<int64_t> ad = DimsOf(d.args[0].tensor);
     const MatrixShape as(ad);
     const int64_t k = std::min(as.m, as.n);
@@ -163,9 +163,9 @@ void RegisterLinalg(OpRegistry& reg) {
       if ((which == LuOp::kFactor || which == LuOp::kLu) && d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kBool && !d.args[1].b) {
         return Unsupported(l.op(), "LU without pivoting");
       }
-      const DType& i64 = I64();
+      const HloType& i64 = I64();
       // The type the factorization runs in: the first float output's.
-      const DType& t = which == LuOp::kSlogdet ? *o[1].type : *o[0].type;
+      const HloType& t = which == LuOp::kSlogdet ? *o[1].type : *o[0].type;
       // A's dims: broadcast over the batch where an output says so.
       const std::vector<int64_t> ad = which == LuOp::kFactor ? o[0].dims
                                     : which == LuOp::kSolve ? o[1].dims
@@ -194,7 +194,7 @@ void RegisterLinalg(OpRegistry& reg) {
       } else {
         f = LuFactor(l, a, as, t);
       }
-      auto as_type = [&](const std::string& v, const std::vector<int64_t>& dims, const DType& from, const Target& out) {
+      auto as_type = [&](const std::string& v, const std::vector<int64_t>& dims, const HloType& from, const Target& out) {
         return l.Reshape(l.Convert(v, dims, from, *out.type), dims, out.dims, *out.type);
       };
       auto unpack = [&]() {
@@ -322,7 +322,7 @@ void RegisterLinalg(OpRegistry& reg) {
       absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
       if (!x.ok()) return x;
       const int64_t k = d.num_args > 1 ? static_cast<int64_t>(NumberOf(d.args[1])) : 0;
-      const DType& i64 = I64();
+      const HloType& i64 = I64();
       const int64_t r = static_cast<int64_t>(o.dims.size());
       const std::string diff = l.Binary("subtract", l.Iota(r - 1, o.dims, i64), l.Iota(r - 2, o.dims, i64), o.dims, i64);
       const std::string keep = l.Compare(lower ? "LE" : "GE", diff, l.Constant(static_cast<double>(k), o.dims, i64), o.dims, i64);
@@ -337,7 +337,7 @@ void RegisterLinalg(OpRegistry& reg) {
       if (!Defined(d, mi) || !Defined(d, mi + 1) || d.args[mi].tensor.ndim != 2 || d.args[mi + 1].tensor.ndim != 1) {
         return Unsupported(l.op(), "expects a matrix and a vector");
       }
-      const DType& t = *o.type;
+      const HloType& t = *o.type;
       const std::vector<int64_t> dm = DimsOf(d.args[mi].tensor), dv = DimsOf(d.args[mi + 1].tensor);
       absl::StatusOr<std::string> a = l.Operand(d.args[mi], dm, t), v = l.Operand(d.args[mi + 1], dv, t);
       if (!a.ok()) return a;
@@ -366,7 +366,7 @@ void RegisterLinalg(OpRegistry& reg) {
   reg.Add("aten::linalg_solve_triangular", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
       -> absl::StatusOr<std::string> {
     if (d.num_args < 5 || o.dims.size() < 2) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     const std::vector<int64_t> batch = BatchOf(o.dims);
     absl::StatusOr<std::string> a = MatrixOperand(l, d.args[0], batch, t), b = MatrixOperand(l, d.args[1], batch, t);
     if (!a.ok()) return a;
@@ -379,7 +379,7 @@ void RegisterLinalg(OpRegistry& reg) {
   reg.Add("aten::_cholesky_solve_helper", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
       -> absl::StatusOr<std::string> {
     if (d.num_args < 3 || o.dims.size() < 2) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     const std::vector<int64_t> batch = BatchOf(o.dims);
     absl::StatusOr<std::string> b = MatrixOperand(l, d.args[0], batch, t), a = MatrixOperand(l, d.args[1], batch, t);
     if (!a.ok()) return a;
@@ -394,7 +394,7 @@ void RegisterLinalg(OpRegistry& reg) {
   reg.Add("aten::cholesky_inverse", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
       -> absl::StatusOr<std::string> {
     if (!Defined(d, 0) || o.dims.size() < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t);
     if (!a.ok()) return a;
     const bool upper = d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kBool && d.args[1].b;
@@ -408,7 +408,7 @@ void RegisterLinalg(OpRegistry& reg) {
       return Unsupported(l.op(), "arguments of a form not lowered");
     }
     if (d.args[3].tag == tpu::ArgTag::kBool && !d.args[3].b) return Unsupported(l.op(), "left=False");
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     const std::vector<int64_t> batch = BatchOf(o.dims);
     const std::vector<int64_t> ad = WithBatch(DimsOf(d.args[0].tensor), batch);
     absl::StatusOr<std::string> lu = MatrixOperand(l, d.args[0], batch, t), b = MatrixOperand(l, d.args[2], batch, t);
@@ -429,7 +429,7 @@ void RegisterLinalg(OpRegistry& reg) {
   reg.Add("aten::linalg_householder_product", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
       -> absl::StatusOr<std::string> {
     if (d.num_args < 2 || !Defined(d, 0) || !Defined(d, 1) || o.dims.size() < 2) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     const MatrixShape as(o.dims);
     const int64_t k = d.args[1].tensor.ndim == 0 ? 1 : d.args[1].tensor.sizes[d.args[1].tensor.ndim - 1];
     std::vector<int64_t> td = as.batch;
@@ -443,7 +443,7 @@ void RegisterLinalg(OpRegistry& reg) {
     if (d.num_args < 5 || !Defined(d, 0) || !Defined(d, 1) || !Defined(d, 2) || o.dims.size() < 2) {
       return Unsupported(l.op(), "arguments of a form not lowered");
     }
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     const std::vector<int64_t> batch = BatchOf(o.dims);
     const std::vector<int64_t> ad = WithBatch(DimsOf(d.args[0].tensor), batch);
     const MatrixShape as(ad);
@@ -479,7 +479,7 @@ void RegisterLinalg(OpRegistry& reg) {
         o.dims.size() != 2) {
       return Unsupported(l.op(), "expects two batches of matrices");
     }
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     const std::vector<int64_t> d1 = DimsOf(d.args[1].tensor), d2 = DimsOf(d.args[2].tensor);
     absl::StatusOr<std::string> a = l.Operand(d.args[1], d1, t), b = l.Operand(d.args[2], d2, t);
     if (!a.ok()) return a;

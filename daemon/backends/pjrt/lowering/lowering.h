@@ -21,40 +21,57 @@
 #include "daemon/backends/chip_backend.h"
 #include "daemon/backends/pjrt/pjrt_plugin.h"
 #include "tpu/device_address.h"
+#include "tpu/dtype.h"
 
 namespace tpud::pjrt {
 
-// c10::ScalarType values tpud lowers, as StableHLO and PJRT types.
-struct DType {
-  int8_t c10;
-  const char* mlir;
+// The dtypes tpud lowers, with their StableHLO and PJRT names. The other
+// facts come from tpu/dtype.h (is_float and bytes are its IsFloating and
+// ElementSizeOf, kept here because the rules ask for them everywhere).
+struct HloType {
+  constexpr HloType(tpu::DType d, const char* m, PJRT_Buffer_Type p)
+      : dtype(d), mlir(m), pjrt(p), is_float(tpu::IsFloating(d)), bytes(tpu::ElementSizeOf(d)) {}
+  tpu::DType dtype;
+  const char* mlir;  // "f32", "complex<f64>"
   PJRT_Buffer_Type pjrt;
   bool is_float;
   int bytes;
 };
-constexpr DType kDTypes[] = {
-    {0, "ui8", PJRT_Buffer_Type_U8, false, 1},   {1, "i8", PJRT_Buffer_Type_S8, false, 1},
-    {2, "i16", PJRT_Buffer_Type_S16, false, 2},  {3, "i32", PJRT_Buffer_Type_S32, false, 4},
-    {4, "i64", PJRT_Buffer_Type_S64, false, 8},  {5, "f16", PJRT_Buffer_Type_F16, true, 2},
-    {6, "f32", PJRT_Buffer_Type_F32, true, 4},   {7, "f64", PJRT_Buffer_Type_F64, true, 8},
-    {11, "i1", PJRT_Buffer_Type_PRED, false, 1}, {15, "bf16", PJRT_Buffer_Type_BF16, true, 2},
-    {9, "complex<f32>", PJRT_Buffer_Type_C64, false, 8}, {10, "complex<f64>", PJRT_Buffer_Type_C128, false, 16},
+constexpr HloType kHloTypes[] = {
+    {tpu::DType::kUInt8, "ui8", PJRT_Buffer_Type_U8},
+    {tpu::DType::kInt8, "i8", PJRT_Buffer_Type_S8},
+    {tpu::DType::kInt16, "i16", PJRT_Buffer_Type_S16},
+    {tpu::DType::kInt32, "i32", PJRT_Buffer_Type_S32},
+    {tpu::DType::kInt64, "i64", PJRT_Buffer_Type_S64},
+    {tpu::DType::kHalf, "f16", PJRT_Buffer_Type_F16},
+    {tpu::DType::kFloat, "f32", PJRT_Buffer_Type_F32},
+    {tpu::DType::kDouble, "f64", PJRT_Buffer_Type_F64},
+    {tpu::DType::kBool, "i1", PJRT_Buffer_Type_PRED},
+    {tpu::DType::kBFloat16, "bf16", PJRT_Buffer_Type_BF16},
+    {tpu::DType::kComplexFloat, "complex<f32>", PJRT_Buffer_Type_C64},
+    {tpu::DType::kComplexDouble, "complex<f64>", PJRT_Buffer_Type_C128},
 };
-inline const DType* DTypeOf(int8_t c10) {
-  for (const DType& d : kDTypes) {
-    if (d.c10 == c10) return &d;
+// The type of `dtype`, or null where it is not lowered.
+inline const HloType* DTypeOf(tpu::DType dtype) {
+  for (const HloType& d : kHloTypes) {
+    if (d.dtype == dtype) return &d;
   }
   return nullptr;
 }
-inline const DType& F64() { return *DTypeOf(7); }
-inline const DType& I64() { return *DTypeOf(4); }
-// complex64 and complex128 (c10's ComplexFloat and ComplexDouble; its
-// ComplexHalf is not lowered).
-inline bool IsComplex(const DType& t) { return t.c10 == 9 || t.c10 == 10; }
+// Likewise for a record's dtype code (TensorRef::dtype, OpArg::dtype).
+inline const HloType* DTypeOf(int8_t code) { return DTypeOf(tpu::DTypeFromCode(code)); }
+inline const HloType& F64() { return *DTypeOf(tpu::DType::kDouble); }
+inline const HloType& I64() { return *DTypeOf(tpu::DType::kInt64); }
+// complex64 and complex128 (complex32 is not lowered).
+inline bool IsComplex(const HloType& t) { return tpu::IsComplex(t.dtype); }
 // The type of a complex type's parts (float32 for complex64).
-inline const DType& PartOf(const DType& t) { return *DTypeOf(t.c10 == 10 ? 7 : 6); }
-// The complex type whose parts are float t (complex128 for float64).
-inline const DType& ComplexOf(const DType& t) { return *DTypeOf(t.c10 == 7 ? 10 : 9); }
+inline const HloType& PartOf(const HloType& t) { return *DTypeOf(tpu::PartOf(t.dtype)); }
+// The complex type whose parts are float t (complex128 for float64,
+// complex64 for every other type).
+inline const HloType& ComplexOf(const HloType& t) {
+  return *DTypeOf(t.dtype == tpu::DType::kDouble ? tpu::DType::kComplexDouble
+                                                 : tpu::DType::kComplexFloat);
+}
 
 // An MLIR float literal: it needs a point before any exponent ("1.0e-05").
 inline std::string FloatLiteral(double v) {
@@ -66,7 +83,7 @@ inline std::string FloatLiteral(double v) {
   return s;
 }
 
-inline std::string TypeOf(const std::vector<int64_t>& dims, const DType& t) {
+inline std::string TypeOf(const std::vector<int64_t>& dims, const HloType& t) {
   std::string s = "tensor<";
   for (int64_t d : dims) absl::StrAppend(&s, d, "x");
   return absl::StrCat(s, t.mlir, ">");
@@ -89,7 +106,7 @@ using MultiRule = std::function<absl::StatusOr<std::vector<std::string>>(
 // A host transfer into one program parameter.
 struct Transfer {
   const char* data = nullptr;
-  const DType* type = nullptr;
+  const HloType* type = nullptr;
   std::vector<int64_t> dims;
   std::vector<int64_t> byte_strides;
   double scalar_d = 0;  // scalars: the value (data points here)
@@ -117,13 +134,13 @@ struct Transfer {
 
 // The largest (`high`) or smallest value of an integer or bool type, as a
 // literal.
-inline std::string IntLimit(const DType& t, bool high) {
-  switch (t.c10) {
-    case 11: return high ? "true" : "false";
-    case 0: return high ? "255" : "0";
-    case 1: return high ? "127" : "-128";
-    case 2: return high ? "32767" : "-32768";
-    case 3: return high ? "2147483647" : "-2147483648";
+inline std::string IntLimit(const HloType& t, bool high) {
+  switch (t.dtype) {
+    case tpu::DType::kBool: return high ? "true" : "false";
+    case tpu::DType::kUInt8: return high ? "255" : "0";
+    case tpu::DType::kInt8: return high ? "127" : "-128";
+    case tpu::DType::kInt16: return high ? "32767" : "-32768";
+    case tpu::DType::kInt32: return high ? "2147483647" : "-2147483648";
     default: return high ? "9223372036854775807" : "-9223372036854775808";
   }
 }
@@ -140,7 +157,7 @@ class Lowering {
   absl::StatusOr<char*> HostOf(const tpu::TensorRef& ref, size_t k) const {
     if (k >= tensors_.size()) return absl::InternalError(absl::StrCat(op_, ": tensor ", k, " unresolved"));
     const ResolvedTensor& seg = tensors_[k];
-    const DType* t = DTypeOf(ref.dtype);
+    const HloType* t = DTypeOf(ref.dtype);
     if (t == nullptr) return Unsupported(op_, absl::StrCat("dtype ", int(ref.dtype), " is not lowered"));
     const uint64_t rel = ref.address - seg.segment_address;
     absl::StatusOr<tpu::Footprint> fp = tpu::TensorFootprint(ref);
@@ -164,7 +181,7 @@ class Lowering {
   absl::StatusOr<std::string> Tensor(const tpu::TensorRef& ref, size_t k) {
     absl::StatusOr<char*> host = HostOf(ref, k);
     if (!host.ok()) return host.status();
-    const DType& t = *DTypeOf(ref.dtype);
+    const HloType& t = *DTypeOf(ref.dtype);
     Transfer x;
     x.data = *host;
     x.type = &t;
@@ -184,9 +201,9 @@ class Lowering {
 
   // A host scalar (a Scalar argument or a wrapped number) as a 0-d value of
   // dtype `as`.
-  absl::StatusOr<std::string> Scalar(const tpu::OpArg& a, const DType& as) {
+  absl::StatusOr<std::string> Scalar(const tpu::OpArg& a, const HloType& as) {
     Transfer x;
-    const DType* t;
+    const HloType* t;
     switch (a.tag) {
       case tpu::ArgTag::kScalarInt: case tpu::ArgTag::kInt: case tpu::ArgTag::kSymInt:
         t = &I64();
@@ -201,7 +218,7 @@ class Lowering {
         x.scalar_d = a.d;
         break;
       case tpu::ArgTag::kScalarTensor: {
-        const DType* st = DTypeOf(a.dtype);
+        const HloType* st = DTypeOf(a.dtype);
         if (st != nullptr && st->is_float) {
           t = &F64();
           x.scalar_d = a.d;
@@ -237,7 +254,7 @@ class Lowering {
   }
 
   // A tensor or scalar operand, broadcast to `dims` and converted to `as`.
-  absl::StatusOr<std::string> Operand(const tpu::OpArg& a, const std::vector<int64_t>& dims, const DType& as) {
+  absl::StatusOr<std::string> Operand(const tpu::OpArg& a, const std::vector<int64_t>& dims, const HloType& as) {
     if (a.tag == tpu::ArgTag::kTensor) {
       absl::StatusOr<std::string> v = Tensor(a.tensor, TensorIndex(a));
       if (!v.ok()) return v;
@@ -252,7 +269,7 @@ class Lowering {
 
   // Tensor `r` (the k-th TensorRef), broadcast to `dims` and converted to `as`.
   absl::StatusOr<std::string> OperandRef(const tpu::TensorRef& r, size_t k,
-                                         const std::vector<int64_t>& dims, const DType& as) {
+                                         const std::vector<int64_t>& dims, const HloType& as) {
     absl::StatusOr<std::string> v = Tensor(r, k);
     if (!v.ok()) return v;
     const std::vector<int64_t> from(r.sizes, r.sizes + r.ndim);
@@ -263,7 +280,7 @@ class Lowering {
   // "maximum", "minimum") from `init` (a value of t); dims kept in order.
   std::string ReduceOver(const std::string& v, const std::vector<int64_t>& in,
                          const std::vector<int64_t>& which, const char* op,
-                         const std::string& init, const DType& t) {
+                         const std::string& init, const HloType& t) {
     return Emit(absl::StrCat("stablehlo.reduce(", v, " init: ", init, ") applies stablehlo.", op,
                              " across dimensions = [", absl::StrJoin(which, ", "), "] : (",
                              TypeOf(in, t), ", ", TypeOf({}, t), ") -> ",
@@ -280,7 +297,7 @@ class Lowering {
   }
   // A reduced value back to `in`, the reduced dimensions broadcast.
   std::string Expand(const std::string& v, const std::vector<int64_t>& in,
-                     const std::vector<int64_t>& which, const DType& t) {
+                     const std::vector<int64_t>& which, const HloType& t) {
     std::vector<int64_t> map;
     for (size_t i = 0; i < in.size(); ++i) {
       if (std::find(which.begin(), which.end(), static_cast<int64_t>(i)) == which.end()) {
@@ -292,49 +309,49 @@ class Lowering {
                              ") -> ", TypeOf(in, t)));
   }
   std::string Reshape(const std::string& v, const std::vector<int64_t>& from,
-                      const std::vector<int64_t>& to, const DType& t) {
+                      const std::vector<int64_t>& to, const HloType& t) {
     if (from == to) return v;
     return Emit(absl::StrCat("stablehlo.reshape ", v, " : (", TypeOf(from, t), ") -> ",
                              TypeOf(to, t)));
   }
   // The comparison type stablehlo.compare takes for values of t.
-  static const char* CompareKind(const DType& t) {
-    return t.is_float ? "FLOAT" : (t.mlir[0] == 'u' || t.c10 == 11 ? "UNSIGNED" : "SIGNED");
+  static const char* CompareKind(const HloType& t) {
+    return t.is_float ? "FLOAT" : (t.mlir[0] == 'u' || t.dtype == tpu::DType::kBool ? "UNSIGNED" : "SIGNED");
   }
   std::string Compare(const char* dir, const std::string& a, const std::string& b,
-                      const std::vector<int64_t>& dims, const DType& t) {
+                      const std::vector<int64_t>& dims, const HloType& t) {
     return Emit(absl::StrCat("stablehlo.compare ", dir, ", ", a, ", ", b, ", ", CompareKind(t),
                              " : (", TypeOf(dims, t), ", ", TypeOf(dims, t), ") -> ",
-                             TypeOf(dims, *DTypeOf(11))));
+                             TypeOf(dims, *DTypeOf(tpu::DType::kBool))));
   }
   std::string Select(const std::string& pred, const std::string& a, const std::string& b,
-                     const std::vector<int64_t>& dims, const DType& t) {
+                     const std::vector<int64_t>& dims, const HloType& t) {
     return Emit(absl::StrCat("stablehlo.select ", pred, ", ", a, ", ", b, " : ",
-                             TypeOf(dims, *DTypeOf(11)), ", ", TypeOf(dims, t)));
+                             TypeOf(dims, *DTypeOf(tpu::DType::kBool)), ", ", TypeOf(dims, t)));
   }
-  std::string Iota(int64_t dim, const std::vector<int64_t>& dims, const DType& t) {
+  std::string Iota(int64_t dim, const std::vector<int64_t>& dims, const HloType& t) {
     return Emit(absl::StrCat("stablehlo.iota dim = ", dim, " : ", TypeOf(dims, t)));
   }
   // -inf (floats) or the lowest value, as a 0-d constant.
-  std::string Lowest(const DType& t) {
-    const char* hex = t.c10 == 6 ? "0xFF800000" : t.c10 == 7 ? "0xFFF0000000000000"
-                    : t.c10 == 5 ? "0xFC00" : t.c10 == 15 ? "0xFF80" : nullptr;
+  std::string Lowest(const HloType& t) {
+    const char* hex = t.dtype == tpu::DType::kFloat ? "0xFF800000" : t.dtype == tpu::DType::kDouble ? "0xFFF0000000000000"
+                    : t.dtype == tpu::DType::kHalf ? "0xFC00" : t.dtype == tpu::DType::kBFloat16 ? "0xFF80" : nullptr;
     if (hex == nullptr) return Emit(absl::StrCat("stablehlo.constant dense<", IntLimit(t, false), "> : ", TypeOf({}, t)));
     return Emit(absl::StrCat("stablehlo.constant dense<", hex, "> : ", TypeOf({}, t)));
   }
 
-  std::string Convert(const std::string& v, const std::vector<int64_t>& dims, const DType& from,
-                      const DType& to) {
-    if (from.c10 == to.c10) return v;
+  std::string Convert(const std::string& v, const std::vector<int64_t>& dims, const HloType& from,
+                      const HloType& to) {
+    if (from.dtype == to.dtype) return v;
     // Complex to real keeps the real part; real to complex has no imaginary
     // part (XLA converts neither way itself).
     if (IsComplex(from) && !IsComplex(to)) {
-      const DType& part = PartOf(from);
+      const HloType& part = PartOf(from);
       return Convert(Emit(absl::StrCat("stablehlo.real ", v, " : (", TypeOf(dims, from), ") -> ", TypeOf(dims, part))),
                      dims, part, to);
     }
     if (IsComplex(to) && !IsComplex(from)) {
-      const DType& part = PartOf(to);
+      const HloType& part = PartOf(to);
       const std::string re = Convert(v, dims, from, part);
       return Emit(absl::StrCat("stablehlo.complex ", re, ", ", Constant(0, dims, part), " : ", TypeOf(dims, to)));
     }
@@ -344,7 +361,7 @@ class Lowering {
 
   // Numpy-style: `from` aligns with the trailing dimensions of `to`.
   std::string BroadcastTo(const std::string& v, const std::vector<int64_t>& from,
-                          const std::vector<int64_t>& to, const DType& t) {
+                          const std::vector<int64_t>& to, const HloType& t) {
     if (from == to) return v;
     std::vector<int64_t> map;
     for (size_t i = 0; i < from.size(); ++i) map.push_back(to.size() - from.size() + i);
@@ -353,22 +370,22 @@ class Lowering {
                              TypeOf(to, t)));
   }
 
-  std::string Constant(double value, const std::vector<int64_t>& dims, const DType& t) {
+  std::string Constant(double value, const std::vector<int64_t>& dims, const HloType& t) {
     const std::string lit = t.is_float ? FloatLiteral(value)
                           : IsComplex(t) ? absl::StrCat("(", FloatLiteral(value), ", 0.0)")
                                          : absl::StrCat(static_cast<int64_t>(value));
     const std::string c = Emit(absl::StrCat("stablehlo.constant dense<",
-                                            t.c10 == 11 ? (value != 0 ? "true" : "false") : lit,
+                                            t.dtype == tpu::DType::kBool ? (value != 0 ? "true" : "false") : lit,
                                             "> : ", TypeOf({}, t)));
     return BroadcastTo(c, {}, dims, t);
   }
 
   std::string Binary(const char* op, const std::string& a, const std::string& b,
-                     const std::vector<int64_t>& dims, const DType& t) {
+                     const std::vector<int64_t>& dims, const HloType& t) {
     return Emit(absl::StrCat("stablehlo.", op, " ", a, ", ", b, " : ", TypeOf(dims, t)));
   }
   std::string Unary(const char* op, const std::string& a, const std::vector<int64_t>& dims,
-                    const DType& t) {
+                    const HloType& t) {
     return Emit(absl::StrCat("stablehlo.", op, " ", a, " : ", TypeOf(dims, t)));
   }
 
@@ -394,7 +411,7 @@ class Lowering {
   }
 
   // `n` elements of type t at `host`, as a 1-d parameter.
-  std::string Flat(const char* host, const DType& t, int64_t n) {
+  std::string Flat(const char* host, const HloType& t, int64_t n) {
     Transfer x;
     x.data = host;
     x.type = &t;
@@ -408,10 +425,10 @@ class Lowering {
   // its gaps keeping what `flat` holds.
   std::string ScatterStrided(const std::string& flat, int64_t span, const std::string& v,
                              const std::vector<int64_t>& dims, const std::vector<int64_t>& strides,
-                             const DType& t) {
+                             const HloType& t) {
     int64_t n = 1;
     for (int64_t d : dims) n *= d;
-    const DType& i64 = I64();
+    const HloType& i64 = I64();
     std::string index = Constant(0, dims, i64);
     for (size_t d = 0; d < dims.size(); ++d) {
       if (dims[d] == 1 || strides[d] == 0) continue;
@@ -435,17 +452,17 @@ class Lowering {
   // Uniform values in [0, 1) of type f (f32 or f64), dims `dims` (with a
   // leading dimension of `draws` when that is above 1), from XLA's
   // rng_bit_generator keyed by `seed` (a parameter of the program).
-  std::string UniformBits(int64_t seed, const std::vector<int64_t>& dims, const DType& f, int64_t draws) {
+  std::string UniformBits(int64_t seed, const std::vector<int64_t>& dims, const HloType& f, int64_t draws) {
     Transfer x;
     x.type = &I64();
     x.scalar_i = seed;
     const std::string s = Param(TypeOf({}, I64()), std::move(x));
-    const DType& i64 = I64();
+    const HloType& i64 = I64();
     const std::string pair = Binary("add", BroadcastTo(s, {}, {2}, i64), Iota(0, {2}, i64), {2}, i64);
     const std::string key = Emit(absl::StrCat("stablehlo.bitcast_convert ", pair, " : (tensor<2xi64>) -> tensor<2xui64>"));
     std::vector<int64_t> shape = dims;
     if (draws > 1) shape.insert(shape.begin(), draws);
-    const bool wide = f.c10 == 7;
+    const bool wide = f.dtype == tpu::DType::kDouble;
     const std::string ut = wide ? "ui64" : "ui32";
     auto type = [&](const char* elt) {
       std::string r = "tensor<";
@@ -473,8 +490,8 @@ class Lowering {
   // [0, size): the program returns whether one does not, and the op fails
   // with `what` after it runs (XLA itself clamps or drops such indices).
   void CheckRange(const std::string& idx, const std::vector<int64_t>& dims, int64_t size, const std::string& what) {
-    const DType& i64 = I64();
-    const DType& i1 = *DTypeOf(11);
+    const HloType& i64 = I64();
+    const HloType& i1 = *DTypeOf(tpu::DType::kBool);
     const std::string bad = Binary("or", Compare("LT", idx, Constant(0, dims, i64), dims, i64),
                                    Compare("GE", idx, Constant(static_cast<double>(size), dims, i64), dims, i64), dims, i1);
     std::vector<int64_t> all;
@@ -510,9 +527,9 @@ class Lowering {
   // `v` (dims `in`, type t) sorted along `dim`, stably, with NaN above
   // everything as in PyTorch; returns the values and their int64 indices.
   std::pair<std::string, std::string> Sort(const std::string& v, const std::vector<int64_t>& in,
-                                           int64_t dim, bool descending, const DType& t) {
-    const DType& i64 = I64();
-    const std::string s = TypeOf({}, t), si = TypeOf({}, i64), b = TypeOf({}, *DTypeOf(11));
+                                           int64_t dim, bool descending, const HloType& t) {
+    const HloType& i64 = I64();
+    const std::string s = TypeOf({}, t), si = TypeOf({}, i64), b = TypeOf({}, *DTypeOf(tpu::DType::kBool));
     const char* kind = CompareKind(t);
     // before(a, b): a sorts first.
     std::string cmp = absl::StrCat("      %before = stablehlo.compare ", descending ? "GT" : "LT", ", %a, %b, ", kind,
@@ -539,7 +556,7 @@ class Lowering {
 
   // Elements [start, limit) of `v` (dims `in`) in every dimension.
   std::string Slice(const std::string& v, const std::vector<int64_t>& in, const std::vector<int64_t>& start,
-                    const std::vector<int64_t>& limit, const DType& t) {
+                    const std::vector<int64_t>& limit, const HloType& t) {
     std::vector<std::string> r;
     std::vector<int64_t> out;
     for (size_t k = 0; k < in.size(); ++k) {
@@ -551,7 +568,7 @@ class Lowering {
   }
   // Elements [begin, end) of `v` along `dim`.
   std::string SliceAlong(const std::string& v, const std::vector<int64_t>& in, int64_t dim,
-                         int64_t begin, int64_t end, const DType& t) {
+                         int64_t begin, int64_t end, const HloType& t) {
     std::vector<int64_t> start(in.size(), 0), limit = in;
     start[dim] = begin;
     limit[dim] = end;
@@ -561,7 +578,7 @@ class Lowering {
   // Donates the memory of result `o` (dense, `dims` of t at `host`) to the
   // program: a parameter that already reads exactly those bytes (self of an
   // in-place op, the span of a gapped write), else one more, unused.
-  void Donate(int o, char* host, const DType& t, const std::vector<int64_t>& dims) {
+  void Donate(int o, char* host, const HloType& t, const std::vector<int64_t>& dims) {
     for (Transfer& x : transfers_) {
       if (x.aliased < 0 && x.data == host && x.type == &t && x.dims == dims && x.Dense()) {
         x.aliased = o;
@@ -593,13 +610,13 @@ class Lowering {
   // aliased to the new segment it returns).
 
   // Bytes (u8[count * size of t]) as `count` values of t.
-  std::string Decode(const std::string& bytes, int64_t count, const DType& t) {
-    const DType& u8 = *DTypeOf(0);
+  std::string Decode(const std::string& bytes, int64_t count, const HloType& t) {
+    const HloType& u8 = *DTypeOf(tpu::DType::kUInt8);
     const int64_t n = count * t.bytes;
-    if (t.c10 == 0) return bytes;
-    if (t.c10 == 11) return Compare("NE", bytes, Constant(0, {n}, u8), {n}, u8);
+    if (t.dtype == tpu::DType::kUInt8) return bytes;
+    if (t.dtype == tpu::DType::kBool) return Compare("NE", bytes, Constant(0, {n}, u8), {n}, u8);
     if (IsComplex(t)) {
-      const DType& part = PartOf(t);
+      const HloType& part = PartOf(t);
       const std::string grouped = Reshape(bytes, {n}, {count, 2, part.bytes}, u8);
       const std::string parts = Emit(absl::StrCat("stablehlo.bitcast_convert ", grouped, " : (",
                                                   TypeOf({count, 2, part.bytes}, u8), ") -> ",
@@ -616,13 +633,13 @@ class Lowering {
                              TypeOf({count}, t)));
   }
   // `count` values of t as their bytes (u8[count * size of t]).
-  std::string Encode(const std::string& v, int64_t count, const DType& t) {
-    const DType& u8 = *DTypeOf(0);
+  std::string Encode(const std::string& v, int64_t count, const HloType& t) {
+    const HloType& u8 = *DTypeOf(tpu::DType::kUInt8);
     const int64_t n = count * t.bytes;
-    if (t.c10 == 0) return v;
-    if (t.c10 == 11) return Convert(v, {count}, t, u8);
+    if (t.dtype == tpu::DType::kUInt8) return v;
+    if (t.dtype == tpu::DType::kBool) return Convert(v, {count}, t, u8);
     if (IsComplex(t)) {
-      const DType& part = PartOf(t);
+      const HloType& part = PartOf(t);
       const std::string re = Reshape(Emit(absl::StrCat("stablehlo.real ", v, " : (", TypeOf({count}, t), ") -> ",
                                                        TypeOf({count}, part))), {count}, {count, 1}, part);
       const std::string im = Reshape(Emit(absl::StrCat("stablehlo.imag ", v, " : (", TypeOf({count}, t), ") -> ",
@@ -646,8 +663,8 @@ class Lowering {
   // where `at` says when the program runs (`offset` is where it starts now).
   absl::StatusOr<std::string> ReadView(const std::string& seg, uint64_t seg_bytes, uint64_t offset, const Transfer& x,
                                        const std::string& at = "") {
-    const DType& t = *x.type;
-    const DType& u8 = *DTypeOf(0);
+    const HloType& t = *x.type;
+    const HloType& u8 = *DTypeOf(tpu::DType::kUInt8);
     int64_t n = 1;
     for (int64_t d : x.dims) n *= d;
     if (n == 0) return Constant(0, x.dims, t);
@@ -681,7 +698,7 @@ class Lowering {
     }
     const std::string flat = Decode(bytes, count, t);
     if (dense) return Reshape(flat, {count}, x.dims, t);
-    const DType& i64 = I64();
+    const HloType& i64 = I64();
     std::string index = Constant(0, x.dims, i64);
     for (size_t d = 0; d < x.dims.size(); ++d) {
       if (x.dims[d] == 1) continue;
@@ -709,7 +726,7 @@ class Lowering {
   struct SegmentWrite {
     std::string value;
     std::vector<int64_t> dims;
-    const DType* type = nullptr;
+    const HloType* type = nullptr;
     int seg = -1;
     uint64_t offset = 0;
   };
@@ -724,7 +741,7 @@ class Lowering {
                                          const std::vector<uint64_t>& in_off, const std::vector<SegmentWrite>& writes,
                                          const std::vector<std::string>& extra,
                                          const std::vector<std::string>& extra_types, bool dynamic = false) {
-    const DType& u8 = *DTypeOf(0);
+    const HloType& u8 = *DTypeOf(tpu::DType::kUInt8);
     absl::Status failed;
     // The reads come first: the body names transfer i's value %p<i>.
     const std::string prologue = Region([&] {
@@ -747,7 +764,7 @@ class Lowering {
       const SegmentWrite& w = writes[wi];
       int64_t n = 1;
       for (int64_t d : w.dims) n *= d;
-      const DType& t = *w.type;
+      const HloType& t = *w.type;
       const int64_t seg_bytes = static_cast<int64_t>(segs[w.seg].bytes);
       const int64_t bytes = n * t.bytes;
       if (w.offset > static_cast<uint64_t>(seg_bytes) || bytes > seg_bytes - static_cast<int64_t>(w.offset)) {
@@ -814,7 +831,7 @@ class Lowering {
 struct Target {
   const tpu::TensorRef* ref;
   std::vector<int64_t> dims;
-  const DType* type;
+  const HloType* type;
 };
 
 }  // namespace tpud::pjrt

@@ -22,8 +22,8 @@
 
 namespace tpud::pjrt {
 
-std::string Triangle(Lowering& l, const std::string& v, const std::vector<int64_t>& in, bool lower, const DType& t) {
-  const DType& i64 = I64();
+std::string Triangle(Lowering& l, const std::string& v, const std::vector<int64_t>& in, bool lower, const HloType& t) {
+  const HloType& i64 = I64();
   const int64_t r = static_cast<int64_t>(in.size());
   const std::string i = l.Iota(r - 2, in, i64), j = l.Iota(r - 1, in, i64);
   const std::string keep = l.Compare(lower ? "GE" : "LE", i, j, in, i64);
@@ -31,7 +31,7 @@ std::string Triangle(Lowering& l, const std::string& v, const std::vector<int64_
 }
 
 
-std::string Cholesky(Lowering& l, const std::string& v, const std::vector<int64_t>& in, bool upper, const DType& t) {
+std::string Cholesky(Lowering& l, const std::string& v, const std::vector<int64_t>& in, bool upper, const HloType& t) {
   const std::string c = l.Emit(absl::StrCat("stablehlo.cholesky ", v, ", lower = ", upper ? "false" : "true", " : ",
                                             TypeOf(in, t)));
   return Triangle(l, c, in, !upper, t);
@@ -40,7 +40,7 @@ std::string Cholesky(Lowering& l, const std::string& v, const std::vector<int64_
 
 std::string TriangularSolve(Lowering& l, const std::string& a, const std::vector<int64_t>& ad, const std::string& b,
                             const std::vector<int64_t>& bd, bool left, bool lower, bool unit, bool transpose,
-                            const DType& t) {
+                            const HloType& t) {
   return l.Emit(absl::StrCat("\"stablehlo.triangular_solve\"(", a, ", ", b, ") {left_side = ", left ? "true" : "false",
                              ", lower = ", lower ? "true" : "false", ", unit_diagonal = ", unit ? "true" : "false",
                              ", transpose_a = #stablehlo<transpose ", transpose ? "TRANSPOSE" : "NO_TRANSPOSE", ">} : (",
@@ -56,7 +56,7 @@ std::vector<int64_t> WithBatch(const std::vector<int64_t>& dims, const std::vect
 
 
 absl::StatusOr<std::string> MatrixOperand(Lowering& l, const tpu::OpArg& a, const std::vector<int64_t>& batch,
-                                          const DType& t) {
+                                          const HloType& t) {
   if (a.tag != tpu::ArgTag::kTensor || a.tensor.ndim < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
   const std::vector<int64_t> dims = DimsOf(a.tensor);
   absl::StatusOr<std::string> v = l.Operand(a, dims, t);
@@ -70,8 +70,8 @@ std::vector<int64_t> BatchOf(const std::vector<int64_t>& dims) {
 }
 
 
-std::string Identity(Lowering& l, const std::vector<int64_t>& dims, const DType& t) {
-  const DType& i64 = I64();
+std::string Identity(Lowering& l, const std::vector<int64_t>& dims, const HloType& t) {
+  const HloType& i64 = I64();
   const int64_t r = static_cast<int64_t>(dims.size());
   const std::string eq = l.Compare("EQ", l.Iota(r - 2, dims, i64), l.Iota(r - 1, dims, i64), dims, i64);
   return l.Select(eq, l.Constant(1, dims, t), l.Constant(0, dims, t), dims, t);
@@ -79,7 +79,7 @@ std::string Identity(Lowering& l, const std::vector<int64_t>& dims, const DType&
 
 
 std::string BroadcastInDim(Lowering& l, const std::string& v, const std::vector<int64_t>& from,
-                           const std::vector<int64_t>& to, const std::vector<int64_t>& map, const DType& t) {
+                           const std::vector<int64_t>& to, const std::vector<int64_t>& map, const HloType& t) {
   if (from == to) return v;
   return l.Emit(absl::StrCat("stablehlo.broadcast_in_dim ", v, ", dims = [", absl::StrJoin(map, ", "), "] : (",
                              TypeOf(from, t), ") -> ", TypeOf(to, t)));
@@ -87,8 +87,8 @@ std::string BroadcastInDim(Lowering& l, const std::string& v, const std::vector<
 
 
 std::string SwapRows(Lowering& l, const std::string& x, const MatrixShape& s, const std::string& j,
-                     const std::string& p, const DType& t) {
-  const DType& i64 = I64();
+                     const std::string& p, const HloType& t) {
+  const HloType& i64 = I64();
   const std::string ri = l.Iota(s.rank() - 2, s.dims, i64);
   const std::string at_j = l.Compare("EQ", ri, BroadcastInDim(l, j, s.batch, s.dims, s.batch_map, i64), s.dims, i64);
   const std::string at_p = l.Compare("EQ", ri, BroadcastInDim(l, p, s.batch, s.dims, s.batch_map, i64), s.dims, i64);
@@ -106,7 +106,7 @@ std::vector<std::string> CountedLoop(Lowering& l, int64_t count, const std::vect
                                      const std::vector<std::string>& types,
                                      const std::function<std::vector<std::string>(const std::string& j,
                                                                                   const std::vector<std::string>& state)>& step) {
-  const DType& i64 = I64();
+  const HloType& i64 = I64();
   const int id = l.NextId();
   const std::string j = absl::StrCat("%w", id, "j");
   std::vector<std::string> args, inits = {absl::StrCat(j, " = ", l.Constant(0, {}, i64))};
@@ -134,9 +134,9 @@ std::vector<std::string> CountedLoop(Lowering& l, int64_t count, const std::vect
 }
 
 
-Lu LuFactor(Lowering& l, const std::string& a, const MatrixShape& s, const DType& t) {
-  const DType& i64 = I64();
-  const DType& i1 = *DTypeOf(11);
+Lu LuFactor(Lowering& l, const std::string& a, const MatrixShape& s, const HloType& t) {
+  const HloType& i64 = I64();
+  const HloType& i1 = *DTypeOf(tpu::DType::kBool);
   const int64_t k = std::min(s.m, s.n);
   std::vector<int64_t> pdims = s.batch;
   pdims.push_back(k);
@@ -193,8 +193,8 @@ Lu LuFactor(Lowering& l, const std::string& a, const MatrixShape& s, const DType
 
 
 std::string ApplySwaps(Lowering& l, const std::string& x, const MatrixShape& s, const std::string& pivots, int64_t k,
-                       bool reversed, const DType& t) {
-  const DType& i64 = I64();
+                       bool reversed, const HloType& t) {
+  const HloType& i64 = I64();
   std::vector<int64_t> pdims = s.batch;
   pdims.push_back(k);
   return CountedLoop(l, k, {x}, {TypeOf(s.dims, t)}, [&](const std::string& step, const std::vector<std::string>& st) {
@@ -210,7 +210,7 @@ std::string ApplySwaps(Lowering& l, const std::string& x, const MatrixShape& s, 
 
 
 std::string LuSolve(Lowering& l, const std::string& lu, const std::vector<int64_t>& ad, const std::string& pivots,
-                    const std::string& b, const MatrixShape& bs, bool adjoint, const DType& t) {
+                    const std::string& b, const MatrixShape& bs, bool adjoint, const HloType& t) {
   const int64_t n = ad.back();
   if (!adjoint) {
     const std::string pb = ApplySwaps(l, b, bs, pivots, n, false, t);
@@ -224,8 +224,8 @@ std::string LuSolve(Lowering& l, const std::string& lu, const std::vector<int64_
 }
 
 
-std::string ReflectorOf(Lowering& l, const std::string& a, const MatrixShape& s, const std::string& j, const DType& t) {
-  const DType& i64 = I64();
+std::string ReflectorOf(Lowering& l, const std::string& a, const MatrixShape& s, const std::string& j, const HloType& t) {
+  const HloType& i64 = I64();
   const int64_t rows = s.rank() - 2, cols = s.rank() - 1;
   const std::string jd = l.BroadcastTo(j, {}, s.dims, i64);
   const std::string colv = l.ReduceOver(l.Select(l.Compare("EQ", l.Iota(cols, s.dims, i64), jd, s.dims, i64), a,
@@ -238,7 +238,7 @@ std::string ReflectorOf(Lowering& l, const std::string& a, const MatrixShape& s,
 
 
 std::string Reflect(Lowering& l, const std::string& c, const MatrixShape& cs, const std::string& v, const std::string& tau,
-                    const DType& t) {
+                    const HloType& t) {
   const int64_t rows = cs.rank() - 2;
   const std::string vb = BroadcastInDim(l, v, cs.col, cs.dims, cs.col_map, t);
   const std::string w = l.ReduceOver(l.Binary("multiply", vb, c, cs.dims, t), cs.dims, {rows}, "add", l.Constant(0, {}, t), t);
@@ -248,8 +248,8 @@ std::string Reflect(Lowering& l, const std::string& c, const MatrixShape& cs, co
 }
 
 
-std::string ElementAt(Lowering& l, const std::string& v, const std::vector<int64_t>& vd, const std::string& j, const DType& t) {
-  const DType& i64 = I64();
+std::string ElementAt(Lowering& l, const std::string& v, const std::vector<int64_t>& vd, const std::string& j, const HloType& t) {
+  const HloType& i64 = I64();
   const int64_t last = static_cast<int64_t>(vd.size() - 1);
   return l.ReduceOver(l.Select(l.Compare("EQ", l.Iota(last, vd, i64), l.BroadcastTo(j, {}, vd, i64), vd, i64), v,
                                l.Constant(0, vd, t), vd, t),
@@ -257,9 +257,9 @@ std::string ElementAt(Lowering& l, const std::string& v, const std::vector<int64
 }
 
 
-Qr Geqrf(Lowering& l, const std::string& a, const MatrixShape& s, const DType& t) {
-  const DType& i64 = I64();
-  const DType& i1 = *DTypeOf(11);
+Qr Geqrf(Lowering& l, const std::string& a, const MatrixShape& s, const HloType& t) {
+  const HloType& i64 = I64();
+  const HloType& i1 = *DTypeOf(tpu::DType::kBool);
   const int64_t k = std::min(s.m, s.n);
   std::vector<int64_t> td = s.batch;
   td.push_back(k);
@@ -309,8 +309,8 @@ Qr Geqrf(Lowering& l, const std::string& a, const MatrixShape& s, const DType& t
 
 
 std::string ApplyQ(Lowering& l, const std::string& a, const MatrixShape& as, const std::string& tau, int64_t k,
-                   const std::string& c, const MatrixShape& cs, bool transposed, const DType& t) {
-  const DType& i64 = I64();
+                   const std::string& c, const MatrixShape& cs, bool transposed, const HloType& t) {
+  const HloType& i64 = I64();
   std::vector<int64_t> td = as.batch;
   td.push_back(k);
   return CountedLoop(l, k, {c}, {TypeOf(cs.dims, t)}, [&](const std::string& step, const std::vector<std::string>& st) {
@@ -321,8 +321,8 @@ std::string ApplyQ(Lowering& l, const std::string& a, const MatrixShape& as, con
 }
 
 
-std::string SwapSign(Lowering& l, const std::string& pivots, const std::vector<int64_t>& batch, int64_t k, const DType& t) {
-  const DType& i64 = I64();
+std::string SwapSign(Lowering& l, const std::string& pivots, const std::vector<int64_t>& batch, int64_t k, const HloType& t) {
+  const HloType& i64 = I64();
   std::vector<int64_t> pdims = batch;
   pdims.push_back(k);
   const int64_t last = static_cast<int64_t>(pdims.size() - 1);
@@ -336,8 +336,8 @@ std::string SwapSign(Lowering& l, const std::string& pivots, const std::vector<i
 }
 
 
-std::string Diagonal(Lowering& l, const std::string& x, const MatrixShape& s, const DType& t) {
-  const DType& i64 = I64();
+std::string Diagonal(Lowering& l, const std::string& x, const MatrixShape& s, const HloType& t) {
+  const HloType& i64 = I64();
   const std::string diag = l.Compare("EQ", l.Iota(s.rank() - 2, s.dims, i64), l.Iota(s.rank() - 1, s.dims, i64), s.dims, i64);
   return l.ReduceOver(l.Select(diag, x, l.Constant(0, s.dims, t), s.dims, t), s.dims, {s.rank() - 2}, "add", l.Constant(0, {}, t), t);
 }

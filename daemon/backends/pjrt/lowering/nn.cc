@@ -32,7 +32,7 @@ void RegisterNn(OpRegistry& reg) {
       -> absl::StatusOr<std::vector<std::string>> {
     if (outs.size() != 3 || !Defined(d, 0) || d.num_args < 5) return Unsupported(l.op(), "expects 3 outputs");
     const tpu::TensorRef& x = d.args[0].tensor;
-    const DType& t = *outs[0].type;
+    const HloType& t = *outs[0].type;
     const std::vector<int64_t> in = DimsOf(x);
     const size_t k = d.args[1].ints.size();
     if (k == 0 || k > in.size()) return Unsupported(l.op(), "normalized_shape");
@@ -74,7 +74,7 @@ void RegisterNn(OpRegistry& reg) {
     // not asked for are empty and get nothing).
     const bool all_three = outs.size() == 3;
     if (mask.size() != 3 || (outs.size() != wanted && !all_three)) return Unsupported(l.op(), "output_mask");
-    const DType& t = *outs[0].type;
+    const HloType& t = *outs[0].type;
     const std::vector<int64_t> in = DimsOf(d.args[1].tensor);
     const size_t k = d.args[2].ints.size();
     std::vector<int64_t> which, batch;
@@ -122,7 +122,7 @@ void RegisterNn(OpRegistry& reg) {
         d.num_args < 5) {
       return Unsupported(l.op(), "expects a 1-d or 2-d input");
     }
-    const DType& t = *outs[0].type;
+    const HloType& t = *outs[0].type;
     std::vector<int64_t> nc = DimsOf(d.args[0].tensor);
     if (nc.size() == 1) nc.insert(nc.begin(), 1);
     absl::StatusOr<std::string> x = l.OperandRef(d.args[0].tensor, 0, nc, t);
@@ -152,7 +152,7 @@ void RegisterNn(OpRegistry& reg) {
         d.num_args < 7) {
       return Unsupported(l.op(), "expects a 1-d or 2-d input");
     }
-    const DType& t = *outs[0].type;
+    const HloType& t = *outs[0].type;
     std::vector<int64_t> nc = DimsOf(d.args[1].tensor);
     if (nc.size() == 1) nc.insert(nc.begin(), 1);
     absl::StatusOr<Picked> p = PickTargets(l, d, 2, 3, 5, nc, t);
@@ -189,7 +189,7 @@ void RegisterNn(OpRegistry& reg) {
     if (o.size() != 3 || d.num_args < 11 || !Defined(d, 0) || !Defined(d, 1) || !Defined(d, 2)) {
       return Unsupported(l.op(), "arguments of a form not lowered");
     }
-    const DType& t = o[1].type != nullptr ? *o[1].type : *o[0].type;
+    const HloType& t = o[1].type != nullptr ? *o[1].type : *o[0].type;
     const std::vector<int64_t> gd = DimsOf(d.args[0].tensor), in = DimsOf(d.args[1].tensor), wd = DimsOf(d.args[2].tensor);
     absl::StatusOr<ConvWindow> cw = ConvWindowOf(l, d, 4, in, wd, gd, /*allow_transposed=*/true);
     if (!cw.ok()) return cw.status();
@@ -297,9 +297,9 @@ void RegisterNn(OpRegistry& reg) {
   reg.AddMulti("aten::adaptive_max_pool2d", [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
       -> absl::StatusOr<std::vector<std::string>> {
     if (o.size() != 2 || !Defined(d, 0) || o[0].dims.size() < 3) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& t = *o[0].type;
-    const DType& i64 = I64();
-    const DType& i1 = *DTypeOf(11);
+    const HloType& t = *o[0].type;
+    const HloType& i64 = I64();
+    const HloType& i1 = *DTypeOf(tpu::DType::kBool);
     const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
     const std::vector<int64_t>& od = o[0].dims;
     if (in.size() != od.size()) return Unsupported(l.op(), "an output of another rank");
@@ -339,7 +339,7 @@ void RegisterNn(OpRegistry& reg) {
       -> absl::StatusOr<std::string> {
     // (self, target, reduction): none 0, mean 1, sum 2
     if (!Defined(d, 0) || d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
     absl::StatusOr<std::string> a = l.Operand(d.args[0], in, t), b = l.Operand(d.args[1], in, t);
     if (!a.ok()) return a;
@@ -362,7 +362,7 @@ void RegisterNn(OpRegistry& reg) {
       -> absl::StatusOr<std::string> {
     // (grad_output, self, target, reduction)
     if (d.num_args < 4) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t), a = l.Operand(d.args[1], o.dims, t),
                                 b = l.Operand(d.args[2], o.dims, t);
     for (auto* v : {&g, &a, &b}) if (!v->ok()) return *v;
@@ -386,7 +386,7 @@ void RegisterNn(OpRegistry& reg) {
         if (d.num_args < a0 + 6 || !Defined(d, a0) || (backward && !Defined(d, 0))) {
           return Unsupported(l.op(), "arguments of a form not lowered");
         }
-        const DType& t = *o.type;
+        const HloType& t = *o.type;
         const std::vector<int64_t> in = DimsOf(d.args[a0].tensor);
         const std::vector<int64_t> out = backward ? DimsOf(d.args[0].tensor) : o.dims;
         if (in.size() < static_cast<size_t>(sp) || out.size() != in.size()) {
@@ -476,7 +476,7 @@ void RegisterNn(OpRegistry& reg) {
   // channels become, per group, the kernel's (in / g, out).
   reg.Add("aten::convolution", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
     if (!Defined(d, 0) || !Defined(d, 1)) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     const std::vector<int64_t> in = DimsOf(d.args[0].tensor), wd = DimsOf(d.args[1].tensor);
     absl::StatusOr<ConvWindow> cw = ConvWindowOf(l, d, 3, in, wd, o.dims, /*allow_transposed=*/true);
     if (!cw.ok()) return cw.status();
@@ -545,7 +545,7 @@ void RegisterNn(OpRegistry& reg) {
   // 1 always, 2 never).
   reg.Add("aten::_cdist_forward", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
     if (d.num_args < 3 || !Defined(d, 0) || !Defined(d, 1) || o.dims.size() < 2) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     const std::vector<int64_t> batch = BatchOf(o.dims);
     const std::vector<int64_t> d1 = DimsOf(d.args[0].tensor), d2 = DimsOf(d.args[1].tensor);
     const int64_t pr = o.dims[o.dims.size() - 2], rr = o.dims.back(), mm = d1.back();
@@ -595,7 +595,7 @@ void RegisterNn(OpRegistry& reg) {
     reg.Add(absl::StrCat("aten::_adaptive_avg_pool", sp, "d"), [sp](Lowering& l, const tpu::DecodedOp& d, const Target& o)
         -> absl::StatusOr<std::string> {
       if (!Defined(d, 0) || o.dims.size() < static_cast<size_t>(sp)) return Unsupported(l.op(), "arguments of a form not lowered");
-      const DType& t = *o.type;
+      const HloType& t = *o.type;
       std::vector<int64_t> cur = DimsOf(d.args[0].tensor);
       if (cur.size() != o.dims.size()) return Unsupported(l.op(), "an output of another rank");
       absl::StatusOr<std::string> x = l.Operand(d.args[0], cur, t);
@@ -634,8 +634,8 @@ void RegisterNn(OpRegistry& reg) {
     if (d.num_args < 2 || !Defined(d, 0) || d.args[0].tensor.ndim != 2 || o.dims.size() != 1) {
       return Unsupported(l.op(), "expects a matrix");
     }
-    const DType& t = *o.type;
-    const DType& i64 = I64();
+    const HloType& t = *o.type;
+    const HloType& i64 = I64();
     const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
     const int64_t n = in[0], mm = in[1], pairs = o.dims[0];
     if (pairs != n * (n - 1) / 2) return absl::InvalidArgumentError(absl::StrCat(l.op(), ": the output does not hold every pair"));

@@ -39,9 +39,9 @@ enum class Poly { kT, kU, kV, kW, kShiftedT, kShiftedU, kShiftedV, kShiftedW, kH
 Rule PolynomialRule(Poly kind) {
   return [kind](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
     if (d.num_args < 2) return Unsupported(l.op(), "expects x and n");
-    const DType& t = *o.type;
-    const DType& i64 = I64();
-    const DType& i1 = *DTypeOf(11);
+    const HloType& t = *o.type;
+    const HloType& i64 = I64();
+    const HloType& i1 = *DTypeOf(tpu::DType::kBool);
     const std::vector<int64_t>& dims = o.dims;
     absl::StatusOr<std::string> xs = l.Operand(d.args[0], dims, t), ns = l.Operand(d.args[1], dims, i64);
     if (!xs.ok()) return xs;
@@ -62,7 +62,8 @@ Rule PolynomialRule(Poly kind) {
     auto acos = [&](const std::string& a) {  // acos(a) = atan2(sqrt(1 - a^2), a)
       return l.Binary("atan2", un("sqrt", sub(c(1), mul(a, a))), a, dims, t);
     };
-    if (kind == Poly::kH && DTypeOf(d.args[1].tag == tpu::ArgTag::kTensor ? d.args[1].tensor.dtype : 4)->is_float) {
+    if (kind == Poly::kH && d.args[1].tag == tpu::ArgTag::kTensor &&
+        tpu::IsFloating(tpu::DTypeFromCode(d.args[1].tensor.dtype))) {
       // A NaN or infinite degree counts as -1.
       absl::StatusOr<std::string> nf = l.Operand(d.args[1], dims, t);
       if (!nf.ok()) return nf;
@@ -121,7 +122,7 @@ Rule PolynomialRule(Poly kind) {
       }
       cases.emplace_back(inside, trig);
     } else if (kind == Poly::kH || kind == Poly::kHe) {
-      const int limit = t.c10 == 7 ? 512 : 128;
+      const int limit = t.dtype == tpu::DType::kDouble ? 512 : 128;
       cases.emplace_back(both(cmpi("GT", n, limit), cmpi("GE", n, 2)), div(c(0), c(0)));  // NaN
     } else if (kind == Poly::kL) {
       cases.emplace_back(cmp("EQ", ax, c(0)), c(1));

@@ -39,8 +39,8 @@ void RegisterRandom(OpRegistry& reg) {
         if (d.args[i].tag == tpu::ArgTag::kGenerator) gen = &d.args[i];
       }
       if (gen == nullptr) return Unsupported(l.op(), "no generator argument");
-      const DType& t = *o.type;
-      const DType& f = t.c10 == 7 ? F64() : *DTypeOf(6);  // uniform draws in f32 or f64
+      const HloType& t = *o.type;
+      const HloType& f = t.dtype == tpu::DType::kDouble ? F64() : *DTypeOf(tpu::DType::kFloat);  // uniform draws in f32 or f64
       const bool normal = dist == Dist::kNormal;
       const std::string u = l.UniformBits(gen->i, o.dims, f, normal ? 2 : 1);
       std::vector<int64_t> two = o.dims;
@@ -83,7 +83,7 @@ void RegisterRandom(OpRegistry& reg) {
         }
         case Dist::kRandom: {  // random_.from(self, from, to?, *, generator): integers in [from, to)
           const double from = num(1, 0), to = num(2, from + 1);
-          const DType& w = F64();
+          const HloType& w = F64();
           const std::string uw = l.Convert(u, o.dims, f, w);
           v = l.Binary("add", l.Constant(from, o.dims, w),
                        l.Unary("floor", l.Binary("multiply", uw, l.Constant(to - from, o.dims, w), o.dims, w), o.dims, w), o.dims, w);

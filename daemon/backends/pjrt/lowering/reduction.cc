@@ -49,8 +49,8 @@ void RegisterReduction(OpRegistry& reg) {
                                                                                  const std::vector<Target>& o)
         -> absl::StatusOr<std::vector<std::string>> {
       if (o.size() != 2 || !Defined(d, 0) || d.num_args < 4) return Unsupported(l.op(), "arguments of a form not lowered");
-      const DType& t = *o[0].type;
-      const DType& i64 = I64();
+      const HloType& t = *o[0].type;
+      const HloType& i64 = I64();
       const std::vector<int64_t>& dims = o[0].dims;
       absl::StatusOr<std::string> x = l.Operand(d.args[0], dims, t);
       if (!x.ok()) return x.status();
@@ -61,7 +61,7 @@ void RegisterReduction(OpRegistry& reg) {
                                     largest ? l.Lowest(t) : Highest(l, t));
       std::string same = l.Compare("EQ", *x, v, dims, t);
       if (t.is_float) {
-        const DType& i1 = *DTypeOf(11);
+        const HloType& i1 = *DTypeOf(tpu::DType::kBool);
         same = l.Binary("or", same, l.Binary("and", l.Compare("NE", *x, *x, dims, t), l.Compare("NE", v, v, dims, t), dims, i1), dims, i1);
       }
       const std::string at = l.Select(same, l.Iota(*dim, dims, i64), l.Constant(-1, dims, i64), dims, i64);
@@ -75,7 +75,7 @@ void RegisterReduction(OpRegistry& reg) {
     // (self, dim?, keepdim): the first index of the largest (smallest) value.
     if (!Defined(d, 0)) return Unsupported(l.op(), "arguments of a form not lowered");
     const tpu::TensorRef& x = d.args[0].tensor;
-    const DType* xt = DTypeOf(x.dtype);
+    const HloType* xt = DTypeOf(x.dtype);
     if (xt == nullptr) return Unsupported(l.op(), "dtype");
     std::vector<int64_t> in = DimsOf(x);
     absl::StatusOr<std::string> v = l.Tensor(x, 0);
@@ -105,11 +105,11 @@ void RegisterReduction(OpRegistry& reg) {
     std::string hit = l.Compare("EQ", xv, mxe, in, *xt);
     if (xt->is_float) {
       // NaN is the largest and the smallest: its first place is the answer.
-      const DType& i1 = *DTypeOf(11);
+      const HloType& i1 = *DTypeOf(tpu::DType::kBool);
       const std::string nan = l.Binary("and", l.Compare("NE", xv, xv, in, *xt), l.Compare("NE", mxe, mxe, in, *xt), in, i1);
       hit = l.Binary("or", hit, nan, in, i1);
     }
-    const DType& i64 = I64();
+    const HloType& i64 = I64();
     const std::string idx = l.Select(hit, l.Iota(dim, in, i64), l.Constant(static_cast<double>(in[dim]), in, i64), in, i64);
     const std::string r = l.ReduceOver(idx, in, which, "minimum", l.Constant(static_cast<double>(in[dim]), {}, i64), i64);
     return l.Reshape(l.Convert(r, Lowering::Kept(in, which), i64, *o.type), Lowering::Kept(in, which), o.dims, *o.type);
@@ -137,7 +137,7 @@ void RegisterReduction(OpRegistry& reg) {
     reg.Add(root ? "aten::std.correction" : "aten::var.correction", [root](Lowering& l, const tpu::DecodedOp& d, const Target& o)
         -> absl::StatusOr<std::string> {
       if (!Defined(d, 0) || !o.type->is_float) return Unsupported(l.op(), "arguments of a form not lowered");
-      const DType& t = *o.type;
+      const HloType& t = *o.type;
       const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
       absl::StatusOr<std::vector<int64_t>> which = ReducedDims(l, d, 1, in.size());
       if (!which.ok()) return which.status();
@@ -159,7 +159,7 @@ void RegisterReduction(OpRegistry& reg) {
   reg.Add("aten::linalg_vector_norm", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
       -> absl::StatusOr<std::string> {
     if (!Defined(d, 0) || !o.type->is_float) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
     absl::StatusOr<std::vector<int64_t>> which = ReducedDims(l, d, 2, in.size());
     if (!which.ok()) return which.status();
@@ -218,15 +218,15 @@ void RegisterReduction(OpRegistry& reg) {
     Rule r = [any](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
       if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
       const tpu::TensorRef& x = d.args[0].tensor;
-      const DType* xt = DTypeOf(x.dtype);
+      const HloType* xt = DTypeOf(x.dtype);
       if (xt == nullptr) return Unsupported(l.op(), "dtype");
       const std::vector<int64_t> in = DimsOf(x);
       absl::StatusOr<std::vector<int64_t>> which = ReducedDims(l, d, 1, in.size());
       if (!which.ok()) return which.status();
       absl::StatusOr<std::string> v = l.Tensor(x, 0);
       if (!v.ok()) return v;
-      const DType& b = *DTypeOf(11);
-      const std::string truth = xt->c10 == 11 ? *v : l.Compare("NE", *v, l.Constant(0, in, *xt), in, *xt);
+      const HloType& b = *DTypeOf(tpu::DType::kBool);
+      const std::string truth = xt->dtype == tpu::DType::kBool ? *v : l.Compare("NE", *v, l.Constant(0, in, *xt), in, *xt);
       const std::string r = l.ReduceOver(truth, in, *which, any ? "or" : "and", l.Constant(any ? 0 : 1, {}, b), b);
       return l.Reshape(l.Convert(r, Lowering::Kept(in, *which), b, *o.type), Lowering::Kept(in, *which), o.dims, *o.type);
     };
@@ -254,8 +254,8 @@ void RegisterReduction(OpRegistry& reg) {
   // outside (and NaN) is not counted.
   reg.Add("aten::histc", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
     if (d.num_args < 4 || !Defined(d, 0) || o.dims.size() != 1) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& t = *o.type;
-    const DType& i64 = I64();
+    const HloType& t = *o.type;
+    const HloType& i64 = I64();
     const int64_t bins = o.dims[0];
     if (bins <= 0) return absl::InvalidArgumentError(absl::StrCat(l.op(), ": bins must be positive"));
     const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
@@ -277,7 +277,7 @@ void RegisterReduction(OpRegistry& reg) {
     lo = l.Select(same, l.Binary("subtract", lo, l.Constant(1, {}, t), {}, t), lo, {}, t);
     hi = l.Select(same, l.Binary("add", hi, l.Constant(1, {}, t), {}, t), hi, {}, t);
     const std::string lb = l.BroadcastTo(lo, {}, flat, t), hb = l.BroadcastTo(hi, {}, flat, t);
-    const DType& i1 = *DTypeOf(11);
+    const HloType& i1 = *DTypeOf(tpu::DType::kBool);
     const std::string inside = l.Binary("and", l.Compare("GE", x, lb, flat, t), l.Compare("LE", x, hb, flat, t), flat, i1);
     const std::string scaled = l.Binary("divide", l.Binary("multiply", l.Binary("subtract", x, lb, flat, t),
                                                            l.Constant(static_cast<double>(bins), flat, t), flat, t),

@@ -54,7 +54,7 @@ void RegisterShape(OpRegistry& reg) {
   reg.Add("aten::arange.start_out", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
       -> absl::StatusOr<std::string> {
     if (d.num_args < 3 || o.dims.size() != 1) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& w = o.type->is_float ? F64() : I64();
+    const HloType& w = o.type->is_float ? F64() : I64();
     absl::StatusOr<std::string> start = l.Operand(d.args[0], o.dims, w), step = l.Operand(d.args[2], o.dims, w);
     if (!start.ok()) return start;
     if (!step.ok()) return step;
@@ -75,7 +75,7 @@ void RegisterShape(OpRegistry& reg) {
   // flattened tensor), as two slices joined.
   reg.Add("aten::roll", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
     if (!Defined(d, 0) || d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
     if (!x.ok()) return x;
     const std::vector<int64_t>& shifts = d.args[1].ints;

@@ -33,7 +33,7 @@ void RegisterSort(OpRegistry& reg) {
         -> absl::StatusOr<std::vector<std::string>> {
       if (o.size() != 2 || !Defined(d, 0) || d.num_args < 2) return Unsupported(l.op(), "expects 2 outputs");
       const tpu::TensorRef& x = d.args[0].tensor;
-      const DType& t = *o[0].type;
+      const HloType& t = *o[0].type;
       const std::vector<int64_t> in = DimsOf(x);
       absl::StatusOr<std::string> v = l.OperandRef(x, 0, in, t);
       if (!v.ok()) return v.status();
@@ -48,7 +48,7 @@ void RegisterSort(OpRegistry& reg) {
       const std::string best = largest ? l.ReduceOver(*v, in, which, "maximum", l.Lowest(t), t)
                                        : l.ReduceOver(*v, in, which, "minimum", Highest(l, t), t);
       const std::string hit = l.Compare("EQ", *v, l.Expand(best, in, which, t), in, t);
-      const DType& i64 = I64();
+      const HloType& i64 = I64();
       const std::string none = l.Constant(static_cast<double>(in[dim]), in, i64);
       const std::string idx = l.ReduceOver(l.Select(hit, l.Iota(dim, in, i64), none, in, i64), in, which, "minimum",
                                            l.Constant(static_cast<double>(in[dim]), {}, i64), i64);
@@ -66,7 +66,7 @@ void RegisterSort(OpRegistry& reg) {
         -> absl::StatusOr<std::vector<std::string>> {
       if (o.size() != 2 || !Defined(d, 0)) return Unsupported(l.op(), "expects 2 outputs");
       const size_t at = with_stable ? 2 : 1;
-      const DType& t = *DTypeOf(d.args[0].tensor.dtype);
+      const HloType& t = *DTypeOf(d.args[0].tensor.dtype);
       const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
       absl::StatusOr<std::string> v = l.OperandRef(d.args[0].tensor, 0, in, t);
       if (!v.ok()) return v.status();
@@ -90,7 +90,7 @@ void RegisterSort(OpRegistry& reg) {
     MultiRule r = [nan](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
         -> absl::StatusOr<std::vector<std::string>> {
       if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
-      const DType& t = *DTypeOf(d.args[0].tensor.dtype);
+      const HloType& t = *DTypeOf(d.args[0].tensor.dtype);
       const std::vector<int64_t> given = DimsOf(d.args[0].tensor);
       absl::StatusOr<std::string> v = l.OperandRef(d.args[0].tensor, 0, given, t);
       if (!v.ok()) return v.status();
@@ -114,13 +114,13 @@ void RegisterSort(OpRegistry& reg) {
       }
       if (in[dim] == 0) return Unsupported(l.op(), "an empty dimension");
       auto [values, indices] = l.Sort(*v, in, dim, false, t);
-      const DType& i64 = I64();
+      const HloType& i64 = I64();
       const std::vector<int64_t> which = {dim};
       const std::vector<int64_t> kept = Lowering::Kept(in, which);
       const std::string count = l.Constant(static_cast<double>(in[dim]), kept, i64);
       std::string pos;
       if (t.is_float) {
-        const std::string isnan = l.Convert(l.Compare("NE", values, values, in, t), in, *DTypeOf(11), i64);
+        const std::string isnan = l.Convert(l.Compare("NE", values, values, in, t), in, *DTypeOf(tpu::DType::kBool), i64);
         const std::string nans = l.ReduceOver(isnan, in, which, "add", l.Constant(0, {}, i64), i64);
         const std::string valid = l.Binary("subtract", count, nans, kept, i64);
         const std::string one = l.Constant(1, kept, i64), two = l.Constant(2, kept, i64);
@@ -156,7 +156,7 @@ void RegisterSort(OpRegistry& reg) {
     if (d.num_args > 4 && d.args[4].tag == tpu::ArgTag::kString) right = right || d.args[4].s == "right";
     const tpu::TensorRef& seq = d.args[0].tensor;
     const tpu::TensorRef& val = d.args[1].tensor;
-    const DType& t = *DTypeOf(seq.dtype);
+    const HloType& t = *DTypeOf(seq.dtype);
     const std::vector<int64_t> sd = DimsOf(seq), vd = DimsOf(val);
     if (sd.empty()) return Unsupported(l.op(), "a 0-d sequence");
     const int64_t n = sd.back();
@@ -174,8 +174,8 @@ void RegisterSort(OpRegistry& reg) {
     const std::vector<int64_t> s2 = {rows, n, 1}, v2 = {rows, 1, per}, full = {rows, n, per};
     const std::string sb = l.BroadcastTo(l.Reshape(*s, sd, s2, t), s2, full, t);
     const std::string vb = l.BroadcastTo(l.Reshape(*v, vd, v2, t), v2, full, t);
-    const DType& i64 = I64();
-    const std::string before = l.Convert(l.Compare(right ? "LE" : "LT", sb, vb, full, t), full, *DTypeOf(11), i64);
+    const HloType& i64 = I64();
+    const std::string before = l.Convert(l.Compare(right ? "LE" : "LT", sb, vb, full, t), full, *DTypeOf(tpu::DType::kBool), i64);
     const std::string c = l.ReduceOver(before, full, {1}, "add", l.Constant(0, {}, i64), i64);
     return std::vector<std::string>{l.Reshape(l.Convert(c, {rows, per}, i64, *o[0].type), {rows, per}, o[0].dims, *o[0].type)};
   }); reg.Alias("aten::searchsorted.Tensor", "aten::searchsorted.Tensor_out");
@@ -185,7 +185,7 @@ void RegisterSort(OpRegistry& reg) {
     MultiRule r = [top](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
         -> absl::StatusOr<std::vector<std::string>> {
       if (o.size() != 2 || !Defined(d, 0) || d.num_args < 2) return Unsupported(l.op(), "expects 2 outputs");
-      const DType& t = *DTypeOf(d.args[0].tensor.dtype);
+      const HloType& t = *DTypeOf(d.args[0].tensor.dtype);
       std::vector<int64_t> in = DimsOf(d.args[0].tensor);
       absl::StatusOr<std::string> v = l.OperandRef(d.args[0].tensor, 0, in, t);
       if (!v.ok()) return v.status();

@@ -44,7 +44,7 @@ void RegisterSpecial(OpRegistry& reg) {
   // digamma has poles at 0 and the negative integers: at 0 it is -inf
   // from above and +inf from below, as in ATen (-1/x gives that sign).
   auto digamma = [chlo](Lowering& l, const std::string& x, const Target& o) {
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     const std::string pole = l.Binary("divide", l.Constant(-1, o.dims, t), x, o.dims, t);
     return l.Select(l.Compare("EQ", x, l.Constant(0, o.dims, t), o.dims, t), pole, chlo(l, "digamma", {x}, o), o.dims, t);
   };
@@ -79,27 +79,27 @@ void RegisterSpecial(OpRegistry& reg) {
     // CHLO's polygamma is inexact for x < 0, so it is taken at x + K and
     // brought back by the recurrence psi_n(x) = psi_n(x + 1) - (-1)^n n! / x^(n+1)
     // (exact for x >= -K; ATen shifts its zeta function the same way).
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     constexpr int kShift = 16;
     double factorial = 1;
     for (int64_t k = 2; k <= n; ++k) factorial *= static_cast<double>(k);
     const std::string shifted = l.Binary("add", *x, l.Constant(kShift, o.dims, t), o.dims, t);
     // The terms in float64: near a pole, x + j loses the digits that matter.
-    const DType& w = F64();
-    const std::string xw = t.c10 == 7 ? *x : l.Convert(*x, o.dims, t, w);
+    const HloType& w = F64();
+    const std::string xw = t.dtype == tpu::DType::kDouble ? *x : l.Convert(*x, o.dims, t, w);
     std::string sum = l.Constant(0, o.dims, w);
     const std::string power = l.Constant(static_cast<double>(-(n + 1)), o.dims, w);
     for (int j = 0; j < kShift; ++j) {
       const std::string xj = j == 0 ? xw : l.Binary("add", xw, l.Constant(j, o.dims, w), o.dims, w);
       sum = l.Binary("add", sum, l.Binary("power", xj, power, o.dims, w), o.dims, w);
     }
-    if (t.c10 != 7) sum = l.Convert(sum, o.dims, w, t);
+    if (t.dtype != tpu::DType::kDouble) sum = l.Convert(sum, o.dims, w, t);
     const std::string far = chlo(l, "polygamma", {l.Constant(static_cast<double>(n), o.dims, t), shifted}, o);
     const double sign = n % 2 == 0 ? 1 : -1;
     return l.Binary("subtract", far, l.Binary("multiply", l.Constant(sign * factorial, o.dims, t), sum, o.dims, t), o.dims, t);
   });
   binary("aten::hypot", [](Lowering& l, const std::string& a, const std::string& b, const Target& o) {
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     // max * sqrt(1 + (min/max)^2), without overflow; 0 where both are.
     const std::string x = l.Unary("abs", a, o.dims, t), y = l.Unary("abs", b, o.dims, t);
     const std::string hi = l.Binary("maximum", x, y, o.dims, t), lo = l.Binary("minimum", x, y, o.dims, t);
@@ -109,13 +109,13 @@ void RegisterSpecial(OpRegistry& reg) {
                                                                             l.Binary("multiply", q, q, o.dims, t), o.dims, t), o.dims, t), o.dims, t);
     // An infinite side makes it infinite, even beside a NaN.
     const std::string inf = l.Binary("divide", l.Constant(1, o.dims, t), zero, o.dims, t);
-    const std::string any_inf = l.Binary("or", l.Compare("EQ", x, inf, o.dims, t), l.Compare("EQ", y, inf, o.dims, t), o.dims, *DTypeOf(11));
+    const std::string any_inf = l.Binary("or", l.Compare("EQ", x, inf, o.dims, t), l.Compare("EQ", y, inf, o.dims, t), o.dims, *DTypeOf(tpu::DType::kBool));
     return l.Select(any_inf, inf, r, o.dims, t);
   });
   // fmax/fmin: the other operand where one is NaN.
   for (bool max : {true, false}) {
     binary(max ? "aten::fmax" : "aten::fmin", [max](Lowering& l, const std::string& a, const std::string& b, const Target& o) {
-      const DType& t = *o.type;
+      const HloType& t = *o.type;
       const std::string r = l.Binary(max ? "maximum" : "minimum", a, b, o.dims, t);
       if (!t.is_float) return r;
       return l.Select(l.Compare("NE", a, a, o.dims, t), b,
@@ -126,7 +126,7 @@ void RegisterSpecial(OpRegistry& reg) {
   // 0 at infinity (as ATen).
   reg.Add("aten::special_spherical_bessel_j0", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
       -> absl::StatusOr<std::string> {
-    const DType& t = *o.type;
+    const HloType& t = *o.type;
     const std::vector<int64_t>& dims = o.dims;
     absl::StatusOr<std::string> xs = l.Operand(d.args[0], dims, t);
     if (!xs.ok()) return xs;
