@@ -172,14 +172,15 @@ class Executor {
   absl::Status HandleDefineOp(Ring& ring, absl::string_view record);
   absl::Status RunOp(Ring& ring, uint64_t sequence);
   absl::Status RunCopy(Ring& ring, const tpu::DecodedCopy& copy);
-  // Runs a captured program's records back to back (kRunProgram).
-  absl::Status RunProgram(Ring& ring, uint64_t sequence, const tpu::DecodedRunProgram& run);
-  absl::StatusOr<std::shared_ptr<Program>> ProgramOf(Session& s,
-                                                           const tpu::DecodedRunProgram& run);
   // OK: satisfied; kUnavailable-free "not yet" is reported through *wait.
   absl::Status CheckEventWait(Ring& ring, uint64_t sequence, const tpu::DecodedEventWait& wait,
                               bool* ready);
   absl::Status ResolveTensors(Ring& ring);
+  // ---- captured programs (captured_programs.cc) ----
+  // Runs a captured program's records back to back (kRunProgram).
+  absl::Status RunProgram(Ring& ring, uint64_t sequence, const tpu::DecodedRunProgram& run);
+  absl::StatusOr<std::shared_ptr<Program>> ProgramOf(Session& s,
+                                                     const tpu::DecodedRunProgram& run);
   // ---- collectives (collective_steps.cc) ----
   // Handles a kCollective record at the ring's head: posts its group (once),
   // runs whatever met, and reports whether the group is done (*done; then
@@ -222,6 +223,8 @@ class Executor {
   void BeginOp(Ring& ring, uint64_t sequence, const char* what, size_t what_len);
   void EndOp();
   int ChipSlot(int chip) const;
+  // The op's name without its signature ("aten::add.Tensor"), for messages.
+  static std::string OpName(const BackendOp* op);
 
   // ---- poison (per chip, in the session's state) ----
   // The cause when [begin, end) overlaps poisoned memory of `chip`.
