@@ -6,9 +6,15 @@
 // as CPU tensors); a hardware backend (a PJRT plugin) would implement the same
 // interface. Nothing above this interface may assume the simulated chip.
 //
-// Thread-safety: LookupOp and Run may be called concurrently from many
-// threads (one per stream); Run calls on one chip are serialised by the
-// scheduler.
+// Thread-safety: one thread calls it. Each executor process makes its own
+// backend after the fork (ExecutorProcessConfig::make_backend) and calls
+// every method from the one thread that runs Executor::Run, for every chip
+// that executor serves (one chip on the simulated backend, all of the
+// host's on PJRT); the streams of all sessions are interleaved by that
+// thread's scheduler (FairQueue), never run concurrently. So an
+// implementation needs no locks for the executor's sake; it may use threads
+// of its own inside a call (ATen's intra-op pool, a PJRT plugin's), and may
+// promise more in its own header.
 #ifndef TPUD_DAEMON_BACKENDS_CHIP_BACKEND_H_
 #define TPUD_DAEMON_BACKENDS_CHIP_BACKEND_H_
 

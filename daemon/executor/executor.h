@@ -22,7 +22,8 @@
 // record fails the session's data plane for good. Nothing a client writes can
 // reach another session's memory or stop the executor.
 //
-// Thread-safety: Run() on one thread; nothing else.
+// Thread-safety: Run() on one thread; nothing else. That thread is the only
+// caller of config.backend (see chip_backend.h).
 #ifndef TPUD_DAEMON_EXECUTOR_EXECUTOR_H_
 #define TPUD_DAEMON_EXECUTOR_EXECUTOR_H_
 
