@@ -1,5 +1,6 @@
 #include "allocator.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/alloc_cpu.h>
 
 #include <algorithm>
@@ -410,6 +411,25 @@ c10::DataPtr AdoptSegment(uint64_t address, size_t bytes, c10::DeviceIndex devic
   Block* b = Instance().Adopt(address, bytes, device);
   return {reinterpret_cast<void*>(address), b, &TpuAllocator::Deleter,
           c10::Device(c10::DeviceType::PrivateUse1, device)};
+}
+
+void ResizeStorage(const c10::Storage& storage, size_t newsize) {
+  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  const size_t old = impl->nbytes();
+  if (newsize == old) return;
+  // The allocator serves the current device: make it the storage's own.
+  const c10::Device device = impl->device();
+  c10::DeviceGuard guard(device);
+  c10::DataPtr fresh = GetTpuAllocator()->allocate(newsize);
+  const size_t keep = std::min(old, newsize);
+  if (keep > 0 && impl->data_ptr().get() != nullptr) {
+    const int stream = SessionStream(CurrentStreamId(device.index()));
+    Check(GetSession().CopyOnDevice(stream, reinterpret_cast<uint64_t>(fresh.get()),
+                                    reinterpret_cast<uint64_t>(impl->data_ptr().get()), keep),
+          "resize");
+  }
+  impl->set_data_ptr_noswap(std::move(fresh));
+  impl->set_nbytes(newsize);
 }
 
 }  // namespace torch_tpu

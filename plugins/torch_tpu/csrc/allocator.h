@@ -5,6 +5,7 @@
 #pragma once
 
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/Storage.h>
 
 namespace torch_tpu {
 
@@ -13,6 +14,11 @@ c10::DeviceAllocator* GetTpuAllocator();
 // Wraps a segment the daemon already allocated for this session (a
 // data-dependent result) as a DataPtr whose deleter frees the segment.
 c10::DataPtr AdoptSegment(uint64_t address, size_t bytes, c10::DeviceIndex device);
+
+// Resizes a tpu storage, keeping its bytes (resize_ on a tpu tensor): a new
+// block from this allocator on the storage's device, the kept bytes copied
+// on the device.
+void ResizeStorage(const c10::Storage& storage, size_t newsize);
 
 // Memory of captured programs (as CUDA graphs' private pools). Between
 // BeginCaptureHold and EndCaptureHold every block handed out is noted, and

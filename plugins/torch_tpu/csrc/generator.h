@@ -2,7 +2,6 @@
 
 #include <ATen/core/Generator.h>
 #include <c10/core/GeneratorImpl.h>
-#include <c10/core/Storage.h>
 
 namespace torch_tpu {
 
@@ -27,10 +26,5 @@ class TpuGenerator final : public c10::GeneratorImpl {
 };
 
 const at::Generator& DefaultGenerator(c10::DeviceIndex device);
-
-// Pinned host memory (session shared memory) for tensor.pin_memory().
-at::Allocator* GetPinnedAllocator();
-// Resizes a tpu storage, keeping its bytes (resize_ on a tpu tensor).
-void ResizeStorage(const c10::Storage& storage, size_t newsize);
 
 }  // namespace torch_tpu

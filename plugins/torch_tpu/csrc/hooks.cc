@@ -10,6 +10,7 @@
 
 #include "allocator.h"
 #include "generator.h"
+#include "pinned_allocator.h"
 #include "runtime.h"
 
 namespace torch_tpu {

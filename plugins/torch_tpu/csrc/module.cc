@@ -1,5 +1,6 @@
 // torch_tpu._C: registration of the "tpu" allocator and the functions behind
-// torch.tpu (thin bindings; the work is in runtime/allocator/guard/ops).
+// torch.tpu (thin bindings; the work is in runtime, allocator, guard,
+// registration and forwarding).
 #include <c10/core/Allocator.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Generator.h>
@@ -14,7 +15,7 @@
 
 #include "allocator.h"
 #include "generator.h"
-#include "ops.h"
+#include "registration.h"
 #include "runtime.h"
 #include "sparse.h"
 

@@ -113,9 +113,10 @@ def install(lowered_ops):
     if _lib is not None:
         return len(_installed)
     lowered = set(lowered_ops)
-    # torch_tpu sends these whole to the daemon (ops.cc: the simulated chip's
-    # CPU kernel is more exact than their decompositions); on a backend that
-    # does not lower them, their decompositions replace that kernel.
+    # torch_tpu sends these whole to the daemon (registration.cc: the
+    # simulated chip's CPU kernel is more exact than their decompositions); on
+    # a backend that does not lower them, their decompositions replace that
+    # kernel.
     from . import _C
 
     sent_whole = set(_C._sent_whole_ops())

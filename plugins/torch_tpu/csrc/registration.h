@@ -1,4 +1,4 @@
-// torch_tpu's ATen kernels (ops.cc): what other parts need to know of them.
+// Op registration (registration.cc): what module.cc needs of it.
 #pragma once
 
 #include <string>

@@ -1,179 +1,27 @@
-// The ops of "tpu": a few native kernels (creation, views, resize, set,
-// copies, scalar reads) and one boxed fallback that forwards every other ATen
-// op to tpud. The fallback finds output shapes by running the op on the
-// `meta` device, allocates the outputs here, and enqueues the op without a
-// round trip; ops whose outputs depend on data, or that return values to the
-// host, take the synchronous path. Nothing falls back to the CPU silently.
+// The forwarding path (see forwarding.h). The fallback finds output shapes
+// by running the op on the `meta` device, allocates the outputs here, and
+// enqueues the op without a round trip; ops whose outputs depend on data,
+// or that return values to the host, take the synchronous path. Nothing
+// falls back to the CPU silently.
+#include "forwarding.h"
+
 #include <ATen/ATen.h>
-#include <ATen/EmptyTensor.h>
 #include <ATen/MemoryOverlap.h>
-#include <ATen/autocast_mode.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/native/CPUFallback.h>
-#include <ATen/native/TensorFactories.h>
-#include <ATen/ops/_reshape_alias_native.h>
-#include <ATen/ops/alias_native.h>
-#include <ATen/ops/as_strided_native.h>
-#include <ATen/ops/unfold_native.h>
-#include <ATen/ops/view_as_complex_native.h>
-#include <ATen/ops/view_as_real_native.h>
-#include <ATen/ops/view_native.h>
-#include <c10/core/DeviceGuard.h>
-#include <torch/library.h>
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
-#include <unordered_set>
-
-#include "ops.h"
 
 #include "allocator.h"
-#include "generator.h"
+#include "native_kernels.h"
 #include "runtime.h"
+#include "wire.h"
 
 namespace torch_tpu {
 namespace {
-
-constexpr c10::DeviceType kTpu = c10::DeviceType::PrivateUse1;
-const c10::DispatchKeySet kTpuKeys(c10::DispatchKey::PrivateUse1);
-
-bool IsTpu(const at::Tensor& t) { return t.defined() && t.device().type() == kTpu; }
-
-// Writes t's wire form into *r: its sizes and strides up to its rank (the
-// rest of the arrays is neither written nor sent).
-void RefInto(const at::Tensor& t, tpu::TensorRef* r) {
-  // The wire format has no lazy conjugate/negative bits: refuse rather than
-  // compute with the bit silently dropped.
-  TORCH_CHECK(!t.is_conj() && !t.is_neg(), "tpu: a tensor with a lazy ",
-              t.is_conj() ? "conjugate" : "negative",
-              " bit cannot be forwarded yet; materialize it with .resolve_conj() / "
-              ".resolve_neg() before moving it to tpu");
-  const int64_t dim = t.dim();
-  TORCH_CHECK(dim <= tpu::kMaxDims, "tpu: tensors of more than ", tpu::kMaxDims,
-              " dimensions are not supported");
-  r->address = reinterpret_cast<uint64_t>(t.storage().data_ptr().get());
-  r->storage_offset = t.storage_offset();
-  r->dtype = static_cast<int8_t>(t.scalar_type());
-  r->ndim = static_cast<uint8_t>(dim);
-  const c10::IntArrayRef sizes = t.sizes();
-  const c10::IntArrayRef strides = t.strides();
-  for (int64_t d = 0; d < dim; ++d) {
-    r->sizes[d] = sizes[d];
-    r->strides[d] = strides[d];
-  }
-}
-
-tpu::TensorRef RefOf(const at::Tensor& t) {
-  tpu::TensorRef r;
-  RefInto(t, &r);
-  return r;
-}
-
-// An argument slot made empty again (kNone), keeping its lists' capacity.
-void ResetArg(tpu::OpArg& a) {
-  a.tag = tpu::ArgTag::kNone;
-  a.i = 0;
-  a.device_index = 0;
-  a.d = 0;
-  a.d_imag = 0;
-  a.b = false;
-  a.dtype = 0;
-  a.tensor.address = 0;
-  a.tensor.storage_offset = 0;
-  a.tensor.dtype = 0;
-  a.tensor.ndim = 0;
-  a.s.clear();
-  a.ints.clear();
-  a.doubles.clear();
-  a.bools.clear();
-  a.tensors.clear();
-  a.tensor_present.clear();
-}
-
-// The value of a host scalar tensor (a Python number wrapped by an op like
-// `x + 1`, or a CPU 0-dim tensor), read from its memory. Going through
-// item() would dispatch _local_scalar_dense twice per op (signature key and
-// wire argument); item() stays for what it alone handles (lazy bits, types
-// read rarely, and its error for more than one element).
-at::Scalar HostScalarValue(const at::Tensor& t) {
-  if (t.numel() != 1 || t.is_conj() || t.is_neg()) return t.item();
-  const void* p = t.const_data_ptr();
-  switch (t.scalar_type()) {
-    case at::kDouble: return at::Scalar(*static_cast<const double*>(p));
-    case at::kFloat: return at::Scalar(*static_cast<const float*>(p));
-    case at::kLong: return at::Scalar(*static_cast<const int64_t*>(p));
-    case at::kInt: return at::Scalar(*static_cast<const int32_t*>(p));
-    case at::kBool: return at::Scalar(*static_cast<const bool*>(p));
-    default: return t.item();
-  }
-}
-
-// Vectors an op on its way reuses from one op to the next on a thread, so
-// that forwarding an op allocates nothing for its wire form (an OpArg holds
-// a TensorRef of kMaxDims sizes and strides: a few arguments make a
-// kilobyte-sized block per op, and its malloc and free cost more than the
-// rest of the encoding). A vector comes as the last op left it (argument
-// slots are reset one by one as they are written). An op issued while
-// another is on its way (a copy_ into an out= tensor) takes another vector
-// from the pool.
-template <typename T>
-class ScratchVector {
- public:
-  ScratchVector() {
-    std::vector<std::vector<T>>& pool = Pool();
-    if (!pool.empty()) {
-      v_ = std::move(pool.back());
-      pool.pop_back();
-    }
-  }
-  ~ScratchVector() {
-    std::vector<std::vector<T>>& pool = Pool();
-    // Huge lists (a foreach over thousands of tensors) are not kept.
-    if (pool.size() < 8 && v_.capacity() <= 1024) pool.push_back(std::move(v_));
-  }
-  ScratchVector(const ScratchVector&) = delete;
-  ScratchVector& operator=(const ScratchVector&) = delete;
-  std::vector<T>& operator*() { return v_; }
-  std::vector<T>* operator->() { return &v_; }
-
- private:
-  static std::vector<std::vector<T>>& Pool() {
-    thread_local std::vector<std::vector<T>> pool;
-    return pool;
-  }
-  std::vector<T> v_;
-};
-
-// "aten::add.Tensor"; "aten::relu" for an op without an overload name.
-std::string FullName(const c10::OperatorName& n) {
-  return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
-}
-
-// Interned op ids, per operator (the schema string is built once).
-uint32_t OpIdFor(const c10::FunctionSchema& schema) {
-  static std::mutex mu;
-  static auto* ids = new std::unordered_map<const c10::FunctionSchema*, uint32_t>();
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = ids->find(&schema);
-  if (it != ids->end()) return it->second;
-  absl::StatusOr<uint32_t> id = GetSession().DefineOp(c10::toString(schema));
-  Check(id.status(), "defining an op");
-  ids->emplace(&schema, *id);
-  return *id;
-}
-
-uint32_t OpIdFor(const char* name, const char* overload) {
-  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
-  return OpIdFor(op.schema());
-}
-
-at::Tensor EmptyStrided(at::IntArrayRef size, at::IntArrayRef stride, at::ScalarType dtype,
-                        c10::DeviceIndex device) {
-  c10::DeviceGuard guard(c10::Device(kTpu, device));
-  return at::detail::empty_strided_generic(size, stride, GetTpuAllocator(), kTpuKeys, dtype);
-}
 
 // A CPU 0-dim tensor (a wrapped Python number) used with tpu tensors goes to
 // the device first, as CUDA does implicitly.
@@ -231,11 +79,41 @@ void Put(std::string* k, const T& v) {
   k->append(reinterpret_cast<const char*>(&v), sizeof(v));
 }
 
-at::Tensor& ForwardInPlace(const char* name, const char* overload, at::Tensor& self,
-                           std::vector<c10::IValue> rest);
-at::Tensor Materialize(const at::Tensor& t);
-const at::Tensor& Resize(const at::Tensor& self, at::IntArrayRef size,
-                         std::optional<at::MemoryFormat> memory_format);
+// Vectors an op on its way reuses from one op to the next on a thread, so
+// that forwarding an op allocates nothing for its wire form (an OpArg holds
+// a TensorRef of kMaxDims sizes and strides: a few arguments make a
+// kilobyte-sized block per op, and its malloc and free cost more than the
+// rest of the encoding). A vector comes as the last op left it (argument
+// slots are reset one by one as they are written). An op issued while
+// another is on its way (a copy_ into an out= tensor) takes another vector
+// from the pool.
+template <typename T>
+class ScratchVector {
+ public:
+  ScratchVector() {
+    std::vector<std::vector<T>>& pool = Pool();
+    if (!pool.empty()) {
+      v_ = std::move(pool.back());
+      pool.pop_back();
+    }
+  }
+  ~ScratchVector() {
+    std::vector<std::vector<T>>& pool = Pool();
+    // Huge lists (a foreach over thousands of tensors) are not kept.
+    if (pool.size() < 8 && v_.capacity() <= 1024) pool.push_back(std::move(v_));
+  }
+  ScratchVector(const ScratchVector&) = delete;
+  ScratchVector& operator=(const ScratchVector&) = delete;
+  std::vector<T>& operator*() { return v_; }
+  std::vector<T>* operator->() { return &v_; }
+
+ private:
+  static std::vector<std::vector<T>>& Pool() {
+    thread_local std::vector<std::vector<T>> pool;
+    return pool;
+  }
+  std::vector<T> v_;
+};
 
 // One op on its way to the daemon.
 class ForwardedOp {
@@ -275,7 +153,7 @@ class ForwardedOp {
     std::vector<tpu::OpArg>& wire = *wire_scratch;
     wire.resize(n);
     auto encode_args = [&] {
-      for (size_t i = 0; i < n; ++i) ToWire(inputs[i], schema_.arguments()[i], i, wire[i]);
+      for (size_t i = 0; i < n; ++i) ArgToWire(inputs[i], schema_, i, device_, wire[i]);
     };
     const uint32_t id = OpIdFor(schema_);
     tpu::Session& session = GetSession();
@@ -856,161 +734,6 @@ class ForwardedOp {
     return t;
   }
 
-  // The wire form of an argument, written over `a` (an argument slot kept
-  // from an earlier op: what it held is cleared first).
-  void TensorArg(const at::Tensor& t, tpu::OpArg& a) {
-    if (!t.defined()) {
-      a.tag = tpu::ArgTag::kUndefinedTensor;
-      return;
-    }
-    if (t.device().is_cpu()) {
-      a.tag = tpu::ArgTag::kScalarTensor;
-      a.dtype = static_cast<int8_t>(t.scalar_type());
-      a.b = t.unsafeGetTensorImpl()->is_wrapped_number();
-      const at::Scalar v = HostScalarValue(t);
-      if (c10::isIntegralType(t.scalar_type(), /*includeBool=*/true)) {
-        a.i = v.toLong();
-      } else if (c10::isComplexType(t.scalar_type())) {
-        a.d = v.toComplexDouble().real();
-        a.d_imag = v.toComplexDouble().imag();
-      } else {
-        a.d = v.toDouble();
-      }
-      return;
-    }
-    a.tag = tpu::ArgTag::kTensor;
-    RefInto(t, &a.tensor);
-    return;
-  }
-
-  void ToWire(const c10::IValue& v, const c10::Argument& formal, size_t index, tpu::OpArg& a) {
-    ResetArg(a);
-    c10::TypePtr type = formal.real_type();
-    if (type->kind() == c10::TypeKind::OptionalType) {
-      if (v.isNone() && type->containedType(0)->kind() != c10::TypeKind::GeneratorType) {
-        a.tag = tpu::ArgTag::kNone;
-        return;
-      }
-      type = type->containedType(0);
-    }
-    switch (type->kind()) {
-      case c10::TypeKind::TensorType:
-        TensorArg(v.isNone() ? at::Tensor() : v.toTensor(), a);
-        return;
-      case c10::TypeKind::GeneratorType: {
-        // The seed this op uses, drawn from the chosen generator here.
-        at::Generator gen = v.isGenerator() ? v.toGenerator() : DefaultGenerator(device_);
-        std::lock_guard<std::mutex> lock(gen.mutex());
-        auto* tg = dynamic_cast<TpuGenerator*>(gen.unsafeGetGeneratorImpl());
-        TORCH_CHECK(tg != nullptr, "tpu: ", schema_.name(), ": argument ", index,
-                    " is a generator of another device");
-        a.tag = tpu::ArgTag::kGenerator;
-        a.i = static_cast<int64_t>(tg->NextOpSeed());
-        return;
-      }
-      case c10::TypeKind::IntType:
-        a.tag = tpu::ArgTag::kInt;
-        a.i = v.toInt();
-        return;
-      case c10::TypeKind::SymIntType:
-        a.tag = tpu::ArgTag::kSymInt;
-        a.i = v.toSymInt().expect_int();
-        return;
-      case c10::TypeKind::FloatType:
-        a.tag = tpu::ArgTag::kDouble;
-        a.d = v.toDouble();
-        return;
-      case c10::TypeKind::BoolType:
-        a.tag = tpu::ArgTag::kBool;
-        a.b = v.toBool();
-        return;
-      case c10::TypeKind::ComplexType:
-        a.tag = tpu::ArgTag::kComplex;
-        a.d = v.toComplexDouble().real();
-        a.d_imag = v.toComplexDouble().imag();
-        return;
-      case c10::TypeKind::StringType:
-        a.tag = tpu::ArgTag::kString;
-        a.s = v.toStringRef();
-        return;
-      case c10::TypeKind::NumberType: {  // Scalar
-        const at::Scalar s = v.toScalar();
-        if (s.isBoolean()) {
-          a.tag = tpu::ArgTag::kScalarBool;
-          a.b = s.toBool();
-        } else if (s.isIntegral(false)) {
-          a.tag = tpu::ArgTag::kScalarInt;
-          a.i = s.toLong();
-        } else if (s.isComplex()) {
-          a.tag = tpu::ArgTag::kScalarComplex;
-          a.d = s.toComplexDouble().real();
-          a.d_imag = s.toComplexDouble().imag();
-        } else {
-          a.tag = tpu::ArgTag::kScalarDouble;
-          a.d = s.toDouble();
-        }
-        return;
-      }
-      case c10::TypeKind::ScalarTypeType:
-        a.tag = tpu::ArgTag::kDtype;
-        a.i = static_cast<int64_t>(v.toScalarType());
-        return;
-      case c10::TypeKind::LayoutType:
-        a.tag = tpu::ArgTag::kLayout;
-        a.i = static_cast<int64_t>(v.toLayout());
-        return;
-      case c10::TypeKind::MemoryFormatType:
-        a.tag = tpu::ArgTag::kMemoryFormat;
-        a.i = static_cast<int64_t>(v.toMemoryFormat());
-        return;
-      case c10::TypeKind::DeviceObjType:
-        a.tag = tpu::ArgTag::kDevice;
-        a.i = static_cast<int64_t>(v.toDevice().type());
-        a.device_index = v.toDevice().index();
-        return;
-      case c10::TypeKind::ListType: {
-        const auto elem = type->containedType(0);
-        if (elem->kind() == c10::TypeKind::IntType || elem->kind() == c10::TypeKind::SymIntType) {
-          a.tag = tpu::ArgTag::kIntList;
-          if (v.isIntList()) {
-            a.ints = v.toIntVector();
-          } else {
-            for (const c10::IValue& e : v.toListRef()) a.ints.push_back(e.toSymInt().expect_int());
-          }
-          return;
-        }
-        if (elem->kind() == c10::TypeKind::FloatType) {
-          a.tag = tpu::ArgTag::kDoubleList;
-          a.doubles = v.toDoubleVector();
-          return;
-        }
-        if (elem->kind() == c10::TypeKind::BoolType) {
-          a.tag = tpu::ArgTag::kBoolList;
-          for (bool b : v.toBoolList()) a.bools.push_back(b);
-          return;
-        }
-        if (elem->kind() == c10::TypeKind::TensorType) {
-          a.tag = tpu::ArgTag::kTensorList;
-          for (const at::Tensor& t : v.toTensorList()) a.tensors.push_back(RefOf(t));
-          return;
-        }
-        if (elem->kind() == c10::TypeKind::OptionalType) {
-          a.tag = tpu::ArgTag::kOptionalTensorList;
-          for (const c10::IValue& e : v.toListRef()) {
-            const bool present = !e.isNone() && e.toTensor().defined();
-            a.tensor_present.push_back(present);
-            a.tensors.push_back(present ? RefOf(e.toTensor()) : tpu::TensorRef{});
-          }
-          return;
-        }
-        break;
-      }
-      default:
-        break;
-    }
-    TORCH_CHECK(false, "tpu: ", schema_.name(), ": cannot forward argument ", index, " (",
-                formal.name(), ") of type ", formal.type()->str());
-  }
 
   const c10::OperatorHandle& op_;
   const c10::FunctionSchema& schema_;
@@ -1063,39 +786,10 @@ std::optional<c10::OperatorHandle> FunctionalOf(const c10::FunctionSchema& schem
   return f;
 }
 
-// An in-place op's functional twin ("aten::add_.Tensor" ->
-// "aten::add.Tensor"): the same arguments, of which the in-place op writes
-// only the first, and one result.
-std::optional<c10::OperatorHandle> InPlaceFunctionalOf(const c10::FunctionSchema& schema) {
-  const std::string& name = schema.name();
-  const auto& args = schema.arguments();
-  if (name.size() < 2 || name.back() != '_' || args.empty() || schema.returns().size() != 1) {
-    return std::nullopt;
-  }
-  for (size_t i = 0; i < args.size(); ++i) {
-    const bool writes = args[i].alias_info() != nullptr && args[i].alias_info()->isWrite();
-    if (writes != (i == 0)) return std::nullopt;
-  }
-  auto f = c10::Dispatcher::singleton().findSchema({name.substr(0, name.size() - 1), schema.overload_name()});
-  if (!f.has_value()) return std::nullopt;
-  const auto& fargs = f->schema().arguments();
-  if (fargs.size() != args.size() || f->schema().returns().size() != 1 ||
-      f->schema().returns()[0].type()->kind() != c10::TypeKind::TensorType) {
-    return std::nullopt;
-  }
-  for (size_t i = 0; i < fargs.size(); ++i) {
-    if (fargs[i].name() != args[i].name() || fargs[i].alias_info() != nullptr ||
-        fargs[i].real_type()->str() != args[i].real_type()->str()) {
-      return std::nullopt;
-    }
-  }
-  return f;
-}
-
-// Whether SendStructuredOpsWhole registered `name` (an in-place op reaching
-// the fallback otherwise, zero_ for one, runs as itself).
+// The structured ops NoteStructuredSentWhole noted.
 std::mutex g_structured_mu;
 std::vector<c10::OperatorName>* g_structured_ops = new std::vector<c10::OperatorName>();
+
 bool SentWholeStructured(const c10::OperatorName& name) {
   std::lock_guard<std::mutex> lock(g_structured_mu);
   return std::find(g_structured_ops->begin(), g_structured_ops->end(), name) != g_structured_ops->end();
@@ -1124,6 +818,44 @@ const Twin& TwinOf(const c10::OperatorHandle& op) {
     t.in_place = t.functional.has_value();
   }
   return twins->emplace(&op.schema(), std::move(t)).first->second;  // (nodes stay put)
+}
+
+}  // namespace
+
+std::optional<c10::OperatorHandle> InPlaceFunctionalOf(const c10::FunctionSchema& schema) {
+  const std::string& name = schema.name();
+  const auto& args = schema.arguments();
+  if (name.size() < 2 || name.back() != '_' || args.empty() || schema.returns().size() != 1) {
+    return std::nullopt;
+  }
+  for (size_t i = 0; i < args.size(); ++i) {
+    const bool writes = args[i].alias_info() != nullptr && args[i].alias_info()->isWrite();
+    if (writes != (i == 0)) return std::nullopt;
+  }
+  auto f = c10::Dispatcher::singleton().findSchema({name.substr(0, name.size() - 1), schema.overload_name()});
+  if (!f.has_value()) return std::nullopt;
+  const auto& fargs = f->schema().arguments();
+  if (fargs.size() != args.size() || f->schema().returns().size() != 1 ||
+      f->schema().returns()[0].type()->kind() != c10::TypeKind::TensorType) {
+    return std::nullopt;
+  }
+  for (size_t i = 0; i < fargs.size(); ++i) {
+    if (fargs[i].name() != args[i].name() || fargs[i].alias_info() != nullptr ||
+        fargs[i].real_type()->str() != args[i].real_type()->str()) {
+      return std::nullopt;
+    }
+  }
+  return f;
+}
+
+void NoteStructuredSentWhole(const c10::OperatorName& name) {
+  std::lock_guard<std::mutex> lock(g_structured_mu);
+  g_structured_ops->push_back(name);
+}
+
+std::vector<c10::OperatorName> StructuredSentWhole() {
+  std::lock_guard<std::mutex> lock(g_structured_mu);
+  return *g_structured_ops;
 }
 
 void Fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -1213,444 +945,6 @@ at::Tensor& ForwardInPlace(const char* name, const char* overload, at::Tensor& s
   for (auto& v : rest) stack.push_back(std::move(v));
   ForwardedOp(op, &stack).Run();
   return self;
-}
-
-// ---------------------------------------------------------------- natives
-
-// A ZeroTensor, made as CUDA makes it: no memory at all; the ZeroTensor key
-// makes ops see zeros (autograd uses these for gradients known to be zero).
-at::Tensor EfficientZeroTensor(at::IntArrayRef size, std::optional<at::ScalarType> dtype,
-                               std::optional<at::Layout>, std::optional<at::Device> device,
-                               std::optional<bool>) {
-  const c10::DeviceIndex idx =
-      device.has_value() && device->has_index() ? device->index() : CurrentDevice();
-  at::native::ZeroTensorAllocator allocator(c10::Device(kTpu, idx));
-  return at::detail::empty_generic(size, &allocator,
-                                   kTpuKeys | c10::DispatchKeySet(c10::DispatchKey::ZeroTensor),
-                                   dtype.value_or(at::get_default_dtype_as_scalartype()),
-                                   std::nullopt);
-}
-
-at::Tensor Empty(at::IntArrayRef size, std::optional<at::ScalarType> dtype,
-                 std::optional<at::Layout> layout, std::optional<at::Device> device,
-                 std::optional<bool>, std::optional<at::MemoryFormat> memory_format) {
-  TORCH_CHECK(!layout.has_value() || *layout == at::kStrided, "tpu: only strided tensors");
-  const c10::DeviceIndex idx =
-      device.has_value() && device->has_index() ? device->index() : CurrentDevice();
-  c10::DeviceGuard guard(c10::Device(kTpu, idx));
-  return at::detail::empty_generic(size, GetTpuAllocator(), kTpuKeys,
-                                   dtype.value_or(at::get_default_dtype_as_scalartype()),
-                                   memory_format);
-}
-
-at::Tensor EmptyStridedNative(at::IntArrayRef size, at::IntArrayRef stride,
-                              std::optional<at::ScalarType> dtype, std::optional<at::Layout>,
-                              std::optional<at::Device> device, std::optional<bool>) {
-  const c10::DeviceIndex idx =
-      device.has_value() && device->has_index() ? device->index() : CurrentDevice();
-  return EmptyStrided(size, stride, dtype.value_or(at::get_default_dtype_as_scalartype()), idx);
-}
-
-const at::Tensor& Resize(const at::Tensor& self, at::IntArrayRef size,
-                         std::optional<at::MemoryFormat> memory_format) {
-  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
-  impl->set_sizes_contiguous(size);
-  const size_t needed =
-      static_cast<size_t>(self.storage_offset() + self.numel()) * self.element_size();
-  if (needed > self.storage().nbytes()) ResizeStorage(self.storage(), needed);
-  if (memory_format.has_value()) impl->empty_tensor_restride(*memory_format);
-  return self;
-}
-
-at::Tensor& SetStorage(at::Tensor& self, at::Storage source, int64_t offset,
-                       at::IntArrayRef size, at::IntArrayRef stride) {
-  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
-  impl->set_storage_keep_dtype(std::move(source));
-  impl->set_storage_offset(offset);
-  if (stride.empty()) {
-    impl->set_sizes_contiguous(size);
-  } else {
-    impl->set_sizes_and_strides(size, stride);
-  }
-  return self;
-}
-
-at::Tensor& SetSource(at::Tensor& self, at::Storage source) {
-  const int64_t n = static_cast<int64_t>(source.nbytes()) / self.element_size();
-  return SetStorage(self, std::move(source), 0, {n}, {});
-}
-
-at::Tensor& SetSourceOffset(at::Tensor& self, at::Storage source, c10::SymInt offset,
-                            c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
-  return SetStorage(self, std::move(source), offset.expect_int(), C10_AS_INTARRAYREF_SLOW(size),
-                    C10_AS_INTARRAYREF_SLOW(stride));
-}
-
-at::Tensor& SetTensor(at::Tensor& self, const at::Tensor& src) {
-  return SetStorage(self, src.storage(), src.storage_offset(), src.sizes(), src.strides());
-}
-
-at::Tensor& SetEmpty(at::Tensor& self) {
-  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, GetTpuAllocator(), true);
-  return SetStorage(self, std::move(storage), 0, {0}, {});
-}
-
-uint64_t AddressOf(const at::Tensor& t) {
-  return reinterpret_cast<uint64_t>(t.storage().data_ptr().get()) +
-         static_cast<uint64_t>(t.storage_offset()) * t.element_size();
-}
-
-// A tpu tensor with a lazy conjugate or negative bit, materialized on the
-// device (the wire format carries plain data only).
-at::Tensor Materialize(const at::Tensor& t) {
-  at::Tensor out = t;
-  if (out.is_conj()) out = at::conj_physical(at::conj(out));  // conj() of a conj view clears the bit
-  if (out.is_neg()) out = at::neg(at::_neg_view(out));
-  return out;
-}
-
-at::Tensor CopyFrom(const at::Tensor& self_in, const at::Tensor& dst, bool non_blocking) {
-  tpu::Session& session = GetSession();
-  if (dst.numel() == 0) return dst;
-  const at::Tensor self =
-      IsTpu(self_in) && (self_in.is_conj() || self_in.is_neg()) ? Materialize(self_in) : self_in;
-  if (IsTpu(dst) && !IsTpu(self)) {
-    const int stream = SessionStream(CurrentStreamId(dst.device().index()));
-    at::Tensor src = self.to(dst.scalar_type()).expand_as(dst).contiguous();
-    if (dst.is_contiguous()) {
-      Check(session.CopyToDevice(stream, AddressOf(dst), src.data_ptr(), src.nbytes()),
-            "copy to device");
-      if (session.IsPinned(src.data_ptr())) {
-        // From pinned memory the daemon copies later, straight from the
-        // source: wait, so the caller may reuse or free it at once. (A true
-        // non_blocking copy would need the pinned block kept until then.)
-        absl::StatusOr<tpu::Event> done = session.RecordEvent(stream);
-        Check(done.status(), "copy to device");
-        absl::Status waited = session.SynchronizeEvent(*done);
-        session.ReleaseEvent(*done);
-        Check(waited, "copy to device");
-      }
-      return dst;
-    }
-    at::Tensor tmp = EmptyStrided(src.sizes(), src.strides(), src.scalar_type(),
-                                  dst.device().index());
-    Check(session.CopyToDevice(stream, AddressOf(tmp), src.data_ptr(), src.nbytes()),
-          "copy to device");
-    at::Tensor d = dst;
-    ForwardInPlace("aten::copy_", "", d, {tmp, false});
-    return dst;
-  }
-  if (!IsTpu(dst) && IsTpu(self)) {
-    const int stream = SessionStream(CurrentStreamId(self.device().index()));
-    at::Tensor src = self.is_contiguous() ? self : self.contiguous();
-    const bool direct = dst.is_contiguous() && dst.scalar_type() == src.scalar_type() &&
-                        dst.sizes() == src.sizes() && dst.device().is_cpu();
-    at::Tensor host = direct ? dst : at::empty(src.sizes(), src.options().device(at::kCPU));
-    Check(session.CopyToHost(stream, host.data_ptr(), AddressOf(src), src.nbytes()),
-          "copy to host");
-    if (!direct) dst.copy_(host);
-    return dst;
-  }
-  // Device to device.
-  TORCH_CHECK(IsTpu(self) && IsTpu(dst), "tpu: unexpected copy from ", self.device(), " to ",
-              dst.device());
-  const int stream = SessionStream(CurrentStreamId(dst.device().index()));
-  if (self.scalar_type() == dst.scalar_type() && self.sizes() == dst.sizes() &&
-      self.is_contiguous() && dst.is_contiguous()) {
-    Check(session.CopyOnDevice(stream, AddressOf(dst), AddressOf(self), self.nbytes()),
-          "device copy");
-    return dst;
-  }
-  at::Tensor src = self;
-  if (self.device() != dst.device()) {
-    at::Tensor c = self.contiguous();
-    src = EmptyStrided(c.sizes(), c.strides(), c.scalar_type(), dst.device().index());
-    Check(session.CopyOnDevice(stream, AddressOf(src), AddressOf(c), c.nbytes()), "device copy");
-  }
-  at::Tensor d = dst;
-  c10::DeviceGuard guard(dst.device());
-  ForwardInPlace("aten::copy_", "", d, {src, non_blocking});
-  return dst;
-}
-
-at::Tensor CopyFromAndResize(const at::Tensor& self, const at::Tensor& dst) {
-  if (dst.sizes() != self.sizes()) {
-    if (IsTpu(dst)) {
-      Resize(dst, self.sizes(), std::nullopt);
-    } else {
-      const_cast<at::Tensor&>(dst).resize_(self.sizes());
-    }
-  }
-  return CopyFrom(self, dst, false);
-}
-
-// Whether `from`'s TensorImpl fields may be shallow-copied into `self`
-// (`param.data = t`), which nn.Module.to() relies on to keep a Parameter's
-// identity, and with it tied weights and optimizers made before the move.
-// c10 answers true between its own dense backends only; tpu tensors are
-// plain dense TensorImpls too, so they join that set.
-bool HasCompatibleShallowCopyType(const at::Tensor& self, const at::Tensor& from) {
-  auto is_dense = [](c10::DispatchKeySet ks) {
-    constexpr auto backends = c10::DispatchKeySet(
-        {c10::BackendComponent::CPUBit, c10::BackendComponent::CUDABit,
-         c10::BackendComponent::MPSBit, c10::BackendComponent::HIPBit,
-         c10::BackendComponent::XPUBit, c10::BackendComponent::HPUBit,
-         c10::BackendComponent::MTIABit, c10::BackendComponent::PrivateUse1Bit});
-    return ks.has_any(c10::DispatchKeySet(c10::DispatchKey::Dense)) && ks.has_any(backends);
-  };
-  if (is_dense(self.key_set()) && is_dense(from.key_set())) return true;
-  return self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set());
-}
-
-at::Scalar LocalScalarDense(const at::Tensor& self) {
-  const uint32_t id = OpIdFor("aten::_local_scalar_dense", "");
-  tpu::OpArg arg;
-  arg.tag = tpu::ArgTag::kTensor;
-  arg.tensor = RefOf(self);
-  const int stream = SessionStream(CurrentStreamId(self.device().index()));
-  absl::StatusOr<std::vector<tpu::OpResult>> r =
-      GetSession().RunSync(stream, id, &arg, 1, nullptr, 0);
-  Check(r.status(), "reading a value (.item())");
-  TORCH_CHECK(!r->empty(), "tpu: _local_scalar_dense returned nothing");
-  const tpu::OpResult& v = (*r)[0];
-  switch (v.kind) {
-    case tpu::OpResult::Kind::kInt:
-      return at::Scalar(v.i);
-    case tpu::OpResult::Kind::kBool:
-      return at::Scalar(v.b);
-    case tpu::OpResult::Kind::kComplex:
-      return at::Scalar(c10::complex<double>(v.d, v.d_imag));
-    default:
-      return at::Scalar(v.d);
-  }
-}
-
-// Tensor.record_stream: the block is reused only after `stream` passed the
-// point where the tensor was freed (see allocator.cc).
-void RecordStream(at::Tensor& self, c10::Stream stream) {
-  GetTpuAllocator()->recordStream(self.storage().data_ptr(), stream);
-}
-
-TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
-  m.impl("empty.memory_format", Empty);
-  m.impl("record_stream", RecordStream);
-  m.impl("empty_strided", EmptyStridedNative);
-  m.impl("_efficientzerotensor", EfficientZeroTensor);
-  m.impl("as_strided", at::native::as_strided_tensorimpl);
-  m.impl("view", at::native::view);
-  m.impl("_reshape_alias", at::native::_reshape_alias);
-  m.impl("unfold", at::native::unfold);
-  m.impl("alias", at::native::alias);
-  m.impl("view_as_real", at::native::view_as_real);
-  m.impl("view_as_complex", at::native::view_as_complex);
-  m.impl("resize_", Resize);
-  m.impl("set_.source_Storage", SetSource);
-  m.impl("set_.source_Storage_storage_offset", SetSourceOffset);
-  m.impl("set_.source_Tensor", SetTensor);
-  m.impl("set_", SetEmpty);
-  m.impl("_copy_from", CopyFrom);
-  m.impl("_copy_from_and_resize", CopyFromAndResize);
-  m.impl("_local_scalar_dense", LocalScalarDense);
-  m.impl("_has_compatible_shallow_copy_type", HasCompatibleShallowCopyType);
-  // Ops with a CompositeExplicitAutograd kernel would run decomposed on tpu
-  // (many small ops, and results that differ from the CPU kernel: layer norm
-  // of bfloat16 with float weights came back in float); send them whole.
-  // The same holds for group norm (float16 gradients differed from the CPU's
-  // by 0.5%), addr, and mish's backward (CompositeImplicitAutograd).
-  for (const std::string& name : SentWholeOps()) {
-    m.impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&Fallback>());
-  }
-  m.impl("convolution_overrideable",
-         torch::CppFunction::makeFromBoxedFunction<&ConvolutionOverrideable>());
-  m.impl("convolution_backward_overrideable",
-         torch::CppFunction::makeFromBoxedFunction<&ConvolutionBackwardOverrideable>());
-}
-
-// AMP: ops that run in lower precision under autocast("tpu"), the same
-// list ATen uses for other accelerators; everything else falls through.
-TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
-
-TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
-#define TPU_AUTOCAST_LOWER(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
-  AT_FORALL_LOWER_PRECISION_FP(TPU_AUTOCAST_LOWER)
-#undef TPU_AUTOCAST_LOWER
-#define TPU_AUTOCAST_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
-  AT_FORALL_FP32(TPU_AUTOCAST_FP32)
-#undef TPU_AUTOCAST_FP32
-}
-
-// Copies handle lazy conjugate/negative bits themselves: ATen's generic
-// fallbacks for them would materialize through clone -> copy_ -> _copy_from,
-// which lands here again.
-TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
-  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
-}
-TORCH_LIBRARY_IMPL(aten, Negative, m) {
-  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
-}
-
-TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
-  m.fallback(torch::CppFunction::makeFromBoxedFunction<&Fallback>());
-}
-
-// ---------------------------------------------------------------- pinned
-
-class PinnedAllocator final : public at::Allocator {
- public:
-  at::DataPtr allocate(size_t n) override {
-    if (n == 0) return {nullptr, nullptr, &Delete, at::Device(at::kCPU)};
-    absl::StatusOr<void*> p = GetSession().AllocatePinned(n);
-    Check(p.status(), "pinned host memory");
-    return {*p, *p, &Delete, at::Device(at::kCPU)};
-  }
-  at::DeleterFnPtr raw_deleter() const override { return &Delete; }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    std::memcpy(dest, src, count);
-  }
-  static void Delete(void* p) {
-    if (p != nullptr) (void)GetSession().FreePinned(p);
-  }
-};
-
-}  // namespace
-
-void SendForeachOpsWhole() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    // ATen's foreach ops have, for devices other than CUDA, a composite
-    // kernel that loops over the lists: one record per tensor. Sent whole
-    // they are one record each, and the daemon's CPU kernel does the loop.
-    // Only overloads whose tensors all come in lists and take no list of
-    // scalars: a lone Tensor argument (a step size as a CPU scalar tensor)
-    // travels as a scalar, and scalar lists are not forwarded as such.
-    static auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
-                                          __FILE__, __LINE__);
-    for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
-      if (name.name.rfind("aten::_foreach_", 0) != 0) continue;
-      std::optional<c10::OperatorHandle> op = c10::Dispatcher::singleton().findOp(name);
-      if (!op.has_value() || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
-      bool lists_only = true;
-      for (const c10::Argument& a : op->schema().arguments()) {
-        const c10::TypePtr& t = a.real_type();
-        const bool optional_tensor =
-            t->kind() == c10::TypeKind::OptionalType &&
-            t->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::TensorType;
-        const bool other_list = t->kind() == c10::TypeKind::ListType &&
-                                t->castRaw<c10::ListType>()->getElementType()->kind() !=
-                                    c10::TypeKind::TensorType;
-        if (t->kind() == c10::TypeKind::TensorType || optional_tensor || other_list) lists_only = false;
-      }
-      if (!lists_only) continue;
-      lib->impl(FullName(name).substr(6).c_str(), torch::CppFunction::makeFromBoxedFunction<&Fallback>());
-    }
-  });
-}
-
-namespace {
-
-// ATen's structured ops have, for devices other than CPU and CUDA, a default
-// kernel (CompositeExplicitAutogradNonFunctional) that runs the op's meta
-// function on the real tensors (a TensorIterator for pointwise ops),
-// allocates the result and calls the out= op, which reaches the fallback as
-// the functional op again. The fallback keeps the meta result per
-// signature: sent whole, the op skips that work. What the daemon gets is
-// unchanged. `lowered` (nullptr: all) limits them to ops the daemon runs.
-std::vector<c10::OperatorName> StructuredOpsToSendWhole(const std::vector<std::string>* lowered) {
-  c10::Dispatcher& d = c10::Dispatcher::singleton();
-  std::unordered_set<std::string> runs;
-  if (lowered != nullptr) runs.insert(lowered->begin(), lowered->end());
-  // f has an out= form: f's arguments, then only written tensors ("add.out"
-  // for "add.Tensor", "max.dim_max" is not looked for).
-  auto structured = [&](const c10::OperatorHandle& f) {
-    const c10::OperatorName& n = f.operator_name();
-    const auto& fargs = f.schema().arguments();
-    for (const std::string& overload : {std::string("out"), n.overload_name + "_out"}) {
-      auto out = d.findSchema({n.name, overload});
-      if (!out.has_value()) continue;
-      const auto& args = out->schema().arguments();
-      bool match = args.size() > fargs.size();
-      for (size_t i = 0; match && i < args.size(); ++i) {
-        const bool writes = args[i].alias_info() != nullptr && args[i].alias_info()->isWrite();
-        match = i < fargs.size() ? (!writes && args[i].name() == fargs[i].name() &&
-                                    args[i].real_type()->str() == fargs[i].real_type()->str())
-                                 : writes;
-      }
-      if (match) return true;
-    }
-    return false;
-  };
-  std::vector<c10::OperatorName> names;
-  for (const c10::OperatorName& name : d.getAllOpNames()) {
-    if (name.name.rfind("aten::", 0) != 0 || name.name == "aten::copy" ||
-        name.name.rfind("aten::new_", 0) == 0 || name.name.find("nested") != std::string::npos) {
-      continue;
-    }
-    std::optional<c10::OperatorHandle> op = d.findOp(name);
-    if (!op.has_value() || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
-        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional)) {
-      continue;
-    }
-    std::optional<c10::OperatorHandle> functional = InPlaceFunctionalOf(op->schema());
-    if (!functional.has_value()) functional = op;
-    if (!structured(*functional)) continue;
-    if (lowered != nullptr && runs.count(FullName(functional->operator_name())) == 0) continue;
-    names.push_back(name);
-  }
-  return names;
-}
-
-}  // namespace
-
-void SendStructuredOpsWhole(const std::vector<std::string>* lowered) {
-  static std::once_flag once;
-  std::call_once(once, [lowered] {
-    static auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
-                                          __FILE__, __LINE__);
-    for (const c10::OperatorName& name : StructuredOpsToSendWhole(lowered)) {
-      {
-        std::lock_guard<std::mutex> lock(g_structured_mu);
-        g_structured_ops->push_back(name);
-      }
-      lib->impl(FullName(name).substr(6).c_str(), torch::CppFunction::makeFromBoxedFunction<&Fallback>());
-    }
-  });
-}
-
-std::vector<std::string> StructuredOpsSentWhole() {
-  std::lock_guard<std::mutex> lock(g_structured_mu);
-  std::vector<std::string> names;
-  for (const c10::OperatorName& n : *g_structured_ops) names.push_back(FullName(n));
-  return names;
-}
-
-const std::vector<std::string>& SentWholeOps() {
-  static const auto* ops = new std::vector<std::string>{"native_layer_norm", "native_group_norm", "addr",
-                                                        "addr.out", "mish_backward"};
-  return *ops;
-}
-
-at::Allocator* GetPinnedAllocator() {
-  static PinnedAllocator* a = new PinnedAllocator();
-  return a;
-}
-
-void ResizeStorage(const c10::Storage& storage, size_t newsize) {
-  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
-  const size_t old = impl->nbytes();
-  if (newsize == old) return;
-  // The allocator serves the current device: make it the storage's own.
-  const c10::Device device = impl->device();
-  c10::DeviceGuard guard(device);
-  c10::DataPtr fresh = GetTpuAllocator()->allocate(newsize);
-  const size_t keep = std::min(old, newsize);
-  if (keep > 0 && impl->data_ptr().get() != nullptr) {
-    const int stream = SessionStream(CurrentStreamId(device.index()));
-    Check(GetSession().CopyOnDevice(stream, reinterpret_cast<uint64_t>(fresh.get()),
-                                    reinterpret_cast<uint64_t>(impl->data_ptr().get()), keep),
-          "resize");
-  }
-  impl->set_data_ptr_noswap(std::move(fresh));
-  impl->set_nbytes(newsize);
 }
 
 }  // namespace torch_tpu
