@@ -1,0 +1,260 @@
+// The lowering end to end without a daemon: op records over host memory,
+// lowered, compiled on XLA's CPU plugin and run by PjrtChip; the values
+// that come back are checked.
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "catch2_compat/catch.h"
+#include "daemon/backends/pjrt/lowering/registry.h"
+#include "daemon/backends/pjrt/pjrt_chip.h"
+#include "tpu/device_address.h"
+#include "tpu/dtype.h"
+#include "tpu/op_record.h"
+
+namespace tpud::pjrt {
+namespace {
+
+constexpr uint64_t kArenaBytes = uint64_t{1} << 20;
+
+// A float32 tensor in the arena: what a client sends and where it lies.
+struct Placed {
+  tpu::TensorRef ref;
+  float* host = nullptr;
+};
+
+// One segment of host memory standing in for a chip's HBM.
+class Arena {
+ public:
+  Arena() : mem_(static_cast<char*>(std::aligned_alloc(4096, kArenaBytes))) {
+    REQUIRE(mem_ != nullptr);
+    std::memset(mem_, 0, kArenaBytes);
+    seg_ = {mem_, tpu::MakeDeviceAddress(0, 0), kArenaBytes};
+  }
+  ~Arena() { std::free(mem_); }
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  const ResolvedTensor& segment() const { return seg_; }
+
+  // A contiguous float32 tensor of `sizes` holding `values` (64-byte aligned).
+  Placed Floats(const std::vector<int64_t>& sizes, const std::vector<float>& values) {
+    Placed p;
+    p.ref.dtype = tpu::Code(tpu::DType::kFloat);
+    p.ref.ndim = static_cast<uint8_t>(sizes.size());
+    int64_t numel = 1;
+    for (int d = p.ref.ndim - 1; d >= 0; --d) {
+      p.ref.sizes[d] = sizes[d];
+      p.ref.strides[d] = numel;
+      numel *= sizes[d];
+    }
+    REQUIRE(static_cast<int64_t>(values.size()) == numel);
+    p.host = reinterpret_cast<float*>(mem_ + used_);
+    p.ref.address = seg_.segment_address + used_;
+    used_ += (numel * sizeof(float) + 63) / 64 * 64;
+    REQUIRE(used_ <= kArenaBytes);
+    std::memcpy(p.host, values.data(), values.size() * sizeof(float));
+    return p;
+  }
+
+ private:
+  char* mem_;
+  ResolvedTensor seg_;
+  uint64_t used_ = 0;
+};
+
+std::vector<float> Read(const Placed& p, size_t n) { return std::vector<float>(p.host, p.host + n); }
+
+// An op record and its resolved tensors, as the executor hands them over.
+class Record {
+ public:
+  explicit Record(const Arena& arena) : seg_(arena.segment()) {}
+  Record& Tensor(const Placed& p) {
+    Add(tpu::ArgTag::kTensor).tensor = p.ref;
+    ++tensors_;
+    return *this;
+  }
+  Record& ScalarDouble(double v) {
+    Add(tpu::ArgTag::kScalarDouble).d = v;
+    return *this;
+  }
+  Record& IntList(std::vector<int64_t> v) {
+    Add(tpu::ArgTag::kIntList).ints = std::move(v);
+    return *this;
+  }
+  Record& Bool(bool v) {
+    Add(tpu::ArgTag::kBool).b = v;
+    return *this;
+  }
+  Record& None() {
+    Add(tpu::ArgTag::kNone);
+    return *this;
+  }
+  Record& Output(const Placed& p) {
+    op_.outputs.push_back(p.ref);
+    ++tensors_;
+    return *this;
+  }
+  const tpu::DecodedOp& decoded() const { return op_; }
+  std::vector<ResolvedTensor> tensors() const { return std::vector<ResolvedTensor>(tensors_, seg_); }
+
+ private:
+  tpu::OpArg& Add(tpu::ArgTag tag) {
+    op_.args.emplace_back();
+    op_.args.back().tag = tag;
+    op_.num_args = op_.args.size();
+    return op_.args.back();
+  }
+  ResolvedTensor seg_;
+  tpu::DecodedOp op_;
+  size_t tensors_ = 0;
+};
+
+struct Fixture {
+  Arena arena;
+  std::unique_ptr<PjrtChip> chip;
+
+  Fixture() {
+    absl::StatusOr<std::unique_ptr<PjrtChip>> c =
+        PjrtChip::Create(TPUD_PJRT_CPU_PLUGIN, {}, /*cache_capacity=*/16);
+    INFO(c.status().ToString());
+    REQUIRE(c.ok());
+    chip = *std::move(c);
+  }
+
+  // Looks the op up by its schema and runs the record.
+  absl::Status Run(const std::string& schema, const Record& r) {
+    absl::StatusOr<std::shared_ptr<const BackendOp>> op = chip->LookupOp(schema);
+    if (!op.ok()) return op.status();
+    std::vector<ResultValue> results;
+    return chip->Run(**op, r.decoded(), r.tensors(), &results, nullptr);
+  }
+};
+
+constexpr char kAddTensor[] = "aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor";
+
+TEST_CASE("add.Tensor scales other by alpha") {
+  Fixture f;
+  Placed a = f.arena.Floats({2, 2}, {1, 2, 3, 4});
+  Placed b = f.arena.Floats({2, 2}, {10, 20, 30, 40});
+  Placed out = f.arena.Floats({2, 2}, {0, 0, 0, 0});
+  absl::Status st = f.Run(kAddTensor, Record(f.arena).Tensor(a).Tensor(b).ScalarDouble(0.5).Output(out));
+  INFO(st.ToString());
+  REQUIRE(st.ok());
+  CHECK(Read(out, 4) == std::vector<float>{6, 12, 18, 24});
+}
+
+TEST_CASE("exp, a unary op") {
+  Fixture f;
+  Placed x = f.arena.Floats({3}, {0, 1, -1});
+  Placed out = f.arena.Floats({3}, {0, 0, 0});
+  absl::Status st = f.Run("aten::exp(Tensor self) -> Tensor", Record(f.arena).Tensor(x).Output(out));
+  INFO(st.ToString());
+  REQUIRE(st.ok());
+  const std::vector<float> got = Read(out, 3);
+  CHECK(got[0] == Approx(1.0f));
+  CHECK(got[1] == Approx(std::exp(1.0f)));
+  CHECK(got[2] == Approx(std::exp(-1.0f)));
+}
+
+TEST_CASE("add_.Tensor, the derived in-place form, writes self") {
+  Fixture f;
+  Placed self = f.arena.Floats({3}, {1, 2, 3});
+  Placed other = f.arena.Floats({3}, {1, 1, 1});
+  const OpEntry* entry = Registry().Find("aten::add_.Tensor");
+  REQUIRE(entry != nullptr);
+  CHECK(entry->derived_from == "aten::add.Tensor");
+  absl::Status st =
+      f.Run("aten::add_.Tensor(Tensor(a!) self, Tensor other, *, Scalar alpha=1) -> Tensor(a!)",
+            Record(f.arena).Tensor(self).Tensor(other).ScalarDouble(3));
+  INFO(st.ToString());
+  REQUIRE(st.ok());
+  CHECK(Read(self, 3) == std::vector<float>{4, 5, 6});
+}
+
+TEST_CASE("exp.out, a derived out= form, writes out") {
+  Fixture f;
+  Placed x = f.arena.Floats({2}, {0, 2});
+  Placed out = f.arena.Floats({2}, {-7, -7});
+  absl::Status st = f.Run("aten::exp.out(Tensor self, *, Tensor(a!) out) -> Tensor(a!)",
+                          Record(f.arena).Tensor(x).Tensor(out));
+  INFO(st.ToString());
+  REQUIRE(st.ok());
+  const std::vector<float> got = Read(out, 2);
+  CHECK(got[0] == Approx(1.0f));
+  CHECK(got[1] == Approx(std::exp(2.0f)));
+}
+
+TEST_CASE("mul.out, an out= overload registered by name") {
+  Fixture f;
+  Placed a = f.arena.Floats({2}, {3, 4});
+  Placed b = f.arena.Floats({2}, {5, 6});
+  Placed out = f.arena.Floats({2}, {0, 0});
+  absl::Status st = f.Run("aten::mul.out(Tensor self, Tensor other, *, Tensor(a!) out) -> Tensor(a!)",
+                          Record(f.arena).Tensor(a).Tensor(b).Tensor(out));
+  INFO(st.ToString());
+  REQUIRE(st.ok());
+  CHECK(Read(out, 2) == std::vector<float>{15, 24});
+}
+
+TEST_CASE("sum over one dimension") {
+  Fixture f;
+  Placed x = f.arena.Floats({2, 3}, {1, 2, 3, 4, 5, 6});
+  Placed out = f.arena.Floats({2}, {0, 0});
+  absl::Status st = f.Run(
+      "aten::sum.dim_IntList(Tensor self, int[1]? dim, bool keepdim=False, *, ScalarType? dtype=None) -> "
+      "Tensor",
+      Record(f.arena).Tensor(x).IntList({1}).Bool(false).None().Output(out));
+  INFO(st.ToString());
+  REQUIRE(st.ok());
+  CHECK(Read(out, 2) == std::vector<float>{6, 15});
+}
+
+TEST_CASE("mm multiplies matrices") {
+  Fixture f;
+  Placed a = f.arena.Floats({2, 3}, {1, 2, 3, 4, 5, 6});
+  Placed b = f.arena.Floats({3, 2}, {1, 0, 0, 1, 1, 1});
+  Placed out = f.arena.Floats({2, 2}, {0, 0, 0, 0});
+  absl::Status st = f.Run("aten::mm(Tensor self, Tensor mat2) -> Tensor",
+                          Record(f.arena).Tensor(a).Tensor(b).Output(out));
+  INFO(st.ToString());
+  REQUIRE(st.ok());
+  CHECK(Read(out, 4) == std::vector<float>{4, 5, 10, 11});
+}
+
+TEST_CASE("an op without a lowering fails naming itself") {
+  Fixture f;
+  Placed x = f.arena.Floats({2}, {1, 2});
+  Placed out = f.arena.Floats({2}, {0, 0});
+  absl::Status st =
+      f.Run("aten::not_a_lowered_op(Tensor self) -> Tensor", Record(f.arena).Tensor(x).Output(out));
+  CHECK(st.code() == absl::StatusCode::kUnimplemented);
+  CHECK(st.message() ==
+        "aten::not_a_lowered_op: no lowering to StableHLO yet (PJRT backend; tpud "
+        "--backend=simulated runs every ATen op)");
+}
+
+TEST_CASE("the registry's facts: host-side ops, first arguments overwritten") {
+  const OpEntry* equal = Registry().Find("aten::equal");
+  REQUIRE(equal != nullptr);
+  CHECK(equal->host == HostKind::kEqual);
+  const OpEntry* index = Registry().Find("aten::index.Tensor");
+  REQUIRE(index != nullptr);
+  CHECK(index->host == HostKind::kIndex);
+  CHECK(index->takes_list);
+  const OpEntry* fill = Registry().Find("aten::fill_.Scalar");
+  REQUIRE(fill != nullptr);
+  CHECK(fill->overwrites_first);
+  // aten::mean.out is mean.dim's out= form, not one derived from aten::mean.
+  const OpEntry* mean_out = Registry().Find("aten::mean.out");
+  REQUIRE(mean_out != nullptr);
+  CHECK(mean_out->derived_from.empty());
+  CHECK(Registry().Find("aten::not_a_lowered_op") == nullptr);
+}
+
+}  // namespace
+}  // namespace tpud::pjrt
