@@ -335,11 +335,6 @@ namespace {
 // On a backend that lowers ops (PJRT), every op it does not lower but
 // PyTorch can decompose runs as its decomposition (torch_tpu/_decomp.py).
 void InstallDecompositions(const tpu::TopologyInfo& t) {
-  if (t.backend != "pjrt") SendForeachOpsWhole();
-  const char* whole = std::getenv("TORCH_TPU_STRUCTURED_WHOLE");  // "0": off
-  if (whole == nullptr || std::string(whole) != "0") {
-    SendStructuredOpsWhole(t.backend == "pjrt" ? &t.lowered_ops : nullptr);
-  }
   if (t.backend != "pjrt" || !Py_IsInitialized()) return;
   py::gil_scoped_acquire gil;
   try {
@@ -350,13 +345,20 @@ void InstallDecompositions(const tpu::TopologyInfo& t) {
   }
 }
 
+// What the daemon's backend runs decides how ops reach it: installed once,
+// when the session opens and the backend is known.
+void OnSessionOpened(const tpu::TopologyInfo& t) {
+  InstallSendWholeRoutes(t);
+  InstallDecompositions(t);
+}
+
 }  // namespace
 }  // namespace torch_tpu
 
 PYBIND11_MODULE(_C, m) {
   using namespace torch_tpu;
   m.doc() = "torch_tpu native part: the \"tpu\" device through tpud";
-  SetSessionOpenedHook(&InstallDecompositions);
+  SetSessionOpenedHook(&OnSessionOpened);
   m.def("_device_count", [] { return static_cast<int>(DeviceCount()); });
   m.def("_ensure_session", [] { GetSession(); });
   m.def("_current_device", [] { return static_cast<int>(CurrentDevice()); });

@@ -18,6 +18,7 @@
 #include <ATen/ops/view_native.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <optional>
 #include <unordered_set>
@@ -95,6 +96,38 @@ std::string FullName(const c10::OperatorName& n) {
   return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
 }
 
+void SendForeachOpsWhole() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // ATen's foreach ops have, for devices other than CUDA, a composite
+    // kernel that loops over the lists: one record per tensor. Sent whole
+    // they are one record each, and the daemon's CPU kernel does the loop.
+    // Only overloads whose tensors all come in lists and take no list of
+    // scalars: a lone Tensor argument (a step size as a CPU scalar tensor)
+    // travels as a scalar, and scalar lists are not forwarded as such.
+    static auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
+                                          __FILE__, __LINE__);
+    for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
+      if (name.name.rfind("aten::_foreach_", 0) != 0) continue;
+      std::optional<c10::OperatorHandle> op = c10::Dispatcher::singleton().findOp(name);
+      if (!op.has_value() || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
+      bool lists_only = true;
+      for (const c10::Argument& a : op->schema().arguments()) {
+        const c10::TypePtr& t = a.real_type();
+        const bool optional_tensor =
+            t->kind() == c10::TypeKind::OptionalType &&
+            t->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::TensorType;
+        const bool other_list = t->kind() == c10::TypeKind::ListType &&
+                                t->castRaw<c10::ListType>()->getElementType()->kind() !=
+                                    c10::TypeKind::TensorType;
+        if (t->kind() == c10::TypeKind::TensorType || optional_tensor || other_list) lists_only = false;
+      }
+      if (!lists_only) continue;
+      lib->impl(FullName(name).substr(6).c_str(), torch::CppFunction::makeFromBoxedFunction<&Fallback>());
+    }
+  });
+}
+
 // ATen's structured ops have, for devices other than CPU and CUDA, a default
 // kernel (CompositeExplicitAutogradNonFunctional) that runs the op's meta
 // function on the real tensors (a TensorIterator for pointwise ops),
@@ -146,40 +179,6 @@ std::vector<c10::OperatorName> StructuredOpsToSendWhole(const std::vector<std::s
   return names;
 }
 
-}  // namespace
-
-void SendForeachOpsWhole() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    // ATen's foreach ops have, for devices other than CUDA, a composite
-    // kernel that loops over the lists: one record per tensor. Sent whole
-    // they are one record each, and the daemon's CPU kernel does the loop.
-    // Only overloads whose tensors all come in lists and take no list of
-    // scalars: a lone Tensor argument (a step size as a CPU scalar tensor)
-    // travels as a scalar, and scalar lists are not forwarded as such.
-    static auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
-                                          __FILE__, __LINE__);
-    for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
-      if (name.name.rfind("aten::_foreach_", 0) != 0) continue;
-      std::optional<c10::OperatorHandle> op = c10::Dispatcher::singleton().findOp(name);
-      if (!op.has_value() || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
-      bool lists_only = true;
-      for (const c10::Argument& a : op->schema().arguments()) {
-        const c10::TypePtr& t = a.real_type();
-        const bool optional_tensor =
-            t->kind() == c10::TypeKind::OptionalType &&
-            t->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::TensorType;
-        const bool other_list = t->kind() == c10::TypeKind::ListType &&
-                                t->castRaw<c10::ListType>()->getElementType()->kind() !=
-                                    c10::TypeKind::TensorType;
-        if (t->kind() == c10::TypeKind::TensorType || optional_tensor || other_list) lists_only = false;
-      }
-      if (!lists_only) continue;
-      lib->impl(FullName(name).substr(6).c_str(), torch::CppFunction::makeFromBoxedFunction<&Fallback>());
-    }
-  });
-}
-
 void SendStructuredOpsWhole(const std::vector<std::string>* lowered) {
   static std::once_flag once;
   std::call_once(once, [lowered] {
@@ -192,6 +191,8 @@ void SendStructuredOpsWhole(const std::vector<std::string>* lowered) {
   });
 }
 
+}  // namespace
+
 const std::vector<std::string>& SentWholeOps() {
   static const auto* ops = new std::vector<std::string>{"native_layer_norm", "native_group_norm", "addr",
                                                         "addr.out", "mish_backward"};
@@ -202,6 +203,14 @@ std::vector<std::string> StructuredOpsSentWhole() {
   std::vector<std::string> names;
   for (const c10::OperatorName& n : StructuredSentWhole()) names.push_back(FullName(n));
   return names;
+}
+
+void InstallSendWholeRoutes(const tpu::TopologyInfo& t) {
+  if (t.backend != "pjrt") SendForeachOpsWhole();
+  const char* whole = std::getenv("TORCH_TPU_STRUCTURED_WHOLE");  // "0": off
+  if (whole == nullptr || std::string(whole) != "0") {
+    SendStructuredOpsWhole(t.backend == "pjrt" ? &t.lowered_ops : nullptr);
+  }
 }
 
 }  // namespace torch_tpu

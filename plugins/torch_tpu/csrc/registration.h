@@ -4,21 +4,24 @@
 #include <string>
 #include <vector>
 
+#include "tpu/client.h"
+
 namespace torch_tpu {
 
+// Once the session is open, routes to the fallback whole (instead of
+// through ATen's composite and default kernels) the ops the daemon's backend
+// runs whole: ATen's _foreach_ ops whose tensors are all in lists (on a
+// backend that runs every ATen op: the simulated chip), and ATen's
+// structured ops (add.Tensor, add_.Tensor, ...; on PJRT only those it
+// lowers) unless TORCH_TPU_STRUCTURED_WHOLE=0. Once.
+void InstallSendWholeRoutes(const tpu::TopologyInfo& t);
+
 // The ops ("native_group_norm", "addr.out") that torch_tpu sends whole to
-// the daemon although PyTorch would otherwise run them decomposed.
+// the daemon from the start although PyTorch would otherwise run them
+// decomposed.
 const std::vector<std::string>& SentWholeOps();
-// Sends ATen's _foreach_ ops whose tensors are all in lists to the daemon
-// whole (for a backend that runs every ATen op: the simulated chip). Once.
-void SendForeachOpsWhole();
-// Sends ATen's structured ops (add.Tensor, add_.Tensor, ...), which would
-// reach the fallback through ATen's default kernel and their out= op, to
-// the fallback directly. Once. `lowered` (the PJRT backend's lowered ops)
-// limits them to ops the daemon runs whole; nullptr: all (the simulated
-// chip runs every ATen op).
-void SendStructuredOpsWhole(const std::vector<std::string>* lowered);
-// What SendStructuredOpsWhole registered ("aten::add_.Tensor"), or nothing.
+// The structured ops InstallSendWholeRoutes routed ("aten::add_.Tensor"),
+// or nothing.
 std::vector<std::string> StructuredOpsSentWhole();
 
 }  // namespace torch_tpu
