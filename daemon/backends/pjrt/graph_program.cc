@@ -85,7 +85,7 @@ absl::StatusOr<OpFunction> AsFunction(const std::string& program, const std::str
 
 // A copy between device addresses of one graph, as an op's plan: its bytes
 // sliced out of the source segment and written into the destination's.
-absl::StatusOr<PjrtChip::Probe> PjrtChip::CopyPlan(const tpu::DecodedCopy& copy,
+absl::StatusOr<PjrtChip::OpPlan> PjrtChip::CopyPlan(const tpu::DecodedCopy& copy,
                                                    const std::vector<ResolvedTensor>& ends) {
   if (ends.size() != 2) return absl::InternalError("a copy without its two segments");
   const ResolvedTensor& src = ends[0];
@@ -124,11 +124,11 @@ absl::StatusOr<PjrtChip::Probe> PjrtChip::CopyPlan(const tpu::DecodedCopy& copy,
       "    %0 = stablehlo.dynamic_slice ", s, ", %from, sizes = [", n, "] : (", st, ", tensor<i64>) -> ", nt, "\n",
       "    %1 = stablehlo.dynamic_update_slice ", d, ", %0, %to : (", dt, ", ", nt, ", tensor<i64>) -> ", dt, "\n",
       "    return %1 : ", dt, "\n  }\n}\n");
-  Probe probe;
-  probe.key = absl::StrCat("copy ", src.segment_bytes, " ", dst.segment_bytes, " ", n, " ", same);
-  probe.offsets = {from, to};
-  probe.plan = std::move(plan);
-  return probe;
+  OpPlan op_plan;
+  op_plan.key = absl::StrCat("copy ", src.segment_bytes, " ", dst.segment_bytes, " ", n, " ", same);
+  op_plan.offsets = {from, to};
+  op_plan.plan = std::move(plan);
+  return op_plan;
 }
 
 absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, size_t* failed,
@@ -145,25 +145,23 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, siz
   if (ops.empty()) return decline(0, "no ops");
   // Each op's plan and signature, lowered where not seen before (not
   // compiled: the graph's module is).
-  std::vector<Probe> probes(ops.size());
+  std::vector<OpPlan> plans(ops.size());
   for (size_t i = 0; i < ops.size(); ++i) {
     if (ops[i].op == nullptr) {
       if (ops[i].copy == nullptr) return decline(i, "neither an op nor a copy");
       if (ops[i].copy->bytes == 0) {
-        probes[i].nothing = true;
+        plans[i].nothing = true;
         continue;
       }
-      absl::StatusOr<Probe> copy = CopyPlan(*ops[i].copy, *ops[i].tensors);
+      absl::StatusOr<OpPlan> copy = CopyPlan(*ops[i].copy, *ops[i].tensors);
       if (!copy.ok()) return decline(i, std::string(copy.status().message()));
-      probes[i] = *std::move(copy);
+      plans[i] = *std::move(copy);
       continue;
     }
-    probe_ = &probes[i];
-    absl::Status st = Run(*ops[i].op, *ops[i].decoded, *ops[i].tensors, nullptr, nullptr);
-    probe_ = nullptr;
+    absl::Status st = PlanOp(*ops[i].op, *ops[i].decoded, *ops[i].tensors, &plans[i]);
     if (!st.ok()) return decline(i, std::string(st.message()));  // run one by one, the op reports it
-    if (probes[i].nothing) continue;
-    if (probes[i].plan == nullptr || !probes[i].plan->device || probes[i].plan->text.empty()) {
+    if (plans[i].nothing) continue;
+    if (plans[i].plan == nullptr || !plans[i].plan->device || plans[i].plan->text.empty()) {
       return decline(i, "read on the host or sized by the data");
     }
   }
@@ -172,7 +170,7 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, siz
   std::vector<uint64_t> seg_address;
   std::vector<std::vector<int>> seg_of(ops.size());  // op i's segment j: the graph's
   for (size_t i = 0; i < ops.size(); ++i) {
-    const Probe& pr = probes[i];
+    const OpPlan& pr = plans[i];
     if (pr.nothing) continue;
     const Plan& plan = *pr.plan;
     if (device >= 0 && plan.on_device != device) return decline(i, "on another device");
@@ -203,15 +201,15 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, siz
     std::vector<bool> named(seg_address.size(), false);
     std::vector<uint64_t> seg_bytes(seg_address.size(), 0);
     for (size_t i = 0; i < ops.size(); ++i) {
-      if (probes[i].nothing) continue;
+      if (plans[i].nothing) continue;
       for (size_t j = 0; j < seg_of[i].size(); ++j) {
         const int g = seg_of[i][j];
         if (!named[g]) {
           named[g] = true;
           made->segs[g] = {i, j};
-          seg_bytes[g] = (*ops[i].tensors)[probes[i].plan->segs[j].k].segment_bytes;
+          seg_bytes[g] = (*ops[i].tensors)[plans[i].plan->segs[j].k].segment_bytes;
         }
-        if (probes[i].plan->segs[j].result >= 0 && made->result_of[g] < 0) made->result_of[g] = made->written++;
+        if (plans[i].plan->segs[j].result >= 0 && made->result_of[g] < 0) made->result_of[g] = made->written++;
       }
     }
     const HloType& u8 = *DTypeOf(tpu::DType::kUInt8);
@@ -224,11 +222,11 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, siz
       if (made->result_of[g] >= 0) absl::StrAppend(&params, " {tf.aliasing_output = ", made->result_of[g], " : i32}");
     }
     for (size_t i = 0; i < ops.size(); ++i) {
-      if (probes[i].nothing) continue;
-      const Plan& plan = *probes[i].plan;
+      if (plans[i].nothing) continue;
+      const Plan& plan = *plans[i].plan;
       absl::StatusOr<OpFunction> f = AsFunction(plan.text, absl::StrCat("op", i));
       if (!f.ok()) return decline(i, std::string(f.status().message()));
-      const size_t scalars = plan.inputs.size() + probes[i].offsets.size();
+      const size_t scalars = plan.inputs.size() + plans[i].offsets.size();
       if (f->params.size() != plan.segs.size() + scalars ||
           f->results.size() != static_cast<size_t>(plan.segments_written) + (plan.checked ? 1 : 0)) {
         return decline(i, "its program's signature does not match its plan");
@@ -299,19 +297,19 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, siz
   absl::InlinedVector<PJRT_Buffer*, 32> args;
   std::vector<Mirror*> segs;
   for (const auto& [i, j] : graph->segs) {
-    absl::StatusOr<Mirror*> m = MirrorOf((*ops[i].tensors)[probes[i].plan->segs[j].k], device);
+    absl::StatusOr<Mirror*> m = MirrorOf((*ops[i].tensors)[plans[i].plan->segs[j].k], device);
     if (!m.ok()) return m.status();
     segs.push_back(*m);
     args.push_back((*m)->buffer.get());
   }
   for (size_t i = 0; i < ops.size(); ++i) {
-    if (probes[i].nothing) continue;
-    for (const Plan::In& x : probes[i].plan->inputs) {
+    if (plans[i].nothing) continue;
+    for (const Plan::In& x : plans[i].plan->inputs) {
       absl::StatusOr<PJRT_Buffer*> b = ScalarBuffer(device, x);
       if (!b.ok()) return b.status();
       args.push_back(*b);
     }
-    for (int64_t offset : probes[i].offsets) {
+    for (int64_t offset : plans[i].offsets) {
       absl::StatusOr<PJRT_Buffer*> b = OffsetBuffer(device, offset);
       if (!b.ok()) return b.status();
       args.push_back(*b);
@@ -339,7 +337,7 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, siz
     if (first > 0 && static_cast<size_t>(first) <= ops.size()) {
       *failed = static_cast<size_t>(first - 1);
       const auto& op = static_cast<const PjrtOp&>(*ops[*failed].op);
-      return absl::InvalidArgumentError(absl::StrCat(op.name(), ": ", probes[*failed].plan->range_message));
+      return absl::InvalidArgumentError(absl::StrCat(op.name(), ": ", plans[*failed].plan->range_message));
     }
   }
   return true;

@@ -241,16 +241,26 @@ bool SignatureKey(const std::string& name, int device, const tpu::DecodedOp& d,
 
 }  // namespace
 
-absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
+absl::Status PjrtChip::Run(const BackendOp& op, const tpu::DecodedOp& decoded,
                            const std::vector<ResolvedTensor>& tensors,
                            std::vector<ResultValue>* results, ResultAllocator* allocator) {
+  return RunOrPlan(op, decoded, tensors, results, allocator, nullptr);
+}
+
+absl::Status PjrtChip::PlanOp(const BackendOp& op, const tpu::DecodedOp& decoded,
+                              const std::vector<ResolvedTensor>& tensors, OpPlan* plan) {
+  return RunOrPlan(op, decoded, tensors, nullptr, nullptr, plan);
+}
+
+absl::Status PjrtChip::RunOrPlan(const BackendOp& base, const tpu::DecodedOp& decoded,
+                                 const std::vector<ResolvedTensor>& tensors,
+                                 std::vector<ResultValue>* results, ResultAllocator* allocator,
+                                 OpPlan* const plan_only) {
   const auto& op = static_cast<const PjrtOp&>(base);
-  Probe* const probe = probe_;
-  probe_ = nullptr;
-  // Asked for the plan only (a graph's op, RunProgram): what a plan cannot
-  // describe (results sized by the data, reads on the host) leaves the probe
+  // Asked for the plan only (a graph's op, PlanOp): what a plan cannot
+  // describe (results sized by the data, reads on the host) leaves it
   // empty.
-  if (probe != nullptr && (results != nullptr || !device_memory_ || (op.written().empty() && decoded.outputs.empty()))) {
+  if (plan_only != nullptr && (results != nullptr || !device_memory_ || (op.written().empty() && decoded.outputs.empty()))) {
     return absl::OkStatus();
   }
   const HostKind host_kind = op.host();
@@ -258,7 +268,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   if (device_memory_ && host_kind != HostKind::kNone && (host_kind != HostKind::kIndex || decoded.outputs.empty())) {
     if (absl::Status st = HostAccessAll(tensors); !st.ok()) return st;
   }
-  if (probe != nullptr && host_kind != HostKind::kNone) return absl::OkStatus();
+  if (plan_only != nullptr && host_kind != HostKind::kNone) return absl::OkStatus();
   if (host_kind == HostKind::kLocalScalar) return ReadScalar(op.name(), decoded, tensors, results);
   if (host_kind == HostKind::kEqual) return Equal(op.name(), decoded, tensors, results);
   if (host_kind == HostKind::kSelect || (host_kind == HostKind::kIndex && decoded.outputs.empty())) {
@@ -307,7 +317,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
         sized.outputs.push_back(r);
         all.push_back(rt);
       }
-      return Run(base, sized, all, results, nullptr);
+      return RunOrPlan(base, sized, all, results, nullptr, nullptr);
     }
   }
   const Rule* single = op.rule();
@@ -356,7 +366,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   };
   // Nothing to compute when every output is empty.
   if (std::all_of(refs.begin(), refs.end(), [](const tpu::TensorRef* r) { return Numel(*r) == 0; })) {
-    if (probe != nullptr) probe->nothing = true;
+    if (plan_only != nullptr) plan_only->nothing = true;
     report();
     return absl::OkStatus();
   }
@@ -416,11 +426,11 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
       plan_lru_.splice(plan_lru_.end(), plan_lru_, it->second);
       kept = it->second->second;
       found = kept.get();
-      if (found->exe == nullptr && probe == nullptr) {
+      if (found->exe == nullptr && plan_only == nullptr) {
         // Lowered for a graph's program only: compiled now, on its own.
         kept.reset();
         found = nullptr;
-      } else if (probe == nullptr) {
+      } else if (plan_only == nullptr) {
         ++stats_[device].hits;
       }
     }
@@ -669,7 +679,7 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
     program = l.Text(values, types);
   }
   // (A graph's op is compiled only within the graph's program.)
-  if (probe == nullptr) {
+  if (plan_only == nullptr) {
     absl::StatusOr<std::shared_ptr<const Executable>> exe = Compiled(program, device);
     if (!exe.ok()) {
       return absl::Status(exe.status().code(), absl::StrCat(op.name(), ": ", exe.status().message()));
@@ -729,17 +739,17 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
   // Device memory: where in its segment each offset parameter's tensor lies.
   absl::InlinedVector<int64_t, 8> offsets;
   for (int k : plan.offset_k) offsets.push_back(host[k] - tensors[k].segment_host_base);
-  if (probe != nullptr) {
+  if (plan_only != nullptr) {
     // The plan, its signature and offsets, for the graph's program; nothing
     // runs.
-    probe->offsets.assign(offsets.begin(), offsets.end());
-    probe->key = key;
-    probe->key.append(plan.fixed);
+    plan_only->offsets.assign(offsets.begin(), offsets.end());
+    plan_only->key = key;
+    plan_only->key.append(plan.fixed);
     if (kept == nullptr) {
       kept = std::make_shared<const Plan>(std::move(fresh));
       if (keyed && kept->keep) KeepPlan(key, kept);
     }
-    probe->plan = std::move(kept);
+    plan_only->plan = std::move(kept);
     return absl::OkStatus();
   }
   absl::InlinedVector<char*, 4> dsts(refs.size(), nullptr);

@@ -16,7 +16,15 @@
 // and write results into them by donation (docs/design.md).
 //
 // An op without a lowering fails with an error naming it; nothing falls
-// back to the CPU.
+// back to the CPU. The ops and how each is lowered are the registry's
+// (lowering/registry.h, one file per op family under lowering/).
+//
+// Thread-safety: a PjrtChip is driven by one executor thread (the one that
+// drives every device of the plugin). It is not thread-safe: its caches
+// (compiled programs, plans, graph modules, scalar and resident buffers,
+// device memory mirrors) and the key buffers it reuses have no locks, so
+// every call, HostAccess and Released included, must come from that
+// thread.
 #ifndef TPUD_DAEMON_BACKENDS_PJRT_PJRT_CHIP_H_
 #define TPUD_DAEMON_BACKENDS_PJRT_PJRT_CHIP_H_
 
@@ -82,16 +90,23 @@ class PjrtChip : public ChipBackend {
   void set_graphs(bool on) { graphs_on_ = on; }  // tpud --pjrt_graphs
 
  private:
-  // Run() asked for an op's plan only (RunProgram): it fills this and runs
-  // nothing; left empty for an op no plan describes.
-  struct Probe {
+  // One op of a graph, planned and not run (PlanOp, for RunProgram); left
+  // empty for an op no plan describes.
+  struct OpPlan {
     std::shared_ptr<const Plan> plan;
     std::string key;
     std::vector<int64_t> offsets;  // its offset parameters' values
     bool nothing = false;          // no output has elements: nothing to run
   };
-  struct Graph;  // a graph's module (pjrt_chip.cc)
-  absl::StatusOr<Probe> CopyPlan(const tpu::DecodedCopy& copy, const std::vector<ResolvedTensor>& ends);
+  struct Graph;  // a graph's module (graph_program.cc)
+  // The op's plan, lowered if not kept yet but neither compiled nor run.
+  absl::Status PlanOp(const BackendOp& op, const tpu::DecodedOp& decoded,
+                      const std::vector<ResolvedTensor>& tensors, OpPlan* plan);
+  // Run() and PlanOp(): with `plan_only`, fills it and runs nothing.
+  absl::Status RunOrPlan(const BackendOp& op, const tpu::DecodedOp& decoded,
+                         const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
+                         ResultAllocator* allocator, OpPlan* plan_only);
+  absl::StatusOr<OpPlan> CopyPlan(const tpu::DecodedCopy& copy, const std::vector<ResolvedTensor>& ends);
   // A segment's device buffer (device memory): u8[bytes] on `device`; the
   // arena at `host` is its host copy, current when `host_current`.
   struct Mirror {
@@ -160,7 +175,6 @@ class PjrtChip : public ChipBackend {
   std::unordered_map<std::string, decltype(plan_lru_)::iterator> plans_;
   std::string key_;  // the signature being looked up (kept to reuse its memory)
   std::string resident_key_;  // likewise, a kept buffer's key
-  Probe* probe_ = nullptr;
   bool graphs_on_ = true;
   // Graph modules by the graph's signature (its ops' signatures and which
   // segments they share), least recently used first.
