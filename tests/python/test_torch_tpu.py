@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from conftest import Daemon, run_py
+from conftest import Daemon, child_argv, run_in_child, run_py
 
 
 @pytest.fixture(scope="module")
@@ -17,235 +17,270 @@ def tpud(any_backend):
 
 
 def test_device_and_accelerator_apis(tpud):
-    run_py(tpud, """
-        import torch, torch_tpu
-        assert torch.tpu.is_available() and torch.tpu.device_count() == 4
-        assert torch.accelerator.current_accelerator().type == "tpu"
-        assert torch.accelerator.device_count() == 4
-        torch.tpu.set_device(2)
-        assert torch.tpu.current_device() == 2
-        with torch.tpu.device(1):
-            assert torch.tpu.current_device() == 1
-            x = torch.ones(3, device="tpu")
-            assert x.device == torch.device("tpu", 1)
-        assert torch.tpu.current_device() == 2
-        p = torch.tpu.get_device_properties(0)
-        assert p.generation == "v6e" and p.total_memory == 1 << 30 and p.coords == [0, 0]
-        assert "v6e" in torch.tpu.get_device_name()
-        assert torch.bfloat16 in torch.tpu.get_amp_supported_dtype()
-        assert torch.ones(2).to("tpu").is_tpu
-    """)
+    run_in_child(tpud, _device_and_accelerator_apis)
+
+
+def _device_and_accelerator_apis():
+    import torch
+    import torch_tpu  # noqa: F401
+    assert torch.tpu.is_available() and torch.tpu.device_count() == 4
+    assert torch.accelerator.current_accelerator().type == "tpu"
+    assert torch.accelerator.device_count() == 4
+    torch.tpu.set_device(2)
+    assert torch.tpu.current_device() == 2
+    with torch.tpu.device(1):
+        assert torch.tpu.current_device() == 1
+        x = torch.ones(3, device="tpu")
+        assert x.device == torch.device("tpu", 1)
+    assert torch.tpu.current_device() == 2
+    p = torch.tpu.get_device_properties(0)
+    assert p.generation == "v6e" and p.total_memory == 1 << 30 and p.coords == [0, 0]
+    assert "v6e" in torch.tpu.get_device_name()
+    assert torch.bfloat16 in torch.tpu.get_amp_supported_dtype()
+    assert torch.ones(2).to("tpu").is_tpu
 
 
 def test_visible_chips_narrow_the_devices(tpud):
-    run_py(tpud, """
-        import torch, torch_tpu
-        assert torch.tpu.device_count() == 2
-        assert torch.tpu.get_device_properties(1).chip == 3
-        x = torch.ones(4, device="tpu:1") * 3
-        assert x.cpu().tolist() == [3.0] * 4
-    """, env_extra={"TPU_VISIBLE_CHIPS": "1,3"})
+    run_in_child(tpud, _visible_chips_narrow_the_devices, env_extra={"TPU_VISIBLE_CHIPS": "1,3"})
+
+
+def _visible_chips_narrow_the_devices():
+    import torch
+    import torch_tpu  # noqa: F401
+    assert torch.tpu.device_count() == 2
+    assert torch.tpu.get_device_properties(1).chip == 3
+    x = torch.ones(4, device="tpu:1") * 3
+    assert x.cpu().tolist() == [3.0] * 4
 
 
 def test_ops_match_cpu(tpud):
-    run_py(tpud, """
-        import torch, torch_tpu
-        torch.manual_seed(0)
-        a, b = torch.randn(8, 5), torch.randn(8, 5)
-        ta, tb = a.to("tpu"), b.to("tpu")
-        def same(t, c, tol=1e-5):
-            assert t.device.type == "tpu", t.device
-            t = t.cpu()
-            assert t.dtype == c.dtype and t.shape == c.shape, (t.dtype, c.dtype, t.shape, c.shape)
-            exact = not (c.is_floating_point() or c.is_complex())
-            assert (torch.equal(t, c) if exact else torch.allclose(t, c, atol=tol, rtol=tol)), (t, c)
-        same(ta + tb * 2, a + b * 2)
-        same(ta - 1, a - 1)
-        same(ta[:, 1:3], a[:, 1:3])
-        same(ta.t().contiguous(), a.t().contiguous())
-        same(ta.sum(1), a.sum(1))
-        same(ta.mean(), a.mean())
-        same(ta.max(dim=0).values, a.max(dim=0).values)
-        same(ta.argmax(1), a.argmax(1))
-        same(ta @ tb.t(), a @ b.t(), 1e-4)
-        same(torch.relu(ta), torch.relu(a))
-        same(torch.softmax(ta, 1), torch.softmax(a, 1))
-        same(ta[torch.tensor([0, 3, 3]).to("tpu")], a[torch.tensor([0, 3, 3])])
-        same(ta[ta > 0], a[a > 0])
-        same(torch.nonzero(ta > 0.5), torch.nonzero(a > 0.5))
-        same((ta > 0).sum(), (a > 0).sum())
-        same(ta.to(torch.bfloat16) * 2, a.to(torch.bfloat16) * 2, 1e-2)
-        same(ta.half() + 1, a.half() + 1, 1e-2)
-        same(torch.arange(10).to("tpu") * 3, torch.arange(10) * 3)
-        c = torch.randn(4, dtype=torch.complex64)
-        same(c.to("tpu") * c.to("tpu"), c * c)
-        x = torch.randn(2, 3, 8, 8); w = torch.randn(4, 3, 3, 3)
-        same(torch.nn.functional.conv2d(x.to("tpu"), w.to("tpu"), padding=1),
-             torch.nn.functional.conv2d(x, w, padding=1), 1e-4)
-        same(torch.nn.functional.max_pool2d(x.to("tpu"), 2), torch.nn.functional.max_pool2d(x, 2))
-        ln = torch.nn.LayerNorm(8)
-        same(ln.to("tpu")(x.to("tpu")), ln.cpu()(x), 1e-4)
-        y = ta.clone(); y.add_(1); y[0, 0] = 42.0
-        z = a.clone(); z.add_(1); z[0, 0] = 42.0
-        same(y, z)
-        assert ta.sum().item() == pytest_approx(a.sum().item()) if False else True
-        assert abs(ta.sum().item() - a.sum().item()) < 1e-4
-        assert str(ta.cpu()) == str(a)
-        assert "device='tpu:0'" in repr(ta)
-    """)
+    run_in_child(tpud, _ops_match_cpu)
+
+
+def _ops_match_cpu():
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.manual_seed(0)
+    a, b = torch.randn(8, 5), torch.randn(8, 5)
+    ta, tb = a.to("tpu"), b.to("tpu")
+    def same(t, c, tol=1e-5):
+        assert t.device.type == "tpu", t.device
+        t = t.cpu()
+        assert t.dtype == c.dtype and t.shape == c.shape, (t.dtype, c.dtype, t.shape, c.shape)
+        exact = not (c.is_floating_point() or c.is_complex())
+        assert (torch.equal(t, c) if exact else torch.allclose(t, c, atol=tol, rtol=tol)), (t, c)
+    same(ta + tb * 2, a + b * 2)
+    same(ta - 1, a - 1)
+    same(ta[:, 1:3], a[:, 1:3])
+    same(ta.t().contiguous(), a.t().contiguous())
+    same(ta.sum(1), a.sum(1))
+    same(ta.mean(), a.mean())
+    same(ta.max(dim=0).values, a.max(dim=0).values)
+    same(ta.argmax(1), a.argmax(1))
+    same(ta @ tb.t(), a @ b.t(), 1e-4)
+    same(torch.relu(ta), torch.relu(a))
+    same(torch.softmax(ta, 1), torch.softmax(a, 1))
+    same(ta[torch.tensor([0, 3, 3]).to("tpu")], a[torch.tensor([0, 3, 3])])
+    same(ta[ta > 0], a[a > 0])
+    same(torch.nonzero(ta > 0.5), torch.nonzero(a > 0.5))
+    same((ta > 0).sum(), (a > 0).sum())
+    same(ta.to(torch.bfloat16) * 2, a.to(torch.bfloat16) * 2, 1e-2)
+    same(ta.half() + 1, a.half() + 1, 1e-2)
+    same(torch.arange(10).to("tpu") * 3, torch.arange(10) * 3)
+    c = torch.randn(4, dtype=torch.complex64)
+    same(c.to("tpu") * c.to("tpu"), c * c)
+    x = torch.randn(2, 3, 8, 8); w = torch.randn(4, 3, 3, 3)
+    same(torch.nn.functional.conv2d(x.to("tpu"), w.to("tpu"), padding=1),
+         torch.nn.functional.conv2d(x, w, padding=1), 1e-4)
+    same(torch.nn.functional.max_pool2d(x.to("tpu"), 2), torch.nn.functional.max_pool2d(x, 2))
+    ln = torch.nn.LayerNorm(8)
+    same(ln.to("tpu")(x.to("tpu")), ln.cpu()(x), 1e-4)
+    y = ta.clone(); y.add_(1); y[0, 0] = 42.0
+    z = a.clone(); z.add_(1); z[0, 0] = 42.0
+    same(y, z)
+    assert abs(ta.sum().item() - a.sum().item()) < 1e-4
+    assert str(ta.cpu()) == str(a)
+    assert "device='tpu:0'" in repr(ta)
 
 
 # Regression: a synchronous op that returned one of its arguments used to be
 # taken for a new segment (and freed under the caller).
 def test_boolean_index_then_more_work(tpud):
-    run_py(tpud, """
-        import torch, torch_tpu
-        a = torch.randn(8, 5)
-        ta = a.to("tpu")
-        assert torch.equal(ta[ta > 0].cpu(), a[a > 0])
-        x = torch.ones(4).to("tpu"); y = torch.ones(4).to("tpu")
-        assert torch.equal((x * y).cpu(), torch.ones(4))
-    """)
+    run_in_child(tpud, _boolean_index_then_more_work)
+
+
+def _boolean_index_then_more_work():
+    import torch
+    import torch_tpu  # noqa: F401
+    a = torch.randn(8, 5)
+    ta = a.to("tpu")
+    assert torch.equal(ta[ta > 0].cpu(), a[a > 0])
+    x = torch.ones(4).to("tpu"); y = torch.ones(4).to("tpu")
+    assert torch.equal((x * y).cpu(), torch.ones(4))
 
 
 def test_autograd_and_optimizer_match_cpu(tpud):
-    run_py(tpud, """
-        import torch, torch_tpu
+    run_in_child(tpud, _autograd_and_optimizer_match_cpu)
+
+
+def _autograd_and_optimizer_match_cpu():
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.manual_seed(0)
+    def train(device):
         torch.manual_seed(0)
-        def train(device):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).to(device)
-            opt = torch.optim.Adam(model.parameters(), lr=0.01)
-            x = torch.randn(32, 6, generator=torch.Generator().manual_seed(1)).to(device)
-            y = torch.randint(0, 3, (32,), generator=torch.Generator().manual_seed(2)).to(device)
-            losses = []
-            for _ in range(5):
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-                opt.zero_grad(); loss.backward(); opt.step()
-                losses.append(loss.item())
-            return losses
-        cpu, tpu = train("cpu"), train("tpu")
-        assert all(abs(a - b) < 1e-4 for a, b in zip(cpu, tpu)), (cpu, tpu)
-    """)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        x = torch.randn(32, 6, generator=torch.Generator().manual_seed(1)).to(device)
+        y = torch.randint(0, 3, (32,), generator=torch.Generator().manual_seed(2)).to(device)
+        losses = []
+        for _ in range(5):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+            losses.append(loss.item())
+        return losses
+    cpu, tpu = train("cpu"), train("tpu")
+    assert all(abs(a - b) < 1e-4 for a, b in zip(cpu, tpu)), (cpu, tpu)
 
 
 def test_rng_is_reproducible(tpud):
-    run_py(tpud, """
-        import torch, torch_tpu
-        torch.tpu.manual_seed(123)
-        a = torch.randn(100, device="tpu").cpu()
-        b = torch.rand(10, device="tpu").cpu()
-        torch.tpu.manual_seed(123)
-        assert torch.equal(a, torch.randn(100, device="tpu").cpu())
-        assert torch.equal(b, torch.rand(10, device="tpu").cpu())
-        state = torch.tpu.get_rng_state()
-        c = torch.randn(5, device="tpu").cpu()
-        torch.tpu.set_rng_state(state)
-        assert torch.equal(c, torch.randn(5, device="tpu").cpu())
-        assert abs(a.mean().item()) < 0.5 and 0.5 < a.std().item() < 1.5
-    """)
+    run_in_child(tpud, _rng_is_reproducible)
+
+
+def _rng_is_reproducible():
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.tpu.manual_seed(123)
+    a = torch.randn(100, device="tpu").cpu()
+    b = torch.rand(10, device="tpu").cpu()
+    torch.tpu.manual_seed(123)
+    assert torch.equal(a, torch.randn(100, device="tpu").cpu())
+    assert torch.equal(b, torch.rand(10, device="tpu").cpu())
+    state = torch.tpu.get_rng_state()
+    c = torch.randn(5, device="tpu").cpu()
+    torch.tpu.set_rng_state(state)
+    assert torch.equal(c, torch.randn(5, device="tpu").cpu())
+    assert abs(a.mean().item()) < 0.5 and 0.5 < a.std().item() < 1.5
 
 
 def test_memory_stats_rise_and_fall(tpud):
-    run_py(tpud, """
-        import torch, torch_tpu
-        base = torch.tpu.memory_allocated()
-        x = torch.empty(1 << 20, device="tpu")
-        assert torch.tpu.memory_allocated() >= base + (4 << 20)
-        assert torch.accelerator.memory_allocated() == torch.tpu.memory_allocated()
-        peak = torch.tpu.max_memory_allocated()
-        del x
-        assert torch.tpu.memory_allocated() == base
-        assert torch.tpu.memory_reserved() >= 4 << 20       # cached
-        assert torch.tpu.max_memory_allocated() == peak
-        torch.tpu.empty_cache()
-        assert torch.tpu.memory_reserved() == 0
-        torch.tpu.reset_peak_memory_stats()
-        assert torch.tpu.max_memory_allocated() == torch.tpu.memory_allocated()
-        free, total = torch.tpu.mem_get_info()
-        assert total == 1 << 30 and 0 < free <= total
-        assert torch.tpu.memory_stats()["num_device_alloc"] >= 1
-    """)
+    run_in_child(tpud, _memory_stats_rise_and_fall)
+
+
+def _memory_stats_rise_and_fall():
+    import torch
+    import torch_tpu  # noqa: F401
+    base = torch.tpu.memory_allocated()
+    x = torch.empty(1 << 20, device="tpu")
+    assert torch.tpu.memory_allocated() >= base + (4 << 20)
+    assert torch.accelerator.memory_allocated() == torch.tpu.memory_allocated()
+    peak = torch.tpu.max_memory_allocated()
+    del x
+    assert torch.tpu.memory_allocated() == base
+    assert torch.tpu.memory_reserved() >= 4 << 20       # cached
+    assert torch.tpu.max_memory_allocated() == peak
+    torch.tpu.empty_cache()
+    assert torch.tpu.memory_reserved() == 0
+    torch.tpu.reset_peak_memory_stats()
+    assert torch.tpu.max_memory_allocated() == torch.tpu.memory_allocated()
+    free, total = torch.tpu.mem_get_info()
+    assert total == 1 << 30 and 0 < free <= total
+    assert torch.tpu.memory_stats()["num_device_alloc"] >= 1
 
 
 def test_streams_and_events(tpud):
-    run_py(tpud, """
-        import torch, torch_tpu
-        a = torch.randn(256, 256, device="tpu")
-        s = torch.tpu.Stream()
-        start = torch.Event(device="tpu", enable_timing=True)
-        end = torch.Event(device="tpu", enable_timing=True)
-        start.record()
-        with torch.tpu.stream(s):
-            b = a @ a
-            done = torch.Event(device="tpu"); done.record()
-        torch.tpu.current_stream().wait_event(done)
-        c = b + 1
-        end.record(); end.synchronize()
-        assert start.elapsed_time(end) >= 0
-        assert torch.allclose(c.cpu(), (a.cpu() @ a.cpu()) + 1, atol=1e-3)
-        torch.tpu.synchronize()
-        torch.accelerator.synchronize()
-    """)
+    run_in_child(tpud, _streams_and_events)
+
+
+def _streams_and_events():
+    import torch
+    import torch_tpu  # noqa: F401
+    a = torch.randn(256, 256, device="tpu")
+    s = torch.tpu.Stream()
+    start = torch.Event(device="tpu", enable_timing=True)
+    end = torch.Event(device="tpu", enable_timing=True)
+    start.record()
+    with torch.tpu.stream(s):
+        b = a @ a
+        done = torch.Event(device="tpu"); done.record()
+    torch.tpu.current_stream().wait_event(done)
+    c = b + 1
+    end.record(); end.synchronize()
+    assert start.elapsed_time(end) >= 0
+    assert torch.allclose(c.cpu(), (a.cpu() @ a.cpu()) + 1, atol=1e-3)
+    torch.tpu.synchronize()
+    torch.accelerator.synchronize()
 
 
 def test_pin_memory_and_dataloader(tpud):
-    run_py(tpud, """
-        import torch, torch_tpu
-        from torch.utils.data import DataLoader, TensorDataset
-        p = torch.arange(1000.0).pin_memory()
-        assert p.is_pinned()
-        assert torch.equal(p.to("tpu").cpu(), torch.arange(1000.0))
-        ds = TensorDataset(torch.arange(64.0).reshape(16, 4))
-        seen = 0
-        for (batch,) in DataLoader(ds, batch_size=4, pin_memory=True):
-            assert batch.is_pinned()
-            seen += batch.to("tpu").sum().item()
-        assert seen == sum(range(64))
-    """)
+    run_in_child(tpud, _pin_memory_and_dataloader)
+
+
+def _pin_memory_and_dataloader():
+    import torch
+    import torch_tpu  # noqa: F401
+    from torch.utils.data import DataLoader, TensorDataset
+    p = torch.arange(1000.0).pin_memory()
+    assert p.is_pinned()
+    assert torch.equal(p.to("tpu").cpu(), torch.arange(1000.0))
+    ds = TensorDataset(torch.arange(64.0).reshape(16, 4))
+    seen = 0
+    for (batch,) in DataLoader(ds, batch_size=4, pin_memory=True):
+        assert batch.is_pinned()
+        seen += batch.to("tpu").sum().item()
+    assert seen == sum(range(64))
 
 
 def test_save_and_load(tpud, tmp_path):
-    run_py(tpud, f"""
-        import torch, torch_tpu
-        m = torch.nn.Linear(3, 2).to("tpu")
-        t = torch.randn(4, device="tpu")
-        torch.save({{"model": m.state_dict(), "t": t}}, "{tmp_path}/ck.pt")
-        on_tpu = torch.load("{tmp_path}/ck.pt")
-        assert on_tpu["t"].device.type == "tpu" and torch.equal(on_tpu["t"].cpu(), t.cpu())
-        on_cpu = torch.load("{tmp_path}/ck.pt", map_location="cpu")
-        assert on_cpu["t"].device.type == "cpu" and torch.equal(on_cpu["t"], t.cpu())
-        torch.save(on_cpu, "{tmp_path}/cpu.pt")
-        back = torch.load("{tmp_path}/cpu.pt", map_location="tpu")
-        assert back["model"]["weight"].device.type == "tpu"
-        m2 = torch.nn.Linear(3, 2).to("tpu"); m2.load_state_dict(back["model"])
-        assert torch.equal(m2.weight.cpu(), m.weight.cpu())
-    """)
+    run_in_child(tpud, _save_and_load, str(tmp_path))
+
+
+def _save_and_load(tmp_path):
+    import torch
+    import torch_tpu  # noqa: F401
+    m = torch.nn.Linear(3, 2).to("tpu")
+    t = torch.randn(4, device="tpu")
+    torch.save({"model": m.state_dict(), "t": t}, f"{tmp_path}/ck.pt")
+    on_tpu = torch.load(f"{tmp_path}/ck.pt")
+    assert on_tpu["t"].device.type == "tpu" and torch.equal(on_tpu["t"].cpu(), t.cpu())
+    on_cpu = torch.load(f"{tmp_path}/ck.pt", map_location="cpu")
+    assert on_cpu["t"].device.type == "cpu" and torch.equal(on_cpu["t"], t.cpu())
+    torch.save(on_cpu, f"{tmp_path}/cpu.pt")
+    back = torch.load(f"{tmp_path}/cpu.pt", map_location="tpu")
+    assert back["model"]["weight"].device.type == "tpu"
+    m2 = torch.nn.Linear(3, 2).to("tpu"); m2.load_state_dict(back["model"])
+    assert torch.equal(m2.weight.cpu(), m.weight.cpu())
 
 
 def test_async_error_surfaces_at_sync_with_op_name(tpud):
-    r = run_py(tpud, """
-        import torch, torch_tpu
-        a = torch.randn(3, 4, device="tpu")
-        idx = torch.tensor([0, 7]).to("tpu")   # out of range for dim 0
-        b = a.index_select(0, idx)             # queued; fails in the daemon
-        try:
-            b.cpu()
-        except RuntimeError as e:
-            print("ERR", e)
-    """)
+    r = run_in_child(tpud, _async_error_surfaces_at_sync_with_op_name)
     assert "ERR" in r.stdout and "index" in r.stdout
 
 
+def _async_error_surfaces_at_sync_with_op_name():
+    import torch
+    import torch_tpu  # noqa: F401
+    a = torch.randn(3, 4, device="tpu")
+    idx = torch.tensor([0, 7]).to("tpu")   # out of range for dim 0
+    b = a.index_select(0, idx)             # queued; fails in the daemon
+    try:
+        b.cpu()
+    except RuntimeError as e:
+        print("ERR", e)
+
+
 def test_no_silent_cpu_fallback(tpud):
-    r = run_py(tpud, """
-        import torch, torch_tpu
-        try:
-            torch.ones(3, device="tpu") + torch.ones(3)
-        except RuntimeError as e:
-            print("ERR", e)
-    """)
+    r = run_in_child(tpud, _no_silent_cpu_fallback)
     assert "ERR" in r.stdout and "tpu" in r.stdout and "cpu" in r.stdout
+
+
+def _no_silent_cpu_fallback():
+    import torch
+    import torch_tpu  # noqa: F401
+    try:
+        torch.ones(3, device="tpu") + torch.ones(3)
+    except RuntimeError as e:
+        print("ERR", e)
 
 
 def test_no_daemon_raises_at_first_use(tmp_path):
@@ -285,26 +320,28 @@ def test_daemon_gone_mid_run_is_an_error_not_a_hang():
 
 
 def test_two_training_processes_at_once(tpud):
-    code = """
-        import torch, torch_tpu
-        torch.manual_seed(0)
-        m = torch.nn.Linear(32, 1).to("tpu")
-        opt = torch.optim.SGD(m.parameters(), lr=0.05)
-        x = torch.randn(64, 32).to("tpu"); y = x.sum(1, keepdim=True) * 0.1
-        first = None
-        for _ in range(60):
-            loss = ((m(x) - y) ** 2).mean(); opt.zero_grad(); loss.backward(); opt.step()
-            first = first if first is not None else loss.item()
-        assert loss.item() < first * 0.5, (first, loss.item())
-        print("ok")
-    """
     env = tpud.env()
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env,
+    procs = [subprocess.Popen(child_argv(_train_a_linear_model), env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     for p in procs:
         out, err = p.communicate(timeout=180)
         assert p.returncode == 0 and "ok" in out, err
+
+
+def _train_a_linear_model():
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.manual_seed(0)
+    m = torch.nn.Linear(32, 1).to("tpu")
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    x = torch.randn(64, 32).to("tpu"); y = x.sum(1, keepdim=True) * 0.1
+    first = None
+    for _ in range(60):
+        loss = ((m(x) - y) ** 2).mean(); opt.zero_grad(); loss.backward(); opt.step()
+        first = first if first is not None else loss.item()
+    assert loss.item() < first * 0.5, (first, loss.item())
+    print("ok")
 
 
 def test_backend_autoload_without_import(tpud):
@@ -318,69 +355,78 @@ def test_backend_autoload_without_import(tpud):
 
 
 def test_amp_autocast_bfloat16(tpud):
-    run_py(tpud, """
-        import torch, torch_tpu
-        torch.manual_seed(0)
-        m = torch.nn.Linear(8, 4).to("tpu")
-        x = torch.randn(16, 8).to("tpu")
-        with torch.autocast("tpu", dtype=torch.bfloat16):
-            y = m(x)
-            assert y.dtype == torch.bfloat16
-            assert (x + x).dtype == torch.float32       # not on the lower-precision list
-            loss = y.float().pow(2).mean()
-        loss.backward()
-        assert m.weight.grad.dtype == torch.float32
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            ref = torch.nn.functional.linear(x.cpu(), m.weight.cpu(), m.bias.cpu())
-        assert torch.allclose(y.float().cpu(), ref.float(), atol=2e-2, rtol=2e-2)
-    """)
+    run_in_child(tpud, _amp_autocast_bfloat16)
+
+
+def _amp_autocast_bfloat16():
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 4).to("tpu")
+    x = torch.randn(16, 8).to("tpu")
+    with torch.autocast("tpu", dtype=torch.bfloat16):
+        y = m(x)
+        assert y.dtype == torch.bfloat16
+        assert (x + x).dtype == torch.float32       # not on the lower-precision list
+        loss = y.float().pow(2).mean()
+    loss.backward()
+    assert m.weight.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = torch.nn.functional.linear(x.cpu(), m.weight.cpu(), m.bias.cpu())
+    assert torch.allclose(y.float().cpu(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_out_ops_pinned_copies_and_recovery_after_errors(tpud):
     # Regressions: out= kernels that use `out` as scratch (mse_loss), out=
     # into strided tensors, pinned sources reused right after a copy, and
     # memory a failed op wrote being fine once rewritten.
-    run_py(tpud, """
-        import torch, torch_tpu
-        x, y = torch.randn(8, 1), torch.randn(8, 1)
-        got = torch.nn.functional.mse_loss(x.to("tpu"), y.to("tpu"))
-        assert abs(got.item() - torch.nn.functional.mse_loss(x, y).item()) < 1e-6
-        o = torch.empty(6, device="tpu")[::2]
-        torch.mul(torch.ones(3, device="tpu"), 5, out=o)
-        assert o.cpu().tolist() == [5.0, 5.0, 5.0]
-        n = torch.empty(0, dtype=torch.long, device="tpu")
-        torch.nonzero(torch.tensor([0.0, 1.0, 2.0]).to("tpu"), out=n)
-        assert n.cpu().flatten().tolist() == [1, 2]
-        a = torch.randn(512, 512, device="tpu")
-        b = a @ a @ a                      # keep the stream busy
-        p = torch.ones(128).pin_memory()
-        d = p.to("tpu")
-        p.fill_(7)
-        assert d.cpu().tolist() == [1.0] * 128
-        try:
-            torch.mm(torch.ones(2, 3, device="tpu"), torch.ones(4, 5, device="tpu")).cpu()
-        except RuntimeError:
-            pass
-        for _ in range(20):
-            assert (torch.ones(3).to("tpu") * 2).cpu().tolist() == [2.0] * 3
-    """)
+    run_in_child(tpud, _out_ops_pinned_copies_and_recovery_after_errors)
+
+
+def _out_ops_pinned_copies_and_recovery_after_errors():
+    import torch
+    import torch_tpu  # noqa: F401
+    x, y = torch.randn(8, 1), torch.randn(8, 1)
+    got = torch.nn.functional.mse_loss(x.to("tpu"), y.to("tpu"))
+    assert abs(got.item() - torch.nn.functional.mse_loss(x, y).item()) < 1e-6
+    o = torch.empty(6, device="tpu")[::2]
+    torch.mul(torch.ones(3, device="tpu"), 5, out=o)
+    assert o.cpu().tolist() == [5.0, 5.0, 5.0]
+    n = torch.empty(0, dtype=torch.long, device="tpu")
+    torch.nonzero(torch.tensor([0.0, 1.0, 2.0]).to("tpu"), out=n)
+    assert n.cpu().flatten().tolist() == [1, 2]
+    a = torch.randn(512, 512, device="tpu")
+    b = a @ a @ a                      # keep the stream busy
+    p = torch.ones(128).pin_memory()
+    d = p.to("tpu")
+    p.fill_(7)
+    assert d.cpu().tolist() == [1.0] * 128
+    try:
+        torch.mm(torch.ones(2, 3, device="tpu"), torch.ones(4, 5, device="tpu")).cpu()
+    except RuntimeError:
+        pass
+    for _ in range(20):
+        assert (torch.ones(3).to("tpu") * 2).cpu().tolist() == [2.0] * 3
 
 
 def test_lazy_conjugate_and_negative_views(tpud):
     # Regression: copying a conjugate view to the host used to recurse
     # through ATen's conjugate fallback until the stack overflowed.
-    run_py(tpud, """
-        import torch, torch_tpu
-        c = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
-        t = c.to("tpu")
-        assert torch.equal(t.conj().cpu(), c.conj())
-        assert torch.equal(t.conj().resolve_conj().cpu(), c.conj())
-        assert torch.allclose(torch.cov(t).cpu(), torch.cov(c))
-        m = torch.randn(3, 3, dtype=torch.complex64)
-        assert torch.allclose((m.to("tpu").mH @ m.to("tpu")).cpu(), m.mH @ m, atol=1e-5)
-        x = torch.randn(3)
-        assert torch.equal(x.to("tpu")._neg_view().cpu(), -x)
-    """)
+    run_in_child(tpud, _lazy_conjugate_and_negative_views)
+
+
+def _lazy_conjugate_and_negative_views():
+    import torch
+    import torch_tpu  # noqa: F401
+    c = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
+    t = c.to("tpu")
+    assert torch.equal(t.conj().cpu(), c.conj())
+    assert torch.equal(t.conj().resolve_conj().cpu(), c.conj())
+    assert torch.allclose(torch.cov(t).cpu(), torch.cov(c))
+    m = torch.randn(3, 3, dtype=torch.complex64)
+    assert torch.allclose((m.to("tpu").mH @ m.to("tpu")).cpu(), m.mH @ m, atol=1e-5)
+    x = torch.randn(3)
+    assert torch.equal(x.to("tpu")._neg_view().cpu(), -x)
 
 def test_import_order(tpud):
     run_py(tpud, """
@@ -393,82 +439,94 @@ def test_import_order(tpud):
 def test_host_scalar_values_shape_results(tpud):
     # The per-signature meta cache must tell apart host scalars whose value
     # shapes the result (narrow's start given as a tensor).
-    run_py(tpud, """
-        import torch, torch_tpu
-        x = torch.arange(10.0)
-        t = x.to("tpu")
-        for s in (1, 4, 6):
-            assert torch.narrow(t, 0, torch.tensor(s), 3).cpu().tolist() == x[s:s + 3].tolist()
-    """)
+    run_in_child(tpud, _host_scalar_values_shape_results)
+
+
+def _host_scalar_values_shape_results():
+    import torch
+    import torch_tpu  # noqa: F401
+    x = torch.arange(10.0)
+    t = x.to("tpu")
+    for s in (1, 4, 6):
+        assert torch.narrow(t, 0, torch.tensor(s), 3).cpu().tolist() == x[s:s + 3].tolist()
 
 
 def test_results_live_on_their_tensors_device_not_the_current_one(tpud):
     # Regression: storages that ops resize (out= tensors, e.g. x.sum()) were
     # reallocated on the current device (tpu:0) while claiming tpu:1.
-    run_py(tpud, """
-        import torch, torch_tpu
-        assert torch.tpu.current_device() == 0
-        x = torch.arange(10., device="tpu:1")
-        s = x.sum()
-        assert s.device == torch.device("tpu", 1) and s.item() == 45.0
-        y = torch.ones(4, device="tpu:1") * 3
-        assert y.cpu().tolist() == [3.0] * 4
-        z = torch.cat([x, x]).mean()
-        assert z.item() == 4.5
-    """)
+    run_in_child(tpud, _results_live_on_their_tensors_device_not_the_current_one)
+
+
+def _results_live_on_their_tensors_device_not_the_current_one():
+    import torch
+    import torch_tpu  # noqa: F401
+    assert torch.tpu.current_device() == 0
+    x = torch.arange(10., device="tpu:1")
+    s = x.sum()
+    assert s.device == torch.device("tpu", 1) and s.item() == 45.0
+    y = torch.ones(4, device="tpu:1") * 3
+    assert y.cpu().tolist() == [3.0] * 4
+    z = torch.cat([x, x]).mean()
+    assert z.item() == 4.5
 
 
 def test_zero_tensors_and_transposed_convolution_gradients(tpud):
     # Autograd's ZeroTensors (_efficientzerotensor) take no memory on tpu, as
     # on CUDA; once crashed the daemon's executor when made there. And the
     # bias gradient of a transposed convolution has out_channels entries.
-    run_py(tpud, """
-        import torch, torch_tpu
-        z = torch._efficientzerotensor((2, 3), device="tpu")
-        assert z._is_zerotensor() and z.device.type == "tpu"
-        assert (z + torch.ones(2, 3, device="tpu")).cpu().tolist() == [[1.0] * 3] * 2
-        # Gradients through an op whose backward yields zero tensors.
-        a = torch.randn(4, 5, requires_grad=True)
-        x = a.detach().to("tpu").requires_grad_()
-        torch.view_as_real(torch.complex(x, torch.zeros_like(x))).sum().backward()
-        torch.view_as_real(torch.complex(a, torch.zeros_like(a))).sum().backward()
-        assert torch.equal(x.grad.cpu(), a.grad)
-        for conv in (torch.nn.ConvTranspose1d(4, 6, 3, groups=2),
-                     torch.nn.ConvTranspose2d(2, 5, 3, stride=2)):
-            dims = 1 if isinstance(conv, torch.nn.ConvTranspose1d) else 2
-            inp = torch.randn((2, conv.in_channels) + (7,) * dims)
-            dev = torch.nn.ConvTranspose1d(4, 6, 3, groups=2) if dims == 1 \\
-                else torch.nn.ConvTranspose2d(2, 5, 3, stride=2)
-            dev.load_state_dict(conv.state_dict())
-            dev = dev.to("tpu")
-            conv(inp).square().sum().backward()
-            dev(inp.to("tpu")).square().sum().backward()
-            for p, q in zip(conv.parameters(), dev.parameters()):
-                torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-4)
-    """)
+    run_in_child(tpud, _zero_tensors_and_transposed_convolution_gradients)
+
+
+def _zero_tensors_and_transposed_convolution_gradients():
+    import torch
+    import torch_tpu  # noqa: F401
+    z = torch._efficientzerotensor((2, 3), device="tpu")
+    assert z._is_zerotensor() and z.device.type == "tpu"
+    assert (z + torch.ones(2, 3, device="tpu")).cpu().tolist() == [[1.0] * 3] * 2
+    # Gradients through an op whose backward yields zero tensors.
+    a = torch.randn(4, 5, requires_grad=True)
+    x = a.detach().to("tpu").requires_grad_()
+    torch.view_as_real(torch.complex(x, torch.zeros_like(x))).sum().backward()
+    torch.view_as_real(torch.complex(a, torch.zeros_like(a))).sum().backward()
+    assert torch.equal(x.grad.cpu(), a.grad)
+    for conv in (torch.nn.ConvTranspose1d(4, 6, 3, groups=2),
+                 torch.nn.ConvTranspose2d(2, 5, 3, stride=2)):
+        dims = 1 if isinstance(conv, torch.nn.ConvTranspose1d) else 2
+        inp = torch.randn((2, conv.in_channels) + (7,) * dims)
+        dev = torch.nn.ConvTranspose1d(4, 6, 3, groups=2) if dims == 1 \
+            else torch.nn.ConvTranspose2d(2, 5, 3, stride=2)
+        dev.load_state_dict(conv.state_dict())
+        dev = dev.to("tpu")
+        conv(inp).square().sum().backward()
+        dev(inp.to("tpu")).square().sum().backward()
+        for p, q in zip(conv.parameters(), dev.parameters()):
+            torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-4)
 
 
 def test_out_and_inplace_results_cast_to_the_out_dtype_as_on_cpu(tpud):
     # ATen lets an out= or in-place tensor have another dtype than the result
     # when the result casts to it (cosine_similarity in bfloat16 clamps with a
     # float32 0-dim eps), and refuses it otherwise.
-    run_py(tpud, """
-        import torch, torch_tpu
-        x = torch.tensor([0.3, 2.7], dtype=torch.bfloat16)
-        for make in (lambda d: x.to(d).clone().clamp_min_(torch.tensor(1.1)),
-                     lambda d: torch.add(x.to(d), 1, out=torch.empty(2, dtype=torch.float64,
-                                                                     device=d)),
-                     lambda d: torch.nn.functional.cosine_similarity(
-                         x[0].to(d), x[1].to(d), dim=0)):
-            want, got = make("cpu"), make("tpu")
-            assert got.dtype == want.dtype and got.device.type == "tpu", (got.dtype, want.dtype)
-            assert torch.equal(got.cpu(), want), (got, want)
-        try:
-            torch.arange(3, device="tpu").add_(torch.tensor(0.5, device="tpu"))
-            raise AssertionError("no error")
-        except RuntimeError as e:
-            assert "can't be cast to the desired output type Long" in str(e), e
-    """)
+    run_in_child(tpud, _out_and_inplace_results_cast_to_the_out_dtype_as_on_cpu)
+
+
+def _out_and_inplace_results_cast_to_the_out_dtype_as_on_cpu():
+    import torch
+    import torch_tpu  # noqa: F401
+    x = torch.tensor([0.3, 2.7], dtype=torch.bfloat16)
+    for make in (lambda d: x.to(d).clone().clamp_min_(torch.tensor(1.1)),
+                 lambda d: torch.add(x.to(d), 1, out=torch.empty(2, dtype=torch.float64,
+                                                                 device=d)),
+                 lambda d: torch.nn.functional.cosine_similarity(
+                     x[0].to(d), x[1].to(d), dim=0)):
+        want, got = make("cpu"), make("tpu")
+        assert got.dtype == want.dtype and got.device.type == "tpu", (got.dtype, want.dtype)
+        assert torch.equal(got.cpu(), want), (got, want)
+    try:
+        torch.arange(3, device="tpu").add_(torch.tensor(0.5, device="tpu"))
+        raise AssertionError("no error")
+    except RuntimeError as e:
+        assert "can't be cast to the desired output type Long" in str(e), e
 
 
 def test_structured_ops_go_to_the_daemon_whole_and_keep_atens_checks(tpud):
@@ -477,51 +535,54 @@ def test_structured_ops_go_to_the_daemon_whole_and_keep_atens_checks(tpud):
     # them to its fallback directly, which keeps meta results per signature.
     # In-place ops still check what ATen checks, and their results match
     # the CPU's on views, broadcasts and mixed dtypes.
-    run_py(tpud, """
-        import torch, torch_tpu
-        torch.zeros(1, device="tpu")  # (the session opens at first use)
-        whole = set(torch_tpu._C._structured_ops_sent_whole())
-        for name in ("aten::add.Tensor", "aten::add_.Tensor", "aten::mul_.Tensor", "aten::div.Tensor"):
-            assert name in whole, (name, len(whole))
-            assert "registration.cc" in [l for l in torch._C._dispatch_dump_table(name).splitlines()
-                                if l.startswith("PrivateUse1:")][0], name
-        assert not any("zero_" in n or n == "aten::copy" for n in whole)
-        torch.manual_seed(0)
-        base = torch.randn(4, 6)
-        other = torch.randn(6)
-        def run(d):
-            a = base.to(d).clone()
-            a.t()[1:4].add_(other[:4].to(d), alpha=2)   # in place on a strided view
-            b = base.to(d).clone()
-            b[:, ::2].mul_(other[:3].to(d))               # broadcast into a view with gaps
-            c = torch.arange(12, device=d).reshape(3, 4)
-            c.add_(3).mul_(2).sub_(torch.tensor(1, device=d))  # integers, host scalars
-            e = base.to(d).clone().clamp_(-0.5, 0.5).sigmoid_()
-            f = torch.tensor([1.5, 2.5], device=d, dtype=torch.bfloat16).add_(torch.tensor(0.25))
-            g = base.to(d)[torch.tensor([True, False, True, False], device=d)]  # data-dependent meta
-            return a, b, c, e, f, g, base.to(d) + other.to(d), torch.maximum(base.to(d), other.to(d))
-        for want, got in zip(run("cpu"), run("tpu")):
-            assert got.device.type == "tpu" and got.dtype == want.dtype
-            torch.testing.assert_close(got.cpu(), want)
-        for bad, text in ((lambda: torch.zeros(1, device="tpu").add_(torch.ones(3, device="tpu")),
-                           "doesn't match the broadcast shape"),
-                          (lambda: torch.zeros(2, device="tpu", dtype=torch.long).mul_(1.5),
-                           "can't be cast to the desired output type Long"),
-                          (lambda: torch.zeros(2, device="tpu") + torch.ones(3, device="tpu"),
-                           "broadcast"),
-                          (lambda: torch.zeros(1, device="tpu").expand(3).add_(1),
-                           "more than one element of the written-to tensor"),
-                          (lambda: (lambda a: a[1:].add_(a[:-1]))(torch.arange(6., device="tpu")),
-                           "some elements of the input tensor and the written-to tensor")):
-            try:
-                bad()
-                raise AssertionError("no error: " + text)
-            except RuntimeError as err:
-                assert text in str(err), err
-        x = torch.ones(3, device="tpu")
-        x.add_(1)
-        assert x.cpu().tolist() == [2.0, 2.0, 2.0]  # the session goes on after those errors
-    """)
+    run_in_child(tpud, _structured_ops_sent_whole)
+
+
+def _structured_ops_sent_whole():
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.zeros(1, device="tpu")  # (the session opens at first use)
+    whole = set(torch_tpu._C._structured_ops_sent_whole())
+    for name in ("aten::add.Tensor", "aten::add_.Tensor", "aten::mul_.Tensor", "aten::div.Tensor"):
+        assert name in whole, (name, len(whole))
+        assert "registration.cc" in [l for l in torch._C._dispatch_dump_table(name).splitlines()
+                            if l.startswith("PrivateUse1:")][0], name
+    assert not any("zero_" in n or n == "aten::copy" for n in whole)
+    torch.manual_seed(0)
+    base = torch.randn(4, 6)
+    other = torch.randn(6)
+    def run(d):
+        a = base.to(d).clone()
+        a.t()[1:4].add_(other[:4].to(d), alpha=2)   # in place on a strided view
+        b = base.to(d).clone()
+        b[:, ::2].mul_(other[:3].to(d))               # broadcast into a view with gaps
+        c = torch.arange(12, device=d).reshape(3, 4)
+        c.add_(3).mul_(2).sub_(torch.tensor(1, device=d))  # integers, host scalars
+        e = base.to(d).clone().clamp_(-0.5, 0.5).sigmoid_()
+        f = torch.tensor([1.5, 2.5], device=d, dtype=torch.bfloat16).add_(torch.tensor(0.25))
+        g = base.to(d)[torch.tensor([True, False, True, False], device=d)]  # data-dependent meta
+        return a, b, c, e, f, g, base.to(d) + other.to(d), torch.maximum(base.to(d), other.to(d))
+    for want, got in zip(run("cpu"), run("tpu")):
+        assert got.device.type == "tpu" and got.dtype == want.dtype
+        torch.testing.assert_close(got.cpu(), want)
+    for bad, text in ((lambda: torch.zeros(1, device="tpu").add_(torch.ones(3, device="tpu")),
+                       "doesn't match the broadcast shape"),
+                      (lambda: torch.zeros(2, device="tpu", dtype=torch.long).mul_(1.5),
+                       "can't be cast to the desired output type Long"),
+                      (lambda: torch.zeros(2, device="tpu") + torch.ones(3, device="tpu"),
+                       "broadcast"),
+                      (lambda: torch.zeros(1, device="tpu").expand(3).add_(1),
+                       "more than one element of the written-to tensor"),
+                      (lambda: (lambda a: a[1:].add_(a[:-1]))(torch.arange(6., device="tpu")),
+                       "some elements of the input tensor and the written-to tensor")):
+        try:
+            bad()
+            raise AssertionError("no error: " + text)
+        except RuntimeError as err:
+            assert text in str(err), err
+    x = torch.ones(3, device="tpu")
+    x.add_(1)
+    assert x.cpu().tolist() == [2.0, 2.0, 2.0]  # the session goes on after those errors
 
 
 def test_cached_blocks_stay_with_their_stream(tpud):
@@ -529,29 +590,32 @@ def test_cached_blocks_stay_with_their_stream(tpud):
     # work; as in CUDA's caching allocator, only that stream reuses it, and a
     # block recorded on another stream comes back once that stream passed
     # the point where it was freed.
-    run_py(tpud, """
-        import torch, torch_tpu
-        s = torch.tpu.Stream()
-        with torch.tpu.stream(s):
-            x = torch.empty(1 << 16, device="tpu")
-            addr = x.data_ptr()
-            del x
-        y = torch.empty(1 << 16, device="tpu")
-        assert y.data_ptr() != addr, "a block freed on a side stream went to the default stream"
-        with torch.tpu.stream(s):
-            z = torch.empty(1 << 16, device="tpu")
-            assert z.data_ptr() == addr, "the side stream did not reuse its own block"
-        a = torch.ones(1 << 16, device="tpu")
-        a_addr = a.data_ptr()
-        a.record_stream(s)
-        with torch.tpu.stream(s):
-            (a * 2).sum()
-        del a
-        # The allocator notes the free on the recorded streams at its next
-        # allocation (the deleter may run anywhere); once they pass it, the
-        # block is back.
-        small = torch.empty(16, device="tpu")
-        torch.tpu.synchronize()
-        b = torch.empty(1 << 16, device="tpu")
-        assert b.data_ptr() == a_addr, "a recorded block never came back after its streams passed"
-    """)
+    run_in_child(tpud, _cached_blocks_stay_with_their_stream)
+
+
+def _cached_blocks_stay_with_their_stream():
+    import torch
+    import torch_tpu  # noqa: F401
+    s = torch.tpu.Stream()
+    with torch.tpu.stream(s):
+        x = torch.empty(1 << 16, device="tpu")
+        addr = x.data_ptr()
+        del x
+    y = torch.empty(1 << 16, device="tpu")
+    assert y.data_ptr() != addr, "a block freed on a side stream went to the default stream"
+    with torch.tpu.stream(s):
+        z = torch.empty(1 << 16, device="tpu")
+        assert z.data_ptr() == addr, "the side stream did not reuse its own block"
+    a = torch.ones(1 << 16, device="tpu")
+    a_addr = a.data_ptr()
+    a.record_stream(s)
+    with torch.tpu.stream(s):
+        (a * 2).sum()
+    del a
+    # The allocator notes the free on the recorded streams at its next
+    # allocation (the deleter may run anywhere); once they pass it, the
+    # block is back.
+    small = torch.empty(16, device="tpu")
+    torch.tpu.synchronize()
+    b = torch.empty(1 << 16, device="tpu")
+    assert b.data_ptr() == a_addr, "a recorded block never came back after its streams passed"
