@@ -12,6 +12,7 @@
 #include "catch2_compat/catch.h"
 #include "daemon/backends/pjrt/lowering/registry.h"
 #include "daemon/backends/pjrt/pjrt_chip.h"
+#include "daemon/backends/pjrt/pjrt_op.h"
 #include "tpu/device_address.h"
 #include "tpu/dtype.h"
 #include "tpu/op_record.h"
@@ -236,6 +237,30 @@ TEST_CASE("an op without a lowering fails naming itself") {
   CHECK(st.message() ==
         "aten::not_a_lowered_op: no lowering to StableHLO yet (PJRT backend; tpud "
         "--backend=simulated runs every ATen op)");
+}
+
+TEST_CASE("argument names come from the schema, defaults and annotations aside") {
+  CHECK(ArgumentNames("aten::sum.IntList_out(Tensor self, int[1]? dim, bool keepdim=False, *, "
+                      "ScalarType? dtype=None, Tensor(a!) out) -> Tensor(a!)") ==
+        std::vector<std::string>{"self", "dim", "keepdim", "dtype", "out"});
+  CHECK(ArgumentNames("aten::avg_pool2d(Tensor self, int[2] kernel_size, int[2] stride=[], "
+                      "int[2] padding=[0, 0]) -> Tensor") ==
+        std::vector<std::string>{"self", "kernel_size", "stride", "padding"});
+}
+
+TEST_CASE("leaky_relu reads negative_slope by name, its default when absent") {
+  Fixture f;
+  Placed x = f.arena.Floats({2}, {-2, 3});
+  Placed out = f.arena.Floats({2}, {0, 0});
+  const char* schema = "aten::leaky_relu(Tensor self, Scalar negative_slope=0.01) -> Tensor";
+  absl::Status st = f.Run(schema, Record(f.arena).Tensor(x).ScalarDouble(0.5).Output(out));
+  INFO(st.ToString());
+  REQUIRE(st.ok());
+  CHECK(Read(out, 2) == std::vector<float>{-1, 3});
+  st = f.Run(schema, Record(f.arena).Tensor(x).Output(out));
+  INFO(st.ToString());
+  REQUIRE(st.ok());
+  CHECK(Read(out, 2)[0] == Approx(-0.02f));
 }
 
 TEST_CASE("the registry's facts: host-side ops, first arguments overwritten") {

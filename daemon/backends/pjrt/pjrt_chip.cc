@@ -325,7 +325,7 @@ absl::Status PjrtChip::RunOrPlan(const BackendOp& base, const tpu::DecodedOp& de
   if (single == nullptr && multi == nullptr) {
     return Unsupported(op.name(), "no lowering to StableHLO yet");
   }
-  Lowering l(op.name(), decoded, tensors);
+  Lowering l(op.name(), decoded, tensors, &op.arg_names());
   // Where results go: the written argument (self of an in-place op, out of
   // an out= op; each element of a written list), else the op's outputs.
   std::vector<const tpu::TensorRef*> refs;
@@ -436,7 +436,7 @@ absl::Status PjrtChip::RunOrPlan(const BackendOp& base, const tpu::DecodedOp& de
     }
   }
   auto lower = [&](Plan& plan) -> absl::Status {
-  Lowering l(op.name(), decoded, tensors);
+  Lowering l(op.name(), decoded, tensors, &op.arg_names());
   if (multi == nullptr && refs.size() != 1) {
     return Unsupported(op.name(), absl::StrCat(refs.size(), " outputs"));
   }

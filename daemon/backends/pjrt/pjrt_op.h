@@ -13,6 +13,9 @@
 #include "daemon/backends/pjrt/lowering/registry.h"
 
 namespace tpud::pjrt {
+// The arguments' names ("aten::add.Tensor(Tensor self, Tensor other, *,
+// Scalar alpha=1) -> Tensor": self, other, alpha).
+std::vector<std::string> ArgumentNames(absl::string_view schema);
 
 class PjrtOp : public BackendOp {
  public:
@@ -21,10 +24,13 @@ class PjrtOp : public BackendOp {
   // What depends on the name alone is found here once, not per op run.
   PjrtOp(std::string schema, std::string name, std::vector<int> written)
       : schema_(std::move(schema)), name_(std::move(name)), written_(std::move(written)),
-        entry_(Registry().Find(name_)) {}
+        arg_names_(ArgumentNames(schema_)), entry_(Registry().Find(name_)) {}
   const std::string& schema() const override { return schema_; }
   const std::string& name() const { return name_; }
   const std::vector<int>& written() const { return written_; }
+  // Its arguments' names, in order ("self", "other", "alpha"), for rules
+  // that read them by name (Args, lowering/helpers.h).
+  const std::vector<std::string>& arg_names() const { return arg_names_; }
   // Its registry entry (null: not lowered); the registry lives as long as
   // the process.
   const OpEntry* entry() const { return entry_; }
@@ -47,6 +53,7 @@ class PjrtOp : public BackendOp {
   std::string schema_;
   std::string name_;  // "aten::add_.Tensor"
   std::vector<int> written_;
+  std::vector<std::string> arg_names_;
   const OpEntry* entry_;
 };
 

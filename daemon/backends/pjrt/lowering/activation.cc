@@ -26,14 +26,18 @@
 namespace tpud::pjrt {
 
 void RegisterActivation(OpRegistry& reg) {
+  // Arguments are read by their schema names (Args, helpers.h).
   reg.Add("aten::threshold_backward", [](Lowering& l, const tpu::DecodedOp& d,
                                         const Target& out) -> absl::StatusOr<std::string> {
-    if (d.num_args < 3) return Unsupported(l.op(), "too few arguments");
-    absl::StatusOr<std::string> grad = l.Operand(d.args[0], out.dims, *out.type);
+    const Args a(l);
+    if (!a.Has("grad_output") || !a.Has("self") || !a.Has("threshold")) {
+      return Unsupported(l.op(), "too few arguments");
+    }
+    absl::StatusOr<std::string> grad = l.Operand(a["grad_output"], out.dims, *out.type);
     if (!grad.ok()) return grad;
-    absl::StatusOr<std::string> self = l.Operand(d.args[1], out.dims, *out.type);
+    absl::StatusOr<std::string> self = l.Operand(a["self"], out.dims, *out.type);
     if (!self.ok()) return self;
-    absl::StatusOr<std::string> thr = l.Operand(d.args[2], out.dims, *out.type);
+    absl::StatusOr<std::string> thr = l.Operand(a["threshold"], out.dims, *out.type);
     if (!thr.ok()) return thr;
     const HloType& pred = *DTypeOf(tpu::DType::kBool);
     const std::string c = l.Emit(absl::StrCat(
@@ -43,21 +47,25 @@ void RegisterActivation(OpRegistry& reg) {
     return l.Emit(absl::StrCat("stablehlo.select ", c, ", ", l.Constant(0, out.dims, *out.type),
                                ", ", *grad, " : ", TypeOf(out.dims, pred), ", ",
                                TypeOf(out.dims, *out.type)));
-  });  for (bool log : {true, false}) {
+  });
+  for (bool log : {true, false}) {
     reg.Add(log ? "aten::_log_softmax" : "aten::_softmax", [log](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-      if (!Defined(d, 0) || d.num_args < 2) return Unsupported(l.op(), "arguments of a form not lowered");
-      absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
+      const Args a(l);
+      if (!a.Defined("self") || !a.Has("dim")) return Unsupported(l.op(), "arguments of a form not lowered");
+      absl::StatusOr<std::string> x = l.Operand(a["self"], o.dims, *o.type);
       if (!x.ok()) return x;
-      return SoftmaxOf(l, *x, o.dims, WrapDim(d.args[1].i, o.dims.size()), *o.type, log);
+      return SoftmaxOf(l, *x, o.dims, WrapDim(a["dim"].i, o.dims.size()), *o.type, log);
     });
     reg.Add(log ? "aten::_log_softmax_backward_data" : "aten::_softmax_backward_data", [log](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-      // (grad_output, output, dim, input_dtype)
-      if (!Defined(d, 0) || !Defined(d, 1) || d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
+      const Args a(l);
+      if (!a.Defined("grad_output") || !a.Defined("output") || !a.Has("dim")) {
+        return Unsupported(l.op(), "arguments of a form not lowered");
+      }
       const HloType& t = *o.type;
-      absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t), y = l.Operand(d.args[1], o.dims, t);
+      absl::StatusOr<std::string> g = l.Operand(a["grad_output"], o.dims, t), y = l.Operand(a["output"], o.dims, t);
       if (!g.ok()) return g;
       if (!y.ok()) return y;
-      const std::vector<int64_t> which = {WrapDim(d.args[2].i, o.dims.size())};
+      const std::vector<int64_t> which = {WrapDim(a["dim"].i, o.dims.size())};
       const std::string zero = l.Constant(0, {}, t);
       if (log) {
         const std::string sum = l.Expand(l.ReduceOver(*g, o.dims, which, "add", zero, t), o.dims, which, t);
@@ -70,9 +78,11 @@ void RegisterActivation(OpRegistry& reg) {
   }
   reg.Add("aten::gelu", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
       -> absl::StatusOr<std::string> {
-    absl::StatusOr<bool> approx = TanhGelu(l, d, 1);
+    const Args a(l);
+    absl::StatusOr<bool> approx = TanhGelu(l, a.Find("approximate"));
     if (!approx.ok()) return approx.status();
-    absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
+    if (!a.Has("self")) return Unsupported(l.op(), "expects a tensor");
+    absl::StatusOr<std::string> x = l.Operand(a["self"], o.dims, *o.type);
     if (!x.ok()) return x;
     if (*approx) {
       const HloType& t = *o.type;
@@ -84,12 +94,13 @@ void RegisterActivation(OpRegistry& reg) {
   });
   reg.Add("aten::gelu_backward", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
       -> absl::StatusOr<std::string> {
-    // (grad_output, self, approximate): grad * (cdf(x) + x * pdf(x))
-    absl::StatusOr<bool> approx = TanhGelu(l, d, 2);
+    // grad * (cdf(x) + x * pdf(x))
+    const Args a(l);
+    absl::StatusOr<bool> approx = TanhGelu(l, a.Find("approximate"));
     if (!approx.ok()) return approx.status();
-    if (d.num_args < 2) return Unsupported(l.op(), "arguments of a form not lowered");
+    if (!a.Has("grad_output") || !a.Has("self")) return Unsupported(l.op(), "arguments of a form not lowered");
     const HloType& t = *o.type;
-    absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t), x = l.Operand(d.args[1], o.dims, t);
+    absl::StatusOr<std::string> g = l.Operand(a["grad_output"], o.dims, t), x = l.Operand(a["self"], o.dims, t);
     if (!g.ok()) return g;
     if (!x.ok()) return x;
     if (*approx) {
@@ -112,21 +123,24 @@ void RegisterActivation(OpRegistry& reg) {
   reg.Alias("aten::gelu_backward.grad_input", "aten::gelu_backward");
   reg.Add("aten::leaky_relu", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
       -> absl::StatusOr<std::string> {
+    const Args a(l);
+    if (!a.Has("self")) return Unsupported(l.op(), "expects a tensor");
     const HloType& t = *o.type;
-    absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
+    absl::StatusOr<std::string> x = l.Operand(a["self"], o.dims, t);
     if (!x.ok()) return x;
-    const double slope = d.num_args > 1 ? NumberOf(d.args[1]) : 0.01;
+    const double slope = a.Number("negative_slope", 0.01);
     return l.Select(l.Compare("GT", *x, l.Constant(0, o.dims, t), o.dims, t), *x,
                     l.Binary("multiply", *x, l.Constant(slope, o.dims, t), o.dims, t), o.dims, t);
   });
   reg.Add("aten::elu", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
       -> absl::StatusOr<std::string> {
-    // (self, alpha, scale, input_scale)
+    const Args a(l);
+    if (!a.Has("self")) return Unsupported(l.op(), "expects a tensor");
     const HloType& t = *o.type;
-    absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
+    absl::StatusOr<std::string> x = l.Operand(a["self"], o.dims, t);
     if (!x.ok()) return x;
-    const double alpha = d.num_args > 1 ? NumberOf(d.args[1]) : 1, scale = d.num_args > 2 ? NumberOf(d.args[2]) : 1,
-                 in_scale = d.num_args > 3 ? NumberOf(d.args[3]) : 1;
+    const double alpha = a.Number("alpha", 1), scale = a.Number("scale", 1),
+                 in_scale = a.Number("input_scale", 1);
     const std::string neg = l.Binary("multiply", l.Constant(alpha, o.dims, t),
                                      l.Unary("exponential_minus_one", l.Binary("multiply", *x, l.Constant(in_scale, o.dims, t), o.dims, t), o.dims, t), o.dims, t);
     const std::string r = l.Select(l.Compare("GT", *x, l.Constant(0, o.dims, t), o.dims, t), *x, neg, o.dims, t);
@@ -136,9 +150,10 @@ void RegisterActivation(OpRegistry& reg) {
   // grad * (1 - y * y).
   for (bool sig : {true, false}) {
     reg.Add(sig ? "aten::sigmoid_backward" : "aten::tanh_backward", [sig](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-      if (d.num_args < 2) return Unsupported(l.op(), "arguments of a form not lowered");
+      const Args a(l);
+      if (!a.Has("grad_output") || !a.Has("output")) return Unsupported(l.op(), "arguments of a form not lowered");
       const HloType& t = *o.type;
-      absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t), y = l.Operand(d.args[1], o.dims, t);
+      absl::StatusOr<std::string> g = l.Operand(a["grad_output"], o.dims, t), y = l.Operand(a["output"], o.dims, t);
       if (!g.ok()) return g;
       if (!y.ok()) return y;
       const std::string one = l.Constant(1, o.dims, t);
@@ -151,10 +166,12 @@ void RegisterActivation(OpRegistry& reg) {
   reg.Alias("aten::tanh_backward.grad_input", "aten::tanh_backward");
   // softplus(self, beta, threshold): linear above the threshold.
   reg.Add("aten::softplus", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+    const Args a(l);
+    if (!a.Has("self")) return Unsupported(l.op(), "expects a tensor");
     const HloType& t = *o.type;
-    absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
+    absl::StatusOr<std::string> x = l.Operand(a["self"], o.dims, t);
     if (!x.ok()) return x;
-    const double beta = d.num_args > 1 ? NumberOf(d.args[1]) : 1, threshold = d.num_args > 2 ? NumberOf(d.args[2]) : 20;
+    const double beta = a.Number("beta", 1), threshold = a.Number("threshold", 20);
     const std::string bx = l.Binary("multiply", *x, l.Constant(beta, o.dims, t), o.dims, t);
     const std::string soft = l.Binary("divide", l.Unary("log_plus_one", l.Unary("exponential", bx, o.dims, t), o.dims, t),
                                       l.Constant(beta, o.dims, t), o.dims, t);

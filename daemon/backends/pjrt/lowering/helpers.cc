@@ -21,6 +21,29 @@
 
 namespace tpud::pjrt {
 
+const tpu::OpArg* Args::Find(absl::string_view name) const {
+  if (names_ == nullptr) return nullptr;
+  for (size_t i = 0; i < names_->size() && i < d_.num_args; ++i) {
+    if ((*names_)[i] == name) return &d_.args[i];
+  }
+  return nullptr;
+}
+
+bool Args::Defined(absl::string_view name) const {
+  const tpu::OpArg* a = Find(name);
+  return a != nullptr && a->tag == tpu::ArgTag::kTensor;
+}
+
+int64_t Args::Int(absl::string_view name, int64_t absent) const {
+  const tpu::OpArg* a = Find(name);
+  return a == nullptr ? absent : a->i;
+}
+
+double Args::Number(absl::string_view name, double absent) const {
+  const tpu::OpArg* a = Find(name);
+  return a == nullptr ? absent : NumberOf(*a);
+}
+
 std::string Highest(Lowering& l, const HloType& t) {
   const char* hex = t.dtype == tpu::DType::kFloat ? "0x7F800000" : t.dtype == tpu::DType::kDouble ? "0x7FF0000000000000"
                   : t.dtype == tpu::DType::kHalf ? "0x7C00" : t.dtype == tpu::DType::kBFloat16 ? "0x7F80" : nullptr;
@@ -274,10 +297,10 @@ std::string GeluCdf(Lowering& l, const std::string& x, const std::vector<int64_t
 }
 
 
-absl::StatusOr<bool> TanhGelu(const Lowering& l, const tpu::DecodedOp& d, size_t i) {
-  if (i >= d.num_args || d.args[i].tag != tpu::ArgTag::kString || d.args[i].s == "none") return false;
-  if (d.args[i].s == "tanh") return true;
-  return Unsupported(l.op(), "approximate=\"" + d.args[i].s + "\" is not lowered");
+absl::StatusOr<bool> TanhGelu(const Lowering& l, const tpu::OpArg* approximate) {
+  if (approximate == nullptr || approximate->tag != tpu::ArgTag::kString || approximate->s == "none") return false;
+  if (approximate->s == "tanh") return true;
+  return Unsupported(l.op(), "approximate=\"" + approximate->s + "\" is not lowered");
 }
 
 

@@ -9,9 +9,33 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "daemon/backends/pjrt/lowering/lowering.h"
 
 namespace tpud::pjrt {
+
+// An op's arguments by their schema names: Args a(l); a.Tensor("other"),
+// a.Int("dim", 0), a.Number("alpha", 1). An argument the schema does not
+// name, or the record does not carry (a trailing default), is absent.
+class Args {
+ public:
+  explicit Args(const Lowering& l) : d_(l.decoded()), names_(l.arg_names()) {}
+  // The argument, or null where absent.
+  const tpu::OpArg* Find(absl::string_view name) const;
+  bool Has(absl::string_view name) const { return Find(name) != nullptr; }
+  // Present and a (defined) tensor.
+  bool Defined(absl::string_view name) const;
+  // REQUIRES: Has(name).
+  const tpu::OpArg& operator[](absl::string_view name) const { return *Find(name); }
+  // An int argument's value, or `absent`.
+  int64_t Int(absl::string_view name, int64_t absent) const;
+  // A number (int, bool or floating scalar) as a double, or `absent`.
+  double Number(absl::string_view name, double absent) const;
+
+ private:
+  const tpu::DecodedOp& d_;
+  const std::vector<std::string>* names_;
+};
 
 // +inf (floats) or the highest value, as a 0-d constant.
 std::string Highest(Lowering& l, const HloType& t);
@@ -76,7 +100,7 @@ std::string Erf(Lowering& l, const std::string& x, const std::vector<int64_t>& d
 std::string GeluCdf(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const HloType& t);
 
 // gelu's approximate= argument (at i): false for "none", true for "tanh".
-absl::StatusOr<bool> TanhGelu(const Lowering& l, const tpu::DecodedOp& d, size_t i);
+absl::StatusOr<bool> TanhGelu(const Lowering& l, const tpu::OpArg* approximate);
 
 // tanh(sqrt(2 / pi) * (x + 0.044715 x^3)), of the tanh approximation.
 std::string GeluTanhInner(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const HloType& t);

@@ -148,9 +148,12 @@ inline std::string IntLimit(const HloType& t, bool high) {
 // Builds one op's program and the transfers that feed it.
 class Lowering {
  public:
+  // arg_names: the op's arguments' names, for rules that read them by
+  // name (Args, helpers.h); null where nothing reads them.
   Lowering(const std::string& op, const tpu::DecodedOp& decoded,
-           const std::vector<ResolvedTensor>& tensors)
-      : op_(op), decoded_(decoded), tensors_(tensors) {}
+           const std::vector<ResolvedTensor>& tensors,
+           const std::vector<std::string>* arg_names = nullptr)
+      : op_(op), decoded_(decoded), tensors_(tensors), arg_names_(arg_names) {}
 
   // The host address of tensor `ref` (the k-th TensorRef of the record),
   // checked to lie inside its resolved segment.
@@ -485,6 +488,8 @@ class Lowering {
 
   std::vector<Transfer>& transfers() { return transfers_; }
   const std::string& op() const { return op_; }
+  const tpu::DecodedOp& decoded() const { return decoded_; }
+  const std::vector<std::string>* arg_names() const { return arg_names_; }
 
   // Records that every element of `idx` (i64, dims `dims`) must lie in
   // [0, size): the program returns whether one does not, and the op fails
@@ -821,6 +826,7 @@ class Lowering {
   const std::string& op_;
   const tpu::DecodedOp& decoded_;
   const std::vector<ResolvedTensor>& tensors_;
+  const std::vector<std::string>* arg_names_;
   std::vector<std::string> param_types_;
   std::vector<Transfer> transfers_;
   std::string body_;
