@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "daemon/collectives/communicators.h"
+#include "daemon/collectives/registry.h"
 #include "daemon/core/runtime_core.h"
 #include "daemon/core/shared_regions.h"
 #include "daemon/executor/executor_pool.h"

@@ -10,7 +10,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
-#include "daemon/collectives/communicators.h"
+#include "daemon/collectives/registry.h"
 #include "daemon/core/connection_table.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/executor/executor_pool.h"
