@@ -155,7 +155,8 @@ void RegisterElementwise(OpRegistry& reg) {
         return l.Binary("add", *a, prod, o.dims, t);
       });
     }
-  }  using F = std::function<std::string(Lowering&, const std::string&, const Target&)>;
+  }
+  using F = std::function<std::string(Lowering&, const std::string&, const Target&)>;
   auto unary = [&reg](const std::string& name, F f) {
     reg.Add(name, UnaryRule(std::move(f)));
   };

@@ -157,118 +157,23 @@ class Lowering {
 
   // The host address of tensor `ref` (the k-th TensorRef of the record),
   // checked to lie inside its resolved segment.
-  absl::StatusOr<char*> HostOf(const tpu::TensorRef& ref, size_t k) const {
-    if (k >= tensors_.size()) return absl::InternalError(absl::StrCat(op_, ": tensor ", k, " unresolved"));
-    const ResolvedTensor& seg = tensors_[k];
-    const HloType* t = DTypeOf(ref.dtype);
-    if (t == nullptr) return Unsupported(op_, absl::StrCat("dtype ", int(ref.dtype), " is not lowered"));
-    const uint64_t rel = ref.address - seg.segment_address;
-    absl::StatusOr<tpu::Footprint> fp = tpu::TensorFootprint(ref);
-    if (!fp.ok()) return fp.status();
-    if (ref.address < seg.segment_address || rel > seg.segment_bytes ||
-        fp->end > seg.segment_bytes - rel) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          op_, ": tensor ", k, " of the record (at 0x", absl::Hex(ref.address),
-          ") is not inside its segment [0x", absl::Hex(seg.segment_address), ", +",
-          seg.segment_bytes, " bytes)"));
-    }
-    for (int d = 0; d < ref.ndim; ++d) {
-      if (ref.strides[d] < 0) return Unsupported(op_, "a tensor with a negative stride");
-    }
-    return seg.segment_host_base + rel + ref.storage_offset * t->bytes;
-  }
+  absl::StatusOr<char*> HostOf(const tpu::TensorRef& ref, size_t k) const;
 
   // Tensor argument `a` (the k-th TensorRef) as a value of its own dtype and
   // full shape. Expanded dimensions (stride 0) travel as size 1 and are
   // broadcast in the program.
-  absl::StatusOr<std::string> Tensor(const tpu::TensorRef& ref, size_t k) {
-    absl::StatusOr<char*> host = HostOf(ref, k);
-    if (!host.ok()) return host.status();
-    const HloType& t = *DTypeOf(ref.dtype);
-    Transfer x;
-    x.data = *host;
-    x.type = &t;
-    std::vector<int64_t> full(ref.sizes, ref.sizes + ref.ndim);
-    bool expanded = false;
-    for (int d = 0; d < ref.ndim; ++d) {
-      const bool bcast = ref.strides[d] == 0 && ref.sizes[d] > 1;
-      expanded |= bcast;
-      x.dims.push_back(bcast ? 1 : ref.sizes[d]);
-      x.byte_strides.push_back(ref.strides[d] * t.bytes);
-    }
-    std::vector<int64_t> dims = x.dims;
-    std::string v = Param(TypeOf(dims, t), std::move(x));
-    if (expanded) v = BroadcastTo(v, dims, full, t);
-    return v;
-  }
+  absl::StatusOr<std::string> Tensor(const tpu::TensorRef& ref, size_t k);
 
   // A host scalar (a Scalar argument or a wrapped number) as a 0-d value of
   // dtype `as`.
-  absl::StatusOr<std::string> Scalar(const tpu::OpArg& a, const HloType& as) {
-    Transfer x;
-    const HloType* t;
-    switch (a.tag) {
-      case tpu::ArgTag::kScalarInt: case tpu::ArgTag::kInt: case tpu::ArgTag::kSymInt:
-        t = &I64();
-        x.scalar_i = a.i;
-        break;
-      case tpu::ArgTag::kScalarBool: case tpu::ArgTag::kBool:
-        t = &I64();
-        x.scalar_i = a.b ? 1 : 0;
-        break;
-      case tpu::ArgTag::kScalarDouble: case tpu::ArgTag::kDouble:
-        t = &F64();
-        x.scalar_d = a.d;
-        break;
-      case tpu::ArgTag::kScalarTensor: {
-        const HloType* st = DTypeOf(a.dtype);
-        if (st != nullptr && st->is_float) {
-          t = &F64();
-          x.scalar_d = a.d;
-        } else {
-          t = &I64();
-          x.scalar_i = a.i;
-        }
-        break;
-      }
-      default:
-        return Unsupported(op_, "a complex or missing scalar");
-    }
-    x.type = t;
-    std::string v = Param(TypeOf({}, *t), std::move(x));
-    return Convert(v, {}, *t, as);
-  }
+  absl::StatusOr<std::string> Scalar(const tpu::OpArg& a, const HloType& as);
 
   // The position in `tensors` of tensor argument `a` (one of decoded.args):
   // TensorRefs come in record order, a list's elements each, then outputs.
-  size_t TensorIndex(const tpu::OpArg& a) const {
-    size_t k = 0;
-      for (size_t i = 0; i < decoded_.num_args && &decoded_.args[i] != &a; ++i) {
-      const tpu::OpArg& b = decoded_.args[i];
-      if (b.tag == tpu::ArgTag::kTensor) {
-        ++k;
-      } else if (b.tag == tpu::ArgTag::kTensorList) {
-        k += b.tensors.size();
-      } else if (b.tag == tpu::ArgTag::kOptionalTensorList) {
-        for (bool present : b.tensor_present) k += present ? 1 : 0;
-      }
-    }
-    return k;
-  }
+  size_t TensorIndex(const tpu::OpArg& a) const;
 
   // A tensor or scalar operand, broadcast to `dims` and converted to `as`.
-  absl::StatusOr<std::string> Operand(const tpu::OpArg& a, const std::vector<int64_t>& dims, const HloType& as) {
-    if (a.tag == tpu::ArgTag::kTensor) {
-      absl::StatusOr<std::string> v = Tensor(a.tensor, TensorIndex(a));
-      if (!v.ok()) return v;
-      const std::vector<int64_t> from(a.tensor.sizes, a.tensor.sizes + a.tensor.ndim);
-      std::string c = Convert(*v, from, *DTypeOf(a.tensor.dtype), as);
-      return BroadcastTo(c, from, dims, as);
-    }
-    absl::StatusOr<std::string> s = Scalar(a, as);
-    if (!s.ok()) return s;
-    return BroadcastTo(*s, {}, dims, as);
-  }
+  absl::StatusOr<std::string> Operand(const tpu::OpArg& a, const std::vector<int64_t>& dims, const HloType& as);
 
   // Tensor `r` (the k-th TensorRef), broadcast to `dims` and converted to `as`.
   absl::StatusOr<std::string> OperandRef(const tpu::TensorRef& r, size_t k,
@@ -300,17 +205,7 @@ class Lowering {
   }
   // A reduced value back to `in`, the reduced dimensions broadcast.
   std::string Expand(const std::string& v, const std::vector<int64_t>& in,
-                     const std::vector<int64_t>& which, const HloType& t) {
-    std::vector<int64_t> map;
-    for (size_t i = 0; i < in.size(); ++i) {
-      if (std::find(which.begin(), which.end(), static_cast<int64_t>(i)) == which.end()) {
-        map.push_back(static_cast<int64_t>(i));
-      }
-    }
-    return Emit(absl::StrCat("stablehlo.broadcast_in_dim ", v, ", dims = [",
-                             absl::StrJoin(map, ", "), "] : (", TypeOf(Kept(in, which), t),
-                             ") -> ", TypeOf(in, t)));
-  }
+                     const std::vector<int64_t>& which, const HloType& t);
   std::string Reshape(const std::string& v, const std::vector<int64_t>& from,
                       const std::vector<int64_t>& to, const HloType& t) {
     if (from == to) return v;
@@ -344,23 +239,7 @@ class Lowering {
   }
 
   std::string Convert(const std::string& v, const std::vector<int64_t>& dims, const HloType& from,
-                      const HloType& to) {
-    if (from.dtype == to.dtype) return v;
-    // Complex to real keeps the real part; real to complex has no imaginary
-    // part (XLA converts neither way itself).
-    if (IsComplex(from) && !IsComplex(to)) {
-      const HloType& part = PartOf(from);
-      return Convert(Emit(absl::StrCat("stablehlo.real ", v, " : (", TypeOf(dims, from), ") -> ", TypeOf(dims, part))),
-                     dims, part, to);
-    }
-    if (IsComplex(to) && !IsComplex(from)) {
-      const HloType& part = PartOf(to);
-      const std::string re = Convert(v, dims, from, part);
-      return Emit(absl::StrCat("stablehlo.complex ", re, ", ", Constant(0, dims, part), " : ", TypeOf(dims, to)));
-    }
-    return Emit(absl::StrCat("stablehlo.convert ", v, " : (", TypeOf(dims, from), ") -> ",
-                             TypeOf(dims, to)));
-  }
+                      const HloType& to);
 
   // Numpy-style: `from` aligns with the trailing dimensions of `to`.
   std::string BroadcastTo(const std::string& v, const std::vector<int64_t>& from,
@@ -399,19 +278,7 @@ class Lowering {
   }
 
   std::string Text(const std::vector<std::string>& results,
-                   const std::vector<std::string>& types) const {
-    std::vector<std::string> params;
-    for (size_t i = 0; i < param_types_.size(); ++i) {
-      params.push_back(absl::StrCat("%p", i, ": ", param_types_[i]));
-      if (transfers_[i].aliased >= 0) {
-        absl::StrAppend(&params.back(), " {tf.aliasing_output = ", transfers_[i].aliased, " : i32}");
-      }
-    }
-    const std::string ret = absl::StrJoin(types, ", ");
-    return absl::StrCat("module @tpud_op {\n  func.func public @main(", absl::StrJoin(params, ", "),
-                        ") -> (", ret, ") {\n", body_, "    return ", absl::StrJoin(results, ", "),
-                        " : ", ret, "\n  }\n}\n");
-  }
+                   const std::vector<std::string>& types) const;
 
   // `n` elements of type t at `host`, as a 1-d parameter.
   std::string Flat(const char* host, const HloType& t, int64_t n) {
@@ -428,63 +295,12 @@ class Lowering {
   // its gaps keeping what `flat` holds.
   std::string ScatterStrided(const std::string& flat, int64_t span, const std::string& v,
                              const std::vector<int64_t>& dims, const std::vector<int64_t>& strides,
-                             const HloType& t) {
-    int64_t n = 1;
-    for (int64_t d : dims) n *= d;
-    const HloType& i64 = I64();
-    std::string index = Constant(0, dims, i64);
-    for (size_t d = 0; d < dims.size(); ++d) {
-      if (dims[d] == 1 || strides[d] == 0) continue;
-      const std::string term = Binary("multiply", Iota(static_cast<int64_t>(d), dims, i64),
-                                      Constant(static_cast<double>(strides[d]), dims, i64), dims, i64);
-      index = Binary("add", index, term, dims, i64);
-    }
-    index = Reshape(index, dims, {n, 1}, i64);
-    const std::string updates = Reshape(v, dims, {n}, t);
-    const std::string scalar = TypeOf({}, t);
-    return Emit(absl::StrCat(
-        "\"stablehlo.scatter\"(", flat, ", ", index, ", ", updates, ") ({\n",
-        "    ^bb0(%old: ", scalar, ", %new: ", scalar, "):\n",
-        "      stablehlo.return %new : ", scalar, "\n",
-        "    }) {indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<",
-        "inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, ",
-        "unique_indices = true} : (", TypeOf({span}, t), ", ", TypeOf({n, 1}, i64), ", ",
-        TypeOf({n}, t), ") -> ", TypeOf({span}, t)));
-  }
+                             const HloType& t);
 
   // Uniform values in [0, 1) of type f (f32 or f64), dims `dims` (with a
   // leading dimension of `draws` when that is above 1), from XLA's
   // rng_bit_generator keyed by `seed` (a parameter of the program).
-  std::string UniformBits(int64_t seed, const std::vector<int64_t>& dims, const HloType& f, int64_t draws) {
-    Transfer x;
-    x.type = &I64();
-    x.scalar_i = seed;
-    const std::string s = Param(TypeOf({}, I64()), std::move(x));
-    const HloType& i64 = I64();
-    const std::string pair = Binary("add", BroadcastTo(s, {}, {2}, i64), Iota(0, {2}, i64), {2}, i64);
-    const std::string key = Emit(absl::StrCat("stablehlo.bitcast_convert ", pair, " : (tensor<2xi64>) -> tensor<2xui64>"));
-    std::vector<int64_t> shape = dims;
-    if (draws > 1) shape.insert(shape.begin(), draws);
-    const bool wide = f.dtype == tpu::DType::kDouble;
-    const std::string ut = wide ? "ui64" : "ui32";
-    auto type = [&](const char* elt) {
-      std::string r = "tensor<";
-      for (int64_t d : shape) absl::StrAppend(&r, d, "x");
-      return absl::StrCat(r, elt, ">");
-    };
-    const std::string gen = absl::StrCat("%v", next_++);
-    absl::StrAppend(&body_, "    ", gen, ":2 = stablehlo.rng_bit_generator ", key,
-                    ", algorithm = DEFAULT : (tensor<2xui64>) -> (tensor<2xui64>, ", type(ut.c_str()), ")\n");
-    // The top mantissa bits under an exponent of 1.0: [1, 2), minus 1.
-    const std::string shift = Emit(absl::StrCat("stablehlo.constant dense<", wide ? 12 : 9, "> : ", type(ut.c_str())));
-    const std::string one = Emit(absl::StrCat("stablehlo.constant dense<", wide ? "4607182418800017408" : "1065353216",
-                                              "> : ", type(ut.c_str())));
-    const std::string m = Emit(absl::StrCat("stablehlo.shift_right_logical ", gen, "#1, ", shift, " : ", type(ut.c_str())));
-    const std::string bits = Emit(absl::StrCat("stablehlo.or ", m, ", ", one, " : ", type(ut.c_str())));
-    const std::string v = Emit(absl::StrCat("stablehlo.bitcast_convert ", bits, " : (", type(ut.c_str()), ") -> ",
-                                            TypeOf(shape, f)));
-    return Binary("subtract", v, Constant(1, shape, f), shape, f);
-  }
+  std::string UniformBits(int64_t seed, const std::vector<int64_t>& dims, const HloType& f, int64_t draws);
 
   std::vector<Transfer>& transfers() { return transfers_; }
   const std::string& op() const { return op_; }
@@ -494,17 +310,7 @@ class Lowering {
   // Records that every element of `idx` (i64, dims `dims`) must lie in
   // [0, size): the program returns whether one does not, and the op fails
   // with `what` after it runs (XLA itself clamps or drops such indices).
-  void CheckRange(const std::string& idx, const std::vector<int64_t>& dims, int64_t size, const std::string& what) {
-    const HloType& i64 = I64();
-    const HloType& i1 = *DTypeOf(tpu::DType::kBool);
-    const std::string bad = Binary("or", Compare("LT", idx, Constant(0, dims, i64), dims, i64),
-                                   Compare("GE", idx, Constant(static_cast<double>(size), dims, i64), dims, i64), dims, i1);
-    std::vector<int64_t> all;
-    for (size_t q = 0; q < dims.size(); ++q) all.push_back(static_cast<int64_t>(q));
-    const std::string any = ReduceOver(bad, dims, all, "or", Constant(0, {}, i1), i1);
-    out_of_range_ = out_of_range_.empty() ? any : Binary("or", out_of_range_, any, {}, i1);
-    if (range_message_.empty()) range_message_ = what;
-  }
+  void CheckRange(const std::string& idx, const std::vector<int64_t>& dims, int64_t size, const std::string& what);
   // The combined check (an i1 scalar), or "" when nothing was checked.
   const std::string& out_of_range() const { return out_of_range_; }
   const std::string& range_message() const { return range_message_; }
@@ -532,45 +338,11 @@ class Lowering {
   // `v` (dims `in`, type t) sorted along `dim`, stably, with NaN above
   // everything as in PyTorch; returns the values and their int64 indices.
   std::pair<std::string, std::string> Sort(const std::string& v, const std::vector<int64_t>& in,
-                                           int64_t dim, bool descending, const HloType& t) {
-    const HloType& i64 = I64();
-    const std::string s = TypeOf({}, t), si = TypeOf({}, i64), b = TypeOf({}, *DTypeOf(tpu::DType::kBool));
-    const char* kind = CompareKind(t);
-    // before(a, b): a sorts first.
-    std::string cmp = absl::StrCat("      %before = stablehlo.compare ", descending ? "GT" : "LT", ", %a, %b, ", kind,
-                                   " : (", s, ", ", s, ") -> ", b, "\n");
-    std::string result = "%before";
-    if (t.is_float) {
-      // A NaN sorts last going up, first going down.
-      const char* nan_first = descending ? "%a" : "%b";
-      const char* other = descending ? "%b" : "%a";
-      absl::StrAppend(&cmp, "      %n1 = stablehlo.compare NE, ", nan_first, ", ", nan_first, ", FLOAT : (", s, ", ", s, ") -> ", b, "\n",
-                      "      %n2 = stablehlo.compare EQ, ", other, ", ", other, ", FLOAT : (", s, ", ", s, ") -> ", b, "\n",
-                      "      %n3 = stablehlo.and %n1, %n2 : ", b, "\n",
-                      "      %r = stablehlo.or %before, %n3 : ", b, "\n");
-      result = "%r";
-    }
-    const std::string r = EmitResults(absl::StrCat(
-        "\"stablehlo.sort\"(", v, ", ", Iota(dim, in, i64), ") ({\n",
-        "    ^bb0(%a: ", s, ", %b: ", s, ", %ia: ", si, ", %ib: ", si, "):\n", cmp,
-        "      stablehlo.return ", result, " : ", b, "\n",
-        "    }) {dimension = ", dim, " : i64, is_stable = true} : (", TypeOf(in, t), ", ", TypeOf(in, i64),
-        ") -> (", TypeOf(in, t), ", ", TypeOf(in, i64), ")"), 2);
-    return {r + "#0", r + "#1"};
-  }
+                                           int64_t dim, bool descending, const HloType& t);
 
   // Elements [start, limit) of `v` (dims `in`) in every dimension.
   std::string Slice(const std::string& v, const std::vector<int64_t>& in, const std::vector<int64_t>& start,
-                    const std::vector<int64_t>& limit, const HloType& t) {
-    std::vector<std::string> r;
-    std::vector<int64_t> out;
-    for (size_t k = 0; k < in.size(); ++k) {
-      r.push_back(absl::StrCat(start[k], ":", limit[k]));
-      out.push_back(limit[k] - start[k]);
-    }
-    return Emit(absl::StrCat("stablehlo.slice ", v, " [", absl::StrJoin(r, ", "), "] : (", TypeOf(in, t), ") -> ",
-                             TypeOf(out, t)));
-  }
+                    const std::vector<int64_t>& limit, const HloType& t);
   // Elements [begin, end) of `v` along `dim`.
   std::string SliceAlong(const std::string& v, const std::vector<int64_t>& in, int64_t dim,
                          int64_t begin, int64_t end, const HloType& t) {
@@ -583,26 +355,7 @@ class Lowering {
   // Donates the memory of result `o` (dense, `dims` of t at `host`) to the
   // program: a parameter that already reads exactly those bytes (self of an
   // in-place op, the span of a gapped write), else one more, unused.
-  void Donate(int o, char* host, const HloType& t, const std::vector<int64_t>& dims) {
-    for (Transfer& x : transfers_) {
-      if (x.aliased < 0 && x.data == host && x.type == &t && x.dims == dims && x.Dense()) {
-        x.aliased = o;
-        return;
-      }
-    }
-    Transfer x;
-    x.data = host;
-    x.type = &t;
-    x.dims = dims;
-    int64_t stride = t.bytes;
-    x.byte_strides.assign(dims.size(), 0);
-    for (size_t d = dims.size(); d-- > 0;) {
-      x.byte_strides[d] = stride;
-      stride *= dims[d];
-    }
-    x.aliased = o;
-    Param(TypeOf(dims, t), std::move(x));
-  }
+  void Donate(int o, char* host, const HloType& t, const std::vector<int64_t>& dims);
 
   // ---- device memory (PjrtChip with device buffers; docs/design.md)
   //
@@ -615,111 +368,14 @@ class Lowering {
   // aliased to the new segment it returns).
 
   // Bytes (u8[count * size of t]) as `count` values of t.
-  std::string Decode(const std::string& bytes, int64_t count, const HloType& t) {
-    const HloType& u8 = *DTypeOf(tpu::DType::kUInt8);
-    const int64_t n = count * t.bytes;
-    if (t.dtype == tpu::DType::kUInt8) return bytes;
-    if (t.dtype == tpu::DType::kBool) return Compare("NE", bytes, Constant(0, {n}, u8), {n}, u8);
-    if (IsComplex(t)) {
-      const HloType& part = PartOf(t);
-      const std::string grouped = Reshape(bytes, {n}, {count, 2, part.bytes}, u8);
-      const std::string parts = Emit(absl::StrCat("stablehlo.bitcast_convert ", grouped, " : (",
-                                                  TypeOf({count, 2, part.bytes}, u8), ") -> ",
-                                                  TypeOf({count, 2}, part)));
-      const std::string re = Reshape(SliceAlong(parts, {count, 2}, 1, 0, 1, part), {count, 1}, {count}, part);
-      const std::string im = Reshape(SliceAlong(parts, {count, 2}, 1, 1, 2, part), {count, 1}, {count}, part);
-      return Emit(absl::StrCat("stablehlo.complex ", re, ", ", im, " : ", TypeOf({count}, t)));
-    }
-    if (t.bytes == 1) {
-      return Emit(absl::StrCat("stablehlo.bitcast_convert ", bytes, " : (", TypeOf({n}, u8), ") -> ", TypeOf({count}, t)));
-    }
-    const std::string grouped = Reshape(bytes, {n}, {count, t.bytes}, u8);
-    return Emit(absl::StrCat("stablehlo.bitcast_convert ", grouped, " : (", TypeOf({count, t.bytes}, u8), ") -> ",
-                             TypeOf({count}, t)));
-  }
+  std::string Decode(const std::string& bytes, int64_t count, const HloType& t);
   // `count` values of t as their bytes (u8[count * size of t]).
-  std::string Encode(const std::string& v, int64_t count, const HloType& t) {
-    const HloType& u8 = *DTypeOf(tpu::DType::kUInt8);
-    const int64_t n = count * t.bytes;
-    if (t.dtype == tpu::DType::kUInt8) return v;
-    if (t.dtype == tpu::DType::kBool) return Convert(v, {count}, t, u8);
-    if (IsComplex(t)) {
-      const HloType& part = PartOf(t);
-      const std::string re = Reshape(Emit(absl::StrCat("stablehlo.real ", v, " : (", TypeOf({count}, t), ") -> ",
-                                                       TypeOf({count}, part))), {count}, {count, 1}, part);
-      const std::string im = Reshape(Emit(absl::StrCat("stablehlo.imag ", v, " : (", TypeOf({count}, t), ") -> ",
-                                                       TypeOf({count}, part))), {count}, {count, 1}, part);
-      const std::string parts = Emit(absl::StrCat("stablehlo.concatenate ", re, ", ", im, ", dim = 1 : (",
-                                                  TypeOf({count, 1}, part), ", ", TypeOf({count, 1}, part), ") -> ",
-                                                  TypeOf({count, 2}, part)));
-      const std::string bytes = Emit(absl::StrCat("stablehlo.bitcast_convert ", parts, " : (", TypeOf({count, 2}, part),
-                                                  ") -> ", TypeOf({count, 2, part.bytes}, u8)));
-      return Reshape(bytes, {count, 2, part.bytes}, {n}, u8);
-    }
-    if (t.bytes == 1) {
-      return Emit(absl::StrCat("stablehlo.bitcast_convert ", v, " : (", TypeOf({count}, t), ") -> ", TypeOf({n}, u8)));
-    }
-    const std::string bytes = Emit(absl::StrCat("stablehlo.bitcast_convert ", v, " : (", TypeOf({count}, t), ") -> ",
-                                                TypeOf({count, t.bytes}, u8)));
-    return Reshape(bytes, {count, t.bytes}, {n}, u8);
-  }
+  std::string Encode(const std::string& v, int64_t count, const HloType& t);
   // Transfer x's tensor, read out of segment value `seg` (u8[seg_bytes])
   // where it starts `offset` bytes in; or, with `at` (a tensor<i64> value),
   // where `at` says when the program runs (`offset` is where it starts now).
   absl::StatusOr<std::string> ReadView(const std::string& seg, uint64_t seg_bytes, uint64_t offset, const Transfer& x,
-                                       const std::string& at = "") {
-    const HloType& t = *x.type;
-    const HloType& u8 = *DTypeOf(tpu::DType::kUInt8);
-    int64_t n = 1;
-    for (int64_t d : x.dims) n *= d;
-    if (n == 0) return Constant(0, x.dims, t);
-    const bool dense = x.Dense();
-    std::vector<int64_t> strides(x.dims.size(), 0);  // in elements
-    int64_t count = n;
-    if (!dense) {
-      count = 1;
-      for (size_t d = 0; d < x.dims.size(); ++d) {
-        if (x.dims[d] == 1) continue;
-        if (x.byte_strides[d] <= 0 || x.byte_strides[d] % t.bytes != 0) {
-          return Unsupported(op_, "a tensor whose strides are not whole elements");
-        }
-        strides[d] = x.byte_strides[d] / t.bytes;
-        count += (x.dims[d] - 1) * strides[d];
-      }
-    }
-    const uint64_t span = static_cast<uint64_t>(count) * static_cast<uint64_t>(t.bytes);
-    if (offset > seg_bytes || span > seg_bytes - offset) {
-      return absl::InvalidArgumentError(absl::StrCat(op_, ": a tensor reaches past its segment"));
-    }
-    std::string bytes = seg;
-    if (!at.empty()) {
-      bytes = Emit(absl::StrCat("stablehlo.dynamic_slice ", seg, ", ", at, ", sizes = [", span, "] : (",
-                                TypeOf({static_cast<int64_t>(seg_bytes)}, u8), ", tensor<i64>) -> ",
-                                TypeOf({static_cast<int64_t>(span)}, u8)));
-    } else if (offset != 0 || span != seg_bytes) {
-      bytes = Emit(absl::StrCat("stablehlo.slice ", seg, " [", offset, ":", offset + span, "] : (",
-                                TypeOf({static_cast<int64_t>(seg_bytes)}, u8), ") -> ",
-                                TypeOf({static_cast<int64_t>(span)}, u8)));
-    }
-    const std::string flat = Decode(bytes, count, t);
-    if (dense) return Reshape(flat, {count}, x.dims, t);
-    const HloType& i64 = I64();
-    std::string index = Constant(0, x.dims, i64);
-    for (size_t d = 0; d < x.dims.size(); ++d) {
-      if (x.dims[d] == 1) continue;
-      index = Binary("add", index,
-                     Binary("multiply", Iota(static_cast<int64_t>(d), x.dims, i64),
-                            Constant(static_cast<double>(strides[d]), x.dims, i64), x.dims, i64),
-                     x.dims, i64);
-    }
-    index = Reshape(index, x.dims, {n, 1}, i64);
-    const std::string picked = Emit(absl::StrCat(
-        "\"stablehlo.gather\"(", flat, ", ", index, ") {dimension_numbers = #stablehlo.gather<",
-        "collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 1>, indices_are_sorted = false, ",
-        "slice_sizes = array<i64: 1>} : (", TypeOf({count}, t), ", ", TypeOf({n, 1}, i64), ") -> ",
-        TypeOf({n}, t)));
-    return Reshape(picked, {n}, x.dims, t);
-  }
+                                       const std::string& at = "");
 
   // A segment parameter of a device-memory program.
   struct SegmentParam {
@@ -745,76 +401,7 @@ class Lowering {
   absl::StatusOr<std::string> DeviceText(const std::vector<SegmentParam>& segs, const std::vector<int>& in_seg,
                                          const std::vector<uint64_t>& in_off, const std::vector<SegmentWrite>& writes,
                                          const std::vector<std::string>& extra,
-                                         const std::vector<std::string>& extra_types, bool dynamic = false) {
-    const HloType& u8 = *DTypeOf(tpu::DType::kUInt8);
-    absl::Status failed;
-    // The reads come first: the body names transfer i's value %p<i>.
-    const std::string prologue = Region([&] {
-      for (size_t i = 0; i < transfers_.size() && failed.ok(); ++i) {
-        if (in_seg[i] < 0) continue;
-        absl::StatusOr<std::string> v = ReadView(absl::StrCat("%s", in_seg[i]), segs[in_seg[i]].bytes, in_off[i],
-                                                 transfers_[i], dynamic ? absl::StrCat("%o", i) : "");
-        if (!v.ok()) {
-          failed = v.status();
-          return;
-        }
-        absl::StrAppend(&body_, "    %p", i, " = stablehlo.reshape ", *v, " : (", param_types_[i], ") -> ",
-                        param_types_[i], "\n");
-      }
-    });
-    if (!failed.ok()) return failed;
-    std::vector<std::string> now(segs.size());
-    for (size_t j = 0; j < segs.size(); ++j) now[j] = absl::StrCat("%s", j);
-    for (size_t wi = 0; wi < writes.size(); ++wi) {
-      const SegmentWrite& w = writes[wi];
-      int64_t n = 1;
-      for (int64_t d : w.dims) n *= d;
-      const HloType& t = *w.type;
-      const int64_t seg_bytes = static_cast<int64_t>(segs[w.seg].bytes);
-      const int64_t bytes = n * t.bytes;
-      if (w.offset > static_cast<uint64_t>(seg_bytes) || bytes > seg_bytes - static_cast<int64_t>(w.offset)) {
-        return absl::InvalidArgumentError(absl::StrCat(op_, ": a result reaches past its segment"));
-      }
-      const std::string enc = Encode(Reshape(w.value, w.dims, {n}, t), n, t);
-      const std::string at = dynamic ? absl::StrCat("%w", wi)
-                                     : Emit(absl::StrCat("stablehlo.constant dense<", w.offset, "> : tensor<i64>"));
-      now[w.seg] = Emit(absl::StrCat("stablehlo.dynamic_update_slice ", now[w.seg], ", ", enc, ", ", at, " : (",
-                                     TypeOf({seg_bytes}, u8), ", ", TypeOf({bytes}, u8), ", tensor<i64>) -> ",
-                                     TypeOf({seg_bytes}, u8)));
-    }
-    std::vector<std::string> params, results, types;
-    for (size_t j = 0; j < segs.size(); ++j) {
-      params.push_back(absl::StrCat("%s", j, ": ", TypeOf({static_cast<int64_t>(segs[j].bytes)}, u8)));
-      if (segs[j].result >= 0) {
-        absl::StrAppend(&params.back(), " {tf.aliasing_output = ", segs[j].result, " : i32}");
-      }
-    }
-    // Donated segments are results in the order of their `result`.
-    std::vector<std::pair<int, size_t>> order;
-    for (size_t j = 0; j < segs.size(); ++j) {
-      if (segs[j].result >= 0) order.emplace_back(segs[j].result, j);
-    }
-    std::sort(order.begin(), order.end());
-    for (const auto& [r, j] : order) {
-      results.push_back(now[j]);
-      types.push_back(TypeOf({static_cast<int64_t>(segs[j].bytes)}, u8));
-    }
-    for (size_t i = 0; i < transfers_.size(); ++i) {
-      if (in_seg[i] < 0) params.push_back(absl::StrCat("%p", i, ": ", param_types_[i]));
-    }
-    if (dynamic) {
-      for (size_t i = 0; i < transfers_.size(); ++i) {
-        if (in_seg[i] >= 0) params.push_back(absl::StrCat("%o", i, ": tensor<i64>"));
-      }
-      for (size_t wi = 0; wi < writes.size(); ++wi) params.push_back(absl::StrCat("%w", wi, ": tensor<i64>"));
-    }
-    results.insert(results.end(), extra.begin(), extra.end());
-    types.insert(types.end(), extra_types.begin(), extra_types.end());
-    const std::string ret = absl::StrJoin(types, ", ");
-    return absl::StrCat("module @tpud_op {\n  func.func public @main(", absl::StrJoin(params, ", "), ") -> (", ret,
-                        ") {\n", prologue, body_, "    return ", absl::StrJoin(results, ", "), " : ", ret,
-                        "\n  }\n}\n");
-  }
+                                         const std::vector<std::string>& extra_types, bool dynamic = false);
 
  private:
   std::string Param(const std::string& type, Transfer x) {
