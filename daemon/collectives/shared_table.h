@@ -1,6 +1,6 @@
 // The collective table: the shared memory where the ranks of communicators
-// meet (see registry.h for how communicators form, ring.h for how the data
-// moves).
+// meet (see registry.h for how communicators form, groups.h for how their
+// operations meet, algorithms.h for how the data moves).
 //
 // Every chip of the host lives in tpud, and every executor maps every chip's
 // HBM, so ranks of a communicator (one per chip and session) exchange data
@@ -21,7 +21,8 @@
 // A group is what one kCollective record carries: collectives (every rank
 // posts the same sequence of operations) or point-to-point operations
 // (send/recv, matched pairwise in order per (source, destination)). A rank
-// has at most one group posted; its ring waits until the group is done.
+// has at most kSlotsPerRank groups posted at once (from different streams);
+// the ring that posted one waits until it is done.
 //
 // The layout is shared between processes of one tpud build only (tpud and
 // the executors it forks); kCollectiveTableMagic marks it.

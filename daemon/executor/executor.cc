@@ -625,9 +625,7 @@ void Executor::WakeCompletionWaiters(TrustedRing* trusted, tpu::RingControl* ctl
   if (trusted->watchers.load(std::memory_order_seq_cst) != 0) {
     uint64_t w = trusted->watchers.exchange(0);
     for (int e = 0; w != 0 && e < static_cast<int>(config_.wake_fds.size()); ++e, w >>= 1) {
-      if ((w & 1) == 0 || e == config_.index) continue;
-      const uint64_t one = 1;
-      (void)!write(config_.wake_fds[e], &one, sizeof(one));
+      if ((w & 1) != 0) WakeExecutor(config_.wake_fds, e, config_.index);
     }
   }
 }
