@@ -230,7 +230,7 @@ struct alignas(64) TrustedRing {
   // executor wakes them when it completes records.
   std::atomic<uint64_t> watchers;
   // The sequence of a collective record that the executor which ran its
-  // group completed for this ring (executor_collectives.cc), while it still
+  // group completed for this ring (executor/collective_steps.cc), while it still
   // sits at the ring's head; 0 when none.
   std::atomic<uint64_t> completed_early;
 };

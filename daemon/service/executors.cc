@@ -46,7 +46,7 @@ absl::StatusOr<std::unique_ptr<ExecutorProcesses>> ExecutorProcesses::Create(
   }
   exec_config.wake_fds = wake_fds;
 
-  // Communicators: one table every executor maps (collectives.h); the
+  // Communicators: one table every executor maps (shared_table.h); the
   // registry sets up its links and routes now, before the fork.
   absl::StatusOr<SharedMapping> collective_memory =
       SharedMapping::Create("tpud-collectives", sizeof(CollectiveTable), /*seal=*/false);

@@ -186,7 +186,7 @@ class Session {
   absl::Status Close();
 
   // ---- collectives (one rank per chip and session; see tpud's
-  // daemon/collectives/collectives.h) ----
+  // daemon/collectives/groups.h) ----
 
   // Joins communicator `key` as rank `rank` of `size`, on `chip`; returns its
   // id once every rank has joined (blocks up to `join_timeout`). An

@@ -27,7 +27,7 @@
 //               0 for point-to-point groups): ranks' groups meet by it,
 //               whichever stream each went to.
 //               A group of collective or point-to-point operations on one
-//               communicator (daemon/collectives/collectives.h), run as one
+//               communicator (daemon/collectives/groups.h), run as one
 //               unit: the stream waits until every operation of the group
 //               has completed with its peers.
 //   kRunProgram u32 program_id, u32 num_bindings, u64 offset, u64 bytes,

@@ -1,5 +1,5 @@
 // torch.distributed's "tpu" backend: a c10d::Backend whose collectives run
-// inside tpud (daemon/collectives/collectives.h), ordered in the caller's
+// inside tpud (daemon/collectives/groups.h), ordered in the caller's
 // current tpu stream like any op.
 //
 // Each process group forms one tpud communicator per device it is used
