@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import Daemon, bazel_bin, run_py
+from conftest import Daemon, bazel_bin, child_argv, run_in_child
 
 import xla_plugins.xla_cpu_pjrt as _xla_cpu
 
@@ -27,402 +27,437 @@ def pjrt(request):
 
 
 def test_ops_match_cpu(pjrt):
-    run_py(pjrt, """
-        import torch, torch_tpu
-        torch.manual_seed(0)
-        x, y, w = torch.randn(4, 5), torch.randn(4, 5), torch.randn(5, 3)
-        a, b = x.to("tpu"), y.to("tpu")
-        checks = {
-            "add": (a + b, x + y), "sub alpha": (torch.sub(a, b, alpha=3), torch.sub(x, y, alpha=3)),
-            "mul scalar": (a * 2.5, x * 2.5), "div": (a / (b.abs() + 1), x / (y.abs() + 1)),
-            "broadcast": (a + b[0], x + y[0]), "expanded": (a * b[:, :1], x * y[:, :1]),
-            "transposed": (a.t() + 1, x.t() + 1), "relu": (torch.relu(a), torch.relu(x)),
-            "exp": (a.exp(), x.exp()), "tanh": (a.tanh(), x.tanh()), "sigmoid": (a.sigmoid(), x.sigmoid()),
-            "pow": (a ** 2, x ** 2), "max": (torch.maximum(a, b), torch.maximum(x, y)),
-            "mm": (a @ w.to("tpu"), x @ w), "addmm": (torch.addmm(b[:, :3], a, w.to("tpu"), beta=0.5, alpha=2),
-                                                  torch.addmm(y[:, :3], x, w, beta=0.5, alpha=2)),
-            "sum dim": (a.sum(1), x.sum(1)), "sum keepdim": (a.sum(0, keepdim=True), x.sum(0, keepdim=True)),
-            "sum all": (a.sum(), x.sum()), "mean": (a.mean(1), x.mean(1)),
-            "to double": (a.double(), x.double()), "int to float": (a.long().float(), x.long().float()),
-        }
-        for name, (got, want) in checks.items():
-            assert got.device.type == "tpu", name
-            assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
-            assert torch.allclose(got.cpu(), want, atol=1e-5), name
-        c = a.clone(); c.add_(b, alpha=2); c.mul_(3)
-        assert torch.allclose(c.cpu(), (x + 2 * y) * 3, atol=1e-5)
-        z = torch.zeros(3, device="tpu"); z.fill_(7)
-        assert z.cpu().tolist() == [7.0, 7.0, 7.0]
-        assert abs(a.sum().item() - x.sum().item()) < 1e-4
-    """)
+    run_in_child(pjrt, _ops_match_cpu)
 
 
-# Five steps of a model on the CPU and on tpu, from the same seed and batches:
-# the losses agree within 1e-4. `model`, `optimizer`, `batch` (x, y from
-# generator g) and `loss` are Python expressions; dev is the device.
-TRAIN_LIKE_CPU = """
-import torch, torch_tpu
-def run(dev):
+def _ops_match_cpu():
+    import torch
+    import torch_tpu  # noqa: F401
     torch.manual_seed(0)
-    model = ({model}).to(dev)
-    opt = {optimizer}
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(5):
-        x, y = {batch}
-        x, y = x.to(dev), y.to(dev)
-        opt.zero_grad()
-        loss = {loss}
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-cpu, tpu = run("cpu"), run("tpu")
-for c, t in zip(cpu, tpu):
-    assert abs(c - t) < 1e-4 * max(1.0, abs(c)), (cpu, tpu)
-print("losses", tpu)
-"""
+    x, y, w = torch.randn(4, 5), torch.randn(4, 5), torch.randn(5, 3)
+    a, b = x.to("tpu"), y.to("tpu")
+    checks = {
+        "add": (a + b, x + y), "sub alpha": (torch.sub(a, b, alpha=3), torch.sub(x, y, alpha=3)),
+        "mul scalar": (a * 2.5, x * 2.5), "div": (a / (b.abs() + 1), x / (y.abs() + 1)),
+        "broadcast": (a + b[0], x + y[0]), "expanded": (a * b[:, :1], x * y[:, :1]),
+        "transposed": (a.t() + 1, x.t() + 1), "relu": (torch.relu(a), torch.relu(x)),
+        "exp": (a.exp(), x.exp()), "tanh": (a.tanh(), x.tanh()), "sigmoid": (a.sigmoid(), x.sigmoid()),
+        "pow": (a ** 2, x ** 2), "max": (torch.maximum(a, b), torch.maximum(x, y)),
+        "mm": (a @ w.to("tpu"), x @ w), "addmm": (torch.addmm(b[:, :3], a, w.to("tpu"), beta=0.5, alpha=2),
+                                              torch.addmm(y[:, :3], x, w, beta=0.5, alpha=2)),
+        "sum dim": (a.sum(1), x.sum(1)), "sum keepdim": (a.sum(0, keepdim=True), x.sum(0, keepdim=True)),
+        "sum all": (a.sum(), x.sum()), "mean": (a.mean(1), x.mean(1)),
+        "to double": (a.double(), x.double()), "int to float": (a.long().float(), x.long().float()),
+    }
+    for name, (got, want) in checks.items():
+        assert got.device.type == "tpu", name
+        assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
+        assert torch.allclose(got.cpu(), want, atol=1e-5), name
+    c = a.clone(); c.add_(b, alpha=2); c.mul_(3)
+    assert torch.allclose(c.cpu(), (x + 2 * y) * 3, atol=1e-5)
+    z = torch.zeros(3, device="tpu"); z.fill_(7)
+    assert z.cpu().tolist() == [7.0, 7.0, 7.0]
+    assert abs(a.sum().item() - x.sum().item()) < 1e-4
+
+
+def _train_like_cpu(case):
+    """Five steps of a model on the CPU and on tpu, from the same seed and
+    batches: the losses agree within 1e-4. `case` names the model, its
+    optimizer, its batches (x, y from generator g) and its loss."""
+    import torch
+    import torch_tpu  # noqa: F401
+    nn = torch.nn
+    cases = {
+        "mlp": (lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)),
+                lambda model: torch.optim.SGD(model.parameters(), lr=0.1),
+                lambda g: (torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)),
+                lambda model, x, y: ((model(x) - y) ** 2).mean()),
+        "cnn": (lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Conv2d(8, 8, 3, stride=2, dilation=1), nn.GELU(), nn.Flatten(),
+                                      nn.Linear(8, 4)),
+                lambda model: torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                lambda g: (torch.randn(6, 3, 8, 8, generator=g), torch.randint(0, 4, (6,), generator=g)),
+                lambda model, x, y: torch.nn.functional.cross_entropy(model(x), y)),
+    }
+    make_model, make_optimizer, make_batch, loss_of = cases[case]
+
+    def run(dev):
+        torch.manual_seed(0)
+        model = make_model().to(dev)
+        opt = make_optimizer(model)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(5):
+            x, y = make_batch(g)
+            x, y = x.to(dev), y.to(dev)
+            opt.zero_grad()
+            loss = loss_of(model, x, y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+    cpu, tpu = run("cpu"), run("tpu")
+    for c, t in zip(cpu, tpu):
+        assert abs(c - t) < 1e-4 * max(1.0, abs(c)), (cpu, tpu)
+    print("losses", tpu)
 
 
 def test_training_reaches_cpu_losses(pjrt):
-    r = run_py(pjrt, TRAIN_LIKE_CPU.format(
-        model="torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))",
-        optimizer="torch.optim.SGD(model.parameters(), lr=0.1)",
-        batch="torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)",
-        loss="((model(x) - y) ** 2).mean()"))
+    r = run_in_child(pjrt, _train_like_cpu, "mlp")
     assert "losses" in r.stdout
 
 
 def test_an_op_without_lowering_fails_naming_it_and_the_session_goes_on(pjrt):
-    run_py(pjrt, """
-        import torch, torch_tpu
-        a = torch.ones(4, device="tpu")
-        try:
-            torch.special.airy_ai(a).cpu()  # neither lowered nor decomposable
-            raise SystemExit("airy_ai ran")
-        except RuntimeError as e:
-            assert "aten::special_airy_ai" in str(e) and "no lowering" in str(e), str(e)
-        assert (a + 1).cpu().tolist() == [2.0] * 4
-        try:
-            torch.i0(a).cpu()  # its reference's prim is i0 again
-            raise SystemExit("i0 ran")
-        except NotImplementedError as e:
-            assert "aten::i0" in str(e) and "decomposition of it comes back to it" in str(e), str(e)
-        assert (a * 3).cpu().tolist() == [3.0] * 4
-    """)
+    run_in_child(pjrt, _an_op_without_lowering_fails_naming_it_and_the_session_goes_on)
+
+
+def _an_op_without_lowering_fails_naming_it_and_the_session_goes_on():
+    import torch
+    import torch_tpu  # noqa: F401
+    a = torch.ones(4, device="tpu")
+    try:
+        torch.special.airy_ai(a).cpu()  # neither lowered nor decomposable
+        raise SystemExit("airy_ai ran")
+    except RuntimeError as e:
+        assert "aten::special_airy_ai" in str(e) and "no lowering" in str(e), str(e)
+    assert (a + 1).cpu().tolist() == [2.0] * 4
+    try:
+        torch.i0(a).cpu()  # its reference's prim is i0 again
+        raise SystemExit("i0 ran")
+    except NotImplementedError as e:
+        assert "aten::i0" in str(e) and "decomposition of it comes back to it" in str(e), str(e)
+    assert (a * 3).cpu().tolist() == [3.0] * 4
 
 
 def test_ops_without_lowering_run_as_pytorch_decompositions(pjrt):
-    run_py(pjrt, """
-        import torch, torch_tpu, torch_tpu._decomp as decomp
-        import torch.nn.functional as F
-        torch.manual_seed(0)
-        x = torch.randn(2, 3, 8)
-        a = x.to("tpu")
-        props = torch.tpu.get_device_properties(0)
-        assert props.backend == "pjrt" and not props.simulated, props
-        assert torch.tpu.get_device_name(0).endswith("(PJRT)"), torch.tpu.get_device_name(0)
-        names = decomp.installed()
-        assert len(names) > 100 and "aten::hardswish" in names, len(names)
-        assert not any(n in names for n in ("aten::add.Tensor", "aten::mm", "aten::empty_strided"))
-        checks = {
-            "hardswish": (F.hardswish(a), F.hardswish(x)), "logsigmoid": (F.logsigmoid(a), F.logsigmoid(x)),
-            "pad reflect": (F.pad(a, (2, 1), mode="reflect"), F.pad(x, (2, 1), mode="reflect")),
-            "roll": (torch.roll(a, 2, -1), torch.roll(x, 2, -1)), "normalize": (F.normalize(a), F.normalize(x)),
-            "smooth_l1": (F.smooth_l1_loss(a, a * 0.3), F.smooth_l1_loss(x, x * 0.3)),
-            "std_mean": (torch.std_mean(a, 1)[1], torch.std_mean(x, 1)[1]),
-            # sent whole on the simulated backend, decomposed here
-            "group_norm": (F.group_norm(a, 1), F.group_norm(x, 1)),
-            "addr": (torch.addr(a[0, 0], a[0, 0], a[1, 0]), torch.addr(x[0, 0], x[0, 0], x[1, 0])),
-        }
-        for name, (got, want) in checks.items():
-            assert got.device.type == "tpu", name
-            assert torch.allclose(got.cpu(), want, atol=1e-5), name
-    """)
+    run_in_child(pjrt, _ops_without_lowering_run_as_pytorch_decompositions)
+
+
+def _ops_without_lowering_run_as_pytorch_decompositions():
+    import torch
+    import torch_tpu._decomp as decomp
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8)
+    a = x.to("tpu")
+    props = torch.tpu.get_device_properties(0)
+    assert props.backend == "pjrt" and not props.simulated, props
+    assert torch.tpu.get_device_name(0).endswith("(PJRT)"), torch.tpu.get_device_name(0)
+    names = decomp.installed()
+    assert len(names) > 100 and "aten::hardswish" in names, len(names)
+    assert not any(n in names for n in ("aten::add.Tensor", "aten::mm", "aten::empty_strided"))
+    checks = {
+        "hardswish": (F.hardswish(a), F.hardswish(x)), "logsigmoid": (F.logsigmoid(a), F.logsigmoid(x)),
+        "pad reflect": (F.pad(a, (2, 1), mode="reflect"), F.pad(x, (2, 1), mode="reflect")),
+        "roll": (torch.roll(a, 2, -1), torch.roll(x, 2, -1)), "normalize": (F.normalize(a), F.normalize(x)),
+        "smooth_l1": (F.smooth_l1_loss(a, a * 0.3), F.smooth_l1_loss(x, x * 0.3)),
+        "std_mean": (torch.std_mean(a, 1)[1], torch.std_mean(x, 1)[1]),
+        # sent whole on the simulated backend, decomposed here
+        "group_norm": (F.group_norm(a, 1), F.group_norm(x, 1)),
+        "addr": (torch.addr(a[0, 0], a[0, 0], a[1, 0]), torch.addr(x[0, 0], x[0, 0], x[1, 0])),
+    }
+    for name, (got, want) in checks.items():
+        assert got.device.type == "tpu", name
+        assert torch.allclose(got.cpu(), want, atol=1e-5), name
 
 
 def test_new_lowerings_match_cpu(pjrt):
-    run_py(pjrt, """
-        import torch, torch_tpu
-        import torch.nn.functional as F
+    run_in_child(pjrt, _new_lowerings_match_cpu)
+
+
+def _new_lowerings_match_cpu():
+    import torch
+    import torch_tpu  # noqa: F401
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    x, b = torch.randn(5, 6), torch.randn(2, 3, 4)
+    a, tb = x.to("tpu"), b.to("tpu")
+    ix, iy = torch.tensor([3, -1, 0]), torch.tensor([[1], [0]])
+    g = torch.tensor([[0, 1, 2, 3, 4, 0], [4, 3, 2, 1, 0, 1]])
+    checks = {
+        "flip": (a.flip(0, 1), x.flip(0, 1)), "tril": (a.tril(1), x.tril(1)), "triu": (a.triu(-1), x.triu(-1)),
+        "var": (a.var(1, keepdim=True), x.var(1, keepdim=True)), "std": (a.std(0, correction=0), x.std(0, correction=0)),
+        "norm": (torch.linalg.vector_norm(a, 3, dim=0), torch.linalg.vector_norm(x, 3, dim=0)),
+        "norm inf": (torch.linalg.vector_norm(a, float("inf")), torch.linalg.vector_norm(x, float("inf"))),
+        "cumsum": (a.cumsum(1), x.cumsum(1)), "cumprod": (a.cumprod(0), x.cumprod(0)),
+        "arange": (torch.arange(0.5, 3, 0.25, device="tpu"), torch.arange(0.5, 3, 0.25)),
+        "prod": (a.prod(1), x.prod(1)), "argmin": (a.argmin(1), x.argmin(1)), "min": (a.min(), x.min()),
+        "any": ((a > 1).any(), (x > 1).any()), "all": ((a > -1).all(1), (x > -1).all(1)),
+        "asinh": (a.asinh(), x.asinh()), "atanh": (a.clamp(-0.9, 0.9).atanh(), x.clamp(-0.9, 0.9).atanh()),
+        "softplus": (F.softplus(a), F.softplus(x)), "gelu tanh": (F.gelu(a, approximate="tanh"), F.gelu(x, approximate="tanh")),
+        "index_select": (a.index_select(1, (ix % 6).to("tpu")), x.index_select(1, ix % 6)),
+        "embedding": (F.embedding(ix.abs().to("tpu"), a), F.embedding(ix.abs(), x)),
+        "gather": (a.gather(0, g.to("tpu")), x.gather(0, g)),
+        "index": (tb[iy.to("tpu"), :, ix.to("tpu")], b[iy, :, ix]), "index rows": (a[ix.to("tpu")], x[ix]),
+        "div floor": (torch.div(a, 0.7, rounding_mode="floor"), torch.div(x, 0.7, rounding_mode="floor")),
+        "signbit": (torch.signbit(a), torch.signbit(x)), "pow scalar": (2.0 ** a, 2.0 ** x),
+        "mv": (torch.mv(a, a[0]), torch.mv(x, x[0])), "cross entropy": (F.cross_entropy(a, g[0, :5].to("tpu")), F.cross_entropy(x, g[0, :5])),
+    }
+    for name, (got, want) in checks.items():
+        assert got.device.type == "tpu", name
+        assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, got.shape)
+        assert torch.allclose(got.cpu().double(), want.double(), atol=1e-5), name
+    # convolution forward: 1-d to 3-d, stride, padding, dilation, groups, bias
+    cx, cw, cb = torch.randn(2, 4, 9, 9), torch.randn(6, 2, 3, 3), torch.randn(6)
+    got = F.conv2d(cx.to("tpu"), cw.to("tpu"), cb.to("tpu"), stride=2, padding=1, dilation=2, groups=2)
+    assert torch.allclose(got.cpu(), F.conv2d(cx, cw, cb, stride=2, padding=1, dilation=2, groups=2), atol=1e-4)
+    c1, w1 = torch.randn(2, 3, 10), torch.randn(5, 3, 4)
+    assert torch.allclose(F.conv1d(c1.to("tpu"), w1.to("tpu"), padding=2).cpu(), F.conv1d(c1, w1, padding=2), atol=1e-4)
+    c3, w3 = torch.randn(1, 2, 5, 5, 5), torch.randn(3, 2, 2, 2, 2)
+    assert torch.allclose(F.conv3d(c3.to("tpu"), w3.to("tpu")).cpu(), F.conv3d(c3, w3), atol=1e-4)
+    # scatter, scatter of a value, scatter_add
+    z, src = torch.zeros(3, 5), torch.arange(1., 16).reshape(3, 5)
+    si = torch.tensor([[0, 1, 2, 0, 0], [2, 0, 0, 1, 2]])
+    zt, st, sit = z.to("tpu"), src.to("tpu"), si.to("tpu")
+    assert torch.equal(zt.scatter_add(0, sit, st).cpu(), z.scatter_add(0, si, src))
+    assert torch.equal(zt.scatter(1, sit % 5, 2.5).cpu(), z.scatter(1, si % 5, 2.5))
+    assert torch.equal(zt.scatter(1, sit, st[:2]).cpu(), z.scatter(1, si, src[:2]))
+    # convolution backward with stride, padding and dilation
+    cg = []
+    for dev in ("cpu", "tpu"):
+        xg = cx.detach().clone().to(dev).requires_grad_()
+        wg = torch.randn(4, 4, 3, 2, generator=torch.Generator().manual_seed(2)).to(dev).requires_grad_()
+        F.conv2d(xg, wg, stride=2, padding=2, dilation=2).pow(2).sum().backward()
+        cg.append((xg.grad.cpu(), wg.grad.cpu()))
+    assert all(torch.allclose(p, q, atol=1e-3, rtol=1e-4) for p, q in zip(*cg))
+    # max / min along a dim (values and first indices); max_pool2d runs decomposed onto them
+    for got, want in ((a.max(1), x.max(1)), (a.min(0, keepdim=True), x.min(0, keepdim=True))):
+        assert torch.equal(got.values.cpu(), want.values) and torch.equal(got.indices.cpu(), want.indices)
+    img = torch.randn(2, 3, 8, 8)
+    assert torch.allclose(F.max_pool2d(img.to("tpu"), 2).cpu(), F.max_pool2d(img, 2))
+    # integer reductions start from the type's own limits
+    xi = torch.tensor([[3, -7, 5], [2, 9, 9]], dtype=torch.int32)
+    ti = xi.to("tpu")
+    for name, f in {"argmin": lambda v: v.argmin(1), "argmax": lambda v: v.argmax(1),
+                    "amin": lambda v: v.amin(0), "min": lambda v: v.min()}.items():
+        assert torch.equal(f(ti).cpu(), f(xi)), name
+    # index_put, plain and accumulating, and embedding's backward (which uses it)
+    for acc in (False, True):
+        z, zc = torch.zeros(5, 6, device="tpu"), torch.zeros(5, 6)
+        z.index_put_((torch.tensor([0, 2, 0]).to("tpu"),), torch.full((3, 6), 2.0, device="tpu"), accumulate=acc)
+        zc.index_put_((torch.tensor([0, 2, 0]),), torch.full((3, 6), 2.0), accumulate=acc)
+        assert torch.equal(z.cpu(), zc), acc
+    tc = b.clone(); tt = tb.clone()
+    tc[:, torch.tensor([1, 0]), torch.tensor([3, 1])] = 7.0
+    tt[:, torch.tensor([1, 0]).to("tpu"), torch.tensor([3, 1]).to("tpu")] = 7.0
+    assert torch.equal(tt.cpu(), tc)
+    grads = []
+    for dev in ("cpu", "tpu"):
         torch.manual_seed(0)
-        x, b = torch.randn(5, 6), torch.randn(2, 3, 4)
-        a, tb = x.to("tpu"), b.to("tpu")
-        ix, iy = torch.tensor([3, -1, 0]), torch.tensor([[1], [0]])
-        g = torch.tensor([[0, 1, 2, 3, 4, 0], [4, 3, 2, 1, 0, 1]])
-        checks = {
-            "flip": (a.flip(0, 1), x.flip(0, 1)), "tril": (a.tril(1), x.tril(1)), "triu": (a.triu(-1), x.triu(-1)),
-            "var": (a.var(1, keepdim=True), x.var(1, keepdim=True)), "std": (a.std(0, correction=0), x.std(0, correction=0)),
-            "norm": (torch.linalg.vector_norm(a, 3, dim=0), torch.linalg.vector_norm(x, 3, dim=0)),
-            "norm inf": (torch.linalg.vector_norm(a, float("inf")), torch.linalg.vector_norm(x, float("inf"))),
-            "cumsum": (a.cumsum(1), x.cumsum(1)), "cumprod": (a.cumprod(0), x.cumprod(0)),
-            "arange": (torch.arange(0.5, 3, 0.25, device="tpu"), torch.arange(0.5, 3, 0.25)),
-            "prod": (a.prod(1), x.prod(1)), "argmin": (a.argmin(1), x.argmin(1)), "min": (a.min(), x.min()),
-            "any": ((a > 1).any(), (x > 1).any()), "all": ((a > -1).all(1), (x > -1).all(1)),
-            "asinh": (a.asinh(), x.asinh()), "atanh": (a.clamp(-0.9, 0.9).atanh(), x.clamp(-0.9, 0.9).atanh()),
-            "softplus": (F.softplus(a), F.softplus(x)), "gelu tanh": (F.gelu(a, approximate="tanh"), F.gelu(x, approximate="tanh")),
-            "index_select": (a.index_select(1, (ix % 6).to("tpu")), x.index_select(1, ix % 6)),
-            "embedding": (F.embedding(ix.abs().to("tpu"), a), F.embedding(ix.abs(), x)),
-            "gather": (a.gather(0, g.to("tpu")), x.gather(0, g)),
-            "index": (tb[iy.to("tpu"), :, ix.to("tpu")], b[iy, :, ix]), "index rows": (a[ix.to("tpu")], x[ix]),
-            "div floor": (torch.div(a, 0.7, rounding_mode="floor"), torch.div(x, 0.7, rounding_mode="floor")),
-            "signbit": (torch.signbit(a), torch.signbit(x)), "pow scalar": (2.0 ** a, 2.0 ** x),
-            "mv": (torch.mv(a, a[0]), torch.mv(x, x[0])), "cross entropy": (F.cross_entropy(a, g[0, :5].to("tpu")), F.cross_entropy(x, g[0, :5])),
-        }
-        for name, (got, want) in checks.items():
-            assert got.device.type == "tpu", name
-            assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, got.shape)
-            assert torch.allclose(got.cpu().double(), want.double(), atol=1e-5), name
-        # convolution forward: 1-d to 3-d, stride, padding, dilation, groups, bias
-        cx, cw, cb = torch.randn(2, 4, 9, 9), torch.randn(6, 2, 3, 3), torch.randn(6)
-        got = F.conv2d(cx.to("tpu"), cw.to("tpu"), cb.to("tpu"), stride=2, padding=1, dilation=2, groups=2)
-        assert torch.allclose(got.cpu(), F.conv2d(cx, cw, cb, stride=2, padding=1, dilation=2, groups=2), atol=1e-4)
-        c1, w1 = torch.randn(2, 3, 10), torch.randn(5, 3, 4)
-        assert torch.allclose(F.conv1d(c1.to("tpu"), w1.to("tpu"), padding=2).cpu(), F.conv1d(c1, w1, padding=2), atol=1e-4)
-        c3, w3 = torch.randn(1, 2, 5, 5, 5), torch.randn(3, 2, 2, 2, 2)
-        assert torch.allclose(F.conv3d(c3.to("tpu"), w3.to("tpu")).cpu(), F.conv3d(c3, w3), atol=1e-4)
-        # scatter, scatter of a value, scatter_add
-        z, src = torch.zeros(3, 5), torch.arange(1., 16).reshape(3, 5)
-        si = torch.tensor([[0, 1, 2, 0, 0], [2, 0, 0, 1, 2]])
-        zt, st, sit = z.to("tpu"), src.to("tpu"), si.to("tpu")
-        assert torch.equal(zt.scatter_add(0, sit, st).cpu(), z.scatter_add(0, si, src))
-        assert torch.equal(zt.scatter(1, sit % 5, 2.5).cpu(), z.scatter(1, si % 5, 2.5))
-        assert torch.equal(zt.scatter(1, sit, st[:2]).cpu(), z.scatter(1, si, src[:2]))
-        # convolution backward with stride, padding and dilation
-        cg = []
-        for dev in ("cpu", "tpu"):
-            xg = cx.detach().clone().to(dev).requires_grad_()
-            wg = torch.randn(4, 4, 3, 2, generator=torch.Generator().manual_seed(2)).to(dev).requires_grad_()
-            F.conv2d(xg, wg, stride=2, padding=2, dilation=2).pow(2).sum().backward()
-            cg.append((xg.grad.cpu(), wg.grad.cpu()))
-        assert all(torch.allclose(p, q, atol=1e-3, rtol=1e-4) for p, q in zip(*cg))
-        # max / min along a dim (values and first indices); max_pool2d runs decomposed onto them
-        for got, want in ((a.max(1), x.max(1)), (a.min(0, keepdim=True), x.min(0, keepdim=True))):
-            assert torch.equal(got.values.cpu(), want.values) and torch.equal(got.indices.cpu(), want.indices)
-        img = torch.randn(2, 3, 8, 8)
-        assert torch.allclose(F.max_pool2d(img.to("tpu"), 2).cpu(), F.max_pool2d(img, 2))
-        # integer reductions start from the type's own limits
-        xi = torch.tensor([[3, -7, 5], [2, 9, 9]], dtype=torch.int32)
-        ti = xi.to("tpu")
-        for name, f in {"argmin": lambda v: v.argmin(1), "argmax": lambda v: v.argmax(1),
-                        "amin": lambda v: v.amin(0), "min": lambda v: v.min()}.items():
-            assert torch.equal(f(ti).cpu(), f(xi)), name
-        # index_put, plain and accumulating, and embedding's backward (which uses it)
-        for acc in (False, True):
-            z, zc = torch.zeros(5, 6, device="tpu"), torch.zeros(5, 6)
-            z.index_put_((torch.tensor([0, 2, 0]).to("tpu"),), torch.full((3, 6), 2.0, device="tpu"), accumulate=acc)
-            zc.index_put_((torch.tensor([0, 2, 0]),), torch.full((3, 6), 2.0), accumulate=acc)
-            assert torch.equal(z.cpu(), zc), acc
-        tc = b.clone(); tt = tb.clone()
-        tc[:, torch.tensor([1, 0]), torch.tensor([3, 1])] = 7.0
-        tt[:, torch.tensor([1, 0]).to("tpu"), torch.tensor([3, 1]).to("tpu")] = 7.0
-        assert torch.equal(tt.cpu(), tc)
-        grads = []
-        for dev in ("cpu", "tpu"):
-            torch.manual_seed(0)
-            e = torch.nn.Embedding(10, 4).to(dev)
-            e(torch.tensor([[1, 2, 1], [9, 0, 1]]).to(dev)).pow(2).sum().backward()
-            grads.append(e.weight.grad.cpu())
-        assert torch.allclose(grads[0], grads[1], atol=1e-6)
-        # gelu's tanh form backward
-        w = a.clone().requires_grad_(); v = x.clone().requires_grad_()
-        F.gelu(w, approximate="tanh").sum().backward(); F.gelu(v, approximate="tanh").sum().backward()
-        assert torch.allclose(w.grad.cpu(), v.grad, atol=1e-5)
-    """)
+        e = torch.nn.Embedding(10, 4).to(dev)
+        e(torch.tensor([[1, 2, 1], [9, 0, 1]]).to(dev)).pow(2).sum().backward()
+        grads.append(e.weight.grad.cpu())
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+    # gelu's tanh form backward
+    w = a.clone().requires_grad_(); v = x.clone().requires_grad_()
+    F.gelu(w, approximate="tanh").sum().backward(); F.gelu(v, approximate="tanh").sum().backward()
+    assert torch.allclose(w.grad.cpu(), v.grad, atol=1e-5)
 
 
 def test_a_cnn_trains_like_on_cpu(pjrt):
-    r = run_py(pjrt, TRAIN_LIKE_CPU.format(
-        model="torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2), "
-              "torch.nn.Conv2d(8, 8, 3, stride=2, dilation=1), torch.nn.GELU(), torch.nn.Flatten(), "
-              "torch.nn.Linear(8, 4))",
-        optimizer="torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)",
-        batch="torch.randn(6, 3, 8, 8, generator=g), torch.randint(0, 4, (6,), generator=g)",
-        loss="torch.nn.functional.cross_entropy(model(x), y)"))
+    r = run_in_child(pjrt, _train_like_cpu, "cnn")
     assert "losses" in r.stdout
 
 
 def test_writes_into_views_with_gaps_keep_the_gaps(pjrt):
-    run_py(pjrt, """
-        import torch, torch_tpu
-        x = torch.arange(16.).reshape(4, 4)
-        t = x.to("tpu")
-        t.diagonal().copy_(torch.tensor([9., 8, 7, 6]).to("tpu"))
-        x.diagonal().copy_(torch.tensor([9., 8, 7, 6]))
-        t[:, 1].add_(100); x[:, 1].add_(100)
-        t[::2, 1::2].mul_(-1); x[::2, 1::2].mul_(-1)
-        assert torch.equal(t.cpu(), x)
-        y = torch.randn(3, 5)
-        assert torch.equal(torch.diag_embed(y.to("tpu")).cpu(), torch.diag_embed(y))
-    """)
+    run_in_child(pjrt, _writes_into_views_with_gaps_keep_the_gaps)
+
+
+def _writes_into_views_with_gaps_keep_the_gaps():
+    import torch
+    import torch_tpu  # noqa: F401
+    x = torch.arange(16.).reshape(4, 4)
+    t = x.to("tpu")
+    t.diagonal().copy_(torch.tensor([9., 8, 7, 6]).to("tpu"))
+    x.diagonal().copy_(torch.tensor([9., 8, 7, 6]))
+    t[:, 1].add_(100); x[:, 1].add_(100)
+    t[::2, 1::2].mul_(-1); x[::2, 1::2].mul_(-1)
+    assert torch.equal(t.cpu(), x)
+    y = torch.randn(3, 5)
+    assert torch.equal(torch.diag_embed(y.to("tpu")).cpu(), torch.diag_embed(y))
 
 
 def test_results_written_in_place_and_inputs_that_overlap_them(pjrt):
     # Dense, aligned results are donated and written where they lie; an
     # input sharing bytes with one must still be read as it was before.
-    run_py(pjrt, """
-        import torch, torch_tpu
-        torch.manual_seed(0)
-        x = torch.randn(8, 8)
-        t = x.to("tpu")
-        t.add_(t); x.add_(x)
-        torch.add(t, 1, out=t); torch.add(x, 1, out=x)
-        t[1:].mul_(t[:-1].clone()); x[1:].mul_(x[:-1].clone())
-        r = torch.empty(8, 8, device="tpu")
-        torch.mm(t, t, out=r)
-        assert torch.allclose(r.cpu(), x @ x, rtol=1e-5, atol=1e-4)
-        assert torch.equal(t.cpu(), x)
-        u = t.view(-1)[3:].clone(); v = x.view(-1)[3:].clone()  # unaligned offsets, copied back
-        t.view(-1)[3:].sub_(u.mul(2)); x.view(-1)[3:].sub_(v.mul(2))
-        assert torch.equal(t.cpu(), x)
-    """)
+    run_in_child(pjrt, _results_written_in_place_and_inputs_that_overlap_them)
+
+
+def _results_written_in_place_and_inputs_that_overlap_them():
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.manual_seed(0)
+    x = torch.randn(8, 8)
+    t = x.to("tpu")
+    t.add_(t); x.add_(x)
+    torch.add(t, 1, out=t); torch.add(x, 1, out=x)
+    t[1:].mul_(t[:-1].clone()); x[1:].mul_(x[:-1].clone())
+    r = torch.empty(8, 8, device="tpu")
+    torch.mm(t, t, out=r)
+    assert torch.allclose(r.cpu(), x @ x, rtol=1e-5, atol=1e-4)
+    assert torch.equal(t.cpu(), x)
+    u = t.view(-1)[3:].clone(); v = x.view(-1)[3:].clone()  # unaligned offsets, copied back
+    t.view(-1)[3:].sub_(u.mul(2)); x.view(-1)[3:].sub_(v.mul(2))
+    assert torch.equal(t.cpu(), x)
 
 
 def test_sort_median_and_special_functions_match_cpu(pjrt):
-    run_py(pjrt, """
-        import torch, torch_tpu
-        torch.manual_seed(0)
-        x = torch.randn(6, 7)
-        x[2, 3] = float("nan")
-        a = x.to("tpu")
-        for desc in (False, True):
-            v, i = torch.sort(a, dim=1, descending=desc, stable=True)
-            ev, ei = torch.sort(x, dim=1, descending=desc, stable=True)
-            assert torch.allclose(v.cpu(), ev, equal_nan=True)
-            assert torch.equal(i.cpu(), ei)
-        v, i = a.topk(3, 0); ev, ei = x.topk(3, 0)
-        assert torch.allclose(v.cpu(), ev, equal_nan=True) and torch.equal(i.cpu(), ei)
-        for f in (torch.median, torch.nanmedian):
-            v, i = f(a, 1); ev, ei = f(x, 1)
-            assert torch.allclose(v.cpu(), ev, equal_nan=True) and torch.equal(i.cpu(), ei), f
-            assert torch.allclose(f(a).cpu(), f(x), equal_nan=True), f
-        s = torch.sort(torch.randn(10))[0]
-        q = torch.randn(4, 3)
-        assert torch.equal(torch.searchsorted(s.to("tpu"), q.to("tpu")).cpu(), torch.searchsorted(s, q))
-        p = torch.rand(20) * 6 + 0.1
-        for name, fn in {"lgamma": torch.lgamma, "digamma": torch.digamma, "erfinv": lambda z: torch.erfinv(z / 7),
-                         "polygamma 2": lambda z: torch.polygamma(2, z), "hypot": lambda z: torch.hypot(z, z - 3)}.items():
-            assert torch.allclose(fn(p.to("tpu")).cpu(), fn(p), rtol=1e-4, atol=1e-5), name
-        assert torch.isinf(torch.digamma(torch.zeros(1, device="tpu"))).all()
-        n = torch.tensor([1.0, float("nan"), 3.0])
-        assert torch.allclose(torch.fmax(n.to("tpu"), n.flip(0).to("tpu")).cpu(), torch.fmax(n, n.flip(0)), equal_nan=True)
-    """)
+    run_in_child(pjrt, _sort_median_and_special_functions_match_cpu)
+
+
+def _sort_median_and_special_functions_match_cpu():
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.manual_seed(0)
+    x = torch.randn(6, 7)
+    x[2, 3] = float("nan")
+    a = x.to("tpu")
+    for desc in (False, True):
+        v, i = torch.sort(a, dim=1, descending=desc, stable=True)
+        ev, ei = torch.sort(x, dim=1, descending=desc, stable=True)
+        assert torch.allclose(v.cpu(), ev, equal_nan=True)
+        assert torch.equal(i.cpu(), ei)
+    v, i = a.topk(3, 0); ev, ei = x.topk(3, 0)
+    assert torch.allclose(v.cpu(), ev, equal_nan=True) and torch.equal(i.cpu(), ei)
+    for f in (torch.median, torch.nanmedian):
+        v, i = f(a, 1); ev, ei = f(x, 1)
+        assert torch.allclose(v.cpu(), ev, equal_nan=True) and torch.equal(i.cpu(), ei), f
+        assert torch.allclose(f(a).cpu(), f(x), equal_nan=True), f
+    s = torch.sort(torch.randn(10))[0]
+    q = torch.randn(4, 3)
+    assert torch.equal(torch.searchsorted(s.to("tpu"), q.to("tpu")).cpu(), torch.searchsorted(s, q))
+    p = torch.rand(20) * 6 + 0.1
+    for name, fn in {"lgamma": torch.lgamma, "digamma": torch.digamma, "erfinv": lambda z: torch.erfinv(z / 7),
+                     "polygamma 2": lambda z: torch.polygamma(2, z), "hypot": lambda z: torch.hypot(z, z - 3)}.items():
+        assert torch.allclose(fn(p.to("tpu")).cpu(), fn(p), rtol=1e-4, atol=1e-5), name
+    assert torch.isinf(torch.digamma(torch.zeros(1, device="tpu"))).all()
+    n = torch.tensor([1.0, float("nan"), 3.0])
+    assert torch.allclose(torch.fmax(n.to("tpu"), n.flip(0).to("tpu")).cpu(), torch.fmax(n, n.flip(0)), equal_nan=True)
 
 
 def test_ffts_linear_algebra_and_polynomials_match_cpu(pjrt):
     # FFTs (complex results), LU / QR / Cholesky and what is built on them
     # (each a while loop in one program), the orthogonal polynomials.
-    run_py(pjrt, """
-        import torch, torch_tpu
-        torch.manual_seed(0)
-        x = torch.randn(3, 8)
-        a = torch.randn(2, 4, 4) + 4 * torch.eye(4)
-        b = torch.randn(2, 4, 3)
-        spd = a @ a.mT + torch.eye(4)
-        n = torch.randint(0, 9, (3, 8)).float()
-        t = lambda v: v.to("tpu")
-        checks = {
-            "fft": (torch.fft.fft(t(x)), torch.fft.fft(x)),
-            "rfft2": (torch.fft.rfft2(t(x)), torch.fft.rfft2(x)),
-            "irfft ortho": (torch.fft.irfft(t(x), norm="ortho"), torch.fft.irfft(x, norm="ortho")),
-            "ifft of complex": (torch.fft.ifft(torch.fft.fft(t(x))), torch.fft.ifft(torch.fft.fft(x))),
-            "solve": (torch.linalg.solve(t(a), t(b)), torch.linalg.solve(a, b)),
-            "inv": (torch.linalg.inv(t(a)), torch.linalg.inv(a)),
-            "det": (torch.linalg.det(t(a)), torch.linalg.det(a)),
-            "slogdet": (torch.linalg.slogdet(t(a))[1], torch.linalg.slogdet(a)[1]),
-            "lu_factor": (torch.linalg.lu_factor(t(a))[0], torch.linalg.lu_factor(a)[0]),
-            "pivots": (torch.linalg.lu_factor(t(a))[1], torch.linalg.lu_factor(a)[1]),
-            "qr q": (torch.linalg.qr(t(a))[0], torch.linalg.qr(a)[0]),
-            "qr r": (torch.linalg.qr(t(a))[1], torch.linalg.qr(a)[1]),
-            "cholesky": (torch.linalg.cholesky(t(spd)), torch.linalg.cholesky(spd)),
-            "cholesky_solve": (torch.cholesky_solve(t(b), torch.linalg.cholesky(t(spd))),
-                               torch.cholesky_solve(b, torch.linalg.cholesky(spd))),
-            "triangular": (torch.linalg.solve_triangular(t(a).triu(), t(b), upper=True),
-                           torch.linalg.solve_triangular(a.triu(), b, upper=True)),
-            "chebyshev_t": (torch.special.chebyshev_polynomial_t(t(x), t(n)), torch.special.chebyshev_polynomial_t(x, n)),
-            "hermite_h": (torch.special.hermite_polynomial_h(t(x), t(n)), torch.special.hermite_polynomial_h(x, n)),
-            "legendre_p": (torch.special.legendre_polynomial_p(t(x), t(n)), torch.special.legendre_polynomial_p(x, n)),
-        }
-        for name, (got, want) in checks.items():
-            assert got.device.type == "tpu" and got.dtype == want.dtype, (name, got.dtype, want.dtype)
-            torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4, msg=name)
-        # A singular matrix: info names the first zero pivot, as LAPACK's.
-        s = torch.tensor([[1.0, 2.0], [2.0, 4.0]])
-        assert torch.linalg.lu_factor_ex(t(s)).info.item() == torch.linalg.lu_factor_ex(s).info.item() == 2
-    """)
+    run_in_child(pjrt, _ffts_linear_algebra_and_polynomials_match_cpu)
+
+
+def _ffts_linear_algebra_and_polynomials_match_cpu():
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.manual_seed(0)
+    x = torch.randn(3, 8)
+    a = torch.randn(2, 4, 4) + 4 * torch.eye(4)
+    b = torch.randn(2, 4, 3)
+    spd = a @ a.mT + torch.eye(4)
+    n = torch.randint(0, 9, (3, 8)).float()
+    t = lambda v: v.to("tpu")
+    checks = {
+        "fft": (torch.fft.fft(t(x)), torch.fft.fft(x)),
+        "rfft2": (torch.fft.rfft2(t(x)), torch.fft.rfft2(x)),
+        "irfft ortho": (torch.fft.irfft(t(x), norm="ortho"), torch.fft.irfft(x, norm="ortho")),
+        "ifft of complex": (torch.fft.ifft(torch.fft.fft(t(x))), torch.fft.ifft(torch.fft.fft(x))),
+        "solve": (torch.linalg.solve(t(a), t(b)), torch.linalg.solve(a, b)),
+        "inv": (torch.linalg.inv(t(a)), torch.linalg.inv(a)),
+        "det": (torch.linalg.det(t(a)), torch.linalg.det(a)),
+        "slogdet": (torch.linalg.slogdet(t(a))[1], torch.linalg.slogdet(a)[1]),
+        "lu_factor": (torch.linalg.lu_factor(t(a))[0], torch.linalg.lu_factor(a)[0]),
+        "pivots": (torch.linalg.lu_factor(t(a))[1], torch.linalg.lu_factor(a)[1]),
+        "qr q": (torch.linalg.qr(t(a))[0], torch.linalg.qr(a)[0]),
+        "qr r": (torch.linalg.qr(t(a))[1], torch.linalg.qr(a)[1]),
+        "cholesky": (torch.linalg.cholesky(t(spd)), torch.linalg.cholesky(spd)),
+        "cholesky_solve": (torch.cholesky_solve(t(b), torch.linalg.cholesky(t(spd))),
+                           torch.cholesky_solve(b, torch.linalg.cholesky(spd))),
+        "triangular": (torch.linalg.solve_triangular(t(a).triu(), t(b), upper=True),
+                       torch.linalg.solve_triangular(a.triu(), b, upper=True)),
+        "chebyshev_t": (torch.special.chebyshev_polynomial_t(t(x), t(n)), torch.special.chebyshev_polynomial_t(x, n)),
+        "hermite_h": (torch.special.hermite_polynomial_h(t(x), t(n)), torch.special.hermite_polynomial_h(x, n)),
+        "legendre_p": (torch.special.legendre_polynomial_p(t(x), t(n)), torch.special.legendre_polynomial_p(x, n)),
+    }
+    for name, (got, want) in checks.items():
+        assert got.device.type == "tpu" and got.dtype == want.dtype, (name, got.dtype, want.dtype)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4, msg=name)
+    # A singular matrix: info names the first zero pivot, as LAPACK's.
+    s = torch.tensor([[1.0, 2.0], [2.0, 4.0]])
+    assert torch.linalg.lu_factor_ex(t(s)).info.item() == torch.linalg.lu_factor_ex(s).info.item() == 2
 
 
 def test_data_dependent_results_and_index_errors(pjrt):
     # nonzero, boolean masks and unique size their results from the data (in
     # memory tpud allocates and charges to the session); an index out of
     # range is an error naming the op, and the session goes on.
-    run_py(pjrt, """
-        import torch, torch_tpu
-        torch.manual_seed(0)
-        x = torch.randn(5, 6)
-        m = x > 0.3
-        t, tm = x.to("tpu"), m.to("tpu")
-        assert torch.equal(torch.nonzero(t).cpu(), torch.nonzero(x))
-        assert torch.equal(t[tm].cpu(), x[m])
-        assert torch.equal(t[tm[:, 0]].cpu(), x[m[:, 0]])
-        assert torch.equal(torch.masked_select(t, tm).cpu(), torch.masked_select(x, m))
-        v = torch.tensor([3, 1, 3, 2, 1, 1])
-        for got, want in zip(torch.unique(v.to("tpu"), return_inverse=True, return_counts=True),
-                             torch.unique(v, return_inverse=True, return_counts=True)):
-            assert torch.equal(got.cpu(), want), (got, want)
-        y = t.clone(); y[tm] = 0.0; x2 = x.clone(); x2[m] = 0.0
-        assert torch.equal(y.cpu(), x2)
-        assert torch.nonzero(torch.zeros(3, device="tpu")).shape == (0, 1)
-        for bad in (lambda: t.index_select(0, torch.tensor([0, 9], device="tpu")),
-                    lambda: t[torch.tensor([7], device="tpu")],
-                    lambda: torch.gather(t, 1, torch.tensor([[6]], device="tpu"))):
-            try:
-                bad().cpu()
-                raise AssertionError("no error")
-            except RuntimeError as e:
-                assert "out of" in str(e) and "aten::" in str(e), e
-        assert (t + 1).sum().item() == (x + 1).sum().item() or abs((t + 1).sum().item() - (x + 1).sum().item()) < 1e-4
-    """)
+    run_in_child(pjrt, _data_dependent_results_and_index_errors)
+
+
+def _data_dependent_results_and_index_errors():
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.manual_seed(0)
+    x = torch.randn(5, 6)
+    m = x > 0.3
+    t, tm = x.to("tpu"), m.to("tpu")
+    assert torch.equal(torch.nonzero(t).cpu(), torch.nonzero(x))
+    assert torch.equal(t[tm].cpu(), x[m])
+    assert torch.equal(t[tm[:, 0]].cpu(), x[m[:, 0]])
+    assert torch.equal(torch.masked_select(t, tm).cpu(), torch.masked_select(x, m))
+    v = torch.tensor([3, 1, 3, 2, 1, 1])
+    for got, want in zip(torch.unique(v.to("tpu"), return_inverse=True, return_counts=True),
+                         torch.unique(v, return_inverse=True, return_counts=True)):
+        assert torch.equal(got.cpu(), want), (got, want)
+    y = t.clone(); y[tm] = 0.0; x2 = x.clone(); x2[m] = 0.0
+    assert torch.equal(y.cpu(), x2)
+    assert torch.nonzero(torch.zeros(3, device="tpu")).shape == (0, 1)
+    for bad in (lambda: t.index_select(0, torch.tensor([0, 9], device="tpu")),
+                lambda: t[torch.tensor([7], device="tpu")],
+                lambda: torch.gather(t, 1, torch.tensor([[6]], device="tpu"))):
+        try:
+            bad().cpu()
+            raise AssertionError("no error")
+        except RuntimeError as e:
+            assert "out of" in str(e) and "aten::" in str(e), e
+    assert (t + 1).sum().item() == (x + 1).sum().item() or abs((t + 1).sum().item() - (x + 1).sum().item()) < 1e-4
 
 
 def test_random_ops_repeat_under_manual_seed_and_have_their_distribution(pjrt):
-    run_py(pjrt, """
-        import torch, torch_tpu
-        torch.tpu.manual_seed(1)
-        u = torch.rand(1000, 100, device="tpu"); n = torch.randn(1000, 100, device="tpu")
-        torch.tpu.manual_seed(1)
-        assert torch.equal(torch.rand(1000, 100, device="tpu").cpu(), u.cpu())
-        assert not torch.equal(torch.rand(1000, 100, device="tpu").cpu(), u.cpu())
-        assert 0 <= u.min().item() and u.max().item() < 1 and abs(u.mean().item() - 0.5) < 0.01
-        assert abs(n.mean().item()) < 0.01 and abs(n.std().item() - 1) < 0.01
-        r = torch.randint(3, 9, (10000,), device="tpu")
-        assert r.min().item() == 3 and r.max().item() == 8
-        y = torch.nn.functional.dropout(torch.ones(10000, device="tpu"), 0.3)
-        assert abs((y == 0).float().mean().item() - 0.3) < 0.03
-        assert abs(torch.bernoulli(torch.full((10000,), 0.2, device="tpu")).mean().item() - 0.2) < 0.03
-    """)
+    run_in_child(pjrt, _random_ops_repeat_under_manual_seed_and_have_their_distribution)
+
+
+def _random_ops_repeat_under_manual_seed_and_have_their_distribution():
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.tpu.manual_seed(1)
+    u = torch.rand(1000, 100, device="tpu"); n = torch.randn(1000, 100, device="tpu")
+    torch.tpu.manual_seed(1)
+    assert torch.equal(torch.rand(1000, 100, device="tpu").cpu(), u.cpu())
+    assert not torch.equal(torch.rand(1000, 100, device="tpu").cpu(), u.cpu())
+    assert 0 <= u.min().item() and u.max().item() < 1 and abs(u.mean().item() - 0.5) < 0.01
+    assert abs(n.mean().item()) < 0.01 and abs(n.std().item() - 1) < 0.01
+    r = torch.randint(3, 9, (10000,), device="tpu")
+    assert r.min().item() == 3 and r.max().item() == 8
+    y = torch.nn.functional.dropout(torch.ones(10000, device="tpu"), 0.3)
+    assert abs((y == 0).float().mean().item() - 0.3) < 0.03
+    assert abs(torch.bernoulli(torch.full((10000,), 0.2, device="tpu")).mean().item() - 0.2) < 0.03
 
 
 def test_two_processes_share_the_devices(pjrt):
-    code = """
-        import sys, torch, torch_tpu
-        chip = int(sys.argv[1])
-        torch.manual_seed(chip)
-        x = torch.randn(64, 64)
-        a = x.to(f"tpu:{chip}")
-        for _ in range(20):
-            a = torch.tanh(a @ a.t() / 64)
-            x = torch.tanh(x @ x.t() / 64)
-        assert torch.allclose(a.cpu(), x, atol=1e-4)
-        print("ok", chip)
-    """
-    import textwrap
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(c)],
-                              env=pjrt.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for c in (0, 1)]
+    procs = [subprocess.Popen(child_argv(_tanh_chain_on_chip, c), env=pjrt.env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in (0, 1)]
     for c, p in enumerate(procs):
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 0 and f"ok {c}" in out, out[-3000:]
+
+
+def _tanh_chain_on_chip(chip):
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.manual_seed(chip)
+    x = torch.randn(64, 64)
+    a = x.to(f"tpu:{chip}")
+    for _ in range(20):
+        a = torch.tanh(a @ a.t() / 64)
+        x = torch.tanh(x @ x.t() / 64)
+    assert torch.allclose(a.cpu(), x, atol=1e-4)
+    print("ok", chip)
 
 
 def test_status_shows_the_plugin_and_its_api_version(pjrt):
@@ -493,13 +528,7 @@ def test_programs_compile_once_and_tpuctl_counts_them(pjrt):
         return chip3["compiles"], chip3["cache_hits"], e["programs_cached"]
 
     before = compiles()
-    run_py(pjrt, """
-        import torch, torch_tpu
-        a = torch.full((17, 3), 2.0, device="tpu:3")
-        for i in range(10):
-            b = a * (i + 0.5)   # one program: the scalar is a parameter
-        assert b.cpu()[0, 0].item() == 19.0
-    """)
+    run_in_child(pjrt, _programs_compile_once_and_tpuctl_counts_them)
     import time
     time.sleep(0.05)  # executors publish their figures every millisecond of activity
     after = compiles()
@@ -510,6 +539,15 @@ def test_programs_compile_once_and_tpuctl_counts_them(pjrt):
     text = subprocess.run([tpuctl, f"--admin_socket={pjrt.admin_socket}", "executors"],
                           capture_output=True, text=True, timeout=30).stdout
     assert "COMPILES" in text and "compiled programs cached" in text, text
+
+
+def _programs_compile_once_and_tpuctl_counts_them():
+    import torch
+    import torch_tpu  # noqa: F401
+    a = torch.full((17, 3), 2.0, device="tpu:3")
+    for i in range(10):
+        b = a * (i + 0.5)   # one program: the scalar is a parameter
+    assert b.cpu()[0, 0].item() == 19.0
 
 
 def test_example_training_reaches_cpu_losses_on_pjrt(pjrt):
@@ -531,72 +569,78 @@ def test_example_training_reaches_cpu_losses_on_pjrt(pjrt):
 
 
 def test_more_ops_match_cpu_forward_and_backward(pjrt):
-    run_py(pjrt, """
-        import torch, torch_tpu
-        import torch.nn.functional as F
-        torch.manual_seed(0)
-        x, y = torch.randn(6, 5), torch.randn(6, 5)
-        a, b = x.to("tpu"), y.to("tpu")
-        checks = {
-            "where": (torch.where(a > b, a, b), torch.where(x > y, x, y)),
-            "clamp": (a.clamp(-0.5, 0.5), x.clamp(-0.5, 0.5)), "clamp_min": (a.clamp(min=0.1), x.clamp(min=0.1)),
-            "eq": (a == b, x == y), "lt scalar": (a < 0.3, x < 0.3), "logical_and": ((a > 0) & (b > 0), (x > 0) & (y > 0)),
-            "floor": (a.floor(), x.floor()), "remainder": (a % 0.7, x % 0.7), "atan2": (torch.atan2(a, b), torch.atan2(x, y)),
-            "erf": (torch.erf(a), torch.erf(x)), "silu": (F.silu(a), F.silu(x)), "amax": (a.amax(1), x.amax(1)),
-            "argmax": (a.argmax(1), x.argmax(1)), "argmax all": (a.argmax(), x.argmax()),
-            "log_softmax": (F.log_softmax(a, 1), F.log_softmax(x, 1)), "softmax": (F.softmax(a, 0), F.softmax(x, 0)),
-            "layer_norm": (F.layer_norm(a, (5,)), F.layer_norm(x, (5,))), "gelu": (F.gelu(a), F.gelu(x)),
-            "masked_fill": (a.masked_fill(a > 0, 2.0), x.masked_fill(x > 0, 2.0)),
-            "bmm": (torch.bmm(a.view(2, 3, 5), b.view(2, 5, 3)), torch.bmm(x.view(2, 3, 5), y.view(2, 5, 3))),
-        }
-        for name, (got, want) in checks.items():
-            assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
-            assert torch.allclose(got.cpu(), want, atol=1e-5), (name, got.cpu(), want)
-        # Backward: cross-entropy through layer norm and GELU, gradients against CPU's.
-        target = torch.tensor([0, 4, 2, 1, 3, 0])
-        def grads(dev):
-            w = torch.randn(5, 5, generator=torch.Generator().manual_seed(3)).to(dev).requires_grad_()
-            inp = x.detach().to(dev).requires_grad_()
-            loss = F.cross_entropy(F.gelu(F.layer_norm(inp @ w, (5,))), target.to(dev))
-            loss.backward()
-            return loss.item(), w.grad.cpu(), inp.grad.cpu()
-        lc, wc, ic = grads("cpu")
-        lt, wt, it = grads("tpu")
-        assert abs(lc - lt) < 1e-5 and torch.allclose(wc, wt, atol=1e-5) and torch.allclose(ic, it, atol=1e-5)
-        # One unbatched sample (a 1-d input, a 0-d target): nll_loss takes it
-        # as one row, with each reduction and a class weight.
-        weight = torch.rand(5) + 0.5
-        for reduction in ("none", "mean", "sum"):
-            for wgt in (None, weight):
-                def unbatched(dev):
-                    inp = x[2].detach().to(dev).requires_grad_()
-                    w = None if wgt is None else wgt.to(dev)
-                    loss = F.cross_entropy(inp, torch.tensor(3).to(dev), weight=w, reduction=reduction)
-                    loss.backward()
-                    return loss.detach().cpu(), inp.grad.cpu()
-                (lc, gc), (lt, gt) = unbatched("cpu"), unbatched("tpu")
-                assert lt.shape == lc.shape and torch.allclose(lt, lc, atol=1e-5), (reduction, lt, lc)
-                assert torch.allclose(gt, gc, atol=1e-5), (reduction, gt, gc)
-    """)
+    run_in_child(pjrt, _more_ops_match_cpu_forward_and_backward)
+
+
+def _more_ops_match_cpu_forward_and_backward():
+    import torch
+    import torch_tpu  # noqa: F401
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 5), torch.randn(6, 5)
+    a, b = x.to("tpu"), y.to("tpu")
+    checks = {
+        "where": (torch.where(a > b, a, b), torch.where(x > y, x, y)),
+        "clamp": (a.clamp(-0.5, 0.5), x.clamp(-0.5, 0.5)), "clamp_min": (a.clamp(min=0.1), x.clamp(min=0.1)),
+        "eq": (a == b, x == y), "lt scalar": (a < 0.3, x < 0.3), "logical_and": ((a > 0) & (b > 0), (x > 0) & (y > 0)),
+        "floor": (a.floor(), x.floor()), "remainder": (a % 0.7, x % 0.7), "atan2": (torch.atan2(a, b), torch.atan2(x, y)),
+        "erf": (torch.erf(a), torch.erf(x)), "silu": (F.silu(a), F.silu(x)), "amax": (a.amax(1), x.amax(1)),
+        "argmax": (a.argmax(1), x.argmax(1)), "argmax all": (a.argmax(), x.argmax()),
+        "log_softmax": (F.log_softmax(a, 1), F.log_softmax(x, 1)), "softmax": (F.softmax(a, 0), F.softmax(x, 0)),
+        "layer_norm": (F.layer_norm(a, (5,)), F.layer_norm(x, (5,))), "gelu": (F.gelu(a), F.gelu(x)),
+        "masked_fill": (a.masked_fill(a > 0, 2.0), x.masked_fill(x > 0, 2.0)),
+        "bmm": (torch.bmm(a.view(2, 3, 5), b.view(2, 5, 3)), torch.bmm(x.view(2, 3, 5), y.view(2, 5, 3))),
+    }
+    for name, (got, want) in checks.items():
+        assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
+        assert torch.allclose(got.cpu(), want, atol=1e-5), (name, got.cpu(), want)
+    # Backward: cross-entropy through layer norm and GELU, gradients against CPU's.
+    target = torch.tensor([0, 4, 2, 1, 3, 0])
+    def grads(dev):
+        w = torch.randn(5, 5, generator=torch.Generator().manual_seed(3)).to(dev).requires_grad_()
+        inp = x.detach().to(dev).requires_grad_()
+        loss = F.cross_entropy(F.gelu(F.layer_norm(inp @ w, (5,))), target.to(dev))
+        loss.backward()
+        return loss.item(), w.grad.cpu(), inp.grad.cpu()
+    lc, wc, ic = grads("cpu")
+    lt, wt, it = grads("tpu")
+    assert abs(lc - lt) < 1e-5 and torch.allclose(wc, wt, atol=1e-5) and torch.allclose(ic, it, atol=1e-5)
+    # One unbatched sample (a 1-d input, a 0-d target): nll_loss takes it
+    # as one row, with each reduction and a class weight.
+    weight = torch.rand(5) + 0.5
+    for reduction in ("none", "mean", "sum"):
+        for wgt in (None, weight):
+            def unbatched(dev):
+                inp = x[2].detach().to(dev).requires_grad_()
+                w = None if wgt is None else wgt.to(dev)
+                loss = F.cross_entropy(inp, torch.tensor(3).to(dev), weight=w, reduction=reduction)
+                loss.backward()
+                return loss.detach().cpu(), inp.grad.cpu()
+            (lc, gc), (lt, gt) = unbatched("cpu"), unbatched("tpu")
+            assert lt.shape == lc.shape and torch.allclose(lt, lc, atol=1e-5), (reduction, lt, lc)
+            assert torch.allclose(gt, gc, atol=1e-5), (reduction, gt, gc)
 
 
 def test_item_reads_every_float_and_complex_type(pjrt):
     # .item() on half, bfloat16 and complex tensors (loss.item() under bf16
     # training): values equal the CPU's, subnormal halves and infinities too.
-    run_py(pjrt, """
-        import torch, torch_tpu
-        values = (1.5, -3.0e-7, 65504.0, -2.0 ** -14, float("inf"), 0.0)
-        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            for v in values:
-                t = torch.tensor(v, dtype=dtype)
-                got, want = t.to("tpu").item(), t.item()
-                assert got == want, (dtype, v, got, want)
-            s = torch.tensor([0.25, 0.5, 1.0], dtype=dtype)
-            assert s.to("tpu").sum().item() == s.sum().item(), dtype
-        for dtype in (torch.complex64, torch.complex128):
-            t = torch.tensor(1.5 - 0.25j, dtype=dtype)
-            assert t.to("tpu").item() == t.item(), dtype
-    """)
+    run_in_child(pjrt, _item_reads_every_float_and_complex_type)
+
+
+def _item_reads_every_float_and_complex_type():
+    import torch
+    import torch_tpu  # noqa: F401
+    values = (1.5, -3.0e-7, 65504.0, -2.0 ** -14, float("inf"), 0.0)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        for v in values:
+            t = torch.tensor(v, dtype=dtype)
+            got, want = t.to("tpu").item(), t.item()
+            assert got == want, (dtype, v, got, want)
+        s = torch.tensor([0.25, 0.5, 1.0], dtype=dtype)
+        assert s.to("tpu").sum().item() == s.sum().item(), dtype
+    for dtype in (torch.complex64, torch.complex128):
+        t = torch.tensor(1.5 - 0.25j, dtype=dtype)
+        assert t.to("tpu").item() == t.item(), dtype
 
 
 def test_quota_oom_and_kill_9_reclaim_on_pjrt(pjrt):
@@ -604,16 +648,7 @@ def test_quota_oom_and_kill_9_reclaim_on_pjrt(pjrt):
     admin = f"--admin_socket={pjrt.admin_socket}"
     subprocess.run([tpuctl, admin, "quota", "--default", "16MiB"], check=True, timeout=30)
     try:
-        run_py(pjrt, """
-            import torch, torch_tpu
-            a = torch.ones(1024, 1024, device="tpu")          # 4 MiB
-            try:
-                torch.ones(8, 1024, 1024, device="tpu")        # 32 MiB: over the quota
-                raise SystemExit("no quota error")
-            except RuntimeError as e:
-                assert "quota" in str(e), str(e)
-            assert (a * 2).sum().item() == 2 * 1024 * 1024     # the session goes on
-        """)
+        run_in_child(pjrt, _quota_error_and_the_session_goes_on)
     finally:
         subprocess.run([tpuctl, admin, "quota", "--default", "none"], check=True, timeout=30)
     # A client killed while its ops run: its memory comes back; the one
@@ -641,11 +676,26 @@ def test_quota_oom_and_kill_9_reclaim_on_pjrt(pjrt):
         time.sleep(0.05)
     assert not doc["sessions"], doc["sessions"]
     assert all(c["hbm_used_bytes"] == 0 for c in doc["chips"]), doc["chips"]
-    run_py(pjrt, """
-        import torch, torch_tpu
-        x = torch.randn(8, 8)
-        assert torch.allclose((x.to("tpu:1") @ x.to("tpu:1")).cpu(), x @ x, atol=1e-5)
-    """)
+    run_in_child(pjrt, _matmul_on_chip_1)
+
+
+def _quota_error_and_the_session_goes_on():
+    import torch
+    import torch_tpu  # noqa: F401
+    a = torch.ones(1024, 1024, device="tpu")          # 4 MiB
+    try:
+        torch.ones(8, 1024, 1024, device="tpu")        # 32 MiB: over the quota
+        raise SystemExit("no quota error")
+    except RuntimeError as e:
+        assert "quota" in str(e), str(e)
+    assert (a * 2).sum().item() == 2 * 1024 * 1024     # the session goes on
+
+
+def _matmul_on_chip_1():
+    import torch
+    import torch_tpu  # noqa: F401
+    x = torch.randn(8, 8)
+    assert torch.allclose((x.to("tpu:1") @ x.to("tpu:1")).cpu(), x @ x, atol=1e-5)
 
 
 def test_ddp_over_four_chips_matches_one_process_on_pjrt(pjrt):
@@ -703,28 +753,7 @@ def test_host_writes_frees_and_reuse_keep_memory_right(pjrt):
     contents; device buffers go with their segments (device memory)."""
     import time
     before = _device_buffer_bytes(pjrt)
-    out = run_py(pjrt, """
-        import subprocess, sys, torch, torch_tpu
-        x = torch.ones(4096, device="tpu")
-        x.mul_(2)                                     # the device's copy is the newest
-        x[2:4] = torch.tensor([5.0, 6.0])             # the host writes part of it
-        y = x + 0
-        want = torch.full((4096,), 2.0); want[2:4] = torch.tensor([5.0, 6.0])
-        assert torch.equal(y.cpu(), want), y.cpu()[:6]
-        # Strided and offset views read out of their segment.
-        m = torch.arange(24.0).reshape(4, 6).to("tpu").mul_(3)
-        ref = torch.arange(24.0).reshape(4, 6) * 3
-        assert torch.equal((m[:, 1::2].t() * 1).cpu(), ref[:, 1::2].t())
-        assert torch.equal(m.diagonal().cpu(), ref.diagonal())
-        torch.tpu.synchronize()
-        print("held", flush=True)
-        del x, y
-        torch.tpu.empty_cache()                       # the segment goes back to tpud
-        z = torch.empty(4096, device="tpu")           # and likely comes back here
-        assert torch.count_nonzero(z.cpu()).item() == 0, z.cpu()[:6]
-        z.fill_(9)
-        torch.tpu.synchronize()
-    """)
+    out = run_in_child(pjrt, _host_writes_join_the_device_copy_and_reuse_reads_zeros)
     assert "held" in out.stdout
     # The process ended: tpud reclaimed its segments, and their device
     # buffers went with them.
@@ -734,8 +763,35 @@ def test_host_writes_frees_and_reuse_keep_memory_right(pjrt):
             time.sleep(0.05)
         assert _device_buffer_bytes(pjrt) <= before
     # A new session gets zeros where the last one left nines.
-    run_py(pjrt, """
-        import torch, torch_tpu
-        z = torch.empty(4096, device="tpu")
-        assert torch.count_nonzero(z.cpu()).item() == 0
-    """)
+    run_in_child(pjrt, _new_memory_reads_zeros)
+
+
+def _host_writes_join_the_device_copy_and_reuse_reads_zeros():
+    import torch
+    import torch_tpu  # noqa: F401
+    x = torch.ones(4096, device="tpu")
+    x.mul_(2)                                     # the device's copy is the newest
+    x[2:4] = torch.tensor([5.0, 6.0])             # the host writes part of it
+    y = x + 0
+    want = torch.full((4096,), 2.0); want[2:4] = torch.tensor([5.0, 6.0])
+    assert torch.equal(y.cpu(), want), y.cpu()[:6]
+    # Strided and offset views read out of their segment.
+    m = torch.arange(24.0).reshape(4, 6).to("tpu").mul_(3)
+    ref = torch.arange(24.0).reshape(4, 6) * 3
+    assert torch.equal((m[:, 1::2].t() * 1).cpu(), ref[:, 1::2].t())
+    assert torch.equal(m.diagonal().cpu(), ref.diagonal())
+    torch.tpu.synchronize()
+    print("held", flush=True)
+    del x, y
+    torch.tpu.empty_cache()                       # the segment goes back to tpud
+    z = torch.empty(4096, device="tpu")           # and likely comes back here
+    assert torch.count_nonzero(z.cpu()).item() == 0, z.cpu()[:6]
+    z.fill_(9)
+    torch.tpu.synchronize()
+
+
+def _new_memory_reads_zeros():
+    import torch
+    import torch_tpu  # noqa: F401
+    z = torch.empty(4096, device="tpu")
+    assert torch.count_nonzero(z.cpu()).item() == 0
