@@ -594,7 +594,12 @@ void Executor::RunRing(Ring& ring) {
       BumpSingleWriter(slot_->op_latency[chip_slot][OpLatencyBucket(now - op_start)]);
       BumpSingleWriter(slot_->op_latency_sum_ns[chip_slot], now - op_start);
     }
-    if (now - start >= config_.quantum_ns && !queue_.empty()) {
+    // At the end of its quantum a ring goes back to the queue even when no
+    // other ring waits there: the loop in Run() must still look at the
+    // doorbells, poll the other rings and publish activity. A client that
+    // keeps its ring full would otherwise hold this loop, unseen by tpuctl
+    // and ahead of sessions whose rings were never polled.
+    if (now - start >= config_.quantum_ns) {
       ring.state = Ring::State::kQueued;
       queue_.Push(s.id, ring.handle);
       break;
