@@ -687,7 +687,12 @@ TEST_CASE("elementwise _foreach_ ops run packed and equal ATen tensor by tensor"
     absl::Status st = f.Run(f.Op("aten::_foreach_pow", "ScalarAndTensor"), ob);
     INFO(st.ToString());
     REQUIRE(st.ok());
-    for (size_t k = 0; k < want.size(); ++k) CHECK(at::equal(f.hbm.Get(outs[k].ref), want[k]));
+    // pow is transcendental: run packed, an element may take the vector
+    // loop where tensor by tensor it took the scalar tail, and differ in the
+    // last bit (simulated_chip.h). Within one ulp, never more.
+    for (size_t k = 0; k < want.size(); ++k) {
+      CHECK(at::allclose(f.hbm.Get(outs[k].ref), want[k], /*rtol=*/1.2e-7, /*atol=*/0));
+    }
     CHECK(f.chip->packed_foreach_runs() == before + 1);
   }
 }
