@@ -38,13 +38,14 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-void Emit(const std::string& name, double project_us, double baseline_us, int calls,
-          const std::string& baseline) {
+void Emit(const std::string& name, double project_us, double baseline_us,
+          int calls, const std::string& baseline) {
   std::printf(
       "{\"name\":\"%s\",\"speed_ratio\":%.4f,\"project_us_per_call\":%.3f,"
-      "\"baseline_us_per_call\":%.3f,\"baseline\":\"%s\",\"calls_per_round\":%d}\n",
-      name.c_str(), baseline_us / project_us, project_us, baseline_us, baseline.c_str(),
-      calls);
+      "\"baseline_us_per_call\":%.3f,\"baseline\":\"%s\",\"calls_per_round\":%"
+      "d}\n",
+      name.c_str(), baseline_us / project_us, project_us, baseline_us,
+      baseline.c_str(), calls);
   std::fflush(stdout);
 }
 
@@ -64,7 +65,8 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<tpu::Session>> session =
       tpu::Session::Open({"", "control_plane_bench"});
   if (!session.ok()) {
-    std::fprintf(stderr, "control_plane_bench: %s\n", session.status().ToString().c_str());
+    std::fprintf(stderr, "control_plane_bench: %s\n",
+                 session.status().ToString().c_str());
     tpud_bench::StopPingServer(server);
     return 1;
   }
@@ -88,7 +90,8 @@ int main(int argc, char** argv) {
     alloc_us.push_back(MicrosPerCall(n / 2, alloc_free));
   }
   const double ping_median = Median(ping_us);
-  Emit("control_plane_roundtrip", Median(stats_us), ping_median, n, "grpc_unary_ping_unix");
+  Emit("control_plane_roundtrip", Median(stats_us), ping_median, n,
+       "grpc_unary_ping_unix");
   // An allocate+free pair is two round trips: compare with two pings.
   Emit("segment_alloc_free_pair", Median(alloc_us), 2 * ping_median, n / 2,
        "2x_grpc_unary_ping_unix");

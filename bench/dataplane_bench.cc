@@ -12,9 +12,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <functional>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -25,7 +25,8 @@
 #include "bench/ping_baseline.h"
 #include "tpu/client.h"
 
-ABSL_FLAG(std::string, only, "", "comma-separated figures to run (default: all)");
+ABSL_FLAG(std::string, only, "",
+          "comma-separated figures to run (default: all)");
 ABSL_FLAG(int, rounds, 5, "interleaved rounds; the median is reported");
 
 namespace {
@@ -41,13 +42,15 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-void Emit(const std::string& name, double project_s, double baseline_s, double target,
-          const std::string& baseline, const std::string& unit_note) {
+void Emit(const std::string& name, double project_s, double baseline_s,
+          double target, const std::string& baseline,
+          const std::string& unit_note) {
   std::printf(
-      "{\"name\":\"%s\",\"speed_ratio\":%.4f,\"target\":%.2f,\"project_seconds\":%.6g,"
+      "{\"name\":\"%s\",\"speed_ratio\":%.4f,\"target\":%.2f,\"project_"
+      "seconds\":%.6g,"
       "\"baseline_seconds\":%.6g,\"baseline\":\"%s\",\"work\":\"%s\"}\n",
-      name.c_str(), baseline_s / project_s, target, project_s, baseline_s, baseline.c_str(),
-      unit_note.c_str());
+      name.c_str(), baseline_s / project_s, target, project_s, baseline_s,
+      baseline.c_str(), unit_note.c_str());
   std::fflush(stdout);
 }
 
@@ -97,7 +100,8 @@ tpu::TensorRef Upload(tpu::Session& s, const at::Tensor& t) {
 }
 
 bool Want(const std::vector<std::string>& only, const char* name) {
-  return only.empty() || std::find(only.begin(), only.end(), name) != only.end();
+  return only.empty() ||
+         std::find(only.begin(), only.end(), name) != only.end();
 }
 
 }  // namespace
@@ -109,25 +113,29 @@ int main(int argc, char** argv) {
   const pid_t ping_server = tpud_bench::ForkPingServer(ping_path);
   absl::ParseCommandLine(argc, argv);
   std::vector<std::string> only;
-  if (!absl::GetFlag(FLAGS_only).empty()) only = absl::StrSplit(absl::GetFlag(FLAGS_only), ',');
+  if (!absl::GetFlag(FLAGS_only).empty())
+    only = absl::StrSplit(absl::GetFlag(FLAGS_only), ',');
   const int rounds = std::max(1, absl::GetFlag(FLAGS_rounds));
 
   tpu::ClientOptions options;
   options.client_name = "dataplane_bench";
   options.pinned_pool_bytes = 300 << 20;
-  std::unique_ptr<tpu::Session> session = Check(tpu::Session::Open(options), "open session");
+  std::unique_ptr<tpu::Session> session =
+      Check(tpu::Session::Open(options), "open session");
   tpu::Session& s = *session;
 
   if (Want(only, "small_op")) {
     constexpr int kOps = 100000;
     at::Tensor a = at::ones({1}), b = at::ones({1});
     tpu::TensorRef da = Upload(s, a), db = Upload(s, b), dout = Upload(s, a);
-    const uint32_t add = Check(s.DefineOp(SchemaOf("aten::add", "Tensor")), "define");
+    const uint32_t add =
+        Check(s.DefineOp(SchemaOf("aten::add", "Tensor")), "define");
     tpu::OpArg args[2] = {TensorArg(da), TensorArg(db)};
     std::vector<double> project, baseline;
     for (int r = 0; r < rounds; ++r) {
       auto t0 = Clock::now();
-      for (int i = 0; i < kOps; ++i) Check(s.EnqueueOp(0, add, args, 2, &dout, 1), "enqueue");
+      for (int i = 0; i < kOps; ++i)
+        Check(s.EnqueueOp(0, add, args, 2, &dout, 1), "enqueue");
       Check(s.Synchronize(0), "synchronize");
       auto t1 = Clock::now();
       for (int i = 0; i < kOps; ++i) {
@@ -138,7 +146,8 @@ int main(int argc, char** argv) {
       project.push_back(Seconds(t0, t1));
       baseline.push_back(Seconds(t1, t2));
     }
-    Emit("small_op", Median(project), Median(baseline), 0.33, "aten_add_in_process",
+    Emit("small_op", Median(project), Median(baseline), 0.33,
+         "aten_add_in_process",
          "100k aten::add.Tensor on 1-element float tensors, then synchronize");
   }
 
@@ -147,7 +156,8 @@ int main(int argc, char** argv) {
     at::Tensor x = at::full({1}, 3.5);
     tpu::TensorRef dx = Upload(s, x);
     dx.ndim = 0;
-    const uint32_t item = Check(s.DefineOp(SchemaOf("aten::_local_scalar_dense", "")), "define");
+    const uint32_t item =
+        Check(s.DefineOp(SchemaOf("aten::_local_scalar_dense", "")), "define");
     tpu::OpArg arg = TensorArg(dx);
     tpud_bench::PingClient ping(ping_path);
     ping.MicrosPerCall(200);
@@ -155,19 +165,22 @@ int main(int argc, char** argv) {
     for (int r = 0; r < rounds; ++r) {
       auto t0 = Clock::now();
       for (int i = 0; i < kReads; ++i) {
-        std::vector<tpu::OpResult> v = Check(s.RunSync(0, item, &arg, 1, nullptr, 0), "item");
+        std::vector<tpu::OpResult> v =
+            Check(s.RunSync(0, item, &arg, 1, nullptr, 0), "item");
         if (v.empty() || v[0].d != 3.5) std::abort();
       }
       auto t1 = Clock::now();
       project.push_back(Seconds(t0, t1) / kReads);
       baseline.push_back(ping.MicrosPerCall(kReads) / 1e6);
     }
-    Emit("sync_roundtrip", Median(project), Median(baseline), 4.0, "grpc_unary_ping_unix",
+    Emit("sync_roundtrip", Median(project), Median(baseline), 4.0,
+         "grpc_unary_ping_unix",
          "read one scalar back (aten::_local_scalar_dense), per call");
   }
 
   const uint64_t kCopyBytes = 256ull << 20;
-  const bool any_copy = Want(only, "h2d_pageable") || Want(only, "d2h_pageable") ||
+  const bool any_copy = Want(only, "h2d_pageable") ||
+                        Want(only, "d2h_pageable") ||
                         Want(only, "h2d_pinned") || Want(only, "d2h_pinned");
   if (any_copy) {
     std::vector<char> host(kCopyBytes, 1), other(kCopyBytes, 2);
@@ -190,18 +203,25 @@ int main(int argc, char** argv) {
     std::vector<Figure> figures = {
         {"h2d_pageable", 0.45,
          [&] {
-           Check(s.CopyToDevice(0, seg.address, host.data(), kCopyBytes), "h2d");
+           Check(s.CopyToDevice(0, seg.address, host.data(), kCopyBytes),
+                 "h2d");
            Check(s.Synchronize(0), "h2d sync");
          }},
         {"d2h_pageable", 0.45,
-         [&] { Check(s.CopyToHost(0, other.data(), seg.address, kCopyBytes), "d2h"); }},
+         [&] {
+           Check(s.CopyToHost(0, other.data(), seg.address, kCopyBytes), "d2h");
+         }},
         {"h2d_pinned", 0.8,
          [&] {
-           Check(s.CopyToDevice(0, seg.address, pinned, kCopyBytes), "h2d pinned");
+           Check(s.CopyToDevice(0, seg.address, pinned, kCopyBytes),
+                 "h2d pinned");
            Check(s.Synchronize(0), "h2d pinned sync");
          }},
         {"d2h_pinned", 0.8,
-         [&] { Check(s.CopyToHost(0, pinned, seg.address, kCopyBytes), "d2h pinned"); }},
+         [&] {
+           Check(s.CopyToHost(0, pinned, seg.address, kCopyBytes),
+                 "d2h pinned");
+         }},
     };
     for (const Figure& f : figures) {
       if (!Want(only, f.name)) continue;
@@ -212,8 +232,8 @@ int main(int argc, char** argv) {
         project.push_back(Seconds(t0, Clock::now()));
         baseline.push_back(memcpy_baseline());
       }
-      Emit(f.name, Median(project), Median(baseline), f.target, "single_thread_memcpy",
-           "256 MiB");
+      Emit(f.name, Median(project), Median(baseline), f.target,
+           "single_thread_memcpy", "256 MiB");
     }
     Check(s.FreePinned(pinned), "free pinned");
     Check(s.Free(seg.address), "free");
@@ -231,7 +251,8 @@ int main(int argc, char** argv) {
     Check(s.Synchronize(0), "mm");
     for (int r = 0; r < rounds; ++r) {
       auto t0 = Clock::now();
-      for (int i = 0; i < kReps; ++i) Check(s.EnqueueOp(0, mm, args, 2, &dc, 1), "mm");
+      for (int i = 0; i < kReps; ++i)
+        Check(s.EnqueueOp(0, mm, args, 2, &dc, 1), "mm");
       Check(s.Synchronize(0), "mm");
       auto t1 = Clock::now();
       for (int i = 0; i < kReps; ++i) c = at::mm(a, b);
@@ -239,8 +260,8 @@ int main(int argc, char** argv) {
       project.push_back(Seconds(t0, t1) / kReps);
       baseline.push_back(Seconds(t1, t2) / kReps);
     }
-    Emit("matmul_1024", Median(project), Median(baseline), 0.95, "aten_mm_in_process",
-         "1024x1024 float32 matmul, per op");
+    Emit("matmul_1024", Median(project), Median(baseline), 0.95,
+         "aten_mm_in_process", "1024x1024 float32 matmul, per op");
   }
 
   session.reset();

@@ -1,13 +1,12 @@
 #include "bench/ping_baseline.h"
 
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
-
-#include <grpcpp/grpcpp.h>
 
 #include "bench/ping.grpc.pb.h"
 
@@ -27,7 +26,8 @@ class PingService final : public tpud::bench::BenchPing::Service {
 pid_t ForkPingServer(const std::string& path) {
   pid_t pid = fork();
   if (pid != 0) {
-    for (int i = 0; i < 500 && access(path.c_str(), F_OK) != 0; ++i) usleep(10000);
+    for (int i = 0; i < 500 && access(path.c_str(), F_OK) != 0; ++i)
+      usleep(10000);
     return pid;
   }
   PingService service;

@@ -46,20 +46,23 @@ double Median(std::vector<double> v) {
 }
 
 // Median over rounds of the seconds per call of `exe` on `args`.
-double PerCall(const PjrtPlugin& p, const Executable& exe, const std::vector<PJRT_Buffer*>& args,
-               int calls, int rounds) {
+double PerCall(const PjrtPlugin& p, const Executable& exe,
+               const std::vector<PJRT_Buffer*>& args, int calls, int rounds) {
   std::vector<double> per;
   for (int r = 0; r < rounds; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < calls; ++i) {
       auto out = p.Execute(exe, 0, args);
       if (!out.ok()) {
-        std::fprintf(stderr, "%s\n", std::string(out.status().message()).c_str());
+        std::fprintf(stderr, "%s\n",
+                     std::string(out.status().message()).c_str());
         std::exit(1);
       }
     }
-    per.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
-                  calls);
+    per.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+            .count() /
+        calls);
   }
   return Median(per);
 }
@@ -68,7 +71,8 @@ double PerCall(const PjrtPlugin& p, const Executable& exe, const std::vector<PJR
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: pjrt_inprocess_bench PLUGIN [name=value ...]\n");
+    std::fprintf(stderr,
+                 "usage: pjrt_inprocess_bench PLUGIN [name=value ...]\n");
     return 2;
   }
   std::vector<tpud::pjrt::CreateOption> options;
@@ -79,7 +83,8 @@ int main(int argc, char** argv) {
   }
   auto plugin = PjrtPlugin::Load(argv[1], options);
   if (!plugin.ok()) {
-    std::fprintf(stderr, "%s\n", std::string(plugin.status().message()).c_str());
+    std::fprintf(stderr, "%s\n",
+                 std::string(plugin.status().message()).c_str());
     return 1;
   }
   const PjrtPlugin& p = **plugin;
@@ -94,7 +99,8 @@ int main(int argc, char** argv) {
   auto a = p.FromHost(0, &one, PJRT_Buffer_Type_F32, std::vector<int64_t>{1});
   auto s = p.FromHost(0, &scalar, PJRT_Buffer_Type_F64, std::vector<int64_t>{});
   std::vector<float> big(1024 * 1024, 0.5f);
-  auto m = p.FromHost(0, big.data(), PJRT_Buffer_Type_F32, std::vector<int64_t>{1024, 1024});
+  auto m = p.FromHost(0, big.data(), PJRT_Buffer_Type_F32,
+                      std::vector<int64_t>{1024, 1024});
   if (!a.ok() || !s.ok() || !m.ok()) return 1;
   const double tiny_s = PerCall(p, **tiny, {a->get(), s->get()}, 20000, 5);
   const double mm_s = PerCall(p, **mm, {m->get(), m->get()}, 3, 5);

@@ -2,22 +2,21 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <grpcpp/create_channel_posix.h>
+#include <grpcpp/grpcpp.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <cstring>
 
-#include <grpcpp/create_channel_posix.h>
-#include <grpcpp/grpcpp.h>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "proto/protocol.h"
 #include "proto/tpud.grpc.pb.h"
-#include "tpu/paths.h"
 #include "session_impl.h"
+#include "tpu/paths.h"
 
 namespace tpu {
 
@@ -30,33 +29,38 @@ absl::StatusOr<int> internal::ConnectUnix(const std::string& path, bool admin) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tpud socket path is too long (", path.size(), " bytes, limit ",
-        sizeof(addr.sun_path) - 1, "): ", path));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tpud socket path is too long (", path.size(),
+                     " bytes, limit ", sizeof(addr.sun_path) - 1, "): ", path));
   }
   std::memcpy(addr.sun_path, path.c_str(), path.size());
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::InternalError(absl::StrCat("socket(): ", std::strerror(errno)));
+  if (fd < 0)
+    return absl::InternalError(
+        absl::StrCat("socket(): ", std::strerror(errno)));
   if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     int err = errno;
     close(fd);
     const char* flag = admin ? "--admin_socket" : "--socket";
     const char* env = admin ? "TPUD_ADMIN_SOCKET" : "TPUD_SOCKET";
     std::string hint =
-        err == EACCES ? absl::StrCat("you lack permission on the socket",
-                                     admin ? " (the admin socket is root only)"
-                                           : " (join the group that owns it)")
-                      : absl::StrCat("is tpud running? Start it with `tpud ", flag, "=",
-                                     path, "` (or `systemctl start tpud`), or set ", env,
-                                     " to the socket of a running tpud");
-    return absl::UnavailableError(absl::StrCat("cannot connect to tpud at ", path, ": ",
-                                               std::strerror(err), "; ", hint));
+        err == EACCES
+            ? absl::StrCat("you lack permission on the socket",
+                           admin ? " (the admin socket is root only)"
+                                 : " (join the group that owns it)")
+            : absl::StrCat("is tpud running? Start it with `tpud ", flag, "=",
+                           path, "` (or `systemctl start tpud`), or set ", env,
+                           " to the socket of a running tpud");
+    return absl::UnavailableError(absl::StrCat("cannot connect to tpud at ",
+                                               path, ": ", std::strerror(err),
+                                               "; ", hint));
   }
   return fd;
 }
 
 // Adds the socket path to errors that mean the daemon is unreachable.
-absl::Status internal::Annotate(const grpc::Status& status, const std::string& path) {
+absl::Status internal::Annotate(const grpc::Status& status,
+                                const std::string& path) {
   absl::Status st = FromGrpcStatus(status);
   if (st.code() == absl::StatusCode::kUnavailable) {
     return absl::UnavailableError(absl::StrCat(
@@ -64,8 +68,8 @@ absl::Status internal::Annotate(const grpc::Status& status, const std::string& p
         "); the daemon stopped or ended this session"));
   }
   if (st.code() == absl::StatusCode::kDeadlineExceeded) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("tpud at ", path, " did not answer in time: ", st.message()));
+    return absl::DeadlineExceededError(absl::StrCat(
+        "tpud at ", path, " did not answer in time: ", st.message()));
   }
   return st;
 }
@@ -119,9 +123,9 @@ TopologyInfo ConvertTopology(const v1::TopologyInfo& t) {
     out.chips.push_back(std::move(chip));
   }
   for (const v1::IciLinkInfo& l : t.links()) {
-    out.links.push_back(IciLinkInfo{static_cast<int>(l.a()), static_cast<int>(l.b()),
-                                    static_cast<int>(l.axis()), l.bytes_a_to_b(),
-                                    l.bytes_b_to_a()});
+    out.links.push_back(IciLinkInfo{
+        static_cast<int>(l.a()), static_cast<int>(l.b()),
+        static_cast<int>(l.axis()), l.bytes_a_to_b(), l.bytes_b_to_a()});
   }
   return out;
 }
@@ -145,15 +149,17 @@ SessionInfo ConvertSession(const v1::SessionInfo& s) {
   out.busy_seconds = s.busy_seconds();
   out.ops_executed = s.ops_executed();
   for (const auto& p : s.programs()) {
-    out.programs.push_back({p.id(), p.name(), static_cast<int>(p.chip()), p.records(), p.calls(),
-                            p.busy_seconds()});
+    out.programs.push_back({p.id(), p.name(), static_cast<int>(p.chip()),
+                            p.records(), p.calls(), p.busy_seconds()});
   }
   return out;
 }
 
 }  // namespace
 
-std::string TopologyInfo::ShapeString() const { return absl::StrJoin(shape, "x"); }
+std::string TopologyInfo::ShapeString() const {
+  return absl::StrJoin(shape, "x");
+}
 
 // ---------------------------------------------------------------- Session
 
@@ -185,7 +191,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(ClientOptions options) {
   impl->id = resp.session_id();
   impl->protocol_version = resp.protocol_version();
   impl->daemon_version = resp.daemon_version();
-  if (absl::Status dp = impl->AttachDataPlane(resp.data_plane_token()); !dp.ok()) {
+  if (absl::Status dp = impl->AttachDataPlane(resp.data_plane_token());
+      !dp.ok()) {
     return dp;
   }
   {
@@ -199,8 +206,12 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(ClientOptions options) {
 
 uint64_t Session::id() const { return impl_->id; }
 uint32_t Session::protocol_version() const { return impl_->protocol_version; }
-const std::string& Session::daemon_version() const { return impl_->daemon_version; }
-const std::string& Session::socket_path() const { return impl_->options.socket_path; }
+const std::string& Session::daemon_version() const {
+  return impl_->daemon_version;
+}
+const std::string& Session::socket_path() const {
+  return impl_->options.socket_path;
+}
 
 absl::StatusOr<TopologyInfo> Session::GetTopology() {
   Impl::Call call(impl_.get());
@@ -276,12 +287,13 @@ absl::StatusOr<MemoryStats> Session::GetMemoryStats() {
   return out;
 }
 
-absl::StatusOr<uint64_t> Session::JoinCommunicator(const std::string& key, int size, int rank,
-                                                   int chip, absl::Duration op_timeout,
-                                                   absl::Duration join_timeout) {
+absl::StatusOr<uint64_t> Session::JoinCommunicator(
+    const std::string& key, int size, int rank, int chip,
+    absl::Duration op_timeout, absl::Duration join_timeout) {
   if (size < 1 || rank < 0 || rank >= size || chip < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " of ", size, " on chip ", chip,
-                                                   " is not a valid place in a communicator"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " of ", size, " on chip ", chip,
+                     " is not a valid place in a communicator"));
   }
   v1::JoinCommunicatorRequest req;
   req.set_session_id(impl_->id);
@@ -289,8 +301,10 @@ absl::StatusOr<uint64_t> Session::JoinCommunicator(const std::string& key, int s
   req.set_size(static_cast<uint32_t>(size));
   req.set_rank(static_cast<uint32_t>(rank));
   req.set_chip(static_cast<uint32_t>(chip));
-  req.set_op_timeout_ms(static_cast<uint64_t>(std::max<int64_t>(1, absl::ToInt64Milliseconds(op_timeout))));
-  req.set_join_timeout_ms(static_cast<uint64_t>(std::max<int64_t>(1, absl::ToInt64Milliseconds(join_timeout))));
+  req.set_op_timeout_ms(static_cast<uint64_t>(
+      std::max<int64_t>(1, absl::ToInt64Milliseconds(op_timeout))));
+  req.set_join_timeout_ms(static_cast<uint64_t>(
+      std::max<int64_t>(1, absl::ToInt64Milliseconds(join_timeout))));
   v1::JoinCommunicatorResponse resp;
   Impl::Call call(impl_.get());
   internal::SetDeadline(call.ctx(), join_timeout + absl::Seconds(10));
@@ -377,7 +391,8 @@ DaemonStatus ConvertStatus(const v1::GetStatusResponse& resp) {
   out.backend.plugin_path = resp.backend().plugin_path();
   out.backend.pjrt_api_version = resp.backend().pjrt_api_version();
   out.backend.platform = resp.backend().platform();
-  for (const v1::SessionInfo& s : resp.sessions()) out.sessions.push_back(ConvertSession(s));
+  for (const v1::SessionInfo& s : resp.sessions())
+    out.sessions.push_back(ConvertSession(s));
   out.daemon_version = resp.daemon_version();
   out.uptime_seconds = resp.uptime_seconds();
   out.daemon_pid = resp.daemon_pid();
@@ -397,8 +412,9 @@ DaemonStatus ConvertStatus(const v1::GetStatusResponse& resp) {
     info.programs_cached = e.programs_cached();
     info.device_buffer_bytes = e.device_buffer_bytes();
     for (const v1::ChipCompileStats& c : e.compile()) {
-      info.compile.push_back({static_cast<int>(c.chip()), c.compiles(), c.compile_seconds(),
-                              c.cache_hits(), c.collective_programs(), c.graph_programs()});
+      info.compile.push_back({static_cast<int>(c.chip()), c.compiles(),
+                              c.compile_seconds(), c.cache_hits(),
+                              c.collective_programs(), c.graph_programs()});
     }
     out.executors.push_back(std::move(info));
   }
@@ -443,14 +459,16 @@ absl::StatusOr<DaemonStatus> AdminClient::GetStatus() {
   return ConvertStatus(resp);
 }
 
-absl::Status AdminClient::Watch(double interval_seconds, uint32_t count,
-                                const std::function<bool(const DaemonStatus&)>& on_update) {
+absl::Status AdminClient::Watch(
+    double interval_seconds, uint32_t count,
+    const std::function<bool(const DaemonStatus&)>& on_update) {
   // No deadline: the stream lasts as long as the caller wants updates.
   grpc::ClientContext ctx;
   v1::WatchRequest req;
   req.set_interval_seconds(interval_seconds);
   req.set_count(count);
-  std::unique_ptr<grpc::ClientReader<v1::GetStatusResponse>> reader = impl_->stub->Watch(&ctx, req);
+  std::unique_ptr<grpc::ClientReader<v1::GetStatusResponse>> reader =
+      impl_->stub->Watch(&ctx, req);
   v1::GetStatusResponse resp;
   while (reader->Read(&resp)) {
     if (!on_update(ConvertStatus(resp))) {
@@ -459,7 +477,8 @@ absl::Status AdminClient::Watch(double interval_seconds, uint32_t count,
     }
   }
   grpc::Status st = reader->Finish();
-  if (!st.ok() && st.error_code() != grpc::StatusCode::CANCELLED) return Annotate(st, impl_->path);
+  if (!st.ok() && st.error_code() != grpc::StatusCode::CANCELLED)
+    return Annotate(st, impl_->path);
   return absl::OkStatus();
 }
 
@@ -469,7 +488,8 @@ absl::StatusOr<std::vector<SessionInfo>> AdminClient::ListSessions() {
   grpc::Status st = impl_->stub->ListSessions(impl_->Prepare(&ctx), {}, &resp);
   if (!st.ok()) return Annotate(st, impl_->path);
   std::vector<SessionInfo> out;
-  for (const v1::SessionInfo& s : resp.sessions()) out.push_back(ConvertSession(s));
+  for (const v1::SessionInfo& s : resp.sessions())
+    out.push_back(ConvertSession(s));
   return out;
 }
 
@@ -504,7 +524,8 @@ absl::Status AdminClient::SetDefaultQuota(uint64_t quota) {
 }
 
 absl::Status AdminClient::DrainChip(int chip) {
-  if (chip < 0) return absl::InvalidArgumentError(absl::StrCat("no chip ", chip));
+  if (chip < 0)
+    return absl::InvalidArgumentError(absl::StrCat("no chip ", chip));
   grpc::ClientContext ctx;
   v1::DrainChipRequest req;
   req.set_chip(static_cast<uint32_t>(chip));
@@ -514,7 +535,8 @@ absl::Status AdminClient::DrainChip(int chip) {
 }
 
 absl::Status AdminClient::UndrainChip(int chip) {
-  if (chip < 0) return absl::InvalidArgumentError(absl::StrCat("no chip ", chip));
+  if (chip < 0)
+    return absl::InvalidArgumentError(absl::StrCat("no chip ", chip));
   grpc::ClientContext ctx;
   v1::UndrainChipRequest req;
   req.set_chip(static_cast<uint32_t>(chip));
@@ -532,7 +554,8 @@ absl::StatusOr<HealthReport> AdminClient::Health() {
   out.serving = resp.serving();
   out.daemon_version = resp.daemon_version();
   for (const v1::ChipHealth& c : resp.chips()) {
-    out.chips.push_back({static_cast<int>(c.chip()), c.healthy(), c.drained(), c.detail()});
+    out.chips.push_back(
+        {static_cast<int>(c.chip()), c.healthy(), c.drained(), c.detail()});
   }
   return out;
 }
@@ -549,7 +572,8 @@ absl::StatusOr<CreatedAllocation> AdminClient::CreateAllocation(
   req.set_name(name);
   grpc::ClientContext ctx;
   v1::CreateAllocationResponse resp;
-  grpc::Status st = impl_->stub->CreateAllocation(impl_->Prepare(&ctx), req, &resp);
+  grpc::Status st =
+      impl_->stub->CreateAllocation(impl_->Prepare(&ctx), req, &resp);
   if (!st.ok()) return Annotate(st, impl_->path);
   return CreatedAllocation{resp.id(), resp.token()};
 }
@@ -559,14 +583,16 @@ absl::Status AdminClient::ReleaseAllocation(const std::string& token) {
   req.set_token(token);
   grpc::ClientContext ctx;
   v1::ReleaseAllocationResponse resp;
-  grpc::Status st = impl_->stub->ReleaseAllocation(impl_->Prepare(&ctx), req, &resp);
+  grpc::Status st =
+      impl_->stub->ReleaseAllocation(impl_->Prepare(&ctx), req, &resp);
   return st.ok() ? absl::OkStatus() : Annotate(st, impl_->path);
 }
 
 absl::StatusOr<std::vector<AllocationInfo>> AdminClient::ListAllocations() {
   grpc::ClientContext ctx;
   v1::ListAllocationsResponse resp;
-  grpc::Status st = impl_->stub->ListAllocations(impl_->Prepare(&ctx), {}, &resp);
+  grpc::Status st =
+      impl_->stub->ListAllocations(impl_->Prepare(&ctx), {}, &resp);
   if (!st.ok()) return Annotate(st, impl_->path);
   std::vector<AllocationInfo> out;
   for (const v1::AllocationInfo& a : resp.allocations()) {

@@ -41,7 +41,8 @@ constexpr int64_t kLivenessCheckNanos = 20 * 1000 * 1000;
 
 bool internal::PeerGone(int fd) {
   pollfd p{fd, POLLRDHUP, 0};
-  return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+  return poll(&p, 1, 0) > 0 &&
+         (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
 using internal::PeerGone;
@@ -68,9 +69,9 @@ Session::Impl::Call::~Call() {
 
 absl::Status Session::Impl::Annotate(const grpc::Status& status) {
   if (daemon_gone.load()) {
-    return absl::UnavailableError(absl::StrCat("lost the connection to tpud at ",
-                                               options.socket_path,
-                                               "; the daemon stopped or ended this session"));
+    return absl::UnavailableError(
+        absl::StrCat("lost the connection to tpud at ", options.socket_path,
+                     "; the daemon stopped or ended this session"));
   }
   return internal::Annotate(status, options.socket_path);
 }
@@ -79,7 +80,8 @@ void Session::Impl::StartWatcher() {
   watcher_stop_fd = eventfd(0, EFD_CLOEXEC);
   if (watcher_stop_fd < 0) return;
   watcher = std::thread([this] {
-    pollfd fds[2] = {{data_plane_fd, POLLRDHUP, 0}, {watcher_stop_fd, POLLIN, 0}};
+    pollfd fds[2] = {{data_plane_fd, POLLRDHUP, 0},
+                     {watcher_stop_fd, POLLIN, 0}};
     while (poll(fds, 2, -1) < 0 && errno == EINTR) {
     }
     if (fds[1].revents != 0) return;  // the session is closing
@@ -100,9 +102,11 @@ void Session::Impl::StopWatcher() {
 
 absl::Status Session::Impl::AttachDataPlane(const std::string& token) {
   if (token.size() != 16) {
-    return absl::FailedPreconditionError("tpud sent no data-plane token (protocol mismatch)");
+    return absl::FailedPreconditionError(
+        "tpud sent no data-plane token (protocol mismatch)");
   }
-  absl::StatusOr<int> fd = internal::ConnectUnix(options.socket_path, /*admin=*/false);
+  absl::StatusOr<int> fd =
+      internal::ConnectUnix(options.socket_path, /*admin=*/false);
   if (!fd.ok()) return fd.status();
   data_plane_fd = *fd;
   timeval tv{30, 0};
@@ -112,10 +116,11 @@ absl::Status Session::Impl::AttachDataPlane(const std::string& token) {
   hello.session_id = id;
   std::memcpy(hello.token, token.data(), sizeof(hello.token));
   hello.pinned_bytes = options.pinned_pool_bytes;
-  if (send(data_plane_fd, &hello, sizeof(hello), MSG_NOSIGNAL) != sizeof(hello)) {
+  if (send(data_plane_fd, &hello, sizeof(hello), MSG_NOSIGNAL) !=
+      sizeof(hello)) {
     return absl::UnavailableError(
-        absl::StrCat("sending the data-plane hello to ", options.socket_path, ": ",
-                     std::strerror(errno)));
+        absl::StrCat("sending the data-plane hello to ", options.socket_path,
+                     ": ", std::strerror(errno)));
   }
   DataPlaneReply reply{};
   iovec iov{&reply, sizeof(reply)};
@@ -128,7 +133,8 @@ absl::Status Session::Impl::AttachDataPlane(const std::string& token) {
   mh.msg_controllen = sizeof(control);
   ssize_t n = recvmsg(data_plane_fd, &mh, MSG_CMSG_CLOEXEC | MSG_WAITALL);
   std::vector<int> fds;
-  for (cmsghdr* cm = CMSG_FIRSTHDR(&mh); cm != nullptr; cm = CMSG_NXTHDR(&mh, cm)) {
+  for (cmsghdr* cm = CMSG_FIRSTHDR(&mh); cm != nullptr;
+       cm = CMSG_NXTHDR(&mh, cm)) {
     if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
       const size_t count = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
       for (size_t i = 0; i < count; ++i) {
@@ -143,16 +149,19 @@ absl::Status Session::Impl::AttachDataPlane(const std::string& token) {
   };
   if (n != sizeof(reply)) {
     close_fds();
-    return absl::UnavailableError(absl::StrCat(
-        "tpud at ", options.socket_path, " did not answer the data-plane hello"));
+    return absl::UnavailableError(
+        absl::StrCat("tpud at ", options.socket_path,
+                     " did not answer the data-plane hello"));
   }
   reply.message[sizeof(reply.message) - 1] = '\0';
   if (reply.code != 0 || fds.empty()) {
     close_fds();
-    return absl::Status(static_cast<absl::StatusCode>(reply.code == 0 ? 13 : reply.code),
-                        absl::StrCat("data-plane attach: ", reply.message));
+    return absl::Status(
+        static_cast<absl::StatusCode>(reply.code == 0 ? 13 : reply.code),
+        absl::StrCat("data-plane attach: ", reply.message));
   }
-  void* p = mmap(nullptr, reply.shm_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+  void* p = mmap(nullptr, reply.shm_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+                 fds[0], 0);
   close(fds[0]);
   doorbells.assign(fds.begin() + 1, fds.end());
   if (p == MAP_FAILED) {
@@ -165,17 +174,21 @@ absl::Status Session::Impl::AttachDataPlane(const std::string& token) {
   std::memcpy(&layout, shm, sizeof(layout));
   if (layout.magic != kShmMagic || layout.layout_version != kDataPlaneVersion ||
       layout.streams_per_chip != static_cast<uint32_t>(kStreamsPerChip) ||
-      layout.num_chips == 0 || layout.num_chips > static_cast<uint32_t>(kMaxChipsPerHost) ||
+      layout.num_chips == 0 ||
+      layout.num_chips > static_cast<uint32_t>(kMaxChipsPerHost) ||
       layout.num_rings != layout.num_chips * layout.streams_per_chip ||
-      layout.total_bytes != shm_bytes || layout.pinned_offset + layout.pinned_bytes > shm_bytes ||
+      layout.total_bytes != shm_bytes ||
+      layout.pinned_offset + layout.pinned_bytes > shm_bytes ||
       doorbells.size() != layout.num_chips) {
     return absl::FailedPreconditionError(
-        "the session's shared memory has an unknown layout (tpud and libtpuclient differ)");
+        "the session's shared memory has an unknown layout (tpud and "
+        "libtpuclient differ)");
   }
   num_chips = static_cast<int>(layout.num_chips);
   staging_slots = kStagingSlotsPerStream;
   staging_slot_bytes =
-      (layout.staging_bytes / kStreamsPerChip / staging_slots) & ~uint64_t{4095};
+      (layout.staging_bytes / kStreamsPerChip / staging_slots) &
+      ~uint64_t{4095};
   for (internal::StreamProducer& s : streams) {
     absl::MutexLock lock(&s.mu);
     s.rings.resize(num_chips);
@@ -183,7 +196,8 @@ absl::Status Session::Impl::AttachDataPlane(const std::string& token) {
   }
   {
     absl::MutexLock lock(&pinned_mu);
-    if (layout.pinned_bytes > 0) pinned_free[layout.pinned_offset] = layout.pinned_bytes;
+    if (layout.pinned_bytes > 0)
+      pinned_free[layout.pinned_offset] = layout.pinned_bytes;
   }
   {
     absl::MutexLock lock(&events_mu);
@@ -194,31 +208,36 @@ absl::Status Session::Impl::AttachDataPlane(const std::string& token) {
 }
 
 absl::Status Session::Impl::CheckStream(int stream) const {
-  if (shm == nullptr) return absl::FailedPreconditionError("session has no data plane");
+  if (shm == nullptr)
+    return absl::FailedPreconditionError("session has no data plane");
   if (stream < 0 || stream >= kStreamsPerChip) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("no stream ", stream, " (streams are 0..", kStreamsPerChip - 1, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "no stream ", stream, " (streams are 0..", kStreamsPerChip - 1, ")"));
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<int> Session::Impl::ChipOfAddress(uint64_t address, const char* what) const {
+absl::StatusOr<int> Session::Impl::ChipOfAddress(uint64_t address,
+                                                 const char* what) const {
   const int chip = DeviceAddressChip(address);
   if (chip < 0 || chip >= num_chips) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s 0x%x is not a device address on this host (chips 0..%d)", what, address,
-        num_chips - 1));
+        "%s 0x%x is not a device address on this host (chips 0..%d)", what,
+        address, num_chips - 1));
   }
   return chip;
 }
 
-uint64_t Session::Impl::BeginLocked(int ring, internal::StreamProducer& p, RecordKind kind) {
+uint64_t Session::Impl::BeginLocked(int ring, internal::StreamProducer& p,
+                                    RecordKind kind) {
   const uint64_t sequence = p.rings[RingChip(ring)].next_sequence++;
   p.writer.Begin(kind, sequence);
   return sequence;
 }
 
-absl::StatusOr<int> Session::Impl::RouteLocked(int stream, internal::StreamProducer& p, int chip) {
+absl::StatusOr<int> Session::Impl::RouteLocked(int stream,
+                                               internal::StreamProducer& p,
+                                               int chip) {
   const int ring = RingIndex(chip, stream);
   if (p.last_chip >= 0 && p.last_chip != chip) {
     // The stream moves: this ring first waits for what the stream queued on
@@ -249,28 +268,35 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
     // ring as always.
     if (kind != RecordKind::kDefineOp) {
       --rp.next_sequence;  // a captured record takes no place in the ring
-      const bool device_copy = kind == RecordKind::kCopy &&
-                               static_cast<uint8_t>(record[sizeof(h)]) ==
-                                   static_cast<uint8_t>(CopyKind::kDeviceToDevice);
+      const bool device_copy =
+          kind == RecordKind::kCopy &&
+          static_cast<uint8_t>(record[sizeof(h)]) ==
+              static_cast<uint8_t>(CopyKind::kDeviceToDevice);
       absl::Status refused;
       if (kind != RecordKind::kOp && !device_copy) {
-        const char* what = kind == RecordKind::kCopy         ? "copy with the host"
+        const char* what = kind == RecordKind::kCopy ? "copy with the host"
                            : kind == RecordKind::kEventRecord ? "event"
-                           : kind == RecordKind::kEventWait   ? "wait for another stream or chip"
-                           : kind == RecordKind::kCollective  ? "collective"
-                                                              : "program run";
-        refused = absl::FailedPreconditionError(absl::StrCat(
-            "a ", what, " cannot be captured into a program (only ops and device-to-device copies)"));
+                           : kind == RecordKind::kEventWait
+                               ? "wait for another stream or chip"
+                           : kind == RecordKind::kCollective ? "collective"
+                                                             : "program run";
+        refused = absl::FailedPreconditionError(
+            absl::StrCat("a ", what,
+                         " cannot be captured into a program (only ops and "
+                         "device-to-device copies)"));
       } else if ((h.kind == static_cast<uint16_t>(RecordKind::kOp) &&
                   (record[sizeof(h) + 8] & kOpFlagSync) != 0)) {
         refused = absl::FailedPreconditionError(
-            "a synchronous op (its values go to the host) cannot be captured into a program");
+            "a synchronous op (its values go to the host) cannot be captured "
+            "into a program");
       } else if (p.capture_chip >= 0 && p.capture_chip != RingChip(ring)) {
-        refused = absl::FailedPreconditionError(absl::StrCat(
-            "a program runs on one chip: chip ", RingChip(ring), " after chip ", p.capture_chip));
+        refused = absl::FailedPreconditionError(
+            absl::StrCat("a program runs on one chip: chip ", RingChip(ring),
+                         " after chip ", p.capture_chip));
       } else if (p.captured.size() + record.size() > (uint64_t{1} << 30) ||
                  p.captured_records >= kMaxProgramRecords) {
-        refused = absl::ResourceExhaustedError("a program of more than 1 GiB or 2^20 records");
+        refused = absl::ResourceExhaustedError(
+            "a program of more than 1 GiB or 2^20 records");
       }
       if (!refused.ok()) {
         if (p.capture_error.ok()) p.capture_error = refused;
@@ -285,20 +311,26 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
   const uint64_t ring_bytes = layout.ring_bytes;
   if (record.size() > ring_bytes / 2 - 64) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "record of ", record.size(), " bytes does not fit the stream's ring (", ring_bytes, ")"));
+        "record of ", record.size(), " bytes does not fit the stream's ring (",
+        ring_bytes, ")"));
   }
   uint64_t pos = rp.tail & (ring_bytes - 1);
   // Never leave a gap smaller than a record header before the ring's end:
   // the filler record that skips a gap must fit in it.
   const uint64_t after = ring_bytes - pos;
-  const bool wrap = record.size() > after ||
-                    (after - record.size() != 0 && after - record.size() < sizeof(RecordHeader));
+  const bool wrap =
+      record.size() > after || (after - record.size() != 0 &&
+                                after - record.size() < sizeof(RecordHeader));
   const uint64_t pad = wrap ? after : 0;
   // Wait for room: the executor frees ring space as it finishes records.
   const uint64_t need = pad + record.size();
-  auto full = [&] { return rp.tail + need - ctl->head.load(std::memory_order_acquire) > ring_bytes; };
+  auto full = [&] {
+    return rp.tail + need - ctl->head.load(std::memory_order_acquire) >
+           ring_bytes;
+  };
   if (full()) {
-    const uint64_t spin_until = WaitAdvice() == kWaitSpin ? MonotonicNanos() + kSpinNanos : 0;
+    const uint64_t spin_until =
+        WaitAdvice() == kWaitSpin ? MonotonicNanos() + kSpinNanos : 0;
     while (full() && MonotonicNanos() < spin_until) __builtin_ia32_pause();
     while (full()) {
       if (ctl->dead.load()) return TakeError(ring);
@@ -306,18 +338,22 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
       // quarter of the ring more.
       const uint32_t v = ctl->head_futex.load();
       const uint64_t want = rp.tail + need + ring_bytes / 4;
-      ctl->wanted_head.store(std::min(rp.tail, want > ring_bytes ? want - ring_bytes : 0));
+      ctl->wanted_head.store(
+          std::min(rp.tail, want > ring_bytes ? want - ring_bytes : 0));
       ctl->producer_waiting.store(1);
-      if (full() && ctl->dead.load() == 0) FutexWait(&ctl->head_futex, v, kLivenessCheckNanos);
+      if (full() && ctl->dead.load() == 0)
+        FutexWait(&ctl->head_futex, v, kLivenessCheckNanos);
       ctl->producer_waiting.store(0);
       if (full() && PeerGone(data_plane_fd)) {
-        return absl::UnavailableError(absl::StrCat("tpud at ", options.socket_path, " went away"));
+        return absl::UnavailableError(
+            absl::StrCat("tpud at ", options.socket_path, " went away"));
       }
     }
   }
   char* base = RingOf(shm, layout, ring);
   if (pad != 0) {
-    RecordHeader h{static_cast<uint32_t>(pad), static_cast<uint16_t>(RecordKind::kPad), 0, 0};
+    RecordHeader h{static_cast<uint32_t>(pad),
+                   static_cast<uint16_t>(RecordKind::kPad), 0, 0};
     std::memcpy(base + pos, &h, sizeof(h));
     rp.tail += pad;
     pos = 0;
@@ -342,17 +378,21 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
 
 absl::Status Session::Impl::WaitCompleted(int ring, uint64_t sequence) {
   RingControl* ctl = Control(ring);
-  if (ctl->completed.load(std::memory_order_acquire) >= sequence) return absl::OkStatus();
+  if (ctl->completed.load(std::memory_order_acquire) >= sequence)
+    return absl::OkStatus();
   {
     // Spin while a core is free for it; while only tpud's parties compete,
     // yield the core (to the executor, likely) for a moment; then sleep.
     const uint32_t advice = WaitAdvice();
     const bool spin = advice == kWaitSpin;
     const uint64_t until =
-        advice == kWaitSleep ? 0 : MonotonicNanos() + (spin ? kSpinNanos : kYieldNanos);
+        advice == kWaitSleep
+            ? 0
+            : MonotonicNanos() + (spin ? kSpinNanos : kYieldNanos);
     bool done = false;
     while (!done && MonotonicNanos() < until) {
-      done = ctl->completed.load(std::memory_order_acquire) >= sequence || ctl->dead.load();
+      done = ctl->completed.load(std::memory_order_acquire) >= sequence ||
+             ctl->dead.load();
       if (done) break;
       if (spin) {
         __builtin_ia32_pause();
@@ -360,7 +400,8 @@ absl::Status Session::Impl::WaitCompleted(int ring, uint64_t sequence) {
         sched_yield();
       }
     }
-    if (ctl->completed.load(std::memory_order_acquire) >= sequence) return absl::OkStatus();
+    if (ctl->completed.load(std::memory_order_acquire) >= sequence)
+      return absl::OkStatus();
     if (ctl->dead.load()) return TakeError(ring);
   }
   while (true) {
@@ -371,15 +412,17 @@ absl::Status Session::Impl::WaitCompleted(int ring, uint64_t sequence) {
     uint64_t at = ctl->wake_at.load();
     while (at > sequence && !ctl->wake_at.compare_exchange_weak(at, sequence)) {
     }
-    const bool done = ctl->completed.load() >= sequence || ctl->dead.load() != 0;
+    const bool done =
+        ctl->completed.load() >= sequence || ctl->dead.load() != 0;
     if (!done) FutexWait(&ctl->completion_futex, v, kLivenessCheckNanos);
     ctl->waiters.fetch_sub(1);
-    if (ctl->completed.load(std::memory_order_acquire) >= sequence) return absl::OkStatus();
+    if (ctl->completed.load(std::memory_order_acquire) >= sequence)
+      return absl::OkStatus();
     if (ctl->dead.load()) return TakeError(ring);
     if (!done && PeerGone(data_plane_fd)) {
       return absl::UnavailableError(absl::StrCat(
-          "tpud at ", options.socket_path, " went away while stream ", RingStream(ring),
-          " had unfinished work"));
+          "tpud at ", options.socket_path, " went away while stream ",
+          RingStream(ring), " had unfinished work"));
     }
   }
 }
@@ -389,9 +432,10 @@ absl::Status Session::Impl::TakeError(int ring) {
   const uint64_t seq = ctl->error_sequence.load(std::memory_order_acquire);
   if (seq == 0) {
     if (ctl->dead.load()) {
-      return absl::UnavailableError(absl::StrCat(
-          "stream ", RingStream(ring), " of session ", id, " can make no more progress (the "
-          "session failed or ended); open a new session"));
+      return absl::UnavailableError(
+          absl::StrCat("stream ", RingStream(ring), " of session ", id,
+                       " can make no more progress (the "
+                       "session failed or ended); open a new session"));
     }
     return absl::OkStatus();
   }
@@ -406,8 +450,11 @@ absl::Status Session::Impl::TakeError(int ring) {
     ctl->error_sequence.store(0);
   }
   std::string text = message;
-  if (count > 1) absl::StrAppend(&text, " (and ", count - 1, " later error(s) on this stream)");
-  return absl::Status(static_cast<absl::StatusCode>(code == 0 ? 13 : code), text);
+  if (count > 1)
+    absl::StrAppend(&text, " (and ", count - 1,
+                    " later error(s) on this stream)");
+  return absl::Status(static_cast<absl::StatusCode>(code == 0 ? 13 : code),
+                      text);
 }
 
 absl::Status Session::Impl::TakeStreamError(int stream) {
@@ -419,25 +466,26 @@ absl::Status Session::Impl::TakeStreamError(int stream) {
   return first;
 }
 
-bool Session::Impl::PinnedOffset(const void* ptr, uint64_t bytes, uint64_t* offset) const {
+bool Session::Impl::PinnedOffset(const void* ptr, uint64_t bytes,
+                                 uint64_t* offset) const {
   if (shm == nullptr) return false;
   const char* p = static_cast<const char*>(ptr);
   const char* begin = shm + layout.pinned_offset;
   const char* end = begin + layout.pinned_bytes;
-  if (p < begin || p >= end || bytes > static_cast<uint64_t>(end - p)) return false;
+  if (p < begin || p >= end || bytes > static_cast<uint64_t>(end - p))
+    return false;
   *offset = static_cast<uint64_t>(p - shm);
   return true;
 }
 
-absl::StatusOr<uint64_t> Session::Impl::EnqueueOpLocked(int stream, internal::StreamProducer& p,
-                                                       uint32_t op_id, uint32_t flags,
-                                                       const OpArg* args, size_t num_args,
-                                                       const TensorRef* outputs,
-                                                       size_t num_outputs, int* ring_out) {
+absl::StatusOr<uint64_t> Session::Impl::EnqueueOpLocked(
+    int stream, internal::StreamProducer& p, uint32_t op_id, uint32_t flags,
+    const OpArg* args, size_t num_args, const TensorRef* outputs,
+    size_t num_outputs, int* ring_out) {
   if (num_args > kMaxArgs || num_outputs > kMaxOutputs) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "op with ", num_args, " arguments and ", num_outputs, " outputs (limits ", kMaxArgs,
-        " and ", kMaxOutputs, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("op with ", num_args, " arguments and ", num_outputs,
+                     " outputs (limits ", kMaxArgs, " and ", kMaxOutputs, ")"));
   }
   // The op runs on the chip of its first tensor (the daemon checks that
   // every tensor is there); an op without tensors stays where the stream is.
@@ -450,7 +498,8 @@ absl::StatusOr<uint64_t> Session::Impl::EnqueueOpLocked(int stream, internal::St
     if (a.tag == ArgTag::kTensor) consider(a.tensor);
     if (a.tag == ArgTag::kTensorList || a.tag == ArgTag::kOptionalTensorList) {
       for (size_t k = 0; k < a.tensors.size(); ++k) {
-        if (a.tag == ArgTag::kTensorList || a.tensor_present[k]) consider(a.tensors[k]);
+        if (a.tag == ArgTag::kTensorList || a.tensor_present[k])
+          consider(a.tensors[k]);
       }
     }
   }
@@ -464,7 +513,8 @@ absl::StatusOr<uint64_t> Session::Impl::EnqueueOpLocked(int stream, internal::St
     {
       absl::MutexLock lock(&ops_mu);
       if (op_id >= op_schemas.size()) {
-        return absl::InvalidArgumentError(absl::StrCat("op id ", op_id, " was never defined"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("op id ", op_id, " was never defined"));
       }
       schema = op_schemas[op_id];
     }
@@ -488,9 +538,9 @@ absl::StatusOr<uint64_t> Session::Impl::EnqueueOpLocked(int stream, internal::St
   return sequence;
 }
 
-absl::StatusOr<uint64_t> Session::Impl::EnqueueCopyLocked(int ring, internal::StreamProducer& p,
-                                                         CopyKind kind, uint64_t src,
-                                                         uint64_t dst, uint64_t bytes) {
+absl::StatusOr<uint64_t> Session::Impl::EnqueueCopyLocked(
+    int ring, internal::StreamProducer& p, CopyKind kind, uint64_t src,
+    uint64_t dst, uint64_t bytes) {
   const uint64_t sequence = BeginLocked(ring, p, RecordKind::kCopy);
   p.writer.U8(static_cast<uint8_t>(kind));
   p.writer.Pad(7);
@@ -505,30 +555,31 @@ absl::StatusOr<uint64_t> Session::Impl::EnqueueCopyLocked(int ring, internal::St
 
 absl::StatusOr<uint32_t> Session::DefineOp(absl::string_view schema) {
   if (schema.empty() || schema.size() > kMaxSchemaBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("operator schema of ", schema.size(), " bytes (1..", kMaxSchemaBytes, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("operator schema of ",
+                                                   schema.size(), " bytes (1..",
+                                                   kMaxSchemaBytes, ")"));
   }
   absl::MutexLock lock(&impl_->ops_mu);
-  auto [it, inserted] =
-      impl_->op_ids.emplace(std::string(schema), static_cast<uint32_t>(impl_->op_schemas.size()));
+  auto [it, inserted] = impl_->op_ids.emplace(
+      std::string(schema), static_cast<uint32_t>(impl_->op_schemas.size()));
   if (inserted) impl_->op_schemas.emplace_back(schema);
   return it->second;
 }
 
-absl::StatusOr<uint64_t> Session::EnqueueOp(int stream, uint32_t op_id, const OpArg* args,
-                                            size_t num_args, const TensorRef* outputs,
+absl::StatusOr<uint64_t> Session::EnqueueOp(int stream, uint32_t op_id,
+                                            const OpArg* args, size_t num_args,
+                                            const TensorRef* outputs,
                                             size_t num_outputs) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   internal::StreamProducer& p = impl_->streams[stream];
   absl::MutexLock lock(&p.mu);
-  return impl_->EnqueueOpLocked(stream, p, op_id, 0, args, num_args, outputs, num_outputs,
-                                nullptr);
+  return impl_->EnqueueOpLocked(stream, p, op_id, 0, args, num_args, outputs,
+                                num_outputs, nullptr);
 }
 
-absl::StatusOr<std::vector<OpResult>> Session::RunSync(int stream, uint32_t op_id,
-                                                       const OpArg* args, size_t num_args,
-                                                       const TensorRef* outputs,
-                                                       size_t num_outputs) {
+absl::StatusOr<std::vector<OpResult>> Session::RunSync(
+    int stream, uint32_t op_id, const OpArg* args, size_t num_args,
+    const TensorRef* outputs, size_t num_outputs) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   internal::StreamProducer& p = impl_->streams[stream];
   absl::MutexLock sync_lock(&p.sync_mu);
@@ -536,8 +587,9 @@ absl::StatusOr<std::vector<OpResult>> Session::RunSync(int stream, uint32_t op_i
   int ring = 0;
   {
     absl::MutexLock lock(&p.mu);
-    absl::StatusOr<uint64_t> seq = impl_->EnqueueOpLocked(
-        stream, p, op_id, kOpFlagSync, args, num_args, outputs, num_outputs, &ring);
+    absl::StatusOr<uint64_t> seq =
+        impl_->EnqueueOpLocked(stream, p, op_id, kOpFlagSync, args, num_args,
+                               outputs, num_outputs, &ring);
     if (!seq.ok()) return seq.status();
     sequence = *seq;
   }
@@ -547,17 +599,23 @@ absl::StatusOr<std::vector<OpResult>> Session::RunSync(int stream, uint32_t op_i
     // The record never ran as an op (e.g. the op id was refused earlier):
     // its error is the ring's.
     absl::Status err = impl_->TakeStreamError(stream);
-    return err.ok() ? absl::InternalError("synchronous op produced no response") : err;
+    return err.ok() ? absl::InternalError("synchronous op produced no response")
+                    : err;
   }
   // This is a synchronising call: the stream's earlier errors are reported
   // here, once (and not again at the next one). Only a result that holds new
   // device memory (a tensor the caller must adopt) is never dropped for
   // them: then they wait for the next synchronising call.
   bool new_memory = false;
-  for (uint32_t i = 0; ctl->response_code == 0 && i < ctl->num_results && i < kMaxResults; ++i) {
-    new_memory = new_memory || ctl->results[i].kind == static_cast<uint8_t>(OpResult::Kind::kTensor);
+  for (uint32_t i = 0;
+       ctl->response_code == 0 && i < ctl->num_results && i < kMaxResults;
+       ++i) {
+    new_memory =
+        new_memory ||
+        ctl->results[i].kind == static_cast<uint8_t>(OpResult::Kind::kTensor);
   }
-  const absl::Status earlier = new_memory ? absl::OkStatus() : impl_->TakeStreamError(stream);
+  const absl::Status earlier =
+      new_memory ? absl::OkStatus() : impl_->TakeStreamError(stream);
   if (ctl->response_code != 0) {
     char message[kErrorMessageBytes];
     std::memcpy(message, ctl->response_message, sizeof(message));
@@ -565,10 +623,12 @@ absl::StatusOr<std::vector<OpResult>> Session::RunSync(int stream, uint32_t op_i
     std::string text = message;
     // Failing on an input that an earlier failed op wrote, the message names
     // that root cause already; an unrelated earlier error is named too.
-    if (!earlier.ok() && !absl::StrContains(text, earlier.message().substr(0, 80))) {
+    if (!earlier.ok() &&
+        !absl::StrContains(text, earlier.message().substr(0, 80))) {
       absl::StrAppend(&text, "; earlier on this stream: ", earlier.message());
     }
-    return absl::Status(static_cast<absl::StatusCode>(ctl->response_code), text);
+    return absl::Status(static_cast<absl::StatusCode>(ctl->response_code),
+                        text);
   }
   if (!earlier.ok()) return earlier;
   std::vector<OpResult> results;
@@ -597,11 +657,12 @@ absl::StatusOr<std::vector<OpResult>> Session::RunSync(int stream, uint32_t op_i
   return results;
 }
 
-absl::Status Session::CopyToDevice(int stream, uint64_t dst_address, const void* src,
-                                   uint64_t bytes) {
+absl::Status Session::CopyToDevice(int stream, uint64_t dst_address,
+                                   const void* src, uint64_t bytes) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   if (bytes == 0) return absl::OkStatus();
-  absl::StatusOr<int> chip = impl_->ChipOfAddress(dst_address, "copy destination");
+  absl::StatusOr<int> chip =
+      impl_->ChipOfAddress(dst_address, "copy destination");
   if (!chip.ok()) return chip.status();
   internal::StreamProducer& p = impl_->streams[stream];
   uint64_t pinned = 0;
@@ -609,7 +670,9 @@ absl::Status Session::CopyToDevice(int stream, uint64_t dst_address, const void*
   absl::StatusOr<int> ring = impl_->RouteLocked(stream, p, *chip);
   if (!ring.ok()) return ring.status();
   if (impl_->PinnedOffset(src, bytes, &pinned)) {
-    return impl_->EnqueueCopyLocked(*ring, p, CopyKind::kHostToDevice, pinned, dst_address, bytes)
+    return impl_
+        ->EnqueueCopyLocked(*ring, p, CopyKind::kHostToDevice, pinned,
+                            dst_address, bytes)
         .status();
   }
   // Pageable: through this stream's staging slots, so our memcpy of one
@@ -621,7 +684,8 @@ absl::Status Session::CopyToDevice(int stream, uint64_t dst_address, const void*
     const uint64_t chunk = std::min(slot_bytes, bytes - done);
     const size_t slot = p.next_slot++ % p.slot_use.size();
     if (p.slot_use[slot].second != 0) {
-      absl::Status s = impl_->WaitCompleted(p.slot_use[slot].first, p.slot_use[slot].second);
+      absl::Status s =
+          impl_->WaitCompleted(p.slot_use[slot].first, p.slot_use[slot].second);
       if (!s.ok()) return s;
     }
     const uint64_t offset = stream_base + slot * slot_bytes;
@@ -635,7 +699,8 @@ absl::Status Session::CopyToDevice(int stream, uint64_t dst_address, const void*
   return absl::OkStatus();
 }
 
-absl::Status Session::CopyToHost(int stream, void* dst, uint64_t src_address, uint64_t bytes) {
+absl::Status Session::CopyToHost(int stream, void* dst, uint64_t src_address,
+                                 uint64_t bytes) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   if (bytes == 0) return Synchronize(stream);
   absl::StatusOr<int> chip = impl_->ChipOfAddress(src_address, "copy source");
@@ -650,8 +715,8 @@ absl::Status Session::CopyToHost(int stream, void* dst, uint64_t src_address, ui
       absl::StatusOr<int> r = impl_->RouteLocked(stream, p, *chip);
       if (!r.ok()) return r.status();
       ring = *r;
-      absl::StatusOr<uint64_t> s =
-          impl_->EnqueueCopyLocked(ring, p, CopyKind::kDeviceToHost, src_address, pinned, bytes);
+      absl::StatusOr<uint64_t> s = impl_->EnqueueCopyLocked(
+          ring, p, CopyKind::kDeviceToHost, src_address, pinned, bytes);
       if (!s.ok()) return s.status();
       seq = *s;
     }
@@ -671,13 +736,14 @@ absl::Status Session::CopyToHost(int stream, void* dst, uint64_t src_address, ui
   auto issue = [&](uint64_t c) -> absl::Status {
     const size_t slot = c % slots;
     if (p.slot_use[slot].second != 0) {
-      absl::Status s = impl_->WaitCompleted(p.slot_use[slot].first, p.slot_use[slot].second);
+      absl::Status s =
+          impl_->WaitCompleted(p.slot_use[slot].first, p.slot_use[slot].second);
       if (!s.ok()) return s;
     }
     const uint64_t off = c * slot_bytes;
     absl::StatusOr<uint64_t> seq = impl_->EnqueueCopyLocked(
-        ring, p, CopyKind::kDeviceToHost, src_address + off, stream_base + slot * slot_bytes,
-        std::min(slot_bytes, bytes - off));
+        ring, p, CopyKind::kDeviceToHost, src_address + off,
+        stream_base + slot * slot_bytes, std::min(slot_bytes, bytes - off));
     if (!seq.ok()) return seq.status();
     seqs[c] = *seq;
     p.slot_use[slot] = {ring, *seq};
@@ -690,7 +756,8 @@ absl::Status Session::CopyToHost(int stream, void* dst, uint64_t src_address, ui
   for (uint64_t c = 0; c < chunks; ++c) {
     if (absl::Status s = impl_->WaitCompleted(ring, seqs[c]); !s.ok()) return s;
     // A failed copy leaves the slot stale: report instead of handing it out.
-    if (impl_->Control(ring)->error_sequence.load() != 0) return impl_->TakeStreamError(stream);
+    if (impl_->Control(ring)->error_sequence.load() != 0)
+      return impl_->TakeStreamError(stream);
     const uint64_t off = c * slot_bytes;
     std::memcpy(to + off, impl_->shm + stream_base + (c % slots) * slot_bytes,
                 std::min(slot_bytes, bytes - off));
@@ -701,32 +768,38 @@ absl::Status Session::CopyToHost(int stream, void* dst, uint64_t src_address, ui
   return impl_->TakeStreamError(stream);
 }
 
-absl::Status Session::CopyOnDevice(int stream, uint64_t dst_address, uint64_t src_address,
-                                   uint64_t bytes) {
+absl::Status Session::CopyOnDevice(int stream, uint64_t dst_address,
+                                   uint64_t src_address, uint64_t bytes) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   // Runs on the destination chip (whose executor owns what it writes).
-  absl::StatusOr<int> chip = impl_->ChipOfAddress(dst_address, "copy destination");
+  absl::StatusOr<int> chip =
+      impl_->ChipOfAddress(dst_address, "copy destination");
   if (!chip.ok()) return chip.status();
   internal::StreamProducer& p = impl_->streams[stream];
   absl::MutexLock lock(&p.mu);
   absl::StatusOr<int> ring = impl_->RouteLocked(stream, p, *chip);
   if (!ring.ok()) return ring.status();
-  return impl_->EnqueueCopyLocked(*ring, p, CopyKind::kDeviceToDevice, src_address, dst_address,
-                                  bytes)
+  return impl_
+      ->EnqueueCopyLocked(*ring, p, CopyKind::kDeviceToDevice, src_address,
+                          dst_address, bytes)
       .status();
 }
 
 absl::StatusOr<void*> Session::AllocatePinned(uint64_t bytes) {
-  if (impl_->shm == nullptr) return absl::FailedPreconditionError("session has no data plane");
-  const uint64_t size = std::max<uint64_t>(kPinnedAlignment,
-                                           (bytes + kPinnedAlignment - 1) & ~(kPinnedAlignment - 1));
+  if (impl_->shm == nullptr)
+    return absl::FailedPreconditionError("session has no data plane");
+  const uint64_t size =
+      std::max<uint64_t>(kPinnedAlignment, (bytes + kPinnedAlignment - 1) &
+                                               ~(kPinnedAlignment - 1));
   if (bytes == 0 || size < bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "cannot allocate ", bytes, " bytes of pinned memory: ask for 1 byte up to the pool's ",
+        "cannot allocate ", bytes,
+        " bytes of pinned memory: ask for 1 byte up to the pool's ",
         FormatBytes(impl_->layout.pinned_bytes)));
   }
   absl::MutexLock lock(&impl_->pinned_mu);
-  for (auto it = impl_->pinned_free.begin(); it != impl_->pinned_free.end(); ++it) {
+  for (auto it = impl_->pinned_free.begin(); it != impl_->pinned_free.end();
+       ++it) {
     if (it->second < size) continue;
     const uint64_t offset = it->first;
     const uint64_t remaining = it->second - size;
@@ -744,13 +817,16 @@ absl::StatusOr<void*> Session::AllocatePinned(uint64_t bytes) {
 }
 
 absl::Status Session::FreePinned(void* ptr) {
-  if (impl_->shm == nullptr) return absl::FailedPreconditionError("session has no data plane");
-  const uint64_t offset = static_cast<uint64_t>(static_cast<char*>(ptr) - impl_->shm);
+  if (impl_->shm == nullptr)
+    return absl::FailedPreconditionError("session has no data plane");
+  const uint64_t offset =
+      static_cast<uint64_t>(static_cast<char*>(ptr) - impl_->shm);
   absl::MutexLock lock(&impl_->pinned_mu);
   auto it = impl_->pinned_used.find(offset);
   if (static_cast<char*>(ptr) < impl_->shm || it == impl_->pinned_used.end()) {
     return absl::InvalidArgumentError(
-        "FreePinned of a pointer that AllocatePinned of this session did not return (or that "
+        "FreePinned of a pointer that AllocatePinned of this session did not "
+        "return (or that "
         "was freed already)");
   }
   uint64_t begin = offset, size = it->second;
@@ -777,15 +853,19 @@ bool Session::IsPinned(const void* ptr) const {
   return impl_->PinnedOffset(ptr, 1, &offset);
 }
 
-absl::StatusOr<uint64_t> Session::EnqueueCollective(int stream, int chip, uint64_t communicator,
-                                                    const CollectiveEntry* ops, size_t num_ops) {
+absl::StatusOr<uint64_t> Session::EnqueueCollective(int stream, int chip,
+                                                    uint64_t communicator,
+                                                    const CollectiveEntry* ops,
+                                                    size_t num_ops) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   if (chip < 0 || chip >= impl_->num_chips) {
-    return absl::InvalidArgumentError(absl::StrCat("no chip ", chip, " on this host"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("no chip ", chip, " on this host"));
   }
   if (num_ops == 0 || num_ops > kMaxGroupOps) {
-    return absl::InvalidArgumentError(absl::StrCat("a collective group has 1 to ", kMaxGroupOps,
-                                                   " operations, not ", num_ops));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a collective group has 1 to ", kMaxGroupOps,
+                     " operations, not ", num_ops));
   }
   // Groups meet in the daemon by the order this rank issued them, whatever
   // streams they went to.
@@ -810,8 +890,10 @@ absl::StatusOr<uint64_t> Session::EnqueueCollective(int stream, int chip, uint64
   absl::MutexLock lock(&p.mu);
   absl::StatusOr<int> ring = impl_->RouteLocked(stream, p, chip);
   if (!ring.ok()) return ring.status();
-  const uint64_t sequence = impl_->BeginLocked(*ring, p, RecordKind::kCollective);
-  WriteCollective(p.writer, communicator, index, stamped.data(), stamped.size());
+  const uint64_t sequence =
+      impl_->BeginLocked(*ring, p, RecordKind::kCollective);
+  WriteCollective(p.writer, communicator, index, stamped.data(),
+                  stamped.size());
   if (absl::Status s = impl_->Publish(*ring, p); !s.ok()) return s;
   return sequence;
 }
@@ -822,8 +904,8 @@ absl::StatusOr<Event> Session::RecordEvent(int stream) {
   {
     absl::MutexLock lock(&impl_->events_mu);
     if (impl_->free_events.empty()) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("all ", kMaxEvents, " events of this session are in use"));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "all ", kMaxEvents, " events of this session are in use"));
     }
     slot = impl_->free_events.back();
     impl_->free_events.pop_back();
@@ -833,7 +915,8 @@ absl::StatusOr<Event> Session::RecordEvent(int stream) {
   absl::MutexLock lock(&p.mu);
   // On the ring the stream's work went to last: it follows all of it.
   const int ring = RingIndex(p.last_chip >= 0 ? p.last_chip : 0, stream);
-  const uint64_t sequence = impl_->BeginLocked(ring, p, RecordKind::kEventRecord);
+  const uint64_t sequence =
+      impl_->BeginLocked(ring, p, RecordKind::kEventRecord);
   p.writer.U32(slot);
   p.writer.Pad(4);
   if (absl::Status s = impl_->Publish(ring, p); !s.ok()) return s;
@@ -847,11 +930,13 @@ Event Session::EventAt(int stream, int chip, uint64_t sequence) const {
 absl::Status Session::WaitEvent(int stream, const Event& event) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   if (event.ring < 0 || event.ring >= impl_->num_chips * kStreamsPerChip) {
-    return absl::InvalidArgumentError("event of another session, or not recorded");
+    return absl::InvalidArgumentError(
+        "event of another session, or not recorded");
   }
   internal::StreamProducer& p = impl_->streams[stream];
   absl::MutexLock lock(&p.mu);
-  // Where the stream is now (or, if it has done nothing yet, where the event is).
+  // Where the stream is now (or, if it has done nothing yet, where the event
+  // is).
   const int chip = p.last_chip >= 0 ? p.last_chip : RingChip(event.ring);
   absl::StatusOr<int> ring = impl_->RouteLocked(stream, p, chip);
   if (!ring.ok()) return ring.status();
@@ -860,8 +945,10 @@ absl::Status Session::WaitEvent(int stream, const Event& event) {
   // event is over. (A wait record would cost the executor a wake each time,
   // e.g. for every synchronous collective's Work.wait.)
   const bool same_ring_published =
-      *ring == event.ring && event.sequence < p.rings[RingChip(*ring)].next_sequence;
-  if (same_ring_published || impl_->Control(event.ring)->completed.load() >= event.sequence) {
+      *ring == event.ring &&
+      event.sequence < p.rings[RingChip(*ring)].next_sequence;
+  if (same_ring_published ||
+      impl_->Control(event.ring)->completed.load() >= event.sequence) {
     return absl::OkStatus();
   }
   impl_->BeginLocked(*ring, p, RecordKind::kEventWait);
@@ -880,28 +967,37 @@ bool Session::EventDone(const Event& event) {
 }
 
 absl::Status Session::SynchronizeEvent(const Event& event) {
-  if (impl_->shm == nullptr) return absl::FailedPreconditionError("session has no data plane");
+  if (impl_->shm == nullptr)
+    return absl::FailedPreconditionError("session has no data plane");
   if (event.ring < 0 || event.ring >= impl_->num_chips * kStreamsPerChip) {
-    return absl::InvalidArgumentError("event of another session, or not recorded");
+    return absl::InvalidArgumentError(
+        "event of another session, or not recorded");
   }
   return impl_->WaitCompleted(event.ring, event.sequence);
 }
 
-absl::StatusOr<double> Session::ElapsedMillis(const Event& start, const Event& end) {
+absl::StatusOr<double> Session::ElapsedMillis(const Event& start,
+                                              const Event& end) {
   if (!EventDone(start) || !EventDone(end)) {
     return absl::FailedPreconditionError(
-        "elapsed time needs both events completed; SynchronizeEvent the later one first");
+        "elapsed time needs both events completed; SynchronizeEvent the later "
+        "one first");
   }
   if (start.slot == kUntimedEventSlot || end.slot == kUntimedEventSlot) {
     return absl::InvalidArgumentError(
-        "elapsed time needs events made by RecordEvent (an EventAt event has no timestamp)");
+        "elapsed time needs events made by RecordEvent (an EventAt event has "
+        "no timestamp)");
   }
-  if (start.slot >= static_cast<uint32_t>(kMaxEvents) || end.slot >= static_cast<uint32_t>(kMaxEvents)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "event slot out of range (events of this session are 0..", kMaxEvents - 1, ")"));
+  if (start.slot >= static_cast<uint32_t>(kMaxEvents) ||
+      end.slot >= static_cast<uint32_t>(kMaxEvents)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("event slot out of range (events of this session are 0..",
+                     kMaxEvents - 1, ")"));
   }
-  const uint64_t a = EventOf(impl_->shm, impl_->layout, start.slot)->completed_ns.load();
-  const uint64_t b = EventOf(impl_->shm, impl_->layout, end.slot)->completed_ns.load();
+  const uint64_t a =
+      EventOf(impl_->shm, impl_->layout, start.slot)->completed_ns.load();
+  const uint64_t b =
+      EventOf(impl_->shm, impl_->layout, end.slot)->completed_ns.load();
   return (static_cast<double>(b) - static_cast<double>(a)) / 1e6;
 }
 
@@ -944,7 +1040,8 @@ absl::Status Session::WaitIdle() {
     std::vector<uint64_t> last(impl_->num_chips, 0);
     {
       absl::MutexLock lock(&p.mu);
-      for (int c = 0; c < impl_->num_chips; ++c) last[c] = p.rings[c].next_sequence - 1;
+      for (int c = 0; c < impl_->num_chips; ++c)
+        last[c] = p.rings[c].next_sequence - 1;
     }
     for (int c = 0; c < impl_->num_chips; ++c) {
       if (last[c] == 0) continue;
@@ -971,7 +1068,8 @@ absl::Status Session::BeginCapture(int stream) {
   internal::StreamProducer& p = impl_->streams[stream];
   absl::MutexLock lock(&p.mu);
   if (p.capturing) {
-    return absl::FailedPreconditionError(absl::StrCat("stream ", stream, " is capturing already"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("stream ", stream, " is capturing already"));
   }
   p.capturing = true;
   p.captured.clear();
@@ -981,7 +1079,8 @@ absl::Status Session::BeginCapture(int stream) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<Program> Session::EndCapture(int stream, const std::string& name) {
+absl::StatusOr<Program> Session::EndCapture(int stream,
+                                            const std::string& name) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   internal::StreamProducer& p = impl_->streams[stream];
   std::string records;
@@ -990,28 +1089,33 @@ absl::StatusOr<Program> Session::EndCapture(int stream, const std::string& name)
   {
     absl::MutexLock lock(&p.mu);
     if (!p.capturing) {
-      return absl::FailedPreconditionError(absl::StrCat("stream ", stream, " is not capturing"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("stream ", stream, " is not capturing"));
     }
     p.capturing = false;
     if (!p.capture_error.ok()) {
-      return absl::Status(p.capture_error.code(),
-                          absl::StrCat("capture failed: ", p.capture_error.message()));
+      return absl::Status(
+          p.capture_error.code(),
+          absl::StrCat("capture failed: ", p.capture_error.message()));
     }
     records.swap(p.captured);
     num_records = p.captured_records;
-    chip = p.capture_chip >= 0 ? p.capture_chip : (p.last_chip >= 0 ? p.last_chip : 0);
+    chip = p.capture_chip >= 0 ? p.capture_chip
+                               : (p.last_chip >= 0 ? p.last_chip : 0);
   }
   const std::string title = name.substr(0, kMaxProgramNameBytes);
   const uint64_t name_bytes = (title.size() + 7) / 8 * 8;
   const uint64_t bytes = sizeof(ProgramHeader) + name_bytes + records.size();
   absl::StatusOr<void*> memory = AllocatePinned(bytes);
   if (!memory.ok()) {
-    return absl::Status(memory.status().code(),
-                        absl::StrCat("no shared memory for a program of ", bytes, " bytes: ",
-                                     memory.status().message()));
+    return absl::Status(
+        memory.status().code(),
+        absl::StrCat("no shared memory for a program of ", bytes,
+                     " bytes: ", memory.status().message()));
   }
   char* at = static_cast<char*>(*memory);
-  ProgramHeader header{kProgramMagic, num_records, static_cast<uint32_t>(title.size()), 0};
+  ProgramHeader header{kProgramMagic, num_records,
+                       static_cast<uint32_t>(title.size()), 0};
   std::memcpy(at, &header, sizeof(header));
   std::memset(at + sizeof(header), 0, name_bytes);
   std::memcpy(at + sizeof(header), title.data(), title.size());
@@ -1028,22 +1132,25 @@ absl::StatusOr<Program> Session::EndCapture(int stream, const std::string& name)
   return program;
 }
 
-absl::StatusOr<uint64_t> Session::RunProgram(int stream, const Program& program,
-                                             const std::vector<ProgramBinding>& bindings,
-                                             uint64_t seed) {
+absl::StatusOr<uint64_t> Session::RunProgram(
+    int stream, const Program& program,
+    const std::vector<ProgramBinding>& bindings, uint64_t seed) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   if (bindings.size() > kMaxProgramBindings) {
-    return absl::InvalidArgumentError(absl::StrCat("a program run with ", bindings.size(),
-                                                   " bindings (at most ", kMaxProgramBindings, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a program run with ", bindings.size(),
+                     " bindings (at most ", kMaxProgramBindings, ")"));
   }
   if (program.chip < 0 || program.chip >= impl_->num_chips) {
-    return absl::InvalidArgumentError(absl::StrCat("program on chip ", program.chip));
+    return absl::InvalidArgumentError(
+        absl::StrCat("program on chip ", program.chip));
   }
   internal::StreamProducer& p = impl_->streams[stream];
   absl::MutexLock lock(&p.mu);
   absl::StatusOr<int> ring = impl_->RouteLocked(stream, p, program.chip);
   if (!ring.ok()) return ring.status();
-  const uint64_t sequence = impl_->BeginLocked(*ring, p, RecordKind::kRunProgram);
+  const uint64_t sequence =
+      impl_->BeginLocked(*ring, p, RecordKind::kRunProgram);
   p.writer.U32(program.id);
   p.writer.U32(static_cast<uint32_t>(bindings.size()));
   p.writer.U64(program.offset);

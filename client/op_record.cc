@@ -400,17 +400,20 @@ bool DecodeArg(BodyReader& r, OpArg* a) {
       if (!r.Take(32, "scalar tensor", &p)) return false;
       const int8_t dtype = static_cast<int8_t>(p[0]);
       if (ABSL_PREDICT_FALSE(ElementSize(dtype) == 0)) {
-        return r.Fail(at + 1, absl::StrCat("scalar tensor dtype ", static_cast<int>(dtype),
-                                           " is not supported"));
+        return r.Fail(
+            at + 1, absl::StrCat("scalar tensor dtype ",
+                                 static_cast<int>(dtype), " is not supported"));
       }
       if (ABSL_PREDICT_FALSE(static_cast<uint8_t>(p[1]) > 1)) {
         return r.Fail(at + 2, "scalar tensor wrapped flag is not 0 or 1");
       }
       for (int k = 2; k < 8; ++k) {
-        if (ABSL_PREDICT_FALSE(p[k] != 0)) return r.Fail(at + 1 + k, "nonzero padding");
+        if (ABSL_PREDICT_FALSE(p[k] != 0))
+          return r.Fail(at + 1 + k, "nonzero padding");
       }
       for (int k = 24; k < 32; ++k) {
-        if (ABSL_PREDICT_FALSE(p[k] != 0)) return r.Fail(at + 1 + k, "nonzero reserved bytes");
+        if (ABSL_PREDICT_FALSE(p[k] != 0))
+          return r.Fail(at + 1 + k, "nonzero reserved bytes");
       }
       a->dtype = dtype;
       a->b = p[1] != 0;
@@ -742,7 +745,8 @@ uint64_t MixSeed(uint64_t seed, uint64_t k) {
   return z ^ (z >> 31);
 }
 
-absl::Status DecodeRunProgram(absl::string_view record, DecodedRunProgram* out) {
+absl::Status DecodeRunProgram(absl::string_view record,
+                              DecodedRunProgram* out) {
   RecordHeader h;
   absl::Status status = OpenRecord(record, RecordKind::kRunProgram, &h);
   if (!status.ok()) return status;
@@ -752,18 +756,19 @@ absl::Status DecodeRunProgram(absl::string_view record, DecodedRunProgram* out) 
     return BodyError(h, "", r.error());
   }
   if (n > kMaxProgramBindings) {
-    r.Fail(kHeaderBytes + 4, absl::StrCat("num_bindings ", n, " exceeds the limit of ",
-                                          kMaxProgramBindings));
+    r.Fail(kHeaderBytes + 4,
+           absl::StrCat("num_bindings ", n, " exceeds the limit of ",
+                        kMaxProgramBindings));
     return BodyError(h, "", r.error());
   }
-  if (!r.Read("program offset", &out->offset) || !r.Read("program bytes", &out->bytes) ||
-      !r.Read("seed", &out->seed)) {
+  if (!r.Read("program offset", &out->offset) ||
+      !r.Read("program bytes", &out->bytes) || !r.Read("seed", &out->seed)) {
     return BodyError(h, "", r.error());
   }
   out->bindings.resize(n);
   for (ProgramBinding& b : out->bindings) {
-    if (!r.Read("binding from", &b.from) || !r.Read("binding bytes", &b.bytes) ||
-        !r.Read("binding to", &b.to)) {
+    if (!r.Read("binding from", &b.from) ||
+        !r.Read("binding bytes", &b.bytes) || !r.Read("binding to", &b.to)) {
       return BodyError(h, "", r.error());
     }
   }
@@ -864,14 +869,16 @@ void WriteCollective(RecordWriter& w, uint64_t communicator, uint64_t index,
   }
 }
 
-absl::Status DecodeCollective(absl::string_view record, DecodedCollective* out) {
+absl::Status DecodeCollective(absl::string_view record,
+                              DecodedCollective* out) {
   RecordHeader h;
   absl::Status status = OpenRecord(record, RecordKind::kCollective, &h);
   if (!status.ok()) return status;
   BodyReader r(record.data(), kHeaderBytes, h.length);
   uint32_t n = 0;
   size_t at = 0;
-  if (!r.Read("communicator", &out->communicator)) return BodyError(h, "", r.error());
+  if (!r.Read("communicator", &out->communicator))
+    return BodyError(h, "", r.error());
   at = r.pos();
   if (!r.ReadCount("num_ops", kMaxGroupOps, &n) || !r.Pad(4, "flags") ||
       !r.Read("index", &out->index)) {
@@ -907,8 +914,9 @@ absl::Status DecodeCollective(absl::string_view record, DecodedCollective* out) 
       r.Fail(at, absl::StrCat("unknown dtype ", static_cast<int>(dtype)));
       return BodyError(h, ctx, r.error());
     }
-    if (!r.Pad(1, "pad") || !r.Read("peer", &peer) || !r.Read("count", &e.count) ||
-        !r.Read("send", &e.send) || !r.Read("recv", &e.recv) ||
+    if (!r.Pad(1, "pad") || !r.Read("peer", &peer) ||
+        !r.Read("count", &e.count) || !r.Read("send", &e.send) ||
+        !r.Read("recv", &e.recv) ||
         !r.Read("pair sequence", &e.pair_sequence)) {
       return BodyError(h, ctx, r.error());
     }
@@ -921,11 +929,13 @@ absl::Status DecodeCollective(absl::string_view record, DecodedCollective* out) 
     e.dtype = dtype;
     e.peer = static_cast<int32_t>(peer);
     if (splits != 0 && e.kind != CollectiveKind::kAllToAll) {
-      r.Fail(at, absl::StrCat(splits, " splits on a ", CollectiveKindName(e.kind),
-                              " (only all_to_all has splits)"));
+      r.Fail(at,
+             absl::StrCat(splits, " splits on a ", CollectiveKindName(e.kind),
+                          " (only all_to_all has splits)"));
       return BodyError(h, ctx, r.error());
     }
-    if (!r.Need(size_t{16} * splits, "splits")) return BodyError(h, ctx, r.error());
+    if (!r.Need(size_t{16} * splits, "splits"))
+      return BodyError(h, ctx, r.error());
     e.send_counts.resize(splits);
     e.recv_counts.resize(splits);
     for (auto* v : {&e.send_counts, &e.recv_counts}) {

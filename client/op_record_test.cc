@@ -116,7 +116,8 @@ bool SameArg(const OpArg& a, const OpArg& b) {
     case ArgTag::kDevice:
       return a.i == b.i && a.device_index == b.device_index;
     case ArgTag::kScalarTensor:
-      return a.dtype == b.dtype && a.b == b.b && a.i == b.i && SameBits(a.d_imag, b.d_imag);
+      return a.dtype == b.dtype && a.b == b.b && a.i == b.i &&
+             SameBits(a.d_imag, b.d_imag);
     case ArgTag::kDouble:
     case ArgTag::kScalarDouble:
       return SameBits(a.d, b.d);
@@ -678,7 +679,9 @@ TEST_CASE("CheckHeader") {
   }
 }
 
-TEST_CASE("a program run record round-trips; bad counts and cut records are refused") {
+TEST_CASE(
+    "a program run record round-trips; bad counts and cut records are "
+    "refused") {
   RecordWriter w;
   w.Begin(RecordKind::kRunProgram, 9);
   w.U32(5);  // program id
@@ -1421,7 +1424,8 @@ TEST_CASE("kCollective round trip and malformed groups") {
     CHECK(!tpu::DecodeCollective(build(bad, 1), &d).ok());
     bad = ops;
     bad[1].dtype = 13;  // quantized
-    CHECK(absl::StrContains(tpu::DecodeCollective(build(bad, 1), &d).message(), "dtype"));
+    CHECK(absl::StrContains(tpu::DecodeCollective(build(bad, 1), &d).message(),
+                            "dtype"));
     bad = ops;
     bad[1].send_counts = {1};
     bad[1].recv_counts = {1};
@@ -1429,9 +1433,11 @@ TEST_CASE("kCollective round trip and malformed groups") {
                             "only all_to_all has splits"));
     bad = ops;
     bad[0].send_counts[1] = -4;
-    CHECK(absl::StrContains(tpu::DecodeCollective(build(bad, 1), &d).message(), "negative"));
+    CHECK(absl::StrContains(tpu::DecodeCollective(build(bad, 1), &d).message(),
+                            "negative"));
     CHECK(!tpu::DecodeCollective(build({}, 1), &d).ok());
     std::vector<CollectiveEntry> many(tpu::kMaxGroupOps + 1, ops[1]);
-    CHECK(absl::StrContains(tpu::DecodeCollective(build(many, 1), &d).message(), "exceeds"));
+    CHECK(absl::StrContains(tpu::DecodeCollective(build(many, 1), &d).message(),
+                            "exceeds"));
   }
 }

@@ -3,6 +3,8 @@
 #ifndef TPU_CLIENT_SESSION_IMPL_H_
 #define TPU_CLIENT_SESSION_IMPL_H_
 
+#include <grpcpp/grpcpp.h>
+
 #include <atomic>
 #include <chrono>
 #include <map>
@@ -11,8 +13,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -30,8 +30,9 @@ namespace tpu {
 namespace internal {
 
 inline void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {
-  ctx->set_deadline(std::chrono::system_clock::now() +
-                    std::chrono::microseconds(absl::ToInt64Microseconds(timeout)));
+  ctx->set_deadline(
+      std::chrono::system_clock::now() +
+      std::chrono::microseconds(absl::ToInt64Microseconds(timeout)));
 }
 
 // A failed call's status; unreachable-daemon errors name the socket path.
@@ -106,7 +107,8 @@ struct Session::Impl {
   std::vector<std::string> op_schemas ABSL_GUARDED_BY(ops_mu);  // by id
 
   absl::Mutex pinned_mu;
-  std::map<uint64_t, uint64_t> pinned_free ABSL_GUARDED_BY(pinned_mu);  // offset -> size
+  std::map<uint64_t, uint64_t> pinned_free
+      ABSL_GUARDED_BY(pinned_mu);  // offset -> size
   std::map<uint64_t, uint64_t> pinned_used ABSL_GUARDED_BY(pinned_mu);
 
   // Per communicator: collective groups and point-to-point operations
@@ -157,11 +159,13 @@ struct Session::Impl {
   // The stub while the session is open; calls in flight keep it alive. A
   // session whose daemon is gone fails at once (UNAVAILABLE): gRPC may take
   // seconds to give up on a dead connection.
-  absl::StatusOr<std::shared_ptr<tpud::v1::Runtime::Stub>> Stub() ABSL_LOCKS_EXCLUDED(mu) {
-    if (daemon_gone.load() || (data_plane_fd >= 0 && internal::PeerGone(data_plane_fd))) {
-      return absl::UnavailableError(absl::StrCat(
-          "lost the connection to tpud at ", options.socket_path,
-          "; the daemon stopped or ended this session"));
+  absl::StatusOr<std::shared_ptr<tpud::v1::Runtime::Stub>> Stub()
+      ABSL_LOCKS_EXCLUDED(mu) {
+    if (daemon_gone.load() ||
+        (data_plane_fd >= 0 && internal::PeerGone(data_plane_fd))) {
+      return absl::UnavailableError(
+          absl::StrCat("lost the connection to tpud at ", options.socket_path,
+                       "; the daemon stopped or ended this session"));
     }
     absl::MutexLock lock(&mu);
     if (!open) {
@@ -176,17 +180,20 @@ struct Session::Impl {
   absl::Status AttachDataPlane(const std::string& token);
 
   RingControl* Control(int ring) { return RingControlOf(shm, layout, ring); }
-  uint32_t WaitAdvice() { return HintsOf(shm, layout)->wait_advice.load(std::memory_order_relaxed); }
+  uint32_t WaitAdvice() {
+    return HintsOf(shm, layout)->wait_advice.load(std::memory_order_relaxed);
+  }
   absl::Status CheckStream(int stream) const;
   // The chip of a device address on this host, or INVALID_ARGUMENT.
   absl::StatusOr<int> ChipOfAddress(uint64_t address, const char* what) const;
   // The ring of `stream` on `chip`, after making it wait for the stream's
   // previous chip when the stream moves. REQUIRES: p.mu held.
-  absl::StatusOr<int> RouteLocked(int stream, internal::StreamProducer& p, int chip)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  absl::StatusOr<int> RouteLocked(int stream, internal::StreamProducer& p,
+                                  int chip) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   // Appends the record built in p.writer (Begin() already called with the
   // ring's next sequence) to `ring`. REQUIRES: p.mu held.
-  absl::Status Publish(int ring, internal::StreamProducer& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  absl::Status Publish(int ring, internal::StreamProducer& p)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   // Begins a record of `kind` on `ring`; returns its sequence.
   uint64_t BeginLocked(int ring, internal::StreamProducer& p, RecordKind kind)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
@@ -199,22 +206,23 @@ struct Session::Impl {
   // Builds and publishes an op record (and the op's definition, the first
   // time its ring carries it), on the ring of the chip of its first tensor.
   // Returns its sequence; *ring_out: the ring it went to.
-  absl::StatusOr<uint64_t> EnqueueOpLocked(int stream, internal::StreamProducer& p,
-                                           uint32_t op_id, uint32_t flags, const OpArg* args,
-                                           size_t num_args, const TensorRef* outputs,
-                                           size_t num_outputs, int* ring_out)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  absl::StatusOr<uint64_t> EnqueueOpLocked(
+      int stream, internal::StreamProducer& p, uint32_t op_id, uint32_t flags,
+      const OpArg* args, size_t num_args, const TensorRef* outputs,
+      size_t num_outputs, int* ring_out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   // Publishes a copy record on `ring`. Returns its sequence.
-  absl::StatusOr<uint64_t> EnqueueCopyLocked(int ring, internal::StreamProducer& p,
-                                             CopyKind kind, uint64_t src, uint64_t dst,
-                                             uint64_t bytes)
+  absl::StatusOr<uint64_t> EnqueueCopyLocked(int ring,
+                                             internal::StreamProducer& p,
+                                             CopyKind kind, uint64_t src,
+                                             uint64_t dst, uint64_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   // Offset of `ptr` in the shared memory if [ptr, ptr+bytes) lies in the
   // pinned pool.
   bool PinnedOffset(const void* ptr, uint64_t bytes, uint64_t* offset) const;
   // Start of `stream`'s part of the staging area.
   uint64_t StagingBase(int stream) const {
-    return layout.staging_offset + stream * (layout.staging_bytes / kStreamsPerChip);
+    return layout.staging_offset +
+           stream * (layout.staging_bytes / kStreamsPerChip);
   }
 };
 

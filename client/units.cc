@@ -11,8 +11,8 @@
 namespace tpu {
 
 std::string FormatBytes(uint64_t bytes) {
-  static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB",
-                                           "EiB"};
+  static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB",
+                                           "TiB", "PiB", "EiB"};
   if (bytes < 1024) return absl::StrCat(bytes, " B");
   double value = static_cast<double>(bytes) / 1024.0;
   int unit = 0;
@@ -31,14 +31,15 @@ absl::StatusOr<uint64_t> ParseBytes(absl::string_view text) {
   if (lower == "none" || lower == "unlimited") return 0;
   size_t pos = 0;
   while (pos < s.size() &&
-         (absl::ascii_isdigit(static_cast<unsigned char>(s[pos])) || s[pos] == '.')) {
+         (absl::ascii_isdigit(static_cast<unsigned char>(s[pos])) ||
+          s[pos] == '.')) {
     ++pos;
   }
   std::string number = s.substr(0, pos);
   std::string suffix(absl::StripAsciiWhitespace(lower.substr(pos)));
   if (number.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("not a size: \"", text, "\" (expected e.g. 4096, 512MiB, 2GiB)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "not a size: \"", text, "\" (expected e.g. 4096, 512MiB, 2GiB)"));
   }
   double multiplier = 1;
   if (suffix.empty() || suffix == "b") {
@@ -66,13 +67,15 @@ absl::StatusOr<uint64_t> ParseBytes(absl::string_view text) {
   if (multiplier == 1 && number.find('.') == std::string::npos) {
     uint64_t exact = 0;
     if (!absl::SimpleAtoi(number, &exact)) {
-      return absl::InvalidArgumentError(absl::StrCat("size out of range: \"", text, "\""));
+      return absl::InvalidArgumentError(
+          absl::StrCat("size out of range: \"", text, "\""));
     }
     return exact;
   }
   double value = 0;
   if (!absl::SimpleAtod(number, &value) || !std::isfinite(value) || value < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("not a size: \"", text, "\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("not a size: \"", text, "\""));
   }
   double bytes = std::round(value * multiplier);
   if (bytes == 0 && value != 0) {
@@ -80,7 +83,8 @@ absl::StatusOr<uint64_t> ParseBytes(absl::string_view text) {
         absl::StrCat("size \"", text, "\" is less than one byte"));
   }
   if (bytes >= 18446744073709551615.0) {
-    return absl::InvalidArgumentError(absl::StrCat("size out of range: \"", text, "\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("size out of range: \"", text, "\""));
   }
   return static_cast<uint64_t>(bytes);
 }

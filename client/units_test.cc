@@ -127,7 +127,8 @@ TEST_CASE("FormatBytes moves to the next unit when rounding reaches it") {
   CHECK(FormatBytes(1048000) == "1023.44 KiB");
 }
 
-TEST_CASE("ParseBytes rejects sizes below one byte instead of reading them as 0") {
+TEST_CASE(
+    "ParseBytes rejects sizes below one byte instead of reading them as 0") {
   CHECK_FALSE(ParseBytes("0.4").ok());
   CHECK(ParseBytes("0").value() == 0);
   CHECK(ParseBytes("0.5KiB").value() == 512);

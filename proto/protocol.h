@@ -3,9 +3,9 @@
 #ifndef TPUD_PROTO_PROTOCOL_H_
 #define TPUD_PROTO_PROTOCOL_H_
 
-#include <cstdint>
-
 #include <grpcpp/support/status.h>
+
+#include <cstdint>
 
 #include "absl/status/status.h"
 

@@ -31,7 +31,8 @@ bool CanConnect(const std::string& path) {
   return ok;
 }
 
-std::vector<char*> Argv(const std::string& binary, const std::vector<std::string>& args,
+std::vector<char*> Argv(const std::string& binary,
+                        const std::vector<std::string>& args,
                         std::vector<std::string>& storage) {
   storage.clear();
   storage.push_back(binary);
@@ -42,7 +43,8 @@ std::vector<char*> Argv(const std::string& binary, const std::vector<std::string
   return argv;
 }
 
-std::vector<char*> Envp(const std::vector<std::string>& extra, std::vector<std::string>& storage) {
+std::vector<char*> Envp(const std::vector<std::string>& extra,
+                        std::vector<std::string>& storage) {
   storage.clear();
   for (char** e = environ; *e != nullptr; ++e) storage.emplace_back(*e);
   storage.insert(storage.end(), extra.begin(), extra.end());
@@ -58,7 +60,8 @@ std::string BinaryPath(const std::string& rel) {
   const char* srcdir = std::getenv("TEST_SRCDIR");
   const char* workspace = std::getenv("TEST_WORKSPACE");
   if (srcdir != nullptr) {
-    std::string p = absl::StrCat(srcdir, "/", workspace ? workspace : "tpud", "/", rel);
+    std::string p =
+        absl::StrCat(srcdir, "/", workspace ? workspace : "tpud", "/", rel);
     if (access(p.c_str(), X_OK) == 0) return p;
   }
   std::string p = absl::StrCat("bazel-bin/", rel);
@@ -66,15 +69,19 @@ std::string BinaryPath(const std::string& rel) {
   throw std::runtime_error("cannot find binary " + rel);
 }
 
-ChildProcess::ChildProcess(const std::string& binary, const std::vector<std::string>& args,
-                           const std::vector<std::string>& extra_env, bool quiet) {
+ChildProcess::ChildProcess(const std::string& binary,
+                           const std::vector<std::string>& args,
+                           const std::vector<std::string>& extra_env,
+                           bool quiet) {
   std::vector<std::string> arg_storage, env_storage;
   std::vector<char*> argv = Argv(binary, args, arg_storage);
   std::vector<char*> envp = Envp(extra_env, env_storage);
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  if (quiet) posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
-  if (posix_spawn(&pid_, binary.c_str(), &actions, nullptr, argv.data(), envp.data()) != 0) {
+  if (quiet)
+    posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
+  if (posix_spawn(&pid_, binary.c_str(), &actions, nullptr, argv.data(),
+                  envp.data()) != 0) {
     pid_ = -1;
   }
   posix_spawn_file_actions_destroy(&actions);
@@ -130,8 +137,10 @@ void ChildProcess::Signal(int sig) {
   if (pid_ > 0) kill(pid_, sig);
 }
 
-CommandResult RunCommand(const std::string& binary, const std::vector<std::string>& args,
-                         const std::vector<std::string>& extra_env, bool capture_stderr) {
+CommandResult RunCommand(const std::string& binary,
+                         const std::vector<std::string>& args,
+                         const std::vector<std::string>& extra_env,
+                         bool capture_stderr) {
   int pipefd[2];
   if (pipe2(pipefd, O_CLOEXEC) != 0) throw std::runtime_error("pipe");
   std::vector<std::string> arg_storage, env_storage;
@@ -142,7 +151,8 @@ CommandResult RunCommand(const std::string& binary, const std::vector<std::strin
   posix_spawn_file_actions_adddup2(&actions, pipefd[1], 1);
   if (capture_stderr) posix_spawn_file_actions_adddup2(&actions, pipefd[1], 2);
   pid_t pid = -1;
-  int rc = posix_spawn(&pid, binary.c_str(), &actions, nullptr, argv.data(), envp.data());
+  int rc = posix_spawn(&pid, binary.c_str(), &actions, nullptr, argv.data(),
+                       envp.data());
   posix_spawn_file_actions_destroy(&actions);
   close(pipefd[1]);
   CommandResult result;
@@ -152,7 +162,8 @@ CommandResult RunCommand(const std::string& binary, const std::vector<std::strin
   }
   char buf[4096];
   ssize_t n;
-  while ((n = read(pipefd[0], buf, sizeof(buf))) > 0) result.output.append(buf, n);
+  while ((n = read(pipefd[0], buf, sizeof(buf))) > 0)
+    result.output.append(buf, n);
   close(pipefd[0]);
   int st = 0;
   waitpid(pid, &st, 0);
@@ -160,17 +171,22 @@ CommandResult RunCommand(const std::string& binary, const std::vector<std::strin
   return result;
 }
 
-TestDaemon::TestDaemon(std::vector<std::string> extra_flags, const std::string& hbm) {
-  char tmpl[] = "/tmp/tpud-test.XXXXXX";  // short: unix socket paths are limited
+TestDaemon::TestDaemon(std::vector<std::string> extra_flags,
+                       const std::string& hbm) {
+  char tmpl[] =
+      "/tmp/tpud-test.XXXXXX";  // short: unix socket paths are limited
   if (mkdtemp(tmpl) == nullptr) throw std::runtime_error("mkdtemp");
   dir_ = tmpl;
   socket_ = dir_ + "/tpud.sock";
   admin_socket_ = dir_ + "/admin.sock";
-  std::vector<std::string> flags = {"--socket=" + socket_, "--admin_socket=" + admin_socket_,
+  std::vector<std::string> flags = {"--socket=" + socket_,
+                                    "--admin_socket=" + admin_socket_,
                                     "--hbm_bytes=" + hbm, "--log_level=warn"};
   flags.insert(flags.end(), extra_flags.begin(), extra_flags.end());
-  process_ = ChildProcess(BinaryPath("daemon/tpud"), flags, {}, /*quiet=*/false);
-  if (!WaitFor([&] { return CanConnect(socket_) && CanConnect(admin_socket_); })) {
+  process_ =
+      ChildProcess(BinaryPath("daemon/tpud"), flags, {}, /*quiet=*/false);
+  if (!WaitFor(
+          [&] { return CanConnect(socket_) && CanConnect(admin_socket_); })) {
     throw std::runtime_error("tpud did not start serving on " + socket_);
   }
 }
@@ -190,7 +206,8 @@ int TestDaemon::Stop() {
   return rc;
 }
 
-bool TestDaemon::WaitFor(const std::function<bool()>& predicate, absl::Duration timeout) {
+bool TestDaemon::WaitFor(const std::function<bool()>& predicate,
+                         absl::Duration timeout) {
   absl::Time deadline = absl::Now() + timeout;
   while (absl::Now() < deadline) {
     if (predicate()) return true;

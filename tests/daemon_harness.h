@@ -22,7 +22,8 @@ class ChildProcess {
  public:
   ChildProcess() = default;
   ChildProcess(const std::string& binary, const std::vector<std::string>& args,
-               const std::vector<std::string>& extra_env = {}, bool quiet = true);
+               const std::vector<std::string>& extra_env = {},
+               bool quiet = true);
   ChildProcess(ChildProcess&& other) noexcept;
   ChildProcess& operator=(ChildProcess&& other) noexcept;
   ~ChildProcess();
@@ -43,7 +44,8 @@ struct CommandResult {
   int exit_code = -1;
   std::string output;
 };
-CommandResult RunCommand(const std::string& binary, const std::vector<std::string>& args,
+CommandResult RunCommand(const std::string& binary,
+                         const std::vector<std::string>& args,
                          const std::vector<std::string>& extra_env = {},
                          bool capture_stderr = false);
 

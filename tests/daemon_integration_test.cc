@@ -1,5 +1,8 @@
 // End-to-end behaviour of a real tpud process on real unix sockets.
 #include <fcntl.h>
+#include <grpcpp/create_channel_posix.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -10,10 +13,6 @@
 #include <cstring>
 #include <string>
 #include <vector>
-
-#include <grpcpp/create_channel_posix.h>
-#include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -33,7 +32,8 @@ using tpud_test::TestDaemon;
 
 constexpr uint64_t kMiB = 1 << 20;
 
-std::unique_ptr<tpu::Session> OpenSession(const TestDaemon& d, std::string name = "test") {
+std::unique_ptr<tpu::Session> OpenSession(const TestDaemon& d,
+                                          std::string name = "test") {
   tpu::ClientOptions options;
   options.socket_path = d.socket();
   options.client_name = std::move(name);
@@ -119,17 +119,19 @@ TEST_CASE("a session sees the topology, allocates, frees and closes") {
   REQUIRE(s->Close().ok());
   CHECK(SessionCount(*admin) == 0);
   // A closed session cannot be used.
-  CHECK(s->Allocate(0, 4096).status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(s->Allocate(0, 4096).status().code() ==
+        absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_CASE("kill -9 of a client holding HBM returns every byte at once") {
   TestDaemon d;
   auto admin = Admin(d);
   ChildProcess child(BinaryPath("examples/cpp/hello_tpud"),
-                     {"--socket=" + d.socket(), "--chip=1", "--bytes=200MiB", "--segments=50",
-                      "--hold_seconds=60"});
+                     {"--socket=" + d.socket(), "--chip=1", "--bytes=200MiB",
+                      "--segments=50", "--hold_seconds=60"});
   REQUIRE(TestDaemon::WaitFor([&] { return TotalUsed(*admin) >= 200 * kMiB; }));
-  absl::StatusOr<std::vector<tpu::SessionInfo>> sessions = admin->ListSessions();
+  absl::StatusOr<std::vector<tpu::SessionInfo>> sessions =
+      admin->ListSessions();
   REQUIRE(sessions.ok());
   REQUIRE(sessions->size() == 1);
   CHECK((*sessions)[0].pid == child.pid());
@@ -137,9 +139,11 @@ TEST_CASE("kill -9 of a client holding HBM returns every byte at once") {
 
   absl::Time killed = absl::Now();
   child.Signal(SIGKILL);
-  REQUIRE(TestDaemon::WaitFor([&] { return TotalUsed(*admin) == 0; }, absl::Seconds(5)));
+  REQUIRE(TestDaemon::WaitFor([&] { return TotalUsed(*admin) == 0; },
+                              absl::Seconds(5)));
   double ms = absl::ToDoubleMilliseconds(absl::Now() - killed);
-  std::printf("kill -9 -> HBM back to 0 in %.2f ms (200 MiB in 50 segments)\n", ms);
+  std::printf("kill -9 -> HBM back to 0 in %.2f ms (200 MiB in 50 segments)\n",
+              ms);
   CHECK(SessionCount(*admin) == 0);
   CHECK(ms < 2000);
 }
@@ -153,11 +157,13 @@ TEST_CASE("a session cannot free or use another session's memory") {
   absl::Status st = b->Free(seg->address);
   CHECK(st.code() == absl::StatusCode::kPermissionDenied);
   // Inside the segment, not at its start: still someone else's.
-  CHECK(b->Free(seg->address + 4096).code() == absl::StatusCode::kPermissionDenied);
+  CHECK(b->Free(seg->address + 4096).code() ==
+        absl::StatusCode::kPermissionDenied);
   // Forged addresses.
   CHECK(b->Free(0).code() == absl::StatusCode::kInvalidArgument);
   CHECK(b->Free(0xdeadbeefULL).code() == absl::StatusCode::kInvalidArgument);
-  CHECK(b->Free(tpu::MakeDeviceAddress(9, 0)).code() == absl::StatusCode::kInvalidArgument);
+  CHECK(b->Free(tpu::MakeDeviceAddress(9, 0)).code() ==
+        absl::StatusCode::kInvalidArgument);
   // A's segment is intact.
   absl::StatusOr<tpu::MemoryStats> m = a->GetMemoryStats();
   REQUIRE(m.ok());
@@ -198,9 +204,12 @@ TEST_CASE("out of memory says what was asked and what is left") {
   CHECK(absl::StrContains(msg, "free 56.00 MiB of 256.00 MiB"));
   CHECK(absl::StrContains(msg, "largest free block 56.00 MiB"));
   // Absurd sizes are refused the same way, and the session goes on.
-  CHECK(s->Allocate(0, UINT64_MAX).status().code() == absl::StatusCode::kResourceExhausted);
-  CHECK(s->Allocate(0, 0).status().code() == absl::StatusCode::kInvalidArgument);
-  CHECK(s->Allocate(77, 4096).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(s->Allocate(0, UINT64_MAX).status().code() ==
+        absl::StatusCode::kResourceExhausted);
+  CHECK(s->Allocate(0, 0).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(s->Allocate(77, 4096).status().code() ==
+        absl::StatusCode::kInvalidArgument);
   CHECK(s->Allocate(1, 50 * kMiB).ok());
 }
 
@@ -225,7 +234,8 @@ TEST_CASE("quotas are enforced per session and per chip") {
 
   REQUIRE(admin->SetDefaultQuota(8 * kMiB).ok());
   auto t = OpenSession(d);
-  CHECK(t->Allocate(2, 16 * kMiB).status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK(t->Allocate(2, 16 * kMiB).status().code() ==
+        absl::StatusCode::kResourceExhausted);
   CHECK(admin->SetSessionQuota(12345, 1).code() == absl::StatusCode::kNotFound);
 }
 
@@ -261,18 +271,22 @@ TEST_CASE("an administrator can kill a session; its client learns it") {
   CHECK(TotalUsed(*admin) == 0);
   absl::StatusOr<tpu::Segment> after = s->Allocate(0, kMiB);
   CHECK_FALSE(after.ok());
-  CHECK(admin->KillSession(s->id()).status().code() == absl::StatusCode::kNotFound);
+  CHECK(admin->KillSession(s->id()).status().code() ==
+        absl::StatusCode::kNotFound);
 }
 
-TEST_CASE("malformed and unknown requests get errors while the daemon keeps serving") {
+TEST_CASE(
+    "malformed and unknown requests get errors while the daemon keeps "
+    "serving") {
   TestDaemon d;
   auto good = OpenSession(d);
   REQUIRE(good->Allocate(0, kMiB).ok());
 
   // Garbage bytes instead of HTTP/2, a truncated preface, then hang-ups.
   for (const std::string& junk :
-       {std::string("GET / HTTP/1.1\r\n\r\n"), std::string("PRI * HTTP/2.0\r\n"),
-        std::string(100000, '\xff'), std::string("\0\0\0\0", 4)}) {
+       {std::string("GET / HTTP/1.1\r\n\r\n"),
+        std::string("PRI * HTTP/2.0\r\n"), std::string(100000, '\xff'),
+        std::string("\0\0\0\0", 4)}) {
     int fd = ConnectRaw(d.socket());
     (void)!write(fd, junk.data(), junk.size());
     close(fd);
@@ -283,7 +297,8 @@ TEST_CASE("malformed and unknown requests get errors while the daemon keeps serv
   grpc::GenericStub generic(channel);
   auto call = [&](const std::string& method, const std::string& payload) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(5));
     grpc::Slice slice(payload);
     grpc::ByteBuffer request(&slice, 1), response;
     grpc::CompletionQueue cq;
@@ -300,18 +315,20 @@ TEST_CASE("malformed and unknown requests get errors while the daemon keeps serv
   CHECK(call("/tpud.v1.Runtime/NoSuchMethod", "").error_code() ==
         grpc::StatusCode::UNIMPLEMENTED);
   // Admin calls are not served on the runtime socket.
-  CHECK(call("/tpud.v1.Admin/GetStatus", "").error_code() == grpc::StatusCode::UNIMPLEMENTED);
+  CHECK(call("/tpud.v1.Admin/GetStatus", "").error_code() ==
+        grpc::StatusCode::UNIMPLEMENTED);
   // Bytes that are not a valid protobuf message.
-  grpc::Status bad = call("/tpud.v1.Runtime/AllocateSegment", std::string("\xff\xff\xff\xff", 4));
+  grpc::Status bad = call("/tpud.v1.Runtime/AllocateSegment",
+                          std::string("\xff\xff\xff\xff", 4));
   CHECK_FALSE(bad.ok());
   // A request without a session.
   tpud::v1::AllocateSegmentRequest no_session;
   no_session.set_bytes(4096);
-  CHECK(call("/tpud.v1.Runtime/AllocateSegment", no_session.SerializeAsString()).error_code() ==
-        grpc::StatusCode::NOT_FOUND);
+  CHECK(call("/tpud.v1.Runtime/AllocateSegment", no_session.SerializeAsString())
+            .error_code() == grpc::StatusCode::NOT_FOUND);
   // An oversized message.
-  CHECK(call("/tpud.v1.Runtime/GetTopology", std::string(8 << 20, 'x')).error_code() ==
-        grpc::StatusCode::RESOURCE_EXHAUSTED);
+  CHECK(call("/tpud.v1.Runtime/GetTopology", std::string(8 << 20, 'x'))
+            .error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
 
   // No common protocol version.
   auto stub = tpud::v1::Runtime::NewStub(RawChannel(d.socket()));
@@ -332,7 +349,8 @@ TEST_CASE("malformed and unknown requests get errors while the daemon keeps serv
   CHECK(another->Allocate(3, kMiB).ok());
 }
 
-TEST_CASE("no daemon: one clear error naming the socket and how to start tpud") {
+TEST_CASE(
+    "no daemon: one clear error naming the socket and how to start tpud") {
   absl::StatusOr<std::unique_ptr<tpu::Session>> s =
       tpu::Session::Open({"/tmp/tpud-no-such-dir/tpud.sock", "x"});
   REQUIRE(s.status().code() == absl::StatusCode::kUnavailable);
@@ -355,15 +373,17 @@ TEST_CASE("32 client processes at once") {
   auto admin = Admin(d);
   std::vector<ChildProcess> children;
   for (int i = 0; i < 32; ++i) {
-    children.emplace_back(BinaryPath("examples/cpp/hello_tpud"),
-                          std::vector<std::string>{"--socket=" + d.socket(),
-                                                   absl::StrCat("--chip=", i % 4),
-                                                   "--bytes=8MiB", "--segments=4",
-                                                   "--hold_seconds=3"});
+    children.emplace_back(
+        BinaryPath("examples/cpp/hello_tpud"),
+        std::vector<std::string>{"--socket=" + d.socket(),
+                                 absl::StrCat("--chip=", i % 4), "--bytes=8MiB",
+                                 "--segments=4", "--hold_seconds=3"});
   }
   // Each client opens its session, then allocates: wait for both.
   REQUIRE(TestDaemon::WaitFor(
-      [&] { return SessionCount(*admin) == 32 && TotalUsed(*admin) == 32 * 8 * kMiB; },
+      [&] {
+        return SessionCount(*admin) == 32 && TotalUsed(*admin) == 32 * 8 * kMiB;
+      },
       absl::Seconds(20)));
   absl::StatusOr<tpu::DaemonStatus> st = admin->GetStatus();
   REQUIRE(st.ok());
@@ -387,7 +407,9 @@ TEST_CASE("sockets: modes, stale files, a second daemon, clean shutdown") {
   // A second daemon on the same sockets refuses to steal them.
   tpud_test::CommandResult second = tpud_test::RunCommand(
       BinaryPath("daemon/tpud"),
-      {"--socket=" + d->socket(), "--admin_socket=" + d->admin_socket(), "--hbm_bytes=1MiB"}, {},
+      {"--socket=" + d->socket(), "--admin_socket=" + d->admin_socket(),
+       "--hbm_bytes=1MiB"},
+      {},
       /*capture_stderr=*/true);
   CHECK(second.exit_code == 1);
   CHECK(absl::StrContains(second.output, "already serving"));
@@ -404,9 +426,10 @@ TEST_CASE("sockets: modes, stale files, a second daemon, clean shutdown") {
   REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
   close(fd);
   REQUIRE(access(sock.c_str(), F_OK) == 0);
-  ChildProcess restarted(BinaryPath("daemon/tpud"),
-                         {"--socket=" + sock, "--admin_socket=" + d->admin_socket(),
-                          "--hbm_bytes=1MiB", "--log_level=error"});
+  ChildProcess restarted(
+      BinaryPath("daemon/tpud"),
+      {"--socket=" + sock, "--admin_socket=" + d->admin_socket(),
+       "--hbm_bytes=1MiB", "--log_level=error"});
   REQUIRE(TestDaemon::WaitFor([&] {
     tpu::ClientOptions o;
     o.socket_path = sock;
@@ -429,7 +452,8 @@ TEST_CASE("under systemd, tpud reports readiness and stopping with sd_notify") {
   timeval tv{10, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   ChildProcess daemon(BinaryPath("daemon/tpud"),
-                      {"--socket=" + dir + "/tpud.sock", "--admin_socket=" + dir + "/admin.sock",
+                      {"--socket=" + dir + "/tpud.sock",
+                       "--admin_socket=" + dir + "/admin.sock",
                        "--hbm_bytes=1MiB", "--log_level=error"},
                       {"NOTIFY_SOCKET=" + notify});
   char buf[1024];
@@ -454,10 +478,12 @@ TEST_CASE("under systemd, tpud reports readiness and stopping with sd_notify") {
 
 TEST_CASE("tpud rejects bad flags with a clear message") {
   tpud_test::CommandResult r = tpud_test::RunCommand(
-      BinaryPath("daemon/tpud"), {"--topology=v9z-3", "--socket=/tmp/x.sock"}, {}, true);
+      BinaryPath("daemon/tpud"), {"--topology=v9z-3", "--socket=/tmp/x.sock"},
+      {}, true);
   CHECK(r.exit_code == 1);
   CHECK(absl::StrContains(r.output, "v6e-4"));  // lists the known presets
-  r = tpud_test::RunCommand(BinaryPath("daemon/tpud"), {"--hbm_bytes=lots"}, {}, true);
+  r = tpud_test::RunCommand(BinaryPath("daemon/tpud"), {"--hbm_bytes=lots"}, {},
+                            true);
   CHECK(r.exit_code == 1);
   CHECK(absl::StrContains(r.output, "--hbm_bytes"));
 }

@@ -56,7 +56,9 @@ DevTensor Upload(tpu::Session& s, const at::Tensor& cpu, int chip = 0) {
   absl::StatusOr<tpu::Segment> seg = s.Allocate(chip, nbytes);
   REQUIRE(seg.ok());
   if (cpu.storage().nbytes() > 0) {
-    REQUIRE(s.CopyToDevice(0, seg->address, cpu.storage().data(), cpu.storage().nbytes()).ok());
+    REQUIRE(s.CopyToDevice(0, seg->address, cpu.storage().data(),
+                           cpu.storage().nbytes())
+                .ok());
   }
   return {RefFor(seg->address, cpu), seg->address};
 }
@@ -67,7 +69,8 @@ DevTensor Empty(tpu::Session& s, const at::Tensor& like, int chip = 0) {
 }
 
 at::Tensor Download(tpu::Session& s, const tpu::TensorRef& r) {
-  std::vector<int64_t> sizes(r.sizes, r.sizes + r.ndim), strides(r.strides, r.strides + r.ndim);
+  std::vector<int64_t> sizes(r.sizes, r.sizes + r.ndim),
+      strides(r.strides, r.strides + r.ndim);
   int64_t span = 1;
   for (int d = 0; d < r.ndim; ++d) {
     if (sizes[d] == 0) span = 0;
@@ -76,8 +79,10 @@ at::Tensor Download(tpu::Session& s, const tpu::TensorRef& r) {
     for (int d = 0; d < r.ndim; ++d) span += (sizes[d] - 1) * strides[d];
     span += r.storage_offset;
   }
-  at::Tensor storage = at::empty({span}, at::TensorOptions().dtype(static_cast<at::ScalarType>(r.dtype)));
-  absl::Status st = s.CopyToHost(0, storage.data_ptr(), r.address, storage.nbytes());
+  at::Tensor storage = at::empty(
+      {span}, at::TensorOptions().dtype(static_cast<at::ScalarType>(r.dtype)));
+  absl::Status st =
+      s.CopyToHost(0, storage.data_ptr(), r.address, storage.nbytes());
   INFO(st.ToString());
   REQUIRE(st.ok());
   return storage.as_strided(sizes, strides, r.storage_offset);
@@ -146,7 +151,8 @@ at::Tensor Run(tpu::Session& s, const char* name, const char* overload,
   absl::StatusOr<uint32_t> id = s.DefineOp(SchemaOf(name, overload));
   REQUIRE(id.ok());
   DevTensor out = Empty(s, expected);
-  absl::StatusOr<uint64_t> seq = s.EnqueueOp(0, *id, args.data(), args.size(), &out.ref, 1);
+  absl::StatusOr<uint64_t> seq =
+      s.EnqueueOp(0, *id, args.data(), args.size(), &out.ref, 1);
   REQUIRE(seq.ok());
   absl::Status st = s.Synchronize(0);
   INFO(st.ToString());
@@ -158,7 +164,8 @@ void RequireClose(const at::Tensor& got, const at::Tensor& want) {
   INFO("got " << got << "\nwant " << want);
   REQUIRE(got.scalar_type() == want.scalar_type());
   REQUIRE(got.sizes() == want.sizes());
-  if (at::isFloatingType(want.scalar_type()) || at::isComplexType(want.scalar_type())) {
+  if (at::isFloatingType(want.scalar_type()) ||
+      at::isComplexType(want.scalar_type())) {
     REQUIRE(at::allclose(got, want, 1e-3, 1e-4));
   } else {
     REQUIRE(at::equal(got, want));
@@ -175,28 +182,34 @@ TEST_CASE("ATen ops through the daemon match ATen run directly") {
   DevTensor da = Upload(*s, a), db = Upload(*s, b), drow = Upload(*s, row);
 
   SECTION("elementwise with alpha, and broadcasting") {
-    RequireClose(Run(*s, "aten::add", "Tensor", {T(da), T(db), ScalarD(2.5)}, a + 2.5 * b),
+    RequireClose(Run(*s, "aten::add", "Tensor", {T(da), T(db), ScalarD(2.5)},
+                     a + 2.5 * b),
                  at::add(a, b, 2.5));
-    RequireClose(Run(*s, "aten::mul", "Tensor", {T(da), T(drow)}, a * row), a * row);
+    RequireClose(Run(*s, "aten::mul", "Tensor", {T(da), T(drow)}, a * row),
+                 a * row);
   }
   SECTION("reductions") {
-    RequireClose(Run(*s, "aten::sum", "dim_IntList", {T(da), Ints({1}), B(true), None()},
-                     a.sum({1}, true)),
+    RequireClose(Run(*s, "aten::sum", "dim_IntList",
+                     {T(da), Ints({1}), B(true), None()}, a.sum({1}, true)),
                  a.sum({1}, true));
-    RequireClose(Run(*s, "aten::mean", "dim", {T(da), Ints({0}), B(false), None()}, a.mean({0})),
+    RequireClose(Run(*s, "aten::mean", "dim",
+                     {T(da), Ints({0}), B(false), None()}, a.mean({0})),
                  a.mean({0}));
-    RequireClose(Run(*s, "aten::amax", "", {T(da), Ints({1}), B(false)}, a.amax({1})),
-                 a.amax({1}));
+    RequireClose(
+        Run(*s, "aten::amax", "", {T(da), Ints({1}), B(false)}, a.amax({1})),
+        a.amax({1}));
   }
   SECTION("matmul and conv") {
     at::Tensor m = at::randn({33, 8});
     DevTensor dm = Upload(*s, m);
-    RequireClose(Run(*s, "aten::mm", "", {T(da), T(dm)}, at::mm(a, m)), at::mm(a, m));
-    at::Tensor x = at::randn({2, 3, 9, 9}), w = at::randn({4, 3, 3, 3}), bias = at::randn({4});
+    RequireClose(Run(*s, "aten::mm", "", {T(da), T(dm)}, at::mm(a, m)),
+                 at::mm(a, m));
+    at::Tensor x = at::randn({2, 3, 9, 9}), w = at::randn({4, 3, 3, 3}),
+               bias = at::randn({4});
     at::Tensor want = at::conv2d(x, w, bias, {1, 1}, {1, 1});
     RequireClose(Run(*s, "aten::conv2d", "",
-                     {T(Upload(*s, x)), T(Upload(*s, w)), T(Upload(*s, bias)), Ints({1, 1}),
-                      Ints({1, 1}), Ints({1, 1}), I(1)},
+                     {T(Upload(*s, x)), T(Upload(*s, w)), T(Upload(*s, bias)),
+                      Ints({1, 1}), Ints({1, 1}), Ints({1, 1}), I(1)},
                      want),
                  want);
   }
@@ -209,56 +222,74 @@ TEST_CASE("ATen ops through the daemon match ATen run directly") {
   SECTION("indexing") {
     at::Tensor idx = at::tensor({3, 0, 16, 3}, at::kLong);
     at::Tensor want = a.index_select(0, idx);
-    RequireClose(Run(*s, "aten::index_select", "", {T(da), I(0), T(Upload(*s, idx))}, want), want);
+    RequireClose(Run(*s, "aten::index_select", "",
+                     {T(da), I(0), T(Upload(*s, idx))}, want),
+                 want);
     tpu::OpArg indices;
     indices.tag = tpu::ArgTag::kOptionalTensorList;
-    indices.tensors = {tpu::TensorRef{}, Upload(*s, at::tensor({1, 2}, at::kLong)).ref};
+    indices.tensors = {tpu::TensorRef{},
+                       Upload(*s, at::tensor({1, 2}, at::kLong)).ref};
     indices.tensor_present = {false, true};
-    at::Tensor want2 = a.index({at::indexing::Slice(), at::tensor({1, 2}, at::kLong)});
-    RequireClose(Run(*s, "aten::index", "Tensor", {T(da), indices}, want2), want2);
+    at::Tensor want2 =
+        a.index({at::indexing::Slice(), at::tensor({1, 2}, at::kLong)});
+    RequireClose(Run(*s, "aten::index", "Tensor", {T(da), indices}, want2),
+                 want2);
   }
   SECTION("in place and out=") {
-    absl::StatusOr<uint32_t> add_ = s->DefineOp(SchemaOf("aten::add_", "Tensor"));
+    absl::StatusOr<uint32_t> add_ =
+        s->DefineOp(SchemaOf("aten::add_", "Tensor"));
     REQUIRE(add_.ok());
     std::vector<tpu::OpArg> args = {T(da), T(db), ScalarI(1)};
     REQUIRE(s->EnqueueOp(0, *add_, args.data(), args.size(), nullptr, 0).ok());
     REQUIRE(s->Synchronize(0).ok());
     RequireClose(Download(*s, da.ref), a + b);
     DevTensor out = Empty(*s, a);
-    absl::StatusOr<uint32_t> add_out = s->DefineOp(SchemaOf("aten::add", "out"));
+    absl::StatusOr<uint32_t> add_out =
+        s->DefineOp(SchemaOf("aten::add", "out"));
     REQUIRE(add_out.ok());
     std::vector<tpu::OpArg> oargs = {T(db), T(db), ScalarI(1), T(out)};
-    REQUIRE(s->EnqueueOp(0, *add_out, oargs.data(), oargs.size(), nullptr, 0).ok());
+    REQUIRE(
+        s->EnqueueOp(0, *add_out, oargs.data(), oargs.size(), nullptr, 0).ok());
     REQUIRE(s->Synchronize(0).ok());
     RequireClose(Download(*s, out.ref), b + b);
   }
   SECTION("dtypes: bfloat16, float16, int64, bool, complex64") {
     for (at::ScalarType t : {at::kBFloat16, at::kHalf}) {
       at::Tensor x = a.to(t), y = b.to(t);
-      RequireClose(Run(*s, "aten::mul", "Tensor", {T(Upload(*s, x)), T(Upload(*s, y))}, x * y),
+      RequireClose(Run(*s, "aten::mul", "Tensor",
+                       {T(Upload(*s, x)), T(Upload(*s, y))}, x * y),
                    x * y);
     }
     at::Tensor i = at::randint(-100, 100, {40}, at::kLong);
-    RequireClose(Run(*s, "aten::mul", "Tensor", {T(Upload(*s, i)), T(Upload(*s, i))}, i * i), i * i);
+    RequireClose(Run(*s, "aten::mul", "Tensor",
+                     {T(Upload(*s, i)), T(Upload(*s, i))}, i * i),
+                 i * i);
     at::Tensor m = i > 0;
     at::Tensor want = at::where(m, i, at::zeros_like(i));
     RequireClose(Run(*s, "aten::where", "self",
-                     {T(Upload(*s, m)), T(Upload(*s, i)), T(Upload(*s, at::zeros_like(i)))}, want),
+                     {T(Upload(*s, m)), T(Upload(*s, i)),
+                      T(Upload(*s, at::zeros_like(i)))},
+                     want),
                  want);
     at::Tensor c = at::randn({12}, at::kComplexFloat);
-    RequireClose(Run(*s, "aten::mul", "Tensor", {T(Upload(*s, c)), T(Upload(*s, c))}, c * c), c * c);
+    RequireClose(Run(*s, "aten::mul", "Tensor",
+                     {T(Upload(*s, c)), T(Upload(*s, c))}, c * c),
+                 c * c);
     at::Tensor mixed = a.to(at::kHalf) + b;  // type promotion: float
-    RequireClose(Run(*s, "aten::add", "Tensor",
-                     {T(Upload(*s, a.to(at::kHalf))), T(db), ScalarI(1)}, mixed),
-                 mixed);
+    RequireClose(
+        Run(*s, "aten::add", "Tensor",
+            {T(Upload(*s, a.to(at::kHalf))), T(db), ScalarI(1)}, mixed),
+        mixed);
   }
   SECTION("softmax") {
     at::Tensor want = at::_softmax(a, 1, false);
-    RequireClose(Run(*s, "aten::_softmax", "", {T(da), I(1), B(false)}, want), want);
+    RequireClose(Run(*s, "aten::_softmax", "", {T(da), I(1), B(false)}, want),
+                 want);
   }
 }
 
-TEST_CASE("synchronous path: scalars and data-dependent shapes in one round trip") {
+TEST_CASE(
+    "synchronous path: scalars and data-dependent shapes in one round trip") {
   TestDaemon d;
   auto s = Open(d);
   at::Tensor x = at::tensor({0.0f, 2.5f, 0.0f, -1.0f});
@@ -266,12 +297,14 @@ TEST_CASE("synchronous path: scalars and data-dependent shapes in one round trip
   tpu::TensorRef one = dx.ref;
   one.ndim = 0;
   one.storage_offset = 1;
-  absl::StatusOr<uint32_t> item = s->DefineOp(SchemaOf("aten::_local_scalar_dense", ""));
+  absl::StatusOr<uint32_t> item =
+      s->DefineOp(SchemaOf("aten::_local_scalar_dense", ""));
   REQUIRE(item.ok());
   tpu::OpArg arg;
   arg.tag = tpu::ArgTag::kTensor;
   arg.tensor = one;
-  absl::StatusOr<std::vector<tpu::OpResult>> r = s->RunSync(0, *item, &arg, 1, nullptr, 0);
+  absl::StatusOr<std::vector<tpu::OpResult>> r =
+      s->RunSync(0, *item, &arg, 1, nullptr, 0);
   INFO(r.status().ToString());
   REQUIRE(r.ok());
   REQUIRE(r->size() == 1);
@@ -293,12 +326,14 @@ TEST_CASE("synchronous path: scalars and data-dependent shapes in one round trip
   CHECK(s->Free(t.address).ok());
 }
 
-TEST_CASE("copies: pageable and pinned, both ways, device to device across chips") {
+TEST_CASE(
+    "copies: pageable and pinned, both ways, device to device across chips") {
   TestDaemon d({}, "512MiB");
   auto s = Open(d);
   const uint64_t n = (40 << 20) + 12345;  // several staging chunks and a tail
   std::vector<uint8_t> src(n);
-  for (uint64_t i = 0; i < n; ++i) src[i] = static_cast<uint8_t>(i * 2654435761u >> 13);
+  for (uint64_t i = 0; i < n; ++i)
+    src[i] = static_cast<uint8_t>(i * 2654435761u >> 13);
   absl::StatusOr<tpu::Segment> a = s->Allocate(0, n);
   absl::StatusOr<tpu::Segment> b = s->Allocate(3, n);
   REQUIRE(a.ok());
@@ -322,7 +357,8 @@ TEST_CASE("copies: pageable and pinned, both ways, device to device across chips
   CHECK(back[0] == 7);
   CHECK(back[4095] == 7);
   REQUIRE(s->FreePinned(*pinned).ok());
-  CHECK(s->AllocatePinned(1ULL << 40).status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK(s->AllocatePinned(1ULL << 40).status().code() ==
+        absl::StatusCode::kResourceExhausted);
 
   // Out of bounds: past the segment's end.
   CHECK(s->CopyToHost(0, back.data(), a->address + a->size - 100, 200).code() ==
@@ -342,7 +378,8 @@ TEST_CASE("streams and events: order, cross-stream waits, timing") {
   absl::StatusOr<tpu::Event> start = s->RecordEvent(1);
   REQUIRE(start.ok());
   std::vector<tpu::OpArg> args = {T(dx), T(dx)};
-  for (int i = 0; i < 20; ++i) REQUIRE(s->EnqueueOp(1, *mm, args.data(), 2, &y.ref, 1).ok());
+  for (int i = 0; i < 20; ++i)
+    REQUIRE(s->EnqueueOp(1, *mm, args.data(), 2, &y.ref, 1).ok());
   absl::StatusOr<tpu::Event> done = s->RecordEvent(1);
   REQUIRE(done.ok());
   // Stream 2 adds 1 to y only after stream 1's matmuls.
@@ -375,14 +412,17 @@ TEST_CASE("streams and events: order, cross-stream waits, timing") {
   for (const auto& e : {*on1, *on2, *next1, *next2}) s->ReleaseEvent(e);
   s->ReleaseEvent(*start);
   s->ReleaseEvent(*done);
-  CHECK(s->Synchronize(tpu::kNumStreams).code() == absl::StatusCode::kInvalidArgument);
+  CHECK(s->Synchronize(tpu::kNumStreams).code() ==
+        absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
 
 namespace {
 
-TEST_CASE("an op's error surfaces at the next synchronisation, naming the op; its outputs are poisoned") {
+TEST_CASE(
+    "an op's error surfaces at the next synchronisation, naming the op; its "
+    "outputs are poisoned") {
   TestDaemon d;
   auto s = Open(d);
   at::Tensor a = at::randn({4, 5}), b = at::randn({6, 7});
@@ -416,7 +456,8 @@ TEST_CASE("an op's error surfaces at the next synchronisation, naming the op; it
   CHECK(absl::StrContains(st.message(), "aten::mm"));
 }
 
-TEST_CASE("a schema the daemon's torch does not have fails with both schemas named") {
+TEST_CASE(
+    "a schema the daemon's torch does not have fails with both schemas named") {
   TestDaemon d;
   auto s = Open(d);
   DevTensor x = Upload(*s, at::ones({3}));
@@ -432,7 +473,8 @@ TEST_CASE("a schema the daemon's torch does not have fails with both schemas nam
   CHECK(st.code() == absl::StatusCode::kInvalidArgument);
   CHECK(absl::StrContains(st.message(), schema));
   CHECK(absl::StrContains(st.message(), changed));
-  absl::StatusOr<uint32_t> unknown = s->DefineOp("aten::no_such_op(Tensor self) -> Tensor");
+  absl::StatusOr<uint32_t> unknown =
+      s->DefineOp("aten::no_such_op(Tensor self) -> Tensor");
   REQUIRE(s->EnqueueOp(0, *unknown, args.data(), 1, &out.ref, 1).ok());
   st = s->Synchronize(0);
   CHECK(st.code() == absl::StatusCode::kInvalidArgument);
@@ -446,7 +488,8 @@ TEST_CASE("forged tensor references never reach another session's memory") {
   at::Tensor secret = at::arange(1024, at::kFloat);
   DevTensor v = Upload(*victim, secret);
   DevTensor mine = Upload(*attacker, at::zeros({1024}));
-  absl::StatusOr<uint32_t> copy = attacker->DefineOp(SchemaOf("aten::copy_", ""));
+  absl::StatusOr<uint32_t> copy =
+      attacker->DefineOp(SchemaOf("aten::copy_", ""));
   REQUIRE(copy.ok());
   // Read the victim's tensor into mine.
   std::vector<tpu::OpArg> read = {T(mine), T(v), B(false)};
@@ -456,12 +499,16 @@ TEST_CASE("forged tensor references never reach another session's memory") {
   // The refused copy_ ran no kernel; what it was to write is poisoned with
   // the reason, so reading it back says so instead of handing out bytes.
   std::vector<float> back(1024, -1.0f);
-  absl::Status poisoned = attacker->CopyToHost(0, back.data(), mine.segment, 4096);
+  absl::Status poisoned =
+      attacker->CopyToHost(0, back.data(), mine.segment, 4096);
   CHECK(poisoned.code() == absl::StatusCode::kFailedPrecondition);
   CHECK(absl::StrContains(poisoned.message(), "in another session's memory"));
   CHECK(back == std::vector<float>(1024, -1.0f));
   // Rewritten, it is good again.
-  REQUIRE(attacker->CopyToDevice(0, mine.segment, at::zeros({1024}).data_ptr(), 4096).ok());
+  REQUIRE(
+      attacker
+          ->CopyToDevice(0, mine.segment, at::zeros({1024}).data_ptr(), 4096)
+          .ok());
   CHECK(at::equal(Download(*attacker, mine.ref), at::zeros({1024})));
   // Write into the victim's tensor.
   std::vector<tpu::OpArg> write = {T(v), T(mine), B(false)};
@@ -503,7 +550,8 @@ TEST_CASE("out of memory and drained chips mid-stream") {
   REQUIRE(filler.ok());
   absl::StatusOr<uint32_t> nz = s->DefineOp(SchemaOf("aten::nonzero", ""));
   tpu::OpArg xa = T(dx);
-  absl::StatusOr<std::vector<tpu::OpResult>> r = s->RunSync(0, *nz, &xa, 1, nullptr, 0);
+  absl::StatusOr<std::vector<tpu::OpResult>> r =
+      s->RunSync(0, *nz, &xa, 1, nullptr, 0);
   CHECK(r.status().code() == absl::StatusCode::kResourceExhausted);
   CHECK(absl::StrContains(r.status().message(), "quota"));
   REQUIRE(s->Free(filler->address).ok());
@@ -528,7 +576,8 @@ TEST_CASE("the daemon going away mid-stream is an error, not a hang") {
   DevTensor x = Upload(*s, at::ones({512, 512}));
   absl::StatusOr<uint32_t> mm = s->DefineOp(SchemaOf("aten::mm", ""));
   std::vector<tpu::OpArg> args = {T(x), T(x)};
-  for (int i = 0; i < 50; ++i) REQUIRE(s->EnqueueOp(0, *mm, args.data(), 2, &x.ref, 1).ok());
+  for (int i = 0; i < 50; ++i)
+    REQUIRE(s->EnqueueOp(0, *mm, args.data(), 2, &x.ref, 1).ok());
   REQUIRE(d->Stop() == 0);
   absl::Status st = s->Synchronize(0);
   CHECK_FALSE(st.ok());
@@ -542,7 +591,9 @@ namespace {
 using tpud_test::BinaryPath;
 using tpud_test::ChildProcess;
 
-TEST_CASE("two processes stream at once; kill -9 of one mid-stream harms nothing else") {
+TEST_CASE(
+    "two processes stream at once; kill -9 of one mid-stream harms nothing "
+    "else") {
   TestDaemon d({}, "256MiB");
   absl::StatusOr<std::unique_ptr<tpu::AdminClient>> admin =
       tpu::AdminClient::Connect(d.admin_socket());
@@ -551,16 +602,19 @@ TEST_CASE("two processes stream at once; kill -9 of one mid-stream harms nothing
   ChildProcess a(BinaryPath("examples/cpp/stream_add"),
                  {"--socket=" + d.socket(), "--chip=0", "--iterations=3000"});
   ChildProcess b(BinaryPath("examples/cpp/stream_add"),
-                 {"--socket=" + d.socket(), "--chip=0", "--iterations=3000", "--stream=3"});
+                 {"--socket=" + d.socket(), "--chip=0", "--iterations=3000",
+                  "--stream=3"});
   CHECK(a.Wait(absl::Seconds(60)) == 0);
   CHECK(b.Wait(absl::Seconds(60)) == 0);
 
   // A process streaming forever on chip 1, killed mid-stream.
-  ChildProcess victim(BinaryPath("examples/cpp/stream_add"),
-                      {"--socket=" + d.socket(), "--chip=1", "--iterations=500", "--forever"});
+  ChildProcess victim(
+      BinaryPath("examples/cpp/stream_add"),
+      {"--socket=" + d.socket(), "--chip=1", "--iterations=500", "--forever"});
   REQUIRE(TestDaemon::WaitFor(
       [&] {
-        absl::StatusOr<std::vector<tpu::SessionInfo>> s = (*admin)->ListSessions();
+        absl::StatusOr<std::vector<tpu::SessionInfo>> s =
+            (*admin)->ListSessions();
         return s.ok() && s->size() == 1 && (*s)[0].ops_executed > 1000;
       },
       absl::Seconds(20)));
@@ -571,9 +625,11 @@ TEST_CASE("two processes stream at once; kill -9 of one mid-stream harms nothing
   absl::StatusOr<uint32_t> mul = s->DefineOp(SchemaOf("aten::mul", "Tensor"));
   DevTensor out = Empty(*s, x, 1);
   std::vector<tpu::OpArg> args = {T(dx), T(dx)};
-  for (int i = 0; i < 200; ++i) REQUIRE(s->EnqueueOp(0, *mul, args.data(), 2, &out.ref, 1).ok());
+  for (int i = 0; i < 200; ++i)
+    REQUIRE(s->EnqueueOp(0, *mul, args.data(), 2, &out.ref, 1).ok());
   victim.Signal(SIGKILL);
-  for (int i = 0; i < 200; ++i) REQUIRE(s->EnqueueOp(0, *mul, args.data(), 2, &out.ref, 1).ok());
+  for (int i = 0; i < 200; ++i)
+    REQUIRE(s->EnqueueOp(0, *mul, args.data(), 2, &out.ref, 1).ok());
   REQUIRE(s->Synchronize(0).ok());
   CHECK(at::equal(Download(*s, out.ref), x * x));
   // The killed process's memory is back; only ours remains.

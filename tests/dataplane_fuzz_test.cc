@@ -5,6 +5,8 @@
 // also runs in the ASan build: bazel test --config=asan), refuse what is
 // wrong, and keep the good session's results exact.
 #include <fcntl.h>
+#include <grpcpp/create_channel_posix.h>
+#include <grpcpp/grpcpp.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -15,9 +17,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include <grpcpp/create_channel_posix.h>
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -39,7 +38,8 @@ const char* const kSchemas[] = {
     "aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor",
     "aten::mul.Tensor(Tensor self, Tensor other) -> Tensor",
     "aten::neg(Tensor self) -> Tensor",
-    "aten::copy_(Tensor(a!) self, Tensor src, bool non_blocking=False) -> Tensor(a!)",
+    "aten::copy_(Tensor(a!) self, Tensor src, bool non_blocking=False) -> "
+    "Tensor(a!)",
     "aten::sum(Tensor self, *, ScalarType? dtype=None) -> Tensor",
     "aten::mm(Tensor self, Tensor mat2) -> Tensor",
     "aten::index_select(Tensor self, int dim, Tensor index) -> Tensor",
@@ -69,7 +69,8 @@ class RawSession {
     int fd = ConnectRaw(socket);
     REQUIRE(fd >= 0);
     fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
-    stub_ = tpud::v1::Runtime::NewStub(grpc::CreateInsecureChannelFromFd("tpud", fd));
+    stub_ = tpud::v1::Runtime::NewStub(
+        grpc::CreateInsecureChannelFromFd("tpud", fd));
     tpud::v1::OpenSessionRequest open;
     open.set_min_protocol_version(tpud::kMinProtocolVersion);
     open.set_max_protocol_version(tpud::kMaxProtocolVersion);
@@ -100,7 +101,8 @@ class RawSession {
     REQUIRE(send(dp_, &hello, sizeof(hello), MSG_NOSIGNAL) == sizeof(hello));
     tpu::DataPlaneReply reply{};
     iovec iov{&reply, sizeof(reply)};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * (1 + tpu::kMaxChipsPerHost))] = {};
+    alignas(cmsghdr) char
+        control[CMSG_SPACE(sizeof(int) * (1 + tpu::kMaxChipsPerHost))] = {};
     msghdr mh{};
     mh.msg_iov = &iov;
     mh.msg_iovlen = 1;
@@ -118,8 +120,8 @@ class RawSession {
     doorbell_ = fds[1];
     for (size_t i = 2; i < nfds; ++i) close(fds[i]);
     shm_bytes_ = reply.shm_bytes;
-    shm_ = static_cast<char*>(
-        mmap(nullptr, shm_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0));
+    shm_ = static_cast<char*>(mmap(nullptr, shm_bytes_, PROT_READ | PROT_WRITE,
+                                   MAP_SHARED, memfd, 0));
     // A hostile client may try to shrink the memory under the daemon: sealed.
     CHECK(ftruncate(memfd, 0) != 0);
     close(memfd);
@@ -143,14 +145,16 @@ class RawSession {
     const uint64_t ring = layout_.ring_bytes;
     uint64_t pos = tail_[s] & (ring - 1);
     const uint64_t after = ring - pos;
-    if (bytes.size() > after || (after - bytes.size() != 0 && after - bytes.size() < 16)) {
+    if (bytes.size() > after ||
+        (after - bytes.size() != 0 && after - bytes.size() < 16)) {
       tpu::RecordHeader pad{static_cast<uint32_t>(ring - pos),
                             static_cast<uint16_t>(tpu::RecordKind::kPad), 0, 0};
       std::memcpy(tpu::RingOf(shm_, layout_, s) + pos, &pad, sizeof(pad));
       tail_[s] += ring - pos;
       pos = 0;
     }
-    std::memcpy(tpu::RingOf(shm_, layout_, s) + pos, bytes.data(), bytes.size());
+    std::memcpy(tpu::RingOf(shm_, layout_, s) + pos, bytes.data(),
+                bytes.size());
     tail_[s] += bytes.size();
   }
   void Publish(int s) {
@@ -170,15 +174,19 @@ class RawSession {
         *dead = true;
         return true;
       }
-      if (ctl(s)->head.load() == tail_[s] && ctl(s)->completed.load() + 1 == next_seq_[s]) {
+      if (ctl(s)->head.load() == tail_[s] &&
+          ctl(s)->completed.load() + 1 == next_seq_[s]) {
         return true;
       }
       usleep(20);
     }
-    std::printf("stuck: stream %d head %llu tail %llu completed %llu next %llu dead %u\n", s,
-                (unsigned long long)ctl(s)->head.load(), (unsigned long long)tail_[s],
-                (unsigned long long)ctl(s)->completed.load(),
-                (unsigned long long)next_seq_[s], ctl(s)->dead.load());
+    std::printf(
+        "stuck: stream %d head %llu tail %llu completed %llu next %llu dead "
+        "%u\n",
+        s, (unsigned long long)ctl(s)->head.load(),
+        (unsigned long long)tail_[s],
+        (unsigned long long)ctl(s)->completed.load(),
+        (unsigned long long)next_seq_[s], ctl(s)->dead.load());
     return false;
   }
 
@@ -205,7 +213,8 @@ class Fuzzer {
   tpu::TensorRef RandomTensor(uint64_t segment, uint64_t foreign) {
     tpu::TensorRef t;
     const int8_t dtypes[] = {6, 6, 6, 4, 11, 15, 5, 9, 0, 7, 3};
-    t.dtype = Chance(3) ? static_cast<int8_t>(Pick(256) - 128) : dtypes[Pick(11)];
+    t.dtype =
+        Chance(3) ? static_cast<int8_t>(Pick(256) - 128) : dtypes[Pick(11)];
     t.ndim = static_cast<uint8_t>(Chance(2) ? Pick(30) : Pick(4));
     for (int d = 0; d < std::min<int>(t.ndim, tpu::kMaxDims); ++d) {
       t.sizes[d] = Chance(2) ? static_cast<int64_t>(rng_()) : Pick(40);
@@ -213,17 +222,26 @@ class Fuzzer {
     }
     t.storage_offset = Chance(3) ? static_cast<int64_t>(rng_()) : Pick(100);
     switch (Pick(10)) {
-      case 0: t.address = rng_(); break;                    // garbage
-      case 1: t.address = foreign + Pick(4096); break;      // another session's
-      case 2: t.address = tpu::MakeDeviceAddress(Pick(6), Pick(1 << 22)); break;
-      default: t.address = segment + 8 * Pick(1 << 16); break;  // our own
+      case 0:
+        t.address = rng_();
+        break;  // garbage
+      case 1:
+        t.address = foreign + Pick(4096);
+        break;  // another session's
+      case 2:
+        t.address = tpu::MakeDeviceAddress(Pick(6), Pick(1 << 22));
+        break;
+      default:
+        t.address = segment + 8 * Pick(1 << 16);
+        break;  // our own
     }
     return t;
   }
 
   tpu::OpArg RandomArg(uint64_t segment, uint64_t foreign) {
     tpu::OpArg a;
-    a.tag = static_cast<tpu::ArgTag>(Pick(static_cast<int>(tpu::ArgTag::kLast) + 1));
+    a.tag = static_cast<tpu::ArgTag>(
+        Pick(static_cast<int>(tpu::ArgTag::kLast) + 1));
     a.i = Chance(20) ? static_cast<int64_t>(rng_()) : Pick(8) - 2;
     a.d = Chance(10) ? 1e308 : (Pick(1000) - 500) / 7.0;
     a.d_imag = 1.5;
@@ -237,7 +255,8 @@ class Fuzzer {
         a.s = std::string(Pick(64), 'x');
         break;
       case tpu::ArgTag::kIntList:
-        for (int k = Pick(5); k > 0; --k) a.ints.push_back(Chance(10) ? rng_() : Pick(6) - 1);
+        for (int k = Pick(5); k > 0; --k)
+          a.ints.push_back(Chance(10) ? rng_() : Pick(6) - 1);
         break;
       case tpu::ArgTag::kDoubleList:
         for (int k = Pick(5); k > 0; --k) a.doubles.push_back(Pick(100) / 3.0);
@@ -283,8 +302,9 @@ class Fuzzer {
     if (kind < 8) {
       w.Begin(tpu::RecordKind::kDefineOp, seq);
       w.U32(static_cast<uint32_t>(Chance(80) ? Pick(kNumSchemas + 3) : rng_()));
-      std::string schema = Chance(50) ? kSchemas[Pick(kNumSchemas)]
-                                      : std::string("aten::") + std::string(Pick(40), 'q');
+      std::string schema =
+          Chance(50) ? kSchemas[Pick(kNumSchemas)]
+                     : std::string("aten::") + std::string(Pick(40), 'q');
       if (Chance(20)) schema.insert(schema.size() / 2, "garbage");
       w.U32(static_cast<uint32_t>(schema.size()));
       w.Bytes(schema.data(), schema.size());
@@ -306,10 +326,12 @@ class Fuzzer {
       // Waits only on work already done, so the stream cannot stall.
       w.Begin(tpu::RecordKind::kEventWait, seq);
       w.U32(0);
-      const uint32_t other = static_cast<uint32_t>(Chance(90) ? Pick(tpu::kStreamsPerChip) : 99);
+      const uint32_t other =
+          static_cast<uint32_t>(Chance(90) ? Pick(tpu::kStreamsPerChip) : 99);
       w.U32(other);
-      w.U64(other < static_cast<uint32_t>(tpu::kStreamsPerChip) ? rs.ctl(other)->completed.load()
-                                                            : 0);
+      w.U64(other < static_cast<uint32_t>(tpu::kStreamsPerChip)
+                ? rs.ctl(other)->completed.load()
+                : 0);
     } else {
       w.Begin(tpu::RecordKind::kOp, seq);
       w.U32(static_cast<uint32_t>(Chance(95) ? Pick(kNumSchemas + 2) : rng_()));
@@ -319,13 +341,15 @@ class Fuzzer {
       w.U16(static_cast<uint16_t>(nouts));
       w.U32(Chance(20) ? tpu::kOpFlagSync : 0);
       for (int i = 0; i < nargs; ++i) w.Arg(RandomArg(rs.segment(), foreign));
-      for (int i = 0; i < nouts; ++i) w.Tensor(RandomTensor(rs.segment(), foreign));
+      for (int i = 0; i < nouts; ++i)
+        w.Tensor(RandomTensor(rs.segment(), foreign));
     }
     std::string rec(w.Finish());
     if (Chance(1)) {
       // Corrupt the body, keep the framing: the decoder must refuse it or
       // the op must fail cleanly (a flipped byte may still decode).
-      const size_t at = sizeof(tpu::RecordHeader) + Pick(static_cast<int>(rec.size() - 16));
+      const size_t at =
+          sizeof(tpu::RecordHeader) + Pick(static_cast<int>(rec.size() - 16));
       if (at < rec.size()) rec[at] = static_cast<char>(rng_());
     }
     return rec;
@@ -335,9 +359,11 @@ class Fuzzer {
   std::mt19937_64 rng_;
 };
 
-TEST_CASE("hostile records: the daemon survives and other sessions are untouched") {
+TEST_CASE(
+    "hostile records: the daemon survives and other sessions are untouched") {
   const char* env = std::getenv("TPUD_FUZZ_RECORDS");
-  const uint64_t target = env != nullptr ? std::strtoull(env, nullptr, 10) : 100000;
+  const uint64_t target =
+      env != nullptr ? std::strtoull(env, nullptr, 10) : 100000;
   TestDaemon d({"--log_level=error"}, "256MiB");
 
   // The good session, with data the fuzzing must never touch.
@@ -345,10 +371,12 @@ TEST_CASE("hostile records: the daemon survives and other sessions are untouched
   o.socket_path = d.socket();
   std::unique_ptr<tpu::Session> good = *tpu::Session::Open(o);
   std::vector<float> secret(1 << 16);
-  for (size_t i = 0; i < secret.size(); ++i) secret[i] = static_cast<float>(i) * 0.5f;
+  for (size_t i = 0; i < secret.size(); ++i)
+    secret[i] = static_cast<float>(i) * 0.5f;
   absl::StatusOr<tpu::Segment> seg = good->Allocate(0, secret.size() * 4);
   REQUIRE(seg.ok());
-  REQUIRE(good->CopyToDevice(0, seg->address, secret.data(), secret.size() * 4).ok());
+  REQUIRE(good->CopyToDevice(0, seg->address, secret.data(), secret.size() * 4)
+              .ok());
   REQUIRE(good->Synchronize(0).ok());
 
   Fuzzer fuzz(20261129);
@@ -374,9 +402,12 @@ TEST_CASE("hostile records: the daemon survives and other sessions are untouched
       REQUIRE(rs.Drain(s, &dead));
     }
   }
-  std::printf("fuzz: %llu hostile records in %llu sessions (%llu with broken framing)\n",
-              static_cast<unsigned long long>(consumed), static_cast<unsigned long long>(sessions),
-              static_cast<unsigned long long>(fatal_records));
+  std::printf(
+      "fuzz: %llu hostile records in %llu sessions (%llu with broken "
+      "framing)\n",
+      static_cast<unsigned long long>(consumed),
+      static_cast<unsigned long long>(sessions),
+      static_cast<unsigned long long>(fatal_records));
 
   // The daemon still serves, the good session's data is exact, and every
   // hostile session's memory went back.

@@ -24,7 +24,8 @@ namespace {
 using tpud_test::TestDaemon;
 
 constexpr char kAdd[] =
-    "aten::add_.Tensor(Tensor(a!) self, Tensor other, *, Scalar alpha=1) -> Tensor(a!)";
+    "aten::add_.Tensor(Tensor(a!) self, Tensor other, *, Scalar alpha=1) -> "
+    "Tensor(a!)";
 constexpr int8_t kFloat = 6;
 
 struct Usage {
@@ -85,7 +86,8 @@ std::unique_ptr<tpu::Session> OpenAndRun(const TestDaemon& d) {
   absl::StatusOr<tpu::Segment> seg = session.Allocate(0, 4096);
   REQUIRE(seg.ok());
   std::vector<float> ones(16, 1.0f);
-  REQUIRE(session.CopyToDevice(0, seg->address, ones.data(), sizeof(float) * 16).ok());
+  REQUIRE(session.CopyToDevice(0, seg->address, ones.data(), sizeof(float) * 16)
+              .ok());
   tpu::OpArg t;
   t.tag = tpu::ArgTag::kTensor;
   t.tensor.address = seg->address;
@@ -98,14 +100,15 @@ std::unique_ptr<tpu::Session> OpenAndRun(const TestDaemon& d) {
   tpu::OpArg args[2] = {t, t};
   REQUIRE(session.EnqueueOp(0, *add, args, 2, nullptr, 0).ok());
   std::vector<float> back(16, 0.0f);
-  REQUIRE(session.CopyToHost(0, back.data(), seg->address, sizeof(float) * 16).ok());
+  REQUIRE(session.CopyToHost(0, back.data(), seg->address, sizeof(float) * 16)
+              .ok());
   REQUIRE(back[15] == 2.0f);
   return *std::move(s);
 }
 
 void Report(const char* when, const Usage& u) {
-  std::printf("%-28s %d processes, RSS %ld KiB, %d descriptors, %d threads\n", when,
-              u.processes, u.rss_kib, u.fds, u.threads);
+  std::printf("%-28s %d processes, RSS %ld KiB, %d descriptors, %d threads\n",
+              when, u.processes, u.rss_kib, u.fds, u.threads);
 }
 
 TEST_CASE("sessions give back every byte, descriptor and thread they cost") {
@@ -130,7 +133,8 @@ TEST_CASE("sessions give back every byte, descriptor and thread they cost") {
     const Usage busy = Measure(d);
     Report("64 sessions open:", busy);
     std::printf("per session: %.1f KiB RSS, %.2f descriptors, %.2f threads\n",
-                (busy.rss_kib - base.rss_kib) / 64.0, (busy.fds - base.fds) / 64.0,
+                (busy.rss_kib - base.rss_kib) / 64.0,
+                (busy.fds - base.fds) / 64.0,
                 (busy.threads - base.threads) / 64.0);
     // No thread per session, anywhere (gRPC's pool may grow by a few).
     CHECK(busy.threads - base.threads <= 8);

@@ -84,8 +84,9 @@ struct CompileStats {
   uint64_t compiles = 0;    // programs compiled (failed compiles included)
   uint64_t compile_ns = 0;  // time spent compiling
   uint64_t hits = 0;        // ops that found their program compiled
-  uint64_t collectives = 0; // collective operations run as programs on this chip
-  uint64_t graphs = 0;      // captured graphs run as one program of their own
+  uint64_t collectives =
+      0;                // collective operations run as programs on this chip
+  uint64_t graphs = 0;  // captured graphs run as one program of their own
 };
 
 // One op of a captured graph (a program of the op stream), resolved and
@@ -107,7 +108,8 @@ struct CollectiveRank {
   uint64_t send_bytes = 0;
   uint64_t recv = 0;
   uint64_t recv_bytes = 0;
-  ResolvedTensor send_segment;  // the segments they lie in (owner: the rank's session)
+  ResolvedTensor
+      send_segment;  // the segments they lie in (owner: the rank's session)
   ResolvedTensor recv_segment;
   char* host_send = nullptr;  // their place in the arena
   char* host_recv = nullptr;
@@ -117,7 +119,7 @@ struct CollectiveCall {
   tpu::ReduceOp reduce = tpu::ReduceOp::kSum;
   int8_t dtype = 0;  // c10 ScalarType
   uint64_t count = 0;
-  int root = 0;  // broadcast, reduce
+  int root = 0;                       // broadcast, reduce
   std::vector<CollectiveRank> ranks;  // by rank
   // all_to_all: elements rank i sends to rank j, send_counts[i][j]
   std::vector<std::vector<int64_t>> send_counts;
@@ -144,7 +146,8 @@ class ChipBackend {
   // when tpud frees a segment (its device memory goes, and a later owner of
   // those pages sees the arena's zeros). Both are no-ops on backends that
   // compute on the arena itself.
-  virtual absl::Status HostAccess(uint64_t address, uint64_t bytes, bool write, uint64_t owner) {
+  virtual absl::Status HostAccess(uint64_t address, uint64_t bytes, bool write,
+                                  uint64_t owner) {
     return absl::OkStatus();
   }
   virtual void Released(uint64_t address, uint64_t bytes) {}
@@ -155,7 +158,9 @@ class ChipBackend {
   // themselves) and returns true; or returns false, touching nothing, when
   // the executor is to move the data in the arena (every kind on the
   // simulated chip). An error is the operation's, for every rank.
-  virtual absl::StatusOr<bool> RunCollective(const CollectiveCall& call) { return false; }
+  virtual absl::StatusOr<bool> RunCollective(const CollectiveCall& call) {
+    return false;
+  }
 
   // Runs a captured graph's ops (in order, all on one chip) as one program
   // of the backend's own and returns true; or returns false, running
@@ -163,7 +168,8 @@ class ChipBackend {
   // error, `*failed` is the op it belongs to: the ops before it completed,
   // what it and the ops after it write is not valid. Declining, it says why
   // in `*declined`.
-  virtual absl::StatusOr<bool> RunProgram(const std::vector<ProgramOp>& ops, size_t* failed,
+  virtual absl::StatusOr<bool> RunProgram(const std::vector<ProgramOp>& ops,
+                                          size_t* failed,
                                           std::string* declined) {
     return false;
   }

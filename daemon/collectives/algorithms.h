@@ -26,16 +26,20 @@ namespace tpud {
 // already checked to match). `host_send[r]`, `host_recv[r]` are the host
 // views of rank r's buffers (null where the kind has none). Counts the
 // bytes each link carries.
-void RunCollective(CollectiveTable* table, CommSlot* comm, const std::vector<const PostedOp*>& ops,
-                   const std::vector<char*>& host_send, const std::vector<char*>& host_recv,
+void RunCollective(CollectiveTable* table, CommSlot* comm,
+                   const std::vector<const PostedOp*>& ops,
+                   const std::vector<char*>& host_send,
+                   const std::vector<char*>& host_recv,
                    const std::vector<const int64_t*>& send_counts,
-                   const std::vector<const int64_t*>& recv_counts, std::vector<char>* scratch);
+                   const std::vector<const int64_t*>& recv_counts,
+                   std::vector<char>* scratch);
 
 // Counts, on the links and in the communicator's bytes moved, what
 // RunCollective's schedule would move for `op` (ops[0] of every rank), for
 // an operation a backend ran as its own program (which picks its own
 // schedule on the device; these are the torus schedule's figures).
-void CountCollectiveTraffic(CollectiveTable* table, CommSlot* comm, const PostedOp& op,
+void CountCollectiveTraffic(CollectiveTable* table, CommSlot* comm,
+                            const PostedOp& op,
                             const std::vector<const int64_t*>& send_counts);
 
 }  // namespace tpud

@@ -34,9 +34,11 @@ struct Harness {
     for (int u = 0; u < n; ++u) {
       for (int v = 0; v < n; ++v) {
         int k = 0;
-        for (int c = u; c != v && k < kMaxRouteLinks; c += (v > u ? 1 : -1), ++k) {
+        for (int c = u; c != v && k < kMaxRouteLinks;
+             c += (v > u ? 1 : -1), ++k) {
           const int link = v > u ? c : c - 1;
-          table->routes[u][v][k] = static_cast<int16_t>(link * 2 + (v > u ? 0 : 1));
+          table->routes[u][v][k] =
+              static_cast<int16_t>(link * 2 + (v > u ? 0 : 1));
         }
       }
     }
@@ -58,7 +60,8 @@ struct Harness {
 
 TEST_CASE("ring all_reduce equals the sum, for sizes around the tiles") {
   for (int n : {1, 2, 3, 4}) {
-    for (uint64_t count : {uint64_t{1}, uint64_t{7}, uint64_t{16384 * 4 + 3}, uint64_t{100000}}) {
+    for (uint64_t count : {uint64_t{1}, uint64_t{7}, uint64_t{16384 * 4 + 3},
+                           uint64_t{100000}}) {
       Harness h(n);
       PostedOp op{};
       op.kind = CollectiveKind::kAllReduce;
@@ -68,7 +71,8 @@ TEST_CASE("ring all_reduce equals the sum, for sizes around the tiles") {
       std::vector<std::vector<float>> send(n, std::vector<float>(count)),
           recv(n, std::vector<float>(count, -1));
       for (int r = 0; r < n; ++r)
-        for (uint64_t i = 0; i < count; ++i) send[r][i] = static_cast<float>((r + 1) * (i % 13));
+        for (uint64_t i = 0; i < count; ++i)
+          send[r][i] = static_cast<float>((r + 1) * (i % 13));
       h.Run(op, send, recv);
       const float mean = (n + 1) / 2.0f;
       for (int r = 0; r < n; ++r) {
@@ -80,7 +84,8 @@ TEST_CASE("ring all_reduce equals the sum, for sizes around the tiles") {
       // A ring moves 2 (n - 1) / n of the buffer per rank over links.
       uint64_t link_bytes = 0;
       for (uint32_t l = 0; l < h.table->num_links; ++l) {
-        link_bytes += h.table->links[l].bytes[0].load() + h.table->links[l].bytes[1].load();
+        link_bytes += h.table->links[l].bytes[0].load() +
+                      h.table->links[l].bytes[1].load();
       }
       if (n > 1) CHECK(link_bytes > 0);
     }
@@ -99,7 +104,8 @@ TEST_CASE("reduce_scatter and all_gather put blocks where they belong") {
   std::vector<std::vector<float>> send(n, std::vector<float>(n * count)),
       recv(n, std::vector<float>(count));
   for (int r = 0; r < n; ++r)
-    for (uint64_t i = 0; i < n * count; ++i) send[r][i] = static_cast<float>(i % 1000 + r);
+    for (uint64_t i = 0; i < n * count; ++i)
+      send[r][i] = static_cast<float>(i % 1000 + r);
   h.Run(rs, send, recv);
   for (int r = 0; r < n; ++r) {
     for (uint64_t i = 0; i < count; i += 311) {
@@ -114,11 +120,13 @@ TEST_CASE("reduce_scatter and all_gather put blocks where they belong") {
   std::vector<std::vector<float>> in(n, std::vector<float>(count)),
       out(n, std::vector<float>(n * count));
   for (int r = 0; r < n; ++r)
-    for (uint64_t i = 0; i < count; ++i) in[r][i] = static_cast<float>(r * 100000 + i);
+    for (uint64_t i = 0; i < count; ++i)
+      in[r][i] = static_cast<float>(r * 100000 + i);
   h.Run(ag, in, out);
   for (int r = 0; r < n; ++r)
     for (int q = 0; q < n; ++q)
-      for (uint64_t i = 0; i < count; i += 401) CHECK(out[r][q * count + i] == in[q][i]);
+      for (uint64_t i = 0; i < count; i += 401)
+        CHECK(out[r][q * count + i] == in[q][i]);
 }
 
 TEST_CASE("broadcast and reduce from a root in the middle of the ring") {
@@ -129,7 +137,8 @@ TEST_CASE("broadcast and reduce from a root in the middle of the ring") {
   b.dtype = kFloat32;
   b.count = 5;
   b.peer = 2;
-  std::vector<std::vector<float>> send(n, std::vector<float>(5)), recv(n, std::vector<float>(5));
+  std::vector<std::vector<float>> send(n, std::vector<float>(5)),
+      recv(n, std::vector<float>(5));
   for (int i = 0; i < 5; ++i) send[2][i] = static_cast<float>(i + 1);
   h.Run(b, send, recv);
   for (int r = 0; r < n; ++r) CHECK(recv[r] == send[2]);
@@ -137,7 +146,8 @@ TEST_CASE("broadcast and reduce from a root in the middle of the ring") {
   red.kind = CollectiveKind::kReduce;
   red.reduce = ReduceOp::kMax;
   for (int r = 0; r < n; ++r)
-    for (int i = 0; i < 5; ++i) send[r][i] = static_cast<float>(r * (i % 2 ? 1 : -1));
+    for (int i = 0; i < 5; ++i)
+      send[r][i] = static_cast<float>(r * (i % 2 ? 1 : -1));
   std::vector<std::vector<float>> out(n, std::vector<float>(5, 7));
   h.Run(red, send, out);
   CHECK(out[2] == std::vector<float>{0, 3, 0, 3, 0});
@@ -160,7 +170,8 @@ TEST_CASE("large operations split over threads give the same result") {
     std::vector<std::vector<float>> send(n, std::vector<float>(count)),
         recv(n, std::vector<float>(count, -1));
     for (int r = 0; r < n; ++r)
-      for (uint64_t i = 0; i < count; ++i) send[r][i] = static_cast<float>(r + 1 + (i % 7));
+      for (uint64_t i = 0; i < count; ++i)
+        send[r][i] = static_cast<float>(r + 1 + (i % 7));
     h.Run(op, send, recv);
     for (int r = 0; r < n; ++r) {
       if (kind == CollectiveKind::kReduce && r != 1) continue;
@@ -181,11 +192,13 @@ TEST_CASE("large operations split over threads give the same result") {
   std::vector<std::vector<float>> in(n, std::vector<float>(count)),
       out(n, std::vector<float>(n * count));
   for (int r = 0; r < n; ++r)
-    for (uint64_t i = 0; i < count; ++i) in[r][i] = static_cast<float>(r * 3 + i % 11);
+    for (uint64_t i = 0; i < count; ++i)
+      in[r][i] = static_cast<float>(r * 3 + i % 11);
   h.Run(ag, in, out);
   for (int r = 0; r < n; ++r)
     for (int q = 0; q < n; ++q)
-      for (uint64_t i = 0; i < count; i += 8191) CHECK(out[r][q * count + i] == in[q][i]);
+      for (uint64_t i = 0; i < count; i += 8191)
+        CHECK(out[r][q * count + i] == in[q][i]);
 }
 
 }  // namespace

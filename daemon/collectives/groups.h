@@ -29,8 +29,8 @@ namespace tpud {
 // Bytes the buffers of one op span on its rank (send, recv), for the
 // communicator's size `n`; INVALID_ARGUMENT on overflow or absurd counts.
 absl::Status BufferBytes(const PostedOp& op, const int64_t* send_counts,
-                         const int64_t* recv_counts, int n, int rank, uint64_t* send_bytes,
-                         uint64_t* recv_bytes);
+                         const int64_t* recv_counts, int n, int rank,
+                         uint64_t* send_bytes, uint64_t* recv_bytes);
 
 // What a rank can get wrong on its own in `group`, on a communicator of `n`
 // ranks: INVALID_ARGUMENT naming it (a root or peer that is no rank, a
@@ -40,14 +40,16 @@ absl::Status BufferBytes(const PostedOp& op, const int64_t* send_counts,
 absl::Status CheckOwnGroup(const tpu::DecodedCollective& group, int n);
 
 // INVALID_ARGUMENT when `rank` has collective group `index` posted already.
-absl::Status CheckNotIssuedTwice(const CommSlot& comm, int rank, uint64_t index);
+absl::Status CheckNotIssuedTwice(const CommSlot& comm, int rank,
+                                 uint64_t index);
 
 // Writes `group` into `slot` (a free one) and marks it posted, for record
 // `sequence` of ring `ring`, at `posted_ns`. A group that failed
 // CheckOwnGroup is posted with that error (`invalid`), so that its peers
 // fail at once naming this rank.
-void WriteGroup(const tpu::DecodedCollective& group, uint32_t ring, uint64_t sequence,
-               uint64_t posted_ns, const absl::Status& invalid, GroupSlot* slot);
+void WriteGroup(const tpu::DecodedCollective& group, uint32_t ring,
+                uint64_t sequence, uint64_t posted_ns,
+                const absl::Status& invalid, GroupSlot* slot);
 
 // Calls f(begin, end) for every device range `rank`'s group `g` writes.
 void ForEachOutput(const GroupSlot& g, int size, int rank,
@@ -72,15 +74,18 @@ absl::Status CheckGroupsAgree(const CommSlot& comm, const std::vector<int>& at,
 // that has no partner yet and whose partner is posted: op ib of the peer's
 // slot kb, the same pair index in the opposite direction. `run` marks both
 // done.
-void MatchPointToPoint(CommSlot* comm, int rank, int ka,
-                       absl::FunctionRef<void(int ka, int ia, int peer, int kb, int ib)> run);
+void MatchPointToPoint(
+    CommSlot* comm, int rank, int ka,
+    absl::FunctionRef<void(int ka, int ia, int peer, int kb, int ib)> run);
 
 // Calls f(rank, slot) for every posted point-to-point group whose
 // operations are all done.
-void ForEachCompletedPointToPoint(const CommSlot& comm, absl::FunctionRef<void(int, int)> f);
+void ForEachCompletedPointToPoint(const CommSlot& comm,
+                                  absl::FunctionRef<void(int, int)> f);
 
 // OK when a send and the recv it met agree (dtype, count) and fit a chip.
-absl::Status CheckPair(const PostedOp& send, const PostedOp& recv, int sender, int receiver);
+absl::Status CheckPair(const PostedOp& send, const PostedOp& recv, int sender,
+                       int receiver);
 
 // ---- messages ----
 
@@ -90,7 +95,8 @@ std::string DescribeOp(const PostedOp& op);
 std::string MemberName(const CommSlot& comm, int rank);
 // Why `rank`'s group in `slot` timed out, naming the ranks that never took
 // part.
-std::string TimeoutMessage(const CommSlot& comm, int rank, const GroupSlot& slot);
+std::string TimeoutMessage(const CommSlot& comm, int rank,
+                           const GroupSlot& slot);
 
 }  // namespace tpud
 

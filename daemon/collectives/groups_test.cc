@@ -16,7 +16,8 @@ using tpu::ReduceOp;
 
 constexpr int8_t kFloat32 = tpu::Code(tpu::DType::kFloat);
 
-tpu::CollectiveEntry Entry(CollectiveKind kind, uint64_t count, int32_t peer = 0) {
+tpu::CollectiveEntry Entry(CollectiveKind kind, uint64_t count,
+                           int32_t peer = 0) {
   tpu::CollectiveEntry e;
   e.kind = kind;
   e.dtype = kFloat32;
@@ -40,7 +41,8 @@ struct Comm {
   }
   // Posts `group` as rank r's slot k.
   void Post(int r, int k, const tpu::DecodedCollective& group) {
-    WriteGroup(group, 0, 1, 0, CheckOwnGroup(group, static_cast<int>(comm.size)),
+    WriteGroup(group, 0, 1, 0,
+               CheckOwnGroup(group, static_cast<int>(comm.size)),
                &comm.slots[r][k]);
   }
 };
@@ -68,16 +70,20 @@ TEST_CASE("a rank's own mistakes are named") {
   g.ops = {Entry(CollectiveKind::kBroadcast, 4, 5)};
   CHECK(CheckOwnGroup(g, 4).message() ==
         "broadcast root 5 is not a rank of this communicator of 4 ranks");
-  g.ops = {Entry(CollectiveKind::kAllReduce, 4), Entry(CollectiveKind::kSend, 4, 1)};
+  g.ops = {Entry(CollectiveKind::kAllReduce, 4),
+           Entry(CollectiveKind::kSend, 4, 1)};
   CHECK(CheckOwnGroup(g, 4).message() ==
-        "a group mixes point-to-point operations with collectives; group them separately");
+        "a group mixes point-to-point operations with collectives; group them "
+        "separately");
   g.ops = {Entry(CollectiveKind::kAllReduce, 4)};
   CHECK(CheckOwnGroup(g, 4).ok());
   g.index = 0;
-  CHECK(CheckOwnGroup(g, 4).message() == "a collective group without an index (it starts at 1)");
+  CHECK(CheckOwnGroup(g, 4).message() ==
+        "a collective group without an index (it starts at 1)");
 }
 
-TEST_CASE("collectives meet when every rank posted the same index, and must agree") {
+TEST_CASE(
+    "collectives meet when every rank posted the same index, and must agree") {
   Comm c(2);
   tpu::DecodedCollective g;
   g.index = 1;
@@ -92,7 +98,8 @@ TEST_CASE("collectives meet when every rank posted the same index, and must agre
   REQUIRE(FindMetGroups(c.comm, 1, &at));
   CHECK(at == std::vector<int>{0, 3});
   CHECK(CheckGroupsAgree(c.comm, at, "collective #1").message() ==
-        "collective #1 does not match across ranks: rank 0 calls all_reduce(sum, float32, 4 "
+        "collective #1 does not match across ranks: rank 0 calls "
+        "all_reduce(sum, float32, 4 "
         "elements), rank 1 calls all_reduce(sum, float32, 8 elements)");
 }
 
@@ -112,19 +119,22 @@ TEST_CASE("sends pair with receives of the same pair index") {
   MatchPointToPoint(&c.comm, 0, 0, run);
   CHECK(calls == 0);
   CHECK(TimeoutMessage(c.comm, 0, c.comm.slots[0][0]) ==
-        "point-to-point operations of rank 0 timed out after 3 s on communicator 7: waiting "
+        "point-to-point operations of rank 0 timed out after 3 s on "
+        "communicator 7: waiting "
         "for rank 1 (pid 101, chip 1), which did not take part");
   c.Post(1, 2, recv);
   rank = 1;
   MatchPointToPoint(&c.comm, 1, 2, run);
   CHECK(calls == 1);
   std::vector<std::pair<int, int>> done;
-  ForEachCompletedPointToPoint(c.comm, [&](int r, int k) { done.emplace_back(r, k); });
+  ForEachCompletedPointToPoint(c.comm,
+                               [&](int r, int k) { done.emplace_back(r, k); });
   CHECK(done == std::vector<std::pair<int, int>>{{0, 0}, {1, 2}});
   PostedOp wide = c.comm.slots[1][2].ops[0];
   wide.dtype = tpu::Code(tpu::DType::kDouble);
   CHECK(CheckPair(c.comm.slots[0][0].ops[0], wide, 0, 1).message() ==
-        "send/recv #1 from rank 0 to rank 1 does not match: the sender sends 4 float32 "
+        "send/recv #1 from rank 0 to rank 1 does not match: the sender sends 4 "
+        "float32 "
         "elements, the receiver expects 4 float64");
 }
 

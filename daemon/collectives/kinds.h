@@ -15,14 +15,17 @@ constexpr bool IsP2P(tpu::CollectiveKind k) {
 
 // Kinds that combine the ranks' values with a ReduceOp.
 constexpr bool Reduces(tpu::CollectiveKind k) {
-  return k == tpu::CollectiveKind::kAllReduce || k == tpu::CollectiveKind::kReduce ||
+  return k == tpu::CollectiveKind::kAllReduce ||
+         k == tpu::CollectiveKind::kReduce ||
          k == tpu::CollectiveKind::kReduceScatter;
 }
 
 // Kinds whose data starts or ends at one rank, the root (the entry's peer).
 constexpr bool Rooted(tpu::CollectiveKind k) {
-  return k == tpu::CollectiveKind::kBroadcast || k == tpu::CollectiveKind::kReduce ||
-         k == tpu::CollectiveKind::kGather || k == tpu::CollectiveKind::kScatter;
+  return k == tpu::CollectiveKind::kBroadcast ||
+         k == tpu::CollectiveKind::kReduce ||
+         k == tpu::CollectiveKind::kGather ||
+         k == tpu::CollectiveKind::kScatter;
 }
 
 }  // namespace tpud

@@ -24,12 +24,14 @@ T Apply(ReduceOp op, T a, T b) {
     case ReduceOp::kMin:
       // NaN propagates, as torch's minimum does.
       if constexpr (std::is_floating_point_v<T>) {
-        if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<T>::quiet_NaN();
+        if (std::isnan(a) || std::isnan(b))
+          return std::numeric_limits<T>::quiet_NaN();
       }
       return b < a ? b : a;
     case ReduceOp::kMax:
       if constexpr (std::is_floating_point_v<T>) {
-        if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<T>::quiet_NaN();
+        if (std::isnan(a) || std::isnan(b))
+          return std::numeric_limits<T>::quiet_NaN();
       }
       return a < b ? b : a;
   }
@@ -68,7 +70,8 @@ template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
 void ReduceHalfLike(ReduceOp op, char* dst, const char* src, uint64_t count) {
   auto* d = reinterpret_cast<uint16_t*>(dst);
   const auto* s = reinterpret_cast<const uint16_t*>(src);
-  for (uint64_t i = 0; i < count; ++i) d[i] = FromFloat(Apply(op, ToFloat(d[i]), ToFloat(s[i])));
+  for (uint64_t i = 0; i < count; ++i)
+    d[i] = FromFloat(Apply(op, ToFloat(d[i]), ToFloat(s[i])));
 }
 
 void ReduceBool(ReduceOp op, char* dst, const char* src, uint64_t count) {
@@ -77,22 +80,34 @@ void ReduceBool(ReduceOp op, char* dst, const char* src, uint64_t count) {
   const auto* s = reinterpret_cast<const uint8_t*>(src);
   const bool any = op == ReduceOp::kSum || op == ReduceOp::kMax;
   for (uint64_t i = 0; i < count; ++i) {
-    d[i] = any ? static_cast<uint8_t>((d[i] | s[i]) != 0) : static_cast<uint8_t>(d[i] && s[i]);
+    d[i] = any ? static_cast<uint8_t>((d[i] | s[i]) != 0)
+               : static_cast<uint8_t>(d[i] && s[i]);
   }
 }
 
 template <typename T>
 void DivideTyped(char* dst, uint64_t count, uint64_t n) {
   T* d = reinterpret_cast<T*>(dst);
-  for (uint64_t i = 0; i < count; ++i) d[i] = static_cast<T>(d[i] / static_cast<T>(n));
+  for (uint64_t i = 0; i < count; ++i)
+    d[i] = static_cast<T>(d[i] / static_cast<T>(n));
 }
 
 }  // namespace
 
 absl::Status CheckReducible(DType dtype, ReduceOp op) {
   switch (dtype) {
-    case DType::kUInt8: case DType::kInt8: case DType::kInt16: case DType::kInt32: case DType::kInt64: case DType::kHalf: case DType::kFloat:
-    case DType::kDouble: case DType::kBFloat16: case DType::kUInt16: case DType::kUInt32: case DType::kUInt64:
+    case DType::kUInt8:
+    case DType::kInt8:
+    case DType::kInt16:
+    case DType::kInt32:
+    case DType::kInt64:
+    case DType::kHalf:
+    case DType::kFloat:
+    case DType::kDouble:
+    case DType::kBFloat16:
+    case DType::kUInt16:
+    case DType::kUInt32:
+    case DType::kUInt64:
       return absl::OkStatus();
     case DType::kBool:
       if (op == ReduceOp::kAvg) {
@@ -108,55 +123,89 @@ absl::Status CheckReducible(DType dtype, ReduceOp op) {
       }
       return absl::OkStatus();
     default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "reductions of ", tpu::DTypeName(dtype),
-          " tensors are not supported (gather, broadcast and all_to_all move them)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("reductions of ", tpu::DTypeName(dtype),
+                       " tensors are not supported (gather, broadcast and "
+                       "all_to_all move them)"));
   }
 }
 
-void ReduceInto(DType dtype, ReduceOp op, char* dst, const char* src, uint64_t count) {
+void ReduceInto(DType dtype, ReduceOp op, char* dst, const char* src,
+                uint64_t count) {
   switch (dtype) {
-    case DType::kUInt8: return ReduceTyped<uint8_t>(op, dst, src, count);
-    case DType::kInt8: return ReduceTyped<int8_t>(op, dst, src, count);
-    case DType::kInt16: return ReduceTyped<int16_t>(op, dst, src, count);
-    case DType::kInt32: return ReduceTyped<int32_t>(op, dst, src, count);
-    case DType::kInt64: return ReduceTyped<int64_t>(op, dst, src, count);
-    case DType::kUInt16: return ReduceTyped<uint16_t>(op, dst, src, count);
-    case DType::kUInt32: return ReduceTyped<uint32_t>(op, dst, src, count);
-    case DType::kUInt64: return ReduceTyped<uint64_t>(op, dst, src, count);
-    case DType::kFloat: return ReduceTyped<float>(op, dst, src, count);
-    case DType::kDouble: return ReduceTyped<double>(op, dst, src, count);
-    case DType::kHalf: return ReduceHalfLike<tpu::HalfToFloat, tpu::FloatToHalf>(op, dst, src, count);
-    case DType::kBFloat16: return ReduceHalfLike<tpu::BFloat16ToFloat, tpu::FloatToBFloat16>(op, dst, src, count);
-    case DType::kComplexFloat: return ReduceComplex<float>(op, dst, src, count);
-    case DType::kComplexDouble: return ReduceComplex<double>(op, dst, src, count);
-    case DType::kBool: return ReduceBool(op, dst, src, count);
-    default: return;  // refused by CheckReducible
+    case DType::kUInt8:
+      return ReduceTyped<uint8_t>(op, dst, src, count);
+    case DType::kInt8:
+      return ReduceTyped<int8_t>(op, dst, src, count);
+    case DType::kInt16:
+      return ReduceTyped<int16_t>(op, dst, src, count);
+    case DType::kInt32:
+      return ReduceTyped<int32_t>(op, dst, src, count);
+    case DType::kInt64:
+      return ReduceTyped<int64_t>(op, dst, src, count);
+    case DType::kUInt16:
+      return ReduceTyped<uint16_t>(op, dst, src, count);
+    case DType::kUInt32:
+      return ReduceTyped<uint32_t>(op, dst, src, count);
+    case DType::kUInt64:
+      return ReduceTyped<uint64_t>(op, dst, src, count);
+    case DType::kFloat:
+      return ReduceTyped<float>(op, dst, src, count);
+    case DType::kDouble:
+      return ReduceTyped<double>(op, dst, src, count);
+    case DType::kHalf:
+      return ReduceHalfLike<tpu::HalfToFloat, tpu::FloatToHalf>(op, dst, src,
+                                                                count);
+    case DType::kBFloat16:
+      return ReduceHalfLike<tpu::BFloat16ToFloat, tpu::FloatToBFloat16>(
+          op, dst, src, count);
+    case DType::kComplexFloat:
+      return ReduceComplex<float>(op, dst, src, count);
+    case DType::kComplexDouble:
+      return ReduceComplex<double>(op, dst, src, count);
+    case DType::kBool:
+      return ReduceBool(op, dst, src, count);
+    default:
+      return;  // refused by CheckReducible
   }
 }
 
 void DivideBy(DType dtype, char* dst, uint64_t count, uint64_t n) {
   switch (dtype) {
-    case DType::kUInt8: return DivideTyped<uint8_t>(dst, count, n);
-    case DType::kInt8: return DivideTyped<int8_t>(dst, count, n);
-    case DType::kInt16: return DivideTyped<int16_t>(dst, count, n);
-    case DType::kInt32: return DivideTyped<int32_t>(dst, count, n);
-    case DType::kInt64: return DivideTyped<int64_t>(dst, count, n);
-    case DType::kUInt16: return DivideTyped<uint16_t>(dst, count, n);
-    case DType::kUInt32: return DivideTyped<uint32_t>(dst, count, n);
-    case DType::kUInt64: return DivideTyped<uint64_t>(dst, count, n);
-    case DType::kFloat: return DivideTyped<float>(dst, count, n);
-    case DType::kDouble: return DivideTyped<double>(dst, count, n);
-    case DType::kComplexFloat: return DivideTyped<std::complex<float>>(dst, count, n);
-    case DType::kComplexDouble: return DivideTyped<std::complex<double>>(dst, count, n);
+    case DType::kUInt8:
+      return DivideTyped<uint8_t>(dst, count, n);
+    case DType::kInt8:
+      return DivideTyped<int8_t>(dst, count, n);
+    case DType::kInt16:
+      return DivideTyped<int16_t>(dst, count, n);
+    case DType::kInt32:
+      return DivideTyped<int32_t>(dst, count, n);
+    case DType::kInt64:
+      return DivideTyped<int64_t>(dst, count, n);
+    case DType::kUInt16:
+      return DivideTyped<uint16_t>(dst, count, n);
+    case DType::kUInt32:
+      return DivideTyped<uint32_t>(dst, count, n);
+    case DType::kUInt64:
+      return DivideTyped<uint64_t>(dst, count, n);
+    case DType::kFloat:
+      return DivideTyped<float>(dst, count, n);
+    case DType::kDouble:
+      return DivideTyped<double>(dst, count, n);
+    case DType::kComplexFloat:
+      return DivideTyped<std::complex<float>>(dst, count, n);
+    case DType::kComplexDouble:
+      return DivideTyped<std::complex<double>>(dst, count, n);
     case DType::kHalf: {
       auto* d = reinterpret_cast<uint16_t*>(dst);
-      for (uint64_t i = 0; i < count; ++i) d[i] = tpu::FloatToHalf(tpu::HalfToFloat(d[i]) / n);
+      for (uint64_t i = 0; i < count; ++i)
+        d[i] = tpu::FloatToHalf(tpu::HalfToFloat(d[i]) / n);
       return;
     }
     case DType::kBFloat16: {
       auto* d = reinterpret_cast<uint16_t*>(dst);
-      for (uint64_t i = 0; i < count; ++i) d[i] = tpu::FloatToBFloat16(tpu::BFloat16ToFloat(d[i]) / n);
+      for (uint64_t i = 0; i < count; ++i)
+        d[i] = tpu::FloatToBFloat16(tpu::BFloat16ToFloat(d[i]) / n);
       return;
     }
     default:

@@ -19,7 +19,8 @@ absl::Status CheckReducible(tpu::DType dtype, tpu::ReduceOp op);
 
 // dst[i] = dst[i] op src[i] for i < count (avg adds; DivideBy finishes it).
 // REQUIRES: CheckReducible(dtype, op) is OK (otherwise nothing is written).
-void ReduceInto(tpu::DType dtype, tpu::ReduceOp op, char* dst, const char* src, uint64_t count);
+void ReduceInto(tpu::DType dtype, tpu::ReduceOp op, char* dst, const char* src,
+                uint64_t count);
 
 // dst[i] /= n for i < count: the last step of avg.
 void DivideBy(tpu::DType dtype, char* dst, uint64_t count, uint64_t n);

@@ -16,7 +16,8 @@ TEST_CASE("ReduceInto per dtype and op") {
     std::vector<float> a{1, -2, 3}, b{4, 5, -6};
     auto run = [&](ReduceOp op) {
       std::vector<float> d = a;
-      ReduceInto(DType::kFloat, op, reinterpret_cast<char*>(d.data()), reinterpret_cast<char*>(b.data()), 3);
+      ReduceInto(DType::kFloat, op, reinterpret_cast<char*>(d.data()),
+                 reinterpret_cast<char*>(b.data()), 3);
       return d;
     };
     CHECK(run(ReduceOp::kSum) == std::vector<float>{5, 3, -3});
@@ -39,7 +40,8 @@ TEST_CASE("ReduceInto per dtype and op") {
     // 1.0 and 2^-8: the exact sum 1.00390625 lies halfway between bf16
     // neighbours 1.0 and 1.0078125; ties go to the even one (1.0).
     std::vector<uint16_t> a{0x3f80}, b{0x3b80};
-    ReduceInto(DType::kBFloat16, ReduceOp::kSum, reinterpret_cast<char*>(a.data()),
+    ReduceInto(DType::kBFloat16, ReduceOp::kSum,
+               reinterpret_cast<char*>(a.data()),
                reinterpret_cast<char*>(b.data()), 1);
     CHECK(a[0] == 0x3f80);
   }
@@ -57,20 +59,25 @@ TEST_CASE("ReduceInto per dtype and op") {
                reinterpret_cast<char*>(b.data()), 3);
     CHECK(d == std::vector<uint8_t>{1, 1, 1});
     d = a;
-    ReduceInto(DType::kBool, ReduceOp::kProduct, reinterpret_cast<char*>(d.data()),
+    ReduceInto(DType::kBool, ReduceOp::kProduct,
+               reinterpret_cast<char*>(d.data()),
                reinterpret_cast<char*>(b.data()), 3);
     CHECK(d == std::vector<uint8_t>{0, 0, 1});
   }
   SECTION("what cannot be reduced is refused") {
-    CHECK(!CheckReducible(DType::kComplexFloat, ReduceOp::kMax).ok());  // complex64 has no order
+    CHECK(!CheckReducible(DType::kComplexFloat, ReduceOp::kMax)
+               .ok());  // complex64 has no order
     CHECK(CheckReducible(DType::kComplexFloat, ReduceOp::kSum).ok());
-    CHECK(!CheckReducible(DType::kFloat8E4M3FN, ReduceOp::kSum).ok());  // float8
-    CHECK(!CheckReducible(DType::kBool, ReduceOp::kAvg).ok());  // bool
+    CHECK(
+        !CheckReducible(DType::kFloat8E4M3FN, ReduceOp::kSum).ok());  // float8
+    CHECK(!CheckReducible(DType::kBool, ReduceOp::kAvg).ok());        // bool
     CHECK(CheckReducible(DType::kHalf, ReduceOp::kAvg).ok());
-    CHECK(CheckReducible(DType::kComplexDouble, ReduceOp::kMin).message() ==
-          "min cannot reduce complex128 tensors (complex numbers have no order)");
+    CHECK(
+        CheckReducible(DType::kComplexDouble, ReduceOp::kMin).message() ==
+        "min cannot reduce complex128 tensors (complex numbers have no order)");
     CHECK(CheckReducible(DType::kFloat8E5M2, ReduceOp::kSum).message() ==
-          "reductions of float8_e5m2 tensors are not supported (gather, broadcast and "
+          "reductions of float8_e5m2 tensors are not supported (gather, "
+          "broadcast and "
           "all_to_all move them)");
   }
 }

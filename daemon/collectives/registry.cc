@@ -1,13 +1,13 @@
 #include "daemon/collectives/registry.h"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <deque>
 #include <functional>
 #include <new>
-
-#include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -46,7 +46,8 @@ std::vector<int> HostRing(const Topology& t) {
 
 }  // namespace
 
-CommunicatorRegistry::CommunicatorRegistry(CollectiveTable* table, const Topology& topology,
+CommunicatorRegistry::CommunicatorRegistry(CollectiveTable* table,
+                                           const Topology& topology,
                                            std::vector<int> executor_of_chip,
                                            std::vector<int> wake_fds)
     : table_(table),
@@ -62,7 +63,9 @@ CommunicatorRegistry::CommunicatorRegistry(CollectiveTable* table, const Topolog
     for (const IciLink& l : topology.Links(c)) {
       const int a = std::min(c, l.peer), b = std::max(c, l.peer);
       const auto key = std::make_tuple(a, b, l.axis);
-      if (link_id.count(key) != 0 || static_cast<int>(link_id.size()) >= kMaxIciLinks) continue;
+      if (link_id.count(key) != 0 ||
+          static_cast<int>(link_id.size()) >= kMaxIciLinks)
+        continue;
       const int id = static_cast<int>(link_id.size());
       link_id[key] = id;
       LinkCounter& lc = table_->links[id];
@@ -91,7 +94,8 @@ CommunicatorRegistry::CommunicatorRegistry(CollectiveTable* table, const Topolog
         seen[l.peer] = true;
         prev[l.peer] = c;
         const int a = std::min(c, l.peer), b = std::max(c, l.peer);
-        via[l.peer] = link_id[std::make_tuple(a, b, l.axis)] * 2 + (c == a ? 0 : 1);
+        via[l.peer] =
+            link_id[std::make_tuple(a, b, l.axis)] * 2 + (c == a ? 0 : 1);
         q.push_back(l.peer);
       }
     }
@@ -101,27 +105,31 @@ CommunicatorRegistry::CommunicatorRegistry(CollectiveTable* table, const Topolog
         hops.push_back(static_cast<int16_t>(via[c]));
       }
       std::reverse(hops.begin(), hops.end());
-      for (size_t k = 0; k < hops.size() && k < static_cast<size_t>(kMaxRouteLinks); ++k) {
+      for (size_t k = 0;
+           k < hops.size() && k < static_cast<size_t>(kMaxRouteLinks); ++k) {
         table_->routes[u][v][k] = hops[k];
       }
     }
   }
   host_ring_ = HostRing(topology);
   ring_position_.assign(topology.num_chips(), 0);
-  for (size_t i = 0; i < host_ring_.size(); ++i) ring_position_[host_ring_[i]] = static_cast<int>(i);
+  for (size_t i = 0; i < host_ring_.size(); ++i)
+    ring_position_[host_ring_[i]] = static_cast<int>(i);
 }
 
 absl::StatusOr<uint64_t> CommunicatorRegistry::Join(const JoinRequest& req) {
   if (req.size < 1 || req.size > kMaxCommRanks) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a communicator has 1 to ", kMaxCommRanks, " ranks on one host, not ", req.size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a communicator has 1 to ", kMaxCommRanks,
+                     " ranks on one host, not ", req.size));
   }
   if (req.rank < 0 || req.rank >= req.size) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", req.rank, " is not in [0, ", req.size, ")"));
   }
   if (req.chip < 0 || req.chip >= static_cast<int>(table_->num_chips)) {
-    return absl::InvalidArgumentError(absl::StrCat("no chip ", req.chip, " on this host"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("no chip ", req.chip, " on this host"));
   }
   if (req.key.empty() || req.key.size() > 256) {
     return absl::InvalidArgumentError("a communicator key is 1 to 256 bytes");
@@ -142,24 +150,26 @@ absl::StatusOr<uint64_t> CommunicatorRegistry::Join(const JoinRequest& req) {
   };
   if (!f.error.empty()) return absl::FailedPreconditionError(f.error);
   if (f.id != 0) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("communicator ", req.key, " has already formed; use a fresh key"));
+    return absl::AlreadyExistsError(absl::StrCat(
+        "communicator ", req.key, " has already formed; use a fresh key"));
   }
   if (f.size != req.size) {
-    return fail_all(absl::StrCat("ranks disagree on the size of communicator ", req.key,
-                                 ": rank ", req.rank, " says ", req.size, ", others said ",
-                                 f.size));
+    return fail_all(absl::StrCat("ranks disagree on the size of communicator ",
+                                 req.key, ": rank ", req.rank, " says ",
+                                 req.size, ", others said ", f.size));
   }
   if (f.joined[req.rank]) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("rank ", req.rank, " of communicator ", req.key, " has already joined"));
+    return absl::AlreadyExistsError(absl::StrCat("rank ", req.rank,
+                                                 " of communicator ", req.key,
+                                                 " has already joined"));
   }
   for (int r = 0; r < f.size; ++r) {
     if (f.joined[r] && f.members[r].session_id == req.session_id &&
         f.members[r].chip == req.chip) {
-      return fail_all(absl::StrCat("ranks ", r, " and ", req.rank, " of communicator ", req.key,
-                                   " are the same chip ", req.chip,
-                                   " of one session; a session has one rank per chip"));
+      return fail_all(
+          absl::StrCat("ranks ", r, " and ", req.rank, " of communicator ",
+                       req.key, " are the same chip ", req.chip,
+                       " of one session; a session has one rank per chip"));
     }
   }
   f.joined[req.rank] = true;
@@ -180,33 +190,38 @@ absl::StatusOr<uint64_t> CommunicatorRegistry::Join(const JoinRequest& req) {
       }
     }
     if (index < 0) {
-      return fail_all(absl::StrCat("this host has no free communicator slot (", kMaxCommunicators,
-                                   " in use); destroy process groups that are done"));
+      return fail_all(absl::StrCat(
+          "this host has no free communicator slot (", kMaxCommunicators,
+          " in use); destroy process groups that are done"));
     }
     CommSlot* c = &table_->comms[index];
     // Zero the header and the slots of the ranks in use (the rest of the
     // slot array stays untouched, unbacked memory).
-    std::memset(static_cast<void*>(c), 0,
-                reinterpret_cast<char*>(&c->slots) - reinterpret_cast<char*>(c));
-    std::memset(static_cast<void*>(&c->slots[0][0]), 0, sizeof(c->slots[0]) * f.size);
+    std::memset(
+        static_cast<void*>(c), 0,
+        reinterpret_cast<char*>(&c->slots) - reinterpret_cast<char*>(c));
+    std::memset(static_cast<void*>(&c->slots[0][0]), 0,
+                sizeof(c->slots[0]) * f.size);
     InitSharedMutex(&c->mu);
     c->size = static_cast<uint32_t>(f.size);
-    c->timeout_ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(f.op_timeout));
+    c->timeout_ns =
+        static_cast<uint64_t>(absl::ToInt64Nanoseconds(f.op_timeout));
     std::vector<int> ring(f.size);
     for (int r = 0; r < f.size; ++r) {
       c->members[r] = f.members[r];
       ring[r] = r;
     }
     std::stable_sort(ring.begin(), ring.end(), [&](int a, int b) {
-      return ring_position_[f.members[a].chip] < ring_position_[f.members[b].chip];
+      return ring_position_[f.members[a].chip] <
+             ring_position_[f.members[b].chip];
     });
     for (int r = 0; r < f.size; ++r) c->ring[r] = ring[r];
     present_[index].assign(f.size, true);
     f.id = (next_serial_++ << 6) | static_cast<uint64_t>(index);
     c->state.store(CommSlot::kReady);
     c->id.store(f.id, std::memory_order_release);
-    spdlog::info("communicator {} formed: {} ranks on chips {} (key {})", f.id, f.size,
-                 absl::StrJoin(ring, ","), req.key);
+    spdlog::info("communicator {} formed: {} ranks on chips {} (key {})", f.id,
+                 f.size, absl::StrJoin(ring, ","), req.key);
     formed_.SignalAll();
   }
   const absl::Time deadline = absl::Now() + req.join_timeout;
@@ -225,7 +240,8 @@ absl::StatusOr<uint64_t> CommunicatorRegistry::Join(const JoinRequest& req) {
     }
     error = absl::StrCat("communicator ", req.key, " did not form within ",
                          absl::FormatDuration(req.join_timeout), ": ranks ",
-                         absl::StrJoin(missing, ", "), " of ", f.size, " never joined");
+                         absl::StrJoin(missing, ", "), " of ", f.size,
+                         " never joined");
     f.error = error;
     formed_.SignalAll();
   }
@@ -234,7 +250,8 @@ absl::StatusOr<uint64_t> CommunicatorRegistry::Join(const JoinRequest& req) {
     forming_.erase(it);
   }
   if (id == 0) {
-    return timed_out ? absl::DeadlineExceededError(error) : absl::FailedPreconditionError(error);
+    return timed_out ? absl::DeadlineExceededError(error)
+                     : absl::FailedPreconditionError(error);
   }
   return id;
 }
@@ -267,7 +284,8 @@ absl::Status CommunicatorRegistry::Leave(uint64_t session_id, uint64_t id) {
     return absl::PermissionDeniedError(
         absl::StrCat("this session is not a member of communicator ", id));
   }
-  if (std::none_of(present_[index].begin(), present_[index].end(), [](bool b) { return b; })) {
+  if (std::none_of(present_[index].begin(), present_[index].end(),
+                   [](bool b) { return b; })) {
     ReleaseLocked(index);
   }
   return absl::OkStatus();
@@ -280,7 +298,8 @@ void CommunicatorRegistry::OnSessionEnd(uint64_t session_id) {
     CommSlot* c = &table_->comms[i];
     std::vector<int> ranks;
     for (uint32_t r = 0; r < c->size; ++r) {
-      if (c->members[r].session_id == session_id) ranks.push_back(static_cast<int>(r));
+      if (c->members[r].session_id == session_id)
+        ranks.push_back(static_cast<int>(r));
     }
     if (ranks.empty()) continue;
     bool others = false;
@@ -290,16 +309,19 @@ void CommunicatorRegistry::OnSessionEnd(uint64_t session_id) {
     if (others) {
       const CommMember& m = c->members[ranks[0]];
       const std::string why = absl::StrCat(
-          ranks.size() == 1 ? "rank " : "ranks ", absl::StrJoin(ranks, ", "), " (pid ", m.pid,
-          ", session ", session_id, ") ended while the communicator was in use; its peers' "
+          ranks.size() == 1 ? "rank " : "ranks ", absl::StrJoin(ranks, ", "),
+          " (pid ", m.pid, ", session ", session_id,
+          ") ended while the communicator was in use; its peers' "
           "operations cannot complete");
       LockShared(&c->mu);
       const bool failed_now = FailCommunicator(c, why, wake_fds_, -1);
       pthread_mutex_unlock(&c->mu);
-      if (failed_now) spdlog::warn("communicator {} failed: {}", c->id.load(), why);
+      if (failed_now)
+        spdlog::warn("communicator {} failed: {}", c->id.load(), why);
     }
     for (int r : ranks) present_[i][r] = false;
-    if (std::none_of(present_[i].begin(), present_[i].end(), [](bool b) { return b; })) {
+    if (std::none_of(present_[i].begin(), present_[i].end(),
+                     [](bool b) { return b; })) {
       ReleaseLocked(i);
     }
   }
@@ -309,7 +331,8 @@ std::vector<LinkStats> CommunicatorRegistry::Links() const {
   std::vector<LinkStats> out;
   for (uint32_t i = 0; i < table_->num_links; ++i) {
     const LinkCounter& l = table_->links[i];
-    out.push_back(LinkStats{l.a, l.b, l.axis, l.bytes[0].load(), l.bytes[1].load()});
+    out.push_back(
+        LinkStats{l.a, l.b, l.axis, l.bytes[0].load(), l.bytes[1].load()});
   }
   return out;
 }
@@ -324,7 +347,8 @@ std::vector<CommunicatorInfo> CommunicatorRegistry::Communicators() const {
     info.id = c.id.load();
     info.size = static_cast<int>(c.size);
     info.failed = c.state.load() == CommSlot::kFailed;
-    if (info.failed) info.failure.assign(c.failure, strnlen(c.failure, sizeof(c.failure)));
+    if (info.failed)
+      info.failure.assign(c.failure, strnlen(c.failure, sizeof(c.failure)));
     for (uint32_t r = 0; r < c.size; ++r) {
       info.chips.push_back(c.members[r].chip);
       info.sessions.push_back(c.members[r].session_id);

@@ -54,9 +54,9 @@ struct CommunicatorInfo {
   int size = 0;
   bool failed = false;
   std::string failure;
-  std::vector<int> chips;      // by rank
+  std::vector<int> chips;  // by rank
   std::vector<uint64_t> sessions;
-  std::vector<int> ring;       // ranks in ring order
+  std::vector<int> ring;  // ranks in ring order
   uint64_t groups_done = 0;
   uint64_t bytes_moved = 0;
 };
@@ -66,14 +66,16 @@ class CommunicatorRegistry {
   // `table` is zeroed shared memory executors map; `executor_of_chip` and
   // `wake_fds` say whom to wake.
   CommunicatorRegistry(CollectiveTable* table, const Topology& topology,
-                       std::vector<int> executor_of_chip, std::vector<int> wake_fds);
+                       std::vector<int> executor_of_chip,
+                       std::vector<int> wake_fds);
 
   // Returns the communicator's id once all ranks joined. INVALID_ARGUMENT
   // for a bad size, rank or chip, or one that disagrees with earlier joiners
   // (the others then fail too); ALREADY_EXISTS for a rank taken twice;
   // DEADLINE_EXCEEDED naming the ranks that never joined;
   // RESOURCE_EXHAUSTED when the host has no free communicator slot.
-  absl::StatusOr<uint64_t> Join(const JoinRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<uint64_t> Join(const JoinRequest& request)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The session's ranks leave; the slot is freed when no member is left.
   absl::Status Leave(uint64_t session_id, uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
   // Fails every communicator with a rank of the session (its peers' pending
@@ -94,7 +96,7 @@ class CommunicatorRegistry {
     std::vector<bool> joined;
     std::vector<CommMember> members;
     absl::Duration op_timeout;
-    uint64_t id = 0;  // set once formed
+    uint64_t id = 0;    // set once formed
     std::string error;  // set if forming failed
     int waiting = 0;
   };

@@ -27,7 +27,9 @@ bool LockShared(pthread_mutex_t* mu) {
 }
 
 void WakeExecutor(const std::vector<int>& wake_fds, int executor, int self) {
-  if (executor < 0 || executor >= static_cast<int>(wake_fds.size()) || executor == self) return;
+  if (executor < 0 || executor >= static_cast<int>(wake_fds.size()) ||
+      executor == self)
+    return;
   const uint64_t one = 1;
   (void)!write(wake_fds[executor], &one, sizeof(one));
 }
@@ -48,8 +50,8 @@ void FinishRankSlot(CommSlot* comm, int rank, int k, const absl::Status& status,
   if (wake) WakeExecutor(wake_fds, comm->members[rank].executor, self);
 }
 
-bool FailCommunicator(CommSlot* comm, const std::string& why, const std::vector<int>& wake_fds,
-                      int self) {
+bool FailCommunicator(CommSlot* comm, const std::string& why,
+                      const std::vector<int>& wake_fds, int self) {
   if (comm->state.load() == CommSlot::kFailed) return false;
   const size_t n = std::min(why.size(), kCommMessageBytes - 1);
   std::memcpy(comm->failure, why.data(), n);
@@ -69,12 +71,13 @@ bool FailCommunicator(CommSlot* comm, const std::string& why, const std::vector<
   return true;
 }
 
-void CountRoute(CollectiveTable* table, const CommSlot* comm, int rank_a, int rank_b,
-                uint64_t bytes) {
+void CountRoute(CollectiveTable* table, const CommSlot* comm, int rank_a,
+                int rank_b, uint64_t bytes) {
   if (bytes == 0) return;
   const int u = comm->members[rank_a].chip;
   const int v = comm->members[rank_b].chip;
-  if (u == v || u < 0 || v < 0 || u >= kMaxTableChips || v >= kMaxTableChips) return;
+  if (u == v || u < 0 || v < 0 || u >= kMaxTableChips || v >= kMaxTableChips)
+    return;
   for (int k = 0; k < kMaxRouteLinks; ++k) {
     const int16_t e = table->routes[u][v][k];
     if (e < 0) break;

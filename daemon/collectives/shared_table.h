@@ -52,7 +52,8 @@ inline constexpr int kMaxIciLinks = 64;
 // Links on the route between two ring neighbours (a few hops at most on a
 // host's torus).
 inline constexpr int kMaxRouteLinks = 8;
-inline constexpr uint64_t kCollectiveTableMagic = 0x314c4f43445550ULL;  // "TPUDCOL1"
+inline constexpr uint64_t kCollectiveTableMagic =
+    0x314c4f43445550ULL;  // "TPUDCOL1"
 inline constexpr size_t kCommMessageBytes = 512;
 
 // One posted operation of a rank.
@@ -65,7 +66,8 @@ struct PostedOp {
   uint64_t count;
   uint64_t send;
   uint64_t recv;
-  uint64_t pair_index;  // point-to-point: the n-th between this pair in this direction
+  uint64_t pair_index;  // point-to-point: the n-th between this pair in this
+                        // direction
 };
 
 // A rank may have a few groups outstanding at once (on different streams:
@@ -76,7 +78,7 @@ struct GroupSlot {
   enum State : uint32_t { kFree = 0, kPosted = 1, kDone = 2 };
   std::atomic<uint32_t> state;
   uint32_t num_ops;
-  uint32_t p2p;  // the group is point-to-point
+  uint32_t p2p;   // the group is point-to-point
   uint32_t ring;  // the poster's ring and record, so a re-post is recognised
   uint64_t record_sequence;
   uint64_t index;  // collectives: the rank's n-th collective group (from 1)
@@ -156,13 +158,15 @@ void WakeExecutor(const std::vector<int>& wake_fds, int executor, int self);
 // Under comm->mu: finishes rank's posted group with `status` (a first
 // error sticks) and, if `wake`, wakes its executor (through wake_fds,
 // unless it is `self`).
-void FinishRankSlot(CommSlot* comm, int rank, int slot, const absl::Status& status,
-                    const std::vector<int>& wake_fds, int self, bool wake = true);
+void FinishRankSlot(CommSlot* comm, int rank, int slot,
+                    const absl::Status& status,
+                    const std::vector<int>& wake_fds, int self,
+                    bool wake = true);
 // Under comm->mu: the communicator fails for good; every posted group
 // finishes with `why`, and every member's executor is woken. Returns false
 // if it had failed already (the first reason stays).
-bool FailCommunicator(CommSlot* comm, const std::string& why, const std::vector<int>& wake_fds,
-                      int self);
+bool FailCommunicator(CommSlot* comm, const std::string& why,
+                      const std::vector<int>& wake_fds, int self);
 
 // Writes `status` (code and message, cut to fit) into the slot.
 void SetSlotMessage(GroupSlot& slot, const absl::Status& status);
@@ -177,8 +181,8 @@ inline CommSlot* CommOf(CollectiveTable* t, uint64_t id) {
 // ---- link traffic ----
 
 // Adds `bytes` to every link on the route from rank a's chip to rank b's.
-void CountRoute(CollectiveTable* table, const CommSlot* comm, int rank_a, int rank_b,
-                uint64_t bytes);
+void CountRoute(CollectiveTable* table, const CommSlot* comm, int rank_a,
+                int rank_b, uint64_t bytes);
 
 }  // namespace tpud
 

@@ -27,7 +27,8 @@ void ConnectionTable::Remove(ConnectionId id) {
   peer_by_id_.erase(it);
 }
 
-std::optional<ConnectionInfo> ConnectionTable::Lookup(absl::string_view grpc_peer) const {
+std::optional<ConnectionInfo> ConnectionTable::Lookup(
+    absl::string_view grpc_peer) const {
   absl::MutexLock lock(&mu_);
   auto it = by_peer_.find(grpc_peer);
   if (it == by_peer_.end()) return std::nullopt;

@@ -38,7 +38,8 @@ std::string HexToken() {
 
 std::string ChipList(const std::vector<int>& chips) {
   std::string out;
-  for (size_t i = 0; i < chips.size(); ++i) absl::StrAppend(&out, i ? ", " : "", chips[i]);
+  for (size_t i = 0; i < chips.size(); ++i)
+    absl::StrAppend(&out, i ? ", " : "", chips[i]);
   return out;
 }
 
@@ -50,17 +51,19 @@ uint64_t SessionSnapshot::total_bytes() const {
   return total;
 }
 
-absl::StatusOr<std::unique_ptr<RuntimeCore>> RuntimeCore::Create(Topology topology,
-                                                                 Options options) {
+absl::StatusOr<std::unique_ptr<RuntimeCore>> RuntimeCore::Create(
+    Topology topology, Options options) {
   if (topology.num_chips() > tpu::kMaxChips) {
     return absl::InvalidArgumentError(absl::StrCat(
         "topology ", topology.name(), " has ", topology.num_chips(),
         " chips; a host serves at most ", tpu::kMaxChips));
   }
   if (topology.hbm_bytes_per_chip() > tpu::kDeviceAddressOffsetMask) {
-    return absl::InvalidArgumentError("HBM per chip too large for device addresses");
+    return absl::InvalidArgumentError(
+        "HBM per chip too large for device addresses");
   }
-  std::unique_ptr<RuntimeCore> core(new RuntimeCore(std::move(topology), options));
+  std::unique_ptr<RuntimeCore> core(
+      new RuntimeCore(std::move(topology), options));
   absl::MutexLock lock(&core->mu_);
   for (int c = 0; c < core->topology_.num_chips(); ++c) {
     auto chip = std::make_unique<Chip>(core->topology_.hbm_bytes_per_chip());
@@ -69,9 +72,10 @@ absl::StatusOr<std::unique_ptr<RuntimeCore>> RuntimeCore::Create(Topology topolo
       if (!arena.ok()) return arena.status();
       chip->arena = *std::move(arena);
       const uint64_t capacity = core->topology_.hbm_bytes_per_chip();
-      absl::StatusOr<SharedMapping> owners = SharedMapping::Create(
-          absl::StrCat("tpud-owners-chip-", c), PageOwnerTable::BytesFor(capacity),
-          /*seal=*/false);
+      absl::StatusOr<SharedMapping> owners =
+          SharedMapping::Create(absl::StrCat("tpud-owners-chip-", c),
+                                PageOwnerTable::BytesFor(capacity),
+                                /*seal=*/false);
       if (!owners.ok()) return owners.status();
       chip->owners_memory = *std::move(owners);
       chip->owners_memory.CloseFd();
@@ -88,12 +92,10 @@ RuntimeCore::RuntimeCore(Topology topology, Options options)
       default_quota_(options.default_quota_bytes_per_chip),
       max_sessions_per_uid_(options.max_sessions_per_uid) {}
 
-absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(ConnectionId connection,
-                                                       const PeerIdentity& peer,
-                                                       uint32_t client_min_version,
-                                                       uint32_t client_max_version,
-                                                       std::string client_name,
-                                                       absl::string_view allocation_token) {
+absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(
+    ConnectionId connection, const PeerIdentity& peer,
+    uint32_t client_min_version, uint32_t client_max_version,
+    std::string client_name, absl::string_view allocation_token) {
   if (client_min_version > client_max_version) {
     return absl::InvalidArgumentError(
         absl::StrCat("protocol version range [", client_min_version, ", ",
@@ -102,10 +104,12 @@ absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(ConnectionId connection,
   uint32_t version = std::min(client_max_version, kMaxProtocolVersion);
   if (version < client_min_version || version < kMinProtocolVersion) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "no common protocol version: this client speaks tpud protocol [", client_min_version,
-        ", ", client_max_version, "], tpud ", kDaemonVersion, " speaks [",
-        kMinProtocolVersion, ", ", kMaxProtocolVersion,
-        "]; install the torch_tpu / libtpuclient built with this tpud, or run the tpud the "
+        "no common protocol version: this client speaks tpud protocol [",
+        client_min_version, ", ", client_max_version, "], tpud ",
+        kDaemonVersion, " speaks [", kMinProtocolVersion, ", ",
+        kMaxProtocolVersion,
+        "]; install the torch_tpu / libtpuclient built with this tpud, or run "
+        "the tpud the "
         "client was built for"));
   }
   if (client_name.size() > 256) client_name.resize(256);
@@ -118,12 +122,16 @@ absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(ConnectionId connection,
   }
   if (max_sessions_per_uid_ != 0) {
     uint32_t held = 0;
-    for (const auto& [id, s] : sessions_) held += s->peer.uid == peer.uid ? 1 : 0;
+    for (const auto& [id, s] : sessions_)
+      held += s->peer.uid == peer.uid ? 1 : 0;
     if (held >= max_sessions_per_uid_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "uid ", peer.uid, " already holds ", held, " tpud sessions, the most one user may "
-          "hold (--max_sessions_per_uid=", max_sessions_per_uid_,
-          "); end some (exit idle processes), or ask an administrator to raise the limit"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("uid ", peer.uid, " already holds ", held,
+                       " tpud sessions, the most one user may "
+                       "hold (--max_sessions_per_uid=",
+                       max_sessions_per_uid_,
+                       "); end some (exit idle processes), or ask an "
+                       "administrator to raise the limit"));
     }
   }
   const Allocation* allocation = nullptr;
@@ -131,8 +139,10 @@ absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(ConnectionId connection,
     auto a = allocations_.find(allocation_token);
     if (a == allocations_.end()) {
       return absl::PermissionDeniedError(
-          "the allocation token given (TPUD_TOKEN) names no allocation of this tpud: it was "
-          "released, or tpud restarted since the device plugin made it; restart the pod to get "
+          "the allocation token given (TPUD_TOKEN) names no allocation of this "
+          "tpud: it was "
+          "released, or tpud restarted since the device plugin made it; "
+          "restart the pod to get "
           "a fresh allocation, or unset TPUD_TOKEN to run without one");
     }
     allocation = &a->second;
@@ -183,7 +193,8 @@ absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(ConnectionId connection,
   return opened;
 }
 
-absl::StatusOr<uint32_t> RuntimeCore::SessionTag(ConnectionId caller, uint64_t session_id) {
+absl::StatusOr<uint32_t> RuntimeCore::SessionTag(ConnectionId caller,
+                                                 uint64_t session_id) {
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Session*> s = FindSessionLocked(caller, session_id);
   if (!s.ok()) return s.status();
@@ -194,9 +205,10 @@ absl::StatusOr<RuntimeCore::Session*> RuntimeCore::FindSessionLocked(
     ConnectionId caller, uint64_t session_id) {
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) {
-    return absl::NotFoundError(absl::StrCat(
-        "no session ", session_id,
-        " (it was never opened, or it ended: closed, killed, or its connection dropped)"));
+    return absl::NotFoundError(
+        absl::StrCat("no session ", session_id,
+                     " (it was never opened, or it ended: closed, killed, or "
+                     "its connection dropped)"));
   }
   if (it->second->connection != caller) {
     return absl::PermissionDeniedError(absl::StrCat(
@@ -212,15 +224,18 @@ uint64_t RuntimeCore::QuotaOn(const Session& s, int chip) {
   return s.quota_bytes_per_chip;
 }
 
-absl::StatusOr<CreatedAllocation> RuntimeCore::CreateAllocation(AllocationSpec spec) {
+absl::StatusOr<CreatedAllocation> RuntimeCore::CreateAllocation(
+    AllocationSpec spec) {
   absl::MutexLock lock(&mu_);
   if (spec.chips.empty()) {
     return absl::InvalidArgumentError("an allocation needs at least one chip");
   }
-  if (!spec.chip_quota_bytes.empty() && spec.chip_quota_bytes.size() != spec.chips.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "an allocation of ", spec.chips.size(), " chips was given ",
-        spec.chip_quota_bytes.size(), " per-chip quotas; give one per chip, or none"));
+  if (!spec.chip_quota_bytes.empty() &&
+      spec.chip_quota_bytes.size() != spec.chips.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("an allocation of ", spec.chips.size(),
+                     " chips was given ", spec.chip_quota_bytes.size(),
+                     " per-chip quotas; give one per chip, or none"));
   }
   std::vector<bool> seen(chips_.size(), false);
   for (int chip : spec.chips) {
@@ -236,9 +251,10 @@ absl::StatusOr<CreatedAllocation> RuntimeCore::CreateAllocation(AllocationSpec s
   a.token = HexToken();
   a.name = std::move(spec.name);
   a.chips = std::move(spec.chips);
-  a.quota_bytes = spec.chip_quota_bytes.empty()
-                      ? std::vector<uint64_t>(a.chips.size(), spec.quota_bytes_per_chip)
-                      : std::move(spec.chip_quota_bytes);
+  a.quota_bytes =
+      spec.chip_quota_bytes.empty()
+          ? std::vector<uint64_t>(a.chips.size(), spec.quota_bytes_per_chip)
+          : std::move(spec.chip_quota_bytes);
   a.created = absl::Now();
   CreatedAllocation created{a.id, a.token};
   allocations_[a.token] = std::move(a);
@@ -249,7 +265,8 @@ absl::Status RuntimeCore::ReleaseAllocation(absl::string_view token) {
   absl::MutexLock lock(&mu_);
   auto it = allocations_.find(token);
   if (it == allocations_.end()) {
-    return absl::NotFoundError("no allocation has this token (already released?)");
+    return absl::NotFoundError(
+        "no allocation has this token (already released?)");
   }
   allocations_.erase(it);
   return absl::OkStatus();
@@ -270,17 +287,18 @@ std::vector<AllocationSnapshot> RuntimeCore::Allocations() const {
     }
     out.push_back(std::move(snap));
   }
-  std::sort(out.begin(), out.end(), [](const AllocationSnapshot& x, const AllocationSnapshot& y) {
-    return x.id < y.id;
-  });
+  std::sort(out.begin(), out.end(),
+            [](const AllocationSnapshot& x, const AllocationSnapshot& y) {
+              return x.id < y.id;
+            });
   return out;
 }
 
 absl::Status RuntimeCore::CheckChipLocked(int chip) const {
   if (chip < 0 || chip >= static_cast<int>(chips_.size())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "no chip ", chip, ": this host (", topology_.name(), ") has chips 0..",
-        chips_.size() - 1));
+    return absl::InvalidArgumentError(
+        absl::StrCat("no chip ", chip, ": this host (", topology_.name(),
+                     ") has chips 0..", chips_.size() - 1));
   }
   return absl::OkStatus();
 }
@@ -299,7 +317,8 @@ void RuntimeCore::UnlistLocked(Session& s, const SegmentGrant& seg) {
   s.segments.erase(seg.address);
   s.bytes_per_chip[seg.chip] -= seg.size;
   if (s.allocation_id != 0) {
-    if (auto u = allocation_usage_.find(s.allocation_id); u != allocation_usage_.end()) {
+    if (auto u = allocation_usage_.find(s.allocation_id);
+        u != allocation_usage_.end()) {
       u->second.held[seg.chip] -= seg.size;
     }
   }
@@ -308,13 +327,15 @@ void RuntimeCore::UnlistLocked(Session& s, const SegmentGrant& seg) {
   if (c.arena != nullptr) c.owners.Clear(seg.offset, seg.size);
 }
 
-void RuntimeCore::ReleaseBlocks(uint32_t tag, const std::vector<SegmentGrant>& blocks) {
+void RuntimeCore::ReleaseBlocks(uint32_t tag,
+                                const std::vector<SegmentGrant>& blocks) {
   if (blocks.empty()) return;
   // No executor may still be inside an op that resolved these pages.
   if (memory_fence_) memory_fence_(tag);
   {
     absl::MutexLock lock(&mu_);
-    for (const SegmentGrant& seg : blocks) FreeBlockLocked(seg.chip, seg.offset);
+    for (const SegmentGrant& seg : blocks)
+      FreeBlockLocked(seg.chip, seg.offset);
   }
   if (release_hook_) {
     for (const SegmentGrant& seg : blocks) release_hook_(seg.address, seg.size);
@@ -331,10 +352,18 @@ absl::StatusOr<ReclaimResult> RuntimeCore::EndSessionById(uint64_t session_id,
     }
     it->second->ending = true;
     switch (reason) {
-      case EndReason::kClosed: ++counts_.closed; break;
-      case EndReason::kDisconnected: ++counts_.disconnected; break;
-      case EndReason::kKilled: ++counts_.killed; break;
-      case EndReason::kFailed: ++counts_.failed; break;
+      case EndReason::kClosed:
+        ++counts_.closed;
+        break;
+      case EndReason::kDisconnected:
+        ++counts_.disconnected;
+        break;
+      case EndReason::kKilled:
+        ++counts_.killed;
+        break;
+      case EndReason::kFailed:
+        ++counts_.failed;
+        break;
     }
   }
   // The data plane marks the session dead and detaches it from the executors.
@@ -379,7 +408,8 @@ absl::StatusOr<uint64_t> RuntimeCore::CloseSession(ConnectionId caller,
     absl::StatusOr<Session*> s = FindSessionLocked(caller, session_id);
     if (!s.ok()) return s.status();
   }
-  absl::StatusOr<ReclaimResult> r = EndSessionById(session_id, EndReason::kClosed);
+  absl::StatusOr<ReclaimResult> r =
+      EndSessionById(session_id, EndReason::kClosed);
   if (!r.ok()) return r.status();
   return r->bytes;
 }
@@ -392,7 +422,8 @@ ReclaimResult RuntimeCore::EndConnection(ConnectionId connection) {
     if (it == session_by_connection_.end()) return {};
     session_id = it->second;
   }
-  absl::StatusOr<ReclaimResult> r = EndSessionById(session_id, EndReason::kDisconnected);
+  absl::StatusOr<ReclaimResult> r =
+      EndSessionById(session_id, EndReason::kDisconnected);
   return r.ok() ? *r : ReclaimResult{};
 }
 
@@ -402,8 +433,8 @@ ReclaimResult RuntimeCore::EndSession(uint64_t session_id, EndReason reason) {
 }
 
 absl::StatusOr<SegmentGrant> RuntimeCore::Allocate(ConnectionId caller,
-                                                   uint64_t session_id, int chip,
-                                                   uint64_t bytes) {
+                                                   uint64_t session_id,
+                                                   int chip, uint64_t bytes) {
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Session*> found = FindSessionLocked(caller, session_id);
   if (!found.ok()) return found.status();
@@ -422,11 +453,13 @@ absl::StatusOr<SegmentGrant> RuntimeCore::AllocateLocked(Session& s, int chip,
     for (size_t i = 0; i < s.chip_allowed.size(); ++i) {
       if (s.chip_allowed[i]) allowed.push_back(static_cast<int>(i));
     }
-    return absl::PermissionDeniedError(absl::StrCat(
-        "chip ", chip, " is not in this session's allocation ", s.allocation_id,
-        " (chips ", ChipList(allowed),
-        "): a session opened with an allocation token (TPUD_TOKEN) may allocate only on its "
-        "chips; use those (TPU_VISIBLE_CHIPS lists them), or request more chips for the pod"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("chip ", chip, " is not in this session's allocation ",
+                     s.allocation_id, " (chips ", ChipList(allowed),
+                     "): a session opened with an allocation token "
+                     "(TPUD_TOKEN) may allocate only on its "
+                     "chips; use those (TPU_VISIBLE_CHIPS lists them), or "
+                     "request more chips for the pod"));
   }
   Chip& c = *chips_[chip];
   if (c.drained) {
@@ -449,7 +482,8 @@ absl::StatusOr<SegmentGrant> RuntimeCore::AllocateLocked(Session& s, int chip,
   // counted either way, as UnlistLocked takes them off.
   AllocationUsage* usage = nullptr;
   if (s.allocation_id != 0) {
-    if (auto u = allocation_usage_.find(s.allocation_id); u != allocation_usage_.end()) {
+    if (auto u = allocation_usage_.find(s.allocation_id);
+        u != allocation_usage_.end()) {
       usage = &u->second;
     }
   }
@@ -457,35 +491,43 @@ absl::StatusOr<SegmentGrant> RuntimeCore::AllocateLocked(Session& s, int chip,
     const uint64_t together = usage->held[chip];
     if (rounded == 0 || together > quota || rounded > quota - together) {
       return absl::ResourceExhaustedError(absl::StrFormat(
-          "HBM quota exceeded on chip %d: asked %s; the sessions of allocation %d hold %s of "
-          "its %s quota (session %d holds %s of it). The quota covers every process of the "
+          "HBM quota exceeded on chip %d: asked %s; the sessions of allocation "
+          "%d hold %s of "
+          "its %s quota (session %d holds %s of it). The quota covers every "
+          "process of the "
           "pod; free memory, or request more chip shares for the pod",
           chip, FormatBytes(bytes), s.allocation_id, FormatBytes(together),
           FormatBytes(quota), session_id, FormatBytes(held)));
     }
-  } else if (quota != 0 && (rounded == 0 || held > quota || rounded > quota - held)) {
+  } else if (quota != 0 &&
+             (rounded == 0 || held > quota || rounded > quota - held)) {
     const std::string from =
         s.allocation_id != 0 && !s.chip_quota.empty()
             ? absl::StrCat(" (set by its allocation ", s.allocation_id,
                            "; a pod gets more by requesting more chip shares)")
             : std::string();
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "HBM quota exceeded on chip %d: asked %s, session %d holds %s of its %s "
-        "quota%s; free memory, or ask an administrator to raise it (tpuctl quota "
-        "%d SIZE)",
-        chip, FormatBytes(bytes), session_id, FormatBytes(held), FormatBytes(quota), from,
-        session_id));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("HBM quota exceeded on chip %d: asked %s, session %d "
+                        "holds %s of its %s "
+                        "quota%s; free memory, or ask an administrator to "
+                        "raise it (tpuctl quota "
+                        "%d SIZE)",
+                        chip, FormatBytes(bytes), session_id, FormatBytes(held),
+                        FormatBytes(quota), from, session_id));
   }
   std::optional<HbmBlock> block = c.allocator.Allocate(bytes, session_id);
   if (!block.has_value()) {
-    std::string quota_text =
-        quota == 0 ? std::string("no quota") : absl::StrCat("quota ", FormatBytes(quota));
+    std::string quota_text = quota == 0
+                                 ? std::string("no quota")
+                                 : absl::StrCat("quota ", FormatBytes(quota));
     return absl::ResourceExhaustedError(absl::StrFormat(
-        "HBM exhausted on chip %d: asked %s, session %d holds %s (%s); chip has "
+        "HBM exhausted on chip %d: asked %s, session %d holds %s (%s); chip "
+        "has "
         "%s in use, free %s of %s (largest free block %s)",
         chip, FormatBytes(bytes), session_id, FormatBytes(held), quota_text,
         FormatBytes(stats.used_bytes), FormatBytes(stats.free_bytes),
-        FormatBytes(stats.capacity_bytes), FormatBytes(stats.largest_free_block)));
+        FormatBytes(stats.capacity_bytes),
+        FormatBytes(stats.largest_free_block)));
   }
   SegmentGrant grant;
   grant.chip = chip;
@@ -504,7 +546,8 @@ absl::StatusOr<SegmentGrant> RuntimeCore::AllocateLocked(Session& s, int chip,
   return grant;
 }
 
-absl::StatusOr<uint64_t> RuntimeCore::Free(ConnectionId caller, uint64_t session_id,
+absl::StatusOr<uint64_t> RuntimeCore::Free(ConnectionId caller,
+                                           uint64_t session_id,
                                            uint64_t address) {
   SegmentGrant seg;
   uint32_t tag = 0;
@@ -608,7 +651,9 @@ std::vector<SessionSnapshot> RuntimeCore::Sessions() const {
   std::vector<SessionSnapshot> out;
   for (const auto& [id, s] : sessions_) out.push_back(SnapshotLocked(*s));
   std::sort(out.begin(), out.end(),
-            [](const SessionSnapshot& a, const SessionSnapshot& b) { return a.id < b.id; });
+            [](const SessionSnapshot& a, const SessionSnapshot& b) {
+              return a.id < b.id;
+            });
   return out;
 }
 
@@ -622,14 +667,16 @@ absl::StatusOr<uint64_t> RuntimeCore::KillSession(uint64_t session_id,
     }
     if (connection != nullptr) *connection = it->second->connection;
   }
-  absl::StatusOr<ReclaimResult> r = EndSessionById(session_id, EndReason::kKilled);
+  absl::StatusOr<ReclaimResult> r =
+      EndSessionById(session_id, EndReason::kKilled);
   if (!r.ok()) return r.status();
   return r->bytes;
 }
 
 char* RuntimeCore::ChipHostBase(int chip) const {
   absl::MutexLock lock(&mu_);
-  if (chip < 0 || chip >= static_cast<int>(chips_.size()) || chips_[chip]->arena == nullptr) {
+  if (chip < 0 || chip >= static_cast<int>(chips_.size()) ||
+      chips_[chip]->arena == nullptr) {
     return nullptr;
   }
   return chips_[chip]->arena->base();
@@ -638,7 +685,8 @@ char* RuntimeCore::ChipHostBase(int chip) const {
 std::pair<char*, uint64_t> RuntimeCore::OwnerTableMemory(int chip) const {
   absl::MutexLock lock(&mu_);
   if (chip < 0 || chip >= static_cast<int>(chips_.size())) return {nullptr, 0};
-  return {chips_[chip]->owners_memory.data(), chips_[chip]->owners_memory.size()};
+  return {chips_[chip]->owners_memory.data(),
+          chips_[chip]->owners_memory.size()};
 }
 
 void RuntimeCore::SetSessionEndHook(std::function<void(uint64_t)> hook) {
@@ -659,29 +707,30 @@ ConnectionId RuntimeCore::ConnectionOf(uint64_t session_id) const {
   return it == sessions_.end() ? 0 : it->second->connection;
 }
 
-absl::StatusOr<uint32_t> RuntimeCore::AttachDataPlane(uint64_t session_id,
-                                                      absl::string_view token,
-                                                      const PeerIdentity& peer) {
+absl::StatusOr<uint32_t> RuntimeCore::AttachDataPlane(
+    uint64_t session_id, absl::string_view token, const PeerIdentity& peer) {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
   // The same answer for "no such session" and "wrong token": a guesser
   // learns nothing about which sessions exist.
   if (it == sessions_.end() || it->second->ending ||
       it->second->data_plane_token.size() != token.size() ||
-      it->second->data_plane_token != token || it->second->peer.uid != peer.uid) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "data-plane attach refused for session ", session_id,
-        ": no such session for this user, or a wrong token"));
+      it->second->data_plane_token != token ||
+      it->second->peer.uid != peer.uid) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("data-plane attach refused for session ", session_id,
+                     ": no such session for this user, or a wrong token"));
   }
   if (it->second->data_plane_attached) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("session ", session_id, " already has a data-plane connection"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session ", session_id, " already has a data-plane connection"));
   }
   it->second->data_plane_attached = true;
   return it->second->tag;
 }
 
-absl::StatusOr<SegmentGrant> RuntimeCore::AllocateForResult(uint64_t session_id, int chip,
+absl::StatusOr<SegmentGrant> RuntimeCore::AllocateForResult(uint64_t session_id,
+                                                            int chip,
                                                             uint64_t bytes) {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);

@@ -2,8 +2,9 @@
 //
 // It owns the chips (HBM arena + allocator, health, drain) and the sessions
 // (identity, quota, segments). The gRPC services only unpack requests and call
-// in here; tests drive it directly. Every call that acts for a session names the
-// connection it arrived on, and a session answers only to its own connection.
+// in here; tests drive it directly. Every call that acts for a session names
+// the connection it arrived on, and a session answers only to its own
+// connection.
 //
 // Thread-safety: all public methods are thread-safe.
 #ifndef TPUD_DAEMON_CORE_RUNTIME_CORE_H_
@@ -136,7 +137,7 @@ class RuntimeCore {
   };
 
   static absl::StatusOr<std::unique_ptr<RuntimeCore>> Create(Topology topology,
-                                                            Options options);
+                                                             Options options);
 
   const Topology& topology() const { return topology_; }
 
@@ -158,28 +159,34 @@ class RuntimeCore {
   // Called, without the lock, with each segment once it went back to the
   // allocator: a backend keeping device memory per segment lets it go
   // (ExecutorPool::Released). Set once, before serving.
-  void SetReleaseHook(std::function<void(uint64_t address, uint64_t bytes)> hook);
+  void SetReleaseHook(
+      std::function<void(uint64_t address, uint64_t bytes)> hook);
 
   // Binds a data-plane connection to its session: the token must match and
   // the peer must be the session's user. Once per session. Returns the
   // session's tag.
-  absl::StatusOr<uint32_t> AttachDataPlane(uint64_t session_id, absl::string_view token,
-                                           const PeerIdentity& peer) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<uint32_t> AttachDataPlane(uint64_t session_id,
+                                           absl::string_view token,
+                                           const PeerIdentity& peer)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Allocates HBM for results the data plane computes for a session (charged
   // to it, quota included): a segment of the session like any other.
-  absl::StatusOr<SegmentGrant> AllocateForResult(uint64_t session_id, int chip, uint64_t bytes)
+  absl::StatusOr<SegmentGrant> AllocateForResult(uint64_t session_id, int chip,
+                                                 uint64_t bytes)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Gives a result segment back (the op that wanted it failed). Does not
   // wait on executors, so the executors' supervisor may call it.
-  void FreeResult(uint64_t session_id, uint64_t address) ABSL_LOCKS_EXCLUDED(mu_);
+  void FreeResult(uint64_t session_id, uint64_t address)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Why a session ended, for the counts in session_counts().
   enum class EndReason { kClosed, kDisconnected, kKilled, kFailed };
   // Ends a session (by default: its data-plane connection closed), like
   // EndConnection.
   ReclaimResult EndSession(uint64_t session_id,
-                           EndReason reason = EndReason::kDisconnected) ABSL_LOCKS_EXCLUDED(mu_);
+                           EndReason reason = EndReason::kDisconnected)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The connection a session was opened on (0 if none).
   ConnectionId ConnectionOf(uint64_t session_id) const ABSL_LOCKS_EXCLUDED(mu_);
   // The page-owner tag of a session the caller owns.
@@ -191,12 +198,10 @@ class RuntimeCore {
   // `allocation_token`, the session takes that allocation's chips and quotas
   // (an unknown token is PERMISSION_DENIED); without, the default quota and
   // every chip.
-  absl::StatusOr<OpenedSession> OpenSession(ConnectionId connection,
-                                            const PeerIdentity& peer,
-                                            uint32_t client_min_version,
-                                            uint32_t client_max_version,
-                                            std::string client_name,
-                                            absl::string_view allocation_token = {})
+  absl::StatusOr<OpenedSession> OpenSession(
+      ConnectionId connection, const PeerIdentity& peer,
+      uint32_t client_min_version, uint32_t client_max_version,
+      std::string client_name, absl::string_view allocation_token = {})
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- allocations ----
@@ -207,19 +212,22 @@ class RuntimeCore {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets an allocation: new sessions with its token are refused; sessions
   // already open keep their limits. An unknown token is NOT_FOUND.
-  absl::Status ReleaseAllocation(absl::string_view token) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status ReleaseAllocation(absl::string_view token)
+      ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<AllocationSnapshot> Allocations() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Ends the session and frees all of its HBM; returns the bytes reclaimed.
-  absl::StatusOr<uint64_t> CloseSession(ConnectionId caller, uint64_t session_id)
+  absl::StatusOr<uint64_t> CloseSession(ConnectionId caller,
+                                        uint64_t session_id)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Ends every session bound to `connection` (it closed, the peer may have
   // crashed) and reclaims all their HBM at once.
   ReclaimResult EndConnection(ConnectionId connection) ABSL_LOCKS_EXCLUDED(mu_);
 
-  absl::StatusOr<SegmentGrant> Allocate(ConnectionId caller, uint64_t session_id,
-                                        int chip, uint64_t bytes)
+  absl::StatusOr<SegmentGrant> Allocate(ConnectionId caller,
+                                        uint64_t session_id, int chip,
+                                        uint64_t bytes)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Frees the segment that starts at `address`. Another session's segment is
@@ -235,10 +243,11 @@ class RuntimeCore {
   // Sessions opened, and ended by reason, since the daemon started.
   struct SessionCounts {
     uint64_t opened = 0;
-    uint64_t closed = 0;        // the client closed it
-    uint64_t disconnected = 0;  // its connection went away (exit, crash, kill -9)
-    uint64_t killed = 0;        // an administrator ended it (tpuctl kill)
-    uint64_t failed = 0;        // tpud ended it (its op crashed an executor)
+    uint64_t closed = 0;  // the client closed it
+    uint64_t disconnected =
+        0;                // its connection went away (exit, crash, kill -9)
+    uint64_t killed = 0;  // an administrator ended it (tpuctl kill)
+    uint64_t failed = 0;  // tpud ended it (its op crashed an executor)
   };
   SessionCounts session_counts() const ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<ChipSnapshot> Chips() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -246,9 +255,11 @@ class RuntimeCore {
 
   // Ends a session as if its connection closed. `connection` receives the
   // session's connection so the caller can hang it up.
-  absl::StatusOr<uint64_t> KillSession(uint64_t session_id, ConnectionId* connection)
+  absl::StatusOr<uint64_t> KillSession(uint64_t session_id,
+                                       ConnectionId* connection)
       ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status SetSessionQuota(uint64_t session_id, uint64_t quota_bytes_per_chip)
+  absl::Status SetSessionQuota(uint64_t session_id,
+                               uint64_t quota_bytes_per_chip)
       ABSL_LOCKS_EXCLUDED(mu_);
   void SetDefaultQuota(uint64_t quota_bytes_per_chip) ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t default_quota() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -258,7 +269,7 @@ class RuntimeCore {
  private:
   struct Chip {
     std::unique_ptr<HbmArena> arena;  // null when not backed by memory
-    SharedMapping owners_memory;      // page-owner table (empty when not backed)
+    SharedMapping owners_memory;  // page-owner table (empty when not backed)
     PageOwnerTable owners;
     HbmAllocator allocator;
     bool healthy = true;
@@ -299,26 +310,32 @@ class RuntimeCore {
 
   RuntimeCore(Topology topology, Options options);
 
-  absl::StatusOr<Session*> FindSessionLocked(ConnectionId caller, uint64_t session_id)
+  absl::StatusOr<Session*> FindSessionLocked(ConnectionId caller,
+                                             uint64_t session_id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status CheckChipLocked(int chip) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckChipLocked(int chip) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The session's quota on `chip` (0: none).
   static uint64_t QuotaOn(const Session& s, int chip);
   // Ends a session: marks it ending, runs the end hook without mu_, then
   // frees every segment and forgets it. NOT_FOUND if it is not (or no longer)
   // open; a concurrent second call for the same session returns NOT_FOUND.
-  absl::StatusOr<ReclaimResult> EndSessionById(uint64_t session_id, EndReason reason)
+  absl::StatusOr<ReclaimResult> EndSessionById(uint64_t session_id,
+                                               EndReason reason)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Allocates, lists and publishes (page owners) a segment of `s`.
-  absl::StatusOr<SegmentGrant> AllocateLocked(Session& s, int chip, uint64_t bytes)
+  absl::StatusOr<SegmentGrant> AllocateLocked(Session& s, int chip,
+                                              uint64_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes a segment away from `s` (accounting, listing, page owners); the
   // block stays allocated until ReleaseBlocks, after the fence.
-  void UnlistLocked(Session& s, const SegmentGrant& seg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnlistLocked(Session& s, const SegmentGrant& seg)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fences `tag`, then gives the blocks back to their allocators.
   void ReleaseBlocks(uint32_t tag, const std::vector<SegmentGrant>& blocks)
       ABSL_LOCKS_EXCLUDED(mu_);
-  void FreeBlockLocked(int chip, uint64_t offset) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeBlockLocked(int chip, uint64_t offset)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SessionSnapshot SnapshotLocked(const Session& s) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -327,11 +344,13 @@ class RuntimeCore {
 
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<Chip>> chips_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, std::unique_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Session>> sessions_
+      ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<ConnectionId, uint64_t> session_by_connection_
       ABSL_GUARDED_BY(mu_);
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
-  absl::flat_hash_map<std::string, Allocation> allocations_ ABSL_GUARDED_BY(mu_);  // by token
+  absl::flat_hash_map<std::string, Allocation> allocations_
+      ABSL_GUARDED_BY(mu_);  // by token
   // HBM held per chip by all open sessions of one allocation, by allocation
   // id: its quota binds them together (a pod's processes share its share).
   // Kept while any of its sessions is open, even after the allocation is
@@ -340,7 +359,8 @@ class RuntimeCore {
     std::vector<uint64_t> held;  // per chip of the host
     int sessions = 0;
   };
-  absl::flat_hash_map<uint64_t, AllocationUsage> allocation_usage_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, AllocationUsage> allocation_usage_
+      ABSL_GUARDED_BY(mu_);
   uint64_t next_allocation_id_ ABSL_GUARDED_BY(mu_) = 1;
   SessionCounts counts_ ABSL_GUARDED_BY(mu_);
   uint64_t default_quota_ ABSL_GUARDED_BY(mu_) = 0;

@@ -73,8 +73,8 @@ PeerIdentity Peer(int32_t pid = 4242) {
 uint64_t MustOpen(RuntimeCore& core, ConnectionId connection,
                   const PeerIdentity& peer = Peer(),
                   const std::string& name = "test") {
-  absl::StatusOr<OpenedSession> opened =
-      core.OpenSession(connection, peer, kMinProtocolVersion, kMaxProtocolVersion, name);
+  absl::StatusOr<OpenedSession> opened = core.OpenSession(
+      connection, peer, kMinProtocolVersion, kMaxProtocolVersion, name);
   INFO(opened.status().ToString());
   REQUIRE(opened.ok());
   REQUIRE(opened->session_id != 0);
@@ -131,8 +131,8 @@ TEST_CASE("a session opens, closes, and is gone afterwards") {
   auto core = MakeCore();
   CHECK(core->Sessions().empty());
 
-  absl::StatusOr<OpenedSession> opened =
-      core->OpenSession(7, Peer(), kMinProtocolVersion, kMaxProtocolVersion, "lifecycle");
+  absl::StatusOr<OpenedSession> opened = core->OpenSession(
+      7, Peer(), kMinProtocolVersion, kMaxProtocolVersion, "lifecycle");
   INFO(opened.status().ToString());
   REQUIRE(opened.ok());
   const uint64_t id = opened->session_id;
@@ -189,11 +189,14 @@ TEST_CASE("protocol versions are negotiated when a session opens") {
     const std::string msg(opened.status().message());
     CHECK(Contains(msg, "[3, 5]"));
     CHECK(Contains(msg, "[2, 2]"));
-    CHECK(Contains(msg, "install the torch_tpu / libtpuclient built with this tpud"));
+    CHECK(Contains(
+        msg, "install the torch_tpu / libtpuclient built with this tpud"));
     CHECK(core->Sessions().empty());
   }
-  SECTION("a client of the previous protocol, [1, 1], is refused with what to do") {
-    absl::StatusOr<OpenedSession> opened = core->OpenSession(1, Peer(), 1, 1, "old plugin");
+  SECTION(
+      "a client of the previous protocol, [1, 1], is refused with what to do") {
+    absl::StatusOr<OpenedSession> opened =
+        core->OpenSession(1, Peer(), 1, 1, "old plugin");
     REQUIRE(opened.status().code() == absl::StatusCode::kFailedPrecondition);
     CHECK(Contains(std::string(opened.status().message()), "[1, 1]"));
   }
@@ -219,8 +222,8 @@ TEST_CASE("a connection carries one session") {
       core->OpenSession(3, Peer(), 2, 2, "second");
   INFO(second.status().ToString());
   REQUIRE(second.status().code() == absl::StatusCode::kFailedPrecondition);
-  CHECK(Contains(std::string(second.status().message()),
-                 std::to_string(first)));
+  CHECK(
+      Contains(std::string(second.status().message()), std::to_string(first)));
   REQUIRE(core->Sessions().size() == 1);
   CHECK(core->Sessions()[0].id == first);
 
@@ -246,8 +249,7 @@ TEST_CASE("a session answers only to the connection that opened it") {
   CHECK_CODE(core->Allocate(99, victim, 0, 4096), kPermissionDenied);
   CHECK_CODE(core->CloseSession(99, victim), kPermissionDenied);
   // A session id that never existed is NOT_FOUND.
-  CHECK_CODE(core->Allocate(intruder, victim + own + 100, 0, 4096),
-             kNotFound);
+  CHECK_CODE(core->Allocate(intruder, victim + own + 100, 0, 4096), kNotFound);
 
   // The victim is untouched: its session and segment are still there.
   REQUIRE(core->Sessions().size() == 2);
@@ -655,7 +657,8 @@ TEST_CASE("session snapshots describe who holds what") {
   std::vector<SessionSnapshot> sessions = core->Sessions();
   REQUIRE(sessions.size() == 2);
   const SessionSnapshot& snap = sessions[0].id == s ? sessions[0] : sessions[1];
-  const SessionSnapshot& other = sessions[0].id == s ? sessions[1] : sessions[0];
+  const SessionSnapshot& other =
+      sessions[0].id == s ? sessions[1] : sessions[0];
   CHECK(snap.id == s);
   CHECK(snap.connection == 21);
   CHECK(snap.peer.pid == 31337);
@@ -770,7 +773,8 @@ TEST_CASE("concurrent sessions allocate and free without interfering") {
       total_per_chip[g.chip] += g.size;
       CHECK(live[g.chip].emplace(g.offset, g.size).second);
     }
-    std::vector<ChipMemoryView> views = MustStats(*core, w.connection, w.session);
+    std::vector<ChipMemoryView> views =
+        MustStats(*core, w.connection, w.session);
     for (int c = 0; c < kChips; ++c) CHECK(views[c].session_bytes == expect[c]);
   }
   for (int c = 0; c < kChips; ++c) {
@@ -843,10 +847,12 @@ TEST_CASE("an allocation's token gives a session its chips and quotas") {
   INFO(created.status().ToString());
   REQUIRE(created.ok());
   CHECK(created->token.size() == 32);
-  CHECK(created->token.find_first_not_of("0123456789abcdef") == std::string::npos);
+  CHECK(created->token.find_first_not_of("0123456789abcdef") ==
+        std::string::npos);
 
-  absl::StatusOr<OpenedSession> opened = core->OpenSession(
-      1, Peer(), kMinProtocolVersion, kMaxProtocolVersion, "pod", created->token);
+  absl::StatusOr<OpenedSession> opened =
+      core->OpenSession(1, Peer(), kMinProtocolVersion, kMaxProtocolVersion,
+                        "pod", created->token);
   INFO(opened.status().ToString());
   REQUIRE(opened.ok());
   CHECK(opened->allowed_chips == std::vector<int>{1, 3});
@@ -868,15 +874,19 @@ TEST_CASE("an allocation's token gives a session its chips and quotas") {
     CHECK(views[3].session_quota_bytes == 16 * kMiB);
   }
 
-  SECTION("its sessions share the quota: a pod's processes together get its share") {
-    absl::StatusOr<OpenedSession> second = core->OpenSession(
-        2, Peer(), kMinProtocolVersion, kMaxProtocolVersion, "pod-2", created->token);
+  SECTION(
+      "its sessions share the quota: a pod's processes together get its "
+      "share") {
+    absl::StatusOr<OpenedSession> second =
+        core->OpenSession(2, Peer(), kMinProtocolVersion, kMaxProtocolVersion,
+                          "pod-2", created->token);
     REQUIRE(second.ok());
     const uint64_t s2 = second->session_id;
     const SegmentGrant first = MustAllocate(*core, 1, s, 1, 6 * kMiB);
     absl::StatusOr<SegmentGrant> over = core->Allocate(2, s2, 1, 4 * kMiB);
     REQUIRE(over.status().code() == absl::StatusCode::kResourceExhausted);
-    CHECK(Contains(std::string(over.status().message()), "sessions of allocation"));
+    CHECK(Contains(std::string(over.status().message()),
+                   "sessions of allocation"));
     MustAllocate(*core, 2, s2, 1, 2 * kMiB);  // exactly what is left
     CHECK_CODE(core->Allocate(1, s, 1, 4096), kResourceExhausted);
     // Freed bytes come back to every session of the allocation.
@@ -920,12 +930,14 @@ TEST_CASE("an allocation's token gives a session its chips and quotas") {
     CHECK(all[0].session_count == 1);
   }
 
-  SECTION("after release, the token opens nothing; open sessions keep their limits") {
+  SECTION(
+      "after release, the token opens nothing; open sessions keep their "
+      "limits") {
     REQUIRE(core->ReleaseAllocation(created->token).ok());
     CHECK(core->Allocations().empty());
     CHECK_CODE(core->ReleaseAllocation(created->token), kNotFound);
-    CHECK_CODE(core->OpenSession(2, Peer(), kMinProtocolVersion, kMaxProtocolVersion, "late",
-                                 created->token),
+    CHECK_CODE(core->OpenSession(2, Peer(), kMinProtocolVersion,
+                                 kMaxProtocolVersion, "late", created->token),
                kPermissionDenied);
     CHECK_CODE(core->Allocate(1, s, 0, 4096), kPermissionDenied);
   }
@@ -933,8 +945,8 @@ TEST_CASE("an allocation's token gives a session its chips and quotas") {
 
 TEST_CASE("unknown tokens and malformed allocations are refused clearly") {
   auto core = MakeCore();
-  absl::StatusOr<OpenedSession> bad =
-      core->OpenSession(1, Peer(), kMinProtocolVersion, kMaxProtocolVersion, "pod", "f00d");
+  absl::StatusOr<OpenedSession> bad = core->OpenSession(
+      1, Peer(), kMinProtocolVersion, kMaxProtocolVersion, "pod", "f00d");
   REQUIRE(bad.status().code() == absl::StatusCode::kPermissionDenied);
   CHECK(Contains(std::string(bad.status().message()), "TPUD_TOKEN"));
 
@@ -957,8 +969,8 @@ TEST_CASE("unknown tokens and malformed allocations are refused clearly") {
   uniform.quota_bytes_per_chip = 4 * kMiB;
   absl::StatusOr<CreatedAllocation> a = core->CreateAllocation(uniform);
   REQUIRE(a.ok());
-  absl::StatusOr<OpenedSession> s =
-      core->OpenSession(2, Peer(), kMinProtocolVersion, kMaxProtocolVersion, "pod", a->token);
+  absl::StatusOr<OpenedSession> s = core->OpenSession(
+      2, Peer(), kMinProtocolVersion, kMaxProtocolVersion, "pod", a->token);
   REQUIRE(s.ok());
   MustAllocate(*core, 2, s->session_id, 0, 4 * kMiB);
   CHECK_CODE(core->Allocate(2, s->session_id, 0, 1), kResourceExhausted);

@@ -5,8 +5,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <new>
 #include <utility>
@@ -43,9 +43,10 @@ void SharedMapping::CloseFd() {
   fd_ = -1;
 }
 
-absl::StatusOr<SharedMapping> SharedMapping::Create(const std::string& name, uint64_t bytes,
-                                                    bool seal) {
-  int fd = memfd_create(name.c_str(), MFD_CLOEXEC | (seal ? MFD_ALLOW_SEALING : 0));
+absl::StatusOr<SharedMapping> SharedMapping::Create(const std::string& name,
+                                                    uint64_t bytes, bool seal) {
+  int fd =
+      memfd_create(name.c_str(), MFD_CLOEXEC | (seal ? MFD_ALLOW_SEALING : 0));
   if (fd < 0) {
     return absl::ResourceExhaustedError(
         absl::StrCat("memfd_create(", name, "): ", std::strerror(errno)));
@@ -54,30 +55,35 @@ absl::StatusOr<SharedMapping> SharedMapping::Create(const std::string& name, uin
     const int err = errno;
     close(fd);
     return absl::ResourceExhaustedError(
-        absl::StrCat("sizing shared memory ", name, " to ", bytes, " bytes: ", std::strerror(err)));
+        absl::StrCat("sizing shared memory ", name, " to ", bytes,
+                     " bytes: ", std::strerror(err)));
   }
-  if (seal && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+  if (seal &&
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     const int err = errno;
     close(fd);
-    return absl::InternalError(absl::StrCat("sealing ", name, ": ", std::strerror(err)));
+    return absl::InternalError(
+        absl::StrCat("sealing ", name, ": ", std::strerror(err)));
   }
   return Map(fd, bytes, /*writable=*/true);
 }
 
-absl::StatusOr<SharedMapping> SharedMapping::Map(int fd, uint64_t bytes, bool writable) {
+absl::StatusOr<SharedMapping> SharedMapping::Map(int fd, uint64_t bytes,
+                                                 bool writable) {
   struct stat st;
   if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < bytes) {
     close(fd);
     return absl::InvalidArgumentError(
-        absl::StrCat("shared memory descriptor is smaller than the ", bytes, " bytes expected"));
+        absl::StrCat("shared memory descriptor is smaller than the ", bytes,
+                     " bytes expected"));
   }
-  void* p = mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd,
-                 0);
+  void* p = mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ,
+                 MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     const int err = errno;
     close(fd);
-    return absl::ResourceExhaustedError(
-        absl::StrCat("mapping ", bytes, " bytes of shared memory: ", std::strerror(err)));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "mapping ", bytes, " bytes of shared memory: ", std::strerror(err)));
   }
   SharedMapping m;
   m.data_ = static_cast<char*>(p);
@@ -86,7 +92,8 @@ absl::StatusOr<SharedMapping> SharedMapping::Map(int fd, uint64_t bytes, bool wr
   return m;
 }
 
-// ---------------------------------------------------------------- PageOwnerTable
+// ----------------------------------------------------------------
+// PageOwnerTable
 
 namespace {
 constexpr uint64_t Entry(uint32_t tag, uint64_t first_page) {
@@ -125,25 +132,29 @@ void PageOwnerTable::Clear(uint64_t offset, uint64_t bytes) {
   }
 }
 
-std::optional<PageOwnerTable::Segment> PageOwnerTable::Find(uint64_t offset, uint64_t bytes,
-                                                            uint32_t tag) const {
-  if (tag == 0 || offset >= capacity_ || bytes > capacity_ - offset) return std::nullopt;
+std::optional<PageOwnerTable::Segment> PageOwnerTable::Find(
+    uint64_t offset, uint64_t bytes, uint32_t tag) const {
+  if (tag == 0 || offset >= capacity_ || bytes > capacity_ - offset)
+    return std::nullopt;
   const uint64_t first = offset / kPageBytes;
   const uint64_t last = (offset + (bytes == 0 ? 1 : bytes) - 1) / kPageBytes;
   const uint64_t e = entries_[first].load(std::memory_order_seq_cst);
   if (static_cast<uint32_t>(e >> 32) != tag) return std::nullopt;
-  if (last != first && entries_[last].load(std::memory_order_seq_cst) != e) return std::nullopt;
+  if (last != first && entries_[last].load(std::memory_order_seq_cst) != e)
+    return std::nullopt;
   const uint64_t seg_first = static_cast<uint32_t>(e);
-  return Segment{seg_first * kPageBytes, static_cast<uint64_t>(pages_[seg_first]) * kPageBytes};
+  return Segment{seg_first * kPageBytes,
+                 static_cast<uint64_t>(pages_[seg_first]) * kPageBytes};
 }
 
 uint32_t PageOwnerTable::OwnerOf(uint64_t offset) const {
   if (entries_ == nullptr || offset >= capacity_) return 0;
-  return static_cast<uint32_t>(entries_[offset / kPageBytes].load(std::memory_order_acquire) >>
-                               32);
+  return static_cast<uint32_t>(
+      entries_[offset / kPageBytes].load(std::memory_order_acquire) >> 32);
 }
 
-// ---------------------------------------------------------------- SessionStateView
+// ----------------------------------------------------------------
+// SessionStateView
 
 namespace {
 
@@ -156,14 +167,16 @@ struct StateOffsets {
 StateOffsets OffsetsFor(int num_chips) {
   StateOffsets o;
   o.rings = RoundUp(sizeof(SessionStateHeader), 64);
-  o.chips = RoundUp(o.rings + sizeof(TrustedRing) * num_chips * tpu::kStreamsPerChip, 64);
+  o.chips = RoundUp(
+      o.rings + sizeof(TrustedRing) * num_chips * tpu::kStreamsPerChip, 64);
   o.total = RoundUp(o.chips + sizeof(SessionChipState) * num_chips, kPageBytes);
   return o;
 }
 
 }  // namespace
 
-void RecordRingError(tpu::RingControl* ctl, uint64_t sequence, const absl::Status& status) {
+void RecordRingError(tpu::RingControl* ctl, uint64_t sequence,
+                     const absl::Status& status) {
   ctl->error_count += 1;
   if (ctl->error_sequence.load() != 0) return;  // the first error sticks
   ctl->error_code = static_cast<uint32_t>(status.code());
@@ -186,9 +199,12 @@ void KillRing(tpu::RingControl* ctl, const absl::Status& status) {
   tpu::FutexWakeAll(&ctl->head_futex);
 }
 
-uint64_t SessionStateView::BytesFor(int num_chips) { return OffsetsFor(num_chips).total; }
+uint64_t SessionStateView::BytesFor(int num_chips) {
+  return OffsetsFor(num_chips).total;
+}
 
-void SessionStateView::Initialize(char* base, uint64_t session_id, uint32_t tag, int num_chips) {
+void SessionStateView::Initialize(char* base, uint64_t session_id, uint32_t tag,
+                                  int num_chips) {
   const StateOffsets o = OffsetsFor(num_chips);
   auto* h = new (base) SessionStateHeader();
   h->magic = kSessionStateMagic;

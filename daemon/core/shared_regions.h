@@ -62,10 +62,11 @@ class SharedMapping {
   // A new memfd of `bytes` (zero-filled, sparse), mapped read-write.
   // `seal`: no one may shrink or grow it afterwards (a peer's shrink would
   // make our accesses fault).
-  static absl::StatusOr<SharedMapping> Create(const std::string& name, uint64_t bytes,
-                                              bool seal);
+  static absl::StatusOr<SharedMapping> Create(const std::string& name,
+                                              uint64_t bytes, bool seal);
   // Maps an existing memfd of `bytes` (its size is checked). Takes the fd.
-  static absl::StatusOr<SharedMapping> Map(int fd, uint64_t bytes, bool writable);
+  static absl::StatusOr<SharedMapping> Map(int fd, uint64_t bytes,
+                                           bool writable);
 
   char* data() const { return data_; }
   uint64_t size() const { return size_; }
@@ -82,14 +83,17 @@ class SharedMapping {
 
 // ---------------------------------------------------------------- executors
 
-// Upper bounds of the op latency histogram's buckets (ExecutorSlot::op_latency),
-// 1 µs to 10 s; one more bucket takes the rest.
+// Upper bounds of the op latency histogram's buckets
+// (ExecutorSlot::op_latency), 1 µs to 10 s; one more bucket takes the rest.
 inline constexpr uint64_t kOpLatencyBoundsNs[] = {
-    1'000,      2'500,       5'000,       10'000,      25'000,      50'000,     100'000,
-    250'000,    500'000,     1'000'000,   2'500'000,   5'000'000,   10'000'000, 25'000'000,
-    50'000'000, 100'000'000, 250'000'000, 1'000'000'000, 10'000'000'000};
+    1'000,       2'500,       5'000,         10'000,        25'000,
+    50'000,      100'000,     250'000,       500'000,       1'000'000,
+    2'500'000,   5'000'000,   10'000'000,    25'000'000,    50'000'000,
+    100'000'000, 250'000'000, 1'000'000'000, 10'000'000'000};
 inline constexpr int kOpLatencyBuckets =
-    static_cast<int>(sizeof(kOpLatencyBoundsNs) / sizeof(kOpLatencyBoundsNs[0])) + 1;
+    static_cast<int>(sizeof(kOpLatencyBoundsNs) /
+                     sizeof(kOpLatencyBoundsNs[0])) +
+    1;
 // absl::StatusCode values 0..16.
 inline constexpr int kStatusCodes = 17;
 
@@ -115,9 +119,11 @@ struct alignas(64) ExecutorSlot {
   // Memory fence (see top of file): the tag of the session whose op runs
   // now, 0 between ops.
   alignas(64) std::atomic<uint32_t> in_op_tag;
-  std::atomic<uint32_t> op_epoch;        // futex word: bumped after an op if fence_waiters
-  std::atomic<uint32_t> fence_waiters;   // tpud threads waiting for the op to end
-  std::atomic<uint64_t> op_started_ns;   // CLOCK_MONOTONIC; 0 between ops
+  std::atomic<uint32_t>
+      op_epoch;  // futex word: bumped after an op if fence_waiters
+  std::atomic<uint32_t>
+      fence_waiters;  // tpud threads waiting for the op to end
+  std::atomic<uint64_t> op_started_ns;  // CLOCK_MONOTONIC; 0 between ops
   // A collective touches the memory of every rank's session: their tags,
   // published like in_op_tag for the same fence (0: unused entries).
   std::atomic<uint32_t> collective_tags[64];
@@ -131,13 +137,14 @@ struct alignas(64) ExecutorSlot {
   std::atomic<uint64_t> crash_address;
   // Idle: sleeping for a doorbell or a control message.
   alignas(64) std::atomic<uint32_t> sleeping;
-  std::atomic<uint32_t> active_sessions;  // sessions it ran work of in the last 2 ms
-  std::atomic<uint64_t> busy_ns;          // chip time, since this executor started
+  std::atomic<uint32_t>
+      active_sessions;            // sessions it ran work of in the last 2 ms
+  std::atomic<uint64_t> busy_ns;  // chip time, since this executor started
   std::atomic<uint64_t> ops;
-  std::atomic<uint64_t> duty_permille;    // busy share of the last full second
+  std::atomic<uint64_t> duty_permille;  // busy share of the last full second
   // A compiling backend's figures (ChipBackend::compile_stats), by position
   // in this executor's chips; since this executor started.
-  std::atomic<uint32_t> compiles_ops;     // 1: the backend compiles
+  std::atomic<uint32_t> compiles_ops;  // 1: the backend compiles
   std::atomic<uint64_t> programs_cached;
   std::atomic<uint64_t> device_buffer_bytes;
   std::atomic<uint64_t> compiles[tpu::kMaxChipsPerHost];
@@ -150,7 +157,8 @@ struct alignas(64) ExecutorSlot {
   // relaxed load and store.
   // Records run, by how long each took on the chip (kOpLatencyBoundsNs;
   // the last bucket is everything above), and their total time.
-  alignas(64) std::atomic<uint64_t> op_latency[tpu::kMaxChipsPerHost][kOpLatencyBuckets];
+  alignas(64) std::atomic<uint64_t> op_latency[tpu::kMaxChipsPerHost]
+                                              [kOpLatencyBuckets];
   std::atomic<uint64_t> op_latency_sum_ns[tpu::kMaxChipsPerHost];
   // Records published by clients and not yet done, per chip (sampled about
   // every millisecond while busy, and before the executor sleeps).
@@ -172,12 +180,13 @@ struct ExecutorShared {
   // Wait advice (tpu::WaitAdvice) for executors; clients get theirs in
   // DaemonHints.
   alignas(64) std::atomic<uint32_t> wait_advice;
-  std::atomic<uint32_t> sampler_futex;     // bumped to wake a sleeping sampler
+  std::atomic<uint32_t> sampler_futex;  // bumped to wake a sleeping sampler
   std::atomic<uint32_t> sampler_sleeping;
   ExecutorSlot slots[kMaxExecutors];
 };
 
-inline constexpr uint64_t kExecutorSharedMagic = 0x31584543445550ULL;  // "TPUDCEX1"
+inline constexpr uint64_t kExecutorSharedMagic =
+    0x31584543445550ULL;  // "TPUDCEX1"
 
 // ---------------------------------------------------------------- page owners
 
@@ -202,13 +211,14 @@ class PageOwnerTable {
   };
   // The segment of `tag` that wholly contains [offset, offset + bytes)
   // (bytes 0: the byte at offset), or nullopt.
-  std::optional<Segment> Find(uint64_t offset, uint64_t bytes, uint32_t tag) const;
+  std::optional<Segment> Find(uint64_t offset, uint64_t bytes,
+                              uint32_t tag) const;
   // Tag of the page holding `offset` (0: free or out of range).
   uint32_t OwnerOf(uint64_t offset) const;
 
  private:
   std::atomic<uint64_t>* entries_ = nullptr;  // tag << 32 | first page
-  uint32_t* pages_ = nullptr;                 // at a segment's first page: its length
+  uint32_t* pages_ = nullptr;  // at a segment's first page: its length
   uint64_t capacity_ = 0;
   uint64_t num_pages_ = 0;
 };
@@ -220,7 +230,8 @@ inline constexpr uint32_t kOpArenaBytes = 1 << 20;
 inline constexpr uint32_t kMaxPoisoned = 2048;
 inline constexpr uint32_t kPoisonCauses = 128;
 inline constexpr uint32_t kPoisonCauseBytes = 512;
-inline constexpr uint64_t kSessionStateMagic = 0x31545353445550ULL;  // "TPUDSST1"
+inline constexpr uint64_t kSessionStateMagic =
+    0x31545353445550ULL;  // "TPUDSST1"
 
 // Per ring, written by the executor of the ring's chip.
 struct alignas(64) TrustedRing {
@@ -230,8 +241,8 @@ struct alignas(64) TrustedRing {
   // executor wakes them when it completes records.
   std::atomic<uint64_t> watchers;
   // The sequence of a collective record that the executor which ran its
-  // group completed for this ring (executor/collective_steps.cc), while it still
-  // sits at the ring's head; 0 when none.
+  // group completed for this ring (executor/collective_steps.cc), while it
+  // still sits at the ring's head; 0 when none.
   std::atomic<uint64_t> completed_early;
 };
 
@@ -308,14 +319,18 @@ class SessionStateView {
   SessionStateView() = default;
   explicit SessionStateView(char* base) : base_(base) {}
   // Writes a fresh header (tpud).
-  static void Initialize(char* base, uint64_t session_id, uint32_t tag, int num_chips);
+  static void Initialize(char* base, uint64_t session_id, uint32_t tag,
+                         int num_chips);
 
-  SessionStateHeader* header() const { return reinterpret_cast<SessionStateHeader*>(base_); }
+  SessionStateHeader* header() const {
+    return reinterpret_cast<SessionStateHeader*>(base_);
+  }
   TrustedRing* ring(int r) const {
     return reinterpret_cast<TrustedRing*>(base_ + header()->rings_offset) + r;
   }
   SessionChipState* chip(int c) const {
-    return reinterpret_cast<SessionChipState*>(base_ + header()->chips_offset) + c;
+    return reinterpret_cast<SessionChipState*>(base_ + header()->chips_offset) +
+           c;
   }
   bool valid() const { return base_ != nullptr; }
 
@@ -325,7 +340,8 @@ class SessionStateView {
 
 // Records `status` as the ring's sticky error (the first one sticks) at
 // `sequence`.
-void RecordRingError(tpu::RingControl* ctl, uint64_t sequence, const absl::Status& status);
+void RecordRingError(tpu::RingControl* ctl, uint64_t sequence,
+                     const absl::Status& status);
 // Ends a ring for its client: its error becomes `status`, it is marked dead
 // and every waiter (completion or ring space) is woken.
 void KillRing(tpu::RingControl* ctl, const absl::Status& status);

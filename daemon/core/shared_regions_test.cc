@@ -10,9 +10,10 @@ namespace {
 
 constexpr uint64_t kCapacity = 64 << 20;
 
-TEST_CASE("page owners name the segment that holds a range, for its session only") {
-  absl::StatusOr<SharedMapping> m =
-      SharedMapping::Create("owners-test", PageOwnerTable::BytesFor(kCapacity), false);
+TEST_CASE(
+    "page owners name the segment that holds a range, for its session only") {
+  absl::StatusOr<SharedMapping> m = SharedMapping::Create(
+      "owners-test", PageOwnerTable::BytesFor(kCapacity), false);
   REQUIRE(m.ok());
   PageOwnerTable t(m->data(), kCapacity);
   t.Assign(8 * kPageBytes, 4 * kPageBytes, 7);
@@ -41,8 +42,8 @@ TEST_CASE("page owners name the segment that holds a range, for its session only
 }
 
 TEST_CASE("two adjacent segments of one session are not one segment") {
-  absl::StatusOr<SharedMapping> m =
-      SharedMapping::Create("owners-test", PageOwnerTable::BytesFor(kCapacity), false);
+  absl::StatusOr<SharedMapping> m = SharedMapping::Create(
+      "owners-test", PageOwnerTable::BytesFor(kCapacity), false);
   REQUIRE(m.ok());
   PageOwnerTable t(m->data(), kCapacity);
   t.Assign(0, 2 * kPageBytes, 3);
@@ -51,8 +52,10 @@ TEST_CASE("two adjacent segments of one session are not one segment") {
   CHECK_FALSE(t.Find(kPageBytes, 2 * kPageBytes, 3).has_value());
 }
 
-TEST_CASE("a shared mapping is seen by a forked child and sealed against resizing") {
-  absl::StatusOr<SharedMapping> m = SharedMapping::Create("shared-test", 8192, /*seal=*/true);
+TEST_CASE(
+    "a shared mapping is seen by a forked child and sealed against resizing") {
+  absl::StatusOr<SharedMapping> m =
+      SharedMapping::Create("shared-test", 8192, /*seal=*/true);
   REQUIRE(m.ok());
   m->data()[100] = 1;
   const pid_t pid = fork();
@@ -68,7 +71,8 @@ TEST_CASE("a shared mapping is seen by a forked child and sealed against resizin
 
 TEST_CASE("a fresh session state region reads as empty") {
   const uint64_t bytes = SessionStateView::BytesFor(4);
-  absl::StatusOr<SharedMapping> m = SharedMapping::Create("state-test", bytes, false);
+  absl::StatusOr<SharedMapping> m =
+      SharedMapping::Create("state-test", bytes, false);
   REQUIRE(m.ok());
   SessionStateView::Initialize(m->data(), 42, 5, 4);
   SessionStateView v(m->data());

@@ -22,7 +22,8 @@ uint64_t RoundUpPage(uint64_t n) { return (n + kPage - 1) & ~(kPage - 1); }
 
 int CpuCount() {
   cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  if (sched_getaffinity(0, sizeof(set), &set) == 0)
+    return std::max(1, CPU_COUNT(&set));
   return std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
 }
 
@@ -43,8 +44,8 @@ int RunnableThreads(int fd) {
 
 }  // namespace
 
-DataPlane::DataPlane(RuntimeCore* core, ExecutorPool* pool, ExecutorShared* shared,
-                     DataPlaneOptions options)
+DataPlane::DataPlane(RuntimeCore* core, ExecutorPool* pool,
+                     ExecutorShared* shared, DataPlaneOptions options)
     : core_(core), pool_(pool), shared_(shared), options_(options) {}
 
 DataPlane::~DataPlane() { StopAll(); }
@@ -53,16 +54,20 @@ void DataPlane::Start() {
   advisor_ = std::thread([this] { AdviseLoop(); });
 }
 
-absl::StatusOr<DataPlaneGrant> DataPlane::Attach(uint64_t session_id, absl::string_view token,
+absl::StatusOr<DataPlaneGrant> DataPlane::Attach(uint64_t session_id,
+                                                 absl::string_view token,
                                                  const PeerIdentity& peer,
                                                  uint64_t pinned_bytes) {
   if (pinned_bytes == 0) pinned_bytes = options_.default_pinned_bytes;
   if (pinned_bytes > options_.max_pinned_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "pinned pool of ", tpu::FormatBytes(pinned_bytes), " asked; this daemon allows at most ",
-        tpu::FormatBytes(options_.max_pinned_bytes), " per session (--max_pinned_pool_bytes)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("pinned pool of ", tpu::FormatBytes(pinned_bytes),
+                     " asked; this daemon allows at most ",
+                     tpu::FormatBytes(options_.max_pinned_bytes),
+                     " per session (--max_pinned_pool_bytes)"));
   }
-  absl::StatusOr<uint32_t> tag = core_->AttachDataPlane(session_id, token, peer);
+  absl::StatusOr<uint32_t> tag =
+      core_->AttachDataPlane(session_id, token, peer);
   if (!tag.ok()) return tag.status();
 
   const int num_chips = core_->topology().num_chips();
@@ -76,21 +81,22 @@ absl::StatusOr<DataPlaneGrant> DataPlane::Attach(uint64_t session_id, absl::stri
   h.num_rings = static_cast<uint32_t>(num_rings);
   h.hints_offset = 1024;
   h.rings_control_offset = kPage;
-  h.events_offset =
-      h.rings_control_offset + RoundUpPage(sizeof(tpu::RingControl) * num_rings);
-  h.rings_offset = h.events_offset + RoundUpPage(sizeof(tpu::EventSlot) * tpu::kMaxEvents);
+  h.events_offset = h.rings_control_offset +
+                    RoundUpPage(sizeof(tpu::RingControl) * num_rings);
+  h.rings_offset =
+      h.events_offset + RoundUpPage(sizeof(tpu::EventSlot) * tpu::kMaxEvents);
   h.ring_bytes = options_.ring_bytes;
   h.staging_offset = h.rings_offset + h.ring_bytes * num_rings;
-  h.staging_bytes =
-      RoundUpPage(options_.staging_bytes / tpu::kStreamsPerChip) * tpu::kStreamsPerChip;
+  h.staging_bytes = RoundUpPage(options_.staging_bytes / tpu::kStreamsPerChip) *
+                    tpu::kStreamsPerChip;
   h.pinned_offset = h.staging_offset + h.staging_bytes;
   h.pinned_bytes = RoundUpPage(pinned_bytes);
   h.total_bytes = h.pinned_offset + h.pinned_bytes;
 
   // Sealed: the client cannot shrink the file under the executors (their
   // accesses would fault) nor grow it.
-  absl::StatusOr<SharedMapping> shm =
-      SharedMapping::Create(absl::StrCat("tpud-session-", session_id), h.total_bytes, true);
+  absl::StatusOr<SharedMapping> shm = SharedMapping::Create(
+      absl::StrCat("tpud-session-", session_id), h.total_bytes, true);
   if (!shm.ok()) return shm.status();
   plane->shm = *std::move(shm);
   char* base = plane->shm.data();
@@ -98,18 +104,22 @@ absl::StatusOr<DataPlaneGrant> DataPlane::Attach(uint64_t session_id, absl::stri
   new (tpu::HintsOf(base, h)) tpu::DaemonHints();
   tpu::HintsOf(base, h)->wait_advice.store(wait_advice_.load());
   for (int r = 0; r < num_rings; ++r) {
-    tpu::RingControl* ctl = new (tpu::RingControlOf(base, h, r)) tpu::RingControl();
-    ctl->consumer_sleeping.store(1);  // until an executor polls it: ring the doorbell
+    tpu::RingControl* ctl =
+        new (tpu::RingControlOf(base, h, r)) tpu::RingControl();
+    ctl->consumer_sleeping.store(
+        1);  // until an executor polls it: ring the doorbell
     ctl->wake_at.store(~uint64_t{0});  // nobody waits yet
   }
-  for (int e = 0; e < tpu::kMaxEvents; ++e) new (tpu::EventOf(base, h, e)) tpu::EventSlot();
+  for (int e = 0; e < tpu::kMaxEvents; ++e)
+    new (tpu::EventOf(base, h, e)) tpu::EventSlot();
 
   const uint64_t state_bytes = SessionStateView::BytesFor(num_chips);
-  absl::StatusOr<SharedMapping> state =
-      SharedMapping::Create(absl::StrCat("tpud-state-", session_id), state_bytes, false);
+  absl::StatusOr<SharedMapping> state = SharedMapping::Create(
+      absl::StrCat("tpud-state-", session_id), state_bytes, false);
   if (!state.ok()) return state.status();
   plane->state = *std::move(state);
-  SessionStateView::Initialize(plane->state.data(), session_id, *tag, num_chips);
+  SessionStateView::Initialize(plane->state.data(), session_id, *tag,
+                               num_chips);
 
   std::vector<int> doorbells;
   auto close_all = [&] {
@@ -119,8 +129,8 @@ absl::StatusOr<DataPlaneGrant> DataPlane::Attach(uint64_t session_id, absl::stri
     const int fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (fd < 0) {
       close_all();
-      return absl::ResourceExhaustedError(
-          absl::StrCat("eventfd for session ", session_id, ": ", std::strerror(errno)));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "eventfd for session ", session_id, ": ", std::strerror(errno)));
     }
     doorbells.push_back(fd);
   }
@@ -128,7 +138,8 @@ absl::StatusOr<DataPlaneGrant> DataPlane::Attach(uint64_t session_id, absl::stri
   grant.shm_bytes = h.total_bytes;
   grant.memfd = fcntl(plane->shm.fd(), F_DUPFD_CLOEXEC, 0);
   for (int c = 0; c < num_chips; ++c) {
-    grant.doorbells.push_back(fcntl(doorbells[pool_->ExecutorOfChip(c)], F_DUPFD_CLOEXEC, 0));
+    grant.doorbells.push_back(
+        fcntl(doorbells[pool_->ExecutorOfChip(c)], F_DUPFD_CLOEXEC, 0));
   }
   const int pool_shm = fcntl(plane->shm.fd(), F_DUPFD_CLOEXEC, 0);
   const int pool_state = fcntl(plane->state.fd(), F_DUPFD_CLOEXEC, 0);
@@ -151,15 +162,19 @@ absl::StatusOr<DataPlaneGrant> DataPlane::Attach(uint64_t session_id, absl::stri
     absl::MutexLock lock(&mu_);
     sessions_[session_id] = std::move(plane);
   }
-  pool_->Attach(session_id, *tag, pool_shm, h.total_bytes, pool_state, state_bytes,
-                std::move(doorbells));
+  pool_->Attach(session_id, *tag, pool_shm, h.total_bytes, pool_state,
+                state_bytes, std::move(doorbells));
   return grant;
 }
 
 void DataPlane::FailRings(SessionPlane& plane, const absl::Status& status) {
-  SessionStateView(plane.state.data()).header()->dead.store(1, std::memory_order_seq_cst);
+  SessionStateView(plane.state.data())
+      .header()
+      ->dead.store(1, std::memory_order_seq_cst);
   for (uint32_t r = 0; r < plane.layout.num_rings; ++r) {
-    KillRing(tpu::RingControlOf(plane.shm.data(), plane.layout, static_cast<int>(r)), status);
+    KillRing(
+        tpu::RingControlOf(plane.shm.data(), plane.layout, static_cast<int>(r)),
+        status);
   }
 }
 
@@ -173,10 +188,11 @@ void DataPlane::Detach(uint64_t session_id) {
     sessions_.erase(it);
   }
   // Clients still waiting on a ring learn that it is over.
-  FailRings(*plane, absl::UnavailableError(absl::StrCat(
-                        "session ", session_id,
-                        " ended (closed, killed, or its connection dropped); its queued work was "
-                        "discarded")));
+  FailRings(*plane, absl::UnavailableError(
+                        absl::StrCat("session ", session_id,
+                                     " ended (closed, killed, or its "
+                                     "connection dropped); its queued work was "
+                                     "discarded")));
   pool_->Detach(session_id);
 }
 
@@ -193,8 +209,10 @@ SessionActivity DataPlane::Activity(uint64_t session_id) {
   SessionStateView view(it->second->state.data());
   SessionActivity a;
   for (uint32_t c = 0; c < it->second->layout.num_chips; ++c) {
-    a.busy_ns += view.chip(static_cast<int>(c))->busy_ns.load(std::memory_order_relaxed);
-    a.ops += view.chip(static_cast<int>(c))->ops.load(std::memory_order_relaxed);
+    a.busy_ns +=
+        view.chip(static_cast<int>(c))->busy_ns.load(std::memory_order_relaxed);
+    a.ops +=
+        view.chip(static_cast<int>(c))->ops.load(std::memory_order_relaxed);
     for (const ProgramStat& p : view.chip(static_cast<int>(c))->programs) {
       const uint32_t id = p.id.load(std::memory_order_acquire);
       if (id == 0) continue;
@@ -214,7 +232,8 @@ SessionActivity DataPlane::Activity(uint64_t session_id) {
 ChipUsage DataPlane::ChipActivity(int chip) {
   const int e = pool_->ExecutorOfChip(chip);
   for (const ExecutorInfo& info : pool_->Executors()) {
-    if (info.index == e) return ChipUsage{info.busy_ns, info.ops, info.duty_cycle};
+    if (info.index == e)
+      return ChipUsage{info.busy_ns, info.ops, info.duty_cycle};
   }
   return {};
 }
@@ -239,7 +258,8 @@ void DataPlane::AdviseLoop() {
       const ExecutorSlot& slot = shared_->slots[e];
       if (slot.state.load() != ExecutorSlot::kReady) continue;
       if (slot.sleeping.load() == 0) ++awake;
-      parties += static_cast<int>(slot.active_sessions.load(std::memory_order_relaxed));
+      parties += static_cast<int>(
+          slot.active_sessions.load(std::memory_order_relaxed));
     }
     if (awake == 0) {
       // The host is idle for tpud: sleep until an executor wakes up.
@@ -250,14 +270,16 @@ void DataPlane::AdviseLoop() {
         idle = shared_->slots[e].state.load() != ExecutorSlot::kReady ||
                shared_->slots[e].sleeping.load() != 0;
       }
-      if (idle && !stopping_.load()) tpu::FutexWait(&shared_->sampler_futex, v, 100 * 1000 * 1000);
+      if (idle && !stopping_.load())
+        tpu::FutexWait(&shared_->sampler_futex, v, 100 * 1000 * 1000);
       shared_->sampler_sleeping.store(0);
       advisor.Restart();
       continue;
     }
     parties += awake;
     const int runnable = loadavg >= 0 ? RunnableThreads(loadavg) - 1 : -1;
-    const uint32_t advice = advisor.Update(parties, runnable < 0 ? parties : runnable);
+    const uint32_t advice =
+        advisor.Update(parties, runnable < 0 ? parties : runnable);
     if (advice != wait_advice_.load()) PublishWaitAdvice(advice);
     absl::SleepFor(absl::Milliseconds(1));
   }

@@ -27,10 +27,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "daemon/executor/executor_pool.h"
+#include "daemon/core/runtime_core.h"
 #include "daemon/core/shared_regions.h"
 #include "daemon/dataplane/wait_advisor.h"
-#include "daemon/core/runtime_core.h"
+#include "daemon/executor/executor_pool.h"
 #include "tpu/shm_layout.h"
 
 namespace tpud {
@@ -78,8 +78,10 @@ class DataPlane {
 
   // Creates the session's shared memory and state and hands them to the
   // executors.
-  absl::StatusOr<DataPlaneGrant> Attach(uint64_t session_id, absl::string_view token,
-                                        const PeerIdentity& peer, uint64_t pinned_bytes)
+  absl::StatusOr<DataPlaneGrant> Attach(uint64_t session_id,
+                                        absl::string_view token,
+                                        const PeerIdentity& peer,
+                                        uint64_t pinned_bytes)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Marks the session dead, tells its client (every ring fails with a
@@ -89,7 +91,8 @@ class DataPlane {
 
   // Fails every ring of the session with `status` (before it is ended), so
   // its client learns why.
-  void FailSession(uint64_t session_id, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
+  void FailSession(uint64_t session_id, const absl::Status& status)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   SessionActivity Activity(uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
   ChipUsage ChipActivity(int chip);
@@ -120,7 +123,8 @@ class DataPlane {
   std::atomic<uint32_t> wait_advice_{tpu::kWaitSleep};
   std::thread advisor_;
   absl::Mutex mu_;
-  std::map<uint64_t, std::unique_ptr<SessionPlane>> sessions_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::unique_ptr<SessionPlane>> sessions_
+      ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tpud

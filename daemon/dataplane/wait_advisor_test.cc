@@ -1,5 +1,6 @@
-#include "catch2_compat/catch.h"
 #include "daemon/dataplane/wait_advisor.h"
+
+#include "catch2_compat/catch.h"
 
 namespace tpud {
 namespace {
@@ -11,22 +12,26 @@ uint32_t Settle(WaitAdvisor& a, int parties, int runnable) {
   return advice;
 }
 
-TEST_CASE("waiters spin while tpud's parties and everything else fit in the cores") {
+TEST_CASE(
+    "waiters spin while tpud's parties and everything else fit in the cores") {
   WaitAdvisor a(2);
   CHECK(Settle(a, 1, 1) == tpu::kWaitSpin);  // one client, nothing else
   CHECK(Settle(a, 2, 2) == tpu::kWaitSpin);  // client and executor on two cores
-  CHECK(Settle(a, 1, 2) == tpu::kWaitSpin);  // one foreign thread on the free core
+  CHECK(Settle(a, 1, 2) ==
+        tpu::kWaitSpin);  // one foreign thread on the free core
 }
 
 TEST_CASE("waiters yield when only tpud's own parties outnumber the cores") {
   WaitAdvisor a(2);
   CHECK(Settle(a, 16, 16) == tpu::kWaitYield);
-  CHECK(Settle(a, 64, 40) == tpu::kWaitYield);  // some parties were asleep when sampled
+  CHECK(Settle(a, 64, 40) ==
+        tpu::kWaitYield);  // some parties were asleep when sampled
 }
 
 TEST_CASE("waiters sleep at once when foreign threads need the cores") {
   WaitAdvisor a(2);
-  CHECK(Settle(a, 2, 3) == tpu::kWaitSleep);  // client, executor and a busy loop
+  CHECK(Settle(a, 2, 3) ==
+        tpu::kWaitSleep);  // client, executor and a busy loop
   CHECK(Settle(a, 2, 4) == tpu::kWaitSleep);  // two busy loops
   CHECK(Settle(a, 16, 18) == tpu::kWaitSleep);
 }

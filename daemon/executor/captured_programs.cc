@@ -3,11 +3,11 @@
 // run with their bindings applied, either whole by a compiling backend
 // (ChipBackend::RunProgram) or record by record as RunOp and RunCopy run
 // them; a failure poisons what the rest of the program would have written.
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <cstring>
 #include <optional>
-
-#include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/executor/executor.h"
@@ -18,7 +18,8 @@ namespace tpud {
 absl::StatusOr<std::shared_ptr<Executor::Program>> Executor::ProgramOf(
     Session& s, const tpu::DecodedRunProgram& run) {
   auto it = s.programs.find(run.program_id);
-  if (it != s.programs.end() && it->second->offset == run.offset && it->second->bytes == run.bytes) {
+  if (it != s.programs.end() && it->second->offset == run.offset &&
+      it->second->bytes == run.bytes) {
     return it->second;
   }
   // Read once from the session's shared memory into our own copy (the
@@ -31,47 +32,57 @@ absl::StatusOr<std::shared_ptr<Executor::Program>> Executor::ProgramOf(
   p->data.assign(*at, run.bytes);
   const std::string& d = p->data;
   tpu::ProgramHeader h;
-  if (d.size() < sizeof(h)) return absl::InvalidArgumentError("a program shorter than its header");
+  if (d.size() < sizeof(h))
+    return absl::InvalidArgumentError("a program shorter than its header");
   std::memcpy(&h, d.data(), sizeof(h));
   if (h.magic != tpu::kProgramMagic || h.name_len > tpu::kMaxProgramNameBytes ||
       h.num_records > tpu::kMaxProgramRecords) {
-    return absl::InvalidArgumentError("not a program (bad magic, name or record count)");
+    return absl::InvalidArgumentError(
+        "not a program (bad magic, name or record count)");
   }
   size_t pos = sizeof(h) + (h.name_len + 7) / 8 * 8;
-  if (pos > d.size()) return absl::InvalidArgumentError("a program's name runs past its end");
+  if (pos > d.size())
+    return absl::InvalidArgumentError("a program's name runs past its end");
   p->name.assign(d.data() + sizeof(h), h.name_len);
   while (pos < d.size()) {
     tpu::RecordHeader rh;
     if (d.size() - pos < sizeof(rh)) {
-      return absl::InvalidArgumentError(absl::StrCat("program record ", p->records.size(), " is cut short"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("program record ", p->records.size(), " is cut short"));
     }
     std::memcpy(&rh, d.data() + pos, sizeof(rh));
     if (absl::Status st = tpu::CheckHeader(rh, d.size() - pos); !st.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("program record ", p->records.size(), ": ", st.message()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "program record ", p->records.size(), ": ", st.message()));
     }
     const auto kind = static_cast<tpu::RecordKind>(rh.kind);
     if (kind != tpu::RecordKind::kOp && kind != tpu::RecordKind::kCopy) {
-      return absl::InvalidArgumentError(absl::StrCat("program record ", p->records.size(), " is of kind ",
-                                                     rh.kind, "; programs hold ops and device copies"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("program record ", p->records.size(), " is of kind ",
+                       rh.kind, "; programs hold ops and device copies"));
     }
     p->records.emplace_back(pos, rh.length);
     pos += rh.length;
   }
   if (p->records.size() != h.num_records) {
-    return absl::InvalidArgumentError(absl::StrCat("a program of ", p->records.size(), " records says it has ",
-                                                   h.num_records));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a program of ", p->records.size(),
+                     " records says it has ", h.num_records));
   }
-  if (s.programs.size() >= 1024) s.programs.clear();  // a bound; dropped ones are read again
+  if (s.programs.size() >= 1024)
+    s.programs.clear();  // a bound; dropped ones are read again
   s.programs[run.program_id] = p;
   return p;
 }
 
-absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence, const tpu::DecodedRunProgram& run) {
+absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence,
+                                  const tpu::DecodedRunProgram& run) {
   Session& s = *ring.session;
   absl::StatusOr<std::shared_ptr<Program>> prog = ProgramOf(s, run);
   if (!prog.ok()) {
     return absl::Status(prog.status().code(),
-                        absl::StrCat("program ", run.program_id, ": ", prog.status().message()));
+                        absl::StrCat("program ", run.program_id, ": ",
+                                     prog.status().message()));
   }
   Program& p = **prog;
   const uint64_t started = tpu::MonotonicNanos();
@@ -79,12 +90,14 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence, const tpu::Deco
   {
     ProgramStat* table = s.state.chip(ring.chip)->programs;
     for (int i = 0; i < kMaxProgramStats && stat == nullptr; ++i) {
-      if (table[i].id.load(std::memory_order_relaxed) == run.program_id) stat = &table[i];
+      if (table[i].id.load(std::memory_order_relaxed) == run.program_id)
+        stat = &table[i];
     }
     if (stat == nullptr) {
       stat = &table[0];
       for (int i = 1; i < kMaxProgramStats; ++i) {
-        if (table[i].calls.load(std::memory_order_relaxed) < stat->calls.load(std::memory_order_relaxed)) {
+        if (table[i].calls.load(std::memory_order_relaxed) <
+            stat->calls.load(std::memory_order_relaxed)) {
           stat = &table[i];
         }
       }
@@ -103,25 +116,30 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence, const tpu::Deco
     uint64_t started;
     ~Count() {
       stat->calls.fetch_add(1, std::memory_order_relaxed);
-      stat->busy_ns.fetch_add(tpu::MonotonicNanos() - started, std::memory_order_relaxed);
+      stat->busy_ns.fetch_add(tpu::MonotonicNanos() - started,
+                              std::memory_order_relaxed);
     }
   } count{stat, started};
   // Bindings by their captured range, which must not overlap.
   std::vector<tpu::ProgramBinding> bindings(run.bindings);
   std::sort(bindings.begin(), bindings.end(),
-            [](const tpu::ProgramBinding& a, const tpu::ProgramBinding& b) { return a.from < b.from; });
+            [](const tpu::ProgramBinding& a, const tpu::ProgramBinding& b) {
+              return a.from < b.from;
+            });
   for (size_t i = 0; i < bindings.size(); ++i) {
     const tpu::ProgramBinding& b = bindings[i];
     if (b.bytes == 0 || b.from + b.bytes < b.from || b.to + b.bytes < b.to ||
         (i > 0 && bindings[i - 1].from + bindings[i - 1].bytes > b.from)) {
-      return absl::InvalidArgumentError(absl::StrCat("program '", p.name, "': binding ", i,
-                                                     " is empty, wraps or overlaps another"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("program '", p.name, "': binding ", i,
+                       " is empty, wraps or overlaps another"));
     }
   }
   auto move = [&](uint64_t& address) {
     if (bindings.empty() || address == 0) return;
-    auto it = std::upper_bound(bindings.begin(), bindings.end(), address,
-                               [](uint64_t a, const tpu::ProgramBinding& b) { return a < b.from; });
+    auto it = std::upper_bound(
+        bindings.begin(), bindings.end(), address,
+        [](uint64_t a, const tpu::ProgramBinding& b) { return a < b.from; });
     if (it == bindings.begin()) return;
     --it;
     if (address < it->from + it->bytes) address = it->to + (address - it->from);
@@ -131,16 +149,20 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence, const tpu::Deco
     for (size_t a = 0; a < op.num_args; ++a) {
       tpu::OpArg& arg = op.args[a];
       switch (arg.tag) {
-        case tpu::ArgTag::kTensor: move(arg.tensor.address); break;
+        case tpu::ArgTag::kTensor:
+          move(arg.tensor.address);
+          break;
         case tpu::ArgTag::kTensorList:
         case tpu::ArgTag::kOptionalTensorList:
           for (tpu::TensorRef& t : arg.tensors) move(t.address);
           break;
         case tpu::ArgTag::kGenerator:
-          if (run.seed != 0) arg.i = static_cast<int64_t>(tpu::MixSeed(run.seed, generators));
+          if (run.seed != 0)
+            arg.i = static_cast<int64_t>(tpu::MixSeed(run.seed, generators));
           ++generators;
           break;
-        default: break;
+        default:
+          break;
       }
     }
     for (tpu::TensorRef& t : op.outputs) move(t.address);
@@ -150,7 +172,8 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence, const tpu::Deco
   // not valid after a failure there.
   auto poison_from = [&](size_t first, const std::string& cause) {
     for (size_t j = first; j < n; ++j) {
-      const absl::string_view later(p.data.data() + p.records[j].first, p.records[j].second);
+      const absl::string_view later(p.data.data() + p.records[j].first,
+                                    p.records[j].second);
       tpu::RecordHeader lh;
       std::memcpy(&lh, later.data(), sizeof(lh));
       if (lh.kind == static_cast<uint16_t>(tpu::RecordKind::kOp)) {
@@ -162,7 +185,8 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence, const tpu::Deco
         tpu::DecodedCopy copy;
         if (!tpu::DecodeCopy(later, &copy).ok()) continue;
         move(copy.dst);
-        if (tpu::DeviceAddressChip(copy.dst) == ring.chip) AddPoison(s, ring.chip, copy.dst, copy.dst + copy.bytes, cause);
+        if (tpu::DeviceAddressChip(copy.dst) == ring.chip)
+          AddPoison(s, ring.chip, copy.dst, copy.dst + copy.bytes, cause);
       }
     }
   };
@@ -178,12 +202,14 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence, const tpu::Deco
     std::vector<ProgramOp> ops;
     ops.reserve(n);
     for (size_t k = 0; k < n && !p.one_by_one; ++k) {
-      const absl::string_view rec(p.data.data() + p.records[k].first, p.records[k].second);
+      const absl::string_view rec(p.data.data() + p.records[k].first,
+                                  p.records[k].second);
       tpu::RecordHeader rh;
       std::memcpy(&rh, rec.data(), sizeof(rh));
       if (rh.kind == static_cast<uint16_t>(tpu::RecordKind::kCopy)) {
         tpu::DecodedCopy& copy = whole_copies_[k];
-        if (!tpu::DecodeCopy(rec, &copy).ok() || copy.kind != tpu::CopyKind::kDeviceToDevice) {
+        if (!tpu::DecodeCopy(rec, &copy).ok() ||
+            copy.kind != tpu::CopyKind::kDeviceToDevice) {
           p.one_by_one = true;
           break;
         }
@@ -192,7 +218,8 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence, const tpu::Deco
         ops.push_back({nullptr, nullptr, &whole_tensors_[k], &copy});
         continue;
       }
-      if (rh.kind != static_cast<uint16_t>(tpu::RecordKind::kOp) || !tpu::DecodeOp(rec, &whole_ops_[k]).ok() ||
+      if (rh.kind != static_cast<uint16_t>(tpu::RecordKind::kOp) ||
+          !tpu::DecodeOp(rec, &whole_ops_[k]).ok() ||
           (whole_ops_[k].flags & tpu::kOpFlagSync) != 0) {
         p.one_by_one = true;
         break;
@@ -203,12 +230,15 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence, const tpu::Deco
       ops.push_back({slot.op.get(), &whole_ops_[k], &whole_tensors_[k]});
     }
     if (p.one_by_one) {
-      spdlog::info("session {}: program '{}' runs op by op: it holds a copy, a synchronous op or an undefined op",
-                   s.id, p.name);
+      spdlog::info(
+          "session {}: program '{}' runs op by op: it holds a copy, a "
+          "synchronous op or an undefined op",
+          s.id, p.name);
     }
     if (!p.one_by_one) {
       BeginOp(ring, sequence, "program", 7);
-      bool resolved = s.state.header()->dead.load(std::memory_order_seq_cst) == 0;
+      bool resolved =
+          s.state.header()->dead.load(std::memory_order_seq_cst) == 0;
       if (resolved) SyncReleases();
       for (size_t k = 0; k < n && resolved; ++k) {
         if (ops[k].copy != nullptr) {
@@ -218,27 +248,33 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence, const tpu::Deco
             const uint64_t bytes = ops[k].copy->bytes;
             std::optional<PageOwnerTable::Segment> seg;
             if (bytes != 0 && tpu::DeviceAddressChip(at) == ring.chip) {
-              seg = config_.owners[ring.chip].Find(tpu::DeviceAddressOffset(at), bytes, s.tag);
+              seg = config_.owners[ring.chip].Find(tpu::DeviceAddressOffset(at),
+                                                   bytes, s.tag);
             }
             if (bytes != 0 && !seg.has_value()) resolved = false;
             std::string cause;
-            if (bytes != 0 && at == ops[k].copy->src && FindPoison(s, ring.chip, at, at + bytes, &cause)) {
+            if (bytes != 0 && at == ops[k].copy->src &&
+                FindPoison(s, ring.chip, at, at + bytes, &cause)) {
               resolved = false;
             }
-            if (resolved && at == ops[k].copy->dst) ClearPoison(s, ring.chip, at, at + bytes);
+            if (resolved && at == ops[k].copy->dst)
+              ClearPoison(s, ring.chip, at, at + bytes);
             if (seg.has_value()) {
-              whole_tensors_[k].push_back(ResolvedTensor{config_.chip_bases[ring.chip] + seg->offset,
-                                                         tpu::MakeDeviceAddress(ring.chip, seg->offset), seg->bytes,
-                                                         s.id});
+              whole_tensors_[k].push_back(
+                  ResolvedTensor{config_.chip_bases[ring.chip] + seg->offset,
+                                 tpu::MakeDeviceAddress(ring.chip, seg->offset),
+                                 seg->bytes, s.id});
             }
           }
           continue;
         }
         std::swap(op_, whole_ops_[k]);
-        resolved = ResolveTensors(ring).ok() && CheckInputPoison(ring, *ops[k].op).ok();
+        resolved = ResolveTensors(ring).ok() &&
+                   CheckInputPoison(ring, *ops[k].op).ok();
         // What an op writes is good for the ops after it (the graph writes
         // it; or, run record by record, the op before those ops read it).
-        if (resolved && s.state.chip(ring.chip)->poison.count != 0) UnpoisonOutputs(ring, *ops[k].op);
+        if (resolved && s.state.chip(ring.chip)->poison.count != 0)
+          UnpoisonOutputs(ring, *ops[k].op);
         std::swap(op_, whole_ops_[k]);
         whole_tensors_[k] = resolved_;
       }
@@ -253,22 +289,26 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence, const tpu::Deco
       }
       if (!ran.ok()) {
         failed = std::min(failed, n - 1);
-        const std::string cause = absl::StrCat("program '", p.name, "', record ", failed + 1, " of ", n, " (",
-                                               ops[failed].copy != nullptr ? "copy" : OpName(ops[failed].op), "): ",
-                                               ran.status().message());
+        const std::string cause = absl::StrCat(
+            "program '", p.name, "', record ", failed + 1, " of ", n, " (",
+            ops[failed].copy != nullptr ? "copy" : OpName(ops[failed].op),
+            "): ", ran.status().message());
         poison_from(failed, cause);
         return absl::Status(ran.status().code(), cause);
       }
       if (resolved) {
         // Declined: not offered again.
         p.one_by_one = true;
-        spdlog::info("session {}: program '{}' runs op by op: {}", s.id, p.name, declined);
+        spdlog::info("session {}: program '{}' runs op by op: {}", s.id, p.name,
+                     declined);
       }
     }
   }
-  generators = 0;  // the records' seeds again from the first, as the whole program had them
+  generators = 0;  // the records' seeds again from the first, as the whole
+                   // program had them
   for (size_t k = 0; k < n; ++k) {
-    const absl::string_view rec(p.data.data() + p.records[k].first, p.records[k].second);
+    const absl::string_view rec(p.data.data() + p.records[k].first,
+                                p.records[k].second);
     tpu::RecordHeader rh;
     std::memcpy(&rh, rec.data(), sizeof(rh));
     absl::Status st;
@@ -283,8 +323,12 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence, const tpu::Deco
         poison_root_.clear();
         st = RunOp(ring, sequence);
         const OpSlot& slot = LookupOp(ring, op_.op_id);
-        what = slot.op != nullptr ? OpName(slot.op.get()) : absl::StrCat("op ", op_.op_id);
-        if (!st.ok()) PoisonOutputs(ring, slot.op.get(), poison_root_.empty() ? std::string(st.message()) : poison_root_);
+        what = slot.op != nullptr ? OpName(slot.op.get())
+                                  : absl::StrCat("op ", op_.op_id);
+        if (!st.ok())
+          PoisonOutputs(
+              ring, slot.op.get(),
+              poison_root_.empty() ? std::string(st.message()) : poison_root_);
       }
     } else {
       tpu::DecodedCopy copy;
@@ -301,8 +345,9 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence, const tpu::Deco
       }
     }
     if (st.ok()) continue;
-    const std::string cause = absl::StrCat("program '", p.name, "', record ", k + 1, " of ", n, " (", what,
-                                           "): ", st.message());
+    const std::string cause =
+        absl::StrCat("program '", p.name, "', record ", k + 1, " of ", n, " (",
+                     what, "): ", st.message());
     // What the rest of the program would have written is not valid either.
     poison_from(k + 1, cause);
     return absl::Status(st.code(), cause);

@@ -10,7 +10,8 @@
 
 namespace tpud {
 
-bool SendControl(int fd, const ControlMessage& msg, const int* fds, int num_fds) {
+bool SendControl(int fd, const ControlMessage& msg, const int* fds,
+                 int num_fds) {
   iovec iov{const_cast<ControlMessage*>(&msg), sizeof(msg)};
   msghdr mh{};
   mh.msg_iov = &iov;
@@ -52,7 +53,8 @@ int ReceiveControl(int fd, ControlMessage* msg, std::vector<int>* fds) {
     n = recvmsg(fd, &mh, MSG_CMSG_CLOEXEC);
   } while (n < 0 && errno == EINTR);
   if (fds != nullptr) fds->clear();
-  for (cmsghdr* cm = CMSG_FIRSTHDR(&mh); cm != nullptr; cm = CMSG_NXTHDR(&mh, cm)) {
+  for (cmsghdr* cm = CMSG_FIRSTHDR(&mh); cm != nullptr;
+       cm = CMSG_NXTHDR(&mh, cm)) {
     if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS) continue;
     const size_t count = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
     for (size_t i = 0; i < count; ++i) {

@@ -22,12 +22,12 @@ enum class ControlType : uint32_t {
   kDetach = 2,      // session_id
   kAllocReply = 3,  // request_id, code, a = device address, b = bytes, text
   kStop = 4,
-  kReleased = 5,    // a = device address, b = bytes: a freed segment
+  kReleased = 5,  // a = device address, b = bytes: a freed segment
   // executor -> tpud
   kReady = 100,
-  kAllocRequest = 101,  // request_id, session_id, a = chip, b = bytes
-  kFreeResult = 102,    // session_id, a = device address
-  kSessionFailed = 103, // session_id, text: why its data plane failed
+  kAllocRequest = 101,   // request_id, session_id, a = chip, b = bytes
+  kFreeResult = 102,     // session_id, a = device address
+  kSessionFailed = 103,  // session_id, text: why its data plane failed
 };
 
 struct ControlMessage {
@@ -45,7 +45,8 @@ struct ControlMessage {
 inline constexpr int kMaxControlFds = 4;
 
 // Sends one message (blocking). Returns false if the peer is gone.
-bool SendControl(int fd, const ControlMessage& msg, const int* fds = nullptr, int num_fds = 0);
+bool SendControl(int fd, const ControlMessage& msg, const int* fds = nullptr,
+                 int num_fds = 0);
 
 // Receives one message. Returns 1 with a message (and its descriptors in
 // `fds`, close-on-exec), 0 when the peer closed, -1 when nothing is waiting

@@ -2,13 +2,12 @@
 
 #include <poll.h>
 #include <sched.h>
+#include <spdlog/spdlog.h>
 #include <sys/epoll.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
-
-#include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -35,7 +34,8 @@ void WakeFutex(std::atomic<uint32_t>* word) {
 template <typename F>
 bool AnyArgTensor(const tpu::OpArg& arg, F&& f) {
   if (arg.tag == tpu::ArgTag::kTensor) return f(arg.tensor);
-  if (arg.tag != tpu::ArgTag::kTensorList && arg.tag != tpu::ArgTag::kOptionalTensorList) {
+  if (arg.tag != tpu::ArgTag::kTensorList &&
+      arg.tag != tpu::ArgTag::kOptionalTensorList) {
     return false;
   }
   const bool optional = arg.tag == tpu::ArgTag::kOptionalTensorList;
@@ -52,7 +52,8 @@ bool AnyArgTensor(const tpu::OpArg& arg, F&& f) {
 // allocator and the session's quota).
 class Executor::ResultAllocatorImpl : public ResultAllocator {
  public:
-  ResultAllocatorImpl(Executor* ex, Session* s, int chip) : ex_(ex), s_(s), chip_(chip) {}
+  ResultAllocatorImpl(Executor* ex, Session* s, int chip)
+      : ex_(ex), s_(s), chip_(chip) {}
   absl::StatusOr<Block> Allocate(uint64_t bytes) override {
     ControlMessage req;
     req.type = ControlType::kAllocRequest;
@@ -61,19 +62,22 @@ class Executor::ResultAllocatorImpl : public ResultAllocator {
     req.a = static_cast<uint64_t>(chip_);
     req.b = std::max<uint64_t>(bytes, 1);
     if (!SendControl(ex_->config_.control_fd, req)) {
-      return absl::UnavailableError("tpud went away while an op needed result memory");
+      return absl::UnavailableError(
+          "tpud went away while an op needed result memory");
     }
     ControlMessage reply;
     if (!ex_->AwaitReply(req.request_id, &reply)) {
-      return absl::UnavailableError("tpud did not answer a result-memory request");
+      return absl::UnavailableError(
+          "tpud did not answer a result-memory request");
     }
     if (reply.code != 0) {
       reply.text[sizeof(reply.text) - 1] = '\0';
-      return absl::Status(static_cast<absl::StatusCode>(reply.code), reply.text);
+      return absl::Status(static_cast<absl::StatusCode>(reply.code),
+                          reply.text);
     }
     grants_.push_back(reply.a);
-    return Block{reply.a,
-                 ex_->config_.chip_bases[chip_] + tpu::DeviceAddressOffset(reply.a)};
+    return Block{reply.a, ex_->config_.chip_bases[chip_] +
+                              tpu::DeviceAddressOffset(reply.a)};
   }
   // The op failed: its result memory goes straight back.
   void Discard() {
@@ -163,7 +167,8 @@ int Executor::Run() {
     // for it; while only tpud's parties compete, yield (the core goes to
     // whoever is runnable, likely the client about to publish) for a moment;
     // when other threads need the cores, sleep at once.
-    const uint32_t advice = config_.shared->wait_advice.load(std::memory_order_relaxed);
+    const uint32_t advice =
+        config_.shared->wait_advice.load(std::memory_order_relaxed);
     if ((!polled_.empty() || !parked_.empty()) && advice != tpu::kWaitSleep) {
       const bool spin = advice == tpu::kWaitSpin;
       const uint64_t until = now + (spin ? config_.spin_ns : config_.yield_ns);
@@ -263,7 +268,8 @@ void Executor::SyncReleases() {
   }
   // Each is queued before it is counted; bounded all the same.
   const uint64_t deadline = tpu::MonotonicNanos() + 1000000000ull;
-  while (releases_seen_ < sent && !stopping_ && tpu::MonotonicNanos() < deadline) {
+  while (releases_seen_ < sent && !stopping_ &&
+         tpu::MonotonicNanos() < deadline) {
     pollfd p{config_.control_fd, POLLIN, 0};
     if (poll(&p, 1, 10) <= 0) continue;
     ControlMessage m;
@@ -286,21 +292,25 @@ void Executor::SyncReleases() {
 
 void Executor::Attach(const ControlMessage& msg, std::vector<int>& fds) {
   if (fds.size() != 3) {
-    spdlog::error("executor {}: attach of session {} came with {} descriptors, not 3",
-                  config_.index, msg.session_id, fds.size());
+    spdlog::error(
+        "executor {}: attach of session {} came with {} descriptors, not 3",
+        config_.index, msg.session_id, fds.size());
     return;
   }
   if (sessions_.count(msg.session_id) != 0) return;
   auto s = std::make_unique<Session>();
   s->id = msg.session_id;
   s->tag = msg.tag;
-  absl::StatusOr<SharedMapping> shm = SharedMapping::Map(fds[0], msg.a, /*writable=*/true);
+  absl::StatusOr<SharedMapping> shm =
+      SharedMapping::Map(fds[0], msg.a, /*writable=*/true);
   fds[0] = -1;
-  absl::StatusOr<SharedMapping> st = SharedMapping::Map(fds[1], msg.b, /*writable=*/true);
+  absl::StatusOr<SharedMapping> st =
+      SharedMapping::Map(fds[1], msg.b, /*writable=*/true);
   fds[1] = -1;
   if (!shm.ok() || !st.ok()) {
-    spdlog::error("executor {}: cannot map session {}: {}", config_.index, msg.session_id,
-                  std::string((shm.ok() ? st.status() : shm.status()).message()));
+    spdlog::error(
+        "executor {}: cannot map session {}: {}", config_.index, msg.session_id,
+        std::string((shm.ok() ? st.status() : shm.status()).message()));
     return;
   }
   s->shm = *std::move(shm);
@@ -310,9 +320,11 @@ void Executor::Attach(const ControlMessage& msg, std::vector<int>& fds) {
   s->state = SessionStateView(s->state_map.data());
   std::memcpy(&s->layout, s->shm.data(), sizeof(s->layout));
   const int num_chips = static_cast<int>(config_.chip_bases.size());
-  if (s->layout.magic != tpu::kShmMagic || s->layout.num_chips != static_cast<uint32_t>(num_chips) ||
+  if (s->layout.magic != tpu::kShmMagic ||
+      s->layout.num_chips != static_cast<uint32_t>(num_chips) ||
       s->state.header()->magic != kSessionStateMagic) {
-    spdlog::error("executor {}: session {} has an unknown memory layout", config_.index, s->id);
+    spdlog::error("executor {}: session {} has an unknown memory layout",
+                  config_.index, s->id);
     return;
   }
   s->doorbell_fd = fds[2];
@@ -367,8 +379,10 @@ void Executor::Detach(uint64_t session_id) {
   Session* s = it->second.get();
   queue_.Forget(session_id);
   auto mine = [s](Ring* r) { return r->session == s; };
-  polled_.erase(std::remove_if(polled_.begin(), polled_.end(), mine), polled_.end());
-  parked_.erase(std::remove_if(parked_.begin(), parked_.end(), mine), parked_.end());
+  polled_.erase(std::remove_if(polled_.begin(), polled_.end(), mine),
+                polled_.end());
+  parked_.erase(std::remove_if(parked_.begin(), parked_.end(), mine),
+                parked_.end());
   for (auto& r : s->rings) {
     if (r->state == Ring::State::kArmed) --armed_count_;
     handles_[r->handle] = nullptr;
@@ -395,8 +409,10 @@ bool Executor::ParkedReady(const Ring& ring) const {
   if (s.failed || s.state.header()->dead.load() != 0) return true;
   if (ring.in_collective) return CollectiveReady(ring, tpu::MonotonicNanos());
   const TrustedRing* other = s.state.ring(ring.wait_ring);
-  return other->last_sequence.load(std::memory_order_acquire) >= ring.wait_sequence ||
-         tpu::RingControlOf(s.shm.data(), s.layout, ring.wait_ring)->dead.load() != 0;
+  return other->last_sequence.load(std::memory_order_acquire) >=
+             ring.wait_sequence ||
+         tpu::RingControlOf(s.shm.data(), s.layout, ring.wait_ring)
+                 ->dead.load() != 0;
 }
 
 void Executor::ArmDoorbell(Ring& ring) {
@@ -412,7 +428,8 @@ void Executor::MakeRunnable(Ring& ring) {
     ring.ctl->consumer_sleeping.store(0, std::memory_order_relaxed);
     --armed_count_;
   } else if (ring.in_collective) {
-    ring.ctl->consumer_sleeping.store(0, std::memory_order_relaxed);  // armed parked (Sleep)
+    ring.ctl->consumer_sleeping.store(
+        0, std::memory_order_relaxed);  // armed parked (Sleep)
   }
   ring.state = Ring::State::kQueued;
   queue_.Push(ring.session->id, ring.handle);
@@ -469,8 +486,10 @@ void Executor::Sleep(int timeout_ms) {
   // completed for it by the executor that runs it, which then leaves waking
   // us to the client's next record (FinishPeerSlot). Arm, then look again.
   for (Ring* r : parked_) {
-    if (r->state != Ring::State::kParked || !r->in_collective || !r->collective_posted ||
-        r->ctl->submitted.load(std::memory_order_relaxed) != r->collective_sequence) {
+    if (r->state != Ring::State::kParked || !r->in_collective ||
+        !r->collective_posted ||
+        r->ctl->submitted.load(std::memory_order_relaxed) !=
+            r->collective_sequence) {
       continue;
     }
     ArmDoorbell(*r);
@@ -483,7 +502,8 @@ void Executor::Sleep(int timeout_ms) {
   slot_->sleeping.store(1);
   DrainDoorbells(timeout_ms);
   slot_->sleeping.store(0);
-  if (config_.shared->sampler_sleeping.load() != 0) WakeFutex(&config_.shared->sampler_futex);
+  if (config_.shared->sampler_sleeping.load() != 0)
+    WakeFutex(&config_.shared->sampler_futex);
 }
 
 void Executor::DrainDoorbells(int timeout_ms) {
@@ -524,14 +544,18 @@ void Executor::UpdateActivity(uint64_t now) {
   last_activity_update_ = now;
   if (config_.backend->Compiles()) {
     slot_->compiles_ops.store(1, std::memory_order_relaxed);
-    slot_->programs_cached.store(config_.backend->programs_cached(), std::memory_order_relaxed);
-    slot_->device_buffer_bytes.store(config_.backend->device_buffer_bytes(), std::memory_order_relaxed);
-    for (size_t i = 0; i < config_.chips.size() && i < tpu::kMaxChipsPerHost; ++i) {
+    slot_->programs_cached.store(config_.backend->programs_cached(),
+                                 std::memory_order_relaxed);
+    slot_->device_buffer_bytes.store(config_.backend->device_buffer_bytes(),
+                                     std::memory_order_relaxed);
+    for (size_t i = 0; i < config_.chips.size() && i < tpu::kMaxChipsPerHost;
+         ++i) {
       const CompileStats c = config_.backend->compile_stats(config_.chips[i]);
       slot_->compiles[i].store(c.compiles, std::memory_order_relaxed);
       slot_->compile_ns[i].store(c.compile_ns, std::memory_order_relaxed);
       slot_->program_hits[i].store(c.hits, std::memory_order_relaxed);
-      slot_->collective_programs[i].store(c.collectives, std::memory_order_relaxed);
+      slot_->collective_programs[i].store(c.collectives,
+                                          std::memory_order_relaxed);
       slot_->graph_programs[i].store(c.graphs, std::memory_order_relaxed);
     }
   }
@@ -549,21 +573,25 @@ void Executor::UpdateActivity(uint64_t now) {
     for (const auto& r : s->rings) {
       const int i = ChipSlot(r->chip);
       if (i < 0 || i >= tpu::kMaxChipsPerHost) continue;
-      const uint64_t submitted = r->ctl->submitted.load(std::memory_order_relaxed);
-      const uint64_t done = r->trusted->last_sequence.load(std::memory_order_relaxed);
+      const uint64_t submitted =
+          r->ctl->submitted.load(std::memory_order_relaxed);
+      const uint64_t done =
+          r->trusted->last_sequence.load(std::memory_order_relaxed);
       if (submitted > done) {
-        depth[i] += std::min<uint64_t>(submitted - done,
-                                       s->layout.ring_bytes / sizeof(tpu::RecordHeader));
+        depth[i] += std::min<uint64_t>(
+            submitted - done, s->layout.ring_bytes / sizeof(tpu::RecordHeader));
       }
     }
   }
-  for (size_t i = 0; i < config_.chips.size() && i < tpu::kMaxChipsPerHost; ++i) {
+  for (size_t i = 0; i < config_.chips.size() && i < tpu::kMaxChipsPerHost;
+       ++i) {
     slot_->queue_depth[i].store(depth[i], std::memory_order_relaxed);
   }
   if (window_start_ns_ == 0) window_start_ns_ = now;
   if (now - window_start_ns_ >= kActivityWindowNs) {
-    slot_->duty_permille.store(window_busy_ns_ * 1000 / (now - window_start_ns_),
-                               std::memory_order_relaxed);
+    slot_->duty_permille.store(
+        window_busy_ns_ * 1000 / (now - window_start_ns_),
+        std::memory_order_relaxed);
     window_start_ns_ = now;
     window_busy_ns_ = 0;
   }
@@ -576,7 +604,8 @@ void Executor::RunRing(Ring& ring) {
   uint64_t records = 0;
   const int chip_slot = ChipSlot(ring.chip);
   while (true) {
-    if (s.failed || s.state.header()->dead.load(std::memory_order_relaxed) != 0) {
+    if (s.failed ||
+        s.state.header()->dead.load(std::memory_order_relaxed) != 0) {
       ring.state = Ring::State::kDone;
       break;
     }
@@ -591,7 +620,8 @@ void Executor::RunRing(Ring& ring) {
     ++records;
     now = tpu::MonotonicNanos();
     if (chip_slot >= 0 && chip_slot < tpu::kMaxChipsPerHost) {
-      BumpSingleWriter(slot_->op_latency[chip_slot][OpLatencyBucket(now - op_start)]);
+      BumpSingleWriter(
+          slot_->op_latency[chip_slot][OpLatencyBucket(now - op_start)]);
       BumpSingleWriter(slot_->op_latency_sum_ns[chip_slot], now - op_start);
     }
     // At the end of its quantum a ring goes back to the queue even when no
@@ -619,7 +649,8 @@ void Executor::RunRing(Ring& ring) {
 
 // ---------------------------------------------------------------- records
 
-void Executor::WakeCompletionWaiters(TrustedRing* trusted, tpu::RingControl* ctl) {
+void Executor::WakeCompletionWaiters(TrustedRing* trusted,
+                                     tpu::RingControl* ctl) {
   // Waiters are woken once what the earliest of them waits for is done
   // (tpu/shm_layout.h); they set wake_at again if they still wait.
   if (ctl->waiters.load() > 0 && ctl->completed.load() >= ctl->wake_at.load()) {
@@ -629,14 +660,16 @@ void Executor::WakeCompletionWaiters(TrustedRing* trusted, tpu::RingControl* ctl
   // Executors parked on this ring.
   if (trusted->watchers.load(std::memory_order_seq_cst) != 0) {
     uint64_t w = trusted->watchers.exchange(0);
-    for (int e = 0; w != 0 && e < static_cast<int>(config_.wake_fds.size()); ++e, w >>= 1) {
+    for (int e = 0; w != 0 && e < static_cast<int>(config_.wake_fds.size());
+         ++e, w >>= 1) {
       if ((w & 1) != 0) WakeExecutor(config_.wake_fds, e, config_.index);
     }
   }
 }
 
 void Executor::Complete(Ring& ring, uint64_t length, uint64_t sequence) {
-  const uint64_t head = ring.trusted->head.load(std::memory_order_relaxed) + length;
+  const uint64_t head =
+      ring.trusted->head.load(std::memory_order_relaxed) + length;
   ring.trusted->head.store(head, std::memory_order_relaxed);
   if (sequence != 0) {
     ring.trusted->last_sequence.store(sequence, std::memory_order_seq_cst);
@@ -663,9 +696,11 @@ void Executor::FailSession(Session& s, const absl::Status& status) {
   CountError(status);
   s.failed = true;
   s.state.header()->dead.store(1);
-  const absl::Status st(status.code(), absl::StrCat("session failed: ", status.message()));
+  const absl::Status st(status.code(),
+                        absl::StrCat("session failed: ", status.message()));
   for (uint32_t r = 0; r < s.layout.num_rings; ++r) {
-    KillRing(tpu::RingControlOf(s.shm.data(), s.layout, static_cast<int>(r)), st);
+    KillRing(tpu::RingControlOf(s.shm.data(), s.layout, static_cast<int>(r)),
+             st);
   }
   ControlMessage m;
   m.type = ControlType::kSessionFailed;
@@ -689,25 +724,26 @@ bool Executor::Step(Ring& ring) {
   };
   if (tail - head > ring_bytes || tail < head) {
     return fail(absl::InvalidArgumentError(absl::StrFormat(
-        "ring %d: tail %d is not within one ring (%d bytes) of head %d", stream, tail,
-        ring_bytes, head)));
+        "ring %d: tail %d is not within one ring (%d bytes) of head %d", stream,
+        tail, ring_bytes, head)));
   }
   const uint64_t pos = head & (ring_bytes - 1);
   const uint64_t available = std::min(tail - head, ring_bytes - pos);
   if (available < sizeof(tpu::RecordHeader)) {
-    return fail(absl::InvalidArgumentError(absl::StrFormat(
-        "ring %d: %d bytes published at ring offset %d, less than a record header", stream,
-        available, pos)));
+    return fail(absl::InvalidArgumentError(
+        absl::StrFormat("ring %d: %d bytes published at ring offset %d, less "
+                        "than a record header",
+                        stream, available, pos)));
   }
   tpu::RecordHeader header;
   std::memcpy(&header, ring.data + pos, sizeof(header));
   if (header.kind == static_cast<uint16_t>(tpu::RecordKind::kPad)) {
     // Filler to the end of the ring; nothing to run, no sequence.
     if (header.length != ring_bytes - pos) {
-      return fail(absl::InvalidArgumentError(
-          absl::StrFormat("ring %d: pad record of %d bytes at offset %d does not reach the "
-                          "ring's end",
-                          stream, header.length, pos)));
+      return fail(absl::InvalidArgumentError(absl::StrFormat(
+          "ring %d: pad record of %d bytes at offset %d does not reach the "
+          "ring's end",
+          stream, header.length, pos)));
     }
     Complete(ring, header.length, 0);
     return true;
@@ -726,34 +762,38 @@ bool Executor::Step(Ring& ring) {
   }
   if (header.sequence != last + 1) {
     return fail(absl::InvalidArgumentError(absl::StrFormat(
-        "ring %d: record sequence %d after %d (sequences count up by one)", stream,
-        header.sequence, last)));
+        "ring %d: record sequence %d after %d (sequences count up by one)",
+        stream, header.sequence, last)));
   }
   // Work on a private copy: the client could rewrite the ring meanwhile.
   record_.assign(ring.data + pos, header.length);
   const absl::string_view record(record_);
   switch (static_cast<tpu::RecordKind>(header.kind)) {
     case tpu::RecordKind::kDefineOp: {
-      if (absl::Status st = HandleDefineOp(ring, record); !st.ok()) return fail(st);
+      if (absl::Status st = HandleDefineOp(ring, record); !st.ok())
+        return fail(st);
       break;
     }
     case tpu::RecordKind::kOp: {
-      if (absl::Status st = tpu::DecodeOp(record, &op_); !st.ok()) return fail(st);
+      if (absl::Status st = tpu::DecodeOp(record, &op_); !st.ok())
+        return fail(st);
       poison_root_.clear();
       absl::Status st = RunOp(ring, header.sequence);
       if (!st.ok()) {
         // Outputs of an op that failed on a poisoned input carry the root
         // cause, not a chain of "produced by an op that failed" prefixes.
         const OpSlot& slot = LookupOp(ring, op_.op_id);
-        PoisonOutputs(ring, slot.op.get(),
-                      poison_root_.empty() ? std::string(st.message()) : poison_root_);
+        PoisonOutputs(
+            ring, slot.op.get(),
+            poison_root_.empty() ? std::string(st.message()) : poison_root_);
         RecordOpError(ctl, header.sequence, st);
       }
       break;
     }
     case tpu::RecordKind::kCopy: {
       tpu::DecodedCopy copy;
-      if (absl::Status st = tpu::DecodeCopy(record, &copy); !st.ok()) return fail(st);
+      if (absl::Status st = tpu::DecodeCopy(record, &copy); !st.ok())
+        return fail(st);
       BeginOp(ring, header.sequence, "copy", 4);
       absl::Status st = RunCopy(ring, copy);
       EndOp();
@@ -762,18 +802,22 @@ bool Executor::Step(Ring& ring) {
     }
     case tpu::RecordKind::kEventRecord: {
       uint32_t slot = 0;
-      if (absl::Status st = tpu::DecodeEventRecord(record, &slot); !st.ok()) return fail(st);
+      if (absl::Status st = tpu::DecodeEventRecord(record, &slot); !st.ok())
+        return fail(st);
       if (slot >= static_cast<uint32_t>(tpu::kMaxEvents)) {
-        return fail(absl::InvalidArgumentError(absl::StrCat("event slot ", slot, " out of range")));
+        return fail(absl::InvalidArgumentError(
+            absl::StrCat("event slot ", slot, " out of range")));
       }
-      tpu::EventSlot* ev = tpu::EventOf(s.shm.data(), s.layout, static_cast<int>(slot));
+      tpu::EventSlot* ev =
+          tpu::EventOf(s.shm.data(), s.layout, static_cast<int>(slot));
       ev->sequence.store(header.sequence);
       ev->completed_ns.store(tpu::MonotonicNanos());
       break;
     }
     case tpu::RecordKind::kCollective: {
       bool done = false, malformed = false;
-      absl::Status st = StepCollective(ring, header.sequence, record, &done, &malformed);
+      absl::Status st =
+          StepCollective(ring, header.sequence, record, &done, &malformed);
       if (malformed) return fail(st);
       if (!done) {
         ring.state = Ring::State::kParked;
@@ -784,14 +828,16 @@ bool Executor::Step(Ring& ring) {
       break;
     }
     case tpu::RecordKind::kRunProgram: {
-      if (absl::Status st = tpu::DecodeRunProgram(record, &run_); !st.ok()) return fail(st);
+      if (absl::Status st = tpu::DecodeRunProgram(record, &run_); !st.ok())
+        return fail(st);
       absl::Status st = RunProgram(ring, header.sequence, run_);
       if (!st.ok()) RecordOpError(ctl, header.sequence, st);
       break;
     }
     case tpu::RecordKind::kEventWait: {
       tpu::DecodedEventWait wait;
-      if (absl::Status st = tpu::DecodeEventWait(record, &wait); !st.ok()) return fail(st);
+      if (absl::Status st = tpu::DecodeEventWait(record, &wait); !st.ok())
+        return fail(st);
       bool ready = false;
       absl::Status st = CheckEventWait(ring, header.sequence, wait, &ready);
       if (!st.ok()) {
@@ -806,7 +852,8 @@ bool Executor::Step(Ring& ring) {
       break;
     }
     default:
-      return fail(absl::InvalidArgumentError(absl::StrCat("unknown record kind ", header.kind)));
+      return fail(absl::InvalidArgumentError(
+          absl::StrCat("unknown record kind ", header.kind)));
   }
   Complete(ring, header.length, header.sequence);
   return true;
@@ -816,20 +863,22 @@ absl::Status Executor::HandleDefineOp(Ring& ring, absl::string_view record) {
   tpu::DecodedDefineOp def;
   if (absl::Status st = tpu::DecodeDefineOp(record, &def); !st.ok()) return st;
   if (def.op_id >= kMaxOpIds) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("op id ", def.op_id, " out of range (at most ", kMaxOpIds - 1, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "op id ", def.op_id, " out of range (at most ", kMaxOpIds - 1, ")"));
   }
   SessionChipState* cs = ring.session->state.chip(ring.chip);
   OpTableEntry& e = cs->op_table[def.op_id];
-  const bool same = e.length == def.schema.size() &&
-                    std::memcmp(cs->op_arena + e.offset, def.schema.data(), e.length) == 0;
+  const bool same =
+      e.length == def.schema.size() &&
+      std::memcmp(cs->op_arena + e.offset, def.schema.data(), e.length) == 0;
   if (!same) {
     if (def.schema.size() > kOpArenaBytes - cs->op_arena_used) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "this session defined more operator schemas than tpud keeps (",
           kOpArenaBytes / 1024, " KiB of schema text per chip); reuse op ids"));
     }
-    std::memcpy(cs->op_arena + cs->op_arena_used, def.schema.data(), def.schema.size());
+    std::memcpy(cs->op_arena + cs->op_arena_used, def.schema.data(),
+                def.schema.size());
     e.offset = cs->op_arena_used;
     e.length = static_cast<uint32_t>(def.schema.size());
     cs->op_arena_used += static_cast<uint32_t>(def.schema.size());
@@ -841,7 +890,8 @@ absl::Status Executor::HandleDefineOp(Ring& ring, absl::string_view record) {
 }
 
 const Executor::OpSlot& Executor::LookupOp(Ring& ring, uint32_t op_id) {
-  static const OpSlot kUndefined{nullptr, absl::InvalidArgumentError("op id out of range"), true};
+  static const OpSlot kUndefined{
+      nullptr, absl::InvalidArgumentError("op id out of range"), true};
   if (op_id >= kMaxOpIds) return kUndefined;
   std::vector<OpSlot>& ops = ring.session->ops[ChipSlot(ring.chip)];
   if (ops.size() <= op_id) ops.resize(op_id + 1);
@@ -856,7 +906,8 @@ const Executor::OpSlot& Executor::LookupOp(Ring& ring, uint32_t op_id) {
     return slot;
   }
   absl::StatusOr<std::shared_ptr<const BackendOp>> op =
-      config_.backend->LookupOp(absl::string_view(cs->op_arena + e.offset, e.length));
+      config_.backend->LookupOp(
+          absl::string_view(cs->op_arena + e.offset, e.length));
   if (op.ok()) {
     slot.op = *std::move(op);
   } else {
@@ -865,9 +916,11 @@ const Executor::OpSlot& Executor::LookupOp(Ring& ring, uint32_t op_id) {
   return slot;
 }
 
-void Executor::BeginOp(Ring& ring, uint64_t sequence, const char* what, size_t what_len) {
+void Executor::BeginOp(Ring& ring, uint64_t sequence, const char* what,
+                       size_t what_len) {
   slot_->current_session.store(ring.session->id, std::memory_order_relaxed);
-  slot_->current_ring.store(static_cast<uint32_t>(ring.index), std::memory_order_relaxed);
+  slot_->current_ring.store(static_cast<uint32_t>(ring.index),
+                            std::memory_order_relaxed);
   slot_->current_sequence.store(sequence, std::memory_order_relaxed);
   what_len = std::min(what_len, sizeof(slot_->current_op) - 1);
   std::memcpy(slot_->current_op, what, what_len);
@@ -880,7 +933,8 @@ void Executor::BeginOp(Ring& ring, uint64_t sequence, const char* what, size_t w
 void Executor::EndOp() {
   slot_->op_started_ns.store(0, std::memory_order_relaxed);
   slot_->in_op_tag.store(0, std::memory_order_seq_cst);
-  if (slot_->fence_waiters.load(std::memory_order_seq_cst) != 0) WakeFutex(&slot_->op_epoch);
+  if (slot_->fence_waiters.load(std::memory_order_seq_cst) != 0)
+    WakeFutex(&slot_->op_epoch);
 }
 
 absl::Status Executor::ResolveTensors(Ring& ring) {
@@ -909,21 +963,25 @@ absl::Status Executor::ResolveTensors(Ring& ring) {
     }
     const int c = tpu::DeviceAddressChip(t.address);
     if (c >= 0 && c < num_chips && c != ring.chip) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "tensors of one op must be on one chip: chips %d and %d; copy one first", ring.chip,
-          c));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("tensors of one op must be on one chip: chips %d and "
+                          "%d; copy one first",
+                          ring.chip, c));
     }
     const uint64_t offset = tpu::DeviceAddressOffset(t.address);
     std::optional<PageOwnerTable::Segment> seg =
-        c == ring.chip ? config_.owners[c].Find(offset, fp->end, s.tag) : std::nullopt;
+        c == ring.chip ? config_.owners[c].Find(offset, fp->end, s.tag)
+                       : std::nullopt;
     if (!seg.has_value()) {
       bad_ref_ = i;
-      const uint32_t owner = c == ring.chip ? config_.owners[c].OwnerOf(offset) : 0;
+      const uint32_t owner =
+          c == ring.chip ? config_.owners[c].OwnerOf(offset) : 0;
       bad_ref_foreign_ = owner != 0 && owner != s.tag;
       return absl::NotFoundError("");  // worded by the caller
     }
     resolved_[i] = ResolvedTensor{config_.chip_bases[c] + seg->offset,
-                                  tpu::MakeDeviceAddress(c, seg->offset), seg->bytes, s.id};
+                                  tpu::MakeDeviceAddress(c, seg->offset),
+                                  seg->bytes, s.id};
   }
   return absl::OkStatus();
 }
@@ -936,9 +994,9 @@ absl::Status Executor::RunOp(Ring& ring, uint64_t sequence) {
   const bool sync = (op_.flags & tpu::kOpFlagSync) != 0;
   tpu::RingControl* ctl = ring.ctl;
   const std::string& schema = op.schema();
-  BeginOp(ring, sequence, schema.data(), schema.find('(') == std::string::npos
-                                             ? schema.size()
-                                             : schema.find('('));
+  BeginOp(
+      ring, sequence, schema.data(),
+      schema.find('(') == std::string::npos ? schema.size() : schema.find('('));
   absl::Status status;
   if (s.state.header()->dead.load(std::memory_order_seq_cst) != 0) {
     status = absl::UnavailableError("the session ended");
@@ -946,14 +1004,16 @@ absl::Status Executor::RunOp(Ring& ring, uint64_t sequence) {
     SyncReleases();
     status = ResolveTensors(ring);
     if (!status.ok() && status.code() != absl::StatusCode::kNotFound) {
-      status = absl::Status(status.code(), absl::StrCat(OpName(&op), ": ", status.message()));
+      status = absl::Status(status.code(),
+                            absl::StrCat(OpName(&op), ": ", status.message()));
     }
   }
   if (status.ok()) status = CheckInputPoison(ring, op);
   if (status.ok()) {
     ResultAllocatorImpl alloc(this, &s, ring.chip);
     results_.clear();
-    status = config_.backend->Run(op, op_, resolved_, sync ? &results_ : nullptr, &alloc);
+    status = config_.backend->Run(op, op_, resolved_,
+                                  sync ? &results_ : nullptr, &alloc);
     if (status.ok()) {
       if (s.state.chip(ring.chip)->poison.count != 0) UnpoisonOutputs(ring, op);
     } else {
@@ -965,8 +1025,8 @@ absl::Status Executor::RunOp(Ring& ring, uint64_t sequence) {
     // A tensor outside the session's own segments: tell forged from foreign.
     const tpu::TensorRef& t = *refs_[bad_ref_];
     std::string what = absl::StrFormat(
-        "%s: tensor %d at device address 0x%x (dtype %d, %d dims) is %s", OpName(&op), bad_ref_,
-        t.address, t.dtype, t.ndim,
+        "%s: tensor %d at device address 0x%x (dtype %d, %d dims) is %s",
+        OpName(&op), bad_ref_, t.address, t.dtype, t.ndim,
         bad_ref_foreign_ ? "in another session's memory"
                          : "not inside one of this session's segments");
     status = bad_ref_foreign_ ? absl::PermissionDeniedError(what)
@@ -1010,13 +1070,15 @@ absl::Status Executor::RunOp(Ring& ring, uint64_t sequence) {
   ctl->response_sequence = sequence;
   // A synchronous op's failure is reported to its caller directly.
   if (!status.ok()) {
-    PoisonOutputs(ring, &op, poison_root_.empty() ? std::string(status.message()) : poison_root_);
+    PoisonOutputs(
+        ring, &op,
+        poison_root_.empty() ? std::string(status.message()) : poison_root_);
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<char*> Executor::DeviceRange(Session& s, uint64_t address, uint64_t bytes,
-                                            const char* what) {
+absl::StatusOr<char*> Executor::DeviceRange(Session& s, uint64_t address,
+                                            uint64_t bytes, const char* what) {
   const int c = tpu::DeviceAddressChip(address);
   const uint64_t offset = tpu::DeviceAddressOffset(address);
   std::optional<PageOwnerTable::Segment> seg;
@@ -1024,27 +1086,30 @@ absl::StatusOr<char*> Executor::DeviceRange(Session& s, uint64_t address, uint64
     seg = config_.owners[c].Find(offset, bytes, s.tag);
   }
   if (!seg.has_value()) {
-    const uint32_t owner =
-        c >= 0 && c < static_cast<int>(config_.owners.size()) ? config_.owners[c].OwnerOf(offset)
-                                                               : 0;
+    const uint32_t owner = c >= 0 && c < static_cast<int>(config_.owners.size())
+                               ? config_.owners[c].OwnerOf(offset)
+                               : 0;
     std::string msg = absl::StrFormat(
         "copy of %d bytes: device %s range at 0x%x is %s", bytes, what, address,
-        owner != 0 && owner != s.tag ? "in another session's memory"
-                                     : "not inside one of this session's segments");
+        owner != 0 && owner != s.tag
+            ? "in another session's memory"
+            : "not inside one of this session's segments");
     if (owner != 0 && owner != s.tag) return absl::PermissionDeniedError(msg);
     return absl::InvalidArgumentError(msg);
   }
   return config_.chip_bases[c] + offset;
 }
 
-absl::StatusOr<char*> Executor::HostRange(Session& s, uint64_t offset, uint64_t bytes) {
+absl::StatusOr<char*> Executor::HostRange(Session& s, uint64_t offset,
+                                          uint64_t bytes) {
   // Host sides of copies must lie in the staging area or the pinned pool.
   const uint64_t begin = s.layout.staging_offset;
   const uint64_t end = s.layout.pinned_offset + s.layout.pinned_bytes;
   if (offset < begin || offset > end || bytes > end - offset) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "host range [0x%x, +%d) is outside the session's staging area and pinned pool", offset,
-        bytes));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("host range [0x%x, +%d) is outside the session's "
+                        "staging area and pinned pool",
+                        offset, bytes));
   }
   return s.shm.data() + offset;
 }
@@ -1062,32 +1127,42 @@ absl::Status Executor::RunCopy(Ring& ring, const tpu::DecodedCopy& copy) {
   const uint64_t own = to_device ? copy.dst : copy.src;
   const int own_chip = tpu::DeviceAddressChip(own);
   if (own_chip != ring.chip) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "copy %s device address 0x%x (chip %d) on a ring of chip %d: copies go on a ring of "
-        "the chip they write (or, to the host, read)",
-        to_device ? "to" : "from", own, own_chip, ring.chip));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("copy %s device address 0x%x (chip %d) on a ring of "
+                        "chip %d: copies go on a ring of "
+                        "the chip they write (or, to the host, read)",
+                        to_device ? "to" : "from", own, own_chip, ring.chip));
   }
   SyncReleases();
-  absl::StatusOr<char*> src = from_device ? DeviceRange(s, copy.src, copy.bytes, "source")
-                                          : HostRange(s, copy.src, copy.bytes);
+  absl::StatusOr<char*> src =
+      from_device ? DeviceRange(s, copy.src, copy.bytes, "source")
+                  : HostRange(s, copy.src, copy.bytes);
   if (!src.ok()) return src.status();
-  absl::StatusOr<char*> dst = to_device ? DeviceRange(s, copy.dst, copy.bytes, "destination")
-                                        : HostRange(s, copy.dst, copy.bytes);
+  absl::StatusOr<char*> dst =
+      to_device ? DeviceRange(s, copy.dst, copy.bytes, "destination")
+                : HostRange(s, copy.dst, copy.bytes);
   if (!dst.ok()) return dst.status();
   std::string cause;
-  if (from_device &&
-      FindPoison(s, tpu::DeviceAddressChip(copy.src), copy.src, copy.src + copy.bytes, &cause)) {
+  if (from_device && FindPoison(s, tpu::DeviceAddressChip(copy.src), copy.src,
+                                copy.src + copy.bytes, &cause)) {
     // The data came from an op that failed: it stays poisoned where it goes.
-    if (to_device) AddPoison(s, ring.chip, copy.dst, copy.dst + copy.bytes, cause);
-    return absl::FailedPreconditionError(
-        absl::StrCat("the copied data was produced by an op that failed earlier: ", cause));
+    if (to_device)
+      AddPoison(s, ring.chip, copy.dst, copy.dst + copy.bytes, cause);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the copied data was produced by an op that failed earlier: ", cause));
   }
   // A backend with memory of its own brings the arena's copy up to date.
   if (from_device) {
-    if (absl::Status st = config_.backend->HostAccess(copy.src, copy.bytes, false, s.id); !st.ok()) return st;
+    if (absl::Status st =
+            config_.backend->HostAccess(copy.src, copy.bytes, false, s.id);
+        !st.ok())
+      return st;
   }
   if (to_device) {
-    if (absl::Status st = config_.backend->HostAccess(copy.dst, copy.bytes, true, s.id); !st.ok()) return st;
+    if (absl::Status st =
+            config_.backend->HostAccess(copy.dst, copy.bytes, true, s.id);
+        !st.ok())
+      return st;
   }
   std::memmove(*dst, *src, copy.bytes);
   if (to_device) ClearPoison(s, ring.chip, copy.dst, copy.dst + copy.bytes);
@@ -1095,21 +1170,24 @@ absl::Status Executor::RunCopy(Ring& ring, const tpu::DecodedCopy& copy) {
 }
 
 absl::Status Executor::CheckEventWait(Ring& ring, uint64_t sequence,
-                                      const tpu::DecodedEventWait& wait, bool* ready) {
+                                      const tpu::DecodedEventWait& wait,
+                                      bool* ready) {
   Session& s = *ring.session;
   *ready = false;
   if (wait.stream >= s.layout.num_rings) {
-    return absl::InvalidArgumentError(absl::StrCat("event wait on ring ", wait.stream,
-                                                   " (this session has rings 0..",
-                                                   s.layout.num_rings - 1, ")"));
-  }
-  if (static_cast<int>(wait.stream) == ring.index && wait.sequence >= sequence) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "ring ", ring.index, " waits on its own later work (sequence ", wait.sequence,
-        " at record ", sequence, "): it would wait forever"));
+        "event wait on ring ", wait.stream, " (this session has rings 0..",
+        s.layout.num_rings - 1, ")"));
+  }
+  if (static_cast<int>(wait.stream) == ring.index &&
+      wait.sequence >= sequence) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ring ", ring.index, " waits on its own later work (sequence ",
+        wait.sequence, " at record ", sequence, "): it would wait forever"));
   }
   TrustedRing* other = s.state.ring(static_cast<int>(wait.stream));
-  tpu::RingControl* other_ctl = tpu::RingControlOf(s.shm.data(), s.layout, wait.stream);
+  tpu::RingControl* other_ctl =
+      tpu::RingControlOf(s.shm.data(), s.layout, wait.stream);
   if (other->last_sequence.load(std::memory_order_acquire) >= wait.sequence ||
       other_ctl->dead.load() != 0) {
     *ready = true;
@@ -1118,13 +1196,16 @@ absl::Status Executor::CheckEventWait(Ring& ring, uint64_t sequence,
   if (wait.sequence > other_ctl->submitted.load()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "event wait on ring ", wait.stream, " sequence ", wait.sequence,
-        ", which that ring was never given (submitted ", other_ctl->submitted.load(),
+        ", which that ring was never given (submitted ",
+        other_ctl->submitted.load(),
         "); record the event before waiting on it"));
   }
   // Park: the ring's executor wakes us when it progresses. Look once more
   // after registering so progress in between is never missed.
-  other->watchers.fetch_or(uint64_t{1} << config_.index, std::memory_order_seq_cst);
-  *ready = other->last_sequence.load(std::memory_order_seq_cst) >= wait.sequence;
+  other->watchers.fetch_or(uint64_t{1} << config_.index,
+                           std::memory_order_seq_cst);
+  *ready =
+      other->last_sequence.load(std::memory_order_seq_cst) >= wait.sequence;
   return absl::OkStatus();
 }
 
@@ -1132,7 +1213,8 @@ absl::Status Executor::CheckEventWait(Ring& ring, uint64_t sequence,
 
 bool Executor::FindPoison(Session& s, int chip, uint64_t begin, uint64_t end,
                           std::string* cause) const {
-  if (chip < 0 || chip >= static_cast<int>(s.layout.num_chips) || end <= begin) return false;
+  if (chip < 0 || chip >= static_cast<int>(s.layout.num_chips) || end <= begin)
+    return false;
   const PoisonTable& t = s.state.chip(chip)->poison;
   const bool own = ChipSlot(chip) >= 0;
   for (int attempt = 0;; ++attempt) {
@@ -1151,12 +1233,15 @@ bool Executor::FindPoison(Session& s, int chip, uint64_t begin, uint64_t end,
     std::string text;
     if (hit) {
       const PoisonCause& c = t.causes[id % kPoisonCauses];
-      text = c.id == id ? std::string(c.text, strnlen(c.text, sizeof(c.text)))
-                        : std::string("(an op that failed long ago; its message is no longer "
-                                      "kept)");
+      text = c.id == id
+                 ? std::string(c.text, strnlen(c.text, sizeof(c.text)))
+                 : std::string(
+                       "(an op that failed long ago; its message is no longer "
+                       "kept)");
     }
     std::atomic_thread_fence(std::memory_order_acquire);
-    if (own || attempt >= 100000 || t.version.load(std::memory_order_relaxed) == v) {
+    if (own || attempt >= 100000 ||
+        t.version.load(std::memory_order_relaxed) == v) {
       if (hit) *cause = std::move(text);
       return hit;
     }
@@ -1219,13 +1304,16 @@ void ForWritten(const tpu::DecodedOp& op, const BackendOp* backend_op, F&& f) {
 }
 }  // namespace
 
-void Executor::PoisonOutputs(Ring& ring, const BackendOp* op, const std::string& cause) {
+void Executor::PoisonOutputs(Ring& ring, const BackendOp* op,
+                             const std::string& cause) {
   ForWritten(op_, op, [&](const tpu::TensorRef& t) {
     absl::StatusOr<tpu::Footprint> fp = tpu::TensorFootprint(t);
-    if (!fp.ok() || fp->end == fp->begin || tpu::DeviceAddressChip(t.address) != ring.chip) {
+    if (!fp.ok() || fp->end == fp->begin ||
+        tpu::DeviceAddressChip(t.address) != ring.chip) {
       return;
     }
-    AddPoison(*ring.session, ring.chip, t.address + fp->begin, t.address + fp->end, cause);
+    AddPoison(*ring.session, ring.chip, t.address + fp->begin,
+              t.address + fp->end, cause);
   });
 }
 
@@ -1234,7 +1322,8 @@ void Executor::UnpoisonOutputs(Ring& ring, const BackendOp& op) {
   ForWritten(op_, &op, [&](const tpu::TensorRef& t) {
     absl::StatusOr<tpu::Footprint> fp = tpu::TensorFootprint(t);
     if (!fp.ok() || fp->end == fp->begin) return;
-    ClearPoison(*ring.session, ring.chip, t.address + fp->begin, t.address + fp->end);
+    ClearPoison(*ring.session, ring.chip, t.address + fp->begin,
+                t.address + fp->end);
   });
 }
 
@@ -1248,7 +1337,8 @@ absl::Status Executor::CheckInputPoison(Ring& ring, const BackendOp& op) {
     absl::StatusOr<tpu::Footprint> fp = tpu::TensorFootprint(t);
     if (!fp.ok() || fp->end == fp->begin) return false;
     std::string cause;
-    if (!FindPoison(s, ring.chip, t.address + fp->begin, t.address + fp->end, &cause)) {
+    if (!FindPoison(s, ring.chip, t.address + fp->begin, t.address + fp->end,
+                    &cause)) {
       return false;
     }
     poison_root_ = cause;
@@ -1257,7 +1347,8 @@ absl::Status Executor::CheckInputPoison(Ring& ring, const BackendOp& op) {
   for (size_t a = 0; a < op_.num_args; ++a) {
     if (!op.OverwritesArgument(a) && AnyArgTensor(op_.args[a], check)) {
       return absl::FailedPreconditionError(
-          absl::StrCat("an input was produced by an op that failed earlier: ", poison_root_));
+          absl::StrCat("an input was produced by an op that failed earlier: ",
+                       poison_root_));
     }
   }
   return absl::OkStatus();

@@ -37,18 +37,18 @@
 #include "absl/status/status.h"
 #include "daemon/backends/chip_backend.h"
 #include "daemon/collectives/shared_table.h"
+#include "daemon/core/shared_regions.h"
 #include "daemon/executor/control_channel.h"
 #include "daemon/executor/fair_queue.h"
-#include "daemon/core/shared_regions.h"
 #include "tpu/op_record.h"
 #include "tpu/shm_layout.h"
 
 namespace tpud {
 
 struct ExecutorConfig {
-  int index = 0;              // slot in ExecutorShared
-  std::vector<int> chips;     // chips this executor serves
-  int control_fd = -1;        // its end of the control channel
+  int index = 0;           // slot in ExecutorShared
+  std::vector<int> chips;  // chips this executor serves
+  int control_fd = -1;     // its end of the control channel
   ExecutorShared* shared = nullptr;
   // Every chip of the host: HBM (read-write) and page owners (read-only).
   std::vector<char*> chip_bases;
@@ -127,11 +127,13 @@ class Executor {
     SharedMapping shm;
     SharedMapping state_map;
     SessionStateView state;
-    tpu::ShmHeader layout{};  // our own copy: the client can write the shared one
+    tpu::ShmHeader
+        layout{};  // our own copy: the client can write the shared one
     int doorbell_fd = -1;
     uint64_t epoll_key = 0;
-    std::vector<std::unique_ptr<Ring>> rings;  // the rings of this executor's chips
-    std::vector<std::vector<OpSlot>> ops;      // per chip index in config.chips
+    std::vector<std::unique_ptr<Ring>>
+        rings;                             // the rings of this executor's chips
+    std::vector<std::vector<OpSlot>> ops;  // per chip index in config.chips
     uint64_t last_active_ns = 0;
     bool failed = false;
     // Captured programs this session ran, parsed once (by program id).
@@ -164,7 +166,8 @@ class Executor {
   // Errors for metrics (ExecutorSlot::op_errors): every failed record, and
   // the record's ring error with it.
   void CountError(const absl::Status& status);
-  void RecordOpError(tpu::RingControl* ctl, uint64_t sequence, const absl::Status& status);
+  void RecordOpError(tpu::RingControl* ctl, uint64_t sequence,
+                     const absl::Status& status);
 
   // ---- records ----
   // Handles the record at the ring's head. Returns false when the ring
@@ -174,23 +177,25 @@ class Executor {
   absl::Status RunOp(Ring& ring, uint64_t sequence);
   absl::Status RunCopy(Ring& ring, const tpu::DecodedCopy& copy);
   // OK: satisfied; kUnavailable-free "not yet" is reported through *wait.
-  absl::Status CheckEventWait(Ring& ring, uint64_t sequence, const tpu::DecodedEventWait& wait,
-                              bool* ready);
+  absl::Status CheckEventWait(Ring& ring, uint64_t sequence,
+                              const tpu::DecodedEventWait& wait, bool* ready);
   absl::Status ResolveTensors(Ring& ring);
   // ---- captured programs (captured_programs.cc) ----
   // Runs a captured program's records back to back (kRunProgram).
-  absl::Status RunProgram(Ring& ring, uint64_t sequence, const tpu::DecodedRunProgram& run);
-  absl::StatusOr<std::shared_ptr<Program>> ProgramOf(Session& s,
-                                                     const tpu::DecodedRunProgram& run);
+  absl::Status RunProgram(Ring& ring, uint64_t sequence,
+                          const tpu::DecodedRunProgram& run);
+  absl::StatusOr<std::shared_ptr<Program>> ProgramOf(
+      Session& s, const tpu::DecodedRunProgram& run);
   // ---- collectives (collective_steps.cc) ----
   // Handles a kCollective record at the ring's head: posts its group (once),
   // runs whatever met, and reports whether the group is done (*done; then
   // the status is its result).
-  absl::Status StepCollective(Ring& ring, uint64_t sequence, absl::string_view record,
-                              bool* done, bool* malformed);
+  absl::Status StepCollective(Ring& ring, uint64_t sequence,
+                              absl::string_view record, bool* done,
+                              bool* malformed);
   bool CollectiveReady(const Ring& ring, uint64_t now) const;
-  absl::Status PostGroup(Ring& ring, CommSlot* comm, int rank, uint64_t sequence,
-                         bool* posted);
+  absl::Status PostGroup(Ring& ring, CommSlot* comm, int rank,
+                         uint64_t sequence, bool* posted);
   // Under the communicator's mutex: runs the collective instance or the
   // point-to-point pairs that have met, after rank's slot k was posted.
   void RunMet(CommSlot* comm, int rank, int k);
@@ -200,7 +205,8 @@ class Executor {
   void FinishSlot(CommSlot* comm, int rank, int k, const absl::Status& status);
   // Completes another rank's group record on its ring for it, and finishes
   // its slot (see the .cc).
-  void FinishPeerSlot(CommSlot* comm, int rank, int k, const absl::Status& status);
+  void FinishPeerSlot(CommSlot* comm, int rank, int k,
+                      const absl::Status& status);
   // The rank's ring control when its record was completed, else null.
   tpu::RingControl* CompleteForRank(CommSlot* comm, int rank, int k);
   // After a ring's completed sequence moved: its client's waiters and the
@@ -211,17 +217,21 @@ class Executor {
   // `segment` (if given) gets the segment it lies in. With `host_access`,
   // a backend with memory of its own first brings the arena's copy up to
   // date (input) or drops its own (output).
-  absl::StatusOr<char*> RankRange(const CommSlot* comm, int rank, uint64_t address,
-                                  uint64_t bytes, const char* what, bool input,
-                                  ResolvedTensor* segment = nullptr, bool host_access = true);
-  void PoisonCollectiveOutputs(Ring& ring, const std::string& cause, bool clear);
+  absl::StatusOr<char*> RankRange(const CommSlot* comm, int rank,
+                                  uint64_t address, uint64_t bytes,
+                                  const char* what, bool input,
+                                  ResolvedTensor* segment = nullptr,
+                                  bool host_access = true);
+  void PoisonCollectiveOutputs(Ring& ring, const std::string& cause,
+                               bool clear);
   // Ends the memory fence of a collective over `ranks` ranks (their session
   // tags published in slot_->collective_tags) and wakes its waiters.
   void EndCollectiveFence(int ranks);
   const OpSlot& LookupOp(Ring& ring, uint32_t op_id);
   void Complete(Ring& ring, uint64_t length, uint64_t sequence);
   void FailSession(Session& s, const absl::Status& status);
-  void BeginOp(Ring& ring, uint64_t sequence, const char* what, size_t what_len);
+  void BeginOp(Ring& ring, uint64_t sequence, const char* what,
+               size_t what_len);
   void EndOp();
   int ChipSlot(int chip) const;
   // The op's name without its signature ("aten::add.Tensor"), for messages.
@@ -229,8 +239,10 @@ class Executor {
 
   // ---- poison (per chip, in the session's state) ----
   // The cause when [begin, end) overlaps poisoned memory of `chip`.
-  bool FindPoison(Session& s, int chip, uint64_t begin, uint64_t end, std::string* cause) const;
-  void AddPoison(Session& s, int chip, uint64_t begin, uint64_t end, const std::string& cause);
+  bool FindPoison(Session& s, int chip, uint64_t begin, uint64_t end,
+                  std::string* cause) const;
+  void AddPoison(Session& s, int chip, uint64_t begin, uint64_t end,
+                 const std::string& cause);
   void ClearPoison(Session& s, int chip, uint64_t begin, uint64_t end);
   void PoisonOutputs(Ring& ring, const BackendOp* op, const std::string& cause);
   void UnpoisonOutputs(Ring& ring, const BackendOp& op);
@@ -238,8 +250,8 @@ class Executor {
 
   // Host view of a checked device range of the session; INVALID_ARGUMENT or
   // PERMISSION_DENIED naming it otherwise.
-  absl::StatusOr<char*> DeviceRange(Session& s, uint64_t address, uint64_t bytes,
-                                    const char* what);
+  absl::StatusOr<char*> DeviceRange(Session& s, uint64_t address,
+                                    uint64_t bytes, const char* what);
   absl::StatusOr<char*> HostRange(Session& s, uint64_t offset, uint64_t bytes);
 
   ExecutorConfig config_;
@@ -248,7 +260,7 @@ class Executor {
   bool stopping_ = false;
   uint64_t next_key_ = 1;
   std::unordered_map<uint64_t, std::unique_ptr<Session>> sessions_;  // by id
-  std::unordered_map<uint64_t, Session*> by_key_;                    // by epoll key
+  std::unordered_map<uint64_t, Session*> by_key_;  // by epoll key
   std::vector<Ring*> handles_;  // FairQueue handle -> ring (nullptr when freed)
   std::vector<int> free_handles_;
   FairQueue queue_;

@@ -2,14 +2,13 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <spdlog/spdlog.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <string>
-
-#include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/executor/executor.h"
@@ -22,7 +21,8 @@ ExecutorSlot* g_crash_slot = nullptr;
 void OnFatalSignal(int sig, siginfo_t* info, void*) {
   // Async-signal-safe: two stores, then die of the same signal.
   if (g_crash_slot != nullptr) {
-    g_crash_slot->crash_address.store(reinterpret_cast<uint64_t>(info->si_addr));
+    g_crash_slot->crash_address.store(
+        reinterpret_cast<uint64_t>(info->si_addr));
     g_crash_slot->crash_signal.store(sig);
   }
   signal(sig, SIG_DFL);
@@ -37,16 +37,18 @@ void InstallCrashHandlers(ExecutorSlot* slot) {
   ss.ss_sp = alt_stack;
   ss.ss_size = sizeof(alt_stack);
   sigaltstack(&ss, nullptr);
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_sigaction = &OnFatalSignal;
   sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESETHAND;
   sigemptyset(&sa.sa_mask);
-  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) sigaction(sig, &sa, nullptr);
+  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT})
+    sigaction(sig, &sa, nullptr);
 }
 
 }  // namespace
 
-int RunExecutorProcess(const ExecutorProcessConfig& config, int index, int control_fd) {
+int RunExecutorProcess(const ExecutorProcessConfig& config, int index,
+                       int control_fd) {
   ExecutorSlot* slot = &config.shared->slots[index];
   const std::string name = absl::StrCat("tpud-exec-", index);
   prctl(PR_SET_NAME, name.c_str());
@@ -56,9 +58,11 @@ int RunExecutorProcess(const ExecutorProcessConfig& config, int index, int contr
   InstallCrashHandlers(slot);
   // The executor only reads page owners: a wild write there is a crash, not
   // a breach of another session's memory.
-  for (const auto& [memory, bytes] : config.owner_tables) mprotect(memory, bytes, PROT_READ);
+  for (const auto& [memory, bytes] : config.owner_tables)
+    mprotect(memory, bytes, PROT_READ);
   fcntl(control_fd, F_SETFL, fcntl(control_fd, F_GETFL) | O_NONBLOCK);
-  spdlog::set_pattern(absl::StrCat("%Y-%m-%d %H:%M:%S.%e %^%l%$ [tpud executor ", index, "] %v"));
+  spdlog::set_pattern(absl::StrCat(
+      "%Y-%m-%d %H:%M:%S.%e %^%l%$ [tpud executor ", index, "] %v"));
 
   ExecutorConfig ec;
   ec.index = index;
@@ -67,12 +71,14 @@ int RunExecutorProcess(const ExecutorProcessConfig& config, int index, int contr
   ec.shared = config.shared;
   ec.chip_bases = config.chip_bases;
   for (size_t c = 0; c < config.owner_tables.size(); ++c) {
-    ec.owners.emplace_back(config.owner_tables[c].first, config.chip_capacities[c]);
+    ec.owners.emplace_back(config.owner_tables[c].first,
+                           config.chip_capacities[c]);
   }
   ec.wake_fds = config.wake_fds;
   ec.collectives = config.collectives;
   std::unique_ptr<ChipBackend> backend = config.make_backend();
-  if (backend == nullptr) _exit(3);  // it said why; the pool restarts us, backing off
+  if (backend == nullptr)
+    _exit(3);  // it said why; the pool restarts us, backing off
   ec.backend = backend.get();
   ec.spin_ns = config.spin_ns;
   ec.yield_ns = config.yield_ns;

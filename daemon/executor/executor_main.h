@@ -36,7 +36,8 @@ struct ExecutorProcessConfig {
 // Serves as executor `index` until tpud stops it or goes away. Installs
 // crash handlers that record the signal in the executor's slot before the
 // process dies of it.
-int RunExecutorProcess(const ExecutorProcessConfig& config, int index, int control_fd);
+int RunExecutorProcess(const ExecutorProcessConfig& config, int index,
+                       int control_fd);
 
 }  // namespace tpud
 

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <spdlog/spdlog.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/prctl.h>
@@ -14,8 +15,6 @@
 #include <algorithm>
 #include <cstring>
 
-#include <spdlog/spdlog.h>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -26,14 +25,19 @@ namespace tpud {
 namespace {
 
 // Zygote messages ride the control-channel format.
-constexpr ControlType kSpawn = static_cast<ControlType>(200);     // a = executor; fd
-constexpr ControlType kSpawned = static_cast<ControlType>(201);   // a = executor, b = pid
-constexpr ControlType kExited = static_cast<ControlType>(202);    // a = pid, b = wait status
+constexpr ControlType kSpawn =
+    static_cast<ControlType>(200);  // a = executor; fd
+constexpr ControlType kSpawned =
+    static_cast<ControlType>(201);  // a = executor, b = pid
+constexpr ControlType kExited =
+    static_cast<ControlType>(202);  // a = pid, b = wait status
 
 constexpr uint64_t kZygoteKey = 1000;
 constexpr uint64_t kStopKey = 1001;
 
-void SetNonBlocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
+void SetNonBlocking(int fd) {
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+}
 
 }  // namespace
 
@@ -60,36 +64,41 @@ std::string SignalDescription(int sig) {
 
 ExecutorPool::ExecutorPool(ExecutorPoolOptions options, ExecutorShared* shared,
                            std::vector<int> wake_fds)
-    : options_(std::move(options)), shared_(shared), wake_fds_(std::move(wake_fds)) {
+    : options_(std::move(options)),
+      shared_(shared),
+      wake_fds_(std::move(wake_fds)) {
   int num_chips = 0;
   for (const auto& chips : options_.chips_of) {
     for (int c : chips) num_chips = std::max(num_chips, c + 1);
   }
   executor_of_chip_.assign(num_chips, 0);
   for (size_t e = 0; e < options_.chips_of.size(); ++e) {
-    for (int c : options_.chips_of[e]) executor_of_chip_[c] = static_cast<int>(e);
+    for (int c : options_.chips_of[e])
+      executor_of_chip_[c] = static_cast<int>(e);
   }
 }
 
-absl::StatusOr<std::unique_ptr<ExecutorPool>> ExecutorPool::Create(ExecutorPoolOptions options,
-                                                                   ExecutorShared* shared,
-                                                                   std::vector<int> wake_fds,
-                                                                   ExecutorEntry entry) {
+absl::StatusOr<std::unique_ptr<ExecutorPool>> ExecutorPool::Create(
+    ExecutorPoolOptions options, ExecutorShared* shared,
+    std::vector<int> wake_fds, ExecutorEntry entry) {
   if (options.chips_of.empty() || options.chips_of.size() > kMaxExecutors ||
       wake_fds.size() != options.chips_of.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "an executor pool needs 1..", kMaxExecutors, " executors, each with a wake-up eventfd"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("an executor pool needs 1..", kMaxExecutors,
+                     " executors, each with a wake-up eventfd"));
   }
   std::unique_ptr<ExecutorPool> pool(
       new ExecutorPool(std::move(options), shared, std::move(wake_fds)));
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
-    return absl::InternalError(absl::StrCat("socketpair: ", std::strerror(errno)));
+    return absl::InternalError(
+        absl::StrCat("socketpair: ", std::strerror(errno)));
   }
   const pid_t parent = getpid();
   const pid_t pid = fork();
   if (pid < 0) {
-    return absl::ResourceExhaustedError(absl::StrCat("fork: ", std::strerror(errno)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("fork: ", std::strerror(errno)));
   }
   if (pid == 0) {
     close(sv[0]);
@@ -165,21 +174,24 @@ int ExecutorPool::RunZygote(int fd, const ExecutorEntry& entry) {
 
 ExecutorPool::~ExecutorPool() { Stop(); }
 
-void ExecutorPool::SetHandlers(AllocHandler alloc, FreeHandler free, CrashHandler crash) {
+void ExecutorPool::SetHandlers(AllocHandler alloc, FreeHandler free,
+                               CrashHandler crash) {
   alloc_ = std::move(alloc);
   free_ = std::move(free);
   crash_ = std::move(crash);
 }
 
 int ExecutorPool::ExecutorOfChip(int chip) const {
-  return chip >= 0 && chip < static_cast<int>(executor_of_chip_.size()) ? executor_of_chip_[chip]
-                                                                        : 0;
+  return chip >= 0 && chip < static_cast<int>(executor_of_chip_.size())
+             ? executor_of_chip_[chip]
+             : 0;
 }
 
 bool ExecutorPool::SpawnLocked(int e) {
   Worker& w = workers_[e];
   int cv[2];
-  if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, cv) != 0) return false;
+  if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, cv) != 0)
+    return false;
   ControlMessage m;
   m.type = kSpawn;
   m.a = static_cast<uint64_t>(e);
@@ -321,8 +333,9 @@ void ExecutorPool::AttachLocked(int e, uint64_t id, const SessionFds& s) {
   SendControl(w.control_fd, m, fds, 3);
 }
 
-void ExecutorPool::Attach(uint64_t session_id, uint32_t tag, int shm_fd, uint64_t shm_bytes,
-                          int state_fd, uint64_t state_bytes, std::vector<int> doorbells) {
+void ExecutorPool::Attach(uint64_t session_id, uint32_t tag, int shm_fd,
+                          uint64_t shm_bytes, int state_fd,
+                          uint64_t state_bytes, std::vector<int> doorbells) {
   absl::MutexLock lock(&mu_);
   SessionFds& s = sessions_[session_id];
   CloseSession(s);
@@ -359,7 +372,8 @@ void ExecutorPool::Released(uint64_t address, uint64_t bytes) {
     m.a = address;
     m.b = bytes;
     if (SendControl(w.control_fd, m)) {
-      shared_->slots[&w - workers_.data()].releases_sent.fetch_add(1, std::memory_order_seq_cst);
+      shared_->slots[&w - workers_.data()].releases_sent.fetch_add(
+          1, std::memory_order_seq_cst);
     }
   }
 }
@@ -421,7 +435,8 @@ void ExecutorPool::OnZygoteMessage() {
     const int r = ReceiveControl(zygote_fd_, &m, &fds);
     for (int f : fds) close(f);
     if (r == 0) {
-      if (!stopping_.load()) spdlog::critical("the executor zygote died; executors cannot restart");
+      if (!stopping_.load())
+        spdlog::critical("the executor zygote died; executors cannot restart");
       epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, zygote_fd_, nullptr);
       zygote_gone_ = true;
       return;
@@ -456,7 +471,8 @@ void ExecutorPool::OnWorkerMessage(int e) {
       int pid;
       {
         absl::MutexLock lock(&mu_);
-        pid = workers_[e].pid > 0 ? workers_[e].pid : shared_->slots[e].pid.load();
+        pid = workers_[e].pid > 0 ? workers_[e].pid
+                                  : shared_->slots[e].pid.load();
       }
       int status = -1;
       for (int waited = 0; waited < 50; ++waited) {
@@ -541,13 +557,16 @@ void ExecutorPool::OnWorkerDeath(int e, int wait_status) {
     const int sig = slot.crash_signal.load();
     if (w.hung) {
       rec.reason = absl::StrCat("ran past the op deadline of ",
-                                absl::FormatDuration(options_.op_timeout), " (--op_timeout)");
+                                absl::FormatDuration(options_.op_timeout),
+                                " (--op_timeout)");
     } else if (sig != 0) {
       rec.reason = SignalDescription(sig);
     } else if (wait_status >= 0 && WIFSIGNALED(wait_status)) {
-      rec.reason = absl::StrCat("killed by ", SignalDescription(WTERMSIG(wait_status)));
+      rec.reason =
+          absl::StrCat("killed by ", SignalDescription(WTERMSIG(wait_status)));
     } else if (wait_status >= 0 && WIFEXITED(wait_status)) {
-      rec.reason = absl::StrCat("exited with status ", WEXITSTATUS(wait_status));
+      rec.reason =
+          absl::StrCat("exited with status ", WEXITSTATUS(wait_status));
     } else {
       rec.reason = "exited";
     }
@@ -555,7 +574,8 @@ void ExecutorPool::OnWorkerDeath(int e, int wait_status) {
       rec.session_id = slot.current_session.load();
       rec.ring = static_cast<int>(slot.current_ring.load());
       rec.sequence = slot.current_sequence.load();
-      rec.op.assign(slot.current_op, strnlen(slot.current_op, sizeof(slot.current_op)));
+      rec.op.assign(slot.current_op,
+                    strnlen(slot.current_op, sizeof(slot.current_op)));
     }
     // The dead executor is inside no op any more.
     slot.op_started_ns.store(0);
@@ -576,30 +596,37 @@ void ExecutorPool::OnWorkerDeath(int e, int wait_status) {
       w.latency_sum_base[i] += slot.op_latency_sum_ns[i].exchange(0);
       slot.queue_depth[i].store(0);
     }
-    for (int c = 0; c < kStatusCodes; ++c) w.errors_base[c] += slot.op_errors[c].exchange(0);
+    for (int c = 0; c < kStatusCodes; ++c)
+      w.errors_base[c] += slot.op_errors[c].exchange(0);
     ++w.restarts;
     // Back off when an executor keeps dying (e.g. at start-up).
     int recent = 0;
     for (const ExecutorRestart& r : restarts_) {
       if (r.executor == e && rec.when - r.when < absl::Seconds(10)) ++recent;
     }
-    w.next_start = rec.when + (recent < 3 ? absl::ZeroDuration()
-                                          : std::min(absl::Seconds(5),
-                                                     absl::Milliseconds(100) * (1 << std::min(recent, 6))));
+    w.next_start =
+        rec.when + (recent < 3 ? absl::ZeroDuration()
+                               : std::min(absl::Seconds(5),
+                                          absl::Milliseconds(100) *
+                                              (1 << std::min(recent, 6))));
     w.start_pending = true;
     if (rec.session_id != 0) {
       auto it = sessions_.find(rec.session_id);
       if (it != sessions_.end()) it->second.doomed = true;
       message = absl::StrFormat(
-          "%s (stream %d on chip %d, record %d) %s; tpud ended session %d for it and "
-          "restarted the chip's executor (every other session goes on). Avoid this call with "
+          "%s (stream %d on chip %d, record %d) %s; tpud ended session %d for "
+          "it and "
+          "restarted the chip's executor (every other session goes on). Avoid "
+          "this call with "
           "these arguments on tpu.",
-          rec.op.empty() ? "an op" : rec.op, tpu::RingStream(rec.ring), tpu::RingChip(rec.ring),
-          rec.sequence,
-          w.hung ? absl::StrCat("ran past the op deadline of ",
-                                absl::FormatDuration(options_.op_timeout),
-                                " (--op_timeout), so its executor process was killed")
-                 : absl::StrCat("crashed its tpud executor process with ", rec.reason),
+          rec.op.empty() ? "an op" : rec.op, tpu::RingStream(rec.ring),
+          tpu::RingChip(rec.ring), rec.sequence,
+          w.hung ? absl::StrCat(
+                       "ran past the op deadline of ",
+                       absl::FormatDuration(options_.op_timeout),
+                       " (--op_timeout), so its executor process was killed")
+                 : absl::StrCat("crashed its tpud executor process with ",
+                                rec.reason),
           rec.session_id);
       doomed_.emplace_back(rec.session_id, message);
       doomed_cv_.Signal();
@@ -609,16 +636,19 @@ void ExecutorPool::OnWorkerDeath(int e, int wait_status) {
   }
   if (stopping_.load()) return;
   if (rec.session_id != 0) {
-    spdlog::error("executor {} (pid {}) died: {} in {} of session {}; restarting it", e, rec.pid,
-                  rec.reason, rec.op, rec.session_id);
+    spdlog::error(
+        "executor {} (pid {}) died: {} in {} of session {}; restarting it", e,
+        rec.pid, rec.reason, rec.op, rec.session_id);
   } else {
-    spdlog::error("executor {} (pid {}) died: {}; restarting it", e, rec.pid, rec.reason);
+    spdlog::error("executor {} (pid {}) died: {}; restarting it", e, rec.pid,
+                  rec.reason);
   }
 }
 
 void ExecutorPool::CheckDeadlines() {
   if (options_.op_timeout <= absl::ZeroDuration()) return;
-  const uint64_t limit = static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.op_timeout));
+  const uint64_t limit =
+      static_cast<uint64_t>(absl::ToInt64Nanoseconds(options_.op_timeout));
   const uint64_t now = tpu::MonotonicNanos();
   absl::MutexLock lock(&mu_);
   for (int e = 0; e < num_executors(); ++e) {
@@ -627,9 +657,11 @@ void ExecutorPool::CheckDeadlines() {
     const uint64_t started = shared_->slots[e].op_started_ns.load();
     if (started != 0 && now > started && now - started > limit) {
       w.hung = true;
-      spdlog::error("executor {} (pid {}) has run {} for {:.1f} s, past --op_timeout; killing it",
-                    e, w.pid, std::string(shared_->slots[e].current_op),
-                    static_cast<double>(now - started) / 1e9);
+      spdlog::error(
+          "executor {} (pid {}) has run {} for {:.1f} s, past --op_timeout; "
+          "killing it",
+          e, w.pid, std::string(shared_->slots[e].current_op),
+          static_cast<double>(now - started) / 1e9);
       kill(w.pid, SIGKILL);
     }
   }
@@ -650,13 +682,15 @@ std::vector<ExecutorInfo> ExecutorPool::Executors() const {
     info.busy_ns = w.busy_base_ns + slot.busy_ns.load();
     info.ops = w.ops_base + slot.ops.load();
     info.duty_cycle = static_cast<double>(slot.duty_permille.load()) / 1000.0;
-    for (size_t i = 0; i < info.chips.size() && i < tpu::kMaxChipsPerHost; ++i) {
+    for (size_t i = 0; i < info.chips.size() && i < tpu::kMaxChipsPerHost;
+         ++i) {
       std::array<uint64_t, kOpLatencyBuckets> buckets;
       for (int b = 0; b < kOpLatencyBuckets; ++b) {
         buckets[b] = w.latency_base[i][b] + slot.op_latency[i][b].load();
       }
       info.op_latency.push_back(buckets);
-      info.op_latency_sum_ns.push_back(w.latency_sum_base[i] + slot.op_latency_sum_ns[i].load());
+      info.op_latency_sum_ns.push_back(w.latency_sum_base[i] +
+                                       slot.op_latency_sum_ns[i].load());
       info.queue_depth.push_back(w.ready ? slot.queue_depth[i].load() : 0);
     }
     for (int c = 0; c < kStatusCodes; ++c) {
@@ -665,7 +699,8 @@ std::vector<ExecutorInfo> ExecutorPool::Executors() const {
     if (slot.compiles_ops.load() != 0) {
       info.programs_cached = slot.programs_cached.load();
       info.device_buffer_bytes = w.ready ? slot.device_buffer_bytes.load() : 0;
-      for (size_t i = 0; i < info.chips.size() && i < tpu::kMaxChipsPerHost; ++i) {
+      for (size_t i = 0; i < info.chips.size() && i < tpu::kMaxChipsPerHost;
+           ++i) {
         CompileStats c;
         c.compiles = slot.compiles[i].load();
         c.compile_ns = slot.compile_ns[i].load();

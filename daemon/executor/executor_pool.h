@@ -30,13 +30,13 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "daemon/backends/chip_backend.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "daemon/executor/control_channel.h"
+#include "daemon/backends/chip_backend.h"
 #include "daemon/core/shared_regions.h"
+#include "daemon/executor/control_channel.h"
 
 namespace tpud {
 
@@ -53,7 +53,8 @@ struct ExecutorRestart {
   int executor = 0;
   std::vector<int> chips;
   int pid = 0;
-  std::string reason;  // "SIGSEGV (segmentation fault)", "ran past the op deadline", ...
+  std::string reason;       // "SIGSEGV (segmentation fault)", "ran past the op
+                            // deadline", ...
   uint64_t session_id = 0;  // 0: no op was running
   std::string op;
   int ring = 0;
@@ -90,18 +91,19 @@ class ExecutorPool {
   // `control_fd`; the return value is the process's exit code.
   using ExecutorEntry = std::function<int(int index, int control_fd)>;
   // Result memory for the synchronous path: a device address, or why not.
-  using AllocHandler =
-      std::function<absl::StatusOr<uint64_t>(uint64_t session_id, int chip, uint64_t bytes)>;
-  using FreeHandler = std::function<void(uint64_t session_id, uint64_t address)>;
+  using AllocHandler = std::function<absl::StatusOr<uint64_t>(
+      uint64_t session_id, int chip, uint64_t bytes)>;
+  using FreeHandler =
+      std::function<void(uint64_t session_id, uint64_t address)>;
   // An executor died in an op of `session_id`; `message` says which and how.
-  using CrashHandler = std::function<void(uint64_t session_id, const std::string& message)>;
+  using CrashHandler =
+      std::function<void(uint64_t session_id, const std::string& message)>;
 
   // Forks the zygote. REQUIRES: the process has no other thread yet, and
   // everything executors map (HBM, owner tables, `shared`, wake fds) exists.
-  static absl::StatusOr<std::unique_ptr<ExecutorPool>> Create(ExecutorPoolOptions options,
-                                                              ExecutorShared* shared,
-                                                              std::vector<int> wake_fds,
-                                                              ExecutorEntry entry);
+  static absl::StatusOr<std::unique_ptr<ExecutorPool>> Create(
+      ExecutorPoolOptions options, ExecutorShared* shared,
+      std::vector<int> wake_fds, ExecutorEntry entry);
   ~ExecutorPool();
 
   void SetHandlers(AllocHandler alloc, FreeHandler free, CrashHandler crash);
@@ -113,8 +115,9 @@ class ExecutorPool {
 
   // Hands a session to every executor (and to every replacement later). Takes
   // the descriptors: shm, state, and one doorbell eventfd per executor.
-  void Attach(uint64_t session_id, uint32_t tag, int shm_fd, uint64_t shm_bytes, int state_fd,
-              uint64_t state_bytes, std::vector<int> doorbells) ABSL_LOCKS_EXCLUDED(mu_);
+  void Attach(uint64_t session_id, uint32_t tag, int shm_fd, uint64_t shm_bytes,
+              int state_fd, uint64_t state_bytes, std::vector<int> doorbells)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void Detach(uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Returns once no executor is inside an op of the session tagged `tag`
@@ -123,7 +126,9 @@ class ExecutorPool {
   // Tells every executor that the segment [address, +bytes) was freed.
   void Released(uint64_t address, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
-  int num_executors() const { return static_cast<int>(options_.chips_of.size()); }
+  int num_executors() const {
+    return static_cast<int>(options_.chips_of.size());
+  }
   int ExecutorOfChip(int chip) const;
   std::vector<ExecutorInfo> Executors() const ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<ExecutorRestart> Restarts() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -139,7 +144,8 @@ class ExecutorPool {
     uint64_t busy_base_ns = 0;  // from earlier incarnations
     uint64_t ops_base = 0;
     // Metrics counters of earlier incarnations (see ExecutorInfo).
-    std::array<std::array<uint64_t, kOpLatencyBuckets>, tpu::kMaxChipsPerHost> latency_base{};
+    std::array<std::array<uint64_t, kOpLatencyBuckets>, tpu::kMaxChipsPerHost>
+        latency_base{};
     std::array<uint64_t, tpu::kMaxChipsPerHost> latency_sum_base{};
     std::array<uint64_t, kStatusCodes> errors_base{};
     absl::Time next_start = absl::InfinitePast();
@@ -155,11 +161,13 @@ class ExecutorPool {
     bool doomed = false;  // its op crashed an executor: never attached again
   };
 
-  ExecutorPool(ExecutorPoolOptions options, ExecutorShared* shared, std::vector<int> wake_fds);
+  ExecutorPool(ExecutorPoolOptions options, ExecutorShared* shared,
+               std::vector<int> wake_fds);
   static int RunZygote(int fd, const ExecutorEntry& entry);
   // Asks the zygote for executor `e`. REQUIRES: mu_ held.
   bool SpawnLocked(int e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void AttachLocked(int e, uint64_t id, const SessionFds& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AttachLocked(int e, uint64_t id, const SessionFds& s)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Supervise();
   void OnZygoteMessage();
   void OnWorkerMessage(int e);
@@ -188,7 +196,8 @@ class ExecutorPool {
   std::vector<Worker> workers_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, SessionFds> sessions_ ABSL_GUARDED_BY(mu_);
   std::vector<ExecutorRestart> restarts_ ABSL_GUARDED_BY(mu_);
-  std::map<int, int> exit_status_ ABSL_GUARDED_BY(mu_);  // pid -> wait status (from the zygote)
+  std::map<int, int> exit_status_
+      ABSL_GUARDED_BY(mu_);  // pid -> wait status (from the zygote)
   // Sessions to end after a crash, for the reaper thread (ending a session
   // waits on executors, which the supervisor must stay free to answer).
   std::vector<std::pair<uint64_t, std::string>> doomed_ ABSL_GUARDED_BY(mu_);

@@ -10,7 +10,8 @@ namespace {
 
 // Runs `rounds` picks; each session's ring costs `cost[session]` ns per pick
 // and is pushed back at once (always has work). Returns busy ns per session.
-std::map<uint64_t, uint64_t> Simulate(FairQueue& q, const std::map<uint64_t, uint64_t>& cost,
+std::map<uint64_t, uint64_t> Simulate(FairQueue& q,
+                                      const std::map<uint64_t, uint64_t>& cost,
                                       int rounds) {
   std::map<uint64_t, uint64_t> busy;
   for (int i = 0; i < rounds; ++i) {
@@ -41,7 +42,8 @@ TEST_CASE("a light session gets its share beside a heavy one") {
   q.Push(2, 2);  // light: 1 us per pick
   auto busy = Simulate(q, {{1, 100000}, {2, 1000}}, 2000);
   // Chip time is split evenly, so the light session runs ~100x more often.
-  const double share = static_cast<double>(busy[2]) / static_cast<double>(busy[1] + busy[2]);
+  const double share =
+      static_cast<double>(busy[2]) / static_cast<double>(busy[1] + busy[2]);
   CHECK(share > 0.45);
   CHECK(share < 0.55);
 }
@@ -65,7 +67,8 @@ TEST_CASE("a returning session is served at once but cannot bank idle time") {
   CHECK(busy[2] >= 45 * 1000000);
 }
 
-TEST_CASE("rings of one session take turns; a forgotten session leaves the queue") {
+TEST_CASE(
+    "rings of one session take turns; a forgotten session leaves the queue") {
   FairQueue q;
   q.Push(7, 10);
   q.Push(7, 11);

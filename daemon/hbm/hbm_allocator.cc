@@ -176,9 +176,8 @@ absl::Status HbmAllocator::CheckInvariants() const {
   auto a = allocated_.begin();
   auto f = free_by_offset_.begin();
   while (a != allocated_.end() || f != free_by_offset_.end()) {
-    const bool take_free =
-        a == allocated_.end() ||
-        (f != free_by_offset_.end() && f->first < a->first);
+    const bool take_free = a == allocated_.end() ||
+                           (f != free_by_offset_.end() && f->first < a->first);
     uint64_t offset, size;
     if (take_free) {
       offset = f->first;
@@ -205,8 +204,8 @@ absl::Status HbmAllocator::CheckInvariants() const {
                   " is empty or not aligned to ", granularity_);
     }
     if (size > capacity_ - offset) {
-      return fail(kind, " block ", Range(offset, size),
-                  " runs past capacity ", absl::Hex(capacity_));
+      return fail(kind, " block ", Range(offset, size), " runs past capacity ",
+                  absl::Hex(capacity_));
     }
     if (take_free && prev_free) {
       return fail("free block ", Range(offset, size),

@@ -40,8 +40,7 @@ TEST_CASE("RoundUp rounds to the granularity and is overflow-safe") {
   CHECK(HbmAllocator::RoundUp(kPage + 1, kPage) == 2 * kPage);
   CHECK(HbmAllocator::RoundUp(100, 64) == 128);
   constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
-  CHECK(HbmAllocator::RoundUp(kMax - (kPage - 1), kPage) ==
-        kMax - (kPage - 1));
+  CHECK(HbmAllocator::RoundUp(kMax - (kPage - 1), kPage) == kMax - (kPage - 1));
   CHECK(HbmAllocator::RoundUp(kMax - (kPage - 2), kPage) == 0);
   CHECK(HbmAllocator::RoundUp(kMax, kPage) == 0);
 }
@@ -290,8 +289,8 @@ TEST_CASE("Find and FindContaining") {
 
   CHECK(a.FindContaining(0) == nullptr);
   CHECK(a.FindContaining(kPage - 1) == nullptr);
-  for (uint64_t off : {b.offset, b.offset + 1, b.offset + kPage + 17,
-                       b.offset + b.size - 1}) {
+  for (uint64_t off :
+       {b.offset, b.offset + 1, b.offset + kPage + 17, b.offset + b.size - 1}) {
     const HbmBlock* c = a.FindContaining(off);
     REQUIRE(c != nullptr);
     CHECK(Same(*c, b));
@@ -332,7 +331,7 @@ TEST_CASE("property: random allocate/free keeps every invariant") {
   const auto start = std::chrono::steady_clock::now();
   HbmAllocator a(kCapacity);
   std::mt19937_64 rng(0x7075d0a11c);
-  std::map<uint64_t, HbmBlock> live;  // shadow model: offset -> block
+  std::map<uint64_t, HbmBlock> live;   // shadow model: offset -> block
   std::vector<uint64_t> live_offsets;  // for O(1) random picks
   uint64_t live_bytes = 0;
   uint64_t next_owner = 1;
@@ -340,9 +339,9 @@ TEST_CASE("property: random allocate/free keeps every invariant") {
 
   auto random_size = [&rng]() -> uint64_t {
     const uint64_t pick = rng() % 100;
-    if (pick < 60) return 1 + rng() % (64 * 1024);          // small, unaligned
-    if (pick < 90) return 1 + rng() % (2 * kMiB);           // medium
-    if (pick < 99) return (1 + rng() % 32) * kMiB;          // large, aligned
+    if (pick < 60) return 1 + rng() % (64 * 1024);         // small, unaligned
+    if (pick < 90) return 1 + rng() % (2 * kMiB);          // medium
+    if (pick < 99) return (1 + rng() % 32) * kMiB;         // large, aligned
     return kPage * (1 + rng() % (kCapacity / kPage / 2));  // huge
   };
 
@@ -419,12 +418,12 @@ TEST_CASE("property: random allocate/free keeps every invariant") {
   CHECK(free[0].size == kCapacity);
   REQUIRE(a.CheckInvariants().ok());
 
-  const double secs = std::chrono::duration<double>(
-                          std::chrono::steady_clock::now() - start)
-                          .count();
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
   std::printf(
-      "property test: %d ops (%d allocs, %d frees, %d OOMs) in %.2f s\n",
-      kOps, allocs, frees, ooms, secs);
+      "property test: %d ops (%d allocs, %d frees, %d OOMs) in %.2f s\n", kOps,
+      allocs, frees, ooms, secs);
 }
 
 }  // namespace

@@ -53,12 +53,14 @@ absl::StatusOr<std::unique_ptr<HbmArena>> HbmArena::Create(int chip,
   if (fd < 0 || ftruncate(fd, static_cast<off_t>(capacity)) != 0) {
     const int err = errno;
     if (fd >= 0) close(fd);
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "cannot create the %s memory file for the HBM of chip %d: %s; run with a "
-        "smaller --hbm_bytes",
-        HumanBytes(capacity), chip, ErrnoText(err)));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("cannot create the %s memory file for the HBM of chip "
+                        "%d: %s; run with a "
+                        "smaller --hbm_bytes",
+                        HumanBytes(capacity), chip, ErrnoText(err)));
   }
-  void* p = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
+  void* p = mmap(nullptr, capacity, PROT_READ | PROT_WRITE,
+                 MAP_SHARED | MAP_NORESERVE, fd, 0);
   const int map_err = errno;
   close(fd);  // the mapping keeps the file
   if (p == MAP_FAILED) {

@@ -26,28 +26,38 @@ namespace {
 
 // "<what>: <errno text>[; <what to do>]"
 absl::Status Errno(absl::string_view what, absl::string_view todo = "") {
-  return absl::InternalError(
-      absl::StrCat(what, ": ", std::strerror(errno), todo.empty() ? "" : "; ", todo));
+  return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno),
+                                          todo.empty() ? "" : "; ", todo));
 }
 
 std::string StatusLine(int code) {
   switch (code) {
-    case 200: return "200 OK";
-    case 400: return "400 Bad Request";
-    case 404: return "404 Not Found";
-    case 405: return "405 Method Not Allowed";
-    case 408: return "408 Request Timeout";
-    case 431: return "431 Request Header Fields Too Large";
-    case 503: return "503 Service Unavailable";
-    default: return absl::StrCat(code, " Error");
+    case 200:
+      return "200 OK";
+    case 400:
+      return "400 Bad Request";
+    case 404:
+      return "404 Not Found";
+    case 405:
+      return "405 Method Not Allowed";
+    case 408:
+      return "408 Request Timeout";
+    case 431:
+      return "431 Request Header Fields Too Large";
+    case 503:
+      return "503 Service Unavailable";
+    default:
+      return absl::StrCat(code, " Error");
   }
 }
 
-std::string Reply(int code, absl::string_view content_type, absl::string_view body,
-                  bool head_only = false, absl::string_view extra_headers = "") {
-  std::string out = absl::StrCat("HTTP/1.1 ", StatusLine(code), "\r\nContent-Type: ",
-                                 content_type, "\r\nContent-Length: ", body.size(),
-                                 "\r\nConnection: close\r\n", extra_headers, "\r\n");
+std::string Reply(int code, absl::string_view content_type,
+                  absl::string_view body, bool head_only = false,
+                  absl::string_view extra_headers = "") {
+  std::string out = absl::StrCat(
+      "HTTP/1.1 ", StatusLine(code), "\r\nContent-Type: ", content_type,
+      "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n",
+      extra_headers, "\r\n");
   if (!head_only) out.append(body.data(), body.size());
   return out;
 }
@@ -67,7 +77,8 @@ int MillisLeft(absl::Time deadline) {
 absl::StatusOr<MetricsAddress> ParseMetricsAddress(absl::string_view text) {
   MetricsAddress a;
   const std::string flag = absl::StrCat("--metrics_address=", text);
-  if (text.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, ": empty address"));
+  if (text.empty())
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": empty address"));
   if (absl::StrContains(text, '/')) {
     if (text.size() >= sizeof(sockaddr_un{}.sun_path)) {
       return absl::InvalidArgumentError(
@@ -82,7 +93,8 @@ absl::StatusOr<MetricsAddress> ParseMetricsAddress(absl::string_view text) {
   if (absl::StartsWith(text, "[")) {
     const size_t close = text.find("]:");
     if (close == absl::string_view::npos) {
-      return absl::InvalidArgumentError(absl::StrCat(flag, ": write an IPv6 address as [::1]:PORT"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, ": write an IPv6 address as [::1]:PORT"));
     }
     host = text.substr(1, close - 1);
     port = text.substr(close + 2);
@@ -90,30 +102,38 @@ absl::StatusOr<MetricsAddress> ParseMetricsAddress(absl::string_view text) {
   } else {
     const size_t colon = text.rfind(':');
     if (colon == absl::string_view::npos) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          flag, ": give HOST:PORT on loopback (127.0.0.1:9464) or a unix socket path"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag,
+                       ": give HOST:PORT on loopback (127.0.0.1:9464) or a "
+                       "unix socket path"));
     }
     host = text.substr(0, colon);
     port = text.substr(colon + 1);
   }
   if (!absl::SimpleAtoi(port, &a.port) || a.port < 0 || a.port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, ": port '", port, "' is not 0-65535"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": port '", port, "' is not 0-65535"));
   }
   if (host == "localhost") host = "127.0.0.1";
   const std::string h(host);
   bool loopback = false;
   if (a.ipv6) {
     in6_addr v6;
-    loopback = inet_pton(AF_INET6, h.c_str(), &v6) == 1 && IN6_IS_ADDR_LOOPBACK(&v6);
+    loopback =
+        inet_pton(AF_INET6, h.c_str(), &v6) == 1 && IN6_IS_ADDR_LOOPBACK(&v6);
   } else {
     in_addr v4;
-    loopback = inet_pton(AF_INET, h.c_str(), &v4) == 1 && (ntohl(v4.s_addr) >> 24) == 127;
+    loopback = inet_pton(AF_INET, h.c_str(), &v4) == 1 &&
+               (ntohl(v4.s_addr) >> 24) == 127;
   }
   if (!loopback) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        flag, ": tpud serves metrics on loopback (127.0.0.0/8, [::1], localhost) or a unix "
-              "socket only; they name every session's command. Scrape from the host, or "
-              "reach it with a sidecar or `kubectl port-forward`"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag,
+                     ": tpud serves metrics on loopback (127.0.0.0/8, [::1], "
+                     "localhost) or a unix "
+                     "socket only; they name every session's command. Scrape "
+                     "from the host, or "
+                     "reach it with a sidecar or `kubectl port-forward`"));
   }
   a.host = h;
   return a;
@@ -127,20 +147,23 @@ absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(
     struct stat st;
     if (lstat(address.path.c_str(), &st) == 0) {
       if (!S_ISSOCK(st.st_mode)) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "--metrics_address=", address.path, ": the path exists and is not a socket"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("--metrics_address=", address.path,
+                         ": the path exists and is not a socket"));
       }
       // A socket left by an earlier tpud is removed; one that answers is not.
       const int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
       sockaddr_un sa{};
       sa.sun_family = AF_UNIX;
       std::strncpy(sa.sun_path, address.path.c_str(), sizeof(sa.sun_path) - 1);
-      const bool live = probe >= 0 && connect(probe, reinterpret_cast<sockaddr*>(&sa),
-                                              sizeof(sa)) == 0;
+      const bool live =
+          probe >= 0 &&
+          connect(probe, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0;
       if (probe >= 0) close(probe);
       if (live) {
-        return absl::AlreadyExistsError(absl::StrCat(
-            "--metrics_address=", address.path, ": another process serves this socket"));
+        return absl::AlreadyExistsError(
+            absl::StrCat("--metrics_address=", address.path,
+                         ": another process serves this socket"));
       }
       unlink(address.path.c_str());
     }
@@ -150,15 +173,17 @@ absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(
     sa.sun_family = AF_UNIX;
     std::strncpy(sa.sun_path, address.path.c_str(), sizeof(sa.sun_path) - 1);
     if (bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
-      absl::Status s = Errno(absl::StrCat("--metrics_address=", address.path, ": binding"),
-                             "give a path in a directory tpud may write");
+      absl::Status s =
+          Errno(absl::StrCat("--metrics_address=", address.path, ": binding"),
+                "give a path in a directory tpud may write");
       close(fd);
       return s;
     }
     chmod(address.path.c_str(), 0660);
     url = absl::StrCat("unix:", address.path);
   } else {
-    fd = socket(address.ipv6 ? AF_INET6 : AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    fd = socket(address.ipv6 ? AF_INET6 : AF_INET, SOCK_STREAM | SOCK_CLOEXEC,
+                0);
     if (fd < 0) return Errno("metrics socket");
     const int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -178,17 +203,20 @@ absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(
       len = sizeof(*s4);
     }
     if (bind(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0) {
-      absl::Status s = Errno(absl::StrCat("--metrics_address=", address.host, ":", address.port, ": binding"),
+      absl::Status s = Errno(absl::StrCat("--metrics_address=", address.host,
+                                          ":", address.port, ": binding"),
                              "give a free port, or 0 for any free one");
       close(fd);
       return s;
     }
     socklen_t got = sizeof(ss);
     getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &got);
-    const int port = address.ipv6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
-                                  : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
-    url = address.ipv6 ? absl::StrCat("http://[", address.host, "]:", port, "/metrics")
-                       : absl::StrCat("http://", address.host, ":", port, "/metrics");
+    const int port =
+        address.ipv6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
+                     : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+    url = address.ipv6
+              ? absl::StrCat("http://[", address.host, "]:", port, "/metrics")
+              : absl::StrCat("http://", address.host, ":", port, "/metrics");
   }
   if (listen(fd, 64) != 0) {
     absl::Status s = Errno("listening for metrics scrapes");
@@ -200,13 +228,15 @@ absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(
     close(fd);
     return Errno("eventfd");
   }
-  std::unique_ptr<HttpEndpoint> e(new HttpEndpoint(
-      fd, stop, url, address.unix_socket ? address.path : "", std::move(render)));
+  std::unique_ptr<HttpEndpoint> e(
+      new HttpEndpoint(fd, stop, url, address.unix_socket ? address.path : "",
+                       std::move(render)));
   e->acceptor_ = std::thread([p = e.get()] { p->AcceptLoop(); });
   return e;
 }
 
-HttpEndpoint::HttpEndpoint(int listen_fd, int stop_fd, std::string url, std::string unix_path,
+HttpEndpoint::HttpEndpoint(int listen_fd, int stop_fd, std::string url,
+                           std::string unix_path,
                            std::function<std::string()> render)
     : listen_fd_(listen_fd),
       stop_fd_(stop_fd),
@@ -236,7 +266,8 @@ void HttpEndpoint::AcceptLoop() {
       return;
     }
     if (p[1].revents != 0) return;
-    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    const int fd =
+        accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) continue;
     bool admitted = false;
     {
@@ -247,7 +278,8 @@ void HttpEndpoint::AcceptLoop() {
       }
     }
     if (!admitted) {
-      const std::string busy = PlainError(503, "too many metrics connections at once");
+      const std::string busy =
+          PlainError(503, "too many metrics connections at once");
       (void)!send(fd, busy.data(), busy.size(), MSG_NOSIGNAL);
       close(fd);
       continue;
@@ -297,7 +329,8 @@ void HttpEndpoint::Serve(int fd) {
   size_t sent = 0;
   const absl::Time write_deadline = absl::Now() + kRequestDeadline;
   while (sent < response.size() && absl::Now() < write_deadline) {
-    const ssize_t n = send(fd, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
+    const ssize_t n =
+        send(fd, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
     if (n > 0) {
       sent += static_cast<size_t>(n);
       continue;
@@ -329,7 +362,8 @@ std::string HttpEndpoint::Respond(absl::string_view request,
   if (absl::EndsWith(line, "\r")) line.remove_suffix(1);
   const std::vector<absl::string_view> parts = absl::StrSplit(line, ' ');
   if (parts.size() != 3 || !absl::StartsWith(parts[2], "HTTP/1.")) {
-    return PlainError(400, "expected a request line such as GET /metrics HTTP/1.1");
+    return PlainError(400,
+                      "expected a request line such as GET /metrics HTTP/1.1");
   }
   const bool head = parts[0] == "HEAD";
   if (parts[0] != "GET" && !head) {
@@ -339,12 +373,15 @@ std::string HttpEndpoint::Respond(absl::string_view request,
   absl::string_view path = parts[1];
   path = path.substr(0, path.find('?'));
   if (path == "/metrics") {
-    return Reply(200, "text/plain; version=0.0.4; charset=utf-8", render(), head);
+    return Reply(200, "text/plain; version=0.0.4; charset=utf-8", render(),
+                 head);
   }
   if (path == "/") {
-    return Reply(200, "text/plain; charset=utf-8", "tpud: metrics at /metrics\n", head);
+    return Reply(200, "text/plain; charset=utf-8",
+                 "tpud: metrics at /metrics\n", head);
   }
-  return PlainError(404, absl::StrCat("no ", path, " here; metrics are at /metrics"));
+  return PlainError(
+      404, absl::StrCat("no ", path, " here; metrics are at /metrics"));
 }
 
 }  // namespace tpud

@@ -50,11 +50,12 @@ class HttpEndpoint {
   const std::string& url() const { return url_; }
 
   // The response to one raw request (exposed for tests).
-  static std::string Respond(absl::string_view request, const std::function<std::string()>& render);
+  static std::string Respond(absl::string_view request,
+                             const std::function<std::string()>& render);
 
  private:
-  HttpEndpoint(int listen_fd, int stop_fd, std::string url, std::string unix_path,
-               std::function<std::string()> render);
+  HttpEndpoint(int listen_fd, int stop_fd, std::string url,
+               std::string unix_path, std::function<std::string()> render);
   void AcceptLoop();
   void Serve(int fd);
 

@@ -37,7 +37,8 @@ std::string Exchange(const HttpEndpoint& e, const std::string& request) {
     // http://127.0.0.1:PORT/metrics
     const size_t colon = url.rfind(':');
     int port = 0;
-    REQUIRE(absl::SimpleAtoi(url.substr(colon + 1, url.find('/', colon) - colon - 1), &port));
+    REQUIRE(absl::SimpleAtoi(
+        url.substr(colon + 1, url.find('/', colon) - colon - 1), &port));
     fd = socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in sa{};
     sa.sin_family = AF_INET;
@@ -80,53 +81,66 @@ TEST_CASE("metrics addresses are loopback or unix sockets") {
   CHECK_FALSE(ParseMetricsAddress("10.0.0.1:9464").ok());
   CHECK_FALSE(ParseMetricsAddress("[::]:9464").ok());
   CHECK_FALSE(ParseMetricsAddress("example.com:9464").ok());
-  CHECK(absl::StrContains(ParseMetricsAddress("127.0.0.1:99999").status().message(), "port"));
+  CHECK(absl::StrContains(
+      ParseMetricsAddress("127.0.0.1:99999").status().message(), "port"));
   CHECK_FALSE(ParseMetricsAddress("127.0.0.1:").ok());
   CHECK_FALSE(ParseMetricsAddress("9464").ok());
   CHECK_FALSE(ParseMetricsAddress("").ok());
   CHECK_FALSE(ParseMetricsAddress("/" + std::string(200, 'x')).ok());
 }
 
-TEST_CASE("the endpoint answers GET and HEAD of /metrics, and refuses the rest") {
+TEST_CASE(
+    "the endpoint answers GET and HEAD of /metrics, and refuses the rest") {
   auto render = [] { return std::string("tpud_x 1\n"); };
-  const std::string ok = HttpEndpoint::Respond("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", render);
+  const std::string ok =
+      HttpEndpoint::Respond("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", render);
   CHECK(absl::StartsWith(ok, "HTTP/1.1 200 OK\r\n"));
   CHECK(absl::StrContains(ok, "text/plain; version=0.0.4"));
   CHECK(absl::StrContains(ok, "Content-Length: 9\r\n"));
   CHECK(absl::EndsWith(ok, "\r\n\r\ntpud_x 1\n"));
-  CHECK(absl::StartsWith(HttpEndpoint::Respond("GET /metrics?x=1 HTTP/1.0\r\n\r\n", render),
-                         "HTTP/1.1 200"));
-  const std::string head = HttpEndpoint::Respond("HEAD /metrics HTTP/1.1\r\n\r\n", render);
+  CHECK(absl::StartsWith(
+      HttpEndpoint::Respond("GET /metrics?x=1 HTTP/1.0\r\n\r\n", render),
+      "HTTP/1.1 200"));
+  const std::string head =
+      HttpEndpoint::Respond("HEAD /metrics HTTP/1.1\r\n\r\n", render);
   CHECK(absl::StrContains(head, "Content-Length: 9\r\n"));
   CHECK(absl::EndsWith(head, "\r\n\r\n"));
-  const std::string post = HttpEndpoint::Respond("POST /metrics HTTP/1.1\r\n\r\n", render);
+  const std::string post =
+      HttpEndpoint::Respond("POST /metrics HTTP/1.1\r\n\r\n", render);
   CHECK(absl::StartsWith(post, "HTTP/1.1 405"));
   CHECK(absl::StrContains(post, "Allow: GET, HEAD"));
-  CHECK(absl::StartsWith(HttpEndpoint::Respond("GET /secret HTTP/1.1\r\n\r\n", render),
-                         "HTTP/1.1 404"));
-  CHECK(absl::StartsWith(HttpEndpoint::Respond("\x01\x02garbage\r\n\r\n", render),
-                         "HTTP/1.1 400"));
-  CHECK(absl::StartsWith(HttpEndpoint::Respond("GET /metrics SMTP\r\n\r\n", render),
-                         "HTTP/1.1 400"));
+  CHECK(absl::StartsWith(
+      HttpEndpoint::Respond("GET /secret HTTP/1.1\r\n\r\n", render),
+      "HTTP/1.1 404"));
+  CHECK(
+      absl::StartsWith(HttpEndpoint::Respond("\x01\x02garbage\r\n\r\n", render),
+                       "HTTP/1.1 400"));
+  CHECK(absl::StartsWith(
+      HttpEndpoint::Respond("GET /metrics SMTP\r\n\r\n", render),
+      "HTTP/1.1 400"));
 }
 
-TEST_CASE("the endpoint serves scrapes on loopback TCP and survives bad clients") {
+TEST_CASE(
+    "the endpoint serves scrapes on loopback TCP and survives bad clients") {
   int scrapes = 0;
   auto e = HttpEndpoint::Start(*ParseMetricsAddress("127.0.0.1:0"), [&] {
     return absl::StrCat("tpud_scrapes ", ++scrapes, "\n");
   });
   REQUIRE(e.ok());
   CHECK(absl::StartsWith((*e)->url(), "http://127.0.0.1:"));
-  CHECK(absl::EndsWith(Exchange(**e, "GET /metrics HTTP/1.1\r\n\r\n"), "tpud_scrapes 1\n"));
+  CHECK(absl::EndsWith(Exchange(**e, "GET /metrics HTTP/1.1\r\n\r\n"),
+                       "tpud_scrapes 1\n"));
   // Headers without end: refused once they pass the limit.
-  const std::string huge = "GET /metrics HTTP/1.1\r\nX: " + std::string(20 << 10, 'a');
+  const std::string huge =
+      "GET /metrics HTTP/1.1\r\nX: " + std::string(20 << 10, 'a');
   CHECK(absl::StartsWith(Exchange(**e, huge), "HTTP/1.1 431"));
   // A client that connects and goes away sends nothing back and breaks nothing.
   {
     const std::string& url = (*e)->url();
     int port = 0;
     const size_t colon = url.rfind(':');
-    REQUIRE(absl::SimpleAtoi(url.substr(colon + 1, url.find('/', colon) - colon - 1), &port));
+    REQUIRE(absl::SimpleAtoi(
+        url.substr(colon + 1, url.find('/', colon) - colon - 1), &port));
     const int fd = socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in sa{};
     sa.sin_family = AF_INET;
@@ -136,10 +150,13 @@ TEST_CASE("the endpoint serves scrapes on loopback TCP and survives bad clients"
     (void)!send(fd, "GET /me", 7, MSG_NOSIGNAL);
     close(fd);
   }
-  CHECK(absl::EndsWith(Exchange(**e, "GET /metrics HTTP/1.1\r\n\r\n"), "tpud_scrapes 2\n"));
+  CHECK(absl::EndsWith(Exchange(**e, "GET /metrics HTTP/1.1\r\n\r\n"),
+                       "tpud_scrapes 2\n"));
 }
 
-TEST_CASE("a unix socket endpoint replaces a stale socket, refuses a live one or a file") {
+TEST_CASE(
+    "a unix socket endpoint replaces a stale socket, refuses a live one or a "
+    "file") {
   char dir[] = "/tmp/tpud-metrics-test.XXXXXX";
   REQUIRE(mkdtemp(dir) != nullptr);
   const std::string path = absl::StrCat(dir, "/metrics.sock");
@@ -148,7 +165,8 @@ TEST_CASE("a unix socket endpoint replaces a stale socket, refuses a live one or
     auto e = HttpEndpoint::Start(*ParseMetricsAddress(path), render);
     REQUIRE(e.ok());
     CHECK((*e)->url() == "unix:" + path);
-    CHECK(absl::EndsWith(Exchange(**e, "GET /metrics HTTP/1.1\r\n\r\n"), "tpud_up 1\n"));
+    CHECK(absl::EndsWith(Exchange(**e, "GET /metrics HTTP/1.1\r\n\r\n"),
+                         "tpud_up 1\n"));
     auto second = HttpEndpoint::Start(*ParseMetricsAddress(path), render);
     REQUIRE_FALSE(second.ok());
     CHECK(absl::StrContains(second.status().message(), "another process"));
@@ -175,17 +193,22 @@ TEST_CASE("a unix socket endpoint replaces a stale socket, refuses a live one or
 }
 
 TEST_CASE("pod UIDs come from cgroup paths of both cgroup drivers") {
-  CHECK(PodUidFromCgroup("0::/kubepods/burstable/pod0a1b2c3d-1111-2222-3333-444455556666/"
-                         "abcdef\n") == "0a1b2c3d-1111-2222-3333-444455556666");
-  CHECK(PodUidFromCgroup("0::/kubepods.slice/kubepods-besteffort.slice/"
-                         "kubepods-besteffort-pod0A1B2C3D_1111_2222_3333_444455556666.slice/"
-                         "cri-containerd-1.scope\n") == "0a1b2c3d-1111-2222-3333-444455556666");
-  CHECK(PodUidFromCgroup("0::/user.slice/user-0.slice/session-1.scope\n").empty());
+  CHECK(PodUidFromCgroup(
+            "0::/kubepods/burstable/pod0a1b2c3d-1111-2222-3333-444455556666/"
+            "abcdef\n") == "0a1b2c3d-1111-2222-3333-444455556666");
+  CHECK(PodUidFromCgroup(
+            "0::/kubepods.slice/kubepods-besteffort.slice/"
+            "kubepods-besteffort-pod0A1B2C3D_1111_2222_3333_444455556666.slice/"
+            "cri-containerd-1.scope\n") ==
+        "0a1b2c3d-1111-2222-3333-444455556666");
+  CHECK(PodUidFromCgroup("0::/user.slice/user-0.slice/session-1.scope\n")
+            .empty());
   CHECK(PodUidFromCgroup("0::/kubepods/podnot-a-uid/x\n").empty());
   CHECK(PodUidFromCgroup("").empty());
 }
 
-TEST_CASE("metric families follow Prometheus conventions and carry tpud's figures") {
+TEST_CASE(
+    "metric families follow Prometheus conventions and carry tpud's figures") {
   MetricsInputs in;
   in.status.set_daemon_version("0.test");
   in.status.mutable_backend()->set_kind("simulated");
@@ -219,8 +242,8 @@ TEST_CASE("metric families follow Prometheus conventions and carry tpud's figure
   e.op_latency.resize(2);
   e.op_latency[0].fill(0);
   e.op_latency[1].fill(0);
-  e.op_latency[0][OpLatencyBucket(3'000)] = 5;        // 3 µs: the 5 µs bucket
-  e.op_latency[0][kOpLatencyBuckets - 1] = 1;         // above 10 s
+  e.op_latency[0][OpLatencyBucket(3'000)] = 5;  // 3 µs: the 5 µs bucket
+  e.op_latency[0][kOpLatencyBuckets - 1] = 1;   // above 10 s
   e.op_latency_sum_ns = {20'000'015'000, 0};
   e.queue_depth = {4, 0};
   e.op_errors[static_cast<int>(absl::StatusCode::kOutOfRange)] = 2;
@@ -229,30 +252,49 @@ TEST_CASE("metric families follow Prometheus conventions and carry tpud's figure
   in.sessions.killed = 1;
   in.rpc_statuses[static_cast<int>(absl::StatusCode::kResourceExhausted)] = 3;
 
-  const std::string text = prometheus::TextSerializer().Serialize(BuildMetricFamilies(in));
+  const std::string text =
+      prometheus::TextSerializer().Serialize(BuildMetricFamilies(in));
   INFO(text);
   CHECK(absl::StrContains(text, "# TYPE tpud_chip_hbm_used_bytes gauge"));
   CHECK(absl::StrContains(text, "tpud_chip_hbm_used_bytes{chip=\"0\"} 4096"));
-  CHECK(absl::StrContains(text, "tpud_chip_hbm_total_bytes{chip=\"1\"} 1073741824"));
+  CHECK(absl::StrContains(text,
+                          "tpud_chip_hbm_total_bytes{chip=\"1\"} 1073741824"));
   CHECK(absl::StrContains(text, "# TYPE tpud_chip_ops_total counter"));
   CHECK(absl::StrContains(text, "tpud_chip_ops_total{chip=\"0\"} 7"));
   CHECK(absl::StrContains(text, "tpud_chip_queue_depth{chip=\"0\"} 4"));
-  CHECK(absl::StrContains(text, "# TYPE tpud_chip_op_duration_seconds histogram"));
-  CHECK(absl::StrContains(text, "tpud_chip_op_duration_seconds_bucket{chip=\"0\",le=\"2.5e-06\"} 0"));
-  CHECK(absl::StrContains(text, "tpud_chip_op_duration_seconds_bucket{chip=\"0\",le=\"5e-06\"} 5"));
-  CHECK(absl::StrContains(text, "tpud_chip_op_duration_seconds_bucket{chip=\"0\",le=\"10\"} 5"));
-  CHECK(absl::StrContains(text, "tpud_chip_op_duration_seconds_bucket{chip=\"0\",le=\"+Inf\"} 6"));
-  CHECK(absl::StrContains(text, "tpud_chip_op_duration_seconds_count{chip=\"0\"} 6"));
-  CHECK(absl::StrContains(text, "tpud_ici_link_transmit_bytes_total{src=\"0\",dst=\"1\",axis=\"0\"} 100"));
-  CHECK(absl::StrContains(text, "tpud_ici_link_transmit_bytes_total{src=\"1\",dst=\"0\",axis=\"0\"} 50"));
+  CHECK(absl::StrContains(text,
+                          "# TYPE tpud_chip_op_duration_seconds histogram"));
+  CHECK(absl::StrContains(
+      text,
+      "tpud_chip_op_duration_seconds_bucket{chip=\"0\",le=\"2.5e-06\"} 0"));
+  CHECK(absl::StrContains(
+      text, "tpud_chip_op_duration_seconds_bucket{chip=\"0\",le=\"5e-06\"} 5"));
+  CHECK(absl::StrContains(
+      text, "tpud_chip_op_duration_seconds_bucket{chip=\"0\",le=\"10\"} 5"));
+  CHECK(absl::StrContains(
+      text, "tpud_chip_op_duration_seconds_bucket{chip=\"0\",le=\"+Inf\"} 6"));
+  CHECK(absl::StrContains(text,
+                          "tpud_chip_op_duration_seconds_count{chip=\"0\"} 6"));
+  CHECK(absl::StrContains(text,
+                          "tpud_ici_link_transmit_bytes_total{src=\"0\",dst="
+                          "\"1\",axis=\"0\"} 100"));
+  CHECK(absl::StrContains(
+      text,
+      "tpud_ici_link_transmit_bytes_total{src=\"1\",dst=\"0\",axis=\"0\"} 50"));
   CHECK(absl::StrContains(text, "tpud_session_hbm_bytes{session=\"3\"} 4096"));
-  CHECK(absl::StrContains(text, "pod_uid=\"0a1b2c3d-1111-2222-3333-444455556666\""));
-  CHECK(absl::StrContains(text, "command=\"python?train.py\""));  // no raw newline in a label
+  CHECK(absl::StrContains(text,
+                          "pod_uid=\"0a1b2c3d-1111-2222-3333-444455556666\""));
+  CHECK(absl::StrContains(
+      text, "command=\"python?train.py\""));  // no raw newline in a label
   CHECK(absl::StrContains(text, "tpud_sessions_opened_total 5"));
-  CHECK(absl::StrContains(text, "tpud_sessions_ended_total{reason=\"killed\"} 1"));
-  CHECK(absl::StrContains(text, "tpud_errors_total{source=\"op\",code=\"OUT_OF_RANGE\"} 2"));
-  CHECK(absl::StrContains(text, "tpud_errors_total{source=\"rpc\",code=\"RESOURCE_EXHAUSTED\"} 3"));
-  CHECK(absl::StrContains(text, "tpud_executor_restarts_total{executor=\"0\"} 2"));
+  CHECK(absl::StrContains(text,
+                          "tpud_sessions_ended_total{reason=\"killed\"} 1"));
+  CHECK(absl::StrContains(
+      text, "tpud_errors_total{source=\"op\",code=\"OUT_OF_RANGE\"} 2"));
+  CHECK(absl::StrContains(
+      text, "tpud_errors_total{source=\"rpc\",code=\"RESOURCE_EXHAUSTED\"} 3"));
+  CHECK(absl::StrContains(text,
+                          "tpud_executor_restarts_total{executor=\"0\"} 2"));
   CHECK(absl::StrContains(text, "tpud_build_info{"));
   // Counters end in _total; every family has HELP and TYPE; names are legal.
   size_t pos = 0;
@@ -265,7 +307,8 @@ TEST_CASE("metric families follow Prometheus conventions and carry tpud's figure
     CHECK(absl::StartsWith(name, "tpud_"));
     CHECK(absl::StrContains(text, "# HELP " + name + " "));
     if (type == "counter") CHECK(absl::EndsWith(name, "_total"));
-    for (char c : name) CHECK((std::isalnum(static_cast<unsigned char>(c)) || c == '_'));
+    for (char c : name)
+      CHECK((std::isalnum(static_cast<unsigned char>(c)) || c == '_'));
     pos = eol;
   }
 }

@@ -11,7 +11,8 @@ class StatusInterceptor : public gx::Interceptor {
  public:
   explicit StatusInterceptor(RpcStatusCounts* counts) : counts_(counts) {}
   void Intercept(gx::InterceptorBatchMethods* methods) override {
-    if (methods->QueryInterceptionHookPoint(gx::InterceptionHookPoints::PRE_SEND_STATUS)) {
+    if (methods->QueryInterceptionHookPoint(
+            gx::InterceptionHookPoints::PRE_SEND_STATUS)) {
       counts_->Add(static_cast<int>(methods->GetSendStatus().error_code()));
     }
     methods->Proceed();
@@ -23,7 +24,8 @@ class StatusInterceptor : public gx::Interceptor {
 
 class StatusInterceptorFactory : public gx::ServerInterceptorFactoryInterface {
  public:
-  explicit StatusInterceptorFactory(RpcStatusCounts* counts) : counts_(counts) {}
+  explicit StatusInterceptorFactory(RpcStatusCounts* counts)
+      : counts_(counts) {}
   gx::Interceptor* CreateServerInterceptor(gx::ServerRpcInfo*) override {
     return new StatusInterceptor(counts_);
   }
@@ -34,7 +36,8 @@ class StatusInterceptorFactory : public gx::ServerInterceptorFactoryInterface {
 
 }  // namespace
 
-std::unique_ptr<gx::ServerInterceptorFactoryInterface> CountRpcStatuses(RpcStatusCounts* counts) {
+std::unique_ptr<gx::ServerInterceptorFactoryInterface> CountRpcStatuses(
+    RpcStatusCounts* counts) {
   return std::make_unique<StatusInterceptorFactory>(counts);
 }
 

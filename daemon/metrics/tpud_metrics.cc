@@ -24,7 +24,8 @@ using Labels = std::vector<ClientMetric::Label>;
 // Builds the families in a fixed order, each created on first use.
 class Families {
  public:
-  MetricFamily& Get(const std::string& name, MetricType type, const std::string& help) {
+  MetricFamily& Get(const std::string& name, MetricType type,
+                    const std::string& help) {
     auto it = index_.find(name);
     if (it != index_.end()) return out_[it->second];
     index_[name] = out_.size();
@@ -35,13 +36,15 @@ class Families {
     out_.push_back(std::move(f));
     return out_.back();
   }
-  void Gauge(const std::string& name, const std::string& help, Labels labels, double value) {
+  void Gauge(const std::string& name, const std::string& help, Labels labels,
+             double value) {
     ClientMetric m;
     m.label = std::move(labels);
     m.gauge.value = value;
     Get(name, MetricType::Gauge, help).metric.push_back(std::move(m));
   }
-  void Counter(const std::string& name, const std::string& help, Labels labels, double value) {
+  void Counter(const std::string& name, const std::string& help, Labels labels,
+               double value) {
     ClientMetric m;
     m.label = std::move(labels);
     m.counter.value = value;
@@ -59,7 +62,8 @@ std::string Str(uint64_t v) { return absl::StrCat(v); }
 // Label values are free text: keep them printable and short.
 std::string Clean(absl::string_view s, size_t max = 128) {
   std::string out;
-  for (char c : s.substr(0, max)) out.push_back(std::isprint(static_cast<unsigned char>(c)) ? c : '?');
+  for (char c : s.substr(0, max))
+    out.push_back(std::isprint(static_cast<unsigned char>(c)) ? c : '?');
   return out;
 }
 
@@ -84,9 +88,12 @@ std::string PodUidFromCgroup(absl::string_view text) {
   for (size_t at = text.find("kubepods"); at != absl::string_view::npos;
        at = text.find("kubepods", at + 1)) {
     const size_t eol = text.find('\n', at);
-    const absl::string_view line = text.substr(at, eol == absl::string_view::npos ? eol : eol - at);
-    for (size_t p = line.find("pod"); p != absl::string_view::npos; p = line.find("pod", p + 1)) {
-      std::string uid = uid_at(static_cast<size_t>(line.data() - text.data()) + p + 3);
+    const absl::string_view line =
+        text.substr(at, eol == absl::string_view::npos ? eol : eol - at);
+    for (size_t p = line.find("pod"); p != absl::string_view::npos;
+         p = line.find("pod", p + 1)) {
+      std::string uid =
+          uid_at(static_cast<size_t>(line.data() - text.data()) + p + 3);
       if (!uid.empty()) return uid;
     }
   }
@@ -99,35 +106,41 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsInputs& in) {
   const v1::TopologyInfo& topo = st.topology();
   const v1::BackendInfo& b = st.backend();
 
-  f.Gauge("tpud_build_info",
-          "tpud's version and chip backend (always 1)",
+  f.Gauge("tpud_build_info", "tpud's version and chip backend (always 1)",
           {{"version", Clean(st.daemon_version())},
            {"backend", Clean(b.kind())},
            {"platform", Clean(b.platform())},
            {"pjrt_api_version", Clean(b.pjrt_api_version())},
            {"topology", Clean(topo.name())}},
           1);
-  f.Gauge("tpud_start_time_seconds", "when tpud started, seconds since the Unix epoch", {},
+  f.Gauge("tpud_start_time_seconds",
+          "when tpud started, seconds since the Unix epoch", {},
           in.start_unix_seconds);
 
   // ---- chips
   for (const v1::ChipInfo& c : topo.chips()) {
     const Labels chip = {{"chip", Str(c.id())}};
-    f.Gauge("tpud_chip_hbm_used_bytes", "HBM held by segments on the chip", chip,
-            static_cast<double>(c.hbm_used_bytes()));
+    f.Gauge("tpud_chip_hbm_used_bytes", "HBM held by segments on the chip",
+            chip, static_cast<double>(c.hbm_used_bytes()));
     f.Gauge("tpud_chip_hbm_total_bytes", "HBM capacity of the chip", chip,
             static_cast<double>(c.hbm_total_bytes()));
-    f.Gauge("tpud_chip_hbm_peak_bytes", "most HBM held on the chip at once since tpud started",
-            chip, static_cast<double>(c.hbm_peak_bytes()));
-    f.Gauge("tpud_chip_duty_cycle", "fraction of the last second the chip ran ops (0-1)", chip,
+    f.Gauge("tpud_chip_hbm_peak_bytes",
+            "most HBM held on the chip at once since tpud started", chip,
+            static_cast<double>(c.hbm_peak_bytes()));
+    f.Gauge("tpud_chip_duty_cycle",
+            "fraction of the last second the chip ran ops (0-1)", chip,
             c.duty_cycle());
-    f.Counter("tpud_chip_busy_seconds_total", "time the chip spent running ops", chip,
-              c.busy_seconds());
-    f.Counter("tpud_chip_ops_total", "op records the chip ran (rate() gives ops per second)",
-              chip, static_cast<double>(c.ops_executed()));
-    f.Gauge("tpud_chip_sessions", "sessions holding HBM on the chip", chip, c.session_count());
-    f.Gauge("tpud_chip_healthy", "1 if the chip is healthy", chip, c.healthy() ? 1 : 0);
-    f.Gauge("tpud_chip_drained", "1 if the chip is drained (refuses new allocations)", chip,
+    f.Counter("tpud_chip_busy_seconds_total", "time the chip spent running ops",
+              chip, c.busy_seconds());
+    f.Counter("tpud_chip_ops_total",
+              "op records the chip ran (rate() gives ops per second)", chip,
+              static_cast<double>(c.ops_executed()));
+    f.Gauge("tpud_chip_sessions", "sessions holding HBM on the chip", chip,
+            c.session_count());
+    f.Gauge("tpud_chip_healthy", "1 if the chip is healthy", chip,
+            c.healthy() ? 1 : 0);
+    f.Gauge("tpud_chip_drained",
+            "1 if the chip is drained (refuses new allocations)", chip,
             c.drained() ? 1 : 0);
   }
   // Per chip from the executors: queue depth and op latency (all chips,
@@ -137,9 +150,10 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsInputs& in) {
     for (size_t i = 0; i < e.chips.size(); ++i) {
       const Labels chip = {{"chip", Str(e.chips[i])}};
       if (i < e.queue_depth.size()) {
-        f.Gauge("tpud_chip_queue_depth",
-                "op records clients published for the chip that are not done yet", chip,
-                static_cast<double>(e.queue_depth[i]));
+        f.Gauge(
+            "tpud_chip_queue_depth",
+            "op records clients published for the chip that are not done yet",
+            chip, static_cast<double>(e.queue_depth[i]));
       }
       if (i < e.op_latency.size() && i < e.op_latency_sum_ns.size()) {
         ClientMetric m;
@@ -149,13 +163,15 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsInputs& in) {
           cumulative += e.op_latency[i][k];
           ClientMetric::Bucket bucket;
           bucket.cumulative_count = cumulative;
-          bucket.upper_bound = k + 1 < kOpLatencyBuckets
-                                   ? static_cast<double>(kOpLatencyBoundsNs[k]) / 1e9
-                                   : std::numeric_limits<double>::infinity();
+          bucket.upper_bound =
+              k + 1 < kOpLatencyBuckets
+                  ? static_cast<double>(kOpLatencyBoundsNs[k]) / 1e9
+                  : std::numeric_limits<double>::infinity();
           m.histogram.bucket.push_back(bucket);
         }
         m.histogram.sample_count = cumulative;
-        m.histogram.sample_sum = static_cast<double>(e.op_latency_sum_ns[i]) / 1e9;
+        m.histogram.sample_sum =
+            static_cast<double>(e.op_latency_sum_ns[i]) / 1e9;
         f.Get("tpud_chip_op_duration_seconds", MetricType::Histogram,
               "time one op record (or captured program) took on the chip")
             .metric.push_back(std::move(m));
@@ -167,16 +183,18 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsInputs& in) {
   for (const v1::ExecutorInfo& e : st.executors()) {
     for (const v1::ChipCompileStats& c : e.compile()) {
       const Labels chip = {{"chip", Str(c.chip())}};
-      f.Counter("tpud_chip_compiles_total", "programs the backend compiled for the chip", chip,
+      f.Counter("tpud_chip_compiles_total",
+                "programs the backend compiled for the chip", chip,
                 static_cast<double>(c.compiles()));
-      f.Counter("tpud_chip_compile_seconds_total", "time spent compiling programs for the chip",
-                chip, c.compile_seconds());
+      f.Counter("tpud_chip_compile_seconds_total",
+                "time spent compiling programs for the chip", chip,
+                c.compile_seconds());
       f.Counter("tpud_chip_program_cache_hits_total",
                 "ops that found their program compiled already", chip,
                 static_cast<double>(c.cache_hits()));
       f.Counter("tpud_chip_graph_programs_total",
-                "captured graphs (torch.compile) run as one compiled module", chip,
-                static_cast<double>(c.graph_programs()));
+                "captured graphs (torch.compile) run as one compiled module",
+                chip, static_cast<double>(c.graph_programs()));
       f.Counter("tpud_chip_collective_programs_total",
                 "collectives run as one replicated program", chip,
                 static_cast<double>(c.collective_programs()));
@@ -185,13 +203,16 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsInputs& in) {
 
   // ---- ICI links: bytes each way.
   for (const v1::IciLinkInfo& l : topo.links()) {
-    const std::string help = "bytes collectives moved over the ICI link, from src to dst";
-    f.Counter("tpud_ici_link_transmit_bytes_total", help,
-              {{"src", Str(l.a())}, {"dst", Str(l.b())}, {"axis", Str(l.axis())}},
-              static_cast<double>(l.bytes_a_to_b()));
-    f.Counter("tpud_ici_link_transmit_bytes_total", help,
-              {{"src", Str(l.b())}, {"dst", Str(l.a())}, {"axis", Str(l.axis())}},
-              static_cast<double>(l.bytes_b_to_a()));
+    const std::string help =
+        "bytes collectives moved over the ICI link, from src to dst";
+    f.Counter(
+        "tpud_ici_link_transmit_bytes_total", help,
+        {{"src", Str(l.a())}, {"dst", Str(l.b())}, {"axis", Str(l.axis())}},
+        static_cast<double>(l.bytes_a_to_b()));
+    f.Counter(
+        "tpud_ici_link_transmit_bytes_total", help,
+        {{"src", Str(l.b())}, {"dst", Str(l.a())}, {"axis", Str(l.axis())}},
+        static_cast<double>(l.bytes_b_to_a()));
   }
   f.Counter("tpud_collectives_total", "collective operations tpud ran", {},
             static_cast<double>(st.collectives_run()));
@@ -200,13 +221,16 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsInputs& in) {
   f.Gauge("tpud_sessions", "sessions open now", {}, st.sessions_size());
   // Declared even while no session is open, so dashboards and alerts see
   // the family.
-  f.Get("tpud_session_info", MetricType::Gauge, "an open session's process (always 1)");
-  f.Get("tpud_session_hbm_bytes", MetricType::Gauge, "HBM the session holds, all chips");
+  f.Get("tpud_session_info", MetricType::Gauge,
+        "an open session's process (always 1)");
+  f.Get("tpud_session_hbm_bytes", MetricType::Gauge,
+        "HBM the session holds, all chips");
   f.Get("tpud_session_hbm_quota_bytes", MetricType::Gauge,
         "the session's HBM quota per chip (0: none)");
   f.Get("tpud_session_busy_seconds_total", MetricType::Counter,
         "chip time the session's ops used");
-  f.Get("tpud_session_ops_total", MetricType::Counter, "op records of the session that ran");
+  f.Get("tpud_session_ops_total", MetricType::Counter,
+        "op records of the session that ran");
   for (const v1::SessionInfo& s : st.sessions()) {
     const std::string id = Str(s.id());
     auto pod = in.pod_uids.find(s.id());
@@ -218,17 +242,18 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsInputs& in) {
              {"pod_uid", pod == in.pod_uids.end() ? "" : pod->second}},
             1);
     const Labels session = {{"session", id}};
-    f.Gauge("tpud_session_hbm_bytes", "HBM the session holds, all chips", session,
-            static_cast<double>(s.hbm_bytes()));
-    f.Gauge("tpud_session_hbm_quota_bytes", "the session's HBM quota per chip (0: none)", session,
+    f.Gauge("tpud_session_hbm_bytes", "HBM the session holds, all chips",
+            session, static_cast<double>(s.hbm_bytes()));
+    f.Gauge("tpud_session_hbm_quota_bytes",
+            "the session's HBM quota per chip (0: none)", session,
             static_cast<double>(s.quota_bytes_per_chip()));
-    f.Counter("tpud_session_busy_seconds_total", "chip time the session's ops used", session,
-              s.busy_seconds());
-    f.Counter("tpud_session_ops_total", "op records of the session that ran", session,
-              static_cast<double>(s.ops_executed()));
+    f.Counter("tpud_session_busy_seconds_total",
+              "chip time the session's ops used", session, s.busy_seconds());
+    f.Counter("tpud_session_ops_total", "op records of the session that ran",
+              session, static_cast<double>(s.ops_executed()));
   }
-  f.Counter("tpud_sessions_opened_total", "sessions opened since tpud started", {},
-            static_cast<double>(in.sessions.opened));
+  f.Counter("tpud_sessions_opened_total", "sessions opened since tpud started",
+            {}, static_cast<double>(in.sessions.opened));
   const std::string ended = "sessions ended since tpud started, by why";
   f.Counter("tpud_sessions_ended_total", ended, {{"reason", "closed"}},
             static_cast<double>(in.sessions.closed));
@@ -242,14 +267,17 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsInputs& in) {
   // ---- errors, by where and status code (every code listed, so rate()
   // sees the first error as an increase).
   const std::string errors =
-      "errors tpud returned: failed op records (source=op) and control-plane calls (source=rpc)";
+      "errors tpud returned: failed op records (source=op) and control-plane "
+      "calls (source=rpc)";
   for (int c = 1; c < kStatusCodes; ++c) {
-    const std::string code = absl::StatusCodeToString(static_cast<absl::StatusCode>(c));
+    const std::string code =
+        absl::StatusCodeToString(static_cast<absl::StatusCode>(c));
     f.Counter("tpud_errors_total", errors, {{"source", "op"}, {"code", code}},
               static_cast<double>(op_errors[c]));
   }
   for (int c = 1; c < RpcStatusCounts::kCodes; ++c) {
-    const std::string code = absl::StatusCodeToString(static_cast<absl::StatusCode>(c));
+    const std::string code =
+        absl::StatusCodeToString(static_cast<absl::StatusCode>(c));
     f.Counter("tpud_errors_total", errors, {{"source", "rpc"}, {"code", code}},
               static_cast<double>(in.rpc_statuses[c]));
   }
@@ -257,19 +285,23 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsInputs& in) {
   // ---- executors
   for (const v1::ExecutorInfo& e : st.executors()) {
     const Labels ex = {{"executor", Str(e.index())}};
-    f.Gauge("tpud_executor_up", "1 if the executor process is running and ready", ex,
+    f.Gauge("tpud_executor_up",
+            "1 if the executor process is running and ready", ex,
             e.ready() ? 1 : 0);
-    f.Counter("tpud_executor_restarts_total", "times the executor process was replaced", ex,
+    f.Counter("tpud_executor_restarts_total",
+              "times the executor process was replaced", ex,
               static_cast<double>(e.restarts()));
     if (!e.compile().empty()) {
-      f.Gauge("tpud_executor_programs_cached", "compiled programs the executor holds", ex,
+      f.Gauge("tpud_executor_programs_cached",
+              "compiled programs the executor holds", ex,
               static_cast<double>(e.programs_cached()));
       f.Gauge("tpud_executor_device_buffer_bytes",
               "bytes of segments the executor holds in device buffers", ex,
               static_cast<double>(e.device_buffer_bytes()));
     }
   }
-  f.Gauge("tpud_default_quota_bytes", "HBM quota per chip of new sessions (0: none)", {},
+  f.Gauge("tpud_default_quota_bytes",
+          "HBM quota per chip of new sessions (0: none)", {},
           static_cast<double>(st.default_quota_bytes_per_chip()));
   return f.Take();
 }

@@ -1,9 +1,9 @@
 #include "daemon/service/config.h"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <utility>
-
-#include <spdlog/spdlog.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -25,9 +25,11 @@ const char* BackendName(BackendKind kind) {
 
 absl::StatusOr<TpudConfig> ConfigFromFlags(const TpudFlags& flags) {
   // spdlog reads any unknown name as "off".
-  const spdlog::level::level_enum log_level = spdlog::level::from_str(flags.log_level);
+  const spdlog::level::level_enum log_level =
+      spdlog::level::from_str(flags.log_level);
   if (log_level == spdlog::level::off && flags.log_level != "off") {
-    return absl::InvalidArgumentError(absl::StrCat("unknown --log_level=", flags.log_level));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown --log_level=", flags.log_level));
   }
 
   absl::StatusOr<uint64_t> hbm = tpu::ParseBytes(flags.hbm_bytes);
@@ -37,16 +39,19 @@ absl::StatusOr<TpudConfig> ConfigFromFlags(const TpudFlags& flags) {
   }
   absl::StatusOr<uint64_t> quota = tpu::ParseBytes(flags.session_quota_bytes);
   if (!quota.ok()) {
-    return absl::Status(quota.status().code(),
-                        absl::StrCat("--session_quota_bytes: ", quota.status().message()));
+    return absl::Status(
+        quota.status().code(),
+        absl::StrCat("--session_quota_bytes: ", quota.status().message()));
   }
   std::optional<MetricsAddress> metrics_address;
   if (!flags.metrics_address.empty()) {
-    absl::StatusOr<MetricsAddress> parsed = ParseMetricsAddress(flags.metrics_address);
+    absl::StatusOr<MetricsAddress> parsed =
+        ParseMetricsAddress(flags.metrics_address);
     if (!parsed.ok()) return parsed.status();
     metrics_address = *std::move(parsed);
   }
-  absl::StatusOr<Topology> topology = Topology::FromPreset(flags.topology, *hbm);
+  absl::StatusOr<Topology> topology =
+      Topology::FromPreset(flags.topology, *hbm);
   if (!topology.ok()) return topology.status();
 
   TpudConfig config{*std::move(topology)};
@@ -66,10 +71,12 @@ absl::StatusOr<TpudConfig> ConfigFromFlags(const TpudFlags& flags) {
       config.pjrt_memory = PjrtMemory::kDevice;
     } else {
       return absl::InvalidArgumentError(
-          absl::StrCat("unknown --pjrt_memory=", flags.pjrt_memory, " (auto, host or device)"));
+          absl::StrCat("unknown --pjrt_memory=", flags.pjrt_memory,
+                       " (auto, host or device)"));
     }
     if (flags.pjrt_plugin.empty()) {
-      return absl::InvalidArgumentError("--backend=pjrt needs --pjrt_plugin=PATH");
+      return absl::InvalidArgumentError(
+          "--backend=pjrt needs --pjrt_plugin=PATH");
     }
     config.pjrt_plugin = flags.pjrt_plugin;
     for (const std::string& text : flags.pjrt_option) {
@@ -80,8 +87,8 @@ absl::StatusOr<TpudConfig> ConfigFromFlags(const TpudFlags& flags) {
   } else if (flags.backend == "simulated") {
     config.backend = BackendKind::kSimulated;
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown --backend=", flags.backend, " (simulated or pjrt)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown --backend=", flags.backend, " (simulated or pjrt)"));
   }
   config.pjrt_probe_timeout = flags.pjrt_probe_timeout;
   config.pjrt_program_cache = std::max(1, flags.pjrt_program_cache);
@@ -89,33 +96,38 @@ absl::StatusOr<TpudConfig> ConfigFromFlags(const TpudFlags& flags) {
 
   // These messages name no flag: the parser's message is all tpud has ever
   // printed for them.
-  for (auto [text, target] : {std::pair{&flags.pinned_pool_bytes, &config.pinned_pool_bytes},
-                              std::pair{&flags.max_pinned_pool_bytes,
-                                        &config.max_pinned_pool_bytes},
-                              std::pair{&flags.staging_bytes, &config.staging_bytes},
-                              std::pair{&flags.ring_bytes, &config.ring_bytes}}) {
+  for (auto [text, target] :
+       {std::pair{&flags.pinned_pool_bytes, &config.pinned_pool_bytes},
+        std::pair{&flags.max_pinned_pool_bytes, &config.max_pinned_pool_bytes},
+        std::pair{&flags.staging_bytes, &config.staging_bytes},
+        std::pair{&flags.ring_bytes, &config.ring_bytes}}) {
     absl::StatusOr<uint64_t> bytes = tpu::ParseBytes(*text);
     if (!bytes.ok()) return bytes.status();
     *target = *bytes;
   }
-  if ((config.ring_bytes & (config.ring_bytes - 1)) != 0 || config.ring_bytes < 4096) {
-    return absl::InvalidArgumentError("--ring_bytes must be a power of two of at least 4KiB");
+  if ((config.ring_bytes & (config.ring_bytes - 1)) != 0 ||
+      config.ring_bytes < 4096) {
+    return absl::InvalidArgumentError(
+        "--ring_bytes must be a power of two of at least 4KiB");
   }
 
   if (config.topology.num_chips() > tpu::kMaxChipsPerHost) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "topology ", config.topology.name(), " has ", config.topology.num_chips(),
-        " chips; tpud serves at most ", tpu::kMaxChipsPerHost, " per host"));
+        "topology ", config.topology.name(), " has ",
+        config.topology.num_chips(), " chips; tpud serves at most ",
+        tpu::kMaxChipsPerHost, " per host"));
   }
 
-  config.max_sessions_per_uid = static_cast<uint32_t>(std::max(0, flags.max_sessions_per_uid));
+  config.max_sessions_per_uid =
+      static_cast<uint32_t>(std::max(0, flags.max_sessions_per_uid));
   config.intra_op_threads = flags.intra_op_threads;
   config.op_timeout = flags.op_timeout;
   config.executor_spin = flags.executor_spin;
   config.executor_yield = flags.executor_yield;
   config.executor_quantum = flags.executor_quantum;
 
-  config.socket_path = flags.socket.empty() ? tpu::RuntimeSocketPath() : flags.socket;
+  config.socket_path =
+      flags.socket.empty() ? tpu::RuntimeSocketPath() : flags.socket;
   config.admin_socket_path =
       flags.admin_socket.empty() ? tpu::AdminSocketPath() : flags.admin_socket;
   config.socket_group = flags.socket_group;

@@ -9,12 +9,12 @@
 #ifndef TPUD_DAEMON_SERVICE_CONFIG_H_
 #define TPUD_DAEMON_SERVICE_CONFIG_H_
 
+#include <spdlog/common.h>
+
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <spdlog/common.h>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -80,7 +80,7 @@ struct TpudConfig {
   spdlog::level::level_enum log_level = spdlog::level::info;
 
   // Sessions.
-  uint64_t session_quota_bytes = 0;  // per chip; 0: none
+  uint64_t session_quota_bytes = 0;     // per chip; 0: none
   uint32_t max_sessions_per_uid = 512;  // 0: no limit
 
   // Data plane.

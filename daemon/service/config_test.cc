@@ -143,13 +143,14 @@ TEST_CASE("each bad flag fails with tpud's message") {
 
   f = TpudFlags{};
   f.hbm_bytes = "lots";
-  CHECK(ErrorOf(f) ==
-        absl::StrCat("--hbm_bytes: ", tpu::ParseBytes("lots").status().message()));
+  CHECK(ErrorOf(f) == absl::StrCat("--hbm_bytes: ",
+                                   tpu::ParseBytes("lots").status().message()));
 
   f = TpudFlags{};
   f.session_quota_bytes = "8 parsecs";
-  CHECK(ErrorOf(f) == absl::StrCat("--session_quota_bytes: ",
-                                   tpu::ParseBytes("8 parsecs").status().message()));
+  CHECK(ErrorOf(f) ==
+        absl::StrCat("--session_quota_bytes: ",
+                     tpu::ParseBytes("8 parsecs").status().message()));
 
   f = TpudFlags{};
   f.topology = "v9z-3";
@@ -157,9 +158,9 @@ TEST_CASE("each bad flag fails with tpud's message") {
   CHECK(absl::StrContains(ErrorOf(f), "v6e-4"));  // lists the known presets
 
   // The data plane's sizes are named by the parser's message alone.
-  for (std::string TpudFlags::*size : {&TpudFlags::pinned_pool_bytes,
-                                       &TpudFlags::max_pinned_pool_bytes,
-                                       &TpudFlags::staging_bytes, &TpudFlags::ring_bytes}) {
+  for (std::string TpudFlags::*size :
+       {&TpudFlags::pinned_pool_bytes, &TpudFlags::max_pinned_pool_bytes,
+        &TpudFlags::staging_bytes, &TpudFlags::ring_bytes}) {
     f = TpudFlags{};
     f.*size = "big";
     CHECK(ErrorOf(f) == tpu::ParseBytes("big").status().message());
@@ -175,7 +176,8 @@ TEST_CASE("each bad flag fails with tpud's message") {
   CHECK(ErrorOf(f) == "unknown --backend=gpu (simulated or pjrt)");
 }
 
-TEST_CASE("a metrics address must be loopback HOST:PORT or a unix socket path") {
+TEST_CASE(
+    "a metrics address must be loopback HOST:PORT or a unix socket path") {
   for (auto [address, message] : {std::pair{"0.0.0.0:9464", "loopback"},
                                   std::pair{"10.1.2.3:9464", "loopback"},
                                   std::pair{"127.0.0.1:70000", "port"},
@@ -184,7 +186,8 @@ TEST_CASE("a metrics address must be loopback HOST:PORT or a unix socket path") 
     f.metrics_address = address;
     const std::string error = ErrorOf(f);
     CAPTURE(address, error);
-    CHECK(absl::StartsWith(error, absl::StrCat("--metrics_address=", address, ": ")));
+    CHECK(absl::StartsWith(error,
+                           absl::StrCat("--metrics_address=", address, ": ")));
     CHECK(absl::StrContains(error, message));
   }
 }
@@ -219,13 +222,16 @@ TEST_CASE("the first bad flag is the one reported") {
   CHECK(absl::StartsWith(ErrorOf(f), "--hbm_bytes: "));
   f.hbm_bytes = "0";
   f.metrics_address = "nonsense";
-  CHECK(absl::StartsWith(ErrorOf(f), "--metrics_address="));  // before the topology
+  CHECK(absl::StartsWith(ErrorOf(f),
+                         "--metrics_address="));  // before the topology
   f.metrics_address = "";
   f.backend = "gpu";
-  CHECK(absl::StrContains(ErrorOf(f), "v9z-3"));  // the topology before the backend
+  CHECK(absl::StrContains(ErrorOf(f),
+                          "v9z-3"));  // the topology before the backend
   f.topology = "v6e-4";
   f.ring_bytes = "3000";
-  CHECK(absl::StrContains(ErrorOf(f), "--backend=gpu"));  // the backend before sizes
+  CHECK(absl::StrContains(ErrorOf(f),
+                          "--backend=gpu"));  // the backend before sizes
 }
 
 }  // namespace

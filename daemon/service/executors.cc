@@ -15,8 +15,8 @@ namespace tpud {
 absl::StatusOr<std::unique_ptr<ExecutorProcesses>> ExecutorProcesses::Create(
     const TpudConfig& config, const ChosenBackend& backend, RuntimeCore* core) {
   std::unique_ptr<ExecutorProcesses> e(new ExecutorProcesses);
-  absl::StatusOr<SharedMapping> shared_memory =
-      SharedMapping::Create("tpud-executors", sizeof(ExecutorShared), /*seal=*/false);
+  absl::StatusOr<SharedMapping> shared_memory = SharedMapping::Create(
+      "tpud-executors", sizeof(ExecutorShared), /*seal=*/false);
   if (!shared_memory.ok()) return shared_memory.status();
   e->shared_memory_ = *std::move(shared_memory);
   e->shared_memory_.CloseFd();
@@ -36,7 +36,8 @@ absl::StatusOr<std::unique_ptr<ExecutorProcesses>> ExecutorProcesses::Create(
     exec_config.chips_of[executor].push_back(c);
     executor_of_chip.push_back(executor);
     exec_config.chip_bases.push_back(core->ChipHostBase(c));
-    exec_config.chip_capacities.push_back(core->topology().hbm_bytes_per_chip());
+    exec_config.chip_capacities.push_back(
+        core->topology().hbm_bytes_per_chip());
     exec_config.owner_tables.push_back(core->OwnerTableMemory(c));
   }
   for (int i = 0; i < num_executors; ++i) {
@@ -48,8 +49,8 @@ absl::StatusOr<std::unique_ptr<ExecutorProcesses>> ExecutorProcesses::Create(
 
   // Communicators: one table every executor maps (shared_table.h); the
   // registry sets up its links and routes now, before the fork.
-  absl::StatusOr<SharedMapping> collective_memory =
-      SharedMapping::Create("tpud-collectives", sizeof(CollectiveTable), /*seal=*/false);
+  absl::StatusOr<SharedMapping> collective_memory = SharedMapping::Create(
+      "tpud-collectives", sizeof(CollectiveTable), /*seal=*/false);
   if (!collective_memory.ok()) return collective_memory.status();
   e->collective_memory_ = *std::move(collective_memory);
   e->collective_memory_.CloseFd();
@@ -68,7 +69,8 @@ absl::StatusOr<std::unique_ptr<ExecutorProcesses>> ExecutorProcesses::Create(
   pool_options.chips_of = exec_config.chips_of;
   pool_options.op_timeout = config.op_timeout;
   absl::StatusOr<std::unique_ptr<ExecutorPool>> pool = ExecutorPool::Create(
-      pool_options, e->shared_, wake_fds, [exec_config](int index, int control_fd) {
+      pool_options, e->shared_, wake_fds,
+      [exec_config](int index, int control_fd) {
         return RunExecutorProcess(exec_config, index, control_fd);
       });
   if (!pool.ok()) return pool.status();

@@ -25,7 +25,8 @@ class ExecutorProcesses {
   // so. The pool is created, not started: its handlers need the data plane
   // (Servers starts it).
   static absl::StatusOr<std::unique_ptr<ExecutorProcesses>> Create(
-      const TpudConfig& config, const ChosenBackend& backend, RuntimeCore* core);
+      const TpudConfig& config, const ChosenBackend& backend,
+      RuntimeCore* core);
 
   ExecutorShared* shared() const { return shared_; }
   ExecutorPool* pool() const { return pool_.get(); }

@@ -1,10 +1,9 @@
 #include "daemon/service/grpc_services.h"
 
+#include <spdlog/spdlog.h>
 #include <unistd.h>
 
 #include <algorithm>
-
-#include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -24,11 +23,13 @@ absl::StatusOr<ConnectionInfo> CallerOf(const ConnectionTable& table,
     return absl::UnauthenticatedError(
         absl::StrCat("call from unknown peer ", ctx->peer()));
   }
-  if (!info->refused.empty()) return absl::ResourceExhaustedError(info->refused);
+  if (!info->refused.empty())
+    return absl::ResourceExhaustedError(info->refused);
   return *info;
 }
 
-void FillSession(const SessionSnapshot& s, DataPlane* data_plane, v1::SessionInfo* out) {
+void FillSession(const SessionSnapshot& s, DataPlane* data_plane,
+                 v1::SessionInfo* out) {
   if (data_plane != nullptr) {
     SessionActivity a = data_plane->Activity(s.id);
     out->set_busy_seconds(a.busy_ns / 1e9);
@@ -52,12 +53,14 @@ void FillSession(const SessionSnapshot& s, DataPlane* data_plane, v1::SessionInf
   out->set_hbm_bytes(s.total_bytes());
   for (size_t c = 0; c < s.bytes_per_chip.size(); ++c) {
     if (s.bytes_per_chip[c] > 0) {
-      (*out->mutable_hbm_bytes_per_chip())[static_cast<uint32_t>(c)] = s.bytes_per_chip[c];
+      (*out->mutable_hbm_bytes_per_chip())[static_cast<uint32_t>(c)] =
+          s.bytes_per_chip[c];
     }
   }
   out->set_quota_bytes_per_chip(s.quota_bytes_per_chip);
   out->set_protocol_version(s.protocol_version);
-  out->set_opened_unix_seconds(absl::ToDoubleSeconds(s.opened - absl::UnixEpoch()));
+  out->set_opened_unix_seconds(
+      absl::ToDoubleSeconds(s.opened - absl::UnixEpoch()));
   out->set_segment_count(s.segment_count);
 }
 
@@ -70,8 +73,8 @@ int ChipIndex(uint32_t wire_chip) {
 }  // namespace
 
 void FillTopology(const RuntimeCore& core, DataPlane* data_plane,
-                  const CommunicatorRegistry* comms, const BackendStatus& backend,
-                  v1::TopologyInfo* out) {
+                  const CommunicatorRegistry* comms,
+                  const BackendStatus& backend, v1::TopologyInfo* out) {
   if (comms != nullptr) {
     for (const LinkStats& l : comms->Links()) {
       v1::IciLinkInfo* li = out->add_links();
@@ -122,15 +125,17 @@ void FillTopology(const RuntimeCore& core, DataPlane* data_plane,
 
 // ---------------------------------------------------------------- Runtime
 
-grpc::Status RuntimeServiceImpl::JoinCommunicator(grpc::ServerContext* ctx,
-                                                  const v1::JoinCommunicatorRequest* req,
-                                                  v1::JoinCommunicatorResponse* resp) {
+grpc::Status RuntimeServiceImpl::JoinCommunicator(
+    grpc::ServerContext* ctx, const v1::JoinCommunicatorRequest* req,
+    v1::JoinCommunicatorResponse* resp) {
   absl::StatusOr<ConnectionInfo> caller = CallerOf(*connections_, ctx);
   if (!caller.ok()) return ToGrpcStatus(caller.status());
   if (comms_ == nullptr) {
-    return ToGrpcStatus(absl::FailedPreconditionError("this tpud runs no collectives"));
+    return ToGrpcStatus(
+        absl::FailedPreconditionError("this tpud runs no collectives"));
   }
-  absl::StatusOr<uint32_t> tag = core_->SessionTag(caller->id, req->session_id());
+  absl::StatusOr<uint32_t> tag =
+      core_->SessionTag(caller->id, req->session_id());
   if (!tag.ok()) return ToGrpcStatus(tag.status());
   JoinRequest j;
   j.session_id = req->session_id();
@@ -145,12 +150,14 @@ grpc::Status RuntimeServiceImpl::JoinCommunicator(grpc::ServerContext* ctx,
     j.op_timeout = absl::Milliseconds(std::min(req->op_timeout_ms(), kMaxMs));
   }
   if (req->join_timeout_ms() != 0) {
-    j.join_timeout = absl::Milliseconds(std::min(req->join_timeout_ms(), kMaxMs));
+    j.join_timeout =
+        absl::Milliseconds(std::min(req->join_timeout_ms(), kMaxMs));
   }
   // The call's own deadline bounds the wait too.
   const absl::Time call_deadline = absl::FromChrono(ctx->deadline());
   if (call_deadline < absl::Now() + j.join_timeout) {
-    j.join_timeout = std::max(absl::ZeroDuration(), call_deadline - absl::Now());
+    j.join_timeout =
+        std::max(absl::ZeroDuration(), call_deadline - absl::Now());
   }
   absl::StatusOr<uint64_t> id = comms_->Join(j);
   if (!id.ok()) return ToGrpcStatus(id.status());
@@ -158,13 +165,14 @@ grpc::Status RuntimeServiceImpl::JoinCommunicator(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
-grpc::Status RuntimeServiceImpl::LeaveCommunicator(grpc::ServerContext* ctx,
-                                                   const v1::LeaveCommunicatorRequest* req,
-                                                   v1::LeaveCommunicatorResponse*) {
+grpc::Status RuntimeServiceImpl::LeaveCommunicator(
+    grpc::ServerContext* ctx, const v1::LeaveCommunicatorRequest* req,
+    v1::LeaveCommunicatorResponse*) {
   absl::StatusOr<ConnectionInfo> caller = CallerOf(*connections_, ctx);
   if (!caller.ok()) return ToGrpcStatus(caller.status());
   if (comms_ == nullptr) return grpc::Status::OK;
-  absl::StatusOr<uint32_t> tag = core_->SessionTag(caller->id, req->session_id());
+  absl::StatusOr<uint32_t> tag =
+      core_->SessionTag(caller->id, req->session_id());
   if (!tag.ok()) return ToGrpcStatus(tag.status());
   return ToGrpcStatus(comms_->Leave(req->session_id(), req->communicator_id()));
 }
@@ -181,10 +189,9 @@ grpc::Status RuntimeServiceImpl::OpenSession(grpc::ServerContext* ctx,
                                              v1::OpenSessionResponse* resp) {
   absl::StatusOr<ConnectionInfo> caller = CallerOf(*connections_, ctx);
   if (!caller.ok()) return ToGrpcStatus(caller.status());
-  absl::StatusOr<OpenedSession> opened =
-      core_->OpenSession(caller->id, caller->peer, req->min_protocol_version(),
-                         req->max_protocol_version(), req->client_name(),
-                         req->allocation_token());
+  absl::StatusOr<OpenedSession> opened = core_->OpenSession(
+      caller->id, caller->peer, req->min_protocol_version(),
+      req->max_protocol_version(), req->client_name(), req->allocation_token());
   if (!opened.ok()) return ToGrpcStatus(opened.status());
   spdlog::info("session {} opened by pid {} uid {} ({}), protocol v{}",
                opened->session_id, caller->peer.pid, caller->peer.uid,
@@ -194,16 +201,18 @@ grpc::Status RuntimeServiceImpl::OpenSession(grpc::ServerContext* ctx,
   resp->set_daemon_version(kDaemonVersion);
   resp->set_quota_bytes_per_chip(opened->quota_bytes_per_chip);
   resp->set_data_plane_token(opened->data_plane_token);
-  for (int c : opened->allowed_chips) resp->add_allowed_chips(static_cast<uint32_t>(c));
+  for (int c : opened->allowed_chips)
+    resp->add_allowed_chips(static_cast<uint32_t>(c));
   return grpc::Status::OK;
 }
 
-grpc::Status RuntimeServiceImpl::CloseSession(grpc::ServerContext* ctx,
-                                              const v1::CloseSessionRequest* req,
-                                              v1::CloseSessionResponse* resp) {
+grpc::Status RuntimeServiceImpl::CloseSession(
+    grpc::ServerContext* ctx, const v1::CloseSessionRequest* req,
+    v1::CloseSessionResponse* resp) {
   absl::StatusOr<ConnectionInfo> caller = CallerOf(*connections_, ctx);
   if (!caller.ok()) return ToGrpcStatus(caller.status());
-  absl::StatusOr<uint64_t> bytes = core_->CloseSession(caller->id, req->session_id());
+  absl::StatusOr<uint64_t> bytes =
+      core_->CloseSession(caller->id, req->session_id());
   if (!bytes.ok()) return ToGrpcStatus(bytes.status());
   spdlog::info("session {} closed; reclaimed {}", req->session_id(),
                tpu::FormatBytes(*bytes));
@@ -211,13 +220,13 @@ grpc::Status RuntimeServiceImpl::CloseSession(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
-grpc::Status RuntimeServiceImpl::AllocateSegment(grpc::ServerContext* ctx,
-                                                 const v1::AllocateSegmentRequest* req,
-                                                 v1::AllocateSegmentResponse* resp) {
+grpc::Status RuntimeServiceImpl::AllocateSegment(
+    grpc::ServerContext* ctx, const v1::AllocateSegmentRequest* req,
+    v1::AllocateSegmentResponse* resp) {
   absl::StatusOr<ConnectionInfo> caller = CallerOf(*connections_, ctx);
   if (!caller.ok()) return ToGrpcStatus(caller.status());
-  absl::StatusOr<SegmentGrant> grant =
-      core_->Allocate(caller->id, req->session_id(), ChipIndex(req->chip()), req->bytes());
+  absl::StatusOr<SegmentGrant> grant = core_->Allocate(
+      caller->id, req->session_id(), ChipIndex(req->chip()), req->bytes());
   if (!grant.ok()) return ToGrpcStatus(grant.status());
   v1::Segment* seg = resp->mutable_segment();
   seg->set_address(grant->address);
@@ -240,9 +249,9 @@ grpc::Status RuntimeServiceImpl::FreeSegment(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
-grpc::Status RuntimeServiceImpl::GetMemoryStats(grpc::ServerContext* ctx,
-                                                const v1::GetMemoryStatsRequest* req,
-                                                v1::GetMemoryStatsResponse* resp) {
+grpc::Status RuntimeServiceImpl::GetMemoryStats(
+    grpc::ServerContext* ctx, const v1::GetMemoryStatsRequest* req,
+    v1::GetMemoryStatsResponse* resp) {
   absl::StatusOr<ConnectionInfo> caller = CallerOf(*connections_, ctx);
   if (!caller.ok()) return ToGrpcStatus(caller.status());
   absl::StatusOr<std::vector<ChipMemoryView>> views =
@@ -263,7 +272,8 @@ grpc::Status RuntimeServiceImpl::GetMemoryStats(grpc::ServerContext* ctx,
   }
   // Quotas differ per chip only for sessions of an allocation: the largest.
   uint64_t quota = 0;
-  for (const ChipMemoryView& v : *views) quota = std::max(quota, v.session_quota_bytes);
+  for (const ChipMemoryView& v : *views)
+    quota = std::max(quota, v.session_quota_bytes);
   resp->set_quota_bytes_per_chip(quota);
   return grpc::Status::OK;
 }
@@ -288,13 +298,16 @@ grpc::Status AdminServiceImpl::GetStatus(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
-grpc::Status AdminServiceImpl::Watch(grpc::ServerContext* ctx, const v1::WatchRequest* req,
-                                     grpc::ServerWriter<v1::GetStatusResponse>* writer) {
+grpc::Status AdminServiceImpl::Watch(
+    grpc::ServerContext* ctx, const v1::WatchRequest* req,
+    grpc::ServerWriter<v1::GetStatusResponse>* writer) {
   if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
-  const double seconds = req->interval_seconds() == 0 ? 1.0 : req->interval_seconds();
+  const double seconds =
+      req->interval_seconds() == 0 ? 1.0 : req->interval_seconds();
   if (!(seconds >= 0.1 && seconds <= 3600)) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("watch interval ", seconds, " s: give 0.1 to 3600 seconds"));
+                        absl::StrCat("watch interval ", seconds,
+                                     " s: give 0.1 to 3600 seconds"));
   }
   const absl::Duration interval = absl::Seconds(seconds);
   absl::Time next = absl::Now();
@@ -305,7 +318,8 @@ grpc::Status AdminServiceImpl::Watch(grpc::ServerContext* ctx, const v1::WatchRe
       while (!ctx->IsCancelled() && !stopping_.HasBeenNotified()) {
         const absl::Duration left = next - absl::Now();
         if (left <= absl::ZeroDuration()) break;
-        stopping_.WaitForNotificationWithTimeout(std::min(left, absl::Milliseconds(200)));
+        stopping_.WaitForNotificationWithTimeout(
+            std::min(left, absl::Milliseconds(200)));
       }
     }
     if (ctx->IsCancelled() || stopping_.HasBeenNotified()) break;
@@ -410,10 +424,11 @@ grpc::Status AdminServiceImpl::KillSession(grpc::ServerContext* ctx,
                                            v1::KillSessionResponse* resp) {
   if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
   ConnectionId connection = 0;
-  absl::StatusOr<uint64_t> bytes = core_->KillSession(req->session_id(), &connection);
+  absl::StatusOr<uint64_t> bytes =
+      core_->KillSession(req->session_id(), &connection);
   if (!bytes.ok()) return ToGrpcStatus(bytes.status());
-  spdlog::warn("session {} killed by an administrator; reclaimed {}", req->session_id(),
-               tpu::FormatBytes(*bytes));
+  spdlog::warn("session {} killed by an administrator; reclaimed {}",
+               req->session_id(), tpu::FormatBytes(*bytes));
   hangup_(connection);
   resp->set_reclaimed_bytes(*bytes);
   return grpc::Status::OK;
@@ -425,12 +440,14 @@ grpc::Status AdminServiceImpl::SetQuota(grpc::ServerContext* ctx,
   if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
   if (req->apply_to_default()) {
     core_->SetDefaultQuota(req->quota_bytes_per_chip());
-    spdlog::info("default quota set to {}", req->quota_bytes_per_chip() == 0
-                                                ? std::string("none")
-                                                : tpu::FormatBytes(req->quota_bytes_per_chip()));
+    spdlog::info("default quota set to {}",
+                 req->quota_bytes_per_chip() == 0
+                     ? std::string("none")
+                     : tpu::FormatBytes(req->quota_bytes_per_chip()));
     return grpc::Status::OK;
   }
-  absl::Status st = core_->SetSessionQuota(req->session_id(), req->quota_bytes_per_chip());
+  absl::Status st =
+      core_->SetSessionQuota(req->session_id(), req->quota_bytes_per_chip());
   if (st.ok()) {
     spdlog::info("session {} quota set to {}", req->session_id(),
                  req->quota_bytes_per_chip() == 0
@@ -458,7 +475,8 @@ grpc::Status AdminServiceImpl::UndrainChip(grpc::ServerContext* ctx,
   return ToGrpcStatus(st);
 }
 
-grpc::Status AdminServiceImpl::Health(grpc::ServerContext* ctx, const v1::HealthRequest*,
+grpc::Status AdminServiceImpl::Health(grpc::ServerContext* ctx,
+                                      const v1::HealthRequest*,
                                       v1::HealthResponse* resp) {
   if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
   bool all_healthy = true;
@@ -475,16 +493,18 @@ grpc::Status AdminServiceImpl::Health(grpc::ServerContext* ctx, const v1::Health
   return grpc::Status::OK;
 }
 
-grpc::Status AdminServiceImpl::CreateAllocation(grpc::ServerContext* ctx,
-                                                const v1::CreateAllocationRequest* req,
-                                                v1::CreateAllocationResponse* resp) {
+grpc::Status AdminServiceImpl::CreateAllocation(
+    grpc::ServerContext* ctx, const v1::CreateAllocationRequest* req,
+    v1::CreateAllocationResponse* resp) {
   if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
   AllocationSpec spec;
   for (uint32_t c : req->chips()) spec.chips.push_back(ChipIndex(c));
-  spec.chip_quota_bytes.assign(req->chip_quota_bytes().begin(), req->chip_quota_bytes().end());
+  spec.chip_quota_bytes.assign(req->chip_quota_bytes().begin(),
+                               req->chip_quota_bytes().end());
   spec.quota_bytes_per_chip = req->quota_bytes_per_chip();
   spec.name = req->name();
-  absl::StatusOr<CreatedAllocation> created = core_->CreateAllocation(std::move(spec));
+  absl::StatusOr<CreatedAllocation> created =
+      core_->CreateAllocation(std::move(spec));
   if (!created.ok()) return ToGrpcStatus(created.status());
   spdlog::info("allocation {} created for \"{}\"", created->id, req->name());
   resp->set_token(created->token);
@@ -492,16 +512,16 @@ grpc::Status AdminServiceImpl::CreateAllocation(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
-grpc::Status AdminServiceImpl::ReleaseAllocation(grpc::ServerContext* ctx,
-                                                 const v1::ReleaseAllocationRequest* req,
-                                                 v1::ReleaseAllocationResponse*) {
+grpc::Status AdminServiceImpl::ReleaseAllocation(
+    grpc::ServerContext* ctx, const v1::ReleaseAllocationRequest* req,
+    v1::ReleaseAllocationResponse*) {
   if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
   return ToGrpcStatus(core_->ReleaseAllocation(req->token()));
 }
 
-grpc::Status AdminServiceImpl::ListAllocations(grpc::ServerContext* ctx,
-                                               const v1::ListAllocationsRequest*,
-                                               v1::ListAllocationsResponse* resp) {
+grpc::Status AdminServiceImpl::ListAllocations(
+    grpc::ServerContext* ctx, const v1::ListAllocationsRequest*,
+    v1::ListAllocationsResponse* resp) {
   if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
   for (const AllocationSnapshot& a : core_->Allocations()) {
     v1::AllocationInfo* out = resp->add_allocations();
@@ -512,7 +532,8 @@ grpc::Status AdminServiceImpl::ListAllocations(grpc::ServerContext* ctx,
       c->set_chip(static_cast<uint32_t>(a.chips[i]));
       c->set_quota_bytes(a.quota_bytes[i]);
     }
-    out->set_created_unix_seconds(absl::ToDoubleSeconds(a.created - absl::UnixEpoch()));
+    out->set_created_unix_seconds(
+        absl::ToDoubleSeconds(a.created - absl::UnixEpoch()));
     out->set_session_count(static_cast<uint32_t>(a.session_count));
   }
   return grpc::Status::OK;

@@ -12,9 +12,9 @@
 #include "absl/time/time.h"
 #include "daemon/collectives/registry.h"
 #include "daemon/core/connection_table.h"
+#include "daemon/core/runtime_core.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/executor/executor_pool.h"
-#include "daemon/core/runtime_core.h"
 #include "proto/tpud.grpc.pb.h"
 
 namespace tpud {
@@ -36,16 +36,20 @@ class RuntimeServiceImpl final : public v1::Runtime::Service {
                      DataPlane* data_plane)
       : core_(core), connections_(connections), data_plane_(data_plane) {}
 
-  grpc::Status GetTopology(grpc::ServerContext* ctx, const v1::GetTopologyRequest* req,
+  grpc::Status GetTopology(grpc::ServerContext* ctx,
+                           const v1::GetTopologyRequest* req,
                            v1::GetTopologyResponse* resp) override;
-  grpc::Status OpenSession(grpc::ServerContext* ctx, const v1::OpenSessionRequest* req,
+  grpc::Status OpenSession(grpc::ServerContext* ctx,
+                           const v1::OpenSessionRequest* req,
                            v1::OpenSessionResponse* resp) override;
-  grpc::Status CloseSession(grpc::ServerContext* ctx, const v1::CloseSessionRequest* req,
+  grpc::Status CloseSession(grpc::ServerContext* ctx,
+                            const v1::CloseSessionRequest* req,
                             v1::CloseSessionResponse* resp) override;
   grpc::Status AllocateSegment(grpc::ServerContext* ctx,
                                const v1::AllocateSegmentRequest* req,
                                v1::AllocateSegmentResponse* resp) override;
-  grpc::Status FreeSegment(grpc::ServerContext* ctx, const v1::FreeSegmentRequest* req,
+  grpc::Status FreeSegment(grpc::ServerContext* ctx,
+                           const v1::FreeSegmentRequest* req,
                            v1::FreeSegmentResponse* resp) override;
   grpc::Status GetMemoryStats(grpc::ServerContext* ctx,
                               const v1::GetMemoryStatsRequest* req,
@@ -68,41 +72,53 @@ class RuntimeServiceImpl final : public v1::Runtime::Service {
   BackendStatus backend_;
 };
 
-
 class AdminServiceImpl final : public v1::Admin::Service {
  public:
   // `hangup` closes a connection whose session an administrator killed.
   AdminServiceImpl(RuntimeCore* core, const ConnectionTable* connections,
                    DataPlane* data_plane, const ExecutorPool* pool,
                    std::function<void(ConnectionId)> hangup)
-      : core_(core), connections_(connections), data_plane_(data_plane), pool_(pool),
-        hangup_(std::move(hangup)), started_(absl::Now()) {}
+      : core_(core),
+        connections_(connections),
+        data_plane_(data_plane),
+        pool_(pool),
+        hangup_(std::move(hangup)),
+        started_(absl::Now()) {}
 
   void set_backend(BackendStatus backend) { backend_ = std::move(backend); }
 
-  grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest* req,
+  grpc::Status GetStatus(grpc::ServerContext* ctx,
+                         const v1::GetStatusRequest* req,
                          v1::GetStatusResponse* resp) override;
-  grpc::Status ListSessions(grpc::ServerContext* ctx, const v1::ListSessionsRequest* req,
+  grpc::Status ListSessions(grpc::ServerContext* ctx,
+                            const v1::ListSessionsRequest* req,
                             v1::ListSessionsResponse* resp) override;
-  grpc::Status KillSession(grpc::ServerContext* ctx, const v1::KillSessionRequest* req,
+  grpc::Status KillSession(grpc::ServerContext* ctx,
+                           const v1::KillSessionRequest* req,
                            v1::KillSessionResponse* resp) override;
-  grpc::Status SetQuota(grpc::ServerContext* ctx, const v1::SetQuotaRequest* req,
+  grpc::Status SetQuota(grpc::ServerContext* ctx,
+                        const v1::SetQuotaRequest* req,
                         v1::SetQuotaResponse* resp) override;
-  grpc::Status DrainChip(grpc::ServerContext* ctx, const v1::DrainChipRequest* req,
+  grpc::Status DrainChip(grpc::ServerContext* ctx,
+                         const v1::DrainChipRequest* req,
                          v1::DrainChipResponse* resp) override;
-  grpc::Status UndrainChip(grpc::ServerContext* ctx, const v1::UndrainChipRequest* req,
+  grpc::Status UndrainChip(grpc::ServerContext* ctx,
+                           const v1::UndrainChipRequest* req,
                            v1::UndrainChipResponse* resp) override;
   grpc::Status Health(grpc::ServerContext* ctx, const v1::HealthRequest* req,
                       v1::HealthResponse* resp) override;
-  grpc::Status CreateAllocation(grpc::ServerContext* ctx, const v1::CreateAllocationRequest* req,
+  grpc::Status CreateAllocation(grpc::ServerContext* ctx,
+                                const v1::CreateAllocationRequest* req,
                                 v1::CreateAllocationResponse* resp) override;
   grpc::Status ReleaseAllocation(grpc::ServerContext* ctx,
                                  const v1::ReleaseAllocationRequest* req,
                                  v1::ReleaseAllocationResponse* resp) override;
-  grpc::Status ListAllocations(grpc::ServerContext* ctx, const v1::ListAllocationsRequest* req,
+  grpc::Status ListAllocations(grpc::ServerContext* ctx,
+                               const v1::ListAllocationsRequest* req,
                                v1::ListAllocationsResponse* resp) override;
-  grpc::Status Watch(grpc::ServerContext* ctx, const v1::WatchRequest* req,
-                     grpc::ServerWriter<v1::GetStatusResponse>* writer) override;
+  grpc::Status Watch(
+      grpc::ServerContext* ctx, const v1::WatchRequest* req,
+      grpc::ServerWriter<v1::GetStatusResponse>* writer) override;
   // Ends every Watch stream now (tpud is stopping).
   void StopWatches() { stopping_.Notify(); }
   // What GetStatus answers (also read by the metrics endpoint).
@@ -113,8 +129,10 @@ class AdminServiceImpl final : public v1::Admin::Service {
   grpc::Status CheckAdmin(grpc::ServerContext* ctx) const;
   BackendStatus backend_;
   absl::Notification stopping_;
+
  public:
   void set_communicators(const CommunicatorRegistry* comms) { comms_ = comms; }
+
  private:
   const CommunicatorRegistry* comms_ = nullptr;
 
@@ -130,8 +148,8 @@ class AdminServiceImpl final : public v1::Admin::Service {
 // current state (`data_plane` may be null: no activity figures; `comms`
 // null: no link counters).
 void FillTopology(const RuntimeCore& core, DataPlane* data_plane,
-                  const CommunicatorRegistry* comms, const BackendStatus& backend,
-                  v1::TopologyInfo* out);
+                  const CommunicatorRegistry* comms,
+                  const BackendStatus& backend, v1::TopologyInfo* out);
 
 }  // namespace tpud
 

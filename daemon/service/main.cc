@@ -5,6 +5,8 @@
 // (backend_choice.h) -> the runtime core -> the executor processes
 // (executors.h) -> the servers (servers.h) -> serve until a signal.
 #include <signal.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
 #include <sys/resource.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
@@ -13,9 +15,6 @@
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <spdlog/sinks/stdout_color_sinks.h>
-#include <spdlog/spdlog.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -34,65 +33,90 @@
 
 // The defaults live in TpudFlags (config.h), which the config's test uses too.
 ABSL_FLAG(std::string, topology, tpud::TpudFlags().topology,
-          "host preset to serve: v5e-1, v5e-4, v5e-8, v5p-4, v6e-1, v6e-4, v6e-8, v7x-4");
-ABSL_FLAG(std::string, socket, tpud::TpudFlags().socket,
-          "runtime socket (default $TPUD_SOCKET, /run/tpud/tpud.sock as root, else "
-          "$XDG_RUNTIME_DIR/tpud/tpud.sock)");
+          "host preset to serve: v5e-1, v5e-4, v5e-8, v5p-4, v6e-1, v6e-4, "
+          "v6e-8, v7x-4");
+ABSL_FLAG(
+    std::string, socket, tpud::TpudFlags().socket,
+    "runtime socket (default $TPUD_SOCKET, /run/tpud/tpud.sock as root, else "
+    "$XDG_RUNTIME_DIR/tpud/tpud.sock)");
 ABSL_FLAG(std::string, admin_socket, tpud::TpudFlags().admin_socket,
-          "admin socket (default $TPUD_ADMIN_SOCKET, or admin.sock beside the runtime "
+          "admin socket (default $TPUD_ADMIN_SOCKET, or admin.sock beside the "
+          "runtime "
           "socket's default)");
-ABSL_FLAG(std::string, socket_group, tpud::TpudFlags().socket_group,
-          "group that owns the runtime socket (mode 0660); empty keeps the daemon's");
+ABSL_FLAG(
+    std::string, socket_group, tpud::TpudFlags().socket_group,
+    "group that owns the runtime socket (mode 0660); empty keeps the daemon's");
 ABSL_FLAG(std::string, hbm_bytes, tpud::TpudFlags().hbm_bytes,
           "HBM per chip, e.g. 256MiB; 0 uses the generation's real capacity");
-ABSL_FLAG(std::string, session_quota_bytes, tpud::TpudFlags().session_quota_bytes,
-          "default per-chip HBM quota of every session, e.g. 8GiB; 0 means none");
-ABSL_FLAG(std::string, log_level, tpud::TpudFlags().log_level, "trace, debug, info, warn or error");
+ABSL_FLAG(
+    std::string, session_quota_bytes, tpud::TpudFlags().session_quota_bytes,
+    "default per-chip HBM quota of every session, e.g. 8GiB; 0 means none");
+ABSL_FLAG(std::string, log_level, tpud::TpudFlags().log_level,
+          "trace, debug, info, warn or error");
 ABSL_FLAG(int, intra_op_threads, tpud::TpudFlags().intra_op_threads,
-          "threads each op may use on the simulated chips (process-wide); 0 = ATen's default");
+          "threads each op may use on the simulated chips (process-wide); 0 = "
+          "ATen's default");
 ABSL_FLAG(std::string, pinned_pool_bytes, tpud::TpudFlags().pinned_pool_bytes,
           "default size of a session's pinned host pool (shared memory)");
-ABSL_FLAG(std::string, max_pinned_pool_bytes, tpud::TpudFlags().max_pinned_pool_bytes,
+ABSL_FLAG(std::string, max_pinned_pool_bytes,
+          tpud::TpudFlags().max_pinned_pool_bytes,
           "largest pinned host pool a session may ask for");
 ABSL_FLAG(std::string, staging_bytes, tpud::TpudFlags().staging_bytes,
           "per-session staging area for pageable host<->device copies");
 ABSL_FLAG(std::string, ring_bytes, tpud::TpudFlags().ring_bytes,
           "op ring size per stream and chip (a power of two)");
 ABSL_FLAG(absl::Duration, op_timeout, tpud::TpudFlags().op_timeout,
-          "an op running longer is deemed hung: its executor is restarted and its session "
+          "an op running longer is deemed hung: its executor is restarted and "
+          "its session "
           "ended (0 = never)");
-ABSL_FLAG(absl::Duration, executor_spin, tpud::TpudFlags().executor_spin,
-          "how long an idle executor spins for new work while a core is free for it");
+ABSL_FLAG(
+    absl::Duration, executor_spin, tpud::TpudFlags().executor_spin,
+    "how long an idle executor spins for new work while a core is free for it");
 ABSL_FLAG(absl::Duration, executor_yield, tpud::TpudFlags().executor_yield,
-          "how long an idle executor yields its core (and looks for new work) when no core "
+          "how long an idle executor yields its core (and looks for new work) "
+          "when no core "
           "is free, before it sleeps");
 ABSL_FLAG(absl::Duration, executor_quantum, tpud::TpudFlags().executor_quantum,
           "how long an executor serves one stream while others wait");
-ABSL_FLAG(int, max_connections_per_uid, tpud::TpudFlags().max_connections_per_uid,
+ABSL_FLAG(int, max_connections_per_uid,
+          tpud::TpudFlags().max_connections_per_uid,
           "connections one user may hold on the runtime socket");
-ABSL_FLAG(int, max_sessions_per_uid, tpud::TpudFlags().max_sessions_per_uid, "sessions one user may hold at once (0 = no limit)");
-ABSL_FLAG(absl::Duration, handshake_timeout, tpud::TpudFlags().handshake_timeout,
-          "a new connection must send its greeting (gRPC preface or data-plane hello) within "
+ABSL_FLAG(int, max_sessions_per_uid, tpud::TpudFlags().max_sessions_per_uid,
+          "sessions one user may hold at once (0 = no limit)");
+ABSL_FLAG(absl::Duration, handshake_timeout,
+          tpud::TpudFlags().handshake_timeout,
+          "a new connection must send its greeting (gRPC preface or data-plane "
+          "hello) within "
           "this time");
 
 ABSL_FLAG(std::string, backend, tpud::TpudFlags().backend,
-          "what runs the ops: simulated (ATen CPU kernels on daemon-owned HBM) or pjrt (the "
+          "what runs the ops: simulated (ATen CPU kernels on daemon-owned HBM) "
+          "or pjrt (the "
           "devices of the PJRT plugin given by --pjrt_plugin, e.g. libtpu.so)");
-ABSL_FLAG(std::string, pjrt_plugin, tpud::TpudFlags().pjrt_plugin, "path of the PJRT plugin for --backend=pjrt");
-ABSL_FLAG(std::vector<std::string>, pjrt_option, tpud::TpudFlags().pjrt_option,
-          "a client create option of the PJRT plugin, name=value (repeat the flag for more); "
-          "the value's type is inferred, or given as int64:, string:, bool:, float:");
-ABSL_FLAG(absl::Duration, pjrt_probe_timeout, tpud::TpudFlags().pjrt_probe_timeout,
+ABSL_FLAG(std::string, pjrt_plugin, tpud::TpudFlags().pjrt_plugin,
+          "path of the PJRT plugin for --backend=pjrt");
+ABSL_FLAG(
+    std::vector<std::string>, pjrt_option, tpud::TpudFlags().pjrt_option,
+    "a client create option of the PJRT plugin, name=value (repeat the flag "
+    "for more); "
+    "the value's type is inferred, or given as int64:, string:, bool:, float:");
+ABSL_FLAG(absl::Duration, pjrt_probe_timeout,
+          tpud::TpudFlags().pjrt_probe_timeout,
           "how long the PJRT plugin may take to come up at start-up");
 ABSL_FLAG(std::string, pjrt_memory, tpud::TpudFlags().pjrt_memory,
-          "where the PJRT backend keeps tensors: host (ops compute on tpud's HBM arena, which "
-          "the plugin's devices must be able to address: XLA's CPU plugin), device (each "
-          "segment is a PJRT buffer on its device, the arena its host copy; as on libtpu), or "
+          "where the PJRT backend keeps tensors: host (ops compute on tpud's "
+          "HBM arena, which "
+          "the plugin's devices must be able to address: XLA's CPU plugin), "
+          "device (each "
+          "segment is a PJRT buffer on its device, the arena its host copy; as "
+          "on libtpu), or "
           "auto (host on a plugin whose platform is cpu, else device)");
-ABSL_FLAG(int, pjrt_program_cache, tpud::TpudFlags().pjrt_program_cache,
-          "compiled programs the PJRT backend keeps (least recently used go first)");
+ABSL_FLAG(
+    int, pjrt_program_cache, tpud::TpudFlags().pjrt_program_cache,
+    "compiled programs the PJRT backend keeps (least recently used go first)");
 ABSL_FLAG(bool, pjrt_graphs, tpud::TpudFlags().pjrt_graphs,
-          "with device memory, run each captured graph (torch.compile) as one StableHLO module; "
+          "with device memory, run each captured graph (torch.compile) as one "
+          "StableHLO module; "
           "false: its ops one by one, as eager ops");
 
 ABSL_FLAG(std::string, metrics_address, tpud::TpudFlags().metrics_address,
@@ -153,7 +177,8 @@ int Fail(const absl::Status& status) {
 // system lets us.
 void RaiseOpenFileLimit() {
   rlimit nofile;
-  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+  if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 &&
+      nofile.rlim_cur < nofile.rlim_max) {
     nofile.rlim_cur = nofile.rlim_max;
     setrlimit(RLIMIT_NOFILE, &nofile);
   }
@@ -200,18 +225,22 @@ int Run() {
 
   const Topology& t = (*core)->topology();
   spdlog::info(
-      "tpud {} serving a {} host on {} ({} chips, {} HBM each, {} executor processes) on {} "
+      "tpud {} serving a {} host on {} ({} chips, {} HBM each, {} executor "
+      "processes) on {} "
       "(admin {})",
       kDaemonVersion, t.name(), backend->status.description, t.num_chips(),
-      tpu::FormatBytes(t.hbm_bytes_per_chip()), (*executors)->pool()->num_executors(),
-      config->socket_path, config->admin_socket_path);
-  sd_notifyf(0, "READY=1\nSTATUS=serving %s on %s\nMAINPID=%d", t.name().c_str(),
-             config->socket_path.c_str(), static_cast<int>(getpid()));
+      tpu::FormatBytes(t.hbm_bytes_per_chip()),
+      (*executors)->pool()->num_executors(), config->socket_path,
+      config->admin_socket_path);
+  sd_notifyf(0, "READY=1\nSTATUS=serving %s on %s\nMAINPID=%d",
+             t.name().c_str(), config->socket_path.c_str(),
+             static_cast<int>(getpid()));
 
   int sig = 0;
   while (sigwait(&signals, &sig) != 0) {
   }
-  spdlog::info("received {}, shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  spdlog::info("received {}, shutting down",
+               sig == SIGTERM ? "SIGTERM" : "SIGINT");
   sd_notify(0, "STOPPING=1");
   (*servers)->Stop();
   spdlog::info("tpud stopped; sockets removed");
@@ -226,7 +255,8 @@ int main(int argc, char** argv) {
   // per-op path. Lock order is documented and tested instead.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   absl::SetProgramUsageMessage(
-      "tpud: per-host TPU runtime daemon.\n  tpud [--topology=v6e-4] [--socket=PATH] "
+      "tpud: per-host TPU runtime daemon.\n  tpud [--topology=v6e-4] "
+      "[--socket=PATH] "
       "[--admin_socket=PATH] [--hbm_bytes=SIZE] [--session_quota_bytes=SIZE]");
   for (int i = 1; i < argc; ++i) {
     constexpr char kOption[] = "--pjrt_option=";

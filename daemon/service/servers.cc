@@ -1,13 +1,12 @@
 #include "daemon/service/servers.h"
 
 #include <grp.h>
+#include <spdlog/spdlog.h>
 
 #include <chrono>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <spdlog/spdlog.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -19,12 +18,16 @@ namespace tpud {
 namespace {
 
 // Servers without listening ports: connections arrive through SocketServer.
-std::unique_ptr<grpc::Server> BuildServer(grpc::Service* service, RpcStatusCounts* statuses) {
-  constexpr int kMaxMessageBytes = 4 << 20;  // control plane only, never bulk data
+std::unique_ptr<grpc::Server> BuildServer(grpc::Service* service,
+                                          RpcStatusCounts* statuses) {
+  constexpr int kMaxMessageBytes =
+      4 << 20;  // control plane only, never bulk data
   grpc::ServerBuilder builder;
   builder.RegisterService(service);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
-  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> counters;
+  std::vector<
+      std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
+      counters;
   counters.push_back(CountRpcStatuses(statuses));
   builder.experimental().SetInterceptorCreators(std::move(counters));
   return builder.BuildAndStart();
@@ -32,10 +35,9 @@ std::unique_ptr<grpc::Server> BuildServer(grpc::Service* service, RpcStatusCount
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Servers>> Servers::Start(const TpudConfig& config,
-                                                        const ChosenBackend& backend,
-                                                        RuntimeCore* core,
-                                                        ExecutorProcesses* executors) {
+absl::StatusOr<std::unique_ptr<Servers>> Servers::Start(
+    const TpudConfig& config, const ChosenBackend& backend, RuntimeCore* core,
+    ExecutorProcesses* executors) {
   gid_t group = static_cast<gid_t>(-1);
   if (!config.socket_group.empty()) {
     struct group* g = getgrnam(config.socket_group.c_str());
@@ -46,14 +48,16 @@ absl::StatusOr<std::unique_ptr<Servers>> Servers::Start(const TpudConfig& config
     group = g->gr_gid;
   }
   std::unique_ptr<Servers> s(new Servers(core, executors));
-  if (absl::Status st = s->StartDataPlaneAndExecutors(config, backend, executors->shared());
+  if (absl::Status st =
+          s->StartDataPlaneAndExecutors(config, backend, executors->shared());
       !st.ok()) {
     return st;
   }
   if (absl::Status st = s->StartGrpcServices(backend); !st.ok()) return st;
   // Metrics before the sockets: once tpud answers, so does its endpoint.
   if (config.metrics_address.has_value()) {
-    if (absl::Status st = s->StartMetrics(*config.metrics_address); !st.ok()) return st;
+    if (absl::Status st = s->StartMetrics(*config.metrics_address); !st.ok())
+      return st;
   }
   if (absl::Status st = s->StartSockets(config, group); !st.ok()) return st;
   return s;
@@ -76,37 +80,44 @@ absl::Status Servers::StartDataPlaneAndExecutors(const TpudConfig& config,
   ExecutorPool* pool = pool_;
   core_->SetMemoryFence([pool](uint32_t tag) { pool->Fence(tag); });
   if (backend.device_memory) {
-    core_->SetReleaseHook(
-        [pool](uint64_t address, uint64_t bytes) { pool->Released(address, bytes); });
+    core_->SetReleaseHook([pool](uint64_t address, uint64_t bytes) {
+      pool->Released(address, bytes);
+    });
   }
 
   RuntimeCore* core = core_;
   pool_->SetHandlers(
-      [core](uint64_t session, int chip, uint64_t bytes) -> absl::StatusOr<uint64_t> {
-        absl::StatusOr<SegmentGrant> g = core->AllocateForResult(session, chip, bytes);
+      [core](uint64_t session, int chip,
+             uint64_t bytes) -> absl::StatusOr<uint64_t> {
+        absl::StatusOr<SegmentGrant> g =
+            core->AllocateForResult(session, chip, bytes);
         if (!g.ok()) return g.status();
         return g->address;
       },
-      [core](uint64_t session, uint64_t address) { core->FreeResult(session, address); },
+      [core](uint64_t session, uint64_t address) {
+        core->FreeResult(session, address);
+      },
       [this](uint64_t session, const std::string& message) {
         // Its client reads why first; then the session ends like a killed one.
         data_plane_->FailSession(session, absl::AbortedError(message));
         const ConnectionId conn = core_->ConnectionOf(session);
-        ReclaimResult r = core_->EndSession(session, RuntimeCore::EndReason::kFailed);
+        ReclaimResult r =
+            core_->EndSession(session, RuntimeCore::EndReason::kFailed);
         spdlog::warn("session {} ended: {} (reclaimed {})", session, message,
                      tpu::FormatBytes(r.bytes));
         if (sockets_ != nullptr && conn != 0) sockets_->Hangup(conn);
       });
   if (absl::Status st = pool_->Start(absl::Seconds(60)); !st.ok()) {
-    return absl::Status(st.code(), absl::StrCat("starting executors: ", st.message()));
+    return absl::Status(st.code(),
+                        absl::StrCat("starting executors: ", st.message()));
   }
   data_plane_->Start();
   return absl::OkStatus();
 }
 
 absl::Status Servers::StartGrpcServices(const ChosenBackend& backend) {
-  runtime_service_ =
-      std::make_unique<RuntimeServiceImpl>(core_, &connections_, data_plane_.get());
+  runtime_service_ = std::make_unique<RuntimeServiceImpl>(core_, &connections_,
+                                                          data_plane_.get());
   admin_service_ = std::make_unique<AdminServiceImpl>(
       core_, &connections_, data_plane_.get(), pool_, [this](ConnectionId id) {
         if (sockets_ != nullptr) sockets_->Hangup(id);
@@ -131,11 +142,12 @@ absl::Status Servers::StartMetrics(const MetricsAddress& address) {
     in.executors = pool_->Executors();
     in.sessions = core_->session_counts();
     in.rpc_statuses = rpc_statuses_.Snapshot();
-    in.start_unix_seconds = absl::ToDoubleSeconds(admin_service_->started() - absl::UnixEpoch());
+    in.start_unix_seconds =
+        absl::ToDoubleSeconds(admin_service_->started() - absl::UnixEpoch());
     return in;
   });
-  absl::StatusOr<std::unique_ptr<HttpEndpoint>> endpoint =
-      HttpEndpoint::Start(address, [m = metrics_.get()] { return m->Render(); });
+  absl::StatusOr<std::unique_ptr<HttpEndpoint>> endpoint = HttpEndpoint::Start(
+      address, [m = metrics_.get()] { return m->Render(); });
   if (!endpoint.ok()) return endpoint.status();
   metrics_endpoint_ = *std::move(endpoint);
   spdlog::info("Prometheus metrics on {}", metrics_endpoint_->url());
@@ -146,11 +158,12 @@ absl::Status Servers::StartSockets(const TpudConfig& config, gid_t group) {
   RuntimeCore* core = core_;
   auto on_hangup = [core](const ConnectionInfo& conn) {
     absl::Time start = absl::Now();
-    ReclaimResult r =
-        conn.data_plane ? core->EndSession(conn.session_id) : core->EndConnection(conn.id);
+    ReclaimResult r = conn.data_plane ? core->EndSession(conn.session_id)
+                                      : core->EndConnection(conn.id);
     if (r.sessions > 0) {
       spdlog::info(
-          "session of pid {} ended: connection closed; reclaimed {} in {} segments "
+          "session of pid {} ended: connection closed; reclaimed {} in {} "
+          "segments "
           "in {:.3f} ms",
           conn.peer.pid, tpu::FormatBytes(r.bytes), r.segments,
           absl::ToDoubleMilliseconds(absl::Now() - start));
@@ -168,15 +181,17 @@ absl::Status Servers::StartSockets(const TpudConfig& config, gid_t group) {
   ConnectionLimits limits;
   limits.max_per_uid = config.max_connections_per_uid;
   limits.handshake_timeout = config.handshake_timeout;
-  absl::StatusOr<std::unique_ptr<SocketServer>> created =
-      SocketServer::Create(std::move(listeners), &connections_, on_hangup, limits);
+  absl::StatusOr<std::unique_ptr<SocketServer>> created = SocketServer::Create(
+      std::move(listeners), &connections_, on_hangup, limits);
   if (!created.ok()) return created.status();
   sockets_ = *std::move(created);
   DataPlane* data_plane = data_plane_.get();
   sockets_->SetDataPlaneHandler(
-      [data_plane](uint64_t session_id, absl::string_view token, const PeerIdentity& peer,
+      [data_plane](uint64_t session_id, absl::string_view token,
+                   const PeerIdentity& peer,
                    uint64_t pinned) -> absl::StatusOr<DataPlaneAttachment> {
-        absl::StatusOr<DataPlaneGrant> g = data_plane->Attach(session_id, token, peer, pinned);
+        absl::StatusOr<DataPlaneGrant> g =
+            data_plane->Attach(session_id, token, peer, pinned);
         if (!g.ok()) return g.status();
         return DataPlaneAttachment{g->memfd, g->shm_bytes, g->doorbells};
       });
@@ -190,8 +205,10 @@ void Servers::Stop() {
   data_plane_->StopAll();
   pool_->Stop();
   admin_service_->StopWatches();
-  runtime_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  admin_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  runtime_server_->Shutdown(std::chrono::system_clock::now() +
+                            std::chrono::seconds(2));
+  admin_server_->Shutdown(std::chrono::system_clock::now() +
+                          std::chrono::seconds(2));
 }
 
 }  // namespace tpud

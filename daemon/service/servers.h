@@ -4,11 +4,10 @@
 #ifndef TPUD_DAEMON_SERVICE_SERVERS_H_
 #define TPUD_DAEMON_SERVICE_SERVERS_H_
 
+#include <grpcpp/grpcpp.h>
 #include <sys/types.h>
 
 #include <memory>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/statusor.h"
 #include "daemon/core/connection_table.h"
@@ -33,10 +32,9 @@ class Servers {
   // sockets, so that once tpud answers, everything behind it does.
   // REQUIRES: SIGTERM and SIGINT blocked (threads started here inherit the
   // mask); `core` and `executors` outlive the result.
-  static absl::StatusOr<std::unique_ptr<Servers>> Start(const TpudConfig& config,
-                                                        const ChosenBackend& backend,
-                                                        RuntimeCore* core,
-                                                        ExecutorProcesses* executors);
+  static absl::StatusOr<std::unique_ptr<Servers>> Start(
+      const TpudConfig& config, const ChosenBackend& backend, RuntimeCore* core,
+      ExecutorProcesses* executors);
 
   // Stops taking work (metrics, sockets, data plane), then the executors,
   // then the gRPC services (giving RPCs in flight two seconds).
@@ -44,9 +42,12 @@ class Servers {
 
  private:
   Servers(RuntimeCore* core, ExecutorProcesses* executors)
-      : core_(core), pool_(executors->pool()), communicators_(executors->communicators()) {}
+      : core_(core),
+        pool_(executors->pool()),
+        communicators_(executors->communicators()) {}
 
-  absl::Status StartDataPlaneAndExecutors(const TpudConfig& config, const ChosenBackend& backend,
+  absl::Status StartDataPlaneAndExecutors(const TpudConfig& config,
+                                          const ChosenBackend& backend,
                                           ExecutorShared* shared);
   absl::Status StartGrpcServices(const ChosenBackend& backend);
   absl::Status StartMetrics(const MetricsAddress& address);

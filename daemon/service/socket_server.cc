@@ -2,7 +2,10 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_posix.h>
 #include <poll.h>
+#include <spdlog/spdlog.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -14,10 +17,6 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
-
-#include <grpcpp/server.h>
-#include <grpcpp/server_posix.h>
-#include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
@@ -55,7 +54,8 @@ bool FillAddress(const std::string& path, sockaddr_un* addr) {
 
 std::string ReadCommandLine(pid_t pid) {
   std::ifstream in(absl::StrCat("/proc/", pid, "/cmdline"), std::ios::binary);
-  std::string raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string raw((std::istreambuf_iterator<char>(in)),
+                  std::istreambuf_iterator<char>());
   if (raw.size() > 4096) raw.resize(4096);
   std::replace(raw.begin(), raw.end(), '\0', ' ');
   return std::string(absl::StripTrailingAsciiWhitespace(raw));
@@ -65,21 +65,23 @@ absl::StatusOr<int> ListenUnixSocket(const std::string& path, mode_t mode,
                                      gid_t group) {
   sockaddr_un addr;
   if (!FillAddress(path, &addr)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "socket path too long (", path.size(), " bytes, limit ",
-        sizeof(addr.sun_path) - 1, "): ", path));
+    return absl::InvalidArgumentError(
+        absl::StrCat("socket path too long (", path.size(), " bytes, limit ",
+                     sizeof(addr.sun_path) - 1, "): ", path));
   }
   if (absl::Status st = MakeParentDirs(path); !st.ok()) return st;
   struct stat st;
   if (lstat(path.c_str(), &st) == 0) {
     if (!S_ISSOCK(st.st_mode)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(path, " exists and is not a socket; remove it or choose another path"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          path,
+          " exists and is not a socket; remove it or choose another path"));
     }
     // A live tpud answers; a stale file from a crash refuses and is replaced.
     int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    bool alive = probe >= 0 &&
-                 connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    bool alive =
+        probe >= 0 &&
+        connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
     if (probe >= 0) close(probe);
     if (alive) {
       return absl::AlreadyExistsError(absl::StrCat(
@@ -89,7 +91,8 @@ absl::StatusOr<int> ListenUnixSocket(const std::string& path, mode_t mode,
     unlink(path.c_str());
   }
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::InternalError(absl::StrCat("socket(): ", ErrnoText(errno)));
+  if (fd < 0)
+    return absl::InternalError(absl::StrCat("socket(): ", ErrnoText(errno)));
   if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     int err = errno;
     close(fd);
@@ -97,8 +100,8 @@ absl::StatusOr<int> ListenUnixSocket(const std::string& path, mode_t mode,
         absl::StrCat("cannot bind ", path, ": ", ErrnoText(err)));
   }
   // Set the mode before listen() so no one can connect through a wider mode.
-  if (chmod(path.c_str(), mode) != 0 ||
-      (group != static_cast<gid_t>(-1) && chown(path.c_str(), -1, group) != 0)) {
+  if (chmod(path.c_str(), mode) != 0 || (group != static_cast<gid_t>(-1) &&
+                                         chown(path.c_str(), -1, group) != 0)) {
     int err = errno;
     close(fd);
     unlink(path.c_str());
@@ -109,7 +112,8 @@ absl::StatusOr<int> ListenUnixSocket(const std::string& path, mode_t mode,
     int err = errno;
     close(fd);
     unlink(path.c_str());
-    return absl::InternalError(absl::StrCat("listen on ", path, ": ", ErrnoText(err)));
+    return absl::InternalError(
+        absl::StrCat("listen on ", path, ": ", ErrnoText(err)));
   }
   return fd;
 }
@@ -117,8 +121,8 @@ absl::StatusOr<int> ListenUnixSocket(const std::string& path, mode_t mode,
 absl::StatusOr<std::unique_ptr<SocketServer>> SocketServer::Create(
     std::vector<ListenerSpec> listeners, ConnectionTable* table,
     HangupCallback on_hangup, ConnectionLimits limits) {
-  std::unique_ptr<SocketServer> server(
-      new SocketServer(std::move(listeners), table, std::move(on_hangup), limits));
+  std::unique_ptr<SocketServer> server(new SocketServer(
+      std::move(listeners), table, std::move(on_hangup), limits));
   for (const ListenerSpec& spec : server->listeners_) {
     absl::StatusOr<int> fd = ListenUnixSocket(spec.path, spec.mode, spec.group);
     if (!fd.ok()) {
@@ -131,7 +135,8 @@ absl::StatusOr<std::unique_ptr<SocketServer>> SocketServer::Create(
   server->epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   if (server->wake_fd_ < 0 || server->epoll_fd_ < 0) {
     server->Stop();
-    return absl::InternalError(absl::StrCat("eventfd/epoll: ", ErrnoText(errno)));
+    return absl::InternalError(
+        absl::StrCat("eventfd/epoll: ", ErrnoText(errno)));
   }
   epoll_event ev{};
   ev.events = EPOLLIN;
@@ -140,8 +145,9 @@ absl::StatusOr<std::unique_ptr<SocketServer>> SocketServer::Create(
   return server;
 }
 
-SocketServer::SocketServer(std::vector<ListenerSpec> listeners, ConnectionTable* table,
-                           HangupCallback on_hangup, ConnectionLimits limits)
+SocketServer::SocketServer(std::vector<ListenerSpec> listeners,
+                           ConnectionTable* table, HangupCallback on_hangup,
+                           ConnectionLimits limits)
     : listeners_(std::move(listeners)),
       table_(table),
       on_hangup_(std::move(on_hangup)),
@@ -210,7 +216,8 @@ void SocketServer::AcceptLoop() {
 
 void SocketServer::AcceptOne(size_t index) {
   const ListenerSpec& spec = listeners_[index];
-  int fd = accept4(listen_fds_[index], nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+  int fd = accept4(listen_fds_[index], nullptr, nullptr,
+                   SOCK_NONBLOCK | SOCK_CLOEXEC);
   if (fd < 0) {
     if (errno != EAGAIN && errno != EINTR) {
       spdlog::warn("accept on {} failed: {}", spec.path, ErrnoText(errno));
@@ -228,7 +235,8 @@ void SocketServer::AcceptOne(size_t index) {
     return;
   }
   if (spec.admin && cred.uid != 0 && cred.uid != geteuid()) {
-    spdlog::warn("refused admin connection from uid {} (pid {})", cred.uid, cred.pid);
+    spdlog::warn("refused admin connection from uid {} (pid {})", cred.uid,
+                 cred.pid);
     close(fd);
     return;
   }
@@ -246,10 +254,13 @@ void SocketServer::AcceptOne(size_t index) {
     if (held >= limits_.max_per_uid) {
       info.refused = absl::StrCat(
           "tpud refused this connection: uid ", cred.uid, " already has ", held,
-          " connections to tpud, the most one user may hold (--max_connections_per_uid=",
-          limits_.max_per_uid, "); close idle connections or processes and retry");
-      spdlog::warn("uid {} (pid {}) is over the connection limit ({} held, limit {})", cred.uid,
-                   cred.pid, held, limits_.max_per_uid);
+          " connections to tpud, the most one user may hold "
+          "(--max_connections_per_uid=",
+          limits_.max_per_uid,
+          "); close idle connections or processes and retry");
+      spdlog::warn(
+          "uid {} (pid {}) is over the connection limit ({} held, limit {})",
+          cred.uid, cred.pid, held, limits_.max_per_uid);
     }
     ++per_uid_[cred.uid];
   }
@@ -271,8 +282,10 @@ void SocketServer::AcceptOne(size_t index) {
   {
     absl::MutexLock lock(&watched_mu_);
     const absl::Time now = absl::Now();
-    pending_[info.id] = Pending{info, fd, spec.server, now + limits_.handshake_timeout};
-    if (!info.refused.empty()) refused_until_[info.id] = now + limits_.refusal_linger;
+    pending_[info.id] =
+        Pending{info, fd, spec.server, now + limits_.handshake_timeout};
+    if (!info.refused.empty())
+      refused_until_[info.id] = now + limits_.refusal_linger;
   }
   // First readiness tells what the client speaks (see Classify).
   epoll_event ev{};
@@ -287,8 +300,8 @@ void SocketServer::AcceptOne(size_t index) {
     close(fd);
     return;
   }
-  spdlog::debug("connection {} on {} from pid {} uid {}: {}", info.id, spec.path,
-                cred.pid, cred.uid, info.peer.command);
+  spdlog::debug("connection {} on {} from pid {} uid {}: {}", info.id,
+                spec.path, cred.pid, cred.uid, info.peer.command);
 }
 
 void SocketServer::Forget(const ConnectionInfo& info) {
@@ -298,10 +311,13 @@ void SocketServer::Forget(const ConnectionInfo& info) {
   if (it != per_uid_.end() && --it->second <= 0) per_uid_.erase(it);
 }
 
-void SocketServer::Drop(const ConnectionInfo& info, int fd, const std::string& why) {
+void SocketServer::Drop(const ConnectionInfo& info, int fd,
+                        const std::string& why) {
   // A connect-and-close (a liveness probe) is routine; anything else is not.
-  spdlog::log(why == "closed before speaking" ? spdlog::level::debug : spdlog::level::warn,
-              "dropped connection from pid {} uid {}: {}", info.peer.pid, info.peer.uid, why);
+  spdlog::log(why == "closed before speaking" ? spdlog::level::debug
+                                              : spdlog::level::warn,
+              "dropped connection from pid {} uid {}: {}", info.peer.pid,
+              info.peer.uid, why);
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, info.watch_fd, nullptr);
   close(info.watch_fd);
   close(fd);
@@ -366,15 +382,18 @@ void SocketServer::Classify(Pending pending) {
   const int version = tpu::DataPlaneVersionOf(hello.magic);
   if (version >= 0 && !info.admin && data_plane_) {
     if (version != static_cast<int>(tpu::kDataPlaneVersion)) {
-      ReplyDataPlane(fd,
-                     absl::FailedPreconditionError(absl::StrCat(
-                         "this client speaks tpud data-plane protocol ", version, " and tpud ",
-                         kDaemonVersion, " speaks ", tpu::kDataPlaneVersion,
-                         ": install the torch_tpu / libtpuclient built with this tpud, or run "
-                         "the tpud they were built for")),
-                     nullptr);
-      Drop(info, fd, absl::StrCat("data-plane protocol ", version, ", expected ",
-                                  tpu::kDataPlaneVersion));
+      ReplyDataPlane(
+          fd,
+          absl::FailedPreconditionError(absl::StrCat(
+              "this client speaks tpud data-plane protocol ", version,
+              " and tpud ", kDaemonVersion, " speaks ", tpu::kDataPlaneVersion,
+              ": install the torch_tpu / libtpuclient built with this tpud, or "
+              "run "
+              "the tpud they were built for")),
+          nullptr);
+      Drop(info, fd,
+           absl::StrCat("data-plane protocol ", version, ", expected ",
+                        tpu::kDataPlaneVersion));
       return;
     }
     if (!info.refused.empty()) {
@@ -386,7 +405,8 @@ void SocketServer::Classify(Pending pending) {
       Rearm(std::move(pending));  // the rest of the hello is on its way
       return;
     }
-    if (recv(fd, &hello, sizeof(hello), MSG_DONTWAIT) != static_cast<ssize_t>(sizeof(hello))) {
+    if (recv(fd, &hello, sizeof(hello), MSG_DONTWAIT) !=
+        static_cast<ssize_t>(sizeof(hello))) {
       Drop(info, fd, "truncated data-plane hello");
       return;
     }
@@ -430,11 +450,13 @@ void SocketServer::ReplyDataPlane(int fd, const absl::Status& status,
   if (att == nullptr) shutdown(fd, SHUT_WR);
 }
 
-void SocketServer::ServeDataPlane(ConnectionInfo& info, int fd, const tpu::DataPlaneHello& hello) {
-  absl::StatusOr<DataPlaneAttachment> att = data_plane_(
-      hello.session_id,
-      absl::string_view(reinterpret_cast<const char*>(hello.token), sizeof(hello.token)),
-      info.peer, hello.pinned_bytes);
+void SocketServer::ServeDataPlane(ConnectionInfo& info, int fd,
+                                  const tpu::DataPlaneHello& hello) {
+  absl::StatusOr<DataPlaneAttachment> att =
+      data_plane_(hello.session_id,
+                  absl::string_view(reinterpret_cast<const char*>(hello.token),
+                                    sizeof(hello.token)),
+                  info.peer, hello.pinned_bytes);
   if (!att.ok()) {
     spdlog::warn("data-plane attach refused for pid {}: {}", info.peer.pid,
                  std::string(att.status().message()));
@@ -455,7 +477,8 @@ void SocketServer::ExpireLocked(absl::Time now) {
   for (auto it = refused_until_.begin(); it != refused_until_.end();) {
     auto w = watched_.find(it->first);
     if (now >= it->second && w != watched_.end()) {
-      shutdown(w->second.watch_fd, SHUT_RDWR);  // the hangup then flows as usual
+      shutdown(w->second.watch_fd,
+               SHUT_RDWR);  // the hangup then flows as usual
       refused_until_.erase(it++);
     } else {
       ++it;

@@ -76,7 +76,9 @@ class SocketServer {
 
   // Connections on the runtime socket that open with a data-plane hello go
   // here instead of to gRPC. Set before Start().
-  void SetDataPlaneHandler(DataPlaneHandler handler) { data_plane_ = std::move(handler); }
+  void SetDataPlaneHandler(DataPlaneHandler handler) {
+    data_plane_ = std::move(handler);
+  }
 
   // Creates and binds every listener. A path already served by a live process
   // is ALREADY_EXISTS; a stale socket file left by a crash is replaced.
@@ -110,13 +112,16 @@ class SocketServer {
   // enough bytes (then it waits, until its deadline).
   void Classify(Pending pending);
   void Rearm(Pending pending);
-  void ServeDataPlane(ConnectionInfo& info, int fd, const tpu::DataPlaneHello& hello);
-  void ReplyDataPlane(int fd, const absl::Status& status, const DataPlaneAttachment* att);
+  void ServeDataPlane(ConnectionInfo& info, int fd,
+                      const tpu::DataPlaneHello& hello);
+  void ReplyDataPlane(int fd, const absl::Status& status,
+                      const DataPlaneAttachment* att);
   void Drop(const ConnectionInfo& info, int fd, const std::string& why);
   // Drops connections past their handshake deadline, closes refused ones
   // past their linger time.
   void ExpireLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(watched_mu_);
-  void Forget(const ConnectionInfo& info) ABSL_EXCLUSIVE_LOCKS_REQUIRED(watched_mu_);
+  void Forget(const ConnectionInfo& info)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(watched_mu_);
 
   std::vector<ListenerSpec> listeners_;
   std::vector<int> listen_fds_;
@@ -125,11 +130,13 @@ class SocketServer {
   const ConnectionLimits limits_;
   DataPlaneHandler data_plane_;
   // Accepted, not yet classified (waiting for the first bytes).
-  absl::flat_hash_map<ConnectionId, Pending> pending_ ABSL_GUARDED_BY(watched_mu_);
+  absl::flat_hash_map<ConnectionId, Pending> pending_
+      ABSL_GUARDED_BY(watched_mu_);
   // Runtime-socket connections per user (pending and watched).
   absl::flat_hash_map<uint32_t, int> per_uid_ ABSL_GUARDED_BY(watched_mu_);
   // Refused connections and when to close them.
-  absl::flat_hash_map<ConnectionId, absl::Time> refused_until_ ABSL_GUARDED_BY(watched_mu_);
+  absl::flat_hash_map<ConnectionId, absl::Time> refused_until_
+      ABSL_GUARDED_BY(watched_mu_);
   int wake_fd_ = -1;   // eventfd that stops both loops
   int epoll_fd_ = -1;  // watched connection duplicates
   std::atomic<bool> stopping_{false};

@@ -88,9 +88,9 @@ absl::StatusOr<Generation> ParseGeneration(absl::string_view name) {
   if (lower == "tpu7x") return Generation::kV7x;
   std::vector<std::string> known;
   for (const GenerationFacts& f : FactsTable()) known.push_back(f.name);
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown TPU generation \"", name, "\"; known: ",
-                   absl::StrJoin(known, ", "), " (also v5litepod, tpu7x)"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown TPU generation \"", name,
+      "\"; known: ", absl::StrJoin(known, ", "), " (also v5litepod, tpu7x)"));
 }
 
 absl::StatusOr<Topology> Topology::FromPreset(absl::string_view name,
@@ -99,12 +99,11 @@ absl::StatusOr<Topology> Topology::FromPreset(absl::string_view name,
   for (const Preset& p : Presets()) {
     if (lower != p.name) continue;
     return Create(p.name, p.generation, p.shape,
-                  std::vector<bool>(p.shape.size(), false),
-                  hbm_bytes_override);
+                  std::vector<bool>(p.shape.size(), false), hbm_bytes_override);
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown topology preset \"", name,
-      "\"; known presets: ", absl::StrJoin(PresetNames(), ", ")));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown topology preset \"", name,
+                   "\"; known presets: ", absl::StrJoin(PresetNames(), ", ")));
 }
 
 absl::StatusOr<Topology> Topology::Create(std::string name,
@@ -120,11 +119,10 @@ absl::StatusOr<Topology> Topology::Create(std::string name,
   if (shape.size() < dims) {
     std::vector<int> padded = shape;
     padded.resize(dims, 1);
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": ", facts.name, " chips form a ", dims,
-                     "D torus but the shape has ", shape.size(),
-                     " dimension(s); give ", dims, ", e.g. ",
-                     JoinShape(padded)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": ", facts.name, " chips form a ", dims,
+        "D torus but the shape has ", shape.size(), " dimension(s); give ",
+        dims, ", e.g. ", JoinShape(padded)));
   }
   for (size_t i = dims; i < shape.size(); ++i) {
     if (shape[i] != 1) {
@@ -203,19 +201,19 @@ const std::vector<int>& Topology::coords(int chip) const {
 
 absl::StatusOr<int> Topology::ChipAt(const std::vector<int>& coords) const {
   if (coords.size() != shape_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "topology ", name_, " (", ShapeString(), ") has ", shape_.size(),
-        " axes; got ", coords.size(), " coordinates (",
-        absl::StrJoin(coords, ","), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("topology ", name_, " (", ShapeString(), ") has ",
+                     shape_.size(), " axes; got ", coords.size(),
+                     " coordinates (", absl::StrJoin(coords, ","), ")"));
   }
   int chip = 0;
   int stride = 1;
   for (size_t axis = 0; axis < shape_.size(); ++axis) {
     if (coords[axis] < 0 || coords[axis] >= shape_[axis]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "coordinates (", absl::StrJoin(coords, ","), ") are outside ",
-          name_, " (", ShapeString(), "): axis ", axis, " must be in [0, ",
-          shape_[axis], ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("coordinates (", absl::StrJoin(coords, ","),
+                       ") are outside ", name_, " (", ShapeString(), "): axis ",
+                       axis, " must be in [0, ", shape_[axis], ")"));
     }
     chip += coords[axis] * stride;
     stride *= shape_[axis];

@@ -68,7 +68,8 @@ TEST_CASE("generation facts match the published figures") {
   CHECK(v7x.name == "v7x");
   CHECK(v7x.hbm_bytes_per_chip == 192 * kGiB);
   CHECK(v7x.hbm_bandwidth_gbytes_per_s == 7380.0);
-  CHECK(v7x.ici_bandwidth_gbytes_per_s == 600.0);  // 1.2 TB/s bidirectional, one way
+  CHECK(v7x.ici_bandwidth_gbytes_per_s ==
+        600.0);  // 1.2 TB/s bidirectional, one way
   CHECK(v7x.peak_bf16_tflops == 2307.0);
   CHECK(v7x.tensorcores_per_chip == 2);
   CHECK(v7x.torus_dims == 3);
@@ -298,8 +299,8 @@ TEST_CASE("synthetic 4x4 mesh without wraparound") {
     INFO(corner);
     CHECK(t.Neighbors(corner).size() == 2);
   }
-  CHECK(t.Neighbors(1).size() == 3);   // edge
-  CHECK(t.Neighbors(5).size() == 4);   // interior
+  CHECK(t.Neighbors(1).size() == 3);  // edge
+  CHECK(t.Neighbors(5).size() == 4);  // interior
   CHECK(t.Neighbors(15) == std::vector<int>{11, 14});
 }
 
@@ -321,13 +322,12 @@ TEST_CASE("Create rejects invalid arguments") {
     CHECK(Contains(std::string(t.status().message()), needle));
   };
   SECTION("too few dimensions for the generation") {
-    expect_invalid(Topology::Create("x", Generation::kV5p, {2, 2},
-                                    {false, false}),
-                   "3D torus");
+    expect_invalid(
+        Topology::Create("x", Generation::kV5p, {2, 2}, {false, false}),
+        "3D torus");
     expect_invalid(Topology::Create("x", Generation::kV6e, {8}, {false}),
                    "2D torus");
-    expect_invalid(Topology::Create("x", Generation::kV6e, {}, {}),
-                   "2D torus");
+    expect_invalid(Topology::Create("x", Generation::kV6e, {}, {}), "2D torus");
   }
   SECTION("extra dimensions must be 1") {
     expect_invalid(Topology::Create("x", Generation::kV6e, {2, 2, 2},
@@ -338,9 +338,9 @@ TEST_CASE("Create rejects invalid arguments") {
               .ok());
   }
   SECTION("zero or negative dimension") {
-    expect_invalid(Topology::Create("x", Generation::kV6e, {2, 0},
-                                    {false, false}),
-                   ">= 1");
+    expect_invalid(
+        Topology::Create("x", Generation::kV6e, {2, 0}, {false, false}),
+        ">= 1");
     expect_invalid(Topology::Create("x", Generation::kV5p, {-1, 2, 2},
                                     {false, false, false}),
                    ">= 1");
@@ -350,8 +350,8 @@ TEST_CASE("Create rejects invalid arguments") {
                                     {false, false, false}),
                    "4096");
     // Large enough to overflow 32-bit multiplication.
-    expect_invalid(Topology::Create("x", Generation::kV6e,
-                                    {1 << 20, 1 << 20}, {false, false}),
+    expect_invalid(Topology::Create("x", Generation::kV6e, {1 << 20, 1 << 20},
+                                    {false, false}),
                    "4096");
     CHECK(Topology::Create("x", Generation::kV5p, {16, 16, 16},
                            {true, true, true})
@@ -360,9 +360,9 @@ TEST_CASE("Create rejects invalid arguments") {
   SECTION("wraparound size must match shape") {
     expect_invalid(Topology::Create("x", Generation::kV6e, {2, 4}, {false}),
                    "wraparound");
-    expect_invalid(Topology::Create("x", Generation::kV6e, {2, 4},
-                                    {false, false, false}),
-                   "wraparound");
+    expect_invalid(
+        Topology::Create("x", Generation::kV6e, {2, 4}, {false, false, false}),
+        "wraparound");
   }
 }
 

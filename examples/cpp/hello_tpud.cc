@@ -15,9 +15,11 @@
 #include "tpu/client.h"
 #include "tpu/units.h"
 
-ABSL_FLAG(std::string, socket, "", "tpud runtime socket (default $TPUD_SOCKET)");
+ABSL_FLAG(std::string, socket, "",
+          "tpud runtime socket (default $TPUD_SOCKET)");
 ABSL_FLAG(int, chip, 0, "chip to allocate on");
-ABSL_FLAG(std::string, bytes, "256MiB", "bytes to allocate, e.g. 4096, 512MiB, 2GiB");
+ABSL_FLAG(std::string, bytes, "256MiB",
+          "bytes to allocate, e.g. 4096, 512MiB, 2GiB");
 ABSL_FLAG(int, segments, 1, "split the allocation into this many segments");
 ABSL_FLAG(double, hold_seconds, 0, "hold the memory this long before exiting");
 
@@ -25,15 +27,18 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   absl::StatusOr<uint64_t> bytes = tpu::ParseBytes(absl::GetFlag(FLAGS_bytes));
   if (!bytes.ok()) {
-    std::fprintf(stderr, "hello_tpud: --bytes: %s\n", bytes.status().ToString().c_str());
+    std::fprintf(stderr, "hello_tpud: --bytes: %s\n",
+                 bytes.status().ToString().c_str());
     return 2;
   }
   tpu::ClientOptions options;
   options.socket_path = absl::GetFlag(FLAGS_socket);
   options.client_name = "hello_tpud";
-  absl::StatusOr<std::unique_ptr<tpu::Session>> session = tpu::Session::Open(options);
+  absl::StatusOr<std::unique_ptr<tpu::Session>> session =
+      tpu::Session::Open(options);
   if (!session.ok()) {
-    std::fprintf(stderr, "hello_tpud: %s\n", session.status().ToString().c_str());
+    std::fprintf(stderr, "hello_tpud: %s\n",
+                 session.status().ToString().c_str());
     return 1;
   }
   absl::StatusOr<tpu::TopologyInfo> topo = (*session)->GetTopology();
@@ -43,15 +48,20 @@ int main(int argc, char** argv) {
   }
   std::printf("session %llu (protocol v%u, tpud %s)\n",
               static_cast<unsigned long long>((*session)->id()),
-              (*session)->protocol_version(), (*session)->daemon_version().c_str());
-  std::printf("host %s%s: %s, shape %s, %zu chips, %s HBM per chip, %.0f bf16 TFLOP/s per chip\n",
-              topo->name.c_str(), topo->simulated ? " (simulated)" : "",
-              topo->generation.name.c_str(), topo->ShapeString().c_str(),
-              topo->chips.size(), tpu::FormatBytes(topo->generation.hbm_bytes_per_chip).c_str(),
-              topo->generation.peak_bf16_tflops);
+              (*session)->protocol_version(),
+              (*session)->daemon_version().c_str());
+  std::printf(
+      "host %s%s: %s, shape %s, %zu chips, %s HBM per chip, %.0f bf16 TFLOP/s "
+      "per chip\n",
+      topo->name.c_str(), topo->simulated ? " (simulated)" : "",
+      topo->generation.name.c_str(), topo->ShapeString().c_str(),
+      topo->chips.size(),
+      tpu::FormatBytes(topo->generation.hbm_bytes_per_chip).c_str(),
+      topo->generation.peak_bf16_tflops);
   for (const tpu::ChipInfo& c : topo->chips) {
     std::printf("  chip %d at (%s) neighbours [%s]  HBM %s / %s\n", c.id,
-                absl::StrJoin(c.coords, ",").c_str(), absl::StrJoin(c.neighbors, ",").c_str(),
+                absl::StrJoin(c.coords, ",").c_str(),
+                absl::StrJoin(c.neighbors, ",").c_str(),
                 tpu::FormatBytes(c.hbm_used_bytes).c_str(),
                 tpu::FormatBytes(c.hbm_total_bytes).c_str());
   }
@@ -68,12 +78,13 @@ int main(int argc, char** argv) {
     }
     total += seg->size;
   }
-  std::printf("allocated %s on chip %d in %d segment(s)\n", tpu::FormatBytes(total).c_str(),
-              chip, segments);
+  std::printf("allocated %s on chip %d in %d segment(s)\n",
+              tpu::FormatBytes(total).c_str(), chip, segments);
   std::fflush(stdout);
   const double hold = absl::GetFlag(FLAGS_hold_seconds);
   if (hold > 0) {
-    std::printf("holding for %.1f s (pid %d)\n", hold, static_cast<int>(getpid()));
+    std::printf("holding for %.1f s (pid %d)\n", hold,
+                static_cast<int>(getpid()));
     std::fflush(stdout);
     absl::SleepFor(absl::Seconds(hold));
   }

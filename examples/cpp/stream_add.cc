@@ -16,7 +16,8 @@
 #include "absl/flags/parse.h"
 #include "tpu/client.h"
 
-ABSL_FLAG(std::string, socket, "", "tpud runtime socket (default $TPUD_SOCKET)");
+ABSL_FLAG(std::string, socket, "",
+          "tpud runtime socket (default $TPUD_SOCKET)");
 ABSL_FLAG(int, chip, 0, "chip to run on");
 ABSL_FLAG(int, stream, 0, "stream to use");
 ABSL_FLAG(int64_t, elements, 4096, "vector length");
@@ -26,7 +27,8 @@ ABSL_FLAG(bool, forever, false, "keep running rounds until killed");
 namespace {
 
 constexpr char kAddInPlace[] =
-    "aten::add_.Tensor(Tensor(a!) self, Tensor other, *, Scalar alpha=1) -> Tensor(a!)";
+    "aten::add_.Tensor(Tensor(a!) self, Tensor other, *, Scalar alpha=1) -> "
+    "Tensor(a!)";
 constexpr int8_t kFloat32 = 6;  // c10::ScalarType::Float
 
 int Fail(const char* what, const absl::Status& s) {
@@ -54,10 +56,12 @@ int main(int argc, char** argv) {
   if (!ys.ok()) return Fail("allocate", ys.status());
   std::vector<float> x(n), y(n, 1.0f);
   for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(i % 1000);
-  if (auto st = s.CopyToDevice(stream, xs->address, x.data(), bytes); !st.ok()) {
+  if (auto st = s.CopyToDevice(stream, xs->address, x.data(), bytes);
+      !st.ok()) {
     return Fail("upload", st);
   }
-  if (auto st = s.CopyToDevice(stream, ys->address, y.data(), bytes); !st.ok()) {
+  if (auto st = s.CopyToDevice(stream, ys->address, y.data(), bytes);
+      !st.ok()) {
     return Fail("upload", st);
   }
 
@@ -82,28 +86,35 @@ int main(int argc, char** argv) {
   do {
     auto t0 = std::chrono::steady_clock::now();
     for (int64_t k = 0; k < iterations; ++k) {
-      absl::StatusOr<uint64_t> seq = s.EnqueueOp(stream, *add, args, 3, nullptr, 0);
+      absl::StatusOr<uint64_t> seq =
+          s.EnqueueOp(stream, *add, args, 3, nullptr, 0);
       if (!seq.ok()) return Fail("enqueue", seq.status());
     }
-    if (auto st = s.Synchronize(stream); !st.ok()) return Fail("synchronize", st);
+    if (auto st = s.Synchronize(stream); !st.ok())
+      return Fail("synchronize", st);
     auto t1 = std::chrono::steady_clock::now();
     std::vector<float> back(n);
-    if (auto st = s.CopyToHost(stream, back.data(), xs->address, bytes); !st.ok()) {
+    if (auto st = s.CopyToHost(stream, back.data(), xs->address, bytes);
+        !st.ok()) {
       return Fail("download", st);
     }
     ++rounds;
     for (int64_t i = 0; i < n; ++i) {
-      const float want = static_cast<float>(i % 1000) + static_cast<float>(rounds * iterations);
+      const float want = static_cast<float>(i % 1000) +
+                         static_cast<float>(rounds * iterations);
       if (back[i] != want) {
-        std::fprintf(stderr, "stream_add: wrong result at %lld: %f, expected %f\n",
+        std::fprintf(stderr,
+                     "stream_add: wrong result at %lld: %f, expected %f\n",
                      static_cast<long long>(i), back[i], want);
         return 2;
       }
     }
     const double secs = std::chrono::duration<double>(t1 - t0).count();
-    std::printf("round %lld: %lld adds of %lld floats on chip %d in %.3f s (%.0f ops/s), result ok\n",
-                static_cast<long long>(rounds), static_cast<long long>(iterations),
-                static_cast<long long>(n), chip, secs, iterations / secs);
+    std::printf(
+        "round %lld: %lld adds of %lld floats on chip %d in %.3f s (%.0f "
+        "ops/s), result ok\n",
+        static_cast<long long>(rounds), static_cast<long long>(iterations),
+        static_cast<long long>(n), chip, secs, iterations / secs);
     std::fflush(stdout);
   } while (absl::GetFlag(FLAGS_forever));
   return 0;

@@ -26,7 +26,9 @@ uint64_t Choose(uint64_t n, uint64_t k) {
 }
 
 std::string ChipId(int chip) { return absl::StrCat("chip-", chip); }
-std::string ShareId(int chip, int share) { return absl::StrCat("chip-", chip, "-share-", share); }
+std::string ShareId(int chip, int share) {
+  return absl::StrCat("chip-", chip, "-share-", share);
+}
 
 absl::Status CheckChips(const std::vector<HostChip>& chips) {
   if (chips.empty()) return absl::InvalidArgumentError("tpud reports no chips");
@@ -41,7 +43,8 @@ absl::Status CheckChips(const std::vector<HostChip>& chips) {
 
 }  // namespace
 
-absl::StatusOr<TpuResource> TpuResource::WholeChips(std::vector<HostChip> chips) {
+absl::StatusOr<TpuResource> TpuResource::WholeChips(
+    std::vector<HostChip> chips) {
   if (absl::Status st = CheckChips(chips); !st.ok()) return st;
   TpuResource r;
   r.resource_name_ = kChipResource;
@@ -54,26 +57,28 @@ absl::StatusOr<TpuResource> TpuResource::WholeChips(std::vector<HostChip> chips)
   return r;
 }
 
-absl::StatusOr<TpuResource> TpuResource::ChipShares(std::vector<HostChip> chips,
-                                                    int shares_per_chip,
-                                                    uint64_t share_quota_bytes) {
+absl::StatusOr<TpuResource> TpuResource::ChipShares(
+    std::vector<HostChip> chips, int shares_per_chip,
+    uint64_t share_quota_bytes) {
   if (absl::Status st = CheckChips(chips); !st.ok()) return st;
   if (shares_per_chip < 1 || shares_per_chip > 1024) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--shares_per_chip=", shares_per_chip, ": give 1 to 1024"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--shares_per_chip=", shares_per_chip, ": give 1 to 1024"));
   }
   TpuResource r;
   r.resource_name_ = kChipShareResource;
   r.socket_name_ = "tpud-chip-share.sock";
   r.shares_per_chip_ = shares_per_chip;
   const uint64_t hbm = chips.front().hbm_bytes;
-  r.share_quota_bytes_ = share_quota_bytes != 0 ? share_quota_bytes : hbm / shares_per_chip;
+  r.share_quota_bytes_ =
+      share_quota_bytes != 0 ? share_quota_bytes : hbm / shares_per_chip;
   if (r.share_quota_bytes_ == 0) {
     return absl::InvalidArgumentError("a chip share would have no HBM");
   }
   if (r.share_quota_bytes_ > hbm) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--share_quota_bytes=", share_quota_bytes, " is more than a chip's HBM (", hbm, " bytes)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--share_quota_bytes=", share_quota_bytes,
+                     " is more than a chip's HBM (", hbm, " bytes)"));
   }
   r.chips_ = std::move(chips);
   for (const HostChip& c : r.chips_) {
@@ -85,7 +90,8 @@ absl::StatusOr<TpuResource> TpuResource::ChipShares(std::vector<HostChip> chips,
   return r;
 }
 
-std::vector<bool> TpuResource::Health(const std::vector<ChipState>& chips) const {
+std::vector<bool> TpuResource::Health(
+    const std::vector<ChipState>& chips) const {
   std::vector<bool> out;
   out.reserve(devices_.size());
   for (const Device& d : devices_) {
@@ -98,19 +104,19 @@ std::vector<bool> TpuResource::Health(const std::vector<ChipState>& chips) const
 absl::StatusOr<const Device*> TpuResource::Find(const std::string& id) const {
   auto it = index_.find(id);
   if (it == index_.end()) {
-    const std::string form = whole_chips()
-                                 ? absl::StrCat("chip-0 .. chip-", chips_.size() - 1)
-                                 : absl::StrCat("chip-<0..", chips_.size() - 1, ">-share-<0..",
-                                                shares_per_chip_ - 1, ">");
-    return absl::InvalidArgumentError(absl::StrCat("unknown device ID \"", id, "\" for ",
-                                                   resource_name_, ": its devices are ", form));
+    const std::string form =
+        whole_chips() ? absl::StrCat("chip-0 .. chip-", chips_.size() - 1)
+                      : absl::StrCat("chip-<0..", chips_.size() - 1,
+                                     ">-share-<0..", shares_per_chip_ - 1, ">");
+    return absl::InvalidArgumentError(absl::StrCat("unknown device ID \"", id,
+                                                   "\" for ", resource_name_,
+                                                   ": its devices are ", form));
   }
   return &devices_[it->second];
 }
 
-absl::StatusOr<std::vector<int>> TpuResource::PreferredChips(std::vector<int> candidates,
-                                                             std::vector<int> must,
-                                                             int size) const {
+absl::StatusOr<std::vector<int>> TpuResource::PreferredChips(
+    std::vector<int> candidates, std::vector<int> must, int size) const {
   // Whether two chips are ICI neighbours.
   auto linked = [this](int a, int b) {
     const std::vector<int>& n = chips_[a].neighbors;
@@ -127,7 +133,8 @@ absl::StatusOr<std::vector<int>> TpuResource::PreferredChips(std::vector<int> ca
     s.ids = set;
     std::sort(s.ids.begin(), s.ids.end());
     for (size_t i = 0; i < set.size(); ++i) {
-      for (size_t j = i + 1; j < set.size(); ++j) s.links += linked(set[i], set[j]) ? 1 : 0;
+      for (size_t j = i + 1; j < set.size(); ++j)
+        s.links += linked(set[i], set[j]) ? 1 : 0;
     }
     const size_t dims = chips_[set.front()].coords.size();
     s.bbox = 1;
@@ -161,7 +168,8 @@ absl::StatusOr<std::vector<int>> TpuResource::PreferredChips(std::vector<int> ca
         return;
       }
       for (size_t i = from; i < candidates.size(); ++i) {
-        if (candidates.size() - i < static_cast<size_t>(size) - set.size()) break;
+        if (candidates.size() - i < static_cast<size_t>(size) - set.size())
+          break;
         set.push_back(candidates[i]);
         pick(i + 1);
         set.pop_back();
@@ -193,8 +201,8 @@ absl::StatusOr<std::vector<int>> TpuResource::PreferredChips(std::vector<int> ca
 }
 
 absl::StatusOr<std::vector<std::string>> TpuResource::Preferred(
-    const std::vector<std::string>& available, const std::vector<std::string>& must_include,
-    int size) const {
+    const std::vector<std::string>& available,
+    const std::vector<std::string>& must_include, int size) const {
   std::set<size_t> must_set, pool;  // device indices
   for (const std::string& id : must_include) {
     absl::StatusOr<const Device*> d = Find(id);
@@ -210,15 +218,17 @@ absl::StatusOr<std::vector<std::string>> TpuResource::Preferred(
   if (size < static_cast<int>(must_set.size()) ||
       size > static_cast<int>(must_set.size() + pool.size())) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "cannot pick ", size, " ", resource_name_, " devices from ", pool.size() + must_set.size(),
-        " available of which ", must_set.size(), " must be included"));
+        "cannot pick ", size, " ", resource_name_, " devices from ",
+        pool.size() + must_set.size(), " available of which ", must_set.size(),
+        " must be included"));
   }
   std::vector<std::string> out;
   if (whole_chips()) {
     std::vector<int> candidates, must;
     for (size_t i : pool) candidates.push_back(devices_[i].chip);
     for (size_t i : must_set) must.push_back(devices_[i].chip);
-    absl::StatusOr<std::vector<int>> chips = PreferredChips(candidates, must, size);
+    absl::StatusOr<std::vector<int>> chips =
+        PreferredChips(candidates, must, size);
     if (!chips.ok()) return chips.status();
     for (int c : *chips) out.push_back(ChipId(c));
     return out;
@@ -247,8 +257,10 @@ absl::StatusOr<std::vector<std::string>> TpuResource::Preferred(
     int fit = -1, largest = -1;
     for (const auto& [chip, f] : free) {
       const int n = static_cast<int>(f.size());
-      if (n >= need && (fit < 0 || n < static_cast<int>(free[fit].size()))) fit = chip;
-      if (largest < 0 || n > static_cast<int>(free[largest].size())) largest = chip;
+      if (n >= need && (fit < 0 || n < static_cast<int>(free[fit].size())))
+        fit = chip;
+      if (largest < 0 || n > static_cast<int>(free[largest].size()))
+        largest = chip;
     }
     take(fit >= 0 ? fit : largest);
   }
@@ -257,9 +269,11 @@ absl::StatusOr<std::vector<std::string>> TpuResource::Preferred(
   return out;
 }
 
-absl::StatusOr<AllocationPlan> TpuResource::Plan(const std::vector<std::string>& device_ids) const {
+absl::StatusOr<AllocationPlan> TpuResource::Plan(
+    const std::vector<std::string>& device_ids) const {
   if (device_ids.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("no ", resource_name_, " devices to allocate"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("no ", resource_name_, " devices to allocate"));
   }
   std::map<int, uint64_t> per_chip;
   std::set<std::string> seen;
@@ -267,9 +281,11 @@ absl::StatusOr<AllocationPlan> TpuResource::Plan(const std::vector<std::string>&
     absl::StatusOr<const Device*> d = Find(id);
     if (!d.ok()) return d.status();
     if (!seen.insert(id).second) {
-      return absl::InvalidArgumentError(absl::StrCat("device ID \"", id, "\" is listed twice"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("device ID \"", id, "\" is listed twice"));
     }
-    per_chip[(*d)->chip] += whole_chips() ? chips_[(*d)->chip].hbm_bytes : share_quota_bytes_;
+    per_chip[(*d)->chip] +=
+        whole_chips() ? chips_[(*d)->chip].hbm_bytes : share_quota_bytes_;
   }
   AllocationPlan plan;
   for (const auto& [chip, quota] : per_chip) {

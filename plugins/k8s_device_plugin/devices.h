@@ -62,7 +62,8 @@ class TpuResource {
   static absl::StatusOr<TpuResource> WholeChips(std::vector<HostChip> chips);
   // tpud.io/chip-share: `shares_per_chip` devices per chip, each with quota
   // `share_quota_bytes` (0: chip HBM / shares_per_chip).
-  static absl::StatusOr<TpuResource> ChipShares(std::vector<HostChip> chips, int shares_per_chip,
+  static absl::StatusOr<TpuResource> ChipShares(std::vector<HostChip> chips,
+                                                int shares_per_chip,
                                                 uint64_t share_quota_bytes);
 
   const std::string& resource_name() const { return resource_name_; }
@@ -83,20 +84,22 @@ class TpuResource {
   // on as few chips as possible, filling the chips that have the fewest free
   // shares that suffice (whole chips stay free for whole-chip pods). Unknown
   // IDs, or a size that cannot be met, are INVALID_ARGUMENT.
-  absl::StatusOr<std::vector<std::string>> Preferred(const std::vector<std::string>& available,
-                                                     const std::vector<std::string>& must_include,
-                                                     int size) const;
+  absl::StatusOr<std::vector<std::string>> Preferred(
+      const std::vector<std::string>& available,
+      const std::vector<std::string>& must_include, int size) const;
 
   // The chips and quotas of a container given `device_ids`: a whole chip's
   // quota is the chip's HBM; a chip's shares add up. Unknown or repeated IDs
   // are INVALID_ARGUMENT naming them and the valid form.
-  absl::StatusOr<AllocationPlan> Plan(const std::vector<std::string>& device_ids) const;
+  absl::StatusOr<AllocationPlan> Plan(
+      const std::vector<std::string>& device_ids) const;
 
  private:
   TpuResource() = default;
   absl::StatusOr<const Device*> Find(const std::string& id) const;
   absl::StatusOr<std::vector<int>> PreferredChips(std::vector<int> candidates,
-                                                  std::vector<int> must, int size) const;
+                                                  std::vector<int> must,
+                                                  int size) const;
 
   std::string resource_name_;
   std::string socket_name_;

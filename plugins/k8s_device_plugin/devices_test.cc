@@ -34,7 +34,8 @@ std::vector<std::string> Ids(const std::vector<int>& chips) {
   return out;
 }
 
-TEST_CASE("whole chips: one device per chip, healthy unless drained or unhealthy") {
+TEST_CASE(
+    "whole chips: one device per chip, healthy unless drained or unhealthy") {
   absl::StatusOr<TpuResource> r = TpuResource::WholeChips(Grid(2, 2));
   REQUIRE(r.ok());
   CHECK(r->resource_name() == "tpud.io/chip");
@@ -57,7 +58,8 @@ TEST_CASE("preferred chips are contiguous on the torus") {
   CHECK(*r->Preferred(all, {}, 2) == Ids({0, 1}));
   // Pairs that are neighbours beat ones that are not.
   CHECK(*r->Preferred(Ids({0, 3, 5}), {}, 2) == Ids({3, 5}));
-  CHECK(r->Preferred(all, {}, 9).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(r->Preferred(all, {}, 9).status().code() ==
+        absl::StatusCode::kInvalidArgument);
   CHECK(r->Preferred(Ids({0, 1}), Ids({0, 1, 2}), 2).status().code() ==
         absl::StatusCode::kInvalidArgument);
   absl::StatusOr<std::vector<std::string>> bad = r->Preferred({"gpu-0"}, {}, 1);
@@ -73,15 +75,18 @@ TEST_CASE("chip shares pack onto as few chips as possible") {
   CHECK(r->share_quota_bytes() == 8 * kGiB);
   std::vector<std::string> all;
   for (const Device& d : r->devices()) all.push_back(d.id);
-  CHECK(*r->Preferred(all, {}, 2) == std::vector<std::string>{"chip-0-share-0", "chip-0-share-1"});
+  CHECK(*r->Preferred(all, {}, 2) ==
+        std::vector<std::string>{"chip-0-share-0", "chip-0-share-1"});
   // Chip 1 has one share left, chip 2 three: a single share goes where the
   // fewest are free, so whole chips stay free.
-  std::vector<std::string> some = {"chip-1-share-3", "chip-2-share-1", "chip-2-share-2",
-                                   "chip-2-share-3", "chip-3-share-0", "chip-3-share-1",
-                                   "chip-3-share-2", "chip-3-share-3"};
-  CHECK(*r->Preferred(some, {}, 1) == std::vector<std::string>{"chip-1-share-3"});
+  std::vector<std::string> some = {
+      "chip-1-share-3", "chip-2-share-1", "chip-2-share-2", "chip-2-share-3",
+      "chip-3-share-0", "chip-3-share-1", "chip-3-share-2", "chip-3-share-3"};
+  CHECK(*r->Preferred(some, {}, 1) ==
+        std::vector<std::string>{"chip-1-share-3"});
   CHECK(*r->Preferred(some, {}, 3) ==
-        std::vector<std::string>{"chip-2-share-1", "chip-2-share-2", "chip-2-share-3"});
+        std::vector<std::string>{"chip-2-share-1", "chip-2-share-2",
+                                 "chip-2-share-3"});
   // Must-include shares pull the rest onto their chip.
   CHECK(*r->Preferred(some, {"chip-3-share-2"}, 2) ==
         std::vector<std::string>{"chip-3-share-0", "chip-3-share-2"});
@@ -90,7 +95,8 @@ TEST_CASE("chip shares pack onto as few chips as possible") {
 }
 
 TEST_CASE("plans: chips and per-chip quotas for a container's devices") {
-  absl::StatusOr<TpuResource> shares = TpuResource::ChipShares(Grid(2, 2), 4, 2 * kGiB);
+  absl::StatusOr<TpuResource> shares =
+      TpuResource::ChipShares(Grid(2, 2), 4, 2 * kGiB);
   REQUIRE(shares.ok());
   absl::StatusOr<AllocationPlan> p =
       shares->Plan({"chip-3-share-0", "chip-1-share-2", "chip-3-share-1"});
@@ -98,7 +104,8 @@ TEST_CASE("plans: chips and per-chip quotas for a container's devices") {
   CHECK(p->chips == std::vector<int>{1, 3});
   CHECK(p->quota_bytes == std::vector<uint64_t>{2 * kGiB, 4 * kGiB});
   CHECK(shares->Plan({}).status().code() == absl::StatusCode::kInvalidArgument);
-  CHECK(shares->Plan({"chip-0-share-4"}).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(shares->Plan({"chip-0-share-4"}).status().code() ==
+        absl::StatusCode::kInvalidArgument);
   CHECK(shares->Plan({"chip-0-share-1", "chip-0-share-1"}).status().code() ==
         absl::StatusCode::kInvalidArgument);
 

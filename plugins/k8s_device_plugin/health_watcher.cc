@@ -6,7 +6,8 @@
 
 namespace tpud::k8s {
 
-ChipHealthWatcher::ChipHealthWatcher(int num_chips, Poll poll, absl::Duration interval)
+ChipHealthWatcher::ChipHealthWatcher(int num_chips, Poll poll,
+                                     absl::Duration interval)
     : num_chips_(num_chips), poll_(std::move(poll)), interval_(interval) {
   current_.chips.assign(num_chips_, ChipState{});
 }
@@ -43,8 +44,8 @@ ChipHealthWatcher::Snapshot ChipHealthWatcher::Current() const {
   return current_;
 }
 
-ChipHealthWatcher::Snapshot ChipHealthWatcher::WaitForChange(uint64_t seen,
-                                                             absl::Duration timeout) const {
+ChipHealthWatcher::Snapshot ChipHealthWatcher::WaitForChange(
+    uint64_t seen, absl::Duration timeout) const {
   absl::MutexLock lock(&mu_);
   const absl::Time deadline = absl::Now() + timeout;
   while (current_.version == seen && !stopping_) {
@@ -61,7 +62,8 @@ void ChipHealthWatcher::PollOnce() {
     // A chip tpud no longer reports is unhealthy.
     chips.resize(num_chips_, ChipState{false, false, "not reported by tpud"});
   } else {
-    chips.assign(num_chips_, ChipState{false, false, std::string(polled.status().message())});
+    chips.assign(num_chips_, ChipState{false, false,
+                                       std::string(polled.status().message())});
   }
   absl::MutexLock lock(&mu_);
   if (chips == current_.chips) return;
@@ -69,7 +71,8 @@ void ChipHealthWatcher::PollOnce() {
     const ChipState& was = current_.chips[c];
     const ChipState& now = chips[c];
     if (was.healthy != now.healthy || was.drained != now.drained) {
-      spdlog::warn("chip {}: {}{} ({})", c, now.healthy ? "healthy" : "UNHEALTHY",
+      spdlog::warn("chip {}: {}{} ({})", c,
+                   now.healthy ? "healthy" : "UNHEALTHY",
                    now.drained ? ", drained" : "", now.detail);
     }
   }

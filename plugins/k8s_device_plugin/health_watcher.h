@@ -40,7 +40,8 @@ class ChipHealthWatcher {
   Snapshot Current() const ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until the version differs from `seen`, or `timeout` passed;
   // returns the states then.
-  Snapshot WaitForChange(uint64_t seen, absl::Duration timeout) const ABSL_LOCKS_EXCLUDED(mu_);
+  Snapshot WaitForChange(uint64_t seen, absl::Duration timeout) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Polls once (for the loop and for tests).
   void PollOnce() ABSL_LOCKS_EXCLUDED(mu_);

@@ -10,6 +10,7 @@
 // chips and HBM quotas and hands the container its token (TPUD_TOKEN): tpud
 // holds every session that presents it to those chips and quotas.
 #include <signal.h>
+#include <spdlog/spdlog.h>
 #include <sys/inotify.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -20,8 +21,6 @@
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <spdlog/spdlog.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -36,22 +35,29 @@
 #include "plugins/k8s_device_plugin/tpud_admin.h"
 #include "tpu/units.h"
 
-ABSL_FLAG(std::string, admin_socket, "/run/tpud/admin.sock", "tpud's admin socket");
+ABSL_FLAG(std::string, admin_socket, "/run/tpud/admin.sock",
+          "tpud's admin socket");
 ABSL_FLAG(std::string, device_plugin_dir, "/var/lib/kubelet/device-plugins",
-          "the kubelet's device-plugins directory: its kubelet.sock, and this plugin's sockets");
+          "the kubelet's device-plugins directory: its kubelet.sock, and this "
+          "plugin's sockets");
 ABSL_FLAG(int, shares_per_chip, 4, "tpud.io/chip-share devices per chip");
-ABSL_FLAG(std::string, share_quota_bytes, "0",
-          "HBM quota of one chip share (e.g. 8GiB); 0: chip HBM / --shares_per_chip");
+ABSL_FLAG(
+    std::string, share_quota_bytes, "0",
+    "HBM quota of one chip share (e.g. 8GiB); 0: chip HBM / --shares_per_chip");
 ABSL_FLAG(std::string, resources, "chip,chip-share",
-          "resources to advertise: chip (tpud.io/chip), chip-share (tpud.io/chip-share) or both");
+          "resources to advertise: chip (tpud.io/chip), chip-share "
+          "(tpud.io/chip-share) or both");
 ABSL_FLAG(std::string, container_tpud_socket, "/run/tpud/tpud.sock",
           "TPUD_SOCKET given to containers: tpud's runtime socket inside them");
 ABSL_FLAG(std::string, host_tpud_socket_dir, "/run/tpud",
-          "host directory of tpud's runtime socket, mounted at --container_tpud_socket's "
+          "host directory of tpud's runtime socket, mounted at "
+          "--container_tpud_socket's "
           "directory");
-ABSL_FLAG(absl::Duration, health_interval, absl::Seconds(1), "how often tpud's health is polled");
+ABSL_FLAG(absl::Duration, health_interval, absl::Seconds(1),
+          "how often tpud's health is polled");
 ABSL_FLAG(absl::Duration, kubelet_check_interval, absl::Milliseconds(500),
-          "how often kubelet.sock and this plugin's sockets are checked (kubelet restarts)");
+          "how often kubelet.sock and this plugin's sockets are checked "
+          "(kubelet restarts)");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn or error");
 
 namespace tpud::k8s {
@@ -68,9 +74,11 @@ class KubeletSocketWatch {
  public:
   explicit KubeletSocketWatch(const std::string& dir) {
     fd_ = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
-    if (fd_ >= 0 && inotify_add_watch(fd_, dir.c_str(), IN_CREATE | IN_MOVED_TO) < 0) {
-      spdlog::warn("cannot watch {} with inotify ({}); polling kubelet.sock only", dir,
-                   std::strerror(errno));
+    if (fd_ >= 0 &&
+        inotify_add_watch(fd_, dir.c_str(), IN_CREATE | IN_MOVED_TO) < 0) {
+      spdlog::warn(
+          "cannot watch {} with inotify ({}); polling kubelet.sock only", dir,
+          std::strerror(errno));
       close(fd_);
       fd_ = -1;
     }
@@ -87,7 +95,8 @@ class KubeletSocketWatch {
       if (n <= 0) break;
       for (ssize_t off = 0; off < n;) {
         const auto* ev = reinterpret_cast<const inotify_event*>(buf + off);
-        if (ev->len > 0 && std::strcmp(ev->name, "kubelet.sock") == 0) created = true;
+        if (ev->len > 0 && std::strcmp(ev->name, "kubelet.sock") == 0)
+          created = true;
         off += sizeof(inotify_event) + ev->len;
       }
     }
@@ -117,8 +126,10 @@ absl::StatusOr<std::vector<HostChip>> WaitForChips(TpudAdmin& tpud) {
                    status->topology.name, chips.size());
       return chips;
     }
-    if (status.status().code() != absl::StatusCode::kUnavailable) return status.status();
-    if (!logged) spdlog::warn("waiting for tpud: {}", status.status().ToString());
+    if (status.status().code() != absl::StatusCode::kUnavailable)
+      return status.status();
+    if (!logged)
+      spdlog::warn("waiting for tpud: {}", status.status().ToString());
     logged = true;
     absl::SleepFor(absl::Seconds(1));
   }
@@ -135,9 +146,11 @@ int Run() {
   signal(SIGTERM, OnSignal);
   signal(SIGINT, OnSignal);
 
-  absl::StatusOr<uint64_t> share_quota = tpu::ParseBytes(absl::GetFlag(FLAGS_share_quota_bytes));
+  absl::StatusOr<uint64_t> share_quota =
+      tpu::ParseBytes(absl::GetFlag(FLAGS_share_quota_bytes));
   if (!share_quota.ok()) {
-    return Fail(absl::StrCat("--share_quota_bytes: ", share_quota.status().message()));
+    return Fail(
+        absl::StrCat("--share_quota_bytes: ", share_quota.status().message()));
   }
   const std::string want = absl::GetFlag(FLAGS_resources);
   bool want_chips = false, want_shares = false;
@@ -147,7 +160,8 @@ int Run() {
     } else if (r == "chip-share") {
       want_shares = true;
     } else {
-      return Fail(absl::StrCat("--resources=", want, ": give chip, chip-share or both"));
+      return Fail(absl::StrCat("--resources=", want,
+                               ": give chip, chip-share or both"));
     }
   }
 
@@ -162,11 +176,12 @@ int Run() {
     resources.push_back(std::make_unique<TpuResource>(*std::move(r)));
   }
   if (want_shares) {
-    absl::StatusOr<TpuResource> r =
-        TpuResource::ChipShares(*chips, absl::GetFlag(FLAGS_shares_per_chip), *share_quota);
+    absl::StatusOr<TpuResource> r = TpuResource::ChipShares(
+        *chips, absl::GetFlag(FLAGS_shares_per_chip), *share_quota);
     if (!r.ok()) return Fail(r.status().ToString());
     spdlog::info("{}: {} per chip, {} of HBM each", r->resource_name(),
-                 absl::GetFlag(FLAGS_shares_per_chip), tpu::FormatBytes(r->share_quota_bytes()));
+                 absl::GetFlag(FLAGS_shares_per_chip),
+                 tpu::FormatBytes(r->share_quota_bytes()));
     resources.push_back(std::make_unique<TpuResource>(*std::move(r)));
   }
 
@@ -192,13 +207,15 @@ int Run() {
   options.host_tpud_socket_dir = absl::GetFlag(FLAGS_host_tpud_socket_dir);
   std::vector<std::unique_ptr<DevicePluginServer>> servers;
   for (const auto& r : resources) {
-    servers.push_back(std::make_unique<DevicePluginServer>(r.get(), &health, &tpud, options));
+    servers.push_back(
+        std::make_unique<DevicePluginServer>(r.get(), &health, &tpud, options));
   }
 
   // The main loop: (re)start servers whose socket is gone, and register
   // every server again whenever kubelet.sock is a new file (the kubelet
   // restarted) or the server was restarted.
-  const std::string kubelet_socket = options.device_plugin_dir + "/kubelet.sock";
+  const std::string kubelet_socket =
+      options.device_plugin_dir + "/kubelet.sock";
   std::vector<bool> registered(servers.size(), false);
   ino_t kubelet_inode = 0;
   bool warned_no_kubelet = false;
@@ -207,7 +224,8 @@ int Run() {
     const bool recreated = watch.Recreated();
     const ino_t now_inode = InodeOf(kubelet_socket);
     if (now_inode != kubelet_inode || (recreated && now_inode != 0)) {
-      if (kubelet_inode != 0) spdlog::info("kubelet.sock changed: registering again");
+      if (kubelet_inode != 0)
+        spdlog::info("kubelet.sock changed: registering again");
       kubelet_inode = now_inode;
       registered.assign(servers.size(), false);
     }
@@ -231,8 +249,10 @@ int Run() {
       spdlog::warn("no kubelet socket at {} yet; waiting", kubelet_socket);
     }
     warned_no_kubelet = kubelet_inode == 0;
-    const absl::Time next = absl::Now() + absl::GetFlag(FLAGS_kubelet_check_interval);
-    while (!g_stop && absl::Now() < next) absl::SleepFor(absl::Milliseconds(50));
+    const absl::Time next =
+        absl::Now() + absl::GetFlag(FLAGS_kubelet_check_interval);
+    while (!g_stop && absl::Now() < next)
+      absl::SleepFor(absl::Milliseconds(50));
   }
   spdlog::info("stopping");
   for (auto& s : servers) s->Stop();
@@ -245,7 +265,8 @@ int Run() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "tpud's Kubernetes device plugin: advertises tpud.io/chip and tpud.io/chip-share to the "
+      "tpud's Kubernetes device plugin: advertises tpud.io/chip and "
+      "tpud.io/chip-share to the "
       "kubelet and turns each container's devices into a tpud allocation");
   absl::ParseCommandLine(argc, argv);
   return tpud::k8s::Run();

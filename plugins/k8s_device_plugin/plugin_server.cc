@@ -1,13 +1,12 @@
 #include "plugins/k8s_device_plugin/plugin_server.h"
 
+#include <grpcpp/grpcpp.h>
+#include <spdlog/spdlog.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <set>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
-#include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -33,27 +32,32 @@ ino_t InodeOf(const std::string& path) {
 }
 
 DevicePluginServer::DevicePluginServer(const TpuResource* resource,
-                                       const ChipHealthWatcher* health, TpudAdmin* tpud,
-                                       PluginOptions options)
-    : resource_(resource), health_(health), tpud_(tpud), options_(std::move(options)) {}
+                                       const ChipHealthWatcher* health,
+                                       TpudAdmin* tpud, PluginOptions options)
+    : resource_(resource),
+      health_(health),
+      tpud_(tpud),
+      options_(std::move(options)) {}
 
 DevicePluginServer::~DevicePluginServer() { Stop(); }
 
 std::string DevicePluginServer::socket_path() const {
-  return absl::StrCat(options_.device_plugin_dir, "/", resource_->socket_name());
+  return absl::StrCat(options_.device_plugin_dir, "/",
+                      resource_->socket_name());
 }
 
 absl::Status DevicePluginServer::Start() {
   const std::string path = socket_path();
   unlink(path.c_str());  // a stale socket from an earlier run
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(absl::StrCat("unix:", path), grpc::InsecureServerCredentials());
+  builder.AddListeningPort(absl::StrCat("unix:", path),
+                           grpc::InsecureServerCredentials());
   builder.RegisterService(this);
   server_ = builder.BuildAndStart();
   if (server_ == nullptr) {
     return absl::UnavailableError(absl::StrCat(
-        "cannot serve the ", resource_->resource_name(), " device plugin on ", path,
-        "; is --device_plugin_dir (", options_.device_plugin_dir,
+        "cannot serve the ", resource_->resource_name(), " device plugin on ",
+        path, "; is --device_plugin_dir (", options_.device_plugin_dir,
         ") the kubelet's device-plugins directory, and writable?"));
   }
   socket_inode_ = InodeOf(path);
@@ -67,7 +71,8 @@ void DevicePluginServer::Stop() {
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   server_.reset();
   const std::string path = socket_path();
-  if (socket_inode_ != 0 && InodeOf(path) == socket_inode_) unlink(path.c_str());
+  if (socket_inode_ != 0 && InodeOf(path) == socket_inode_)
+    unlink(path.c_str());
   socket_inode_ = 0;
   stopping_ = false;
 }
@@ -76,10 +81,13 @@ bool DevicePluginServer::SocketPresent() const {
   return socket_inode_ != 0 && InodeOf(socket_path()) == socket_inode_;
 }
 
-absl::Status DevicePluginServer::Register(const std::string& kubelet_socket) const {
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(
-      absl::StrCat("unix:", kubelet_socket), grpc::InsecureChannelCredentials());
-  std::unique_ptr<v1beta1::Registration::Stub> stub = v1beta1::Registration::NewStub(channel);
+absl::Status DevicePluginServer::Register(
+    const std::string& kubelet_socket) const {
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateChannel(absl::StrCat("unix:", kubelet_socket),
+                          grpc::InsecureChannelCredentials());
+  std::unique_ptr<v1beta1::Registration::Stub> stub =
+      v1beta1::Registration::NewStub(channel);
   v1beta1::RegisterRequest req;
   req.set_version(kApiVersion);
   req.set_endpoint(resource_->socket_name());
@@ -92,17 +100,17 @@ absl::Status DevicePluginServer::Register(const std::string& kubelet_socket) con
   if (!st.ok()) {
     return absl::Status(FromGrpcStatus(st).code(),
                         absl::StrCat("registering ", resource_->resource_name(),
-                                     " with the kubelet at ", kubelet_socket, " failed: ",
-                                     st.error_message()));
+                                     " with the kubelet at ", kubelet_socket,
+                                     " failed: ", st.error_message()));
   }
-  spdlog::info("{}: registered with the kubelet at {}", resource_->resource_name(),
-               kubelet_socket);
+  spdlog::info("{}: registered with the kubelet at {}",
+               resource_->resource_name(), kubelet_socket);
   return absl::OkStatus();
 }
 
-grpc::Status DevicePluginServer::GetDevicePluginOptions(grpc::ServerContext*,
-                                                        const v1beta1::Empty*,
-                                                        v1beta1::DevicePluginOptions* resp) {
+grpc::Status DevicePluginServer::GetDevicePluginOptions(
+    grpc::ServerContext*, const v1beta1::Empty*,
+    v1beta1::DevicePluginOptions* resp) {
   resp->set_get_preferred_allocation_available(true);
   return grpc::Status::OK;
 }
@@ -140,7 +148,8 @@ grpc::Status DevicePluginServer::ListAndWatch(
 grpc::Status DevicePluginServer::GetPreferredAllocation(
     grpc::ServerContext*, const v1beta1::PreferredAllocationRequest* req,
     v1beta1::PreferredAllocationResponse* resp) {
-  for (const v1beta1::ContainerPreferredAllocationRequest& c : req->container_requests()) {
+  for (const v1beta1::ContainerPreferredAllocationRequest& c :
+       req->container_requests()) {
     std::vector<std::string> available(c.available_deviceids().begin(),
                                        c.available_deviceids().end());
     std::vector<std::string> must(c.must_include_deviceids().begin(),
@@ -148,7 +157,8 @@ grpc::Status DevicePluginServer::GetPreferredAllocation(
     absl::StatusOr<std::vector<std::string>> picked =
         resource_->Preferred(available, must, c.allocation_size());
     if (!picked.ok()) return ToGrpcStatus(picked.status());
-    v1beta1::ContainerPreferredAllocationResponse* out = resp->add_container_responses();
+    v1beta1::ContainerPreferredAllocationResponse* out =
+        resp->add_container_responses();
     for (const std::string& id : *picked) out->add_deviceids(id);
   }
   return grpc::Status::OK;
@@ -180,13 +190,15 @@ grpc::Status DevicePluginServer::Allocate(grpc::ServerContext*,
     const std::set<std::string> wanted(ids[i].begin(), ids[i].end());
     std::string reuse;
     bool all_held = true;
-    for (const std::string& id : wanted) all_held = all_held && token_of_device_.count(id) > 0;
+    for (const std::string& id : wanted)
+      all_held = all_held && token_of_device_.count(id) > 0;
     if (superseded.size() == 1 && all_held) {
       const std::string& token = *superseded.begin();
       size_t held = 0;
       for (const auto& [id, t] : token_of_device_) held += t == token ? 1 : 0;
       auto alloc = allocation_id_of_token_.find(token);
-      if (held == wanted.size() && alloc != allocation_id_of_token_.end()) reuse = token;
+      if (held == wanted.size() && alloc != allocation_id_of_token_.end())
+        reuse = token;
     }
     if (!reuse.empty()) {
       AnswerContainer(plans[i], reuse, allocation_id_of_token_[reuse],
@@ -204,41 +216,46 @@ grpc::Status DevicePluginServer::Allocate(grpc::ServerContext*,
         it = it->second == token ? token_of_device_.erase(it) : std::next(it);
       }
     }
-    const std::string name =
-        absl::StrCat(resource_->resource_name(), ": ", absl::StrJoin(ids[i], ","));
+    const std::string name = absl::StrCat(resource_->resource_name(), ": ",
+                                          absl::StrJoin(ids[i], ","));
     absl::StatusOr<tpu::CreatedAllocation> created =
         tpud_->CreateAllocation(plans[i].chips, plans[i].quota_bytes, name);
     if (!created.ok()) {
       return ToGrpcStatus(absl::Status(
           created.status().code(),
-          absl::StrCat("tpud (", tpud_->admin_socket(), ") refused the allocation for ",
-                       absl::StrJoin(ids[i], ","), ": ", created.status().message())));
+          absl::StrCat(
+              "tpud (", tpud_->admin_socket(), ") refused the allocation for ",
+              absl::StrJoin(ids[i], ","), ": ", created.status().message())));
     }
     for (const std::string& id : ids[i]) token_of_device_[id] = created->token;
     allocation_id_of_token_[created->token] = created->id;
-    spdlog::info("{}: allocation {} for {} (chips {})", resource_->resource_name(), created->id,
-                 absl::StrJoin(ids[i], ","), absl::StrJoin(plans[i].chips, ","));
-    AnswerContainer(plans[i], created->token, created->id, resp->add_container_responses());
+    spdlog::info("{}: allocation {} for {} (chips {})",
+                 resource_->resource_name(), created->id,
+                 absl::StrJoin(ids[i], ","),
+                 absl::StrJoin(plans[i].chips, ","));
+    AnswerContainer(plans[i], created->token, created->id,
+                    resp->add_container_responses());
   }
   return grpc::Status::OK;
 }
 
-void DevicePluginServer::AnswerContainer(const AllocationPlan& plan, const std::string& token,
-                                         uint64_t allocation_id,
-                                         v1beta1::ContainerAllocateResponse* out) const {
+void DevicePluginServer::AnswerContainer(
+    const AllocationPlan& plan, const std::string& token,
+    uint64_t allocation_id, v1beta1::ContainerAllocateResponse* out) const {
   (*out->mutable_envs())["TPUD_SOCKET"] = options_.container_tpud_socket;
   (*out->mutable_envs())["TPU_VISIBLE_CHIPS"] = absl::StrJoin(plan.chips, ",");
   (*out->mutable_envs())["TPUD_TOKEN"] = token;
-  (*out->mutable_annotations())["tpud.io/allocation-id"] = absl::StrCat(allocation_id);
+  (*out->mutable_annotations())["tpud.io/allocation-id"] =
+      absl::StrCat(allocation_id);
   v1beta1::Mount* m = out->add_mounts();
   m->set_container_path(Dirname(options_.container_tpud_socket));
   m->set_host_path(options_.host_tpud_socket_dir);
   m->set_read_only(false);  // connecting to a unix socket writes to it
 }
 
-grpc::Status DevicePluginServer::PreStartContainer(grpc::ServerContext*,
-                                                   const v1beta1::PreStartContainerRequest*,
-                                                   v1beta1::PreStartContainerResponse*) {
+grpc::Status DevicePluginServer::PreStartContainer(
+    grpc::ServerContext*, const v1beta1::PreStartContainerRequest*,
+    v1beta1::PreStartContainerResponse*) {
   return grpc::Status::OK;
 }
 

@@ -45,15 +45,17 @@ namespace tpud::k8s {
 ino_t InodeOf(const std::string& path);
 
 struct PluginOptions {
-  std::string device_plugin_dir;     // the kubelet's; its sockets live here
+  std::string device_plugin_dir;      // the kubelet's; its sockets live here
   std::string container_tpud_socket;  // TPUD_SOCKET inside the container
-  std::string host_tpud_socket_dir;   // mounted at the container socket's directory
+  std::string
+      host_tpud_socket_dir;  // mounted at the container socket's directory
 };
 
 class DevicePluginServer final : public v1beta1::DevicePlugin::Service {
  public:
-  DevicePluginServer(const TpuResource* resource, const ChipHealthWatcher* health,
-                     TpudAdmin* tpud, PluginOptions options);
+  DevicePluginServer(const TpuResource* resource,
+                     const ChipHealthWatcher* health, TpudAdmin* tpud,
+                     PluginOptions options);
   ~DevicePluginServer() override;
 
   const TpuResource& resource() const { return *resource_; }
@@ -69,25 +71,30 @@ class DevicePluginServer final : public v1beta1::DevicePlugin::Service {
   // Registers with the kubelet serving Registration at `kubelet_socket`.
   absl::Status Register(const std::string& kubelet_socket) const;
 
-  grpc::Status GetDevicePluginOptions(grpc::ServerContext* ctx, const v1beta1::Empty* req,
-                                      v1beta1::DevicePluginOptions* resp) override;
-  grpc::Status ListAndWatch(grpc::ServerContext* ctx, const v1beta1::Empty* req,
-                            grpc::ServerWriter<v1beta1::ListAndWatchResponse>* writer) override;
-  grpc::Status GetPreferredAllocation(grpc::ServerContext* ctx,
-                                      const v1beta1::PreferredAllocationRequest* req,
-                                      v1beta1::PreferredAllocationResponse* resp) override;
-  grpc::Status Allocate(grpc::ServerContext* ctx, const v1beta1::AllocateRequest* req,
+  grpc::Status GetDevicePluginOptions(
+      grpc::ServerContext* ctx, const v1beta1::Empty* req,
+      v1beta1::DevicePluginOptions* resp) override;
+  grpc::Status ListAndWatch(
+      grpc::ServerContext* ctx, const v1beta1::Empty* req,
+      grpc::ServerWriter<v1beta1::ListAndWatchResponse>* writer) override;
+  grpc::Status GetPreferredAllocation(
+      grpc::ServerContext* ctx, const v1beta1::PreferredAllocationRequest* req,
+      v1beta1::PreferredAllocationResponse* resp) override;
+  grpc::Status Allocate(grpc::ServerContext* ctx,
+                        const v1beta1::AllocateRequest* req,
                         v1beta1::AllocateResponse* resp) override;
-  grpc::Status PreStartContainer(grpc::ServerContext* ctx,
-                                 const v1beta1::PreStartContainerRequest* req,
-                                 v1beta1::PreStartContainerResponse* resp) override;
+  grpc::Status PreStartContainer(
+      grpc::ServerContext* ctx, const v1beta1::PreStartContainerRequest* req,
+      v1beta1::PreStartContainerResponse* resp) override;
 
  private:
-  v1beta1::ListAndWatchResponse DeviceList(const std::vector<ChipState>& chips) const;
+  v1beta1::ListAndWatchResponse DeviceList(
+      const std::vector<ChipState>& chips) const;
   // What a container gets: TPUD_SOCKET, TPU_VISIBLE_CHIPS, TPUD_TOKEN, the
   // socket directory's mount, the allocation's id as an annotation.
   void AnswerContainer(const AllocationPlan& plan, const std::string& token,
-                       uint64_t allocation_id, v1beta1::ContainerAllocateResponse* out) const;
+                       uint64_t allocation_id,
+                       v1beta1::ContainerAllocateResponse* out) const;
 
   const TpuResource* resource_;
   const ChipHealthWatcher* health_;

@@ -24,26 +24,30 @@ absl::StatusOr<T> TpudAdmin::Call(F call) {
 }
 
 absl::StatusOr<tpu::DaemonStatus> TpudAdmin::GetStatus() {
-  return Call<tpu::DaemonStatus>([](tpu::AdminClient& c) { return c.GetStatus(); });
+  return Call<tpu::DaemonStatus>(
+      [](tpu::AdminClient& c) { return c.GetStatus(); });
 }
 
 absl::StatusOr<tpu::HealthReport> TpudAdmin::Health() {
-  return Call<tpu::HealthReport>([](tpu::AdminClient& c) { return c.Health(); });
+  return Call<tpu::HealthReport>(
+      [](tpu::AdminClient& c) { return c.Health(); });
 }
 
 absl::StatusOr<tpu::CreatedAllocation> TpudAdmin::CreateAllocation(
     const std::vector<int>& chips, const std::vector<uint64_t>& quota_bytes,
     const std::string& name) {
-  return Call<tpu::CreatedAllocation>(
-      [&](tpu::AdminClient& c) { return c.CreateAllocation(chips, quota_bytes, name); });
+  return Call<tpu::CreatedAllocation>([&](tpu::AdminClient& c) {
+    return c.CreateAllocation(chips, quota_bytes, name);
+  });
 }
 
 absl::Status TpudAdmin::ReleaseAllocation(const std::string& token) {
-  absl::StatusOr<bool> r = Call<bool>([&](tpu::AdminClient& c) -> absl::StatusOr<bool> {
-    absl::Status st = c.ReleaseAllocation(token);
-    if (!st.ok()) return st;
-    return true;
-  });
+  absl::StatusOr<bool> r =
+      Call<bool>([&](tpu::AdminClient& c) -> absl::StatusOr<bool> {
+        absl::Status st = c.ReleaseAllocation(token);
+        if (!st.ok()) return st;
+        return true;
+      });
   return r.status();
 }
 

@@ -18,17 +18,18 @@ namespace tpud::k8s {
 
 class TpudAdmin {
  public:
-  explicit TpudAdmin(std::string admin_socket) : admin_socket_(std::move(admin_socket)) {}
+  explicit TpudAdmin(std::string admin_socket)
+      : admin_socket_(std::move(admin_socket)) {}
 
   const std::string& admin_socket() const { return admin_socket_; }
 
   absl::StatusOr<tpu::DaemonStatus> GetStatus() ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<tpu::HealthReport> Health() ABSL_LOCKS_EXCLUDED(mu_);
-  absl::StatusOr<tpu::CreatedAllocation> CreateAllocation(const std::vector<int>& chips,
-                                                          const std::vector<uint64_t>& quota_bytes,
-                                                          const std::string& name)
+  absl::StatusOr<tpu::CreatedAllocation> CreateAllocation(
+      const std::vector<int>& chips, const std::vector<uint64_t>& quota_bytes,
+      const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status ReleaseAllocation(const std::string& token)
       ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status ReleaseAllocation(const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // Runs `call` on a connected client; connects first if needed, and once

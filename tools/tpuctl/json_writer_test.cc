@@ -5,7 +5,8 @@
 namespace tpuctl {
 namespace {
 
-TEST_CASE("JsonWriter nests objects and arrays with commas in the right places") {
+TEST_CASE(
+    "JsonWriter nests objects and arrays with commas in the right places") {
   JsonWriter w;
   w.BeginObject();
   w.Key("a").Int(-1);
@@ -13,7 +14,8 @@ TEST_CASE("JsonWriter nests objects and arrays with commas in the right places")
   w.Key("c").BeginObject().Key("x").Bool(true).Key("y").Null().EndObject();
   w.Key("d").IntArray(std::vector<int>{2, 2, 1});
   w.EndObject();
-  REQUIRE(w.str() == R"({"a":-1,"b":[1,2],"c":{"x":true,"y":null},"d":[2,2,1]})");
+  REQUIRE(w.str() ==
+          R"({"a":-1,"b":[1,2],"c":{"x":true,"y":null},"d":[2,2,1]})");
 }
 
 TEST_CASE("JsonWriter escapes strings") {

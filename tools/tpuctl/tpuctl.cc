@@ -32,14 +32,19 @@
 #include "tpu/paths.h"
 #include "tpu/units.h"
 
-ABSL_FLAG(bool, json, false, "print machine-readable JSON (see docs/tpuctl-json.md)");
-ABSL_FLAG(std::string, socket, "", "tpud runtime socket (default $TPUD_SOCKET)");
-ABSL_FLAG(std::string, admin_socket, "",
-          "tpud admin socket (default $TPUD_ADMIN_SOCKET, or admin.sock beside the "
-          "runtime socket given by --socket/$TPUD_SOCKET)");
+ABSL_FLAG(bool, json, false,
+          "print machine-readable JSON (see docs/tpuctl-json.md)");
+ABSL_FLAG(std::string, socket, "",
+          "tpud runtime socket (default $TPUD_SOCKET)");
+ABSL_FLAG(
+    std::string, admin_socket, "",
+    "tpud admin socket (default $TPUD_ADMIN_SOCKET, or admin.sock beside the "
+    "runtime socket given by --socket/$TPUD_SOCKET)");
 ABSL_FLAG(bool, default, false, "quota: set the default for new sessions");
 ABSL_FLAG(double, interval, 1.0, "top, watch: seconds between updates");
-ABSL_FLAG(uint32_t, count, 0, "top, watch: stop after this many updates (0: run until interrupted)");
+ABSL_FLAG(
+    uint32_t, count, 0,
+    "top, watch: stop after this many updates (0: run until interrupted)");
 
 namespace tpuctl {
 namespace {
@@ -53,12 +58,15 @@ class Table {
       : right_(std::move(right)) {
     rows_.push_back(std::move(header));
   }
-  void Row(std::vector<std::string> cells) { rows_.push_back(std::move(cells)); }
+  void Row(std::vector<std::string> cells) {
+    rows_.push_back(std::move(cells));
+  }
   void Print() const {
     std::vector<size_t> width;
     for (const auto& r : rows_) {
       if (width.size() < r.size()) width.resize(r.size(), 0);
-      for (size_t c = 0; c < r.size(); ++c) width[c] = std::max(width[c], r[c].size());
+      for (size_t c = 0; c < r.size(); ++c)
+        width[c] = std::max(width[c], r[c].size());
     }
     for (const auto& r : rows_) {
       std::string line;
@@ -98,10 +106,12 @@ std::string AdminPath() {
   if (getenv("TPUD_ADMIN_SOCKET") != nullptr) return tpu::AdminSocketPath();
   // A runtime socket given explicitly implies its sibling admin socket.
   std::string runtime = absl::GetFlag(FLAGS_socket);
-  if (runtime.empty() && getenv("TPUD_SOCKET") != nullptr) runtime = getenv("TPUD_SOCKET");
+  if (runtime.empty() && getenv("TPUD_SOCKET") != nullptr)
+    runtime = getenv("TPUD_SOCKET");
   if (!runtime.empty()) {
     size_t slash = runtime.rfind('/');
-    return (slash == std::string::npos ? std::string(".") : runtime.substr(0, slash)) +
+    return (slash == std::string::npos ? std::string(".")
+                                       : runtime.substr(0, slash)) +
            "/admin.sock";
   }
   return tpu::AdminSocketPath();
@@ -123,8 +133,10 @@ void WriteTopology(JsonWriter& w, const tpu::TopologyInfo& t) {
   w.Key("simulated").Bool(t.simulated);
   w.Key("num_chips").Int(static_cast<int64_t>(t.chips.size()));
   w.Key("hbm_bytes_per_chip").Uint(t.generation.hbm_bytes_per_chip);
-  w.Key("hbm_bandwidth_gbytes_per_s").Double(t.generation.hbm_bandwidth_gbytes_per_s);
-  w.Key("ici_bandwidth_gbytes_per_s").Double(t.generation.ici_bandwidth_gbytes_per_s);
+  w.Key("hbm_bandwidth_gbytes_per_s")
+      .Double(t.generation.hbm_bandwidth_gbytes_per_s);
+  w.Key("ici_bandwidth_gbytes_per_s")
+      .Double(t.generation.ici_bandwidth_gbytes_per_s);
   w.Key("peak_bf16_tflops").Double(t.generation.peak_bf16_tflops);
   w.Key("tensorcores_per_chip").Int(t.generation.tensorcores_per_chip);
   w.EndObject();
@@ -189,10 +201,12 @@ void WriteCommunicators(JsonWriter& w, const tpu::DaemonStatus& st) {
 }
 
 void PrintLinks(const tpu::TopologyInfo& t) {
-  std::printf("%-10s %-5s %14s %14s\n", "ICI LINK", "AXIS", "BYTES A->B", "BYTES B->A");
+  std::printf("%-10s %-5s %14s %14s\n", "ICI LINK", "AXIS", "BYTES A->B",
+              "BYTES B->A");
   for (const tpu::IciLinkInfo& l : t.links) {
-    std::printf("%-10s %-5d %14s %14s\n", absl::StrCat(l.a, " - ", l.b).c_str(), l.axis,
-                tpu::FormatBytes(l.bytes_a_to_b).c_str(), tpu::FormatBytes(l.bytes_b_to_a).c_str());
+    std::printf("%-10s %-5d %14s %14s\n", absl::StrCat(l.a, " - ", l.b).c_str(),
+                l.axis, tpu::FormatBytes(l.bytes_a_to_b).c_str(),
+                tpu::FormatBytes(l.bytes_b_to_a).c_str());
   }
 }
 
@@ -211,7 +225,8 @@ void DrawTorus(const tpu::TopologyInfo& t) {
     at[xyz] = &c;
   }
   // Bytes on the link between chips a and b (both ways); -1: no link.
-  auto carried = [&](const tpu::ChipInfo* a, const tpu::ChipInfo* b) -> int64_t {
+  auto carried = [&](const tpu::ChipInfo* a,
+                     const tpu::ChipInfo* b) -> int64_t {
     if (a == nullptr || b == nullptr) return -1;
     for (const tpu::IciLinkInfo& l : t.links) {
       if ((l.a == a->id && l.b == b->id) || (l.a == b->id && l.b == a->id)) {
@@ -222,21 +237,35 @@ void DrawTorus(const tpu::TopologyInfo& t) {
   };
   auto cell = [](const tpu::ChipInfo* c) -> std::string {
     if (c == nullptr) return "[  absent  ]";
-    const double pct = c->hbm_total_bytes == 0 ? 0 : 100.0 * c->hbm_used_bytes / c->hbm_total_bytes;
-    return absl::StrFormat("[%2d %3.0f%% %3.0f%%%s]", c->id, pct, 100 * c->duty_cycle,
-                           !c->healthy ? " !" : c->drained ? " d" : "");
+    const double pct = c->hbm_total_bytes == 0
+                           ? 0
+                           : 100.0 * c->hbm_used_bytes / c->hbm_total_bytes;
+    return absl::StrFormat("[%2d %3.0f%% %3.0f%%%s]", c->id, pct,
+                           100 * c->duty_cycle,
+                           !c->healthy  ? " !"
+                           : c->drained ? " d"
+                                        : "");
   };
-  auto label = [](int64_t bytes) { return bytes < 0 ? std::string() : tpu::FormatBytes(static_cast<uint64_t>(bytes)); };
+  auto label = [](int64_t bytes) {
+    return bytes < 0 ? std::string()
+                     : tpu::FormatBytes(static_cast<uint64_t>(bytes));
+  };
   // Column widths: cells and the horizontal links' labels.
   size_t cw = 0, lw = 0;
   for (const tpu::ChipInfo& c : t.chips) cw = std::max(cw, cell(&c).size());
-  for (const tpu::IciLinkInfo& l : t.links) lw = std::max(lw, label(static_cast<int64_t>(l.bytes_a_to_b + l.bytes_b_to_a)).size());
+  for (const tpu::IciLinkInfo& l : t.links)
+    lw = std::max(
+        lw,
+        label(static_cast<int64_t>(l.bytes_a_to_b + l.bytes_b_to_a)).size());
   lw += 4;
   auto centred = [](const std::string& s, size_t w) {
     const size_t left = s.size() >= w ? 0 : (w - s.size()) / 2;
-    return std::string(left, ' ') + s + std::string(s.size() + left >= w ? 0 : w - s.size() - left, ' ');
+    return std::string(left, ' ') + s +
+           std::string(s.size() + left >= w ? 0 : w - s.size() - left, ' ');
   };
-  std::printf("chips as [id HBM%% duty%%] (! unhealthy, d drained); links: bytes carried, both ways\n");
+  std::printf(
+      "chips as [id HBM%% duty%%] (! unhealthy, d drained); links: bytes "
+      "carried, both ways\n");
   for (int z = 0; z < nz; ++z) {
     if (nz > 1) std::printf("\nz = %d\n", z);
     for (int y = 0; y < ny; ++y) {
@@ -245,15 +274,18 @@ void DrawTorus(const tpu::TopologyInfo& t) {
         const tpu::ChipInfo* c = at.count({x, y, z}) ? at[{x, y, z}] : nullptr;
         row += centred(cell(c), cw);
         if (x + 1 < nx) {
-          const tpu::ChipInfo* r = at.count({x + 1, y, z}) ? at[{x + 1, y, z}] : nullptr;
+          const tpu::ChipInfo* r =
+              at.count({x + 1, y, z}) ? at[{x + 1, y, z}] : nullptr;
           const int64_t b = carried(c, r);
-          std::string link = b < 0 ? std::string(lw, ' ') : centred(" " + label(b) + " ", lw);
+          std::string link =
+              b < 0 ? std::string(lw, ' ') : centred(" " + label(b) + " ", lw);
           if (b >= 0) {
             for (char& ch : link) {
               if (ch != ' ') break;
               ch = '-';
             }
-            for (size_t i = link.size(); i-- > 0 && link[i] == ' ';) link[i] = '-';
+            for (size_t i = link.size(); i-- > 0 && link[i] == ' ';)
+              link[i] = '-';
           }
           row += link;
         }
@@ -264,7 +296,8 @@ void DrawTorus(const tpu::TopologyInfo& t) {
       std::string bars, bytes;
       for (int x = 0; x < nx; ++x) {
         const tpu::ChipInfo* c = at.count({x, y, z}) ? at[{x, y, z}] : nullptr;
-        const tpu::ChipInfo* d = at.count({x, y + 1, z}) ? at[{x, y + 1, z}] : nullptr;
+        const tpu::ChipInfo* d =
+            at.count({x, y + 1, z}) ? at[{x, y + 1, z}] : nullptr;
         const int64_t b = carried(c, d);
         bars += centred(b < 0 ? "" : "|", cw);
         bytes += centred(label(b), cw);
@@ -273,13 +306,15 @@ void DrawTorus(const tpu::TopologyInfo& t) {
           bytes += std::string(lw, ' ');
         }
       }
-      for (std::string* s : {&bars, &bytes}) s->erase(s->find_last_not_of(' ') + 1);
+      for (std::string* s : {&bars, &bytes})
+        s->erase(s->find_last_not_of(' ') + 1);
       std::printf("%s\n%s\n%s\n", bars.c_str(), bytes.c_str(), bars.c_str());
     }
   }
 }
 
-void WriteSessions(JsonWriter& w, const std::vector<tpu::SessionInfo>& sessions) {
+void WriteSessions(JsonWriter& w,
+                   const std::vector<tpu::SessionInfo>& sessions) {
   w.Key("sessions").BeginArray();
   for (const tpu::SessionInfo& s : sessions) {
     w.BeginObject();
@@ -331,15 +366,20 @@ void WriteSessions(JsonWriter& w, const std::vector<tpu::SessionInfo>& sessions)
 
 // Captured programs (torch.compile), per session.
 void PrintProgramTable(const std::vector<tpu::SessionInfo>& sessions) {
-  Table table({"SESSION", "PID", "CHIP", "PROGRAM", "RECORDS", "CALLS", "BUSY", "PER CALL"}, "rrr.rrrr");
+  Table table({"SESSION", "PID", "CHIP", "PROGRAM", "RECORDS", "CALLS", "BUSY",
+               "PER CALL"},
+              "rrr.rrrr");
   size_t n = 0;
   for (const tpu::SessionInfo& s : sessions) {
     for (const tpu::SessionInfo::Program& p : s.programs) {
       ++n;
-      table.Row({absl::StrCat(s.id), absl::StrCat(s.pid), absl::StrCat(p.chip),
-                 absl::StrCat(p.id, " ", p.name), absl::StrCat(p.records), absl::StrCat(p.calls),
-                 absl::StrFormat("%.3fs", p.busy_seconds),
-                 p.calls == 0 ? "-" : absl::StrFormat("%.1fus", 1e6 * p.busy_seconds / p.calls)});
+      table.Row(
+          {absl::StrCat(s.id), absl::StrCat(s.pid), absl::StrCat(p.chip),
+           absl::StrCat(p.id, " ", p.name), absl::StrCat(p.records),
+           absl::StrCat(p.calls), absl::StrFormat("%.3fs", p.busy_seconds),
+           p.calls == 0
+               ? "-"
+               : absl::StrFormat("%.1fus", 1e6 * p.busy_seconds / p.calls)});
     }
   }
   if (n == 0) {
@@ -350,20 +390,23 @@ void PrintProgramTable(const std::vector<tpu::SessionInfo>& sessions) {
 }
 
 void PrintChipTable(const tpu::TopologyInfo& t) {
-  Table table({"CHIP", "COORDS", "HBM USED", "HBM TOTAL", "HBM%", "SESSIONS", "DUTY", "OPS",
-               "STATE"},
+  Table table({"CHIP", "COORDS", "HBM USED", "HBM TOTAL", "HBM%", "SESSIONS",
+               "DUTY", "OPS", "STATE"},
               "r.rrrrrr.");
   for (const tpu::ChipInfo& c : t.chips) {
-    double pct = c.hbm_total_bytes == 0
-                     ? 0
-                     : 100.0 * static_cast<double>(c.hbm_used_bytes) / c.hbm_total_bytes;
+    double pct =
+        c.hbm_total_bytes == 0
+            ? 0
+            : 100.0 * static_cast<double>(c.hbm_used_bytes) / c.hbm_total_bytes;
     std::string state = c.healthy ? "healthy" : "UNHEALTHY";
     if (c.drained) state += ", drained";
-    table.Row({absl::StrCat(c.id), absl::StrCat("(", absl::StrJoin(c.coords, ","), ")"),
-               tpu::FormatBytes(c.hbm_used_bytes), tpu::FormatBytes(c.hbm_total_bytes),
+    table.Row({absl::StrCat(c.id),
+               absl::StrCat("(", absl::StrJoin(c.coords, ","), ")"),
+               tpu::FormatBytes(c.hbm_used_bytes),
+               tpu::FormatBytes(c.hbm_total_bytes),
                absl::StrFormat("%.0f%%", pct), absl::StrCat(c.session_count),
-               absl::StrFormat("%.0f%%", 100 * c.duty_cycle), absl::StrCat(c.ops_executed),
-               state});
+               absl::StrFormat("%.0f%%", 100 * c.duty_cycle),
+               absl::StrCat(c.ops_executed), state});
   }
   table.Print();
 }
@@ -373,19 +416,24 @@ void PrintSessionTable(const std::vector<tpu::SessionInfo>& sessions) {
     std::printf("No sessions.\n");
     return;
   }
-  Table table({"SESSION", "PID", "USER", "HBM", "HBM PER CHIP", "QUOTA", "BUSY", "OPS", "COMMAND"},
+  Table table({"SESSION", "PID", "USER", "HBM", "HBM PER CHIP", "QUOTA", "BUSY",
+               "OPS", "COMMAND"},
               "rr.r.rrr.");
   for (const tpu::SessionInfo& s : sessions) {
     std::vector<std::string> per_chip;
     for (const auto& [chip, bytes] : s.hbm_bytes_per_chip) {
       per_chip.push_back(absl::StrCat(chip, ": ", tpu::FormatBytes(bytes)));
     }
-    std::string command = s.command.size() > 60 ? s.command.substr(0, 57) + "..." : s.command;
+    std::string command =
+        s.command.size() > 60 ? s.command.substr(0, 57) + "..." : s.command;
     table.Row({absl::StrCat(s.id), absl::StrCat(s.pid), UserName(s.uid),
                tpu::FormatBytes(s.hbm_bytes),
                per_chip.empty() ? "-" : absl::StrJoin(per_chip, ", "),
-               s.quota_bytes_per_chip == 0 ? "none" : tpu::FormatBytes(s.quota_bytes_per_chip),
-               absl::StrFormat("%.2fs", s.busy_seconds), absl::StrCat(s.ops_executed), command});
+               s.quota_bytes_per_chip == 0
+                   ? "none"
+                   : tpu::FormatBytes(s.quota_bytes_per_chip),
+               absl::StrFormat("%.2fs", s.busy_seconds),
+               absl::StrCat(s.ops_executed), command});
   }
   table.Print();
 }
@@ -456,12 +504,14 @@ std::string Ago(double unix_seconds) {
 }
 
 void PrintRestart(const tpu::ExecutorRestart& r) {
-  std::printf("  %s: executor %d (pid %d) %s", Ago(r.unix_seconds).c_str(), r.executor, r.pid,
-              r.reason.c_str());
+  std::printf("  %s: executor %d (pid %d) %s", Ago(r.unix_seconds).c_str(),
+              r.executor, r.pid, r.reason.c_str());
   if (r.session_id != 0) {
-    std::printf(" in %s of session %llu (chip %d, stream %d, record %llu); that session was ended",
-                r.op.c_str(), static_cast<unsigned long long>(r.session_id), r.chip, r.stream,
-                static_cast<unsigned long long>(r.sequence));
+    std::printf(
+        " in %s of session %llu (chip %d, stream %d, record %llu); that "
+        "session was ended",
+        r.op.c_str(), static_cast<unsigned long long>(r.session_id), r.chip,
+        r.stream, static_cast<unsigned long long>(r.sequence));
   }
   std::printf("\n");
 }
@@ -480,42 +530,53 @@ int CmdExecutors(tpu::AdminClient& admin, bool json) {
     std::printf("%s\n", w.str().c_str());
     return 0;
   }
-  Table table({"EXECUTOR", "CHIPS", "PID", "STATE", "RESTARTS", "DUTY", "OPS", "BUSY"},
-              "r.r.rrrr");
+  Table table(
+      {"EXECUTOR", "CHIPS", "PID", "STATE", "RESTARTS", "DUTY", "OPS", "BUSY"},
+      "r.r.rrrr");
   for (const tpu::ExecutorInfo& e : st->executors) {
-    table.Row({absl::StrCat(e.index), absl::StrJoin(e.chips, ","), absl::StrCat(e.pid),
-               e.ready ? "ready" : "STARTING", absl::StrCat(e.restarts),
-               absl::StrFormat("%.0f%%", 100 * e.duty_cycle), absl::StrCat(e.ops_executed),
+    table.Row({absl::StrCat(e.index), absl::StrJoin(e.chips, ","),
+               absl::StrCat(e.pid), e.ready ? "ready" : "STARTING",
+               absl::StrCat(e.restarts),
+               absl::StrFormat("%.0f%%", 100 * e.duty_cycle),
+               absl::StrCat(e.ops_executed),
                absl::StrFormat("%.2fs", e.busy_seconds)});
   }
   table.Print();
   // Compiled programs, per chip, where the backend compiles (PJRT).
   bool compiling = false;
-  for (const tpu::ExecutorInfo& e : st->executors) compiling |= !e.compile.empty();
+  for (const tpu::ExecutorInfo& e : st->executors)
+    compiling |= !e.compile.empty();
   if (compiling) {
     std::printf("\n");
-    Table programs({"CHIP", "EXECUTOR", "COMPILES", "COMPILE TIME", "CACHE HITS", "COLLECTIVES", "GRAPHS"}, "rrrrrrr");
+    Table programs({"CHIP", "EXECUTOR", "COMPILES", "COMPILE TIME",
+                    "CACHE HITS", "COLLECTIVES", "GRAPHS"},
+                   "rrrrrrr");
     uint64_t cached = 0, device_bytes = 0;
     for (const tpu::ExecutorInfo& e : st->executors) {
       cached += e.programs_cached;
       device_bytes += e.device_buffer_bytes;
       for (const tpu::ExecutorInfo::Compile& c : e.compile) {
-        programs.Row({absl::StrCat(c.chip), absl::StrCat(e.index), absl::StrCat(c.compiles),
-                      absl::StrFormat("%.3fs", c.compile_seconds), absl::StrCat(c.cache_hits),
-                      absl::StrCat(c.collective_programs), absl::StrCat(c.graph_programs)});
+        programs.Row({absl::StrCat(c.chip), absl::StrCat(e.index),
+                      absl::StrCat(c.compiles),
+                      absl::StrFormat("%.3fs", c.compile_seconds),
+                      absl::StrCat(c.cache_hits),
+                      absl::StrCat(c.collective_programs),
+                      absl::StrCat(c.graph_programs)});
       }
     }
     programs.Print();
-    std::printf("%llu compiled programs cached\n", static_cast<unsigned long long>(cached));
+    std::printf("%llu compiled programs cached\n",
+                static_cast<unsigned long long>(cached));
     if (device_bytes != 0) {
-      std::printf("%s of segments in device buffers\n", tpu::FormatBytes(device_bytes).c_str());
+      std::printf("%s of segments in device buffers\n",
+                  tpu::FormatBytes(device_bytes).c_str());
     }
   }
-  const char* advice = st->wait_advice == "spin"
-                           ? "spin (a core is free for them)"
-                       : st->wait_advice == "yield"
-                           ? "yield, then block (only tpud's parties compete for the cores)"
-                           : "block at once (other threads need the cores)";
+  const char* advice =
+      st->wait_advice == "spin" ? "spin (a core is free for them)"
+      : st->wait_advice == "yield"
+          ? "yield, then block (only tpud's parties compete for the cores)"
+          : "block at once (other threads need the cores)";
   std::printf("\nwaiting parties %s\n", advice);
   if (st->executor_restarts.empty()) {
     std::printf("No executor restarts.\n");
@@ -573,33 +634,43 @@ int CmdStatus(tpu::AdminClient& admin, bool json) {
   const std::string on = st->backend.kind == "pjrt"
                              ? absl::StrCat(" on ", st->backend.description)
                              : (t.simulated ? " (simulated)" : "");
-  std::printf("tpud %s  pid %d  up %s  |  %s%s: %s, %s, %zu chips, %s HBM each\n",
-              st->daemon_version.c_str(), st->daemon_pid, Duration(st->uptime_seconds).c_str(),
-              t.name.c_str(), on.c_str(), t.generation.name.c_str(), t.ShapeString().c_str(),
-              t.chips.size(), tpu::FormatBytes(t.generation.hbm_bytes_per_chip).c_str());
+  std::printf(
+      "tpud %s  pid %d  up %s  |  %s%s: %s, %s, %zu chips, %s HBM each\n",
+      st->daemon_version.c_str(), st->daemon_pid,
+      Duration(st->uptime_seconds).c_str(), t.name.c_str(), on.c_str(),
+      t.generation.name.c_str(), t.ShapeString().c_str(), t.chips.size(),
+      tpu::FormatBytes(t.generation.hbm_bytes_per_chip).c_str());
   std::printf("\n");
   PrintChipTable(t);
   std::printf("\n");
   PrintSessionTable(st->sessions);
   uint64_t ici = 0;
-  for (const tpu::IciLinkInfo& l : t.links) ici += l.bytes_a_to_b + l.bytes_b_to_a;
-  std::printf("\n%llu collective(s) run, %s over ICI links (`tpuctl topology` per link); "
-              "%zu communicator(s) now\n",
-              static_cast<unsigned long long>(st->collectives_run), tpu::FormatBytes(ici).c_str(),
-              st->communicators.size());
+  for (const tpu::IciLinkInfo& l : t.links)
+    ici += l.bytes_a_to_b + l.bytes_b_to_a;
+  std::printf(
+      "\n%llu collective(s) run, %s over ICI links (`tpuctl topology` per "
+      "link); "
+      "%zu communicator(s) now\n",
+      static_cast<unsigned long long>(st->collectives_run),
+      tpu::FormatBytes(ici).c_str(), st->communicators.size());
   for (const tpu::CommunicatorInfo& c : st->communicators) {
-    std::printf("  communicator %llu: %d ranks on chips %s, %llu groups, %s moved%s%s\n",
-                static_cast<unsigned long long>(c.id), c.size, absl::StrJoin(c.chips, ",").c_str(),
-                static_cast<unsigned long long>(c.groups_done),
-                tpu::FormatBytes(c.bytes_moved).c_str(), c.failed ? "; FAILED: " : "",
-                c.failed ? c.failure.c_str() : "");
+    std::printf(
+        "  communicator %llu: %d ranks on chips %s, %llu groups, %s "
+        "moved%s%s\n",
+        static_cast<unsigned long long>(c.id), c.size,
+        absl::StrJoin(c.chips, ",").c_str(),
+        static_cast<unsigned long long>(c.groups_done),
+        tpu::FormatBytes(c.bytes_moved).c_str(), c.failed ? "; FAILED: " : "",
+        c.failed ? c.failure.c_str() : "");
   }
   uint64_t restarts = 0;
   for (const tpu::ExecutorInfo& e : st->executors) restarts += e.restarts;
-  std::printf("\n%zu executor processes, %llu restart(s)%s\n", st->executors.size(),
-              static_cast<unsigned long long>(restarts),
-              restarts == 0 ? "" : "; the last (`tpuctl executors` lists all):");
-  if (!st->executor_restarts.empty()) PrintRestart(st->executor_restarts.back());
+  std::printf(
+      "\n%zu executor processes, %llu restart(s)%s\n", st->executors.size(),
+      static_cast<unsigned long long>(restarts),
+      restarts == 0 ? "" : "; the last (`tpuctl executors` lists all):");
+  if (!st->executor_restarts.empty())
+    PrintRestart(st->executor_restarts.back());
   return 0;
 }
 
@@ -611,15 +682,19 @@ struct Rates {
   std::map<uint64_t, double> session_ops, session_busy;
 };
 
-Rates RatesBetween(const tpu::DaemonStatus* before, const tpu::DaemonStatus& now) {
+Rates RatesBetween(const tpu::DaemonStatus* before,
+                   const tpu::DaemonStatus& now) {
   Rates r;
-  if (before == nullptr || now.uptime_seconds <= before->uptime_seconds) return r;
+  if (before == nullptr || now.uptime_seconds <= before->uptime_seconds)
+    return r;
   r.seconds = now.uptime_seconds - before->uptime_seconds;
   std::map<int, uint64_t> chip_ops;
-  for (const tpu::ChipInfo& c : before->topology.chips) chip_ops[c.id] = c.ops_executed;
+  for (const tpu::ChipInfo& c : before->topology.chips)
+    chip_ops[c.id] = c.ops_executed;
   for (const tpu::ChipInfo& c : now.topology.chips) {
     auto it = chip_ops.find(c.id);
-    if (it != chip_ops.end() && c.ops_executed >= it->second) r.chip_ops[c.id] = (c.ops_executed - it->second) / r.seconds;
+    if (it != chip_ops.end() && c.ops_executed >= it->second)
+      r.chip_ops[c.id] = (c.ops_executed - it->second) / r.seconds;
   }
   std::map<uint64_t, const tpu::SessionInfo*> sessions;
   for (const tpu::SessionInfo& s : before->sessions) sessions[s.id] = &s;
@@ -627,7 +702,8 @@ Rates RatesBetween(const tpu::DaemonStatus* before, const tpu::DaemonStatus& now
     auto it = sessions.find(s.id);
     const uint64_t ops0 = it == sessions.end() ? 0 : it->second->ops_executed;
     const double busy0 = it == sessions.end() ? 0 : it->second->busy_seconds;
-    r.session_ops[s.id] = s.ops_executed >= ops0 ? (s.ops_executed - ops0) / r.seconds : 0;
+    r.session_ops[s.id] =
+        s.ops_executed >= ops0 ? (s.ops_executed - ops0) / r.seconds : 0;
     r.session_busy[s.id] = std::max(0.0, s.busy_seconds - busy0) / r.seconds;
   }
   return r;
@@ -644,28 +720,34 @@ std::string Rate(const std::map<int, double>& m, int k, double seconds) {
 int CmdWatch(tpu::AdminClient& admin, bool json) {
   std::optional<tpu::DaemonStatus> last;
   bool header = false;
-  absl::Status st = admin.Watch(absl::GetFlag(FLAGS_interval), absl::GetFlag(FLAGS_count),
-                                [&](const tpu::DaemonStatus& now) {
-    if (json) {
-      std::printf("%s\n", StatusJson(now).c_str());
-    } else {
-      if (!header) {
-        std::printf("# %9s %5s %10s %5s %5s %8s %8s\n", "uptime_s", "chip", "hbm_used", "hbm%", "duty%",
-                    "ops/s", "sessions");
-        header = true;
-      }
-      const Rates r = RatesBetween(last ? &*last : nullptr, now);
-      for (const tpu::ChipInfo& c : now.topology.chips) {
-        const double pct = c.hbm_total_bytes == 0 ? 0 : 100.0 * c.hbm_used_bytes / c.hbm_total_bytes;
-        std::printf("  %9.1f %5d %10s %5.0f %5.0f %8s %8d\n", now.uptime_seconds, c.id,
-                    tpu::FormatBytes(c.hbm_used_bytes).c_str(), pct, 100 * c.duty_cycle,
-                    Rate(r.chip_ops, c.id, r.seconds).c_str(), c.session_count);
-      }
-    }
-    std::fflush(stdout);
-    last = now;
-    return true;
-  });
+  absl::Status st = admin.Watch(
+      absl::GetFlag(FLAGS_interval), absl::GetFlag(FLAGS_count),
+      [&](const tpu::DaemonStatus& now) {
+        if (json) {
+          std::printf("%s\n", StatusJson(now).c_str());
+        } else {
+          if (!header) {
+            std::printf("# %9s %5s %10s %5s %5s %8s %8s\n", "uptime_s", "chip",
+                        "hbm_used", "hbm%", "duty%", "ops/s", "sessions");
+            header = true;
+          }
+          const Rates r = RatesBetween(last ? &*last : nullptr, now);
+          for (const tpu::ChipInfo& c : now.topology.chips) {
+            const double pct =
+                c.hbm_total_bytes == 0
+                    ? 0
+                    : 100.0 * c.hbm_used_bytes / c.hbm_total_bytes;
+            std::printf(
+                "  %9.1f %5d %10s %5.0f %5.0f %8s %8d\n", now.uptime_seconds,
+                c.id, tpu::FormatBytes(c.hbm_used_bytes).c_str(), pct,
+                100 * c.duty_cycle, Rate(r.chip_ops, c.id, r.seconds).c_str(),
+                c.session_count);
+          }
+        }
+        std::fflush(stdout);
+        last = now;
+        return true;
+      });
   if (!st.ok()) return Error(st);
   return 0;
 }
@@ -676,58 +758,80 @@ int CmdWatch(tpu::AdminClient& admin, bool json) {
 int CmdTop(tpu::AdminClient& admin) {
   std::optional<tpu::DaemonStatus> last;
   const bool tty = isatty(STDOUT_FILENO) != 0;
-  absl::Status st = admin.Watch(absl::GetFlag(FLAGS_interval), absl::GetFlag(FLAGS_count),
-                                [&](const tpu::DaemonStatus& now) {
-    const Rates r = RatesBetween(last ? &*last : nullptr, now);
-    const tpu::TopologyInfo& t = now.topology;
-    std::printf(tty ? "\033[H\033[2J" : "\n");
-    uint64_t used = 0, total = 0;
-    for (const tpu::ChipInfo& c : t.chips) {
-      used += c.hbm_used_bytes;
-      total += c.hbm_total_bytes;
-    }
-    std::printf("tpud %s  up %s  |  %s: %zu chips, HBM %s of %s, %zu session(s)  |  every %.1fs\n\n",
-                now.daemon_version.c_str(), Duration(now.uptime_seconds).c_str(), t.name.c_str(), t.chips.size(),
-                tpu::FormatBytes(used).c_str(), tpu::FormatBytes(total).c_str(), now.sessions.size(),
-                absl::GetFlag(FLAGS_interval));
-    Table chips({"CHIP", "HBM USED", "HBM%", "DUTY", "OPS/S", "SESSIONS", "STATE"}, "rrrrrr.");
-    for (const tpu::ChipInfo& c : t.chips) {
-      const double pct = c.hbm_total_bytes == 0 ? 0 : 100.0 * c.hbm_used_bytes / c.hbm_total_bytes;
-      std::string state = c.healthy ? "healthy" : "UNHEALTHY";
-      if (c.drained) state += ", drained";
-      chips.Row({absl::StrCat(c.id), tpu::FormatBytes(c.hbm_used_bytes), absl::StrFormat("%.0f%%", pct),
-                 absl::StrFormat("%.0f%%", 100 * c.duty_cycle), Rate(r.chip_ops, c.id, r.seconds),
-                 absl::StrCat(c.session_count), state});
-    }
-    chips.Print();
-    std::printf("\n");
-    std::vector<const tpu::SessionInfo*> order;
-    for (const tpu::SessionInfo& s : now.sessions) order.push_back(&s);
-    auto busy = [&](const tpu::SessionInfo* s) {
-      auto it = r.session_busy.find(s->id);
-      return it == r.session_busy.end() ? 0.0 : it->second;
-    };
-    std::stable_sort(order.begin(), order.end(), [&](const tpu::SessionInfo* a, const tpu::SessionInfo* b) {
-      return busy(a) != busy(b) ? busy(a) > busy(b) : a->hbm_bytes > b->hbm_bytes;
-    });
-    if (order.empty()) {
-      std::printf("No sessions.\n");
-    } else {
-      Table sessions({"SESSION", "PID", "USER", "HBM", "BUSY", "OPS/S", "OPS", "COMMAND"}, "rr.rrrr.");
-      for (const tpu::SessionInfo* s : order) {
-        const std::string command = s->command.size() > 50 ? s->command.substr(0, 47) + "..." : s->command;
-        auto ops = r.session_ops.find(s->id);
-        sessions.Row({absl::StrCat(s->id), absl::StrCat(s->pid), UserName(s->uid), tpu::FormatBytes(s->hbm_bytes),
-                      r.seconds == 0 ? "-" : absl::StrFormat("%.0f%%", 100 * busy(s)),
-                      r.seconds == 0 || ops == r.session_ops.end() ? "-" : absl::StrFormat("%.0f", ops->second),
-                      absl::StrCat(s->ops_executed), command});
-      }
-      sessions.Print();
-    }
-    std::fflush(stdout);
-    last = now;
-    return true;
-  });
+  absl::Status st = admin.Watch(
+      absl::GetFlag(FLAGS_interval), absl::GetFlag(FLAGS_count),
+      [&](const tpu::DaemonStatus& now) {
+        const Rates r = RatesBetween(last ? &*last : nullptr, now);
+        const tpu::TopologyInfo& t = now.topology;
+        std::printf(tty ? "\033[H\033[2J" : "\n");
+        uint64_t used = 0, total = 0;
+        for (const tpu::ChipInfo& c : t.chips) {
+          used += c.hbm_used_bytes;
+          total += c.hbm_total_bytes;
+        }
+        std::printf(
+            "tpud %s  up %s  |  %s: %zu chips, HBM %s of %s, %zu session(s)  | "
+            " every %.1fs\n\n",
+            now.daemon_version.c_str(), Duration(now.uptime_seconds).c_str(),
+            t.name.c_str(), t.chips.size(), tpu::FormatBytes(used).c_str(),
+            tpu::FormatBytes(total).c_str(), now.sessions.size(),
+            absl::GetFlag(FLAGS_interval));
+        Table chips(
+            {"CHIP", "HBM USED", "HBM%", "DUTY", "OPS/S", "SESSIONS", "STATE"},
+            "rrrrrr.");
+        for (const tpu::ChipInfo& c : t.chips) {
+          const double pct = c.hbm_total_bytes == 0
+                                 ? 0
+                                 : 100.0 * c.hbm_used_bytes / c.hbm_total_bytes;
+          std::string state = c.healthy ? "healthy" : "UNHEALTHY";
+          if (c.drained) state += ", drained";
+          chips.Row({absl::StrCat(c.id), tpu::FormatBytes(c.hbm_used_bytes),
+                     absl::StrFormat("%.0f%%", pct),
+                     absl::StrFormat("%.0f%%", 100 * c.duty_cycle),
+                     Rate(r.chip_ops, c.id, r.seconds),
+                     absl::StrCat(c.session_count), state});
+        }
+        chips.Print();
+        std::printf("\n");
+        std::vector<const tpu::SessionInfo*> order;
+        for (const tpu::SessionInfo& s : now.sessions) order.push_back(&s);
+        auto busy = [&](const tpu::SessionInfo* s) {
+          auto it = r.session_busy.find(s->id);
+          return it == r.session_busy.end() ? 0.0 : it->second;
+        };
+        std::stable_sort(
+            order.begin(), order.end(),
+            [&](const tpu::SessionInfo* a, const tpu::SessionInfo* b) {
+              return busy(a) != busy(b) ? busy(a) > busy(b)
+                                        : a->hbm_bytes > b->hbm_bytes;
+            });
+        if (order.empty()) {
+          std::printf("No sessions.\n");
+        } else {
+          Table sessions({"SESSION", "PID", "USER", "HBM", "BUSY", "OPS/S",
+                          "OPS", "COMMAND"},
+                         "rr.rrrr.");
+          for (const tpu::SessionInfo* s : order) {
+            const std::string command = s->command.size() > 50
+                                            ? s->command.substr(0, 47) + "..."
+                                            : s->command;
+            auto ops = r.session_ops.find(s->id);
+            sessions.Row({absl::StrCat(s->id), absl::StrCat(s->pid),
+                          UserName(s->uid), tpu::FormatBytes(s->hbm_bytes),
+                          r.seconds == 0
+                              ? "-"
+                              : absl::StrFormat("%.0f%%", 100 * busy(s)),
+                          r.seconds == 0 || ops == r.session_ops.end()
+                              ? "-"
+                              : absl::StrFormat("%.0f", ops->second),
+                          absl::StrCat(s->ops_executed), command});
+          }
+          sessions.Print();
+        }
+        std::fflush(stdout);
+        last = now;
+        return true;
+      });
   if (!st.ok()) return Error(st);
   return 0;
 }
@@ -748,21 +852,27 @@ int CmdTopology(tpu::AdminClient& admin, bool json) {
     return 0;
   }
   const tpu::GenerationInfo& g = t.generation;
-  std::printf("%s%s: generation %s, shape %s (wrap-around: %s)\n", t.name.c_str(),
-              t.simulated ? " (simulated)" : "", g.name.c_str(), t.ShapeString().c_str(),
-              std::any_of(t.wraparound.begin(), t.wraparound.end(), [](bool b) { return b; })
+  std::printf("%s%s: generation %s, shape %s (wrap-around: %s)\n",
+              t.name.c_str(), t.simulated ? " (simulated)" : "", g.name.c_str(),
+              t.ShapeString().c_str(),
+              std::any_of(t.wraparound.begin(), t.wraparound.end(),
+                          [](bool b) { return b; })
                   ? "yes"
                   : "none");
-  std::printf("per chip: %s HBM at %.0f GB/s, ICI %.0f GB/s, %.0f bf16 TFLOP/s, %d TensorCore(s)\n",
-              tpu::FormatBytes(g.hbm_bytes_per_chip).c_str(), g.hbm_bandwidth_gbytes_per_s,
-              g.ici_bandwidth_gbytes_per_s, g.peak_bf16_tflops, g.tensorcores_per_chip);
+  std::printf(
+      "per chip: %s HBM at %.0f GB/s, ICI %.0f GB/s, %.0f bf16 TFLOP/s, %d "
+      "TensorCore(s)\n",
+      tpu::FormatBytes(g.hbm_bytes_per_chip).c_str(),
+      g.hbm_bandwidth_gbytes_per_s, g.ici_bandwidth_gbytes_per_s,
+      g.peak_bf16_tflops, g.tensorcores_per_chip);
   std::printf("\n");
   DrawTorus(t);
   std::printf("\n%-5s %-10s %s\n", "CHIP", "COORDS", "ICI NEIGHBOURS");
   for (const tpu::ChipInfo& c : t.chips) {
-    std::printf("%-5d %-10s %s\n", c.id,
-                absl::StrCat("(", absl::StrJoin(c.coords, ","), ")").c_str(),
-                c.neighbors.empty() ? "-" : absl::StrJoin(c.neighbors, ", ").c_str());
+    std::printf(
+        "%-5d %-10s %s\n", c.id,
+        absl::StrCat("(", absl::StrJoin(c.coords, ","), ")").c_str(),
+        c.neighbors.empty() ? "-" : absl::StrJoin(c.neighbors, ", ").c_str());
   }
   if (!t.links.empty()) {
     std::printf("\n");
@@ -820,7 +930,8 @@ int CmdHealth(tpu::AdminClient& admin, bool json) {
     std::printf("tpud %s: %s\n", h->daemon_version.c_str(),
                 h->serving ? "serving" : "NOT SERVING");
     for (const tpu::ChipHealth& c : h->chips) {
-      std::printf("  chip %d: %s%s (%s)\n", c.chip, c.healthy ? "healthy" : "UNHEALTHY",
+      std::printf("  chip %d: %s%s (%s)\n", c.chip,
+                  c.healthy ? "healthy" : "UNHEALTHY",
                   c.drained ? ", drained" : "", c.detail.c_str());
     }
   }
@@ -828,7 +939,8 @@ int CmdHealth(tpu::AdminClient& admin, bool json) {
 }
 
 int CmdAllocations(tpu::AdminClient& admin, bool json) {
-  absl::StatusOr<std::vector<tpu::AllocationInfo>> all = admin.ListAllocations();
+  absl::StatusOr<std::vector<tpu::AllocationInfo>> all =
+      admin.ListAllocations();
   if (!all.ok()) return Error(all.status());
   if (json) {
     JsonWriter w;
@@ -862,7 +974,9 @@ int CmdAllocations(tpu::AdminClient& admin, bool json) {
     return 0;
   }
   if (all->empty()) {
-    std::printf("no allocations (the Kubernetes device plugin makes one per container)\n");
+    std::printf(
+        "no allocations (the Kubernetes device plugin makes one per "
+        "container)\n");
     return 0;
   }
   Table table({"ID", "CHIPS (QUOTA)", "SESSIONS", "AGE", "NAME"}, "rlrr");
@@ -870,11 +984,13 @@ int CmdAllocations(tpu::AdminClient& admin, bool json) {
   for (const tpu::AllocationInfo& a : *all) {
     std::vector<std::string> chips;
     for (const tpu::AllocationInfo::Chip& c : a.chips) {
-      const std::string quota =
-          c.quota_bytes == 0 ? std::string("no quota") : tpu::FormatBytes(c.quota_bytes);
+      const std::string quota = c.quota_bytes == 0
+                                    ? std::string("no quota")
+                                    : tpu::FormatBytes(c.quota_bytes);
       chips.push_back(absl::StrCat(c.chip, " (", quota, ")"));
     }
-    table.Row({absl::StrCat(a.id), absl::StrJoin(chips, ", "), absl::StrCat(a.session_count),
+    table.Row({absl::StrCat(a.id), absl::StrJoin(chips, ", "),
+               absl::StrCat(a.session_count),
                Duration(now - a.created_unix_seconds), a.name});
   }
   table.Print();
@@ -912,7 +1028,8 @@ int Main(std::vector<std::string> args) {
     if (!ParseUint(args[1], &id)) return Usage();
     absl::StatusOr<uint64_t> bytes = a.KillSession(id);
     if (!bytes.ok()) return Error(bytes.status());
-    std::printf("killed session %llu; reclaimed %s\n", static_cast<unsigned long long>(id),
+    std::printf("killed session %llu; reclaimed %s\n",
+                static_cast<unsigned long long>(id),
                 tpu::FormatBytes(*bytes).c_str());
     return 0;
   }
@@ -921,16 +1038,20 @@ int Main(std::vector<std::string> args) {
     if (args.size() != (to_default ? 2u : 3u)) return Usage();
     absl::StatusOr<uint64_t> size = tpu::ParseBytes(args.back());
     if (!size.ok()) return Error(size.status());
-    std::string shown = *size == 0 ? "none" : tpu::FormatBytes(*size) + " per chip";
+    std::string shown =
+        *size == 0 ? "none" : tpu::FormatBytes(*size) + " per chip";
     if (to_default) {
-      if (absl::Status st = a.SetDefaultQuota(*size); !st.ok()) return Error(st);
+      if (absl::Status st = a.SetDefaultQuota(*size); !st.ok())
+        return Error(st);
       std::printf("default quota for new sessions: %s\n", shown.c_str());
       return 0;
     }
     uint64_t id = 0;
     if (!ParseUint(args[1], &id)) return Usage();
-    if (absl::Status st = a.SetSessionQuota(id, *size); !st.ok()) return Error(st);
-    std::printf("session %llu quota: %s\n", static_cast<unsigned long long>(id), shown.c_str());
+    if (absl::Status st = a.SetSessionQuota(id, *size); !st.ok())
+      return Error(st);
+    std::printf("session %llu quota: %s\n", static_cast<unsigned long long>(id),
+                shown.c_str());
     return 0;
   }
   if ((cmd == "drain" || cmd == "undrain") && args.size() == 2) {
@@ -939,9 +1060,11 @@ int Main(std::vector<std::string> args) {
     absl::Status st = cmd == "drain" ? a.DrainChip(static_cast<int>(chip))
                                      : a.UndrainChip(static_cast<int>(chip));
     if (!st.ok()) return Error(st);
-    std::printf("chip %llu %s\n", static_cast<unsigned long long>(chip),
-                cmd == "drain" ? "drained: new allocations refused, existing ones keep working"
-                               : "undrained");
+    std::printf(
+        "chip %llu %s\n", static_cast<unsigned long long>(chip),
+        cmd == "drain"
+            ? "drained: new allocations refused, existing ones keep working"
+            : "undrained");
     return 0;
   }
   return Usage();
@@ -954,17 +1077,24 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "administer tpud\n"
       "  tpuctl status    [--json]   chips and processes, like nvidia-smi\n"
-      "  tpuctl executors [--json]   executor processes and why any was restarted\n"
-      "  tpuctl topology  [--json]   host shape, chip coordinates, ICI neighbours\n"
+      "  tpuctl executors [--json]   executor processes and why any was "
+      "restarted\n"
+      "  tpuctl topology  [--json]   host shape, chip coordinates, ICI "
+      "neighbours\n"
       "  tpuctl sessions  [--json]   client sessions\n"
-      "  tpuctl programs  [--json]   captured programs (torch.compile) per session: calls, time\n"
+      "  tpuctl programs  [--json]   captured programs (torch.compile) per "
+      "session: calls, time\n"
       "  tpuctl health    [--json]   exit 0 when serving\n"
-      "  tpuctl allocations [--json] chips and quotas set aside per container (device plugin)\n"
-      "  tpuctl top                  live view of chips and sessions (--interval S, --count N)\n"
-      "  tpuctl watch     [--json]   the status every --interval seconds: a line per chip, or\n"
+      "  tpuctl allocations [--json] chips and quotas set aside per container "
+      "(device plugin)\n"
+      "  tpuctl top                  live view of chips and sessions "
+      "(--interval S, --count N)\n"
+      "  tpuctl watch     [--json]   the status every --interval seconds: a "
+      "line per chip, or\n"
       "                              with --json one status document per line\n"
       "  tpuctl kill SESSION         end a session, reclaim its HBM\n"
-      "  tpuctl quota SESSION SIZE   per-chip HBM quota (SIZE e.g. 8GiB, or none)\n"
+      "  tpuctl quota SESSION SIZE   per-chip HBM quota (SIZE e.g. 8GiB, or "
+      "none)\n"
       "  tpuctl quota --default SIZE default quota for new sessions\n"
       "  tpuctl drain CHIP | undrain CHIP\n"
       "flags: --socket, --admin_socket (or TPUD_SOCKET, TPUD_ADMIN_SOCKET)");

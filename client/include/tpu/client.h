@@ -128,7 +128,14 @@ struct Program {
 };
 
 struct OpResult {
-  enum class Kind : uint8_t { kNone = 0, kInt, kDouble, kBool, kComplex, kTensor };
+  enum class Kind : uint8_t {
+    kNone = 0,
+    kInt,
+    kDouble,
+    kBool,
+    kComplex,
+    kTensor
+  };
   Kind kind = Kind::kNone;
   int64_t i = 0;
   double d = 0;
@@ -163,7 +170,8 @@ class Session {
  public:
   // Connects and opens a session. No daemon: UNAVAILABLE naming the socket,
   // the errno text and how to start tpud.
-  static absl::StatusOr<std::unique_ptr<Session>> Open(ClientOptions options = {});
+  static absl::StatusOr<std::unique_ptr<Session>> Open(
+      ClientOptions options = {});
   ~Session();  // closes the session if still open
 
   Session(const Session&) = delete;
@@ -192,18 +200,20 @@ class Session {
   // id once every rank has joined (blocks up to `join_timeout`). An
   // operation waits at most `op_timeout` for its peers; then the
   // communicator fails on every rank, naming the ranks that never came.
-  absl::StatusOr<uint64_t> JoinCommunicator(const std::string& key, int size, int rank,
-                                            int chip,
-                                            absl::Duration op_timeout = absl::Minutes(30),
-                                            absl::Duration join_timeout = absl::Minutes(5));
+  absl::StatusOr<uint64_t> JoinCommunicator(
+      const std::string& key, int size, int rank, int chip,
+      absl::Duration op_timeout = absl::Minutes(30),
+      absl::Duration join_timeout = absl::Minutes(5));
   absl::Status LeaveCommunicator(uint64_t communicator);
   // Enqueues a group of collective (or of point-to-point) operations on
   // `stream` of `chip`, run as one: the stream goes on once the whole group
   // completed with its peers. Errors (mismatched calls across ranks, a peer
   // that died, a timeout) surface at the stream's next synchronisation, on
   // every rank. Returns the record's sequence.
-  absl::StatusOr<uint64_t> EnqueueCollective(int stream, int chip, uint64_t communicator,
-                                             const CollectiveEntry* ops, size_t num_ops);
+  absl::StatusOr<uint64_t> EnqueueCollective(int stream, int chip,
+                                             uint64_t communicator,
+                                             const CollectiveEntry* ops,
+                                             size_t num_ops);
 
   // ---- data plane: op streams over shared memory, CUDA's semantics ----
   // Streams are 0..kNumStreams-1; each runs its work in order, streams run
@@ -218,15 +228,17 @@ class Session {
 
   // Enqueues an op. Returned tensors that are not arguments are written into
   // `outputs` (allocated by the caller). Returns the record's sequence.
-  absl::StatusOr<uint64_t> EnqueueOp(int stream, uint32_t op_id, const OpArg* args,
-                                     size_t num_args, const TensorRef* outputs,
+  absl::StatusOr<uint64_t> EnqueueOp(int stream, uint32_t op_id,
+                                     const OpArg* args, size_t num_args,
+                                     const TensorRef* outputs,
                                      size_t num_outputs);
 
   // Runs an op after the stream's earlier work and waits for its values:
   // scalars, and tensors whose shape depends on data (those come back in
   // new segments of this session). One round trip through shared memory.
   absl::StatusOr<std::vector<OpResult>> RunSync(int stream, uint32_t op_id,
-                                                const OpArg* args, size_t num_args,
+                                                const OpArg* args,
+                                                size_t num_args,
                                                 const TensorRef* outputs,
                                                 size_t num_outputs);
 
@@ -234,13 +246,15 @@ class Session {
   // daemon and asynchronous: keep `src` unchanged until the stream
   // synchronises. From pageable memory it goes through staging, chunked and
   // pipelined, and returns once `src` may be reused.
-  absl::Status CopyToDevice(int stream, uint64_t dst_address, const void* src, uint64_t bytes);
+  absl::Status CopyToDevice(int stream, uint64_t dst_address, const void* src,
+                            uint64_t bytes);
   // Device to host; returns when the data is in `dst` (after the stream's
   // earlier work).
-  absl::Status CopyToHost(int stream, void* dst, uint64_t src_address, uint64_t bytes);
+  absl::Status CopyToHost(int stream, void* dst, uint64_t src_address,
+                          uint64_t bytes);
   // Device to device, same chip or across chips; asynchronous.
-  absl::Status CopyOnDevice(int stream, uint64_t dst_address, uint64_t src_address,
-                            uint64_t bytes);
+  absl::Status CopyOnDevice(int stream, uint64_t dst_address,
+                            uint64_t src_address, uint64_t bytes);
 
   // Pinned host memory: part of the session's shared memory, so a copy from
   // or to it is a single memcpy in the daemon.
@@ -290,8 +304,9 @@ class Session {
   // sequence. An op's failure stops the run, poisons what the rest would
   // have written, and surfaces at the stream's next synchronisation naming
   // the program and the op.
-  absl::StatusOr<uint64_t> RunProgram(int stream, const Program& program,
-                                      const std::vector<ProgramBinding>& bindings, uint64_t seed);
+  absl::StatusOr<uint64_t> RunProgram(
+      int stream, const Program& program,
+      const std::vector<ProgramBinding>& bindings, uint64_t seed);
   // Frees the program's shared memory. REQUIRES: no run of it is queued.
   absl::Status ReleaseProgram(const Program& program);
 
@@ -352,7 +367,8 @@ struct ExecutorInfo {
   };
   std::vector<Compile> compile;
   uint64_t programs_cached = 0;
-  uint64_t device_buffer_bytes = 0;  // held in device buffers (PJRT device memory)
+  uint64_t device_buffer_bytes =
+      0;  // held in device buffers (PJRT device memory)
 };
 
 // One replacement of an executor: why, and whose op was running.
@@ -373,9 +389,9 @@ struct ExecutorRestart {
 struct CommunicatorInfo {
   uint64_t id = 0;
   int size = 0;
-  std::vector<int> chips;         // by rank
-  std::vector<uint64_t> sessions; // by rank
-  std::vector<int> ring;          // ranks in ring order
+  std::vector<int> chips;          // by rank
+  std::vector<uint64_t> sessions;  // by rank
+  std::vector<int> ring;           // ranks in ring order
   bool failed = false;
   std::string failure;
   uint64_t groups_done = 0;
@@ -384,8 +400,9 @@ struct CommunicatorInfo {
 
 // What runs the daemon's ops (tpud --backend).
 struct BackendInfo {
-  std::string kind;         // "simulated" or "pjrt"
-  std::string description;  // "PJRT (xla_cpu_pjrt.so: PJRT API 0.81, platform cpu)"
+  std::string kind;  // "simulated" or "pjrt"
+  std::string
+      description;  // "PJRT (xla_cpu_pjrt.so: PJRT API 0.81, platform cpu)"
   std::string plugin_path;
   std::string pjrt_api_version;  // "0.81"
   std::string platform;
@@ -444,7 +461,8 @@ class AdminClient {
  public:
   // Empty path: $TPUD_ADMIN_SOCKET, else the default.
   static absl::StatusOr<std::unique_ptr<AdminClient>> Connect(
-      std::string admin_socket_path = "", absl::Duration call_timeout = absl::Seconds(30));
+      std::string admin_socket_path = "",
+      absl::Duration call_timeout = absl::Seconds(30));
   ~AdminClient();
 
   absl::StatusOr<DaemonStatus> GetStatus();
@@ -457,7 +475,8 @@ class AdminClient {
   // Ends a session and reclaims its HBM; returns the bytes reclaimed.
   absl::StatusOr<uint64_t> KillSession(uint64_t session_id);
   // Per-chip quota for one session; 0 removes it.
-  absl::Status SetSessionQuota(uint64_t session_id, uint64_t quota_bytes_per_chip);
+  absl::Status SetSessionQuota(uint64_t session_id,
+                               uint64_t quota_bytes_per_chip);
   // Per-chip quota for sessions opened from now on; 0 removes it.
   absl::Status SetDefaultQuota(uint64_t quota_bytes_per_chip);
   absl::Status DrainChip(int chip);
@@ -465,9 +484,9 @@ class AdminClient {
   absl::StatusOr<HealthReport> Health();
   // Sets `chips` aside with a quota per chip (one entry per chip; 0: none)
   // under a new token, which sessions present (TPUD_TOKEN).
-  absl::StatusOr<CreatedAllocation> CreateAllocation(const std::vector<int>& chips,
-                                                     const std::vector<uint64_t>& quota_bytes,
-                                                     const std::string& name);
+  absl::StatusOr<CreatedAllocation> CreateAllocation(
+      const std::vector<int>& chips, const std::vector<uint64_t>& quota_bytes,
+      const std::string& name);
   absl::Status ReleaseAllocation(const std::string& token);
   absl::StatusOr<std::vector<AllocationInfo>> ListAllocations();
 

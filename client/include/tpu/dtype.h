@@ -79,26 +79,46 @@ constexpr int ElementSizeOf(DType t) {
 // "an unknown dtype" for a code tpud does not carry.
 constexpr const char* DTypeName(DType t) {
   switch (t) {
-    case DType::kUInt8: return "uint8";
-    case DType::kInt8: return "int8";
-    case DType::kInt16: return "int16";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-    case DType::kHalf: return "float16";
-    case DType::kFloat: return "float32";
-    case DType::kDouble: return "float64";
-    case DType::kComplexHalf: return "complex32";
-    case DType::kComplexFloat: return "complex64";
-    case DType::kComplexDouble: return "complex128";
-    case DType::kBool: return "bool";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kFloat8E5M2: return "float8_e5m2";
-    case DType::kFloat8E4M3FN: return "float8_e4m3fn";
-    case DType::kFloat8E5M2FNUZ: return "float8_e5m2fnuz";
-    case DType::kFloat8E4M3FNUZ: return "float8_e4m3fnuz";
-    case DType::kUInt16: return "uint16";
-    case DType::kUInt32: return "uint32";
-    case DType::kUInt64: return "uint64";
+    case DType::kUInt8:
+      return "uint8";
+    case DType::kInt8:
+      return "int8";
+    case DType::kInt16:
+      return "int16";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+    case DType::kHalf:
+      return "float16";
+    case DType::kFloat:
+      return "float32";
+    case DType::kDouble:
+      return "float64";
+    case DType::kComplexHalf:
+      return "complex32";
+    case DType::kComplexFloat:
+      return "complex64";
+    case DType::kComplexDouble:
+      return "complex128";
+    case DType::kBool:
+      return "bool";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat8E5M2:
+      return "float8_e5m2";
+    case DType::kFloat8E4M3FN:
+      return "float8_e4m3fn";
+    case DType::kFloat8E5M2FNUZ:
+      return "float8_e5m2fnuz";
+    case DType::kFloat8E4M3FNUZ:
+      return "float8_e4m3fnuz";
+    case DType::kUInt16:
+      return "uint16";
+    case DType::kUInt32:
+      return "uint32";
+    case DType::kUInt64:
+      return "uint64";
   }
   return "an unknown dtype";
 }
@@ -120,7 +140,8 @@ constexpr bool IsFloating(DType t) {
 }
 
 constexpr bool IsComplex(DType t) {
-  return t == DType::kComplexHalf || t == DType::kComplexFloat || t == DType::kComplexDouble;
+  return t == DType::kComplexHalf || t == DType::kComplexFloat ||
+         t == DType::kComplexDouble;
 }
 
 // Integral types, bool included (as c10's isIntegralType(t, true)).
@@ -176,7 +197,7 @@ inline float BFloat16ToFloat(uint16_t bits) {
 inline uint16_t FloatToBFloat16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
-  if (f != f) return 0x7fc0;             // NaN stays a quiet NaN
+  if (f != f) return 0x7fc0;            // NaN stays a quiet NaN
   bits += 0x7fff + ((bits >> 16) & 1);  // round to nearest even
   return static_cast<uint16_t>(bits >> 16);
 }

@@ -6,8 +6,8 @@
 //
 //   kDefineOp   u32 op_id, u32 schema_len, schema bytes
 //               Interns a full operator schema string, e.g.
-//               "aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor"
-//               under op_id for the rest of the session.
+//               "aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1)
+//               -> Tensor" under op_id for the rest of the session.
 //   kOp         u32 op_id, u16 num_args, u16 num_outputs, u32 flags,
 //               num_args x Arg, num_outputs x TensorRef
 //               Runs the op. Each returned tensor i that is not already one of
@@ -16,7 +16,8 @@
 //               area (see shm_layout.h), for ops the host waits on.
 //   kCopy       u8 kind (CopyKind), 7 pad, u64 src, u64 dst, u64 bytes
 //               Host addresses are offsets into the session's shared memory
-//               (staging area or pinned pool); device ones are device addresses.
+//               (staging area or pinned pool); device ones are device
+//               addresses.
 //   kEventRecord u32 event_slot, 4 pad
 //   kEventWait   u32 event_slot, u32 stream, u64 sequence
 //               Holds this stream until `stream` has completed `sequence`.
@@ -44,9 +45,9 @@
 // i8 dtype, u8 pad, i32 root or peer rank, u64 count (elements), u64 send
 // address, u64 recv address (device addresses of dense buffers; 0 where the
 // kind has no such buffer), u64 pair sequence (send and recv: the n-th, from
-// 0, between this rank and `peer` in that direction; else 0), u32 n_splits (0, or the communicator's size for
-// all_to_all), u32 pad, n_splits x i64 send counts, n_splits x i64 recv
-// counts.
+// 0, between this rank and `peer` in that direction; else 0), u32 n_splits (0,
+// or the communicator's size for all_to_all), u32 pad, n_splits x i64 send
+// counts, n_splits x i64 recv counts.
 //
 // An Arg is a u8 tag (ArgTag) followed by its payload:
 //   kNone                      -
@@ -137,12 +138,13 @@ enum class CollectiveKind : uint8_t {
   kReduce = 3,         // every send: count -> root's recv: count
   kAllGather = 4,      // send: count, recv: n * count, rank order
   kReduceScatter = 5,  // send: n * count, recv: count (rank r gets block r)
-  kAllToAll = 6,       // send: sum(send_counts) (block j to rank j), recv: sum(recv_counts)
-  kGather = 7,         // send: count -> root's recv: n * count
-  kScatter = 8,        // root's send: n * count -> recv: count
-  kBarrier = 9,        // nothing moves
-  kSend = 10,          // send: count to rank `peer`
-  kRecv = 11,          // recv: count from rank `peer`
+  kAllToAll =
+      6,  // send: sum(send_counts) (block j to rank j), recv: sum(recv_counts)
+  kGather = 7,   // send: count -> root's recv: n * count
+  kScatter = 8,  // root's send: n * count -> recv: count
+  kBarrier = 9,  // nothing moves
+  kSend = 10,    // send: count to rank `peer`
+  kRecv = 11,    // recv: count from rank `peer`
   kLast = kRecv,
 };
 
@@ -159,10 +161,11 @@ inline constexpr uint32_t kMaxGroupOps = 64;
 inline constexpr uint32_t kMaxCommRanks = 64;
 
 struct RecordHeader {
-  uint32_t length;   // whole record including this header, multiple of 8
-  uint16_t kind;     // RecordKind
+  uint32_t length;  // whole record including this header, multiple of 8
+  uint16_t kind;    // RecordKind
   uint16_t reserved;
-  uint64_t sequence; // 1, 2, 3, ... per stream; completion counters count these
+  uint64_t
+      sequence;  // 1, 2, 3, ... per stream; completion counters count these
 };
 static_assert(sizeof(RecordHeader) == 16, "wire format");
 
@@ -219,19 +222,20 @@ struct TensorRef {
 
 struct OpArg {
   ArgTag tag = ArgTag::kNone;
-  int64_t i = 0;             // kInt, kSymInt, kScalarInt, kDtype, kLayout, kMemoryFormat, kDevice type
+  int64_t i = 0;  // kInt, kSymInt, kScalarInt, kDtype, kLayout, kMemoryFormat,
+                  // kDevice type
   int64_t device_index = 0;  // kDevice
   double d = 0;              // kDouble, kScalarDouble, kComplex real
   double d_imag = 0;         // kComplex imag
-  bool b = false;            // kBool, kScalarBool, kScalarTensor: wrapped number
-  int8_t dtype = 0;          // kScalarTensor
-  TensorRef tensor;          // kTensor
-  std::string s;             // kString
+  bool b = false;    // kBool, kScalarBool, kScalarTensor: wrapped number
+  int8_t dtype = 0;  // kScalarTensor
+  TensorRef tensor;  // kTensor
+  std::string s;     // kString
   std::vector<int64_t> ints;
   std::vector<double> doubles;
   std::vector<bool> bools;
-  std::vector<TensorRef> tensors;     // kTensorList, kOptionalTensorList
-  std::vector<bool> tensor_present;   // kOptionalTensorList
+  std::vector<TensorRef> tensors;    // kTensorList, kOptionalTensorList
+  std::vector<bool> tensor_present;  // kOptionalTensorList
 };
 
 // Bytes per element of a wire dtype code (tpu/dtype.h); 0 for codes tpud
@@ -271,15 +275,15 @@ struct DecodedDefineOp {
 struct DecodedOp {
   uint32_t op_id = 0;
   uint32_t flags = 0;
-  std::vector<OpArg> args;       // reused between decodes
+  std::vector<OpArg> args;  // reused between decodes
   std::vector<TensorRef> outputs;
-  size_t num_args = 0;           // args[0, num_args) are valid
+  size_t num_args = 0;  // args[0, num_args) are valid
 };
 
 struct ProgramBinding {
   uint64_t from = 0;  // device address range as captured
   uint64_t bytes = 0;
-  uint64_t to = 0;    // where it lies in this run
+  uint64_t to = 0;  // where it lies in this run
 };
 
 struct DecodedRunProgram {
@@ -301,7 +305,8 @@ struct CollectiveEntry {
   CollectiveKind kind = CollectiveKind::kBarrier;
   ReduceOp reduce = ReduceOp::kSum;
   int8_t dtype = 0;
-  int32_t peer = 0;  // root (broadcast, reduce, gather, scatter) or peer (send, recv)
+  int32_t peer =
+      0;  // root (broadcast, reduce, gather, scatter) or peer (send, recv)
   uint64_t count = 0;
   uint64_t send = 0;  // device addresses
   uint64_t recv = 0;

@@ -53,7 +53,9 @@ inline constexpr int kMaxEvents = 1024;
 inline constexpr uint32_t kErrorMessageBytes = 2048;
 inline constexpr int kMaxResults = 16;
 
-constexpr int RingIndex(int chip, int stream) { return chip * kStreamsPerChip + stream; }
+constexpr int RingIndex(int chip, int stream) {
+  return chip * kStreamsPerChip + stream;
+}
 constexpr int RingChip(int ring) { return ring / kStreamsPerChip; }
 constexpr int RingStream(int ring) { return ring % kStreamsPerChip; }
 
@@ -63,7 +65,7 @@ struct ShmHeader {
   uint32_t layout_version;  // kDataPlaneVersion
   uint32_t num_chips;
   uint32_t streams_per_chip;
-  uint32_t num_rings;       // num_chips * streams_per_chip
+  uint32_t num_rings;  // num_chips * streams_per_chip
   uint64_t total_bytes;
   uint64_t hints_offset;
   uint64_t rings_control_offset;
@@ -113,20 +115,22 @@ struct ShmResult {
 
 struct alignas(64) RingControl {
   // Producer (client) side.
-  alignas(64) std::atomic<uint64_t> tail;       // bytes ever published
-  std::atomic<uint64_t> submitted;              // last sequence published
-  std::atomic<uint32_t> producer_waiting;       // a producer sleeps on head_futex
-  std::atomic<uint64_t> wanted_head;            // ... until head reaches this
+  alignas(64) std::atomic<uint64_t> tail;  // bytes ever published
+  std::atomic<uint64_t> submitted;         // last sequence published
+  std::atomic<uint32_t> producer_waiting;  // a producer sleeps on head_futex
+  std::atomic<uint64_t> wanted_head;       // ... until head reaches this
   // Consumer (executor) side.
-  alignas(64) std::atomic<uint64_t> head;       // bytes ever consumed
-  std::atomic<uint32_t> consumer_sleeping;      // ring the doorbell after publishing
-  std::atomic<uint32_t> sleep_epoch;            // bumped each time the flag is set
-  std::atomic<uint32_t> head_futex;             // bumped when head moves and a producer waits
+  alignas(64) std::atomic<uint64_t> head;  // bytes ever consumed
+  std::atomic<uint32_t>
+      consumer_sleeping;              // ring the doorbell after publishing
+  std::atomic<uint32_t> sleep_epoch;  // bumped each time the flag is set
+  std::atomic<uint32_t>
+      head_futex;  // bumped when head moves and a producer waits
   // Completion.
   alignas(64) std::atomic<uint64_t> completed;  // last sequence done
-  std::atomic<uint32_t> completion_futex;       // futex word, bumped on progress
-  std::atomic<uint32_t> waiters;                // clients sleeping on it
-  std::atomic<uint64_t> wake_at;                // the least sequence one of them waits for
+  std::atomic<uint32_t> completion_futex;  // futex word, bumped on progress
+  std::atomic<uint32_t> waiters;           // clients sleeping on it
+  std::atomic<uint64_t> wake_at;  // the least sequence one of them waits for
   // Sticky error of this ring: the first failure since the client last
   // cleared it. error_sequence != 0 means set; the daemon writes the rest
   // before publishing error_sequence.
@@ -134,8 +138,8 @@ struct alignas(64) RingControl {
   // Set when the ring can make no more progress (a malformed record, the
   // session ending): waiters stop waiting and report error_message.
   std::atomic<uint32_t> dead;
-  uint32_t error_code;  // absl::StatusCode
-  uint32_t error_count; // failures since cleared
+  uint32_t error_code;   // absl::StatusCode
+  uint32_t error_count;  // failures since cleared
   char error_message[kErrorMessageBytes];
   // Response of the last synchronous op (valid once completed >= its
   // sequence).
@@ -147,8 +151,9 @@ struct alignas(64) RingControl {
 };
 
 struct alignas(16) EventSlot {
-  std::atomic<uint64_t> sequence;     // ring sequence the event waits for
-  std::atomic<uint64_t> completed_ns; // CLOCK_MONOTONIC when it completed; 0 pending
+  std::atomic<uint64_t> sequence;  // ring sequence the event waits for
+  std::atomic<uint64_t>
+      completed_ns;  // CLOCK_MONOTONIC when it completed; 0 pending
 };
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared atomics");
@@ -156,14 +161,18 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared atomics");
 
 inline ShmHeader* HeaderOf(void* base) { return static_cast<ShmHeader*>(base); }
 inline DaemonHints* HintsOf(void* base, const ShmHeader& h) {
-  return reinterpret_cast<DaemonHints*>(static_cast<char*>(base) + h.hints_offset);
+  return reinterpret_cast<DaemonHints*>(static_cast<char*>(base) +
+                                        h.hints_offset);
 }
 inline RingControl* RingControlOf(void* base, const ShmHeader& h, int ring) {
-  return reinterpret_cast<RingControl*>(static_cast<char*>(base) + h.rings_control_offset) +
+  return reinterpret_cast<RingControl*>(static_cast<char*>(base) +
+                                        h.rings_control_offset) +
          ring;
 }
 inline EventSlot* EventOf(void* base, const ShmHeader& h, int event) {
-  return reinterpret_cast<EventSlot*>(static_cast<char*>(base) + h.events_offset) + event;
+  return reinterpret_cast<EventSlot*>(static_cast<char*>(base) +
+                                      h.events_offset) +
+         event;
 }
 inline char* RingOf(void* base, const ShmHeader& h, int ring) {
   return static_cast<char*>(base) + h.rings_offset + h.ring_bytes * ring;
@@ -179,8 +188,10 @@ inline char* RingOf(void* base, const ShmHeader& h, int ring) {
 // client of another version is told so by name, whatever else changed; the
 // reply's layout is the same in every version.
 inline constexpr char kDataPlaneMagicPrefix[6] = {'T', 'P', 'U', 'D', 'D', 'P'};
-inline constexpr char kDataPlaneMagic[8] = {'T', 'P', 'U', 'D', 'D', 'P', '0', '3'};
-static_assert((kDataPlaneMagic[6] - '0') * 10 + (kDataPlaneMagic[7] - '0') == kDataPlaneVersion,
+inline constexpr char kDataPlaneMagic[8] = {'T', 'P', 'U', 'D',
+                                            'D', 'P', '0', '3'};
+static_assert((kDataPlaneMagic[6] - '0') * 10 + (kDataPlaneMagic[7] - '0') ==
+                  kDataPlaneVersion,
               "the hello's magic names kDataPlaneVersion");
 
 struct DataPlaneHello {
@@ -191,7 +202,7 @@ struct DataPlaneHello {
 };
 
 struct DataPlaneReply {
-  uint32_t code;  // absl::StatusCode
+  uint32_t code;            // absl::StatusCode
   uint32_t daemon_version;  // the daemon's kDataPlaneVersion
   uint64_t shm_bytes;
   char message[496];
@@ -202,7 +213,8 @@ int DataPlaneVersionOf(const char magic[8]);
 
 // Futex helpers on shared (not process-private) words.
 // Sleeps while *word == expected, at most timeout_ns (<= 0: no timeout).
-void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ns);
+void FutexWait(std::atomic<uint32_t>* word, uint32_t expected,
+               int64_t timeout_ns);
 void FutexWakeAll(std::atomic<uint32_t>* word);
 
 uint64_t MonotonicNanos();

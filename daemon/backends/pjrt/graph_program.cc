@@ -1,7 +1,5 @@
 // Graph modules (device memory): a captured graph's ops as one StableHLO
 // module, compiled once per signature of the whole graph.
-#include "daemon/backends/pjrt/pjrt_chip.h"
-
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -22,8 +20,9 @@
 #include "daemon/backends/pjrt/lowering/helpers.h"
 #include "daemon/backends/pjrt/lowering/lowering.h"
 #include "daemon/backends/pjrt/lowering/registry.h"
-#include "daemon/backends/pjrt/plan.h"
+#include "daemon/backends/pjrt/pjrt_chip.h"
 #include "daemon/backends/pjrt/pjrt_op.h"
+#include "daemon/backends/pjrt/plan.h"
 
 namespace tpud::pjrt {
 
@@ -35,8 +34,9 @@ namespace tpud::pjrt {
 struct PjrtChip::Graph {
   std::shared_ptr<const Executable> exe;  // null: it did not compile, for `why`
   std::string why;
-  std::vector<std::pair<size_t, size_t>> segs;  // each parameter segment: op i's segment j
-  std::vector<int> result_of;                   // each segment's result (-1: read only)
+  std::vector<std::pair<size_t, size_t>>
+      segs;                    // each parameter segment: op i's segment j
+  std::vector<int> result_of;  // each segment's result (-1: read only)
   int written = 0;
   bool checked = false;
 };
@@ -52,32 +52,44 @@ struct OpFunction {
   std::string text;
 };
 
-absl::StatusOr<OpFunction> AsFunction(const std::string& program, const std::string& name) {
-  static const std::string kHead = "module @tpud_op {\n  func.func public @main(";
+absl::StatusOr<OpFunction> AsFunction(const std::string& program,
+                                      const std::string& name) {
+  static const std::string kHead =
+      "module @tpud_op {\n  func.func public @main(";
   static const std::string kArrow = ") -> (";
   static const std::string kOpen = ") {\n";
   static const std::string kAlias = " {tf.aliasing_output = ";
   if (!absl::StartsWith(program, kHead) || !absl::EndsWith(program, "\n}\n")) {
-    return absl::InternalError("an op's program is not of the form a graph composes");
+    return absl::InternalError(
+        "an op's program is not of the form a graph composes");
   }
   const size_t params_at = kHead.size();
   const size_t arrow = program.find(kArrow, params_at);
-  const size_t open = arrow == std::string::npos ? arrow : program.find(kOpen, arrow);
-  if (open == std::string::npos) return absl::InternalError("an op's program without a signature");
+  const size_t open =
+      arrow == std::string::npos ? arrow : program.find(kOpen, arrow);
+  if (open == std::string::npos)
+    return absl::InternalError("an op's program without a signature");
   OpFunction f;
   std::string header;
-  for (absl::string_view p : absl::StrSplit(absl::string_view(program).substr(params_at, arrow - params_at), ", ")) {
+  for (absl::string_view p : absl::StrSplit(
+           absl::string_view(program).substr(params_at, arrow - params_at),
+           ", ")) {
     std::string param(p);
     if (size_t a = param.find(kAlias); a != std::string::npos) param.erase(a);
     const size_t colon = param.find(": ");
-    if (colon == std::string::npos) return absl::InternalError("an op's program with an untyped parameter");
+    if (colon == std::string::npos)
+      return absl::InternalError("an op's program with an untyped parameter");
     f.params.push_back(param.substr(colon + 2));
     absl::StrAppend(&header, header.empty() ? "" : ", ", param);
   }
-  for (absl::string_view r : absl::StrSplit(absl::string_view(program).substr(arrow + kArrow.size(), open - arrow - kArrow.size()), ", ")) {
+  for (absl::string_view r :
+       absl::StrSplit(absl::string_view(program).substr(
+                          arrow + kArrow.size(), open - arrow - kArrow.size()),
+                      ", ")) {
     f.results.emplace_back(r);
   }
-  f.text = absl::StrCat("  func.func private @", name, "(", header, program.substr(arrow, program.size() - arrow - 2));
+  f.text = absl::StrCat("  func.func private @", name, "(", header,
+                        program.substr(arrow, program.size() - arrow - 2));
   return f;
 }
 
@@ -85,13 +97,16 @@ absl::StatusOr<OpFunction> AsFunction(const std::string& program, const std::str
 
 // A copy between device addresses of one graph, as an op's plan: its bytes
 // sliced out of the source segment and written into the destination's.
-absl::StatusOr<PjrtChip::OpPlan> PjrtChip::CopyPlan(const tpu::DecodedCopy& copy,
-                                                   const std::vector<ResolvedTensor>& ends) {
-  if (ends.size() != 2) return absl::InternalError("a copy without its two segments");
+absl::StatusOr<PjrtChip::OpPlan> PjrtChip::CopyPlan(
+    const tpu::DecodedCopy& copy, const std::vector<ResolvedTensor>& ends) {
+  if (ends.size() != 2)
+    return absl::InternalError("a copy without its two segments");
   const ResolvedTensor& src = ends[0];
   const ResolvedTensor& dst = ends[1];
-  if (copy.src < src.segment_address || copy.src - src.segment_address > src.segment_bytes ||
-      copy.bytes > src.segment_bytes - (copy.src - src.segment_address) || copy.dst < dst.segment_address ||
+  if (copy.src < src.segment_address ||
+      copy.src - src.segment_address > src.segment_bytes ||
+      copy.bytes > src.segment_bytes - (copy.src - src.segment_address) ||
+      copy.dst < dst.segment_address ||
       copy.dst - dst.segment_address > dst.segment_bytes ||
       copy.bytes > dst.segment_bytes - (copy.dst - dst.segment_address)) {
     return absl::InvalidArgumentError("a copy reaches past its segments");
@@ -116,31 +131,43 @@ absl::StatusOr<PjrtChip::OpPlan> PjrtChip::CopyPlan(const tpu::DecodedCopy& copy
     plan->segs.push_back({1, 0});
   }
   // (Where it reads and writes are parameters, as an op's offsets are.)
-  const std::string params = same ? absl::StrCat("%s0: ", dt, " {tf.aliasing_output = 0 : i32}")
-                                  : absl::StrCat("%s0: ", st, ", %s1: ", dt, " {tf.aliasing_output = 0 : i32}");
+  const std::string params =
+      same ? absl::StrCat("%s0: ", dt, " {tf.aliasing_output = 0 : i32}")
+           : absl::StrCat("%s0: ", st, ", %s1: ", dt,
+                          " {tf.aliasing_output = 0 : i32}");
   plan->text = absl::StrCat(
-      "module @tpud_op {\n  func.func public @main(", params, ", %from: tensor<i64>, %to: tensor<i64>) -> (", dt,
-      ") {\n",
-      "    %0 = stablehlo.dynamic_slice ", s, ", %from, sizes = [", n, "] : (", st, ", tensor<i64>) -> ", nt, "\n",
-      "    %1 = stablehlo.dynamic_update_slice ", d, ", %0, %to : (", dt, ", ", nt, ", tensor<i64>) -> ", dt, "\n",
-      "    return %1 : ", dt, "\n  }\n}\n");
+      "module @tpud_op {\n  func.func public @main(", params,
+      ", %from: tensor<i64>, %to: tensor<i64>) -> (", dt, ") {\n",
+      "    %0 = stablehlo.dynamic_slice ", s, ", %from, sizes = [", n, "] : (",
+      st, ", tensor<i64>) -> ", nt, "\n",
+      "    %1 = stablehlo.dynamic_update_slice ", d, ", %0, %to : (", dt, ", ",
+      nt, ", tensor<i64>) -> ", dt, "\n", "    return %1 : ", dt, "\n  }\n}\n");
   OpPlan op_plan;
-  op_plan.key = absl::StrCat("copy ", src.segment_bytes, " ", dst.segment_bytes, " ", n, " ", same);
+  op_plan.key = absl::StrCat("copy ", src.segment_bytes, " ", dst.segment_bytes,
+                             " ", n, " ", same);
   op_plan.offsets = {from, to};
   op_plan.plan = std::move(plan);
   return op_plan;
 }
 
-absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, size_t* failed,
+absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
+                                          size_t* failed,
                                           std::string* declined) {
   *failed = 0;
   auto decline = [&](size_t i, const std::string& why) {
-    *declined = i < ops.size() ? absl::StrCat("record ", i + 1, " (", ops[i].op == nullptr ? std::string("copy")
-                                              : static_cast<const PjrtOp&>(*ops[i].op).name(), "): ", why)
-                               : why;
+    *declined =
+        i < ops.size()
+            ? absl::StrCat("record ", i + 1, " (",
+                           ops[i].op == nullptr
+                               ? std::string("copy")
+                               : static_cast<const PjrtOp&>(*ops[i].op).name(),
+                           "): ", why)
+            : why;
     return false;
   };
-  if (!device_memory_) return decline(ops.size(), "segments are not in device memory (--pjrt_memory=host)");
+  if (!device_memory_)
+    return decline(ops.size(),
+                   "segments are not in device memory (--pjrt_memory=host)");
   if (!graphs_on_) return decline(ops.size(), "--pjrt_graphs=false");
   if (ops.empty()) return decline(0, "no ops");
   // Each op's plan and signature, lowered where not seen before (not
@@ -158,28 +185,36 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, siz
       plans[i] = *std::move(copy);
       continue;
     }
-    absl::Status st = PlanOp(*ops[i].op, *ops[i].decoded, *ops[i].tensors, &plans[i]);
-    if (!st.ok()) return decline(i, std::string(st.message()));  // run one by one, the op reports it
+    absl::Status st =
+        PlanOp(*ops[i].op, *ops[i].decoded, *ops[i].tensors, &plans[i]);
+    if (!st.ok())
+      return decline(
+          i, std::string(st.message()));  // run one by one, the op reports it
     if (plans[i].nothing) continue;
-    if (plans[i].plan == nullptr || !plans[i].plan->device || plans[i].plan->text.empty()) {
+    if (plans[i].plan == nullptr || !plans[i].plan->device ||
+        plans[i].plan->text.empty()) {
       return decline(i, "read on the host or sized by the data");
     }
   }
   int device = -1;
   std::string key;
   std::vector<uint64_t> seg_address;
-  std::vector<std::vector<int>> seg_of(ops.size());  // op i's segment j: the graph's
+  std::vector<std::vector<int>> seg_of(
+      ops.size());  // op i's segment j: the graph's
   for (size_t i = 0; i < ops.size(); ++i) {
     const OpPlan& pr = plans[i];
     if (pr.nothing) continue;
     const Plan& plan = *pr.plan;
-    if (device >= 0 && plan.on_device != device) return decline(i, "on another device");
+    if (device >= 0 && plan.on_device != device)
+      return decline(i, "on another device");
     device = plan.on_device;
     absl::StrAppend(&key, i, ":", pr.key.size(), ":");
     key.append(pr.key);
     for (const Plan::Seg& sg : plan.segs) {
       const ResolvedTensor& rt = (*ops[i].tensors)[sg.k];
-      size_t g = std::find(seg_address.begin(), seg_address.end(), rt.segment_address) - seg_address.begin();
+      size_t g = std::find(seg_address.begin(), seg_address.end(),
+                           rt.segment_address) -
+                 seg_address.begin();
       if (g == seg_address.size()) seg_address.push_back(rt.segment_address);
       seg_of[i].push_back(static_cast<int>(g));
       absl::StrAppend(&key, g, ",");
@@ -207,9 +242,11 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, siz
         if (!named[g]) {
           named[g] = true;
           made->segs[g] = {i, j};
-          seg_bytes[g] = (*ops[i].tensors)[plans[i].plan->segs[j].k].segment_bytes;
+          seg_bytes[g] =
+              (*ops[i].tensors)[plans[i].plan->segs[j].k].segment_bytes;
         }
-        if (plans[i].plan->segs[j].result >= 0 && made->result_of[g] < 0) made->result_of[g] = made->written++;
+        if (plans[i].plan->segs[j].result >= 0 && made->result_of[g] < 0)
+          made->result_of[g] = made->written++;
       }
     }
     const HloType& u8 = *DTypeOf(tpu::DType::kUInt8);
@@ -218,35 +255,47 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, siz
     std::vector<size_t> check_op;
     for (size_t g = 0; g < seg_address.size(); ++g) {
       now[g] = absl::StrCat("%g", g);
-      absl::StrAppend(&params, g == 0 ? "" : ", ", now[g], ": ", TypeOf({static_cast<int64_t>(seg_bytes[g])}, u8));
-      if (made->result_of[g] >= 0) absl::StrAppend(&params, " {tf.aliasing_output = ", made->result_of[g], " : i32}");
+      absl::StrAppend(&params, g == 0 ? "" : ", ", now[g], ": ",
+                      TypeOf({static_cast<int64_t>(seg_bytes[g])}, u8));
+      if (made->result_of[g] >= 0)
+        absl::StrAppend(&params, " {tf.aliasing_output = ", made->result_of[g],
+                        " : i32}");
     }
     for (size_t i = 0; i < ops.size(); ++i) {
       if (plans[i].nothing) continue;
       const Plan& plan = *plans[i].plan;
-      absl::StatusOr<OpFunction> f = AsFunction(plan.text, absl::StrCat("op", i));
+      absl::StatusOr<OpFunction> f =
+          AsFunction(plan.text, absl::StrCat("op", i));
       if (!f.ok()) return decline(i, std::string(f.status().message()));
       const size_t scalars = plan.inputs.size() + plans[i].offsets.size();
       if (f->params.size() != plan.segs.size() + scalars ||
-          f->results.size() != static_cast<size_t>(plan.segments_written) + (plan.checked ? 1 : 0)) {
+          f->results.size() != static_cast<size_t>(plan.segments_written) +
+                                   (plan.checked ? 1 : 0)) {
         return decline(i, "its program's signature does not match its plan");
       }
       absl::StrAppend(&funcs, f->text);
       std::vector<std::string> args;
-      for (size_t j = 0; j < plan.segs.size(); ++j) args.push_back(now[seg_of[i][j]]);
+      for (size_t j = 0; j < plan.segs.size(); ++j)
+        args.push_back(now[seg_of[i][j]]);
       for (size_t m = 0; m < scalars; ++m) {
         const std::string a = absl::StrCat("%a", i, "_", m);
         args.push_back(a);
-        absl::StrAppend(&params, ", ", a, ": ", f->params[plan.segs.size() + m]);
+        absl::StrAppend(&params, ", ", a, ": ",
+                        f->params[plan.segs.size() + m]);
       }
       const std::string c = absl::StrCat("%c", i);
       const size_t nres = f->results.size();
-      auto result = [&](size_t r) { return nres == 1 ? c : absl::StrCat(c, "#", r); };
-      absl::StrAppend(&body, "    ", c, nres == 1 ? "" : absl::StrCat(":", nres), " = func.call @op", i, "(",
-                      absl::StrJoin(args, ", "), ") : (", absl::StrJoin(f->params, ", "), ") -> (",
+      auto result = [&](size_t r) {
+        return nres == 1 ? c : absl::StrCat(c, "#", r);
+      };
+      absl::StrAppend(&body, "    ", c,
+                      nres == 1 ? "" : absl::StrCat(":", nres),
+                      " = func.call @op", i, "(", absl::StrJoin(args, ", "),
+                      ") : (", absl::StrJoin(f->params, ", "), ") -> (",
                       absl::StrJoin(f->results, ", "), ")\n");
       for (size_t j = 0; j < plan.segs.size(); ++j) {
-        if (plan.segs[j].result >= 0) now[seg_of[i][j]] = result(plan.segs[j].result);
+        if (plan.segs[j].result >= 0)
+          now[seg_of[i][j]] = result(plan.segs[j].result);
       }
       if (plan.checked) {
         checks.push_back(result(nres - 1));
@@ -257,16 +306,19 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, siz
     for (size_t g = 0; g < seg_address.size(); ++g) {
       if (made->result_of[g] < 0) continue;
       results[made->result_of[g]] = now[g];
-      types[made->result_of[g]] = TypeOf({static_cast<int64_t>(seg_bytes[g])}, u8);
+      types[made->result_of[g]] =
+          TypeOf({static_cast<int64_t>(seg_bytes[g])}, u8);
     }
     if (!checks.empty()) {
       made->checked = true;
       std::string first = "%fail";
-      absl::StrAppend(&body, "    ", first, " = stablehlo.constant dense<0> : tensor<i32>\n");
+      absl::StrAppend(&body, "    ", first,
+                      " = stablehlo.constant dense<0> : tensor<i32>\n");
       for (size_t q = checks.size(); q-- > 0;) {
-        absl::StrAppend(&body, "    %at", q, " = stablehlo.constant dense<", check_op[q] + 1, "> : tensor<i32>\n",
-                        "    %fail", q, " = stablehlo.select ", checks[q], ", %at", q, ", ", first,
-                        " : tensor<i1>, tensor<i32>\n");
+        absl::StrAppend(&body, "    %at", q, " = stablehlo.constant dense<",
+                        check_op[q] + 1, "> : tensor<i32>\n", "    %fail", q,
+                        " = stablehlo.select ", checks[q], ", %at", q, ", ",
+                        first, " : tensor<i1>, tensor<i32>\n");
         first = absl::StrCat("%fail", q);
       }
       results.push_back(first);
@@ -274,10 +326,12 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, siz
     }
     if (results.empty()) return decline(ops.size(), "no results");
     const std::string ret = absl::StrJoin(types, ", ");
-    const std::string text = absl::StrCat("module @tpud_graph {\n", funcs, "  func.func public @main(", params,
-                                          ") -> (", ret, ") {\n", body, "    return ", absl::StrJoin(results, ", "),
-                                          " : ", ret, "\n  }\n}\n");
-    absl::StatusOr<std::shared_ptr<const Executable>> exe = Compiled(text, device);
+    const std::string text = absl::StrCat(
+        "module @tpud_graph {\n", funcs, "  func.func public @main(", params,
+        ") -> (", ret, ") {\n", body, "    return ",
+        absl::StrJoin(results, ", "), " : ", ret, "\n  }\n}\n");
+    absl::StatusOr<std::shared_ptr<const Executable>> exe =
+        Compiled(text, device);
     if (exe.ok()) {
       made->exe = *std::move(exe);
     } else {
@@ -291,13 +345,16 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, siz
     graphs_[key] = std::prev(graph_lru_.end());
     graph = std::move(made);
   }
-  if (graph->exe == nullptr) return decline(ops.size(), absl::StrCat("the module did not compile: ", graph->why));
+  if (graph->exe == nullptr)
+    return decline(ops.size(),
+                   absl::StrCat("the module did not compile: ", graph->why));
   // Segments first, then each op's scalars and offsets in order.
   if (scalars_.size() >= 4096) scalars_.clear();
   absl::InlinedVector<PJRT_Buffer*, 32> args;
   std::vector<Mirror*> segs;
   for (const auto& [i, j] : graph->segs) {
-    absl::StatusOr<Mirror*> m = MirrorOf((*ops[i].tensors)[plans[i].plan->segs[j].k], device);
+    absl::StatusOr<Mirror*> m =
+        MirrorOf((*ops[i].tensors)[plans[i].plan->segs[j].k], device);
     if (!m.ok()) return m.status();
     segs.push_back(*m);
     args.push_back((*m)->buffer.get());
@@ -315,15 +372,21 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, siz
       args.push_back(*b);
     }
   }
-  absl::StatusOr<std::vector<Buffer>> out = plugin_->Execute(*graph->exe, device, absl::MakeConstSpan(args));
+  absl::StatusOr<std::vector<Buffer>> out =
+      plugin_->Execute(*graph->exe, device, absl::MakeConstSpan(args));
   if (!out.ok()) {
     for (size_t g = 0; g < segs.size(); ++g) {
       if (graph->result_of[g] >= 0) Drop(seg_address[g], segs[g]->bytes);
     }
-    return absl::Status(out.status().code(), absl::StrCat("the graph's module: ", out.status().message()));
+    return absl::Status(
+        out.status().code(),
+        absl::StrCat("the graph's module: ", out.status().message()));
   }
-  if (out->size() != static_cast<size_t>(graph->written) + (graph->checked ? 1 : 0)) {
-    return absl::InternalError(absl::StrCat("a graph's program gave ", out->size(), " results for ", graph->written));
+  if (out->size() !=
+      static_cast<size_t>(graph->written) + (graph->checked ? 1 : 0)) {
+    return absl::InternalError(absl::StrCat("a graph's program gave ",
+                                            out->size(), " results for ",
+                                            graph->written));
   }
   for (size_t g = 0; g < segs.size(); ++g) {
     if (graph->result_of[g] < 0) continue;
@@ -333,11 +396,14 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops, siz
   ++stats_[device].graphs;
   if (graph->checked) {
     int32_t first = 0;
-    if (absl::Status st = plugin_->ToHost(out->back(), &first, sizeof(first)); !st.ok()) return st;
+    if (absl::Status st = plugin_->ToHost(out->back(), &first, sizeof(first));
+        !st.ok())
+      return st;
     if (first > 0 && static_cast<size_t>(first) <= ops.size()) {
       *failed = static_cast<size_t>(first - 1);
       const auto& op = static_cast<const PjrtOp&>(*ops[*failed].op);
-      return absl::InvalidArgumentError(absl::StrCat(op.name(), ": ", plans[*failed].plan->range_message));
+      return absl::InvalidArgumentError(
+          absl::StrCat(op.name(), ": ", plans[*failed].plan->range_message));
     }
   }
   return true;

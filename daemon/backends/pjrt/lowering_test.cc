@@ -43,7 +43,8 @@ class Arena {
   const ResolvedTensor& segment() const { return seg_; }
 
   // A contiguous float32 tensor of `sizes` holding `values` (64-byte aligned).
-  Placed Floats(const std::vector<int64_t>& sizes, const std::vector<float>& values) {
+  Placed Floats(const std::vector<int64_t>& sizes,
+                const std::vector<float>& values) {
     Placed p;
     p.ref.dtype = tpu::Code(tpu::DType::kFloat);
     p.ref.ndim = static_cast<uint8_t>(sizes.size());
@@ -68,7 +69,9 @@ class Arena {
   uint64_t used_ = 0;
 };
 
-std::vector<float> Read(const Placed& p, size_t n) { return std::vector<float>(p.host, p.host + n); }
+std::vector<float> Read(const Placed& p, size_t n) {
+  return std::vector<float>(p.host, p.host + n);
+}
 
 // An op record and its resolved tensors, as the executor hands them over.
 class Record {
@@ -101,7 +104,9 @@ class Record {
     return *this;
   }
   const tpu::DecodedOp& decoded() const { return op_; }
-  std::vector<ResolvedTensor> tensors() const { return std::vector<ResolvedTensor>(tensors_, seg_); }
+  std::vector<ResolvedTensor> tensors() const {
+    return std::vector<ResolvedTensor>(tensors_, seg_);
+  }
 
  private:
   tpu::OpArg& Add(tpu::ArgTag tag) {
@@ -129,21 +134,25 @@ struct Fixture {
 
   // Looks the op up by its schema and runs the record.
   absl::Status Run(const std::string& schema, const Record& r) {
-    absl::StatusOr<std::shared_ptr<const BackendOp>> op = chip->LookupOp(schema);
+    absl::StatusOr<std::shared_ptr<const BackendOp>> op =
+        chip->LookupOp(schema);
     if (!op.ok()) return op.status();
     std::vector<ResultValue> results;
     return chip->Run(**op, r.decoded(), r.tensors(), &results, nullptr);
   }
 };
 
-constexpr char kAddTensor[] = "aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor";
+constexpr char kAddTensor[] =
+    "aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor";
 
 TEST_CASE("add.Tensor scales other by alpha") {
   Fixture f;
   Placed a = f.arena.Floats({2, 2}, {1, 2, 3, 4});
   Placed b = f.arena.Floats({2, 2}, {10, 20, 30, 40});
   Placed out = f.arena.Floats({2, 2}, {0, 0, 0, 0});
-  absl::Status st = f.Run(kAddTensor, Record(f.arena).Tensor(a).Tensor(b).ScalarDouble(0.5).Output(out));
+  absl::Status st =
+      f.Run(kAddTensor,
+            Record(f.arena).Tensor(a).Tensor(b).ScalarDouble(0.5).Output(out));
   INFO(st.ToString());
   REQUIRE(st.ok());
   CHECK(Read(out, 4) == std::vector<float>{6, 12, 18, 24});
@@ -153,7 +162,8 @@ TEST_CASE("exp, a unary op") {
   Fixture f;
   Placed x = f.arena.Floats({3}, {0, 1, -1});
   Placed out = f.arena.Floats({3}, {0, 0, 0});
-  absl::Status st = f.Run("aten::exp(Tensor self) -> Tensor", Record(f.arena).Tensor(x).Output(out));
+  absl::Status st = f.Run("aten::exp(Tensor self) -> Tensor",
+                          Record(f.arena).Tensor(x).Output(out));
   INFO(st.ToString());
   REQUIRE(st.ok());
   const std::vector<float> got = Read(out, 3);
@@ -169,9 +179,10 @@ TEST_CASE("add_.Tensor, the derived in-place form, writes self") {
   const OpEntry* entry = Registry().Find("aten::add_.Tensor");
   REQUIRE(entry != nullptr);
   CHECK(entry->derived_from == "aten::add.Tensor");
-  absl::Status st =
-      f.Run("aten::add_.Tensor(Tensor(a!) self, Tensor other, *, Scalar alpha=1) -> Tensor(a!)",
-            Record(f.arena).Tensor(self).Tensor(other).ScalarDouble(3));
+  absl::Status st = f.Run(
+      "aten::add_.Tensor(Tensor(a!) self, Tensor other, *, Scalar alpha=1) -> "
+      "Tensor(a!)",
+      Record(f.arena).Tensor(self).Tensor(other).ScalarDouble(3));
   INFO(st.ToString());
   REQUIRE(st.ok());
   CHECK(Read(self, 3) == std::vector<float>{4, 5, 6});
@@ -181,8 +192,9 @@ TEST_CASE("exp.out, a derived out= form, writes out") {
   Fixture f;
   Placed x = f.arena.Floats({2}, {0, 2});
   Placed out = f.arena.Floats({2}, {-7, -7});
-  absl::Status st = f.Run("aten::exp.out(Tensor self, *, Tensor(a!) out) -> Tensor(a!)",
-                          Record(f.arena).Tensor(x).Tensor(out));
+  absl::Status st =
+      f.Run("aten::exp.out(Tensor self, *, Tensor(a!) out) -> Tensor(a!)",
+            Record(f.arena).Tensor(x).Tensor(out));
   INFO(st.ToString());
   REQUIRE(st.ok());
   const std::vector<float> got = Read(out, 2);
@@ -195,8 +207,10 @@ TEST_CASE("mul.out, an out= overload registered by name") {
   Placed a = f.arena.Floats({2}, {3, 4});
   Placed b = f.arena.Floats({2}, {5, 6});
   Placed out = f.arena.Floats({2}, {0, 0});
-  absl::Status st = f.Run("aten::mul.out(Tensor self, Tensor other, *, Tensor(a!) out) -> Tensor(a!)",
-                          Record(f.arena).Tensor(a).Tensor(b).Tensor(out));
+  absl::Status st = f.Run(
+      "aten::mul.out(Tensor self, Tensor other, *, Tensor(a!) out) -> "
+      "Tensor(a!)",
+      Record(f.arena).Tensor(a).Tensor(b).Tensor(out));
   INFO(st.ToString());
   REQUIRE(st.ok());
   CHECK(Read(out, 2) == std::vector<float>{15, 24});
@@ -207,7 +221,8 @@ TEST_CASE("sum over one dimension") {
   Placed x = f.arena.Floats({2, 3}, {1, 2, 3, 4, 5, 6});
   Placed out = f.arena.Floats({2}, {0, 0});
   absl::Status st = f.Run(
-      "aten::sum.dim_IntList(Tensor self, int[1]? dim, bool keepdim=False, *, ScalarType? dtype=None) -> "
+      "aten::sum.dim_IntList(Tensor self, int[1]? dim, bool keepdim=False, *, "
+      "ScalarType? dtype=None) -> "
       "Tensor",
       Record(f.arena).Tensor(x).IntList({1}).Bool(false).None().Output(out));
   INFO(st.ToString());
@@ -231,29 +246,37 @@ TEST_CASE("an op without a lowering fails naming itself") {
   Fixture f;
   Placed x = f.arena.Floats({2}, {1, 2});
   Placed out = f.arena.Floats({2}, {0, 0});
-  absl::Status st =
-      f.Run("aten::not_a_lowered_op(Tensor self) -> Tensor", Record(f.arena).Tensor(x).Output(out));
+  absl::Status st = f.Run("aten::not_a_lowered_op(Tensor self) -> Tensor",
+                          Record(f.arena).Tensor(x).Output(out));
   CHECK(st.code() == absl::StatusCode::kUnimplemented);
   CHECK(st.message() ==
-        "aten::not_a_lowered_op: no lowering to StableHLO yet (PJRT backend; tpud "
+        "aten::not_a_lowered_op: no lowering to StableHLO yet (PJRT backend; "
+        "tpud "
         "--backend=simulated runs every ATen op)");
 }
 
-TEST_CASE("argument names come from the schema, defaults and annotations aside") {
-  CHECK(ArgumentNames("aten::sum.IntList_out(Tensor self, int[1]? dim, bool keepdim=False, *, "
-                      "ScalarType? dtype=None, Tensor(a!) out) -> Tensor(a!)") ==
-        std::vector<std::string>{"self", "dim", "keepdim", "dtype", "out"});
-  CHECK(ArgumentNames("aten::avg_pool2d(Tensor self, int[2] kernel_size, int[2] stride=[], "
-                      "int[2] padding=[0, 0]) -> Tensor") ==
-        std::vector<std::string>{"self", "kernel_size", "stride", "padding"});
+TEST_CASE(
+    "argument names come from the schema, defaults and annotations aside") {
+  CHECK(
+      ArgumentNames("aten::sum.IntList_out(Tensor self, int[1]? dim, bool "
+                    "keepdim=False, *, "
+                    "ScalarType? dtype=None, Tensor(a!) out) -> Tensor(a!)") ==
+      std::vector<std::string>{"self", "dim", "keepdim", "dtype", "out"});
+  CHECK(
+      ArgumentNames(
+          "aten::avg_pool2d(Tensor self, int[2] kernel_size, int[2] stride=[], "
+          "int[2] padding=[0, 0]) -> Tensor") ==
+      std::vector<std::string>{"self", "kernel_size", "stride", "padding"});
 }
 
 TEST_CASE("leaky_relu reads negative_slope by name, its default when absent") {
   Fixture f;
   Placed x = f.arena.Floats({2}, {-2, 3});
   Placed out = f.arena.Floats({2}, {0, 0});
-  const char* schema = "aten::leaky_relu(Tensor self, Scalar negative_slope=0.01) -> Tensor";
-  absl::Status st = f.Run(schema, Record(f.arena).Tensor(x).ScalarDouble(0.5).Output(out));
+  const char* schema =
+      "aten::leaky_relu(Tensor self, Scalar negative_slope=0.01) -> Tensor";
+  absl::Status st =
+      f.Run(schema, Record(f.arena).Tensor(x).ScalarDouble(0.5).Output(out));
   INFO(st.ToString());
   REQUIRE(st.ok());
   CHECK(Read(out, 2) == std::vector<float>{-1, 3});

@@ -60,18 +60,22 @@ class PjrtChip : public ChipBackend {
 
   ~PjrtChip() override;
   std::string Describe() const override;
-  absl::StatusOr<std::shared_ptr<const BackendOp>> LookupOp(absl::string_view schema) override;
+  absl::StatusOr<std::shared_ptr<const BackendOp>> LookupOp(
+      absl::string_view schema) override;
   absl::Status Run(const BackendOp& op, const tpu::DecodedOp& decoded,
-                   const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
+                   const std::vector<ResolvedTensor>& tensors,
+                   std::vector<ResultValue>* results,
                    ResultAllocator* result_allocator) override;
 
   bool Compiles() const override { return true; }
   CompileStats compile_stats(int chip) const override {
-    return chip >= 0 && chip < static_cast<int>(stats_.size()) ? stats_[chip] : CompileStats{};
+    return chip >= 0 && chip < static_cast<int>(stats_.size()) ? stats_[chip]
+                                                               : CompileStats{};
   }
   uint64_t programs_cached() const override { return lru_.size(); }
 
-  absl::Status HostAccess(uint64_t address, uint64_t bytes, bool write, uint64_t owner) override;
+  absl::Status HostAccess(uint64_t address, uint64_t bytes, bool write,
+                          uint64_t owner) override;
   void Released(uint64_t address, uint64_t bytes) override;
   bool DeviceMemory() const override { return device_memory_; }
   // all_reduce, reduce, reduce_scatter, all_gather, broadcast and even
@@ -85,7 +89,8 @@ class PjrtChip : public ChipBackend {
   // once per signature of the whole graph and run as one execution, so XLA
   // fuses across ops. False where an op cannot be part of one (a read on
   // the host, results sized by the data) or the module does not compile.
-  absl::StatusOr<bool> RunProgram(const std::vector<ProgramOp>& ops, size_t* failed,
+  absl::StatusOr<bool> RunProgram(const std::vector<ProgramOp>& ops,
+                                  size_t* failed,
                                   std::string* declined) override;
   void set_graphs(bool on) { graphs_on_ = on; }  // tpud --pjrt_graphs
 
@@ -104,21 +109,27 @@ class PjrtChip : public ChipBackend {
                       const std::vector<ResolvedTensor>& tensors, OpPlan* plan);
   // Run() and PlanOp(): with `plan_only`, fills it and runs nothing.
   absl::Status RunOrPlan(const BackendOp& op, const tpu::DecodedOp& decoded,
-                         const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
+                         const std::vector<ResolvedTensor>& tensors,
+                         std::vector<ResultValue>* results,
                          ResultAllocator* allocator, OpPlan* plan_only);
-  absl::StatusOr<OpPlan> CopyPlan(const tpu::DecodedCopy& copy, const std::vector<ResolvedTensor>& ends);
+  absl::StatusOr<OpPlan> CopyPlan(const tpu::DecodedCopy& copy,
+                                  const std::vector<ResolvedTensor>& ends);
   // A segment's device buffer (device memory): u8[bytes] on `device`; the
   // arena at `host` is its host copy, current when `host_current`.
   struct Mirror {
     Buffer buffer;
     char* host = nullptr;
     uint64_t bytes = 0;
-    uint64_t owner = 0;  // the session (a freed segment's pages may go to another)
+    uint64_t owner =
+        0;  // the session (a freed segment's pages may go to another)
     int device = 0;
     bool host_current = true;
   };
-  PjrtChip(std::unique_ptr<PjrtPlugin> plugin, size_t capacity, bool device_memory)
-      : plugin_(std::move(plugin)), capacity_(capacity), device_memory_(device_memory),
+  PjrtChip(std::unique_ptr<PjrtPlugin> plugin, size_t capacity,
+           bool device_memory)
+      : plugin_(std::move(plugin)),
+        capacity_(capacity),
+        device_memory_(device_memory),
         stats_(plugin_->num_devices()) {}
   void KeepPlan(const std::string& key, Plan&& plan);
   void KeepPlan(const std::string& key, std::shared_ptr<const Plan> plan);
@@ -131,38 +142,50 @@ class PjrtChip : public ChipBackend {
   void Drop(uint64_t address, uint64_t bytes);
   // Brings the host copy of every segment of `tensors` up to date.
   absl::Status HostAccessAll(const std::vector<ResolvedTensor>& tensors);
-  absl::Status RunDevice(const std::string& name, const Plan& plan, const std::vector<ResolvedTensor>& tensors,
-                         int device, const std::function<const char*(size_t input)>& data_of,
-                         absl::Span<const int64_t> offsets = {});
+  absl::Status RunDevice(
+      const std::string& name, const Plan& plan,
+      const std::vector<ResolvedTensor>& tensors, int device,
+      const std::function<const char*(size_t input)>& data_of,
+      absl::Span<const int64_t> offsets = {});
   // Device memory: `bytes` at `offset` of the segment's buffer, as `count`
   // values of dtype `dtype` (a buffer on `device`); and the reverse,
   // `value` written into the segment there (donated and replaced).
-  absl::StatusOr<Buffer> ReadSegment(const ResolvedTensor& seg, uint64_t address, int64_t count, tpu::DType dtype,
-                                     int device);
-  absl::Status WriteSegment(const ResolvedTensor& seg, uint64_t address, const Buffer& value, int64_t count,
+  absl::StatusOr<Buffer> ReadSegment(const ResolvedTensor& seg,
+                                     uint64_t address, int64_t count,
+                                     tpu::DType dtype, int device);
+  absl::Status WriteSegment(const ResolvedTensor& seg, uint64_t address,
+                            const Buffer& value, int64_t count,
                             tpu::DType dtype, int device);
   // The program, compiled (once; counted against `device`); with
   // `replicas`, for one replica on each of those devices (a collective).
-  absl::StatusOr<std::shared_ptr<const Executable>> Compiled(const std::string& program, int device,
-                                                             const std::vector<int>& replicas = {});
+  absl::StatusOr<std::shared_ptr<const Executable>> Compiled(
+      const std::string& program, int device,
+      const std::vector<int>& replicas = {});
   // .item(): the one element, read where it lies.
-  static absl::Status ReadScalar(const std::string& op, const tpu::DecodedOp& decoded,
+  static absl::Status ReadScalar(const std::string& op,
+                                 const tpu::DecodedOp& decoded,
                                  const std::vector<ResolvedTensor>& tensors,
                                  std::vector<ResultValue>* results);
   absl::Status Equal(const std::string& name, const tpu::DecodedOp& decoded,
-                     const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results);
+                     const std::vector<ResolvedTensor>& tensors,
+                     std::vector<ResultValue>* results);
   absl::Status Selected(const std::string& name, const tpu::DecodedOp& decoded,
-                        const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
+                        const std::vector<ResolvedTensor>& tensors,
+                        std::vector<ResultValue>* results,
                         ResultAllocator* allocator);
   absl::Status Unique(const std::string& name, const tpu::DecodedOp& decoded,
-                      const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
+                      const std::vector<ResolvedTensor>& tensors,
+                      std::vector<ResultValue>* results,
                       ResultAllocator* allocator);
   absl::Status MaskIndex(const std::string& name, const tpu::DecodedOp& decoded,
-                         const std::vector<ResolvedTensor>& tensors, std::vector<ResultValue>* results,
+                         const std::vector<ResolvedTensor>& tensors,
+                         std::vector<ResultValue>* results,
                          ResultAllocator* allocator);
   absl::StatusOr<int> DeviceOf(const std::string& name, uint64_t address) const;
-  absl::Status RunToHost(const std::string& name, const std::vector<Transfer>& transfers,
-                         const std::string& program, int device, const std::vector<std::pair<void*, size_t>>& dsts);
+  absl::Status RunToHost(const std::string& name,
+                         const std::vector<Transfer>& transfers,
+                         const std::string& program, int device,
+                         const std::vector<std::pair<void*, size_t>>& dsts);
 
   std::unique_ptr<PjrtPlugin> plugin_;
   size_t capacity_;

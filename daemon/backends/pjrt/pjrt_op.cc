@@ -22,7 +22,8 @@ void ForEachArgument(absl::string_view schema, Fn fn) {
       continue;
     }
     if ((c == ',' && depth == 0) || (c == ')' && depth == 0)) {
-      absl::string_view arg = absl::StripAsciiWhitespace(schema.substr(start, i - start));
+      absl::string_view arg =
+          absl::StripAsciiWhitespace(schema.substr(start, i - start));
       if (arg != "*" && !arg.empty()) fn(index++, arg);
       start = i + 1;
       if (c == ')') break;
@@ -36,7 +37,8 @@ std::vector<int> WrittenArguments(absl::string_view schema) {
   std::vector<int> written;
   ForEachArgument(schema, [&](int index, absl::string_view arg) {
     const size_t bang = arg.find("!)");
-    if (bang != absl::string_view::npos && arg.find('(') < bang) written.push_back(index);
+    if (bang != absl::string_view::npos && arg.find('(') < bang)
+      written.push_back(index);
   });
   return written;
 }
@@ -47,7 +49,8 @@ std::vector<std::string> ArgumentNames(absl::string_view schema) {
     arg = arg.substr(0, arg.find('='));  // "bool keepdim=False": no default
     arg = absl::StripTrailingAsciiWhitespace(arg);
     const size_t space = arg.find_last_of(' ');
-    names.emplace_back(space == absl::string_view::npos ? arg : arg.substr(space + 1));
+    names.emplace_back(
+        space == absl::string_view::npos ? arg : arg.substr(space + 1));
   });
   return names;
 }

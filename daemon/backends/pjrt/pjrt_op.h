@@ -23,8 +23,11 @@ class PjrtOp : public BackendOp {
   // op; "Tensor(a!) out", "Tensor(b!) total_weight" of an out= op), in order.
   // What depends on the name alone is found here once, not per op run.
   PjrtOp(std::string schema, std::string name, std::vector<int> written)
-      : schema_(std::move(schema)), name_(std::move(name)), written_(std::move(written)),
-        arg_names_(ArgumentNames(schema_)), entry_(Registry().Find(name_)) {}
+      : schema_(std::move(schema)),
+        name_(std::move(name)),
+        written_(std::move(written)),
+        arg_names_(ArgumentNames(schema_)),
+        entry_(Registry().Find(name_)) {}
   const std::string& schema() const override { return schema_; }
   const std::string& name() const { return name_; }
   const std::vector<int>& written() const { return written_; }
@@ -34,14 +37,19 @@ class PjrtOp : public BackendOp {
   // Its registry entry (null: not lowered); the registry lives as long as
   // the process.
   const OpEntry* entry() const { return entry_; }
-  HostKind host() const { return entry_ == nullptr ? HostKind::kNone : entry_->host; }
-  const Rule* rule() const { return entry_ != nullptr && entry_->rule ? &entry_->rule : nullptr; }
+  HostKind host() const {
+    return entry_ == nullptr ? HostKind::kNone : entry_->host;
+  }
+  const Rule* rule() const {
+    return entry_ != nullptr && entry_->rule ? &entry_->rule : nullptr;
+  }
   const MultiRule* multi_rule() const {
     return entry_ != nullptr && entry_->multi ? &entry_->multi : nullptr;
   }
   bool takes_list() const { return entry_ != nullptr && entry_->takes_list; }
   bool WritesArgument(size_t index) const override {
-    return std::find(written_.begin(), written_.end(), static_cast<int>(index)) != written_.end();
+    return std::find(written_.begin(), written_.end(),
+                     static_cast<int>(index)) != written_.end();
   }
   bool OverwritesArgument(size_t index) const override {
     if (!WritesArgument(index)) return false;

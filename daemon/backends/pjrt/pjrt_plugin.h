@@ -65,7 +65,8 @@ class PjrtPlugin;
 class Buffer {
  public:
   Buffer() = default;
-  Buffer(const PjrtPlugin* plugin, PJRT_Buffer* buffer, PJRT_Event* released = nullptr)
+  Buffer(const PjrtPlugin* plugin, PJRT_Buffer* buffer,
+         PJRT_Event* released = nullptr)
       : plugin_(plugin), buffer_(buffer), released_(released) {}
   Buffer(Buffer&& o) noexcept { *this = std::move(o); }
   Buffer& operator=(Buffer&& o) noexcept;
@@ -75,7 +76,8 @@ class Buffer {
   // the plugin wrote into a donated buffer) waits, when destroyed, for the
   // release the donor was to wait for: only this buffer's end brings it.
   void InheritRelease(Buffer& donor) {
-    if (released_ == nullptr) released_ = std::exchange(donor.released_, nullptr);
+    if (released_ == nullptr)
+      released_ = std::exchange(donor.released_, nullptr);
   }
 
  private:
@@ -90,7 +92,8 @@ class Buffer {
 // A program compiled and loaded for this client's devices.
 class Executable {
  public:
-  Executable(const PjrtPlugin* plugin, PJRT_LoadedExecutable* exe, int num_outputs)
+  Executable(const PjrtPlugin* plugin, PJRT_LoadedExecutable* exe,
+             int num_outputs)
       : plugin_(plugin), exe_(exe), num_outputs_(num_outputs) {}
   Executable(const Executable&) = delete;
   Executable& operator=(const Executable&) = delete;
@@ -113,8 +116,8 @@ class PjrtPlugin {
  public:
   // Loads `path`, checks its API version, initialises it and creates one
   // client with `options`. Errors name the plugin and carry its message.
-  static absl::StatusOr<std::unique_ptr<PjrtPlugin>> Load(const std::string& path,
-                                                          const std::vector<CreateOption>& options);
+  static absl::StatusOr<std::unique_ptr<PjrtPlugin>> Load(
+      const std::string& path, const std::vector<CreateOption>& options);
   ~PjrtPlugin();
   PjrtPlugin(const PjrtPlugin&) = delete;
   PjrtPlugin& operator=(const PjrtPlugin&) = delete;
@@ -132,21 +135,23 @@ class PjrtPlugin {
 
   // Compiles a StableHLO module (MLIR text) for one replica and partition,
   // portable: it runs on any of the devices.
-  absl::StatusOr<std::unique_ptr<Executable>> Compile(absl::string_view mlir) const;
+  absl::StatusOr<std::unique_ptr<Executable>> Compile(
+      absl::string_view mlir) const;
   // Compiles a module for `devices.size()` replicas (one partition), replica
   // r on device devices[r] (tpud's device index): its collectives
   // (stablehlo.all_reduce, all_gather, ...) run among those devices.
   // INVALID_ARGUMENT for an unknown or repeated device.
-  absl::StatusOr<std::unique_ptr<Executable>> CompileReplicated(absl::string_view mlir,
-                                                                absl::Span<const int> devices) const;
+  absl::StatusOr<std::unique_ptr<Executable>> CompileReplicated(
+      absl::string_view mlir, absl::Span<const int> devices) const;
 
   // A buffer on `device` holding `dims` of `type` copied from host `data`
   // (dense, row-major). The copy is done when this returns.
   // `byte_strides` (one per dimension, or none for dense) lets the plugin
   // read a strided view.
-  absl::StatusOr<Buffer> FromHost(int device, const void* data, PJRT_Buffer_Type type,
-                                  absl::Span<const int64_t> dims,
-                                  absl::Span<const int64_t> byte_strides = {}) const;
+  absl::StatusOr<Buffer> FromHost(
+      int device, const void* data, PJRT_Buffer_Type type,
+      absl::Span<const int64_t> dims,
+      absl::Span<const int64_t> byte_strides = {}) const;
   // A buffer on `device` over host memory `data` itself (dense, row-major,
   // `dims` of `type`), no copy: the plugin reads it in place, and, where
   // `writable`, a program that takes it donated writes its aliased result
@@ -155,7 +160,8 @@ class PjrtPlugin {
   // instead (XLA's CPU plugin does for data not aligned to 64 bytes):
   // UnsafePointer tells.
   absl::StatusOr<Buffer> Alias(int device, void* data, PJRT_Buffer_Type type,
-                               absl::Span<const int64_t> dims, bool writable) const;
+                               absl::Span<const int64_t> dims,
+                               bool writable) const;
   // Where the buffer's bytes lie, for a plugin whose devices are the host;
   // an error where it does not say.
   absl::StatusOr<uintptr_t> UnsafePointer(const Buffer& buffer) const;
@@ -165,13 +171,15 @@ class PjrtPlugin {
   absl::StatusOr<size_t> HostBytes(const Buffer& buffer) const;
 
   // Runs `exe` on `device` with `args`; returns its outputs once it is done.
-  absl::StatusOr<std::vector<Buffer>> Execute(const Executable& exe, int device,
-                                              absl::Span<PJRT_Buffer* const> args) const;
+  absl::StatusOr<std::vector<Buffer>> Execute(
+      const Executable& exe, int device,
+      absl::Span<PJRT_Buffer* const> args) const;
   // Runs a replicated `exe` once on each of its devices: args[r] are the
   // arguments of replica r (on exe.replica_devices()[r]); returns each
   // replica's outputs once all are done.
   absl::StatusOr<std::vector<std::vector<Buffer>>> ExecuteReplicated(
-      const Executable& exe, const std::vector<std::vector<PJRT_Buffer*>>& args) const;
+      const Executable& exe,
+      const std::vector<std::vector<PJRT_Buffer*>>& args) const;
 
   // ---- internals shared with Buffer and Executable
   const PJRT_Api* api() const { return api_; }
@@ -183,15 +191,17 @@ class PjrtPlugin {
  private:
   PjrtPlugin() = default;
   absl::Status Init(const std::vector<CreateOption>& options);
-  absl::StatusOr<std::unique_ptr<Executable>> CompileWith(absl::string_view mlir,
-                                                          const std::string& options) const;
+  absl::StatusOr<std::unique_ptr<Executable>> CompileWith(
+      absl::string_view mlir, const std::string& options) const;
   absl::Status Await(PJRT_Event* event, absl::string_view what) const;
   // BufferFromHostBuffer with `semantics`; `done` gets its
   // done_with_host_buffer event, for the caller to await or keep.
-  absl::StatusOr<Buffer> HostBuffer(int device, const void* data, PJRT_Buffer_Type type,
+  absl::StatusOr<Buffer> HostBuffer(int device, const void* data,
+                                    PJRT_Buffer_Type type,
                                     absl::Span<const int64_t> dims,
                                     absl::Span<const int64_t> byte_strides,
-                                    PJRT_HostBufferSemantics semantics, PJRT_Event** done) const;
+                                    PJRT_HostBufferSemantics semantics,
+                                    PJRT_Event** done) const;
   friend class Buffer;
 
   std::string path_;

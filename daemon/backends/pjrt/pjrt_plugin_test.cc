@@ -20,15 +20,19 @@ module @add {
 )";
 
 std::unique_ptr<PjrtPlugin> LoadCpu(int devices = 4) {
-  absl::StatusOr<CreateOption> o = ParseCreateOption("cpu_device_count=" + std::to_string(devices));
+  absl::StatusOr<CreateOption> o =
+      ParseCreateOption("cpu_device_count=" + std::to_string(devices));
   REQUIRE(o.ok());
-  absl::StatusOr<std::unique_ptr<PjrtPlugin>> p = PjrtPlugin::Load(TPUD_PJRT_CPU_PLUGIN, {*o});
+  absl::StatusOr<std::unique_ptr<PjrtPlugin>> p =
+      PjrtPlugin::Load(TPUD_PJRT_CPU_PLUGIN, {*o});
   INFO(p.status().ToString());
   REQUIRE(p.ok());
   return *std::move(p);
 }
 
-TEST_CASE("devices with coordinates are numbered in torus order, the first axis fastest") {
+TEST_CASE(
+    "devices with coordinates are numbered in torus order, the first axis "
+    "fastest") {
   auto at = [](std::vector<std::vector<int64_t>> coords) {
     std::vector<DeviceInfo> d(coords.size());
     for (size_t i = 0; i < coords.size(); ++i) {
@@ -37,15 +41,21 @@ TEST_CASE("devices with coordinates are numbered in torus order, the first axis 
     }
     return d;
   };
-  // A 2x2 host listed in an order of the plugin's own (x, y, z as libtpu gives them).
-  CHECK(TorusOrder(at({{1, 1, 0}, {0, 0, 0}, {0, 1, 0}, {1, 0, 0}})) == std::vector<size_t>{1, 3, 2, 0});
+  // A 2x2 host listed in an order of the plugin's own (x, y, z as libtpu gives
+  // them).
+  CHECK(TorusOrder(at({{1, 1, 0}, {0, 0, 0}, {0, 1, 0}, {1, 0, 0}})) ==
+        std::vector<size_t>{1, 3, 2, 0});
   // A 2x4 host: chip x + 2y.
-  CHECK(TorusOrder(at({{0, 3}, {1, 3}, {0, 0}, {1, 0}, {0, 1}, {1, 1}, {0, 2}, {1, 2}})) ==
-        std::vector<size_t>{2, 3, 4, 5, 6, 7, 0, 1});
+  CHECK(
+      TorusOrder(at(
+          {{0, 3}, {1, 3}, {0, 0}, {1, 0}, {0, 1}, {1, 1}, {0, 2}, {1, 2}})) ==
+      std::vector<size_t>{2, 3, 4, 5, 6, 7, 0, 1});
   // The plugin's own order where coordinates do not decide one.
   CHECK(TorusOrder(at({{}, {}, {}})) == std::vector<size_t>{0, 1, 2});
-  CHECK(TorusOrder(at({{1, 0}, {0, 0}, {1, 0}})) == std::vector<size_t>{0, 1, 2});  // two share one
-  CHECK(TorusOrder(at({{1, 0}, {0}})) == std::vector<size_t>{0, 1});                // ranks differ
+  CHECK(TorusOrder(at({{1, 0}, {0, 0}, {1, 0}})) ==
+        std::vector<size_t>{0, 1, 2});  // two share one
+  CHECK(TorusOrder(at({{1, 0}, {0}})) ==
+        std::vector<size_t>{0, 1});  // ranks differ
   CHECK(TorusOrder({}).empty());
 }
 
@@ -76,10 +86,13 @@ module @all_reduce {
 }
 )";
 
-TEST_CASE("a replicated program runs one replica per device, its all_reduce across them") {
+TEST_CASE(
+    "a replicated program runs one replica per device, its all_reduce across "
+    "them") {
   std::unique_ptr<PjrtPlugin> p = LoadCpu();
   const std::vector<int> devices = {3, 0, 2};  // replica r on devices[r]
-  absl::StatusOr<std::unique_ptr<Executable>> exe = p->CompileReplicated(kAllReduce, devices);
+  absl::StatusOr<std::unique_ptr<Executable>> exe =
+      p->CompileReplicated(kAllReduce, devices);
   INFO(exe.status().ToString());
   REQUIRE(exe.ok());
   const std::vector<int>& order = (*exe)->replica_devices();
@@ -89,12 +102,14 @@ TEST_CASE("a replicated program runs one replica per device, its all_reduce acro
   const std::vector<int64_t> dims = {3};
   for (int d : order) {
     const std::vector<float> v = {float(d), 10.0f * d, 100.0f};
-    absl::StatusOr<Buffer> b = p->FromHost(d, v.data(), PJRT_Buffer_Type_F32, dims);
+    absl::StatusOr<Buffer> b =
+        p->FromHost(d, v.data(), PJRT_Buffer_Type_F32, dims);
     REQUIRE(b.ok());
     args.push_back({b->get()});
     in.push_back(*std::move(b));
   }
-  absl::StatusOr<std::vector<std::vector<Buffer>>> out = p->ExecuteReplicated(**exe, args);
+  absl::StatusOr<std::vector<std::vector<Buffer>>> out =
+      p->ExecuteReplicated(**exe, args);
   INFO(out.status().ToString());
   REQUIRE(out.ok());
   REQUIRE(out->size() == 3);
@@ -105,9 +120,12 @@ TEST_CASE("a replicated program runs one replica per device, its all_reduce acro
     CHECK(got == std::vector<float>{5, 50, 300});  // devices 3 + 0 + 2
   }
   // Bad placements are refused, not passed to the plugin.
-  CHECK(p->CompileReplicated(kAllReduce, {0, 0, 1}).status().code() == absl::StatusCode::kInvalidArgument);
-  CHECK(p->CompileReplicated(kAllReduce, {0, 1, 9}).status().code() == absl::StatusCode::kInvalidArgument);
-  CHECK(p->ExecuteReplicated(**exe, {args[0]}).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(p->CompileReplicated(kAllReduce, {0, 0, 1}).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(p->CompileReplicated(kAllReduce, {0, 1, 9}).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(p->ExecuteReplicated(**exe, {args[0]}).status().code() ==
+        absl::StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("a StableHLO program compiles once and runs on any device") {
@@ -119,8 +137,10 @@ TEST_CASE("a StableHLO program compiles once and runs on any device") {
   const std::vector<float> a = {1, 2, 3, 4}, b = {10, 20, 30, 40};
   const std::vector<int64_t> dims = {4};
   for (int device : {0, 3}) {
-    absl::StatusOr<Buffer> ba = p->FromHost(device, a.data(), PJRT_Buffer_Type_F32, dims);
-    absl::StatusOr<Buffer> bb = p->FromHost(device, b.data(), PJRT_Buffer_Type_F32, dims);
+    absl::StatusOr<Buffer> ba =
+        p->FromHost(device, a.data(), PJRT_Buffer_Type_F32, dims);
+    absl::StatusOr<Buffer> bb =
+        p->FromHost(device, b.data(), PJRT_Buffer_Type_F32, dims);
     REQUIRE(ba.ok());
     REQUIRE(bb.ok());
     std::vector<PJRT_Buffer*> args = {ba->get(), bb->get()};
@@ -135,12 +155,14 @@ TEST_CASE("a StableHLO program compiles once and runs on any device") {
     REQUIRE(p->ToHost((*out)[0], got.data(), 16).ok());
     CHECK(got == std::vector<float>{11, 22, 33, 44});
   }
-  CHECK(p->Execute(**exe, 4, {}).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(p->Execute(**exe, 4, {}).status().code() ==
+        absl::StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("a compile error is the plugin's message; the plugin goes on") {
   std::unique_ptr<PjrtPlugin> p = LoadCpu(1);
-  absl::StatusOr<std::unique_ptr<Executable>> bad = p->Compile("module { this is not mlir }");
+  absl::StatusOr<std::unique_ptr<Executable>> bad =
+      p->Compile("module { this is not mlir }");
   REQUIRE(!bad.ok());
   CHECK(absl::StartsWith(bad.status().message(), "compiling: "));
   CHECK(bad.status().message().size() > 12);
@@ -148,11 +170,14 @@ TEST_CASE("a compile error is the plugin's message; the plugin goes on") {
 }
 
 TEST_CASE("what is not a PJRT plugin is refused with a clear error") {
-  absl::StatusOr<std::unique_ptr<PjrtPlugin>> missing = PjrtPlugin::Load("/nonexistent/libtpu.so", {});
+  absl::StatusOr<std::unique_ptr<PjrtPlugin>> missing =
+      PjrtPlugin::Load("/nonexistent/libtpu.so", {});
   REQUIRE(!missing.ok());
   CHECK(missing.status().code() == absl::StatusCode::kFailedPrecondition);
-  CHECK(absl::StrContains(missing.status().message(), "/nonexistent/libtpu.so"));
-  absl::StatusOr<std::unique_ptr<PjrtPlugin>> libm = PjrtPlugin::Load("libm.so.6", {});
+  CHECK(
+      absl::StrContains(missing.status().message(), "/nonexistent/libtpu.so"));
+  absl::StatusOr<std::unique_ptr<PjrtPlugin>> libm =
+      PjrtPlugin::Load("libm.so.6", {});
   REQUIRE(!libm.ok());
   CHECK(absl::StrContains(libm.status().message(), "exports no GetPjrtApi"));
 }
@@ -174,8 +199,10 @@ TEST_CASE("create options: the type is inferred or given") {
   REQUIRE(f.ok());
   CHECK(f->type == PJRT_NamedValue_kFloat);
   CHECK(f->float_value == 0.75f);
-  CHECK(ParseCreateOption("novalue").status().code() == absl::StatusCode::kInvalidArgument);
-  CHECK(ParseCreateOption("n=int64:x").status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(ParseCreateOption("novalue").status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(ParseCreateOption("n=int64:x").status().code() ==
+        absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -7,8 +7,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 
 #include "absl/strings/match.h"
@@ -37,21 +37,27 @@ void WriteAll(int fd, const std::string& s) {
   }
 }
 
-[[noreturn]] void Child(int fd, const std::string& path, const std::vector<CreateOption>& options) {
-  absl::StatusOr<std::unique_ptr<PjrtPlugin>> p = PjrtPlugin::Load(path, options);
+[[noreturn]] void Child(int fd, const std::string& path,
+                        const std::vector<CreateOption>& options) {
+  absl::StatusOr<std::unique_ptr<PjrtPlugin>> p =
+      PjrtPlugin::Load(path, options);
   if (!p.ok()) {
-    WriteAll(fd, absl::StrCat("error\t", static_cast<int>(p.status().code()), "\n") +
-                     Line(std::string(p.status().message())));
+    WriteAll(
+        fd, absl::StrCat("error\t", static_cast<int>(p.status().code()), "\n") +
+                Line(std::string(p.status().message())));
     _exit(0);
   }
   const PjrtPlugin& plugin = **p;
-  std::string out = Line("ok") + Line(plugin.Describe()) +
-                    Line(absl::StrCat(plugin.api_major(), " ", plugin.api_minor())) +
-                    Line(plugin.platform_name()) + Line(absl::StrCat(plugin.num_devices()));
+  std::string out =
+      Line("ok") + Line(plugin.Describe()) +
+      Line(absl::StrCat(plugin.api_major(), " ", plugin.api_minor())) +
+      Line(plugin.platform_name()) + Line(absl::StrCat(plugin.num_devices()));
   for (const DeviceInfo& d : plugin.devices()) {
     std::string coords;
-    for (int64_t c : d.coords) absl::StrAppend(&coords, coords.empty() ? "" : ",", c);
-    out += absl::StrCat(d.id, "\t", d.bytes_limit, "\t", coords, "\t", Line(d.kind));
+    for (int64_t c : d.coords)
+      absl::StrAppend(&coords, coords.empty() ? "" : ",", c);
+    out += absl::StrCat(d.id, "\t", d.bytes_limit, "\t", coords, "\t",
+                        Line(d.kind));
   }
   WriteAll(fd, out);
   // Whatever the plugin holds (libtpu's lockfile) goes with the process;
@@ -74,14 +80,15 @@ void RemoveLockfileLeftBehind(bool existed_before) {
   close(fd);
 }
 
-absl::StatusOr<ProbeResult> ProbeOnce(const std::string& path, const std::vector<CreateOption>& options,
+absl::StatusOr<ProbeResult> ProbeOnce(const std::string& path,
+                                      const std::vector<CreateOption>& options,
                                       absl::Duration timeout);
 
 }  // namespace
 
-absl::StatusOr<ProbeResult> ProbePlugin(const std::string& path,
-                                        const std::vector<CreateOption>& options,
-                                        absl::Duration timeout) {
+absl::StatusOr<ProbeResult> ProbePlugin(
+    const std::string& path, const std::vector<CreateOption>& options,
+    absl::Duration timeout) {
   const bool lockfile_existed = access(kLibtpuLockfile, F_OK) == 0;
   absl::StatusOr<ProbeResult> r = ProbeOnce(path, options, timeout);
   if (!r.ok()) RemoveLockfileLeftBehind(lockfile_existed);
@@ -90,15 +97,18 @@ absl::StatusOr<ProbeResult> ProbePlugin(const std::string& path,
 
 namespace {
 
-absl::StatusOr<ProbeResult> ProbeOnce(const std::string& path, const std::vector<CreateOption>& options,
+absl::StatusOr<ProbeResult> ProbeOnce(const std::string& path,
+                                      const std::vector<CreateOption>& options,
                                       absl::Duration timeout) {
   int fds[2];
-  if (pipe(fds) != 0) return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
+  if (pipe(fds) != 0)
+    return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
   const pid_t pid = fork();
   if (pid < 0) {
     close(fds[0]);
     close(fds[1]);
-    return absl::ResourceExhaustedError(absl::StrCat("fork: ", std::strerror(errno)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("fork: ", std::strerror(errno)));
   }
   if (pid == 0) {
     close(fds[0]);
@@ -128,39 +138,49 @@ absl::StatusOr<ProbeResult> ProbeOnce(const std::string& path, const std::vector
   if (!eof) {
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
-    return absl::DeadlineExceededError(absl::StrCat(
-        "PJRT plugin ", path, " did not come up within ", absl::FormatDuration(timeout),
-        " (libtpu on a machine without a TPU waits for the metadata server unless "
-        "TPU_SKIP_MDS_QUERY=1)"));
+    return absl::DeadlineExceededError(
+        absl::StrCat("PJRT plugin ", path, " did not come up within ",
+                     absl::FormatDuration(timeout),
+                     " (libtpu on a machine without a TPU waits for the "
+                     "metadata server unless "
+                     "TPU_SKIP_MDS_QUERY=1)"));
   }
   int status = 0;
   waitpid(pid, &status, 0);
   std::vector<std::string> lines = absl::StrSplit(text, '\n');
   if (lines.empty() || lines[0].empty()) {
-    const std::string how = WIFSIGNALED(status) ? absl::StrCat("was killed by signal ", WTERMSIG(status))
-                                                : absl::StrCat("exited with ", WEXITSTATUS(status));
+    const std::string how =
+        WIFSIGNALED(status)
+            ? absl::StrCat("was killed by signal ", WTERMSIG(status))
+            : absl::StrCat("exited with ", WEXITSTATUS(status));
     return absl::FailedPreconditionError(
-        absl::StrCat("PJRT plugin ", path, ": loading it ", how, " before it said anything"));
+        absl::StrCat("PJRT plugin ", path, ": loading it ", how,
+                     " before it said anything"));
   }
   if (absl::StartsWith(lines[0], "error\t")) {
     int code = static_cast<int>(absl::StatusCode::kUnknown);
     (void)absl::SimpleAtoi(lines[0].substr(6), &code);
-    return absl::Status(static_cast<absl::StatusCode>(code), lines.size() > 1 ? lines[1] : "");
+    return absl::Status(static_cast<absl::StatusCode>(code),
+                        lines.size() > 1 ? lines[1] : "");
   }
   ProbeResult r;
   size_t count = 0;
   std::vector<std::string> version;
   if (lines.size() < 5 || lines[0] != "ok" ||
       (version = absl::StrSplit(lines[2], ' ')).size() != 2 ||
-      !absl::SimpleAtoi(version[0], &r.api_major) || !absl::SimpleAtoi(version[1], &r.api_minor) ||
+      !absl::SimpleAtoi(version[0], &r.api_major) ||
+      !absl::SimpleAtoi(version[1], &r.api_minor) ||
       !absl::SimpleAtoi(lines[4], &count) || lines.size() < 5 + count) {
-    return absl::InternalError(absl::StrCat("PJRT probe of ", path, ": garbled report"));
+    return absl::InternalError(
+        absl::StrCat("PJRT probe of ", path, ": garbled report"));
   }
   r.description = lines[1];
   r.platform = lines[3];
   for (size_t i = 0; i < count; ++i) {
-    std::vector<std::string> f = absl::StrSplit(lines[5 + i], absl::MaxSplits('\t', 3));
-    if (f.size() != 4) return absl::InternalError("PJRT probe: garbled device line");
+    std::vector<std::string> f =
+        absl::StrSplit(lines[5 + i], absl::MaxSplits('\t', 3));
+    if (f.size() != 4)
+      return absl::InternalError("PJRT probe: garbled device line");
     DeviceInfo d;
     (void)absl::SimpleAtoi(f[0], &d.id);
     (void)absl::SimpleAtoi(f[1], &d.bytes_limit);

@@ -25,9 +25,9 @@ struct ProbeResult {
 
 // Fails with the plugin's own message, or DEADLINE_EXCEEDED when it does
 // not come up within `timeout` (the child is killed).
-absl::StatusOr<ProbeResult> ProbePlugin(const std::string& path,
-                                        const std::vector<CreateOption>& options,
-                                        absl::Duration timeout);
+absl::StatusOr<ProbeResult> ProbePlugin(
+    const std::string& path, const std::vector<CreateOption>& options,
+    absl::Duration timeout);
 
 }  // namespace tpud::pjrt
 

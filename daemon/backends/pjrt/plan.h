@@ -18,7 +18,8 @@ struct Plan {
   // A parameter as the lowering made it; `data` is kept only for k = -2
   // (the record's tensors move between ops: a kept plan finds them by k).
   struct In : Transfer {
-    int k = -1;  // the record's tensor k; -1: a scalar; -2: `data` (a plan not kept)
+    int k = -1;  // the record's tensor k; -1: a scalar; -2: `data` (a plan not
+                 // kept)
   };
   struct Out {
     bool write = false;  // has memory to write

@@ -1,7 +1,6 @@
 #include "daemon/backends/simulated/simulated_chip.h"
 
 #include <ATen/ATen.h>
-#include <atomic>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -13,6 +12,7 @@
 #include <torch/headeronly/version.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -50,9 +50,10 @@ class SimulatedOp final : public BackendOp {
     if (function_schema_.arguments()[index].kwarg_only()) return true;
     if (index != 0) return false;
     static const auto* const kOverwriteSelf = new std::set<std::string>{
-        "aten::fill_",    "aten::zero_",      "aten::copy_",       "aten::normal_",
-        "aten::uniform_", "aten::random_",    "aten::exponential_", "aten::geometric_",
-        "aten::cauchy_",  "aten::log_normal_", "aten::bernoulli_"};
+        "aten::fill_",        "aten::zero_",      "aten::copy_",
+        "aten::normal_",      "aten::uniform_",   "aten::random_",
+        "aten::exponential_", "aten::geometric_", "aten::cauchy_",
+        "aten::log_normal_",  "aten::bernoulli_"};
     return kOverwriteSelf->count(name_.substr(0, name_.find('.'))) != 0;
   }
   // "aten::add.Tensor": how messages name the op.
@@ -64,15 +65,21 @@ class SimulatedOp final : public BackendOp {
   // The op's out= variant, when it has one that takes exactly this op's
   // arguments plus one out tensor per returned tensor: outputs the client
   // allocated are then written in place instead of copied.
-  const std::optional<c10::OperatorHandle>& out_variant() const { return out_variant_; }
+  const std::optional<c10::OperatorHandle>& out_variant() const {
+    return out_variant_;
+  }
   void set_out_variant(c10::OperatorHandle h) { out_variant_ = std::move(h); }
   // Some out= kernels compute differently from their functional op (they
   // use the out tensor as scratch of another shape): once one fails, the op
   // goes the functional way for good.
-  bool out_variant_usable() const { return !out_variant_failed_.load(std::memory_order_relaxed); }
+  bool out_variant_usable() const {
+    return !out_variant_failed_.load(std::memory_order_relaxed);
+  }
   // Ops returning more than one tensor (statistics beside a result): their
   // CPU kernels may keep the statistics in another floating type.
-  bool meta_dtype_may_differ() const { return function_schema_.returns().size() > 1; }
+  bool meta_dtype_may_differ() const {
+    return function_schema_.returns().size() > 1;
+  }
   void disable_out_variant() const { out_variant_failed_.store(true); }
   // An elementwise _foreach_ op over tensor lists and scalars only, in place
   // on its first list or returning one new list: run as one kernel over the
@@ -80,7 +87,8 @@ class SimulatedOp final : public BackendOp {
   bool packable_foreach() const { return packable_foreach_; }
 
  private:
-  static bool IsPackableForeach(const std::string& name, const c10::FunctionSchema& schema);
+  static bool IsPackableForeach(const std::string& name,
+                                const c10::FunctionSchema& schema);
 
   const std::string schema_;
   const std::string name_;
@@ -91,7 +99,8 @@ class SimulatedOp final : public BackendOp {
   mutable std::atomic<bool> out_variant_failed_{false};
 };
 
-bool SimulatedOp::IsPackableForeach(const std::string& name, const c10::FunctionSchema& schema) {
+bool SimulatedOp::IsPackableForeach(const std::string& name,
+                                    const c10::FunctionSchema& schema) {
   constexpr absl::string_view kPrefix = "aten::_foreach_";
   if (!absl::StartsWith(name, kPrefix)) return false;
   absl::string_view base(name);
@@ -101,23 +110,27 @@ bool SimulatedOp::IsPackableForeach(const std::string& name, const c10::Function
   if (in_place) base.remove_suffix(1);
   // Element by element, each output element from the same position of each
   // input: never a reduction (_foreach_norm, _foreach_max) or a product.
-  static const auto* const kElementwise = new std::set<std::string, std::less<>>{
-      "abs",   "acos",  "add",       "addcdiv",   "addcmul", "asin",    "atan",
-      "ceil",  "clamp_max", "clamp_min", "copy",  "cos",     "cosh",    "div",
-      "erf",   "erfc",  "exp",       "expm1",     "floor",   "frac",    "lerp",
-      "lgamma", "log",  "log10",     "log1p",     "log2",    "maximum", "minimum",
-      "mul",   "neg",   "pow",       "reciprocal", "round",  "rsqrt",   "sigmoid",
-      "sign",  "sin",   "sinh",      "sqrt",      "sub",     "tan",     "tanh",
-      "trunc", "zero"};
+  static const auto* const kElementwise =
+      new std::set<std::string, std::less<>>{
+          "abs",   "acos",       "add",       "addcdiv",   "addcmul", "asin",
+          "atan",  "ceil",       "clamp_max", "clamp_min", "copy",    "cos",
+          "cosh",  "div",        "erf",       "erfc",      "exp",     "expm1",
+          "floor", "frac",       "lerp",      "lgamma",    "log",     "log10",
+          "log1p", "log2",       "maximum",   "minimum",   "mul",     "neg",
+          "pow",   "reciprocal", "round",     "rsqrt",     "sigmoid", "sign",
+          "sin",   "sinh",       "sqrt",      "sub",       "tan",     "tanh",
+          "trunc", "zero"};
   if (kElementwise->count(base) == 0) return false;
   const auto& args = schema.arguments();
   bool has_list = false;
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::TypePtr& type = args[i].type();
-    const bool written = args[i].alias_info() != nullptr && args[i].alias_info()->isWrite();
+    const bool written =
+        args[i].alias_info() != nullptr && args[i].alias_info()->isWrite();
     if (written != (in_place && i == 0)) return false;
     if (type->kind() == c10::TypeKind::ListType) {
-      if (type->containedType(0)->kind() != c10::TypeKind::TensorType) return false;
+      if (type->containedType(0)->kind() != c10::TypeKind::TensorType)
+        return false;
       has_list = true;
       continue;
     }
@@ -137,23 +150,27 @@ bool SimulatedOp::IsPackableForeach(const std::string& name, const c10::Function
   if (in_place) {
     return rets.empty() && args[0].type()->kind() == c10::TypeKind::ListType;
   }
-  return rets.size() == 1 && rets[0].type()->kind() == c10::TypeKind::ListType &&
+  return rets.size() == 1 &&
+         rets[0].type()->kind() == c10::TypeKind::ListType &&
          rets[0].alias_info() == nullptr;
 }
 
 // Finds `functional`'s out= variant: same name, overload "<overload>_out" or
 // "out", arguments identical followed by one written Tensor per return.
-std::optional<c10::OperatorHandle> FindOutVariant(const c10::FunctionSchema& functional) {
+std::optional<c10::OperatorHandle> FindOutVariant(
+    const c10::FunctionSchema& functional) {
   const auto& rets = functional.returns();
   if (rets.empty()) return std::nullopt;
   for (const c10::Argument& r : rets) {
-    if (r.type()->kind() != c10::TypeKind::TensorType || r.alias_info() != nullptr) {
+    if (r.type()->kind() != c10::TypeKind::TensorType ||
+        r.alias_info() != nullptr) {
       return std::nullopt;
     }
   }
   // In-place and out= ops write their arguments already.
   for (const c10::Argument& a : functional.arguments()) {
-    if (a.alias_info() != nullptr && a.alias_info()->isWrite()) return std::nullopt;
+    if (a.alias_info() != nullptr && a.alias_info()->isWrite())
+      return std::nullopt;
   }
   const std::string& overload = functional.overload_name();
   std::vector<std::string> candidates;
@@ -167,7 +184,8 @@ std::optional<c10::OperatorHandle> FindOutVariant(const c10::FunctionSchema& fun
     if (args.size() != fargs.size() + rets.size()) continue;
     bool same = true;
     for (size_t i = 0; i < fargs.size() && same; ++i) {
-      same = args[i].name() == fargs[i].name() && *args[i].type() == *fargs[i].type() &&
+      same = args[i].name() == fargs[i].name() &&
+             *args[i].type() == *fargs[i].type() &&
              args[i].alias_info() == nullptr;
     }
     for (size_t j = fargs.size(); j < args.size() && same; ++j) {
@@ -320,8 +338,8 @@ class OpRun {
   // reports any error.
   absl::StatusOr<bool> TryPackedForeach();
   // The host bytes of a contiguous `ref` in `seg`, after MakeView's checks.
-  absl::Status Locate(const tpu::TensorRef& ref, const ResolvedTensor& seg, char** data,
-                      uint64_t* bytes);
+  absl::Status Locate(const tpu::TensorRef& ref, const ResolvedTensor& seg,
+                      char** data, uint64_t* bytes);
   absl::Status BuildStack();
   absl::Status PushArg(size_t index, const tpu::OpArg& arg);
   // The next argument TensorRef as a CPU tensor (recorded in s_.args).
@@ -357,7 +375,8 @@ class OpRun {
 // The checks every tensor reference passes before its memory is touched:
 // a known dtype, inside its segment, aligned, its footprint within the
 // segment. On success *fp is its footprint and *base where its storage starts.
-absl::Status OpRun::CheckPlace(const tpu::TensorRef& ref, const ResolvedTensor& seg,
+absl::Status OpRun::CheckPlace(const tpu::TensorRef& ref,
+                               const ResolvedTensor& seg,
                                tpu::Footprint* footprint, char** base) const {
   const int esize = tpu::ElementSize(ref.dtype);
   if (ABSL_PREDICT_FALSE(esize == 0)) {
@@ -391,8 +410,8 @@ absl::Status OpRun::CheckPlace(const tpu::TensorRef& ref, const ResolvedTensor& 
   return absl::OkStatus();
 }
 
-absl::Status OpRun::Locate(const tpu::TensorRef& ref, const ResolvedTensor& seg, char** data,
-                           uint64_t* bytes) {
+absl::Status OpRun::Locate(const tpu::TensorRef& ref, const ResolvedTensor& seg,
+                           char** data, uint64_t* bytes) {
   tpu::Footprint fp;
   char* base = nullptr;
   absl::Status st = CheckPlace(ref, seg, &fp, &base);
@@ -529,7 +548,8 @@ absl::Status OpRun::PushArg(size_t index, const tpu::OpArg& a) {
     case ArgTag::kGenerator: {
       // A generator of this op's own, seeded by the client's device
       // generator: reproducible per client, untouched by other sessions.
-      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(a.i));
+      at::Generator gen =
+          at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(a.i));
       stack.emplace_back(std::move(gen));
       return absl::OkStatus();
     }
@@ -544,9 +564,9 @@ absl::Status OpRun::PushArg(size_t index, const tpu::OpArg& a) {
       return absl::OkStatus();
     }
     case ArgTag::kDtype:
-      if (ABSL_PREDICT_FALSE(a.i < 0 ||
-                             a.i >= static_cast<int64_t>(
-                                        c10::ScalarType::NumOptions))) {
+      if (ABSL_PREDICT_FALSE(
+              a.i < 0 ||
+              a.i >= static_cast<int64_t>(c10::ScalarType::NumOptions))) {
         return Error(absl::StrCat("argument ", index, " is dtype ", a.i,
                                   ", which is no c10::ScalarType"));
       }
@@ -554,18 +574,18 @@ absl::Status OpRun::PushArg(size_t index, const tpu::OpArg& a) {
       return absl::OkStatus();
     case ArgTag::kLayout:
       if (ABSL_PREDICT_FALSE(a.i < 0 || a.i >= static_cast<int64_t>(
-                                                  c10::Layout::NumOptions))) {
+                                                   c10::Layout::NumOptions))) {
         return Error(absl::StrCat("argument ", index, " is layout ", a.i,
                                   ", which is no c10::Layout"));
       }
       stack.emplace_back(static_cast<c10::Layout>(a.i));
       return absl::OkStatus();
     case ArgTag::kMemoryFormat:
-      if (ABSL_PREDICT_FALSE(a.i < 0 ||
-                             a.i >= static_cast<int64_t>(
-                                        c10::MemoryFormat::NumOptions))) {
-        return Error(absl::StrCat("argument ", index, " is memory format ",
-                                  a.i, ", which is no c10::MemoryFormat"));
+      if (ABSL_PREDICT_FALSE(
+              a.i < 0 ||
+              a.i >= static_cast<int64_t>(c10::MemoryFormat::NumOptions))) {
+        return Error(absl::StrCat("argument ", index, " is memory format ", a.i,
+                                  ", which is no c10::MemoryFormat"));
       }
       stack.emplace_back(static_cast<c10::MemoryFormat>(a.i));
       return absl::OkStatus();
@@ -605,10 +625,10 @@ absl::Status OpRun::PushArg(size_t index, const tpu::OpArg& a) {
     }
     case ArgTag::kOptionalTensorList: {
       if (ABSL_PREDICT_FALSE(a.tensor_present.size() != a.tensors.size())) {
-        return absl::InternalError(absl::StrCat(
-            op_.name(), ": optional tensor list argument ", index, " has ",
-            a.tensors.size(), " entries but ", a.tensor_present.size(),
-            " presence flags"));
+        return absl::InternalError(
+            absl::StrCat(op_.name(), ": optional tensor list argument ", index,
+                         " has ", a.tensors.size(), " entries but ",
+                         a.tensor_present.size(), " presence flags"));
       }
       c10::List<std::optional<at::Tensor>> list;
       list.reserve(a.tensors.size());
@@ -680,8 +700,8 @@ const ArgTensor* OpRun::FindArgument(const at::Tensor& t) const {
 absl::Status OpRun::CopyToOutput(const at::Tensor& t, size_t slot) {
   const tpu::TensorRef& out = decoded_.outputs[slot];
   if (ABSL_PREDICT_FALSE(out.address == 0 && t.numel() != 0)) {
-    return Error(absl::StrCat("output ", slot, ": got ", ShapeString(t.sizes()), " ",
-                              c10::toString(t.scalar_type()),
+    return Error(absl::StrCat("output ", slot, ": got ", ShapeString(t.sizes()),
+                              " ", c10::toString(t.scalar_type()),
                               ", where the client expected no tensor"));
   }
   // The client sizes outputs with ATen's meta kernels. Where a CPU kernel
@@ -689,17 +709,19 @@ absl::Status OpRun::CopyToOutput(const at::Tensor& t, size_t slot) {
   // (layer_norm's mean/rstd in bfloat16), the output gets the dtype the
   // client was promised; any other mismatch is an error, never a cast.
   const auto out_type = static_cast<c10::ScalarType>(out.dtype);
-  const bool float_cast = static_cast<int8_t>(t.scalar_type()) != out.dtype &&
-                          c10::isFloatingType(t.scalar_type()) && out.dtype >= 0 &&
-                          out.dtype < static_cast<int8_t>(c10::ScalarType::NumOptions) &&
-                          c10::isFloatingType(out_type) && op_.meta_dtype_may_differ();
-  if (ABSL_PREDICT_FALSE((static_cast<int8_t>(t.scalar_type()) != out.dtype && !float_cast) ||
-                         !SameShape(t, out))) {
-    return Error(absl::StrCat(
-        "output ", slot, ": got ", ShapeString(t.sizes()), " ",
-        c10::toString(t.scalar_type()), ", client allocated ",
-        ShapeString(c10::IntArrayRef(out.sizes, out.ndim)), " ",
-        DtypeName(out.dtype)));
+  const bool float_cast =
+      static_cast<int8_t>(t.scalar_type()) != out.dtype &&
+      c10::isFloatingType(t.scalar_type()) && out.dtype >= 0 &&
+      out.dtype < static_cast<int8_t>(c10::ScalarType::NumOptions) &&
+      c10::isFloatingType(out_type) && op_.meta_dtype_may_differ();
+  if (ABSL_PREDICT_FALSE(
+          (static_cast<int8_t>(t.scalar_type()) != out.dtype && !float_cast) ||
+          !SameShape(t, out))) {
+    return Error(
+        absl::StrCat("output ", slot, ": got ", ShapeString(t.sizes()), " ",
+                     c10::toString(t.scalar_type()), ", client allocated ",
+                     ShapeString(c10::IntArrayRef(out.sizes, out.ndim)), " ",
+                     DtypeName(out.dtype)));
   }
   at::Tensor view;
   char* data = nullptr;
@@ -714,9 +736,11 @@ absl::Status OpRun::CopyToOutput(const at::Tensor& t, size_t slot) {
     return absl::OkStatus();
   }
   if (ABSL_PREDICT_FALSE(t.const_data_ptr() == nullptr)) {
-    return Error(absl::StrCat("output ", slot, ": the kernel returned a tensor without memory"));
+    return Error(absl::StrCat("output ", slot,
+                              ": the kernel returned a tensor without memory"));
   }
-  if (t.is_contiguous() && IsContiguous(out) && !float_cast && !t.is_conj() && !t.is_neg()) {
+  if (t.is_contiguous() && IsContiguous(out) && !float_cast && !t.is_conj() &&
+      !t.is_neg()) {
     // The common case: one memmove (the source may be a view of HBM that
     // overlaps the output). A result with a lazy conjugate or negative bit
     // (linalg_lu_solve with left=False returns one) is resolved by copy_.
@@ -750,9 +774,10 @@ absl::Status OpRun::ReportNewTensor(const at::Tensor& t) {
   const uint64_t nbytes = static_cast<uint64_t>(t.numel()) * esize;
   if (nbytes > 0) {
     if (result_allocator_ == nullptr) {
-      return absl::InternalError(absl::StrCat(
-          op_.name(), ": returned a tensor with no output for it and no "
-                      "result allocator to put it in"));
+      return absl::InternalError(
+          absl::StrCat(op_.name(),
+                       ": returned a tensor with no output for it and no "
+                       "result allocator to put it in"));
     }
     absl::StatusOr<ResultAllocator::Block> block =
         result_allocator_->Allocate(nbytes);
@@ -884,7 +909,8 @@ absl::StatusOr<bool> OpRun::TryPackedForeach() {
       first_list = i;
       count = a.tensors.size();
       if (count < 2 || a.tensors[0].dtype < 0 ||
-          a.tensors[0].dtype >= static_cast<int8_t>(c10::ScalarType::NumOptions)) {
+          a.tensors[0].dtype >=
+              static_cast<int8_t>(c10::ScalarType::NumOptions)) {
         return false;
       }
       dtype = a.tensors[0].dtype;
@@ -893,20 +919,25 @@ absl::StatusOr<bool> OpRun::TryPackedForeach() {
     }
     for (size_t k = 0; k < count; ++k) {
       const tpu::TensorRef& ref = a.tensors[k];
-      if (ref.dtype != dtype || !IsContiguous(ref) || next >= tensors_.size()) return false;
+      if (ref.dtype != dtype || !IsContiguous(ref) || next >= tensors_.size())
+        return false;
       // Element k of every list has element k of the first list's shape.
       const tpu::TensorRef& first = decoded_.args[first_list].tensors[k];
-      if (ref.ndim != first.ndim || !std::equal(ref.sizes, ref.sizes + ref.ndim, first.sizes)) {
+      if (ref.ndim != first.ndim ||
+          !std::equal(ref.sizes, ref.sizes + ref.ndim, first.sizes)) {
         return false;
       }
-      PackedTensor t{nullptr, 0, lists, static_cast<uint32_t>(k), in_place && i == 0};
+      PackedTensor t{nullptr, 0, lists, static_cast<uint32_t>(k),
+                     in_place && i == 0};
       if (!Locate(ref, tensors_[next++], &t.data, &t.bytes).ok()) return false;
       packed.push_back(t);
     }
     ++lists;
   }
-  if (lists == 0 || next + decoded_.outputs.size() != tensors_.size()) return false;
-  // A new list goes into the outputs the client allocated, shaped as the first list.
+  if (lists == 0 || next + decoded_.outputs.size() != tensors_.size())
+    return false;
+  // A new list goes into the outputs the client allocated, shaped as the first
+  // list.
   if (in_place != decoded_.outputs.empty()) return false;
   if (!in_place) {
     if (decoded_.outputs.size() != count) return false;
@@ -931,12 +962,15 @@ absl::StatusOr<bool> OpRun::TryPackedForeach() {
     if (t.bytes > 0) by_address.push_back(t);
   }
   std::sort(by_address.begin(), by_address.end(),
-            [](const PackedTensor& a, const PackedTensor& b) { return a.data < b.data; });
+            [](const PackedTensor& a, const PackedTensor& b) {
+              return a.data < b.data;
+            });
   for (size_t g = 0; g < by_address.size();) {
     const char* end = by_address[g].data + by_address[g].bytes;
     size_t h = g + 1;
     while (h < by_address.size() && by_address[h].data < end) {
-      end = std::max<const char*>(end, by_address[h].data + by_address[h].bytes);
+      end =
+          std::max<const char*>(end, by_address[h].data + by_address[h].bytes);
       ++h;
     }
     if (h - g > 1) {
@@ -961,7 +995,8 @@ absl::StatusOr<bool> OpRun::TryPackedForeach() {
   if (s_.pack_buffers.size() < lists) s_.pack_buffers.resize(lists);
   for (uint32_t l = 0; l < lists; ++l) {
     auto& buf = s_.pack_buffers[l];
-    buf.resize(std::max<size_t>(1, (total + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t)));
+    buf.resize(std::max<size_t>(
+        1, (total + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t)));
     char* dst = reinterpret_cast<char*>(buf.data());
     for (size_t k = 0; k < count; ++k) {
       const PackedTensor& t = packed[l * count + k];
@@ -971,7 +1006,8 @@ absl::StatusOr<bool> OpRun::TryPackedForeach() {
     }
   }
   const auto scalar_type = static_cast<c10::ScalarType>(dtype);
-  const int64_t numel = static_cast<int64_t>(total / static_cast<uint64_t>(esize));
+  const int64_t numel =
+      static_cast<int64_t>(total / static_cast<uint64_t>(esize));
   uint32_t list = 0;
   for (size_t i = 0; i < nargs; ++i) {
     const tpu::OpArg& a = decoded_.args[i];
@@ -1001,16 +1037,18 @@ absl::StatusOr<bool> OpRun::TryPackedForeach() {
     const c10::List<at::Tensor> result = s_.stack[0].toTensorList();
     if (result.size() != 1) return false;
     const at::Tensor flat = result.get(0);
-    if (!flat.defined() || flat.scalar_type() != scalar_type || flat.numel() != numel ||
-        !flat.is_contiguous() || flat.is_conj() || flat.is_neg() ||
-        (numel > 0 && flat.const_data_ptr() == nullptr)) {
+    if (!flat.defined() || flat.scalar_type() != scalar_type ||
+        flat.numel() != numel || !flat.is_contiguous() || flat.is_conj() ||
+        flat.is_neg() || (numel > 0 && flat.const_data_ptr() == nullptr)) {
       return false;
     }
     src = static_cast<const char*>(flat.const_data_ptr());
     s_.stack.clear();
-    s_.stack.emplace_back(flat);  // keeps the result alive while it is copied out
+    s_.stack.emplace_back(
+        flat);  // keeps the result alive while it is copied out
   }
-  const size_t first_written = in_place ? 0 : static_cast<size_t>(lists) * count;
+  const size_t first_written =
+      in_place ? 0 : static_cast<size_t>(lists) * count;
   for (size_t k = 0; k < count; ++k) {
     const PackedTensor& t = packed[first_written + k];
     if (t.bytes > 0) std::memmove(t.data, src, t.bytes);
@@ -1049,19 +1087,22 @@ absl::Status OpRun::Run() {
   // Only when every tensor involved has one dtype: out= kernels cast to the
   // out tensor's dtype where the functional op would return another, and
   // the client must get an error for that, not a silent cast.
-  bool one_dtype = out_variant.has_value() && op_.out_variant_usable() &&
-                   decoded_.outputs.size() == op_.function_schema().returns().size();
+  bool one_dtype =
+      out_variant.has_value() && op_.out_variant_usable() &&
+      decoded_.outputs.size() == op_.function_schema().returns().size();
   for (size_t i = 0; one_dtype && i < decoded_.outputs.size(); ++i) {
     one_dtype = decoded_.outputs[i].dtype == decoded_.outputs[0].dtype;
   }
   for (size_t i = 0; one_dtype && i < s_.args.size(); ++i) {
-    one_dtype = static_cast<int8_t>(s_.args[i].tensor.scalar_type()) == decoded_.outputs[0].dtype;
+    one_dtype = static_cast<int8_t>(s_.args[i].tensor.scalar_type()) ==
+                decoded_.outputs[0].dtype;
   }
   if (one_dtype) {
     // The client allocated every output: let the kernel write them.
     for (size_t i = 0; i < decoded_.outputs.size(); ++i) {
       at::Tensor view;
-      st = MakeView(decoded_.outputs[i], tensors_[num_arg_tensors_ + i], &view, nullptr);
+      st = MakeView(decoded_.outputs[i], tensors_[num_arg_tensors_ + i], &view,
+                    nullptr);
       if (ABSL_PREDICT_FALSE(!st.ok())) return st;
       s_.args.push_back(ArgTensor{view, &decoded_.outputs[i]});
       s_.stack.push_back(std::move(view));
@@ -1082,13 +1123,16 @@ absl::Status OpRun::Run() {
     // error, not a silent reshape (strides of an empty tensor place nothing).
     for (size_t i = 0; i < decoded_.outputs.size(); ++i) {
       const at::Tensor& t = s_.args[first_out + i].tensor;
-      const c10::IntArrayRef want_strides(decoded_.outputs[i].strides, decoded_.outputs[i].ndim);
+      const c10::IntArrayRef want_strides(decoded_.outputs[i].strides,
+                                          decoded_.outputs[i].ndim);
       if (ABSL_PREDICT_FALSE(!SameShape(t, decoded_.outputs[i]) ||
                              (t.numel() != 0 && t.strides() != want_strides))) {
         return Error(absl::StrCat(
-            "output ", i, ": got ", ShapeString(t.sizes()), " ", c10::toString(t.scalar_type()),
-            " with strides ", ShapeString(t.strides()), ", client allocated ",
-            ShapeString(c10::IntArrayRef(decoded_.outputs[i].sizes, decoded_.outputs[i].ndim)),
+            "output ", i, ": got ", ShapeString(t.sizes()), " ",
+            c10::toString(t.scalar_type()), " with strides ",
+            ShapeString(t.strides()), ", client allocated ",
+            ShapeString(c10::IntArrayRef(decoded_.outputs[i].sizes,
+                                         decoded_.outputs[i].ndim)),
             " ", DtypeName(decoded_.outputs[i].dtype), " with strides ",
             ShapeString(want_strides)));
       }
@@ -1118,16 +1162,14 @@ absl::Status OpRun::Run() {
 std::unique_ptr<SimulatedChip> SimulatedChip::Create(int intra_op_threads) {
   if (intra_op_threads > 0) {
     static std::once_flag once;
-    std::call_once(once, [intra_op_threads] {
-      at::set_num_threads(intra_op_threads);
-    });
+    std::call_once(
+        once, [intra_op_threads] { at::set_num_threads(intra_op_threads); });
   }
   return std::unique_ptr<SimulatedChip>(new SimulatedChip());
 }
 
 absl::Status SimulatedChip::VerifyElementSizes() {
-  constexpr int kNumScalarTypes =
-      static_cast<int>(c10::ScalarType::NumOptions);
+  constexpr int kNumScalarTypes = static_cast<int>(c10::ScalarType::NumOptions);
   for (int code = INT8_MIN; code <= INT8_MAX; ++code) {
     const int ours = tpu::ElementSize(static_cast<int8_t>(code));
     if (ours == 0) continue;
@@ -1142,14 +1184,14 @@ absl::Status SimulatedChip::VerifyElementSizes() {
       theirs = c10::elementSize(type);
     } catch (const std::exception& e) {
       return absl::InternalError(absl::StrCat(
-          "tpu::ElementSize gives ", ours, " bytes for dtype code ", code,
-          " (", c10::toString(type), "); c10::elementSize refuses it: ",
-          FirstLines(e.what())));
+          "tpu::ElementSize gives ", ours, " bytes for dtype code ", code, " (",
+          c10::toString(type),
+          "); c10::elementSize refuses it: ", FirstLines(e.what())));
     }
     if (static_cast<size_t>(ours) != theirs) {
       return absl::InternalError(absl::StrCat(
-          "tpu::ElementSize gives ", ours, " bytes for dtype code ", code,
-          " (", c10::toString(type), "); c10::elementSize gives ", theirs));
+          "tpu::ElementSize gives ", ours, " bytes for dtype code ", code, " (",
+          c10::toString(type), "); c10::elementSize gives ", theirs));
     }
   }
   return absl::OkStatus();
@@ -1184,22 +1226,22 @@ absl::StatusOr<std::shared_ptr<const BackendOp>> SimulatedChip::LookupOp(
   try {
     handle = c10::Dispatcher::singleton().findSchema(name);
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat(
-        "looking up operator ", full, ": ", FirstLines(e.what())));
+    return absl::InternalError(
+        absl::StrCat("looking up operator ", full, ": ", FirstLines(e.what())));
   }
   if (!handle.has_value()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "unknown operator ", full, ": the daemon's torch " TORCH_VERSION
-                                   " has no such operator"));
+        "unknown operator ", full,
+        ": the daemon's torch " TORCH_VERSION " has no such operator"));
   }
   std::string ours = c10::toString(handle->schema());
   if (ours != schema) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("operator ", full, " differs: the daemon's torch ",
-                     TORCH_VERSION, " has ", ours, ", the client sent ",
-                     schema));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "operator ", full, " differs: the daemon's torch ", TORCH_VERSION,
+        " has ", ours, ", the client sent ", schema));
   }
-  auto op = std::make_shared<SimulatedOp>(std::string(schema), std::string(full), *handle);
+  auto op = std::make_shared<SimulatedOp>(std::string(schema),
+                                          std::string(full), *handle);
   if (auto out = FindOutVariant(handle->schema())) op->set_out_variant(*out);
   absl::MutexLock lock(&mu_);
   auto inserted = ops_.emplace(std::string(schema), std::move(op));
@@ -1221,7 +1263,8 @@ absl::Status SimulatedChip::Run(const BackendOp& op,
   try {
     OpRun run(*sim_op, decoded, tensors, results, result_allocator, scratch);
     absl::Status st = run.Run();
-    if (st.ok() && run.ran_packed()) packed_foreach_runs_.fetch_add(1, std::memory_order_relaxed);
+    if (st.ok() && run.ran_packed())
+      packed_foreach_runs_.fetch_add(1, std::memory_order_relaxed);
     return st;
   } catch (const c10::OutOfMemoryError& e) {
     return absl::ResourceExhaustedError(absl::StrCat(

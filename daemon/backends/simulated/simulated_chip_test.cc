@@ -515,14 +515,21 @@ TEST_CASE("linear algebra and convolution match ATen on CPU") {
   SECTION("a result with a lazy conjugate bit lands conjugated") {
     // linalg_lu_solve(left=False) on complex input returns X^H^H as a view
     // with the conjugate bit: its raw memory holds conj(X).
-    at::Tensor a = at::randn({3, 3}, at::kComplexFloat), b = at::randn({4, 3}, at::kComplexFloat);
+    at::Tensor a = at::randn({3, 3}, at::kComplexFloat),
+               b = at::randn({4, 3}, at::kComplexFloat);
     auto [lu, pivots] = at::linalg_lu_factor(a);
-    at::Tensor want = at::linalg_lu_solve(lu, pivots, b, /*left=*/false, /*adjoint=*/false);
+    at::Tensor want =
+        at::linalg_lu_solve(lu, pivots, b, /*left=*/false, /*adjoint=*/false);
     REQUIRE(want.is_conj());
     OpBuilder ob;
-    ob.Tensor(f.hbm.Put(lu)).Tensor(f.hbm.Put(pivots)).Tensor(f.hbm.Put(b)).Bool(false).Bool(false);
-    CHECK(Same(f.RunInto(f.Op("aten::linalg_lu_solve"), ob, want.resolve_conj()),
-               want.resolve_conj()));
+    ob.Tensor(f.hbm.Put(lu))
+        .Tensor(f.hbm.Put(pivots))
+        .Tensor(f.hbm.Put(b))
+        .Bool(false)
+        .Bool(false);
+    CHECK(
+        Same(f.RunInto(f.Op("aten::linalg_lu_solve"), ob, want.resolve_conj()),
+             want.resolve_conj()));
   }
   SECTION("conv2d without bias (an undefined tensor)") {
     at::Tensor in = at::randn({1, 2, 5, 5}), w = at::randn({3, 2, 3, 3});
@@ -600,10 +607,11 @@ TEST_CASE("indexing and tensor lists match ATen on CPU") {
 // the chip packed it (SimulatedChip::packed_foreach_runs).
 struct ForeachCase {
   Fixture& f;
-  std::vector<at::Tensor> cpu;   // the first list, as ATen sees it
+  std::vector<at::Tensor> cpu;  // the first list, as ATen sees it
   std::vector<Placed> placed;
 
-  ForeachCase(Fixture& fixture, const std::vector<at::Tensor>& xs) : f(fixture) {
+  ForeachCase(Fixture& fixture, const std::vector<at::Tensor>& xs)
+      : f(fixture) {
     int s = 0;
     for (const at::Tensor& x : xs) {
       cpu.push_back(x.clone());
@@ -624,11 +632,15 @@ std::vector<Placed> PutAll(Fixture& f, const std::vector<at::Tensor>& ts) {
   return out;
 }
 
-TEST_CASE("elementwise _foreach_ ops run packed and equal ATen tensor by tensor") {
+TEST_CASE(
+    "elementwise _foreach_ ops run packed and equal ATen tensor by tensor") {
   Fixture f;
-  const std::vector<at::Tensor> xs = {at::randn({16, 16}), at::randn({16}), at::randn({3, 5, 7})};
-  const std::vector<at::Tensor> ys = {at::randn({16, 16}), at::randn({16}), at::randn({3, 5, 7})};
-  const std::vector<at::Tensor> zs = {at::randn({16, 16}), at::randn({16}), at::randn({3, 5, 7})};
+  const std::vector<at::Tensor> xs = {at::randn({16, 16}), at::randn({16}),
+                                      at::randn({3, 5, 7})};
+  const std::vector<at::Tensor> ys = {at::randn({16, 16}), at::randn({16}),
+                                      at::randn({3, 5, 7})};
+  const std::vector<at::Tensor> zs = {at::randn({16, 16}), at::randn({16}),
+                                      at::randn({3, 5, 7})};
   ForeachCase c(f, xs);
   const uint64_t before = f.chip->packed_foreach_runs();
 
@@ -639,18 +651,21 @@ TEST_CASE("elementwise _foreach_ ops run packed and equal ATen tensor by tensor"
     INFO(st.ToString());
     REQUIRE(st.ok());
     at::_foreach_add_(c.cpu, 0.25);
-    for (size_t k = 0; k < xs.size(); ++k) CHECK(at::equal(c.Now()[k], c.cpu[k]));
+    for (size_t k = 0; k < xs.size(); ++k)
+      CHECK(at::equal(c.Now()[k], c.cpu[k]));
     CHECK(f.chip->packed_foreach_runs() == before + 1);
   }
   SECTION("in place over three lists (addcmul_), a list read twice") {
     std::vector<Placed> py = PutAll(f, ys);
     OpBuilder ob;
-    ob.TensorList(c.placed).TensorList(py).TensorList(py).Double(0.3, tpu::ArgTag::kScalarDouble);
+    ob.TensorList(c.placed).TensorList(py).TensorList(py).Double(
+        0.3, tpu::ArgTag::kScalarDouble);
     absl::Status st = f.Run(f.Op("aten::_foreach_addcmul_", "Scalar"), ob);
     INFO(st.ToString());
     REQUIRE(st.ok());
     at::_foreach_addcmul_(c.cpu, ys, ys, 0.3);
-    for (size_t k = 0; k < xs.size(); ++k) CHECK(at::equal(c.Now()[k], c.cpu[k]));
+    for (size_t k = 0; k < xs.size(); ++k)
+      CHECK(at::equal(c.Now()[k], c.cpu[k]));
     CHECK(f.chip->packed_foreach_runs() == before + 1);
   }
   SECTION("a new list into the client's outputs, results reported") {
@@ -691,13 +706,16 @@ TEST_CASE("elementwise _foreach_ ops run packed and equal ATen tensor by tensor"
     // loop where tensor by tensor it took the scalar tail, and differ in the
     // last bit (simulated_chip.h). Within one ulp, never more.
     for (size_t k = 0; k < want.size(); ++k) {
-      CHECK(at::allclose(f.hbm.Get(outs[k].ref), want[k], /*rtol=*/1.2e-7, /*atol=*/0));
+      CHECK(at::allclose(f.hbm.Get(outs[k].ref), want[k], /*rtol=*/1.2e-7,
+                         /*atol=*/0));
     }
     CHECK(f.chip->packed_foreach_runs() == before + 1);
   }
 }
 
-TEST_CASE("_foreach_ ops whose tensors forbid packing run tensor by tensor, as ATen") {
+TEST_CASE(
+    "_foreach_ ops whose tensors forbid packing run tensor by tensor, as "
+    "ATen") {
   Fixture f;
   const uint64_t before = f.chip->packed_foreach_runs();
   const std::vector<at::Tensor> xs = {at::randn({4, 4}), at::randn({4, 4})};
@@ -705,14 +723,16 @@ TEST_CASE("_foreach_ ops whose tensors forbid packing run tensor by tensor, as A
 
   SECTION("one tensor twice in the written list is multiplied twice") {
     OpBuilder ob;
-    ob.TensorList({c.placed[0], c.placed[0]}).Double(2.0, tpu::ArgTag::kScalarDouble);
+    ob.TensorList({c.placed[0], c.placed[0]})
+        .Double(2.0, tpu::ArgTag::kScalarDouble);
     REQUIRE(f.Run(f.Op("aten::_foreach_mul_", "Scalar"), ob).ok());
     CHECK(at::equal(c.Now()[0], xs[0] * 4));
   }
   SECTION("a written tensor read at another index sees the earlier result") {
     // x0 += x1, then x1 += x0 (the new x0), as ATen does it in order.
     OpBuilder ob;
-    ob.TensorList(c.placed).TensorList({c.placed[1], c.placed[0]})
+    ob.TensorList(c.placed)
+        .TensorList({c.placed[1], c.placed[0]})
         .Int(1, tpu::ArgTag::kScalarInt);
     REQUIRE(f.Run(f.Op("aten::_foreach_add_", "List"), ob).ok());
     std::vector<at::Tensor> cpu = {xs[0].clone(), xs[1].clone()};
@@ -722,7 +742,8 @@ TEST_CASE("_foreach_ ops whose tensors forbid packing run tensor by tensor, as A
   }
   SECTION("a strided tensor") {
     OpBuilder ob;
-    ob.TensorList({Transposed(c.placed[0]), c.placed[1]}).Double(3.0, tpu::ArgTag::kScalarDouble);
+    ob.TensorList({Transposed(c.placed[0]), c.placed[1]})
+        .Double(3.0, tpu::ArgTag::kScalarDouble);
     REQUIRE(f.Run(f.Op("aten::_foreach_mul_", "Scalar"), ob).ok());
     CHECK(at::equal(c.Now()[0], xs[0] * 3));
     CHECK(at::equal(c.Now()[1], xs[1] * 3));
@@ -746,10 +767,12 @@ TEST_CASE("_foreach_ ops whose tensors forbid packing run tensor by tensor, as A
       ob.Output(outs.back());
     }
     REQUIRE(f.Run(f.Op("aten::_foreach_norm", "Scalar"), ob).ok());
-    for (size_t k = 0; k < want.size(); ++k) CHECK(Same(f.hbm.Get(outs[k].ref), want[k]));
+    for (size_t k = 0; k < want.size(); ++k)
+      CHECK(Same(f.hbm.Get(outs[k].ref), want[k]));
   }
   SECTION("an op ATen refuses fails with its message and writes nothing") {
-    std::vector<Placed> ints = {f.hbm.Put(at::arange(4)), f.hbm.Put(at::arange(4), 1)};
+    std::vector<Placed> ints = {f.hbm.Put(at::arange(4)),
+                                f.hbm.Put(at::arange(4), 1)};
     OpBuilder ob;
     ob.TensorList(ints).Double(0.5, tpu::ArgTag::kScalarDouble);
     absl::Status st = f.Run(f.Op("aten::_foreach_mul_", "Scalar"), ob);
@@ -894,7 +917,7 @@ TEST_CASE("a kernel's ZeroTensor result is written as zeros, never read") {
     std::vector<ResultValue> results;
     TestResultAllocator alloc(f.hbm);
     char* next;
-    f.hbm.Reserve(1, 0, &next);  // where the allocator's next block starts
+    f.hbm.Reserve(1, 0, &next);   // where the allocator's next block starts
     std::memset(next, 0x7f, 64);  // dirty, so that zeros must be written
     REQUIRE(f.Run(zeros, ob, &results, &alloc).ok());
     REQUIRE(results.size() == 1);
@@ -969,7 +992,8 @@ TEST_CASE("errors name the op and leave no exception") {
     INFO(st.ToString());
     CHECK(st.code() == absl::StatusCode::kInvalidArgument);
     CHECK(st.message() ==
-          "aten::add.Tensor: output 0: got [2, 3] Float with strides [3, 1], client "
+          "aten::add.Tensor: output 0: got [2, 3] Float with strides [3, 1], "
+          "client "
           "allocated [3, 2] Float with strides [2, 1]");
   }
   SECTION("an output of the wrong dtype") {
@@ -1091,19 +1115,24 @@ TEST_CASE("timing of a one-element add (printed, not asserted)") {
   };
   int failures = 0;
   for (int i = 0; i < 1000; ++i) {  // warm up
-    failures += !f.chip->Run(*add_out_op, add_out.decoded(), add_out_tensors,
-                             nullptr, nullptr).ok();
+    failures += !f.chip
+                     ->Run(*add_out_op, add_out.decoded(), add_out_tensors,
+                           nullptr, nullptr)
+                     .ok();
   }
   Clock::time_point t0 = Clock::now();
   for (int i = 0; i < kCalls; ++i) {
-    failures += !f.chip->Run(*add_out_op, add_out.decoded(), add_out_tensors,
-                             nullptr, nullptr).ok();
+    failures += !f.chip
+                     ->Run(*add_out_op, add_out.decoded(), add_out_tensors,
+                           nullptr, nullptr)
+                     .ok();
   }
   const double run_out_ns = ns_per_op(t0);
   t0 = Clock::now();
   for (int i = 0; i < kCalls; ++i) {
-    failures += !f.chip->Run(*add_op, add.decoded(), add_tensors, nullptr,
-                             nullptr).ok();
+    failures +=
+        !f.chip->Run(*add_op, add.decoded(), add_tensors, nullptr, nullptr)
+             .ok();
   }
   const double run_functional_ns = ns_per_op(t0);
 

@@ -5,9 +5,9 @@
 
 #include <algorithm>
 #include <map>
-#include <vector>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include "runtime.h"
 #include "tpu/device_address.h"
@@ -25,8 +25,8 @@ struct Block {
   size_t size;       // segment size granted by tpud
   size_t requested;  // bytes the tensor asked for
   c10::DeviceIndex device;
-  bool adopted;      // a daemon-made result: freed straight back
-  int stream = 0;    // the stream it was allocated on: only that stream reuses it
+  bool adopted;    // a daemon-made result: freed straight back
+  int stream = 0;  // the stream it was allocated on: only that stream reuses it
   std::vector<int> uses;  // other streams it was recorded on (recordStream)
   uint64_t hold = 0;      // the captured program whose memory it is (0: none)
   bool parked = false;    // held, and its tensor is gone
@@ -45,7 +45,9 @@ class TpuAllocator final : public c10::DeviceAllocator {
  public:
   c10::DataPtr allocate(size_t n) override {
     const c10::DeviceIndex device = CurrentDevice();
-    if (n == 0) return {nullptr, nullptr, &Deleter, c10::Device(c10::DeviceType::PrivateUse1, device)};
+    if (n == 0)
+      return {nullptr, nullptr, &Deleter,
+              c10::Device(c10::DeviceType::PrivateUse1, device)};
     // Small requests come in whole pages (tpud's granularity), so a cached
     // block of the same class always fits.
     const size_t want = n < (1 << 20) ? (n + 4095) / 4096 * 4096 : RoundUp(n);
@@ -88,7 +90,8 @@ class TpuAllocator final : public c10::DeviceAllocator {
 
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
 
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
+  void copy_data(void* dest, const void* src,
+                 std::size_t count) const override {
     Check(GetSession().CopyOnDevice(0, reinterpret_cast<uint64_t>(dest),
                                     reinterpret_cast<uint64_t>(src), count),
           "device copy");
@@ -123,12 +126,14 @@ class TpuAllocator final : public c10::DeviceAllocator {
     if (b == nullptr || ptr.get_deleter() != &Deleter) return;
     const int id = static_cast<int>(stream.id());
     std::lock_guard<std::mutex> lock(mu_);
-    if (id != b->stream && std::find(b->uses.begin(), b->uses.end(), id) == b->uses.end()) {
+    if (id != b->stream &&
+        std::find(b->uses.begin(), b->uses.end(), id) == b->uses.end()) {
       b->uses.push_back(id);
     }
   }
 
-  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(
+      c10::DeviceIndex device) override {
     std::lock_guard<std::mutex> lock(mu_);
     return stats_[Index(device)];
   }
@@ -163,8 +168,9 @@ class TpuAllocator final : public c10::DeviceAllocator {
     const tpu::ChipMemoryStats& c = m->chips.at(chip);
     size_t free = c.chip_free_bytes;
     if (m->quota_bytes_per_chip != 0) {
-      free = std::min<size_t>(free, m->quota_bytes_per_chip - std::min(m->quota_bytes_per_chip,
-                                                                       c.session_bytes));
+      free = std::min<size_t>(
+          free, m->quota_bytes_per_chip -
+                    std::min(m->quota_bytes_per_chip, c.session_bytes));
     }
     return {free, c.chip_total_bytes};
   }
@@ -216,11 +222,14 @@ class TpuAllocator final : public c10::DeviceAllocator {
     const uint64_t id = ++next_hold_;
     std::vector<Block*>& held = holds_[id];
     std::sort(captured_.begin(), captured_.end());
-    captured_.erase(std::unique(captured_.begin(), captured_.end()), captured_.end());
+    captured_.erase(std::unique(captured_.begin(), captured_.end()),
+                    captured_.end());
     for (Block* b : captured_) {
-      if (std::find(outputs.begin(), outputs.end(), b->address) != outputs.end()) continue;
+      if (std::find(outputs.begin(), outputs.end(), b->address) !=
+          outputs.end())
+        continue;
       if (b->hold != 0) continue;  // another program's already
-      b->hold = id;  // parked if it was freed during the capture
+      b->hold = id;                // parked if it was freed during the capture
       held.push_back(b);
     }
     captured_.clear();
@@ -303,7 +312,8 @@ class TpuAllocator final : public c10::DeviceAllocator {
   }
 
   Block* Adopt(uint64_t address, size_t bytes, c10::DeviceIndex device) {
-    auto* b = new Block{address, std::max<size_t>(bytes, 1), bytes, device, true, 0, {}};
+    auto* b = new Block{
+        address, std::max<size_t>(bytes, 1), bytes, device, true, 0, {}};
     std::lock_guard<std::mutex> lock(mu_);
     auto& s = stats_[device];
     s.reserved_bytes[0].increase(b->size);
@@ -336,7 +346,8 @@ class TpuAllocator final : public c10::DeviceAllocator {
 
  private:
   static c10::DeviceIndex Index(c10::DeviceIndex d) {
-    TORCH_CHECK(d >= 0 && d < kMaxDevices, "tpu: bad device index ", static_cast<int>(d));
+    TORCH_CHECK(d >= 0 && d < kMaxDevices, "tpu: bad device index ",
+                static_cast<int>(d));
     return d;
   }
 
@@ -345,7 +356,8 @@ class TpuAllocator final : public c10::DeviceAllocator {
     tpu::Session& session = GetSession();
     const int chip = ChipOf(device);
     absl::StatusOr<tpu::Segment> seg = session.Allocate(chip, bytes);
-    if (!seg.ok() && seg.status().code() == absl::StatusCode::kResourceExhausted) {
+    if (!seg.ok() &&
+        seg.status().code() == absl::StatusCode::kResourceExhausted) {
       // Give the cache back and try once more, as CUDA's allocator does.
       emptyCache({0, 0});
       std::lock_guard<std::mutex> lock(mu_);
@@ -403,11 +415,14 @@ void TpuAllocator::Deleter(void* ctx) {
 c10::DeviceAllocator* GetTpuAllocator() { return &Instance(); }
 
 void BeginCaptureHold() { Instance().BeginHold(); }
-uint64_t EndCaptureHold(const std::vector<uint64_t>& outputs) { return Instance().EndHold(outputs); }
+uint64_t EndCaptureHold(const std::vector<uint64_t>& outputs) {
+  return Instance().EndHold(outputs);
+}
 void ReleaseCaptureHold(uint64_t hold) { Instance().ReleaseHold(hold); }
 uint64_t CaptureHoldBytes(uint64_t hold) { return Instance().HoldBytes(hold); }
 
-c10::DataPtr AdoptSegment(uint64_t address, size_t bytes, c10::DeviceIndex device) {
+c10::DataPtr AdoptSegment(uint64_t address, size_t bytes,
+                          c10::DeviceIndex device) {
   Block* b = Instance().Adopt(address, bytes, device);
   return {reinterpret_cast<void*>(address), b, &TpuAllocator::Deleter,
           c10::Device(c10::DeviceType::PrivateUse1, device)};
@@ -424,8 +439,9 @@ void ResizeStorage(const c10::Storage& storage, size_t newsize) {
   const size_t keep = std::min(old, newsize);
   if (keep > 0 && impl->data_ptr().get() != nullptr) {
     const int stream = SessionStream(CurrentStreamId(device.index()));
-    Check(GetSession().CopyOnDevice(stream, reinterpret_cast<uint64_t>(fresh.get()),
-                                    reinterpret_cast<uint64_t>(impl->data_ptr().get()), keep),
+    Check(GetSession().CopyOnDevice(
+              stream, reinterpret_cast<uint64_t>(fresh.get()),
+              reinterpret_cast<uint64_t>(impl->data_ptr().get()), keep),
           "resize");
   }
   impl->set_data_ptr_noswap(std::move(fresh));

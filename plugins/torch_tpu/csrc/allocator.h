@@ -13,7 +13,8 @@ c10::DeviceAllocator* GetTpuAllocator();
 
 // Wraps a segment the daemon already allocated for this session (a
 // data-dependent result) as a DataPtr whose deleter frees the segment.
-c10::DataPtr AdoptSegment(uint64_t address, size_t bytes, c10::DeviceIndex device);
+c10::DataPtr AdoptSegment(uint64_t address, size_t bytes,
+                          c10::DeviceIndex device);
 
 // Resizes a tpu storage, keeping its bytes (resize_ on a tpu tensor): a new
 // block from this allocator on the storage's device, the kept bytes copied

@@ -12,20 +12,20 @@
 // stream after it (as NCCL's does); errors (a mismatched call, a dead peer,
 // a timeout) surface at the stream's next synchronisation on every rank.
 #include <c10/core/ScalarType.h>
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/csrc/distributed/c10d/Work.hpp>
-#include <torch/csrc/utils/pybind.h>
 #include <pybind11/chrono.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <atomic>
-#include <functional>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <random>
 #include <string>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
 
 #include "runtime.h"
@@ -60,7 +60,8 @@ uint64_t Address(const at::Tensor& t) {
 
 void CheckTpu(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.defined() && t.device().type() == kTpu, "tpu backend: ", what,
-              " must be a tpu tensor, got ", t.defined() ? t.device().str() : "an undefined tensor");
+              " must be a tpu tensor, got ",
+              t.defined() ? t.device().str() : "an undefined tensor");
   TORCH_CHECK(!t.is_sparse(), "tpu backend: ", what, " must be dense");
 }
 
@@ -90,11 +91,16 @@ class WorkTPU : public c10d::Work {
       Check(s.SynchronizeEvent(event_), "barrier");
       return true;
     }
-    Check(s.WaitEvent(SessionStream(CurrentStreamId(device_)), event_), "Work.wait");
+    Check(s.WaitEvent(SessionStream(CurrentStreamId(device_)), event_),
+          "Work.wait");
     return true;
   }
-  void synchronize() override { Check(GetSession().SynchronizeEvent(event_), "Work.synchronize"); }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  void synchronize() override {
+    Check(GetSession().SynchronizeEvent(event_), "Work.synchronize");
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    return future_;
+  }
 
  private:
   std::vector<at::Tensor> outputs_;
@@ -113,10 +119,14 @@ class WorkHost : public c10d::Work {
   struct Part {
     c10::intrusive_ptr<c10d::Work> work;
     at::Tensor cpu;  // what gloo reads or writes
-    at::Tensor dst;  // the tpu tensor to fill from `cpu` (received), or undefined
+    at::Tensor
+        dst;  // the tpu tensor to fill from `cpu` (received), or undefined
   };
-  WorkHost(c10d::OpType type, std::vector<Part> parts, c10::intrusive_ptr<c10d::Work> local)
-      : c10d::Work(-1, type), parts_(std::move(parts)), local_(std::move(local)) {}
+  WorkHost(c10d::OpType type, std::vector<Part> parts,
+           c10::intrusive_ptr<c10d::Work> local)
+      : c10d::Work(-1, type),
+        parts_(std::move(parts)),
+        local_(std::move(local)) {}
 
   bool isCompleted() override {
     for (const Part& p : parts_) {
@@ -155,7 +165,8 @@ class ProcessGroupTPU : public c10d::Backend {
   // (null elsewhere, and when the group has one host).
   ProcessGroupTPU(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                   std::chrono::milliseconds timeout, std::vector<int> host_of,
-                  c10::intrusive_ptr<c10d::Backend> cross, c10::intrusive_ptr<c10d::Backend> world)
+                  c10::intrusive_ptr<c10d::Backend> cross,
+                  c10::intrusive_ptr<c10d::Backend> world)
       : c10d::Backend(rank, size),
         store_(std::move(store)),
         timeout_(timeout),
@@ -163,29 +174,37 @@ class ProcessGroupTPU : public c10d::Backend {
         cross_(std::move(cross)),
         world_(std::move(world)) {
     if (host_of_.empty()) host_of_.assign(size, 0);
-    TORCH_CHECK(static_cast<int>(host_of_.size()) == size, "tpu backend: host layout of ",
-                host_of_.size(), " ranks for a group of ", size);
+    TORCH_CHECK(static_cast<int>(host_of_.size()) == size,
+                "tpu backend: host layout of ", host_of_.size(),
+                " ranks for a group of ", size);
     host_ = host_of_[rank];
     num_hosts_ = *std::max_element(host_of_.begin(), host_of_.end()) + 1;
     for (int r = 0; r < size; ++r) {
       if (host_of_[r] == host_) local_ranks_.push_back(r);
     }
-    local_rank_ = static_cast<int>(std::find(local_ranks_.begin(), local_ranks_.end(), rank) -
-                                   local_ranks_.begin());
-    TORCH_CHECK(num_hosts_ == 1 || local_rank_ != 0 || cross_, "tpu backend: rank ", rank,
+    local_rank_ = static_cast<int>(
+        std::find(local_ranks_.begin(), local_ranks_.end(), rank) -
+        local_ranks_.begin());
+    TORCH_CHECK(num_hosts_ == 1 || local_rank_ != 0 || cross_,
+                "tpu backend: rank ", rank,
                 " leads its host but has no cross-host group");
-    TORCH_CHECK(num_hosts_ == 1 || world_, "tpu backend: a group across hosts needs a gloo group "
+    TORCH_CHECK(num_hosts_ == 1 || world_,
+                "tpu backend: a group across hosts needs a gloo group "
                 "of all its ranks");
     // Every rank makes its backend at once (making a group is collective), so
     // the communicator of the current device forms now: a first operation
     // that only some ranks take part in (a send between two) needs no others.
     // If it cannot form now (tpud's communicator table is full, say), the
-    // group still works for what it can, and the first use forms it or says why.
+    // group still works for what it can, and the first use forms it or says
+    // why.
     try {
       CommFor(CurrentDevice());
     } catch (const c10::Error& e) {
-      TORCH_WARN("tpu backend: the group's communicator did not form when the group was made; "
-                 "it forms on first use instead: ", e.what_without_backtrace());
+      TORCH_WARN(
+          "tpu backend: the group's communicator did not form when the group "
+          "was made; "
+          "it forms on first use instead: ",
+          e.what_without_backtrace());
     }
   }
 
@@ -195,7 +214,9 @@ class ProcessGroupTPU : public c10d::Backend {
 
   const std::string getBackendName() const override { return "tpu"; }
   bool supportsCoalescing() const override { return true; }
-  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  void setTimeout(std::chrono::milliseconds timeout) override {
+    timeout_ = timeout;
+  }
 
   void startCoalescing() override {
     TORCH_CHECK(!coalescing_, "tpu backend: coalescing already started");
@@ -208,22 +229,26 @@ class ProcessGroupTPU : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Work> endCoalescing() override {
-    TORCH_CHECK(coalescing_, "tpu backend: endCoalescing without startCoalescing");
+    TORCH_CHECK(coalescing_,
+                "tpu backend: endCoalescing without startCoalescing");
     coalescing_ = false;
     c10::intrusive_ptr<c10d::Work> local;
     if (!pending_.empty()) local = Flush(c10d::OpType::COALESCED);
     if (!pending_host_.empty()) {
       std::vector<WorkHost::Part> parts = std::move(pending_host_);
       pending_host_.clear();
-      return c10::make_intrusive<WorkHost>(c10d::OpType::COALESCED, std::move(parts), local);
+      return c10::make_intrusive<WorkHost>(c10d::OpType::COALESCED,
+                                           std::move(parts), local);
     }
     if (local) return local;
-    return c10::make_intrusive<WorkTPU>(c10d::OpType::COALESCED, std::vector<at::Tensor>{},
-                                        RecordOn(CurrentDevice()), CurrentDevice(), false);
+    return c10::make_intrusive<WorkTPU>(
+        c10d::OpType::COALESCED, std::vector<at::Tensor>{},
+        RecordOn(CurrentDevice()), CurrentDevice(), false);
   }
 
-  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
-                                           const c10d::BroadcastOptions& opts) override {
+  c10::intrusive_ptr<c10d::Work> broadcast(
+      std::vector<at::Tensor>& tensors,
+      const c10d::BroadcastOptions& opts) override {
     if (MultiHost()) {
       at::Tensor& t = Single(tensors, "broadcast");
       Buffer b = Dense(t, true);
@@ -239,8 +264,9 @@ class ProcessGroupTPU : public c10d::Backend {
     return Issue(c10d::OpType::BROADCAST, {e}, {t}, {b});
   }
 
-  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
-                                            const c10d::AllreduceOptions& opts) override {
+  c10::intrusive_ptr<c10d::Work> allreduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceOptions& opts) override {
     if (MultiHost()) {
       at::Tensor& t = Single(tensors, "all_reduce");
       Buffer b = Dense(t, true);
@@ -257,7 +283,8 @@ class ProcessGroupTPU : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
-      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts) override {
     if (MultiHost()) {
       for (at::Tensor& t : tensors) {
         CheckTpu(t, "allreduce_coalesced's tensor");
@@ -267,7 +294,8 @@ class ProcessGroupTPU : public c10d::Backend {
       }
       return Done(c10d::OpType::ALLREDUCE_COALESCED, tensors, tensors.at(0));
     }
-    TORCH_CHECK(!tensors.empty(), "tpu backend: allreduce_coalesced of no tensors");
+    TORCH_CHECK(!tensors.empty(),
+                "tpu backend: allreduce_coalesced of no tensors");
     std::vector<tpu::CollectiveEntry> entries;
     std::vector<Buffer> buffers;
     for (at::Tensor& t : tensors) {
@@ -282,8 +310,9 @@ class ProcessGroupTPU : public c10d::Backend {
     return Issue(c10d::OpType::ALLREDUCE_COALESCED, entries, tensors, buffers);
   }
 
-  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
-                                        const c10d::ReduceOptions& opts) override {
+  c10::intrusive_ptr<c10d::Work> reduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::ReduceOptions& opts) override {
     if (MultiHost()) {
       at::Tensor& t = Single(tensors, "reduce");
       at::Tensor tmp = t.contiguous().clone();
@@ -300,24 +329,29 @@ class ProcessGroupTPU : public c10d::Backend {
     return Issue(c10d::OpType::REDUCE, {e}, {t}, {b});
   }
 
-  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
-                                           std::vector<at::Tensor>& inputs,
-                                           const c10d::AllgatherOptions&) override {
+  c10::intrusive_ptr<c10d::Work> allgather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions&) override {
     if (MultiHost()) {
       at::Tensor& in = Single(inputs, "all_gather");
-      TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == getSize(),
-                  "tpu backend: all_gather needs one output list of ", getSize(), " tensors");
+      TORCH_CHECK(outputs.size() == 1 &&
+                      static_cast<int>(outputs[0].size()) == getSize(),
+                  "tpu backend: all_gather needs one output list of ",
+                  getSize(), " tensors");
       at::Tensor flat = at::empty({getSize() * in.numel()}, in.options());
       HierAllGather(flat, in.contiguous());
       for (int r = 0; r < getSize(); ++r) {
         CheckSame(in, outputs[0][r], "all_gather");
-        outputs[0][r].copy_(flat.narrow(0, r * in.numel(), in.numel()).view(outputs[0][r].sizes()));
+        outputs[0][r].copy_(flat.narrow(0, r * in.numel(), in.numel())
+                                .view(outputs[0][r].sizes()));
       }
       return Done(c10d::OpType::ALLGATHER, outputs[0], in);
     }
     at::Tensor& in = Single(inputs, "all_gather");
-    TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == getSize(),
-                "tpu backend: all_gather needs one output list of ", getSize(), " tensors");
+    TORCH_CHECK(
+        outputs.size() == 1 && static_cast<int>(outputs[0].size()) == getSize(),
+        "tpu backend: all_gather needs one output list of ", getSize(),
+        " tensors");
     for (const at::Tensor& o : outputs[0]) CheckSame(in, o, "all_gather");
     Buffer src = Dense(in, false);
     at::Tensor flat = at::empty({getSize() * in.numel()}, in.options());
@@ -326,16 +360,20 @@ class ProcessGroupTPU : public c10d::Backend {
     e.recv = Address(flat);
     std::vector<std::pair<at::Tensor, at::Tensor>> after;
     for (int r = 0; r < getSize(); ++r) {
-      after.emplace_back(outputs[0][r], flat.narrow(0, r * in.numel(), in.numel()));
+      after.emplace_back(outputs[0][r],
+                         flat.narrow(0, r * in.numel(), in.numel()));
     }
-    return Issue(c10d::OpType::ALLGATHER, {e}, outputs[0], {src}, after, {flat});
+    return Issue(c10d::OpType::ALLGATHER, {e}, outputs[0], {src}, after,
+                 {flat});
   }
 
-  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
-                                                 const c10d::AllgatherOptions&) override {
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& output, at::Tensor& input,
+      const c10d::AllgatherOptions&) override {
     if (MultiHost()) {
       TORCH_CHECK(output.numel() == input.numel() * getSize(),
-                  "tpu backend: all_gather_into_tensor's output must hold ", getSize(), " x the input");
+                  "tpu backend: all_gather_into_tensor's output must hold ",
+                  getSize(), " x the input");
       Buffer dst = Dense(output, true);
       HierAllGather(dst.t, input.contiguous());
       if (dst.write_back) output.copy_(dst.t);
@@ -351,18 +389,22 @@ class ProcessGroupTPU : public c10d::Backend {
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions&) override {
     TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(),
-                "tpu backend: allgather_into_tensor_coalesced needs one output per input");
+                "tpu backend: allgather_into_tensor_coalesced needs one output "
+                "per input");
     std::vector<tpu::CollectiveEntry> e;
     std::vector<Buffer> b;
-    for (size_t i = 0; i < inputs.size(); ++i) AllGatherInto(outputs[i], inputs[i], &e, &b);
+    for (size_t i = 0; i < inputs.size(); ++i)
+      AllGatherInto(outputs[i], inputs[i], &e, &b);
     return Issue(c10d::OpType::COALESCED, e, outputs, b);
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(
-      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override {
-    TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(),
-                "tpu backend: allgather_coalesced needs one output list per input");
+    TORCH_CHECK(
+        outputs.size() == inputs.size() && !inputs.empty(),
+        "tpu backend: allgather_coalesced needs one output list per input");
     std::vector<tpu::CollectiveEntry> entries;
     std::vector<Buffer> buffers;
     std::vector<std::pair<at::Tensor, at::Tensor>> after;
@@ -370,9 +412,11 @@ class ProcessGroupTPU : public c10d::Backend {
     for (size_t i = 0; i < inputs.size(); ++i) {
       CheckTpu(inputs[i], "allgather_coalesced's input");
       TORCH_CHECK(static_cast<int>(outputs[i].size()) == getSize(),
-                  "tpu backend: allgather_coalesced needs output lists of ", getSize(), " tensors");
+                  "tpu backend: allgather_coalesced needs output lists of ",
+                  getSize(), " tensors");
       Buffer src = Dense(inputs[i], false);
-      at::Tensor flat = at::empty({getSize() * inputs[i].numel()}, inputs[i].options());
+      at::Tensor flat =
+          at::empty({getSize() * inputs[i].numel()}, inputs[i].options());
       tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kAllGather, src.t);
       e.send = Address(src.t);
       e.recv = Address(flat);
@@ -381,26 +425,32 @@ class ProcessGroupTPU : public c10d::Backend {
       keep.push_back(flat);
       for (int r = 0; r < getSize(); ++r) {
         CheckSame(inputs[i], outputs[i][r], "allgather_coalesced");
-        after.emplace_back(outputs[i][r], flat.narrow(0, r * inputs[i].numel(), inputs[i].numel()));
+        after.emplace_back(outputs[i][r], flat.narrow(0, r * inputs[i].numel(),
+                                                      inputs[i].numel()));
         all_outputs.push_back(outputs[i][r]);
       }
     }
-    return Issue(c10d::OpType::ALLGATHER_COALESCED, entries, all_outputs, buffers, after, keep);
+    return Issue(c10d::OpType::ALLGATHER_COALESCED, entries, all_outputs,
+                 buffers, after, keep);
   }
 
-  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
-                                        std::vector<at::Tensor>& inputs,
-                                        const c10d::GatherOptions& opts) override {
+  c10::intrusive_ptr<c10d::Work> gather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::GatherOptions& opts) override {
     if (MultiHost()) {
       at::Tensor& in = Single(inputs, "gather");
       at::Tensor flat = at::empty({getSize() * in.numel()}, in.options());
       HierAllGather(flat, in.contiguous());
       std::vector<at::Tensor> outs;
       if (getRank() == opts.rootRank) {
-        TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == getSize(),
-                    "tpu backend: gather's root needs one output list of ", getSize(), " tensors");
+        TORCH_CHECK(outputs.size() == 1 &&
+                        static_cast<int>(outputs[0].size()) == getSize(),
+                    "tpu backend: gather's root needs one output list of ",
+                    getSize(), " tensors");
         for (int r = 0; r < getSize(); ++r) {
-          outputs[0][r].copy_(flat.narrow(0, r * in.numel(), in.numel()).view(outputs[0][r].sizes()));
+          outputs[0][r].copy_(flat.narrow(0, r * in.numel(), in.numel())
+                                  .view(outputs[0][r].sizes()));
         }
         outs = outputs[0];
       }
@@ -414,14 +464,17 @@ class ProcessGroupTPU : public c10d::Backend {
     std::vector<std::pair<at::Tensor, at::Tensor>> after;
     std::vector<at::Tensor> keep, outs;
     if (getRank() == opts.rootRank) {
-      TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == getSize(),
-                  "tpu backend: gather's root needs one output list of ", getSize(), " tensors");
+      TORCH_CHECK(outputs.size() == 1 &&
+                      static_cast<int>(outputs[0].size()) == getSize(),
+                  "tpu backend: gather's root needs one output list of ",
+                  getSize(), " tensors");
       at::Tensor flat = at::empty({getSize() * in.numel()}, in.options());
       e.recv = Address(flat);
       keep.push_back(flat);
       for (int r = 0; r < getSize(); ++r) {
         CheckSame(in, outputs[0][r], "gather");
-        after.emplace_back(outputs[0][r], flat.narrow(0, r * in.numel(), in.numel()));
+        after.emplace_back(outputs[0][r],
+                           flat.narrow(0, r * in.numel(), in.numel()));
       }
       outs = outputs[0];
     } else {
@@ -431,21 +484,25 @@ class ProcessGroupTPU : public c10d::Backend {
     return Issue(c10d::OpType::GATHER, {e}, outs, {src}, after, keep);
   }
 
-  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
-                                         std::vector<std::vector<at::Tensor>>& inputs,
-                                         const c10d::ScatterOptions& opts) override {
+  c10::intrusive_ptr<c10d::Work> scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ScatterOptions& opts) override {
     if (MultiHost()) {
       at::Tensor& out = Single(outputs, "scatter");
       at::Tensor flat = at::empty({getSize() * out.numel()}, out.options());
       if (getRank() == opts.rootRank) {
-        TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(),
-                    "tpu backend: scatter's root needs one input list of ", getSize(), " tensors");
+        TORCH_CHECK(inputs.size() == 1 &&
+                        static_cast<int>(inputs[0].size()) == getSize(),
+                    "tpu backend: scatter's root needs one input list of ",
+                    getSize(), " tensors");
         std::vector<at::Tensor> parts;
         for (const at::Tensor& t : inputs[0]) parts.push_back(t.reshape({-1}));
         flat.copy_(at::cat(parts));
       }
       HierBroadcast(flat, static_cast<int>(opts.rootRank));
-      out.copy_(flat.narrow(0, getRank() * out.numel(), out.numel()).view(out.sizes()));
+      out.copy_(flat.narrow(0, getRank() * out.numel(), out.numel())
+                    .view(out.sizes()));
       return Done(c10d::OpType::SCATTER, {out}, out);
     }
     at::Tensor& out = Single(outputs, "scatter");
@@ -455,8 +512,10 @@ class ProcessGroupTPU : public c10d::Backend {
     e.recv = Address(dst.t);
     std::vector<at::Tensor> keep;
     if (getRank() == opts.rootRank) {
-      TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(),
-                  "tpu backend: scatter's root needs one input list of ", getSize(), " tensors");
+      TORCH_CHECK(
+          inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(),
+          "tpu backend: scatter's root needs one input list of ", getSize(),
+          " tensors");
       std::vector<at::Tensor> parts;
       for (const at::Tensor& t : inputs[0]) {
         CheckSame(out, t, "scatter");
@@ -472,23 +531,29 @@ class ProcessGroupTPU : public c10d::Backend {
     return Issue(c10d::OpType::SCATTER, {e}, {out}, {dst}, {}, keep);
   }
 
-  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
-                                                std::vector<std::vector<at::Tensor>>& inputs,
-                                                const c10d::ReduceScatterOptions& opts) override {
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts) override {
     if (MultiHost()) {
       at::Tensor& out = Single(outputs, "reduce_scatter");
-      TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(),
-                  "tpu backend: reduce_scatter needs one input list of ", getSize(), " tensors");
+      TORCH_CHECK(
+          inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(),
+          "tpu backend: reduce_scatter needs one input list of ", getSize(),
+          " tensors");
       std::vector<at::Tensor> parts;
       for (const at::Tensor& t : inputs[0]) parts.push_back(t.reshape({-1}));
       at::Tensor tmp = at::cat(parts);
       HierAllReduce(tmp, ToReduceOp(opts.reduceOp));
-      out.copy_(tmp.narrow(0, getRank() * out.numel(), out.numel()).view(out.sizes()));
+      out.copy_(tmp.narrow(0, getRank() * out.numel(), out.numel())
+                    .view(out.sizes()));
       return Done(c10d::OpType::REDUCE_SCATTER, {out}, out);
     }
     at::Tensor& out = Single(outputs, "reduce_scatter");
-    TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(),
-                "tpu backend: reduce_scatter needs one input list of ", getSize(), " tensors");
+    TORCH_CHECK(
+        inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(),
+        "tpu backend: reduce_scatter needs one input list of ", getSize(),
+        " tensors");
     std::vector<at::Tensor> parts;
     for (const at::Tensor& t : inputs[0]) {
       CheckSame(out, t, "reduce_scatter");
@@ -504,13 +569,16 @@ class ProcessGroupTPU : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
-      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
+      at::Tensor& output, at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts) override {
     if (MultiHost()) {
       TORCH_CHECK(input.numel() == output.numel() * getSize(),
-                  "tpu backend: reduce_scatter_tensor's input must hold ", getSize(), " x the output");
+                  "tpu backend: reduce_scatter_tensor's input must hold ",
+                  getSize(), " x the output");
       at::Tensor tmp = input.contiguous().clone().view({-1});
       HierAllReduce(tmp, ToReduceOp(opts.reduceOp));
-      output.copy_(tmp.narrow(0, getRank() * output.numel(), output.numel()).view(output.sizes()));
+      output.copy_(tmp.narrow(0, getRank() * output.numel(), output.numel())
+                       .view(output.sizes()));
       return Done(c10d::OpType::_REDUCE_SCATTER_BASE, {output}, output);
     }
     std::vector<tpu::CollectiveEntry> e;
@@ -523,27 +591,31 @@ class ProcessGroupTPU : public c10d::Backend {
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::ReduceScatterOptions& opts) override {
     TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(),
-                "tpu backend: reduce_scatter_tensor_coalesced needs one output per input");
+                "tpu backend: reduce_scatter_tensor_coalesced needs one output "
+                "per input");
     std::vector<tpu::CollectiveEntry> e;
     std::vector<Buffer> b;
-    for (size_t i = 0; i < inputs.size(); ++i) ReduceScatterInto(outputs[i], inputs[i], opts, &e, &b);
+    for (size_t i = 0; i < inputs.size(); ++i)
+      ReduceScatterInto(outputs[i], inputs[i], opts, &e, &b);
     return Issue(c10d::OpType::COALESCED, e, outputs, b);
   }
 
-  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
-                                               std::vector<int64_t>& output_splits,
-                                               std::vector<int64_t>& input_splits,
-                                               const c10d::AllToAllOptions&) override {
+  c10::intrusive_ptr<c10d::Work> alltoall_base(
+      at::Tensor& output, at::Tensor& input,
+      std::vector<int64_t>& output_splits, std::vector<int64_t>& input_splits,
+      const c10d::AllToAllOptions&) override {
     if (MultiHost()) {
       // Across hosts every rank exchanges with every other: through the
       // host's memory, by gloo over all ranks.
       CheckTpu(input, "all_to_all's input");
       CheckTpu(output, "all_to_all's output");
       at::Tensor in_cpu = input.to(at::kCPU).contiguous();
-      at::Tensor out_cpu = at::empty(output.sizes(), output.options().device(at::kCPU));
+      at::Tensor out_cpu =
+          at::empty(output.sizes(), output.options().device(at::kCPU));
       c10d::AllToAllOptions o;
       o.timeout = timeout_;
-      world_->alltoall_base(out_cpu, in_cpu, output_splits, input_splits, o)->wait();
+      world_->alltoall_base(out_cpu, in_cpu, output_splits, input_splits, o)
+          ->wait();
       output.copy_(out_cpu);
       return Done(c10d::OpType::ALLTOALL_BASE, {output}, output);
     }
@@ -552,25 +624,27 @@ class ProcessGroupTPU : public c10d::Backend {
     TORCH_CHECK(input.scalar_type() == output.scalar_type(),
                 "tpu backend: all_to_all's input and output differ in dtype");
     const int n = getSize();
-    auto counts = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* what) {
+    auto counts = [&](const at::Tensor& t, const std::vector<int64_t>& splits,
+                      const char* what) {
       std::vector<int64_t> c;
       const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
       const int64_t per_row = rows == 0 ? 0 : t.numel() / rows;
       if (splits.empty()) {
-        TORCH_CHECK(rows % n == 0, "tpu backend: all_to_all's ", what, " has ", rows,
-                    " rows, not divisible by the group size ", n);
+        TORCH_CHECK(rows % n == 0, "tpu backend: all_to_all's ", what, " has ",
+                    rows, " rows, not divisible by the group size ", n);
         c.assign(n, rows / n * per_row);
       } else {
-        TORCH_CHECK(static_cast<int>(splits.size()) == n, "tpu backend: all_to_all needs ", n,
-                    " ", what, " splits, got ", splits.size());
+        TORCH_CHECK(static_cast<int>(splits.size()) == n,
+                    "tpu backend: all_to_all needs ", n, " ", what,
+                    " splits, got ", splits.size());
         int64_t total = 0;
         for (int64_t s : splits) {
           TORCH_CHECK(s >= 0, "tpu backend: negative all_to_all split");
           total += s;
           c.push_back(s * per_row);
         }
-        TORCH_CHECK(total == rows, "tpu backend: all_to_all's ", what, " splits sum to ", total,
-                    " but it has ", rows, " rows");
+        TORCH_CHECK(total == rows, "tpu backend: all_to_all's ", what,
+                    " splits sum to ", total, " but it has ", rows, " rows");
       }
       return c;
     };
@@ -585,19 +659,21 @@ class ProcessGroupTPU : public c10d::Backend {
     return Issue(c10d::OpType::ALLTOALL_BASE, {e}, {output}, {src, dst});
   }
 
-  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
-                                          std::vector<at::Tensor>& inputs,
-                                          const c10d::AllToAllOptions&) override {
+  c10::intrusive_ptr<c10d::Work> alltoall(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllToAllOptions&) override {
     if (MultiHost()) {
-      TORCH_CHECK(outputs.size() == inputs.size() && static_cast<int>(inputs.size()) == getSize(),
-                  "tpu backend: all_to_all needs ", getSize(), " input and ", getSize(),
-                  " output tensors");
+      TORCH_CHECK(outputs.size() == inputs.size() &&
+                      static_cast<int>(inputs.size()) == getSize(),
+                  "tpu backend: all_to_all needs ", getSize(), " input and ",
+                  getSize(), " output tensors");
       std::vector<at::Tensor> in_cpu, out_cpu;
       for (size_t r = 0; r < inputs.size(); ++r) {
         CheckTpu(inputs[r], "all_to_all's input");
         CheckTpu(outputs[r], "all_to_all's output");
         in_cpu.push_back(inputs[r].to(at::kCPU).contiguous());
-        out_cpu.push_back(at::empty(outputs[r].sizes(), outputs[r].options().device(at::kCPU)));
+        out_cpu.push_back(at::empty(outputs[r].sizes(),
+                                    outputs[r].options().device(at::kCPU)));
       }
       c10d::AllToAllOptions o;
       o.timeout = timeout_;
@@ -606,8 +682,10 @@ class ProcessGroupTPU : public c10d::Backend {
       return Done(c10d::OpType::ALLTOALL, outputs, outputs.at(0));
     }
     const int n = getSize();
-    TORCH_CHECK(static_cast<int>(outputs.size()) == n && static_cast<int>(inputs.size()) == n,
-                "tpu backend: all_to_all needs ", n, " input and ", n, " output tensors");
+    TORCH_CHECK(static_cast<int>(outputs.size()) == n &&
+                    static_cast<int>(inputs.size()) == n,
+                "tpu backend: all_to_all needs ", n, " input and ", n,
+                " output tensors");
     std::vector<at::Tensor> parts;
     tpu::CollectiveEntry e;
     int64_t out_total = 0;
@@ -631,10 +709,12 @@ class ProcessGroupTPU : public c10d::Backend {
     std::vector<std::pair<at::Tensor, at::Tensor>> after;
     int64_t off = 0;
     for (int r = 0; r < n; ++r) {
-      after.emplace_back(outputs[r], out_flat.narrow(0, off, outputs[r].numel()));
+      after.emplace_back(outputs[r],
+                         out_flat.narrow(0, off, outputs[r].numel()));
       off += outputs[r].numel();
     }
-    return Issue(c10d::OpType::ALLTOALL, {e}, outputs, {}, after, {in_flat, out_flat});
+    return Issue(c10d::OpType::ALLTOALL, {e}, outputs, {}, after,
+                 {in_flat, out_flat});
   }
 
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
@@ -646,7 +726,8 @@ class ProcessGroupTPU : public c10d::Backend {
       // To another host: a CPU copy goes by gloo (asynchronously, so that
       // batched sends and receives around a ring cannot deadlock).
       std::vector<at::Tensor> cpu{t.to(at::kCPU).contiguous()};
-      return HostPart(c10d::OpType::SEND, {world_->send(cpu, dst, tag), cpu[0], at::Tensor()});
+      return HostPart(c10d::OpType::SEND,
+                      {world_->send(cpu, dst, tag), cpu[0], at::Tensor()});
     }
     Buffer b = Dense(t, false);
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kSend, b.t);
@@ -658,11 +739,13 @@ class ProcessGroupTPU : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
                                       int tag) override {
     at::Tensor& t = Single(tensors, "recv");
-    TORCH_CHECK(src >= 0 && src < getSize(), "tpu backend: recv from rank ", src,
-                " (the group has ranks 0..", getSize() - 1, ")");
+    TORCH_CHECK(src >= 0 && src < getSize(), "tpu backend: recv from rank ",
+                src, " (the group has ranks 0..", getSize() - 1, ")");
     if (MultiHost() && host_of_[src] != host_) {
-      std::vector<at::Tensor> cpu{at::empty(t.sizes(), t.options().device(at::kCPU))};
-      return HostPart(c10d::OpType::RECV, {world_->recv(cpu, src, tag), cpu[0], t});
+      std::vector<at::Tensor> cpu{
+          at::empty(t.sizes(), t.options().device(at::kCPU))};
+      return HostPart(c10d::OpType::RECV,
+                      {world_->recv(cpu, src, tag), cpu[0], t});
     }
     Buffer b = Dense(t, true);
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kRecv, b.t);
@@ -671,37 +754,48 @@ class ProcessGroupTPU : public c10d::Backend {
     return Issue(c10d::OpType::RECV, {e}, {t}, {b});
   }
 
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>&, int) override {
-    TORCH_CHECK(false, "tpu backend: recv from any source is not supported; name the source rank");
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>&,
+                                               int) override {
+    TORCH_CHECK(false,
+                "tpu backend: recv from any source is not supported; name the "
+                "source rank");
   }
 
-  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+  c10::intrusive_ptr<c10d::Work> barrier(
+      const c10d::BarrierOptions& opts) override {
     if (MultiHost()) {
       c10::DeviceIndex device = CurrentDevice();
-      if (!opts.device_ids.empty()) device = static_cast<c10::DeviceIndex>(opts.device_ids[0]);
+      if (!opts.device_ids.empty())
+        device = static_cast<c10::DeviceIndex>(opts.device_ids[0]);
       tpu::CollectiveEntry e;
       e.kind = tpu::CollectiveKind::kBarrier;
       e.dtype = static_cast<int8_t>(at::kByte);
-      const at::Tensor anchor = at::empty({0}, at::TensorOptions().device(kTpu, device));
+      const at::Tensor anchor =
+          at::empty({0}, at::TensorOptions().device(kTpu, device));
       LocalOp(e, anchor);
       if (local_rank_ == 0) {
-        Check(GetSession().Synchronize(SessionStream(CurrentStreamId(device))), "barrier");
+        Check(GetSession().Synchronize(SessionStream(CurrentStreamId(device))),
+              "barrier");
         cross_->barrier()->wait();
       }
       LocalOp(e, anchor);
       return Done(c10d::OpType::BARRIER, {}, anchor, /*blocking=*/true);
     }
     c10::DeviceIndex device = CurrentDevice();
-    if (!opts.device_ids.empty()) device = static_cast<c10::DeviceIndex>(opts.device_ids[0]);
+    if (!opts.device_ids.empty())
+      device = static_cast<c10::DeviceIndex>(opts.device_ids[0]);
     tpu::CollectiveEntry e;
     e.kind = tpu::CollectiveKind::kBarrier;
     e.dtype = static_cast<int8_t>(at::kByte);
     TORCH_CHECK(!coalescing_, "tpu backend: barrier inside a coalescing group");
     const int stream = SessionStream(CurrentStreamId(device));
-    Check(GetSession().EnqueueCollective(stream, ChipOf(device), CommFor(device), &e, 1).status(),
+    Check(GetSession()
+              .EnqueueCollective(stream, ChipOf(device), CommFor(device), &e, 1)
+              .status(),
           "barrier");
-    return c10::make_intrusive<WorkTPU>(c10d::OpType::BARRIER, std::vector<at::Tensor>{},
-                                        RecordOn(device), device, /*blocking=*/true);
+    return c10::make_intrusive<WorkTPU>(
+        c10d::OpType::BARRIER, std::vector<at::Tensor>{}, RecordOn(device),
+        device, /*blocking=*/true);
   }
 
  private:
@@ -715,7 +809,8 @@ class ProcessGroupTPU : public c10d::Backend {
 
   Buffer Dense(const at::Tensor& t, bool write) {
     CheckTpu(t, "a collective's tensor");
-    if (t.is_contiguous() && !t.is_conj() && !t.is_neg()) return Buffer{t, t, false};
+    if (t.is_contiguous() && !t.is_conj() && !t.is_neg())
+      return Buffer{t, t, false};
     return Buffer{t.resolve_conj().resolve_neg().contiguous(), t, write};
   }
 
@@ -730,8 +825,10 @@ class ProcessGroupTPU : public c10d::Backend {
     CheckTpu(b, what);
     TORCH_CHECK(a.scalar_type() == b.scalar_type() && a.numel() == b.numel() &&
                     a.device() == b.device(),
-                "tpu backend: ", what, "'s tensors must match in dtype, size and device (",
-                a.scalar_type(), " ", a.sizes(), " vs ", b.scalar_type(), " ", b.sizes(), ")");
+                "tpu backend: ", what,
+                "'s tensors must match in dtype, size and device (",
+                a.scalar_type(), " ", a.sizes(), " vs ", b.scalar_type(), " ",
+                b.sizes(), ")");
   }
 
   tpu::CollectiveEntry Entry(tpu::CollectiveKind kind, const at::Tensor& t) {
@@ -743,13 +840,15 @@ class ProcessGroupTPU : public c10d::Backend {
   }
 
   void AllGatherInto(at::Tensor& output, at::Tensor& input,
-                     std::vector<tpu::CollectiveEntry>* entries, std::vector<Buffer>* buffers) {
+                     std::vector<tpu::CollectiveEntry>* entries,
+                     std::vector<Buffer>* buffers) {
     CheckTpu(input, "all_gather_into_tensor's input");
     CheckTpu(output, "all_gather_into_tensor's output");
     TORCH_CHECK(output.numel() == input.numel() * getSize() &&
                     output.scalar_type() == input.scalar_type(),
-                "tpu backend: all_gather_into_tensor's output must hold ", getSize(),
-                " x the input's ", input.numel(), " elements of ", input.scalar_type());
+                "tpu backend: all_gather_into_tensor's output must hold ",
+                getSize(), " x the input's ", input.numel(), " elements of ",
+                input.scalar_type());
     Buffer src = Dense(input, false);
     Buffer dst = Dense(output, true);
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kAllGather, src.t);
@@ -768,8 +867,9 @@ class ProcessGroupTPU : public c10d::Backend {
     CheckTpu(output, "reduce_scatter_tensor's output");
     TORCH_CHECK(input.numel() == output.numel() * getSize() &&
                     output.scalar_type() == input.scalar_type(),
-                "tpu backend: reduce_scatter_tensor's input must hold ", getSize(),
-                " x the output's ", output.numel(), " elements of ", output.scalar_type());
+                "tpu backend: reduce_scatter_tensor's input must hold ",
+                getSize(), " x the output's ", output.numel(), " elements of ",
+                output.scalar_type());
     Buffer src = Dense(input, false);
     Buffer dst = Dense(output, true);
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kReduceScatter, dst.t);
@@ -800,25 +900,26 @@ class ProcessGroupTPU : public c10d::Backend {
       key.assign(v.begin(), v.end());
     }
     absl::StatusOr<uint64_t> id = GetSession().JoinCommunicator(
-        key, LocalSize(), local_rank_, ChipOf(device), absl::FromChrono(timeout_),
-        absl::FromChrono(timeout_));
+        key, LocalSize(), local_rank_, ChipOf(device),
+        absl::FromChrono(timeout_), absl::FromChrono(timeout_));
     Check(id.status(), "forming the tpu communicator");
     comms_[device] = *id;
     return *id;
   }
 
   tpu::Event RecordOn(c10::DeviceIndex device) {
-    absl::StatusOr<tpu::Event> ev = GetSession().RecordEvent(SessionStream(CurrentStreamId(device)));
+    absl::StatusOr<tpu::Event> ev =
+        GetSession().RecordEvent(SessionStream(CurrentStreamId(device)));
     Check(ev.status(), "recording a collective's event");
     return *ev;
   }
 
-  c10::intrusive_ptr<c10d::Work> Issue(c10d::OpType type,
-                                       const std::vector<tpu::CollectiveEntry>& entries,
-                                       const std::vector<at::Tensor>& outputs,
-                                       const std::vector<Buffer>& buffers,
-                                       const std::vector<std::pair<at::Tensor, at::Tensor>>& after = {},
-                                       const std::vector<at::Tensor>& keep = {}) {
+  c10::intrusive_ptr<c10d::Work> Issue(
+      c10d::OpType type, const std::vector<tpu::CollectiveEntry>& entries,
+      const std::vector<at::Tensor>& outputs,
+      const std::vector<Buffer>& buffers,
+      const std::vector<std::pair<at::Tensor, at::Tensor>>& after = {},
+      const std::vector<at::Tensor>& keep = {}) {
     c10::DeviceIndex device = -1;
     for (const Buffer& b : buffers) {
       if (b.t.defined()) device = b.t.device().index();
@@ -835,14 +936,17 @@ class ProcessGroupTPU : public c10d::Backend {
         if (b.write_back) pending_after_.emplace_back(b.original, b.t);
       }
       pending_after_.insert(pending_after_.end(), after.begin(), after.end());
-      pending_outputs_.insert(pending_outputs_.end(), outputs.begin(), outputs.end());
+      pending_outputs_.insert(pending_outputs_.end(), outputs.begin(),
+                              outputs.end());
       pending_keep_.insert(pending_keep_.end(), keep.begin(), keep.end());
       // Each call inside the group returns a Work that completes with it.
-      return c10::make_intrusive<WorkTPU>(type, outputs, RecordOn(device), device, false);
+      return c10::make_intrusive<WorkTPU>(type, outputs, RecordOn(device),
+                                          device, false);
     }
     const int stream = SessionStream(CurrentStreamId(device));
-    absl::StatusOr<uint64_t> seq = GetSession().EnqueueCollective(
-        stream, ChipOf(device), CommFor(device), entries.data(), entries.size());
+    absl::StatusOr<uint64_t> seq =
+        GetSession().EnqueueCollective(stream, ChipOf(device), CommFor(device),
+                                       entries.data(), entries.size());
     Check(seq.status(), c10d::opTypeToString(type).c_str());
     bool copied = !after.empty();
     for (const Buffer& b : buffers) {
@@ -854,28 +958,31 @@ class ProcessGroupTPU : public c10d::Backend {
     // the caller's tensors follow it (no extra record per call: tpud
     // completes the record on every rank as soon as the data has moved).
     const tpu::Event done =
-        copied ? RecordOn(device) : GetSession().EventAt(stream, ChipOf(device), *seq);
+        copied ? RecordOn(device)
+               : GetSession().EventAt(stream, ChipOf(device), *seq);
     return c10::make_intrusive<WorkTPU>(type, outputs, done, device, false);
   }
 
   c10::intrusive_ptr<c10d::Work> Flush(c10d::OpType type) {
     const c10::DeviceIndex device = pending_device_;
     const int stream = SessionStream(CurrentStreamId(device));
-    absl::StatusOr<uint64_t> seq = GetSession().EnqueueCollective(
-        stream, ChipOf(device), CommFor(device), pending_.data(), pending_.size());
+    absl::StatusOr<uint64_t> seq =
+        GetSession().EnqueueCollective(stream, ChipOf(device), CommFor(device),
+                                       pending_.data(), pending_.size());
     Check(seq.status(), "coalesced collectives");
     const bool copied = !pending_after_.empty();
-    for (const auto& [dst, src] : pending_after_) dst.copy_(src.view(dst.sizes()));
+    for (const auto& [dst, src] : pending_after_)
+      dst.copy_(src.view(dst.sizes()));
     std::vector<at::Tensor> outputs = std::move(pending_outputs_);
     pending_.clear();
     pending_after_.clear();
     pending_keep_.clear();
     pending_outputs_.clear();
     const tpu::Event done =
-        copied ? RecordOn(device) : GetSession().EventAt(stream, ChipOf(device), *seq);
+        copied ? RecordOn(device)
+               : GetSession().EventAt(stream, ChipOf(device), *seq);
     return c10::make_intrusive<WorkTPU>(type, outputs, done, device, false);
   }
-
 
   // ---- across hosts: in-daemon collectives inside each host, gloo between
   // the hosts' first ranks (hierarchical, as NCCL does across nodes) ----
@@ -883,13 +990,17 @@ class ProcessGroupTPU : public c10d::Backend {
   // Enqueues one collective among this host's ranks on t's device.
   void LocalOp(tpu::CollectiveEntry e, const at::Tensor& t) {
     if (LocalSize() == 1 && e.kind != tpu::CollectiveKind::kBarrier) return;
-    const c10::DeviceIndex device = t.defined() ? t.device().index() : CurrentDevice();
+    const c10::DeviceIndex device =
+        t.defined() ? t.device().index() : CurrentDevice();
     const int stream = SessionStream(CurrentStreamId(device));
-    Check(GetSession().EnqueueCollective(stream, ChipOf(device), CommFor(device), &e, 1).status(),
+    Check(GetSession()
+              .EnqueueCollective(stream, ChipOf(device), CommFor(device), &e, 1)
+              .status(),
           tpu::CollectiveKindName(e.kind));
   }
 
-  tpu::CollectiveEntry LocalEntry(tpu::CollectiveKind kind, const at::Tensor& t, int root,
+  tpu::CollectiveEntry LocalEntry(tpu::CollectiveKind kind, const at::Tensor& t,
+                                  int root,
                                   tpu::ReduceOp op = tpu::ReduceOp::kSum) {
     tpu::CollectiveEntry e = Entry(kind, t);
     e.peer = root;
@@ -901,7 +1012,7 @@ class ProcessGroupTPU : public c10d::Backend {
   // On the host's first rank: t (after this host's step) through the host's
   // memory, `fn` over gloo, and back.
   void Cross(at::Tensor& t, const std::function<c10::intrusive_ptr<c10d::Work>(
-                                 std::vector<at::Tensor>&)>& fn) {
+                                std::vector<at::Tensor>&)>& fn) {
     std::vector<at::Tensor> cpu{t.to(at::kCPU)};  // waits for the host's step
     fn(cpu)->wait();
     t.copy_(cpu[0]);
@@ -909,16 +1020,21 @@ class ProcessGroupTPU : public c10d::Backend {
 
   static c10d::ReduceOp::RedOpType Gloo(tpu::ReduceOp op) {
     switch (op) {
-      case tpu::ReduceOp::kProduct: return c10d::ReduceOp::PRODUCT;
-      case tpu::ReduceOp::kMin: return c10d::ReduceOp::MIN;
-      case tpu::ReduceOp::kMax: return c10d::ReduceOp::MAX;
-      default: return c10d::ReduceOp::SUM;
+      case tpu::ReduceOp::kProduct:
+        return c10d::ReduceOp::PRODUCT;
+      case tpu::ReduceOp::kMin:
+        return c10d::ReduceOp::MIN;
+      case tpu::ReduceOp::kMax:
+        return c10d::ReduceOp::MAX;
+      default:
+        return c10d::ReduceOp::SUM;
     }
   }
 
   void HierAllReduce(at::Tensor& t, tpu::ReduceOp op) {
     const bool avg = op == tpu::ReduceOp::kAvg;
-    TORCH_CHECK(!avg || at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()),
+    TORCH_CHECK(!avg || at::isFloatingType(t.scalar_type()) ||
+                    at::isComplexType(t.scalar_type()),
                 "tpu backend: avg across hosts needs a floating-point tensor");
     const tpu::ReduceOp local = avg ? tpu::ReduceOp::kSum : op;
     LocalOp(LocalEntry(tpu::CollectiveKind::kReduce, t, 0, local), t);
@@ -936,24 +1052,28 @@ class ProcessGroupTPU : public c10d::Backend {
   void HierBroadcast(at::Tensor& t, int root) {
     const int root_host = host_of_[root];
     const std::vector<int> ranks = RanksOf(root_host);
-    const int root_local =
-        static_cast<int>(std::find(ranks.begin(), ranks.end(), root) - ranks.begin());
-    if (host_ == root_host) LocalOp(LocalEntry(tpu::CollectiveKind::kBroadcast, t, root_local), t);
+    const int root_local = static_cast<int>(
+        std::find(ranks.begin(), ranks.end(), root) - ranks.begin());
+    if (host_ == root_host)
+      LocalOp(LocalEntry(tpu::CollectiveKind::kBroadcast, t, root_local), t);
     if (local_rank_ == 0) {
       Cross(t, [&](std::vector<at::Tensor>& v) {
         c10d::BroadcastOptions o;
-        o.rootRank = root_host;  // the cross group's ranks are the hosts, in order
+        o.rootRank =
+            root_host;  // the cross group's ranks are the hosts, in order
         return cross_->broadcast(v, o);
       });
     }
-    if (host_ != root_host) LocalOp(LocalEntry(tpu::CollectiveKind::kBroadcast, t, 0), t);
+    if (host_ != root_host)
+      LocalOp(LocalEntry(tpu::CollectiveKind::kBroadcast, t, 0), t);
   }
 
   // out: size x in.numel() elements, in global rank order.
   void HierAllGather(at::Tensor& out, const at::Tensor& in) {
     for (int h = 0; h < num_hosts_; ++h) {
       TORCH_CHECK(static_cast<int>(RanksOf(h).size()) == LocalSize(),
-                  "tpu backend: all_gather across hosts needs the same number of ranks on each");
+                  "tpu backend: all_gather across hosts needs the same number "
+                  "of ranks on each");
     }
     const int64_t n = in.numel();
     at::Tensor local = at::empty({LocalSize() * n}, in.options());
@@ -969,7 +1089,8 @@ class ProcessGroupTPU : public c10d::Backend {
     if (local_rank_ == 0) {
       std::vector<at::Tensor> mine{local.to(at::kCPU)};
       std::vector<std::vector<at::Tensor>> hosts(1);
-      for (int h = 0; h < num_hosts_; ++h) hosts[0].push_back(at::empty_like(mine[0]));
+      for (int h = 0; h < num_hosts_; ++h)
+        hosts[0].push_back(at::empty_like(mine[0]));
       cross_->allgather(hosts, mine)->wait();
       at::Tensor cpu = at::empty({getSize() * n}, mine[0].options());
       for (int h = 0; h < num_hosts_; ++h) {
@@ -992,34 +1113,43 @@ class ProcessGroupTPU : public c10d::Backend {
     return r;
   }
 
-  c10::intrusive_ptr<c10d::Work> Done(c10d::OpType type, const std::vector<at::Tensor>& outputs,
-                                      const at::Tensor& anchor, bool blocking = false) {
-    const c10::DeviceIndex device = anchor.defined() ? anchor.device().index() : CurrentDevice();
-    return c10::make_intrusive<WorkTPU>(type, outputs, RecordOn(device), device, blocking);
+  c10::intrusive_ptr<c10d::Work> Done(c10d::OpType type,
+                                      const std::vector<at::Tensor>& outputs,
+                                      const at::Tensor& anchor,
+                                      bool blocking = false) {
+    const c10::DeviceIndex device =
+        anchor.defined() ? anchor.device().index() : CurrentDevice();
+    return c10::make_intrusive<WorkTPU>(type, outputs, RecordOn(device), device,
+                                        blocking);
   }
 
   // Every collective of a group that spans hosts.
-  c10::intrusive_ptr<c10d::Work> Hier(c10d::OpType type, const std::vector<at::Tensor>& outputs,
-                                      const std::function<void()>& body, const at::Tensor& anchor) {
+  c10::intrusive_ptr<c10d::Work> Hier(c10d::OpType type,
+                                      const std::vector<at::Tensor>& outputs,
+                                      const std::function<void()>& body,
+                                      const at::Tensor& anchor) {
     body();
     return Done(type, outputs, anchor);
   }
 
   // A rank of this host, as its rank in the host's communicator.
   int LocalIndex(int rank) const {
-    return static_cast<int>(std::find(local_ranks_.begin(), local_ranks_.end(), rank) -
-                            local_ranks_.begin());
+    return static_cast<int>(
+        std::find(local_ranks_.begin(), local_ranks_.end(), rank) -
+        local_ranks_.begin());
   }
 
   // A point-to-point operation that crosses hosts; inside a coalesced
   // group it joins the group's Work.
-  c10::intrusive_ptr<c10d::Work> HostPart(c10d::OpType type, WorkHost::Part part) {
+  c10::intrusive_ptr<c10d::Work> HostPart(c10d::OpType type,
+                                          WorkHost::Part part) {
     if (coalescing_) {
       pending_host_.push_back(part);
-      return c10::make_intrusive<WorkHost>(type, std::vector<WorkHost::Part>{part}, nullptr);
+      return c10::make_intrusive<WorkHost>(
+          type, std::vector<WorkHost::Part>{part}, nullptr);
     }
-    return c10::make_intrusive<WorkHost>(type, std::vector<WorkHost::Part>{std::move(part)},
-                                         nullptr);
+    return c10::make_intrusive<WorkHost>(
+        type, std::vector<WorkHost::Part>{std::move(part)}, nullptr);
   }
 
   int LocalSize() const { return static_cast<int>(local_ranks_.size()); }
@@ -1029,8 +1159,10 @@ class ProcessGroupTPU : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   std::vector<int> host_of_;
   c10::intrusive_ptr<c10d::Backend> cross_;
-  c10::intrusive_ptr<c10d::Backend> world_;  // gloo over all ranks, across hosts only
-  std::vector<WorkHost::Part> pending_host_;   // cross-host p2p of a coalesced group
+  c10::intrusive_ptr<c10d::Backend>
+      world_;  // gloo over all ranks, across hosts only
+  std::vector<WorkHost::Part>
+      pending_host_;  // cross-host p2p of a coalesced group
   int host_ = 0, num_hosts_ = 1, local_rank_ = 0;
   std::vector<int> local_ranks_;  // global ranks on this host, in order
   std::map<c10::DeviceIndex, uint64_t> comms_;
@@ -1047,18 +1179,20 @@ class ProcessGroupTPU : public c10d::Backend {
 
 void RegisterDistributed(py::module& m) {
   py::module::import("torch._C._distributed_c10d");
-  py::class_<ProcessGroupTPU, c10d::Backend, c10::intrusive_ptr<ProcessGroupTPU>>(
-      m, "_ProcessGroupTPU")
-      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                       std::chrono::milliseconds timeout, std::vector<int> host_of,
+  py::class_<ProcessGroupTPU, c10d::Backend,
+             c10::intrusive_ptr<ProcessGroupTPU>>(m, "_ProcessGroupTPU")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                       int size, std::chrono::milliseconds timeout,
+                       std::vector<int> host_of,
                        c10::intrusive_ptr<c10d::Backend> cross,
                        c10::intrusive_ptr<c10d::Backend> world) {
-             return c10::make_intrusive<ProcessGroupTPU>(store, rank, size, timeout,
-                                                         std::move(host_of), std::move(cross),
-                                                         std::move(world));
+             return c10::make_intrusive<ProcessGroupTPU>(
+                 store, rank, size, timeout, std::move(host_of),
+                 std::move(cross), std::move(world));
            }),
-           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("host_of"), py::arg("cross"), py::arg("world") = nullptr,
+           py::arg("store"), py::arg("rank"), py::arg("size"),
+           py::arg("timeout"), py::arg("host_of"), py::arg("cross"),
+           py::arg("world") = nullptr,
            py::call_guard<py::gil_scoped_release>());
 }
 

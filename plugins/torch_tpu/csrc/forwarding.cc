@@ -25,11 +25,14 @@ namespace {
 
 // A CPU 0-dim tensor (a wrapped Python number) used with tpu tensors goes to
 // the device first, as CUDA does implicitly.
-at::Tensor ToDevice(const at::Tensor& cpu, c10::DeviceIndex device, int stream) {
+at::Tensor ToDevice(const at::Tensor& cpu, c10::DeviceIndex device,
+                    int stream) {
   at::Tensor src = cpu.contiguous();
-  at::Tensor dst = EmptyStrided(src.sizes(), src.strides(), src.scalar_type(), device);
+  at::Tensor dst =
+      EmptyStrided(src.sizes(), src.strides(), src.scalar_type(), device);
   if (src.nbytes() > 0) {
-    Check(GetSession().CopyToDevice(stream, reinterpret_cast<uint64_t>(dst.data_ptr()),
+    Check(GetSession().CopyToDevice(stream,
+                                    reinterpret_cast<uint64_t>(dst.data_ptr()),
                                     src.data_ptr(), src.nbytes()),
           "copy to device");
   }
@@ -144,7 +147,8 @@ class ForwardedOp {
     // Output metadata: from the per-signature cache, or from the meta kernel.
     std::string key;
     const bool cacheable = Key(inputs, &key);
-    std::shared_ptr<const MetaSpec> spec = cacheable ? CacheLookup(key) : nullptr;
+    std::shared_ptr<const MetaSpec> spec =
+        cacheable ? CacheLookup(key) : nullptr;
     if (spec == nullptr) {
       spec = ComputeSpec(inputs);
       if (cacheable) CacheStore(key, spec);
@@ -153,7 +157,8 @@ class ForwardedOp {
     std::vector<tpu::OpArg>& wire = *wire_scratch;
     wire.resize(n);
     auto encode_args = [&] {
-      for (size_t i = 0; i < n; ++i) ArgToWire(inputs[i], schema_, i, device_, wire[i]);
+      for (size_t i = 0; i < n; ++i)
+        ArgToWire(inputs[i], schema_, i, device_, wire[i]);
     };
     const uint32_t id = OpIdFor(schema_);
     tpu::Session& session = GetSession();
@@ -171,7 +176,8 @@ class ForwardedOp {
     outputs.clear();
     std::vector<c10::IValue> returns;
     bool all_alias = true;
-    for (const ReturnSpec& r : spec->returns) returns.push_back(Apply(r, &outputs, &all_alias));
+    for (const ReturnSpec& r : spec->returns)
+      returns.push_back(Apply(r, &outputs, &all_alias));
     // After the outputs: an out= argument may just have been resized.
     encode_args();
     if (all_alias && !WritesAnArgument()) {
@@ -179,10 +185,11 @@ class ForwardedOp {
       for (c10::IValue& r : returns) torch::jit::push(*stack_, std::move(r));
       return;
     }
-    absl::StatusOr<uint64_t> seq = session.EnqueueOp(stream_, id, wire.data(), wire.size(),
-                                                     outputs.data(), outputs.size());
+    absl::StatusOr<uint64_t> seq = session.EnqueueOp(
+        stream_, id, wire.data(), wire.size(), outputs.data(), outputs.size());
     Check(seq.status(), schema_.name().c_str());
-    for (auto& [tmp, out] : pending_copies_) ForwardInPlace("aten::copy_", "", out, {tmp, false});
+    for (auto& [tmp, out] : pending_copies_)
+      ForwardInPlace("aten::copy_", "", out, {tmp, false});
     for (c10::IValue& r : returns) torch::jit::push(*stack_, std::move(r));
   }
 
@@ -196,7 +203,8 @@ class ForwardedOp {
       add(v.toTensor());
     } else if (v.isTensorList()) {
       for (const at::Tensor& t : v.toTensorList()) add(t);
-    } else if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
+    } else if (v.isList() && !v.isIntList() && !v.isDoubleList() &&
+               !v.isBoolList()) {
       for (const c10::IValue& e : v.toListRef()) {
         if (e.isTensor()) add(e.toTensor());
       }
@@ -236,10 +244,12 @@ class ForwardedOp {
     // Which inputs share storage matters to aliasing results.
     const void* storage = t.storage().unsafeGetStorageImpl();
     int index = 0;
-    while (index < static_cast<int>(seen_storages_.size()) && seen_storages_[index] != storage) {
+    while (index < static_cast<int>(seen_storages_.size()) &&
+           seen_storages_[index] != storage) {
       ++index;
     }
-    if (index == static_cast<int>(seen_storages_.size())) seen_storages_.push_back(storage);
+    if (index == static_cast<int>(seen_storages_.size()))
+      seen_storages_.push_back(storage);
     Put(k, index);
   }
 
@@ -309,7 +319,8 @@ class ForwardedOp {
     return true;
   }
 
-  std::shared_ptr<const MetaSpec> ComputeSpec(const std::vector<c10::IValue>& inputs) {
+  std::shared_ptr<const MetaSpec> ComputeSpec(
+      const std::vector<c10::IValue>& inputs) {
     auto spec = std::make_shared<MetaSpec>();
     for (const c10::Argument& r : schema_.returns()) {
       const auto kind = r.real_type()->kind();
@@ -320,7 +331,8 @@ class ForwardedOp {
       }
     }
     const std::string& name = schema_.name();
-    if (name == "aten::_embedding_bag" || name == "aten::_embedding_bag_forward_only") {
+    if (name == "aten::_embedding_bag" ||
+        name == "aten::_embedding_bag_forward_only") {
       // Which of offset2bag and max_indices the CPU kernel fills (and how
       // big they are) depends on the mode and fast paths the meta kernel
       // does not model: take the kernel's own results.
@@ -340,7 +352,8 @@ class ForwardedOp {
         rs.items.push_back(SpecOf(m.toTensor()));
       } else if (m.isTensorList()) {
         rs.is_list = true;
-        for (const at::Tensor& t : m.toTensorList()) rs.items.push_back(SpecOf(t));
+        for (const at::Tensor& t : m.toTensorList())
+          rs.items.push_back(SpecOf(t));
       } else {
         TORCH_CHECK(false, "tpu: ", schema_.name(), " returned ", m.tagKind(),
                     ", which tpu cannot forward");
@@ -355,26 +368,31 @@ class ForwardedOp {
   // CPU kernels, whose statistics differ from the meta kernels' (which model
   // CUDA's): in the input's dtype unless a float parameter makes the kernel
   // mixed-precision, and, for batch norm in eval mode, empty.
-  void MatchCpuStatistics(const std::vector<c10::IValue>& inputs, MetaSpec* spec) const {
+  void MatchCpuStatistics(const std::vector<c10::IValue>& inputs,
+                          MetaSpec* spec) const {
     const std::string& name = schema_.name();
-    const bool batch_norm = name == "aten::native_batch_norm" ||
-                            name == "aten::_native_batch_norm_legit" ||
-                            name == "aten::_native_batch_norm_legit_no_training" ||
-                            name == "aten::_batch_norm_with_update" ||
-                            name == "aten::_batch_norm_no_update";
+    const bool batch_norm =
+        name == "aten::native_batch_norm" ||
+        name == "aten::_native_batch_norm_legit" ||
+        name == "aten::_native_batch_norm_legit_no_training" ||
+        name == "aten::_batch_norm_with_update" ||
+        name == "aten::_batch_norm_no_update";
     const bool layer_norm = name == "aten::native_layer_norm";
     if (!batch_norm && !layer_norm) return;
-    if (spec->returns.size() < 3 || inputs.empty() || !inputs[0].isTensor()) return;
+    if (spec->returns.size() < 3 || inputs.empty() || !inputs[0].isTensor())
+      return;
     const at::ScalarType in = inputs[0].toTensor().scalar_type();
     bool training = name != "aten::_native_batch_norm_legit_no_training" &&
                     name != "aten::_batch_norm_no_update";
     bool mixed = false;
     const auto& args = schema_.arguments();
     for (size_t i = 1; i < args.size() && i < inputs.size(); ++i) {
-      if (args[i].name() == "training" && inputs[i].isBool()) training = inputs[i].toBool();
+      if (args[i].name() == "training" && inputs[i].isBool())
+        training = inputs[i].toBool();
       if (inputs[i].isTensor() && inputs[i].toTensor().defined() &&
           inputs[i].toTensor().scalar_type() != in &&
-          at::isReducedFloatingType(in) && inputs[i].toTensor().scalar_type() == at::kFloat) {
+          at::isReducedFloatingType(in) &&
+          inputs[i].toTensor().scalar_type() == at::kFloat) {
         mixed = true;
       }
     }
@@ -401,7 +419,8 @@ class ForwardedOp {
     o.dtype = m.scalar_type();
     o.kind = OutSpec::Kind::kNew;
     for (size_t i = 0; i < meta_pairs_.size(); ++i) {
-      if (meta_pairs_[i].first.unsafeGetTensorImpl() == m.unsafeGetTensorImpl()) {
+      if (meta_pairs_[i].first.unsafeGetTensorImpl() ==
+          m.unsafeGetTensorImpl()) {
         o.kind = OutSpec::Kind::kSame;
         o.input = static_cast<int>(i);
         o.storage_bytes = m.storage().nbytes();
@@ -418,7 +437,8 @@ class ForwardedOp {
     return o;
   }
 
-  at::Tensor ApplyOne(const OutSpec& o, std::vector<tpu::TensorRef>* outputs, bool* all_alias) {
+  at::Tensor ApplyOne(const OutSpec& o, std::vector<tpu::TensorRef>* outputs,
+                      bool* all_alias) {
     switch (o.kind) {
       case OutSpec::Kind::kNone:
         outputs->push_back(tpu::TensorRef{});  // the slot still counts
@@ -432,15 +452,18 @@ class ForwardedOp {
           // than the result when the result casts to it (an in-place bfloat16
           // op with a float32 0-dim operand computes in float32).
           const bool cast = out.scalar_type() != o.dtype;
-          TORCH_CHECK(!cast || at::canCast(o.dtype, out.scalar_type()), "tpu: ", schema_.name(),
-                      ": result type ", o.dtype, " can't be cast to the desired output type ",
+          TORCH_CHECK(!cast || at::canCast(o.dtype, out.scalar_type()),
+                      "tpu: ", schema_.name(), ": result type ", o.dtype,
+                      " can't be cast to the desired output type ",
                       out.scalar_type());
           if (out.sizes() != at::IntArrayRef(o.sizes)) {
             TORCH_CHECK(!in_place_, "output with shape ", out.sizes(),
-                        " doesn't match the broadcast shape ", at::IntArrayRef(o.sizes));
+                        " doesn't match the broadcast shape ",
+                        at::IntArrayRef(o.sizes));
             Resize(out, o.sizes, std::nullopt);
           }
-          if (cast || !out.is_contiguous() || out.strides() != at::IntArrayRef(o.strides)) {
+          if (cast || !out.is_contiguous() ||
+              out.strides() != at::IntArrayRef(o.strides)) {
             // Written through a temporary, then copied (and cast) into out.
             at::Tensor tmp = EmptyStrided(o.sizes, o.strides, o.dtype, device_);
             outputs->push_back(RefOf(tmp));
@@ -459,17 +482,20 @@ class ForwardedOp {
         // the wrong shape): give the real tensor the same shape and room.
         const at::Tensor& real = reals_.at(o.input);
         if (real.sizes() != at::IntArrayRef(o.sizes) ||
-            real.strides() != at::IntArrayRef(o.strides) || real.storage_offset() != o.offset) {
+            real.strides() != at::IntArrayRef(o.strides) ||
+            real.storage_offset() != o.offset) {
           if (o.storage_bytes > real.storage().nbytes()) {
             ResizeStorage(real.storage(), o.storage_bytes);
           }
-          real.unsafeGetTensorImpl()->set_sizes_and_strides(o.sizes, o.strides, o.offset);
+          real.unsafeGetTensorImpl()->set_sizes_and_strides(o.sizes, o.strides,
+                                                            o.offset);
         }
         outputs->push_back(RefOf(real));
         return real;
       }
       case OutSpec::Kind::kView: {
-        at::Tensor view = reals_.at(o.input).as_strided(o.sizes, o.strides, o.offset);
+        at::Tensor view =
+            reals_.at(o.input).as_strided(o.sizes, o.strides, o.offset);
         outputs->push_back(RefOf(view));
         return view;
       }
@@ -477,14 +503,16 @@ class ForwardedOp {
     return at::Tensor();
   }
 
-  c10::IValue Apply(const ReturnSpec& r, std::vector<tpu::TensorRef>* outputs, bool* all_alias) {
+  c10::IValue Apply(const ReturnSpec& r, std::vector<tpu::TensorRef>* outputs,
+                    bool* all_alias) {
     if (r.is_none) {
       outputs->push_back(tpu::TensorRef{});
       return c10::IValue();
     }
     if (r.is_list) {
       c10::List<at::Tensor> list;
-      for (const OutSpec& o : r.items) list.push_back(ApplyOne(o, outputs, all_alias));
+      for (const OutSpec& o : r.items)
+        list.push_back(ApplyOne(o, outputs, all_alias));
       return list;
     }
     return ApplyOne(r.items.at(0), outputs, all_alias);
@@ -518,7 +546,8 @@ class ForwardedOp {
       // Factory-like ops (e.g. randperm, arange.start_out): the op's device
       // argument or the current device.
       for (const c10::IValue& v : args) {
-        if (v.isDevice() && v.toDevice().type() == kTpu && v.toDevice().has_index()) {
+        if (v.isDevice() && v.toDevice().type() == kTpu &&
+            v.toDevice().has_index()) {
           device_ = v.toDevice().index();
         }
       }
@@ -530,8 +559,10 @@ class ForwardedOp {
   // A CPU 0-dim tensor (a Python number in `x + 2`) stays on the host: it
   // travels by value (kScalarTensor). Lists carry only device tensors, so
   // there it goes to the device.
-  at::Tensor NormalizeTensor(const at::Tensor& t, size_t index, bool in_list = false) {
-    if (!in_list && t.defined() && t.device().is_cpu() && t.dim() == 0) return t;
+  at::Tensor NormalizeTensor(const at::Tensor& t, size_t index,
+                             bool in_list = false) {
+    if (!in_list && t.defined() && t.device().is_cpu() && t.dim() == 0)
+      return t;
     if (IsTpu(t) && (t.is_conj() || t.is_neg())) {
       // Conjugate-aware ops get lazy-conjugate inputs; the daemon gets plain
       // data. (A written argument keeps its bit: RefOf refuses it.)
@@ -543,16 +574,19 @@ class ForwardedOp {
       }
     }
     if (!t.defined() || IsTpu(t)) {
-      TORCH_CHECK(!t.defined() || t.device().index() == device_, "tpu: ", schema_.name(),
+      TORCH_CHECK(!t.defined() || t.device().index() == device_,
+                  "tpu: ", schema_.name(),
                   ": expected all tensors on tpu:", static_cast<int>(device_),
                   ", found one on ", t.device(), " (argument ", index, ")");
       return t;
     }
     // CPU tensors inside lists (index tensors of index/index_put) go to the
     // device, as CUDA accepts them; elsewhere only host scalars may.
-    TORCH_CHECK(t.device().is_cpu() && (t.dim() == 0 || in_list), "tpu: ", schema_.name(),
-                ": expected all tensors on tpu, found one on ", t.device(), " (argument ",
-                index, ", shape ", t.sizes(), "); move it with .to(\"tpu\")");
+    TORCH_CHECK(t.device().is_cpu() && (t.dim() == 0 || in_list),
+                "tpu: ", schema_.name(),
+                ": expected all tensors on tpu, found one on ", t.device(),
+                " (argument ", index, ", shape ", t.sizes(),
+                "); move it with .to(\"tpu\")");
     at::Tensor moved = ToDevice(t, device_, stream_);
     keep_alive_.push_back(moved);
     return moved;
@@ -562,7 +596,8 @@ class ForwardedOp {
     if (v.isTensor()) return NormalizeTensor(v.toTensor(), index);
     if (v.isTensorList()) {
       c10::List<at::Tensor> out;
-      for (const at::Tensor& t : v.toTensorList()) out.push_back(NormalizeTensor(t, index, true));
+      for (const at::Tensor& t : v.toTensorList())
+        out.push_back(NormalizeTensor(t, index, true));
       return out;
     }
     if (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList()) {
@@ -584,8 +619,10 @@ class ForwardedOp {
   at::Tensor Meta(const at::Tensor& t) {
     if (!t.defined() || t.device().is_cpu()) return t;  // host scalars stay
     const int64_t itemsize = t.element_size();
-    const int64_t storage_numel = static_cast<int64_t>(t.storage().nbytes()) / itemsize;
-    at::Tensor base = at::empty({storage_numel}, t.options().device(c10::kMeta));
+    const int64_t storage_numel =
+        static_cast<int64_t>(t.storage().nbytes()) / itemsize;
+    at::Tensor base =
+        at::empty({storage_numel}, t.options().device(c10::kMeta));
     at::Tensor m = base.as_strided(t.sizes(), t.strides(), t.storage_offset());
     meta_pairs_.emplace_back(m, t);
     return m;
@@ -609,14 +646,16 @@ class ForwardedOp {
       }
       return out;
     }
-    if (v.isDevice() && v.toDevice().type() == kTpu) return c10::Device(c10::kMeta);
+    if (v.isDevice() && v.toDevice().type() == kTpu)
+      return c10::Device(c10::kMeta);
     if (v.isGenerator()) return c10::IValue();
     return v;
   }
 
   // Output metadata from the meta kernel. False when the op cannot say
   // without looking at data (nonzero, unique, boolean indexing, ...).
-  bool RunMeta(const std::vector<c10::IValue>& inputs, std::vector<c10::IValue>* results) {
+  bool RunMeta(const std::vector<c10::IValue>& inputs,
+               std::vector<c10::IValue>* results) {
     torch::jit::Stack meta;
     for (const c10::IValue& v : inputs) meta.push_back(MetaOf(v));
     try {
@@ -661,14 +700,16 @@ class ForwardedOp {
       const c10::TypePtr& t = r.real_type();
       if (IsTensorList(t)) {
         c10::List<at::Tensor> list;
-        while (next < results.size() && results[next].kind == tpu::OpResult::Kind::kTensor) {
+        while (next < results.size() &&
+               results[next].kind == tpu::OpResult::Kind::kTensor) {
           list.push_back(IntoForced(Adopt(results[next++])));
         }
         torch::jit::push(*stack_, std::move(list));
         continue;
       }
-      TORCH_CHECK(next < results.size(), "tpu: ", schema_.name(), ": the daemon returned ",
-                  results.size(), " values, fewer than the schema's");
+      TORCH_CHECK(next < results.size(), "tpu: ", schema_.name(),
+                  ": the daemon returned ", results.size(),
+                  " values, fewer than the schema's");
       const tpu::OpResult& v = results[next++];
       switch (v.kind) {
         case tpu::OpResult::Kind::kTensor:
@@ -699,8 +740,8 @@ class ForwardedOp {
     if (next_forced_ >= forced_.size()) return result;
     at::Tensor& out = forced_[next_forced_++];
     if (out.sizes() != result.sizes()) {
-      TORCH_CHECK(!in_place_, "output with shape ", out.sizes(), " doesn't match the broadcast shape ",
-                  result.sizes());
+      TORCH_CHECK(!in_place_, "output with shape ", out.sizes(),
+                  " doesn't match the broadcast shape ", result.sizes());
       Resize(out, result.sizes(), std::nullopt);
     }
     ForwardInPlace("aten::copy_", "", out, {result, false});
@@ -712,10 +753,13 @@ class ForwardedOp {
     // An op that returned one of its arguments (in place, out=, a view):
     // the result is that tensor's storage, not a new segment.
     for (const at::Tensor& real : reals_) {
-      if (reinterpret_cast<uint64_t>(real.storage().data_ptr().get()) == v.tensor.address &&
+      if (reinterpret_cast<uint64_t>(real.storage().data_ptr().get()) ==
+              v.tensor.address &&
           v.tensor.address != 0) {
-        std::vector<int64_t> strides(v.tensor.strides, v.tensor.strides + v.tensor.ndim);
-        if (real.sizes() == at::IntArrayRef(sizes) && real.strides() == at::IntArrayRef(strides) &&
+        std::vector<int64_t> strides(v.tensor.strides,
+                                     v.tensor.strides + v.tensor.ndim);
+        if (real.sizes() == at::IntArrayRef(sizes) &&
+            real.strides() == at::IntArrayRef(strides) &&
             real.storage_offset() == v.tensor.storage_offset &&
             static_cast<int8_t>(real.scalar_type()) == v.tensor.dtype) {
           return real;
@@ -724,42 +768,46 @@ class ForwardedOp {
       }
     }
     const auto dtype = static_cast<at::ScalarType>(v.tensor.dtype);
-    if (v.tensor.address == 0) return EmptyStrided(sizes, c10::contiguous_strides(sizes), dtype, device_);
+    if (v.tensor.address == 0)
+      return EmptyStrided(sizes, c10::contiguous_strides(sizes), dtype,
+                          device_);
     c10::Storage storage(c10::Storage::use_byte_size_t(), v.nbytes,
-                         AdoptSegment(v.tensor.address, v.nbytes, device_), GetTpuAllocator(),
+                         AdoptSegment(v.tensor.address, v.nbytes, device_),
+                         GetTpuAllocator(),
                          /*resizable=*/true);
-    at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), kTpuKeys,
-                                                            caffe2::TypeMeta::fromScalarType(dtype));
+    at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
+        std::move(storage), kTpuKeys, caffe2::TypeMeta::fromScalarType(dtype));
     t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
     return t;
   }
-
 
   const c10::OperatorHandle& op_;
   const c10::FunctionSchema& schema_;
   torch::jit::Stack* stack_;
   c10::DeviceIndex device_ = -1;
   int stream_ = 0;
-  std::vector<std::pair<at::Tensor, at::Tensor>> meta_pairs_;  // meta twin, tpu tensor
+  std::vector<std::pair<at::Tensor, at::Tensor>>
+      meta_pairs_;  // meta twin, tpu tensor
   std::vector<at::Tensor> keep_alive_;
-  std::vector<at::Tensor> reals_;              // device tensors of the inputs
-  std::vector<at::Tensor> forced_;             // out= tensors to write results into
+  std::vector<at::Tensor> reals_;   // device tensors of the inputs
+  std::vector<at::Tensor> forced_;  // out= tensors to write results into
   size_t next_forced_ = 0;
   bool in_place_ = false;
   bool strict_meta_ = false;
   std::vector<std::pair<at::Tensor, at::Tensor>> pending_copies_;  // (tmp, out)
-  std::vector<const void*> seen_storages_;     // for the signature key
+  std::vector<const void*> seen_storages_;  // for the signature key
 };
 
 // An out= op's functional twin: same name, overload "" for "out" or "X" for
 // "X_out", taking exactly the out= op's leading arguments.
-std::optional<c10::OperatorHandle> FunctionalOf(const c10::FunctionSchema& schema,
-                                                size_t* num_out) {
+std::optional<c10::OperatorHandle> FunctionalOf(
+    const c10::FunctionSchema& schema, size_t* num_out) {
   const std::string& overload = schema.overload_name();
   std::string base;
   if (overload == "out") {
     base = "";
-  } else if (overload.size() > 4 && overload.compare(overload.size() - 4, 4, "_out") == 0) {
+  } else if (overload.size() > 4 &&
+             overload.compare(overload.size() - 4, 4, "_out") == 0) {
     base = overload.substr(0, overload.size() - 4);
   } else {
     return std::nullopt;
@@ -773,11 +821,13 @@ std::optional<c10::OperatorHandle> FunctionalOf(const c10::FunctionSchema& schem
   if (!f.has_value()) return std::nullopt;
   const auto& fargs = f->schema().arguments();
   const auto& args = schema.arguments();
-  if (fargs.size() + outs != args.size() || f->schema().returns().size() != outs) {
+  if (fargs.size() + outs != args.size() ||
+      f->schema().returns().size() != outs) {
     return std::nullopt;
   }
   for (size_t i = 0; i < fargs.size(); ++i) {
-    if (fargs[i].name() != args[i].name() || fargs[i].alias_info() != nullptr) return std::nullopt;
+    if (fargs[i].name() != args[i].name() || fargs[i].alias_info() != nullptr)
+      return std::nullopt;
   }
   for (const c10::Argument& r : f->schema().returns()) {
     if (r.type()->kind() != c10::TypeKind::TensorType) return std::nullopt;
@@ -788,25 +838,28 @@ std::optional<c10::OperatorHandle> FunctionalOf(const c10::FunctionSchema& schem
 
 // The structured ops NoteStructuredSentWhole noted.
 std::mutex g_structured_mu;
-std::vector<c10::OperatorName>* g_structured_ops = new std::vector<c10::OperatorName>();
+std::vector<c10::OperatorName>* g_structured_ops =
+    new std::vector<c10::OperatorName>();
 
 bool SentWholeStructured(const c10::OperatorName& name) {
   std::lock_guard<std::mutex> lock(g_structured_mu);
-  return std::find(g_structured_ops->begin(), g_structured_ops->end(), name) != g_structured_ops->end();
+  return std::find(g_structured_ops->begin(), g_structured_ops->end(), name) !=
+         g_structured_ops->end();
 }
 
 // How the fallback runs an op: as itself, or as its functional twin with
 // the results written into its out= tensors, or into its first argument.
 struct Twin {
   std::optional<c10::OperatorHandle> functional;
-  size_t num_out = 0;     // out= tensors at the end of the arguments
-  bool in_place = false;  // the result goes into argument 0
+  size_t num_out = 0;       // out= tensors at the end of the arguments
+  bool in_place = false;    // the result goes into argument 0
   bool structured = false;  // sent whole by SendStructuredOpsWhole
 };
 
 const Twin& TwinOf(const c10::OperatorHandle& op) {
   static std::mutex mu;
-  static auto* twins = new std::unordered_map<const c10::FunctionSchema*, Twin>();
+  static auto* twins =
+      new std::unordered_map<const c10::FunctionSchema*, Twin>();
   std::lock_guard<std::mutex> lock(mu);
   auto it = twins->find(&op.schema());
   if (it != twins->end()) return it->second;
@@ -817,22 +870,27 @@ const Twin& TwinOf(const c10::OperatorHandle& op) {
     t.functional = InPlaceFunctionalOf(op.schema());
     t.in_place = t.functional.has_value();
   }
-  return twins->emplace(&op.schema(), std::move(t)).first->second;  // (nodes stay put)
+  return twins->emplace(&op.schema(), std::move(t))
+      .first->second;  // (nodes stay put)
 }
 
 }  // namespace
 
-std::optional<c10::OperatorHandle> InPlaceFunctionalOf(const c10::FunctionSchema& schema) {
+std::optional<c10::OperatorHandle> InPlaceFunctionalOf(
+    const c10::FunctionSchema& schema) {
   const std::string& name = schema.name();
   const auto& args = schema.arguments();
-  if (name.size() < 2 || name.back() != '_' || args.empty() || schema.returns().size() != 1) {
+  if (name.size() < 2 || name.back() != '_' || args.empty() ||
+      schema.returns().size() != 1) {
     return std::nullopt;
   }
   for (size_t i = 0; i < args.size(); ++i) {
-    const bool writes = args[i].alias_info() != nullptr && args[i].alias_info()->isWrite();
+    const bool writes =
+        args[i].alias_info() != nullptr && args[i].alias_info()->isWrite();
     if (writes != (i == 0)) return std::nullopt;
   }
-  auto f = c10::Dispatcher::singleton().findSchema({name.substr(0, name.size() - 1), schema.overload_name()});
+  auto f = c10::Dispatcher::singleton().findSchema(
+      {name.substr(0, name.size() - 1), schema.overload_name()});
   if (!f.has_value()) return std::nullopt;
   const auto& fargs = f->schema().arguments();
   if (fargs.size() != args.size() || f->schema().returns().size() != 1 ||
@@ -876,7 +934,8 @@ void Fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     at::assert_no_internal_overlap(self);
     for (size_t i = stack->size() - n + 1; i < stack->size(); ++i) {
       const c10::IValue& v = (*stack)[i];
-      if (v.isTensor() && IsTpu(v.toTensor())) at::assert_no_partial_overlap(self, v.toTensor());
+      if (v.isTensor() && IsTpu(v.toTensor()))
+        at::assert_no_partial_overlap(self, v.toTensor());
     }
     ForwardedOp f(*functional, stack);
     f.SetForcedOutputs({self}, /*in_place=*/true);
@@ -888,9 +947,11 @@ void Fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   size_t num_out = twin.num_out;
   if (functional.has_value()) {
-    num_out = op.schema().arguments().size() - functional->schema().arguments().size();
+    num_out = op.schema().arguments().size() -
+              functional->schema().arguments().size();
     std::vector<at::Tensor> outs;
-    for (size_t i = stack->size() - num_out; i < stack->size(); ++i) outs.push_back((*stack)[i].toTensor());
+    for (size_t i = stack->size() - num_out; i < stack->size(); ++i)
+      outs.push_back((*stack)[i].toTensor());
     torch::jit::drop(*stack, num_out);
     ForwardedOp f(*functional, stack);
     f.SetForcedOutputs(outs);
@@ -907,15 +968,18 @@ void Fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 // ATen sends convolutions of backends it does not know to the
 // *_overrideable ops; the daemon runs the full ATen convolution instead.
-void ConvolutionOverrideable(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+void ConvolutionOverrideable(const c10::OperatorHandle&,
+                             torch::jit::Stack* stack) {
   static const c10::OperatorHandle conv =
       c10::Dispatcher::singleton().findSchemaOrThrow("aten::convolution", "");
   ForwardedOp(conv, stack).Run();  // same arguments
 }
 
-void ConvolutionBackwardOverrideable(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+void ConvolutionBackwardOverrideable(const c10::OperatorHandle&,
+                                     torch::jit::Stack* stack) {
   static const c10::OperatorHandle back =
-      c10::Dispatcher::singleton().findSchemaOrThrow("aten::convolution_backward", "");
+      c10::Dispatcher::singleton().findSchemaOrThrow(
+          "aten::convolution_backward", "");
   // (grad_output, input, weight, stride, padding, dilation, transposed,
   //  output_padding, groups, output_mask): convolution_backward also takes
   // bias_sizes after weight.
@@ -928,7 +992,8 @@ void ConvolutionBackwardOverrideable(const c10::OperatorHandle&, torch::jit::Sta
   // transposed convolution (weight: in x out/groups x ...) its second times
   // the groups.
   const bool transposed = args[6].toBool();
-  const int64_t out_channels = transposed ? weight.size(1) * args[8].toInt() : weight.size(0);
+  const int64_t out_channels =
+      transposed ? weight.size(1) * args[8].toInt() : weight.size(0);
   if (mask.get(2)) bias_sizes = std::vector<int64_t>{out_channels};
   for (int i = 0; i < 3; ++i) stack->push_back(args[i]);
   stack->push_back(bias_sizes);
@@ -937,8 +1002,8 @@ void ConvolutionBackwardOverrideable(const c10::OperatorHandle&, torch::jit::Sta
 }
 
 // Runs a named op through the forwarding path from C++.
-at::Tensor& ForwardInPlace(const char* name, const char* overload, at::Tensor& self,
-                           std::vector<c10::IValue> rest) {
+at::Tensor& ForwardInPlace(const char* name, const char* overload,
+                           at::Tensor& self, std::vector<c10::IValue> rest) {
   auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
   torch::jit::Stack stack;
   stack.push_back(self);

@@ -23,17 +23,20 @@ void Fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 // ATen sends convolutions of backends it does not know to the
 // *_overrideable ops; these forward the full ATen convolution (and its
 // backward) instead.
-void ConvolutionOverrideable(const c10::OperatorHandle&, torch::jit::Stack* stack);
-void ConvolutionBackwardOverrideable(const c10::OperatorHandle&, torch::jit::Stack* stack);
+void ConvolutionOverrideable(const c10::OperatorHandle&,
+                             torch::jit::Stack* stack);
+void ConvolutionBackwardOverrideable(const c10::OperatorHandle&,
+                                     torch::jit::Stack* stack);
 
 // Runs a named op, which writes `self`, through the forwarding path from C++.
-at::Tensor& ForwardInPlace(const char* name, const char* overload, at::Tensor& self,
-                           std::vector<c10::IValue> rest);
+at::Tensor& ForwardInPlace(const char* name, const char* overload,
+                           at::Tensor& self, std::vector<c10::IValue> rest);
 
 // An in-place op's functional twin ("aten::add_.Tensor" ->
 // "aten::add.Tensor"): the same arguments, of which the in-place op writes
 // only the first, and one result. nullopt: none.
-std::optional<c10::OperatorHandle> InPlaceFunctionalOf(const c10::FunctionSchema& schema);
+std::optional<c10::OperatorHandle> InPlaceFunctionalOf(
+    const c10::FunctionSchema& schema);
 
 // Structured ops routed to Fallback directly (registration.cc notes each
 // before routing it): Fallback runs an in-place one as its functional op

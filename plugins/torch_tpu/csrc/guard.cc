@@ -1,4 +1,5 @@
-// Device guard, streams and events for "tpu" (c10::impl::DeviceGuardImplInterface).
+// Device guard, streams and events for "tpu"
+// (c10::impl::DeviceGuardImplInterface).
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "runtime.h"
@@ -22,7 +23,9 @@ class TpuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     if (d.index() != old.index()) setDevice(d);
     return old;
   }
-  c10::Device getDevice() const override { return c10::Device(kTpu, CurrentDevice()); }
+  c10::Device getDevice() const override {
+    return c10::Device(kTpu, CurrentDevice());
+  }
   void setDevice(c10::Device d) const override {
     TORCH_CHECK(d.type() == kTpu, "tpu: expected a tpu device, got ", d);
     SetDevice(d.index());
@@ -47,7 +50,8 @@ class TpuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     // Streams 1..7 of the session, round robin (0 is the default stream).
     static std::atomic<int> next{0};
     if (!d.has_index()) d = c10::Device(kTpu, CurrentDevice());
-    return c10::Stream(c10::Stream::UNSAFE, d, 1 + next.fetch_add(1) % (tpu::kNumStreams - 1));
+    return c10::Stream(c10::Stream::UNSAFE, d,
+                       1 + next.fetch_add(1) % (tpu::kNumStreams - 1));
   }
   c10::Stream exchangeStream(c10::Stream s) const override {
     c10::Stream old = getStream(s.device());
@@ -55,9 +59,12 @@ class TpuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     return old;
   }
 
-  c10::DeviceIndex deviceCount() const noexcept override { return DeviceCount(); }
+  c10::DeviceIndex deviceCount() const noexcept override {
+    return DeviceCount();
+  }
 
-  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
+  void destroyEvent(void* event,
+                    const c10::DeviceIndex) const noexcept override {
     auto* e = static_cast<TpuEvent*>(event);
     if (e == nullptr) return;
     if (e->recorded) {
@@ -79,7 +86,8 @@ class TpuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
       GetSession().ReleaseEvent(e->event);
       e->recorded = false;
     }
-    absl::StatusOr<tpu::Event> ev = GetSession().RecordEvent(SessionStream(stream.id()));
+    absl::StatusOr<tpu::Event> ev =
+        GetSession().RecordEvent(SessionStream(stream.id()));
     Check(ev.status(), "recording an event");
     e->event = *ev;
     e->recorded = true;
@@ -88,7 +96,8 @@ class TpuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   void block(void* event, const c10::Stream& stream) const override {
     auto* e = static_cast<TpuEvent*>(event);
     if (e == nullptr || !e->recorded) return;
-    Check(GetSession().WaitEvent(SessionStream(stream.id()), e->event), "waiting on an event");
+    Check(GetSession().WaitEvent(SessionStream(stream.id()), e->event),
+          "waiting on an event");
   }
 
   bool queryEvent(void* event) const override {
@@ -102,7 +111,8 @@ class TpuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     Check(GetSession().SynchronizeEvent(e->event), "synchronizing an event");
   }
 
-  double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
+  double elapsedTime(void* start, void* end,
+                     const c10::DeviceIndex) const override {
     auto* a = static_cast<TpuEvent*>(start);
     auto* b = static_cast<TpuEvent*>(end);
     TORCH_CHECK(a != nullptr && b != nullptr && a->recorded && b->recorded,
@@ -114,7 +124,8 @@ class TpuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
 
   bool queryStream(const c10::Stream& stream) const override {
     // Done when everything enqueued so far has completed.
-    absl::StatusOr<tpu::Event> ev = GetSession().RecordEvent(SessionStream(stream.id()));
+    absl::StatusOr<tpu::Event> ev =
+        GetSession().RecordEvent(SessionStream(stream.id()));
     if (!ev.ok()) return true;
     bool done = GetSession().EventDone(*ev);
     GetSession().ReleaseEvent(*ev);
@@ -129,7 +140,8 @@ class TpuGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     Check(GetSession().SynchronizeAll(), "synchronize");
   }
 
-  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
+  void recordDataPtrOnStream(const c10::DataPtr&,
+                             const c10::Stream&) const override {}
 };
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, TpuGuardImpl);

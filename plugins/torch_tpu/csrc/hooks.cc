@@ -1,10 +1,10 @@
 // PrivateUse1 hooks and the per-device random generator of "tpu".
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/GeneratorForPrivateuseone.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/GeneratorImpl.h>
-#include <ATen/EmptyTensor.h>
-#include <cstring>
 
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -43,16 +43,17 @@ uint64_t TpuGenerator::NextOpSeed() {
 }
 
 void TpuGenerator::set_state(const c10::TensorImpl& state) {
-  TORCH_CHECK(state.numel() == 16 && state.dtype() == caffe2::TypeMeta::Make<uint8_t>(),
-              "tpu: a generator state is a uint8 tensor of 16 bytes");
+  TORCH_CHECK(
+      state.numel() == 16 && state.dtype() == caffe2::TypeMeta::Make<uint8_t>(),
+      "tpu: a generator state is a uint8 tensor of 16 bytes");
   const auto* p = static_cast<const uint8_t*>(state.data());
   std::memcpy(&seed_, p, 8);
   std::memcpy(&offset_, p + 8, 8);
 }
 
 c10::intrusive_ptr<c10::TensorImpl> TpuGenerator::get_state() const {
-  auto t = at::detail::empty_cpu({16}, at::ScalarType::Byte, std::nullopt, std::nullopt,
-                                 std::nullopt, std::nullopt);
+  auto t = at::detail::empty_cpu({16}, at::ScalarType::Byte, std::nullopt,
+                                 std::nullopt, std::nullopt, std::nullopt);
   auto* p = static_cast<uint8_t*>(t.data_ptr());
   std::memcpy(p, &seed_, 8);
   std::memcpy(p + 8, &offset_, 8);
@@ -78,8 +79,8 @@ const at::Generator& DefaultGenerator(c10::DeviceIndex device) {
     }
   });
   if (device < 0) device = CurrentDevice();
-  TORCH_CHECK(device < static_cast<c10::DeviceIndex>(gens->size()), "tpu: no device ",
-              static_cast<int>(device));
+  TORCH_CHECK(device < static_cast<c10::DeviceIndex>(gens->size()),
+              "tpu: no device ", static_cast<int>(device));
   return (*gens)[device];
 }
 
@@ -88,11 +89,13 @@ namespace {
 struct TpuHooks final : public at::PrivateUse1HooksInterface {
   bool isBuilt() const override { return true; }
   bool isAvailable() const override { return DeviceCount() > 0; }
-  const at::Generator& getDefaultGenerator(c10::DeviceIndex device) const override {
+  const at::Generator& getDefaultGenerator(
+      c10::DeviceIndex device) const override {
     return DefaultGenerator(device);
   }
   at::Generator getNewGenerator(c10::DeviceIndex device) const override {
-    return at::make_generator<TpuGenerator>(device < 0 ? CurrentDevice() : device);
+    return at::make_generator<TpuGenerator>(device < 0 ? CurrentDevice()
+                                                       : device);
   }
   at::Device getDeviceFromPtr(void* data) const override {
     return at::Device(c10::DeviceType::PrivateUse1, CurrentDevice());
@@ -100,10 +103,13 @@ struct TpuHooks final : public at::PrivateUse1HooksInterface {
   bool isPinnedPtr(const void* data) const override {
     return DeviceCount() > 0 && GetSession().IsPinned(data);
   }
-  at::Allocator* getPinnedMemoryAllocator() const override { return GetPinnedAllocator(); }
+  at::Allocator* getPinnedMemoryAllocator() const override {
+    return GetPinnedAllocator();
+  }
   bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
   void init() const override {}
-  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
+  void resizePrivateUse1Bytes(const c10::Storage& storage,
+                              size_t newsize) const override {
     ResizeStorage(storage, newsize);
   }
 };

@@ -28,7 +28,8 @@ const bool kAllocatorRegistered = [] {
 }();
 
 py::dict Stats(c10::DeviceIndex device) {
-  c10::CachingDeviceAllocator::DeviceStats s = GetTpuAllocator()->getDeviceStats(device);
+  c10::CachingDeviceAllocator::DeviceStats s =
+      GetTpuAllocator()->getDeviceStats(device);
   py::dict d;
   auto put = [&](const char* name, const c10::CachingAllocator::StatArray& a) {
     d[py::str(std::string(name) + ".all.current")] = a[0].current;
@@ -56,7 +57,9 @@ py::dict Properties(c10::DeviceIndex device) {
   const tpu::ChipInfo& c = t.chips.at(chip);
   py::dict d;
   d["name"] = "TPU " + t.generation.name +
-              (t.backend == "pjrt" ? " (PJRT)" : t.simulated ? " (simulated)" : "");
+              (t.backend == "pjrt" ? " (PJRT)"
+               : t.simulated       ? " (simulated)"
+                                   : "");
   d["generation"] = t.generation.name;
   d["host"] = t.name;
   d["chip"] = chip;
@@ -85,7 +88,8 @@ struct CapturedProgram {
   int stream = 0;
 };
 std::mutex g_programs_mu;
-std::unordered_map<uint64_t, CapturedProgram>* g_programs = new std::unordered_map<uint64_t, CapturedProgram>();
+std::unordered_map<uint64_t, CapturedProgram>* g_programs =
+    new std::unordered_map<uint64_t, CapturedProgram>();
 uint64_t g_next_program = 0;
 int g_capture_stream = -1;
 
@@ -101,7 +105,8 @@ void CaptureBegin() {
 
 // Ends the capture; the program's handle, or raises why it failed (the
 // memory the capture used goes back).
-uint64_t CaptureEnd(const std::string& name, const std::vector<uint64_t>& outputs) {
+uint64_t CaptureEnd(const std::string& name,
+                    const std::vector<uint64_t>& outputs) {
   const int stream = g_capture_stream;
   g_capture_stream = -1;
   absl::StatusOr<tpu::Program> p = GetSession().EndCapture(stream, name);
@@ -130,8 +135,10 @@ CapturedProgram Find(uint64_t id) {
   return it->second;
 }
 
-void ProgramRun(uint64_t id, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& bindings,
-                uint64_t seed) {
+void ProgramRun(
+    uint64_t id,
+    const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& bindings,
+    uint64_t seed) {
   const CapturedProgram p = Find(id);
   std::vector<tpu::ProgramBinding> b;
   b.reserve(bindings.size());
@@ -139,7 +146,8 @@ void ProgramRun(uint64_t id, const std::vector<std::tuple<uint64_t, uint64_t, ui
     if (from != to) b.push_back(tpu::ProgramBinding{from, bytes, to});
   }
   const int stream = SessionStream(CurrentStreamId(CurrentDevice()));
-  Check(GetSession().RunProgram(stream, p.program, b, seed).status(), p.program.name.c_str());
+  Check(GetSession().RunProgram(stream, p.program, b, seed).status(),
+        p.program.name.c_str());
 }
 
 void ProgramRelease(uint64_t id) {
@@ -163,7 +171,8 @@ uint64_t NextRunSeed() {
   at::Generator gen = DefaultGenerator(CurrentDevice());
   std::lock_guard<std::mutex> lock(gen.mutex());
   auto* tg = dynamic_cast<TpuGenerator*>(gen.unsafeGetGeneratorImpl());
-  TORCH_CHECK(tg != nullptr, "tpu: the default generator is not a tpu generator");
+  TORCH_CHECK(tg != nullptr,
+              "tpu: the default generator is not a tpu generator");
   uint64_t seed = tg->NextOpSeed();
   return seed == 0 ? 1 : seed;  // 0 means "keep the captured seeds"
 }
@@ -178,7 +187,9 @@ uint64_t NextRunSeed() {
 py::object ProgramSignature(const py::sequence& args) {
   std::string key;
   key.reserve(args.size() * 96);
-  auto put = [&key](int64_t v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
+  auto put = [&key](int64_t v) {
+    key.append(reinterpret_cast<const char*>(&v), sizeof(v));
+  };
   std::vector<const void*> storages;
   for (py::handle a : args) {
     PyObject* o = a.ptr();
@@ -253,8 +264,9 @@ at::ScalarType DtypeOf(py::handle h) {
 //   fresh:   [(captured address, bytes, device index)]
 //   outputs: [(0, value) | (1, arg index, dtype, shape, strides, offset)
 //             | (2, fresh slot, dtype, shape, strides, offset)]
-py::list ProgramCall(uint64_t id, const py::sequence& args, const py::list& inputs,
-                     const py::list& fresh, const py::list& outputs, uint64_t seed) {
+py::list ProgramCall(uint64_t id, const py::sequence& args,
+                     const py::list& inputs, const py::list& fresh,
+                     const py::list& outputs, uint64_t seed) {
   std::vector<std::tuple<uint64_t, uint64_t, uint64_t>> bindings;
   bindings.reserve(inputs.size() + fresh.size());
   std::optional<c10::Device> device;
@@ -269,21 +281,25 @@ py::list ProgramCall(uint64_t id, const py::sequence& args, const py::list& inpu
   }
   auto arg_tensor = [&args](int64_t i) -> const at::Tensor& {
     py::handle h = args[static_cast<size_t>(i)];
-    TORCH_CHECK(THPVariable_Check(h.ptr()), "tpu: program argument ", i, " is not a tensor");
+    TORCH_CHECK(THPVariable_Check(h.ptr()), "tpu: program argument ", i,
+                " is not a tensor");
     return THPVariable_Unpack(h.ptr());
   };
   for (py::handle in : inputs) {
-    const auto [i, ptr, bytes] = in.cast<std::tuple<int64_t, uint64_t, uint64_t>>();
-    bindings.emplace_back(ptr, bytes,
-                          reinterpret_cast<uint64_t>(arg_tensor(i).storage().data()));
+    const auto [i, ptr, bytes] =
+        in.cast<std::tuple<int64_t, uint64_t, uint64_t>>();
+    bindings.emplace_back(
+        ptr, bytes, reinterpret_cast<uint64_t>(arg_tensor(i).storage().data()));
   }
   std::vector<c10::Storage> storages;
   storages.reserve(fresh.size());
   for (py::handle f : fresh) {
-    const auto [ptr, bytes, index] = f.cast<std::tuple<uint64_t, int64_t, int64_t>>();
-    at::Tensor t = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(
-                                          c10::Device(c10::DeviceType::PrivateUse1,
-                                                      static_cast<c10::DeviceIndex>(index))));
+    const auto [ptr, bytes, index] =
+        f.cast<std::tuple<uint64_t, int64_t, int64_t>>();
+    at::Tensor t = at::empty(
+        {bytes}, at::TensorOptions().dtype(at::kByte).device(
+                     c10::Device(c10::DeviceType::PrivateUse1,
+                                 static_cast<c10::DeviceIndex>(index))));
     storages.push_back(t.storage());
     if (ptr != 0) {
       bindings.emplace_back(ptr, static_cast<uint64_t>(bytes),
@@ -305,14 +321,17 @@ py::list ProgramCall(uint64_t id, const py::sequence& args, const py::list& inpu
       continue;
     }
     const int64_t index = spec[1].cast<int64_t>();
-    const c10::Storage storage =
-        kind == 1 ? arg_tensor(index).storage() : storages.at(static_cast<size_t>(index));
+    const c10::Storage storage = kind == 1
+                                     ? arg_tensor(index).storage()
+                                     : storages.at(static_cast<size_t>(index));
     const auto sizes = spec[3].cast<std::vector<int64_t>>();
     const auto strides = spec[4].cast<std::vector<int64_t>>();
-    at::Tensor t = at::empty({0}, at::TensorOptions().dtype(DtypeOf(spec[2])).device(
-                                      storage.device()));
+    at::Tensor t = at::empty(
+        {0},
+        at::TensorOptions().dtype(DtypeOf(spec[2])).device(storage.device()));
     t.set_(storage, spec[5].cast<int64_t>(), sizes, strides);
-    out[k++] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t)));
+    out[k++] =
+        py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t)));
   }
   return out;
 }
@@ -340,8 +359,11 @@ void InstallDecompositions(const tpu::TopologyInfo& t) {
   try {
     py::module_::import("torch_tpu._decomp").attr("install")(t.lowered_ops);
   } catch (py::error_already_set& e) {
-    TORCH_WARN("tpu: PyTorch's decompositions are not in use on the PJRT backend (ops it does "
-               "not lower will fail): ", e.what());
+    TORCH_WARN(
+        "tpu: PyTorch's decompositions are not in use on the PJRT backend (ops "
+        "it does "
+        "not lower will fail): ",
+        e.what());
   }
 }
 
@@ -362,12 +384,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("_device_count", [] { return static_cast<int>(DeviceCount()); });
   m.def("_ensure_session", [] { GetSession(); });
   m.def("_current_device", [] { return static_cast<int>(CurrentDevice()); });
-  m.def("_set_device", [](int d) { SetDevice(static_cast<c10::DeviceIndex>(d)); });
+  m.def("_set_device",
+        [](int d) { SetDevice(static_cast<c10::DeviceIndex>(d)); });
   m.def("_synchronize", [] {
     py::gil_scoped_release no_gil;
     Check(GetSession().SynchronizeAll(), "synchronize");
   });
-  m.def("_stats", [](int d) { return Stats(static_cast<c10::DeviceIndex>(d)); });
+  m.def("_stats",
+        [](int d) { return Stats(static_cast<c10::DeviceIndex>(d)); });
   m.def("_reset_peak_stats", [](int d) {
     GetTpuAllocator()->resetPeakStats(static_cast<c10::DeviceIndex>(d));
   });
@@ -381,15 +405,17 @@ PYBIND11_MODULE(_C, m) {
   m.def("_mem_get_info", [](int d) {
     return GetTpuAllocator()->getMemoryInfo(static_cast<c10::DeviceIndex>(d));
   });
-  m.def("_properties", [](int d) { return Properties(static_cast<c10::DeviceIndex>(d)); });
+  m.def("_properties",
+        [](int d) { return Properties(static_cast<c10::DeviceIndex>(d)); });
   m.def("_default_generator", [](int d) {
-    return py::reinterpret_steal<py::object>(
-        THPGenerator_initDefaultGenerator(DefaultGenerator(static_cast<c10::DeviceIndex>(d))));
+    return py::reinterpret_steal<py::object>(THPGenerator_initDefaultGenerator(
+        DefaultGenerator(static_cast<c10::DeviceIndex>(d))));
   });
   m.def("_backend", [] {
     const tpu::TopologyInfo& t = Topology();
-    return py::make_tuple(t.backend.empty() ? std::string("simulated") : t.backend,
-                          t.lowered_ops);
+    return py::make_tuple(
+        t.backend.empty() ? std::string("simulated") : t.backend,
+        t.lowered_ops);
   });
   m.def("_sent_whole_ops", [] {
     std::vector<std::string> names;
@@ -400,15 +426,18 @@ PYBIND11_MODULE(_C, m) {
   m.def("_socket", [] { return GetSession().socket_path(); });
   m.def("_session_id", [] { return GetSession().id(); });
   m.def("_sparse_shared_kernels", [] { return SharedSparseKernelNames(); });
-  m.def("_register_distributed", [m]() mutable { torch_tpu::RegisterDistributed(m); });
+  m.def("_register_distributed",
+        [m]() mutable { torch_tpu::RegisterDistributed(m); });
   m.def("_capture_begin", &CaptureBegin);
   m.def("_capture_end", &CaptureEnd, py::arg("name"), py::arg("outputs"));
   m.def("_capture_abort", &CaptureAbort);
-  m.def("_program_run", &ProgramRun, py::arg("program"), py::arg("bindings"), py::arg("seed"));
+  m.def("_program_run", &ProgramRun, py::arg("program"), py::arg("bindings"),
+        py::arg("seed"));
   m.def("_program_release", &ProgramRelease);
   m.def("_program_info", &ProgramInfo);
   m.def("_next_run_seed", &NextRunSeed);
   m.def("_program_signature", &ProgramSignature);
-  m.def("_program_call", &ProgramCall, py::arg("program"), py::arg("args"), py::arg("inputs"),
-        py::arg("fresh"), py::arg("outputs"), py::arg("seed"));
+  m.def("_program_call", &ProgramCall, py::arg("program"), py::arg("args"),
+        py::arg("inputs"), py::arg("fresh"), py::arg("outputs"),
+        py::arg("seed"));
 }

@@ -37,44 +37,55 @@ uint64_t AddressOf(const at::Tensor& t) {
 
 }  // namespace
 
-at::Tensor EmptyStrided(at::IntArrayRef size, at::IntArrayRef stride, at::ScalarType dtype,
-                        c10::DeviceIndex device) {
+at::Tensor EmptyStrided(at::IntArrayRef size, at::IntArrayRef stride,
+                        at::ScalarType dtype, c10::DeviceIndex device) {
   c10::DeviceGuard guard(c10::Device(kTpu, device));
-  return at::detail::empty_strided_generic(size, stride, GetTpuAllocator(), kTpuKeys, dtype);
+  return at::detail::empty_strided_generic(size, stride, GetTpuAllocator(),
+                                           kTpuKeys, dtype);
 }
 
 // A ZeroTensor, made as CUDA makes it: no memory at all; the ZeroTensor key
 // makes ops see zeros (autograd uses these for gradients known to be zero).
-at::Tensor EfficientZeroTensor(at::IntArrayRef size, std::optional<at::ScalarType> dtype,
-                               std::optional<at::Layout>, std::optional<at::Device> device,
+at::Tensor EfficientZeroTensor(at::IntArrayRef size,
+                               std::optional<at::ScalarType> dtype,
+                               std::optional<at::Layout>,
+                               std::optional<at::Device> device,
                                std::optional<bool>) {
-  const c10::DeviceIndex idx =
-      device.has_value() && device->has_index() ? device->index() : CurrentDevice();
+  const c10::DeviceIndex idx = device.has_value() && device->has_index()
+                                   ? device->index()
+                                   : CurrentDevice();
   at::native::ZeroTensorAllocator allocator(c10::Device(kTpu, idx));
-  return at::detail::empty_generic(size, &allocator,
-                                   kTpuKeys | c10::DispatchKeySet(c10::DispatchKey::ZeroTensor),
-                                   dtype.value_or(at::get_default_dtype_as_scalartype()),
-                                   std::nullopt);
+  return at::detail::empty_generic(
+      size, &allocator,
+      kTpuKeys | c10::DispatchKeySet(c10::DispatchKey::ZeroTensor),
+      dtype.value_or(at::get_default_dtype_as_scalartype()), std::nullopt);
 }
 
 at::Tensor Empty(at::IntArrayRef size, std::optional<at::ScalarType> dtype,
-                 std::optional<at::Layout> layout, std::optional<at::Device> device,
-                 std::optional<bool>, std::optional<at::MemoryFormat> memory_format) {
-  TORCH_CHECK(!layout.has_value() || *layout == at::kStrided, "tpu: only strided tensors");
-  const c10::DeviceIndex idx =
-      device.has_value() && device->has_index() ? device->index() : CurrentDevice();
+                 std::optional<at::Layout> layout,
+                 std::optional<at::Device> device, std::optional<bool>,
+                 std::optional<at::MemoryFormat> memory_format) {
+  TORCH_CHECK(!layout.has_value() || *layout == at::kStrided,
+              "tpu: only strided tensors");
+  const c10::DeviceIndex idx = device.has_value() && device->has_index()
+                                   ? device->index()
+                                   : CurrentDevice();
   c10::DeviceGuard guard(c10::Device(kTpu, idx));
-  return at::detail::empty_generic(size, GetTpuAllocator(), kTpuKeys,
-                                   dtype.value_or(at::get_default_dtype_as_scalartype()),
-                                   memory_format);
+  return at::detail::empty_generic(
+      size, GetTpuAllocator(), kTpuKeys,
+      dtype.value_or(at::get_default_dtype_as_scalartype()), memory_format);
 }
 
 at::Tensor EmptyStridedNative(at::IntArrayRef size, at::IntArrayRef stride,
-                              std::optional<at::ScalarType> dtype, std::optional<at::Layout>,
-                              std::optional<at::Device> device, std::optional<bool>) {
-  const c10::DeviceIndex idx =
-      device.has_value() && device->has_index() ? device->index() : CurrentDevice();
-  return EmptyStrided(size, stride, dtype.value_or(at::get_default_dtype_as_scalartype()), idx);
+                              std::optional<at::ScalarType> dtype,
+                              std::optional<at::Layout>,
+                              std::optional<at::Device> device,
+                              std::optional<bool>) {
+  const c10::DeviceIndex idx = device.has_value() && device->has_index()
+                                   ? device->index()
+                                   : CurrentDevice();
+  return EmptyStrided(
+      size, stride, dtype.value_or(at::get_default_dtype_as_scalartype()), idx);
 }
 
 const at::Tensor& Resize(const at::Tensor& self, at::IntArrayRef size,
@@ -82,7 +93,8 @@ const at::Tensor& Resize(const at::Tensor& self, at::IntArrayRef size,
   c10::TensorImpl* impl = self.unsafeGetTensorImpl();
   impl->set_sizes_contiguous(size);
   const size_t needed =
-      static_cast<size_t>(self.storage_offset() + self.numel()) * self.element_size();
+      static_cast<size_t>(self.storage_offset() + self.numel()) *
+      self.element_size();
   if (needed > self.storage().nbytes()) ResizeStorage(self.storage(), needed);
   if (memory_format.has_value()) impl->empty_tensor_restride(*memory_format);
   return self;
@@ -93,38 +105,48 @@ at::Tensor& SetSource(at::Tensor& self, at::Storage source) {
   return SetStorage(self, std::move(source), 0, {n}, {});
 }
 
-at::Tensor& SetSourceOffset(at::Tensor& self, at::Storage source, c10::SymInt offset,
-                            c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
-  return SetStorage(self, std::move(source), offset.expect_int(), C10_AS_INTARRAYREF_SLOW(size),
+at::Tensor& SetSourceOffset(at::Tensor& self, at::Storage source,
+                            c10::SymInt offset, c10::SymIntArrayRef size,
+                            c10::SymIntArrayRef stride) {
+  return SetStorage(self, std::move(source), offset.expect_int(),
+                    C10_AS_INTARRAYREF_SLOW(size),
                     C10_AS_INTARRAYREF_SLOW(stride));
 }
 
 at::Tensor& SetTensor(at::Tensor& self, const at::Tensor& src) {
-  return SetStorage(self, src.storage(), src.storage_offset(), src.sizes(), src.strides());
+  return SetStorage(self, src.storage(), src.storage_offset(), src.sizes(),
+                    src.strides());
 }
 
 at::Tensor& SetEmpty(at::Tensor& self) {
-  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, GetTpuAllocator(), true);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, GetTpuAllocator(),
+                       true);
   return SetStorage(self, std::move(storage), 0, {0}, {});
 }
 
 at::Tensor Materialize(const at::Tensor& t) {
   at::Tensor out = t;
-  if (out.is_conj()) out = at::conj_physical(at::conj(out));  // conj() of a conj view clears the bit
+  if (out.is_conj())
+    out = at::conj_physical(
+        at::conj(out));  // conj() of a conj view clears the bit
   if (out.is_neg()) out = at::neg(at::_neg_view(out));
   return out;
 }
 
-at::Tensor CopyFrom(const at::Tensor& self_in, const at::Tensor& dst, bool non_blocking) {
+at::Tensor CopyFrom(const at::Tensor& self_in, const at::Tensor& dst,
+                    bool non_blocking) {
   tpu::Session& session = GetSession();
   if (dst.numel() == 0) return dst;
   const at::Tensor self =
-      IsTpu(self_in) && (self_in.is_conj() || self_in.is_neg()) ? Materialize(self_in) : self_in;
+      IsTpu(self_in) && (self_in.is_conj() || self_in.is_neg())
+          ? Materialize(self_in)
+          : self_in;
   if (IsTpu(dst) && !IsTpu(self)) {
     const int stream = SessionStream(CurrentStreamId(dst.device().index()));
     at::Tensor src = self.to(dst.scalar_type()).expand_as(dst).contiguous();
     if (dst.is_contiguous()) {
-      Check(session.CopyToDevice(stream, AddressOf(dst), src.data_ptr(), src.nbytes()),
+      Check(session.CopyToDevice(stream, AddressOf(dst), src.data_ptr(),
+                                 src.nbytes()),
             "copy to device");
       if (session.IsPinned(src.data_ptr())) {
         // From pinned memory the daemon copies later, straight from the
@@ -140,7 +162,8 @@ at::Tensor CopyFrom(const at::Tensor& self_in, const at::Tensor& dst, bool non_b
     }
     at::Tensor tmp = EmptyStrided(src.sizes(), src.strides(), src.scalar_type(),
                                   dst.device().index());
-    Check(session.CopyToDevice(stream, AddressOf(tmp), src.data_ptr(), src.nbytes()),
+    Check(session.CopyToDevice(stream, AddressOf(tmp), src.data_ptr(),
+                               src.nbytes()),
           "copy to device");
     at::Tensor d = dst;
     ForwardInPlace("aten::copy_", "", d, {tmp, false});
@@ -149,29 +172,36 @@ at::Tensor CopyFrom(const at::Tensor& self_in, const at::Tensor& dst, bool non_b
   if (!IsTpu(dst) && IsTpu(self)) {
     const int stream = SessionStream(CurrentStreamId(self.device().index()));
     at::Tensor src = self.is_contiguous() ? self : self.contiguous();
-    const bool direct = dst.is_contiguous() && dst.scalar_type() == src.scalar_type() &&
+    const bool direct = dst.is_contiguous() &&
+                        dst.scalar_type() == src.scalar_type() &&
                         dst.sizes() == src.sizes() && dst.device().is_cpu();
-    at::Tensor host = direct ? dst : at::empty(src.sizes(), src.options().device(at::kCPU));
-    Check(session.CopyToHost(stream, host.data_ptr(), AddressOf(src), src.nbytes()),
+    at::Tensor host =
+        direct ? dst : at::empty(src.sizes(), src.options().device(at::kCPU));
+    Check(session.CopyToHost(stream, host.data_ptr(), AddressOf(src),
+                             src.nbytes()),
           "copy to host");
     if (!direct) dst.copy_(host);
     return dst;
   }
   // Device to device.
-  TORCH_CHECK(IsTpu(self) && IsTpu(dst), "tpu: unexpected copy from ", self.device(), " to ",
-              dst.device());
+  TORCH_CHECK(IsTpu(self) && IsTpu(dst), "tpu: unexpected copy from ",
+              self.device(), " to ", dst.device());
   const int stream = SessionStream(CurrentStreamId(dst.device().index()));
   if (self.scalar_type() == dst.scalar_type() && self.sizes() == dst.sizes() &&
       self.is_contiguous() && dst.is_contiguous()) {
-    Check(session.CopyOnDevice(stream, AddressOf(dst), AddressOf(self), self.nbytes()),
+    Check(session.CopyOnDevice(stream, AddressOf(dst), AddressOf(self),
+                               self.nbytes()),
           "device copy");
     return dst;
   }
   at::Tensor src = self;
   if (self.device() != dst.device()) {
     at::Tensor c = self.contiguous();
-    src = EmptyStrided(c.sizes(), c.strides(), c.scalar_type(), dst.device().index());
-    Check(session.CopyOnDevice(stream, AddressOf(src), AddressOf(c), c.nbytes()), "device copy");
+    src = EmptyStrided(c.sizes(), c.strides(), c.scalar_type(),
+                       dst.device().index());
+    Check(
+        session.CopyOnDevice(stream, AddressOf(src), AddressOf(c), c.nbytes()),
+        "device copy");
   }
   at::Tensor d = dst;
   c10::DeviceGuard guard(dst.device());
@@ -195,17 +225,21 @@ at::Tensor CopyFromAndResize(const at::Tensor& self, const at::Tensor& dst) {
 // identity, and with it tied weights and optimizers made before the move.
 // c10 answers true between its own dense backends only; tpu tensors are
 // plain dense TensorImpls too, so they join that set.
-bool HasCompatibleShallowCopyType(const at::Tensor& self, const at::Tensor& from) {
+bool HasCompatibleShallowCopyType(const at::Tensor& self,
+                                  const at::Tensor& from) {
   auto is_dense = [](c10::DispatchKeySet ks) {
     constexpr auto backends = c10::DispatchKeySet(
         {c10::BackendComponent::CPUBit, c10::BackendComponent::CUDABit,
          c10::BackendComponent::MPSBit, c10::BackendComponent::HIPBit,
          c10::BackendComponent::XPUBit, c10::BackendComponent::HPUBit,
-         c10::BackendComponent::MTIABit, c10::BackendComponent::PrivateUse1Bit});
-    return ks.has_any(c10::DispatchKeySet(c10::DispatchKey::Dense)) && ks.has_any(backends);
+         c10::BackendComponent::MTIABit,
+         c10::BackendComponent::PrivateUse1Bit});
+    return ks.has_any(c10::DispatchKeySet(c10::DispatchKey::Dense)) &&
+           ks.has_any(backends);
   };
   if (is_dense(self.key_set()) && is_dense(from.key_set())) return true;
-  return self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set());
+  return self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(
+      from.key_set());
 }
 
 at::Scalar LocalScalarDense(const at::Tensor& self) {

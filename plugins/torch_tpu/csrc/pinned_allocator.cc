@@ -18,7 +18,8 @@ class PinnedAllocator final : public at::Allocator {
     return {*p, *p, &Delete, at::Device(at::kCPU)};
   }
   at::DeleterFnPtr raw_deleter() const override { return &Delete; }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
+  void copy_data(void* dest, const void* src,
+                 std::size_t count) const override {
     std::memcpy(dest, src, count);
   }
   static void Delete(void* p) {

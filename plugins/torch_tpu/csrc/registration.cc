@@ -56,24 +56,29 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   // The same holds for group norm (float16 gradients differed from the CPU's
   // by 0.5%), addr, and mish's backward (CompositeImplicitAutograd).
   for (const std::string& name : SentWholeOps()) {
-    m.impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&Fallback>());
+    m.impl(name.c_str(),
+           torch::CppFunction::makeFromBoxedFunction<&Fallback>());
   }
   m.impl("convolution_overrideable",
          torch::CppFunction::makeFromBoxedFunction<&ConvolutionOverrideable>());
   m.impl("convolution_backward_overrideable",
-         torch::CppFunction::makeFromBoxedFunction<&ConvolutionBackwardOverrideable>());
+         torch::CppFunction::makeFromBoxedFunction<
+             &ConvolutionBackwardOverrideable>());
 }
 
 // AMP: ops that run in lower precision under autocast("tpu"), the same
 // list ATen uses for other accelerators; everything else falls through.
-TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFallthrough());
+}
 
-TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
-#define TPU_AUTOCAST_LOWER(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
-  AT_FORALL_LOWER_PRECISION_FP(TPU_AUTOCAST_LOWER)
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m){
+#define TPU_AUTOCAST_LOWER(...) \
+  KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+    AT_FORALL_LOWER_PRECISION_FP(TPU_AUTOCAST_LOWER)
 #undef TPU_AUTOCAST_LOWER
 #define TPU_AUTOCAST_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
-  AT_FORALL_FP32(TPU_AUTOCAST_FP32)
+        AT_FORALL_FP32(TPU_AUTOCAST_FP32)
 #undef TPU_AUTOCAST_FP32
 }
 
@@ -105,25 +110,35 @@ void SendForeachOpsWhole() {
     // Only overloads whose tensors all come in lists and take no list of
     // scalars: a lone Tensor argument (a step size as a CPU scalar tensor)
     // travels as a scalar, and scalar lists are not forwarded as such.
-    static auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
-                                          __FILE__, __LINE__);
-    for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
+    static auto* lib =
+        new torch::Library(torch::Library::IMPL, "aten",
+                           c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+    for (const c10::OperatorName& name :
+         c10::Dispatcher::singleton().getAllOpNames()) {
       if (name.name.rfind("aten::_foreach_", 0) != 0) continue;
-      std::optional<c10::OperatorHandle> op = c10::Dispatcher::singleton().findOp(name);
-      if (!op.has_value() || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
+      std::optional<c10::OperatorHandle> op =
+          c10::Dispatcher::singleton().findOp(name);
+      if (!op.has_value() ||
+          op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1))
+        continue;
       bool lists_only = true;
       for (const c10::Argument& a : op->schema().arguments()) {
         const c10::TypePtr& t = a.real_type();
         const bool optional_tensor =
             t->kind() == c10::TypeKind::OptionalType &&
-            t->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::TensorType;
-        const bool other_list = t->kind() == c10::TypeKind::ListType &&
-                                t->castRaw<c10::ListType>()->getElementType()->kind() !=
-                                    c10::TypeKind::TensorType;
-        if (t->kind() == c10::TypeKind::TensorType || optional_tensor || other_list) lists_only = false;
+            t->castRaw<c10::OptionalType>()->getElementType()->kind() ==
+                c10::TypeKind::TensorType;
+        const bool other_list =
+            t->kind() == c10::TypeKind::ListType &&
+            t->castRaw<c10::ListType>()->getElementType()->kind() !=
+                c10::TypeKind::TensorType;
+        if (t->kind() == c10::TypeKind::TensorType || optional_tensor ||
+            other_list)
+          lists_only = false;
       }
       if (!lists_only) continue;
-      lib->impl(FullName(name).substr(6).c_str(), torch::CppFunction::makeFromBoxedFunction<&Fallback>());
+      lib->impl(FullName(name).substr(6).c_str(),
+                torch::CppFunction::makeFromBoxedFunction<&Fallback>());
     }
   });
 }
@@ -135,7 +150,8 @@ void SendForeachOpsWhole() {
 // the functional op again. The fallback keeps the meta result per
 // signature: sent whole, the op skips that work. What the daemon gets is
 // unchanged. `lowered` (nullptr: all) limits them to ops the daemon runs.
-std::vector<c10::OperatorName> StructuredOpsToSendWhole(const std::vector<std::string>* lowered) {
+std::vector<c10::OperatorName> StructuredOpsToSendWhole(
+    const std::vector<std::string>* lowered) {
   c10::Dispatcher& d = c10::Dispatcher::singleton();
   std::unordered_set<std::string> runs;
   if (lowered != nullptr) runs.insert(lowered->begin(), lowered->end());
@@ -144,16 +160,20 @@ std::vector<c10::OperatorName> StructuredOpsToSendWhole(const std::vector<std::s
   auto structured = [&](const c10::OperatorHandle& f) {
     const c10::OperatorName& n = f.operator_name();
     const auto& fargs = f.schema().arguments();
-    for (const std::string& overload : {std::string("out"), n.overload_name + "_out"}) {
+    for (const std::string& overload :
+         {std::string("out"), n.overload_name + "_out"}) {
       auto out = d.findSchema({n.name, overload});
       if (!out.has_value()) continue;
       const auto& args = out->schema().arguments();
       bool match = args.size() > fargs.size();
       for (size_t i = 0; match && i < args.size(); ++i) {
-        const bool writes = args[i].alias_info() != nullptr && args[i].alias_info()->isWrite();
-        match = i < fargs.size() ? (!writes && args[i].name() == fargs[i].name() &&
-                                    args[i].real_type()->str() == fargs[i].real_type()->str())
-                                 : writes;
+        const bool writes =
+            args[i].alias_info() != nullptr && args[i].alias_info()->isWrite();
+        match =
+            i < fargs.size()
+                ? (!writes && args[i].name() == fargs[i].name() &&
+                   args[i].real_type()->str() == fargs[i].real_type()->str())
+                : writes;
       }
       if (match) return true;
     }
@@ -162,18 +182,24 @@ std::vector<c10::OperatorName> StructuredOpsToSendWhole(const std::vector<std::s
   std::vector<c10::OperatorName> names;
   for (const c10::OperatorName& name : d.getAllOpNames()) {
     if (name.name.rfind("aten::", 0) != 0 || name.name == "aten::copy" ||
-        name.name.rfind("aten::new_", 0) == 0 || name.name.find("nested") != std::string::npos) {
+        name.name.rfind("aten::new_", 0) == 0 ||
+        name.name.find("nested") != std::string::npos) {
       continue;
     }
     std::optional<c10::OperatorHandle> op = d.findOp(name);
-    if (!op.has_value() || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
-        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional)) {
+    if (!op.has_value() ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
+        !op->hasKernelForDispatchKey(
+            c10::DispatchKey::CompositeExplicitAutogradNonFunctional)) {
       continue;
     }
-    std::optional<c10::OperatorHandle> functional = InPlaceFunctionalOf(op->schema());
+    std::optional<c10::OperatorHandle> functional =
+        InPlaceFunctionalOf(op->schema());
     if (!functional.has_value()) functional = op;
     if (!structured(*functional)) continue;
-    if (lowered != nullptr && runs.count(FullName(functional->operator_name())) == 0) continue;
+    if (lowered != nullptr &&
+        runs.count(FullName(functional->operator_name())) == 0)
+      continue;
     names.push_back(name);
   }
   return names;
@@ -182,11 +208,13 @@ std::vector<c10::OperatorName> StructuredOpsToSendWhole(const std::vector<std::s
 void SendStructuredOpsWhole(const std::vector<std::string>* lowered) {
   static std::once_flag once;
   std::call_once(once, [lowered] {
-    static auto* lib = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
-                                          __FILE__, __LINE__);
+    static auto* lib =
+        new torch::Library(torch::Library::IMPL, "aten",
+                           c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
     for (const c10::OperatorName& name : StructuredOpsToSendWhole(lowered)) {
       NoteStructuredSentWhole(name);
-      lib->impl(FullName(name).substr(6).c_str(), torch::CppFunction::makeFromBoxedFunction<&Fallback>());
+      lib->impl(FullName(name).substr(6).c_str(),
+                torch::CppFunction::makeFromBoxedFunction<&Fallback>());
     }
   });
 }
@@ -194,14 +222,16 @@ void SendStructuredOpsWhole(const std::vector<std::string>* lowered) {
 }  // namespace
 
 const std::vector<std::string>& SentWholeOps() {
-  static const auto* ops = new std::vector<std::string>{"native_layer_norm", "native_group_norm", "addr",
-                                                        "addr.out", "mish_backward"};
+  static const auto* ops =
+      new std::vector<std::string>{"native_layer_norm", "native_group_norm",
+                                   "addr", "addr.out", "mish_backward"};
   return *ops;
 }
 
 std::vector<std::string> StructuredOpsSentWhole() {
   std::vector<std::string> names;
-  for (const c10::OperatorName& n : StructuredSentWhole()) names.push_back(FullName(n));
+  for (const c10::OperatorName& n : StructuredSentWhole())
+    names.push_back(FullName(n));
   return names;
 }
 

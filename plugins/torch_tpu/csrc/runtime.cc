@@ -53,7 +53,8 @@ void Open() {
     absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
     tpu::ClientOptions options;
     options.client_name = "torch_tpu";
-    absl::StatusOr<std::unique_ptr<tpu::Session>> s = tpu::Session::Open(options);
+    absl::StatusOr<std::unique_ptr<tpu::Session>> s =
+        tpu::Session::Open(options);
     if (!s.ok()) {
       r.open_status = s.status();
       return;
@@ -77,7 +78,8 @@ thread_local int64_t tls_stream[256] = {};
 void Check(const absl::Status& status, const char* what) {
   if (status.ok()) return;
   if (status.code() == absl::StatusCode::kResourceExhausted) {
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "tpu: ", what, ": ", status.ToString());
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "tpu: ", what, ": ",
+                     status.ToString());
   }
   TORCH_CHECK(false, "tpu: ", what, ": ", status.ToString());
 }
@@ -100,7 +102,9 @@ void RunOpenedHook() {
 
 }  // namespace
 
-void SetSessionOpenedHook(void (*hook)(const tpu::TopologyInfo&)) { opened_hook.store(hook); }
+void SetSessionOpenedHook(void (*hook)(const tpu::TopologyInfo&)) {
+  opened_hook.store(hook);
+}
 
 tpu::Session& GetSession() {
   Open();
@@ -118,7 +122,9 @@ c10::DeviceIndex DeviceCount() noexcept {
   } catch (...) {
     return 0;
   }
-  return R().session == nullptr ? 0 : static_cast<c10::DeviceIndex>(R().visible.size());
+  return R().session == nullptr
+             ? 0
+             : static_cast<c10::DeviceIndex>(R().visible.size());
 }
 
 const tpu::TopologyInfo& Topology() {
@@ -129,10 +135,12 @@ const tpu::TopologyInfo& Topology() {
 int ChipOf(c10::DeviceIndex device) {
   GetSession();
   const auto& v = R().visible;
-  TORCH_CHECK(device >= 0 && device < static_cast<c10::DeviceIndex>(v.size()), "tpu: device ",
-              static_cast<int>(device), " does not exist (this process sees ", v.size(),
-              " tpu device(s)", std::getenv("TPU_VISIBLE_CHIPS") ? ", narrowed by TPU_VISIBLE_CHIPS" : "",
-              ")");
+  TORCH_CHECK(
+      device >= 0 && device < static_cast<c10::DeviceIndex>(v.size()),
+      "tpu: device ", static_cast<int>(device),
+      " does not exist (this process sees ", v.size(), " tpu device(s)",
+      std::getenv("TPU_VISIBLE_CHIPS") ? ", narrowed by TPU_VISIBLE_CHIPS" : "",
+      ")");
   return v[device];
 }
 
@@ -148,8 +156,9 @@ int64_t CurrentStreamId(c10::DeviceIndex device) {
 }
 
 void SetCurrentStreamId(c10::DeviceIndex device, int64_t id) {
-  TORCH_CHECK(id >= 0 && id < tpu::kNumStreams, "tpu: no stream ", id, " (streams are 0..",
-              tpu::kNumStreams - 1, "; get one with torch.tpu.Stream())");
+  TORCH_CHECK(id >= 0 && id < tpu::kNumStreams, "tpu: no stream ", id,
+              " (streams are 0..", tpu::kNumStreams - 1,
+              "; get one with torch.tpu.Stream())");
   tls_stream[static_cast<uint8_t>(device)] = id;
 }
 

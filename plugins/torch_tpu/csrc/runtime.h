@@ -31,7 +31,9 @@ c10::DeviceIndex CurrentDevice();
 void SetDevice(c10::DeviceIndex device);
 
 // The session stream a c10 stream id names (0 is the default stream).
-inline int SessionStream(int64_t stream_id) { return static_cast<int>(stream_id); }
+inline int SessionStream(int64_t stream_id) {
+  return static_cast<int>(stream_id);
+}
 int64_t CurrentStreamId(c10::DeviceIndex device);
 void SetCurrentStreamId(c10::DeviceIndex device, int64_t id);
 

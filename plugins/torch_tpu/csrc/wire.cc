@@ -67,10 +67,11 @@ void TensorToWire(const at::Tensor& t, tpu::OpArg& a) {
 void RefInto(const at::Tensor& t, tpu::TensorRef* r) {
   // The wire format has no lazy conjugate/negative bits: refuse rather than
   // compute with the bit silently dropped.
-  TORCH_CHECK(!t.is_conj() && !t.is_neg(), "tpu: a tensor with a lazy ",
-              t.is_conj() ? "conjugate" : "negative",
-              " bit cannot be forwarded yet; materialize it with .resolve_conj() / "
-              ".resolve_neg() before moving it to tpu");
+  TORCH_CHECK(
+      !t.is_conj() && !t.is_neg(), "tpu: a tensor with a lazy ",
+      t.is_conj() ? "conjugate" : "negative",
+      " bit cannot be forwarded yet; materialize it with .resolve_conj() / "
+      ".resolve_neg() before moving it to tpu");
   const int64_t dim = t.dim();
   TORCH_CHECK(dim <= tpu::kMaxDims, "tpu: tensors of more than ", tpu::kMaxDims,
               " dimensions are not supported");
@@ -101,22 +102,29 @@ at::Scalar HostScalarValue(const at::Tensor& t) {
   if (t.numel() != 1 || t.is_conj() || t.is_neg()) return t.item();
   const void* p = t.const_data_ptr();
   switch (t.scalar_type()) {
-    case at::kDouble: return at::Scalar(*static_cast<const double*>(p));
-    case at::kFloat: return at::Scalar(*static_cast<const float*>(p));
-    case at::kLong: return at::Scalar(*static_cast<const int64_t*>(p));
-    case at::kInt: return at::Scalar(*static_cast<const int32_t*>(p));
-    case at::kBool: return at::Scalar(*static_cast<const bool*>(p));
-    default: return t.item();
+    case at::kDouble:
+      return at::Scalar(*static_cast<const double*>(p));
+    case at::kFloat:
+      return at::Scalar(*static_cast<const float*>(p));
+    case at::kLong:
+      return at::Scalar(*static_cast<const int64_t*>(p));
+    case at::kInt:
+      return at::Scalar(*static_cast<const int32_t*>(p));
+    case at::kBool:
+      return at::Scalar(*static_cast<const bool*>(p));
+    default:
+      return t.item();
   }
 }
 
-void ArgToWire(const c10::IValue& v, const c10::FunctionSchema& schema, size_t index,
-               c10::DeviceIndex device, tpu::OpArg& a) {
+void ArgToWire(const c10::IValue& v, const c10::FunctionSchema& schema,
+               size_t index, c10::DeviceIndex device, tpu::OpArg& a) {
   const c10::Argument& formal = schema.arguments()[index];
   ResetArg(a);
   c10::TypePtr type = formal.real_type();
   if (type->kind() == c10::TypeKind::OptionalType) {
-    if (v.isNone() && type->containedType(0)->kind() != c10::TypeKind::GeneratorType) {
+    if (v.isNone() &&
+        type->containedType(0)->kind() != c10::TypeKind::GeneratorType) {
       a.tag = tpu::ArgTag::kNone;
       return;
     }
@@ -128,7 +136,8 @@ void ArgToWire(const c10::IValue& v, const c10::FunctionSchema& schema, size_t i
       return;
     case c10::TypeKind::GeneratorType: {
       // The seed this op uses, drawn from the chosen generator here.
-      at::Generator gen = v.isGenerator() ? v.toGenerator() : DefaultGenerator(device);
+      at::Generator gen =
+          v.isGenerator() ? v.toGenerator() : DefaultGenerator(device);
       std::lock_guard<std::mutex> lock(gen.mutex());
       auto* tg = dynamic_cast<TpuGenerator*>(gen.unsafeGetGeneratorImpl());
       TORCH_CHECK(tg != nullptr, "tpu: ", schema.name(), ": argument ", index,
@@ -199,12 +208,14 @@ void ArgToWire(const c10::IValue& v, const c10::FunctionSchema& schema, size_t i
       return;
     case c10::TypeKind::ListType: {
       const auto elem = type->containedType(0);
-      if (elem->kind() == c10::TypeKind::IntType || elem->kind() == c10::TypeKind::SymIntType) {
+      if (elem->kind() == c10::TypeKind::IntType ||
+          elem->kind() == c10::TypeKind::SymIntType) {
         a.tag = tpu::ArgTag::kIntList;
         if (v.isIntList()) {
           a.ints = v.toIntVector();
         } else {
-          for (const c10::IValue& e : v.toListRef()) a.ints.push_back(e.toSymInt().expect_int());
+          for (const c10::IValue& e : v.toListRef())
+            a.ints.push_back(e.toSymInt().expect_int());
         }
         return;
       }
@@ -220,7 +231,8 @@ void ArgToWire(const c10::IValue& v, const c10::FunctionSchema& schema, size_t i
       }
       if (elem->kind() == c10::TypeKind::TensorType) {
         a.tag = tpu::ArgTag::kTensorList;
-        for (const at::Tensor& t : v.toTensorList()) a.tensors.push_back(RefOf(t));
+        for (const at::Tensor& t : v.toTensorList())
+          a.tensors.push_back(RefOf(t));
         return;
       }
       if (elem->kind() == c10::TypeKind::OptionalType) {
@@ -237,14 +249,15 @@ void ArgToWire(const c10::IValue& v, const c10::FunctionSchema& schema, size_t i
     default:
       break;
   }
-  TORCH_CHECK(false, "tpu: ", schema.name(), ": cannot forward argument ", index, " (",
-              formal.name(), ") of type ", formal.type()->str());
+  TORCH_CHECK(false, "tpu: ", schema.name(), ": cannot forward argument ",
+              index, " (", formal.name(), ") of type ", formal.type()->str());
 }
 
 // Interned op ids, per operator (the schema string is built once).
 uint32_t OpIdFor(const c10::FunctionSchema& schema) {
   static std::mutex mu;
-  static auto* ids = new std::unordered_map<const c10::FunctionSchema*, uint32_t>();
+  static auto* ids =
+      new std::unordered_map<const c10::FunctionSchema*, uint32_t>();
   std::lock_guard<std::mutex> lock(mu);
   auto it = ids->find(&schema);
   if (it != ids->end()) return it->second;

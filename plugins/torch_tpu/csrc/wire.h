@@ -30,8 +30,8 @@ at::Scalar HostScalarValue(const at::Tensor& t);
 // slot kept from an earlier op: what it held is cleared first. A generator
 // argument (or none, for an optional one) draws the seed this op uses, from
 // `device`'s default generator when the op names none.
-void ArgToWire(const c10::IValue& v, const c10::FunctionSchema& schema, size_t index,
-               c10::DeviceIndex device, tpu::OpArg& a);
+void ArgToWire(const c10::IValue& v, const c10::FunctionSchema& schema,
+               size_t index, c10::DeviceIndex device, tpu::OpArg& a);
 
 // The daemon's id of an operator (defined with the session on first use,
 // then interned).

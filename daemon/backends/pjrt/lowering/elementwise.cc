@@ -1,7 +1,5 @@
 // Elementwise ops: arithmetic, comparisons, unary math, rounding, clamps,
 // selection (where, masked_fill) and fills.
-#include "daemon/backends/pjrt/lowering/families.h"
-
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -19,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "daemon/backends/pjrt/lowering/families.h"
 #include "daemon/backends/pjrt/lowering/helpers.h"
 #include "daemon/backends/pjrt/lowering/lowering.h"
 #include "daemon/backends/pjrt/lowering/registry.h"
@@ -45,229 +44,390 @@ void RegisterElementwise(OpRegistry& reg) {
   reg.Add("aten::sin", Simple("sine"));
   reg.Add("aten::cos", Simple("cosine"));
   reg.Add("aten::sigmoid", Simple("logistic"));
-  reg.Add("aten::relu", UnaryRule([](Lowering& l, const std::string& a, const Target& o) {
-    return l.Binary("maximum", a, l.Constant(0, o.dims, *o.type), o.dims, *o.type);
-  }));
+  reg.Add("aten::relu",
+          UnaryRule([](Lowering& l, const std::string& a, const Target& o) {
+            return l.Binary("maximum", a, l.Constant(0, o.dims, *o.type),
+                            o.dims, *o.type);
+          }));
   reg.Add("aten::maximum", BinaryRule("maximum", false));
   reg.Add("aten::pow.Tensor_Scalar", BinaryRule("power", false));
   reg.Add("aten::pow.Tensor_Tensor", BinaryRule("power", false));
   reg.Add("aten::minimum", BinaryRule("minimum", false));
-  reg.Add("aten::copy_", [](Lowering& l, const tpu::DecodedOp& d, const Target& out)
-      -> absl::StatusOr<std::string> {
-    if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
-    return l.Operand(d.args[1], out.dims, *out.type);
-  }).OverwritesFirst();
-  reg.Add("aten::fill_.Scalar", [](Lowering& l, const tpu::DecodedOp& d, const Target& out) -> absl::StatusOr<std::string> {
-    if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
-    return l.Operand(d.args[1], out.dims, *out.type);
-  }).OverwritesFirst();
-  reg.Add("aten::zero_", [](Lowering& l, const tpu::DecodedOp& d, const Target& out) -> absl::StatusOr<std::string> {
-    return l.Constant(0, out.dims, *out.type);
-  }).OverwritesFirst();
+  reg.Add("aten::copy_",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& out) -> absl::StatusOr<std::string> {
+            if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
+            return l.Operand(d.args[1], out.dims, *out.type);
+          })
+      .OverwritesFirst();
+  reg.Add("aten::fill_.Scalar",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& out) -> absl::StatusOr<std::string> {
+            if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
+            return l.Operand(d.args[1], out.dims, *out.type);
+          })
+      .OverwritesFirst();
+  reg.Add("aten::zero_",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& out) -> absl::StatusOr<std::string> {
+            return l.Constant(0, out.dims, *out.type);
+          })
+      .OverwritesFirst();
   // frexp(self) -> (mantissa, exponent): x = mantissa * 2^exponent with
   // |mantissa| in [0.5, 1), from the bits (subnormals scaled up first);
   // zero, infinity and NaN keep themselves with exponent 0.
-  reg.AddMulti("aten::frexp.Tensor", [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
-      -> absl::StatusOr<std::vector<std::string>> {
-    if (o.size() != 2 || !Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
-    const HloType& t = *o[0].type;
-    if (t.dtype != tpu::DType::kFloat && t.dtype != tpu::DType::kDouble) return Unsupported(l.op(), "a dtype that is not lowered");
-    const bool wide = t.dtype == tpu::DType::kDouble;
-    const HloType& it = wide ? I64() : *DTypeOf(tpu::DType::kInt32);
-    const std::vector<int64_t>& dims = o[0].dims;
-    absl::StatusOr<std::string> xs = l.Operand(d.args[0], dims, t);
-    if (!xs.ok()) return xs.status();
-    const int mant = wide ? 52 : 23, bias = wide ? 1022 : 126, scale = wide ? 54 : 25;
-    const double mask = wide ? 2047 : 255;
-    const std::string x = *xs;
-    const std::string tiny = l.Compare("LT", l.Unary("abs", x, dims, t), l.Constant(wide ? 2.2250738585072014e-308 : 1.1754943508222875e-38, dims, t), dims, t);
-    const std::string up = l.Select(tiny, l.Binary("multiply", x, l.Constant(std::ldexp(1.0, scale), dims, t), dims, t), x, dims, t);
-    const std::string bits = l.Emit(absl::StrCat("stablehlo.bitcast_convert ", up, " : (", TypeOf(dims, t), ") -> ", TypeOf(dims, it)));
-    const std::string field = l.Binary("and", l.Binary("shift_right_logical", bits, l.Constant(mant, dims, it), dims, it),
-                                       l.Constant(mask, dims, it), dims, it);
-    std::string e = l.Binary("subtract", field, l.Constant(bias, dims, it), dims, it);
-    e = l.Select(tiny, l.Binary("subtract", e, l.Constant(scale, dims, it), dims, it), e, dims, it);
-    // Clear the exponent field, then set it to the bias: [0.5, 1).
-    const std::string keep = l.Unary("not", l.Binary("shift_left", l.Constant(mask, dims, it), l.Constant(mant, dims, it), dims, it), dims, it);
-    const std::string mbits = l.Binary("or", l.Binary("and", bits, keep, dims, it),
-                                       l.Binary("shift_left", l.Constant(bias, dims, it), l.Constant(mant, dims, it), dims, it), dims, it);
-    const std::string mv = l.Emit(absl::StrCat("stablehlo.bitcast_convert ", mbits, " : (", TypeOf(dims, it), ") -> ", TypeOf(dims, t)));
-    const HloType& i1 = *DTypeOf(tpu::DType::kBool);
-    const std::string finite = l.Emit(absl::StrCat("stablehlo.is_finite ", x, " : (", TypeOf(dims, t), ") -> ", TypeOf(dims, i1)));
-    const std::string plain = l.Binary("and", finite, l.Compare("NE", x, l.Constant(0, dims, t), dims, t), dims, i1);
-    return std::vector<std::string>{l.Select(plain, mv, x, dims, t),
-                                    l.Convert(l.Select(plain, e, l.Constant(0, dims, it), dims, it), dims, it, *o[1].type)};
-  });
-  reg.Alias("aten::frexp.Tensor_out", "aten::frexp.Tensor");
-  for (const auto& [name, dir] : std::vector<std::pair<std::string, const char*>>{
-           {"eq", "EQ"}, {"ne", "NE"}, {"lt", "LT"}, {"le", "LE"}, {"gt", "GT"}, {"ge", "GE"}}) {
-    for (const char* overload : {".Tensor", ".Scalar", ".Tensor_out", ".Scalar_out"}) {
-      const char* cmp = dir;
-      reg.Add("aten::" + name + overload, [cmp](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-          -> absl::StatusOr<std::string> {
-        if (d.num_args < 2) return Unsupported(l.op(), "arguments of a form not lowered");
-        // Compared in a type both sides fit: double if either is floating.
-        bool floating = false;
-        for (size_t i = 0; i < 2; ++i) {
-          const tpu::OpArg& a = d.args[i];
-          const HloType* t = a.tag == tpu::ArgTag::kTensor ? DTypeOf(a.tensor.dtype) : nullptr;
-          floating |= (t != nullptr && t->is_float) || a.tag == tpu::ArgTag::kScalarDouble ||
-                      (a.tag == tpu::ArgTag::kScalarTensor && DTypeOf(a.dtype) != nullptr && DTypeOf(a.dtype)->is_float);
-        }
-        const HloType& t = floating ? F64() : I64();
-        absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t);
-        if (!a.ok()) return a;
-        if (!b.ok()) return b;
-        return l.Convert(l.Compare(cmp, *a, *b, o.dims, t), o.dims, *DTypeOf(tpu::DType::kBool), *o.type);
+  reg.AddMulti(
+      "aten::frexp.Tensor",
+      [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+          -> absl::StatusOr<std::vector<std::string>> {
+        if (o.size() != 2 || !Defined(d, 0))
+          return Unsupported(l.op(), "expects a tensor");
+        const HloType& t = *o[0].type;
+        if (t.dtype != tpu::DType::kFloat && t.dtype != tpu::DType::kDouble)
+          return Unsupported(l.op(), "a dtype that is not lowered");
+        const bool wide = t.dtype == tpu::DType::kDouble;
+        const HloType& it = wide ? I64() : *DTypeOf(tpu::DType::kInt32);
+        const std::vector<int64_t>& dims = o[0].dims;
+        absl::StatusOr<std::string> xs = l.Operand(d.args[0], dims, t);
+        if (!xs.ok()) return xs.status();
+        const int mant = wide ? 52 : 23, bias = wide ? 1022 : 126,
+                  scale = wide ? 54 : 25;
+        const double mask = wide ? 2047 : 255;
+        const std::string x = *xs;
+        const std::string tiny = l.Compare(
+            "LT", l.Unary("abs", x, dims, t),
+            l.Constant(wide ? 2.2250738585072014e-308 : 1.1754943508222875e-38,
+                       dims, t),
+            dims, t);
+        const std::string up = l.Select(
+            tiny,
+            l.Binary("multiply", x, l.Constant(std::ldexp(1.0, scale), dims, t),
+                     dims, t),
+            x, dims, t);
+        const std::string bits =
+            l.Emit(absl::StrCat("stablehlo.bitcast_convert ", up, " : (",
+                                TypeOf(dims, t), ") -> ", TypeOf(dims, it)));
+        const std::string field =
+            l.Binary("and",
+                     l.Binary("shift_right_logical", bits,
+                              l.Constant(mant, dims, it), dims, it),
+                     l.Constant(mask, dims, it), dims, it);
+        std::string e =
+            l.Binary("subtract", field, l.Constant(bias, dims, it), dims, it);
+        e = l.Select(
+            tiny,
+            l.Binary("subtract", e, l.Constant(scale, dims, it), dims, it), e,
+            dims, it);
+        // Clear the exponent field, then set it to the bias: [0.5, 1).
+        const std::string keep =
+            l.Unary("not",
+                    l.Binary("shift_left", l.Constant(mask, dims, it),
+                             l.Constant(mant, dims, it), dims, it),
+                    dims, it);
+        const std::string mbits =
+            l.Binary("or", l.Binary("and", bits, keep, dims, it),
+                     l.Binary("shift_left", l.Constant(bias, dims, it),
+                              l.Constant(mant, dims, it), dims, it),
+                     dims, it);
+        const std::string mv =
+            l.Emit(absl::StrCat("stablehlo.bitcast_convert ", mbits, " : (",
+                                TypeOf(dims, it), ") -> ", TypeOf(dims, t)));
+        const HloType& i1 = *DTypeOf(tpu::DType::kBool);
+        const std::string finite =
+            l.Emit(absl::StrCat("stablehlo.is_finite ", x, " : (",
+                                TypeOf(dims, t), ") -> ", TypeOf(dims, i1)));
+        const std::string plain = l.Binary(
+            "and", finite, l.Compare("NE", x, l.Constant(0, dims, t), dims, t),
+            dims, i1);
+        return std::vector<std::string>{
+            l.Select(plain, mv, x, dims, t),
+            l.Convert(l.Select(plain, e, l.Constant(0, dims, it), dims, it),
+                      dims, it, *o[1].type)};
       });
+  reg.Alias("aten::frexp.Tensor_out", "aten::frexp.Tensor");
+  for (const auto& [name, dir] :
+       std::vector<std::pair<std::string, const char*>>{{"eq", "EQ"},
+                                                        {"ne", "NE"},
+                                                        {"lt", "LT"},
+                                                        {"le", "LE"},
+                                                        {"gt", "GT"},
+                                                        {"ge", "GE"}}) {
+    for (const char* overload :
+         {".Tensor", ".Scalar", ".Tensor_out", ".Scalar_out"}) {
+      const char* cmp = dir;
+      reg.Add("aten::" + name + overload,
+              [cmp](Lowering& l, const tpu::DecodedOp& d,
+                    const Target& o) -> absl::StatusOr<std::string> {
+                if (d.num_args < 2)
+                  return Unsupported(l.op(), "arguments of a form not lowered");
+                // Compared in a type both sides fit: double if either is
+                // floating.
+                bool floating = false;
+                for (size_t i = 0; i < 2; ++i) {
+                  const tpu::OpArg& a = d.args[i];
+                  const HloType* t = a.tag == tpu::ArgTag::kTensor
+                                         ? DTypeOf(a.tensor.dtype)
+                                         : nullptr;
+                  floating |= (t != nullptr && t->is_float) ||
+                              a.tag == tpu::ArgTag::kScalarDouble ||
+                              (a.tag == tpu::ArgTag::kScalarTensor &&
+                               DTypeOf(a.dtype) != nullptr &&
+                               DTypeOf(a.dtype)->is_float);
+                }
+                const HloType& t = floating ? F64() : I64();
+                absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t),
+                                            b = l.Operand(d.args[1], o.dims, t);
+                if (!a.ok()) return a;
+                if (!b.ok()) return b;
+                return l.Convert(l.Compare(cmp, *a, *b, o.dims, t), o.dims,
+                                 *DTypeOf(tpu::DType::kBool), *o.type);
+              });
     }
   }
   // self + weight * (end - self)
-  for (const char* name : {"aten::lerp.Scalar", "aten::lerp_.Scalar", "aten::lerp.Scalar_out",
-                           "aten::lerp.Tensor", "aten::lerp_.Tensor", "aten::lerp.Tensor_out"}) {
-    reg.Add(name, [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-        -> absl::StatusOr<std::string> {
-      if (d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
-      const HloType& t = *o.type;
-      absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t),
-                                  w = l.Operand(d.args[2], o.dims, t);
-      for (auto* v : {&a, &b, &w}) if (!v->ok()) return *v;
-      return l.Binary("add", *a, l.Binary("multiply", *w, l.Binary("subtract", *b, *a, o.dims, t), o.dims, t), o.dims, t);
-    });
+  for (const char* name :
+       {"aten::lerp.Scalar", "aten::lerp_.Scalar", "aten::lerp.Scalar_out",
+        "aten::lerp.Tensor", "aten::lerp_.Tensor", "aten::lerp.Tensor_out"}) {
+    reg.Add(name,
+            [](Lowering& l, const tpu::DecodedOp& d,
+               const Target& o) -> absl::StatusOr<std::string> {
+              if (d.num_args < 3)
+                return Unsupported(l.op(), "arguments of a form not lowered");
+              const HloType& t = *o.type;
+              absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t),
+                                          b = l.Operand(d.args[1], o.dims, t),
+                                          w = l.Operand(d.args[2], o.dims, t);
+              for (auto* v : {&a, &b, &w})
+                if (!v->ok()) return *v;
+              return l.Binary(
+                  "add", *a,
+                  l.Binary("multiply", *w,
+                           l.Binary("subtract", *b, *a, o.dims, t), o.dims, t),
+                  o.dims, t);
+            });
   }
   // self + value * (t1 * t2), self + value * (t1 / t2)
   for (const char* base : {"addcmul", "addcdiv"}) {
     const bool mul = std::string(base) == "addcmul";
     for (const std::string suffix : {"", "_", ".out"}) {
-      reg.Add(absl::StrCat("aten::", base, suffix), [mul](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-          -> absl::StatusOr<std::string> {
-        if (d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
-        const HloType& t = *o.type;
-        absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t),
-                                    c = l.Operand(d.args[2], o.dims, t);
-        for (auto* v : {&a, &b, &c}) if (!v->ok()) return *v;
-        std::string prod = l.Binary(mul ? "multiply" : "divide", *b, *c, o.dims, t);
-        if (d.num_args > 3 && NumberOf(d.args[3]) != 1.0) {
-          absl::StatusOr<std::string> v = l.Operand(d.args[3], o.dims, t);
-          if (!v.ok()) return v;
-          prod = l.Binary("multiply", prod, *v, o.dims, t);
-        }
-        return l.Binary("add", *a, prod, o.dims, t);
-      });
+      reg.Add(absl::StrCat("aten::", base, suffix),
+              [mul](Lowering& l, const tpu::DecodedOp& d,
+                    const Target& o) -> absl::StatusOr<std::string> {
+                if (d.num_args < 3)
+                  return Unsupported(l.op(), "arguments of a form not lowered");
+                const HloType& t = *o.type;
+                absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t),
+                                            b = l.Operand(d.args[1], o.dims, t),
+                                            c = l.Operand(d.args[2], o.dims, t);
+                for (auto* v : {&a, &b, &c})
+                  if (!v->ok()) return *v;
+                std::string prod =
+                    l.Binary(mul ? "multiply" : "divide", *b, *c, o.dims, t);
+                if (d.num_args > 3 && NumberOf(d.args[3]) != 1.0) {
+                  absl::StatusOr<std::string> v =
+                      l.Operand(d.args[3], o.dims, t);
+                  if (!v.ok()) return v;
+                  prod = l.Binary("multiply", prod, *v, o.dims, t);
+                }
+                return l.Binary("add", *a, prod, o.dims, t);
+              });
     }
   }
-  using F = std::function<std::string(Lowering&, const std::string&, const Target&)>;
+  using F =
+      std::function<std::string(Lowering&, const std::string&, const Target&)>;
   auto unary = [&reg](const std::string& name, F f) {
     reg.Add(name, UnaryRule(std::move(f)));
   };
-  auto c = [](Lowering& l, double v, const Target& o) { return l.Constant(v, o.dims, *o.type); };
-  auto B = [](Lowering& l, const char* op, const std::string& a, const std::string& b, const Target& o) {
-    return l.Binary(op, a, b, o.dims, *o.type);
+  auto c = [](Lowering& l, double v, const Target& o) {
+    return l.Constant(v, o.dims, *o.type);
   };
-  auto U = [](Lowering& l, const char* op, const std::string& a, const Target& o) {
-    return l.Unary(op, a, o.dims, *o.type);
-  };
-  for (const auto& [name, op] : std::vector<std::pair<std::string, const char*>>{
-           {"floor", "floor"}, {"ceil", "ceil"}, {"round", "round_nearest_even"},
-           {"sign", "sign"}, {"sgn", "sign"}, {"log1p", "log_plus_one"},
-           {"expm1", "exponential_minus_one"}, {"tan", "tan"}}) {
+  auto B = [](Lowering& l, const char* op, const std::string& a,
+              const std::string& b,
+              const Target& o) { return l.Binary(op, a, b, o.dims, *o.type); };
+  auto U = [](Lowering& l, const char* op, const std::string& a,
+              const Target& o) { return l.Unary(op, a, o.dims, *o.type); };
+  for (const auto& [name, op] :
+       std::vector<std::pair<std::string, const char*>>{
+           {"floor", "floor"},
+           {"ceil", "ceil"},
+           {"round", "round_nearest_even"},
+           {"sign", "sign"},
+           {"sgn", "sign"},
+           {"log1p", "log_plus_one"},
+           {"expm1", "exponential_minus_one"},
+           {"tan", "tan"}}) {
     reg.Add("aten::" + name, Simple(op));
   }
-  unary("aten::reciprocal", [=](Lowering& l, const std::string& x, const Target& o) { return B(l, "divide", c(l, 1, o), x, o); });
-  unary("aten::square", [=](Lowering& l, const std::string& x, const Target& o) { return B(l, "multiply", x, x, o); });
+  unary("aten::reciprocal",
+        [=](Lowering& l, const std::string& x, const Target& o) {
+          return B(l, "divide", c(l, 1, o), x, o);
+        });
+  unary("aten::square",
+        [=](Lowering& l, const std::string& x, const Target& o) {
+          return B(l, "multiply", x, x, o);
+        });
   unary("aten::trunc", [=](Lowering& l, const std::string& x, const Target& o) {
-    return B(l, "multiply", U(l, "sign", x, o), U(l, "floor", U(l, "abs", x, o), o), o);
+    return B(l, "multiply", U(l, "sign", x, o),
+             U(l, "floor", U(l, "abs", x, o), o), o);
   });
-  unary("aten::erf", [](Lowering& l, const std::string& x, const Target& o) { return Erf(l, x, o.dims, *o.type); });
-  unary("aten::atan", [=](Lowering& l, const std::string& x, const Target& o) { return B(l, "atan2", x, c(l, 1, o), o); });
+  unary("aten::erf", [](Lowering& l, const std::string& x, const Target& o) {
+    return Erf(l, x, o.dims, *o.type);
+  });
+  unary("aten::atan", [=](Lowering& l, const std::string& x, const Target& o) {
+    return B(l, "atan2", x, c(l, 1, o), o);
+  });
   unary("aten::asin", [=](Lowering& l, const std::string& x, const Target& o) {
-    return B(l, "atan2", x, U(l, "sqrt", B(l, "subtract", c(l, 1, o), B(l, "multiply", x, x, o), o), o), o);
+    return B(l, "atan2", x,
+             U(l, "sqrt",
+               B(l, "subtract", c(l, 1, o), B(l, "multiply", x, x, o), o), o),
+             o);
   });
   unary("aten::acos", [=](Lowering& l, const std::string& x, const Target& o) {
-    return B(l, "atan2", U(l, "sqrt", B(l, "subtract", c(l, 1, o), B(l, "multiply", x, x, o), o), o), x, o);
+    return B(l, "atan2",
+             U(l, "sqrt",
+               B(l, "subtract", c(l, 1, o), B(l, "multiply", x, x, o), o), o),
+             x, o);
   });
   for (bool sinh : {true, false}) {
-    unary(sinh ? "aten::sinh" : "aten::cosh", [=](Lowering& l, const std::string& x, const Target& o) {
-      const std::string e = U(l, "exponential", x, o), f = U(l, "exponential", U(l, "negate", x, o), o);
-      return B(l, "multiply", B(l, sinh ? "subtract" : "add", e, f, o), c(l, 0.5, o), o);
-    });
+    unary(sinh ? "aten::sinh" : "aten::cosh",
+          [=](Lowering& l, const std::string& x, const Target& o) {
+            const std::string e = U(l, "exponential", x, o),
+                              f = U(l, "exponential", U(l, "negate", x, o), o);
+            return B(l, "multiply", B(l, sinh ? "subtract" : "add", e, f, o),
+                     c(l, 0.5, o), o);
+          });
   }
-  unary("aten::log2", [=](Lowering& l, const std::string& x, const Target& o) { return B(l, "divide", U(l, "log", x, o), c(l, 0.69314718055994531, o), o); });
-  unary("aten::log10", [=](Lowering& l, const std::string& x, const Target& o) { return B(l, "divide", U(l, "log", x, o), c(l, 2.3025850929940457, o), o); });
-  unary("aten::silu", [=](Lowering& l, const std::string& x, const Target& o) { return B(l, "multiply", x, U(l, "logistic", x, o), o); });
-  unary("aten::exp2", [=](Lowering& l, const std::string& x, const Target& o) { return B(l, "power", c(l, 2, o), x, o); });
+  unary("aten::log2", [=](Lowering& l, const std::string& x, const Target& o) {
+    return B(l, "divide", U(l, "log", x, o), c(l, 0.69314718055994531, o), o);
+  });
+  unary("aten::log10", [=](Lowering& l, const std::string& x, const Target& o) {
+    return B(l, "divide", U(l, "log", x, o), c(l, 2.3025850929940457, o), o);
+  });
+  unary("aten::silu", [=](Lowering& l, const std::string& x, const Target& o) {
+    return B(l, "multiply", x, U(l, "logistic", x, o), o);
+  });
+  unary("aten::exp2", [=](Lowering& l, const std::string& x, const Target& o) {
+    return B(l, "power", c(l, 2, o), x, o);
+  });
   // Predicates of one tensor: computed on its own dtype, written as bool.
   for (const auto& [name, kind] : std::vector<std::pair<std::string, int>>{
            {"logical_not", 0}, {"isnan", 1}, {"isinf", 2}, {"isfinite", 3}}) {
     const int k = kind;
-    reg.Add("aten::" + name, [k](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-        -> absl::StatusOr<std::string> {
-      if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
-      const HloType* t = DTypeOf(d.args[0].tensor.dtype);
-      if (t == nullptr) return Unsupported(l.op(), "dtype");
-      if (k != 0 && !t->is_float) {
-        return l.Convert(l.Constant(k == 3 ? 1 : 0, o.dims, *DTypeOf(tpu::DType::kBool)), o.dims, *DTypeOf(tpu::DType::kBool), *o.type);
-      }
-      absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *t);
-      if (!x.ok()) return x;
-      std::string p;
-      if (k == 0) p = l.Compare("EQ", *x, l.Constant(0, o.dims, *t), o.dims, *t);
-      if (k == 1) p = l.Compare("NE", *x, *x, o.dims, *t);
-      if (k == 2) p = l.Compare("EQ", l.Unary("abs", *x, o.dims, *t), l.Unary("abs", l.Binary("divide", l.Constant(1, o.dims, *t), l.Constant(0, o.dims, *t), o.dims, *t), o.dims, *t), o.dims, *t);
-      if (k == 3) p = l.Emit(absl::StrCat("stablehlo.is_finite ", *x, " : (", TypeOf(o.dims, *t), ") -> ", TypeOf(o.dims, *DTypeOf(tpu::DType::kBool))));
-      return l.Convert(p, o.dims, *DTypeOf(tpu::DType::kBool), *o.type);
-    });
+    reg.Add("aten::" + name,
+            [k](Lowering& l, const tpu::DecodedOp& d,
+                const Target& o) -> absl::StatusOr<std::string> {
+              if (!Defined(d, 0))
+                return Unsupported(l.op(), "expects a tensor");
+              const HloType* t = DTypeOf(d.args[0].tensor.dtype);
+              if (t == nullptr) return Unsupported(l.op(), "dtype");
+              if (k != 0 && !t->is_float) {
+                return l.Convert(l.Constant(k == 3 ? 1 : 0, o.dims,
+                                            *DTypeOf(tpu::DType::kBool)),
+                                 o.dims, *DTypeOf(tpu::DType::kBool), *o.type);
+              }
+              absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *t);
+              if (!x.ok()) return x;
+              std::string p;
+              if (k == 0)
+                p = l.Compare("EQ", *x, l.Constant(0, o.dims, *t), o.dims, *t);
+              if (k == 1) p = l.Compare("NE", *x, *x, o.dims, *t);
+              if (k == 2)
+                p = l.Compare(
+                    "EQ", l.Unary("abs", *x, o.dims, *t),
+                    l.Unary("abs",
+                            l.Binary("divide", l.Constant(1, o.dims, *t),
+                                     l.Constant(0, o.dims, *t), o.dims, *t),
+                            o.dims, *t),
+                    o.dims, *t);
+              if (k == 3)
+                p = l.Emit(absl::StrCat(
+                    "stablehlo.is_finite ", *x, " : (", TypeOf(o.dims, *t),
+                    ") -> ", TypeOf(o.dims, *DTypeOf(tpu::DType::kBool))));
+              return l.Convert(p, o.dims, *DTypeOf(tpu::DType::kBool), *o.type);
+            });
   }
   for (const char* ov : {".Tensor", ".Scalar"}) {
-    reg.Add(std::string("aten::atan2") + (std::string(ov) == ".Tensor" ? "" : ".Scalar"), BinaryRule("atan2", false));
-    reg.Add(std::string("aten::remainder") + ov, [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-        -> absl::StatusOr<std::string> {
-      // Python's %: the result has the divisor's sign.
-      const HloType& t = *o.type;
-      absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t);
-      if (!a.ok()) return a;
-      if (!b.ok()) return b;
-      const std::string r = l.Binary("remainder", *a, *b, o.dims, t);
-      const std::string zero = l.Constant(0, o.dims, t);
-      const std::string nz = l.Compare("NE", r, zero, o.dims, t);
-      const std::string differ = l.Compare("NE", l.Compare("LT", r, zero, o.dims, t), l.Compare("LT", *b, zero, o.dims, t), o.dims, *DTypeOf(tpu::DType::kBool));
-      const std::string fix = l.Emit(absl::StrCat("stablehlo.and ", nz, ", ", differ, " : ", TypeOf(o.dims, *DTypeOf(tpu::DType::kBool))));
-      return l.Select(fix, l.Binary("add", r, *b, o.dims, t), r, o.dims, t);
-    });
-    for (const auto& [name, op] : std::vector<std::pair<std::string, const char*>>{
-             {"bitwise_and", "and"}, {"bitwise_or", "or"}, {"bitwise_xor", "xor"}}) {
+    reg.Add(std::string("aten::atan2") +
+                (std::string(ov) == ".Tensor" ? "" : ".Scalar"),
+            BinaryRule("atan2", false));
+    reg.Add(
+        std::string("aten::remainder") + ov,
+        [](Lowering& l, const tpu::DecodedOp& d,
+           const Target& o) -> absl::StatusOr<std::string> {
+          // Python's %: the result has the divisor's sign.
+          const HloType& t = *o.type;
+          absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t),
+                                      b = l.Operand(d.args[1], o.dims, t);
+          if (!a.ok()) return a;
+          if (!b.ok()) return b;
+          const std::string r = l.Binary("remainder", *a, *b, o.dims, t);
+          const std::string zero = l.Constant(0, o.dims, t);
+          const std::string nz = l.Compare("NE", r, zero, o.dims, t);
+          const std::string differ =
+              l.Compare("NE", l.Compare("LT", r, zero, o.dims, t),
+                        l.Compare("LT", *b, zero, o.dims, t), o.dims,
+                        *DTypeOf(tpu::DType::kBool));
+          const std::string fix =
+              l.Emit(absl::StrCat("stablehlo.and ", nz, ", ", differ, " : ",
+                                  TypeOf(o.dims, *DTypeOf(tpu::DType::kBool))));
+          return l.Select(fix, l.Binary("add", r, *b, o.dims, t), r, o.dims, t);
+        });
+    for (const auto& [name, op] :
+         std::vector<std::pair<std::string, const char*>>{
+             {"bitwise_and", "and"},
+             {"bitwise_or", "or"},
+             {"bitwise_xor", "xor"}}) {
       reg.Add("aten::" + name + ov, BinaryRule(op, false));
     }
   }
-  for (const auto& [name, op] : std::vector<std::pair<std::string, const char*>>{
-           {"logical_and", "and"}, {"logical_or", "or"}, {"logical_xor", "xor"}}) {
+  for (const auto& [name, op] :
+       std::vector<std::pair<std::string, const char*>>{
+           {"logical_and", "and"},
+           {"logical_or", "or"},
+           {"logical_xor", "xor"}}) {
     const char* hlo = op;
-    reg.Add("aten::" + name, [hlo](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-        -> absl::StatusOr<std::string> {
-      const HloType& f = F64();
-      const HloType& pred = *DTypeOf(tpu::DType::kBool);
-      absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, f), b = l.Operand(d.args[1], o.dims, f);
-      if (!a.ok()) return a;
-      if (!b.ok()) return b;
-      const std::string zero = l.Constant(0, o.dims, f);
-      const std::string r = l.Emit(absl::StrCat("stablehlo.", hlo, " ", l.Compare("NE", *a, zero, o.dims, f), ", ",
-                                                l.Compare("NE", *b, zero, o.dims, f), " : ", TypeOf(o.dims, pred)));
-      return l.Convert(r, o.dims, pred, *o.type);
-    });
+    reg.Add("aten::" + name,
+            [hlo](Lowering& l, const tpu::DecodedOp& d,
+                  const Target& o) -> absl::StatusOr<std::string> {
+              const HloType& f = F64();
+              const HloType& pred = *DTypeOf(tpu::DType::kBool);
+              absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, f),
+                                          b = l.Operand(d.args[1], o.dims, f);
+              if (!a.ok()) return a;
+              if (!b.ok()) return b;
+              const std::string zero = l.Constant(0, o.dims, f);
+              const std::string r = l.Emit(absl::StrCat(
+                  "stablehlo.", hlo, " ", l.Compare("NE", *a, zero, o.dims, f),
+                  ", ", l.Compare("NE", *b, zero, o.dims, f), " : ",
+                  TypeOf(o.dims, pred)));
+              return l.Convert(r, o.dims, pred, *o.type);
+            });
   }
-  reg.Add("aten::logaddexp", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-      -> absl::StatusOr<std::string> {
-    const HloType& t = *o.type;
-    absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t);
-    if (!a.ok()) return a;
-    if (!b.ok()) return b;
-    const std::string mx = l.Binary("maximum", *a, *b, o.dims, t);
-    const std::string diff = l.Unary("negate", l.Unary("abs", l.Binary("subtract", *a, *b, o.dims, t), o.dims, t), o.dims, t);
-    return l.Binary("add", mx, l.Unary("log_plus_one", l.Unary("exponential", diff, o.dims, t), o.dims, t), o.dims, t);
-  });
-  // clamp(self, min?, max?): bounds are scalars or tensors, either may be absent.
+  reg.Add(
+      "aten::logaddexp",
+      [](Lowering& l, const tpu::DecodedOp& d,
+         const Target& o) -> absl::StatusOr<std::string> {
+        const HloType& t = *o.type;
+        absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t),
+                                    b = l.Operand(d.args[1], o.dims, t);
+        if (!a.ok()) return a;
+        if (!b.ok()) return b;
+        const std::string mx = l.Binary("maximum", *a, *b, o.dims, t);
+        const std::string diff = l.Unary(
+            "negate",
+            l.Unary("abs", l.Binary("subtract", *a, *b, o.dims, t), o.dims, t),
+            o.dims, t);
+        return l.Binary(
+            "add", mx,
+            l.Unary("log_plus_one", l.Unary("exponential", diff, o.dims, t),
+                    o.dims, t),
+            o.dims, t);
+      });
+  // clamp(self, min?, max?): bounds are scalars or tensors, either may be
+  // absent.
   auto clamp = [](bool lo, bool hi) {
-    return [lo, hi](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+    return [lo, hi](Lowering& l, const tpu::DecodedOp& d,
+                    const Target& o) -> absl::StatusOr<std::string> {
       const HloType& t = *o.type;
       absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
       if (!x.ok()) return x;
@@ -278,10 +438,12 @@ void RegisterElementwise(OpRegistry& reg) {
         const size_t k = i++;
         if (k >= d.num_args) break;
         const tpu::ArgTag tag = d.args[k].tag;
-        if (tag == tpu::ArgTag::kNone || tag == tpu::ArgTag::kUndefinedTensor) continue;
+        if (tag == tpu::ArgTag::kNone || tag == tpu::ArgTag::kUndefinedTensor)
+          continue;
         absl::StatusOr<std::string> b = l.Operand(d.args[k], o.dims, t);
         if (!b.ok()) return b;
-        r = l.Binary(use && k == 1 && lo ? "maximum" : "minimum", r, *b, o.dims, t);
+        r = l.Binary(use && k == 1 && lo ? "maximum" : "minimum", r, *b, o.dims,
+                     t);
       }
       return r;
     };
@@ -293,120 +455,176 @@ void RegisterElementwise(OpRegistry& reg) {
   reg.Add("aten::clamp_max", clamp(false, true));
   reg.Add("aten::clamp_max.Tensor", clamp(false, true));
   reg.Add("aten::hardtanh", clamp(true, true));
-  reg.Add("aten::where.self", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-      -> absl::StatusOr<std::string> {
-    if (d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
-    const HloType& pred = *DTypeOf(tpu::DType::kBool);
-    absl::StatusOr<std::string> cnd = l.Operand(d.args[0], o.dims, pred);
-    absl::StatusOr<std::string> a = l.Operand(d.args[1], o.dims, *o.type), b = l.Operand(d.args[2], o.dims, *o.type);
-    for (auto* v : {&cnd, &a, &b}) if (!v->ok()) return *v;
-    return l.Select(*cnd, *a, *b, o.dims, *o.type);
-  });
-  for (const char* name : {"aten::masked_fill.Scalar", "aten::masked_fill.Tensor"}) {
-    reg.Add(name, [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-      if (d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
-      absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
-      absl::StatusOr<std::string> mask = l.Operand(d.args[1], o.dims, *DTypeOf(tpu::DType::kBool));
-      absl::StatusOr<std::string> v = l.Operand(d.args[2], o.dims, *o.type);
-      for (auto* p : {&x, &mask, &v}) if (!p->ok()) return *p;
-      return l.Select(*mask, *v, *x, o.dims, *o.type);
-    });
+  reg.Add(
+      "aten::where.self",
+      [](Lowering& l, const tpu::DecodedOp& d,
+         const Target& o) -> absl::StatusOr<std::string> {
+        if (d.num_args < 3)
+          return Unsupported(l.op(), "arguments of a form not lowered");
+        const HloType& pred = *DTypeOf(tpu::DType::kBool);
+        absl::StatusOr<std::string> cnd = l.Operand(d.args[0], o.dims, pred);
+        absl::StatusOr<std::string> a = l.Operand(d.args[1], o.dims, *o.type),
+                                    b = l.Operand(d.args[2], o.dims, *o.type);
+        for (auto* v : {&cnd, &a, &b})
+          if (!v->ok()) return *v;
+        return l.Select(*cnd, *a, *b, o.dims, *o.type);
+      });
+  for (const char* name :
+       {"aten::masked_fill.Scalar", "aten::masked_fill.Tensor"}) {
+    reg.Add(
+        name,
+        [](Lowering& l, const tpu::DecodedOp& d,
+           const Target& o) -> absl::StatusOr<std::string> {
+          if (d.num_args < 3)
+            return Unsupported(l.op(), "arguments of a form not lowered");
+          absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
+          absl::StatusOr<std::string> mask =
+              l.Operand(d.args[1], o.dims, *DTypeOf(tpu::DType::kBool));
+          absl::StatusOr<std::string> v = l.Operand(d.args[2], o.dims, *o.type);
+          for (auto* p : {&x, &mask, &v})
+            if (!p->ok()) return *p;
+          return l.Select(*mask, *v, *x, o.dims, *o.type);
+        });
   }
   for (const char* name : {"aten::rsub.Tensor", "aten::rsub.Scalar"}) {
-    reg.Add(name, [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-      // other - alpha * self
-      absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, *o.type), b = l.Operand(d.args[1], o.dims, *o.type);
-      if (!a.ok()) return a;
-      if (!b.ok()) return b;
-      std::string s = *a;
-      if (d.num_args > 2 && NumberOf(d.args[2]) != 1.0) {
-        absl::StatusOr<std::string> al = l.Operand(d.args[2], o.dims, *o.type);
-        if (!al.ok()) return al;
-        s = l.Binary("multiply", s, *al, o.dims, *o.type);
-      }
-      return l.Binary("subtract", *b, s, o.dims, *o.type);
-    });
+    reg.Add(
+        name,
+        [](Lowering& l, const tpu::DecodedOp& d,
+           const Target& o) -> absl::StatusOr<std::string> {
+          // other - alpha * self
+          absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, *o.type),
+                                      b = l.Operand(d.args[1], o.dims, *o.type);
+          if (!a.ok()) return a;
+          if (!b.ok()) return b;
+          std::string s = *a;
+          if (d.num_args > 2 && NumberOf(d.args[2]) != 1.0) {
+            absl::StatusOr<std::string> al =
+                l.Operand(d.args[2], o.dims, *o.type);
+            if (!al.ok()) return al;
+            s = l.Binary("multiply", s, *al, o.dims, *o.type);
+          }
+          return l.Binary("subtract", *b, s, o.dims, *o.type);
+        });
   }
-  reg.Add("aten::fill_.Tensor", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-      -> absl::StatusOr<std::string> {
-    if (d.num_args < 2) return Unsupported(l.op(), "arguments of a form not lowered");
-    return l.Operand(d.args[1], o.dims, *o.type);
-  });
-  reg.Add("aten::bitwise_not", UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
-    return l.Unary("not", x, o.dims, *o.type);
-  }));
+  reg.Add("aten::fill_.Tensor",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& o) -> absl::StatusOr<std::string> {
+            if (d.num_args < 2)
+              return Unsupported(l.op(), "arguments of a form not lowered");
+            return l.Operand(d.args[1], o.dims, *o.type);
+          });
+  reg.Add("aten::bitwise_not",
+          UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
+            return l.Unary("not", x, o.dims, *o.type);
+          }));
   // Inverse hyperbolic functions from logarithms.
-  reg.Add("aten::acosh", UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
-    const HloType& t = *o.type;
-    const std::string s = l.Unary("sqrt", l.Binary("subtract", l.Binary("multiply", x, x, o.dims, t), l.Constant(1, o.dims, t), o.dims, t), o.dims, t);
-    return l.Unary("log", l.Binary("add", x, s, o.dims, t), o.dims, t);
-  }));
-  reg.Add("aten::asinh", UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
-    const HloType& t = *o.type;
-    const std::string a = l.Unary("abs", x, o.dims, t);
-    const std::string s = l.Unary("sqrt", l.Binary("add", l.Binary("multiply", a, a, o.dims, t), l.Constant(1, o.dims, t), o.dims, t), o.dims, t);
-    return l.Binary("multiply", l.Unary("sign", x, o.dims, t), l.Unary("log", l.Binary("add", a, s, o.dims, t), o.dims, t), o.dims, t);
-  }));
-  reg.Add("aten::atanh", UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
-    const HloType& t = *o.type;
-    const std::string q = l.Binary("divide", l.Binary("add", l.Constant(1, o.dims, t), x, o.dims, t),
-                                   l.Binary("subtract", l.Constant(1, o.dims, t), x, o.dims, t), o.dims, t);
-    return l.Binary("multiply", l.Constant(0.5, o.dims, t), l.Unary("log", q, o.dims, t), o.dims, t);
-  }));
+  reg.Add("aten::acosh",
+          UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
+            const HloType& t = *o.type;
+            const std::string s = l.Unary(
+                "sqrt",
+                l.Binary("subtract", l.Binary("multiply", x, x, o.dims, t),
+                         l.Constant(1, o.dims, t), o.dims, t),
+                o.dims, t);
+            return l.Unary("log", l.Binary("add", x, s, o.dims, t), o.dims, t);
+          }));
+  reg.Add("aten::asinh",
+          UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
+            const HloType& t = *o.type;
+            const std::string a = l.Unary("abs", x, o.dims, t);
+            const std::string s =
+                l.Unary("sqrt",
+                        l.Binary("add", l.Binary("multiply", a, a, o.dims, t),
+                                 l.Constant(1, o.dims, t), o.dims, t),
+                        o.dims, t);
+            return l.Binary(
+                "multiply", l.Unary("sign", x, o.dims, t),
+                l.Unary("log", l.Binary("add", a, s, o.dims, t), o.dims, t),
+                o.dims, t);
+          }));
+  reg.Add("aten::atanh",
+          UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
+            const HloType& t = *o.type;
+            const std::string q = l.Binary(
+                "divide",
+                l.Binary("add", l.Constant(1, o.dims, t), x, o.dims, t),
+                l.Binary("subtract", l.Constant(1, o.dims, t), x, o.dims, t),
+                o.dims, t);
+            return l.Binary("multiply", l.Constant(0.5, o.dims, t),
+                            l.Unary("log", q, o.dims, t), o.dims, t);
+          }));
   // signbit(self): the sign bit, -0.0 and -nan included.
-  reg.Add("aten::signbit", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-    if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
-    const tpu::TensorRef& x = d.args[0].tensor;
-    const HloType* xt = DTypeOf(x.dtype);
-    if (xt == nullptr) return Unsupported(l.op(), "dtype");
-    absl::StatusOr<std::string> v = l.OperandRef(x, l.TensorIndex(d.args[0]), o.dims, *xt);
-    if (!v.ok()) return v;
-    const HloType& b = *DTypeOf(tpu::DType::kBool);
-    std::string neg;
-    if (xt->dtype == tpu::DType::kBool || xt->dtype == tpu::DType::kUInt8) {
-      neg = l.Constant(0, o.dims, b);
-    } else if (xt->is_float) {
-      const HloType& bits = *DTypeOf(xt->bytes == 2   ? tpu::DType::kInt16
+  reg.Add(
+      "aten::signbit",
+      [](Lowering& l, const tpu::DecodedOp& d,
+         const Target& o) -> absl::StatusOr<std::string> {
+        if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
+        const tpu::TensorRef& x = d.args[0].tensor;
+        const HloType* xt = DTypeOf(x.dtype);
+        if (xt == nullptr) return Unsupported(l.op(), "dtype");
+        absl::StatusOr<std::string> v =
+            l.OperandRef(x, l.TensorIndex(d.args[0]), o.dims, *xt);
+        if (!v.ok()) return v;
+        const HloType& b = *DTypeOf(tpu::DType::kBool);
+        std::string neg;
+        if (xt->dtype == tpu::DType::kBool || xt->dtype == tpu::DType::kUInt8) {
+          neg = l.Constant(0, o.dims, b);
+        } else if (xt->is_float) {
+          const HloType& bits = *DTypeOf(xt->bytes == 2   ? tpu::DType::kInt16
                                          : xt->bytes == 4 ? tpu::DType::kInt32
                                                           : tpu::DType::kInt64);
-      const std::string i = l.Emit(absl::StrCat("stablehlo.bitcast_convert ", *v, " : (", TypeOf(o.dims, *xt),
-                                                ") -> ", TypeOf(o.dims, bits)));
-      neg = l.Compare("LT", i, l.Constant(0, o.dims, bits), o.dims, bits);
-    } else {
-      neg = l.Compare("LT", *v, l.Constant(0, o.dims, *xt), o.dims, *xt);
-    }
-    return l.Convert(neg, o.dims, b, *o.type);
-  });
+          const std::string i = l.Emit(
+              absl::StrCat("stablehlo.bitcast_convert ", *v, " : (",
+                           TypeOf(o.dims, *xt), ") -> ", TypeOf(o.dims, bits)));
+          neg = l.Compare("LT", i, l.Constant(0, o.dims, bits), o.dims, bits);
+        } else {
+          neg = l.Compare("LT", *v, l.Constant(0, o.dims, *xt), o.dims, *xt);
+        }
+        return l.Convert(neg, o.dims, b, *o.type);
+      });
   reg.Add("aten::pow.Scalar", BinaryRule("power", false));
   // div with rounding_mode "trunc" or "floor" (None: true division).
   {
-    Rule r = [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+    Rule r = [](Lowering& l, const tpu::DecodedOp& d,
+                const Target& o) -> absl::StatusOr<std::string> {
       if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
       const HloType& t = *o.type;
-      absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), b = l.Operand(d.args[1], o.dims, t);
+      absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t),
+                                  b = l.Operand(d.args[1], o.dims, t);
       if (!a.ok()) return a;
       if (!b.ok()) return b;
-      const std::string mode = d.num_args > 2 && d.args[2].tag == tpu::ArgTag::kString ? d.args[2].s : "";
+      const std::string mode =
+          d.num_args > 2 && d.args[2].tag == tpu::ArgTag::kString ? d.args[2].s
+                                                                  : "";
       const std::string q = l.Binary("divide", *a, *b, o.dims, t);
       if (mode.empty()) return q;
-      if (mode != "trunc" && mode != "floor") return Unsupported(l.op(), "rounding_mode=\"" + mode + "\"");
+      if (mode != "trunc" && mode != "floor")
+        return Unsupported(l.op(), "rounding_mode=\"" + mode + "\"");
       const std::string zero = l.Constant(0, o.dims, t);
       if (t.is_float) {
         if (mode == "floor") return l.Unary("floor", q, o.dims, t);
-        return l.Select(l.Compare("LT", q, zero, o.dims, t), l.Unary("ceil", q, o.dims, t),
+        return l.Select(l.Compare("LT", q, zero, o.dims, t),
+                        l.Unary("ceil", q, o.dims, t),
                         l.Unary("floor", q, o.dims, t), o.dims, t);
       }
       if (mode == "trunc") return q;  // integer division truncates
       // Floor: one less where the remainder is nonzero and the signs differ.
       const std::string rem = l.Binary("remainder", *a, *b, o.dims, t);
       const std::string inexact = l.Compare("NE", rem, zero, o.dims, t);
-      const std::string differ = l.Compare("NE", l.Compare("LT", *a, zero, o.dims, t),
-                                           l.Compare("LT", *b, zero, o.dims, t), o.dims, *DTypeOf(tpu::DType::kBool));
-      const std::string both = l.Binary("and", inexact, differ, o.dims, *DTypeOf(tpu::DType::kBool));
-      return l.Select(both, l.Binary("subtract", q, l.Constant(1, o.dims, t), o.dims, t), q, o.dims, t);
+      const std::string differ =
+          l.Compare("NE", l.Compare("LT", *a, zero, o.dims, t),
+                    l.Compare("LT", *b, zero, o.dims, t), o.dims,
+                    *DTypeOf(tpu::DType::kBool));
+      const std::string both =
+          l.Binary("and", inexact, differ, o.dims, *DTypeOf(tpu::DType::kBool));
+      return l.Select(
+          both, l.Binary("subtract", q, l.Constant(1, o.dims, t), o.dims, t), q,
+          o.dims, t);
     };
-    for (const char* name : {"aten::div.Tensor_mode", "aten::div.Scalar_mode", "aten::div_.Tensor_mode",
-                             "aten::div_.Scalar_mode", "aten::div.out_mode", "aten::div.Scalar_mode_out"}) {
+    for (const char* name :
+         {"aten::div.Tensor_mode", "aten::div.Scalar_mode",
+          "aten::div_.Tensor_mode", "aten::div_.Scalar_mode",
+          "aten::div.out_mode", "aten::div.Scalar_mode_out"}) {
       reg.Add(name, r);
     }
   }

@@ -6,8 +6,6 @@
 // inverse transforms divide by n; ATen's normalization (0: none, 1: by
 // sqrt(n), 2: by n) is applied on top of the unnormalized transform.
 // Also complex helpers: conj_physical and angle.
-#include "daemon/backends/pjrt/lowering/families.h"
-
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -25,6 +23,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "daemon/backends/pjrt/lowering/families.h"
 #include "daemon/backends/pjrt/lowering/helpers.h"
 #include "daemon/backends/pjrt/lowering/lowering.h"
 #include "daemon/backends/pjrt/lowering/registry.h"
@@ -34,13 +33,16 @@ namespace tpud::pjrt {
 void RegisterFft(OpRegistry& reg) {
   enum class Fft { kR2C, kC2C, kC2R };
   for (Fft kind : {Fft::kR2C, Fft::kC2C, Fft::kC2R}) {
-    Rule r = [kind](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-      if (d.num_args < 4 || !Defined(d, 0) || d.args[1].tag != tpu::ArgTag::kIntList) {
+    Rule r = [kind](Lowering& l, const tpu::DecodedOp& d,
+                    const Target& o) -> absl::StatusOr<std::string> {
+      if (d.num_args < 4 || !Defined(d, 0) ||
+          d.args[1].tag != tpu::ArgTag::kIntList) {
         return Unsupported(l.op(), "arguments of a form not lowered");
       }
       const tpu::TensorRef& x = d.args[0].tensor;
       const HloType* xt = DTypeOf(x.dtype);
-      if (xt == nullptr || (kind == Fft::kR2C ? !xt->is_float : !IsComplex(*xt))) {
+      if (xt == nullptr ||
+          (kind == Fft::kR2C ? !xt->is_float : !IsComplex(*xt))) {
         return Unsupported(l.op(), "an input of this dtype");
       }
       const std::vector<int64_t> in = DimsOf(x);
@@ -49,7 +51,8 @@ void RegisterFft(OpRegistry& reg) {
       for (int64_t dim : d.args[1].ints) {
         absl::StatusOr<int64_t> c = CheckedDim(l.op(), dim, n);
         if (!c.ok()) return c.status();
-        if (std::find(fdims.begin(), fdims.end(), *c) != fdims.end()) return Unsupported(l.op(), "a repeated dim");
+        if (std::find(fdims.begin(), fdims.end(), *c) != fdims.end())
+          return Unsupported(l.op(), "a repeated dim");
         fdims.push_back(*c);
       }
       if (fdims.empty()) {
@@ -58,13 +61,22 @@ void RegisterFft(OpRegistry& reg) {
         return l.Convert(*same, in, *xt, *o.type);
       }
       const int64_t norm = d.args[2].i;
-      const HloType& part = kind == Fft::kC2R ? *o.type : (kind == Fft::kR2C ? (xt->dtype == tpu::DType::kDouble ? F64() : *DTypeOf(tpu::DType::kFloat)) : PartOf(*xt));
+      const HloType& part =
+          kind == Fft::kC2R
+              ? *o.type
+              : (kind == Fft::kR2C ? (xt->dtype == tpu::DType::kDouble
+                                          ? F64()
+                                          : *DTypeOf(tpu::DType::kFloat))
+                                   : PartOf(*xt));
       const HloType& ct = ComplexOf(part);
-      if (o.dims.size() != n) return Unsupported(l.op(), "an output of another rank");
+      if (o.dims.size() != n)
+        return Unsupported(l.op(), "an output of another rank");
       // perm: the other dimensions, then the transformed ones.
       std::vector<int64_t> perm;
       for (size_t q = 0; q < n; ++q) {
-        if (std::find(fdims.begin(), fdims.end(), static_cast<int64_t>(q)) == fdims.end()) perm.push_back(q);
+        if (std::find(fdims.begin(), fdims.end(), static_cast<int64_t>(q)) ==
+            fdims.end())
+          perm.push_back(q);
       }
       for (int64_t q : fdims) perm.push_back(q);
       auto permuted = [&](const std::vector<int64_t>& dims) {
@@ -86,14 +98,16 @@ void RegisterFft(OpRegistry& reg) {
       if (!xv.ok()) return xv;
       std::string v = l.Convert(*xv, in, *xt, vt);
       const std::vector<int64_t> pin = permuted(in), pout = permuted(o.dims);
-      v = l.Emit(absl::StrCat("stablehlo.transpose ", v, ", dims = [", absl::StrJoin(perm, ", "), "] : (",
+      v = l.Emit(absl::StrCat("stablehlo.transpose ", v, ", dims = [",
+                              absl::StrJoin(perm, ", "), "] : (",
                               TypeOf(in, vt), ") -> ", TypeOf(pin, vt)));
       bool inverse_fft = false;
       const char* type = "FFT";
       const HloType* rt = &ct;
       std::vector<int64_t> pres = pout;
       if (kind == Fft::kR2C) {
-        const bool onesided = d.args[3].tag != tpu::ArgTag::kBool || d.args[3].b;
+        const bool onesided =
+            d.args[3].tag != tpu::ArgTag::kBool || d.args[3].b;
         if (onesided) {
           type = "RFFT";
         } else {
@@ -110,65 +124,99 @@ void RegisterFft(OpRegistry& reg) {
         const int64_t want = length.back() / 2 + 1;
         std::vector<int64_t> cut = pin;
         if (cut.back() != want) {
-          if (cut.back() < want) return Unsupported(l.op(), "an input shorter than last_dim_size / 2 + 1");
+          if (cut.back() < want)
+            return Unsupported(l.op(),
+                               "an input shorter than last_dim_size / 2 + 1");
           cut.back() = want;
           v = l.Slice(v, pin, std::vector<int64_t>(n, 0), cut, ct);
         }
         pres = cut;
         pres.back() = length.back();
-        if (pres != pout) return Unsupported(l.op(), "an output of another shape");
+        if (pres != pout)
+          return Unsupported(l.op(), "an output of another shape");
         std::vector<int64_t> fin = cut;
-        v = l.Emit(absl::StrCat("stablehlo.fft ", v, ", type = IRFFT, length = [", absl::StrJoin(length, ", "), "] : (",
+        v = l.Emit(absl::StrCat("stablehlo.fft ", v,
+                                ", type = IRFFT, length = [",
+                                absl::StrJoin(length, ", "), "] : (",
                                 TypeOf(fin, ct), ") -> ", TypeOf(pres, part)));
       }
       if (kind != Fft::kC2R) {
-        const HloType& from = kind == Fft::kR2C && std::string(type) == "RFFT" ? part : ct;
-        v = l.Emit(absl::StrCat("stablehlo.fft ", v, ", type = ", type, ", length = [", absl::StrJoin(length, ", "),
-                                "] : (", TypeOf(pin, from), ") -> ", TypeOf(pres, ct)));
+        const HloType& from =
+            kind == Fft::kR2C && std::string(type) == "RFFT" ? part : ct;
+        v = l.Emit(absl::StrCat("stablehlo.fft ", v, ", type = ", type,
+                                ", length = [", absl::StrJoin(length, ", "),
+                                "] : (", TypeOf(pin, from), ") -> ",
+                                TypeOf(pres, ct)));
       }
       // Undo XLA's 1/n on inverses, then apply ATen's normalization.
       double scale = inverse_fft ? static_cast<double>(count) : 1.0;
       if (norm == 1) scale /= std::sqrt(static_cast<double>(count));
       if (norm == 2) scale /= static_cast<double>(count);
-      if (scale != 1.0) v = l.Binary("multiply", v, l.Convert(l.Constant(scale, pres, part), pres, part, *rt), pres, *rt);
-      v = l.Emit(absl::StrCat("stablehlo.transpose ", v, ", dims = [", absl::StrJoin(inverse, ", "), "] : (",
+      if (scale != 1.0)
+        v = l.Binary("multiply", v,
+                     l.Convert(l.Constant(scale, pres, part), pres, part, *rt),
+                     pres, *rt);
+      v = l.Emit(absl::StrCat("stablehlo.transpose ", v, ", dims = [",
+                              absl::StrJoin(inverse, ", "), "] : (",
                               TypeOf(pres, *rt), ") -> ", TypeOf(o.dims, *rt)));
       return l.Convert(v, o.dims, *rt, *o.type);
     };
-    reg.Add(kind == Fft::kR2C ? "aten::_fft_r2c" : kind == Fft::kC2C ? "aten::_fft_c2c" : "aten::_fft_c2r", r);
+    reg.Add(kind == Fft::kR2C   ? "aten::_fft_r2c"
+            : kind == Fft::kC2C ? "aten::_fft_c2c"
+                                : "aten::_fft_c2r",
+            r);
   }
   // conj_physical: the imaginary part negated (real tensors as they are).
-  reg.Add("aten::conj_physical", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-    absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
-    if (!x.ok() || !IsComplex(*o.type)) return x;
-    const HloType& part = PartOf(*o.type);
-    const std::string re = l.Emit(absl::StrCat("stablehlo.real ", *x, " : (", TypeOf(o.dims, *o.type), ") -> ", TypeOf(o.dims, part)));
-    const std::string im = l.Emit(absl::StrCat("stablehlo.imag ", *x, " : (", TypeOf(o.dims, *o.type), ") -> ", TypeOf(o.dims, part)));
-    return l.Emit(absl::StrCat("stablehlo.complex ", re, ", ", l.Unary("negate", im, o.dims, part), " : ", TypeOf(o.dims, *o.type)));
-  });
+  reg.Add("aten::conj_physical",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& o) -> absl::StatusOr<std::string> {
+            absl::StatusOr<std::string> x =
+                l.Operand(d.args[0], o.dims, *o.type);
+            if (!x.ok() || !IsComplex(*o.type)) return x;
+            const HloType& part = PartOf(*o.type);
+            const std::string re = l.Emit(absl::StrCat(
+                "stablehlo.real ", *x, " : (", TypeOf(o.dims, *o.type), ") -> ",
+                TypeOf(o.dims, part)));
+            const std::string im = l.Emit(absl::StrCat(
+                "stablehlo.imag ", *x, " : (", TypeOf(o.dims, *o.type), ") -> ",
+                TypeOf(o.dims, part)));
+            return l.Emit(absl::StrCat("stablehlo.complex ", re, ", ",
+                                       l.Unary("negate", im, o.dims, part),
+                                       " : ", TypeOf(o.dims, *o.type)));
+          });
   reg.Alias("aten::_conj_physical", "aten::conj_physical");
   // angle: atan2(imag, real) of a complex tensor; of a real one, pi where
   // it is negative, 0 elsewhere, NaN where it is NaN.
-  reg.Add("aten::angle", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-    if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
-    const HloType* xt = DTypeOf(d.args[0].tensor.dtype);
-    if (xt == nullptr) return Unsupported(l.op(), "an input of this dtype");
-    const HloType& t = *o.type;
-    if (IsComplex(*xt)) {
-      absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *xt);
-      if (!x.ok()) return x;
-      const HloType& part = PartOf(*xt);
-      const std::string re = l.Emit(absl::StrCat("stablehlo.real ", *x, " : (", TypeOf(o.dims, *xt), ") -> ", TypeOf(o.dims, part)));
-      const std::string im = l.Emit(absl::StrCat("stablehlo.imag ", *x, " : (", TypeOf(o.dims, *xt), ") -> ", TypeOf(o.dims, part)));
-      return l.Convert(l.Binary("atan2", im, re, o.dims, part), o.dims, part, t);
-    }
-    absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
-    if (!x.ok()) return x;
-    const std::string neg = l.Compare("LT", *x, l.Constant(0, o.dims, t), o.dims, t);
-    const std::string nan = l.Compare("NE", *x, *x, o.dims, t);
-    const std::string a = l.Select(neg, l.Constant(M_PI, o.dims, t), l.Constant(0, o.dims, t), o.dims, t);
-    return l.Select(nan, *x, a, o.dims, t);
-  });
+  reg.Add("aten::angle",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& o) -> absl::StatusOr<std::string> {
+            if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
+            const HloType* xt = DTypeOf(d.args[0].tensor.dtype);
+            if (xt == nullptr)
+              return Unsupported(l.op(), "an input of this dtype");
+            const HloType& t = *o.type;
+            if (IsComplex(*xt)) {
+              absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *xt);
+              if (!x.ok()) return x;
+              const HloType& part = PartOf(*xt);
+              const std::string re = l.Emit(absl::StrCat(
+                  "stablehlo.real ", *x, " : (", TypeOf(o.dims, *xt), ") -> ",
+                  TypeOf(o.dims, part)));
+              const std::string im = l.Emit(absl::StrCat(
+                  "stablehlo.imag ", *x, " : (", TypeOf(o.dims, *xt), ") -> ",
+                  TypeOf(o.dims, part)));
+              return l.Convert(l.Binary("atan2", im, re, o.dims, part), o.dims,
+                               part, t);
+            }
+            absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
+            if (!x.ok()) return x;
+            const std::string neg =
+                l.Compare("LT", *x, l.Constant(0, o.dims, t), o.dims, t);
+            const std::string nan = l.Compare("NE", *x, *x, o.dims, t);
+            const std::string a = l.Select(neg, l.Constant(M_PI, o.dims, t),
+                                           l.Constant(0, o.dims, t), o.dims, t);
+            return l.Select(nan, *x, a, o.dims, t);
+          });
 }
 
 }  // namespace tpud::pjrt

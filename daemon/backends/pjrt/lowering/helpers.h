@@ -26,7 +26,9 @@ class Args {
   // Present and a (defined) tensor.
   bool Defined(absl::string_view name) const;
   // REQUIRES: Has(name).
-  const tpu::OpArg& operator[](absl::string_view name) const { return *Find(name); }
+  const tpu::OpArg& operator[](absl::string_view name) const {
+    return *Find(name);
+  }
   // An int argument's value, or `absent`.
   int64_t Int(absl::string_view name, int64_t absent) const;
   // A number (int, bool or floating scalar) as a double, or `absent`.
@@ -42,16 +44,17 @@ std::string Highest(Lowering& l, const HloType& t);
 
 Rule BinaryRule(const char* op, bool has_alpha);
 
-Rule UnaryRule(std::function<std::string(Lowering&, const std::string&, const Target&)> f);
+Rule UnaryRule(
+    std::function<std::string(Lowering&, const std::string&, const Target&)> f);
 
 Rule Simple(const char* op);
 
-absl::StatusOr<std::string> MatMul(Lowering& l, const tpu::OpArg& a, const tpu::OpArg& b,
-                                   const Target& out);
+absl::StatusOr<std::string> MatMul(Lowering& l, const tpu::OpArg& a,
+                                   const tpu::OpArg& b, const Target& out);
 
 // sum / mean over `dims` (all when empty), keepdim or not, into out's shape.
-absl::StatusOr<std::string> Reduce(Lowering& l, const tpu::DecodedOp& d, const Target& out,
-                                   bool mean);
+absl::StatusOr<std::string> Reduce(Lowering& l, const tpu::DecodedOp& d,
+                                   const Target& out, bool mean);
 
 bool Defined(const tpu::DecodedOp& d, size_t i);
 
@@ -59,7 +62,8 @@ int64_t WrapDim(int64_t dim, size_t n);
 
 // Dimension argument `dim` of a tensor of `rank` dimensions, wrapped
 // (-1 is the last) and checked.
-absl::StatusOr<int64_t> CheckedDim(const std::string& op, int64_t dim, size_t rank);
+absl::StatusOr<int64_t> CheckedDim(const std::string& op, int64_t dim,
+                                   size_t rank);
 
 int64_t Numel(const tpu::TensorRef& r);
 
@@ -69,10 +73,12 @@ double NumberOf(const tpu::OpArg& a);
 
 // The dimensions an op reduces over: the int list at argument `i` (every
 // dimension when absent or empty), wrapped, sorted and unique.
-absl::StatusOr<std::vector<int64_t>> ReducedDims(const Lowering& l, const tpu::DecodedOp& d, size_t i,
-                                                 size_t rank);
+absl::StatusOr<std::vector<int64_t>> ReducedDims(const Lowering& l,
+                                                 const tpu::DecodedOp& d,
+                                                 size_t i, size_t rank);
 
-int64_t CountOf(const std::vector<int64_t>& in, const std::vector<int64_t>& which);
+int64_t CountOf(const std::vector<int64_t>& in,
+                const std::vector<int64_t>& which);
 
 // A convolution's window: its spatial dimensions and, from the arguments
 // at `first` on (stride, padding, dilation, transposed, output_padding,
@@ -86,72 +92,93 @@ struct ConvWindow {
   bool transposed = false;
 };
 
-absl::StatusOr<ConvWindow> ConvWindowOf(const Lowering& l, const tpu::DecodedOp& d, size_t first,
-                                        const std::vector<int64_t>& in, const std::vector<int64_t>& wd,
-                                        const std::vector<int64_t>& other, bool allow_transposed = false);
+absl::StatusOr<ConvWindow> ConvWindowOf(const Lowering& l,
+                                        const tpu::DecodedOp& d, size_t first,
+                                        const std::vector<int64_t>& in,
+                                        const std::vector<int64_t>& wd,
+                                        const std::vector<int64_t>& other,
+                                        bool allow_transposed = false);
 
 // log_softmax / softmax over `dim` of x (dims `in`, type t).
-std::string SoftmaxOf(Lowering& l, const std::string& x, const std::vector<int64_t>& in,
-                      int64_t dim, const HloType& t, bool log);
+std::string SoftmaxOf(Lowering& l, const std::string& x,
+                      const std::vector<int64_t>& in, int64_t dim,
+                      const HloType& t, bool log);
 
 // erf(x) for gelu: Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7).
-std::string Erf(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const HloType& t);
+std::string Erf(Lowering& l, const std::string& x,
+                const std::vector<int64_t>& d, const HloType& t);
 
-std::string GeluCdf(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const HloType& t);
+std::string GeluCdf(Lowering& l, const std::string& x,
+                    const std::vector<int64_t>& d, const HloType& t);
 
 // gelu's approximate= argument (at i): false for "none", true for "tanh".
 absl::StatusOr<bool> TanhGelu(const Lowering& l, const tpu::OpArg* approximate);
 
 // tanh(sqrt(2 / pi) * (x + 0.044715 x^3)), of the tanh approximation.
-std::string GeluTanhInner(Lowering& l, const std::string& x, const std::vector<int64_t>& d, const HloType& t);
+std::string GeluTanhInner(Lowering& l, const std::string& x,
+                          const std::vector<int64_t>& d, const HloType& t);
 
 // The element of each row its target picks, as a mask (one-hot, and the
 // target not ignore_index), weighted: x (N, C), target (N).
 struct Picked {
-  std::string mask;  // (N, C) of t: the picked entries, times their class weight
-  std::string row_weight;  // (N) of t: the weight of each row's target, 0 when ignored
+  std::string
+      mask;  // (N, C) of t: the picked entries, times their class weight
+  std::string
+      row_weight;  // (N) of t: the weight of each row's target, 0 when ignored
 };
 
-absl::StatusOr<Picked> PickTargets(Lowering& l, const tpu::DecodedOp& d, size_t target_i,
-                                   size_t weight_i, size_t ignore_i,
-                                   const std::vector<int64_t>& nc, const HloType& t);
+absl::StatusOr<Picked> PickTargets(Lowering& l, const tpu::DecodedOp& d,
+                                   size_t target_i, size_t weight_i,
+                                   size_t ignore_i,
+                                   const std::vector<int64_t>& nc,
+                                   const HloType& t);
 
 // The p-norm of `diff` (|a - b|, dims `full`) over dimension `axis`:
 // the count of nonzero entries for p = 0, the largest for infinity.
-std::string PNorm(Lowering& l, const std::string& diff, const std::vector<int64_t>& full, int64_t axis, double p,
+std::string PNorm(Lowering& l, const std::string& diff,
+                  const std::vector<int64_t>& full, int64_t axis, double p,
                   const HloType& t);
 
 // 1-d: `into` (n elements) with `what` (m elements) written, or added, at
 // the positions `at` (i64, m).
-std::string ScatterFlat(Lowering& l, const std::string& into, int64_t n, const std::string& at, const std::string& what,
+std::string ScatterFlat(Lowering& l, const std::string& into, int64_t n,
+                        const std::string& at, const std::string& what,
                         int64_t m, bool add, const HloType& t);
 
 // Whether input i of n falls in adaptive window o of out (dims `dims`,
 // o along `out_axis`, i along `in_axis`): [floor(o n / out),
 // ceil((o + 1) n / out)).
-std::string AdaptiveWindow(Lowering& l, const std::vector<int64_t>& dims, int64_t out_axis, int64_t in_axis, int64_t n,
+std::string AdaptiveWindow(Lowering& l, const std::vector<int64_t>& dims,
+                           int64_t out_axis, int64_t in_axis, int64_t n,
                            int64_t out);
 
 // A running reduction along `dim` (cumsum, cumprod): a reduce_window whose
 // window reaches back over the whole dimension.
-std::string Running(Lowering& l, const std::string& x, const std::vector<int64_t>& in, int64_t dim,
-                    const char* op, double init, const HloType& t, const std::string& init_value = "");
+std::string Running(Lowering& l, const std::string& x,
+                    const std::vector<int64_t>& in, int64_t dim, const char* op,
+                    double init, const HloType& t,
+                    const std::string& init_value = "");
 
 // `x` (dims `in`) reduced with `op` over windows of `window`, `strides`
 // apart, after padding each dimension by (lo, hi) with `init`: dims `out`.
-std::string ReduceWindow(Lowering& l, const std::string& x, const std::vector<int64_t>& in,
-                         const std::vector<int64_t>& window, const std::vector<int64_t>& strides,
-                         const std::vector<std::pair<int64_t, int64_t>>& pads, const char* op, double init,
+std::string ReduceWindow(Lowering& l, const std::string& x,
+                         const std::vector<int64_t>& in,
+                         const std::vector<int64_t>& window,
+                         const std::vector<int64_t>& strides,
+                         const std::vector<std::pair<int64_t, int64_t>>& pads,
+                         const char* op, double init,
                          const std::vector<int64_t>& out, const HloType& t);
 
 // Index arrays (each i64 of dims `shape`) stacked along a new last
 // dimension, the layout gather and scatter take: shape + [parts.size()].
-std::string StackIndices(Lowering& l, const std::vector<std::string>& parts, const std::vector<int64_t>& shape);
+std::string StackIndices(Lowering& l, const std::vector<std::string>& parts,
+                         const std::vector<int64_t>& shape);
 
 // For torch.gather / scatter: the full index of every element of an index
 // tensor of dims `shape` into a tensor of the same rank, its position on
 // each dimension but `dim`, where `along` (i64, dims `shape`) gives it.
-std::string ElementIndex(Lowering& l, const std::string& along, const std::vector<int64_t>& shape, int64_t dim);
+std::string ElementIndex(Lowering& l, const std::string& along,
+                         const std::vector<int64_t>& shape, int64_t dim);
 
 // 0, 1, ..., n - 1.
 std::vector<int64_t> Range(size_t n);
@@ -168,12 +195,13 @@ struct IndexPlan {
   std::vector<int64_t> batch;    // the index tensors' broadcast shape
   std::string indices;           // batch + [indexed.size()] of i64
   std::string indices_type;
-  std::vector<int64_t> window;   // the result's positions of self's other dims
-  std::vector<int64_t> slice;    // gather's slice sizes (1 on indexed dims)
+  std::vector<int64_t> window;  // the result's positions of self's other dims
+  std::vector<int64_t> slice;   // gather's slice sizes (1 on indexed dims)
   std::vector<int64_t> result;
 };
 
-absl::StatusOr<IndexPlan> PlanIndex(Lowering& l, const tpu::OpArg& list, const std::vector<int64_t>& in);
+absl::StatusOr<IndexPlan> PlanIndex(Lowering& l, const tpu::OpArg& list,
+                                    const std::vector<int64_t>& in);
 
 }  // namespace tpud::pjrt
 

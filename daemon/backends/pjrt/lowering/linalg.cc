@@ -1,7 +1,5 @@
 // Linear algebra: products (mm, bmm, mv, dot and their add* forms),
 // triangles, and the factorizations and solves built from matrix.h.
-#include "daemon/backends/pjrt/lowering/families.h"
-
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -19,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "daemon/backends/pjrt/lowering/families.h"
 #include "daemon/backends/pjrt/lowering/helpers.h"
 #include "daemon/backends/pjrt/lowering/lowering.h"
 #include "daemon/backends/pjrt/lowering/matrix.h"
@@ -38,113 +37,156 @@ std::vector<std::vector<int64_t>> GeqrfDims(const std::vector<int64_t>& a) {
 }  // namespace
 
 void RegisterLinalg(OpRegistry& reg) {
-  reg.Add("aten::mm", [](Lowering& l, const tpu::DecodedOp& d, const Target& out)
-      -> absl::StatusOr<std::string> {
-    if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
-    return MatMul(l, d.args[0], d.args[1], out);
-  });
-  reg.Add("aten::addmm", [](Lowering& l, const tpu::DecodedOp& d, const Target& out)
-      -> absl::StatusOr<std::string> {
-    if (d.num_args < 3) return Unsupported(l.op(), "too few arguments");
-    // beta * self + alpha * (mat1 @ mat2); self is read first (record order).
-    absl::StatusOr<std::string> self = l.Operand(d.args[0], out.dims, *out.type);
-    if (!self.ok()) return self;
-    absl::StatusOr<std::string> prod = MatMul(l, d.args[1], d.args[2], out);
-    if (!prod.ok()) return prod;
-    std::string lhs = *self, rhs = *prod;
-    for (size_t i : {size_t{3}, size_t{4}}) {
-      if (d.num_args <= i) break;
-      absl::StatusOr<std::string> s = l.Operand(d.args[i], out.dims, *out.type);
-      if (!s.ok()) return s;
-      (i == 3 ? lhs : rhs) = l.Binary("multiply", i == 3 ? lhs : rhs, *s, out.dims, *out.type);
-    }
-    return l.Binary("add", lhs, rhs, out.dims, *out.type);
-  });
+  reg.Add("aten::mm",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& out) -> absl::StatusOr<std::string> {
+            if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
+            return MatMul(l, d.args[0], d.args[1], out);
+          });
+  reg.Add("aten::addmm",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& out) -> absl::StatusOr<std::string> {
+            if (d.num_args < 3) return Unsupported(l.op(), "too few arguments");
+            // beta * self + alpha * (mat1 @ mat2); self is read first (record
+            // order).
+            absl::StatusOr<std::string> self =
+                l.Operand(d.args[0], out.dims, *out.type);
+            if (!self.ok()) return self;
+            absl::StatusOr<std::string> prod =
+                MatMul(l, d.args[1], d.args[2], out);
+            if (!prod.ok()) return prod;
+            std::string lhs = *self, rhs = *prod;
+            for (size_t i : {size_t{3}, size_t{4}}) {
+              if (d.num_args <= i) break;
+              absl::StatusOr<std::string> s =
+                  l.Operand(d.args[i], out.dims, *out.type);
+              if (!s.ok()) return s;
+              (i == 3 ? lhs : rhs) = l.Binary("multiply", i == 3 ? lhs : rhs,
+                                              *s, out.dims, *out.type);
+            }
+            return l.Binary("add", lhs, rhs, out.dims, *out.type);
+          });
   // linalg_cholesky_ex(self, upper, check_errors) -> (L, info): XLA's
   // Cholesky, which leaves NaN from the first pivot that is not positive
   // on; info is that pivot's order (1-based), 0 when there is none.
-  reg.AddMulti("aten::linalg_cholesky_ex", [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
-      -> absl::StatusOr<std::vector<std::string>> {
-    if (o.size() != 2 || !Defined(d, 0) || d.args[0].tensor.ndim < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
-    const HloType& t = *o[0].type;
-    const std::vector<int64_t> in = o[0].dims;
-    const bool upper = d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kBool && d.args[1].b;
-    absl::StatusOr<std::string> a = l.Operand(d.args[0], in, t);
-    if (!a.ok()) return a.status();
-    const std::string c = Cholesky(l, *a, in, upper, t);
-    const int64_t n = in.back();
-    const HloType& i64 = I64();
-    const std::vector<int64_t> batch = BatchOf(in);
-    // NaN on the diagonal, counted per matrix.
-    const std::string nan = l.Compare("NE", c, c, in, t);
-    const std::string diag = l.Compare("EQ", l.Iota(in.size() - 2, in, i64), l.Iota(in.size() - 1, in, i64), in, i64);
-    const std::string bad = l.Convert(l.Binary("and", nan, diag, in, *DTypeOf(tpu::DType::kBool)), in, *DTypeOf(tpu::DType::kBool), i64);
-    const std::string count = l.ReduceOver(bad, in, {static_cast<int64_t>(in.size() - 2), static_cast<int64_t>(in.size() - 1)},
-                                           "add", l.Constant(0, {}, i64), i64);
-    const std::string failed = l.Compare("GT", count, l.Constant(0, batch, i64), batch, i64);
-    const std::string order = l.Binary("add", l.Binary("subtract", l.Constant(static_cast<double>(n), batch, i64), count, batch, i64),
-                                       l.Constant(1, batch, i64), batch, i64);
-    const std::string info = l.Select(failed, order, l.Constant(0, batch, i64), batch, i64);
-    return std::vector<std::string>{c, l.Reshape(l.Convert(info, batch, i64, *o[1].type), batch, o[1].dims, *o[1].type)};
-  });
+  reg.AddMulti(
+      "aten::linalg_cholesky_ex",
+      [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+          -> absl::StatusOr<std::vector<std::string>> {
+        if (o.size() != 2 || !Defined(d, 0) || d.args[0].tensor.ndim < 2)
+          return Unsupported(l.op(), "expects a matrix or a batch of them");
+        const HloType& t = *o[0].type;
+        const std::vector<int64_t> in = o[0].dims;
+        const bool upper = d.num_args > 1 &&
+                           d.args[1].tag == tpu::ArgTag::kBool && d.args[1].b;
+        absl::StatusOr<std::string> a = l.Operand(d.args[0], in, t);
+        if (!a.ok()) return a.status();
+        const std::string c = Cholesky(l, *a, in, upper, t);
+        const int64_t n = in.back();
+        const HloType& i64 = I64();
+        const std::vector<int64_t> batch = BatchOf(in);
+        // NaN on the diagonal, counted per matrix.
+        const std::string nan = l.Compare("NE", c, c, in, t);
+        const std::string diag =
+            l.Compare("EQ", l.Iota(in.size() - 2, in, i64),
+                      l.Iota(in.size() - 1, in, i64), in, i64);
+        const std::string bad = l.Convert(
+            l.Binary("and", nan, diag, in, *DTypeOf(tpu::DType::kBool)), in,
+            *DTypeOf(tpu::DType::kBool), i64);
+        const std::string count =
+            l.ReduceOver(bad, in,
+                         {static_cast<int64_t>(in.size() - 2),
+                          static_cast<int64_t>(in.size() - 1)},
+                         "add", l.Constant(0, {}, i64), i64);
+        const std::string failed =
+            l.Compare("GT", count, l.Constant(0, batch, i64), batch, i64);
+        const std::string order = l.Binary(
+            "add",
+            l.Binary("subtract", l.Constant(static_cast<double>(n), batch, i64),
+                     count, batch, i64),
+            l.Constant(1, batch, i64), batch, i64);
+        const std::string info =
+            l.Select(failed, order, l.Constant(0, batch, i64), batch, i64);
+        return std::vector<std::string>{
+            c, l.Reshape(l.Convert(info, batch, i64, *o[1].type), batch,
+                         o[1].dims, *o[1].type)};
+      });
   reg.Alias("aten::linalg_cholesky_ex.L", "aten::linalg_cholesky_ex");
   // triangular_solve(self = B, A, upper, transpose, unitriangular) ->
   // (solution, cloned_coefficient).
-  reg.AddMulti("aten::triangular_solve", [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
-      -> absl::StatusOr<std::vector<std::string>> {
-    if (o.size() != 2 || d.num_args < 5) return Unsupported(l.op(), "arguments of a form not lowered");
-    const HloType& t = *o[0].type;
-    const std::vector<int64_t> batch = BatchOf(o[0].dims);
-    absl::StatusOr<std::string> b = MatrixOperand(l, d.args[0], batch, t), a = MatrixOperand(l, d.args[1], batch, t);
-    if (!b.ok()) return b.status();
-    if (!a.ok()) return a.status();
-    const std::vector<int64_t> ad = WithBatch(DimsOf(d.args[1].tensor), batch);
-    const bool upper = d.args[2].b, transpose = d.args[3].b, unit = d.args[4].b;
-    const std::string x = TriangularSolve(l, *a, ad, *b, o[0].dims, true, !upper, unit, transpose, t);
-    return std::vector<std::string>{x, l.BroadcastTo(*a, ad, o[1].dims, t)};
-  });
+  reg.AddMulti(
+      "aten::triangular_solve",
+      [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+          -> absl::StatusOr<std::vector<std::string>> {
+        if (o.size() != 2 || d.num_args < 5)
+          return Unsupported(l.op(), "arguments of a form not lowered");
+        const HloType& t = *o[0].type;
+        const std::vector<int64_t> batch = BatchOf(o[0].dims);
+        absl::StatusOr<std::string> b = MatrixOperand(l, d.args[0], batch, t),
+                                    a = MatrixOperand(l, d.args[1], batch, t);
+        if (!b.ok()) return b.status();
+        if (!a.ok()) return a.status();
+        const std::vector<int64_t> ad =
+            WithBatch(DimsOf(d.args[1].tensor), batch);
+        const bool upper = d.args[2].b, transpose = d.args[3].b,
+                   unit = d.args[4].b;
+        const std::string x = TriangularSolve(l, *a, ad, *b, o[0].dims, true,
+                                              !upper, unit, transpose, t);
+        return std::vector<std::string>{x, l.BroadcastTo(*a, ad, o[1].dims, t)};
+      });
   reg.Alias("aten::triangular_solve.X", "aten::triangular_solve");
   // geqrf(self) -> (a, tau); linalg_qr(A, mode) -> (Q, R), mode reduced,
   // complete or r (Q empty): Householder QR as LAPACK's, Q formed by
   // applying the reflectors to the identity.
-  reg.AddMulti("aten::geqrf", [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
-      -> absl::StatusOr<std::vector<std::string>> {
-    if (o.size() != 2 || !Defined(d, 0) || o[0].dims.size() < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
-    const HloType& t = *o[0].type;
-    absl::StatusOr<std::string> a = l.Operand(d.args[0], o[0].dims, t);
-    if (!a.ok()) return a.status();
-    const Qr f = Geqrf(l, *a, MatrixShape(o[0].dims), t);
-    return std::vector<std::string>{f.a, f.tau};
-  }).SizedBy(GeqrfDims);
+  reg.AddMulti(
+         "aten::geqrf",
+         [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+             -> absl::StatusOr<std::vector<std::string>> {
+           if (o.size() != 2 || !Defined(d, 0) || o[0].dims.size() < 2)
+             return Unsupported(l.op(), "expects a matrix or a batch of them");
+           const HloType& t = *o[0].type;
+           absl::StatusOr<std::string> a = l.Operand(d.args[0], o[0].dims, t);
+           if (!a.ok()) return a.status();
+           const Qr f = Geqrf(l, *a, MatrixShape(o[0].dims), t);
+           return std::vector<std::string>{f.a, f.tau};
+         })
+      .SizedBy(GeqrfDims);
   reg.Alias("aten::geqrf.a", "aten::geqrf");
-  reg.AddMulti("aten::linalg_qr", [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
-      -> absl::StatusOr<std::vector<std::string>> {
-    if (o.size() != 2 || !Defined(d, 0) || d.args[0].tensor.ndim < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
-    const std::string mode = d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kString ? d.args[1].s : "reduced";
-    if (mode != "reduced" && mode != "complete" && mode != "r") {
-      return absl::InvalidArgumentError(absl::StrCat(l.op(), ": mode \"", mode, "\" is not reduced, complete or r"));
-    }
-    const HloType& t = *o[1].type;
-    const std::vector<int64_t> ad = DimsOf(d.args[0].tensor);
-    const MatrixShape as(ad);
-    const int64_t k = std::min(as.m, as.n);
-    absl::StatusOr<std::string> a = l.Operand(d.args[0], ad, t);
-    if (!a.ok()) return a.status();
-    const Qr f = Geqrf(l, *a, as, t);
-    const int64_t rq = mode == "complete" ? as.m : k;
-    const std::vector<int64_t> rd = WithBatch({rq, as.n}, as.batch);
-    std::vector<int64_t> zero(ad.size(), 0);
-    std::string r = f.a;
-    if (rq < as.m) r = l.Slice(f.a, ad, zero, rd, t);
-    r = Triangle(l, r, rd, false, t);
-    std::string q = l.Constant(0, o[0].dims, *o[0].type);
-    if (mode != "r") {
-      const MatrixShape qs(WithBatch({as.m, rq}, as.batch));
-      const std::string eye = Identity(l, qs.dims, t);
-      q = ApplyQ(l, f.a, as, f.tau, k, eye, qs, false, t);
-    }
-    return std::vector<std::string>{q, r};
-  });
+  reg.AddMulti(
+      "aten::linalg_qr",
+      [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+          -> absl::StatusOr<std::vector<std::string>> {
+        if (o.size() != 2 || !Defined(d, 0) || d.args[0].tensor.ndim < 2)
+          return Unsupported(l.op(), "expects a matrix or a batch of them");
+        const std::string mode =
+            d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kString
+                ? d.args[1].s
+                : "reduced";
+        if (mode != "reduced" && mode != "complete" && mode != "r") {
+          return absl::InvalidArgumentError(absl::StrCat(
+              l.op(), ": mode \"", mode, "\" is not reduced, complete or r"));
+        }
+        const HloType& t = *o[1].type;
+        const std::vector<int64_t> ad = DimsOf(d.args[0].tensor);
+        const MatrixShape as(ad);
+        const int64_t k = std::min(as.m, as.n);
+        absl::StatusOr<std::string> a = l.Operand(d.args[0], ad, t);
+        if (!a.ok()) return a.status();
+        const Qr f = Geqrf(l, *a, as, t);
+        const int64_t rq = mode == "complete" ? as.m : k;
+        const std::vector<int64_t> rd = WithBatch({rq, as.n}, as.batch);
+        std::vector<int64_t> zero(ad.size(), 0);
+        std::string r = f.a;
+        if (rq < as.m) r = l.Slice(f.a, ad, zero, rd, t);
+        r = Triangle(l, r, rd, false, t);
+        std::string q = l.Constant(0, o[0].dims, *o[0].type);
+        if (mode != "r") {
+          const MatrixShape qs(WithBatch({as.m, rq}, as.batch));
+          const std::string eye = Identity(l, qs.dims, t);
+          q = ApplyQ(l, f.a, as, f.tau, k, eye, qs, false, t);
+        }
+        return std::vector<std::string>{q, r};
+      });
   reg.Alias("aten::linalg_qr.out", "aten::linalg_qr");
   // The LU family, from LuFactor: linalg_lu_factor_ex(A, pivot,
   // check_errors) -> (LU, pivots, info); linalg_lu(A, pivot) -> (P, L, U);
@@ -154,32 +196,46 @@ void RegisterLinalg(OpRegistry& reg) {
   // -> (det, LU, pivots); _linalg_slogdet(A) -> (sign, logabsdet, LU,
   // pivots). Without pivoting is not lowered.
   enum class LuOp { kFactor, kLu, kUnpack, kInv, kSolve, kDet, kSlogdet };
-  for (LuOp which : {LuOp::kFactor, LuOp::kLu, LuOp::kUnpack, LuOp::kInv, LuOp::kSolve, LuOp::kDet, LuOp::kSlogdet}) {
-    MultiRule r = [which](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+  for (LuOp which : {LuOp::kFactor, LuOp::kLu, LuOp::kUnpack, LuOp::kInv,
+                     LuOp::kSolve, LuOp::kDet, LuOp::kSlogdet}) {
+    MultiRule r = [which](Lowering& l, const tpu::DecodedOp& d,
+                          const std::vector<Target>& o)
         -> absl::StatusOr<std::vector<std::string>> {
-      const size_t want = which == LuOp::kFactor || which == LuOp::kLu || which == LuOp::kUnpack || which == LuOp::kDet ? 3
-                        : which == LuOp::kInv ? 2 : 4;
-      if (o.size() != want || !Defined(d, 0) || d.args[0].tensor.ndim < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
-      if ((which == LuOp::kFactor || which == LuOp::kLu) && d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kBool && !d.args[1].b) {
+      const size_t want = which == LuOp::kFactor || which == LuOp::kLu ||
+                                  which == LuOp::kUnpack || which == LuOp::kDet
+                              ? 3
+                          : which == LuOp::kInv ? 2
+                                                : 4;
+      if (o.size() != want || !Defined(d, 0) || d.args[0].tensor.ndim < 2)
+        return Unsupported(l.op(), "expects a matrix or a batch of them");
+      if ((which == LuOp::kFactor || which == LuOp::kLu) && d.num_args > 1 &&
+          d.args[1].tag == tpu::ArgTag::kBool && !d.args[1].b) {
         return Unsupported(l.op(), "LU without pivoting");
       }
       const HloType& i64 = I64();
       // The type the factorization runs in: the first float output's.
       const HloType& t = which == LuOp::kSlogdet ? *o[1].type : *o[0].type;
       // A's dims: broadcast over the batch where an output says so.
-      const std::vector<int64_t> ad = which == LuOp::kFactor ? o[0].dims
-                                    : which == LuOp::kSolve ? o[1].dims
-                                    : which == LuOp::kDet ? o[1].dims
-                                    : which == LuOp::kSlogdet ? o[2].dims
-                                    : which == LuOp::kInv ? o[0].dims : DimsOf(d.args[0].tensor);
-      if (ad.size() < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
+      const std::vector<int64_t> ad = which == LuOp::kFactor    ? o[0].dims
+                                      : which == LuOp::kSolve   ? o[1].dims
+                                      : which == LuOp::kDet     ? o[1].dims
+                                      : which == LuOp::kSlogdet ? o[2].dims
+                                      : which == LuOp::kInv
+                                          ? o[0].dims
+                                          : DimsOf(d.args[0].tensor);
+      if (ad.size() < 2)
+        return Unsupported(l.op(), "expects a matrix or a batch of them");
       const MatrixShape as(ad);
       const int64_t k = std::min(as.m, as.n);
-      if ((which == LuOp::kInv || which == LuOp::kSolve || which == LuOp::kDet || which == LuOp::kSlogdet) && as.m != as.n) {
-        return absl::InvalidArgumentError(absl::StrCat(l.op(), ": A must be batches of square matrices, but they are ", as.m,
-                                                       " by ", as.n, " matrices"));
+      if ((which == LuOp::kInv || which == LuOp::kSolve ||
+           which == LuOp::kDet || which == LuOp::kSlogdet) &&
+          as.m != as.n) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            l.op(), ": A must be batches of square matrices, but they are ",
+            as.m, " by ", as.n, " matrices"));
       }
-      absl::StatusOr<std::string> av = l.Operand(d.args[0], DimsOf(d.args[0].tensor), t);
+      absl::StatusOr<std::string> av =
+          l.Operand(d.args[0], DimsOf(d.args[0].tensor), t);
       if (!av.ok()) return av.status();
       const std::string a = l.BroadcastTo(*av, DimsOf(d.args[0].tensor), ad, t);
       std::vector<int64_t> pdims = as.batch;
@@ -194,50 +250,67 @@ void RegisterLinalg(OpRegistry& reg) {
       } else {
         f = LuFactor(l, a, as, t);
       }
-      auto as_type = [&](const std::string& v, const std::vector<int64_t>& dims, const HloType& from, const Target& out) {
-        return l.Reshape(l.Convert(v, dims, from, *out.type), dims, out.dims, *out.type);
+      auto as_type = [&](const std::string& v, const std::vector<int64_t>& dims,
+                         const HloType& from, const Target& out) {
+        return l.Reshape(l.Convert(v, dims, from, *out.type), dims, out.dims,
+                         *out.type);
       };
       auto unpack = [&]() {
         // P from the swaps applied to the identity (its transpose), L unit
         // lower (m x k), U upper (k x n).
         const MatrixShape ps(WithBatch({as.m, as.m}, as.batch));
-        const std::string swapped = ApplySwaps(l, Identity(l, ps.dims, t), ps, f.pivots, k, false, t);
+        const std::string swapped =
+            ApplySwaps(l, Identity(l, ps.dims, t), ps, f.pivots, k, false, t);
         std::vector<int64_t> perm = ps.batch_map;
         perm.push_back(ps.rank() - 1);
         perm.push_back(ps.rank() - 2);
-        const std::string pm = l.Emit(absl::StrCat("stablehlo.transpose ", swapped, ", dims = [", absl::StrJoin(perm, ", "), "] : (",
-                                                   TypeOf(ps.dims, t), ") -> ", TypeOf(ps.dims, t)));
-        const std::vector<int64_t> ld = WithBatch({as.m, k}, as.batch), ud = WithBatch({k, as.n}, as.batch);
+        const std::string pm = l.Emit(
+            absl::StrCat("stablehlo.transpose ", swapped, ", dims = [",
+                         absl::StrJoin(perm, ", "), "] : (", TypeOf(ps.dims, t),
+                         ") -> ", TypeOf(ps.dims, t)));
+        const std::vector<int64_t> ld = WithBatch({as.m, k}, as.batch),
+                                   ud = WithBatch({k, as.n}, as.batch);
         std::vector<int64_t> zero(ad.size(), 0);
         const std::string lpart = l.Slice(f.lu, ad, zero, ld, t);
         std::vector<int64_t> ustart(ad.size(), 0);
         const std::string upart = l.Slice(f.lu, ad, ustart, ud, t);
         const MatrixShape ls(ld);
-        const std::string ri = l.Iota(ls.rank() - 2, ld, i64), ci = l.Iota(ls.rank() - 1, ld, i64);
-        std::string lower = l.Select(l.Compare("GT", ri, ci, ld, i64), lpart, l.Constant(0, ld, t), ld, t);
-        lower = l.Select(l.Compare("EQ", ri, ci, ld, i64), l.Constant(1, ld, t), lower, ld, t);
+        const std::string ri = l.Iota(ls.rank() - 2, ld, i64),
+                          ci = l.Iota(ls.rank() - 1, ld, i64);
+        std::string lower = l.Select(l.Compare("GT", ri, ci, ld, i64), lpart,
+                                     l.Constant(0, ld, t), ld, t);
+        lower = l.Select(l.Compare("EQ", ri, ci, ld, i64), l.Constant(1, ld, t),
+                         lower, ld, t);
         const std::string upper = Triangle(l, upart, ud, false, t);
         return std::vector<std::string>{pm, lower, upper};
       };
       switch (which) {
         case LuOp::kFactor:
-          return std::vector<std::string>{f.lu, as_type(f.pivots, pdims, i64, o[1]), as_type(f.info, as.batch, i64, o[2])};
+          return std::vector<std::string>{f.lu,
+                                          as_type(f.pivots, pdims, i64, o[1]),
+                                          as_type(f.info, as.batch, i64, o[2])};
         case LuOp::kLu:
         case LuOp::kUnpack: {
           std::vector<std::string> v = unpack();
           for (size_t q = 0; q < 3; ++q) {
-            if (Numel(*o[q].ref) == 0 || o[q].dims != DimsOf(*o[q].ref)) v[q] = l.Constant(0, o[q].dims, *o[q].type);
-            else v[q] = l.Convert(v[q], o[q].dims, t, *o[q].type);
+            if (Numel(*o[q].ref) == 0 || o[q].dims != DimsOf(*o[q].ref))
+              v[q] = l.Constant(0, o[q].dims, *o[q].type);
+            else
+              v[q] = l.Convert(v[q], o[q].dims, t, *o[q].type);
           }
           return v;
         }
         case LuOp::kInv: {
-          const std::string x = LuSolve(l, f.lu, ad, f.pivots, Identity(l, ad, t), as, false, t);
-          return std::vector<std::string>{x, as_type(f.info, as.batch, i64, o[1])};
+          const std::string x =
+              LuSolve(l, f.lu, ad, f.pivots, Identity(l, ad, t), as, false, t);
+          return std::vector<std::string>{x,
+                                          as_type(f.info, as.batch, i64, o[1])};
         }
         case LuOp::kSolve: {
-          if (d.num_args < 3 || !Defined(d, 1)) return Unsupported(l.op(), "expects A and B");
-          if (d.args[2].tag == tpu::ArgTag::kBool && !d.args[2].b) return Unsupported(l.op(), "left=False");
+          if (d.num_args < 3 || !Defined(d, 1))
+            return Unsupported(l.op(), "expects A and B");
+          if (d.args[2].tag == tpu::ArgTag::kBool && !d.args[2].b)
+            return Unsupported(l.op(), "left=False");
           // B as a batch of matrices: a vector gets a column dimension.
           const std::vector<int64_t>& rd = o[0].dims;
           const bool vector = rd.size() + 1 == ad.size();
@@ -248,9 +321,13 @@ void RegisterLinalg(OpRegistry& reg) {
           std::string b = l.BroadcastTo(*bv, bin, rd, t);
           b = l.Reshape(b, rd, bd, t);
           const MatrixShape bs(bd);
-          if (bs.m != as.n || bs.batch != as.batch) return Unsupported(l.op(), "B of a shape not lowered");
-          const std::string x = l.Reshape(LuSolve(l, f.lu, ad, f.pivots, b, bs, false, t), bd, rd, t);
-          return std::vector<std::string>{x, f.lu, as_type(f.pivots, pdims, i64, o[2]), as_type(f.info, as.batch, i64, o[3])};
+          if (bs.m != as.n || bs.batch != as.batch)
+            return Unsupported(l.op(), "B of a shape not lowered");
+          const std::string x = l.Reshape(
+              LuSolve(l, f.lu, ad, f.pivots, b, bs, false, t), bd, rd, t);
+          return std::vector<std::string>{x, f.lu,
+                                          as_type(f.pivots, pdims, i64, o[2]),
+                                          as_type(f.info, as.batch, i64, o[3])};
         }
         case LuOp::kDet:
         case LuOp::kSlogdet: {
@@ -260,242 +337,368 @@ void RegisterLinalg(OpRegistry& reg) {
           const int64_t last = static_cast<int64_t>(dd.size() - 1);
           const std::string sign = SwapSign(l, f.pivots, as.batch, k, t);
           if (which == LuOp::kDet) {
-            const std::string prod = l.ReduceOver(diag, dd, {last}, "multiply", l.Constant(1, {}, t), t);
-            return std::vector<std::string>{l.Reshape(l.Binary("multiply", sign, prod, as.batch, t), as.batch, o[0].dims, t), f.lu,
-                                            as_type(f.pivots, pdims, i64, o[2])};
+            const std::string prod = l.ReduceOver(diag, dd, {last}, "multiply",
+                                                  l.Constant(1, {}, t), t);
+            return std::vector<std::string>{
+                l.Reshape(l.Binary("multiply", sign, prod, as.batch, t),
+                          as.batch, o[0].dims, t),
+                f.lu, as_type(f.pivots, pdims, i64, o[2])};
           }
-          const std::string signs = l.ReduceOver(l.Unary("sign", diag, dd, t), dd, {last}, "multiply", l.Constant(1, {}, t), t);
-          const std::string logabs = l.ReduceOver(l.Unary("log", l.Unary("abs", diag, dd, t), dd, t), dd, {last}, "add",
-                                                  l.Constant(0, {}, t), t);
-          return std::vector<std::string>{l.Reshape(l.Binary("multiply", sign, signs, as.batch, t), as.batch, o[0].dims, t),
-                                          l.Reshape(logabs, as.batch, o[1].dims, t), f.lu, as_type(f.pivots, pdims, i64, o[3])};
+          const std::string signs =
+              l.ReduceOver(l.Unary("sign", diag, dd, t), dd, {last}, "multiply",
+                           l.Constant(1, {}, t), t);
+          const std::string logabs =
+              l.ReduceOver(l.Unary("log", l.Unary("abs", diag, dd, t), dd, t),
+                           dd, {last}, "add", l.Constant(0, {}, t), t);
+          return std::vector<std::string>{
+              l.Reshape(l.Binary("multiply", sign, signs, as.batch, t),
+                        as.batch, o[0].dims, t),
+              l.Reshape(logabs, as.batch, o[1].dims, t), f.lu,
+              as_type(f.pivots, pdims, i64, o[3])};
         }
       }
       return Unsupported(l.op(), "this form");
     };
     const char* const* names;
-    static const char* kFactor[] = {"aten::linalg_lu_factor_ex", "aten::linalg_lu_factor_ex.out", nullptr};
-    static const char* kLu[] = {"aten::linalg_lu", "aten::linalg_lu.out", nullptr};
-    static const char* kUnpack[] = {"aten::lu_unpack", "aten::lu_unpack.out", nullptr};
-    static const char* kInv[] = {"aten::linalg_inv_ex", "aten::linalg_inv_ex.inverse", nullptr};
-    static const char* kSolve[] = {"aten::_linalg_solve_ex", "aten::_linalg_solve_ex.result", nullptr};
-    static const char* kDet[] = {"aten::_linalg_det", "aten::_linalg_det.result", nullptr};
-    static const char* kSlogdet[] = {"aten::_linalg_slogdet", "aten::_linalg_slogdet.sign", nullptr};
+    static const char* kFactor[] = {"aten::linalg_lu_factor_ex",
+                                    "aten::linalg_lu_factor_ex.out", nullptr};
+    static const char* kLu[] = {"aten::linalg_lu", "aten::linalg_lu.out",
+                                nullptr};
+    static const char* kUnpack[] = {"aten::lu_unpack", "aten::lu_unpack.out",
+                                    nullptr};
+    static const char* kInv[] = {"aten::linalg_inv_ex",
+                                 "aten::linalg_inv_ex.inverse", nullptr};
+    static const char* kSolve[] = {"aten::_linalg_solve_ex",
+                                   "aten::_linalg_solve_ex.result", nullptr};
+    static const char* kDet[] = {"aten::_linalg_det",
+                                 "aten::_linalg_det.result", nullptr};
+    static const char* kSlogdet[] = {"aten::_linalg_slogdet",
+                                     "aten::_linalg_slogdet.sign", nullptr};
     switch (which) {
-      case LuOp::kFactor: names = kFactor; break;
-      case LuOp::kLu: names = kLu; break;
-      case LuOp::kUnpack: names = kUnpack; break;
-      case LuOp::kInv: names = kInv; break;
-      case LuOp::kSolve: names = kSolve; break;
-      case LuOp::kDet: names = kDet; break;
-      default: names = kSlogdet; break;
+      case LuOp::kFactor:
+        names = kFactor;
+        break;
+      case LuOp::kLu:
+        names = kLu;
+        break;
+      case LuOp::kUnpack:
+        names = kUnpack;
+        break;
+      case LuOp::kInv:
+        names = kInv;
+        break;
+      case LuOp::kSolve:
+        names = kSolve;
+        break;
+      case LuOp::kDet:
+        names = kDet;
+        break;
+      default:
+        names = kSlogdet;
+        break;
     }
     for (const char* const* n = names; *n != nullptr; ++n) reg.AddMulti(*n, r);
   }
-  reg.Add("aten::bmm", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-      -> absl::StatusOr<std::string> {
-    if (!Defined(d, 0) || !Defined(d, 1) || d.args[0].tensor.ndim != 3 || d.args[1].tensor.ndim != 3) {
-      return Unsupported(l.op(), "expects two 3-d tensors");
-    }
-    const std::vector<int64_t> da = DimsOf(d.args[0].tensor), db = DimsOf(d.args[1].tensor);
-    absl::StatusOr<std::string> a = l.Operand(d.args[0], da, *o.type), b = l.Operand(d.args[1], db, *o.type);
-    if (!a.ok()) return a;
-    if (!b.ok()) return b;
-    return l.Emit(absl::StrCat("stablehlo.dot_general ", *a, ", ", *b,
-                               ", batching_dims = [0] x [0], contracting_dims = [2] x [1] : (",
-                               TypeOf(da, *o.type), ", ", TypeOf(db, *o.type), ") -> ", TypeOf(o.dims, *o.type)));
-  });
-  reg.Add("aten::dot", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-      -> absl::StatusOr<std::string> {
-    if (!Defined(d, 0) || !Defined(d, 1) || d.args[0].tensor.ndim != 1) return Unsupported(l.op(), "expects vectors");
-    const std::vector<int64_t> n = DimsOf(d.args[0].tensor);
-    absl::StatusOr<std::string> a = l.Operand(d.args[0], n, *o.type), b = l.Operand(d.args[1], n, *o.type);
-    if (!a.ok()) return a;
-    if (!b.ok()) return b;
-    return l.ReduceOver(l.Binary("multiply", *a, *b, n, *o.type), n, {0}, "add", l.Constant(0, {}, *o.type), *o.type);
-  });
+  reg.Add("aten::bmm",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& o) -> absl::StatusOr<std::string> {
+            if (!Defined(d, 0) || !Defined(d, 1) ||
+                d.args[0].tensor.ndim != 3 || d.args[1].tensor.ndim != 3) {
+              return Unsupported(l.op(), "expects two 3-d tensors");
+            }
+            const std::vector<int64_t> da = DimsOf(d.args[0].tensor),
+                                       db = DimsOf(d.args[1].tensor);
+            absl::StatusOr<std::string> a = l.Operand(d.args[0], da, *o.type),
+                                        b = l.Operand(d.args[1], db, *o.type);
+            if (!a.ok()) return a;
+            if (!b.ok()) return b;
+            return l.Emit(absl::StrCat(
+                "stablehlo.dot_general ", *a, ", ", *b,
+                ", batching_dims = [0] x [0], contracting_dims = [2] x [1] : (",
+                TypeOf(da, *o.type), ", ", TypeOf(db, *o.type), ") -> ",
+                TypeOf(o.dims, *o.type)));
+          });
+  reg.Add("aten::dot",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& o) -> absl::StatusOr<std::string> {
+            if (!Defined(d, 0) || !Defined(d, 1) || d.args[0].tensor.ndim != 1)
+              return Unsupported(l.op(), "expects vectors");
+            const std::vector<int64_t> n = DimsOf(d.args[0].tensor);
+            absl::StatusOr<std::string> a = l.Operand(d.args[0], n, *o.type),
+                                        b = l.Operand(d.args[1], n, *o.type);
+            if (!a.ok()) return a;
+            if (!b.ok()) return b;
+            return l.ReduceOver(l.Binary("multiply", *a, *b, n, *o.type), n,
+                                {0}, "add", l.Constant(0, {}, *o.type),
+                                *o.type);
+          });
   // tril / triu(self, diagonal): a mask over the last two dimensions.
   for (bool lower : {true, false}) {
-    reg.Add(lower ? "aten::tril" : "aten::triu", [lower](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-        -> absl::StatusOr<std::string> {
-      if (!Defined(d, 0) || o.dims.size() < 2) return Unsupported(l.op(), "expects a matrix");
-      absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
-      if (!x.ok()) return x;
-      const int64_t k = d.num_args > 1 ? static_cast<int64_t>(NumberOf(d.args[1])) : 0;
-      const HloType& i64 = I64();
-      const int64_t r = static_cast<int64_t>(o.dims.size());
-      const std::string diff = l.Binary("subtract", l.Iota(r - 1, o.dims, i64), l.Iota(r - 2, o.dims, i64), o.dims, i64);
-      const std::string keep = l.Compare(lower ? "LE" : "GE", diff, l.Constant(static_cast<double>(k), o.dims, i64), o.dims, i64);
-      return l.Select(keep, *x, l.Constant(0, o.dims, *o.type), o.dims, *o.type);
-    });
+    reg.Add(
+        lower ? "aten::tril" : "aten::triu",
+        [lower](Lowering& l, const tpu::DecodedOp& d,
+                const Target& o) -> absl::StatusOr<std::string> {
+          if (!Defined(d, 0) || o.dims.size() < 2)
+            return Unsupported(l.op(), "expects a matrix");
+          absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
+          if (!x.ok()) return x;
+          const int64_t k =
+              d.num_args > 1 ? static_cast<int64_t>(NumberOf(d.args[1])) : 0;
+          const HloType& i64 = I64();
+          const int64_t r = static_cast<int64_t>(o.dims.size());
+          const std::string diff =
+              l.Binary("subtract", l.Iota(r - 1, o.dims, i64),
+                       l.Iota(r - 2, o.dims, i64), o.dims, i64);
+          const std::string keep = l.Compare(
+              lower ? "LE" : "GE", diff,
+              l.Constant(static_cast<double>(k), o.dims, i64), o.dims, i64);
+          return l.Select(keep, *x, l.Constant(0, o.dims, *o.type), o.dims,
+                          *o.type);
+        });
   }
   // addmv(self, mat, vec, *, beta, alpha) and mv(self, vec).
   for (bool add : {true, false}) {
-    reg.Add(add ? "aten::addmv" : "aten::mv", [add](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-        -> absl::StatusOr<std::string> {
-      const size_t mi = add ? 1 : 0;
-      if (!Defined(d, mi) || !Defined(d, mi + 1) || d.args[mi].tensor.ndim != 2 || d.args[mi + 1].tensor.ndim != 1) {
-        return Unsupported(l.op(), "expects a matrix and a vector");
-      }
-      const HloType& t = *o.type;
-      const std::vector<int64_t> dm = DimsOf(d.args[mi].tensor), dv = DimsOf(d.args[mi + 1].tensor);
-      absl::StatusOr<std::string> a = l.Operand(d.args[mi], dm, t), v = l.Operand(d.args[mi + 1], dv, t);
-      if (!a.ok()) return a;
-      if (!v.ok()) return v;
-      std::string r = l.Emit(absl::StrCat("stablehlo.dot ", *a, ", ", *v, " : (", TypeOf(dm, t), ", ",
-                                          TypeOf(dv, t), ") -> ", TypeOf(o.dims, t)));
-      if (!add) return r;
-      const double beta = d.num_args > 3 ? NumberOf(d.args[3]) : 1, alpha = d.num_args > 4 ? NumberOf(d.args[4]) : 1;
-      if (alpha != 1) r = l.Binary("multiply", r, l.Constant(alpha, o.dims, t), o.dims, t);
-      if (beta == 0) return r;  // self is not read (nan in it does not spread)
-      absl::StatusOr<std::string> self = l.Operand(d.args[0], o.dims, t);
-      if (!self.ok()) return self;
-      std::string b = *self;
-      if (beta != 1) b = l.Binary("multiply", b, l.Constant(beta, o.dims, t), o.dims, t);
-      return l.Binary("add", b, r, o.dims, t);
-    });
+    reg.Add(
+        add ? "aten::addmv" : "aten::mv",
+        [add](Lowering& l, const tpu::DecodedOp& d,
+              const Target& o) -> absl::StatusOr<std::string> {
+          const size_t mi = add ? 1 : 0;
+          if (!Defined(d, mi) || !Defined(d, mi + 1) ||
+              d.args[mi].tensor.ndim != 2 || d.args[mi + 1].tensor.ndim != 1) {
+            return Unsupported(l.op(), "expects a matrix and a vector");
+          }
+          const HloType& t = *o.type;
+          const std::vector<int64_t> dm = DimsOf(d.args[mi].tensor),
+                                     dv = DimsOf(d.args[mi + 1].tensor);
+          absl::StatusOr<std::string> a = l.Operand(d.args[mi], dm, t),
+                                      v = l.Operand(d.args[mi + 1], dv, t);
+          if (!a.ok()) return a;
+          if (!v.ok()) return v;
+          std::string r = l.Emit(absl::StrCat(
+              "stablehlo.dot ", *a, ", ", *v, " : (", TypeOf(dm, t), ", ",
+              TypeOf(dv, t), ") -> ", TypeOf(o.dims, t)));
+          if (!add) return r;
+          const double beta = d.num_args > 3 ? NumberOf(d.args[3]) : 1,
+                       alpha = d.num_args > 4 ? NumberOf(d.args[4]) : 1;
+          if (alpha != 1)
+            r = l.Binary("multiply", r, l.Constant(alpha, o.dims, t), o.dims,
+                         t);
+          if (beta == 0)
+            return r;  // self is not read (nan in it does not spread)
+          absl::StatusOr<std::string> self = l.Operand(d.args[0], o.dims, t);
+          if (!self.ok()) return self;
+          std::string b = *self;
+          if (beta != 1)
+            b = l.Binary("multiply", b, l.Constant(beta, o.dims, t), o.dims, t);
+          return l.Binary("add", b, r, o.dims, t);
+        });
   }  // cholesky(self, upper).
-  reg.Add("aten::cholesky", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-    if (!Defined(d, 0) || o.dims.size() < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
-    absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, *o.type);
-    if (!a.ok()) return a;
-    const bool upper = d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kBool && d.args[1].b;
-    return Cholesky(l, *a, o.dims, upper, *o.type);
-  });
+  reg.Add(
+      "aten::cholesky",
+      [](Lowering& l, const tpu::DecodedOp& d,
+         const Target& o) -> absl::StatusOr<std::string> {
+        if (!Defined(d, 0) || o.dims.size() < 2)
+          return Unsupported(l.op(), "expects a matrix or a batch of them");
+        absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, *o.type);
+        if (!a.ok()) return a;
+        const bool upper = d.num_args > 1 &&
+                           d.args[1].tag == tpu::ArgTag::kBool && d.args[1].b;
+        return Cholesky(l, *a, o.dims, upper, *o.type);
+      });
   // linalg_solve_triangular(self = A, B, *, upper, left, unitriangular).
-  reg.Add("aten::linalg_solve_triangular", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-      -> absl::StatusOr<std::string> {
-    if (d.num_args < 5 || o.dims.size() < 2) return Unsupported(l.op(), "arguments of a form not lowered");
-    const HloType& t = *o.type;
-    const std::vector<int64_t> batch = BatchOf(o.dims);
-    absl::StatusOr<std::string> a = MatrixOperand(l, d.args[0], batch, t), b = MatrixOperand(l, d.args[1], batch, t);
-    if (!a.ok()) return a;
-    if (!b.ok()) return b;
-    const std::vector<int64_t> ad = WithBatch(DimsOf(d.args[0].tensor), batch);
-    return TriangularSolve(l, *a, ad, *b, o.dims, d.args[3].b, !d.args[2].b, d.args[4].b, false, t);
-  });
+  reg.Add(
+      "aten::linalg_solve_triangular",
+      [](Lowering& l, const tpu::DecodedOp& d,
+         const Target& o) -> absl::StatusOr<std::string> {
+        if (d.num_args < 5 || o.dims.size() < 2)
+          return Unsupported(l.op(), "arguments of a form not lowered");
+        const HloType& t = *o.type;
+        const std::vector<int64_t> batch = BatchOf(o.dims);
+        absl::StatusOr<std::string> a = MatrixOperand(l, d.args[0], batch, t),
+                                    b = MatrixOperand(l, d.args[1], batch, t);
+        if (!a.ok()) return a;
+        if (!b.ok()) return b;
+        const std::vector<int64_t> ad =
+            WithBatch(DimsOf(d.args[0].tensor), batch);
+        return TriangularSolve(l, *a, ad, *b, o.dims, d.args[3].b, !d.args[2].b,
+                               d.args[4].b, false, t);
+      });
   // _cholesky_solve_helper(self = B, A = the factor, upper): two
   // triangular solves, L (L^T X) = B or U^T (U X) = B.
-  reg.Add("aten::_cholesky_solve_helper", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-      -> absl::StatusOr<std::string> {
-    if (d.num_args < 3 || o.dims.size() < 2) return Unsupported(l.op(), "arguments of a form not lowered");
-    const HloType& t = *o.type;
-    const std::vector<int64_t> batch = BatchOf(o.dims);
-    absl::StatusOr<std::string> b = MatrixOperand(l, d.args[0], batch, t), a = MatrixOperand(l, d.args[1], batch, t);
-    if (!a.ok()) return a;
-    if (!b.ok()) return b;
-    const std::vector<int64_t> ad = WithBatch(DimsOf(d.args[1].tensor), batch);
-    const bool upper = d.args[2].b;
-    const std::string y = TriangularSolve(l, *a, ad, *b, o.dims, true, !upper, false, upper, t);
-    return TriangularSolve(l, *a, ad, y, o.dims, true, !upper, false, !upper, t);
-  });
+  reg.Add(
+      "aten::_cholesky_solve_helper",
+      [](Lowering& l, const tpu::DecodedOp& d,
+         const Target& o) -> absl::StatusOr<std::string> {
+        if (d.num_args < 3 || o.dims.size() < 2)
+          return Unsupported(l.op(), "arguments of a form not lowered");
+        const HloType& t = *o.type;
+        const std::vector<int64_t> batch = BatchOf(o.dims);
+        absl::StatusOr<std::string> b = MatrixOperand(l, d.args[0], batch, t),
+                                    a = MatrixOperand(l, d.args[1], batch, t);
+        if (!a.ok()) return a;
+        if (!b.ok()) return b;
+        const std::vector<int64_t> ad =
+            WithBatch(DimsOf(d.args[1].tensor), batch);
+        const bool upper = d.args[2].b;
+        const std::string y = TriangularSolve(l, *a, ad, *b, o.dims, true,
+                                              !upper, false, upper, t);
+        return TriangularSolve(l, *a, ad, y, o.dims, true, !upper, false,
+                               !upper, t);
+      });
   // cholesky_inverse(self = the factor, upper): (L L^T)^-1, the solve of
   // the identity.
-  reg.Add("aten::cholesky_inverse", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-      -> absl::StatusOr<std::string> {
-    if (!Defined(d, 0) || o.dims.size() < 2) return Unsupported(l.op(), "expects a matrix or a batch of them");
-    const HloType& t = *o.type;
-    absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t);
-    if (!a.ok()) return a;
-    const bool upper = d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kBool && d.args[1].b;
-    const std::string y = TriangularSolve(l, *a, o.dims, Identity(l, o.dims, t), o.dims, true, !upper, false, upper, t);
-    return TriangularSolve(l, *a, o.dims, y, o.dims, true, !upper, false, !upper, t);
-  });
+  reg.Add("aten::cholesky_inverse",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& o) -> absl::StatusOr<std::string> {
+            if (!Defined(d, 0) || o.dims.size() < 2)
+              return Unsupported(l.op(), "expects a matrix or a batch of them");
+            const HloType& t = *o.type;
+            absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t);
+            if (!a.ok()) return a;
+            const bool upper = d.num_args > 1 &&
+                               d.args[1].tag == tpu::ArgTag::kBool &&
+                               d.args[1].b;
+            const std::string y =
+                TriangularSolve(l, *a, o.dims, Identity(l, o.dims, t), o.dims,
+                                true, !upper, false, upper, t);
+            return TriangularSolve(l, *a, o.dims, y, o.dims, true, !upper,
+                                   false, !upper, t);
+          });
   // linalg_lu_solve(LU, pivots, B, *, left, adjoint): the solve of A X = B
   // (A^T X = B) from A's factorization; left=False is not lowered.
-  reg.Add("aten::linalg_lu_solve", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-    if (d.num_args < 5 || !Defined(d, 0) || !Defined(d, 1) || !Defined(d, 2) || o.dims.size() < 2) {
-      return Unsupported(l.op(), "arguments of a form not lowered");
-    }
-    if (d.args[3].tag == tpu::ArgTag::kBool && !d.args[3].b) return Unsupported(l.op(), "left=False");
-    const HloType& t = *o.type;
-    const std::vector<int64_t> batch = BatchOf(o.dims);
-    const std::vector<int64_t> ad = WithBatch(DimsOf(d.args[0].tensor), batch);
-    absl::StatusOr<std::string> lu = MatrixOperand(l, d.args[0], batch, t), b = MatrixOperand(l, d.args[2], batch, t);
-    if (!lu.ok()) return lu;
-    if (!b.ok()) return b;
-    std::vector<int64_t> pdims = batch;
-    pdims.push_back(ad.back());
-    const std::vector<int64_t> pin = DimsOf(d.args[1].tensor);
-    absl::StatusOr<std::string> pv = l.Operand(d.args[1], pin, I64());
-    if (!pv.ok()) return pv;
-    const std::string piv = l.BroadcastTo(*pv, pin, pdims, I64());
-    const bool adjoint = d.args[4].tag == tpu::ArgTag::kBool && d.args[4].b;
-    return LuSolve(l, *lu, ad, piv, *b, MatrixShape(o.dims), adjoint, t);
-  });
+  reg.Add(
+      "aten::linalg_lu_solve",
+      [](Lowering& l, const tpu::DecodedOp& d,
+         const Target& o) -> absl::StatusOr<std::string> {
+        if (d.num_args < 5 || !Defined(d, 0) || !Defined(d, 1) ||
+            !Defined(d, 2) || o.dims.size() < 2) {
+          return Unsupported(l.op(), "arguments of a form not lowered");
+        }
+        if (d.args[3].tag == tpu::ArgTag::kBool && !d.args[3].b)
+          return Unsupported(l.op(), "left=False");
+        const HloType& t = *o.type;
+        const std::vector<int64_t> batch = BatchOf(o.dims);
+        const std::vector<int64_t> ad =
+            WithBatch(DimsOf(d.args[0].tensor), batch);
+        absl::StatusOr<std::string> lu = MatrixOperand(l, d.args[0], batch, t),
+                                    b = MatrixOperand(l, d.args[2], batch, t);
+        if (!lu.ok()) return lu;
+        if (!b.ok()) return b;
+        std::vector<int64_t> pdims = batch;
+        pdims.push_back(ad.back());
+        const std::vector<int64_t> pin = DimsOf(d.args[1].tensor);
+        absl::StatusOr<std::string> pv = l.Operand(d.args[1], pin, I64());
+        if (!pv.ok()) return pv;
+        const std::string piv = l.BroadcastTo(*pv, pin, pdims, I64());
+        const bool adjoint = d.args[4].tag == tpu::ArgTag::kBool && d.args[4].b;
+        return LuSolve(l, *lu, ad, piv, *b, MatrixShape(o.dims), adjoint, t);
+      });
   // linalg_householder_product(input, tau): the first n columns of
   // H_0 ... H_{k-1}; ormqr(input, tau, other, left, transpose): Q or Q^T
   // times other (left), or other times them (right, by transposing).
-  reg.Add("aten::linalg_householder_product", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-      -> absl::StatusOr<std::string> {
-    if (d.num_args < 2 || !Defined(d, 0) || !Defined(d, 1) || o.dims.size() < 2) return Unsupported(l.op(), "arguments of a form not lowered");
-    const HloType& t = *o.type;
-    const MatrixShape as(o.dims);
-    const int64_t k = d.args[1].tensor.ndim == 0 ? 1 : d.args[1].tensor.sizes[d.args[1].tensor.ndim - 1];
-    std::vector<int64_t> td = as.batch;
-    td.push_back(k);
-    absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t), tau = l.Operand(d.args[1], td, t);
-    if (!a.ok()) return a;
-    if (!tau.ok()) return tau;
-    return ApplyQ(l, *a, as, *tau, k, Identity(l, o.dims, t), as, false, t);
-  });
-  reg.Add("aten::ormqr", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-    if (d.num_args < 5 || !Defined(d, 0) || !Defined(d, 1) || !Defined(d, 2) || o.dims.size() < 2) {
-      return Unsupported(l.op(), "arguments of a form not lowered");
-    }
-    const HloType& t = *o.type;
-    const std::vector<int64_t> batch = BatchOf(o.dims);
-    const std::vector<int64_t> ad = WithBatch(DimsOf(d.args[0].tensor), batch);
-    const MatrixShape as(ad);
-    const int64_t k = d.args[1].tensor.sizes[d.args[1].tensor.ndim - 1];
-    std::vector<int64_t> td = batch;
-    td.push_back(k);
-    absl::StatusOr<std::string> a = MatrixOperand(l, d.args[0], batch, t), c = MatrixOperand(l, d.args[2], batch, t);
-    if (!a.ok()) return a;
-    if (!c.ok()) return c;
-    const std::vector<int64_t> tin = DimsOf(d.args[1].tensor);
-    absl::StatusOr<std::string> tv = l.Operand(d.args[1], tin, t);
-    if (!tv.ok()) return tv;
-    const std::string tau = l.BroadcastTo(*tv, tin, td, t);
-    const bool left = d.args[3].b, transpose = d.args[4].b;
-    if (left) return ApplyQ(l, *a, as, tau, k, *c, MatrixShape(o.dims), transpose, t);
-    // C Q = (Q^T C^T)^T, C Q^T = (Q C^T)^T.
-    std::vector<int64_t> perm;
-    for (size_t q = 0; q + 2 < o.dims.size(); ++q) perm.push_back(static_cast<int64_t>(q));
-    perm.push_back(static_cast<int64_t>(o.dims.size() - 1));
-    perm.push_back(static_cast<int64_t>(o.dims.size() - 2));
-    std::vector<int64_t> tdims = batch;
-    tdims.insert(tdims.end(), {o.dims.back(), o.dims[o.dims.size() - 2]});
-    const std::string ct = l.Emit(absl::StrCat("stablehlo.transpose ", *c, ", dims = [", absl::StrJoin(perm, ", "), "] : (",
-                                               TypeOf(o.dims, t), ") -> ", TypeOf(tdims, t)));
-    const std::string r = ApplyQ(l, *a, as, tau, k, ct, MatrixShape(tdims), !transpose, t);
-    return l.Emit(absl::StrCat("stablehlo.transpose ", r, ", dims = [", absl::StrJoin(perm, ", "), "] : (", TypeOf(tdims, t),
-                               ") -> ", TypeOf(o.dims, t)));
-  });
+  reg.Add("aten::linalg_householder_product",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& o) -> absl::StatusOr<std::string> {
+            if (d.num_args < 2 || !Defined(d, 0) || !Defined(d, 1) ||
+                o.dims.size() < 2)
+              return Unsupported(l.op(), "arguments of a form not lowered");
+            const HloType& t = *o.type;
+            const MatrixShape as(o.dims);
+            const int64_t k =
+                d.args[1].tensor.ndim == 0
+                    ? 1
+                    : d.args[1].tensor.sizes[d.args[1].tensor.ndim - 1];
+            std::vector<int64_t> td = as.batch;
+            td.push_back(k);
+            absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t),
+                                        tau = l.Operand(d.args[1], td, t);
+            if (!a.ok()) return a;
+            if (!tau.ok()) return tau;
+            return ApplyQ(l, *a, as, *tau, k, Identity(l, o.dims, t), as, false,
+                          t);
+          });
+  reg.Add(
+      "aten::ormqr",
+      [](Lowering& l, const tpu::DecodedOp& d,
+         const Target& o) -> absl::StatusOr<std::string> {
+        if (d.num_args < 5 || !Defined(d, 0) || !Defined(d, 1) ||
+            !Defined(d, 2) || o.dims.size() < 2) {
+          return Unsupported(l.op(), "arguments of a form not lowered");
+        }
+        const HloType& t = *o.type;
+        const std::vector<int64_t> batch = BatchOf(o.dims);
+        const std::vector<int64_t> ad =
+            WithBatch(DimsOf(d.args[0].tensor), batch);
+        const MatrixShape as(ad);
+        const int64_t k = d.args[1].tensor.sizes[d.args[1].tensor.ndim - 1];
+        std::vector<int64_t> td = batch;
+        td.push_back(k);
+        absl::StatusOr<std::string> a = MatrixOperand(l, d.args[0], batch, t),
+                                    c = MatrixOperand(l, d.args[2], batch, t);
+        if (!a.ok()) return a;
+        if (!c.ok()) return c;
+        const std::vector<int64_t> tin = DimsOf(d.args[1].tensor);
+        absl::StatusOr<std::string> tv = l.Operand(d.args[1], tin, t);
+        if (!tv.ok()) return tv;
+        const std::string tau = l.BroadcastTo(*tv, tin, td, t);
+        const bool left = d.args[3].b, transpose = d.args[4].b;
+        if (left)
+          return ApplyQ(l, *a, as, tau, k, *c, MatrixShape(o.dims), transpose,
+                        t);
+        // C Q = (Q^T C^T)^T, C Q^T = (Q C^T)^T.
+        std::vector<int64_t> perm;
+        for (size_t q = 0; q + 2 < o.dims.size(); ++q)
+          perm.push_back(static_cast<int64_t>(q));
+        perm.push_back(static_cast<int64_t>(o.dims.size() - 1));
+        perm.push_back(static_cast<int64_t>(o.dims.size() - 2));
+        std::vector<int64_t> tdims = batch;
+        tdims.insert(tdims.end(), {o.dims.back(), o.dims[o.dims.size() - 2]});
+        const std::string ct = l.Emit(absl::StrCat(
+            "stablehlo.transpose ", *c, ", dims = [", absl::StrJoin(perm, ", "),
+            "] : (", TypeOf(o.dims, t), ") -> ", TypeOf(tdims, t)));
+        const std::string r =
+            ApplyQ(l, *a, as, tau, k, ct, MatrixShape(tdims), !transpose, t);
+        return l.Emit(absl::StrCat(
+            "stablehlo.transpose ", r, ", dims = [", absl::StrJoin(perm, ", "),
+            "] : (", TypeOf(tdims, t), ") -> ", TypeOf(o.dims, t)));
+      });
   // addbmm(self, batch1, batch2, *, beta, alpha): beta self + alpha
   // sum_b batch1[b] @ batch2[b], one dot contracting the batch and k.
-  reg.Add("aten::addbmm", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-    if (d.num_args < 5 || !Defined(d, 1) || !Defined(d, 2) || d.args[1].tensor.ndim != 3 || d.args[2].tensor.ndim != 3 ||
-        o.dims.size() != 2) {
-      return Unsupported(l.op(), "expects two batches of matrices");
-    }
-    const HloType& t = *o.type;
-    const std::vector<int64_t> d1 = DimsOf(d.args[1].tensor), d2 = DimsOf(d.args[2].tensor);
-    absl::StatusOr<std::string> a = l.Operand(d.args[1], d1, t), b = l.Operand(d.args[2], d2, t);
-    if (!a.ok()) return a;
-    if (!b.ok()) return b;
-    std::string r = l.Emit(absl::StrCat("stablehlo.dot_general ", *a, ", ", *b,
-                                        ", contracting_dims = [0, 2] x [0, 1] : (", TypeOf(d1, t), ", ",
-                                        TypeOf(d2, t), ") -> ", TypeOf(o.dims, t)));
-    absl::StatusOr<std::string> alpha = l.Operand(d.args[4], o.dims, t), beta = l.Operand(d.args[3], o.dims, t),
-                                self = l.Operand(d.args[0], o.dims, t);
-    for (auto* v : {&alpha, &beta, &self}) if (!v->ok()) return *v;
-    r = l.Binary("multiply", r, *alpha, o.dims, t);
-    // beta = 0 ignores self (NaN included), as ATen does.
-    const std::string scaled = l.Binary("multiply", *self, *beta, o.dims, t);
-    const std::string zero = l.Compare("EQ", *beta, l.Constant(0, o.dims, t), o.dims, t);
-    return l.Binary("add", r, l.Select(zero, l.Constant(0, o.dims, t), scaled, o.dims, t), o.dims, t);
-  });
+  reg.Add("aten::addbmm",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& o) -> absl::StatusOr<std::string> {
+            if (d.num_args < 5 || !Defined(d, 1) || !Defined(d, 2) ||
+                d.args[1].tensor.ndim != 3 || d.args[2].tensor.ndim != 3 ||
+                o.dims.size() != 2) {
+              return Unsupported(l.op(), "expects two batches of matrices");
+            }
+            const HloType& t = *o.type;
+            const std::vector<int64_t> d1 = DimsOf(d.args[1].tensor),
+                                       d2 = DimsOf(d.args[2].tensor);
+            absl::StatusOr<std::string> a = l.Operand(d.args[1], d1, t),
+                                        b = l.Operand(d.args[2], d2, t);
+            if (!a.ok()) return a;
+            if (!b.ok()) return b;
+            std::string r = l.Emit(absl::StrCat(
+                "stablehlo.dot_general ", *a, ", ", *b,
+                ", contracting_dims = [0, 2] x [0, 1] : (", TypeOf(d1, t), ", ",
+                TypeOf(d2, t), ") -> ", TypeOf(o.dims, t)));
+            absl::StatusOr<std::string> alpha = l.Operand(d.args[4], o.dims, t),
+                                        beta = l.Operand(d.args[3], o.dims, t),
+                                        self = l.Operand(d.args[0], o.dims, t);
+            for (auto* v : {&alpha, &beta, &self})
+              if (!v->ok()) return *v;
+            r = l.Binary("multiply", r, *alpha, o.dims, t);
+            // beta = 0 ignores self (NaN included), as ATen does.
+            const std::string scaled =
+                l.Binary("multiply", *self, *beta, o.dims, t);
+            const std::string zero =
+                l.Compare("EQ", *beta, l.Constant(0, o.dims, t), o.dims, t);
+            return l.Binary(
+                "add", r,
+                l.Select(zero, l.Constant(0, o.dims, t), scaled, o.dims, t),
+                o.dims, t);
+          });
 }
 
 }  // namespace tpud::pjrt

@@ -30,7 +30,11 @@ namespace tpud::pjrt {
 // ElementSizeOf, kept here because the rules ask for them everywhere).
 struct HloType {
   constexpr HloType(tpu::DType d, const char* m, PJRT_Buffer_Type p)
-      : dtype(d), mlir(m), pjrt(p), is_float(tpu::IsFloating(d)), bytes(tpu::ElementSizeOf(d)) {}
+      : dtype(d),
+        mlir(m),
+        pjrt(p),
+        is_float(tpu::IsFloating(d)),
+        bytes(tpu::ElementSizeOf(d)) {}
   tpu::DType dtype;
   const char* mlir;  // "f32", "complex<f64>"
   PJRT_Buffer_Type pjrt;
@@ -59,13 +63,17 @@ inline const HloType* DTypeOf(tpu::DType dtype) {
   return nullptr;
 }
 // Likewise for a record's dtype code (TensorRef::dtype, OpArg::dtype).
-inline const HloType* DTypeOf(int8_t code) { return DTypeOf(tpu::DTypeFromCode(code)); }
+inline const HloType* DTypeOf(int8_t code) {
+  return DTypeOf(tpu::DTypeFromCode(code));
+}
 inline const HloType& F64() { return *DTypeOf(tpu::DType::kDouble); }
 inline const HloType& I64() { return *DTypeOf(tpu::DType::kInt64); }
 // complex64 and complex128 (complex32 is not lowered).
 inline bool IsComplex(const HloType& t) { return tpu::IsComplex(t.dtype); }
 // The type of a complex type's parts (float32 for complex64).
-inline const HloType& PartOf(const HloType& t) { return *DTypeOf(tpu::PartOf(t.dtype)); }
+inline const HloType& PartOf(const HloType& t) {
+  return *DTypeOf(tpu::PartOf(t.dtype));
+}
 // The complex type whose parts are float t (complex128 for float64,
 // complex64 for every other type).
 inline const HloType& ComplexOf(const HloType& t) {
@@ -76,7 +84,8 @@ inline const HloType& ComplexOf(const HloType& t) {
 // An MLIR float literal: it needs a point before any exponent ("1.0e-05").
 inline std::string FloatLiteral(double v) {
   std::string s = absl::StrFormat("%.17g", v);
-  if (s.find_first_of(".ni") == std::string::npos) {  // not already 1.5, inf or nan
+  if (s.find_first_of(".ni") ==
+      std::string::npos) {  // not already 1.5, inf or nan
     const size_t e = s.find('e');
     s.insert(e == std::string::npos ? s.size() : e, ".0");
   }
@@ -92,14 +101,15 @@ inline std::string TypeOf(const std::vector<int64_t>& dims, const HloType& t) {
 // The op's error: its name, why, and what to do.
 inline absl::Status Unsupported(const std::string& op, const std::string& why) {
   return absl::UnimplementedError(absl::StrCat(
-      op, ": ", why, " (PJRT backend; tpud --backend=simulated runs every ATen op)"));
+      op, ": ", why,
+      " (PJRT backend; tpud --backend=simulated runs every ATen op)"));
 }
 
 class Lowering;
 struct Target;
 // How an op becomes StableHLO: one result (Rule) or several (MultiRule).
-using Rule = std::function<absl::StatusOr<std::string>(Lowering&, const tpu::DecodedOp&,
-                                                       const Target&)>;
+using Rule = std::function<absl::StatusOr<std::string>(
+    Lowering&, const tpu::DecodedOp&, const Target&)>;
 using MultiRule = std::function<absl::StatusOr<std::vector<std::string>>(
     Lowering&, const tpu::DecodedOp&, const std::vector<Target>&)>;
 
@@ -136,12 +146,18 @@ struct Transfer {
 // literal.
 inline std::string IntLimit(const HloType& t, bool high) {
   switch (t.dtype) {
-    case tpu::DType::kBool: return high ? "true" : "false";
-    case tpu::DType::kUInt8: return high ? "255" : "0";
-    case tpu::DType::kInt8: return high ? "127" : "-128";
-    case tpu::DType::kInt16: return high ? "32767" : "-32768";
-    case tpu::DType::kInt32: return high ? "2147483647" : "-2147483648";
-    default: return high ? "9223372036854775807" : "-9223372036854775808";
+    case tpu::DType::kBool:
+      return high ? "true" : "false";
+    case tpu::DType::kUInt8:
+      return high ? "255" : "0";
+    case tpu::DType::kInt8:
+      return high ? "127" : "-128";
+    case tpu::DType::kInt16:
+      return high ? "32767" : "-32768";
+    case tpu::DType::kInt32:
+      return high ? "2147483647" : "-2147483648";
+    default:
+      return high ? "9223372036854775807" : "-9223372036854775808";
   }
 }
 
@@ -173,15 +189,19 @@ class Lowering {
   size_t TensorIndex(const tpu::OpArg& a) const;
 
   // A tensor or scalar operand, broadcast to `dims` and converted to `as`.
-  absl::StatusOr<std::string> Operand(const tpu::OpArg& a, const std::vector<int64_t>& dims, const HloType& as);
+  absl::StatusOr<std::string> Operand(const tpu::OpArg& a,
+                                      const std::vector<int64_t>& dims,
+                                      const HloType& as);
 
   // Tensor `r` (the k-th TensorRef), broadcast to `dims` and converted to `as`.
   absl::StatusOr<std::string> OperandRef(const tpu::TensorRef& r, size_t k,
-                                         const std::vector<int64_t>& dims, const HloType& as) {
+                                         const std::vector<int64_t>& dims,
+                                         const HloType& as) {
     absl::StatusOr<std::string> v = Tensor(r, k);
     if (!v.ok()) return v;
     const std::vector<int64_t> from(r.sizes, r.sizes + r.ndim);
-    return BroadcastTo(Convert(*v, from, *DTypeOf(r.dtype), as), from, dims, as);
+    return BroadcastTo(Convert(*v, from, *DTypeOf(r.dtype), as), from, dims,
+                       as);
   }
 
   // `v` (dims `in`) reduced over dimensions `which` with `op` ("add",
@@ -189,15 +209,18 @@ class Lowering {
   std::string ReduceOver(const std::string& v, const std::vector<int64_t>& in,
                          const std::vector<int64_t>& which, const char* op,
                          const std::string& init, const HloType& t) {
-    return Emit(absl::StrCat("stablehlo.reduce(", v, " init: ", init, ") applies stablehlo.", op,
-                             " across dimensions = [", absl::StrJoin(which, ", "), "] : (",
-                             TypeOf(in, t), ", ", TypeOf({}, t), ") -> ",
-                             TypeOf(Kept(in, which), t)));
+    return Emit(
+        absl::StrCat("stablehlo.reduce(", v, " init: ", init,
+                     ") applies stablehlo.", op, " across dimensions = [",
+                     absl::StrJoin(which, ", "), "] : (", TypeOf(in, t), ", ",
+                     TypeOf({}, t), ") -> ", TypeOf(Kept(in, which), t)));
   }
-  static std::vector<int64_t> Kept(const std::vector<int64_t>& in, const std::vector<int64_t>& which) {
+  static std::vector<int64_t> Kept(const std::vector<int64_t>& in,
+                                   const std::vector<int64_t>& which) {
     std::vector<int64_t> kept;
     for (size_t i = 0; i < in.size(); ++i) {
-      if (std::find(which.begin(), which.end(), static_cast<int64_t>(i)) == which.end()) {
+      if (std::find(which.begin(), which.end(), static_cast<int64_t>(i)) ==
+          which.end()) {
         kept.push_back(in[i]);
       }
     }
@@ -209,65 +232,86 @@ class Lowering {
   std::string Reshape(const std::string& v, const std::vector<int64_t>& from,
                       const std::vector<int64_t>& to, const HloType& t) {
     if (from == to) return v;
-    return Emit(absl::StrCat("stablehlo.reshape ", v, " : (", TypeOf(from, t), ") -> ",
-                             TypeOf(to, t)));
+    return Emit(absl::StrCat("stablehlo.reshape ", v, " : (", TypeOf(from, t),
+                             ") -> ", TypeOf(to, t)));
   }
   // The comparison type stablehlo.compare takes for values of t.
   static const char* CompareKind(const HloType& t) {
-    return t.is_float ? "FLOAT" : (t.mlir[0] == 'u' || t.dtype == tpu::DType::kBool ? "UNSIGNED" : "SIGNED");
+    return t.is_float
+               ? "FLOAT"
+               : (t.mlir[0] == 'u' || t.dtype == tpu::DType::kBool ? "UNSIGNED"
+                                                                   : "SIGNED");
   }
-  std::string Compare(const char* dir, const std::string& a, const std::string& b,
-                      const std::vector<int64_t>& dims, const HloType& t) {
-    return Emit(absl::StrCat("stablehlo.compare ", dir, ", ", a, ", ", b, ", ", CompareKind(t),
-                             " : (", TypeOf(dims, t), ", ", TypeOf(dims, t), ") -> ",
+  std::string Compare(const char* dir, const std::string& a,
+                      const std::string& b, const std::vector<int64_t>& dims,
+                      const HloType& t) {
+    return Emit(absl::StrCat("stablehlo.compare ", dir, ", ", a, ", ", b, ", ",
+                             CompareKind(t), " : (", TypeOf(dims, t), ", ",
+                             TypeOf(dims, t), ") -> ",
                              TypeOf(dims, *DTypeOf(tpu::DType::kBool))));
   }
-  std::string Select(const std::string& pred, const std::string& a, const std::string& b,
-                     const std::vector<int64_t>& dims, const HloType& t) {
+  std::string Select(const std::string& pred, const std::string& a,
+                     const std::string& b, const std::vector<int64_t>& dims,
+                     const HloType& t) {
     return Emit(absl::StrCat("stablehlo.select ", pred, ", ", a, ", ", b, " : ",
-                             TypeOf(dims, *DTypeOf(tpu::DType::kBool)), ", ", TypeOf(dims, t)));
+                             TypeOf(dims, *DTypeOf(tpu::DType::kBool)), ", ",
+                             TypeOf(dims, t)));
   }
-  std::string Iota(int64_t dim, const std::vector<int64_t>& dims, const HloType& t) {
-    return Emit(absl::StrCat("stablehlo.iota dim = ", dim, " : ", TypeOf(dims, t)));
+  std::string Iota(int64_t dim, const std::vector<int64_t>& dims,
+                   const HloType& t) {
+    return Emit(
+        absl::StrCat("stablehlo.iota dim = ", dim, " : ", TypeOf(dims, t)));
   }
   // -inf (floats) or the lowest value, as a 0-d constant.
   std::string Lowest(const HloType& t) {
-    const char* hex = t.dtype == tpu::DType::kFloat ? "0xFF800000" : t.dtype == tpu::DType::kDouble ? "0xFFF0000000000000"
-                    : t.dtype == tpu::DType::kHalf ? "0xFC00" : t.dtype == tpu::DType::kBFloat16 ? "0xFF80" : nullptr;
-    if (hex == nullptr) return Emit(absl::StrCat("stablehlo.constant dense<", IntLimit(t, false), "> : ", TypeOf({}, t)));
-    return Emit(absl::StrCat("stablehlo.constant dense<", hex, "> : ", TypeOf({}, t)));
+    const char* hex = t.dtype == tpu::DType::kFloat      ? "0xFF800000"
+                      : t.dtype == tpu::DType::kDouble   ? "0xFFF0000000000000"
+                      : t.dtype == tpu::DType::kHalf     ? "0xFC00"
+                      : t.dtype == tpu::DType::kBFloat16 ? "0xFF80"
+                                                         : nullptr;
+    if (hex == nullptr)
+      return Emit(absl::StrCat("stablehlo.constant dense<", IntLimit(t, false),
+                               "> : ", TypeOf({}, t)));
+    return Emit(
+        absl::StrCat("stablehlo.constant dense<", hex, "> : ", TypeOf({}, t)));
   }
 
-  std::string Convert(const std::string& v, const std::vector<int64_t>& dims, const HloType& from,
-                      const HloType& to);
+  std::string Convert(const std::string& v, const std::vector<int64_t>& dims,
+                      const HloType& from, const HloType& to);
 
   // Numpy-style: `from` aligns with the trailing dimensions of `to`.
-  std::string BroadcastTo(const std::string& v, const std::vector<int64_t>& from,
+  std::string BroadcastTo(const std::string& v,
+                          const std::vector<int64_t>& from,
                           const std::vector<int64_t>& to, const HloType& t) {
     if (from == to) return v;
     std::vector<int64_t> map;
-    for (size_t i = 0; i < from.size(); ++i) map.push_back(to.size() - from.size() + i);
+    for (size_t i = 0; i < from.size(); ++i)
+      map.push_back(to.size() - from.size() + i);
     return Emit(absl::StrCat("stablehlo.broadcast_in_dim ", v, ", dims = [",
-                             absl::StrJoin(map, ", "), "] : (", TypeOf(from, t), ") -> ",
-                             TypeOf(to, t)));
+                             absl::StrJoin(map, ", "), "] : (", TypeOf(from, t),
+                             ") -> ", TypeOf(to, t)));
   }
 
-  std::string Constant(double value, const std::vector<int64_t>& dims, const HloType& t) {
-    const std::string lit = t.is_float ? FloatLiteral(value)
-                          : IsComplex(t) ? absl::StrCat("(", FloatLiteral(value), ", 0.0)")
-                                         : absl::StrCat(static_cast<int64_t>(value));
-    const std::string c = Emit(absl::StrCat("stablehlo.constant dense<",
-                                            t.dtype == tpu::DType::kBool ? (value != 0 ? "true" : "false") : lit,
-                                            "> : ", TypeOf({}, t)));
+  std::string Constant(double value, const std::vector<int64_t>& dims,
+                       const HloType& t) {
+    const std::string lit =
+        t.is_float     ? FloatLiteral(value)
+        : IsComplex(t) ? absl::StrCat("(", FloatLiteral(value), ", 0.0)")
+                       : absl::StrCat(static_cast<int64_t>(value));
+    const std::string c = Emit(absl::StrCat(
+        "stablehlo.constant dense<",
+        t.dtype == tpu::DType::kBool ? (value != 0 ? "true" : "false") : lit,
+        "> : ", TypeOf({}, t)));
     return BroadcastTo(c, {}, dims, t);
   }
 
   std::string Binary(const char* op, const std::string& a, const std::string& b,
                      const std::vector<int64_t>& dims, const HloType& t) {
-    return Emit(absl::StrCat("stablehlo.", op, " ", a, ", ", b, " : ", TypeOf(dims, t)));
+    return Emit(absl::StrCat("stablehlo.", op, " ", a, ", ", b, " : ",
+                             TypeOf(dims, t)));
   }
-  std::string Unary(const char* op, const std::string& a, const std::vector<int64_t>& dims,
-                    const HloType& t) {
+  std::string Unary(const char* op, const std::string& a,
+                    const std::vector<int64_t>& dims, const HloType& t) {
     return Emit(absl::StrCat("stablehlo.", op, " ", a, " : ", TypeOf(dims, t)));
   }
 
@@ -293,14 +337,17 @@ class Lowering {
   // `v` (dims `dims`) written into `flat` (1-d, `span` elements) at the
   // element offsets sum_d index_d * strides[d]: a strided output with gaps,
   // its gaps keeping what `flat` holds.
-  std::string ScatterStrided(const std::string& flat, int64_t span, const std::string& v,
-                             const std::vector<int64_t>& dims, const std::vector<int64_t>& strides,
+  std::string ScatterStrided(const std::string& flat, int64_t span,
+                             const std::string& v,
+                             const std::vector<int64_t>& dims,
+                             const std::vector<int64_t>& strides,
                              const HloType& t);
 
   // Uniform values in [0, 1) of type f (f32 or f64), dims `dims` (with a
   // leading dimension of `draws` when that is above 1), from XLA's
   // rng_bit_generator keyed by `seed` (a parameter of the program).
-  std::string UniformBits(int64_t seed, const std::vector<int64_t>& dims, const HloType& f, int64_t draws);
+  std::string UniformBits(int64_t seed, const std::vector<int64_t>& dims,
+                          const HloType& f, int64_t draws);
 
   std::vector<Transfer>& transfers() { return transfers_; }
   const std::string& op() const { return op_; }
@@ -310,7 +357,8 @@ class Lowering {
   // Records that every element of `idx` (i64, dims `dims`) must lie in
   // [0, size): the program returns whether one does not, and the op fails
   // with `what` after it runs (XLA itself clamps or drops such indices).
-  void CheckRange(const std::string& idx, const std::vector<int64_t>& dims, int64_t size, const std::string& what);
+  void CheckRange(const std::string& idx, const std::vector<int64_t>& dims,
+                  int64_t size, const std::string& what);
   // The combined check (an i1 scalar), or "" when nothing was checked.
   const std::string& out_of_range() const { return out_of_range_; }
   const std::string& range_message() const { return range_message_; }
@@ -337,15 +385,19 @@ class Lowering {
 
   // `v` (dims `in`, type t) sorted along `dim`, stably, with NaN above
   // everything as in PyTorch; returns the values and their int64 indices.
-  std::pair<std::string, std::string> Sort(const std::string& v, const std::vector<int64_t>& in,
-                                           int64_t dim, bool descending, const HloType& t);
+  std::pair<std::string, std::string> Sort(const std::string& v,
+                                           const std::vector<int64_t>& in,
+                                           int64_t dim, bool descending,
+                                           const HloType& t);
 
   // Elements [start, limit) of `v` (dims `in`) in every dimension.
-  std::string Slice(const std::string& v, const std::vector<int64_t>& in, const std::vector<int64_t>& start,
+  std::string Slice(const std::string& v, const std::vector<int64_t>& in,
+                    const std::vector<int64_t>& start,
                     const std::vector<int64_t>& limit, const HloType& t);
   // Elements [begin, end) of `v` along `dim`.
-  std::string SliceAlong(const std::string& v, const std::vector<int64_t>& in, int64_t dim,
-                         int64_t begin, int64_t end, const HloType& t) {
+  std::string SliceAlong(const std::string& v, const std::vector<int64_t>& in,
+                         int64_t dim, int64_t begin, int64_t end,
+                         const HloType& t) {
     std::vector<int64_t> start(in.size(), 0), limit = in;
     start[dim] = begin;
     limit[dim] = end;
@@ -355,7 +407,8 @@ class Lowering {
   // Donates the memory of result `o` (dense, `dims` of t at `host`) to the
   // program: a parameter that already reads exactly those bytes (self of an
   // in-place op, the span of a gapped write), else one more, unused.
-  void Donate(int o, char* host, const HloType& t, const std::vector<int64_t>& dims);
+  void Donate(int o, char* host, const HloType& t,
+              const std::vector<int64_t>& dims);
 
   // ---- device memory (PjrtChip with device buffers; docs/design.md)
   //
@@ -374,7 +427,9 @@ class Lowering {
   // Transfer x's tensor, read out of segment value `seg` (u8[seg_bytes])
   // where it starts `offset` bytes in; or, with `at` (a tensor<i64> value),
   // where `at` says when the program runs (`offset` is where it starts now).
-  absl::StatusOr<std::string> ReadView(const std::string& seg, uint64_t seg_bytes, uint64_t offset, const Transfer& x,
+  absl::StatusOr<std::string> ReadView(const std::string& seg,
+                                       uint64_t seg_bytes, uint64_t offset,
+                                       const Transfer& x,
                                        const std::string& at = "");
 
   // A segment parameter of a device-memory program.
@@ -398,10 +453,12 @@ class Lowering {
   // `dynamic`, the offsets are the program's last parameters (tensor<i64>,
   // each read's in transfer order, then each write's) instead of constants
   // in it, so one program serves its op wherever the tensors lie.
-  absl::StatusOr<std::string> DeviceText(const std::vector<SegmentParam>& segs, const std::vector<int>& in_seg,
-                                         const std::vector<uint64_t>& in_off, const std::vector<SegmentWrite>& writes,
-                                         const std::vector<std::string>& extra,
-                                         const std::vector<std::string>& extra_types, bool dynamic = false);
+  absl::StatusOr<std::string> DeviceText(
+      const std::vector<SegmentParam>& segs, const std::vector<int>& in_seg,
+      const std::vector<uint64_t>& in_off,
+      const std::vector<SegmentWrite>& writes,
+      const std::vector<std::string>& extra,
+      const std::vector<std::string>& extra_types, bool dynamic = false);
 
  private:
   std::string Param(const std::string& type, Transfer x) {

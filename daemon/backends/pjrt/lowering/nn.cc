@@ -1,7 +1,5 @@
 // Neural-network ops: layer norm, losses (nll, mse), convolutions and
 // their backward, pooling (average, adaptive) and distances (cdist, pdist).
-#include "daemon/backends/pjrt/lowering/families.h"
-
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -19,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "daemon/backends/pjrt/lowering/families.h"
 #include "daemon/backends/pjrt/lowering/helpers.h"
 #include "daemon/backends/pjrt/lowering/lowering.h"
 #include "daemon/backends/pjrt/lowering/matrix.h"
@@ -27,352 +26,503 @@
 namespace tpud::pjrt {
 
 void RegisterNn(OpRegistry& reg) {
-  reg.AddMulti("aten::native_layer_norm", [](Lowering& l, const tpu::DecodedOp& d,
-                                       const std::vector<Target>& outs)
-      -> absl::StatusOr<std::vector<std::string>> {
-    if (outs.size() != 3 || !Defined(d, 0) || d.num_args < 5) return Unsupported(l.op(), "expects 3 outputs");
-    const tpu::TensorRef& x = d.args[0].tensor;
-    const HloType& t = *outs[0].type;
-    const std::vector<int64_t> in = DimsOf(x);
-    const size_t k = d.args[1].ints.size();
-    if (k == 0 || k > in.size()) return Unsupported(l.op(), "normalized_shape");
-    std::vector<int64_t> which;
-    int64_t count = 1;
-    for (size_t i = in.size() - k; i < in.size(); ++i) {
-      which.push_back(static_cast<int64_t>(i));
-      count *= in[i];
-    }
-    absl::StatusOr<std::string> xv = l.OperandRef(x, 0, in, t);
-    if (!xv.ok()) return xv.status();
-    const std::vector<int64_t> kept = Lowering::Kept(in, which);
-    const std::string n = l.Constant(static_cast<double>(count), kept, t);
-    const std::string mean = l.Binary("divide", l.ReduceOver(*xv, in, which, "add", l.Constant(0, {}, t), t), n, kept, t);
-    const std::string xc = l.Binary("subtract", *xv, l.Expand(mean, in, which, t), in, t);
-    const std::string var = l.Binary("divide", l.ReduceOver(l.Binary("multiply", xc, xc, in, t), in, which, "add", l.Constant(0, {}, t), t), n, kept, t);
-    const std::string rstd = l.Unary("rsqrt", l.Binary("add", var, l.Constant(NumberOf(d.args[4]), kept, t), kept, t), kept, t);
-    std::string y = l.Binary("multiply", xc, l.Expand(rstd, in, which, t), in, t);
-    for (size_t i : {size_t{2}, size_t{3}}) {
-      if (!Defined(d, i)) continue;
-      absl::StatusOr<std::string> p = l.OperandRef(d.args[i].tensor, l.TensorIndex(d.args[i]), in, t);
-      if (!p.ok()) return p.status();
-      y = l.Binary(i == 2 ? "multiply" : "add", y, *p, in, t);
-    }
-    return std::vector<std::string>{y, l.Reshape(mean, kept, outs[1].dims, *outs[1].type),
-                                    l.Reshape(rstd, kept, outs[2].dims, *outs[2].type)};
-  });
-  reg.AddMulti("aten::native_layer_norm_backward", [](Lowering& l, const tpu::DecodedOp& d,
-                                                const std::vector<Target>& outs)
-      -> absl::StatusOr<std::vector<std::string>> {
-    // (grad_out, input, normalized_shape, mean, rstd, weight?, bias?, output_mask)
-    if (d.num_args < 8 || !Defined(d, 0) || !Defined(d, 1) || !Defined(d, 3) || !Defined(d, 4)) {
-      return Unsupported(l.op(), "arguments of a form not lowered");
-    }
-    const std::vector<bool>& mask = d.args[7].bools;
-    size_t wanted = 0;
-    for (bool b : mask) wanted += b ? 1 : 0;
-    // Either one output per true entry of the mask, or all three (those
-    // not asked for are empty and get nothing).
-    const bool all_three = outs.size() == 3;
-    if (mask.size() != 3 || (outs.size() != wanted && !all_three)) return Unsupported(l.op(), "output_mask");
-    const HloType& t = *outs[0].type;
-    const std::vector<int64_t> in = DimsOf(d.args[1].tensor);
-    const size_t k = d.args[2].ints.size();
-    std::vector<int64_t> which, batch;
-    for (size_t i = 0; i < in.size(); ++i) (i >= in.size() - k ? which : batch).push_back(static_cast<int64_t>(i));
-    int64_t count = 1;
-    for (int64_t w : which) count *= in[w];
-    auto op = [&](size_t i) { return l.OperandRef(d.args[i].tensor, l.TensorIndex(d.args[i]), in, t); };
-    absl::StatusOr<std::string> g = op(0), x = op(1), mean = op(3), rstd = op(4);
-    for (auto* v : {&g, &x, &mean, &rstd}) if (!v->ok()) return v->status();
-    const std::string xhat = l.Binary("multiply", l.Binary("subtract", *x, *mean, in, t), *rstd, in, t);
-    std::string gw = *g;
-    if (Defined(d, 5)) {
-      absl::StatusOr<std::string> w = op(5);
-      if (!w.ok()) return w.status();
-      gw = l.Binary("multiply", gw, *w, in, t);
-    }
-    const std::string zero = l.Constant(0, {}, t);
-    const std::vector<int64_t> kept = Lowering::Kept(in, which);
-    const std::string n = l.Constant(static_cast<double>(count), kept, t);
-    const std::string m1 = l.Expand(l.Binary("divide", l.ReduceOver(gw, in, which, "add", zero, t), n, kept, t), in, which, t);
-    const std::string m2 = l.Expand(l.Binary("divide", l.ReduceOver(l.Binary("multiply", gw, xhat, in, t), in, which, "add", zero, t), n, kept, t), in, which, t);
-    std::vector<std::string> r;
-    auto skipped = [&](int j) {
-      if (all_three && !mask[j]) r.push_back(l.Constant(0, outs[j].dims, *outs[j].type));
-      return !mask[j];
-    };
-    if (!skipped(0)) {
-      r.push_back(l.Binary("multiply", *rstd, l.Binary("subtract", l.Binary("subtract", gw, m1, in, t), l.Binary("multiply", xhat, m2, in, t), in, t), in, t));
-    }
-    for (int j : {1, 2}) {
-      if (skipped(j)) continue;
-      const Target& o = outs[r.size()];
-      const std::string v = j == 1 ? l.Binary("multiply", *g, xhat, in, t) : *g;
-      const std::string s = batch.empty() ? v : l.ReduceOver(v, in, batch, "add", zero, t);
-      r.push_back(l.Reshape(s, Lowering::Kept(in, batch), o.dims, *o.type));
-    }
-    return r;
-  });
-  reg.AddMulti("aten::nll_loss_forward", [](Lowering& l, const tpu::DecodedOp& d,
-                                      const std::vector<Target>& outs)
-      -> absl::StatusOr<std::vector<std::string>> {
-    // (self, target, weight?, reduction, ignore_index) -> (output, total_weight);
-    // a 1-d self (one unbatched sample) is taken as one row.
-    if (outs.size() != 2 || !Defined(d, 0) || d.args[0].tensor.ndim < 1 || d.args[0].tensor.ndim > 2 ||
-        d.num_args < 5) {
-      return Unsupported(l.op(), "expects a 1-d or 2-d input");
-    }
-    const HloType& t = *outs[0].type;
-    std::vector<int64_t> nc = DimsOf(d.args[0].tensor);
-    if (nc.size() == 1) nc.insert(nc.begin(), 1);
-    absl::StatusOr<std::string> x = l.OperandRef(d.args[0].tensor, 0, nc, t);
-    if (!x.ok()) return x.status();
-    absl::StatusOr<Picked> p = PickTargets(l, d, 1, 2, 4, nc, t);
-    if (!p.ok()) return p.status();
-    const std::string zero = l.Constant(0, {}, t);
-    const std::vector<int64_t> n = {nc[0]};
-    const std::string rows = l.Unary("negate", l.ReduceOver(l.Binary("multiply", *x, p->mask, nc, t), nc, {1}, "add", zero, t), n, t);
-    const std::string total = l.ReduceOver(p->row_weight, n, {0}, "add", zero, t);
-    const int64_t reduction = static_cast<int64_t>(NumberOf(d.args[3]));
-    std::string out;
-    if (reduction == 0) {
-      out = rows;
-    } else {
-      out = l.ReduceOver(rows, n, {0}, "add", zero, t);
-      if (reduction == 1) out = l.Binary("divide", out, total, {}, t);
-    }
-    return std::vector<std::string>{l.Reshape(out, reduction == 0 ? n : std::vector<int64_t>{}, outs[0].dims, t),
-                                    l.Reshape(l.Convert(total, {}, t, *outs[1].type), {}, outs[1].dims, *outs[1].type)};
-  });
-  reg.AddMulti("aten::nll_loss_backward", [](Lowering& l, const tpu::DecodedOp& d,
-                                       const std::vector<Target>& outs)
-      -> absl::StatusOr<std::vector<std::string>> {
-    // (grad_output, self, target, weight?, reduction, ignore_index, total_weight)
-    if (outs.size() != 1 || !Defined(d, 1) || d.args[1].tensor.ndim < 1 || d.args[1].tensor.ndim > 2 ||
-        d.num_args < 7) {
-      return Unsupported(l.op(), "expects a 1-d or 2-d input");
-    }
-    const HloType& t = *outs[0].type;
-    std::vector<int64_t> nc = DimsOf(d.args[1].tensor);
-    if (nc.size() == 1) nc.insert(nc.begin(), 1);
-    absl::StatusOr<Picked> p = PickTargets(l, d, 2, 3, 5, nc, t);
-    if (!p.ok()) return p.status();
-    const int64_t reduction = static_cast<int64_t>(NumberOf(d.args[4]));
-    const tpu::TensorRef& go = d.args[0].tensor;
-    std::string g;
-    if (reduction == 0) {
-      absl::StatusOr<std::string> gv = l.OperandRef(go, 0, {nc[0]}, t);
-      if (!gv.ok()) return gv.status();
-      g = l.Emit(absl::StrCat("stablehlo.broadcast_in_dim ", *gv, ", dims = [0] : (",
-                              TypeOf({nc[0]}, t), ") -> ", TypeOf(nc, t)));
-    } else {
-      absl::StatusOr<std::string> gv = l.OperandRef(go, 0, nc, t);
-      if (!gv.ok()) return gv.status();
-      g = *gv;
-      if (reduction == 1) {
-        absl::StatusOr<std::string> tw = l.OperandRef(d.args[6].tensor, l.TensorIndex(d.args[6]), nc, t);
-        if (!tw.ok()) return tw.status();
-        g = l.Binary("divide", g, *tw, nc, t);
-      }
-    }
-    return std::vector<std::string>{
-        l.Reshape(l.Unary("negate", l.Binary("multiply", g, p->mask, nc, t), nc, t), nc, outs[0].dims, t)};
-  });
+  reg.AddMulti(
+      "aten::native_layer_norm",
+      [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& outs)
+          -> absl::StatusOr<std::vector<std::string>> {
+        if (outs.size() != 3 || !Defined(d, 0) || d.num_args < 5)
+          return Unsupported(l.op(), "expects 3 outputs");
+        const tpu::TensorRef& x = d.args[0].tensor;
+        const HloType& t = *outs[0].type;
+        const std::vector<int64_t> in = DimsOf(x);
+        const size_t k = d.args[1].ints.size();
+        if (k == 0 || k > in.size())
+          return Unsupported(l.op(), "normalized_shape");
+        std::vector<int64_t> which;
+        int64_t count = 1;
+        for (size_t i = in.size() - k; i < in.size(); ++i) {
+          which.push_back(static_cast<int64_t>(i));
+          count *= in[i];
+        }
+        absl::StatusOr<std::string> xv = l.OperandRef(x, 0, in, t);
+        if (!xv.ok()) return xv.status();
+        const std::vector<int64_t> kept = Lowering::Kept(in, which);
+        const std::string n = l.Constant(static_cast<double>(count), kept, t);
+        const std::string mean = l.Binary(
+            "divide",
+            l.ReduceOver(*xv, in, which, "add", l.Constant(0, {}, t), t), n,
+            kept, t);
+        const std::string xc =
+            l.Binary("subtract", *xv, l.Expand(mean, in, which, t), in, t);
+        const std::string var =
+            l.Binary("divide",
+                     l.ReduceOver(l.Binary("multiply", xc, xc, in, t), in,
+                                  which, "add", l.Constant(0, {}, t), t),
+                     n, kept, t);
+        const std::string rstd =
+            l.Unary("rsqrt",
+                    l.Binary("add", var,
+                             l.Constant(NumberOf(d.args[4]), kept, t), kept, t),
+                    kept, t);
+        std::string y =
+            l.Binary("multiply", xc, l.Expand(rstd, in, which, t), in, t);
+        for (size_t i : {size_t{2}, size_t{3}}) {
+          if (!Defined(d, i)) continue;
+          absl::StatusOr<std::string> p =
+              l.OperandRef(d.args[i].tensor, l.TensorIndex(d.args[i]), in, t);
+          if (!p.ok()) return p.status();
+          y = l.Binary(i == 2 ? "multiply" : "add", y, *p, in, t);
+        }
+        return std::vector<std::string>{
+            y, l.Reshape(mean, kept, outs[1].dims, *outs[1].type),
+            l.Reshape(rstd, kept, outs[2].dims, *outs[2].type)};
+      });
+  reg.AddMulti(
+      "aten::native_layer_norm_backward",
+      [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& outs)
+          -> absl::StatusOr<std::vector<std::string>> {
+        // (grad_out, input, normalized_shape, mean, rstd, weight?, bias?,
+        // output_mask)
+        if (d.num_args < 8 || !Defined(d, 0) || !Defined(d, 1) ||
+            !Defined(d, 3) || !Defined(d, 4)) {
+          return Unsupported(l.op(), "arguments of a form not lowered");
+        }
+        const std::vector<bool>& mask = d.args[7].bools;
+        size_t wanted = 0;
+        for (bool b : mask) wanted += b ? 1 : 0;
+        // Either one output per true entry of the mask, or all three (those
+        // not asked for are empty and get nothing).
+        const bool all_three = outs.size() == 3;
+        if (mask.size() != 3 || (outs.size() != wanted && !all_three))
+          return Unsupported(l.op(), "output_mask");
+        const HloType& t = *outs[0].type;
+        const std::vector<int64_t> in = DimsOf(d.args[1].tensor);
+        const size_t k = d.args[2].ints.size();
+        std::vector<int64_t> which, batch;
+        for (size_t i = 0; i < in.size(); ++i)
+          (i >= in.size() - k ? which : batch)
+              .push_back(static_cast<int64_t>(i));
+        int64_t count = 1;
+        for (int64_t w : which) count *= in[w];
+        auto op = [&](size_t i) {
+          return l.OperandRef(d.args[i].tensor, l.TensorIndex(d.args[i]), in,
+                              t);
+        };
+        absl::StatusOr<std::string> g = op(0), x = op(1), mean = op(3),
+                                    rstd = op(4);
+        for (auto* v : {&g, &x, &mean, &rstd})
+          if (!v->ok()) return v->status();
+        const std::string xhat = l.Binary(
+            "multiply", l.Binary("subtract", *x, *mean, in, t), *rstd, in, t);
+        std::string gw = *g;
+        if (Defined(d, 5)) {
+          absl::StatusOr<std::string> w = op(5);
+          if (!w.ok()) return w.status();
+          gw = l.Binary("multiply", gw, *w, in, t);
+        }
+        const std::string zero = l.Constant(0, {}, t);
+        const std::vector<int64_t> kept = Lowering::Kept(in, which);
+        const std::string n = l.Constant(static_cast<double>(count), kept, t);
+        const std::string m1 = l.Expand(
+            l.Binary("divide", l.ReduceOver(gw, in, which, "add", zero, t), n,
+                     kept, t),
+            in, which, t);
+        const std::string m2 = l.Expand(
+            l.Binary("divide",
+                     l.ReduceOver(l.Binary("multiply", gw, xhat, in, t), in,
+                                  which, "add", zero, t),
+                     n, kept, t),
+            in, which, t);
+        std::vector<std::string> r;
+        auto skipped = [&](int j) {
+          if (all_three && !mask[j])
+            r.push_back(l.Constant(0, outs[j].dims, *outs[j].type));
+          return !mask[j];
+        };
+        if (!skipped(0)) {
+          r.push_back(
+              l.Binary("multiply", *rstd,
+                       l.Binary("subtract", l.Binary("subtract", gw, m1, in, t),
+                                l.Binary("multiply", xhat, m2, in, t), in, t),
+                       in, t));
+        }
+        for (int j : {1, 2}) {
+          if (skipped(j)) continue;
+          const Target& o = outs[r.size()];
+          const std::string v =
+              j == 1 ? l.Binary("multiply", *g, xhat, in, t) : *g;
+          const std::string s =
+              batch.empty() ? v : l.ReduceOver(v, in, batch, "add", zero, t);
+          r.push_back(l.Reshape(s, Lowering::Kept(in, batch), o.dims, *o.type));
+        }
+        return r;
+      });
+  reg.AddMulti(
+      "aten::nll_loss_forward",
+      [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& outs)
+          -> absl::StatusOr<std::vector<std::string>> {
+        // (self, target, weight?, reduction, ignore_index) -> (output,
+        // total_weight); a 1-d self (one unbatched sample) is taken as one row.
+        if (outs.size() != 2 || !Defined(d, 0) || d.args[0].tensor.ndim < 1 ||
+            d.args[0].tensor.ndim > 2 || d.num_args < 5) {
+          return Unsupported(l.op(), "expects a 1-d or 2-d input");
+        }
+        const HloType& t = *outs[0].type;
+        std::vector<int64_t> nc = DimsOf(d.args[0].tensor);
+        if (nc.size() == 1) nc.insert(nc.begin(), 1);
+        absl::StatusOr<std::string> x =
+            l.OperandRef(d.args[0].tensor, 0, nc, t);
+        if (!x.ok()) return x.status();
+        absl::StatusOr<Picked> p = PickTargets(l, d, 1, 2, 4, nc, t);
+        if (!p.ok()) return p.status();
+        const std::string zero = l.Constant(0, {}, t);
+        const std::vector<int64_t> n = {nc[0]};
+        const std::string rows =
+            l.Unary("negate",
+                    l.ReduceOver(l.Binary("multiply", *x, p->mask, nc, t), nc,
+                                 {1}, "add", zero, t),
+                    n, t);
+        const std::string total =
+            l.ReduceOver(p->row_weight, n, {0}, "add", zero, t);
+        const int64_t reduction = static_cast<int64_t>(NumberOf(d.args[3]));
+        std::string out;
+        if (reduction == 0) {
+          out = rows;
+        } else {
+          out = l.ReduceOver(rows, n, {0}, "add", zero, t);
+          if (reduction == 1) out = l.Binary("divide", out, total, {}, t);
+        }
+        return std::vector<std::string>{
+            l.Reshape(out, reduction == 0 ? n : std::vector<int64_t>{},
+                      outs[0].dims, t),
+            l.Reshape(l.Convert(total, {}, t, *outs[1].type), {}, outs[1].dims,
+                      *outs[1].type)};
+      });
+  reg.AddMulti(
+      "aten::nll_loss_backward",
+      [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& outs)
+          -> absl::StatusOr<std::vector<std::string>> {
+        // (grad_output, self, target, weight?, reduction, ignore_index,
+        // total_weight)
+        if (outs.size() != 1 || !Defined(d, 1) || d.args[1].tensor.ndim < 1 ||
+            d.args[1].tensor.ndim > 2 || d.num_args < 7) {
+          return Unsupported(l.op(), "expects a 1-d or 2-d input");
+        }
+        const HloType& t = *outs[0].type;
+        std::vector<int64_t> nc = DimsOf(d.args[1].tensor);
+        if (nc.size() == 1) nc.insert(nc.begin(), 1);
+        absl::StatusOr<Picked> p = PickTargets(l, d, 2, 3, 5, nc, t);
+        if (!p.ok()) return p.status();
+        const int64_t reduction = static_cast<int64_t>(NumberOf(d.args[4]));
+        const tpu::TensorRef& go = d.args[0].tensor;
+        std::string g;
+        if (reduction == 0) {
+          absl::StatusOr<std::string> gv = l.OperandRef(go, 0, {nc[0]}, t);
+          if (!gv.ok()) return gv.status();
+          g = l.Emit(absl::StrCat("stablehlo.broadcast_in_dim ", *gv,
+                                  ", dims = [0] : (", TypeOf({nc[0]}, t),
+                                  ") -> ", TypeOf(nc, t)));
+        } else {
+          absl::StatusOr<std::string> gv = l.OperandRef(go, 0, nc, t);
+          if (!gv.ok()) return gv.status();
+          g = *gv;
+          if (reduction == 1) {
+            absl::StatusOr<std::string> tw =
+                l.OperandRef(d.args[6].tensor, l.TensorIndex(d.args[6]), nc, t);
+            if (!tw.ok()) return tw.status();
+            g = l.Binary("divide", g, *tw, nc, t);
+          }
+        }
+        return std::vector<std::string>{l.Reshape(
+            l.Unary("negate", l.Binary("multiply", g, p->mask, nc, t), nc, t),
+            nc, outs[0].dims, t)};
+      });
   // convolution_backward(grad_output, input, weight, bias_sizes, stride,
   // padding, dilation, transposed, output_padding, groups, output_mask):
   // the input's gradient is a convolution of the gradient, dilated by the
   // stride, with the spatially reversed weight; the weight's is one of the
   // input with the gradient, batch and features swapped; the bias's a sum.
   // Transposed convolutions and groups too (see `one` below).
-  reg.AddMulti("aten::convolution_backward", [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
-      -> absl::StatusOr<std::vector<std::string>> {
-    if (o.size() != 3 || d.num_args < 11 || !Defined(d, 0) || !Defined(d, 1) || !Defined(d, 2)) {
-      return Unsupported(l.op(), "arguments of a form not lowered");
-    }
-    const HloType& t = o[1].type != nullptr ? *o[1].type : *o[0].type;
-    const std::vector<int64_t> gd = DimsOf(d.args[0].tensor), in = DimsOf(d.args[1].tensor), wd = DimsOf(d.args[2].tensor);
-    absl::StatusOr<ConvWindow> cw = ConvWindowOf(l, d, 4, in, wd, gd, /*allow_transposed=*/true);
-    if (!cw.ok()) return cw.status();
-    const size_t sp = cw->sp;
-    const std::vector<int64_t>&stride = cw->stride, &pad = cw->pad, &dilation = cw->dilation;
-    const int64_t groups = cw->groups;
-    const bool transposed = cw->transposed;
-    absl::StatusOr<std::string> g = l.Operand(d.args[0], gd, t), x = l.Operand(d.args[1], in, t),
-                                w = l.Operand(d.args[2], wd, t);
-    for (auto* v : {&g, &x, &w}) if (!v->ok()) return v->status();
-    if (gd[1] % groups != 0 || wd[0] % groups != 0) return Unsupported(l.op(), "groups that do not divide the channels");
-    std::vector<std::string> spatial;
-    std::vector<int64_t> rev, ones(sp, 1);
-    for (size_t k = 0; k < sp; ++k) {
-      spatial.push_back(absl::StrCat(k));
-      rev.push_back(static_cast<int64_t>(k + 2));
-    }
-    const std::string sd = absl::StrJoin(spatial, ", ");
-    // One group's gradients: of the input and of the weight, for a
-    // convolution (input `xi`, weight `wi`, output gradient `gi`) with
-    // groups = 1. A transposed convolution y = conv_transpose(x, w) is the
-    // input gradient of a convolution with weight w: its input's gradient
-    // is that convolution of the gradient, its weight's the convolution's
-    // weight gradient with the roles of input and output gradient swapped.
-    auto one = [&](const std::string& gv, const std::vector<int64_t>& gdim, const std::string& xv,
-                   const std::vector<int64_t>& xdim, const std::string& wv, const std::vector<int64_t>& wdim) {
-      // A convolution of `a` (dims ad: the input) giving `b` (dims bd):
-      // the gradient of its input from the gradient `gb`, and of its weight.
-      auto weight_grad = [&](const std::string& av, const std::vector<int64_t>& ad, const std::string& bv,
-                             const std::vector<int64_t>& bd) {
-        std::vector<std::string> pw;
-        for (size_t k = 0; k < sp; ++k) {
-          const int64_t h = ad[k + 2], hout = bd[k + 2], kk = wdim[k + 2];
-          pw.push_back(absl::StrCat("[", pad[k], ", ", (kk - 1) * dilation[k] + (hout - 1) * stride[k] + 1 - h - pad[k], "]"));
+  reg.AddMulti(
+      "aten::convolution_backward",
+      [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+          -> absl::StatusOr<std::vector<std::string>> {
+        if (o.size() != 3 || d.num_args < 11 || !Defined(d, 0) ||
+            !Defined(d, 1) || !Defined(d, 2)) {
+          return Unsupported(l.op(), "arguments of a form not lowered");
         }
-        return l.Emit(absl::StrCat(
-            "stablehlo.convolution(", av, ", ", bv, ") dim_numbers = [f, b, ", sd, "]x[i, o, ", sd, "]->[f, b, ", sd,
-            "], window = {stride = [", absl::StrJoin(dilation, ", "), "], pad = [", absl::StrJoin(pw, ", "),
-            "], rhs_dilate = [", absl::StrJoin(stride, ", "),
-            "]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (", TypeOf(ad, t), ", ", TypeOf(bd, t),
-            ") -> ", TypeOf(wdim, t)));
-      };
-      if (transposed) {
-        std::vector<std::string> pads;
-        for (size_t k = 0; k < sp; ++k) pads.push_back(absl::StrCat("[", pad[k], ", ", pad[k], "]"));
-        const std::string gx = l.Emit(absl::StrCat(
-            "stablehlo.convolution(", gv, ", ", wv, ") dim_numbers = [b, f, ", sd, "]x[o, i, ", sd, "]->[b, f, ", sd,
-            "], window = {stride = [", absl::StrJoin(stride, ", "), "], pad = [", absl::StrJoin(pads, ", "), "], rhs_dilate = [",
-            absl::StrJoin(dilation, ", "), "]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (",
-            TypeOf(gdim, t), ", ", TypeOf(wdim, t), ") -> ", TypeOf(xdim, t)));
-        return std::make_pair(gx, weight_grad(gv, gdim, xv, xdim));
-      }
-      std::vector<std::string> pin;
-      for (size_t k = 0; k < sp; ++k) {
-        const int64_t h = xdim[k + 2], hout = gdim[k + 2], kk = wdim[k + 2];
-        const int64_t lo = dilation[k] * (kk - 1) - pad[k];
-        pin.push_back(absl::StrCat("[", lo, ", ", h - (hout - 1) * stride[k] - 1 + pad[k], "]"));
-      }
-      const std::string wrev = l.Emit(absl::StrCat("stablehlo.reverse ", wv, ", dims = [", absl::StrJoin(rev, ", "),
-                                                   "] : ", TypeOf(wdim, t)));
-      const std::string gx = l.Emit(absl::StrCat(
-          "stablehlo.convolution(", gv, ", ", wrev, ") dim_numbers = [b, f, ", sd, "]x[i, o, ", sd, "]->[b, f, ", sd,
-          "], window = {stride = [", absl::StrJoin(ones, ", "), "], pad = [", absl::StrJoin(pin, ", "),
-          "], lhs_dilate = [", absl::StrJoin(stride, ", "), "], rhs_dilate = [", absl::StrJoin(dilation, ", "),
-          "]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} : (", TypeOf(gdim, t), ", ", TypeOf(wdim, t),
-          ") -> ", TypeOf(xdim, t)));
-      return std::make_pair(gx, weight_grad(xv, xdim, gv, gdim));
-    };
-    std::string grad_in, grad_w;
-    if (groups == 1) {
-      std::tie(grad_in, grad_w) = one(*g, gd, *x, in, *w, wd);
-    } else {
-      // Group q: its slice of the channels of each (the weight's first
-      // dimension holds the groups one after another).
-      const int64_t gc = gd[1] / groups, xc = in[1] / groups, wc = wd[0] / groups;
-      std::vector<std::string> gis, gws;
-      std::vector<int64_t> gdq = gd, inq = in, wdq = wd;
-      gdq[1] = gc;
-      inq[1] = xc;
-      wdq[0] = wc;
-      for (int64_t q = 0; q < groups; ++q) {
-        const auto [a, b] = one(l.SliceAlong(*g, gd, 1, q * gc, (q + 1) * gc, t), gdq, l.SliceAlong(*x, in, 1, q * xc, (q + 1) * xc, t),
-                                inq, l.SliceAlong(*w, wd, 0, q * wc, (q + 1) * wc, t), wdq);
-        gis.push_back(a);
-        gws.push_back(b);
-      }
-      std::vector<std::string> tin(groups, TypeOf(inq, t)), tw(groups, TypeOf(wdq, t));
-      grad_in = l.Emit(absl::StrCat("stablehlo.concatenate ", absl::StrJoin(gis, ", "), ", dim = 1 : (", absl::StrJoin(tin, ", "),
-                                    ") -> ", TypeOf(in, t)));
-      grad_w = l.Emit(absl::StrCat("stablehlo.concatenate ", absl::StrJoin(gws, ", "), ", dim = 0 : (", absl::StrJoin(tw, ", "),
-                                   ") -> ", TypeOf(wd, t)));
-    }
-    std::vector<int64_t> all_but_1;
-    for (size_t k = 0; k < gd.size(); ++k) if (k != 1) all_but_1.push_back(static_cast<int64_t>(k));
-    const std::string gb = l.ReduceOver(*g, gd, all_but_1, "add", l.Constant(0, {}, t), t);
-    // An output the mask leaves out has no shape to match: zeros of its own.
-    auto fit = [&](const std::string& v, const std::vector<int64_t>& dims, size_t k) {
-      return o[k].dims == dims ? v : l.Constant(0, o[k].dims, *o[k].type);
-    };
-    return std::vector<std::string>{fit(grad_in, in, 0), fit(grad_w, wd, 1), fit(gb, {gd[1]}, 2)};
-  });
+        const HloType& t = o[1].type != nullptr ? *o[1].type : *o[0].type;
+        const std::vector<int64_t> gd = DimsOf(d.args[0].tensor),
+                                   in = DimsOf(d.args[1].tensor),
+                                   wd = DimsOf(d.args[2].tensor);
+        absl::StatusOr<ConvWindow> cw =
+            ConvWindowOf(l, d, 4, in, wd, gd, /*allow_transposed=*/true);
+        if (!cw.ok()) return cw.status();
+        const size_t sp = cw->sp;
+        const std::vector<int64_t>&stride = cw->stride, &pad = cw->pad,
+              &dilation = cw->dilation;
+        const int64_t groups = cw->groups;
+        const bool transposed = cw->transposed;
+        absl::StatusOr<std::string> g = l.Operand(d.args[0], gd, t),
+                                    x = l.Operand(d.args[1], in, t),
+                                    w = l.Operand(d.args[2], wd, t);
+        for (auto* v : {&g, &x, &w})
+          if (!v->ok()) return v->status();
+        if (gd[1] % groups != 0 || wd[0] % groups != 0)
+          return Unsupported(l.op(), "groups that do not divide the channels");
+        std::vector<std::string> spatial;
+        std::vector<int64_t> rev, ones(sp, 1);
+        for (size_t k = 0; k < sp; ++k) {
+          spatial.push_back(absl::StrCat(k));
+          rev.push_back(static_cast<int64_t>(k + 2));
+        }
+        const std::string sd = absl::StrJoin(spatial, ", ");
+        // One group's gradients: of the input and of the weight, for a
+        // convolution (input `xi`, weight `wi`, output gradient `gi`) with
+        // groups = 1. A transposed convolution y = conv_transpose(x, w) is the
+        // input gradient of a convolution with weight w: its input's gradient
+        // is that convolution of the gradient, its weight's the convolution's
+        // weight gradient with the roles of input and output gradient swapped.
+        auto one = [&](const std::string& gv, const std::vector<int64_t>& gdim,
+                       const std::string& xv, const std::vector<int64_t>& xdim,
+                       const std::string& wv,
+                       const std::vector<int64_t>& wdim) {
+          // A convolution of `a` (dims ad: the input) giving `b` (dims bd):
+          // the gradient of its input from the gradient `gb`, and of its
+          // weight.
+          auto weight_grad = [&](const std::string& av,
+                                 const std::vector<int64_t>& ad,
+                                 const std::string& bv,
+                                 const std::vector<int64_t>& bd) {
+            std::vector<std::string> pw;
+            for (size_t k = 0; k < sp; ++k) {
+              const int64_t h = ad[k + 2], hout = bd[k + 2], kk = wdim[k + 2];
+              pw.push_back(absl::StrCat("[", pad[k], ", ",
+                                        (kk - 1) * dilation[k] +
+                                            (hout - 1) * stride[k] + 1 - h -
+                                            pad[k],
+                                        "]"));
+            }
+            return l.Emit(absl::StrCat(
+                "stablehlo.convolution(", av, ", ", bv,
+                ") dim_numbers = [f, b, ", sd, "]x[i, o, ", sd, "]->[f, b, ",
+                sd, "], window = {stride = [", absl::StrJoin(dilation, ", "),
+                "], pad = [", absl::StrJoin(pw, ", "), "], rhs_dilate = [",
+                absl::StrJoin(stride, ", "),
+                "]} {batch_group_count = 1 : i64, feature_group_count = 1 : "
+                "i64} : (",
+                TypeOf(ad, t), ", ", TypeOf(bd, t), ") -> ", TypeOf(wdim, t)));
+          };
+          if (transposed) {
+            std::vector<std::string> pads;
+            for (size_t k = 0; k < sp; ++k)
+              pads.push_back(absl::StrCat("[", pad[k], ", ", pad[k], "]"));
+            const std::string gx = l.Emit(absl::StrCat(
+                "stablehlo.convolution(", gv, ", ", wv,
+                ") dim_numbers = [b, f, ", sd, "]x[o, i, ", sd, "]->[b, f, ",
+                sd, "], window = {stride = [", absl::StrJoin(stride, ", "),
+                "], pad = [", absl::StrJoin(pads, ", "), "], rhs_dilate = [",
+                absl::StrJoin(dilation, ", "),
+                "]} {batch_group_count = 1 : i64, feature_group_count = 1 : "
+                "i64} : (",
+                TypeOf(gdim, t), ", ", TypeOf(wdim, t), ") -> ",
+                TypeOf(xdim, t)));
+            return std::make_pair(gx, weight_grad(gv, gdim, xv, xdim));
+          }
+          std::vector<std::string> pin;
+          for (size_t k = 0; k < sp; ++k) {
+            const int64_t h = xdim[k + 2], hout = gdim[k + 2], kk = wdim[k + 2];
+            const int64_t lo = dilation[k] * (kk - 1) - pad[k];
+            pin.push_back(absl::StrCat(
+                "[", lo, ", ", h - (hout - 1) * stride[k] - 1 + pad[k], "]"));
+          }
+          const std::string wrev = l.Emit(
+              absl::StrCat("stablehlo.reverse ", wv, ", dims = [",
+                           absl::StrJoin(rev, ", "), "] : ", TypeOf(wdim, t)));
+          const std::string gx = l.Emit(absl::StrCat(
+              "stablehlo.convolution(", gv, ", ", wrev,
+              ") dim_numbers = [b, f, ", sd, "]x[i, o, ", sd, "]->[b, f, ", sd,
+              "], window = {stride = [", absl::StrJoin(ones, ", "),
+              "], pad = [", absl::StrJoin(pin, ", "), "], lhs_dilate = [",
+              absl::StrJoin(stride, ", "), "], rhs_dilate = [",
+              absl::StrJoin(dilation, ", "),
+              "]} {batch_group_count = 1 : i64, feature_group_count = 1 : i64} "
+              ": (",
+              TypeOf(gdim, t), ", ", TypeOf(wdim, t), ") -> ",
+              TypeOf(xdim, t)));
+          return std::make_pair(gx, weight_grad(xv, xdim, gv, gdim));
+        };
+        std::string grad_in, grad_w;
+        if (groups == 1) {
+          std::tie(grad_in, grad_w) = one(*g, gd, *x, in, *w, wd);
+        } else {
+          // Group q: its slice of the channels of each (the weight's first
+          // dimension holds the groups one after another).
+          const int64_t gc = gd[1] / groups, xc = in[1] / groups,
+                        wc = wd[0] / groups;
+          std::vector<std::string> gis, gws;
+          std::vector<int64_t> gdq = gd, inq = in, wdq = wd;
+          gdq[1] = gc;
+          inq[1] = xc;
+          wdq[0] = wc;
+          for (int64_t q = 0; q < groups; ++q) {
+            const auto [a, b] =
+                one(l.SliceAlong(*g, gd, 1, q * gc, (q + 1) * gc, t), gdq,
+                    l.SliceAlong(*x, in, 1, q * xc, (q + 1) * xc, t), inq,
+                    l.SliceAlong(*w, wd, 0, q * wc, (q + 1) * wc, t), wdq);
+            gis.push_back(a);
+            gws.push_back(b);
+          }
+          std::vector<std::string> tin(groups, TypeOf(inq, t)),
+              tw(groups, TypeOf(wdq, t));
+          grad_in = l.Emit(
+              absl::StrCat("stablehlo.concatenate ", absl::StrJoin(gis, ", "),
+                           ", dim = 1 : (", absl::StrJoin(tin, ", "), ") -> ",
+                           TypeOf(in, t)));
+          grad_w = l.Emit(absl::StrCat("stablehlo.concatenate ",
+                                       absl::StrJoin(gws, ", "),
+                                       ", dim = 0 : (", absl::StrJoin(tw, ", "),
+                                       ") -> ", TypeOf(wd, t)));
+        }
+        std::vector<int64_t> all_but_1;
+        for (size_t k = 0; k < gd.size(); ++k)
+          if (k != 1) all_but_1.push_back(static_cast<int64_t>(k));
+        const std::string gb =
+            l.ReduceOver(*g, gd, all_but_1, "add", l.Constant(0, {}, t), t);
+        // An output the mask leaves out has no shape to match: zeros of its
+        // own.
+        auto fit = [&](const std::string& v, const std::vector<int64_t>& dims,
+                       size_t k) {
+          return o[k].dims == dims ? v : l.Constant(0, o[k].dims, *o[k].type);
+        };
+        return std::vector<std::string>{fit(grad_in, in, 0), fit(grad_w, wd, 1),
+                                        fit(gb, {gd[1]}, 2)};
+      });
   // adaptive_max_pool2d(self, output_size) -> (out, indices): the largest
   // of each adaptive window (as _adaptive_avg_pool2d's) and its flat
   // position h * W + w, the first one (the last NaN, where there is one).
-  reg.AddMulti("aten::adaptive_max_pool2d", [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
-      -> absl::StatusOr<std::vector<std::string>> {
-    if (o.size() != 2 || !Defined(d, 0) || o[0].dims.size() < 3) return Unsupported(l.op(), "arguments of a form not lowered");
-    const HloType& t = *o[0].type;
-    const HloType& i64 = I64();
-    const HloType& i1 = *DTypeOf(tpu::DType::kBool);
-    const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
-    const std::vector<int64_t>& od = o[0].dims;
-    if (in.size() != od.size()) return Unsupported(l.op(), "an output of another rank");
-    const size_t lead = in.size() - 2;
-    const int64_t h = in[lead], w = in[lead + 1], oh = od[lead], ow = od[lead + 1];
-    if (h == 0 || w == 0) return Unsupported(l.op(), "an empty input");
-    absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t);
-    if (!x.ok()) return x.status();
-    // full: lead + [oh, ow, h, w]
-    std::vector<int64_t> full(in.begin(), in.begin() + lead), xmap;
-    full.insert(full.end(), {oh, ow, h, w});
-    for (size_t r = 0; r < lead; ++r) xmap.push_back(static_cast<int64_t>(r));
-    xmap.push_back(static_cast<int64_t>(lead + 2));
-    xmap.push_back(static_cast<int64_t>(lead + 3));
-    const int64_t a = static_cast<int64_t>(lead);
-    const std::string mask = l.Binary("and", AdaptiveWindow(l, full, a, a + 2, h, oh), AdaptiveWindow(l, full, a + 1, a + 3, w, ow),
-                                      full, i1);
-    const std::string xb = BroadcastInDim(l, *x, in, full, xmap, t);
-    const std::vector<int64_t> last2 = {a + 2, a + 3};
-    const std::string mx = l.ReduceOver(l.Select(mask, xb, l.BroadcastTo(l.Lowest(t), {}, full, t), full, t), full, last2, "maximum",
-                                        l.Lowest(t), t);
-    std::vector<int64_t> omap;
-    for (int64_t r = 0; r < a + 2; ++r) omap.push_back(r);
-    const std::string pos = l.Binary("add", l.Binary("multiply", l.Iota(a + 2, full, i64), l.Constant(static_cast<double>(w), full, i64), full, i64),
-                                     l.Iota(a + 3, full, i64), full, i64);
-    const std::string hit = l.Binary("and", mask, l.Compare("EQ", xb, BroadcastInDim(l, mx, od, full, omap, t), full, t), full, i1);
-    const std::string first = l.ReduceOver(l.Select(hit, pos, l.Constant(static_cast<double>(h * w), full, i64), full, i64), full, last2,
-                                           "minimum", l.Constant(static_cast<double>(h * w), {}, i64), i64);
-    const std::string nan = l.Binary("and", mask, l.Compare("NE", xb, xb, full, t), full, i1);
-    const std::string last_nan = l.ReduceOver(l.Select(nan, pos, l.Constant(-1, full, i64), full, i64), full, last2, "maximum",
-                                              l.Constant(-1, {}, i64), i64);
-    const std::string idx = l.Select(l.Compare("GE", last_nan, l.Constant(0, od, i64), od, i64), last_nan, first, od, i64);
-    return std::vector<std::string>{mx, l.Convert(idx, od, i64, *o[1].type)};
-  });
+  reg.AddMulti(
+      "aten::adaptive_max_pool2d",
+      [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+          -> absl::StatusOr<std::vector<std::string>> {
+        if (o.size() != 2 || !Defined(d, 0) || o[0].dims.size() < 3)
+          return Unsupported(l.op(), "arguments of a form not lowered");
+        const HloType& t = *o[0].type;
+        const HloType& i64 = I64();
+        const HloType& i1 = *DTypeOf(tpu::DType::kBool);
+        const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+        const std::vector<int64_t>& od = o[0].dims;
+        if (in.size() != od.size())
+          return Unsupported(l.op(), "an output of another rank");
+        const size_t lead = in.size() - 2;
+        const int64_t h = in[lead], w = in[lead + 1], oh = od[lead],
+                      ow = od[lead + 1];
+        if (h == 0 || w == 0) return Unsupported(l.op(), "an empty input");
+        absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t);
+        if (!x.ok()) return x.status();
+        // full: lead + [oh, ow, h, w]
+        std::vector<int64_t> full(in.begin(), in.begin() + lead), xmap;
+        full.insert(full.end(), {oh, ow, h, w});
+        for (size_t r = 0; r < lead; ++r)
+          xmap.push_back(static_cast<int64_t>(r));
+        xmap.push_back(static_cast<int64_t>(lead + 2));
+        xmap.push_back(static_cast<int64_t>(lead + 3));
+        const int64_t a = static_cast<int64_t>(lead);
+        const std::string mask =
+            l.Binary("and", AdaptiveWindow(l, full, a, a + 2, h, oh),
+                     AdaptiveWindow(l, full, a + 1, a + 3, w, ow), full, i1);
+        const std::string xb = BroadcastInDim(l, *x, in, full, xmap, t);
+        const std::vector<int64_t> last2 = {a + 2, a + 3};
+        const std::string mx = l.ReduceOver(
+            l.Select(mask, xb, l.BroadcastTo(l.Lowest(t), {}, full, t), full,
+                     t),
+            full, last2, "maximum", l.Lowest(t), t);
+        std::vector<int64_t> omap;
+        for (int64_t r = 0; r < a + 2; ++r) omap.push_back(r);
+        const std::string pos = l.Binary(
+            "add",
+            l.Binary("multiply", l.Iota(a + 2, full, i64),
+                     l.Constant(static_cast<double>(w), full, i64), full, i64),
+            l.Iota(a + 3, full, i64), full, i64);
+        const std::string hit = l.Binary(
+            "and", mask,
+            l.Compare("EQ", xb, BroadcastInDim(l, mx, od, full, omap, t), full,
+                      t),
+            full, i1);
+        const std::string first = l.ReduceOver(
+            l.Select(hit, pos,
+                     l.Constant(static_cast<double>(h * w), full, i64), full,
+                     i64),
+            full, last2, "minimum",
+            l.Constant(static_cast<double>(h * w), {}, i64), i64);
+        const std::string nan =
+            l.Binary("and", mask, l.Compare("NE", xb, xb, full, t), full, i1);
+        const std::string last_nan = l.ReduceOver(
+            l.Select(nan, pos, l.Constant(-1, full, i64), full, i64), full,
+            last2, "maximum", l.Constant(-1, {}, i64), i64);
+        const std::string idx =
+            l.Select(l.Compare("GE", last_nan, l.Constant(0, od, i64), od, i64),
+                     last_nan, first, od, i64);
+        return std::vector<std::string>{mx,
+                                        l.Convert(idx, od, i64, *o[1].type)};
+      });
   reg.Alias("aten::adaptive_max_pool2d.out", "aten::adaptive_max_pool2d");
-  reg.Add("aten::mse_loss", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-      -> absl::StatusOr<std::string> {
-    // (self, target, reduction): none 0, mean 1, sum 2
-    if (!Defined(d, 0) || d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
-    const HloType& t = *o.type;
-    const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
-    absl::StatusOr<std::string> a = l.Operand(d.args[0], in, t), b = l.Operand(d.args[1], in, t);
-    if (!a.ok()) return a;
-    if (!b.ok()) return b;
-    const std::string diff = l.Binary("subtract", *a, *b, in, t);
-    const std::string sq = l.Binary("multiply", diff, diff, in, t);
-    const int64_t reduction = static_cast<int64_t>(NumberOf(d.args[2]));
-    if (reduction == 0 || in.empty()) return l.Reshape(sq, in, o.dims, t);
-    std::vector<int64_t> all;
-    int64_t n = 1;
-    for (size_t i = 0; i < in.size(); ++i) {
-      all.push_back(static_cast<int64_t>(i));
-      n *= in[i];
-    }
-    std::string r = l.ReduceOver(sq, in, all, "add", l.Constant(0, {}, t), t);
-    if (reduction == 1) r = l.Binary("divide", r, l.Constant(static_cast<double>(n), {}, t), {}, t);
-    return l.Reshape(r, {}, o.dims, t);
-  });
-  reg.Add("aten::mse_loss_backward", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-      -> absl::StatusOr<std::string> {
-    // (grad_output, self, target, reduction)
-    if (d.num_args < 4) return Unsupported(l.op(), "arguments of a form not lowered");
-    const HloType& t = *o.type;
-    absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t), a = l.Operand(d.args[1], o.dims, t),
-                                b = l.Operand(d.args[2], o.dims, t);
-    for (auto* v : {&g, &a, &b}) if (!v->ok()) return *v;
-    int64_t n = 1;
-    for (int64_t v : o.dims) n *= v;
-    const double scale = NumberOf(d.args[3]) == 1 ? 2.0 / static_cast<double>(n) : 2.0;
-    return l.Binary("multiply", l.Binary("multiply", l.Binary("subtract", *a, *b, o.dims, t), *g, o.dims, t),
-                    l.Constant(scale, o.dims, t), o.dims, t);
-  });
-  reg.Alias("aten::mse_loss_backward.grad_input", "aten::mse_loss_backward");  // avg_pool2d / avg_pool3d(self, kernel_size, stride, padding, ceil_mode,
+  reg.Add("aten::mse_loss",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& o) -> absl::StatusOr<std::string> {
+            // (self, target, reduction): none 0, mean 1, sum 2
+            if (!Defined(d, 0) || d.num_args < 3)
+              return Unsupported(l.op(), "arguments of a form not lowered");
+            const HloType& t = *o.type;
+            const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+            absl::StatusOr<std::string> a = l.Operand(d.args[0], in, t),
+                                        b = l.Operand(d.args[1], in, t);
+            if (!a.ok()) return a;
+            if (!b.ok()) return b;
+            const std::string diff = l.Binary("subtract", *a, *b, in, t);
+            const std::string sq = l.Binary("multiply", diff, diff, in, t);
+            const int64_t reduction = static_cast<int64_t>(NumberOf(d.args[2]));
+            if (reduction == 0 || in.empty())
+              return l.Reshape(sq, in, o.dims, t);
+            std::vector<int64_t> all;
+            int64_t n = 1;
+            for (size_t i = 0; i < in.size(); ++i) {
+              all.push_back(static_cast<int64_t>(i));
+              n *= in[i];
+            }
+            std::string r =
+                l.ReduceOver(sq, in, all, "add", l.Constant(0, {}, t), t);
+            if (reduction == 1)
+              r = l.Binary("divide", r,
+                           l.Constant(static_cast<double>(n), {}, t), {}, t);
+            return l.Reshape(r, {}, o.dims, t);
+          });
+  reg.Add("aten::mse_loss_backward",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& o) -> absl::StatusOr<std::string> {
+            // (grad_output, self, target, reduction)
+            if (d.num_args < 4)
+              return Unsupported(l.op(), "arguments of a form not lowered");
+            const HloType& t = *o.type;
+            absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t),
+                                        a = l.Operand(d.args[1], o.dims, t),
+                                        b = l.Operand(d.args[2], o.dims, t);
+            for (auto* v : {&g, &a, &b})
+              if (!v->ok()) return *v;
+            int64_t n = 1;
+            for (int64_t v : o.dims) n *= v;
+            const double scale =
+                NumberOf(d.args[3]) == 1 ? 2.0 / static_cast<double>(n) : 2.0;
+            return l.Binary(
+                "multiply",
+                l.Binary("multiply", l.Binary("subtract", *a, *b, o.dims, t),
+                         *g, o.dims, t),
+                l.Constant(scale, o.dims, t), o.dims, t);
+          });
+  reg.Alias(
+      "aten::mse_loss_backward.grad_input",
+      "aten::mse_loss_backward");  // avg_pool2d / avg_pool3d(self, kernel_size,
+                                   // stride, padding, ceil_mode,
   // count_include_pad, divisor_override) and their backward (grad_output
   // first): window sums by reduce_window over the zero-padded input, each
   // divided by its count, which is itself a window sum of ones over the
@@ -381,58 +531,78 @@ void RegisterNn(OpRegistry& reg) {
   // stride, summed over windows of the kernel's size.
   for (int sp : {2, 3}) {
     for (bool backward : {false, true}) {
-      Rule r = [sp, backward](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+      Rule r = [sp, backward](Lowering& l, const tpu::DecodedOp& d,
+                              const Target& o) -> absl::StatusOr<std::string> {
         const size_t a0 = backward ? 1 : 0;  // self
-        if (d.num_args < a0 + 6 || !Defined(d, a0) || (backward && !Defined(d, 0))) {
+        if (d.num_args < a0 + 6 || !Defined(d, a0) ||
+            (backward && !Defined(d, 0))) {
           return Unsupported(l.op(), "arguments of a form not lowered");
         }
         const HloType& t = *o.type;
         const std::vector<int64_t> in = DimsOf(d.args[a0].tensor);
-        const std::vector<int64_t> out = backward ? DimsOf(d.args[0].tensor) : o.dims;
+        const std::vector<int64_t> out =
+            backward ? DimsOf(d.args[0].tensor) : o.dims;
         if (in.size() < static_cast<size_t>(sp) || out.size() != in.size()) {
           return Unsupported(l.op(), "input of too few dimensions");
         }
         const size_t lead = in.size() - sp;
-        auto list = [&](size_t i, const std::vector<int64_t>& dflt) -> absl::StatusOr<std::vector<int64_t>> {
-          std::vector<int64_t> v = d.args[i].tag == tpu::ArgTag::kIntList ? d.args[i].ints : std::vector<int64_t>{};
+        auto list = [&](size_t i, const std::vector<int64_t>& dflt)
+            -> absl::StatusOr<std::vector<int64_t>> {
+          std::vector<int64_t> v = d.args[i].tag == tpu::ArgTag::kIntList
+                                       ? d.args[i].ints
+                                       : std::vector<int64_t>{};
           if (v.empty()) v = dflt;
           if (v.size() == 1) v.assign(sp, v[0]);
-          if (v.size() != static_cast<size_t>(sp)) return Unsupported(l.op(), "a window list of the wrong length");
+          if (v.size() != static_cast<size_t>(sp))
+            return Unsupported(l.op(), "a window list of the wrong length");
           return v;
         };
         absl::StatusOr<std::vector<int64_t>> kernel = list(a0 + 1, {});
         if (!kernel.ok()) return kernel.status();
-        absl::StatusOr<std::vector<int64_t>> stride = list(a0 + 2, *kernel), pad = list(a0 + 3, {0});
+        absl::StatusOr<std::vector<int64_t>> stride = list(a0 + 2, *kernel),
+                                             pad = list(a0 + 3, {0});
         if (!stride.ok()) return stride.status();
         if (!pad.ok()) return pad.status();
-        const bool include_pad = d.args[a0 + 5].tag != tpu::ArgTag::kBool || d.args[a0 + 5].b;
-        const bool has_divisor = d.num_args > a0 + 6 && (d.args[a0 + 6].tag == tpu::ArgTag::kInt ||
-                                                         d.args[a0 + 6].tag == tpu::ArgTag::kSymInt);
-        std::vector<int64_t> window(in.size(), 1), strides(in.size(), 1), sdims, sout;
-        std::vector<std::pair<int64_t, int64_t>> pads(in.size(), {0, 0}), count_pads;
+        const bool include_pad =
+            d.args[a0 + 5].tag != tpu::ArgTag::kBool || d.args[a0 + 5].b;
+        const bool has_divisor =
+            d.num_args > a0 + 6 && (d.args[a0 + 6].tag == tpu::ArgTag::kInt ||
+                                    d.args[a0 + 6].tag == tpu::ArgTag::kSymInt);
+        std::vector<int64_t> window(in.size(), 1), strides(in.size(), 1), sdims,
+            sout;
+        std::vector<std::pair<int64_t, int64_t>> pads(in.size(), {0, 0}),
+            count_pads;
         for (int k = 0; k < sp; ++k) {
-          const int64_t kk = (*kernel)[k], st = (*stride)[k], p = (*pad)[k], h = in[lead + k], n = out[lead + k];
-          if (kk < 1 || st < 1 || p < 0 || n < 1) return Unsupported(l.op(), "a window of this form");
+          const int64_t kk = (*kernel)[k], st = (*stride)[k], p = (*pad)[k],
+                        h = in[lead + k], n = out[lead + k];
+          if (kk < 1 || st < 1 || p < 0 || n < 1)
+            return Unsupported(l.op(), "a window of this form");
           window[lead + k] = kk;
           strides[lead + k] = st;
-          const int64_t extra = std::max<int64_t>(0, (n - 1) * st + kk - (h + 2 * p));
+          const int64_t extra =
+              std::max<int64_t>(0, (n - 1) * st + kk - (h + 2 * p));
           pads[lead + k] = {p, p + extra};
           sdims.push_back(include_pad ? h + 2 * p : h);
           sout.push_back(n);
-          count_pads.push_back(include_pad ? std::make_pair(int64_t{0}, extra) : std::make_pair(p, p + extra));
+          count_pads.push_back(include_pad ? std::make_pair(int64_t{0}, extra)
+                                           : std::make_pair(p, p + extra));
         }
         std::string count;
         if (has_divisor) {
           count = l.Constant(static_cast<double>(d.args[a0 + 6].i), out, t);
         } else {
-          const std::vector<int64_t> sw(window.begin() + lead, window.end()), ss(strides.begin() + lead, strides.end());
-          const std::string c = ReduceWindow(l, l.Constant(1, sdims, t), sdims, sw, ss, count_pads, "add", 0, sout, t);
+          const std::vector<int64_t> sw(window.begin() + lead, window.end()),
+              ss(strides.begin() + lead, strides.end());
+          const std::string c =
+              ReduceWindow(l, l.Constant(1, sdims, t), sdims, sw, ss,
+                           count_pads, "add", 0, sout, t);
           count = l.BroadcastTo(c, sout, out, t);
         }
         if (!backward) {
           absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t);
           if (!x.ok()) return x;
-          const std::string sum = ReduceWindow(l, *x, in, window, strides, pads, "add", 0, out, t);
+          const std::string sum =
+              ReduceWindow(l, *x, in, window, strides, pads, "add", 0, out, t);
           return l.Binary("divide", sum, count, out, t);
         }
         absl::StatusOr<std::string> g = l.Operand(d.args[0], out, t);
@@ -440,10 +610,12 @@ void RegisterNn(OpRegistry& reg) {
         const std::string share = l.Binary("divide", *g, count, out, t);
         // Dilated by the stride, kernel - 1 zeros before, cut or padded to
         // the padded input's extent after; windows of the kernel, stride 1.
-        std::vector<int64_t> lo(in.size(), 0), hi(in.size(), 0), interior(in.size(), 0), grown = out, padded = in;
+        std::vector<int64_t> lo(in.size(), 0), hi(in.size(), 0),
+            interior(in.size(), 0), grown = out, padded = in;
         for (int k = 0; k < sp; ++k) {
           const size_t q = lead + k;
-          const int64_t kk = window[q], st = strides[q], hp = in[q] + 2 * (*pad)[k];
+          const int64_t kk = window[q], st = strides[q],
+                        hp = in[q] + 2 * (*pad)[k];
           lo[q] = kk - 1;
           hi[q] = hp - (out[q] - 1) * st - 1;
           interior[q] = st - 1;
@@ -452,12 +624,14 @@ void RegisterNn(OpRegistry& reg) {
         }
         const std::string zero = l.Constant(0, {}, t);
         const std::string spread = l.Emit(absl::StrCat(
-            "stablehlo.pad ", share, ", ", zero, ", low = [", absl::StrJoin(lo, ", "), "], high = [",
-            absl::StrJoin(hi, ", "), "], interior = [", absl::StrJoin(interior, ", "), "] : (", TypeOf(out, t), ", ",
-            TypeOf({}, t), ") -> ", TypeOf(grown, t)));
-        const std::string summed = ReduceWindow(l, spread, grown, window, std::vector<int64_t>(in.size(), 1),
-                                                std::vector<std::pair<int64_t, int64_t>>(in.size(), {0, 0}), "add", 0,
-                                                padded, t);
+            "stablehlo.pad ", share, ", ", zero, ", low = [",
+            absl::StrJoin(lo, ", "), "], high = [", absl::StrJoin(hi, ", "),
+            "], interior = [", absl::StrJoin(interior, ", "), "] : (",
+            TypeOf(out, t), ", ", TypeOf({}, t), ") -> ", TypeOf(grown, t)));
+        const std::string summed = ReduceWindow(
+            l, spread, grown, window, std::vector<int64_t>(in.size(), 1),
+            std::vector<std::pair<int64_t, int64_t>>(in.size(), {0, 0}), "add",
+            0, padded, t);
         std::vector<int64_t> start(in.size(), 0), limit = padded;
         for (int k = 0; k < sp; ++k) {
           start[lead + k] = (*pad)[k];
@@ -465,7 +639,9 @@ void RegisterNn(OpRegistry& reg) {
         }
         return l.Slice(summed, padded, start, limit, t);
       };
-      reg.Add(absl::StrCat("aten::avg_pool", sp, "d", backward ? "_backward" : ""), r);
+      reg.Add(
+          absl::StrCat("aten::avg_pool", sp, "d", backward ? "_backward" : ""),
+          r);
     }
   }
   // convolution(input, weight, bias?, stride, padding, dilation, transposed,
@@ -474,196 +650,276 @@ void RegisterNn(OpRegistry& reg) {
   // the stride, padded by dilation * (k - 1) - padding (plus output_padding
   // at the end), under the spatially reversed weight, whose (in, out / g)
   // channels become, per group, the kernel's (in / g, out).
-  reg.Add("aten::convolution", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-    if (!Defined(d, 0) || !Defined(d, 1)) return Unsupported(l.op(), "arguments of a form not lowered");
-    const HloType& t = *o.type;
-    const std::vector<int64_t> in = DimsOf(d.args[0].tensor), wd = DimsOf(d.args[1].tensor);
-    absl::StatusOr<ConvWindow> cw = ConvWindowOf(l, d, 3, in, wd, o.dims, /*allow_transposed=*/true);
-    if (!cw.ok()) return cw.status();
-    const size_t sp = cw->sp;
-    const std::vector<int64_t>&stride = cw->stride, &pad = cw->pad, &dilation = cw->dilation;
-    const int64_t groups = cw->groups;
-    absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t), w = l.Operand(d.args[1], wd, t);
-    if (!x.ok()) return x;
-    if (!w.ok()) return w;
-    std::vector<std::string> spatial, pads;
-    std::vector<int64_t> ones(sp, 1), rev;
-    for (size_t k = 0; k < sp; ++k) {
-      spatial.push_back(absl::StrCat(k));
-      rev.push_back(static_cast<int64_t>(k + 2));
-      if (cw->transposed) {
-        const int64_t lo = dilation[k] * (wd[k + 2] - 1) - pad[k];
-        pads.push_back(absl::StrCat("[", lo, ", ", lo + cw->output_padding[k], "]"));
-      } else {
-        pads.push_back(absl::StrCat("[", pad[k], ", ", pad[k], "]"));
-      }
-    }
-    const std::string dims = absl::StrJoin(spatial, ", ");
-    std::string kernel = *w, layout = "o, i";
-    std::vector<int64_t> kd = wd;
-    if (cw->transposed) {
-      kernel = l.Emit(absl::StrCat("stablehlo.reverse ", *w, ", dims = [", absl::StrJoin(rev, ", "), "] : ",
-                                   TypeOf(wd, t)));
-      layout = "i, o";
-      if (groups > 1) {
-        // (g * ci, co, k...) -> (g, ci, co, k...) -> (ci, g, co, k...) -> (ci, g * co, k...)
-        const int64_t ci = wd[0] / groups, co = wd[1];
-        std::vector<int64_t> split = {groups, ci, co}, perm = {1, 0, 2}, moved = {ci, groups, co};
+  reg.Add(
+      "aten::convolution",
+      [](Lowering& l, const tpu::DecodedOp& d,
+         const Target& o) -> absl::StatusOr<std::string> {
+        if (!Defined(d, 0) || !Defined(d, 1))
+          return Unsupported(l.op(), "arguments of a form not lowered");
+        const HloType& t = *o.type;
+        const std::vector<int64_t> in = DimsOf(d.args[0].tensor),
+                                   wd = DimsOf(d.args[1].tensor);
+        absl::StatusOr<ConvWindow> cw =
+            ConvWindowOf(l, d, 3, in, wd, o.dims, /*allow_transposed=*/true);
+        if (!cw.ok()) return cw.status();
+        const size_t sp = cw->sp;
+        const std::vector<int64_t>&stride = cw->stride, &pad = cw->pad,
+              &dilation = cw->dilation;
+        const int64_t groups = cw->groups;
+        absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t),
+                                    w = l.Operand(d.args[1], wd, t);
+        if (!x.ok()) return x;
+        if (!w.ok()) return w;
+        std::vector<std::string> spatial, pads;
+        std::vector<int64_t> ones(sp, 1), rev;
         for (size_t k = 0; k < sp; ++k) {
-          split.push_back(wd[k + 2]);
-          moved.push_back(wd[k + 2]);
-          perm.push_back(static_cast<int64_t>(k + 3));
+          spatial.push_back(absl::StrCat(k));
+          rev.push_back(static_cast<int64_t>(k + 2));
+          if (cw->transposed) {
+            const int64_t lo = dilation[k] * (wd[k + 2] - 1) - pad[k];
+            pads.push_back(
+                absl::StrCat("[", lo, ", ", lo + cw->output_padding[k], "]"));
+          } else {
+            pads.push_back(absl::StrCat("[", pad[k], ", ", pad[k], "]"));
+          }
         }
-        kd = {ci, groups * co};
-        for (size_t k = 0; k < sp; ++k) kd.push_back(wd[k + 2]);
-        kernel = l.Reshape(kernel, wd, split, t);
-        kernel = l.Emit(absl::StrCat("stablehlo.transpose ", kernel, ", dims = [", absl::StrJoin(perm, ", "), "] : (",
-                                     TypeOf(split, t), ") -> ", TypeOf(moved, t)));
-        kernel = l.Reshape(kernel, moved, kd, t);
-      }
-    }
-    std::string r = l.Emit(absl::StrCat(
-        "stablehlo.convolution(", *x, ", ", kernel, ") dim_numbers = [b, f, ", dims, "]x[", layout, ", ", dims,
-        "]->[b, f, ", dims, "], window = {stride = [", absl::StrJoin(cw->transposed ? ones : stride, ", "), "], pad = [",
-        absl::StrJoin(pads, ", "), "], ", cw->transposed ? absl::StrCat("lhs_dilate = [", absl::StrJoin(stride, ", "), "], ") : "",
-        "rhs_dilate = [", absl::StrJoin(dilation, ", "),
-        "]} {batch_group_count = 1 : i64, feature_group_count = ", groups, " : i64} : (", TypeOf(in, t), ", ",
-        TypeOf(kd, t), ") -> ", TypeOf(o.dims, t)));
-    if (Defined(d, 2)) {
-      const tpu::TensorRef& b = d.args[2].tensor;
-      absl::StatusOr<std::string> bv = l.OperandRef(b, l.TensorIndex(d.args[2]), DimsOf(b), t);
-      if (!bv.ok()) return bv;
-      const std::string bb = l.Emit(absl::StrCat("stablehlo.broadcast_in_dim ", *bv, ", dims = [1] : (",
-                                                 TypeOf(DimsOf(b), t), ") -> ", TypeOf(o.dims, t)));
-      r = l.Binary("add", r, bb, o.dims, t);
-    }
-    return r;
-  });
+        const std::string dims = absl::StrJoin(spatial, ", ");
+        std::string kernel = *w, layout = "o, i";
+        std::vector<int64_t> kd = wd;
+        if (cw->transposed) {
+          kernel = l.Emit(absl::StrCat("stablehlo.reverse ", *w, ", dims = [",
+                                       absl::StrJoin(rev, ", "),
+                                       "] : ", TypeOf(wd, t)));
+          layout = "i, o";
+          if (groups > 1) {
+            // (g * ci, co, k...) -> (g, ci, co, k...) -> (ci, g, co, k...) ->
+            // (ci, g * co, k...)
+            const int64_t ci = wd[0] / groups, co = wd[1];
+            std::vector<int64_t> split = {groups, ci, co}, perm = {1, 0, 2},
+                                 moved = {ci, groups, co};
+            for (size_t k = 0; k < sp; ++k) {
+              split.push_back(wd[k + 2]);
+              moved.push_back(wd[k + 2]);
+              perm.push_back(static_cast<int64_t>(k + 3));
+            }
+            kd = {ci, groups * co};
+            for (size_t k = 0; k < sp; ++k) kd.push_back(wd[k + 2]);
+            kernel = l.Reshape(kernel, wd, split, t);
+            kernel = l.Emit(
+                absl::StrCat("stablehlo.transpose ", kernel, ", dims = [",
+                             absl::StrJoin(perm, ", "), "] : (",
+                             TypeOf(split, t), ") -> ", TypeOf(moved, t)));
+            kernel = l.Reshape(kernel, moved, kd, t);
+          }
+        }
+        std::string r = l.Emit(absl::StrCat(
+            "stablehlo.convolution(", *x, ", ", kernel,
+            ") dim_numbers = [b, f, ", dims, "]x[", layout, ", ", dims,
+            "]->[b, f, ", dims, "], window = {stride = [",
+            absl::StrJoin(cw->transposed ? ones : stride, ", "), "], pad = [",
+            absl::StrJoin(pads, ", "), "], ",
+            cw->transposed ? absl::StrCat("lhs_dilate = [",
+                                          absl::StrJoin(stride, ", "), "], ")
+                           : "",
+            "rhs_dilate = [", absl::StrJoin(dilation, ", "),
+            "]} {batch_group_count = 1 : i64, feature_group_count = ", groups,
+            " : i64} : (", TypeOf(in, t), ", ", TypeOf(kd, t), ") -> ",
+            TypeOf(o.dims, t)));
+        if (Defined(d, 2)) {
+          const tpu::TensorRef& b = d.args[2].tensor;
+          absl::StatusOr<std::string> bv =
+              l.OperandRef(b, l.TensorIndex(d.args[2]), DimsOf(b), t);
+          if (!bv.ok()) return bv;
+          const std::string bb = l.Emit(absl::StrCat(
+              "stablehlo.broadcast_in_dim ", *bv, ", dims = [1] : (",
+              TypeOf(DimsOf(b), t), ") -> ", TypeOf(o.dims, t)));
+          r = l.Binary("add", r, bb, o.dims, t);
+        }
+        return r;
+      });
   // _cdist_forward(x1, x2, p, compute_mode): p-norm distances between the
   // rows of x1 (.., P, M) and x2 (.., R, M); Euclidean distances of many
   // rows go by matrix products, as ATen's do (compute_mode 0 past 25 rows,
   // 1 always, 2 never).
-  reg.Add("aten::_cdist_forward", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-    if (d.num_args < 3 || !Defined(d, 0) || !Defined(d, 1) || o.dims.size() < 2) return Unsupported(l.op(), "arguments of a form not lowered");
-    const HloType& t = *o.type;
-    const std::vector<int64_t> batch = BatchOf(o.dims);
-    const std::vector<int64_t> d1 = DimsOf(d.args[0].tensor), d2 = DimsOf(d.args[1].tensor);
-    const int64_t pr = o.dims[o.dims.size() - 2], rr = o.dims.back(), mm = d1.back();
-    absl::StatusOr<std::string> a = MatrixOperand(l, d.args[0], batch, t), b = MatrixOperand(l, d.args[1], batch, t);
-    if (!a.ok()) return a;
-    if (!b.ok()) return b;
-    const double p = NumberOf(d.args[2]);
-    const int64_t mode = d.num_args > 3 && (d.args[3].tag == tpu::ArgTag::kInt || d.args[3].tag == tpu::ArgTag::kSymInt) ? d.args[3].i : 0;
-    const size_t nb = batch.size();
-    std::vector<int64_t> ad = batch, bd = batch;
-    ad.insert(ad.end(), {pr, mm});
-    bd.insert(bd.end(), {rr, mm});
-    std::vector<int64_t> bmap;
-    for (size_t q = 0; q < nb; ++q) bmap.push_back(static_cast<int64_t>(q));
-    if (p == 2 && (mode == 1 || (mode == 0 && (pr > 25 || rr > 25)))) {
-      // |a|^2 + |b|^2 - 2 a.b, at least 0, square-rooted.
-      const std::string an = l.ReduceOver(l.Binary("multiply", *a, *a, ad, t), ad, {static_cast<int64_t>(nb + 1)}, "add", l.Constant(0, {}, t), t);
-      const std::string bn = l.ReduceOver(l.Binary("multiply", *b, *b, bd, t), bd, {static_cast<int64_t>(nb + 1)}, "add", l.Constant(0, {}, t), t);
-      std::vector<int64_t> am = bmap, bm = bmap;
-      am.push_back(static_cast<int64_t>(nb));
-      bm.push_back(static_cast<int64_t>(nb + 1));
-      std::vector<int64_t> an_d = batch, bn_d = batch;
-      an_d.push_back(pr);
-      bn_d.push_back(rr);
-      const std::string dot = l.Emit(absl::StrCat(
-          "stablehlo.dot_general ", *a, ", ", *b, ", batching_dims = [", absl::StrJoin(bmap, ", "), "] x [", absl::StrJoin(bmap, ", "),
-          "], contracting_dims = [", nb + 1, "] x [", nb + 1, "] : (", TypeOf(ad, t), ", ", TypeOf(bd, t), ") -> ", TypeOf(o.dims, t)));
-      std::string sq = l.Binary("add", BroadcastInDim(l, an, an_d, o.dims, am, t), BroadcastInDim(l, bn, bn_d, o.dims, bm, t), o.dims, t);
-      sq = l.Binary("subtract", sq, l.Binary("multiply", l.Constant(2, o.dims, t), dot, o.dims, t), o.dims, t);
-      sq = l.Binary("maximum", sq, l.Constant(0, o.dims, t), o.dims, t);
-      return l.Unary("sqrt", sq, o.dims, t);
-    }
-    // |a_i - b_j| over (.., P, R, M).
-    std::vector<int64_t> full = o.dims;
-    full.push_back(mm);
-    std::vector<int64_t> amap = bmap, bmap2 = bmap;
-    amap.insert(amap.end(), {static_cast<int64_t>(nb), static_cast<int64_t>(nb + 2)});
-    bmap2.insert(bmap2.end(), {static_cast<int64_t>(nb + 1), static_cast<int64_t>(nb + 2)});
-    const std::string diff = l.Unary("abs", l.Binary("subtract", BroadcastInDim(l, *a, ad, full, amap, t),
-                                                     BroadcastInDim(l, *b, bd, full, bmap2, t), full, t), full, t);
-    return PNorm(l, diff, full, static_cast<int64_t>(nb + 2), p, t);
-  });
+  reg.Add(
+      "aten::_cdist_forward",
+      [](Lowering& l, const tpu::DecodedOp& d,
+         const Target& o) -> absl::StatusOr<std::string> {
+        if (d.num_args < 3 || !Defined(d, 0) || !Defined(d, 1) ||
+            o.dims.size() < 2)
+          return Unsupported(l.op(), "arguments of a form not lowered");
+        const HloType& t = *o.type;
+        const std::vector<int64_t> batch = BatchOf(o.dims);
+        const std::vector<int64_t> d1 = DimsOf(d.args[0].tensor),
+                                   d2 = DimsOf(d.args[1].tensor);
+        const int64_t pr = o.dims[o.dims.size() - 2], rr = o.dims.back(),
+                      mm = d1.back();
+        absl::StatusOr<std::string> a = MatrixOperand(l, d.args[0], batch, t),
+                                    b = MatrixOperand(l, d.args[1], batch, t);
+        if (!a.ok()) return a;
+        if (!b.ok()) return b;
+        const double p = NumberOf(d.args[2]);
+        const int64_t mode =
+            d.num_args > 3 && (d.args[3].tag == tpu::ArgTag::kInt ||
+                               d.args[3].tag == tpu::ArgTag::kSymInt)
+                ? d.args[3].i
+                : 0;
+        const size_t nb = batch.size();
+        std::vector<int64_t> ad = batch, bd = batch;
+        ad.insert(ad.end(), {pr, mm});
+        bd.insert(bd.end(), {rr, mm});
+        std::vector<int64_t> bmap;
+        for (size_t q = 0; q < nb; ++q) bmap.push_back(static_cast<int64_t>(q));
+        if (p == 2 && (mode == 1 || (mode == 0 && (pr > 25 || rr > 25)))) {
+          // |a|^2 + |b|^2 - 2 a.b, at least 0, square-rooted.
+          const std::string an = l.ReduceOver(
+              l.Binary("multiply", *a, *a, ad, t), ad,
+              {static_cast<int64_t>(nb + 1)}, "add", l.Constant(0, {}, t), t);
+          const std::string bn = l.ReduceOver(
+              l.Binary("multiply", *b, *b, bd, t), bd,
+              {static_cast<int64_t>(nb + 1)}, "add", l.Constant(0, {}, t), t);
+          std::vector<int64_t> am = bmap, bm = bmap;
+          am.push_back(static_cast<int64_t>(nb));
+          bm.push_back(static_cast<int64_t>(nb + 1));
+          std::vector<int64_t> an_d = batch, bn_d = batch;
+          an_d.push_back(pr);
+          bn_d.push_back(rr);
+          const std::string dot = l.Emit(absl::StrCat(
+              "stablehlo.dot_general ", *a, ", ", *b, ", batching_dims = [",
+              absl::StrJoin(bmap, ", "), "] x [", absl::StrJoin(bmap, ", "),
+              "], contracting_dims = [", nb + 1, "] x [", nb + 1, "] : (",
+              TypeOf(ad, t), ", ", TypeOf(bd, t), ") -> ", TypeOf(o.dims, t)));
+          std::string sq =
+              l.Binary("add", BroadcastInDim(l, an, an_d, o.dims, am, t),
+                       BroadcastInDim(l, bn, bn_d, o.dims, bm, t), o.dims, t);
+          sq = l.Binary(
+              "subtract", sq,
+              l.Binary("multiply", l.Constant(2, o.dims, t), dot, o.dims, t),
+              o.dims, t);
+          sq = l.Binary("maximum", sq, l.Constant(0, o.dims, t), o.dims, t);
+          return l.Unary("sqrt", sq, o.dims, t);
+        }
+        // |a_i - b_j| over (.., P, R, M).
+        std::vector<int64_t> full = o.dims;
+        full.push_back(mm);
+        std::vector<int64_t> amap = bmap, bmap2 = bmap;
+        amap.insert(amap.end(),
+                    {static_cast<int64_t>(nb), static_cast<int64_t>(nb + 2)});
+        bmap2.insert(bmap2.end(), {static_cast<int64_t>(nb + 1),
+                                   static_cast<int64_t>(nb + 2)});
+        const std::string diff = l.Unary(
+            "abs",
+            l.Binary("subtract", BroadcastInDim(l, *a, ad, full, amap, t),
+                     BroadcastInDim(l, *b, bd, full, bmap2, t), full, t),
+            full, t);
+        return PNorm(l, diff, full, static_cast<int64_t>(nb + 2), p, t);
+      });
   // _adaptive_avg_pool2d / 3d(self, output_size): output o of a dimension
   // of n inputs averages inputs [floor(o n / out), ceil((o + 1) n / out)),
   // one spatial dimension at a time (sums), divided by the window's size.
   for (int sp : {2, 3}) {
-    reg.Add(absl::StrCat("aten::_adaptive_avg_pool", sp, "d"), [sp](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-        -> absl::StatusOr<std::string> {
-      if (!Defined(d, 0) || o.dims.size() < static_cast<size_t>(sp)) return Unsupported(l.op(), "arguments of a form not lowered");
-      const HloType& t = *o.type;
-      std::vector<int64_t> cur = DimsOf(d.args[0].tensor);
-      if (cur.size() != o.dims.size()) return Unsupported(l.op(), "an output of another rank");
-      absl::StatusOr<std::string> x = l.Operand(d.args[0], cur, t);
-      if (!x.ok()) return x;
-      std::string v = *x, count = l.Constant(1, o.dims, t);
-      const size_t lead = cur.size() - sp;
-      for (int k = 0; k < sp; ++k) {
-        const size_t q = lead + k;
-        const int64_t n = cur[q], out = o.dims[q];
-        if (n == 0 || out == 0) return l.Constant(0, o.dims, t);
-        // window mask (out, n), and its sizes
-        const std::vector<int64_t> wd = {out, n};
-        const std::string in_win = AdaptiveWindow(l, wd, 0, 1, n, out);
-        const std::string w = l.Select(in_win, l.Constant(1, wd, t), l.Constant(0, wd, t), wd, t);
-        // full: cur with (out, n) at (q, q + 1)
-        std::vector<int64_t> full, xmap, wmap = {static_cast<int64_t>(q), static_cast<int64_t>(q + 1)};
-        for (size_t r = 0; r < cur.size(); ++r) {
-          if (r == q) full.push_back(out);
-          full.push_back(cur[r]);
-        }
-        for (size_t r = 0; r < cur.size(); ++r) xmap.push_back(static_cast<int64_t>(r < q ? r : r + 1));
-        const std::string prod = l.Binary("multiply", BroadcastInDim(l, v, cur, full, xmap, t), BroadcastInDim(l, w, wd, full, wmap, t), full, t);
-        std::vector<int64_t> next = cur;
-        next[q] = out;
-        v = l.ReduceOver(prod, full, {static_cast<int64_t>(q + 1)}, "add", l.Constant(0, {}, t), t);
-        const std::string sizes = l.ReduceOver(w, wd, {1}, "add", l.Constant(0, {}, t), t);
-        count = l.Binary("multiply", count, BroadcastInDim(l, sizes, {out}, o.dims, {static_cast<int64_t>(q)}, t), o.dims, t);
-        cur = next;
-      }
-      return l.Binary("divide", v, count, o.dims, t);
-    });
+    reg.Add(
+        absl::StrCat("aten::_adaptive_avg_pool", sp, "d"),
+        [sp](Lowering& l, const tpu::DecodedOp& d,
+             const Target& o) -> absl::StatusOr<std::string> {
+          if (!Defined(d, 0) || o.dims.size() < static_cast<size_t>(sp))
+            return Unsupported(l.op(), "arguments of a form not lowered");
+          const HloType& t = *o.type;
+          std::vector<int64_t> cur = DimsOf(d.args[0].tensor);
+          if (cur.size() != o.dims.size())
+            return Unsupported(l.op(), "an output of another rank");
+          absl::StatusOr<std::string> x = l.Operand(d.args[0], cur, t);
+          if (!x.ok()) return x;
+          std::string v = *x, count = l.Constant(1, o.dims, t);
+          const size_t lead = cur.size() - sp;
+          for (int k = 0; k < sp; ++k) {
+            const size_t q = lead + k;
+            const int64_t n = cur[q], out = o.dims[q];
+            if (n == 0 || out == 0) return l.Constant(0, o.dims, t);
+            // window mask (out, n), and its sizes
+            const std::vector<int64_t> wd = {out, n};
+            const std::string in_win = AdaptiveWindow(l, wd, 0, 1, n, out);
+            const std::string w = l.Select(in_win, l.Constant(1, wd, t),
+                                           l.Constant(0, wd, t), wd, t);
+            // full: cur with (out, n) at (q, q + 1)
+            std::vector<int64_t> full, xmap,
+                wmap = {static_cast<int64_t>(q), static_cast<int64_t>(q + 1)};
+            for (size_t r = 0; r < cur.size(); ++r) {
+              if (r == q) full.push_back(out);
+              full.push_back(cur[r]);
+            }
+            for (size_t r = 0; r < cur.size(); ++r)
+              xmap.push_back(static_cast<int64_t>(r < q ? r : r + 1));
+            const std::string prod =
+                l.Binary("multiply", BroadcastInDim(l, v, cur, full, xmap, t),
+                         BroadcastInDim(l, w, wd, full, wmap, t), full, t);
+            std::vector<int64_t> next = cur;
+            next[q] = out;
+            v = l.ReduceOver(prod, full, {static_cast<int64_t>(q + 1)}, "add",
+                             l.Constant(0, {}, t), t);
+            const std::string sizes =
+                l.ReduceOver(w, wd, {1}, "add", l.Constant(0, {}, t), t);
+            count = l.Binary("multiply", count,
+                             BroadcastInDim(l, sizes, {out}, o.dims,
+                                            {static_cast<int64_t>(q)}, t),
+                             o.dims, t);
+            cur = next;
+          }
+          return l.Binary("divide", v, count, o.dims, t);
+        });
   }
   // _pdist_forward(self, p): the distances of the pairs of rows i < j, in
   // order: the upper triangle of cdist(self, self), gathered.
-  reg.Add("aten::_pdist_forward", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-    if (d.num_args < 2 || !Defined(d, 0) || d.args[0].tensor.ndim != 2 || o.dims.size() != 1) {
-      return Unsupported(l.op(), "expects a matrix");
-    }
-    const HloType& t = *o.type;
-    const HloType& i64 = I64();
-    const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
-    const int64_t n = in[0], mm = in[1], pairs = o.dims[0];
-    if (pairs != n * (n - 1) / 2) return absl::InvalidArgumentError(absl::StrCat(l.op(), ": the output does not hold every pair"));
-    if (pairs == 0) return l.Constant(0, o.dims, t);
-    if (pairs > (int64_t{1} << 16)) return Unsupported(l.op(), "more than 65536 pairs");
-    absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t);
-    if (!x.ok()) return x;
-    const double p = NumberOf(d.args[1]);
-    const std::vector<int64_t> full = {n, n, mm};
-    const std::string diff = l.Unary("abs", l.Binary("subtract", BroadcastInDim(l, *x, in, full, {0, 2}, t),
-                                                     BroadcastInDim(l, *x, in, full, {1, 2}, t), full, t), full, t);
-    const std::vector<int64_t> nn = {n, n};
-    const std::string dist = PNorm(l, diff, full, 2, p, t);
-    std::vector<std::string> at;
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t j = i + 1; j < n; ++j) at.push_back(absl::StrCat(i * n + j));
-    }
-    const std::string index = l.Emit(absl::StrCat("stablehlo.constant dense<[", absl::StrJoin(at, ", "), "]> : ", TypeOf({pairs}, i64)));
-    return l.Emit(absl::StrCat(
-        "\"stablehlo.gather\"(", l.Reshape(dist, nn, {n * n}, t), ", ", l.Reshape(index, {pairs}, {pairs, 1}, i64),
-        ") {dimension_numbers = #stablehlo.gather<collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 1>, "
-        "indices_are_sorted = true, slice_sizes = array<i64: 1>} : (", TypeOf({n * n}, t), ", ", TypeOf({pairs, 1}, i64),
-        ") -> ", TypeOf({pairs}, t)));
-  });
+  reg.Add("aten::_pdist_forward",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& o) -> absl::StatusOr<std::string> {
+            if (d.num_args < 2 || !Defined(d, 0) ||
+                d.args[0].tensor.ndim != 2 || o.dims.size() != 1) {
+              return Unsupported(l.op(), "expects a matrix");
+            }
+            const HloType& t = *o.type;
+            const HloType& i64 = I64();
+            const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+            const int64_t n = in[0], mm = in[1], pairs = o.dims[0];
+            if (pairs != n * (n - 1) / 2)
+              return absl::InvalidArgumentError(absl::StrCat(
+                  l.op(), ": the output does not hold every pair"));
+            if (pairs == 0) return l.Constant(0, o.dims, t);
+            if (pairs > (int64_t{1} << 16))
+              return Unsupported(l.op(), "more than 65536 pairs");
+            absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t);
+            if (!x.ok()) return x;
+            const double p = NumberOf(d.args[1]);
+            const std::vector<int64_t> full = {n, n, mm};
+            const std::string diff = l.Unary(
+                "abs",
+                l.Binary("subtract", BroadcastInDim(l, *x, in, full, {0, 2}, t),
+                         BroadcastInDim(l, *x, in, full, {1, 2}, t), full, t),
+                full, t);
+            const std::vector<int64_t> nn = {n, n};
+            const std::string dist = PNorm(l, diff, full, 2, p, t);
+            std::vector<std::string> at;
+            for (int64_t i = 0; i < n; ++i) {
+              for (int64_t j = i + 1; j < n; ++j)
+                at.push_back(absl::StrCat(i * n + j));
+            }
+            const std::string index = l.Emit(absl::StrCat(
+                "stablehlo.constant dense<[", absl::StrJoin(at, ", "),
+                "]> : ", TypeOf({pairs}, i64)));
+            return l.Emit(absl::StrCat(
+                "\"stablehlo.gather\"(", l.Reshape(dist, nn, {n * n}, t), ", ",
+                l.Reshape(index, {pairs}, {pairs, 1}, i64),
+                ") {dimension_numbers = #stablehlo.gather<collapsed_slice_dims "
+                "= [0], start_index_map = [0], index_vector_dim = 1>, "
+                "indices_are_sorted = true, slice_sizes = array<i64: 1>} : (",
+                TypeOf({n * n}, t), ", ", TypeOf({pairs, 1}, i64), ") -> ",
+                TypeOf({pairs}, t)));
+          });
   // out= overloads whose names are not the derived ones (the out tensor
   // is the written argument, after the others).
   reg.Alias("aten::native_layer_norm.out", "aten::native_layer_norm");
-  reg.Alias("aten::native_layer_norm_backward.out", "aten::native_layer_norm_backward");
+  reg.Alias("aten::native_layer_norm_backward.out",
+            "aten::native_layer_norm_backward");
   reg.Alias("aten::nll_loss_forward.output", "aten::nll_loss_forward");
   reg.Alias("aten::nll_loss_backward.grad_input", "aten::nll_loss_backward");
 }

@@ -1,7 +1,5 @@
 // Random fills (uniform_, normal_, bernoulli_, random_): values from
 // XLA's rng_bit_generator, seeded per op.
-#include "daemon/backends/pjrt/lowering/families.h"
-
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -19,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "daemon/backends/pjrt/lowering/families.h"
 #include "daemon/backends/pjrt/lowering/helpers.h"
 #include "daemon/backends/pjrt/lowering/lowering.h"
 #include "daemon/backends/pjrt/lowering/registry.h"
@@ -33,14 +32,18 @@ void RegisterRandom(OpRegistry& reg) {
   // not equal to the CPU's stream.
   enum class Dist { kUniform, kNormal, kBernoulli, kRandom };
   auto random_rule = [](Dist dist) -> Rule {
-    return [dist](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
+    return [dist](Lowering& l, const tpu::DecodedOp& d,
+                  const Target& o) -> absl::StatusOr<std::string> {
       const tpu::OpArg* gen = nullptr;
       for (size_t i = 0; i < d.num_args; ++i) {
         if (d.args[i].tag == tpu::ArgTag::kGenerator) gen = &d.args[i];
       }
       if (gen == nullptr) return Unsupported(l.op(), "no generator argument");
       const HloType& t = *o.type;
-      const HloType& f = t.dtype == tpu::DType::kDouble ? F64() : *DTypeOf(tpu::DType::kFloat);  // uniform draws in f32 or f64
+      const HloType& f =
+          t.dtype == tpu::DType::kDouble
+              ? F64()
+              : *DTypeOf(tpu::DType::kFloat);  // uniform draws in f32 or f64
       const bool normal = dist == Dist::kNormal;
       const std::string u = l.UniformBits(gen->i, o.dims, f, normal ? 2 : 1);
       std::vector<int64_t> two = o.dims;
@@ -50,26 +53,46 @@ void RegisterRandom(OpRegistry& reg) {
         one.insert(one.begin(), 1);
         return l.Reshape(l.SliceAlong(u, two, 0, k, k + 1, f), one, o.dims, f);
       };
-      auto num = [&](size_t i, double dflt) { return i < d.num_args && d.args[i].tag != tpu::ArgTag::kNone &&
-                                                     d.args[i].tag != tpu::ArgTag::kGenerator ? NumberOf(d.args[i]) : dflt; };
+      auto num = [&](size_t i, double dflt) {
+        return i < d.num_args && d.args[i].tag != tpu::ArgTag::kNone &&
+                       d.args[i].tag != tpu::ArgTag::kGenerator
+                   ? NumberOf(d.args[i])
+                   : dflt;
+      };
       std::string v;
       switch (dist) {
         case Dist::kUniform: {  // uniform_(self, from, to, *, generator)
           const double from = num(1, 0), to = num(2, 1);
           v = l.Binary("add", l.Constant(from, o.dims, f),
-                       l.Binary("multiply", u, l.Constant(to - from, o.dims, f), o.dims, f), o.dims, f);
+                       l.Binary("multiply", u, l.Constant(to - from, o.dims, f),
+                                o.dims, f),
+                       o.dims, f);
           break;
         }
-        case Dist::kNormal: {  // normal_(self, mean, std, *, generator): Box-Muller
+        case Dist::kNormal: {  // normal_(self, mean, std, *, generator):
+                               // Box-Muller
           const double mean = num(1, 0), stdev = num(2, 1);
-          const std::string u1 = l.Binary("subtract", l.Constant(1, o.dims, f), half(0), o.dims, f);  // (0, 1]
-          const std::string r = l.Unary("sqrt", l.Binary("multiply", l.Constant(-2, o.dims, f), l.Unary("log", u1, o.dims, f), o.dims, f), o.dims, f);
-          const std::string c = l.Unary("cosine", l.Binary("multiply", l.Constant(6.283185307179586, o.dims, f), half(1), o.dims, f), o.dims, f);
-          v = l.Binary("add", l.Constant(mean, o.dims, f),
-                       l.Binary("multiply", l.Binary("multiply", r, c, o.dims, f), l.Constant(stdev, o.dims, f), o.dims, f), o.dims, f);
+          const std::string u1 = l.Binary("subtract", l.Constant(1, o.dims, f),
+                                          half(0), o.dims, f);  // (0, 1]
+          const std::string r =
+              l.Unary("sqrt",
+                      l.Binary("multiply", l.Constant(-2, o.dims, f),
+                               l.Unary("log", u1, o.dims, f), o.dims, f),
+                      o.dims, f);
+          const std::string c = l.Unary(
+              "cosine",
+              l.Binary("multiply", l.Constant(6.283185307179586, o.dims, f),
+                       half(1), o.dims, f),
+              o.dims, f);
+          v = l.Binary(
+              "add", l.Constant(mean, o.dims, f),
+              l.Binary("multiply", l.Binary("multiply", r, c, o.dims, f),
+                       l.Constant(stdev, o.dims, f), o.dims, f),
+              o.dims, f);
           break;
         }
-        case Dist::kBernoulli: {  // bernoulli_(self, p: float or Tensor, *, generator)
+        case Dist::kBernoulli: {  // bernoulli_(self, p: float or Tensor, *,
+                                  // generator)
           std::string p;
           if (d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kTensor) {
             absl::StatusOr<std::string> pt = l.Operand(d.args[1], o.dims, f);
@@ -78,15 +101,23 @@ void RegisterRandom(OpRegistry& reg) {
           } else {
             p = l.Constant(num(1, 0.5), o.dims, f);
           }
-          v = l.Select(l.Compare("LT", u, p, o.dims, f), l.Constant(1, o.dims, f), l.Constant(0, o.dims, f), o.dims, f);
+          v = l.Select(l.Compare("LT", u, p, o.dims, f),
+                       l.Constant(1, o.dims, f), l.Constant(0, o.dims, f),
+                       o.dims, f);
           break;
         }
-        case Dist::kRandom: {  // random_.from(self, from, to?, *, generator): integers in [from, to)
+        case Dist::kRandom: {  // random_.from(self, from, to?, *, generator):
+                               // integers in [from, to)
           const double from = num(1, 0), to = num(2, from + 1);
           const HloType& w = F64();
           const std::string uw = l.Convert(u, o.dims, f, w);
-          v = l.Binary("add", l.Constant(from, o.dims, w),
-                       l.Unary("floor", l.Binary("multiply", uw, l.Constant(to - from, o.dims, w), o.dims, w), o.dims, w), o.dims, w);
+          v = l.Binary(
+              "add", l.Constant(from, o.dims, w),
+              l.Unary("floor",
+                      l.Binary("multiply", uw, l.Constant(to - from, o.dims, w),
+                               o.dims, w),
+                      o.dims, w),
+              o.dims, w);
           return l.Convert(v, o.dims, w, t);
         }
       }
@@ -95,8 +126,10 @@ void RegisterRandom(OpRegistry& reg) {
   };
   reg.Add("aten::uniform_", random_rule(Dist::kUniform)).OverwritesFirst();
   reg.Add("aten::normal_", random_rule(Dist::kNormal)).OverwritesFirst();
-  reg.Add("aten::bernoulli_.float", random_rule(Dist::kBernoulli)).OverwritesFirst();
-  reg.Add("aten::bernoulli_.Tensor", random_rule(Dist::kBernoulli)).OverwritesFirst();
+  reg.Add("aten::bernoulli_.float", random_rule(Dist::kBernoulli))
+      .OverwritesFirst();
+  reg.Add("aten::bernoulli_.Tensor", random_rule(Dist::kBernoulli))
+      .OverwritesFirst();
   reg.Add("aten::random_.from", random_rule(Dist::kRandom)).OverwritesFirst();
 }
 

@@ -16,7 +16,9 @@ namespace {
 // "aten::eq.Tensor_out").
 std::string InPlaceName(const std::string& name) {
   const size_t dot = name.find('.');
-  return dot == std::string::npos ? name + "_" : name.substr(0, dot) + "_" + name.substr(dot);
+  return dot == std::string::npos
+             ? name + "_"
+             : name.substr(0, dot) + "_" + name.substr(dot);
 }
 std::string OutName(const std::string& name) {
   const size_t dot = name.find('.');
@@ -51,11 +53,14 @@ OpEntry& OpRegistry::AddMulti(const std::string& name, MultiRule rule) {
   return e;
 }
 
-OpEntry& OpRegistry::AddHost(const std::string& name, HostKind kind) { return New(name).Host(kind); }
+OpEntry& OpRegistry::AddHost(const std::string& name, HostKind kind) {
+  return New(name).Host(kind);
+}
 
 OpEntry& OpRegistry::Alias(const std::string& name, const std::string& of) {
   auto it = entries_.find(of);
-  if (it == entries_.end()) Fail(name + " aliases " + of + ", which is not registered (yet)");
+  if (it == entries_.end())
+    Fail(name + " aliases " + of + ", which is not registered (yet)");
   const OpEntry source = it->second;
   OpEntry& e = New(name);
   e.rule = source.rule;
@@ -67,8 +72,8 @@ OpEntry& OpRegistry::Alias(const std::string& name, const std::string& of) {
 void OpRegistry::DeriveForms() {
   std::vector<OpEntry> derived;
   for (const auto& [name, entry] : entries_) {
-    if (!entry.rule || name.find("_.") != std::string::npos || name.back() == '_' ||
-        absl::StrContains(name, "out")) {
+    if (!entry.rule || name.find("_.") != std::string::npos ||
+        name.back() == '_' || absl::StrContains(name, "out")) {
       continue;
     }
     for (std::string form : {InPlaceName(name), OutName(name)}) {
@@ -103,9 +108,10 @@ const OpRegistry& Registry() {
   static const OpRegistry* registry = [] {
     auto* r = new OpRegistry;
     for (void (*family)(OpRegistry&) :
-         {RegisterElementwise, RegisterActivation, RegisterReduction, RegisterSort, RegisterLinalg,
-          RegisterNn, RegisterForeach, RegisterShape, RegisterIndexing, RegisterRandom,
-          RegisterSpecial, RegisterFft, RegisterPolynomial, RegisterHostOps}) {
+         {RegisterElementwise, RegisterActivation, RegisterReduction,
+          RegisterSort, RegisterLinalg, RegisterNn, RegisterForeach,
+          RegisterShape, RegisterIndexing, RegisterRandom, RegisterSpecial,
+          RegisterFft, RegisterPolynomial, RegisterHostOps}) {
       family(*r);
     }
     r->DeriveForms();

@@ -40,7 +40,8 @@ enum class HostKind : uint8_t {
 // The dims of each output of an op PyTorch has no meta kernel for (the
 // client cannot size them), from its first argument's dims; none where it
 // cannot say.
-using OutputDims = std::vector<std::vector<int64_t>> (*)(const std::vector<int64_t>& self);
+using OutputDims =
+    std::vector<std::vector<int64_t>> (*)(const std::vector<int64_t>& self);
 
 struct OpEntry {
   std::string name;  // "aten::add_.Tensor"

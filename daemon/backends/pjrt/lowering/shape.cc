@@ -1,6 +1,4 @@
 // Ops that rearrange or make tensors: cat, arange, flip, roll.
-#include "daemon/backends/pjrt/lowering/families.h"
-
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -18,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "daemon/backends/pjrt/lowering/families.h"
 #include "daemon/backends/pjrt/lowering/helpers.h"
 #include "daemon/backends/pjrt/lowering/lowering.h"
 #include "daemon/backends/pjrt/lowering/registry.h"
@@ -25,89 +24,120 @@
 namespace tpud::pjrt {
 
 void RegisterShape(OpRegistry& reg) {
-  reg.AddMulti("aten::cat", [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& outs)
-      -> absl::StatusOr<std::vector<std::string>> {
-    // (tensors, dim): one output; legacy empty 1-d inputs are skipped.
-    if (outs.size() != 1 || d.num_args < 1 || d.args[0].tag != tpu::ArgTag::kTensorList) {
-      return Unsupported(l.op(), "expects a list of tensors");
-    }
-    const Target& o = outs[0];
-    const int64_t dim = WrapDim(d.num_args > 1 ? d.args[1].i : 0, o.dims.size());
-    std::vector<std::string> parts, types;
-    for (size_t e = 0; e < d.args[0].tensors.size(); ++e) {
-      const tpu::TensorRef& r = d.args[0].tensors[e];
-      if (Numel(r) == 0) continue;
-      const std::vector<int64_t> dims = DimsOf(r);
-      absl::StatusOr<std::string> v = l.OperandRef(r, l.TensorIndex(d.args[0]) + e, dims, *o.type);
-      if (!v.ok()) return v.status();
-      parts.push_back(*v);
-      types.push_back(TypeOf(dims, *o.type));
-    }
-    if (parts.empty()) return std::vector<std::string>{l.Constant(0, o.dims, *o.type)};
-    if (parts.size() == 1) return parts;
-    return std::vector<std::string>{l.Emit(absl::StrCat(
-        "stablehlo.concatenate ", absl::StrJoin(parts, ", "), ", dim = ", dim, " : (",
-        absl::StrJoin(types, ", "), ") -> ", TypeOf(o.dims, *o.type)))};
-  });
+  reg.AddMulti(
+      "aten::cat",
+      [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& outs)
+          -> absl::StatusOr<std::vector<std::string>> {
+        // (tensors, dim): one output; legacy empty 1-d inputs are skipped.
+        if (outs.size() != 1 || d.num_args < 1 ||
+            d.args[0].tag != tpu::ArgTag::kTensorList) {
+          return Unsupported(l.op(), "expects a list of tensors");
+        }
+        const Target& o = outs[0];
+        const int64_t dim =
+            WrapDim(d.num_args > 1 ? d.args[1].i : 0, o.dims.size());
+        std::vector<std::string> parts, types;
+        for (size_t e = 0; e < d.args[0].tensors.size(); ++e) {
+          const tpu::TensorRef& r = d.args[0].tensors[e];
+          if (Numel(r) == 0) continue;
+          const std::vector<int64_t> dims = DimsOf(r);
+          absl::StatusOr<std::string> v =
+              l.OperandRef(r, l.TensorIndex(d.args[0]) + e, dims, *o.type);
+          if (!v.ok()) return v.status();
+          parts.push_back(*v);
+          types.push_back(TypeOf(dims, *o.type));
+        }
+        if (parts.empty())
+          return std::vector<std::string>{l.Constant(0, o.dims, *o.type)};
+        if (parts.size() == 1) return parts;
+        return std::vector<std::string>{l.Emit(
+            absl::StrCat("stablehlo.concatenate ", absl::StrJoin(parts, ", "),
+                         ", dim = ", dim, " : (", absl::StrJoin(types, ", "),
+                         ") -> ", TypeOf(o.dims, *o.type)))};
+      });
   // arange.start_out(start, end, step, *, out): start + i * step, computed
   // in double (integers in int64) as the CPU kernel does.
-  reg.Add("aten::arange.start_out", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-      -> absl::StatusOr<std::string> {
-    if (d.num_args < 3 || o.dims.size() != 1) return Unsupported(l.op(), "arguments of a form not lowered");
-    const HloType& w = o.type->is_float ? F64() : I64();
-    absl::StatusOr<std::string> start = l.Operand(d.args[0], o.dims, w), step = l.Operand(d.args[2], o.dims, w);
-    if (!start.ok()) return start;
-    if (!step.ok()) return step;
-    const std::string v = l.Binary("add", *start, l.Binary("multiply", l.Iota(0, o.dims, w), *step, o.dims, w), o.dims, w);
-    return l.Convert(v, o.dims, w, *o.type);
-  });
-  reg.Add("aten::flip", [](Lowering& l, const tpu::DecodedOp& d, const Target& o)
-      -> absl::StatusOr<std::string> {
-    if (!Defined(d, 0) || d.num_args < 2 || d.args[1].tag != tpu::ArgTag::kIntList) return Unsupported(l.op(), "arguments of a form not lowered");
-    absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
-    if (!x.ok()) return x;
-    absl::StatusOr<std::vector<int64_t>> which = ReducedDims(l, d, 1, o.dims.size());
-    if (!which.ok()) return which.status();
-    if (d.args[1].ints.empty() || which->empty()) return *x;
-    return l.Emit(absl::StrCat("stablehlo.reverse ", *x, ", dims = [", absl::StrJoin(*which, ", "), "] : ",
-                               TypeOf(o.dims, *o.type)));
-  });  // roll(self, shifts, dims): each dim rotated by its shift (no dims: the
+  reg.Add("aten::arange.start_out",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& o) -> absl::StatusOr<std::string> {
+            if (d.num_args < 3 || o.dims.size() != 1)
+              return Unsupported(l.op(), "arguments of a form not lowered");
+            const HloType& w = o.type->is_float ? F64() : I64();
+            absl::StatusOr<std::string> start = l.Operand(d.args[0], o.dims, w),
+                                        step = l.Operand(d.args[2], o.dims, w);
+            if (!start.ok()) return start;
+            if (!step.ok()) return step;
+            const std::string v = l.Binary(
+                "add", *start,
+                l.Binary("multiply", l.Iota(0, o.dims, w), *step, o.dims, w),
+                o.dims, w);
+            return l.Convert(v, o.dims, w, *o.type);
+          });
+  reg.Add("aten::flip",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& o) -> absl::StatusOr<std::string> {
+            if (!Defined(d, 0) || d.num_args < 2 ||
+                d.args[1].tag != tpu::ArgTag::kIntList)
+              return Unsupported(l.op(), "arguments of a form not lowered");
+            absl::StatusOr<std::string> x =
+                l.Operand(d.args[0], o.dims, *o.type);
+            if (!x.ok()) return x;
+            absl::StatusOr<std::vector<int64_t>> which =
+                ReducedDims(l, d, 1, o.dims.size());
+            if (!which.ok()) return which.status();
+            if (d.args[1].ints.empty() || which->empty()) return *x;
+            return l.Emit(absl::StrCat("stablehlo.reverse ", *x, ", dims = [",
+                                       absl::StrJoin(*which, ", "),
+                                       "] : ", TypeOf(o.dims, *o.type)));
+          });  // roll(self, shifts, dims): each dim rotated by its shift (no
+               // dims: the
   // flattened tensor), as two slices joined.
-  reg.Add("aten::roll", [](Lowering& l, const tpu::DecodedOp& d, const Target& o) -> absl::StatusOr<std::string> {
-    if (!Defined(d, 0) || d.num_args < 3) return Unsupported(l.op(), "arguments of a form not lowered");
-    const HloType& t = *o.type;
-    absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
-    if (!x.ok()) return x;
-    const std::vector<int64_t>& shifts = d.args[1].ints;
-    std::vector<int64_t> dims = d.args[2].ints;
-    std::vector<int64_t> in = o.dims;
-    std::string v = *x;
-    const bool flat = dims.empty();
-    int64_t total = 1;
-    for (int64_t s : in) total *= s;
-    if (flat) {
-      if (shifts.size() != 1) return absl::InvalidArgumentError(absl::StrCat(l.op(), ": shifts and dims must match"));
-      v = l.Reshape(v, in, {total}, t);
-      in = {total};
-      dims = {0};
-    }
-    if (shifts.size() != dims.size()) return absl::InvalidArgumentError(absl::StrCat(l.op(), ": shifts and dims must match"));
-    for (size_t q = 0; q < dims.size(); ++q) {
-      absl::StatusOr<int64_t> dim = CheckedDim(l.op(), dims[q], in.size());
-      if (!dim.ok()) return dim.status();
-      const int64_t size = in[*dim];
-      if (size == 0) continue;
-      const int64_t sh = ((shifts[q] % size) + size) % size;
-      if (sh == 0) continue;
-      const std::string tail = l.SliceAlong(v, in, *dim, size - sh, size, t), head = l.SliceAlong(v, in, *dim, 0, size - sh, t);
-      std::vector<int64_t> td = in, hd = in;
-      td[*dim] = sh;
-      hd[*dim] = size - sh;
-      v = l.Emit(absl::StrCat("stablehlo.concatenate ", tail, ", ", head, ", dim = ", *dim, " : (", TypeOf(td, t), ", ",
-                              TypeOf(hd, t), ") -> ", TypeOf(in, t)));
-    }
-    return flat ? l.Reshape(v, in, o.dims, t) : v;
-  });
+  reg.Add(
+      "aten::roll",
+      [](Lowering& l, const tpu::DecodedOp& d,
+         const Target& o) -> absl::StatusOr<std::string> {
+        if (!Defined(d, 0) || d.num_args < 3)
+          return Unsupported(l.op(), "arguments of a form not lowered");
+        const HloType& t = *o.type;
+        absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
+        if (!x.ok()) return x;
+        const std::vector<int64_t>& shifts = d.args[1].ints;
+        std::vector<int64_t> dims = d.args[2].ints;
+        std::vector<int64_t> in = o.dims;
+        std::string v = *x;
+        const bool flat = dims.empty();
+        int64_t total = 1;
+        for (int64_t s : in) total *= s;
+        if (flat) {
+          if (shifts.size() != 1)
+            return absl::InvalidArgumentError(
+                absl::StrCat(l.op(), ": shifts and dims must match"));
+          v = l.Reshape(v, in, {total}, t);
+          in = {total};
+          dims = {0};
+        }
+        if (shifts.size() != dims.size())
+          return absl::InvalidArgumentError(
+              absl::StrCat(l.op(), ": shifts and dims must match"));
+        for (size_t q = 0; q < dims.size(); ++q) {
+          absl::StatusOr<int64_t> dim = CheckedDim(l.op(), dims[q], in.size());
+          if (!dim.ok()) return dim.status();
+          const int64_t size = in[*dim];
+          if (size == 0) continue;
+          const int64_t sh = ((shifts[q] % size) + size) % size;
+          if (sh == 0) continue;
+          const std::string tail =
+                                l.SliceAlong(v, in, *dim, size - sh, size, t),
+                            head = l.SliceAlong(v, in, *dim, 0, size - sh, t);
+          std::vector<int64_t> td = in, hd = in;
+          td[*dim] = sh;
+          hd[*dim] = size - sh;
+          v = l.Emit(absl::StrCat("stablehlo.concatenate ", tail, ", ", head,
+                                  ", dim = ", *dim, " : (", TypeOf(td, t), ", ",
+                                  TypeOf(hd, t), ") -> ", TypeOf(in, t)));
+        }
+        return flat ? l.Reshape(v, in, o.dims, t) : v;
+      });
   // out= overloads whose names are not the derived ones (the out tensor
   // is the written argument, after the others).
   reg.Alias("aten::cat.out", "aten::cat");
