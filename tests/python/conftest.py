@@ -49,12 +49,15 @@ def pjrt_flags():
     return ["--backend=pjrt", f"--pjrt_plugin={plugin}", "--pjrt_option=cpu_device_count=4"]
 
 
-@pytest.fixture(scope="module", params=["simulated", "pjrt", "pjrt-device"])
+@pytest.fixture(scope="module", params=["simulated", pytest.param("pjrt", marks=pytest.mark.slow),
+                                        pytest.param("pjrt-device", marks=pytest.mark.slow)])
 def any_backend(request):
     """One tpud for a whole test module, run once per chip backend: the
     simulated host, then the PJRT backend on XLA's CPU plugin computing on
     tpud's arena, then the same with every segment in a device buffer (as
-    on a TPU, whose memory the host cannot address)."""
+    on a TPU, whose memory the host cannot address). The quick loop
+    (`-m "not slow"`) runs the simulated host's only; test_pjrt.py's
+    quick tests cover PJRT there."""
     flags = {"simulated": [], "pjrt": pjrt_flags(),
              "pjrt-device": pjrt_flags() + ["--pjrt_memory=device"]}[request.param]
     d = Daemon(hbm=getattr(request.module, "TPUD_HBM", "1GiB"), extra_flags=flags)

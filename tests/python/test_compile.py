@@ -58,6 +58,7 @@ def fwd_bwd(model_cpu, model_tpu, x, steps=2, **compile_kw):
             q.grad = None
 
 
+@pytest.mark.slow
 def test_compiled_equals_eager_for_mlp_cnn_with_batch_norm_and_transformer_block(tpud):
     run_in_child(tpud, _mlp_cnn_and_transformer_block, timeout=600)
 
@@ -84,6 +85,7 @@ def _mlp_cnn_and_transformer_block():
     print("ok", _compile.stats)
 
 
+@pytest.mark.slow
 def test_hugging_face_models_compiled_equal_cpu(tpud):
     pytest.importorskip("transformers")
     run_in_child(tpud, _hugging_face_models_compiled, timeout=900)
@@ -131,6 +133,7 @@ def _hugging_face_models_compiled():
     print("ok", captured, _compile.stats, _compile.explain())
 
 
+@pytest.mark.slow
 def test_training_loop_with_compiled_model_and_optimizer_step_reaches_cpu_losses(tpud):
     run_in_child(tpud, _compiled_training_loop, timeout=600)
 
@@ -165,6 +168,7 @@ def _compiled_training_loop():
     print("ok", _compile.stats)
 
 
+@pytest.mark.slow
 def test_a_shape_change_recompiles_and_marked_dynamic_dims_work(tpud):
     run_in_child(tpud, _shape_changes_and_dynamic_dims, timeout=300)
 
@@ -227,6 +231,7 @@ def _call_signatures():
     print("ok")
 
 
+@pytest.mark.slow
 def test_graph_breaks_run_the_pieces_and_the_break_eagerly(tpud):
     run_in_child(tpud, _graph_breaks_run_the_pieces_and_the_break_eagerly, timeout=300)
 
@@ -318,6 +323,7 @@ def _error_inside_a_program():
     print("ok", msg)
 
 
+@pytest.mark.slow
 def test_the_default_torch_compile_runs_tpu_graphs_as_programs(tpud):
     run_in_child(tpud, _default_torch_compile, timeout=300)
 
@@ -335,6 +341,7 @@ def _default_torch_compile():
     print("ok")
 
 
+@pytest.mark.slow
 def test_reduce_overhead_mode_trains_as_programs_with_and_without_the_tpu_backend_named(tpud):
     run_in_child(tpud, _reduce_overhead_mode, timeout=300)
 
@@ -370,6 +377,7 @@ def _train_compiled_against_cpu(seed):
     print("ok")
 
 
+@pytest.mark.slow
 def test_two_processes_run_compiled_programs_at_once(tpud):
     env = tpud.env()
     procs = [subprocess.Popen(child_argv(_train_compiled_against_cpu, seed), env=env,
@@ -410,6 +418,7 @@ def _tpuctl_lists_my_programs(tpuctl_path):
     print("ok", p)
 
 
+@pytest.mark.slow
 def test_compile_bench_runs_in_reduced_form(tpud):
     """bench/compile_bench.py's figures come out (the full run is bench/run.sh's)."""
     import json
@@ -458,6 +467,7 @@ def _runs(out):
     return int(line.split()[1])
 
 
+@pytest.mark.slow
 def test_on_pjrt_each_graph_runs_as_one_stablehlo_module_and_matches_cpu(pjrt_device):
     from conftest import bazel_bin
 

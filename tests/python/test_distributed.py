@@ -15,6 +15,8 @@ import pytest
 
 from conftest import Daemon
 
+pytestmark = pytest.mark.slow  # every test starts its ranks as processes
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_worker.py")
 ROOT = os.path.dirname(os.path.dirname(HERE))

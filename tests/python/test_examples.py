@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 SCRIPT = str(ROOT / "examples" / "train_tpu.py")
@@ -47,6 +49,7 @@ def test_train_example_matches_cpu(tpud):
     _assert_same(cpu, tpu, "tpu")
 
 
+@pytest.mark.slow
 def test_two_train_examples_at_once(tpud):
     cpu = _losses(_run(tpud, "cpu", seed=1))
     procs = [subprocess.Popen(_args(dev, seed=1), env=tpud.env(), stdout=subprocess.PIPE,

@@ -5,6 +5,8 @@ import pytest
 
 from conftest import run_in_child
 
+pytestmark = pytest.mark.slow  # Hugging Face models trained on CPU and tpu
+
 transformers = pytest.importorskip("transformers")
 
 

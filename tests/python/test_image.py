@@ -11,6 +11,8 @@ import yaml
 
 from conftest import ROOT, bazel_bin
 
+pytestmark = pytest.mark.slow  # builds and inspects the image's binaries
+
 CONTAINERFILE = ROOT / "deploy" / "Containerfile"
 RUNTIME_DEPS = ROOT / "deploy" / "image" / "runtime-deps.sh"
 K8S_DIR = ROOT / "deploy" / "kubernetes"

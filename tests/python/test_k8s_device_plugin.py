@@ -26,6 +26,8 @@ import pytest
 
 from conftest import Daemon, bazel_bin
 
+pytestmark = pytest.mark.slow  # a stub kubelet, the device plugin and tpud, and jobs through them
+
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (tools/setup.sh installs it)")
 protoc = pytest.importorskip("grpc_tools.protoc",
                              reason="grpcio-tools is not installed (tools/setup.sh installs it)")

@@ -169,6 +169,7 @@ def metrics_daemon():
     d.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(PROMETHEUS is None, reason="Debian's prometheus is not installed "
                     "(tools/setup.sh installs it)")
 def test_prometheus_scrapes_tpud_while_a_pytorch_job_runs(metrics_daemon, tmp_path):
@@ -321,6 +322,7 @@ def dashboard_exprs():
     return board, exprs
 
 
+@pytest.mark.slow
 def test_grafana_dashboard_names_only_metrics_tpud_exports(metrics_daemon):
     board, exprs = dashboard_exprs()
     assert board["title"] and board.get("uid")
@@ -361,6 +363,7 @@ def test_grafana_dashboard_names_only_metrics_tpud_exports(metrics_daemon):
                              "executor", "command", "pid", "pod_uid"} | promql_words, (title, l)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(PROMETHEUS is None, reason="Debian's prometheus is not installed")
 def test_grafana_dashboard_queries_parse_in_prometheus(metrics_daemon):
     _, exprs = dashboard_exprs()

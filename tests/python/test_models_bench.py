@@ -8,6 +8,8 @@ import pytest
 
 from conftest import ROOT, bazel_bin
 
+pytestmark = pytest.mark.slow  # every model of the bench
+
 pytest.importorskip("transformers")
 
 

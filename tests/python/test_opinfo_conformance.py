@@ -14,7 +14,11 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, Daemon, bazel_bin
+
+pytestmark = pytest.mark.slow  # hundreds of samples through a real tpud
 
 TOOL = ROOT / "tools" / "opinfo_conformance.py"
 MIN_PASS_RATE = 0.995

@@ -15,7 +15,7 @@ PLUGIN = os.path.join(os.path.dirname(_xla_cpu.__file__), "xla_cpu_pjrt.so")
 PJRT_FLAGS = ["--backend=pjrt", f"--pjrt_plugin={PLUGIN}", "--pjrt_option=cpu_device_count=4"]
 
 
-@pytest.fixture(scope="module", params=["host", "device"])
+@pytest.fixture(scope="module", params=["host", pytest.param("device", marks=pytest.mark.slow)])
 def pjrt(request):
     """tpud on the CPU plugin, twice: computing on tpud's arena (what a
     plugin whose devices are the host allows), then with every segment in a
@@ -129,6 +129,7 @@ def _an_op_without_lowering_fails_naming_it_and_the_session_goes_on():
     assert (a * 3).cpu().tolist() == [3.0] * 4
 
 
+@pytest.mark.slow
 def test_ops_without_lowering_run_as_pytorch_decompositions(pjrt):
     run_in_child(pjrt, _ops_without_lowering_run_as_pytorch_decompositions)
 
@@ -161,6 +162,7 @@ def _ops_without_lowering_run_as_pytorch_decompositions():
         assert torch.allclose(got.cpu(), want, atol=1e-5), name
 
 
+@pytest.mark.slow
 def test_new_lowerings_match_cpu(pjrt):
     run_in_child(pjrt, _new_lowerings_match_cpu)
 
@@ -335,6 +337,7 @@ def _sort_median_and_special_functions_match_cpu():
     assert torch.allclose(torch.fmax(n.to("tpu"), n.flip(0).to("tpu")).cpu(), torch.fmax(n, n.flip(0)), equal_nan=True)
 
 
+@pytest.mark.slow
 def test_ffts_linear_algebra_and_polynomials_match_cpu(pjrt):
     # FFTs (complex results), LU / QR / Cholesky and what is built on them
     # (each a while loop in one program), the orthogonal polynomials.
@@ -438,6 +441,7 @@ def _random_ops_repeat_under_manual_seed_and_have_their_distribution():
     assert abs(torch.bernoulli(torch.full((10000,), 0.2, device="tpu")).mean().item() - 0.2) < 0.03
 
 
+@pytest.mark.slow
 def test_two_processes_share_the_devices(pjrt):
     procs = [subprocess.Popen(child_argv(_tanh_chain_on_chip, c), env=pjrt.env(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -550,6 +554,7 @@ def _programs_compile_once_and_tpuctl_counts_them():
     assert b.cpu()[0, 0].item() == 19.0
 
 
+@pytest.mark.slow
 def test_example_training_reaches_cpu_losses_on_pjrt(pjrt):
     """examples/train_tpu.py (LayerNorm, GELU, cross-entropy, AdamW's foreach
     step) on the PJRT backend prints CPU's losses."""
@@ -643,6 +648,7 @@ def _item_reads_every_float_and_complex_type():
         assert t.to("tpu").item() == t.item(), dtype
 
 
+@pytest.mark.slow
 def test_quota_oom_and_kill_9_reclaim_on_pjrt(pjrt):
     tpuctl = bazel_bin("tools/tpuctl/tpuctl")
     admin = f"--admin_socket={pjrt.admin_socket}"
@@ -698,6 +704,7 @@ def _matmul_on_chip_1():
     assert torch.allclose((x.to("tpu:1") @ x.to("tpu:1")).cpu(), x @ x, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_ddp_over_four_chips_matches_one_process_on_pjrt(pjrt):
     """The collectives run on the PJRT backend's chips too (tpud moves the
     bytes; the ops around them are lowered): DDP on 4 ranks, one per device,
@@ -718,6 +725,7 @@ def _collective_programs(pjrt):
     return {c["chip"]: c["collective_programs"] for c in e["compile"]}
 
 
+@pytest.mark.slow
 def test_collectives_run_as_programs_on_the_devices_and_match_cpu(pjrt):
     """Every collective, reduction op and dtype of the simulated host's test,
     on PJRT. all_reduce, reduce, reduce_scatter, all_gather, broadcast and
@@ -747,6 +755,7 @@ def _device_buffer_bytes(pjrt):
     return e["device_buffer_bytes"]
 
 
+@pytest.mark.slow
 def test_host_writes_frees_and_reuse_keep_memory_right(pjrt):
     """What the host writes into a tensor the device last wrote joins it;
     memory freed and handed out again reads as zeros, never as its old

@@ -134,6 +134,7 @@ def test_a_view_of_a_value_moved_in_place_still_counts_as_a_reader():
     assert ops["aten.tanh_.default"] == 1 and ops["aten.add.Tensor"] == 1, ops
 
 
+@pytest.mark.slow
 def test_gpt2_forward_and_backward_match_eager():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

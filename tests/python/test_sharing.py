@@ -16,6 +16,8 @@ import pytest
 
 from conftest import Daemon, bazel_bin
 
+pytestmark = pytest.mark.slow  # crashes, kills, restarts and 64 processes
+
 # A job that must finish with CPU's result while other sessions misbehave:
 # a small MLP trained on "tpu" and on the CPU from the same seed.
 BYSTANDER = """

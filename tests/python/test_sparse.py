@@ -48,6 +48,7 @@ def compare(daemon, fn, timeout=300):
     run_in_child(daemon, fn, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_coo_ops_equal_cpu_over_dtypes_and_duplicates(tpud):
     compare(tpud, _coo_ops_equal_cpu_over_dtypes_and_duplicates, timeout=600)
 

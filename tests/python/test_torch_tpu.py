@@ -297,6 +297,7 @@ def test_no_daemon_raises_at_first_use(tmp_path):
     assert "ERR" in r.stdout and sock in r.stdout and "tpud" in r.stdout
 
 
+@pytest.mark.slow
 def test_daemon_gone_mid_run_is_an_error_not_a_hang():
     d = Daemon(hbm="256MiB")
     try:
@@ -319,6 +320,7 @@ def test_daemon_gone_mid_run_is_an_error_not_a_hang():
     assert "ERR" in out and "tpud" in out
 
 
+@pytest.mark.slow
 def test_two_training_processes_at_once(tpud):
     env = tpud.env()
     procs = [subprocess.Popen(child_argv(_train_a_linear_model), env=env,
