@@ -1,10 +1,33 @@
 #!/usr/bin/env bash
-# Sets up everything (Debian packages, .venv), builds, and runs every test:
+# Sets up everything (Debian packages, .venv), builds, and runs the tests:
 # the Bazel C++ suites (Catch2, real daemons on temporary sockets) and the
 # pytest suites. The last line is "N passed, N failed".
+#
+# usage: tools/test.sh [--quick]
+#   (no flag)  the full run, what CI runs (.ci/run): every Bazel test, every
+#              pytest, then the decoder and data-plane fuzz again under ASan.
+#   --quick    the edit-and-test loop: the same setup check, build and Bazel
+#              tests, the pytests not marked slow (the marker pytest.ini
+#              registers), no ASan rebuild; torch_tpu is reinstalled only when
+#              what Bazel built differs from what .venv holds.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+
+QUICK=0
+case "${1:-}" in
+  "") ;;
+  --quick) QUICK=1 ;;
+  *)
+    echo "usage: tools/test.sh [--quick]" >&2
+    exit 2
+    ;;
+esac
+if ((QUICK)); then
+  echo "== tools/test.sh --quick: Bazel tests and the pytests not marked slow, no ASan"
+else
+  echo "== tools/test.sh: the full run (every Bazel test, every pytest, ASan)"
+fi
 
 if ! tools/setup.sh; then
   echo "setup failed"
@@ -26,11 +49,30 @@ if ! grep -q "Build completed successfully" "$OUT/build.txt"; then
   exit 1
 fi
 
-echo "== torch_tpu into .venv"
-if ! .venv/bin/pip install -q --no-build-isolation plugins/torch_tpu; then
-  echo "installing torch_tpu failed"
-  echo "0 passed, 1 failed"
-  exit 1
+# Whether .venv's torch_tpu is what this checkout builds: the same _C.so
+# (built by `bazel build //...` above) and the same Python sources.
+torch_tpu_installed_is_current() {
+  local installed
+  installed="$(.venv/bin/python -c 'import importlib.util, os
+spec = importlib.util.find_spec("torch_tpu")
+print(os.path.dirname(spec.origin) if spec and spec.origin else "")' 2>/dev/null)" || return 1
+  [[ -n "$installed" ]] || return 1
+  cmp -s "$(bazel info bazel-bin 2>/dev/null)/plugins/torch_tpu/_C.so" "$installed/_C.so" || return 1
+  local f
+  for f in plugins/torch_tpu/torch_tpu/*.py; do
+    cmp -s "$f" "$installed/$(basename "$f")" || return 1
+  done
+}
+
+if ((QUICK)) && torch_tpu_installed_is_current; then
+  echo "== torch_tpu in .venv is current"
+else
+  echo "== torch_tpu into .venv"
+  if ! .venv/bin/pip install -q --no-build-isolation plugins/torch_tpu; then
+    echo "installing torch_tpu failed"
+    echo "0 passed, 1 failed"
+    exit 1
+  fi
 fi
 
 echo "== bazel test //..."
@@ -38,6 +80,16 @@ tools/bazel.sh test //... --test_output=errors 2>&1 | tee "$OUT/bazel_test.txt" 
   grep -vE "^(Loading|Analyzing|\[[0-9,]+ / [0-9,]+\]|INFO: From Testing)" || true
 TESTLOGS="$(bazel info bazel-testlogs 2>/dev/null)"
 cp -r "$TESTLOGS" "$OUT/testlogs-main"
+
+if ((QUICK)); then
+  echo "== pytest -m \"not slow\" tests/python"
+  .venv/bin/python -m pytest -q -m "not slow" tests/python --junitxml="$OUT/pytest.xml" 2>&1 | tail -25
+  echo "== summary (quick: slow pytests and the ASan run left out)"
+  .venv/bin/python tools/summarize_tests.py \
+    --bazel "$OUT/bazel_test.txt" "$OUT/testlogs-main" "" \
+    "$OUT/pytest.xml"
+  exit $?
+fi
 
 echo "== pytest tests/python"
 .venv/bin/python -m pytest -q tests/python --junitxml="$OUT/pytest.xml" 2>&1 | tail -25
