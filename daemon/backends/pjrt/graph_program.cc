@@ -12,11 +12,9 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "daemon/backends/pjrt/lowering/helpers.h"
 #include "daemon/backends/pjrt/lowering/lowering.h"
 #include "daemon/backends/pjrt/lowering/registry.h"
@@ -40,60 +38,6 @@ struct PjrtChip::Graph {
   int written = 0;
   bool checked = false;
 };
-
-namespace {
-
-// The parts of an op's device program (Lowering::DeviceText): its main's
-// parameter types, result types and the function itself as `name`,
-// private and without donation (the graph's main donates).
-struct OpFunction {
-  std::vector<std::string> params;
-  std::vector<std::string> results;
-  std::string text;
-};
-
-absl::StatusOr<OpFunction> AsFunction(const std::string& program,
-                                      const std::string& name) {
-  static const std::string kHead =
-      "module @tpud_op {\n  func.func public @main(";
-  static const std::string kArrow = ") -> (";
-  static const std::string kOpen = ") {\n";
-  static const std::string kAlias = " {tf.aliasing_output = ";
-  if (!absl::StartsWith(program, kHead) || !absl::EndsWith(program, "\n}\n")) {
-    return absl::InternalError(
-        "an op's program is not of the form a graph composes");
-  }
-  const size_t params_at = kHead.size();
-  const size_t arrow = program.find(kArrow, params_at);
-  const size_t open =
-      arrow == std::string::npos ? arrow : program.find(kOpen, arrow);
-  if (open == std::string::npos)
-    return absl::InternalError("an op's program without a signature");
-  OpFunction f;
-  std::string header;
-  for (absl::string_view p : absl::StrSplit(
-           absl::string_view(program).substr(params_at, arrow - params_at),
-           ", ")) {
-    std::string param(p);
-    if (size_t a = param.find(kAlias); a != std::string::npos) param.erase(a);
-    const size_t colon = param.find(": ");
-    if (colon == std::string::npos)
-      return absl::InternalError("an op's program with an untyped parameter");
-    f.params.push_back(param.substr(colon + 2));
-    absl::StrAppend(&header, header.empty() ? "" : ", ", param);
-  }
-  for (absl::string_view r :
-       absl::StrSplit(absl::string_view(program).substr(
-                          arrow + kArrow.size(), open - arrow - kArrow.size()),
-                      ", ")) {
-    f.results.emplace_back(r);
-  }
-  f.text = absl::StrCat("  func.func private @", name, "(", header,
-                        program.substr(arrow, program.size() - arrow - 2));
-  return f;
-}
-
-}  // namespace
 
 // A copy between device addresses of one graph, as an op's plan: its bytes
 // sliced out of the source segment and written into the destination's.
@@ -131,17 +75,22 @@ absl::StatusOr<PjrtChip::OpPlan> PjrtChip::CopyPlan(
     plan->segs.push_back({1, 0});
   }
   // (Where it reads and writes are parameters, as an op's offsets are.)
-  const std::string params =
-      same ? absl::StrCat("%s0: ", dt, " {tf.aliasing_output = 0 : i32}")
-           : absl::StrCat("%s0: ", st, ", %s1: ", dt,
-                          " {tf.aliasing_output = 0 : i32}");
-  plan->text = absl::StrCat(
-      "module @tpud_op {\n  func.func public @main(", params,
-      ", %from: tensor<i64>, %to: tensor<i64>) -> (", dt, ") {\n",
+  ProgramPieces& program = plan->program;
+  if (same) {
+    program.params.push_back({"%s0", dt, 0});
+  } else {
+    program.params.push_back({"%s0", st});
+    program.params.push_back({"%s1", dt, 0});
+  }
+  program.params.push_back({"%from", "tensor<i64>"});
+  program.params.push_back({"%to", "tensor<i64>"});
+  program.body = absl::StrCat(
       "    %0 = stablehlo.dynamic_slice ", s, ", %from, sizes = [", n, "] : (",
       st, ", tensor<i64>) -> ", nt, "\n",
       "    %1 = stablehlo.dynamic_update_slice ", d, ", %0, %to : (", dt, ", ",
-      nt, ", tensor<i64>) -> ", dt, "\n", "    return %1 : ", dt, "\n  }\n}\n");
+      nt, ", tensor<i64>) -> ", dt, "\n");
+  program.results = {"%1"};
+  program.result_types = {dt};
   OpPlan op_plan;
   op_plan.key = absl::StrCat("copy ", src.segment_bytes, " ", dst.segment_bytes,
                              " ", n, " ", same);
@@ -192,7 +141,7 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
           i, std::string(st.message()));  // run one by one, the op reports it
     if (plans[i].nothing) continue;
     if (plans[i].plan == nullptr || !plans[i].plan->device ||
-        plans[i].plan->text.empty()) {
+        plans[i].plan->program.results.empty()) {
       return decline(i, "read on the host or sized by the data");
     }
   }
@@ -264,16 +213,16 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
     for (size_t i = 0; i < ops.size(); ++i) {
       if (plans[i].nothing) continue;
       const Plan& plan = *plans[i].plan;
-      absl::StatusOr<OpFunction> f =
-          AsFunction(plan.text, absl::StrCat("op", i));
-      if (!f.ok()) return decline(i, std::string(f.status().message()));
+      const ProgramPieces& program = plan.program;
+      const std::vector<std::string> param_types = program.ParamTypes();
       const size_t scalars = plan.inputs.size() + plans[i].offsets.size();
-      if (f->params.size() != plan.segs.size() + scalars ||
-          f->results.size() != static_cast<size_t>(plan.segments_written) +
-                                   (plan.checked ? 1 : 0)) {
+      if (param_types.size() != plan.segs.size() + scalars ||
+          program.result_types.size() !=
+              static_cast<size_t>(plan.segments_written) +
+                  (plan.checked ? 1 : 0)) {
         return decline(i, "its program's signature does not match its plan");
       }
-      absl::StrAppend(&funcs, f->text);
+      absl::StrAppend(&funcs, program.Function(absl::StrCat("op", i)));
       std::vector<std::string> args;
       for (size_t j = 0; j < plan.segs.size(); ++j)
         args.push_back(now[seg_of[i][j]]);
@@ -281,18 +230,18 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
         const std::string a = absl::StrCat("%a", i, "_", m);
         args.push_back(a);
         absl::StrAppend(&params, ", ", a, ": ",
-                        f->params[plan.segs.size() + m]);
+                        param_types[plan.segs.size() + m]);
       }
       const std::string c = absl::StrCat("%c", i);
-      const size_t nres = f->results.size();
+      const size_t nres = program.result_types.size();
       auto result = [&](size_t r) {
         return nres == 1 ? c : absl::StrCat(c, "#", r);
       };
       absl::StrAppend(&body, "    ", c,
                       nres == 1 ? "" : absl::StrCat(":", nres),
                       " = func.call @op", i, "(", absl::StrJoin(args, ", "),
-                      ") : (", absl::StrJoin(f->params, ", "), ") -> (",
-                      absl::StrJoin(f->results, ", "), ")\n");
+                      ") : (", absl::StrJoin(param_types, ", "), ") -> (",
+                      absl::StrJoin(program.result_types, ", "), ")\n");
       for (size_t j = 0; j < plan.segs.size(); ++j) {
         if (plan.segs[j].result >= 0)
           now[seg_of[i][j]] = result(plan.segs[j].result);

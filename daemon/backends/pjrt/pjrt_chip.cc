@@ -676,7 +676,7 @@ absl::Status PjrtChip::RunOrPlan(const BackendOp& base,
     }
     std::string program;
     // Device memory: the program takes the segments its tensors lie in (see
-    // Lowering::DeviceText); in_seg[i] is transfer i's, -1 for a scalar.
+    // Lowering::DeviceProgram); in_seg[i] is transfer i's, -1 for a scalar.
     std::vector<int> in_seg;
     if (device_memory_) {
       std::vector<Lowering::SegmentParam> segs;
@@ -762,12 +762,12 @@ absl::Status PjrtChip::RunOrPlan(const BackendOp& base,
         for (const Lowering::SegmentWrite& w : writes)
           absl::StrAppend(&plan.fixed, " ", w.offset);
       }
-      absl::StatusOr<std::string> text = l.DeviceText(
+      absl::StatusOr<ProgramPieces> pieces = l.DeviceProgram(
           segs, in_seg, in_off, writes, extra, extra_types, dynamic);
-      if (!text.ok()) return text.status();
-      program = *std::move(text);
+      if (!pieces.ok()) return pieces.status();
+      program = pieces->Module();
       plan.device = true;
-      plan.text = program;
+      plan.program = *std::move(pieces);
       plan.on_device = device;
     } else {
       program = l.Text(values, types);

@@ -44,9 +44,9 @@ struct Plan {
   bool checked = false;
   std::string range_message;
   bool keep = true;
-  // Device memory: the program's text (a graph's programs are composed of
-  // their ops' texts: PjrtChip::RunProgram) and the device it is for.
-  std::string text;
+  // Device memory: the program in pieces (a graph's module is composed of
+  // its ops' programs: PjrtChip::RunProgram) and the device it is for.
+  ProgramPieces program;
   int on_device = 0;
   // Device memory: the record tensor whose place in its segment each offset
   // parameter (the program's last) is, reads then writes; or, where a read

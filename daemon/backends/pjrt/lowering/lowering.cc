@@ -489,7 +489,7 @@ absl::StatusOr<std::string> Lowering::ReadView(const std::string& seg,
   return Reshape(picked, {n}, x.dims, t);
 }
 
-absl::StatusOr<std::string> Lowering::DeviceText(
+absl::StatusOr<ProgramPieces> Lowering::DeviceProgram(
     const std::vector<SegmentParam>& segs, const std::vector<int>& in_seg,
     const std::vector<uint64_t>& in_off,
     const std::vector<SegmentWrite>& writes,
@@ -537,14 +537,11 @@ absl::StatusOr<std::string> Lowering::DeviceText(
         " : (", TypeOf({seg_bytes}, u8), ", ", TypeOf({bytes}, u8),
         ", tensor<i64>) -> ", TypeOf({seg_bytes}, u8)));
   }
-  std::vector<std::string> params, results, types;
+  ProgramPieces program;
   for (size_t j = 0; j < segs.size(); ++j) {
-    params.push_back(absl::StrCat(
-        "%s", j, ": ", TypeOf({static_cast<int64_t>(segs[j].bytes)}, u8)));
-    if (segs[j].result >= 0) {
-      absl::StrAppend(&params.back(), " {tf.aliasing_output = ", segs[j].result,
-                      " : i32}");
-    }
+    program.params.push_back({absl::StrCat("%s", j),
+                              TypeOf({static_cast<int64_t>(segs[j].bytes)}, u8),
+                              segs[j].result});
   }
   // Donated segments are results in the order of their `result`.
   std::vector<std::pair<int, size_t>> order;
@@ -553,28 +550,27 @@ absl::StatusOr<std::string> Lowering::DeviceText(
   }
   std::sort(order.begin(), order.end());
   for (const auto& [r, j] : order) {
-    results.push_back(now[j]);
-    types.push_back(TypeOf({static_cast<int64_t>(segs[j].bytes)}, u8));
+    program.results.push_back(now[j]);
+    program.result_types.push_back(
+        TypeOf({static_cast<int64_t>(segs[j].bytes)}, u8));
   }
   for (size_t i = 0; i < transfers_.size(); ++i) {
     if (in_seg[i] < 0)
-      params.push_back(absl::StrCat("%p", i, ": ", param_types_[i]));
+      program.params.push_back({absl::StrCat("%p", i), param_types_[i]});
   }
   if (dynamic) {
     for (size_t i = 0; i < transfers_.size(); ++i) {
       if (in_seg[i] >= 0)
-        params.push_back(absl::StrCat("%o", i, ": tensor<i64>"));
+        program.params.push_back({absl::StrCat("%o", i), "tensor<i64>"});
     }
     for (size_t wi = 0; wi < writes.size(); ++wi)
-      params.push_back(absl::StrCat("%w", wi, ": tensor<i64>"));
+      program.params.push_back({absl::StrCat("%w", wi), "tensor<i64>"});
   }
-  results.insert(results.end(), extra.begin(), extra.end());
-  types.insert(types.end(), extra_types.begin(), extra_types.end());
-  const std::string ret = absl::StrJoin(types, ", ");
-  return absl::StrCat("module @tpud_op {\n  func.func public @main(",
-                      absl::StrJoin(params, ", "), ") -> (", ret, ") {\n",
-                      prologue, body_, "    return ",
-                      absl::StrJoin(results, ", "), " : ", ret, "\n  }\n}\n");
+  program.results.insert(program.results.end(), extra.begin(), extra.end());
+  program.result_types.insert(program.result_types.end(), extra_types.begin(),
+                              extra_types.end());
+  program.body = absl::StrCat(prologue, body_);
+  return program;
 }
 
 }  // namespace tpud::pjrt

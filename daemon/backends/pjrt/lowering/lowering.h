@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "daemon/backends/chip_backend.h"
+#include "daemon/backends/pjrt/lowering/program.h"
 #include "daemon/backends/pjrt/pjrt_plugin.h"
 #include "tpu/device_address.h"
 #include "tpu/dtype.h"
@@ -446,14 +447,15 @@ class Lowering {
     int seg = -1;
     uint64_t offset = 0;
   };
-  // The program for device memory: parameters are the segments, then the
+  // The program for device memory, in pieces (its Module() is the op's
+  // module, its Function() a graph's): parameters are the segments, then the
   // transfers with `in_seg[i]` < 0 (scalars) in order; transfer i with a
   // segment is read from it at `in_off[i]`. Results: each segment with a
   // `result`, in that order, then `extra` (typed `extra_types`). With
   // `dynamic`, the offsets are the program's last parameters (tensor<i64>,
   // each read's in transfer order, then each write's) instead of constants
   // in it, so one program serves its op wherever the tensors lie.
-  absl::StatusOr<std::string> DeviceText(
+  absl::StatusOr<ProgramPieces> DeviceProgram(
       const std::vector<SegmentParam>& segs, const std::vector<int>& in_seg,
       const std::vector<uint64_t>& in_off,
       const std::vector<SegmentWrite>& writes,
