@@ -32,13 +32,12 @@ void RegisterRandom(OpRegistry& reg) {
   // not equal to the CPU's stream.
   enum class Dist { kUniform, kNormal, kBernoulli, kRandom };
   auto random_rule = [](Dist dist) -> Rule {
-    return [dist](Lowering& l, const tpu::DecodedOp& d,
+    return [dist](Lowering& l, const tpu::DecodedOp&,
                   const Target& o) -> absl::StatusOr<std::string> {
-      const tpu::OpArg* gen = nullptr;
-      for (size_t i = 0; i < d.num_args; ++i) {
-        if (d.args[i].tag == tpu::ArgTag::kGenerator) gen = &d.args[i];
-      }
-      if (gen == nullptr) return Unsupported(l.op(), "no generator argument");
+      const Args a(l);
+      const tpu::OpArg* gen = a.Find("generator");
+      if (gen == nullptr || gen->tag != tpu::ArgTag::kGenerator)
+        return Unsupported(l.op(), "no generator argument");
       const HloType& t = *o.type;
       const HloType& f =
           t.dtype == tpu::DType::kDouble
@@ -53,16 +52,16 @@ void RegisterRandom(OpRegistry& reg) {
         one.insert(one.begin(), 1);
         return l.Reshape(l.SliceAlong(u, two, 0, k, k + 1, f), one, o.dims, f);
       };
-      auto num = [&](size_t i, double dflt) {
-        return i < d.num_args && d.args[i].tag != tpu::ArgTag::kNone &&
-                       d.args[i].tag != tpu::ArgTag::kGenerator
-                   ? NumberOf(d.args[i])
-                   : dflt;
+      // A number argument, or `dflt` where absent or None.
+      auto num = [&](const char* name, double dflt) {
+        const tpu::OpArg* x = a.Find(name);
+        return x != nullptr && x->tag != tpu::ArgTag::kNone ? NumberOf(*x)
+                                                            : dflt;
       };
       std::string v;
       switch (dist) {
         case Dist::kUniform: {  // uniform_(self, from, to, *, generator)
-          const double from = num(1, 0), to = num(2, 1);
+          const double from = num("from", 0), to = num("to", 1);
           v = l.Binary("add", l.Constant(from, o.dims, f),
                        l.Binary("multiply", u, l.Constant(to - from, o.dims, f),
                                 o.dims, f),
@@ -71,7 +70,7 @@ void RegisterRandom(OpRegistry& reg) {
         }
         case Dist::kNormal: {  // normal_(self, mean, std, *, generator):
                                // Box-Muller
-          const double mean = num(1, 0), stdev = num(2, 1);
+          const double mean = num("mean", 0), stdev = num("std", 1);
           const std::string u1 = l.Binary("subtract", l.Constant(1, o.dims, f),
                                           half(0), o.dims, f);  // (0, 1]
           const std::string r =
@@ -94,12 +93,12 @@ void RegisterRandom(OpRegistry& reg) {
         case Dist::kBernoulli: {  // bernoulli_(self, p: float or Tensor, *,
                                   // generator)
           std::string p;
-          if (d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kTensor) {
-            absl::StatusOr<std::string> pt = l.Operand(d.args[1], o.dims, f);
+          if (a.Defined("p")) {
+            absl::StatusOr<std::string> pt = l.Operand(a["p"], o.dims, f);
             if (!pt.ok()) return pt;
             p = *pt;
           } else {
-            p = l.Constant(num(1, 0.5), o.dims, f);
+            p = l.Constant(num("p", 0.5), o.dims, f);
           }
           v = l.Select(l.Compare("LT", u, p, o.dims, f),
                        l.Constant(1, o.dims, f), l.Constant(0, o.dims, f),
@@ -108,7 +107,7 @@ void RegisterRandom(OpRegistry& reg) {
         }
         case Dist::kRandom: {  // random_.from(self, from, to?, *, generator):
                                // integers in [from, to)
-          const double from = num(1, 0), to = num(2, from + 1);
+          const double from = num("from", 0), to = num("to", from + 1);
           const HloType& w = F64();
           const std::string uw = l.Convert(u, o.dims, f, w);
           v = l.Binary(
