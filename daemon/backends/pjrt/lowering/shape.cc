@@ -26,23 +26,24 @@ namespace tpud::pjrt {
 void RegisterShape(OpRegistry& reg) {
   reg.AddMulti(
       "aten::cat",
-      [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& outs)
+      [](Lowering& l, const tpu::DecodedOp&, const std::vector<Target>& outs)
           -> absl::StatusOr<std::vector<std::string>> {
         // (tensors, dim): one output; legacy empty 1-d inputs are skipped.
-        if (outs.size() != 1 || d.num_args < 1 ||
-            d.args[0].tag != tpu::ArgTag::kTensorList) {
+        const Args a(l);
+        const tpu::OpArg* list = a.Find("tensors");
+        if (outs.size() != 1 || list == nullptr ||
+            list->tag != tpu::ArgTag::kTensorList) {
           return Unsupported(l.op(), "expects a list of tensors");
         }
         const Target& o = outs[0];
-        const int64_t dim =
-            WrapDim(d.num_args > 1 ? d.args[1].i : 0, o.dims.size());
+        const int64_t dim = WrapDim(a.Int("dim", 0), o.dims.size());
         std::vector<std::string> parts, types;
-        for (size_t e = 0; e < d.args[0].tensors.size(); ++e) {
-          const tpu::TensorRef& r = d.args[0].tensors[e];
+        for (size_t e = 0; e < list->tensors.size(); ++e) {
+          const tpu::TensorRef& r = list->tensors[e];
           if (Numel(r) == 0) continue;
           const std::vector<int64_t> dims = DimsOf(r);
           absl::StatusOr<std::string> v =
-              l.OperandRef(r, l.TensorIndex(d.args[0]) + e, dims, *o.type);
+              l.OperandRef(r, l.TensorIndex(*list) + e, dims, *o.type);
           if (!v.ok()) return v.status();
           parts.push_back(*v);
           types.push_back(TypeOf(dims, *o.type));
@@ -58,13 +59,15 @@ void RegisterShape(OpRegistry& reg) {
   // arange.start_out(start, end, step, *, out): start + i * step, computed
   // in double (integers in int64) as the CPU kernel does.
   reg.Add("aten::arange.start_out",
-          [](Lowering& l, const tpu::DecodedOp& d,
+          [](Lowering& l, const tpu::DecodedOp&,
              const Target& o) -> absl::StatusOr<std::string> {
-            if (d.num_args < 3 || o.dims.size() != 1)
+            const Args a(l);
+            if (!a.Has("start") || !a.Has("step") || o.dims.size() != 1)
               return Unsupported(l.op(), "arguments of a form not lowered");
             const HloType& w = o.type->is_float ? F64() : I64();
-            absl::StatusOr<std::string> start = l.Operand(d.args[0], o.dims, w),
-                                        step = l.Operand(d.args[2], o.dims, w);
+            absl::StatusOr<std::string> start =
+                                            l.Operand(a["start"], o.dims, w),
+                                        step = l.Operand(a["step"], o.dims, w);
             if (!start.ok()) return start;
             if (!step.ok()) return step;
             const std::string v = l.Binary(
@@ -76,33 +79,35 @@ void RegisterShape(OpRegistry& reg) {
   reg.Add("aten::flip",
           [](Lowering& l, const tpu::DecodedOp& d,
              const Target& o) -> absl::StatusOr<std::string> {
-            if (!Defined(d, 0) || d.num_args < 2 ||
-                d.args[1].tag != tpu::ArgTag::kIntList)
+            const Args a(l);
+            if (!a.Defined("self") || !a.Has("dims") ||
+                a["dims"].tag != tpu::ArgTag::kIntList)
               return Unsupported(l.op(), "arguments of a form not lowered");
             absl::StatusOr<std::string> x =
-                l.Operand(d.args[0], o.dims, *o.type);
+                l.Operand(a["self"], o.dims, *o.type);
             if (!x.ok()) return x;
             absl::StatusOr<std::vector<int64_t>> which =
                 ReducedDims(l, d, 1, o.dims.size());
             if (!which.ok()) return which.status();
-            if (d.args[1].ints.empty() || which->empty()) return *x;
+            if (a["dims"].ints.empty() || which->empty()) return *x;
             return l.Emit(absl::StrCat("stablehlo.reverse ", *x, ", dims = [",
                                        absl::StrJoin(*which, ", "),
                                        "] : ", TypeOf(o.dims, *o.type)));
-          });  // roll(self, shifts, dims): each dim rotated by its shift (no
-               // dims: the
+          });
+  // roll(self, shifts, dims): each dim rotated by its shift (no dims: the
   // flattened tensor), as two slices joined.
   reg.Add(
       "aten::roll",
-      [](Lowering& l, const tpu::DecodedOp& d,
+      [](Lowering& l, const tpu::DecodedOp&,
          const Target& o) -> absl::StatusOr<std::string> {
-        if (!Defined(d, 0) || d.num_args < 3)
+        const Args a(l);
+        if (!a.Defined("self") || !a.Has("shifts") || !a.Has("dims"))
           return Unsupported(l.op(), "arguments of a form not lowered");
         const HloType& t = *o.type;
-        absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
+        absl::StatusOr<std::string> x = l.Operand(a["self"], o.dims, t);
         if (!x.ok()) return x;
-        const std::vector<int64_t>& shifts = d.args[1].ints;
-        std::vector<int64_t> dims = d.args[2].ints;
+        const std::vector<int64_t>& shifts = a["shifts"].ints;
+        std::vector<int64_t> dims = a["dims"].ints;
         std::vector<int64_t> in = o.dims;
         std::string v = *x;
         const bool flat = dims.empty();
