@@ -82,6 +82,12 @@ class Record {
     ++tensors_;
     return *this;
   }
+  Record& TensorList(const std::vector<Placed>& ps) {
+    tpu::OpArg& a = Add(tpu::ArgTag::kTensorList);
+    for (const Placed& p : ps) a.tensors.push_back(p.ref);
+    tensors_ += ps.size();
+    return *this;
+  }
   Record& ScalarDouble(double v) {
     Add(tpu::ArgTag::kScalarDouble).d = v;
     return *this;
@@ -284,6 +290,46 @@ TEST_CASE("leaky_relu reads negative_slope by name, its default when absent") {
   INFO(st.ToString());
   REQUIRE(st.ok());
   CHECK(Read(out, 2)[0] == Approx(-0.02f));
+}
+
+TEST_CASE("foreach ops read their lists and scalars by name") {
+  Fixture f;
+  Placed x = f.arena.Floats({2}, {1, 2});
+  Placed y = f.arena.Floats({3}, {3, 4, 5});
+  Placed a = f.arena.Floats({2}, {10, 20});
+  Placed b = f.arena.Floats({3}, {30, 40, 50});
+  auto run = [&](const char* schema, const Record& r) {
+    absl::Status st = f.Run(schema, r);
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+  };
+  run("aten::_foreach_add_.Scalar(Tensor(a!)[] self, Scalar scalar) -> ()",
+      Record(f.arena).TensorList({x, y}).ScalarDouble(0.5));
+  CHECK(Read(x, 2) == std::vector<float>{1.5, 2.5});
+  CHECK(Read(y, 3) == std::vector<float>{3.5, 4.5, 5.5});
+  run("aten::_foreach_sub_.List(Tensor(a!)[] self, Tensor[] other, *, "
+      "Scalar alpha=1) -> ()",
+      Record(f.arena).TensorList({x, y}).TensorList({a, b}).ScalarDouble(0.1));
+  CHECK(Read(x, 2)[1] == Approx(0.5f));
+  CHECK(Read(y, 3)[2] == Approx(0.5f));
+  const char* addcmul =
+      "aten::_foreach_addcmul_.Scalar(Tensor(a!)[] self, Tensor[] tensor1, "
+      "Tensor[] tensor2, Scalar value=1) -> ()";
+  run(addcmul,
+      Record(f.arena).TensorList({x, y}).TensorList({a, b}).TensorList({a, b}));
+  CHECK(Read(x, 2)[0] == Approx(100.5f));
+  run(addcmul, Record(f.arena)
+                   .TensorList({x, y})
+                   .TensorList({a, b})
+                   .TensorList({a, b})
+                   .ScalarDouble(-1));
+  CHECK(Read(x, 2)[0] == Approx(0.5f));
+  CHECK(Read(y, 3)[0] == Approx(0.5f));
+  run("aten::_foreach_lerp_.Scalar(Tensor(a!)[] self, Tensor[] tensors1, "
+      "Scalar weight) -> ()",
+      Record(f.arena).TensorList({x, y}).TensorList({a, b}).ScalarDouble(0.5));
+  CHECK(Read(x, 2)[0] == Approx(5.25f));
+  CHECK(Read(y, 3)[2] == Approx(25.25f));
 }
 
 TEST_CASE("the registry's facts: host-side ops, first arguments overwritten") {

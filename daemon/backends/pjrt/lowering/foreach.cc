@@ -41,20 +41,23 @@ void RegisterForeach(OpRegistry& reg) {
           return r;
         };
       };
-  // Element e of list argument i, as a value of out's type and shape.
-  auto elem = [](Lowering& l, const tpu::DecodedOp& d, size_t i, size_t e,
+  // Element e of list argument `name`, as a value of out's type and shape.
+  auto elem = [](Lowering& l, const char* name, size_t e,
                  const Target& o) -> absl::StatusOr<std::string> {
-    if (i >= d.num_args || d.args[i].tag != tpu::ArgTag::kTensorList ||
-        e >= d.args[i].tensors.size()) {
+    const tpu::OpArg* list = Args(l).Find(name);
+    if (list == nullptr || list->tag != tpu::ArgTag::kTensorList ||
+        e >= list->tensors.size()) {
       return Unsupported(l.op(), "list arguments of different lengths");
     }
-    return l.OperandRef(d.args[i].tensors[e], l.TensorIndex(d.args[i]) + e,
-                        o.dims, *o.type);
+    return l.OperandRef(list->tensors[e], l.TensorIndex(*list) + e, o.dims,
+                        *o.type);
   };
-  auto scalar = [](Lowering& l, const tpu::DecodedOp& d, size_t i, size_t e,
+  // Scalar argument `name` for element e: its e-th where it is a list.
+  auto scalar = [](Lowering& l, const char* name, size_t e,
                    const Target& o) -> absl::StatusOr<std::string> {
-    if (i >= d.num_args) return Unsupported(l.op(), "a scalar is missing");
-    const tpu::OpArg& a = d.args[i];
+    const tpu::OpArg* found = Args(l).Find(name);
+    if (found == nullptr) return Unsupported(l.op(), "a scalar is missing");
+    const tpu::OpArg& a = *found;
     if (a.tag == tpu::ArgTag::kDoubleList || a.tag == tpu::ArgTag::kIntList) {
       const size_t n =
           a.tag == tpu::ArgTag::kDoubleList ? a.doubles.size() : a.ints.size();
@@ -87,18 +90,21 @@ void RegisterForeach(OpRegistry& reg) {
                                                    : "divide";
     const bool list = absl::EndsWith(n, ".List");
     const bool alpha = absl::EndsWith(n, ".Tensor") || list;
+    const char* other = alpha                              ? "other"
+                        : absl::EndsWith(n, ".ScalarList") ? "scalars"
+                                                           : "scalar";
     reg.AddMulti(
-        n, foreach ([=](Lowering& l, const tpu::DecodedOp& d, const Target& o,
+        n, foreach ([=](Lowering& l, const tpu::DecodedOp&, const Target& o,
                         size_t e) -> absl::StatusOr<std::string> {
-          absl::StatusOr<std::string> a = elem(l, d, 0, e, o);
+          absl::StatusOr<std::string> a = elem(l, "self", e, o);
           if (!a.ok()) return a;
           absl::StatusOr<std::string> b =
-              list ? elem(l, d, 1, e, o) : scalar(l, d, 1, e, o);
+              list ? elem(l, other, e, o) : scalar(l, other, e, o);
           if (!b.ok()) return b;
           std::string rhs = *b;
-          if (alpha && d.num_args > 2 && NumberOf(d.args[2]) != 1.0) {
-            absl::StatusOr<std::string> s =
-                l.Operand(d.args[2], o.dims, *o.type);
+          const tpu::OpArg* by = alpha ? Args(l).Find("alpha") : nullptr;
+          if (by != nullptr && NumberOf(*by) != 1.0) {
+            absl::StatusOr<std::string> s = l.Operand(*by, o.dims, *o.type);
             if (!s.ok()) return s;
             rhs = l.Binary("multiply", rhs, *s, o.dims, *o.type);
           }
@@ -112,38 +118,39 @@ void RegisterForeach(OpRegistry& reg) {
         "aten::_foreach_addcdiv_.ScalarList"}) {
     const std::string n = name;
     const char* op = absl::StrContains(n, "addcmul") ? "multiply" : "divide";
+    const char* value = absl::EndsWith(n, ".ScalarList") ? "scalars" : "value";
     reg.AddMulti(
-        n, foreach ([=](Lowering& l, const tpu::DecodedOp& d, const Target& o,
+        n, foreach ([=](Lowering& l, const tpu::DecodedOp&, const Target& o,
                         size_t e) -> absl::StatusOr<std::string> {
-          absl::StatusOr<std::string> a = elem(l, d, 0, e, o),
-                                      b = elem(l, d, 1, e, o),
-                                      c = elem(l, d, 2, e, o);
+          absl::StatusOr<std::string> a = elem(l, "self", e, o),
+                                      b = elem(l, "tensor1", e, o),
+                                      c = elem(l, "tensor2", e, o);
           for (auto* v : {&a, &b, &c})
             if (!v->ok()) return *v;
           std::string prod = l.Binary(op, *b, *c, o.dims, *o.type);
-          if (d.num_args > 3) {
-            absl::StatusOr<std::string> s = scalar(l, d, 3, e, o);
+          if (Args(l).Has(value)) {
+            absl::StatusOr<std::string> s = scalar(l, value, e, o);
             if (!s.ok()) return s;
             prod = l.Binary("multiply", prod, *s, o.dims, *o.type);
           }
           return l.Binary("add", *a, prod, o.dims, *o.type);
         }));
   }
-  reg.AddMulti(
-      "aten::_foreach_lerp_.Scalar",
-      foreach ([=](Lowering& l, const tpu::DecodedOp& d, const Target& o,
-                   size_t e) -> absl::StatusOr<std::string> {
-        absl::StatusOr<std::string> a = elem(l, d, 0, e, o),
-                                    b = elem(l, d, 1, e, o),
-                                    w = scalar(l, d, 2, e, o);
-        for (auto* v : {&a, &b, &w})
-          if (!v->ok()) return *v;
-        return l.Binary("add", *a,
-                        l.Binary("multiply", *w,
-                                 l.Binary("subtract", *b, *a, o.dims, *o.type),
-                                 o.dims, *o.type),
-                        o.dims, *o.type);
-      }));
+  reg.AddMulti("aten::_foreach_lerp_.Scalar",
+               foreach ([=](Lowering& l, const tpu::DecodedOp&, const Target& o,
+                            size_t e) -> absl::StatusOr<std::string> {
+                 absl::StatusOr<std::string> a = elem(l, "self", e, o),
+                                             b = elem(l, "tensors1", e, o),
+                                             w = scalar(l, "weight", e, o);
+                 for (auto* v : {&a, &b, &w})
+                   if (!v->ok()) return *v;
+                 return l.Binary(
+                     "add", *a,
+                     l.Binary("multiply", *w,
+                              l.Binary("subtract", *b, *a, o.dims, *o.type),
+                              o.dims, *o.type),
+                     o.dims, *o.type);
+               }));
   for (const auto& [name, op] :
        std::vector<std::pair<std::string, const char*>>{{"sqrt", "sqrt"},
                                                         {"neg", "negate"},
@@ -153,9 +160,9 @@ void RegisterForeach(OpRegistry& reg) {
       const char* hlo = op;
       reg.AddMulti(
           "aten::_foreach_" + name + suffix,
-          foreach ([=](Lowering& l, const tpu::DecodedOp& d, const Target& o,
+          foreach ([=](Lowering& l, const tpu::DecodedOp&, const Target& o,
                        size_t e) -> absl::StatusOr<std::string> {
-            absl::StatusOr<std::string> a = elem(l, d, 0, e, o);
+            absl::StatusOr<std::string> a = elem(l, "self", e, o);
             if (!a.ok()) return a;
             return l.Unary(hlo, *a, o.dims, *o.type);
           }));
