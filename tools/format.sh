@@ -23,12 +23,11 @@ else
 fi
 
 if ((check)); then
-  bad=()
-  for f in "${files[@]}"; do
-    if ! "$CF" --style=file --dry-run -Werror "$f" >/dev/null 2>&1; then bad+=("$f"); fi
-  done
-  if ((${#bad[@]})); then
-    printf 'format: not formatted (run tools/format.sh): %s\n' "${bad[@]}"
+  # One clang-format for every file; its warnings name each file it would
+  # change ("FILE:LINE:COL: error: code should be clang-formatted").
+  if ! out="$("$CF" --style=file --dry-run -Werror "${files[@]}" 2>&1)"; then
+    echo "$out" | sed -n 's/^\([^:]*\):[0-9]*:[0-9]*: error: code should be clang-formatted.*/\1/p' |
+      sort -u | sed 's/^/format: not formatted (run tools\/format.sh): /'
     exit 1
   fi
   echo "format: ${#files[@]} files formatted"
