@@ -28,12 +28,13 @@ void RegisterSort(OpRegistry& reg) {
   // max.dim / min.dim(self, dim, keepdim): the values and the first index
   // of each.
   for (bool largest : {true, false}) {
-    MultiRule r = [largest](Lowering& l, const tpu::DecodedOp& d,
+    MultiRule r = [largest](Lowering& l, const tpu::DecodedOp&,
                             const std::vector<Target>& o)
         -> absl::StatusOr<std::vector<std::string>> {
-      if (o.size() != 2 || !Defined(d, 0) || d.num_args < 2)
+      const Args a(l);
+      if (o.size() != 2 || !a.Defined("self") || !a.Has("dim"))
         return Unsupported(l.op(), "expects 2 outputs");
-      const tpu::TensorRef& x = d.args[0].tensor;
+      const tpu::TensorRef& x = a["self"].tensor;
       const HloType& t = *o[0].type;
       const std::vector<int64_t> in = DimsOf(x);
       absl::StatusOr<std::string> v = l.OperandRef(x, 0, in, t);
@@ -43,7 +44,7 @@ void RegisterSort(OpRegistry& reg) {
                                         l.Constant(0, o[1].dims, *o[1].type)};
       }
       absl::StatusOr<int64_t> checked =
-          CheckedDim(l.op(), d.args[1].i, in.size());
+          CheckedDim(l.op(), a["dim"].i, in.size());
       if (!checked.ok()) return checked.status();
       const int64_t dim = *checked;
       const std::vector<int64_t> which = {dim};
@@ -70,27 +71,25 @@ void RegisterSort(OpRegistry& reg) {
   // sort(self, [stable,] dim, descending): a stable sort (PyTorch's CPU
   // sort is stable either way), NaN last going up.
   for (bool with_stable : {false, true}) {
-    MultiRule r = [with_stable](Lowering& l, const tpu::DecodedOp& d,
-                                const std::vector<Target>& o)
+    MultiRule r = [](Lowering& l, const tpu::DecodedOp&,
+                     const std::vector<Target>& o)
         -> absl::StatusOr<std::vector<std::string>> {
-      if (o.size() != 2 || !Defined(d, 0))
+      const Args a(l);
+      if (o.size() != 2 || !a.Defined("self"))
         return Unsupported(l.op(), "expects 2 outputs");
-      const size_t at = with_stable ? 2 : 1;
-      const HloType& t = *DTypeOf(d.args[0].tensor.dtype);
-      const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
-      absl::StatusOr<std::string> v = l.OperandRef(d.args[0].tensor, 0, in, t);
+      const tpu::TensorRef& x = a["self"].tensor;
+      const HloType& t = *DTypeOf(x.dtype);
+      const std::vector<int64_t> in = DimsOf(x);
+      absl::StatusOr<std::string> v = l.OperandRef(x, 0, in, t);
       if (!v.ok()) return v.status();
       if (in.empty())
         return std::vector<std::string>{l.Convert(*v, in, t, *o[0].type),
                                         l.Constant(0, o[1].dims, *o[1].type)};
       absl::StatusOr<int64_t> checked = CheckedDim(
-          l.op(),
-          d.num_args > at ? static_cast<int64_t>(NumberOf(d.args[at])) : -1,
-          in.size());
+          l.op(), static_cast<int64_t>(a.Number("dim", -1)), in.size());
       if (!checked.ok()) return checked.status();
       const int64_t dim = *checked;
-      const bool descending =
-          d.num_args > at + 1 && NumberOf(d.args[at + 1]) != 0;
+      const bool descending = a.Number("descending", 0) != 0;
       auto [values, indices] = l.Sort(*v, in, dim, descending, t);
       return std::vector<std::string>{
           l.Convert(values, in, t, *o[0].type),
@@ -108,34 +107,33 @@ void RegisterSort(OpRegistry& reg) {
   // the lower middle of the sorted elements. median gives NaN (and the
   // first NaN's index) where a row holds one; nanmedian skips them.
   for (bool nan : {false, true}) {
-    MultiRule r = [nan](Lowering& l, const tpu::DecodedOp& d,
+    MultiRule r = [nan](Lowering& l, const tpu::DecodedOp&,
                         const std::vector<Target>& o)
         -> absl::StatusOr<std::vector<std::string>> {
-      if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
-      const HloType& t = *DTypeOf(d.args[0].tensor.dtype);
-      const std::vector<int64_t> given = DimsOf(d.args[0].tensor);
-      absl::StatusOr<std::string> v =
-          l.OperandRef(d.args[0].tensor, 0, given, t);
+      const Args a(l);
+      if (!a.Defined("self")) return Unsupported(l.op(), "expects a tensor");
+      const tpu::TensorRef& x = a["self"].tensor;
+      const HloType& t = *DTypeOf(x.dtype);
+      const std::vector<int64_t> given = DimsOf(x);
+      absl::StatusOr<std::string> v = l.OperandRef(x, 0, given, t);
       if (!v.ok()) return v.status();
       const bool whole = o.size() == 1;
       std::vector<int64_t> in = given;
       int64_t dim = 0;
       if (whole || in.empty()) {
         int64_t n = 1;
-        for (int64_t x : given) n *= x;
+        for (int64_t s : given) n *= s;
         in = {n};
         v = l.Reshape(*v, given, in, t);
-        if (!whole && d.num_args > 1) {
+        if (!whole && a.Has("dim")) {
           // A 0-d tensor takes dim 0 or -1, as a 1-d one.
           absl::StatusOr<int64_t> checked =
-              CheckedDim(l.op(), static_cast<int64_t>(NumberOf(d.args[1])), 1);
+              CheckedDim(l.op(), static_cast<int64_t>(a.Number("dim", 0)), 1);
           if (!checked.ok()) return checked.status();
         }
       } else {
         absl::StatusOr<int64_t> checked = CheckedDim(
-            l.op(),
-            d.num_args > 1 ? static_cast<int64_t>(NumberOf(d.args[1])) : -1,
-            in.size());
+            l.op(), static_cast<int64_t>(a.Number("dim", -1)), in.size());
         if (!checked.ok()) return checked.status();
         dim = *checked;
       }
@@ -193,16 +191,19 @@ void RegisterSort(OpRegistry& reg) {
   // for each value, how many elements of its row sort before it.
   reg.AddMulti(
       "aten::searchsorted.Tensor_out",
-      [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+      [](Lowering& l, const tpu::DecodedOp&, const std::vector<Target>& o)
           -> absl::StatusOr<std::vector<std::string>> {
-        if (o.size() != 1 || !Defined(d, 0) || !Defined(d, 1))
+        const Args a(l);
+        if (o.size() != 1 || !a.Defined("sorted_sequence") ||
+            !a.Defined("self"))
           return Unsupported(l.op(), "expects two tensors");
-        if (Defined(d, 5)) return Unsupported(l.op(), "a sorter");
-        bool right = d.num_args > 3 && NumberOf(d.args[3]) != 0;
-        if (d.num_args > 4 && d.args[4].tag == tpu::ArgTag::kString)
-          right = right || d.args[4].s == "right";
-        const tpu::TensorRef& seq = d.args[0].tensor;
-        const tpu::TensorRef& val = d.args[1].tensor;
+        if (a.Defined("sorter")) return Unsupported(l.op(), "a sorter");
+        bool right = a.Number("right", 0) != 0;
+        if (const tpu::OpArg* side = a.Find("side");
+            side != nullptr && side->tag == tpu::ArgTag::kString)
+          right = right || side->s == "right";
+        const tpu::TensorRef& seq = a["sorted_sequence"].tensor;
+        const tpu::TensorRef& val = a["self"].tensor;
         const HloType& t = *DTypeOf(seq.dtype);
         const std::vector<int64_t> sd = DimsOf(seq), vd = DimsOf(val);
         if (sd.empty()) return Unsupported(l.op(), "a 0-d sequence");
@@ -238,28 +239,27 @@ void RegisterSort(OpRegistry& reg) {
   // topk(self, k, dim, largest, sorted) and kthvalue(self, k, dim,
   // keepdim): a sort, then a slice.
   for (bool top : {true, false}) {
-    MultiRule r = [top](Lowering& l, const tpu::DecodedOp& d,
+    MultiRule r = [top](Lowering& l, const tpu::DecodedOp&,
                         const std::vector<Target>& o)
         -> absl::StatusOr<std::vector<std::string>> {
-      if (o.size() != 2 || !Defined(d, 0) || d.num_args < 2)
+      const Args a(l);
+      if (o.size() != 2 || !a.Defined("self") || !a.Has("k"))
         return Unsupported(l.op(), "expects 2 outputs");
-      const HloType& t = *DTypeOf(d.args[0].tensor.dtype);
-      std::vector<int64_t> in = DimsOf(d.args[0].tensor);
-      absl::StatusOr<std::string> v = l.OperandRef(d.args[0].tensor, 0, in, t);
+      const tpu::TensorRef& x = a["self"].tensor;
+      const HloType& t = *DTypeOf(x.dtype);
+      std::vector<int64_t> in = DimsOf(x);
+      absl::StatusOr<std::string> v = l.OperandRef(x, 0, in, t);
       if (!v.ok()) return v.status();
       if (in.empty()) {
         in = {1};
         v = l.Reshape(*v, {}, in, t);
       }
-      const int64_t k = static_cast<int64_t>(NumberOf(d.args[1]));
+      const int64_t k = static_cast<int64_t>(a.Number("k", 0));
       absl::StatusOr<int64_t> checked = CheckedDim(
-          l.op(),
-          d.num_args > 2 ? static_cast<int64_t>(NumberOf(d.args[2])) : -1,
-          in.size());
+          l.op(), static_cast<int64_t>(a.Number("dim", -1)), in.size());
       if (!checked.ok()) return checked.status();
       const int64_t dim = *checked;
-      const bool descending =
-          top && (d.num_args <= 3 || NumberOf(d.args[3]) != 0);
+      const bool descending = top && a.Number("largest", 1) != 0;
       if (top ? (k < 0 || k > in[dim]) : (k < 1 || k > in[dim])) {
         return absl::InvalidArgumentError(
             absl::StrCat(l.op(), ": k (", k,
