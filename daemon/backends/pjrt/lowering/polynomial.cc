@@ -49,15 +49,17 @@ enum class Poly {
 };
 
 Rule PolynomialRule(Poly kind) {
-  return [kind](Lowering& l, const tpu::DecodedOp& d,
+  return [kind](Lowering& l, const tpu::DecodedOp&,
                 const Target& o) -> absl::StatusOr<std::string> {
-    if (d.num_args < 2) return Unsupported(l.op(), "expects x and n");
+    const Args args(l);
+    if (!args.Has("x") || !args.Has("n"))
+      return Unsupported(l.op(), "expects x and n");
     const HloType& t = *o.type;
     const HloType& i64 = I64();
     const HloType& i1 = *DTypeOf(tpu::DType::kBool);
     const std::vector<int64_t>& dims = o.dims;
-    absl::StatusOr<std::string> xs = l.Operand(d.args[0], dims, t),
-                                ns = l.Operand(d.args[1], dims, i64);
+    absl::StatusOr<std::string> xs = l.Operand(args["x"], dims, t),
+                                ns = l.Operand(args["n"], dims, i64);
     if (!xs.ok()) return xs;
     if (!ns.ok()) return ns;
     const std::string x = *xs;
@@ -96,10 +98,10 @@ Rule PolynomialRule(Poly kind) {
           return l.Binary("atan2", un("sqrt", sub(c(1), mul(a, a))), a, dims,
                           t);
         };
-    if (kind == Poly::kH && d.args[1].tag == tpu::ArgTag::kTensor &&
-        tpu::IsFloating(tpu::DTypeFromCode(d.args[1].tensor.dtype))) {
+    if (kind == Poly::kH && args.Defined("n") &&
+        tpu::IsFloating(tpu::DTypeFromCode(args["n"].tensor.dtype))) {
       // A NaN or infinite degree counts as -1.
-      absl::StatusOr<std::string> nf = l.Operand(d.args[1], dims, t);
+      absl::StatusOr<std::string> nf = l.Operand(args["n"], dims, t);
       if (!nf.ok()) return nf;
       const std::string finite =
           l.Emit(absl::StrCat("stablehlo.is_finite ", *nf, " : (",
