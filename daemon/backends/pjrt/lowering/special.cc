@@ -60,17 +60,20 @@ void RegisterSpecial(OpRegistry& reg) {
   using F2 = std::function<std::string(Lowering&, const std::string&,
                                        const std::string&, const Target&)>;
   auto binary = [&reg](const std::string& name, F2 f) {
-    reg.Add(
-        name,
-        [f](Lowering& l, const tpu::DecodedOp& d,
-            const Target& o) -> absl::StatusOr<std::string> {
-          if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
-          absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, *o.type);
-          if (!a.ok()) return a;
-          absl::StatusOr<std::string> b = l.Operand(d.args[1], o.dims, *o.type);
-          if (!b.ok()) return b;
-          return f(l, *a, *b, o);
-        });
+    reg.Add(name,
+            [f](Lowering& l, const tpu::DecodedOp&,
+                const Target& o) -> absl::StatusOr<std::string> {
+              const Args args(l);
+              if (!args.Has("self") || !args.Has("other"))
+                return Unsupported(l.op(), "too few arguments");
+              absl::StatusOr<std::string> a =
+                  l.Operand(args["self"], o.dims, *o.type);
+              if (!a.ok()) return a;
+              absl::StatusOr<std::string> b =
+                  l.Operand(args["other"], o.dims, *o.type);
+              if (!b.ok()) return b;
+              return f(l, *a, *b, o);
+            });
   };
   auto chlo2 = [chlo](const char* op) {
     return [=](Lowering& l, const std::string& a, const std::string& b,
@@ -85,13 +88,15 @@ void RegisterSpecial(OpRegistry& reg) {
   // type for CHLO.
   reg.Add(
       "aten::polygamma",
-      [=](Lowering& l, const tpu::DecodedOp& d,
+      [=](Lowering& l, const tpu::DecodedOp&,
           const Target& o) -> absl::StatusOr<std::string> {
-        if (d.num_args < 2 || d.args[1].tag != tpu::ArgTag::kTensor)
+        const Args args(l);
+        if (!args.Has("n") || !args.Defined("self"))
           return Unsupported(l.op(), "expects (int n, Tensor self)");
-        absl::StatusOr<std::string> x = l.Operand(d.args[1], o.dims, *o.type);
+        absl::StatusOr<std::string> x =
+            l.Operand(args["self"], o.dims, *o.type);
         if (!x.ok()) return x;
-        const int64_t n = static_cast<int64_t>(NumberOf(d.args[0]));
+        const int64_t n = static_cast<int64_t>(args.Number("n", 0));
         if (n < 0)
           return absl::InvalidArgumentError(absl::StrCat(
               l.op(), ": n is ", n, "; polygamma(n, x) takes n >= 0"));
@@ -179,11 +184,13 @@ void RegisterSpecial(OpRegistry& reg) {
   // 0 at infinity (as ATen).
   reg.Add(
       "aten::special_spherical_bessel_j0",
-      [](Lowering& l, const tpu::DecodedOp& d,
+      [](Lowering& l, const tpu::DecodedOp&,
          const Target& o) -> absl::StatusOr<std::string> {
+        const Args args(l);
+        if (!args.Has("x")) return Unsupported(l.op(), "expects a tensor");
         const HloType& t = *o.type;
         const std::vector<int64_t>& dims = o.dims;
-        absl::StatusOr<std::string> xs = l.Operand(d.args[0], dims, t);
+        absl::StatusOr<std::string> xs = l.Operand(args["x"], dims, t);
         if (!xs.ok()) return xs;
         const std::string x = *xs, x2 = l.Binary("multiply", x, x, dims, t);
         const double coef[] = {1.0 / 6227020800.0, -1.0 / 39916800.0,
