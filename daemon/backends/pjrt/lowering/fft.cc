@@ -33,13 +33,18 @@ namespace tpud::pjrt {
 void RegisterFft(OpRegistry& reg) {
   enum class Fft { kR2C, kC2C, kC2R };
   for (Fft kind : {Fft::kR2C, Fft::kC2C, Fft::kC2R}) {
-    Rule r = [kind](Lowering& l, const tpu::DecodedOp& d,
-                    const Target& o) -> absl::StatusOr<std::string> {
-      if (d.num_args < 4 || !Defined(d, 0) ||
-          d.args[1].tag != tpu::ArgTag::kIntList) {
+    // The last argument: onesided (r2c), forward (c2c), last_dim_size (c2r).
+    const char* last = kind == Fft::kR2C   ? "onesided"
+                       : kind == Fft::kC2C ? "forward"
+                                           : "last_dim_size";
+    Rule r = [kind, last](Lowering& l, const tpu::DecodedOp&,
+                          const Target& o) -> absl::StatusOr<std::string> {
+      const Args a(l);
+      if (!a.Defined("self") || !a.Has("dim") || !a.Has("normalization") ||
+          !a.Has(last) || a["dim"].tag != tpu::ArgTag::kIntList) {
         return Unsupported(l.op(), "arguments of a form not lowered");
       }
-      const tpu::TensorRef& x = d.args[0].tensor;
+      const tpu::TensorRef& x = a["self"].tensor;
       const HloType* xt = DTypeOf(x.dtype);
       if (xt == nullptr ||
           (kind == Fft::kR2C ? !xt->is_float : !IsComplex(*xt))) {
@@ -48,7 +53,7 @@ void RegisterFft(OpRegistry& reg) {
       const std::vector<int64_t> in = DimsOf(x);
       const size_t n = in.size();
       std::vector<int64_t> fdims;
-      for (int64_t dim : d.args[1].ints) {
+      for (int64_t dim : a["dim"].ints) {
         absl::StatusOr<int64_t> c = CheckedDim(l.op(), dim, n);
         if (!c.ok()) return c.status();
         if (std::find(fdims.begin(), fdims.end(), *c) != fdims.end())
@@ -56,11 +61,11 @@ void RegisterFft(OpRegistry& reg) {
         fdims.push_back(*c);
       }
       if (fdims.empty()) {
-        absl::StatusOr<std::string> same = l.Operand(d.args[0], in, *xt);
+        absl::StatusOr<std::string> same = l.Operand(a["self"], in, *xt);
         if (!same.ok()) return same;
         return l.Convert(*same, in, *xt, *o.type);
       }
-      const int64_t norm = d.args[2].i;
+      const int64_t norm = a["normalization"].i;
       const HloType& part =
           kind == Fft::kC2R
               ? *o.type
@@ -94,7 +99,7 @@ void RegisterFft(OpRegistry& reg) {
         count *= length.back();
       }
       const HloType& vt = kind == Fft::kR2C ? part : ct;
-      absl::StatusOr<std::string> xv = l.Operand(d.args[0], in, *xt);
+      absl::StatusOr<std::string> xv = l.Operand(a["self"], in, *xt);
       if (!xv.ok()) return xv;
       std::string v = l.Convert(*xv, in, *xt, vt);
       const std::vector<int64_t> pin = permuted(in), pout = permuted(o.dims);
@@ -106,15 +111,14 @@ void RegisterFft(OpRegistry& reg) {
       const HloType* rt = &ct;
       std::vector<int64_t> pres = pout;
       if (kind == Fft::kR2C) {
-        const bool onesided =
-            d.args[3].tag != tpu::ArgTag::kBool || d.args[3].b;
+        const bool onesided = a[last].tag != tpu::ArgTag::kBool || a[last].b;
         if (onesided) {
           type = "RFFT";
         } else {
           v = l.Convert(v, pin, part, ct);
         }
       } else if (kind == Fft::kC2C) {
-        inverse_fft = d.args[3].tag == tpu::ArgTag::kBool && !d.args[3].b;
+        inverse_fft = a[last].tag == tpu::ArgTag::kBool && !a[last].b;
         type = inverse_fft ? "IFFT" : "FFT";
       } else {
         type = "IRFFT";
@@ -168,10 +172,13 @@ void RegisterFft(OpRegistry& reg) {
   }
   // conj_physical: the imaginary part negated (real tensors as they are).
   reg.Add("aten::conj_physical",
-          [](Lowering& l, const tpu::DecodedOp& d,
+          [](Lowering& l, const tpu::DecodedOp&,
              const Target& o) -> absl::StatusOr<std::string> {
+            const Args args(l);
+            if (!args.Has("self"))
+              return Unsupported(l.op(), "expects a tensor");
             absl::StatusOr<std::string> x =
-                l.Operand(d.args[0], o.dims, *o.type);
+                l.Operand(args["self"], o.dims, *o.type);
             if (!x.ok() || !IsComplex(*o.type)) return x;
             const HloType& part = PartOf(*o.type);
             const std::string re = l.Emit(absl::StrCat(
@@ -188,15 +195,18 @@ void RegisterFft(OpRegistry& reg) {
   // angle: atan2(imag, real) of a complex tensor; of a real one, pi where
   // it is negative, 0 elsewhere, NaN where it is NaN.
   reg.Add("aten::angle",
-          [](Lowering& l, const tpu::DecodedOp& d,
+          [](Lowering& l, const tpu::DecodedOp&,
              const Target& o) -> absl::StatusOr<std::string> {
-            if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
-            const HloType* xt = DTypeOf(d.args[0].tensor.dtype);
+            const Args args(l);
+            if (!args.Defined("self"))
+              return Unsupported(l.op(), "expects a tensor");
+            const HloType* xt = DTypeOf(args["self"].tensor.dtype);
             if (xt == nullptr)
               return Unsupported(l.op(), "an input of this dtype");
             const HloType& t = *o.type;
             if (IsComplex(*xt)) {
-              absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *xt);
+              absl::StatusOr<std::string> x =
+                  l.Operand(args["self"], o.dims, *xt);
               if (!x.ok()) return x;
               const HloType& part = PartOf(*xt);
               const std::string re = l.Emit(absl::StrCat(
@@ -208,7 +218,7 @@ void RegisterFft(OpRegistry& reg) {
               return l.Convert(l.Binary("atan2", im, re, o.dims, part), o.dims,
                                part, t);
             }
-            absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
+            absl::StatusOr<std::string> x = l.Operand(args["self"], o.dims, t);
             if (!x.ok()) return x;
             const std::string neg =
                 l.Compare("LT", *x, l.Constant(0, o.dims, t), o.dims, t);
