@@ -337,8 +337,8 @@ std::string Lowering::Slice(const std::string& v,
 void Lowering::Donate(int o, char* host, const HloType& t,
                       const std::vector<int64_t>& dims) {
   for (Transfer& x : transfers_) {
-    if (x.aliased < 0 && x.data == host && x.type == &t && x.dims == dims &&
-        x.Dense()) {
+    if (x.aliased < 0 && x.data == host && x.type->dtype == t.dtype &&
+        x.dims == dims && x.Dense()) {
       x.aliased = o;
       return;
     }

@@ -42,7 +42,9 @@ struct HloType {
   bool is_float;
   int bytes;
 };
-constexpr HloType kHloTypes[] = {
+// `inline`: one table for the whole program, so that a type is one address
+// in every translation unit (a plain constexpr array is a copy per file).
+inline constexpr HloType kHloTypes[] = {
     {tpu::DType::kUInt8, "ui8", PJRT_Buffer_Type_U8},
     {tpu::DType::kInt8, "i8", PJRT_Buffer_Type_S8},
     {tpu::DType::kInt16, "i16", PJRT_Buffer_Type_S16},
