@@ -37,6 +37,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
+#include "absl/types/span.h"
 #include "daemon/backends/chip_backend.h"
 #include "daemon/backends/pjrt/pjrt_plugin.h"
 #include "tpu/dtype.h"
@@ -49,6 +51,9 @@ std::vector<std::string> LoweredOpNames();
 
 struct Transfer;  // one parameter of a program, from the host
 struct Plan;      // a lowered op, kept by its signature
+struct OpSite;    // an op's results and tensors, as planning starts from them
+class Lowering;   // the StableHLO builder
+class PjrtOp;     // an op of this backend
 
 class PjrtChip : public ChipBackend {
  public:
@@ -107,11 +112,24 @@ class PjrtChip : public ChipBackend {
   // The op's plan, lowered if not kept yet but neither compiled nor run.
   absl::Status PlanOp(const BackendOp& op, const tpu::DecodedOp& decoded,
                       const std::vector<ResolvedTensor>& tensors, OpPlan* plan);
-  // Run() and PlanOp(): with `plan_only`, fills it and runs nothing.
-  absl::Status RunOrPlan(const BackendOp& op, const tpu::DecodedOp& decoded,
-                         const std::vector<ResolvedTensor>& tensors,
-                         std::vector<ResultValue>* results,
-                         ResultAllocator* allocator, OpPlan* plan_only);
+  // Where the op's results go and its tensors lie, and its signature (into
+  // key_): what Run and PlanOp both start from.
+  absl::Status Locate(const PjrtOp& op, const Lowering& l, OpSite* site);
+  // The plan kept for the signature in key_, or null.
+  std::shared_ptr<const Plan> FindPlan(const OpSite& site);
+  // The op lowered into *plan (plan_lowering.cc); compiled unless
+  // `compile` is false (a graph's op is compiled only within the graph's
+  // program).
+  absl::Status LowerPlan(const OpSite& site, bool compile, Plan* plan);
+  // Where the tensors the plan reads and writes lie in the arena (checked
+  // to lie in their segments), and its offset parameters' values.
+  absl::Status Place(const Lowering& l, const OpSite& site, const Plan& plan,
+                     absl::InlinedVector<char*, 8>* host,
+                     absl::InlinedVector<int64_t, 8>* offsets);
+  // Runs a plan without device memory: inputs aliased where they lie or
+  // copied in, results donated in place or copied back.
+  absl::Status Execute(const OpSite& site, const Plan& plan,
+                       absl::Span<char* const> host);
   absl::StatusOr<OpPlan> CopyPlan(const tpu::DecodedCopy& copy,
                                   const std::vector<ResolvedTensor>& ends);
   // A segment's device buffer (device memory): u8[bytes] on `device`; the

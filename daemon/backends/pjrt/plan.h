@@ -2,12 +2,17 @@
 #ifndef TPUD_DAEMON_BACKENDS_PJRT_PLAN_H_
 #define TPUD_DAEMON_BACKENDS_PJRT_PLAN_H_
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
+#include "daemon/backends/chip_backend.h"
 #include "daemon/backends/pjrt/lowering/lowering.h"
+#include "daemon/backends/pjrt/pjrt_op.h"
 #include "daemon/backends/pjrt/pjrt_plugin.h"
+#include "tpu/op_record.h"
 
 namespace tpud::pjrt {
 
@@ -54,6 +59,29 @@ struct Plan {
   // the program, which is then not kept).
   std::vector<int> offset_k;
   std::string fixed;
+};
+
+// An op as planning and running both start from it (PjrtChip::Locate):
+// where its results go and where each of its tensors lies.
+struct OpSite {
+  const PjrtOp* op = nullptr;
+  const tpu::DecodedOp* decoded = nullptr;
+  const std::vector<ResolvedTensor>* tensors = nullptr;
+  // Where results go: the written argument (self of an in-place op, out of
+  // an out= op; each element of a written list), else the op's outputs;
+  // and each one's position in `tensors`.
+  std::vector<const tpu::TensorRef*> refs;
+  std::vector<size_t> ref_index;
+  // Every tensor of the record, in the order of `tensors`, and where its
+  // first element would lie (unchecked; 0 without memory).
+  absl::InlinedVector<const tpu::TensorRef*, 8> all_refs;
+  absl::InlinedVector<uintptr_t, 8> raw;
+  int device = 0;  // the plugin's device the op runs on
+  // The plugin's devices are the host (XLA's CPU plugin without device
+  // memory): buffers can alias the arena.
+  bool host_devices = false;
+  bool keyed = false;  // has a signature (PjrtChip::key_) to keep a plan by
+  bool empty = false;  // no output has elements: nothing to compute
 };
 
 }  // namespace tpud::pjrt

@@ -355,6 +355,7 @@ class Lowering {
   std::vector<Transfer>& transfers() { return transfers_; }
   const std::string& op() const { return op_; }
   const tpu::DecodedOp& decoded() const { return decoded_; }
+  const std::vector<ResolvedTensor>& tensors() const { return tensors_; }
   const std::vector<std::string>* arg_names() const { return arg_names_; }
 
   // Records that every element of `idx` (i64, dims `dims`) must lie in
