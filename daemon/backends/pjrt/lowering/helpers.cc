@@ -23,6 +23,7 @@ namespace tpud::pjrt {
 
 const tpu::OpArg* Args::Find(absl::string_view name) const {
   if (names_ == nullptr) return nullptr;
+  // (The one positional read: the schema's i-th name is the i-th argument.)
   for (size_t i = 0; i < names_->size() && i < d_.num_args; ++i) {
     if ((*names_)[i] == name) return &d_.args[i];
   }
@@ -57,17 +58,21 @@ std::string Highest(Lowering& l, const HloType& t) {
       absl::StrCat("stablehlo.constant dense<", hex, "> : ", TypeOf({}, t)));
 }
 
-Rule BinaryRule(const char* op, bool has_alpha) {
-  return [op, has_alpha](Lowering& l, const tpu::DecodedOp& d,
-                         const Target& out) -> absl::StatusOr<std::string> {
-    if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
-    absl::StatusOr<std::string> a = l.Operand(d.args[0], out.dims, *out.type);
+Rule BinaryRule(const char* op, bool has_alpha, const char* other) {
+  return [op, has_alpha, other](
+             Lowering& l, const tpu::DecodedOp&,
+             const Target& out) -> absl::StatusOr<std::string> {
+    const Args args(l);
+    if (!args.Has("self") || !args.Has(other))
+      return Unsupported(l.op(), "too few arguments");
+    absl::StatusOr<std::string> a =
+        l.Operand(args["self"], out.dims, *out.type);
     if (!a.ok()) return a;
-    absl::StatusOr<std::string> b = l.Operand(d.args[1], out.dims, *out.type);
+    absl::StatusOr<std::string> b = l.Operand(args[other], out.dims, *out.type);
     if (!b.ok()) return b;
     std::string rhs = *b;
-    if (has_alpha && d.num_args > 2) {
-      const tpu::OpArg& alpha = d.args[2];
+    if (has_alpha && args.Has("alpha")) {
+      const tpu::OpArg& alpha = args["alpha"];
       const bool one =
           (alpha.tag == tpu::ArgTag::kScalarInt && alpha.i == 1) ||
           (alpha.tag == tpu::ArgTag::kScalarDouble && alpha.d == 1.0);
@@ -84,12 +89,12 @@ Rule BinaryRule(const char* op, bool has_alpha) {
 Rule UnaryRule(
     std::function<std::string(Lowering&, const std::string&, const Target&)>
         f) {
-  return [f](Lowering& l, const tpu::DecodedOp& d,
+  return [f](Lowering& l, const tpu::DecodedOp&,
              const Target& out) -> absl::StatusOr<std::string> {
-    if (d.num_args < 1 || d.args[0].tag != tpu::ArgTag::kTensor) {
-      return Unsupported(l.op(), "expects a tensor");
-    }
-    absl::StatusOr<std::string> a = l.Operand(d.args[0], out.dims, *out.type);
+    const Args args(l);
+    if (!args.Defined("self")) return Unsupported(l.op(), "expects a tensor");
+    absl::StatusOr<std::string> a =
+        l.Operand(args["self"], out.dims, *out.type);
     if (!a.ok()) return a;
     return f(l, *a, out);
   };

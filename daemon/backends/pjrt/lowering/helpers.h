@@ -42,8 +42,11 @@ class Args {
 // +inf (floats) or the highest value, as a 0-d constant.
 std::string Highest(Lowering& l, const HloType& t);
 
-Rule BinaryRule(const char* op, bool has_alpha);
+// op(self, other), other scaled by alpha first where has_alpha (and the
+// schema has one); `other` names the second operand ("exponent" for pow).
+Rule BinaryRule(const char* op, bool has_alpha, const char* other = "other");
 
+// f(self), self a tensor.
 Rule UnaryRule(
     std::function<std::string(Lowering&, const std::string&, const Target&)> f);
 
