@@ -100,6 +100,14 @@ class Record {
     Add(tpu::ArgTag::kBool).b = v;
     return *this;
   }
+  Record& Int(int64_t v) {
+    Add(tpu::ArgTag::kInt).i = v;
+    return *this;
+  }
+  Record& String(std::string v) {
+    Add(tpu::ArgTag::kString).s = std::move(v);
+    return *this;
+  }
   Record& None() {
     Add(tpu::ArgTag::kNone);
     return *this;
@@ -330,6 +338,107 @@ TEST_CASE("foreach ops read their lists and scalars by name") {
       Record(f.arena).TensorList({x, y}).TensorList({a, b}).ScalarDouble(0.5));
   CHECK(Read(x, 2)[0] == Approx(5.25f));
   CHECK(Read(y, 3)[2] == Approx(25.25f));
+}
+
+TEST_CASE("reductions read dim, keepdim and their options by name") {
+  Fixture f;
+  Placed x = f.arena.Floats({2, 3}, {1, 2, 3, 4, 5, 6});
+  auto run = [&](const char* schema, const Record& r) {
+    absl::Status st = f.Run(schema, r);
+    INFO(schema);
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+  };
+  // A negative dim, kept: out (1, 3).
+  Placed sum = f.arena.Floats({1, 3}, {0, 0, 0});
+  run("aten::sum.dim_IntList(Tensor self, int[1]? dim, bool keepdim=False, *, "
+      "ScalarType? dtype=None) -> Tensor",
+      Record(f.arena).Tensor(x).IntList({-2}).Bool(true).None().Output(sum));
+  CHECK(Read(sum, 3) == std::vector<float>{5, 7, 9});
+  Placed mx = f.arena.Floats({2, 1}, {0, 0});
+  run("aten::amax(Tensor self, int[1] dim=[], bool keepdim=False) -> Tensor",
+      Record(f.arena).Tensor(x).IntList({-1}).Bool(true).Output(mx));
+  CHECK(Read(mx, 2) == std::vector<float>{3, 6});
+  // mean of everything: no dim in the schema.
+  Placed mean = f.arena.Floats({}, {0});
+  run("aten::mean(Tensor self, *, ScalarType? dtype=None) -> Tensor",
+      Record(f.arena).Tensor(x).None().Output(mean));
+  CHECK(Read(mean, 1)[0] == Approx(3.5f));
+  Placed cum = f.arena.Floats({2, 3}, {0, 0, 0, 0, 0, 0});
+  run("aten::cumsum(Tensor self, int dim, *, ScalarType? dtype=None) -> Tensor",
+      Record(f.arena).Tensor(x).Int(-1).None().Output(cum));
+  CHECK(Read(cum, 6) == std::vector<float>{1, 3, 6, 4, 9, 15});
+  Placed var = f.arena.Floats({2}, {0, 0});
+  run("aten::var.correction(Tensor self, int[1]? dim=None, *, Scalar? "
+      "correction=None, bool keepdim=False) -> Tensor",
+      Record(f.arena).Tensor(x).IntList({1}).ScalarDouble(0).Bool(false).Output(
+          var));
+  CHECK(Read(var, 2)[0] == Approx(2.0f / 3));
+  CHECK(Read(var, 2)[1] == Approx(2.0f / 3));
+  Placed norm = f.arena.Floats({2}, {0, 0});
+  run("aten::linalg_vector_norm(Tensor self, Scalar ord=2, int[1]? dim=None, "
+      "bool keepdim=False, *, ScalarType? dtype=None) -> Tensor",
+      Record(f.arena)
+          .Tensor(x)
+          .ScalarDouble(1)
+          .IntList({-1})
+          .Bool(false)
+          .None()
+          .Output(norm));
+  CHECK(Read(norm, 2) == std::vector<float>{6, 15});
+}
+
+TEST_CASE("elementwise ops read alpha, value, exponent and bounds by name") {
+  Fixture f;
+  Placed a = f.arena.Floats({2}, {1, 2});
+  Placed b = f.arena.Floats({2}, {10, 20});
+  Placed out = f.arena.Floats({2}, {0, 0});
+  auto run = [&](const char* schema, const Record& r) {
+    absl::Status st = f.Run(schema, r);
+    INFO(schema);
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+    return Read(out, 2);
+  };
+  // other - alpha * self
+  CHECK(run("aten::rsub.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) "
+            "-> Tensor",
+            Record(f.arena).Tensor(a).Tensor(b).ScalarDouble(2).Output(out)) ==
+        std::vector<float>{8, 16});
+  // self + value * tensor1 * tensor2
+  CHECK(run("aten::addcmul(Tensor self, Tensor tensor1, Tensor tensor2, *, "
+            "Scalar value=1) -> Tensor",
+            Record(f.arena)
+                .Tensor(a)
+                .Tensor(a)
+                .Tensor(b)
+                .ScalarDouble(0.5)
+                .Output(out)) == std::vector<float>{6, 22});
+  CHECK(run("aten::pow.Tensor_Scalar(Tensor self, Scalar exponent) -> Tensor",
+            Record(f.arena).Tensor(b).ScalarDouble(2).Output(out)) ==
+        std::vector<float>{100, 400});
+  CHECK(run("aten::clamp_max(Tensor self, Scalar max) -> Tensor",
+            Record(f.arena).Tensor(b).ScalarDouble(15).Output(out)) ==
+        std::vector<float>{10, 15});
+  CHECK(run("aten::clamp(Tensor self, Scalar? min=None, Scalar? max=None) -> "
+            "Tensor",
+            Record(f.arena).Tensor(b).None().ScalarDouble(15).Output(out)) ==
+        std::vector<float>{10, 15});
+  CHECK(run("aten::lerp.Scalar(Tensor self, Tensor end, Scalar weight) -> "
+            "Tensor",
+            Record(f.arena).Tensor(a).Tensor(b).ScalarDouble(0.5).Output(
+                out)) == std::vector<float>{5.5, 11});
+  Placed cond = f.arena.Floats({2}, {1, 0});
+  CHECK(run("aten::where.self(Tensor condition, Tensor self, Tensor other) -> "
+            "Tensor",
+            Record(f.arena).Tensor(cond).Tensor(a).Tensor(b).Output(out)) ==
+        std::vector<float>{1, 20});
+  Placed n = f.arena.Floats({2}, {7, -7});
+  Placed two = f.arena.Floats({2}, {2, 2});
+  CHECK(run("aten::div.Tensor_mode(Tensor self, Tensor other, *, str? "
+            "rounding_mode) -> Tensor",
+            Record(f.arena).Tensor(n).Tensor(two).String("floor").Output(
+                out)) == std::vector<float>{3, -4});
 }
 
 TEST_CASE("the registry's facts: host-side ops, first arguments overwritten") {

@@ -25,6 +25,7 @@
 namespace tpud::pjrt {
 
 void RegisterElementwise(OpRegistry& reg) {
+  // Arguments are read by their schema names (Args, helpers.h).
   // (Their in-place and out= forms are derived: registry.h.)
   reg.Add("aten::add.Tensor", BinaryRule("add", true));
   reg.Add("aten::add.Scalar", BinaryRule("add", true));
@@ -50,25 +51,25 @@ void RegisterElementwise(OpRegistry& reg) {
                             o.dims, *o.type);
           }));
   reg.Add("aten::maximum", BinaryRule("maximum", false));
-  reg.Add("aten::pow.Tensor_Scalar", BinaryRule("power", false));
-  reg.Add("aten::pow.Tensor_Tensor", BinaryRule("power", false));
+  reg.Add("aten::pow.Tensor_Scalar", BinaryRule("power", false, "exponent"));
+  reg.Add("aten::pow.Tensor_Tensor", BinaryRule("power", false, "exponent"));
   reg.Add("aten::minimum", BinaryRule("minimum", false));
-  reg.Add("aten::copy_",
-          [](Lowering& l, const tpu::DecodedOp& d,
-             const Target& out) -> absl::StatusOr<std::string> {
-            if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
-            return l.Operand(d.args[1], out.dims, *out.type);
-          })
-      .OverwritesFirst();
-  reg.Add("aten::fill_.Scalar",
-          [](Lowering& l, const tpu::DecodedOp& d,
-             const Target& out) -> absl::StatusOr<std::string> {
-            if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
-            return l.Operand(d.args[1], out.dims, *out.type);
-          })
-      .OverwritesFirst();
+  // copy_(self, src), fill_.Scalar(self, value): self overwritten.
+  for (const auto& [name, from] :
+       std::vector<std::pair<std::string, const char*>>{
+           {"aten::copy_", "src"}, {"aten::fill_.Scalar", "value"}}) {
+    const char* arg = from;
+    reg.Add(name,
+            [arg](Lowering& l, const tpu::DecodedOp&,
+                  const Target& out) -> absl::StatusOr<std::string> {
+              const Args a(l);
+              if (!a.Has(arg)) return Unsupported(l.op(), "too few arguments");
+              return l.Operand(a[arg], out.dims, *out.type);
+            })
+        .OverwritesFirst();
+  }
   reg.Add("aten::zero_",
-          [](Lowering& l, const tpu::DecodedOp& d,
+          [](Lowering& l, const tpu::DecodedOp&,
              const Target& out) -> absl::StatusOr<std::string> {
             return l.Constant(0, out.dims, *out.type);
           })
@@ -78,9 +79,10 @@ void RegisterElementwise(OpRegistry& reg) {
   // zero, infinity and NaN keep themselves with exponent 0.
   reg.AddMulti(
       "aten::frexp.Tensor",
-      [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+      [](Lowering& l, const tpu::DecodedOp&, const std::vector<Target>& o)
           -> absl::StatusOr<std::vector<std::string>> {
-        if (o.size() != 2 || !Defined(d, 0))
+        const Args a(l);
+        if (o.size() != 2 || !a.Defined("self"))
           return Unsupported(l.op(), "expects a tensor");
         const HloType& t = *o[0].type;
         if (t.dtype != tpu::DType::kFloat && t.dtype != tpu::DType::kDouble)
@@ -88,7 +90,7 @@ void RegisterElementwise(OpRegistry& reg) {
         const bool wide = t.dtype == tpu::DType::kDouble;
         const HloType& it = wide ? I64() : *DTypeOf(tpu::DType::kInt32);
         const std::vector<int64_t>& dims = o[0].dims;
-        absl::StatusOr<std::string> xs = l.Operand(d.args[0], dims, t);
+        absl::StatusOr<std::string> xs = l.Operand(a["self"], dims, t);
         if (!xs.ok()) return xs.status();
         const int mant = wide ? 52 : 23, bias = wide ? 1022 : 126,
                   scale = wide ? 54 : 25;
@@ -155,77 +157,86 @@ void RegisterElementwise(OpRegistry& reg) {
     for (const char* overload :
          {".Tensor", ".Scalar", ".Tensor_out", ".Scalar_out"}) {
       const char* cmp = dir;
-      reg.Add("aten::" + name + overload,
-              [cmp](Lowering& l, const tpu::DecodedOp& d,
-                    const Target& o) -> absl::StatusOr<std::string> {
-                if (d.num_args < 2)
-                  return Unsupported(l.op(), "arguments of a form not lowered");
-                // Compared in a type both sides fit: double if either is
-                // floating.
-                bool floating = false;
-                for (size_t i = 0; i < 2; ++i) {
-                  const tpu::OpArg& a = d.args[i];
-                  const HloType* t = a.tag == tpu::ArgTag::kTensor
-                                         ? DTypeOf(a.tensor.dtype)
-                                         : nullptr;
-                  floating |= (t != nullptr && t->is_float) ||
-                              a.tag == tpu::ArgTag::kScalarDouble ||
-                              (a.tag == tpu::ArgTag::kScalarTensor &&
-                               DTypeOf(a.dtype) != nullptr &&
-                               DTypeOf(a.dtype)->is_float);
-                }
-                const HloType& t = floating ? F64() : I64();
-                absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t),
-                                            b = l.Operand(d.args[1], o.dims, t);
-                if (!a.ok()) return a;
-                if (!b.ok()) return b;
-                return l.Convert(l.Compare(cmp, *a, *b, o.dims, t), o.dims,
-                                 *DTypeOf(tpu::DType::kBool), *o.type);
-              });
+      reg.Add(
+          "aten::" + name + overload,
+          [cmp](Lowering& l, const tpu::DecodedOp&,
+                const Target& o) -> absl::StatusOr<std::string> {
+            const Args args(l);
+            if (!args.Has("self") || !args.Has("other"))
+              return Unsupported(l.op(), "arguments of a form not lowered");
+            // Compared in a type both sides fit: double if either is
+            // floating.
+            bool floating = false;
+            for (const char* name : {"self", "other"}) {
+              const tpu::OpArg& a = args[name];
+              const HloType* t = a.tag == tpu::ArgTag::kTensor
+                                     ? DTypeOf(a.tensor.dtype)
+                                     : nullptr;
+              floating |=
+                  (t != nullptr && t->is_float) ||
+                  a.tag == tpu::ArgTag::kScalarDouble ||
+                  (a.tag == tpu::ArgTag::kScalarTensor &&
+                   DTypeOf(a.dtype) != nullptr && DTypeOf(a.dtype)->is_float);
+            }
+            const HloType& t = floating ? F64() : I64();
+            absl::StatusOr<std::string> a = l.Operand(args["self"], o.dims, t),
+                                        b = l.Operand(args["other"], o.dims, t);
+            if (!a.ok()) return a;
+            if (!b.ok()) return b;
+            return l.Convert(l.Compare(cmp, *a, *b, o.dims, t), o.dims,
+                             *DTypeOf(tpu::DType::kBool), *o.type);
+          });
     }
   }
   // self + weight * (end - self)
   for (const char* name :
        {"aten::lerp.Scalar", "aten::lerp_.Scalar", "aten::lerp.Scalar_out",
         "aten::lerp.Tensor", "aten::lerp_.Tensor", "aten::lerp.Tensor_out"}) {
-    reg.Add(name,
-            [](Lowering& l, const tpu::DecodedOp& d,
-               const Target& o) -> absl::StatusOr<std::string> {
-              if (d.num_args < 3)
-                return Unsupported(l.op(), "arguments of a form not lowered");
-              const HloType& t = *o.type;
-              absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t),
-                                          b = l.Operand(d.args[1], o.dims, t),
-                                          w = l.Operand(d.args[2], o.dims, t);
-              for (auto* v : {&a, &b, &w})
-                if (!v->ok()) return *v;
-              return l.Binary(
-                  "add", *a,
-                  l.Binary("multiply", *w,
-                           l.Binary("subtract", *b, *a, o.dims, t), o.dims, t),
-                  o.dims, t);
-            });
+    reg.Add(
+        name,
+        [](Lowering& l, const tpu::DecodedOp&,
+           const Target& o) -> absl::StatusOr<std::string> {
+          const Args args(l);
+          if (!args.Has("self") || !args.Has("end") || !args.Has("weight"))
+            return Unsupported(l.op(), "arguments of a form not lowered");
+          const HloType& t = *o.type;
+          absl::StatusOr<std::string> a = l.Operand(args["self"], o.dims, t),
+                                      b = l.Operand(args["end"], o.dims, t),
+                                      w = l.Operand(args["weight"], o.dims, t);
+          for (auto* v : {&a, &b, &w})
+            if (!v->ok()) return *v;
+          return l.Binary(
+              "add", *a,
+              l.Binary("multiply", *w, l.Binary("subtract", *b, *a, o.dims, t),
+                       o.dims, t),
+              o.dims, t);
+        });
   }
   // self + value * (t1 * t2), self + value * (t1 / t2)
   for (const char* base : {"addcmul", "addcdiv"}) {
     const bool mul = std::string(base) == "addcmul";
     for (const std::string suffix : {"", "_", ".out"}) {
       reg.Add(absl::StrCat("aten::", base, suffix),
-              [mul](Lowering& l, const tpu::DecodedOp& d,
+              [mul](Lowering& l, const tpu::DecodedOp&,
                     const Target& o) -> absl::StatusOr<std::string> {
-                if (d.num_args < 3)
+                const Args args(l);
+                if (!args.Has("self") || !args.Has("tensor1") ||
+                    !args.Has("tensor2"))
                   return Unsupported(l.op(), "arguments of a form not lowered");
                 const HloType& t = *o.type;
-                absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t),
-                                            b = l.Operand(d.args[1], o.dims, t),
-                                            c = l.Operand(d.args[2], o.dims, t);
+                absl::StatusOr<std::string> a = l.Operand(args["self"], o.dims,
+                                                          t),
+                                            b = l.Operand(args["tensor1"],
+                                                          o.dims, t),
+                                            c = l.Operand(args["tensor2"],
+                                                          o.dims, t);
                 for (auto* v : {&a, &b, &c})
                   if (!v->ok()) return *v;
                 std::string prod =
                     l.Binary(mul ? "multiply" : "divide", *b, *c, o.dims, t);
-                if (d.num_args > 3 && NumberOf(d.args[3]) != 1.0) {
+                if (args.Number("value", 1.0) != 1.0) {
                   absl::StatusOr<std::string> v =
-                      l.Operand(d.args[3], o.dims, t);
+                      l.Operand(args["value"], o.dims, t);
                   if (!v.ok()) return v;
                   prod = l.Binary("multiply", prod, *v, o.dims, t);
                 }
@@ -314,18 +325,19 @@ void RegisterElementwise(OpRegistry& reg) {
            {"logical_not", 0}, {"isnan", 1}, {"isinf", 2}, {"isfinite", 3}}) {
     const int k = kind;
     reg.Add("aten::" + name,
-            [k](Lowering& l, const tpu::DecodedOp& d,
+            [k](Lowering& l, const tpu::DecodedOp&,
                 const Target& o) -> absl::StatusOr<std::string> {
-              if (!Defined(d, 0))
+              const Args a(l);
+              if (!a.Defined("self"))
                 return Unsupported(l.op(), "expects a tensor");
-              const HloType* t = DTypeOf(d.args[0].tensor.dtype);
+              const HloType* t = DTypeOf(a["self"].tensor.dtype);
               if (t == nullptr) return Unsupported(l.op(), "dtype");
               if (k != 0 && !t->is_float) {
                 return l.Convert(l.Constant(k == 3 ? 1 : 0, o.dims,
                                             *DTypeOf(tpu::DType::kBool)),
                                  o.dims, *DTypeOf(tpu::DType::kBool), *o.type);
               }
-              absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *t);
+              absl::StatusOr<std::string> x = l.Operand(a["self"], o.dims, *t);
               if (!x.ok()) return x;
               std::string p;
               if (k == 0)
@@ -352,12 +364,15 @@ void RegisterElementwise(OpRegistry& reg) {
             BinaryRule("atan2", false));
     reg.Add(
         std::string("aten::remainder") + ov,
-        [](Lowering& l, const tpu::DecodedOp& d,
+        [](Lowering& l, const tpu::DecodedOp&,
            const Target& o) -> absl::StatusOr<std::string> {
           // Python's %: the result has the divisor's sign.
+          const Args args(l);
+          if (!args.Has("self") || !args.Has("other"))
+            return Unsupported(l.op(), "too few arguments");
           const HloType& t = *o.type;
-          absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t),
-                                      b = l.Operand(d.args[1], o.dims, t);
+          absl::StatusOr<std::string> a = l.Operand(args["self"], o.dims, t),
+                                      b = l.Operand(args["other"], o.dims, t);
           if (!a.ok()) return a;
           if (!b.ok()) return b;
           const std::string r = l.Binary("remainder", *a, *b, o.dims, t);
@@ -386,30 +401,37 @@ void RegisterElementwise(OpRegistry& reg) {
            {"logical_or", "or"},
            {"logical_xor", "xor"}}) {
     const char* hlo = op;
-    reg.Add("aten::" + name,
-            [hlo](Lowering& l, const tpu::DecodedOp& d,
-                  const Target& o) -> absl::StatusOr<std::string> {
-              const HloType& f = F64();
-              const HloType& pred = *DTypeOf(tpu::DType::kBool);
-              absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, f),
-                                          b = l.Operand(d.args[1], o.dims, f);
-              if (!a.ok()) return a;
-              if (!b.ok()) return b;
-              const std::string zero = l.Constant(0, o.dims, f);
-              const std::string r = l.Emit(absl::StrCat(
-                  "stablehlo.", hlo, " ", l.Compare("NE", *a, zero, o.dims, f),
-                  ", ", l.Compare("NE", *b, zero, o.dims, f), " : ",
-                  TypeOf(o.dims, pred)));
-              return l.Convert(r, o.dims, pred, *o.type);
-            });
+    reg.Add(
+        "aten::" + name,
+        [hlo](Lowering& l, const tpu::DecodedOp&,
+              const Target& o) -> absl::StatusOr<std::string> {
+          const Args args(l);
+          if (!args.Has("self") || !args.Has("other"))
+            return Unsupported(l.op(), "too few arguments");
+          const HloType& f = F64();
+          const HloType& pred = *DTypeOf(tpu::DType::kBool);
+          absl::StatusOr<std::string> a = l.Operand(args["self"], o.dims, f),
+                                      b = l.Operand(args["other"], o.dims, f);
+          if (!a.ok()) return a;
+          if (!b.ok()) return b;
+          const std::string zero = l.Constant(0, o.dims, f);
+          const std::string r = l.Emit(absl::StrCat(
+              "stablehlo.", hlo, " ", l.Compare("NE", *a, zero, o.dims, f),
+              ", ", l.Compare("NE", *b, zero, o.dims, f), " : ",
+              TypeOf(o.dims, pred)));
+          return l.Convert(r, o.dims, pred, *o.type);
+        });
   }
   reg.Add(
       "aten::logaddexp",
-      [](Lowering& l, const tpu::DecodedOp& d,
+      [](Lowering& l, const tpu::DecodedOp&,
          const Target& o) -> absl::StatusOr<std::string> {
+        const Args args(l);
+        if (!args.Has("self") || !args.Has("other"))
+          return Unsupported(l.op(), "too few arguments");
         const HloType& t = *o.type;
-        absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t),
-                                    b = l.Operand(d.args[1], o.dims, t);
+        absl::StatusOr<std::string> a = l.Operand(args["self"], o.dims, t),
+                                    b = l.Operand(args["other"], o.dims, t);
         if (!a.ok()) return a;
         if (!b.ok()) return b;
         const std::string mx = l.Binary("maximum", *a, *b, o.dims, t);
@@ -424,94 +446,103 @@ void RegisterElementwise(OpRegistry& reg) {
             o.dims, t);
       });
   // clamp(self, min?, max?): bounds are scalars or tensors, either may be
-  // absent.
-  auto clamp = [](bool lo, bool hi) {
-    return [lo, hi](Lowering& l, const tpu::DecodedOp& d,
+  // absent. lo and hi name the bounds an op takes (null: none).
+  auto clamp = [](const char* lo, const char* hi) {
+    return [lo, hi](Lowering& l, const tpu::DecodedOp&,
                     const Target& o) -> absl::StatusOr<std::string> {
+      const Args a(l);
+      if (!a.Has("self")) return Unsupported(l.op(), "too few arguments");
       const HloType& t = *o.type;
-      absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
+      absl::StatusOr<std::string> x = l.Operand(a["self"], o.dims, t);
       if (!x.ok()) return x;
       std::string r = *x;
-      size_t i = 1;
-      for (bool use : {lo, hi}) {
-        if (!use) continue;
-        const size_t k = i++;
-        if (k >= d.num_args) break;
-        const tpu::ArgTag tag = d.args[k].tag;
+      for (const char* name : {lo, hi}) {
+        if (name == nullptr || !a.Has(name)) continue;
+        const tpu::ArgTag tag = a[name].tag;
         if (tag == tpu::ArgTag::kNone || tag == tpu::ArgTag::kUndefinedTensor)
           continue;
-        absl::StatusOr<std::string> b = l.Operand(d.args[k], o.dims, t);
+        absl::StatusOr<std::string> b = l.Operand(a[name], o.dims, t);
         if (!b.ok()) return b;
-        r = l.Binary(use && k == 1 && lo ? "maximum" : "minimum", r, *b, o.dims,
-                     t);
+        r = l.Binary(name == lo ? "maximum" : "minimum", r, *b, o.dims, t);
       }
       return r;
     };
   };
-  reg.Add("aten::clamp", clamp(true, true));
-  reg.Add("aten::clamp.Tensor", clamp(true, true));
-  reg.Add("aten::clamp_min", clamp(true, false));
-  reg.Add("aten::clamp_min.Tensor", clamp(true, false));
-  reg.Add("aten::clamp_max", clamp(false, true));
-  reg.Add("aten::clamp_max.Tensor", clamp(false, true));
-  reg.Add("aten::hardtanh", clamp(true, true));
+  reg.Add("aten::clamp", clamp("min", "max"));
+  reg.Add("aten::clamp.Tensor", clamp("min", "max"));
+  reg.Add("aten::clamp_min", clamp("min", nullptr));
+  reg.Add("aten::clamp_min.Tensor", clamp("min", nullptr));
+  reg.Add("aten::clamp_max", clamp(nullptr, "max"));
+  reg.Add("aten::clamp_max.Tensor", clamp(nullptr, "max"));
+  reg.Add("aten::hardtanh", clamp("min_val", "max_val"));
   reg.Add(
       "aten::where.self",
-      [](Lowering& l, const tpu::DecodedOp& d,
+      [](Lowering& l, const tpu::DecodedOp&,
          const Target& o) -> absl::StatusOr<std::string> {
-        if (d.num_args < 3)
+        const Args args(l);
+        if (!args.Has("condition") || !args.Has("self") || !args.Has("other"))
           return Unsupported(l.op(), "arguments of a form not lowered");
         const HloType& pred = *DTypeOf(tpu::DType::kBool);
-        absl::StatusOr<std::string> cnd = l.Operand(d.args[0], o.dims, pred);
-        absl::StatusOr<std::string> a = l.Operand(d.args[1], o.dims, *o.type),
-                                    b = l.Operand(d.args[2], o.dims, *o.type);
+        absl::StatusOr<std::string> cnd =
+            l.Operand(args["condition"], o.dims, pred);
+        absl::StatusOr<std::string> a = l.Operand(args["self"], o.dims,
+                                                  *o.type),
+                                    b = l.Operand(args["other"], o.dims,
+                                                  *o.type);
         for (auto* v : {&cnd, &a, &b})
           if (!v->ok()) return *v;
         return l.Select(*cnd, *a, *b, o.dims, *o.type);
       });
   for (const char* name :
        {"aten::masked_fill.Scalar", "aten::masked_fill.Tensor"}) {
-    reg.Add(
-        name,
-        [](Lowering& l, const tpu::DecodedOp& d,
-           const Target& o) -> absl::StatusOr<std::string> {
-          if (d.num_args < 3)
-            return Unsupported(l.op(), "arguments of a form not lowered");
-          absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
-          absl::StatusOr<std::string> mask =
-              l.Operand(d.args[1], o.dims, *DTypeOf(tpu::DType::kBool));
-          absl::StatusOr<std::string> v = l.Operand(d.args[2], o.dims, *o.type);
-          for (auto* p : {&x, &mask, &v})
-            if (!p->ok()) return *p;
-          return l.Select(*mask, *v, *x, o.dims, *o.type);
-        });
+    reg.Add(name,
+            [](Lowering& l, const tpu::DecodedOp&,
+               const Target& o) -> absl::StatusOr<std::string> {
+              const Args a(l);
+              if (!a.Has("self") || !a.Has("mask") || !a.Has("value"))
+                return Unsupported(l.op(), "arguments of a form not lowered");
+              absl::StatusOr<std::string> x =
+                  l.Operand(a["self"], o.dims, *o.type);
+              absl::StatusOr<std::string> mask =
+                  l.Operand(a["mask"], o.dims, *DTypeOf(tpu::DType::kBool));
+              absl::StatusOr<std::string> v =
+                  l.Operand(a["value"], o.dims, *o.type);
+              for (auto* p : {&x, &mask, &v})
+                if (!p->ok()) return *p;
+              return l.Select(*mask, *v, *x, o.dims, *o.type);
+            });
   }
   for (const char* name : {"aten::rsub.Tensor", "aten::rsub.Scalar"}) {
-    reg.Add(
-        name,
-        [](Lowering& l, const tpu::DecodedOp& d,
-           const Target& o) -> absl::StatusOr<std::string> {
-          // other - alpha * self
-          absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, *o.type),
-                                      b = l.Operand(d.args[1], o.dims, *o.type);
-          if (!a.ok()) return a;
-          if (!b.ok()) return b;
-          std::string s = *a;
-          if (d.num_args > 2 && NumberOf(d.args[2]) != 1.0) {
-            absl::StatusOr<std::string> al =
-                l.Operand(d.args[2], o.dims, *o.type);
-            if (!al.ok()) return al;
-            s = l.Binary("multiply", s, *al, o.dims, *o.type);
-          }
-          return l.Binary("subtract", *b, s, o.dims, *o.type);
-        });
+    reg.Add(name,
+            [](Lowering& l, const tpu::DecodedOp&,
+               const Target& o) -> absl::StatusOr<std::string> {
+              // other - alpha * self
+              const Args args(l);
+              if (!args.Has("self") || !args.Has("other"))
+                return Unsupported(l.op(), "too few arguments");
+              absl::StatusOr<std::string> a = l.Operand(args["self"], o.dims,
+                                                        *o.type),
+                                          b = l.Operand(args["other"], o.dims,
+                                                        *o.type);
+              if (!a.ok()) return a;
+              if (!b.ok()) return b;
+              std::string s = *a;
+              if (args.Number("alpha", 1.0) != 1.0) {
+                absl::StatusOr<std::string> al =
+                    l.Operand(args["alpha"], o.dims, *o.type);
+                if (!al.ok()) return al;
+                s = l.Binary("multiply", s, *al, o.dims, *o.type);
+              }
+              return l.Binary("subtract", *b, s, o.dims, *o.type);
+            });
   }
   reg.Add("aten::fill_.Tensor",
-          [](Lowering& l, const tpu::DecodedOp& d,
+          [](Lowering& l, const tpu::DecodedOp&,
              const Target& o) -> absl::StatusOr<std::string> {
-            if (d.num_args < 2)
+            const Args a(l);
+            if (!a.Has("value"))
               return Unsupported(l.op(), "arguments of a form not lowered");
-            return l.Operand(d.args[1], o.dims, *o.type);
+            return l.Operand(a["value"], o.dims, *o.type);
           });
   reg.Add("aten::bitwise_not",
           UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
@@ -556,14 +587,15 @@ void RegisterElementwise(OpRegistry& reg) {
   // signbit(self): the sign bit, -0.0 and -nan included.
   reg.Add(
       "aten::signbit",
-      [](Lowering& l, const tpu::DecodedOp& d,
+      [](Lowering& l, const tpu::DecodedOp&,
          const Target& o) -> absl::StatusOr<std::string> {
-        if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
-        const tpu::TensorRef& x = d.args[0].tensor;
+        const Args a(l);
+        if (!a.Defined("self")) return Unsupported(l.op(), "expects a tensor");
+        const tpu::TensorRef& x = a["self"].tensor;
         const HloType* xt = DTypeOf(x.dtype);
         if (xt == nullptr) return Unsupported(l.op(), "dtype");
         absl::StatusOr<std::string> v =
-            l.OperandRef(x, l.TensorIndex(d.args[0]), o.dims, *xt);
+            l.OperandRef(x, l.TensorIndex(a["self"]), o.dims, *xt);
         if (!v.ok()) return v;
         const HloType& b = *DTypeOf(tpu::DType::kBool);
         std::string neg;
@@ -582,20 +614,24 @@ void RegisterElementwise(OpRegistry& reg) {
         }
         return l.Convert(neg, o.dims, b, *o.type);
       });
-  reg.Add("aten::pow.Scalar", BinaryRule("power", false));
+  reg.Add("aten::pow.Scalar", BinaryRule("power", false, "exponent"));
   // div with rounding_mode "trunc" or "floor" (None: true division).
   {
-    Rule r = [](Lowering& l, const tpu::DecodedOp& d,
+    Rule r = [](Lowering& l, const tpu::DecodedOp&,
                 const Target& o) -> absl::StatusOr<std::string> {
-      if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
+      const Args args(l);
+      if (!args.Has("self") || !args.Has("other"))
+        return Unsupported(l.op(), "too few arguments");
       const HloType& t = *o.type;
-      absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t),
-                                  b = l.Operand(d.args[1], o.dims, t);
+      absl::StatusOr<std::string> a = l.Operand(args["self"], o.dims, t),
+                                  b = l.Operand(args["other"], o.dims, t);
       if (!a.ok()) return a;
       if (!b.ok()) return b;
+      const tpu::OpArg* rounding = args.Find("rounding_mode");
       const std::string mode =
-          d.num_args > 2 && d.args[2].tag == tpu::ArgTag::kString ? d.args[2].s
-                                                                  : "";
+          rounding != nullptr && rounding->tag == tpu::ArgTag::kString
+              ? rounding->s
+              : "";
       const std::string q = l.Binary("divide", *a, *b, o.dims, t);
       if (mode.empty()) return q;
       if (mode != "trunc" && mode != "floor")

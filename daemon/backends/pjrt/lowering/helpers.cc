@@ -23,6 +23,7 @@ namespace tpud::pjrt {
 
 const tpu::OpArg* Args::Find(absl::string_view name) const {
   if (names_ == nullptr) return nullptr;
+  // (The one positional read: the schema's i-th name is the i-th argument.)
   for (size_t i = 0; i < names_->size() && i < d_.num_args; ++i) {
     if ((*names_)[i] == name) return &d_.args[i];
   }
@@ -57,17 +58,21 @@ std::string Highest(Lowering& l, const HloType& t) {
       absl::StrCat("stablehlo.constant dense<", hex, "> : ", TypeOf({}, t)));
 }
 
-Rule BinaryRule(const char* op, bool has_alpha) {
-  return [op, has_alpha](Lowering& l, const tpu::DecodedOp& d,
-                         const Target& out) -> absl::StatusOr<std::string> {
-    if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
-    absl::StatusOr<std::string> a = l.Operand(d.args[0], out.dims, *out.type);
+Rule BinaryRule(const char* op, bool has_alpha, const char* other) {
+  return [op, has_alpha, other](
+             Lowering& l, const tpu::DecodedOp&,
+             const Target& out) -> absl::StatusOr<std::string> {
+    const Args args(l);
+    if (!args.Has("self") || !args.Has(other))
+      return Unsupported(l.op(), "too few arguments");
+    absl::StatusOr<std::string> a =
+        l.Operand(args["self"], out.dims, *out.type);
     if (!a.ok()) return a;
-    absl::StatusOr<std::string> b = l.Operand(d.args[1], out.dims, *out.type);
+    absl::StatusOr<std::string> b = l.Operand(args[other], out.dims, *out.type);
     if (!b.ok()) return b;
     std::string rhs = *b;
-    if (has_alpha && d.num_args > 2) {
-      const tpu::OpArg& alpha = d.args[2];
+    if (has_alpha && args.Has("alpha")) {
+      const tpu::OpArg& alpha = args["alpha"];
       const bool one =
           (alpha.tag == tpu::ArgTag::kScalarInt && alpha.i == 1) ||
           (alpha.tag == tpu::ArgTag::kScalarDouble && alpha.d == 1.0);
@@ -84,12 +89,12 @@ Rule BinaryRule(const char* op, bool has_alpha) {
 Rule UnaryRule(
     std::function<std::string(Lowering&, const std::string&, const Target&)>
         f) {
-  return [f](Lowering& l, const tpu::DecodedOp& d,
+  return [f](Lowering& l, const tpu::DecodedOp&,
              const Target& out) -> absl::StatusOr<std::string> {
-    if (d.num_args < 1 || d.args[0].tag != tpu::ArgTag::kTensor) {
-      return Unsupported(l.op(), "expects a tensor");
-    }
-    absl::StatusOr<std::string> a = l.Operand(d.args[0], out.dims, *out.type);
+    const Args args(l);
+    if (!args.Defined("self")) return Unsupported(l.op(), "expects a tensor");
+    absl::StatusOr<std::string> a =
+        l.Operand(args["self"], out.dims, *out.type);
     if (!a.ok()) return a;
     return f(l, *a, out);
   };
@@ -118,24 +123,23 @@ absl::StatusOr<std::string> MatMul(Lowering& l, const tpu::OpArg& a,
                              ") -> ", TypeOf(out.dims, *out.type)));
 }
 
-absl::StatusOr<std::string> Reduce(Lowering& l, const tpu::DecodedOp& d,
-                                   const Target& out, bool mean) {
-  const tpu::OpArg& self = d.args[0];
+absl::StatusOr<std::string> Reduce(Lowering& l, const tpu::OpArg& self,
+                                   const tpu::OpArg* dim, const Target& out,
+                                   bool mean) {
   if (self.tag != tpu::ArgTag::kTensor)
     return Unsupported(l.op(), "expects a tensor");
   const int n = self.tensor.ndim;
   const std::vector<int64_t> in(self.tensor.sizes, self.tensor.sizes + n);
   std::vector<bool> reduced(n, false);
-  const bool listed = d.num_args > 1 &&
-                      d.args[1].tag == tpu::ArgTag::kIntList &&
-                      !d.args[1].ints.empty();
+  const bool listed =
+      dim != nullptr && dim->tag == tpu::ArgTag::kIntList && !dim->ints.empty();
   for (int i = 0; i < n; ++i) reduced[i] = !listed;
   if (listed && n > 0) {  // (a 0-d tensor: dim 0 / -1 is itself)
-    for (int64_t dim : d.args[1].ints) {
-      const int64_t w = dim < 0 ? dim + n : dim;
+    for (int64_t k : dim->ints) {
+      const int64_t w = k < 0 ? k + n : k;
       if (w < 0 || w >= n)
         return absl::InvalidArgumentError(
-            absl::StrCat(l.op(), ": dim ", dim, " out of range"));
+            absl::StrCat(l.op(), ": dim ", k, " out of range"));
       reduced[w] = true;
     }
   }
@@ -216,18 +220,17 @@ double NumberOf(const tpu::OpArg& a) {
 }
 
 absl::StatusOr<std::vector<int64_t>> ReducedDims(const Lowering& l,
-                                                 const tpu::DecodedOp& d,
-                                                 size_t i, size_t rank) {
+                                                 const tpu::OpArg* dim,
+                                                 size_t rank) {
   std::vector<int64_t> which;
-  const bool listed = d.num_args > i &&
-                      d.args[i].tag == tpu::ArgTag::kIntList &&
-                      !d.args[i].ints.empty();
-  const bool one = d.num_args > i && (d.args[i].tag == tpu::ArgTag::kInt ||
-                                      d.args[i].tag == tpu::ArgTag::kSymInt);
+  const bool listed =
+      dim != nullptr && dim->tag == tpu::ArgTag::kIntList && !dim->ints.empty();
+  const bool one = dim != nullptr && (dim->tag == tpu::ArgTag::kInt ||
+                                      dim->tag == tpu::ArgTag::kSymInt);
   if (listed) {
-    for (int64_t dim : d.args[i].ints) which.push_back(WrapDim(dim, rank));
+    for (int64_t k : dim->ints) which.push_back(WrapDim(k, rank));
   } else if (one) {
-    which.push_back(WrapDim(d.args[i].i, rank));
+    which.push_back(WrapDim(dim->i, rank));
   } else {
     for (size_t k = 0; k < rank; ++k) which.push_back(static_cast<int64_t>(k));
   }

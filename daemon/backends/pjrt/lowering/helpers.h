@@ -42,8 +42,11 @@ class Args {
 // +inf (floats) or the highest value, as a 0-d constant.
 std::string Highest(Lowering& l, const HloType& t);
 
-Rule BinaryRule(const char* op, bool has_alpha);
+// op(self, other), other scaled by alpha first where has_alpha (and the
+// schema has one); `other` names the second operand ("exponent" for pow).
+Rule BinaryRule(const char* op, bool has_alpha, const char* other = "other");
 
+// f(self), self a tensor.
 Rule UnaryRule(
     std::function<std::string(Lowering&, const std::string&, const Target&)> f);
 
@@ -52,10 +55,13 @@ Rule Simple(const char* op);
 absl::StatusOr<std::string> MatMul(Lowering& l, const tpu::OpArg& a,
                                    const tpu::OpArg& b, const Target& out);
 
-// sum / mean over `dims` (all when empty), keepdim or not, into out's shape.
-absl::StatusOr<std::string> Reduce(Lowering& l, const tpu::DecodedOp& d,
-                                   const Target& out, bool mean);
+// sum / mean of `self` over the int list `dim` (all when null, empty or not
+// a list), keepdim or not, into out's shape.
+absl::StatusOr<std::string> Reduce(Lowering& l, const tpu::OpArg& self,
+                                   const tpu::OpArg* dim, const Target& out,
+                                   bool mean);
 
+// Argument i present and a tensor (by position: Args::Defined reads by name).
 bool Defined(const tpu::DecodedOp& d, size_t i);
 
 int64_t WrapDim(int64_t dim, size_t n);
@@ -71,11 +77,11 @@ std::vector<int64_t> DimsOf(const tpu::TensorRef& r);
 
 double NumberOf(const tpu::OpArg& a);
 
-// The dimensions an op reduces over: the int list at argument `i` (every
-// dimension when absent or empty), wrapped, sorted and unique.
+// The dimensions an op reduces over: the int list or int `dim` (every
+// dimension when null, an empty list or neither), wrapped, sorted and unique.
 absl::StatusOr<std::vector<int64_t>> ReducedDims(const Lowering& l,
-                                                 const tpu::DecodedOp& d,
-                                                 size_t i, size_t rank);
+                                                 const tpu::OpArg* dim,
+                                                 size_t rank);
 
 int64_t CountOf(const std::vector<int64_t>& in,
                 const std::vector<int64_t>& which);

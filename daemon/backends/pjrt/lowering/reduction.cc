@@ -33,22 +33,18 @@ std::vector<std::vector<int64_t>> SameDims(const std::vector<int64_t>& self) {
 }  // namespace
 
 void RegisterReduction(OpRegistry& reg) {
-  reg.Add("aten::sum.dim_IntList",
-          [](Lowering& l, const tpu::DecodedOp& d, const Target& out) {
-            return Reduce(l, d, out, false);
-          });
-  reg.Add("aten::sum",
-          [](Lowering& l, const tpu::DecodedOp& d, const Target& out) {
-            return Reduce(l, d, out, false);
-          });
-  reg.Add("aten::mean.dim",
-          [](Lowering& l, const tpu::DecodedOp& d, const Target& out) {
-            return Reduce(l, d, out, true);
-          });
-  reg.Add("aten::mean",
-          [](Lowering& l, const tpu::DecodedOp& d, const Target& out) {
-            return Reduce(l, d, out, true);
-          });
+  // Arguments are read by their schema names (Args, helpers.h).
+  // sum / mean(self, *, dtype?) and .dim(self, dim?, keepdim, *, dtype?)
+  for (bool mean : {false, true}) {
+    const Rule r = [mean](Lowering& l, const tpu::DecodedOp&,
+                          const Target& out) -> absl::StatusOr<std::string> {
+      const Args a(l);
+      if (!a.Has("self")) return Unsupported(l.op(), "expects a tensor");
+      return Reduce(l, a["self"], a.Find("dim"), out, mean);
+    };
+    reg.Add(mean ? "aten::mean.dim" : "aten::sum.dim_IntList", r);
+    reg.Add(mean ? "aten::mean" : "aten::sum", r);
+  }
   // _cummax_helper / _cummin_helper(self, values!, indices!, dim): the
   // running largest (smallest) value, NaN sticking, and the last place it
   // was seen: the running largest of the positions where an element equals
@@ -56,20 +52,21 @@ void RegisterReduction(OpRegistry& reg) {
   for (bool largest : {true, false}) {
     reg.AddMulti(
         largest ? "aten::_cummax_helper" : "aten::_cummin_helper",
-        [largest](Lowering& l, const tpu::DecodedOp& d,
+        [largest](Lowering& l, const tpu::DecodedOp&,
                   const std::vector<Target>& o)
             -> absl::StatusOr<std::vector<std::string>> {
-          if (o.size() != 2 || !Defined(d, 0) || d.num_args < 4)
+          const Args a(l);
+          if (o.size() != 2 || !a.Defined("self") || !a.Has("dim"))
             return Unsupported(l.op(), "arguments of a form not lowered");
           const HloType& t = *o[0].type;
           const HloType& i64 = I64();
           const std::vector<int64_t>& dims = o[0].dims;
-          absl::StatusOr<std::string> x = l.Operand(d.args[0], dims, t);
+          absl::StatusOr<std::string> x = l.Operand(a["self"], dims, t);
           if (!x.ok()) return x.status();
           if (dims.empty())
             return std::vector<std::string>{*x, l.Constant(0, {}, *o[1].type)};
           absl::StatusOr<int64_t> dim =
-              CheckedDim(l.op(), d.args[3].i, dims.size());
+              CheckedDim(l.op(), a["dim"].i, dims.size());
           if (!dim.ok()) return dim.status();
           const std::string v =
               Running(l, *x, dims, *dim, largest ? "maximum" : "minimum", 0, t,
@@ -93,26 +90,28 @@ void RegisterReduction(OpRegistry& reg) {
   for (bool largest : {true, false}) {
     reg.Add(
         largest ? "aten::argmax" : "aten::argmin",
-        [largest](Lowering& l, const tpu::DecodedOp& d,
+        [largest](Lowering& l, const tpu::DecodedOp&,
                   const Target& o) -> absl::StatusOr<std::string> {
           // (self, dim?, keepdim): the first index of the largest (smallest)
           // value.
-          if (!Defined(d, 0))
+          const Args a(l);
+          if (!a.Defined("self"))
             return Unsupported(l.op(), "arguments of a form not lowered");
-          const tpu::TensorRef& x = d.args[0].tensor;
+          const tpu::TensorRef& x = a["self"].tensor;
           const HloType* xt = DTypeOf(x.dtype);
           if (xt == nullptr) return Unsupported(l.op(), "dtype");
           std::vector<int64_t> in = DimsOf(x);
-          absl::StatusOr<std::string> v = l.Tensor(x, 0);
+          absl::StatusOr<std::string> v = l.Tensor(x, l.TensorIndex(a["self"]));
           if (!v.ok()) return v;
           std::string xv = *v;
           int64_t dim;
+          const tpu::OpArg* dim_arg = a.Find("dim");
           const bool all =
-              d.num_args < 2 || (d.args[1].tag != tpu::ArgTag::kInt &&
-                                 d.args[1].tag != tpu::ArgTag::kSymInt);
+              dim_arg == nullptr || (dim_arg->tag != tpu::ArgTag::kInt &&
+                                     dim_arg->tag != tpu::ArgTag::kSymInt);
           if (!all && in.empty()) {
             // A 0-d tensor has one dimension to name: 0 or -1.
-            if (absl::StatusOr<int64_t> c = CheckedDim(l.op(), d.args[1].i, 1);
+            if (absl::StatusOr<int64_t> c = CheckedDim(l.op(), dim_arg->i, 1);
                 !c.ok())
               return c.status();
           }
@@ -124,7 +123,7 @@ void RegisterReduction(OpRegistry& reg) {
             dim = 0;
           } else {
             absl::StatusOr<int64_t> checked =
-                CheckedDim(l.op(), d.args[1].i, in.size());
+                CheckedDim(l.op(), dim_arg->i, in.size());
             if (!checked.ok()) return checked.status();
             dim = *checked;
           }
@@ -161,15 +160,17 @@ void RegisterReduction(OpRegistry& reg) {
   for (bool mx : {true, false}) {
     reg.Add(
         mx ? "aten::amax" : "aten::amin",
-        [mx](Lowering& l, const tpu::DecodedOp& d,
+        [mx](Lowering& l, const tpu::DecodedOp&,
              const Target& o) -> absl::StatusOr<std::string> {
-          if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
-          const tpu::TensorRef& x = d.args[0].tensor;
+          const Args a(l);
+          if (!a.Defined("self"))
+            return Unsupported(l.op(), "expects a tensor");
+          const tpu::TensorRef& x = a["self"].tensor;
           const std::vector<int64_t> in = DimsOf(x);
           absl::StatusOr<std::vector<int64_t>> which =
-              ReducedDims(l, d, 1, in.size());
+              ReducedDims(l, a.Find("dim"), in.size());
           if (!which.ok()) return which.status();
-          absl::StatusOr<std::string> v = l.Operand(d.args[0], in, *o.type);
+          absl::StatusOr<std::string> v = l.Operand(a["self"], in, *o.type);
           if (!v.ok()) return v;
           if (in.empty())
             return l.Reshape(*v, in, o.dims,
@@ -182,54 +183,56 @@ void RegisterReduction(OpRegistry& reg) {
   }
   // var / std.correction(self, dim?, *, correction?, keepdim)
   for (bool root : {false, true}) {
-    reg.Add(root ? "aten::std.correction" : "aten::var.correction",
-            [root](Lowering& l, const tpu::DecodedOp& d,
-                   const Target& o) -> absl::StatusOr<std::string> {
-              if (!Defined(d, 0) || !o.type->is_float)
-                return Unsupported(l.op(), "arguments of a form not lowered");
-              const HloType& t = *o.type;
-              const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
-              absl::StatusOr<std::vector<int64_t>> which =
-                  ReducedDims(l, d, 1, in.size());
-              if (!which.ok()) return which.status();
-              absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t);
-              if (!x.ok()) return x;
-              const double correction =
-                  d.num_args > 2 && d.args[2].tag != tpu::ArgTag::kNone
-                      ? NumberOf(d.args[2])
-                      : 1.0;
-              const double n = static_cast<double>(CountOf(in, *which));
-              const std::vector<int64_t> kept = Lowering::Kept(in, *which);
-              const std::string zero = l.Constant(0, {}, t);
-              const std::string mean = l.Binary(
-                  "divide", l.ReduceOver(*x, in, *which, "add", zero, t),
-                  l.Constant(n, kept, t), kept, t);
-              const std::string dev = l.Binary(
-                  "subtract", *x, l.Expand(mean, in, *which, t), in, t);
-              const std::string ss =
-                  l.ReduceOver(l.Binary("multiply", dev, dev, in, t), in,
-                               *which, "add", zero, t);
-              std::string v = l.Binary(
-                  "divide", ss,
-                  l.Constant(std::max(0.0, n - correction), kept, t), kept, t);
-              if (root) v = l.Unary("sqrt", v, kept, t);
-              return l.Reshape(v, kept, o.dims, t);
-            });
+    reg.Add(
+        root ? "aten::std.correction" : "aten::var.correction",
+        [root](Lowering& l, const tpu::DecodedOp&,
+               const Target& o) -> absl::StatusOr<std::string> {
+          const Args a(l);
+          if (!a.Defined("self") || !o.type->is_float)
+            return Unsupported(l.op(), "arguments of a form not lowered");
+          const HloType& t = *o.type;
+          const std::vector<int64_t> in = DimsOf(a["self"].tensor);
+          absl::StatusOr<std::vector<int64_t>> which =
+              ReducedDims(l, a.Find("dim"), in.size());
+          if (!which.ok()) return which.status();
+          absl::StatusOr<std::string> x = l.Operand(a["self"], in, t);
+          if (!x.ok()) return x;
+          const tpu::OpArg* c = a.Find("correction");
+          const double correction =
+              c != nullptr && c->tag != tpu::ArgTag::kNone ? NumberOf(*c) : 1.0;
+          const double n = static_cast<double>(CountOf(in, *which));
+          const std::vector<int64_t> kept = Lowering::Kept(in, *which);
+          const std::string zero = l.Constant(0, {}, t);
+          const std::string mean =
+              l.Binary("divide", l.ReduceOver(*x, in, *which, "add", zero, t),
+                       l.Constant(n, kept, t), kept, t);
+          const std::string dev =
+              l.Binary("subtract", *x, l.Expand(mean, in, *which, t), in, t);
+          const std::string ss =
+              l.ReduceOver(l.Binary("multiply", dev, dev, in, t), in, *which,
+                           "add", zero, t);
+          std::string v = l.Binary(
+              "divide", ss, l.Constant(std::max(0.0, n - correction), kept, t),
+              kept, t);
+          if (root) v = l.Unary("sqrt", v, kept, t);
+          return l.Reshape(v, kept, o.dims, t);
+        });
   }
   // linalg_vector_norm(self, ord, dim?, keepdim, *, dtype?)
   reg.Add("aten::linalg_vector_norm",
-          [](Lowering& l, const tpu::DecodedOp& d,
+          [](Lowering& l, const tpu::DecodedOp&,
              const Target& o) -> absl::StatusOr<std::string> {
-            if (!Defined(d, 0) || !o.type->is_float)
+            const Args args(l);
+            if (!args.Defined("self") || !o.type->is_float)
               return Unsupported(l.op(), "arguments of a form not lowered");
             const HloType& t = *o.type;
-            const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+            const std::vector<int64_t> in = DimsOf(args["self"].tensor);
             absl::StatusOr<std::vector<int64_t>> which =
-                ReducedDims(l, d, 2, in.size());
+                ReducedDims(l, args.Find("dim"), in.size());
             if (!which.ok()) return which.status();
-            absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t);
+            absl::StatusOr<std::string> x = l.Operand(args["self"], in, t);
             if (!x.ok()) return x;
-            const double p = d.num_args > 1 ? NumberOf(d.args[1]) : 2.0;
+            const double p = args.Number("ord", 2.0);
             const std::vector<int64_t> kept = Lowering::Kept(in, *which);
             const std::string a = l.Unary("abs", *x, in, t);
             const std::string zero = l.Constant(0, {}, t);
@@ -260,34 +263,37 @@ void RegisterReduction(OpRegistry& reg) {
   // cumsum / cumprod(self, dim, *, dtype?)
   for (bool sum : {true, false}) {
     reg.Add(sum ? "aten::cumsum" : "aten::cumprod",
-            [sum](Lowering& l, const tpu::DecodedOp& d,
+            [sum](Lowering& l, const tpu::DecodedOp&,
                   const Target& o) -> absl::StatusOr<std::string> {
-              if (!Defined(d, 0) || d.num_args < 2)
+              const Args a(l);
+              if (!a.Defined("self") || !a.Has("dim"))
                 return Unsupported(l.op(), "arguments of a form not lowered");
               absl::StatusOr<std::string> x =
-                  l.Operand(d.args[0], o.dims, *o.type);
+                  l.Operand(a["self"], o.dims, *o.type);
               if (!x.ok()) return x;
               if (o.dims.empty()) return *x;
               absl::StatusOr<int64_t> checked =
-                  CheckedDim(l.op(), d.args[1].i, o.dims.size());
+                  CheckedDim(l.op(), a["dim"].i, o.dims.size());
               if (!checked.ok()) return checked.status();
               const int64_t dim = *checked;
               return Running(l, *x, o.dims, dim, sum ? "add" : "multiply",
                              sum ? 0 : 1, *o.type);
             });
   }
-  // prod(self, *, dtype?) and prod.dim_int(self, dim, keepdim, *, dtype?)
+  // prod(self, *, dtype?) over every dimension (it has no dim) and
+  // prod.dim_int(self, dim, keepdim, *, dtype?)
   for (bool all : {true, false}) {
     reg.Add(all ? "aten::prod" : "aten::prod.dim_int",
-            [all](Lowering& l, const tpu::DecodedOp& d,
-                  const Target& o) -> absl::StatusOr<std::string> {
-              if (!Defined(d, 0))
+            [](Lowering& l, const tpu::DecodedOp&,
+               const Target& o) -> absl::StatusOr<std::string> {
+              const Args a(l);
+              if (!a.Defined("self"))
                 return Unsupported(l.op(), "expects a tensor");
-              const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+              const std::vector<int64_t> in = DimsOf(a["self"].tensor);
               absl::StatusOr<std::vector<int64_t>> which =
-                  ReducedDims(l, d, all ? 99 : 1, in.size());
+                  ReducedDims(l, a.Find("dim"), in.size());
               if (!which.ok()) return which.status();
-              absl::StatusOr<std::string> x = l.Operand(d.args[0], in, *o.type);
+              absl::StatusOr<std::string> x = l.Operand(a["self"], in, *o.type);
               if (!x.ok()) return x;
               const std::string v =
                   l.ReduceOver(*x, in, *which, "multiply",
@@ -297,17 +303,18 @@ void RegisterReduction(OpRegistry& reg) {
   }
   // any / all, over everything or dims; a bool result.
   for (bool any : {true, false}) {
-    Rule r = [any](Lowering& l, const tpu::DecodedOp& d,
+    Rule r = [any](Lowering& l, const tpu::DecodedOp&,
                    const Target& o) -> absl::StatusOr<std::string> {
-      if (!Defined(d, 0)) return Unsupported(l.op(), "expects a tensor");
-      const tpu::TensorRef& x = d.args[0].tensor;
+      const Args a(l);
+      if (!a.Defined("self")) return Unsupported(l.op(), "expects a tensor");
+      const tpu::TensorRef& x = a["self"].tensor;
       const HloType* xt = DTypeOf(x.dtype);
       if (xt == nullptr) return Unsupported(l.op(), "dtype");
       const std::vector<int64_t> in = DimsOf(x);
       absl::StatusOr<std::vector<int64_t>> which =
-          ReducedDims(l, d, 1, in.size());
+          ReducedDims(l, a.Find("dim"), in.size());
       if (!which.ok()) return which.status();
-      absl::StatusOr<std::string> v = l.Tensor(x, 0);
+      absl::StatusOr<std::string> v = l.Tensor(x, l.TensorIndex(a["self"]));
       if (!v.ok()) return v;
       const HloType& b = *DTypeOf(tpu::DType::kBool);
       const std::string truth =
@@ -332,15 +339,16 @@ void RegisterReduction(OpRegistry& reg) {
   reg.Alias("aten::min.unary_out", "aten::min");
   // _logcumsumexp(self, dim): a running log-sum-exp.
   reg.Add("aten::_logcumsumexp",
-          [](Lowering& l, const tpu::DecodedOp& d,
+          [](Lowering& l, const tpu::DecodedOp&,
              const Target& o) -> absl::StatusOr<std::string> {
-            if (!Defined(d, 0) || d.num_args < 2)
+            const Args a(l);
+            if (!a.Defined("self") || !a.Has("dim"))
               return Unsupported(l.op(), "arguments of a form not lowered");
             absl::StatusOr<std::string> x =
-                l.Operand(d.args[0], o.dims, *o.type);
+                l.Operand(a["self"], o.dims, *o.type);
             if (!x.ok() || o.dims.empty()) return x;
             absl::StatusOr<int64_t> dim =
-                CheckedDim(l.op(), d.args[1].i, o.dims.size());
+                CheckedDim(l.op(), a["dim"].i, o.dims.size());
             if (!dim.ok()) return dim.status();
             return Running(l, *x, o.dims, *dim, "logaddexp", 0, *o.type,
                            l.Lowest(*o.type));
@@ -352,9 +360,10 @@ void RegisterReduction(OpRegistry& reg) {
   // outside (and NaN) is not counted.
   reg.Add(
       "aten::histc",
-      [](Lowering& l, const tpu::DecodedOp& d,
+      [](Lowering& l, const tpu::DecodedOp&,
          const Target& o) -> absl::StatusOr<std::string> {
-        if (d.num_args < 4 || !Defined(d, 0) || o.dims.size() != 1)
+        const Args a(l);
+        if (!a.Has("max") || !a.Defined("self") || o.dims.size() != 1)
           return Unsupported(l.op(), "arguments of a form not lowered");
         const HloType& t = *o.type;
         const HloType& i64 = I64();
@@ -362,15 +371,15 @@ void RegisterReduction(OpRegistry& reg) {
         if (bins <= 0)
           return absl::InvalidArgumentError(
               absl::StrCat(l.op(), ": bins must be positive"));
-        const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+        const std::vector<int64_t> in = DimsOf(a["self"].tensor);
         int64_t total = 1;
         for (int64_t q : in) total *= q;
         if (total == 0) return l.Constant(0, o.dims, t);
         const std::vector<int64_t> flat = {total};
-        absl::StatusOr<std::string> xs = l.Operand(d.args[0], in, t);
+        absl::StatusOr<std::string> xs = l.Operand(a["self"], in, t);
         if (!xs.ok()) return xs;
         const std::string x = l.Reshape(*xs, in, flat, t);
-        const double lo_arg = NumberOf(d.args[2]), hi_arg = NumberOf(d.args[3]);
+        const double lo_arg = NumberOf(a["min"]), hi_arg = NumberOf(a["max"]);
         if (lo_arg > hi_arg)
           return absl::InvalidArgumentError(
               absl::StrCat(l.op(), ": max must be larger than min"));

@@ -77,7 +77,7 @@ void RegisterShape(OpRegistry& reg) {
             return l.Convert(v, o.dims, w, *o.type);
           });
   reg.Add("aten::flip",
-          [](Lowering& l, const tpu::DecodedOp& d,
+          [](Lowering& l, const tpu::DecodedOp&,
              const Target& o) -> absl::StatusOr<std::string> {
             const Args a(l);
             if (!a.Defined("self") || !a.Has("dims") ||
@@ -87,7 +87,7 @@ void RegisterShape(OpRegistry& reg) {
                 l.Operand(a["self"], o.dims, *o.type);
             if (!x.ok()) return x;
             absl::StatusOr<std::vector<int64_t>> which =
-                ReducedDims(l, d, 1, o.dims.size());
+                ReducedDims(l, &a["dims"], o.dims.size());
             if (!which.ok()) return which.status();
             if (a["dims"].ints.empty() || which->empty()) return *x;
             return l.Emit(absl::StrCat("stablehlo.reverse ", *x, ", dims = [",
