@@ -1,6 +1,8 @@
 // The lowering end to end without a daemon: op records over host memory,
 // lowered, compiled on XLA's CPU plugin and run by PjrtChip; the values
 // that come back are checked.
+#include "daemon/backends/pjrt/lowering/lowering.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -457,6 +459,31 @@ TEST_CASE("the registry's facts: host-side ops, first arguments overwritten") {
   REQUIRE(mean_out != nullptr);
   CHECK(mean_out->derived_from.empty());
   CHECK(Registry().Find("aten::not_a_lowered_op") == nullptr);
+}
+
+// The result of an in-place op goes where its input lies: the one
+// parameter is read and donated, not copied in beside a donated twin. (A
+// dtype table with one copy per file once made types differ by address
+// here, and every in-place op paid a host copy.)
+TEST_CASE("an in-place result is donated to the parameter it reads") {
+  Arena arena;
+  Placed x = arena.Floats({4}, {1, 2, 3, 4});
+  Record r(arena);
+  r.Tensor(x);
+  const std::vector<ResolvedTensor> tensors = r.tensors();
+  Lowering l("aten::neg_", r.decoded(), tensors);
+  // The type as this file sees the table (DTypeOf may be one out-of-line
+  // copy for the whole program when it is not inlined).
+  const HloType* f32p = nullptr;
+  for (const HloType& t : kHloTypes) {
+    if (t.dtype == tpu::DType::kFloat) f32p = &t;
+  }
+  REQUIRE(f32p != nullptr);
+  const HloType& f32 = *f32p;
+  REQUIRE(l.Operand(r.decoded().args[0], {4}, f32).ok());
+  l.Donate(0, reinterpret_cast<char*>(x.host), f32, {4});
+  REQUIRE(l.transfers().size() == 1);
+  CHECK(l.transfers()[0].aliased == 0);
 }
 
 }  // namespace
