@@ -486,5 +486,26 @@ TEST_CASE("an in-place result is donated to the parameter it reads") {
   CHECK(l.transfers()[0].aliased == 0);
 }
 
+// torch.max(a, b, out=c) is aten::max.out: elementwise, like maximum.
+TEST_CASE("max.out and min.out are elementwise") {
+  Fixture f;
+  Placed a = f.arena.Floats({3}, {1, 5, -2});
+  Placed b = f.arena.Floats({3}, {4, 2, -3});
+  for (const bool largest : {true, false}) {
+    Placed out = f.arena.Floats({3}, {0, 0, 0});
+    Record r(f.arena);
+    r.Tensor(a).Tensor(b).Tensor(out);
+    const std::string name = largest ? "max" : "min";
+    absl::Status st = f.Run("aten::" + name +
+                                ".out(Tensor self, Tensor other, *, "
+                                "Tensor(a!) out) -> Tensor(a!)",
+                            r);
+    INFO(name << ": " << st.ToString());
+    REQUIRE(st.ok());
+    CHECK(Read(out, 3) == (largest ? std::vector<float>{4, 5, -2}
+                                   : std::vector<float>{1, 2, -3}));
+  }
+}
+
 }  // namespace
 }  // namespace tpud::pjrt

@@ -337,6 +337,10 @@ void RegisterReduction(OpRegistry& reg) {
   reg.Alias("aten::min", "aten::amin");
   reg.Alias("aten::max.unary_out", "aten::max");
   reg.Alias("aten::min.unary_out", "aten::min");
+  // max.out(self, other, *, out) is not max's out= form but maximum's
+  // (elementwise, elementwise.cc): given here so that none is derived.
+  reg.Alias("aten::max.out", "aten::maximum");
+  reg.Alias("aten::min.out", "aten::minimum");
   // _logcumsumexp(self, dim): a running log-sum-exp.
   reg.Add("aten::_logcumsumexp",
           [](Lowering& l, const tpu::DecodedOp&,
