@@ -253,15 +253,17 @@ int64_t CountOf(const std::vector<int64_t>& in,
   return n;
 }
 
-absl::StatusOr<ConvWindow> ConvWindowOf(const Lowering& l,
-                                        const tpu::DecodedOp& d, size_t first,
+absl::StatusOr<ConvWindow> ConvWindowOf(const Lowering& l, const Args& a,
                                         const std::vector<int64_t>& in,
                                         const std::vector<int64_t>& wd,
                                         const std::vector<int64_t>& other,
                                         bool allow_transposed) {
-  if (d.num_args < first + 6)
-    return Unsupported(l.op(), "arguments of a form not lowered");
-  const tpu::OpArg& transposed = d.args[first + 3];
+  for (const char* name : {"stride", "padding", "dilation", "transposed",
+                           "output_padding", "groups"}) {
+    if (!a.Has(name))
+      return Unsupported(l.op(), "arguments of a form not lowered");
+  }
+  const tpu::OpArg& transposed = a["transposed"];
   ConvWindow w;
   w.transposed = transposed.tag == tpu::ArgTag::kBool && transposed.b;
   if (w.transposed && !allow_transposed)
@@ -272,20 +274,20 @@ absl::StatusOr<ConvWindow> ConvWindowOf(const Lowering& l,
     return Unsupported(l.op(),
                        "expects a batched input of 1 to 3 spatial dimensions");
   }
-  auto list = [&](size_t i, int64_t dflt) {
-    std::vector<int64_t> v = d.args[i].tag == tpu::ArgTag::kIntList
-                                 ? d.args[i].ints
-                                 : std::vector<int64_t>{};
+  auto list = [&](const char* name, int64_t dflt) {
+    const tpu::OpArg& arg = a[name];
+    std::vector<int64_t> v =
+        arg.tag == tpu::ArgTag::kIntList ? arg.ints : std::vector<int64_t>{};
     if (v.empty()) v.push_back(dflt);
     while (v.size() < w.sp) v.push_back(v.back());
     v.resize(w.sp);
     return v;
   };
-  w.stride = list(first, 1);
-  w.pad = list(first + 1, 0);
-  w.dilation = list(first + 2, 1);
-  w.output_padding = list(first + 4, 0);
-  const tpu::OpArg& groups = d.args[first + 5];
+  w.stride = list("stride", 1);
+  w.pad = list("padding", 0);
+  w.dilation = list("dilation", 1);
+  w.output_padding = list("output_padding", 0);
+  const tpu::OpArg& groups = a["groups"];
   if (groups.tag == tpu::ArgTag::kInt || groups.tag == tpu::ArgTag::kSymInt)
     w.groups = groups.i;
   if (w.groups < 1 || in[1] % w.groups != 0)
@@ -365,12 +367,11 @@ std::string GeluTanhInner(Lowering& l, const std::string& x,
       t);
 }
 
-absl::StatusOr<Picked> PickTargets(Lowering& l, const tpu::DecodedOp& d,
-                                   size_t target_i, size_t weight_i,
-                                   size_t ignore_i,
+absl::StatusOr<Picked> PickTargets(Lowering& l, const tpu::OpArg& target,
+                                   const tpu::OpArg* weight,
+                                   const tpu::OpArg* ignore_index,
                                    const std::vector<int64_t>& nc,
                                    const HloType& t) {
-  const tpu::OpArg& target = d.args[target_i];
   // (An unbatched input comes as one row, its target 0-d.)
   if (target.tag != tpu::ArgTag::kTensor ||
       (target.tensor.ndim != 1 && !(target.tensor.ndim == 0 && nc[0] == 1))) {
@@ -386,18 +387,18 @@ absl::StatusOr<Picked> PickTargets(Lowering& l, const tpu::DecodedOp& d,
                    TypeOf({nc[0]}, i64), ") -> ", TypeOf(nc, i64)));
   const std::string iota = l.Iota(1, nc, i64);
   std::string onehot = l.Compare("EQ", *tg, iota, nc, i64);
-  const int64_t ignore = ignore_i < d.num_args
-                             ? static_cast<int64_t>(NumberOf(d.args[ignore_i]))
+  const int64_t ignore = ignore_index != nullptr
+                             ? static_cast<int64_t>(NumberOf(*ignore_index))
                              : -100;
   const std::string keep = l.Compare(
       "NE", *tg, l.Constant(static_cast<double>(ignore), nc, i64), nc, i64);
   onehot = l.Emit(absl::StrCat("stablehlo.and ", onehot, ", ", keep, " : ",
                                TypeOf(nc, *DTypeOf(tpu::DType::kBool))));
   std::string mask = l.Convert(onehot, nc, *DTypeOf(tpu::DType::kBool), t);
-  if (Defined(d, weight_i)) {
-    const tpu::TensorRef& w = d.args[weight_i].tensor;
+  if (weight != nullptr && weight->tag == tpu::ArgTag::kTensor) {
+    const tpu::TensorRef& w = weight->tensor;
     absl::StatusOr<std::string> wv =
-        l.OperandRef(w, l.TensorIndex(d.args[weight_i]), nc, t);
+        l.OperandRef(w, l.TensorIndex(*weight), nc, t);
     if (!wv.ok()) return wv.status();
     mask = l.Binary("multiply", mask, *wv, nc, t);
   }

@@ -87,10 +87,10 @@ int64_t CountOf(const std::vector<int64_t>& in,
                 const std::vector<int64_t>& which);
 
 // A convolution's window: its spatial dimensions and, from the arguments
-// at `first` on (stride, padding, dilation, transposed, output_padding,
-// groups, as convolution and convolution_backward take them), one stride,
-// padding and dilation per spatial dimension. `in` is the input's dims, `wd`
-// the weight's and `other` the third tensor's (the output or the gradient).
+// named stride, padding, dilation, transposed, output_padding and groups (as
+// convolution and convolution_backward name them), one stride, padding and
+// dilation per spatial dimension. `in` is the input's dims, `wd` the
+// weight's and `other` the third tensor's (the output or the gradient).
 struct ConvWindow {
   size_t sp = 0;
   std::vector<int64_t> stride, pad, dilation, output_padding;
@@ -98,8 +98,7 @@ struct ConvWindow {
   bool transposed = false;
 };
 
-absl::StatusOr<ConvWindow> ConvWindowOf(const Lowering& l,
-                                        const tpu::DecodedOp& d, size_t first,
+absl::StatusOr<ConvWindow> ConvWindowOf(const Lowering& l, const Args& a,
                                         const std::vector<int64_t>& in,
                                         const std::vector<int64_t>& wd,
                                         const std::vector<int64_t>& other,
@@ -125,7 +124,9 @@ std::string GeluTanhInner(Lowering& l, const std::string& x,
                           const std::vector<int64_t>& d, const HloType& t);
 
 // The element of each row its target picks, as a mask (one-hot, and the
-// target not ignore_index), weighted: x (N, C), target (N).
+// target not ignore_index), weighted: x (N, C), target (N). `weight` (the
+// class weights) counts where it is a tensor; `ignore_index` is -100 where
+// null.
 struct Picked {
   std::string
       mask;  // (N, C) of t: the picked entries, times their class weight
@@ -133,9 +134,9 @@ struct Picked {
       row_weight;  // (N) of t: the weight of each row's target, 0 when ignored
 };
 
-absl::StatusOr<Picked> PickTargets(Lowering& l, const tpu::DecodedOp& d,
-                                   size_t target_i, size_t weight_i,
-                                   size_t ignore_i,
+absl::StatusOr<Picked> PickTargets(Lowering& l, const tpu::OpArg& target,
+                                   const tpu::OpArg* weight,
+                                   const tpu::OpArg* ignore_index,
                                    const std::vector<int64_t>& nc,
                                    const HloType& t);
 

@@ -25,15 +25,18 @@
 namespace tpud::pjrt {
 
 void RegisterIndexing(OpRegistry& reg) {
+  // Arguments are read by their schema names (Args, helpers.h).
   // index_select(self, dim, index): a gather of whole slices.
   reg.Add("aten::index_select",
           [](Lowering& l, const tpu::DecodedOp& d,
              const Target& o) -> absl::StatusOr<std::string> {
-            if (!Defined(d, 0) || !Defined(d, 2) || d.args[2].tensor.ndim > 1)
+            const Args a(l);
+            if (!a.Defined("self") || !a.Defined("index") ||
+                a["index"].tensor.ndim > 1)
               return Unsupported(l.op(), "arguments of a form not lowered");
-            const tpu::TensorRef& x = d.args[0].tensor;
+            const tpu::TensorRef& x = a["self"].tensor;
             std::vector<int64_t> in = DimsOf(x);
-            absl::StatusOr<std::string> v = l.Operand(d.args[0], in, *o.type);
+            absl::StatusOr<std::string> v = l.Operand(a["self"], in, *o.type);
             if (!v.ok()) return v;
             std::string xv = *v;
             if (in.empty()) {
@@ -41,16 +44,16 @@ void RegisterIndexing(OpRegistry& reg) {
               in = {1};
             }
             absl::StatusOr<int64_t> checked =
-                CheckedDim(l.op(), d.args[1].i, in.size());
+                CheckedDim(l.op(), a["dim"].i, in.size());
             if (!checked.ok()) return checked.status();
             const int64_t dim = *checked;
-            const tpu::TensorRef& ix = d.args[2].tensor;
+            const tpu::TensorRef& ix = a["index"].tensor;
             const HloType* it = DTypeOf(ix.dtype);
             if (it == nullptr || it->is_float)
               return Unsupported(l.op(), "index dtype");
             const int64_t k = Numel(ix);
             absl::StatusOr<std::string> iv =
-                l.OperandRef(ix, l.TensorIndex(d.args[2]), DimsOf(ix), I64());
+                l.OperandRef(ix, l.TensorIndex(a["index"]), DimsOf(ix), I64());
             if (!iv.ok()) return iv;
             l.CheckRange(*iv, DimsOf(ix), in[dim],
                          absl::StrCat("index out of range in self (dim ", dim,
@@ -78,23 +81,23 @@ void RegisterIndexing(OpRegistry& reg) {
   reg.Add("aten::gather",
           [](Lowering& l, const tpu::DecodedOp& d,
              const Target& o) -> absl::StatusOr<std::string> {
-            if (!Defined(d, 0) || !Defined(d, 2))
+            const Args a(l);
+            if (!a.Defined("self") || !a.Defined("index"))
               return Unsupported(l.op(), "arguments of a form not lowered");
-            const tpu::TensorRef& x = d.args[0].tensor;
+            const tpu::TensorRef& x = a["self"].tensor;
             const std::vector<int64_t> in = DimsOf(x);
-            absl::StatusOr<std::string> v = l.Operand(d.args[0], in, *o.type);
+            absl::StatusOr<std::string> v = l.Operand(a["self"], in, *o.type);
             if (!v.ok()) return v;
             const size_t n = in.size();
             if (n == 0 || o.dims.size() != n)
               return l.Reshape(*v, in, o.dims, *o.type);
-            absl::StatusOr<int64_t> checked =
-                CheckedDim(l.op(), d.args[1].i, n);
+            absl::StatusOr<int64_t> checked = CheckedDim(l.op(), a["dim"].i, n);
             if (!checked.ok()) return checked.status();
             const int64_t dim = *checked;
-            const tpu::TensorRef& ix = d.args[2].tensor;
+            const tpu::TensorRef& ix = a["index"].tensor;
             const HloType& i64 = I64();
             absl::StatusOr<std::string> iv =
-                l.OperandRef(ix, l.TensorIndex(d.args[2]), o.dims, i64);
+                l.OperandRef(ix, l.TensorIndex(a["index"]), o.dims, i64);
             if (!iv.ok()) return iv;
             l.CheckRange(*iv, o.dims, in[dim],
                          absl::StrCat("index out of bounds for dimension ", dim,
@@ -118,12 +121,13 @@ void RegisterIndexing(OpRegistry& reg) {
   reg.Add("aten::index.Tensor",
           [](Lowering& l, const tpu::DecodedOp& d,
              const Target& o) -> absl::StatusOr<std::string> {
-            if (!Defined(d, 0) || d.num_args < 2)
+            const Args a(l);
+            if (!a.Defined("self") || !a.Has("indices"))
               return Unsupported(l.op(), "arguments of a form not lowered");
-            const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
-            absl::StatusOr<std::string> v = l.Operand(d.args[0], in, *o.type);
+            const std::vector<int64_t> in = DimsOf(a["self"].tensor);
+            absl::StatusOr<std::string> v = l.Operand(a["self"], in, *o.type);
             if (!v.ok()) return v;
-            absl::StatusOr<IndexPlan> p = PlanIndex(l, d.args[1], in);
+            absl::StatusOr<IndexPlan> p = PlanIndex(l, a["indices"], in);
             if (!p.ok()) return p.status();
             const std::string g = l.Emit(absl::StrCat(
                 "\"stablehlo.gather\"(", *v, ", ", p->indices,
@@ -145,18 +149,21 @@ void RegisterIndexing(OpRegistry& reg) {
   {
     Rule put = [](Lowering& l, const tpu::DecodedOp& d,
                   const Target& o) -> absl::StatusOr<std::string> {
-      if (!Defined(d, 0) || !Defined(d, 2) || d.num_args < 3)
+      const Args a(l);
+      if (!a.Defined("self") || !a.Defined("values"))
         return Unsupported(l.op(), "arguments of a form not lowered");
       const HloType& t = *o.type;
       const std::vector<int64_t>& in = o.dims;
       if (in.empty()) return Unsupported(l.op(), "a 0-d tensor");
-      absl::StatusOr<std::string> self = l.Operand(d.args[0], in, t);
+      absl::StatusOr<std::string> self = l.Operand(a["self"], in, t);
       if (!self.ok()) return self;
+      const tpu::OpArg* acc = a.Find("accumulate");
       const bool accumulate =
-          d.num_args > 3 && d.args[3].tag == tpu::ArgTag::kBool && d.args[3].b;
+          acc != nullptr && acc->tag == tpu::ArgTag::kBool && acc->b;
+      const tpu::OpArg& values = a["values"];
       // One boolean mask over the leading dimensions and one value
       // (x[mask] = v, x[mask] += v): a select, whatever the mask holds.
-      const tpu::OpArg& list = d.args[1];
+      const tpu::OpArg& list = a["indices"];
       if (list.tag == tpu::ArgTag::kOptionalTensorList &&
           !list.tensor_present.empty() && list.tensor_present[0] &&
           std::count(list.tensor_present.begin(), list.tensor_present.end(),
@@ -164,7 +171,7 @@ void RegisterIndexing(OpRegistry& reg) {
           !list.tensors.empty() &&
           (list.tensors[0].dtype == tpu::Code(tpu::DType::kBool) ||
            list.tensors[0].dtype == tpu::Code(tpu::DType::kUInt8)) &&
-          Numel(d.args[2].tensor) == 1) {
+          Numel(values.tensor) == 1) {
         const tpu::TensorRef& mr = list.tensors[0];
         const std::vector<int64_t> md = DimsOf(mr);
         if (md.size() > in.size() ||
@@ -187,8 +194,8 @@ void RegisterIndexing(OpRegistry& reg) {
             l.Emit(absl::StrCat("stablehlo.broadcast_in_dim ", mb, ", dims = [",
                                 absl::StrJoin(lead, ", "), "] : (",
                                 TypeOf(md, i1), ") -> ", TypeOf(in, i1)));
-        const std::vector<int64_t> vd = DimsOf(d.args[2].tensor);
-        absl::StatusOr<std::string> value = l.Operand(d.args[2], vd, t);
+        const std::vector<int64_t> vd = DimsOf(values.tensor);
+        absl::StatusOr<std::string> value = l.Operand(values, vd, t);
         if (!value.ok()) return value;
         const std::string vb =
             l.BroadcastTo(l.Reshape(*value, vd, {}, t), {}, in, t);
@@ -196,13 +203,13 @@ void RegisterIndexing(OpRegistry& reg) {
                         accumulate ? l.Binary("add", *self, vb, in, t) : vb,
                         *self, in, t);
       }
-      absl::StatusOr<IndexPlan> p = PlanIndex(l, d.args[1], in);
+      absl::StatusOr<IndexPlan> p = PlanIndex(l, list, in);
       if (!p.ok()) return p.status();
-      absl::StatusOr<std::string> values = l.Operand(d.args[2], p->result, t);
-      if (!values.ok()) return values;
+      absl::StatusOr<std::string> vals = l.Operand(values, p->result, t);
+      if (!vals.ok()) return vals;
       const std::string scalar = TypeOf({}, t);
       return l.Emit(absl::StrCat(
-          "\"stablehlo.scatter\"(", *self, ", ", p->indices, ", ", *values,
+          "\"stablehlo.scatter\"(", *self, ", ", p->indices, ", ", *vals,
           ") ({\n", "    ^bb0(%old: ", scalar, ", %new: ", scalar, "):\n",
           accumulate
               ? absl::StrCat("      %sum = stablehlo.add %old, %new : ", scalar,
@@ -247,8 +254,15 @@ void RegisterIndexing(OpRegistry& reg) {
         Kind::kValueReduce, Kind::kScatterReduce, Kind::kIndexReduce}) {
     Rule r = [kind](Lowering& l, const tpu::DecodedOp& d,
                     const Target& o) -> absl::StatusOr<std::string> {
-      if (!Defined(d, 0) || !Defined(d, 2) || d.num_args < 4)
+      const Args a(l);
+      // The updates: a tensor (src, index_reduce's source) or a number.
+      const char* const src_name =
+          kind == Kind::kValue || kind == Kind::kValueReduce ? "value"
+          : kind == Kind::kIndexReduce                       ? "source"
+                                                             : "src";
+      if (!a.Defined("self") || !a.Defined("index") || !a.Has(src_name))
         return Unsupported(l.op(), "arguments of a form not lowered");
+      const tpu::OpArg& src = a[src_name];
       const HloType& t = *o.type;
       // A 0-d self (and its 0-d index and src) is taken as one element.
       const std::vector<int64_t> in =
@@ -257,31 +271,33 @@ void RegisterIndexing(OpRegistry& reg) {
       auto done = [&](const std::string& v) {
         return l.Reshape(v, in, o.dims, t);
       };
-      const tpu::TensorRef& ix = d.args[2].tensor;
+      const tpu::TensorRef& ix = a["index"].tensor;
       // The reduction: "" (replace), "sum", "prod", "mean", "amax", "amin".
       std::string reduce = kind == Kind::kAdd ? "sum" : "";
       bool include_self = true;
       if (kind == Kind::kSrcReduce || kind == Kind::kValueReduce ||
           kind == Kind::kScatterReduce || kind == Kind::kIndexReduce) {
-        if (d.num_args < 5 || d.args[4].tag != tpu::ArgTag::kString)
+        const tpu::OpArg* how = a.Find("reduce");
+        if (how == nullptr || how->tag != tpu::ArgTag::kString)
           return Unsupported(l.op(), "reduce must be a string");
-        reduce = d.args[4].s;
+        reduce = how->s;
         if (reduce == "add") reduce = "sum";
         if (reduce == "multiply") reduce = "prod";
         if (reduce != "sum" && reduce != "prod" && reduce != "mean" &&
             reduce != "amax" && reduce != "amin") {
           return absl::InvalidArgumentError(
-              absl::StrCat(l.op(), ": reduce \"", d.args[4].s,
+              absl::StrCat(l.op(), ": reduce \"", how->s,
                            "\" is not one of sum, prod, mean, amax, amin"));
         }
-        if (d.num_args > 5 && d.args[5].tag == tpu::ArgTag::kBool)
-          include_self = d.args[5].b;
+        const tpu::OpArg* inc = a.Find("include_self");
+        if (inc != nullptr && inc->tag == tpu::ArgTag::kBool)
+          include_self = inc->b;
       }
       std::vector<int64_t> sd =
           kind == Kind::kValue || kind == Kind::kValueReduce
               ? DimsOf(ix)
-              : (Defined(d, 3) ? DimsOf(d.args[3].tensor)
-                               : std::vector<int64_t>{});
+              : (src.tag == tpu::ArgTag::kTensor ? DimsOf(src.tensor)
+                                                 : std::vector<int64_t>{});
       if (sd.empty()) sd = {1};
       std::vector<int64_t> id = kind == Kind::kIndexReduce ? sd : DimsOf(ix);
       if (id.empty()) id = {1};
@@ -289,9 +305,9 @@ void RegisterIndexing(OpRegistry& reg) {
           (kind == Kind::kIndexReduce && ix.ndim != 1)) {
         return Unsupported(l.op(), "arguments of a form not lowered");
       }
-      absl::StatusOr<std::string> self = l.Operand(d.args[0], in, t);
+      absl::StatusOr<std::string> self = l.Operand(a["self"], in, t);
       if (!self.ok()) return self;
-      absl::StatusOr<int64_t> checked = CheckedDim(l.op(), d.args[1].i, n);
+      absl::StatusOr<int64_t> checked = CheckedDim(l.op(), a["dim"].i, n);
       if (!checked.ok()) return checked.status();
       const int64_t dim = *checked;
       if (kind == Kind::kIndexReduce && id[dim] != ix.sizes[0]) {
@@ -302,14 +318,14 @@ void RegisterIndexing(OpRegistry& reg) {
       if (Numel(ix) == 0) return done(*self);
       std::string upd;
       if (kind == Kind::kValue || kind == Kind::kValueReduce) {
-        absl::StatusOr<std::string> v = l.Operand(d.args[3], id, t);
+        absl::StatusOr<std::string> v = l.Operand(src, id, t);
         if (!v.ok()) return v;
         upd = *v;
       } else {
-        if (!Defined(d, 3))
+        if (src.tag != tpu::ArgTag::kTensor)
           return Unsupported(l.op(), "arguments of a form not lowered");
         if (sd.size() != n) return Unsupported(l.op(), "src of another rank");
-        absl::StatusOr<std::string> v = l.Operand(d.args[3], sd, t);
+        absl::StatusOr<std::string> v = l.Operand(src, sd, t);
         if (!v.ok()) return v;
         upd = *v;
         if (sd != id) upd = l.Slice(upd, sd, std::vector<int64_t>(n, 0), id, t);
@@ -318,14 +334,14 @@ void RegisterIndexing(OpRegistry& reg) {
       std::string along;
       if (kind == Kind::kIndexReduce) {
         absl::StatusOr<std::string> iv =
-            l.OperandRef(ix, l.TensorIndex(d.args[2]), {ix.sizes[0]}, i64);
+            l.OperandRef(ix, l.TensorIndex(a["index"]), {ix.sizes[0]}, i64);
         if (!iv.ok()) return iv;
         along = l.Emit(absl::StrCat(
             "stablehlo.broadcast_in_dim ", *iv, ", dims = [", dim, "] : (",
             TypeOf({ix.sizes[0]}, i64), ") -> ", TypeOf(id, i64)));
       } else {
         absl::StatusOr<std::string> iv =
-            l.OperandRef(ix, l.TensorIndex(d.args[2]), id, i64);
+            l.OperandRef(ix, l.TensorIndex(a["index"]), id, i64);
         if (!iv.ok()) return iv;
         along = *iv;
       }
@@ -411,27 +427,28 @@ void RegisterIndexing(OpRegistry& reg) {
       "aten::put_",
       [](Lowering& l, const tpu::DecodedOp& d,
          const Target& o) -> absl::StatusOr<std::string> {
-        if (d.num_args < 4 || !Defined(d, 0) || !Defined(d, 1) ||
-            !Defined(d, 2))
+        const Args a(l);
+        if (!a.Has("accumulate") || !a.Defined("self") || !a.Defined("index") ||
+            !a.Defined("source"))
           return Unsupported(l.op(), "arguments of a form not lowered");
         const HloType& t = *o.type;
         const HloType& i64 = I64();
         int64_t total = 1;
         for (int64_t s : o.dims) total *= s;
-        const int64_t n = Numel(d.args[1].tensor);
-        absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t);
+        const tpu::OpArg &index = a["index"], &source = a["source"];
+        const int64_t n = Numel(index.tensor);
+        absl::StatusOr<std::string> x = l.Operand(a["self"], o.dims, t);
         if (!x.ok() || n == 0) return x;
-        if (Numel(d.args[2].tensor) != n)
+        if (Numel(source.tensor) != n)
           return absl::InvalidArgumentError(
               absl::StrCat(l.op(), ": source and index need as many elements"));
-        absl::StatusOr<std::string> ix = l.Operand(d.args[1],
-                                                   DimsOf(d.args[1].tensor),
+        absl::StatusOr<std::string> ix = l.Operand(index, DimsOf(index.tensor),
                                                    i64),
-                                    src = l.Operand(
-                                        d.args[2], DimsOf(d.args[2].tensor), t);
+                                    src = l.Operand(source,
+                                                    DimsOf(source.tensor), t);
         if (!ix.ok()) return ix;
         if (!src.ok()) return src;
-        std::string idx = l.Reshape(*ix, DimsOf(d.args[1].tensor), {n}, i64);
+        std::string idx = l.Reshape(*ix, DimsOf(index.tensor), {n}, i64);
         idx =
             l.Select(l.Compare("LT", idx, l.Constant(0, {n}, i64), {n}, i64),
                      l.Binary("add", idx,
@@ -441,12 +458,11 @@ void RegisterIndexing(OpRegistry& reg) {
         l.CheckRange(idx, {n}, total,
                      absl::StrCat("an index is out of range for a tensor of ",
                                   total, " elements"));
-        const bool accumulate =
-            d.args[3].tag == tpu::ArgTag::kBool && d.args[3].b;
-        const std::string r =
-            ScatterFlat(l, l.Reshape(*x, o.dims, {total}, t), total, idx,
-                        l.Reshape(*src, DimsOf(d.args[2].tensor), {n}, t), n,
-                        accumulate, t);
+        const tpu::OpArg& acc = a["accumulate"];
+        const bool accumulate = acc.tag == tpu::ArgTag::kBool && acc.b;
+        const std::string r = ScatterFlat(
+            l, l.Reshape(*x, o.dims, {total}, t), total, idx,
+            l.Reshape(*src, DimsOf(source.tensor), {n}, t), n, accumulate, t);
         return l.Reshape(r, {total}, o.dims, t);
       });
   // masked_scatter_(self, mask, source): the k-th selected element of self
@@ -455,22 +471,23 @@ void RegisterIndexing(OpRegistry& reg) {
       "aten::masked_scatter_",
       [](Lowering& l, const tpu::DecodedOp& d,
          const Target& o) -> absl::StatusOr<std::string> {
-        if (d.num_args < 3 || !Defined(d, 0) || !Defined(d, 1) ||
-            !Defined(d, 2))
+        const Args a(l);
+        if (!a.Defined("self") || !a.Defined("mask") || !a.Defined("source"))
           return Unsupported(l.op(), "arguments of a form not lowered");
+        const tpu::OpArg& source = a["source"];
         const HloType& t = *o.type;
         const HloType& i64 = I64();
         const HloType& i1 = *DTypeOf(tpu::DType::kBool);
         int64_t total = 1;
         for (int64_t s : o.dims) total *= s;
-        const int64_t ns = Numel(d.args[2].tensor);
-        absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, t),
-                                    mk = l.Operand(d.args[1], o.dims, i1);
+        const int64_t ns = Numel(source.tensor);
+        absl::StatusOr<std::string> x = l.Operand(a["self"], o.dims, t),
+                                    mk = l.Operand(a["mask"], o.dims, i1);
         if (!x.ok()) return x;
         if (!mk.ok()) return mk;
         if (total == 0 || ns == 0) return *x;
         absl::StatusOr<std::string> src =
-            l.Operand(d.args[2], DimsOf(d.args[2].tensor), t);
+            l.Operand(source, DimsOf(source.tensor), t);
         if (!src.ok()) return src;
         const std::vector<int64_t> flat = {total};
         const std::string mf = l.Reshape(*mk, o.dims, flat, i1);
@@ -486,7 +503,7 @@ void RegisterIndexing(OpRegistry& reg) {
             flat, {total, 1}, i64);
         const std::string got = l.Emit(absl::StrCat(
             "\"stablehlo.gather\"(",
-            l.Reshape(*src, DimsOf(d.args[2].tensor), {ns}, t), ", ", at,
+            l.Reshape(*src, DimsOf(source.tensor), {ns}, t), ", ", at,
             ") {dimension_numbers = #stablehlo.gather<collapsed_slice_dims = "
             "[0], start_index_map = [0], index_vector_dim = 1>, "
             "indices_are_sorted = false, slice_sizes = array<i64: 1>} : (",
@@ -500,20 +517,21 @@ void RegisterIndexing(OpRegistry& reg) {
       "aten::nonzero_static",
       [](Lowering& l, const tpu::DecodedOp& d,
          const Target& o) -> absl::StatusOr<std::string> {
-        if (d.num_args < 3 || !Defined(d, 0) || o.dims.size() != 2)
+        const Args a(l);
+        if (!a.Has("fill_value") || !a.Defined("self") || o.dims.size() != 2)
           return Unsupported(l.op(), "arguments of a form not lowered");
         const HloType& i64 = I64();
         const HloType& i1 = *DTypeOf(tpu::DType::kBool);
-        const HloType* xt = DTypeOf(d.args[0].tensor.dtype);
+        const HloType* xt = DTypeOf(a["self"].tensor.dtype);
         if (xt == nullptr)
           return Unsupported(l.op(), "a dtype that is not lowered");
-        const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+        const std::vector<int64_t> in = DimsOf(a["self"].tensor);
         const int64_t size = o.dims[0];
         int64_t total = 1;
         for (int64_t s : in) total *= s;
-        const double fill = NumberOf(d.args[2]);
+        const double fill = NumberOf(a["fill_value"]);
         if (size == 0 || o.dims[1] == 0) return l.Constant(fill, o.dims, i64);
-        absl::StatusOr<std::string> x = l.Operand(d.args[0], in, *xt);
+        absl::StatusOr<std::string> x = l.Operand(a["self"], in, *xt);
         if (!x.ok()) return x;
         const int64_t len = std::max(total, size);
         const std::vector<int64_t> flat = {total};

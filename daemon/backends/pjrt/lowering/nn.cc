@@ -26,16 +26,18 @@
 namespace tpud::pjrt {
 
 void RegisterNn(OpRegistry& reg) {
+  // Arguments are read by their schema names (Args, helpers.h).
   reg.AddMulti(
       "aten::native_layer_norm",
       [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& outs)
           -> absl::StatusOr<std::vector<std::string>> {
-        if (outs.size() != 3 || !Defined(d, 0) || d.num_args < 5)
+        const Args a(l);
+        if (outs.size() != 3 || !a.Defined("input") || !a.Has("eps"))
           return Unsupported(l.op(), "expects 3 outputs");
-        const tpu::TensorRef& x = d.args[0].tensor;
+        const tpu::TensorRef& x = a["input"].tensor;
         const HloType& t = *outs[0].type;
         const std::vector<int64_t> in = DimsOf(x);
-        const size_t k = d.args[1].ints.size();
+        const size_t k = a["normalized_shape"].ints.size();
         if (k == 0 || k > in.size())
           return Unsupported(l.op(), "normalized_shape");
         std::vector<int64_t> which;
@@ -44,7 +46,8 @@ void RegisterNn(OpRegistry& reg) {
           which.push_back(static_cast<int64_t>(i));
           count *= in[i];
         }
-        absl::StatusOr<std::string> xv = l.OperandRef(x, 0, in, t);
+        absl::StatusOr<std::string> xv =
+            l.OperandRef(x, l.TensorIndex(a["input"]), in, t);
         if (!xv.ok()) return xv.status();
         const std::vector<int64_t> kept = Lowering::Kept(in, which);
         const std::string n = l.Constant(static_cast<double>(count), kept, t);
@@ -62,16 +65,20 @@ void RegisterNn(OpRegistry& reg) {
         const std::string rstd =
             l.Unary("rsqrt",
                     l.Binary("add", var,
-                             l.Constant(NumberOf(d.args[4]), kept, t), kept, t),
+                             l.Constant(NumberOf(a["eps"]), kept, t), kept, t),
                     kept, t);
         std::string y =
             l.Binary("multiply", xc, l.Expand(rstd, in, which, t), in, t);
-        for (size_t i : {size_t{2}, size_t{3}}) {
-          if (!Defined(d, i)) continue;
+        // Times weight, plus bias, where given.
+        for (const auto& [name, how] :
+             {std::pair<const char*, const char*>{"weight", "multiply"},
+              {"bias", "add"}}) {
+          if (!a.Defined(name)) continue;
+          const tpu::OpArg& arg = a[name];
           absl::StatusOr<std::string> p =
-              l.OperandRef(d.args[i].tensor, l.TensorIndex(d.args[i]), in, t);
+              l.OperandRef(arg.tensor, l.TensorIndex(arg), in, t);
           if (!p.ok()) return p.status();
-          y = l.Binary(i == 2 ? "multiply" : "add", y, *p, in, t);
+          y = l.Binary(how, y, *p, in, t);
         }
         return std::vector<std::string>{
             y, l.Reshape(mean, kept, outs[1].dims, *outs[1].type),
@@ -83,11 +90,12 @@ void RegisterNn(OpRegistry& reg) {
           -> absl::StatusOr<std::vector<std::string>> {
         // (grad_out, input, normalized_shape, mean, rstd, weight?, bias?,
         // output_mask)
-        if (d.num_args < 8 || !Defined(d, 0) || !Defined(d, 1) ||
-            !Defined(d, 3) || !Defined(d, 4)) {
+        const Args a(l);
+        if (!a.Has("output_mask") || !a.Defined("grad_out") ||
+            !a.Defined("input") || !a.Defined("mean") || !a.Defined("rstd")) {
           return Unsupported(l.op(), "arguments of a form not lowered");
         }
-        const std::vector<bool>& mask = d.args[7].bools;
+        const std::vector<bool>& mask = a["output_mask"].bools;
         size_t wanted = 0;
         for (bool b : mask) wanted += b ? 1 : 0;
         // Either one output per true entry of the mask, or all three (those
@@ -96,27 +104,27 @@ void RegisterNn(OpRegistry& reg) {
         if (mask.size() != 3 || (outs.size() != wanted && !all_three))
           return Unsupported(l.op(), "output_mask");
         const HloType& t = *outs[0].type;
-        const std::vector<int64_t> in = DimsOf(d.args[1].tensor);
-        const size_t k = d.args[2].ints.size();
+        const std::vector<int64_t> in = DimsOf(a["input"].tensor);
+        const size_t k = a["normalized_shape"].ints.size();
         std::vector<int64_t> which, batch;
         for (size_t i = 0; i < in.size(); ++i)
           (i >= in.size() - k ? which : batch)
               .push_back(static_cast<int64_t>(i));
         int64_t count = 1;
         for (int64_t w : which) count *= in[w];
-        auto op = [&](size_t i) {
-          return l.OperandRef(d.args[i].tensor, l.TensorIndex(d.args[i]), in,
-                              t);
+        auto op = [&](const char* name) {
+          const tpu::OpArg& arg = a[name];
+          return l.OperandRef(arg.tensor, l.TensorIndex(arg), in, t);
         };
-        absl::StatusOr<std::string> g = op(0), x = op(1), mean = op(3),
-                                    rstd = op(4);
+        absl::StatusOr<std::string> g = op("grad_out"), x = op("input"),
+                                    mean = op("mean"), rstd = op("rstd");
         for (auto* v : {&g, &x, &mean, &rstd})
           if (!v->ok()) return v->status();
         const std::string xhat = l.Binary(
             "multiply", l.Binary("subtract", *x, *mean, in, t), *rstd, in, t);
         std::string gw = *g;
-        if (Defined(d, 5)) {
-          absl::StatusOr<std::string> w = op(5);
+        if (a.Defined("weight")) {
+          absl::StatusOr<std::string> w = op("weight");
           if (!w.ok()) return w.status();
           gw = l.Binary("multiply", gw, *w, in, t);
         }
@@ -163,17 +171,21 @@ void RegisterNn(OpRegistry& reg) {
           -> absl::StatusOr<std::vector<std::string>> {
         // (self, target, weight?, reduction, ignore_index) -> (output,
         // total_weight); a 1-d self (one unbatched sample) is taken as one row.
-        if (outs.size() != 2 || !Defined(d, 0) || d.args[0].tensor.ndim < 1 ||
-            d.args[0].tensor.ndim > 2 || d.num_args < 5) {
+        const Args a(l);
+        if (outs.size() != 2 || !a.Defined("self") ||
+            a["self"].tensor.ndim < 1 || a["self"].tensor.ndim > 2 ||
+            !a.Has("ignore_index")) {
           return Unsupported(l.op(), "expects a 1-d or 2-d input");
         }
         const HloType& t = *outs[0].type;
-        std::vector<int64_t> nc = DimsOf(d.args[0].tensor);
+        const tpu::OpArg& self = a["self"];
+        std::vector<int64_t> nc = DimsOf(self.tensor);
         if (nc.size() == 1) nc.insert(nc.begin(), 1);
         absl::StatusOr<std::string> x =
-            l.OperandRef(d.args[0].tensor, 0, nc, t);
+            l.OperandRef(self.tensor, l.TensorIndex(self), nc, t);
         if (!x.ok()) return x.status();
-        absl::StatusOr<Picked> p = PickTargets(l, d, 1, 2, 4, nc, t);
+        absl::StatusOr<Picked> p = PickTargets(l, a["target"], a.Find("weight"),
+                                               a.Find("ignore_index"), nc, t);
         if (!p.ok()) return p.status();
         const std::string zero = l.Constant(0, {}, t);
         const std::vector<int64_t> n = {nc[0]};
@@ -184,7 +196,8 @@ void RegisterNn(OpRegistry& reg) {
                     n, t);
         const std::string total =
             l.ReduceOver(p->row_weight, n, {0}, "add", zero, t);
-        const int64_t reduction = static_cast<int64_t>(NumberOf(d.args[3]));
+        const int64_t reduction =
+            static_cast<int64_t>(NumberOf(a["reduction"]));
         std::string out;
         if (reduction == 0) {
           out = rows;
@@ -204,31 +217,38 @@ void RegisterNn(OpRegistry& reg) {
           -> absl::StatusOr<std::vector<std::string>> {
         // (grad_output, self, target, weight?, reduction, ignore_index,
         // total_weight)
-        if (outs.size() != 1 || !Defined(d, 1) || d.args[1].tensor.ndim < 1 ||
-            d.args[1].tensor.ndim > 2 || d.num_args < 7) {
+        const Args a(l);
+        if (outs.size() != 1 || !a.Defined("self") ||
+            a["self"].tensor.ndim < 1 || a["self"].tensor.ndim > 2 ||
+            !a.Has("total_weight")) {
           return Unsupported(l.op(), "expects a 1-d or 2-d input");
         }
         const HloType& t = *outs[0].type;
-        std::vector<int64_t> nc = DimsOf(d.args[1].tensor);
+        std::vector<int64_t> nc = DimsOf(a["self"].tensor);
         if (nc.size() == 1) nc.insert(nc.begin(), 1);
-        absl::StatusOr<Picked> p = PickTargets(l, d, 2, 3, 5, nc, t);
+        absl::StatusOr<Picked> p = PickTargets(l, a["target"], a.Find("weight"),
+                                               a.Find("ignore_index"), nc, t);
         if (!p.ok()) return p.status();
-        const int64_t reduction = static_cast<int64_t>(NumberOf(d.args[4]));
-        const tpu::TensorRef& go = d.args[0].tensor;
+        const int64_t reduction =
+            static_cast<int64_t>(NumberOf(a["reduction"]));
+        const tpu::TensorRef& go = a["grad_output"].tensor;
+        const size_t go_index = l.TensorIndex(a["grad_output"]);
         std::string g;
         if (reduction == 0) {
-          absl::StatusOr<std::string> gv = l.OperandRef(go, 0, {nc[0]}, t);
+          absl::StatusOr<std::string> gv =
+              l.OperandRef(go, go_index, {nc[0]}, t);
           if (!gv.ok()) return gv.status();
           g = l.Emit(absl::StrCat("stablehlo.broadcast_in_dim ", *gv,
                                   ", dims = [0] : (", TypeOf({nc[0]}, t),
                                   ") -> ", TypeOf(nc, t)));
         } else {
-          absl::StatusOr<std::string> gv = l.OperandRef(go, 0, nc, t);
+          absl::StatusOr<std::string> gv = l.OperandRef(go, go_index, nc, t);
           if (!gv.ok()) return gv.status();
           g = *gv;
           if (reduction == 1) {
-            absl::StatusOr<std::string> tw =
-                l.OperandRef(d.args[6].tensor, l.TensorIndex(d.args[6]), nc, t);
+            const tpu::OpArg& total_weight = a["total_weight"];
+            absl::StatusOr<std::string> tw = l.OperandRef(
+                total_weight.tensor, l.TensorIndex(total_weight), nc, t);
             if (!tw.ok()) return tw.status();
             g = l.Binary("divide", g, *tw, nc, t);
           }
@@ -247,25 +267,27 @@ void RegisterNn(OpRegistry& reg) {
       "aten::convolution_backward",
       [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
           -> absl::StatusOr<std::vector<std::string>> {
-        if (o.size() != 3 || d.num_args < 11 || !Defined(d, 0) ||
-            !Defined(d, 1) || !Defined(d, 2)) {
+        const Args a(l);
+        if (o.size() != 3 || !a.Has("output_mask") ||
+            !a.Defined("grad_output") || !a.Defined("input") ||
+            !a.Defined("weight")) {
           return Unsupported(l.op(), "arguments of a form not lowered");
         }
         const HloType& t = o[1].type != nullptr ? *o[1].type : *o[0].type;
-        const std::vector<int64_t> gd = DimsOf(d.args[0].tensor),
-                                   in = DimsOf(d.args[1].tensor),
-                                   wd = DimsOf(d.args[2].tensor);
+        const std::vector<int64_t> gd = DimsOf(a["grad_output"].tensor),
+                                   in = DimsOf(a["input"].tensor),
+                                   wd = DimsOf(a["weight"].tensor);
         absl::StatusOr<ConvWindow> cw =
-            ConvWindowOf(l, d, 4, in, wd, gd, /*allow_transposed=*/true);
+            ConvWindowOf(l, a, in, wd, gd, /*allow_transposed=*/true);
         if (!cw.ok()) return cw.status();
         const size_t sp = cw->sp;
         const std::vector<int64_t>&stride = cw->stride, &pad = cw->pad,
               &dilation = cw->dilation;
         const int64_t groups = cw->groups;
         const bool transposed = cw->transposed;
-        absl::StatusOr<std::string> g = l.Operand(d.args[0], gd, t),
-                                    x = l.Operand(d.args[1], in, t),
-                                    w = l.Operand(d.args[2], wd, t);
+        absl::StatusOr<std::string> g = l.Operand(a["grad_output"], gd, t),
+                                    x = l.Operand(a["input"], in, t),
+                                    w = l.Operand(a["weight"], wd, t);
         for (auto* v : {&g, &x, &w})
           if (!v->ok()) return v->status();
         if (gd[1] % groups != 0 || wd[0] % groups != 0)
@@ -405,12 +427,13 @@ void RegisterNn(OpRegistry& reg) {
       "aten::adaptive_max_pool2d",
       [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
           -> absl::StatusOr<std::vector<std::string>> {
-        if (o.size() != 2 || !Defined(d, 0) || o[0].dims.size() < 3)
+        const Args args(l);
+        if (o.size() != 2 || !args.Defined("self") || o[0].dims.size() < 3)
           return Unsupported(l.op(), "arguments of a form not lowered");
         const HloType& t = *o[0].type;
         const HloType& i64 = I64();
         const HloType& i1 = *DTypeOf(tpu::DType::kBool);
-        const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+        const std::vector<int64_t> in = DimsOf(args["self"].tensor);
         const std::vector<int64_t>& od = o[0].dims;
         if (in.size() != od.size())
           return Unsupported(l.op(), "an output of another rank");
@@ -418,7 +441,7 @@ void RegisterNn(OpRegistry& reg) {
         const int64_t h = in[lead], w = in[lead + 1], oh = od[lead],
                       ow = od[lead + 1];
         if (h == 0 || w == 0) return Unsupported(l.op(), "an empty input");
-        absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t);
+        absl::StatusOr<std::string> x = l.Operand(args["self"], in, t);
         if (!x.ok()) return x.status();
         // full: lead + [oh, ow, h, w]
         std::vector<int64_t> full(in.begin(), in.begin() + lead), xmap;
@@ -471,17 +494,19 @@ void RegisterNn(OpRegistry& reg) {
           [](Lowering& l, const tpu::DecodedOp& d,
              const Target& o) -> absl::StatusOr<std::string> {
             // (self, target, reduction): none 0, mean 1, sum 2
-            if (!Defined(d, 0) || d.num_args < 3)
+            const Args args(l);
+            if (!args.Defined("self") || !args.Has("reduction"))
               return Unsupported(l.op(), "arguments of a form not lowered");
             const HloType& t = *o.type;
-            const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
-            absl::StatusOr<std::string> a = l.Operand(d.args[0], in, t),
-                                        b = l.Operand(d.args[1], in, t);
+            const std::vector<int64_t> in = DimsOf(args["self"].tensor);
+            absl::StatusOr<std::string> a = l.Operand(args["self"], in, t),
+                                        b = l.Operand(args["target"], in, t);
             if (!a.ok()) return a;
             if (!b.ok()) return b;
             const std::string diff = l.Binary("subtract", *a, *b, in, t);
             const std::string sq = l.Binary("multiply", diff, diff, in, t);
-            const int64_t reduction = static_cast<int64_t>(NumberOf(d.args[2]));
+            const int64_t reduction =
+                static_cast<int64_t>(NumberOf(args["reduction"]));
             if (reduction == 0 || in.empty())
               return l.Reshape(sq, in, o.dims, t);
             std::vector<int64_t> all;
@@ -501,28 +526,30 @@ void RegisterNn(OpRegistry& reg) {
           [](Lowering& l, const tpu::DecodedOp& d,
              const Target& o) -> absl::StatusOr<std::string> {
             // (grad_output, self, target, reduction)
-            if (d.num_args < 4)
+            const Args args(l);
+            if (!args.Has("reduction"))
               return Unsupported(l.op(), "arguments of a form not lowered");
             const HloType& t = *o.type;
-            absl::StatusOr<std::string> g = l.Operand(d.args[0], o.dims, t),
-                                        a = l.Operand(d.args[1], o.dims, t),
-                                        b = l.Operand(d.args[2], o.dims, t);
+            absl::StatusOr<std::string> g = l.Operand(args["grad_output"],
+                                                      o.dims, t),
+                                        a = l.Operand(args["self"], o.dims, t),
+                                        b = l.Operand(args["target"], o.dims,
+                                                      t);
             for (auto* v : {&g, &a, &b})
               if (!v->ok()) return *v;
             int64_t n = 1;
             for (int64_t v : o.dims) n *= v;
-            const double scale =
-                NumberOf(d.args[3]) == 1 ? 2.0 / static_cast<double>(n) : 2.0;
+            const double scale = NumberOf(args["reduction"]) == 1
+                                     ? 2.0 / static_cast<double>(n)
+                                     : 2.0;
             return l.Binary(
                 "multiply",
                 l.Binary("multiply", l.Binary("subtract", *a, *b, o.dims, t),
                          *g, o.dims, t),
                 l.Constant(scale, o.dims, t), o.dims, t);
           });
-  reg.Alias(
-      "aten::mse_loss_backward.grad_input",
-      "aten::mse_loss_backward");  // avg_pool2d / avg_pool3d(self, kernel_size,
-                                   // stride, padding, ceil_mode,
+  reg.Alias("aten::mse_loss_backward.grad_input", "aten::mse_loss_backward");
+  // avg_pool2d / avg_pool3d(self, kernel_size, stride, padding, ceil_mode,
   // count_include_pad, divisor_override) and their backward (grad_output
   // first): window sums by reduce_window over the zero-padded input, each
   // divided by its count, which is itself a window sum of ones over the
@@ -533,23 +560,24 @@ void RegisterNn(OpRegistry& reg) {
     for (bool backward : {false, true}) {
       Rule r = [sp, backward](Lowering& l, const tpu::DecodedOp& d,
                               const Target& o) -> absl::StatusOr<std::string> {
-        const size_t a0 = backward ? 1 : 0;  // self
-        if (d.num_args < a0 + 6 || !Defined(d, a0) ||
-            (backward && !Defined(d, 0))) {
+        const Args a(l);
+        if (!a.Has("count_include_pad") || !a.Defined("self") ||
+            (backward && !a.Defined("grad_output"))) {
           return Unsupported(l.op(), "arguments of a form not lowered");
         }
         const HloType& t = *o.type;
-        const std::vector<int64_t> in = DimsOf(d.args[a0].tensor);
+        const std::vector<int64_t> in = DimsOf(a["self"].tensor);
         const std::vector<int64_t> out =
-            backward ? DimsOf(d.args[0].tensor) : o.dims;
+            backward ? DimsOf(a["grad_output"].tensor) : o.dims;
         if (in.size() < static_cast<size_t>(sp) || out.size() != in.size()) {
           return Unsupported(l.op(), "input of too few dimensions");
         }
         const size_t lead = in.size() - sp;
-        auto list = [&](size_t i, const std::vector<int64_t>& dflt)
+        auto list = [&](const char* name, const std::vector<int64_t>& dflt)
             -> absl::StatusOr<std::vector<int64_t>> {
-          std::vector<int64_t> v = d.args[i].tag == tpu::ArgTag::kIntList
-                                       ? d.args[i].ints
+          const tpu::OpArg& arg = a[name];
+          std::vector<int64_t> v = arg.tag == tpu::ArgTag::kIntList
+                                       ? arg.ints
                                        : std::vector<int64_t>{};
           if (v.empty()) v = dflt;
           if (v.size() == 1) v.assign(sp, v[0]);
@@ -557,17 +585,18 @@ void RegisterNn(OpRegistry& reg) {
             return Unsupported(l.op(), "a window list of the wrong length");
           return v;
         };
-        absl::StatusOr<std::vector<int64_t>> kernel = list(a0 + 1, {});
+        absl::StatusOr<std::vector<int64_t>> kernel = list("kernel_size", {});
         if (!kernel.ok()) return kernel.status();
-        absl::StatusOr<std::vector<int64_t>> stride = list(a0 + 2, *kernel),
-                                             pad = list(a0 + 3, {0});
+        absl::StatusOr<std::vector<int64_t>> stride = list("stride", *kernel),
+                                             pad = list("padding", {0});
         if (!stride.ok()) return stride.status();
         if (!pad.ok()) return pad.status();
-        const bool include_pad =
-            d.args[a0 + 5].tag != tpu::ArgTag::kBool || d.args[a0 + 5].b;
+        const tpu::OpArg& cip = a["count_include_pad"];
+        const bool include_pad = cip.tag != tpu::ArgTag::kBool || cip.b;
+        const tpu::OpArg* divisor = a.Find("divisor_override");
         const bool has_divisor =
-            d.num_args > a0 + 6 && (d.args[a0 + 6].tag == tpu::ArgTag::kInt ||
-                                    d.args[a0 + 6].tag == tpu::ArgTag::kSymInt);
+            divisor != nullptr && (divisor->tag == tpu::ArgTag::kInt ||
+                                   divisor->tag == tpu::ArgTag::kSymInt);
         std::vector<int64_t> window(in.size(), 1), strides(in.size(), 1), sdims,
             sout;
         std::vector<std::pair<int64_t, int64_t>> pads(in.size(), {0, 0}),
@@ -589,7 +618,7 @@ void RegisterNn(OpRegistry& reg) {
         }
         std::string count;
         if (has_divisor) {
-          count = l.Constant(static_cast<double>(d.args[a0 + 6].i), out, t);
+          count = l.Constant(static_cast<double>(divisor->i), out, t);
         } else {
           const std::vector<int64_t> sw(window.begin() + lead, window.end()),
               ss(strides.begin() + lead, strides.end());
@@ -599,13 +628,13 @@ void RegisterNn(OpRegistry& reg) {
           count = l.BroadcastTo(c, sout, out, t);
         }
         if (!backward) {
-          absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t);
+          absl::StatusOr<std::string> x = l.Operand(a["self"], in, t);
           if (!x.ok()) return x;
           const std::string sum =
               ReduceWindow(l, *x, in, window, strides, pads, "add", 0, out, t);
           return l.Binary("divide", sum, count, out, t);
         }
-        absl::StatusOr<std::string> g = l.Operand(d.args[0], out, t);
+        absl::StatusOr<std::string> g = l.Operand(a["grad_output"], out, t);
         if (!g.ok()) return g;
         const std::string share = l.Binary("divide", *g, count, out, t);
         // Dilated by the stride, kernel - 1 zeros before, cut or padded to
@@ -654,20 +683,21 @@ void RegisterNn(OpRegistry& reg) {
       "aten::convolution",
       [](Lowering& l, const tpu::DecodedOp& d,
          const Target& o) -> absl::StatusOr<std::string> {
-        if (!Defined(d, 0) || !Defined(d, 1))
+        const Args a(l);
+        if (!a.Defined("input") || !a.Defined("weight"))
           return Unsupported(l.op(), "arguments of a form not lowered");
         const HloType& t = *o.type;
-        const std::vector<int64_t> in = DimsOf(d.args[0].tensor),
-                                   wd = DimsOf(d.args[1].tensor);
+        const std::vector<int64_t> in = DimsOf(a["input"].tensor),
+                                   wd = DimsOf(a["weight"].tensor);
         absl::StatusOr<ConvWindow> cw =
-            ConvWindowOf(l, d, 3, in, wd, o.dims, /*allow_transposed=*/true);
+            ConvWindowOf(l, a, in, wd, o.dims, /*allow_transposed=*/true);
         if (!cw.ok()) return cw.status();
         const size_t sp = cw->sp;
         const std::vector<int64_t>&stride = cw->stride, &pad = cw->pad,
               &dilation = cw->dilation;
         const int64_t groups = cw->groups;
-        absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t),
-                                    w = l.Operand(d.args[1], wd, t);
+        absl::StatusOr<std::string> x = l.Operand(a["input"], in, t),
+                                    w = l.Operand(a["weight"], wd, t);
         if (!x.ok()) return x;
         if (!w.ok()) return w;
         std::vector<std::string> spatial, pads;
@@ -725,10 +755,10 @@ void RegisterNn(OpRegistry& reg) {
             "]} {batch_group_count = 1 : i64, feature_group_count = ", groups,
             " : i64} : (", TypeOf(in, t), ", ", TypeOf(kd, t), ") -> ",
             TypeOf(o.dims, t)));
-        if (Defined(d, 2)) {
-          const tpu::TensorRef& b = d.args[2].tensor;
+        if (a.Defined("bias")) {
+          const tpu::TensorRef& b = a["bias"].tensor;
           absl::StatusOr<std::string> bv =
-              l.OperandRef(b, l.TensorIndex(d.args[2]), DimsOf(b), t);
+              l.OperandRef(b, l.TensorIndex(a["bias"]), DimsOf(b), t);
           if (!bv.ok()) return bv;
           const std::string bb = l.Emit(absl::StrCat(
               "stablehlo.broadcast_in_dim ", *bv, ", dims = [1] : (",
@@ -745,25 +775,26 @@ void RegisterNn(OpRegistry& reg) {
       "aten::_cdist_forward",
       [](Lowering& l, const tpu::DecodedOp& d,
          const Target& o) -> absl::StatusOr<std::string> {
-        if (d.num_args < 3 || !Defined(d, 0) || !Defined(d, 1) ||
+        const Args args(l);
+        if (!args.Has("p") || !args.Defined("x1") || !args.Defined("x2") ||
             o.dims.size() < 2)
           return Unsupported(l.op(), "arguments of a form not lowered");
         const HloType& t = *o.type;
         const std::vector<int64_t> batch = BatchOf(o.dims);
-        const std::vector<int64_t> d1 = DimsOf(d.args[0].tensor),
-                                   d2 = DimsOf(d.args[1].tensor);
+        const std::vector<int64_t> d1 = DimsOf(args["x1"].tensor),
+                                   d2 = DimsOf(args["x2"].tensor);
         const int64_t pr = o.dims[o.dims.size() - 2], rr = o.dims.back(),
                       mm = d1.back();
-        absl::StatusOr<std::string> a = MatrixOperand(l, d.args[0], batch, t),
-                                    b = MatrixOperand(l, d.args[1], batch, t);
+        absl::StatusOr<std::string> a = MatrixOperand(l, args["x1"], batch, t),
+                                    b = MatrixOperand(l, args["x2"], batch, t);
         if (!a.ok()) return a;
         if (!b.ok()) return b;
-        const double p = NumberOf(d.args[2]);
-        const int64_t mode =
-            d.num_args > 3 && (d.args[3].tag == tpu::ArgTag::kInt ||
-                               d.args[3].tag == tpu::ArgTag::kSymInt)
-                ? d.args[3].i
-                : 0;
+        const double p = NumberOf(args["p"]);
+        const tpu::OpArg* cm = args.Find("compute_mode");
+        const int64_t mode = cm != nullptr && (cm->tag == tpu::ArgTag::kInt ||
+                                               cm->tag == tpu::ArgTag::kSymInt)
+                                 ? cm->i
+                                 : 0;
         const size_t nb = batch.size();
         std::vector<int64_t> ad = batch, bd = batch;
         ad.insert(ad.end(), {pr, mm});
@@ -822,13 +853,14 @@ void RegisterNn(OpRegistry& reg) {
         absl::StrCat("aten::_adaptive_avg_pool", sp, "d"),
         [sp](Lowering& l, const tpu::DecodedOp& d,
              const Target& o) -> absl::StatusOr<std::string> {
-          if (!Defined(d, 0) || o.dims.size() < static_cast<size_t>(sp))
+          const Args a(l);
+          if (!a.Defined("self") || o.dims.size() < static_cast<size_t>(sp))
             return Unsupported(l.op(), "arguments of a form not lowered");
           const HloType& t = *o.type;
-          std::vector<int64_t> cur = DimsOf(d.args[0].tensor);
+          std::vector<int64_t> cur = DimsOf(a["self"].tensor);
           if (cur.size() != o.dims.size())
             return Unsupported(l.op(), "an output of another rank");
-          absl::StatusOr<std::string> x = l.Operand(d.args[0], cur, t);
+          absl::StatusOr<std::string> x = l.Operand(a["self"], cur, t);
           if (!x.ok()) return x;
           std::string v = *x, count = l.Constant(1, o.dims, t);
           const size_t lead = cur.size() - sp;
@@ -873,13 +905,14 @@ void RegisterNn(OpRegistry& reg) {
   reg.Add("aten::_pdist_forward",
           [](Lowering& l, const tpu::DecodedOp& d,
              const Target& o) -> absl::StatusOr<std::string> {
-            if (d.num_args < 2 || !Defined(d, 0) ||
-                d.args[0].tensor.ndim != 2 || o.dims.size() != 1) {
+            const Args a(l);
+            if (!a.Has("p") || !a.Defined("self") ||
+                a["self"].tensor.ndim != 2 || o.dims.size() != 1) {
               return Unsupported(l.op(), "expects a matrix");
             }
             const HloType& t = *o.type;
             const HloType& i64 = I64();
-            const std::vector<int64_t> in = DimsOf(d.args[0].tensor);
+            const std::vector<int64_t> in = DimsOf(a["self"].tensor);
             const int64_t n = in[0], mm = in[1], pairs = o.dims[0];
             if (pairs != n * (n - 1) / 2)
               return absl::InvalidArgumentError(absl::StrCat(
@@ -887,9 +920,9 @@ void RegisterNn(OpRegistry& reg) {
             if (pairs == 0) return l.Constant(0, o.dims, t);
             if (pairs > (int64_t{1} << 16))
               return Unsupported(l.op(), "more than 65536 pairs");
-            absl::StatusOr<std::string> x = l.Operand(d.args[0], in, t);
+            absl::StatusOr<std::string> x = l.Operand(a["self"], in, t);
             if (!x.ok()) return x;
-            const double p = NumberOf(d.args[1]);
+            const double p = NumberOf(a["p"]);
             const std::vector<int64_t> full = {n, n, mm};
             const std::string diff = l.Unary(
                 "abs",
