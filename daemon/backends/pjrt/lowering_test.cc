@@ -507,5 +507,35 @@ TEST_CASE("max.out and min.out are elementwise") {
   }
 }
 
+// Reached only from records (the plugin sends .grad_input): each gradient
+// spread evenly over its window, or by divisor_override.
+TEST_CASE("avg_pool2d_backward spreads each gradient over its window") {
+  Fixture f;
+  Placed grad = f.arena.Floats({1, 1, 1, 2}, {4, 8});
+  Placed self = f.arena.Floats({1, 1, 2, 4}, std::vector<float>(8, 0));
+  for (const bool divisor : {false, true}) {
+    Placed out = f.arena.Floats({1, 1, 2, 4}, std::vector<float>(8, 0));
+    Record r(f.arena);
+    r.Tensor(grad).Tensor(self).IntList({2, 2}).IntList({2, 2}).IntList({0, 0});
+    r.Bool(false).Bool(true);
+    if (divisor) {
+      r.Int(2);
+    } else {
+      r.None();
+    }
+    r.Output(out);
+    absl::Status st = f.Run(
+        "aten::avg_pool2d_backward(Tensor grad_output, Tensor self, int[2] "
+        "kernel_size, int[2] stride, int[2] padding, bool ceil_mode, bool "
+        "count_include_pad, int? divisor_override) -> Tensor",
+        r);
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+    CHECK(Read(out, 8) == (divisor
+                               ? std::vector<float>{2, 2, 4, 4, 2, 2, 4, 4}
+                               : std::vector<float>{1, 1, 2, 2, 1, 1, 2, 2}));
+  }
+}
+
 }  // namespace
 }  // namespace tpud::pjrt
