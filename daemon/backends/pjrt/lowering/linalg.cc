@@ -1,5 +1,6 @@
 // Linear algebra: products (mm, bmm, mv, dot and their add* forms),
 // triangles, and the factorizations and solves built from matrix.h.
+// Arguments are read by their schema names (Args, helpers.h).
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -34,35 +35,45 @@ std::vector<std::vector<int64_t>> GeqrfDims(const std::vector<int64_t>& a) {
   return {a, tau};
 }
 
+// A bool argument's value, or `absent` where it is missing or not a bool.
+bool Flag(const Args& a, absl::string_view name, bool absent) {
+  const tpu::OpArg* v = a.Find(name);
+  return v != nullptr && v->tag == tpu::ArgTag::kBool ? v->b : absent;
+}
+
 }  // namespace
 
 void RegisterLinalg(OpRegistry& reg) {
   reg.Add("aten::mm",
           [](Lowering& l, const tpu::DecodedOp& d,
              const Target& out) -> absl::StatusOr<std::string> {
-            if (d.num_args < 2) return Unsupported(l.op(), "too few arguments");
-            return MatMul(l, d.args[0], d.args[1], out);
+            const Args a(l);
+            if (!a.Has("mat2")) return Unsupported(l.op(), "too few arguments");
+            return MatMul(l, a["self"], a["mat2"], out);
           });
   reg.Add("aten::addmm",
           [](Lowering& l, const tpu::DecodedOp& d,
              const Target& out) -> absl::StatusOr<std::string> {
-            if (d.num_args < 3) return Unsupported(l.op(), "too few arguments");
+            const Args a(l);
+            if (!a.Has("mat2")) return Unsupported(l.op(), "too few arguments");
             // beta * self + alpha * (mat1 @ mat2); self is read first (record
             // order).
             absl::StatusOr<std::string> self =
-                l.Operand(d.args[0], out.dims, *out.type);
+                l.Operand(a["self"], out.dims, *out.type);
             if (!self.ok()) return self;
             absl::StatusOr<std::string> prod =
-                MatMul(l, d.args[1], d.args[2], out);
+                MatMul(l, a["mat1"], a["mat2"], out);
             if (!prod.ok()) return prod;
             std::string lhs = *self, rhs = *prod;
-            for (size_t i : {size_t{3}, size_t{4}}) {
-              if (d.num_args <= i) break;
+            // beta scales self, alpha the product (no beta: no alpha).
+            for (const auto& [name, v] :
+                 {std::pair<const char*, std::string*>{"beta", &lhs},
+                  {"alpha", &rhs}}) {
+              if (!a.Has(name)) break;
               absl::StatusOr<std::string> s =
-                  l.Operand(d.args[i], out.dims, *out.type);
+                  l.Operand(a[name], out.dims, *out.type);
               if (!s.ok()) return s;
-              (i == 3 ? lhs : rhs) = l.Binary("multiply", i == 3 ? lhs : rhs,
-                                              *s, out.dims, *out.type);
+              *v = l.Binary("multiply", *v, *s, out.dims, *out.type);
             }
             return l.Binary("add", lhs, rhs, out.dims, *out.type);
           });
@@ -73,13 +84,14 @@ void RegisterLinalg(OpRegistry& reg) {
       "aten::linalg_cholesky_ex",
       [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
           -> absl::StatusOr<std::vector<std::string>> {
-        if (o.size() != 2 || !Defined(d, 0) || d.args[0].tensor.ndim < 2)
+        const Args args(l);
+        if (o.size() != 2 || !args.Defined("self") ||
+            args["self"].tensor.ndim < 2)
           return Unsupported(l.op(), "expects a matrix or a batch of them");
         const HloType& t = *o[0].type;
         const std::vector<int64_t> in = o[0].dims;
-        const bool upper = d.num_args > 1 &&
-                           d.args[1].tag == tpu::ArgTag::kBool && d.args[1].b;
-        absl::StatusOr<std::string> a = l.Operand(d.args[0], in, t);
+        const bool upper = Flag(args, "upper", false);
+        absl::StatusOr<std::string> a = l.Operand(args["self"], in, t);
         if (!a.ok()) return a.status();
         const std::string c = Cholesky(l, *a, in, upper, t);
         const int64_t n = in.back();
@@ -118,18 +130,20 @@ void RegisterLinalg(OpRegistry& reg) {
       "aten::triangular_solve",
       [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
           -> absl::StatusOr<std::vector<std::string>> {
-        if (o.size() != 2 || d.num_args < 5)
+        const Args args(l);
+        if (o.size() != 2 || !args.Has("unitriangular"))
           return Unsupported(l.op(), "arguments of a form not lowered");
         const HloType& t = *o[0].type;
         const std::vector<int64_t> batch = BatchOf(o[0].dims);
-        absl::StatusOr<std::string> b = MatrixOperand(l, d.args[0], batch, t),
-                                    a = MatrixOperand(l, d.args[1], batch, t);
+        absl::StatusOr<std::string> b =
+            MatrixOperand(l, args["self"], batch, t);
+        absl::StatusOr<std::string> a = MatrixOperand(l, args["A"], batch, t);
         if (!b.ok()) return b.status();
         if (!a.ok()) return a.status();
         const std::vector<int64_t> ad =
-            WithBatch(DimsOf(d.args[1].tensor), batch);
-        const bool upper = d.args[2].b, transpose = d.args[3].b,
-                   unit = d.args[4].b;
+            WithBatch(DimsOf(args["A"].tensor), batch);
+        const bool upper = args["upper"].b, transpose = args["transpose"].b,
+                   unit = args["unitriangular"].b;
         const std::string x = TriangularSolve(l, *a, ad, *b, o[0].dims, true,
                                               !upper, unit, transpose, t);
         return std::vector<std::string>{x, l.BroadcastTo(*a, ad, o[1].dims, t)};
@@ -142,10 +156,12 @@ void RegisterLinalg(OpRegistry& reg) {
          "aten::geqrf",
          [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
              -> absl::StatusOr<std::vector<std::string>> {
-           if (o.size() != 2 || !Defined(d, 0) || o[0].dims.size() < 2)
+           const Args args(l);
+           if (o.size() != 2 || !args.Defined("self") || o[0].dims.size() < 2)
              return Unsupported(l.op(), "expects a matrix or a batch of them");
            const HloType& t = *o[0].type;
-           absl::StatusOr<std::string> a = l.Operand(d.args[0], o[0].dims, t);
+           absl::StatusOr<std::string> a =
+               l.Operand(args["self"], o[0].dims, t);
            if (!a.ok()) return a.status();
            const Qr f = Geqrf(l, *a, MatrixShape(o[0].dims), t);
            return std::vector<std::string>{f.a, f.tau};
@@ -156,21 +172,22 @@ void RegisterLinalg(OpRegistry& reg) {
       "aten::linalg_qr",
       [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
           -> absl::StatusOr<std::vector<std::string>> {
-        if (o.size() != 2 || !Defined(d, 0) || d.args[0].tensor.ndim < 2)
+        const Args args(l);
+        if (o.size() != 2 || !args.Defined("A") || args["A"].tensor.ndim < 2)
           return Unsupported(l.op(), "expects a matrix or a batch of them");
         const std::string mode =
-            d.num_args > 1 && d.args[1].tag == tpu::ArgTag::kString
-                ? d.args[1].s
+            args.Has("mode") && args["mode"].tag == tpu::ArgTag::kString
+                ? args["mode"].s
                 : "reduced";
         if (mode != "reduced" && mode != "complete" && mode != "r") {
           return absl::InvalidArgumentError(absl::StrCat(
               l.op(), ": mode \"", mode, "\" is not reduced, complete or r"));
         }
         const HloType& t = *o[1].type;
-        const std::vector<int64_t> ad = DimsOf(d.args[0].tensor);
+        const std::vector<int64_t> ad = DimsOf(args["A"].tensor);
         const MatrixShape as(ad);
         const int64_t k = std::min(as.m, as.n);
-        absl::StatusOr<std::string> a = l.Operand(d.args[0], ad, t);
+        absl::StatusOr<std::string> a = l.Operand(args["A"], ad, t);
         if (!a.ok()) return a.status();
         const Qr f = Geqrf(l, *a, as, t);
         const int64_t rq = mode == "complete" ? as.m : k;
@@ -206,12 +223,17 @@ void RegisterLinalg(OpRegistry& reg) {
                               ? 3
                           : which == LuOp::kInv ? 2
                                                 : 4;
-      if (o.size() != want || !Defined(d, 0) || d.args[0].tensor.ndim < 2)
+      const Args args(l);
+      // The matrix: LU_data of lu_unpack, A of the others.
+      const char* const first = which == LuOp::kUnpack ? "LU_data" : "A";
+      if (o.size() != want || !args.Defined(first) ||
+          args[first].tensor.ndim < 2)
         return Unsupported(l.op(), "expects a matrix or a batch of them");
-      if ((which == LuOp::kFactor || which == LuOp::kLu) && d.num_args > 1 &&
-          d.args[1].tag == tpu::ArgTag::kBool && !d.args[1].b) {
+      if ((which == LuOp::kFactor || which == LuOp::kLu) &&
+          !Flag(args, "pivot", true)) {
         return Unsupported(l.op(), "LU without pivoting");
       }
+      const tpu::OpArg& a0 = args[first];
       const HloType& i64 = I64();
       // The type the factorization runs in: the first float output's.
       const HloType& t = which == LuOp::kSlogdet ? *o[1].type : *o[0].type;
@@ -220,9 +242,8 @@ void RegisterLinalg(OpRegistry& reg) {
                                       : which == LuOp::kSolve   ? o[1].dims
                                       : which == LuOp::kDet     ? o[1].dims
                                       : which == LuOp::kSlogdet ? o[2].dims
-                                      : which == LuOp::kInv
-                                          ? o[0].dims
-                                          : DimsOf(d.args[0].tensor);
+                                      : which == LuOp::kInv     ? o[0].dims
+                                                            : DimsOf(a0.tensor);
       if (ad.size() < 2)
         return Unsupported(l.op(), "expects a matrix or a batch of them");
       const MatrixShape as(ad);
@@ -234,17 +255,18 @@ void RegisterLinalg(OpRegistry& reg) {
             l.op(), ": A must be batches of square matrices, but they are ",
             as.m, " by ", as.n, " matrices"));
       }
-      absl::StatusOr<std::string> av =
-          l.Operand(d.args[0], DimsOf(d.args[0].tensor), t);
+      absl::StatusOr<std::string> av = l.Operand(a0, DimsOf(a0.tensor), t);
       if (!av.ok()) return av.status();
-      const std::string a = l.BroadcastTo(*av, DimsOf(d.args[0].tensor), ad, t);
+      const std::string a = l.BroadcastTo(*av, DimsOf(a0.tensor), ad, t);
       std::vector<int64_t> pdims = as.batch;
       pdims.push_back(k);
       Lu f;
       if (which == LuOp::kUnpack) {
         f.lu = a;
-        if (!Defined(d, 1)) return Unsupported(l.op(), "expects pivots");
-        absl::StatusOr<std::string> pv = l.Operand(d.args[1], pdims, i64);
+        if (!args.Defined("LU_pivots"))
+          return Unsupported(l.op(), "expects pivots");
+        absl::StatusOr<std::string> pv =
+            l.Operand(args["LU_pivots"], pdims, i64);
         if (!pv.ok()) return pv.status();
         f.pivots = *pv;
       } else {
@@ -307,16 +329,16 @@ void RegisterLinalg(OpRegistry& reg) {
                                           as_type(f.info, as.batch, i64, o[1])};
         }
         case LuOp::kSolve: {
-          if (d.num_args < 3 || !Defined(d, 1))
+          if (!args.Has("left") || !args.Defined("B"))
             return Unsupported(l.op(), "expects A and B");
-          if (d.args[2].tag == tpu::ArgTag::kBool && !d.args[2].b)
+          if (!Flag(args, "left", true))
             return Unsupported(l.op(), "left=False");
           // B as a batch of matrices: a vector gets a column dimension.
           const std::vector<int64_t>& rd = o[0].dims;
           const bool vector = rd.size() + 1 == ad.size();
           const std::vector<int64_t> bd = vector ? [&] { std::vector<int64_t> v = rd; v.push_back(1); return v; }() : rd;
-          const std::vector<int64_t> bin = DimsOf(d.args[1].tensor);
-          absl::StatusOr<std::string> bv = l.Operand(d.args[1], bin, t);
+          const std::vector<int64_t> bin = DimsOf(args["B"].tensor);
+          absl::StatusOr<std::string> bv = l.Operand(args["B"], bin, t);
           if (!bv.ok()) return bv.status();
           std::string b = l.BroadcastTo(*bv, bin, rd, t);
           b = l.Reshape(b, rd, bd, t);
@@ -399,62 +421,66 @@ void RegisterLinalg(OpRegistry& reg) {
     }
     for (const char* const* n = names; *n != nullptr; ++n) reg.AddMulti(*n, r);
   }
-  reg.Add("aten::bmm",
-          [](Lowering& l, const tpu::DecodedOp& d,
-             const Target& o) -> absl::StatusOr<std::string> {
-            if (!Defined(d, 0) || !Defined(d, 1) ||
-                d.args[0].tensor.ndim != 3 || d.args[1].tensor.ndim != 3) {
-              return Unsupported(l.op(), "expects two 3-d tensors");
-            }
-            const std::vector<int64_t> da = DimsOf(d.args[0].tensor),
-                                       db = DimsOf(d.args[1].tensor);
-            absl::StatusOr<std::string> a = l.Operand(d.args[0], da, *o.type),
-                                        b = l.Operand(d.args[1], db, *o.type);
-            if (!a.ok()) return a;
-            if (!b.ok()) return b;
-            return l.Emit(absl::StrCat(
-                "stablehlo.dot_general ", *a, ", ", *b,
-                ", batching_dims = [0] x [0], contracting_dims = [2] x [1] : (",
-                TypeOf(da, *o.type), ", ", TypeOf(db, *o.type), ") -> ",
-                TypeOf(o.dims, *o.type)));
-          });
-  reg.Add("aten::dot",
-          [](Lowering& l, const tpu::DecodedOp& d,
-             const Target& o) -> absl::StatusOr<std::string> {
-            if (!Defined(d, 0) || !Defined(d, 1) || d.args[0].tensor.ndim != 1)
-              return Unsupported(l.op(), "expects vectors");
-            const std::vector<int64_t> n = DimsOf(d.args[0].tensor);
-            absl::StatusOr<std::string> a = l.Operand(d.args[0], n, *o.type),
-                                        b = l.Operand(d.args[1], n, *o.type);
-            if (!a.ok()) return a;
-            if (!b.ok()) return b;
-            return l.ReduceOver(l.Binary("multiply", *a, *b, n, *o.type), n,
-                                {0}, "add", l.Constant(0, {}, *o.type),
-                                *o.type);
-          });
+  reg.Add(
+      "aten::bmm",
+      [](Lowering& l, const tpu::DecodedOp& d,
+         const Target& o) -> absl::StatusOr<std::string> {
+        const Args args(l);
+        if (!args.Defined("self") || !args.Defined("mat2") ||
+            args["self"].tensor.ndim != 3 || args["mat2"].tensor.ndim != 3) {
+          return Unsupported(l.op(), "expects two 3-d tensors");
+        }
+        const std::vector<int64_t> da = DimsOf(args["self"].tensor),
+                                   db = DimsOf(args["mat2"].tensor);
+        absl::StatusOr<std::string> a = l.Operand(args["self"], da, *o.type),
+                                    b = l.Operand(args["mat2"], db, *o.type);
+        if (!a.ok()) return a;
+        if (!b.ok()) return b;
+        return l.Emit(absl::StrCat(
+            "stablehlo.dot_general ", *a, ", ", *b,
+            ", batching_dims = [0] x [0], contracting_dims = [2] x [1] : (",
+            TypeOf(da, *o.type), ", ", TypeOf(db, *o.type), ") -> ",
+            TypeOf(o.dims, *o.type)));
+      });
+  reg.Add(
+      "aten::dot",
+      [](Lowering& l, const tpu::DecodedOp& d,
+         const Target& o) -> absl::StatusOr<std::string> {
+        const Args args(l);
+        if (!args.Defined("self") || !args.Defined("tensor") ||
+            args["self"].tensor.ndim != 1)
+          return Unsupported(l.op(), "expects vectors");
+        const std::vector<int64_t> n = DimsOf(args["self"].tensor);
+        absl::StatusOr<std::string> a = l.Operand(args["self"], n, *o.type),
+                                    b = l.Operand(args["tensor"], n, *o.type);
+        if (!a.ok()) return a;
+        if (!b.ok()) return b;
+        return l.ReduceOver(l.Binary("multiply", *a, *b, n, *o.type), n, {0},
+                            "add", l.Constant(0, {}, *o.type), *o.type);
+      });
   // tril / triu(self, diagonal): a mask over the last two dimensions.
   for (bool lower : {true, false}) {
-    reg.Add(
-        lower ? "aten::tril" : "aten::triu",
-        [lower](Lowering& l, const tpu::DecodedOp& d,
-                const Target& o) -> absl::StatusOr<std::string> {
-          if (!Defined(d, 0) || o.dims.size() < 2)
-            return Unsupported(l.op(), "expects a matrix");
-          absl::StatusOr<std::string> x = l.Operand(d.args[0], o.dims, *o.type);
-          if (!x.ok()) return x;
-          const int64_t k =
-              d.num_args > 1 ? static_cast<int64_t>(NumberOf(d.args[1])) : 0;
-          const HloType& i64 = I64();
-          const int64_t r = static_cast<int64_t>(o.dims.size());
-          const std::string diff =
-              l.Binary("subtract", l.Iota(r - 1, o.dims, i64),
-                       l.Iota(r - 2, o.dims, i64), o.dims, i64);
-          const std::string keep = l.Compare(
-              lower ? "LE" : "GE", diff,
-              l.Constant(static_cast<double>(k), o.dims, i64), o.dims, i64);
-          return l.Select(keep, *x, l.Constant(0, o.dims, *o.type), o.dims,
-                          *o.type);
-        });
+    reg.Add(lower ? "aten::tril" : "aten::triu",
+            [lower](Lowering& l, const tpu::DecodedOp& d,
+                    const Target& o) -> absl::StatusOr<std::string> {
+              const Args a(l);
+              if (!a.Defined("self") || o.dims.size() < 2)
+                return Unsupported(l.op(), "expects a matrix");
+              absl::StatusOr<std::string> x =
+                  l.Operand(a["self"], o.dims, *o.type);
+              if (!x.ok()) return x;
+              const int64_t k = static_cast<int64_t>(a.Number("diagonal", 0));
+              const HloType& i64 = I64();
+              const int64_t r = static_cast<int64_t>(o.dims.size());
+              const std::string diff =
+                  l.Binary("subtract", l.Iota(r - 1, o.dims, i64),
+                           l.Iota(r - 2, o.dims, i64), o.dims, i64);
+              const std::string keep = l.Compare(
+                  lower ? "LE" : "GE", diff,
+                  l.Constant(static_cast<double>(k), o.dims, i64), o.dims, i64);
+              return l.Select(keep, *x, l.Constant(0, o.dims, *o.type), o.dims,
+                              *o.type);
+            });
   }
   // addmv(self, mat, vec, *, beta, alpha) and mv(self, vec).
   for (bool add : {true, false}) {
@@ -462,30 +488,32 @@ void RegisterLinalg(OpRegistry& reg) {
         add ? "aten::addmv" : "aten::mv",
         [add](Lowering& l, const tpu::DecodedOp& d,
               const Target& o) -> absl::StatusOr<std::string> {
-          const size_t mi = add ? 1 : 0;
-          if (!Defined(d, mi) || !Defined(d, mi + 1) ||
-              d.args[mi].tensor.ndim != 2 || d.args[mi + 1].tensor.ndim != 1) {
+          const Args args(l);
+          // The matrix: mat of addmv, self of mv.
+          const char* const mat = add ? "mat" : "self";
+          if (!args.Defined(mat) || !args.Defined("vec") ||
+              args[mat].tensor.ndim != 2 || args["vec"].tensor.ndim != 1) {
             return Unsupported(l.op(), "expects a matrix and a vector");
           }
           const HloType& t = *o.type;
-          const std::vector<int64_t> dm = DimsOf(d.args[mi].tensor),
-                                     dv = DimsOf(d.args[mi + 1].tensor);
-          absl::StatusOr<std::string> a = l.Operand(d.args[mi], dm, t),
-                                      v = l.Operand(d.args[mi + 1], dv, t);
+          const std::vector<int64_t> dm = DimsOf(args[mat].tensor),
+                                     dv = DimsOf(args["vec"].tensor);
+          absl::StatusOr<std::string> a = l.Operand(args[mat], dm, t),
+                                      v = l.Operand(args["vec"], dv, t);
           if (!a.ok()) return a;
           if (!v.ok()) return v;
           std::string r = l.Emit(absl::StrCat(
               "stablehlo.dot ", *a, ", ", *v, " : (", TypeOf(dm, t), ", ",
               TypeOf(dv, t), ") -> ", TypeOf(o.dims, t)));
           if (!add) return r;
-          const double beta = d.num_args > 3 ? NumberOf(d.args[3]) : 1,
-                       alpha = d.num_args > 4 ? NumberOf(d.args[4]) : 1;
+          const double beta = args.Number("beta", 1),
+                       alpha = args.Number("alpha", 1);
           if (alpha != 1)
             r = l.Binary("multiply", r, l.Constant(alpha, o.dims, t), o.dims,
                          t);
           if (beta == 0)
             return r;  // self is not read (nan in it does not spread)
-          absl::StatusOr<std::string> self = l.Operand(d.args[0], o.dims, t);
+          absl::StatusOr<std::string> self = l.Operand(args["self"], o.dims, t);
           if (!self.ok()) return self;
           std::string b = *self;
           if (beta != 1)
@@ -493,71 +521,75 @@ void RegisterLinalg(OpRegistry& reg) {
           return l.Binary("add", b, r, o.dims, t);
         });
   }  // cholesky(self, upper).
-  reg.Add(
-      "aten::cholesky",
-      [](Lowering& l, const tpu::DecodedOp& d,
-         const Target& o) -> absl::StatusOr<std::string> {
-        if (!Defined(d, 0) || o.dims.size() < 2)
-          return Unsupported(l.op(), "expects a matrix or a batch of them");
-        absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, *o.type);
-        if (!a.ok()) return a;
-        const bool upper = d.num_args > 1 &&
-                           d.args[1].tag == tpu::ArgTag::kBool && d.args[1].b;
-        return Cholesky(l, *a, o.dims, upper, *o.type);
-      });
+  reg.Add("aten::cholesky",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& o) -> absl::StatusOr<std::string> {
+            const Args args(l);
+            if (!args.Defined("self") || o.dims.size() < 2)
+              return Unsupported(l.op(), "expects a matrix or a batch of them");
+            absl::StatusOr<std::string> a =
+                l.Operand(args["self"], o.dims, *o.type);
+            if (!a.ok()) return a;
+            const bool upper = Flag(args, "upper", false);
+            return Cholesky(l, *a, o.dims, upper, *o.type);
+          });
   // linalg_solve_triangular(self = A, B, *, upper, left, unitriangular).
-  reg.Add(
-      "aten::linalg_solve_triangular",
-      [](Lowering& l, const tpu::DecodedOp& d,
-         const Target& o) -> absl::StatusOr<std::string> {
-        if (d.num_args < 5 || o.dims.size() < 2)
-          return Unsupported(l.op(), "arguments of a form not lowered");
-        const HloType& t = *o.type;
-        const std::vector<int64_t> batch = BatchOf(o.dims);
-        absl::StatusOr<std::string> a = MatrixOperand(l, d.args[0], batch, t),
-                                    b = MatrixOperand(l, d.args[1], batch, t);
-        if (!a.ok()) return a;
-        if (!b.ok()) return b;
-        const std::vector<int64_t> ad =
-            WithBatch(DimsOf(d.args[0].tensor), batch);
-        return TriangularSolve(l, *a, ad, *b, o.dims, d.args[3].b, !d.args[2].b,
-                               d.args[4].b, false, t);
-      });
+  reg.Add("aten::linalg_solve_triangular",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& o) -> absl::StatusOr<std::string> {
+            const Args args(l);
+            if (!args.Has("unitriangular") || o.dims.size() < 2)
+              return Unsupported(l.op(), "arguments of a form not lowered");
+            const HloType& t = *o.type;
+            const std::vector<int64_t> batch = BatchOf(o.dims);
+            absl::StatusOr<std::string> a =
+                MatrixOperand(l, args["self"], batch, t);
+            absl::StatusOr<std::string> b =
+                MatrixOperand(l, args["B"], batch, t);
+            if (!a.ok()) return a;
+            if (!b.ok()) return b;
+            const std::vector<int64_t> ad =
+                WithBatch(DimsOf(args["self"].tensor), batch);
+            return TriangularSolve(l, *a, ad, *b, o.dims, args["left"].b,
+                                   !args["upper"].b, args["unitriangular"].b,
+                                   false, t);
+          });
   // _cholesky_solve_helper(self = B, A = the factor, upper): two
   // triangular solves, L (L^T X) = B or U^T (U X) = B.
-  reg.Add(
-      "aten::_cholesky_solve_helper",
-      [](Lowering& l, const tpu::DecodedOp& d,
-         const Target& o) -> absl::StatusOr<std::string> {
-        if (d.num_args < 3 || o.dims.size() < 2)
-          return Unsupported(l.op(), "arguments of a form not lowered");
-        const HloType& t = *o.type;
-        const std::vector<int64_t> batch = BatchOf(o.dims);
-        absl::StatusOr<std::string> b = MatrixOperand(l, d.args[0], batch, t),
-                                    a = MatrixOperand(l, d.args[1], batch, t);
-        if (!a.ok()) return a;
-        if (!b.ok()) return b;
-        const std::vector<int64_t> ad =
-            WithBatch(DimsOf(d.args[1].tensor), batch);
-        const bool upper = d.args[2].b;
-        const std::string y = TriangularSolve(l, *a, ad, *b, o.dims, true,
-                                              !upper, false, upper, t);
-        return TriangularSolve(l, *a, ad, y, o.dims, true, !upper, false,
-                               !upper, t);
-      });
+  reg.Add("aten::_cholesky_solve_helper",
+          [](Lowering& l, const tpu::DecodedOp& d,
+             const Target& o) -> absl::StatusOr<std::string> {
+            const Args args(l);
+            if (!args.Has("upper") || o.dims.size() < 2)
+              return Unsupported(l.op(), "arguments of a form not lowered");
+            const HloType& t = *o.type;
+            const std::vector<int64_t> batch = BatchOf(o.dims);
+            absl::StatusOr<std::string> b =
+                MatrixOperand(l, args["self"], batch, t);
+            absl::StatusOr<std::string> a =
+                MatrixOperand(l, args["A"], batch, t);
+            if (!a.ok()) return a;
+            if (!b.ok()) return b;
+            const std::vector<int64_t> ad =
+                WithBatch(DimsOf(args["A"].tensor), batch);
+            const bool upper = args["upper"].b;
+            const std::string y = TriangularSolve(l, *a, ad, *b, o.dims, true,
+                                                  !upper, false, upper, t);
+            return TriangularSolve(l, *a, ad, y, o.dims, true, !upper, false,
+                                   !upper, t);
+          });
   // cholesky_inverse(self = the factor, upper): (L L^T)^-1, the solve of
   // the identity.
   reg.Add("aten::cholesky_inverse",
           [](Lowering& l, const tpu::DecodedOp& d,
              const Target& o) -> absl::StatusOr<std::string> {
-            if (!Defined(d, 0) || o.dims.size() < 2)
+            const Args args(l);
+            if (!args.Defined("self") || o.dims.size() < 2)
               return Unsupported(l.op(), "expects a matrix or a batch of them");
             const HloType& t = *o.type;
-            absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t);
+            absl::StatusOr<std::string> a = l.Operand(args["self"], o.dims, t);
             if (!a.ok()) return a;
-            const bool upper = d.num_args > 1 &&
-                               d.args[1].tag == tpu::ArgTag::kBool &&
-                               d.args[1].b;
+            const bool upper = Flag(args, "upper", false);
             const std::string y =
                 TriangularSolve(l, *a, o.dims, Identity(l, o.dims, t), o.dims,
                                 true, !upper, false, upper, t);
@@ -570,78 +602,84 @@ void RegisterLinalg(OpRegistry& reg) {
       "aten::linalg_lu_solve",
       [](Lowering& l, const tpu::DecodedOp& d,
          const Target& o) -> absl::StatusOr<std::string> {
-        if (d.num_args < 5 || !Defined(d, 0) || !Defined(d, 1) ||
-            !Defined(d, 2) || o.dims.size() < 2) {
+        const Args args(l);
+        if (!args.Has("adjoint") || !args.Defined("LU") ||
+            !args.Defined("pivots") || !args.Defined("B") ||
+            o.dims.size() < 2) {
           return Unsupported(l.op(), "arguments of a form not lowered");
         }
-        if (d.args[3].tag == tpu::ArgTag::kBool && !d.args[3].b)
-          return Unsupported(l.op(), "left=False");
+        if (!Flag(args, "left", true)) return Unsupported(l.op(), "left=False");
         const HloType& t = *o.type;
         const std::vector<int64_t> batch = BatchOf(o.dims);
         const std::vector<int64_t> ad =
-            WithBatch(DimsOf(d.args[0].tensor), batch);
-        absl::StatusOr<std::string> lu = MatrixOperand(l, d.args[0], batch, t),
-                                    b = MatrixOperand(l, d.args[2], batch, t);
+            WithBatch(DimsOf(args["LU"].tensor), batch);
+        absl::StatusOr<std::string> lu = MatrixOperand(l, args["LU"], batch, t),
+                                    b = MatrixOperand(l, args["B"], batch, t);
         if (!lu.ok()) return lu;
         if (!b.ok()) return b;
         std::vector<int64_t> pdims = batch;
         pdims.push_back(ad.back());
-        const std::vector<int64_t> pin = DimsOf(d.args[1].tensor);
-        absl::StatusOr<std::string> pv = l.Operand(d.args[1], pin, I64());
+        const std::vector<int64_t> pin = DimsOf(args["pivots"].tensor);
+        absl::StatusOr<std::string> pv = l.Operand(args["pivots"], pin, I64());
         if (!pv.ok()) return pv;
         const std::string piv = l.BroadcastTo(*pv, pin, pdims, I64());
-        const bool adjoint = d.args[4].tag == tpu::ArgTag::kBool && d.args[4].b;
+        const bool adjoint = Flag(args, "adjoint", false);
         return LuSolve(l, *lu, ad, piv, *b, MatrixShape(o.dims), adjoint, t);
       });
   // linalg_householder_product(input, tau): the first n columns of
   // H_0 ... H_{k-1}; ormqr(input, tau, other, left, transpose): Q or Q^T
   // times other (left), or other times them (right, by transposing).
-  reg.Add("aten::linalg_householder_product",
-          [](Lowering& l, const tpu::DecodedOp& d,
-             const Target& o) -> absl::StatusOr<std::string> {
-            if (d.num_args < 2 || !Defined(d, 0) || !Defined(d, 1) ||
-                o.dims.size() < 2)
-              return Unsupported(l.op(), "arguments of a form not lowered");
-            const HloType& t = *o.type;
-            const MatrixShape as(o.dims);
-            const int64_t k =
-                d.args[1].tensor.ndim == 0
-                    ? 1
-                    : d.args[1].tensor.sizes[d.args[1].tensor.ndim - 1];
-            std::vector<int64_t> td = as.batch;
-            td.push_back(k);
-            absl::StatusOr<std::string> a = l.Operand(d.args[0], o.dims, t),
-                                        tau = l.Operand(d.args[1], td, t);
-            if (!a.ok()) return a;
-            if (!tau.ok()) return tau;
-            return ApplyQ(l, *a, as, *tau, k, Identity(l, o.dims, t), as, false,
-                          t);
-          });
+  reg.Add(
+      "aten::linalg_householder_product",
+      [](Lowering& l, const tpu::DecodedOp& d,
+         const Target& o) -> absl::StatusOr<std::string> {
+        const Args args(l);
+        if (!args.Defined("input") || !args.Defined("tau") || o.dims.size() < 2)
+          return Unsupported(l.op(), "arguments of a form not lowered");
+        const HloType& t = *o.type;
+        const MatrixShape as(o.dims);
+        const tpu::TensorRef& tr = args["tau"].tensor;
+        const int64_t k = tr.ndim == 0 ? 1 : tr.sizes[tr.ndim - 1];
+        std::vector<int64_t> td = as.batch;
+        td.push_back(k);
+        absl::StatusOr<std::string> a = l.Operand(args["input"], o.dims, t),
+                                    tau = l.Operand(args["tau"], td, t);
+        if (!a.ok()) return a;
+        if (!tau.ok()) return tau;
+        return ApplyQ(l, *a, as, *tau, k, Identity(l, o.dims, t), as, false, t);
+      });
   reg.Add(
       "aten::ormqr",
       [](Lowering& l, const tpu::DecodedOp& d,
          const Target& o) -> absl::StatusOr<std::string> {
-        if (d.num_args < 5 || !Defined(d, 0) || !Defined(d, 1) ||
-            !Defined(d, 2) || o.dims.size() < 2) {
+        // ormqr(self = the reflectors, input2 = tau, input3 = other, left,
+        // transpose).
+        const Args args(l);
+        if (!args.Has("transpose") || !args.Defined("self") ||
+            !args.Defined("input2") || !args.Defined("input3") ||
+            o.dims.size() < 2) {
           return Unsupported(l.op(), "arguments of a form not lowered");
         }
         const HloType& t = *o.type;
         const std::vector<int64_t> batch = BatchOf(o.dims);
         const std::vector<int64_t> ad =
-            WithBatch(DimsOf(d.args[0].tensor), batch);
+            WithBatch(DimsOf(args["self"].tensor), batch);
         const MatrixShape as(ad);
-        const int64_t k = d.args[1].tensor.sizes[d.args[1].tensor.ndim - 1];
+        const tpu::TensorRef& tr = args["input2"].tensor;
+        const int64_t k = tr.sizes[tr.ndim - 1];
         std::vector<int64_t> td = batch;
         td.push_back(k);
-        absl::StatusOr<std::string> a = MatrixOperand(l, d.args[0], batch, t),
-                                    c = MatrixOperand(l, d.args[2], batch, t);
+        absl::StatusOr<std::string> a =
+            MatrixOperand(l, args["self"], batch, t);
+        absl::StatusOr<std::string> c =
+            MatrixOperand(l, args["input3"], batch, t);
         if (!a.ok()) return a;
         if (!c.ok()) return c;
-        const std::vector<int64_t> tin = DimsOf(d.args[1].tensor);
-        absl::StatusOr<std::string> tv = l.Operand(d.args[1], tin, t);
+        const std::vector<int64_t> tin = DimsOf(tr);
+        absl::StatusOr<std::string> tv = l.Operand(args["input2"], tin, t);
         if (!tv.ok()) return tv;
         const std::string tau = l.BroadcastTo(*tv, tin, td, t);
-        const bool left = d.args[3].b, transpose = d.args[4].b;
+        const bool left = args["left"].b, transpose = args["transpose"].b;
         if (left)
           return ApplyQ(l, *a, as, tau, k, *c, MatrixShape(o.dims), transpose,
                         t);
@@ -664,41 +702,43 @@ void RegisterLinalg(OpRegistry& reg) {
       });
   // addbmm(self, batch1, batch2, *, beta, alpha): beta self + alpha
   // sum_b batch1[b] @ batch2[b], one dot contracting the batch and k.
-  reg.Add("aten::addbmm",
-          [](Lowering& l, const tpu::DecodedOp& d,
-             const Target& o) -> absl::StatusOr<std::string> {
-            if (d.num_args < 5 || !Defined(d, 1) || !Defined(d, 2) ||
-                d.args[1].tensor.ndim != 3 || d.args[2].tensor.ndim != 3 ||
-                o.dims.size() != 2) {
-              return Unsupported(l.op(), "expects two batches of matrices");
-            }
-            const HloType& t = *o.type;
-            const std::vector<int64_t> d1 = DimsOf(d.args[1].tensor),
-                                       d2 = DimsOf(d.args[2].tensor);
-            absl::StatusOr<std::string> a = l.Operand(d.args[1], d1, t),
-                                        b = l.Operand(d.args[2], d2, t);
-            if (!a.ok()) return a;
-            if (!b.ok()) return b;
-            std::string r = l.Emit(absl::StrCat(
-                "stablehlo.dot_general ", *a, ", ", *b,
-                ", contracting_dims = [0, 2] x [0, 1] : (", TypeOf(d1, t), ", ",
-                TypeOf(d2, t), ") -> ", TypeOf(o.dims, t)));
-            absl::StatusOr<std::string> alpha = l.Operand(d.args[4], o.dims, t),
-                                        beta = l.Operand(d.args[3], o.dims, t),
-                                        self = l.Operand(d.args[0], o.dims, t);
-            for (auto* v : {&alpha, &beta, &self})
-              if (!v->ok()) return *v;
-            r = l.Binary("multiply", r, *alpha, o.dims, t);
-            // beta = 0 ignores self (NaN included), as ATen does.
-            const std::string scaled =
-                l.Binary("multiply", *self, *beta, o.dims, t);
-            const std::string zero =
-                l.Compare("EQ", *beta, l.Constant(0, o.dims, t), o.dims, t);
-            return l.Binary(
-                "add", r,
-                l.Select(zero, l.Constant(0, o.dims, t), scaled, o.dims, t),
-                o.dims, t);
-          });
+  reg.Add(
+      "aten::addbmm",
+      [](Lowering& l, const tpu::DecodedOp& d,
+         const Target& o) -> absl::StatusOr<std::string> {
+        const Args args(l);
+        if (!args.Has("alpha") || !args.Defined("batch1") ||
+            !args.Defined("batch2") || args["batch1"].tensor.ndim != 3 ||
+            args["batch2"].tensor.ndim != 3 || o.dims.size() != 2) {
+          return Unsupported(l.op(), "expects two batches of matrices");
+        }
+        const HloType& t = *o.type;
+        const std::vector<int64_t> d1 = DimsOf(args["batch1"].tensor),
+                                   d2 = DimsOf(args["batch2"].tensor);
+        absl::StatusOr<std::string> a = l.Operand(args["batch1"], d1, t),
+                                    b = l.Operand(args["batch2"], d2, t);
+        if (!a.ok()) return a;
+        if (!b.ok()) return b;
+        std::string r = l.Emit(absl::StrCat(
+            "stablehlo.dot_general ", *a, ", ", *b,
+            ", contracting_dims = [0, 2] x [0, 1] : (", TypeOf(d1, t), ", ",
+            TypeOf(d2, t), ") -> ", TypeOf(o.dims, t)));
+        absl::StatusOr<std::string> alpha = l.Operand(args["alpha"], o.dims, t),
+                                    beta = l.Operand(args["beta"], o.dims, t),
+                                    self = l.Operand(args["self"], o.dims, t);
+        for (auto* v : {&alpha, &beta, &self})
+          if (!v->ok()) return *v;
+        r = l.Binary("multiply", r, *alpha, o.dims, t);
+        // beta = 0 ignores self (NaN included), as ATen does.
+        const std::string scaled =
+            l.Binary("multiply", *self, *beta, o.dims, t);
+        const std::string zero =
+            l.Compare("EQ", *beta, l.Constant(0, o.dims, t), o.dims, t);
+        return l.Binary(
+            "add", r,
+            l.Select(zero, l.Constant(0, o.dims, t), scaled, o.dims, t), o.dims,
+            t);
+      });
 }
 
 }  // namespace tpud::pjrt
