@@ -175,10 +175,6 @@ absl::StatusOr<std::string> Reduce(Lowering& l, const tpu::OpArg& self,
   return r;
 }
 
-bool Defined(const tpu::DecodedOp& d, size_t i) {
-  return i < d.num_args && d.args[i].tag == tpu::ArgTag::kTensor;
-}
-
 int64_t WrapDim(int64_t dim, size_t n) {
   return dim < 0 ? dim + static_cast<int64_t>(n) : dim;
 }

@@ -61,9 +61,6 @@ absl::StatusOr<std::string> Reduce(Lowering& l, const tpu::OpArg& self,
                                    const tpu::OpArg* dim, const Target& out,
                                    bool mean);
 
-// Argument i present and a tensor (by position: Args::Defined reads by name).
-bool Defined(const tpu::DecodedOp& d, size_t i);
-
 int64_t WrapDim(int64_t dim, size_t n);
 
 // Dimension argument `dim` of a tensor of `rank` dimensions, wrapped
