@@ -537,5 +537,19 @@ TEST_CASE("avg_pool2d_backward spreads each gradient over its window") {
   }
 }
 
+// torch.mv reaches tpud as addmv: aten::mv only comes from records.
+TEST_CASE("mv multiplies a matrix by a vector") {
+  Fixture f;
+  Placed m = f.arena.Floats({2, 3}, {1, 2, 3, 4, 5, 6});
+  Placed v = f.arena.Floats({3}, {1, 0, -1});
+  Placed out = f.arena.Floats({2}, {0, 0});
+  Record r(f.arena);
+  r.Tensor(m).Tensor(v).Output(out);
+  absl::Status st = f.Run("aten::mv(Tensor self, Tensor vec) -> Tensor", r);
+  INFO(st.ToString());
+  REQUIRE(st.ok());
+  CHECK(Read(out, 2) == std::vector<float>{-2, -2});
+}
+
 }  // namespace
 }  // namespace tpud::pjrt
