@@ -572,7 +572,7 @@ def _structured_ops_sent_whole():
                       (lambda: torch.zeros(2, device="tpu", dtype=torch.long).mul_(1.5),
                        "can't be cast to the desired output type Long"),
                       (lambda: torch.zeros(2, device="tpu") + torch.ones(3, device="tpu"),
-                       "broadcast"),
+                       "The size of tensor a (2) must match the size of tensor b (3)"),  # the CPU's words
                       (lambda: torch.zeros(1, device="tpu").expand(3).add_(1),
                        "more than one element of the written-to tensor"),
                       (lambda: (lambda a: a[1:].add_(a[:-1]))(torch.arange(6., device="tpu")),
@@ -621,3 +621,36 @@ def _cached_blocks_stay_with_their_stream():
     torch.tpu.synchronize()
     b = torch.empty(1 << 16, device="tpu")
     assert b.data_ptr() == a_addr, "a recorded block never came back after its streams passed"
+
+
+def test_first_ops_of_a_new_process_import_nothing_heavy(tpud):
+    # ATen's meta kernels for most ops are Python (torch._refs and friends,
+    # registered at `import torch`); the first reference imported
+    # torch._dynamo (~800 modules, about a second) in every tpu process.
+    # torch_tpu now asks ATen's C++ meta functions (native_meta.cc), so a
+    # short job with scalars, reductions, views and autograd imports what a
+    # CPU process imports: nothing.
+    run_in_child(tpud, _first_ops_import_nothing)
+
+
+def _first_ops_import_nothing():
+    import sys
+    import torch
+    import torch_tpu  # noqa: F401
+    x = torch.ones(64, 64, device="tpu")
+    before = set(sys.modules)
+    for _ in range(10):
+        x = x * 0.5 + 1
+    y = (2 - x) / 3
+    w = torch.randn(64, 8).to("tpu").requires_grad_()
+    loss = (y.t()[:8] @ w).relu().sum() + x.mean(dim=0).amax() + x.max(dim=1).values.sum()
+    loss.backward()
+    assert (x > 0).all().item() and not (x < 0).any().item()
+    s = torch.cat([x, y]).sum(dim=1, keepdim=True).view(-1)[::2].sum().item()
+    want = torch.ones(64, 64)
+    for _ in range(10):
+        want = want * 0.5 + 1
+    assert abs(s - float(torch.cat([want, (2 - want) / 3]).sum(1)[::2].sum())) < 1e-2, s
+    new = sorted(set(sys.modules) - before)
+    assert "torch._dynamo" not in sys.modules and "sympy" not in sys.modules, new[:20]
+    assert not new, new[:20]

@@ -17,6 +17,7 @@
 
 #include "allocator.h"
 #include "native_kernels.h"
+#include "native_meta.h"
 #include "runtime.h"
 #include "wire.h"
 
@@ -659,7 +660,16 @@ class ForwardedOp {
     torch::jit::Stack meta;
     for (const c10::IValue& v : inputs) meta.push_back(MetaOf(v));
     try {
-      op_.callBoxed(&meta);
+      // ATen's C++ meta function where the table has it: the Meta key's
+      // kernel is often a Python one (native_meta.h).
+      const std::string& overload = schema_.overload_name();
+      const NativeMetaFn native = FindNativeMeta(
+          overload.empty() ? schema_.name() : schema_.name() + "." + overload);
+      if (native != nullptr) {
+        native(&meta);
+      } else {
+        op_.callBoxed(&meta);
+      }
     } catch (const c10::NotImplementedError&) {
       // A meta kernel that needs data (boolean indexing calls nonzero).
       if (in_place_) throw;

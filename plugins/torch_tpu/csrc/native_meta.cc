@@ -1,0 +1,481 @@
+// The table of C++ meta functions (native_meta.h). Each entry reads the
+// boxed arguments of its op's schema, calls ATen's meta function and leaves
+// the results on the stack.
+#include "native_meta.h"
+
+#include <ATen/ATen.h>
+#include <ATen/MetaFunctions.h>
+#include <ATen/ScalarOps.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace torch_tpu {
+namespace {
+
+using Stack = torch::jit::Stack;
+
+const at::Tensor& T(const Stack& s, size_t i) { return s[i].toTensor(); }
+at::Scalar S(const Stack& s, size_t i) { return s[i].toScalar(); }
+int64_t I(const Stack& s, size_t i) { return s[i].toInt(); }
+bool B(const Stack& s, size_t i) { return s[i].toBool(); }
+std::optional<at::ScalarType> Dtype(const Stack& s, size_t i) {
+  return s[i].toOptional<at::ScalarType>();
+}
+std::optional<std::vector<int64_t>> Dims(const Stack& s, size_t i) {
+  if (s[i].isNone()) return std::nullopt;
+  return s[i].toIntVector();
+}
+at::OptionalIntArrayRef Ref(const std::optional<std::vector<int64_t>>& d) {
+  if (!d) return std::nullopt;
+  return at::IntArrayRef(*d);
+}
+// A Python number as ATen's Scalar overloads pass it on: a 0-d CPU tensor
+// marked as a wrapped number (it does not decide the result's dtype).
+at::Tensor Wrapped(const Stack& s, size_t i) {
+  return at::native::wrapped_scalar_tensor(S(s, i));
+}
+
+void Put(Stack* s, at::Tensor r) {
+  s->clear();
+  s->emplace_back(std::move(r));
+}
+void Put(Stack* s, std::tuple<at::Tensor, at::Tensor> r) {
+  s->clear();
+  s->emplace_back(std::move(std::get<0>(r)));
+  s->emplace_back(std::move(std::get<1>(r)));
+}
+
+using Table = std::unordered_map<std::string, NativeMetaFn>;
+
+void AddArithmetic(Table& t) {
+  // self op other (* alpha): the Tensor forms, then the Scalar ones.
+  t["aten::add.Tensor"] = [](Stack* s) {
+    Put(s, at::meta::add(T(*s, 0), T(*s, 1), S(*s, 2)));
+  };
+  t["aten::sub.Tensor"] = [](Stack* s) {
+    Put(s, at::meta::sub(T(*s, 0), T(*s, 1), S(*s, 2)));
+  };
+  t["aten::add.Scalar"] = [](Stack* s) {
+    Put(s, at::meta::add(T(*s, 0), Wrapped(*s, 1), S(*s, 2)));
+  };
+  t["aten::sub.Scalar"] = [](Stack* s) {
+    Put(s, at::meta::sub(T(*s, 0), Wrapped(*s, 1), S(*s, 2)));
+  };
+  // rsub(self, other, alpha) = other - alpha * self.
+  t["aten::rsub.Scalar"] = [](Stack* s) {
+    Put(s, at::meta::sub(Wrapped(*s, 1), T(*s, 0), S(*s, 2)));
+  };
+  t["aten::rsub.Tensor"] = [](Stack* s) {
+    Put(s, at::meta::sub(T(*s, 1), T(*s, 0), S(*s, 2)));
+  };
+  t["aten::add_.Tensor"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    at::meta::add_(self, T(*s, 1), S(*s, 2));
+    Put(s, self);
+  };
+  t["aten::sub_.Tensor"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    at::meta::sub_(self, T(*s, 1), S(*s, 2));
+    Put(s, self);
+  };
+  t["aten::add_.Scalar"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    at::meta::add_(self, Wrapped(*s, 1), S(*s, 2));
+    Put(s, self);
+  };
+  t["aten::sub_.Scalar"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    at::meta::sub_(self, Wrapped(*s, 1), S(*s, 2));
+    Put(s, self);
+  };
+  t["aten::mul.Tensor"] = [](Stack* s) {
+    Put(s, at::meta::mul(T(*s, 0), T(*s, 1)));
+  };
+  t["aten::div.Tensor"] = [](Stack* s) {
+    Put(s, at::meta::div(T(*s, 0), T(*s, 1)));
+  };
+  t["aten::mul.Scalar"] = [](Stack* s) {
+    Put(s, at::meta::mul(T(*s, 0), Wrapped(*s, 1)));
+  };
+  t["aten::div.Scalar"] = [](Stack* s) {
+    Put(s, at::meta::div(T(*s, 0), Wrapped(*s, 1)));
+  };
+  t["aten::mul_.Tensor"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    at::meta::mul_(self, T(*s, 1));
+    Put(s, self);
+  };
+  t["aten::div_.Tensor"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    at::meta::div_(self, T(*s, 1));
+    Put(s, self);
+  };
+  t["aten::mul_.Scalar"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    at::meta::mul_(self, Wrapped(*s, 1));
+    Put(s, self);
+  };
+  t["aten::div_.Scalar"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    at::meta::div_(self, Wrapped(*s, 1));
+    Put(s, self);
+  };
+  t["aten::div.Tensor_mode"] = [](Stack* s) {
+    std::optional<c10::string_view> mode;
+    if (!(*s)[2].isNone()) mode = (*s)[2].toStringView();
+    Put(s, at::meta::div(T(*s, 0), T(*s, 1), mode));
+  };
+  t["aten::remainder.Tensor"] = [](Stack* s) {
+    Put(s, at::meta::remainder(T(*s, 0), T(*s, 1)));
+  };
+  t["aten::remainder.Scalar"] = [](Stack* s) {
+    Put(s, at::meta::remainder(T(*s, 0), Wrapped(*s, 1)));
+  };
+  t["aten::pow.Tensor_Tensor"] = [](Stack* s) {
+    Put(s, at::meta::pow(T(*s, 0), T(*s, 1)));
+  };
+  t["aten::pow.Tensor_Scalar"] = [](Stack* s) {
+    Put(s, at::meta::pow(T(*s, 0), S(*s, 1)));
+  };
+  t["aten::pow_.Scalar"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    at::meta::pow_(self, S(*s, 1));
+    Put(s, self);
+  };
+  t["aten::maximum"] = [](Stack* s) {
+    Put(s, at::meta::maximum(T(*s, 0), T(*s, 1)));
+  };
+  t["aten::minimum"] = [](Stack* s) {
+    Put(s, at::meta::minimum(T(*s, 0), T(*s, 1)));
+  };
+  t["aten::atan2"] = [](Stack* s) {
+    Put(s, at::meta::atan2(T(*s, 0), T(*s, 1)));
+  };
+  // Comparisons give bool.
+#define TPU_COMPARISON(op)                    \
+  t["aten::" #op ".Tensor"] = [](Stack* s) {  \
+    Put(s, at::meta::op(T(*s, 0), T(*s, 1))); \
+  };                                          \
+  t["aten::" #op ".Scalar"] = [](Stack* s) {  \
+    Put(s, at::meta::op(T(*s, 0), S(*s, 1))); \
+  };
+  TPU_COMPARISON(eq)
+  TPU_COMPARISON(ne)
+  TPU_COMPARISON(lt)
+  TPU_COMPARISON(le)
+  TPU_COMPARISON(gt)
+  TPU_COMPARISON(ge)
+#undef TPU_COMPARISON
+}
+
+void AddUnary(Table& t) {
+  // f(self), and f_(self) in place.
+#define TPU_UNARY(op)                                                 \
+  t["aten::" #op] = [](Stack* s) { Put(s, at::meta::op(T(*s, 0))); }; \
+  t["aten::" #op "_"] = [](Stack* s) {                                \
+    at::Tensor self = T(*s, 0);                                       \
+    at::meta::op##_(self);                                            \
+    Put(s, self);                                                     \
+  };
+  TPU_UNARY(neg)
+  TPU_UNARY(exp)
+  TPU_UNARY(exp2)
+  TPU_UNARY(expm1)
+  TPU_UNARY(log)
+  TPU_UNARY(log2)
+  TPU_UNARY(log10)
+  TPU_UNARY(log1p)
+  TPU_UNARY(sqrt)
+  TPU_UNARY(rsqrt)
+  TPU_UNARY(reciprocal)
+  TPU_UNARY(sin)
+  TPU_UNARY(cos)
+  TPU_UNARY(tan)
+  TPU_UNARY(tanh)
+  TPU_UNARY(sigmoid)
+  TPU_UNARY(erf)
+  TPU_UNARY(floor)
+  TPU_UNARY(ceil)
+  TPU_UNARY(round)
+  TPU_UNARY(trunc)
+  TPU_UNARY(frac)
+  TPU_UNARY(sign)
+  TPU_UNARY(silu)
+#undef TPU_UNARY
+  // relu is clamp_min(self, 0) in ATen, after refusing bool.
+  t["aten::relu"] = [](Stack* s) {
+    TORCH_CHECK(T(*s, 0).scalar_type() != at::kBool,
+                "Boolean inputs not supported for relu");
+    Put(s, at::meta::clamp_min(T(*s, 0), 0));
+  };
+  t["aten::relu_"] = [](Stack* s) {
+    TORCH_CHECK(T(*s, 0).scalar_type() != at::kBool,
+                "Boolean inputs not supported for relu");
+    at::Tensor self = T(*s, 0);
+    at::meta::clamp_min_(self, 0);
+    Put(s, self);
+  };
+  t["aten::gelu"] = [](Stack* s) {
+    Put(s, at::meta::gelu(T(*s, 0), (*s)[1].toStringView()));
+  };
+  t["aten::clamp"] = [](Stack* s) {
+    Put(s, at::meta::clamp(T(*s, 0), (*s)[1].toOptional<at::Scalar>(),
+                           (*s)[2].toOptional<at::Scalar>()));
+  };
+  t["aten::clamp_min"] = [](Stack* s) {
+    Put(s, at::meta::clamp_min(T(*s, 0), S(*s, 1)));
+  };
+  t["aten::clamp_max"] = [](Stack* s) {
+    Put(s, at::meta::clamp_max(T(*s, 0), S(*s, 1)));
+  };
+  // Backward of activations: (grad_output, output or self, ...).
+  t["aten::threshold_backward"] = [](Stack* s) {
+    Put(s, at::meta::threshold_backward(T(*s, 0), T(*s, 1), S(*s, 2)));
+  };
+  t["aten::sigmoid_backward"] = [](Stack* s) {
+    Put(s, at::meta::sigmoid_backward(T(*s, 0), T(*s, 1)));
+  };
+  t["aten::tanh_backward"] = [](Stack* s) {
+    Put(s, at::meta::tanh_backward(T(*s, 0), T(*s, 1)));
+  };
+  t["aten::silu_backward"] = [](Stack* s) {
+    Put(s, at::meta::silu_backward(T(*s, 0), T(*s, 1)));
+  };
+  t["aten::gelu_backward"] = [](Stack* s) {
+    Put(s, at::meta::gelu_backward(T(*s, 0), T(*s, 1), (*s)[2].toStringView()));
+  };
+}
+
+void AddPointwiseOthers(Table& t) {
+  t["aten::lerp.Scalar"] = [](Stack* s) {
+    Put(s, at::meta::lerp(T(*s, 0), T(*s, 1), S(*s, 2)));
+  };
+  t["aten::lerp_.Scalar"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    at::meta::lerp_(self, T(*s, 1), S(*s, 2));
+    Put(s, self);
+  };
+  t["aten::addcmul"] = [](Stack* s) {
+    Put(s, at::meta::addcmul(T(*s, 0), T(*s, 1), T(*s, 2), S(*s, 3)));
+  };
+  t["aten::addcmul_"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    at::meta::addcmul_(self, T(*s, 1), T(*s, 2), S(*s, 3));
+    Put(s, self);
+  };
+  t["aten::addcdiv"] = [](Stack* s) {
+    Put(s, at::meta::addcdiv(T(*s, 0), T(*s, 1), T(*s, 2), S(*s, 3)));
+  };
+  t["aten::addcdiv_"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    at::meta::addcdiv_(self, T(*s, 1), T(*s, 2), S(*s, 3));
+    Put(s, self);
+  };
+}
+
+void AddReductions(Table& t) {
+  t["aten::sum"] = [](Stack* s) {
+    Put(s, at::meta::sum(T(*s, 0), at::IntArrayRef{}, false, Dtype(*s, 1)));
+  };
+  t["aten::sum.dim_IntList"] = [](Stack* s) {
+    const auto dims = Dims(*s, 1);
+    Put(s, at::meta::sum(T(*s, 0), Ref(dims), B(*s, 2), Dtype(*s, 3)));
+  };
+  t["aten::mean"] = [](Stack* s) {
+    Put(s, at::meta::mean(T(*s, 0), at::IntArrayRef{}, false, Dtype(*s, 1)));
+  };
+  t["aten::mean.dim"] = [](Stack* s) {
+    const auto dims = Dims(*s, 1);
+    Put(s, at::meta::mean(T(*s, 0), Ref(dims), B(*s, 2), Dtype(*s, 3)));
+  };
+  t["aten::amax"] = [](Stack* s) {
+    const std::vector<int64_t> dims = (*s)[1].toIntVector();
+    Put(s, at::meta::amax(T(*s, 0), dims, B(*s, 2)));
+  };
+  t["aten::amin"] = [](Stack* s) {
+    const std::vector<int64_t> dims = (*s)[1].toIntVector();
+    Put(s, at::meta::amin(T(*s, 0), dims, B(*s, 2)));
+  };
+  t["aten::argmax"] = [](Stack* s) {
+    Put(s, at::meta::argmax(T(*s, 0), (*s)[1].toOptional<int64_t>(), B(*s, 2)));
+  };
+  t["aten::argmin"] = [](Stack* s) {
+    Put(s, at::meta::argmin(T(*s, 0), (*s)[1].toOptional<int64_t>(), B(*s, 2)));
+  };
+  t["aten::max.dim"] = [](Stack* s) {
+    Put(s, at::meta::max(T(*s, 0), I(*s, 1), B(*s, 2)));
+  };
+  t["aten::min.dim"] = [](Stack* s) {
+    Put(s, at::meta::min(T(*s, 0), I(*s, 1), B(*s, 2)));
+  };
+  t["aten::any"] = [](Stack* s) { Put(s, at::meta::any(T(*s, 0))); };
+  t["aten::all"] = [](Stack* s) { Put(s, at::meta::all(T(*s, 0))); };
+  t["aten::any.dim"] = [](Stack* s) {
+    Put(s, at::meta::any(T(*s, 0), I(*s, 1), B(*s, 2)));
+  };
+  t["aten::all.dim"] = [](Stack* s) {
+    Put(s, at::meta::all(T(*s, 0), I(*s, 1), B(*s, 2)));
+  };
+  t["aten::cumsum"] = [](Stack* s) {
+    Put(s, at::meta::cumsum(T(*s, 0), I(*s, 1), Dtype(*s, 2)));
+  };
+  t["aten::linalg_vector_norm"] = [](Stack* s) {
+    const auto dims = Dims(*s, 2);
+    Put(s, at::meta::linalg_vector_norm(T(*s, 0), S(*s, 1), Ref(dims), B(*s, 3),
+                                        Dtype(*s, 4)));
+  };
+  t["aten::_softmax"] = [](Stack* s) {
+    Put(s, at::meta::_softmax(T(*s, 0), I(*s, 1), B(*s, 2)));
+  };
+  t["aten::_log_softmax"] = [](Stack* s) {
+    Put(s, at::meta::_log_softmax(T(*s, 0), I(*s, 1), B(*s, 2)));
+  };
+  t["aten::_softmax_backward_data"] = [](Stack* s) {
+    Put(s, at::meta::_softmax_backward_data(T(*s, 0), T(*s, 1), I(*s, 2),
+                                            (*s)[3].toScalarType()));
+  };
+  t["aten::_log_softmax_backward_data"] = [](Stack* s) {
+    Put(s, at::meta::_log_softmax_backward_data(T(*s, 0), T(*s, 1), I(*s, 2),
+                                                (*s)[3].toScalarType()));
+  };
+}
+
+void AddOthers(Table& t) {
+  t["aten::mm"] = [](Stack* s) { Put(s, at::meta::mm(T(*s, 0), T(*s, 1))); };
+  t["aten::bmm"] = [](Stack* s) { Put(s, at::meta::bmm(T(*s, 0), T(*s, 1))); };
+  t["aten::addmm"] = [](Stack* s) {
+    Put(s, at::meta::addmm(T(*s, 0), T(*s, 1), T(*s, 2), S(*s, 3), S(*s, 4)));
+  };
+  t["aten::cat"] = [](Stack* s) {
+    const std::vector<at::Tensor> tensors = (*s)[0].toTensorVector();
+    Put(s, at::meta::cat(tensors, I(*s, 1)));
+  };
+  t["aten::gather"] = [](Stack* s) {
+    Put(s, at::meta::gather(T(*s, 0), I(*s, 1), T(*s, 2), B(*s, 3)));
+  };
+  t["aten::sort"] = [](Stack* s) {
+    Put(s, at::meta::sort(T(*s, 0), false, I(*s, 1), B(*s, 2)));
+  };
+  t["aten::sort.stable"] = [](Stack* s) {
+    Put(s, at::meta::sort(T(*s, 0), (*s)[1].toOptional<bool>(), I(*s, 2),
+                          B(*s, 3)));
+  };
+  t["aten::topk"] = [](Stack* s) {
+    Put(s, at::meta::topk(T(*s, 0), I(*s, 1), I(*s, 2), B(*s, 3), B(*s, 4)));
+  };
+}
+
+// out= forms (the forms torch_tpu sends many ops as): the meta function
+// resizes the meta `out` arguments, which are the results.
+void AddOutForms(Table& t) {
+  t["aten::sum.IntList_out"] = [](Stack* s) {
+    at::Tensor out = T(*s, 4);
+    const auto dims = Dims(*s, 1);
+    at::meta::sum_out(out, T(*s, 0), Ref(dims), B(*s, 2), Dtype(*s, 3));
+    Put(s, out);
+  };
+  t["aten::any.all_out"] = [](Stack* s) {
+    at::Tensor out = T(*s, 1);
+    at::meta::any_out(out, T(*s, 0));
+    Put(s, out);
+  };
+  t["aten::all.all_out"] = [](Stack* s) {
+    at::Tensor out = T(*s, 1);
+    at::meta::all_out(out, T(*s, 0));
+    Put(s, out);
+  };
+  t["aten::max.dim_max"] = [](Stack* s) {
+    at::Tensor values = T(*s, 3), indices = T(*s, 4);
+    at::meta::max_out(values, indices, T(*s, 0), I(*s, 1), B(*s, 2));
+    Put(s, std::make_tuple(values, indices));
+  };
+  t["aten::min.dim_min"] = [](Stack* s) {
+    at::Tensor values = T(*s, 3), indices = T(*s, 4);
+    at::meta::min_out(values, indices, T(*s, 0), I(*s, 1), B(*s, 2));
+    Put(s, std::make_tuple(values, indices));
+  };
+  t["aten::sort.values_stable"] = [](Stack* s) {
+    at::Tensor values = T(*s, 4), indices = T(*s, 5);
+    at::meta::sort_out(values, indices, T(*s, 0), (*s)[1].toOptional<bool>(),
+                       I(*s, 2), B(*s, 3));
+    Put(s, std::make_tuple(values, indices));
+  };
+  t["aten::topk.values"] = [](Stack* s) {
+    at::Tensor values = T(*s, 5), indices = T(*s, 6);
+    at::meta::topk_out(values, indices, T(*s, 0), I(*s, 1), I(*s, 2), B(*s, 3),
+                       B(*s, 4));
+    Put(s, std::make_tuple(values, indices));
+  };
+  t["aten::threshold_backward.grad_input"] = [](Stack* s) {
+    at::Tensor out = T(*s, 3);
+    at::meta::threshold_backward_out(out, T(*s, 0), T(*s, 1), S(*s, 2));
+    Put(s, out);
+  };
+  t["aten::sigmoid_backward.grad_input"] = [](Stack* s) {
+    at::Tensor out = T(*s, 2);
+    at::meta::sigmoid_backward_out(out, T(*s, 0), T(*s, 1));
+    Put(s, out);
+  };
+  t["aten::tanh_backward.grad_input"] = [](Stack* s) {
+    at::Tensor out = T(*s, 2);
+    at::meta::tanh_backward_out(out, T(*s, 0), T(*s, 1));
+    Put(s, out);
+  };
+  t["aten::nll_loss_forward.output"] = [](Stack* s) {
+    at::Tensor output = T(*s, 5), total_weight = T(*s, 6);
+    at::meta::nll_loss_forward_out(output, total_weight, T(*s, 0), T(*s, 1),
+                                   (*s)[2].toOptional<at::Tensor>(), I(*s, 3),
+                                   I(*s, 4));
+    Put(s, std::make_tuple(output, total_weight));
+  };
+  t["aten::nll_loss_backward.grad_input"] = [](Stack* s) {
+    at::Tensor out = T(*s, 7);
+    at::meta::nll_loss_backward_out(out, T(*s, 0), T(*s, 1), T(*s, 2),
+                                    (*s)[3].toOptional<at::Tensor>(), I(*s, 4),
+                                    I(*s, 5), T(*s, 6));
+    Put(s, out);
+  };
+}
+
+// In place with nothing to check beyond the arguments' types: the result
+// is self.
+void AddFills(Table& t) {
+  t["aten::fill_.Scalar"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    Put(s, self);
+  };
+  t["aten::zero_"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    Put(s, self);
+  };
+}
+
+const Table& NativeMetaTable() {
+  static const Table* table = [] {
+    auto* t = new Table;
+    AddArithmetic(*t);
+    AddUnary(*t);
+    AddPointwiseOthers(*t);
+    AddReductions(*t);
+    AddOthers(*t);
+    AddOutForms(*t);
+    AddFills(*t);
+    return t;
+  }();
+  return *table;
+}
+
+}  // namespace
+
+NativeMetaFn FindNativeMeta(const std::string& name) {
+  const Table& table = NativeMetaTable();
+  auto it = table.find(name);
+  return it == table.end() ? nullptr : it->second;
+}
+
+}  // namespace torch_tpu
