@@ -5,7 +5,8 @@
 # lines of bench/pjrt_bench.py (tpud's PJRT backend on XLA's CPU plugin against
 # the same programs called in-process; it starts its own daemon), then the
 # compiled_* lines of bench/compile_bench.py (torch.compile on tpu; pjrt_compiled_* on
-# the PJRT backend), then the metrics_scrape_* lines of bench/metrics_bench.py.
+# the PJRT backend), the first_ops_* and import_overhead lines of
+# bench/lifecycle_bench.py, then the metrics_scrape_* lines of bench/metrics_bench.py.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -29,6 +30,8 @@ export TPUD_SOCKET="$DIR/tpud.sock"
 "$ROOT/.venv/bin/python" "$ROOT/bench/compile_bench.py" --start-daemon --tpud "$BIN/daemon/tpud"
 # The same on the PJRT backend with device memory (a graph is one StableHLO module).
 "$ROOT/.venv/bin/python" "$ROOT/bench/compile_bench.py" --start-daemon --tpud "$BIN/daemon/tpud" --backend pjrt
+# New processes: their first ops, many released together, the import cost.
+"$ROOT/.venv/bin/python" "$ROOT/bench/lifecycle_bench.py" --tpud "$BIN/daemon/tpud"
 # What a Prometheus scrape costs with 0, 16 and 64 sessions open.
 "$ROOT/.venv/bin/python" "$ROOT/bench/metrics_bench.py" --tpud "$BIN/daemon/tpud" \
   --client "$BIN/examples/cpp/hello_tpud"
