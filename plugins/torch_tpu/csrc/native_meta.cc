@@ -1,11 +1,13 @@
 // The table of C++ meta functions (native_meta.h). Each entry reads the
-// boxed arguments of its op's schema, calls ATen's meta function and leaves
-// the results on the stack.
+// boxed arguments of its op's schema, calls ATen's meta function (or, for
+// where, builds the TensorIterator the CPU kernel builds, over meta tensors)
+// and leaves the results on the stack.
 #include "native_meta.h"
 
 #include <ATen/ATen.h>
 #include <ATen/MetaFunctions.h>
 #include <ATen/ScalarOps.h>
+#include <ATen/TensorIterator.h>
 
 #include <optional>
 #include <string>
@@ -278,6 +280,30 @@ void AddPointwiseOthers(Table& t) {
   };
 }
 
+// where(condition, self, other) has no meta function: its CPU kernel's
+// iterator over the promoted inputs, into an empty result of their common
+// dtype that the iterator resizes, gives the result's shape and strides.
+void AddWhere(Table& t) {
+  t["aten::where.self"] = [](Stack* s) {
+    const at::Tensor& cond = T(*s, 0);
+    TORCH_CHECK(cond.scalar_type() == at::kBool,
+                "where expected condition to be a boolean tensor, but got a "
+                "tensor with dtype ",
+                cond.scalar_type());
+    const at::ScalarType type = at::result_type(T(*s, 1), T(*s, 2));
+    const at::Tensor self = T(*s, 1).to(type), other = T(*s, 2).to(type);
+    at::Tensor out = at::empty({0}, at::TensorOptions(at::kMeta).dtype(type));
+    at::TensorIterator iter = at::TensorIteratorConfig()
+                                  .check_all_same_dtype(false)
+                                  .add_output(out)
+                                  .add_const_input(cond)
+                                  .add_const_input(self)
+                                  .add_const_input(other)
+                                  .build();
+    Put(s, iter.output());
+  };
+}
+
 void AddReductions(Table& t) {
   t["aten::sum"] = [](Stack* s) {
     Put(s, at::meta::sum(T(*s, 0), at::IntArrayRef{}, false, Dtype(*s, 1)));
@@ -461,6 +487,7 @@ const Table& NativeMetaTable() {
     AddArithmetic(*t);
     AddUnary(*t);
     AddPointwiseOthers(*t);
+    AddWhere(*t);
     AddReductions(*t);
     AddOthers(*t);
     AddOutForms(*t);
