@@ -655,3 +655,36 @@ def _first_ops_import_nothing():
     new = sorted(set(sys.modules) - before)
     assert "torch._dynamo" not in sys.modules and "sympy" not in sys.modules, new[:20]
     assert not new, new[:20]
+
+
+def test_bad_arguments_raise_at_the_call_in_the_cpus_words(tpud):
+    # Output metadata comes from ATen's C++ meta functions (native_meta.cc):
+    # an argument they refuse raises at the call with the CPU's message,
+    # not later from the daemon, and the process goes on.
+    run_in_child(tpud, _bad_arguments_raise_like_cpu)
+
+
+def _bad_arguments_raise_like_cpu():
+    import torch
+    import torch_tpu  # noqa: F401
+    cases = [
+        lambda d: torch.arange(5, device=d).var(),
+        lambda d: torch.ones(3, device=d).masked_fill_(torch.ones(3, device=d), 1.0),
+        lambda d: torch.ones(3, device=d).masked_fill_(torch.ones(2, 3, dtype=torch.bool, device=d), 1.0),
+        lambda d: torch.ones(3, device=d).normal_(0, -1),
+        lambda d: torch.ones(3, device=d).uniform_(2, 1),
+        lambda d: torch.ones(3, device=d).bernoulli_(1.5),
+        lambda d: torch.where(torch.ones(2, device=d), torch.ones(2, device=d), 0.0),
+        lambda d: torch.zeros(2, device=d).add_(torch.ones(3, device=d)),
+    ]
+    for case in cases:
+        msgs = []
+        for d in ("cpu", "tpu"):
+            try:
+                case(d)
+                msgs.append("no error")
+            except RuntimeError as e:
+                msgs.append(str(e).split("\n")[0])
+        assert msgs[0] != "no error" and msgs[0] == msgs[1], msgs
+    x = torch.ones(3, device="tpu")
+    assert x.add_(1).cpu().tolist() == [2.0, 2.0, 2.0]  # nothing was poisoned

@@ -659,17 +659,25 @@ class ForwardedOp {
                std::vector<c10::IValue>* results) {
     torch::jit::Stack meta;
     for (const c10::IValue& v : inputs) meta.push_back(MetaOf(v));
-    try {
-      // ATen's C++ meta function where the table has it: the Meta key's
-      // kernel is often a Python one (native_meta.h).
-      const std::string& overload = schema_.overload_name();
-      const NativeMetaFn native = FindNativeMeta(
-          overload.empty() ? schema_.name() : schema_.name() + "." + overload);
-      if (native != nullptr) {
+    // ATen's C++ meta function where the table has it: the Meta key's
+    // kernel is often a Python one (native_meta.h). Only a data-dependent
+    // shape is declined; any other error is the arguments' fault, in the
+    // CPU kernel's own words, and reaches the caller.
+    const std::string& overload = schema_.overload_name();
+    const NativeMetaFn native = FindNativeMeta(
+        overload.empty() ? schema_.name() : schema_.name() + "." + overload);
+    if (native != nullptr) {
+      try {
         native(&meta);
-      } else {
-        op_.callBoxed(&meta);
+      } catch (const c10::NotImplementedError&) {
+        if (in_place_) throw;
+        return false;
       }
+      *results = std::move(meta);
+      return true;
+    }
+    try {
+      op_.callBoxed(&meta);
     } catch (const c10::NotImplementedError&) {
       // A meta kernel that needs data (boolean indexing calls nonzero).
       if (in_place_) throw;

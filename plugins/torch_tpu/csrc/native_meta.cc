@@ -481,6 +481,96 @@ void AddFills(Table& t) {
   };
 }
 
+// Ops without a meta function whose results follow one that has it, and
+// in-place ops whose only result is self after ATen's argument checks (the
+// same checks, the same words; the CPU kernel in tpud checks again).
+void AddDerived(Table& t) {
+  // abs: a unary op, into the real type for complex input.
+  t["aten::abs"] = [](Stack* s) {
+    const at::Tensor& self = T(*s, 0);
+    if (self.is_complex()) {
+      Put(s, at::empty_like(self, self.options().dtype(c10::toRealValueType(
+                                      self.scalar_type()))));
+    } else {
+      Put(s, at::meta::sign(self));
+    }
+  };
+  // floor_divide is div(rounding_mode="floor")'s iterator.
+  t["aten::floor_divide"] = [](Stack* s) {
+    Put(s, at::meta::div(T(*s, 0), T(*s, 1), "floor"));
+  };
+  t["aten::floor_divide.Scalar"] = [](Stack* s) {
+    Put(s, at::meta::div(T(*s, 0), Wrapped(*s, 1), "floor"));
+  };
+  // var and std (self, dim, *, correction, keepdim): mean's reduction, in
+  // the real type.
+  for (const char* name : {"aten::var.correction", "aten::std.correction"}) {
+    t[name] = [](Stack* s) {
+      const at::Tensor& self = T(*s, 0);
+      TORCH_CHECK(at::isFloatingType(self.scalar_type()) || self.is_complex(),
+                  "std and var only support floating point and complex dtypes");
+      const auto dims = Dims(*s, 1);
+      at::Tensor r = at::meta::mean(self, Ref(dims), B(*s, 3), std::nullopt);
+      if (self.is_complex()) {
+        r = at::empty(r.sizes(), r.options().dtype(
+                                     c10::toRealValueType(self.scalar_type())));
+      }
+      Put(s, r);
+    };
+  }
+  // x[indices]: data-dependent for boolean indices, whose meta kernel
+  // cannot say (the op then runs synchronously, as before).
+  t["aten::index.Tensor"] = [](Stack* s) {
+    const c10::List<std::optional<at::Tensor>> indices =
+        (*s)[1].toOptionalTensorList();
+    for (const std::optional<at::Tensor>& i : indices) {
+      if (i.has_value() && i->defined() &&
+          (i->scalar_type() == at::kBool || i->scalar_type() == at::kByte)) {
+        throw c10::NotImplementedError({__func__, __FILE__, __LINE__},
+                                       "boolean index: data-dependent shape");
+      }
+    }
+    Put(s, at::meta::index(T(*s, 0), indices));
+  };
+  t["aten::masked_fill_.Scalar"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    const at::Tensor& mask = T(*s, 1);
+    TORCH_CHECK(mask.scalar_type() == at::kBool,
+                "masked_fill_ only supports boolean masks, but got mask with "
+                "dtype ",
+                mask.dtype());
+    const std::vector<int64_t> shape =
+        at::infer_size(self.sizes(), mask.sizes());
+    TORCH_CHECK(at::IntArrayRef(shape) == self.sizes(), "output with shape ",
+                self.sizes(), " doesn't match the broadcast shape ",
+                at::IntArrayRef(shape));
+    Put(s, self);
+  };
+  // Random fills (self, ..., generator): the generator is not a meta value.
+  t["aten::normal_"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    at::meta::normal_(self, (*s)[1].toDouble(), (*s)[2].toDouble(),
+                      std::nullopt);
+    Put(s, self);
+  };
+  t["aten::uniform_"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    const double from = (*s)[1].toDouble(), to = (*s)[2].toDouble();
+    TORCH_CHECK(from <= to,
+                "uniform_ expects to return a [from, to) range, "
+                "but found from=",
+                from, " > to=", to);
+    Put(s, self);
+  };
+  t["aten::bernoulli_.float"] = [](Stack* s) {
+    at::Tensor self = T(*s, 0);
+    const double p = (*s)[1].toDouble();
+    TORCH_CHECK(0 <= p && p <= 1,
+                "bernoulli_ expects p to be in [0, 1], but got p=", p);
+    Put(s, self);
+  };
+}
+
 const Table& NativeMetaTable() {
   static const Table* table = [] {
     auto* t = new Table;
@@ -492,6 +582,7 @@ const Table& NativeMetaTable() {
     AddOthers(*t);
     AddOutForms(*t);
     AddFills(*t);
+    AddDerived(*t);
     return t;
   }();
   return *table;
