@@ -643,7 +643,9 @@ def _first_ops_import_nothing():
         x = x * 0.5 + 1
     y = torch.where(x > 1.5, (2 - x) / 3, 0.0)
     w = torch.randn(64, 8).to("tpu").requires_grad_()
+    ln = torch.nn.functional.layer_norm(x[:8] @ w, (8,))
     loss = (y.t()[:8] @ w).relu().sum() + x.mean(dim=0).amax() + x.max(dim=1).values.sum()
+    loss = loss + ln.square().sum()
     loss.backward()
     assert (x > 0).all().item() and not (x < 0).any().item()
     s = torch.cat([x, y]).sum(dim=1, keepdim=True).view(-1)[::2].sum().item()

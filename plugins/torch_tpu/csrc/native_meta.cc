@@ -8,6 +8,7 @@
 #include <ATen/MetaFunctions.h>
 #include <ATen/ScalarOps.h>
 #include <ATen/TensorIterator.h>
+#include <ATen/native/layer_norm.h>
 
 #include <optional>
 #include <string>
@@ -571,6 +572,48 @@ void AddDerived(Table& t) {
   };
 }
 
+// Layer norm as its CPU kernel allocates: the result contiguous in the
+// input's shape, mean and rstd over the leading dimensions (their dtype is
+// corrected to the CPU kernel's afterwards, forwarding.cc); backward, each
+// gradient asked for like its input, contiguous.
+void AddLayerNorm(Table& t) {
+  t["aten::native_layer_norm"] = [](Stack* s) {
+    const at::Tensor input = T(*s, 0);
+    const std::vector<int64_t> shape = (*s)[1].toIntVector();
+    const std::optional<at::Tensor> weight = (*s)[2].toOptional<at::Tensor>();
+    const std::optional<at::Tensor> bias = (*s)[3].toOptional<at::Tensor>();
+    at::native::_check_layer_norm_inputs(input, shape,
+                                         weight ? *weight : at::Tensor(),
+                                         bias ? *bias : at::Tensor());
+    std::vector<int64_t> stat(input.sizes().begin(),
+                              input.sizes().end() - shape.size());
+    stat.resize(input.dim(), 1);
+    s->clear();
+    s->emplace_back(at::empty(input.sizes(), input.options()));
+    s->emplace_back(at::empty(stat, input.options()));
+    s->emplace_back(at::empty(stat, input.options()));
+  };
+  t["aten::native_layer_norm_backward"] = [](Stack* s) {
+    const at::Tensor input = T(*s, 1);
+    const std::vector<int64_t> shape = (*s)[2].toIntVector();
+    const std::optional<at::Tensor> weight = (*s)[5].toOptional<at::Tensor>();
+    const std::optional<at::Tensor> bias = (*s)[6].toOptional<at::Tensor>();
+    const std::vector<bool> mask = (*s)[7].toBoolList().vec();
+    at::native::_check_layer_norm_inputs(input, shape,
+                                         weight ? *weight : at::Tensor(),
+                                         bias ? *bias : at::Tensor());
+    auto like = [](const std::optional<at::Tensor>& x, bool asked) {
+      return asked && x && x->defined() ? at::empty(x->sizes(), x->options())
+                                        : at::Tensor();
+    };
+    s->clear();
+    s->emplace_back(mask[0] ? at::empty(input.sizes(), input.options())
+                            : at::Tensor());
+    s->emplace_back(like(weight, mask[1]));
+    s->emplace_back(like(bias, mask[2]));
+  };
+}
+
 const Table& NativeMetaTable() {
   static const Table* table = [] {
     auto* t = new Table;
@@ -583,6 +626,7 @@ const Table& NativeMetaTable() {
     AddOutForms(*t);
     AddFills(*t);
     AddDerived(*t);
+    AddLayerNorm(*t);
     return t;
   }();
   return *table;
