@@ -107,6 +107,15 @@ absl::Status PjrtChip::LowerPlan(const OpSite& site, bool compile,
     if (!dst.ok()) return dst.status();
     dsts[o] = *dst;
   }
+  // How a written result lies in memory: its span when scattered into one,
+  // else its dimensions in the order of their strides.
+  auto stored_dims = [&](size_t o) {
+    if (spans[o] > 0) return std::vector<int64_t>{spans[o]};
+    std::vector<int64_t> stored = outs[o].dims;
+    for (size_t d = 0; d < orders[o].size(); ++d)
+      stored[d] = outs[o].dims[orders[o][d]];
+    return stored;
+  };
   // (index.Tensor's rule reads its list of index tensors itself.)
   if (multi == nullptr && !op.takes_list()) {
     for (size_t a = 0; a < decoded.num_args; ++a) {
@@ -211,14 +220,7 @@ absl::Status PjrtChip::LowerPlan(const OpSite& site, bool compile,
     if (!host_devices || dsts[o] == nullptr ||
         reinterpret_cast<uintptr_t>(dsts[o]) % 64 != 0)
       continue;
-    std::vector<int64_t> stored = outs[o].dims;
-    if (spans[o] > 0) {
-      stored = {spans[o]};
-    } else if (!orders[o].empty()) {
-      for (size_t d = 0; d < orders[o].size(); ++d)
-        stored[d] = outs[o].dims[orders[o][d]];
-    }
-    l.Donate(static_cast<int>(o), dsts[o], *outs[o].type, stored);
+    l.Donate(static_cast<int>(o), dsts[o], *outs[o].type, stored_dims(o));
     donated[o] = true;
   }
   // Index checks come back as one more result, after the op's own.
@@ -270,14 +272,7 @@ absl::Status PjrtChip::LowerPlan(const OpSite& site, bool compile,
         return absl::InternalError(absl::StrCat(
             op.name(), ": a result outside every segment of the op"));
       if (segs[j].result < 0) segs[j].result = plan.segments_written++;
-      std::vector<int64_t> stored = outs[o].dims;
-      if (spans[o] > 0) {
-        stored = {spans[o]};
-      } else if (!orders[o].empty()) {
-        for (size_t d = 0; d < orders[o].size(); ++d)
-          stored[d] = outs[o].dims[orders[o][d]];
-      }
-      writes.push_back({values[o], stored, outs[o].type, j, offset});
+      writes.push_back({values[o], stored_dims(o), outs[o].type, j, offset});
     }
     for (size_t j = 0; j < segs.size(); ++j)
       plan.segs[j].result = segs[j].result;
