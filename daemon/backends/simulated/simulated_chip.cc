@@ -211,12 +211,16 @@ void DeleteNothing(void*) {}
 // Every tensor gets a storage of its own that ends where the tensor's
 // footprint ends, so a kernel cannot resize an out= argument over its
 // neighbours in the segment (ATen grows a tensor in place whenever its
-// storage is large enough). The storages of one segment share a
+// storage is large enough). The storages of tensors that share a client
+// storage (same address: views of one tensor) share a
 // RefcountedDeleterContext, which is how c10 marks distinct storages as
 // views of one allocation (c10::isSharedStorageAlias): ATen's alias and
-// overlap checks then compare their data ranges as for one storage.
+// overlap checks then compare their data ranges as for one storage. Not
+// per segment: ATen takes aliasing storages to start at one address (copy_
+// skips a copy between aliases with equal offsets, sizes and strides), and
+// a client carves many tensors from one segment (its small pool).
 struct SegmentAlias {
-  const char* host_base;
+  const char* host_base;               // where the client storage starts
   c10::RefcountedDeleterContext* ctx;  // Scratch holds one reference
 };
 
@@ -432,7 +436,7 @@ absl::Status OpRun::MakeView(const tpu::TensorRef& ref,
 
   c10::RefcountedDeleterContext* ctx = nullptr;
   for (const SegmentAlias& sa : s_.segments) {
-    if (sa.host_base == seg.segment_host_base) {
+    if (sa.host_base == base) {
       ctx = sa.ctx;
       break;
     }
@@ -440,7 +444,7 @@ absl::Status OpRun::MakeView(const tpu::TensorRef& ref,
   if (ctx == nullptr) {
     // Non-owning: the segment outlives the op.
     ctx = new c10::RefcountedDeleterContext(nullptr, &DeleteNothing);
-    s_.segments.push_back(SegmentAlias{seg.segment_host_base, ctx});
+    s_.segments.push_back(SegmentAlias{base, ctx});
   }
   ++ctx->refcount;  // this storage's reference
   c10::Storage storage(
