@@ -191,6 +191,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(ClientOptions options) {
   impl->id = resp.session_id();
   impl->protocol_version = resp.protocol_version();
   impl->daemon_version = resp.daemon_version();
+  impl->small_pool_bytes = resp.small_pool_bytes();
   if (absl::Status dp = impl->AttachDataPlane(resp.data_plane_token());
       !dp.ok()) {
     return dp;
@@ -209,6 +210,8 @@ uint32_t Session::protocol_version() const { return impl_->protocol_version; }
 const std::string& Session::daemon_version() const {
   return impl_->daemon_version;
 }
+
+uint64_t Session::small_pool_bytes() const { return impl_->small_pool_bytes; }
 const std::string& Session::socket_path() const {
   return impl_->options.socket_path;
 }

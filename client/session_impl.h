@@ -88,6 +88,7 @@ struct Session::Impl {
   uint64_t id = 0;
   uint32_t protocol_version = 0;
   std::string daemon_version;
+  uint64_t small_pool_bytes = 0;
   absl::Mutex mu;
   bool open ABSL_GUARDED_BY(mu) = false;
 

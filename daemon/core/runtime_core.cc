@@ -187,6 +187,7 @@ absl::StatusOr<OpenedSession> RuntimeCore::OpenSession(
   opened.quota_bytes_per_chip = session->quota_bytes_per_chip;
   if (allocation != nullptr) opened.allowed_chips = allocation->chips;
   opened.data_plane_token = session->data_plane_token;
+  opened.small_pool_bytes = small_pool_bytes_;
   session_by_connection_[connection] = session->id;
   sessions_[session->id] = std::move(session);
   ++counts_.opened;

@@ -51,6 +51,8 @@ struct OpenedSession {
   std::vector<int> allowed_chips;  // empty: every chip
   // Proves to the data-plane connection that it belongs to this session.
   std::string data_plane_token;
+  // OpenSessionResponse.small_pool_bytes (SetSmallPoolBytes).
+  uint64_t small_pool_bytes = 0;
 };
 
 struct SegmentGrant {
@@ -161,6 +163,10 @@ class RuntimeCore {
   // (ExecutorPool::Released). Set once, before serving.
   void SetReleaseHook(
       std::function<void(uint64_t address, uint64_t bytes)> hook);
+  // The segment size clients carve small allocations from, told to each
+  // session as it opens (0: a segment per allocation). Set once, before
+  // serving.
+  void SetSmallPoolBytes(uint64_t bytes) { small_pool_bytes_ = bytes; }
 
   // Binds a data-plane connection to its session: the token must match and
   // the peer must be the session's user. Once per session. Returns the
@@ -372,6 +378,7 @@ class RuntimeCore {
   std::function<void(uint64_t)> session_end_hook_;
   std::function<void(uint32_t)> memory_fence_;
   std::function<void(uint64_t, uint64_t)> release_hook_;
+  uint64_t small_pool_bytes_ = 0;
 };
 
 }  // namespace tpud

@@ -100,7 +100,8 @@ absl::StatusOr<TpudConfig> ConfigFromFlags(const TpudFlags& flags) {
        {std::pair{&flags.pinned_pool_bytes, &config.pinned_pool_bytes},
         std::pair{&flags.max_pinned_pool_bytes, &config.max_pinned_pool_bytes},
         std::pair{&flags.staging_bytes, &config.staging_bytes},
-        std::pair{&flags.ring_bytes, &config.ring_bytes}}) {
+        std::pair{&flags.ring_bytes, &config.ring_bytes},
+        std::pair{&flags.small_pool_bytes, &config.small_pool_bytes}}) {
     absl::StatusOr<uint64_t> bytes = tpu::ParseBytes(*text);
     if (!bytes.ok()) return bytes.status();
     *target = *bytes;
@@ -109,6 +110,13 @@ absl::StatusOr<TpudConfig> ConfigFromFlags(const TpudFlags& flags) {
       config.ring_bytes < 4096) {
     return absl::InvalidArgumentError(
         "--ring_bytes must be a power of two of at least 4KiB");
+  }
+  if (config.small_pool_bytes != 0 &&
+      (config.small_pool_bytes % 4096 != 0 ||
+       config.small_pool_bytes < (uint64_t{1} << 20) ||
+       config.small_pool_bytes > (uint64_t{1} << 30))) {
+    return absl::InvalidArgumentError(
+        "--small_pool_bytes must be 0 or whole pages from 1MiB to 1GiB");
   }
 
   if (config.topology.num_chips() > tpu::kMaxChipsPerHost) {

@@ -40,6 +40,7 @@ struct TpudFlags {
   std::string max_pinned_pool_bytes = "4GiB";
   std::string staging_bytes = "64MiB";
   std::string ring_bytes = "1MiB";
+  std::string small_pool_bytes = "2MiB";
   absl::Duration op_timeout = absl::Minutes(10);
   absl::Duration executor_spin = absl::Microseconds(50);
   absl::Duration executor_yield = absl::Microseconds(50);
@@ -88,6 +89,8 @@ struct TpudConfig {
   uint64_t max_pinned_pool_bytes = 0;
   uint64_t staging_bytes = 0;
   uint64_t ring_bytes = 0;  // a power of two, at least 4 KiB
+  // Segment size clients carve allocations under 1 MiB from; 0: none.
+  uint64_t small_pool_bytes = 0;
 
   // Executors.
   int intra_op_threads = 0;  // 0: ATen's default

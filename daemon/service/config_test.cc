@@ -39,6 +39,7 @@ TEST_CASE("the default flags serve a simulated v6e-4 host") {
   CHECK(c->max_pinned_pool_bytes == 4ull << 30);
   CHECK(c->staging_bytes == 64ull << 20);
   CHECK(c->ring_bytes == 1ull << 20);
+  CHECK(c->small_pool_bytes == 2ull << 20);
   CHECK(c->intra_op_threads == 0);
   CHECK(c->op_timeout == absl::Minutes(10));
   CHECK(c->executor_spin == absl::Microseconds(50));
@@ -160,7 +161,8 @@ TEST_CASE("each bad flag fails with tpud's message") {
   // The data plane's sizes are named by the parser's message alone.
   for (std::string TpudFlags::*size :
        {&TpudFlags::pinned_pool_bytes, &TpudFlags::max_pinned_pool_bytes,
-        &TpudFlags::staging_bytes, &TpudFlags::ring_bytes}) {
+        &TpudFlags::staging_bytes, &TpudFlags::ring_bytes,
+        &TpudFlags::small_pool_bytes}) {
     f = TpudFlags{};
     f.*size = "big";
     CHECK(ErrorOf(f) == tpu::ParseBytes("big").status().message());
@@ -169,6 +171,22 @@ TEST_CASE("each bad flag fails with tpud's message") {
     f = TpudFlags{};
     f.ring_bytes = ring;
     CHECK(ErrorOf(f) == "--ring_bytes must be a power of two of at least 4KiB");
+  }
+  for (const char* pool : {"3000", "512KiB", "2GiB", "1000000"}) {
+    f = TpudFlags{};
+    f.small_pool_bytes = pool;
+    CAPTURE(pool);
+    CHECK(ErrorOf(f) ==
+          "--small_pool_bytes must be 0 or whole pages from 1MiB to 1GiB");
+  }
+  for (auto [pool, bytes] :
+       {std::pair{"0", uint64_t{0}}, std::pair{"1MiB", uint64_t{1} << 20},
+        std::pair{"1GiB", uint64_t{1} << 30}}) {
+    f = TpudFlags{};
+    f.small_pool_bytes = pool;
+    absl::StatusOr<TpudConfig> c = ConfigFromFlags(f);
+    REQUIRE(c.ok());
+    CHECK(c->small_pool_bytes == bytes);
   }
 
   f = TpudFlags{};

@@ -201,6 +201,7 @@ grpc::Status RuntimeServiceImpl::OpenSession(grpc::ServerContext* ctx,
   resp->set_daemon_version(kDaemonVersion);
   resp->set_quota_bytes_per_chip(opened->quota_bytes_per_chip);
   resp->set_data_plane_token(opened->data_plane_token);
+  resp->set_small_pool_bytes(opened->small_pool_bytes);
   for (int c : opened->allowed_chips)
     resp->add_allowed_chips(static_cast<uint32_t>(c));
   return grpc::Status::OK;

@@ -65,6 +65,9 @@ ABSL_FLAG(std::string, staging_bytes, tpud::TpudFlags().staging_bytes,
           "per-session staging area for pageable host<->device copies");
 ABSL_FLAG(std::string, ring_bytes, tpud::TpudFlags().ring_bytes,
           "op ring size per stream and chip (a power of two)");
+ABSL_FLAG(std::string, small_pool_bytes, tpud::TpudFlags().small_pool_bytes,
+          "segment size clients carve allocations under 1MiB from (0: a "
+          "segment per allocation; always 0 with --pjrt_memory=device)");
 ABSL_FLAG(absl::Duration, op_timeout, tpud::TpudFlags().op_timeout,
           "an op running longer is deemed hung: its executor is restarted and "
           "its session "
@@ -146,6 +149,7 @@ TpudFlags FlagsFromCommandLine() {
   f.max_pinned_pool_bytes = absl::GetFlag(FLAGS_max_pinned_pool_bytes);
   f.staging_bytes = absl::GetFlag(FLAGS_staging_bytes);
   f.ring_bytes = absl::GetFlag(FLAGS_ring_bytes);
+  f.small_pool_bytes = absl::GetFlag(FLAGS_small_pool_bytes);
   f.op_timeout = absl::GetFlag(FLAGS_op_timeout);
   f.executor_spin = absl::GetFlag(FLAGS_executor_spin);
   f.executor_yield = absl::GetFlag(FLAGS_executor_yield);

@@ -79,6 +79,9 @@ absl::Status Servers::StartDataPlaneAndExecutors(const TpudConfig& config,
   });
   ExecutorPool* pool = pool_;
   core_->SetMemoryFence([pool](uint32_t tag) { pool->Fence(tag); });
+  // Tensors in device buffers are one segment each: carving several into one
+  // buffer would turn whole-buffer results into partial writes.
+  core_->SetSmallPoolBytes(backend.device_memory ? 0 : config.small_pool_bytes);
   if (backend.device_memory) {
     core_->SetReleaseHook([pool](uint64_t address, uint64_t bytes) {
       pool->Released(address, bytes);

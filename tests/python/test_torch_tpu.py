@@ -188,6 +188,62 @@ def _memory_stats_rise_and_fall():
     assert torch.tpu.memory_stats()["num_device_alloc"] >= 1
 
 
+def test_small_tensors_are_carved_from_pools(tpud):
+    # Device buffers hold one tensor each: no pools there.
+    pool = 0 if tpud.backend == "pjrt-device" else 2 << 20
+    run_in_child(tpud, _small_tensors_are_carved_from_pools, pool)
+
+
+def test_without_pools_each_small_tensor_is_a_segment():
+    d = Daemon(extra_flags=["--small_pool_bytes=0"], hbm="1GiB")
+    try:
+        run_in_child(d, _small_tensors_are_carved_from_pools, 0)
+    finally:
+        d.stop()
+
+
+def _small_tensors_are_carved_from_pools(pool):
+    # A new process's small tensors come from pools of the size tpud
+    # advertises, one round trip per pool rather than one per tensor; a pool
+    # goes back to tpud once every block carved from it is cached.
+    import torch
+    import torch_tpu  # noqa: F401
+    stats = torch.tpu.memory_stats
+    free0, _ = torch.tpu.mem_get_info()
+    ts = [torch.full((1000 + i,), float(i), device="tpu") for i in range(300)]
+    blocks = sum((4 * (1000 + i) + 4095) // 4096 * 4096 for i in range(300))
+    assert torch.tpu.memory_allocated() == blocks
+    allocs = stats()["num_device_alloc"]
+    reserved = torch.tpu.memory_reserved()
+    assert free0 - torch.tpu.mem_get_info()[0] == reserved
+    if pool:
+        pools = -(-blocks // pool) + 1   # at most one pool's tail wasted
+        assert allocs <= pools and reserved == allocs * pool
+    else:
+        assert allocs == 300 and reserved == blocks
+    for i in (0, 1, 150, 299):      # no two tensors share bytes
+        assert ts[i].sum().item() == i * (1000 + i)
+    # Blocks of one pool are distinct storages to the chip's kernels (ATen
+    # skips a copy between aliases at equal offsets).
+    assert torch.equal(ts[7].pow(1.0).cpu(), torch.full((1007,), 7.0))
+    keep = ts[150]
+    del ts
+    torch.tpu.empty_cache()
+    # The pool holding the survivor stays, and the survivor with it.
+    assert torch.tpu.memory_reserved() == (pool or 8192)
+    assert keep.sum().item() == 150 * 1150
+    y = keep * 2                     # carved from what the cache kept
+    assert y.sum().item() == 300 * 1150
+    del keep, y
+    torch.tpu.empty_cache()
+    assert torch.tpu.memory_reserved() == 0
+    assert torch.tpu.mem_get_info()[0] == free0
+    # Bigger tensors still get segments of their own.
+    big = torch.empty(1 << 20, device="tpu")
+    assert torch.tpu.memory_reserved() == 4 << 20
+    del big
+
+
 def test_streams_and_events(tpud):
     run_in_child(tpud, _streams_and_events)
 

@@ -181,6 +181,9 @@ class Session {
   uint32_t protocol_version() const;
   const std::string& daemon_version() const;
   const std::string& socket_path() const;
+  // The segment size tpud asks this client to carve small allocations from
+  // (0: one segment per allocation).
+  uint64_t small_pool_bytes() const;
 
   absl::StatusOr<TopologyInfo> GetTopology();
 

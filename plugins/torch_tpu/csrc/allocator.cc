@@ -17,8 +17,25 @@ namespace {
 
 constexpr size_t kRound = 512;
 constexpr int kMaxDevices = 64;
+// Requests under this come in whole pages and are carved from pools.
+constexpr size_t kSmallLimit = 1 << 20;
+// Pools per device that new blocks are carved from; older ones are full.
+constexpr size_t kOpenPools = 8;
 
 size_t RoundUp(size_t n) { return (n + kRound - 1) / kRound * kRound; }
+
+// A segment of the size tpud advertises (Session::small_pool_bytes) that
+// small blocks are carved from at a bump offset, as CUDA's allocator carves
+// its 2 MiB blocks: a new process's first tensors then cost no round trip to
+// tpud each. A carved block keeps its size for good; the pool goes back to
+// tpud (empty_cache) once every block carved from it is in the cache.
+struct Pool {
+  uint64_t address;
+  size_t size;
+  c10::DeviceIndex device;
+  size_t used = 0;
+  int blocks = 0;  // carved from it
+};
 
 struct Block {
   uint64_t address;
@@ -30,6 +47,7 @@ struct Block {
   std::vector<int> uses;  // other streams it was recorded on (recordStream)
   uint64_t hold = 0;      // the captured program whose memory it is (0: none)
   bool parked = false;    // held, and its tensor is gone
+  Pool* pool = nullptr;   // carved from it (else a segment of its own)
 };
 
 // A freed block whose other streams may still use it: reusable once events
@@ -50,7 +68,7 @@ class TpuAllocator final : public c10::DeviceAllocator {
               c10::Device(c10::DeviceType::PrivateUse1, device)};
     // Small requests come in whole pages (tpud's granularity), so a cached
     // block of the same class always fits.
-    const size_t want = n < (1 << 20) ? (n + 4095) / 4096 * 4096 : RoundUp(n);
+    const size_t want = n < kSmallLimit ? (n + 4095) / 4096 * 4096 : RoundUp(n);
     // Blocks are per stream, as in CUDA's caching allocator: one freed on
     // stream A may still be in use by A's queued work, so stream B gets it
     // only after A's work is known done.
@@ -67,6 +85,7 @@ class TpuAllocator final : public c10::DeviceAllocator {
         cache.erase(it);
       }
     }
+    if (block == nullptr && want < kSmallLimit) block = Carve(device, want);
     if (block == nullptr) block = NewSegment(device, want);
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -109,16 +128,43 @@ class TpuAllocator final : public c10::DeviceAllocator {
     (void)GetSession().WaitIdle();
     SweepDeferred();
     std::vector<Block*> release;
+    std::vector<Pool*> pools;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      // A pool goes when all its blocks are cached; until then its cached
+      // blocks stay.
+      std::unordered_map<Pool*, int> cached;
       for (int d = 0; d < kMaxDevices; ++d) {
-        for (auto& pool : free_[d]) {
-          for (auto& [size, b] : pool) release.push_back(b);
-          pool.clear();
+        for (auto& cache : free_[d]) {
+          for (auto& [size, b] : cache)
+            if (b->pool != nullptr) ++cached[b->pool];
         }
+      }
+      for (int d = 0; d < kMaxDevices; ++d) {
+        for (auto& cache : free_[d]) {
+          for (auto it = cache.begin(); it != cache.end();) {
+            Block* b = it->second;
+            if (b->pool != nullptr && cached[b->pool] != b->pool->blocks) {
+              ++it;
+              continue;
+            }
+            if (b->pool == nullptr)
+              release.push_back(b);
+            else
+              delete b;
+            it = cache.erase(it);
+          }
+        }
+      }
+      for (auto& [p, n] : cached) {
+        if (n != p->blocks) continue;
+        std::vector<Pool*>& open = open_pools_[p->device];
+        open.erase(std::remove(open.begin(), open.end(), p), open.end());
+        pools.push_back(p);
       }
     }
     for (Block* b : release) FreeSegment(b);
+    for (Pool* p : pools) FreePool(p);
   }
 
   void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {
@@ -351,6 +397,64 @@ class TpuAllocator final : public c10::DeviceAllocator {
     return d;
   }
 
+  // A block of `bytes` (whole pages, under kSmallLimit) carved from one of
+  // the device's pools, taking a new pool from tpud when none has room;
+  // nullptr when tpud advertises no pools or has no room for one (the
+  // caller then asks for a segment of its own, which empties the cache and
+  // retries on exhaustion).
+  Block* Carve(c10::DeviceIndex device, size_t bytes) {
+    tpu::Session& session = GetSession();
+    const uint64_t pool_bytes = session.small_pool_bytes();
+    if (pool_bytes < bytes) return nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (Pool* p : open_pools_[device]) {
+        if (p->size - p->used >= bytes) return CarveFrom(p, bytes);
+      }
+    }
+    DrainPending();
+    absl::StatusOr<tpu::Segment> seg =
+        session.Allocate(ChipOf(device), pool_bytes);
+    if (!seg.ok()) return nullptr;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& s = stats_[device];
+    s.reserved_bytes[0].increase(seg->size);
+    s.segment[0].increase(1);
+    s.num_device_alloc += 1;
+    Pool* p = new Pool{seg->address, seg->size, device};
+    std::vector<Pool*>& open = open_pools_[device];
+    if (open.size() >= kOpenPools) {
+      // Drop the fullest: what is left of it is too little to look at.
+      auto fullest = std::min_element(
+          open.begin(), open.end(), [](const Pool* a, const Pool* b) {
+            return a->size - a->used < b->size - b->used;
+          });
+      open.erase(fullest);
+    }
+    open.push_back(p);
+    return CarveFrom(p, bytes);
+  }
+
+  // REQUIRES: mu_ held; `bytes` fits in what is left of `p`.
+  Block* CarveFrom(Pool* p, size_t bytes) {
+    auto* b =
+        new Block{p->address + p->used, bytes, bytes, p->device, false, 0, {}};
+    b->pool = p;
+    p->used += bytes;
+    ++p->blocks;
+    return b;
+  }
+
+  void FreePool(Pool* p) {
+    (void)GetSession().Free(p->address);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& s = stats_[p->device];
+    s.reserved_bytes[0].decrease(p->size);
+    s.segment[0].decrease(1);
+    s.num_device_free += 1;
+    delete p;
+  }
+
   Block* NewSegment(c10::DeviceIndex device, size_t bytes) {
     DrainPending();
     tpu::Session& session = GetSession();
@@ -389,6 +493,7 @@ class TpuAllocator final : public c10::DeviceAllocator {
 
   std::mutex mu_;
   std::multimap<size_t, Block*> free_[kMaxDevices][tpu::kNumStreams];
+  std::vector<Pool*> open_pools_[kMaxDevices];
   std::vector<Block*> to_record_;
   std::vector<Deferred> deferred_;
   c10::CachingDeviceAllocator::DeviceStats stats_[kMaxDevices];
