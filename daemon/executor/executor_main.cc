@@ -5,9 +5,12 @@
 #include <spdlog/spdlog.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -63,6 +66,17 @@ int RunExecutorProcess(const ExecutorProcessConfig& config, int index,
   fcntl(control_fd, F_SETFL, fcntl(control_fd, F_GETFL) | O_NONBLOCK);
   spdlog::set_pattern(absl::StrCat(
       "%Y-%m-%d %H:%M:%S.%e %^%l%$ [tpud executor ", index, "] %v"));
+  // Every client waits for its executor: on a host full of clients it must
+  // not wait its turn behind them for a core.
+  errno = 0;
+  const int nice_now = getpriority(PRIO_PROCESS, 0);
+  if (errno == 0 && nice_now != config.nice &&
+      setpriority(PRIO_PROCESS, 0, config.nice) != 0 && index == 0) {
+    spdlog::warn(
+        "executors keep nice {}: setting {} failed ({}); give tpud "
+        "CAP_SYS_NICE, or pass --executor_nice={}",
+        nice_now, config.nice, std::strerror(errno), nice_now);
+  }
 
   ExecutorConfig ec;
   ec.index = index;

@@ -133,6 +133,12 @@ absl::StatusOr<TpudConfig> ConfigFromFlags(const TpudFlags& flags) {
   config.executor_spin = flags.executor_spin;
   config.executor_yield = flags.executor_yield;
   config.executor_quantum = flags.executor_quantum;
+  if (flags.executor_nice < -20 || flags.executor_nice > 19) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--executor_nice=", flags.executor_nice,
+                     " is not a nice value (-20 to 19)"));
+  }
+  config.executor_nice = flags.executor_nice;
 
   config.socket_path =
       flags.socket.empty() ? tpu::RuntimeSocketPath() : flags.socket;

@@ -45,6 +45,7 @@ struct TpudFlags {
   absl::Duration executor_spin = absl::Microseconds(50);
   absl::Duration executor_yield = absl::Microseconds(50);
   absl::Duration executor_quantum = absl::Microseconds(200);
+  int executor_nice = -10;
   int max_connections_per_uid = 1024;
   int max_sessions_per_uid = 512;
   absl::Duration handshake_timeout = absl::Seconds(5);
@@ -98,6 +99,10 @@ struct TpudConfig {
   absl::Duration executor_spin = absl::Microseconds(50);
   absl::Duration executor_yield = absl::Microseconds(50);
   absl::Duration executor_quantum = absl::Microseconds(200);
+  // Executors' nice value (-20..19): ahead of the client processes they
+  // serve, so that a host full of clients does not starve the one process
+  // every client waits for.
+  int executor_nice = -10;
 
   // Backend. The pjrt_* members matter only for BackendKind::kPjrt.
   BackendKind backend = BackendKind::kSimulated;

@@ -45,6 +45,7 @@ TEST_CASE("the default flags serve a simulated v6e-4 host") {
   CHECK(c->executor_spin == absl::Microseconds(50));
   CHECK(c->executor_yield == absl::Microseconds(50));
   CHECK(c->executor_quantum == absl::Microseconds(200));
+  CHECK(c->executor_nice == -10);
   CHECK(c->backend == BackendKind::kSimulated);
   CHECK(std::string(BackendName(c->backend)) == "simulated");
   CHECK(c->pjrt_options.empty());
@@ -187,6 +188,13 @@ TEST_CASE("each bad flag fails with tpud's message") {
     absl::StatusOr<TpudConfig> c = ConfigFromFlags(f);
     REQUIRE(c.ok());
     CHECK(c->small_pool_bytes == bytes);
+  }
+
+  for (int nice : {-21, 20}) {
+    f = TpudFlags{};
+    f.executor_nice = nice;
+    CHECK(ErrorOf(f) == absl::StrCat("--executor_nice=", nice,
+                                     " is not a nice value (-20 to 19)"));
   }
 
   f = TpudFlags{};

@@ -63,6 +63,7 @@ absl::StatusOr<std::unique_ptr<ExecutorProcesses>> ExecutorProcesses::Create(
   exec_config.spin_ns = absl::ToInt64Nanoseconds(config.executor_spin);
   exec_config.yield_ns = absl::ToInt64Nanoseconds(config.executor_yield);
   exec_config.quantum_ns = absl::ToInt64Nanoseconds(config.executor_quantum);
+  exec_config.nice = config.executor_nice;
   exec_config.make_backend = backend.make_backend;
 
   ExecutorPoolOptions pool_options;

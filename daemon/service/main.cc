@@ -81,6 +81,9 @@ ABSL_FLAG(absl::Duration, executor_yield, tpud::TpudFlags().executor_yield,
           "is free, before it sleeps");
 ABSL_FLAG(absl::Duration, executor_quantum, tpud::TpudFlags().executor_quantum,
           "how long an executor serves one stream while others wait");
+ABSL_FLAG(int, executor_nice, tpud::TpudFlags().executor_nice,
+          "nice value of the executor processes (below tpud's own needs "
+          "CAP_SYS_NICE; without it they keep tpud's)");
 ABSL_FLAG(int, max_connections_per_uid,
           tpud::TpudFlags().max_connections_per_uid,
           "connections one user may hold on the runtime socket");
@@ -154,6 +157,7 @@ TpudFlags FlagsFromCommandLine() {
   f.executor_spin = absl::GetFlag(FLAGS_executor_spin);
   f.executor_yield = absl::GetFlag(FLAGS_executor_yield);
   f.executor_quantum = absl::GetFlag(FLAGS_executor_quantum);
+  f.executor_nice = absl::GetFlag(FLAGS_executor_nice);
   f.max_connections_per_uid = absl::GetFlag(FLAGS_max_connections_per_uid);
   f.max_sessions_per_uid = absl::GetFlag(FLAGS_max_sessions_per_uid);
   f.handshake_timeout = absl::GetFlag(FLAGS_handshake_timeout);
