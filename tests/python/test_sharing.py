@@ -188,6 +188,23 @@ def test_kill_9_of_an_idle_executor_harms_no_one(daemon):
     assert restarts[-1]["session_id"] is None  # it was idle: nobody's op was running
 
 
+@pytest.mark.parametrize("flags, nice", [([], -10), (["--executor_nice=5"], 5)])
+def test_executors_run_at_their_nice_value_restarted_or_not(flags, nice):
+    # Every client waits for its executor, so executors run ahead of the
+    # clients (raising priority needs CAP_SYS_NICE: root has it).
+    expected = nice if nice >= 0 or os.geteuid() == 0 else os.getpriority(os.PRIO_PROCESS, 0)
+    d = Daemon(extra_flags=flags)
+    try:
+        pids = executor_pids(d)
+        assert [os.getpriority(os.PRIO_PROCESS, p) for p in pids.values()] == \
+            [expected] * len(pids)
+        os.kill(pids[0], signal.SIGKILL)
+        assert wait_for(lambda: executor_pids(d)[0] not in (pids[0], 0), 10)
+        assert os.getpriority(os.PRIO_PROCESS, executor_pids(d)[0]) == expected
+    finally:
+        d.stop()
+
+
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGABRT"])
 def test_an_executor_dying_mid_op_ends_only_that_session(daemon, sig):
     # A long op on chip 2 in flight when its executor is killed (SIGKILL), or
