@@ -226,6 +226,7 @@ def _small_tensors_are_carved_from_pools(pool):
     # Blocks of one pool are distinct storages to the chip's kernels (ATen
     # skips a copy between aliases at equal offsets).
     assert torch.equal(ts[7].pow(1.0).cpu(), torch.full((1007,), 7.0))
+    assert not torch.equal(ts[7], ts[7] + 1)
     keep = ts[150]
     del ts
     torch.tpu.empty_cache()
