@@ -5,7 +5,7 @@
 # lines of bench/pjrt_bench.py (tpud's PJRT backend on XLA's CPU plugin against
 # the same programs called in-process; it starts its own daemon), then the
 # compiled_* lines of bench/compile_bench.py (torch.compile on tpu; pjrt_compiled_* on
-# the PJRT backend), the first_ops_* and import_overhead lines of
+# the PJRT backend), the first_ops_*, import_overhead, short_jobs_* and test_suite_* lines of
 # bench/lifecycle_bench.py, then the metrics_scrape_* lines of bench/metrics_bench.py.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
