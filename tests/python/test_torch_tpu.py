@@ -687,10 +687,12 @@ def test_first_ops_of_a_new_process_import_nothing_heavy(tpud):
     # torch_tpu now asks ATen's C++ meta functions (native_meta.cc), so a
     # short job with scalars, reductions, views and autograd imports what a
     # CPU process imports: nothing.
-    run_in_child(tpud, _first_ops_import_nothing)
+    # (On the PJRT backend linspace and eye are not lowered: torch._refs'
+    # versions run in the client, and their torch._check imports sympy.)
+    run_in_child(tpud, _first_ops_import_nothing, tpud.backend == "simulated")
 
 
-def _first_ops_import_nothing():
+def _first_ops_import_nothing(lowered):
     import sys
     import torch
     import torch_tpu  # noqa: F401
@@ -711,9 +713,85 @@ def _first_ops_import_nothing():
         want = want * 0.5 + 1
     want_y = torch.where(want > 1.5, (2 - want) / 3, 0.0)
     assert abs(s - float(torch.cat([want, want_y]).sum(1)[::2].sum())) < 1e-2, s
+    # Factories, a convolution and a loss, forward and backward.
+    r = torch.arange(0, 1, 0.25, device="tpu")
+    if lowered:
+        r = r + torch.linspace(0, 1, 4, device="tpu") + torch.eye(4, device="tpu")[0]
+    else:
+        r = r + torch.tensor([1, 1 / 3, 2 / 3, 1]).to("tpu")
+    r = r.sum() + torch.ones(3, 3, device="tpu").diagonal().sum()
+    r = r + torch.arange(4, device="tpu").sum()
+    conv = torch.nn.Conv2d(3, 4, 3).to("tpu")
+    out = conv(torch.ones(2, 3, 8, 8, device="tpu"))
+    loss = torch.nn.functional.mse_loss(out, torch.zeros_like(out))
+    loss.backward()
+    assert conv.weight.grad.shape == conv.weight.shape and abs(r.item() - 13.5) < 1e-5
     new = sorted(set(sys.modules) - before)
     assert "torch._dynamo" not in sys.modules and "sympy" not in sys.modules, new[:20]
     assert not new, new[:20]
+
+
+def test_convolutions_factories_and_losses_match_the_cpu(tpud):
+    # Their output metadata now comes from C++ (native_meta.cc): shapes,
+    # strides and values as the CPU's, for every kind of convolution.
+    run_in_child(tpud, _convolutions_factories_and_losses_match_cpu)
+
+
+def _convolutions_factories_and_losses_match_cpu():
+    import torch
+    import torch_tpu  # noqa: F401
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(0)
+    cases = [  # (input shape, weight shape, keyword arguments, transposed)
+        ((2, 4, 9), (6, 2, 3), dict(stride=2, padding=1, groups=2), False),
+        ((4, 9), (6, 4, 3), dict(dilation=2), False),                     # unbatched
+        ((1, 3, 7, 6), (5, 3, 3, 2), dict(stride=(2, 1), padding=(1, 0)), False),
+        ((1, 2, 4, 5, 6), (3, 2, 2, 2, 2), dict(stride=1), False),
+        ((2, 4, 5), (4, 3, 3), dict(stride=2, output_padding=1, groups=2), True),
+        ((1, 2, 5, 4), (2, 3, 3, 3), dict(padding=1, dilation=2), True),
+    ]
+    for shape, wshape, kw, transposed in cases:
+        for channels_last in (False, True):
+            x = torch.randn(shape, generator=g)
+            w = torch.randn(wshape, generator=g)
+            if channels_last and x.dim() == 4:
+                x = x.to(memory_format=torch.channels_last)
+            elif channels_last:
+                continue
+            n = w.dim() - 2
+            fn = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[n - 1] \
+                if transposed else (F.conv1d, F.conv2d, F.conv3d)[n - 1]
+            b = torch.randn(w.shape[1] * kw.get("groups", 1) if transposed else w.shape[0],
+                            generator=g)
+            outs, grads = [], []
+            for dev in ("cpu", "tpu"):
+                xi, wi, bi = (t.detach().to(dev).requires_grad_() for t in (x, w, b))
+                out = fn(xi, wi, bi, **kw)
+                F.mse_loss(out, torch.ones_like(out), reduction="sum").backward()
+                outs.append(out)
+                grads.append([t.grad for t in (xi, wi, bi)])
+            cpu, tpu = outs
+            assert tpu.shape == cpu.shape and tpu.stride() == cpu.stride(), \
+                (shape, kw, tpu.shape, cpu.shape, tpu.stride(), cpu.stride())
+            torch.testing.assert_close(tpu.cpu(), cpu.detach(), rtol=1e-4, atol=1e-4)
+            for a, c in zip(grads[1], grads[0]):
+                assert a.shape == c.shape
+                torch.testing.assert_close(a.cpu(), c, rtol=1e-3, atol=1e-3)
+    for make in (lambda d: torch.arange(3, 20, 4, device=d),
+                 lambda d: torch.arange(-1, 1, 0.3, dtype=torch.float64, device=d),
+                 lambda d: torch.linspace(-2, 2, 7, device=d),
+                 lambda d: torch.logspace(0, 2, 3, base=2.0, device=d),
+                 lambda d: torch.eye(3, 5, dtype=torch.int32, device=d),
+                 lambda d: torch.eye(4, device=d)):
+        cpu, tpu = make("cpu"), make("tpu")
+        assert tpu.dtype == cpu.dtype and tpu.shape == cpu.shape, (cpu, tpu)
+        torch.testing.assert_close(tpu.cpu(), cpu, rtol=1e-6, atol=1e-6)
+    a, t = torch.randn(3, 1, 4, generator=g), torch.randn(5, 4, generator=g)
+    for reduction in ("none", "mean", "sum"):
+        cpu = F.mse_loss(a, t, reduction=reduction)
+        tpu = F.mse_loss(a.to("tpu"), t.to("tpu"), reduction=reduction)
+        assert tpu.shape == cpu.shape
+        torch.testing.assert_close(tpu.cpu(), cpu)
 
 
 def test_bad_arguments_raise_at_the_call_in_the_cpus_words(tpud):
@@ -735,6 +813,19 @@ def _bad_arguments_raise_like_cpu():
         lambda d: torch.ones(3, device=d).bernoulli_(1.5),
         lambda d: torch.where(torch.ones(2, device=d), torch.ones(2, device=d), 0.0),
         lambda d: torch.zeros(2, device=d).add_(torch.ones(3, device=d)),
+        lambda d: torch.arange(0, 5, -1, device=d),
+        lambda d: torch.arange(0, 5, 0, device=d),
+        lambda d: torch.linspace(0, 1, -2, device=d),
+        lambda d: torch.eye(-1, device=d),
+        lambda d: torch.nn.functional.mse_loss(torch.ones(2, 3, device=d),
+                                               torch.ones(4, 3, device=d)),
+        # Declined by the C++ meta: run at the call, the CPU kernel's error.
+        lambda d: torch.nn.functional.conv2d(torch.ones(1, 3, 5, 5, device=d),
+                                             torch.ones(4, 2, 3, 3, device=d)),
+        lambda d: torch.nn.functional.conv2d(torch.ones(1, 3, 2, 2, device=d),
+                                             torch.ones(4, 3, 3, 3, device=d)),
+        lambda d: torch.nn.functional.conv1d(torch.ones(1, 4, 5, device=d),
+                                             torch.ones(4, 2, 3, device=d), groups=3),
     ]
     for case in cases:
         msgs = []

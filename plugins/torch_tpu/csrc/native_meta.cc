@@ -614,6 +614,146 @@ void AddLayerNorm(Table& t) {
   };
 }
 
+// Factories reach tpu as their out= forms; ATen's C++ meta kernels size
+// `out` (arange checks its bounds, in the CPU kernel's words).
+void AddFactories(Table& t) {
+  t["aten::arange.start_out"] = [](Stack* s) {
+    at::Tensor out = T(*s, 3);
+    at::meta::arange_out(out, S(*s, 0), S(*s, 1), S(*s, 2));
+    Put(s, out);
+  };
+  t["aten::linspace.out"] = [](Stack* s) {
+    at::Tensor out = T(*s, 3);
+    at::meta::linspace_out(out, S(*s, 0), S(*s, 1), I(*s, 2));
+    Put(s, out);
+  };
+  t["aten::logspace.out"] = [](Stack* s) {
+    at::Tensor out = T(*s, 4);
+    at::meta::logspace_out(out, S(*s, 0), S(*s, 1), I(*s, 2),
+                           (*s)[3].toDouble());
+    Put(s, out);
+  };
+  t["aten::eye.out"] = [](Stack* s) {
+    at::Tensor out = T(*s, 1);
+    at::meta::eye_out(out, I(*s, 0));
+    Put(s, out);
+  };
+  t["aten::eye.m_out"] = [](Stack* s) {
+    at::Tensor out = T(*s, 2);
+    at::meta::eye_out(out, I(*s, 0), I(*s, 1));
+    Put(s, out);
+  };
+}
+
+// mse_loss_backward's CPU kernel's iterator: grad_input over self, target
+// and grad_output.
+at::Tensor MseLossBackward(const Stack& s, at::Tensor out) {
+  at::TensorIterator iter = at::TensorIteratorConfig()
+                                .add_output(out)
+                                .add_const_input(T(s, 1))
+                                .add_const_input(T(s, 2))
+                                .add_const_input(T(s, 0))
+                                .build();
+  return iter.output();
+}
+
+void AddLosses(Table& t) {
+  t["aten::mse_loss"] = [](Stack* s) {
+    Put(s, at::meta::mse_loss(T(*s, 0), T(*s, 1), I(*s, 2)));
+  };
+  t["aten::mse_loss.out"] = [](Stack* s) {
+    at::Tensor out = T(*s, 3);
+    at::meta::mse_loss_out(out, T(*s, 0), T(*s, 1), I(*s, 2));
+    Put(s, out);
+  };
+  t["aten::mse_loss_backward"] = [](Stack* s) {
+    Put(s, MseLossBackward(*s, at::empty({0}, T(*s, 1).options())));
+  };
+  t["aten::mse_loss_backward.grad_input"] = [](Stack* s) {
+    Put(s, MseLossBackward(*s, T(*s, 4)));
+  };
+}
+
+// Convolution's result and gradients, shaped as ATen's conv_output_size
+// and conv_input_size work them out, laid out in the input's suggested
+// memory format (as the meta kernel torch registers does). Arguments out of
+// the ordinary are declined, not judged here: the op then runs at the call
+// and any error is the CPU kernel's own.
+std::vector<int64_t> Expanded(const c10::IValue& v, size_t n, bool* ok) {
+  std::vector<int64_t> x = v.toIntVector();
+  if (x.size() == 1 && n > 1) x.assign(n, x[0]);
+  if (x.size() != n) *ok = false;
+  return x;
+}
+
+at::Tensor ConvolutionResult(const Stack& s) {
+  at::Tensor input = T(s, 0);
+  const at::Tensor& weight = T(s, 1);
+  const std::optional<at::Tensor> bias = s[2].toOptional<at::Tensor>();
+  const bool transposed = B(s, 6);
+  const int64_t groups = I(s, 8);
+  const bool batched = input.dim() == weight.dim();
+  bool ok = weight.dim() >= 3 && (batched || input.dim() == weight.dim() - 1) &&
+            groups > 0 && input.scalar_type() == weight.scalar_type();
+  if (ok && !batched) input = input.unsqueeze(0);
+  const size_t n = ok ? static_cast<size_t>(weight.dim() - 2) : 0;
+  const std::vector<int64_t> stride = Expanded(s[3], n, &ok);
+  const std::vector<int64_t> padding = Expanded(s[4], n, &ok);
+  const std::vector<int64_t> dilation = Expanded(s[5], n, &ok);
+  const std::vector<int64_t> output_padding =
+      transposed ? Expanded(s[7], n, &ok) : std::vector<int64_t>(n, 0);
+  std::vector<int64_t> shape;
+  if (ok) {
+    const int64_t channels =
+        transposed ? weight.size(1) * groups : weight.size(0);
+    ok = weight.size(0) % groups == 0 &&
+         input.size(1) ==
+             (transposed ? weight.size(0) : weight.size(1) * groups) &&
+         (!bias || !bias->defined() ||
+          (bias->dim() == 1 && bias->size(0) == channels));
+    shape = {input.size(0), channels};
+    for (size_t i = 0; ok && i < n; ++i) {
+      const int64_t in = input.size(i + 2);
+      const int64_t k = weight.size(i + 2);
+      ok = stride[i] > 0 && dilation[i] > 0 && padding[i] >= 0 &&
+           output_padding[i] >= 0;
+      const int64_t span = dilation[i] * (k - 1) + 1;
+      const int64_t o =
+          transposed
+              ? (in - 1) * stride[i] - 2 * padding[i] + span + output_padding[i]
+              : (in + 2 * padding[i] - span) / stride[i] + 1;
+      ok = ok && o > 0 && (transposed || in + 2 * padding[i] >= span);
+      shape.push_back(o);
+    }
+  }
+  TORCH_CHECK_NOT_IMPLEMENTED(ok, "convolution: declined by the C++ meta");
+  at::Tensor out = at::empty(
+      shape, input.options().memory_format(input.suggest_memory_format()));
+  return batched ? out : out.squeeze(0);
+}
+
+void AddConvolution(Table& t) {
+  t["aten::convolution"] = [](Stack* s) { Put(s, ConvolutionResult(*s)); };
+  t["aten::convolution_backward"] = [](Stack* s) {
+    const at::Tensor grad = T(*s, 0), input = T(*s, 1), weight = T(*s, 2);
+    const std::vector<bool> mask = (*s)[10].toBoolList().vec();
+    std::optional<std::vector<int64_t>> bias_sizes = Dims(*s, 3);
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        input.dim() == weight.dim() && grad.dim() == input.dim() &&
+            (!mask[2] || bias_sizes.has_value()),
+        "convolution_backward: declined by the C++ meta");
+    auto like = [&grad](const at::Tensor& x) {
+      return at::empty(x.sizes(),
+                       grad.options().memory_format(x.suggest_memory_format()));
+    };
+    s->clear();
+    s->emplace_back(mask[0] ? like(input) : at::Tensor());
+    s->emplace_back(mask[1] ? like(weight) : at::Tensor());
+    s->emplace_back(mask[2] ? at::empty(*bias_sizes, grad.options())
+                            : at::Tensor());
+  };
+}
+
 const Table& NativeMetaTable() {
   static const Table* table = [] {
     auto* t = new Table;
@@ -627,6 +767,9 @@ const Table& NativeMetaTable() {
     AddFills(*t);
     AddDerived(*t);
     AddLayerNorm(*t);
+    AddFactories(*t);
+    AddLosses(*t);
+    AddConvolution(*t);
     return t;
   }();
   return *table;
