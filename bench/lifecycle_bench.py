@@ -26,6 +26,12 @@ JSON lines, each tpu figure against CPU eager measured in the same run:
                  1.5x CPU.
 
 Each tpu process talks to one tpud started here (-c opt build by default).
+  session_cost   16 processes (4 with --reduced) that made a tensor and read
+                 it, held open: what a tpu process holds beyond a CPU one
+                 (descriptors, threads, resident bytes; medians) and what
+                 tpud grows by per session (private bytes, per-session shared
+                 memory, descriptors, threads; CPU seconds from open to
+                 close). No target: the figures to state and to watch.
 The CPU processes run the same code in the same environment (torch_tpu, being
 installed, autoloads in them too) on device "cpu". --reduced runs fewer
 processes (what CI runs: first_ops_2, short_jobs_4, and test_suite_2 of 40
@@ -329,6 +335,94 @@ def run_test_suite(device, tests, workers, env, timeout=1200):
     return max(end for end, _, _, _ in results) - start
 
 
+# A process that has used its device: it reports what it holds (descriptors,
+# threads, resident bytes), then idles until told to exit.
+HOLDER = r"""
+import os, sys
+import torch
+x = torch.ones(64, 64, device=sys.argv[1])
+x.sum().item()
+rss = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status")
+           if l.startswith("VmRSS:"))
+print(len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task")), rss,
+      flush=True)
+sys.stdin.readline()
+"""
+
+
+def tree_usage(pid):
+    """tpud and its executor processes: private dirty bytes (outside the
+    shared memory it makes; clean pages are of files every process maps), resident bytes of its per-session shared memory
+    (rings, staging, state: each mapping counted once, at its largest),
+    descriptors, threads, CPU seconds. HBM is left out: sessions pay for it
+    by quota."""
+    pids, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    private = fds = threads = 0
+    cpu = 0.0
+    shared = {}  # per-session mapping -> its largest resident size
+    for p in pids:
+        try:
+            name = ""
+            with open(f"/proc/{p}/smaps") as f:
+                for line in f:
+                    head = line.split(maxsplit=6)
+                    if "-" in head[0] and not head[0].endswith(":"):
+                        name = head[5].strip() if len(head) > 5 else ""
+                    elif name.startswith(("/memfd:tpud-session-", "/memfd:tpud-state-")):
+                        if head[0] == "Rss:":
+                            shared[name] = max(shared.get(name, 0), int(head[1]) * 1024)
+                    elif name.startswith("/memfd:"):
+                        continue  # HBM, owner tables, executor slots: not per session
+                    elif head[0] == "Private_Dirty:":  # clean pages: shared files
+                        private += int(head[1]) * 1024
+            fds += len(os.listdir(f"/proc/{p}/fd"))
+            threads += len(os.listdir(f"/proc/{p}/task"))
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            cpu += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            pass
+    return {"private": private, "shared": sum(shared.values()), "fds": fds,
+            "threads": threads, "cpu": cpu}
+
+
+def session_cost(daemon_pid, env, n, timeout=600):
+    """n processes that used `tpu` (then n that used `cpu`) held open: what
+    a tpu process holds beyond a CPU one, and what tpud grows by per session
+    while they are open (and its CPU seconds per session, open to close)."""
+    held, grown = {}, None
+    for dev in ("cpu", "tpu"):
+        before = tree_usage(daemon_pid)
+        procs = [subprocess.Popen([sys.executable, "-c", HOLDER, dev], env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True) for _ in range(n)]
+        try:
+            reports = [p.stdout.readline().split() for p in procs]
+            if any(len(r) != 3 for r in reports):
+                sys.exit(f"lifecycle_bench: a {dev} holder failed")
+            time.sleep(0.5)  # tpud's own bookkeeping of the new sessions
+            during = tree_usage(daemon_pid)
+        finally:
+            for p in procs:
+                p.communicate("go\n", timeout=timeout)
+        time.sleep(0.5)
+        after = tree_usage(daemon_pid)
+        held[dev] = [statistics.median(int(r[i]) for r in reports) for i in range(3)]
+        if dev == "tpu":
+            grown = {k: (during[k] - before[k]) / n
+                     for k in ("private", "shared", "fds", "threads")}
+            grown["cpu"] = (after["cpu"] - before["cpu"]) / n
+    return held, grown
+
+
 def import_cost(env, autoload, rounds):
     code = ("import resource, time; t = time.perf_counter(); import torch; "
             "print(time.perf_counter() - t, "
@@ -404,6 +498,23 @@ def main():
             "tests": tests, "workers": workers,
             "work": f"a generated suite of {tests} small tests in {workers} pytest processes "
                     "started together, a shard each: start to last exit"}), flush=True)
+        n = 4 if args.reduced else 16
+        held, grown = session_cost(daemon.proc.pid, env, n)
+        print(json.dumps({
+            "name": "session_cost",
+            "client_fds_added": held["tpu"][0] - held["cpu"][0],
+            "client_threads_added": held["tpu"][1] - held["cpu"][1],
+            "client_rss_added_bytes": held["tpu"][2] - held["cpu"][2],
+            "daemon_private_bytes_per_session": round(grown["private"]),
+            "daemon_session_memory_bytes_per_session": round(grown["shared"]),
+            "daemon_fds_per_session": grown["fds"],
+            "daemon_threads_per_session": grown["threads"],
+            "daemon_cpu_seconds_per_session": round(grown["cpu"], 4),
+            "sessions": n,
+            "work": f"{n} processes that made a tensor and read it, held open: a tpu "
+                    "process's descriptors, threads and resident bytes beyond a CPU "
+                    "one's (medians), and tpud's growth per session (its CPU time "
+                    "from open to close)"}), flush=True)
     finally:
         daemon.close()
 

@@ -22,7 +22,7 @@ def test_lifecycle_bench_runs_in_reduced_form():
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     lines = {d["name"]: d for d in map(json.loads, r.stdout.strip().splitlines())}
     assert set(lines) == {"first_ops_1", "first_ops_2", "import_overhead",
-                          "short_jobs_4", "test_suite_2"}, lines
+                          "short_jobs_4", "test_suite_2", "session_cost"}, lines
     for name in ("first_ops_1", "first_ops_2", "short_jobs_4", "test_suite_2"):
         assert lines[name]["tpu_seconds"] > 0 and lines[name]["cpu_seconds"] > 0, lines[name]
         assert lines[name]["tpu_over_cpu"] > 0, lines[name]
@@ -37,3 +37,9 @@ def test_lifecycle_bench_runs_in_reduced_form():
         assert short[f"{dev}_last_done_to_last_exit_seconds"] >= 0, short
     suite = lines["test_suite_2"]
     assert suite["tests"] == 40 and suite["workers"] == 2 and suite["target"] is None, suite
+    cost = lines["session_cost"]
+    assert cost["sessions"] == 4, cost
+    # A session is a connection, rings and their doorbells: it shows.
+    assert cost["daemon_fds_per_session"] > 0, cost
+    assert cost["daemon_session_memory_bytes_per_session"] > 0, cost
+    assert cost["client_fds_added"] > 0 and cost["daemon_cpu_seconds_per_session"] >= 0, cost
