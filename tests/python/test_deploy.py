@@ -31,6 +31,8 @@ DOCUMENTED_FLAGS = {
     "log_level",
     "socket_group",
     "metrics_address",
+    "executor_nice",
+    "small_pool_bytes",
 }
 FLAG_LINE = re.compile(r"^--([a-z_][a-z0-9_]*)=(\S*)$")
 TPUCTL_HEALTH = ["/usr/bin/tpuctl", "--admin_socket=/run/tpud/admin.sock", "health"]

@@ -778,11 +778,14 @@ def test_host_writes_frees_and_reuse_keep_memory_right(pjrt):
 def _host_writes_join_the_device_copy_and_reuse_reads_zeros():
     import torch
     import torch_tpu  # noqa: F401
-    x = torch.ones(4096, device="tpu")
+    # A segment of its own (1 MiB): smaller tensors share pools, which go
+    # back to tpud only once all their blocks are cached.
+    n = 1 << 18
+    x = torch.ones(n, device="tpu")
     x.mul_(2)                                     # the device's copy is the newest
     x[2:4] = torch.tensor([5.0, 6.0])             # the host writes part of it
     y = x + 0
-    want = torch.full((4096,), 2.0); want[2:4] = torch.tensor([5.0, 6.0])
+    want = torch.full((n,), 2.0); want[2:4] = torch.tensor([5.0, 6.0])
     assert torch.equal(y.cpu(), want), y.cpu()[:6]
     # Strided and offset views read out of their segment.
     m = torch.arange(24.0).reshape(4, 6).to("tpu").mul_(3)
@@ -793,7 +796,7 @@ def _host_writes_join_the_device_copy_and_reuse_reads_zeros():
     print("held", flush=True)
     del x, y
     torch.tpu.empty_cache()                       # the segment goes back to tpud
-    z = torch.empty(4096, device="tpu")           # and likely comes back here
+    z = torch.empty(n, device="tpu")              # and likely comes back here
     assert torch.count_nonzero(z.cpu()).item() == 0, z.cpu()[:6]
     z.fill_(9)
     torch.tpu.synchronize()
