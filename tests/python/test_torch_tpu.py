@@ -794,6 +794,52 @@ def _convolutions_factories_and_losses_match_cpu():
         torch.testing.assert_close(tpu.cpu(), cpu)
 
 
+def test_small_float_arithmetic_has_the_cpus_bits(tpud):
+    # The simulated chip computes small float32 mul/add/sub itself
+    # (small_elementwise.h); every other form goes to ATen. Either way the
+    # bits are the CPU's. (XLA's CPU plugin flushes denormals: on PJRT the
+    # values are compared, not the bits.)
+    run_in_child(tpud, _small_float_arithmetic_has_the_cpus_bits,
+                 tpud.backend == "simulated")
+
+
+def _small_float_arithmetic_has_the_cpus_bits(exact):
+    import torch
+    import torch_tpu  # noqa: F401
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(33, 65, generator=g) * 1e3
+    y = torch.randn(33, 65, generator=g).exp()
+    x[0, :4] = torch.tensor([float("inf"), float("nan"), -0.0, 1e-42])
+    big = torch.randn(300, 300, generator=g)
+    cases = [
+        lambda a, b: a * b, lambda a, b: a + b, lambda a, b: a - b,
+        lambda a, b: a * 0.1, lambda a, b: a + 3, lambda a, b: a - 1e-3,
+        lambda a, b: 0.7 * a, lambda a, b: 1 - a, lambda a, b: a * True,
+        lambda a, b: torch.add(a, b, alpha=0.3), lambda a, b: torch.sub(a, b, alpha=2),
+        lambda a, b: a * b[0], lambda a, b: a[:, ::2] * 2.5, lambda a, b: a.t() + b.t(),
+        lambda a, b: a.double() * 0.1, lambda a, b: a.half() + 1,
+        lambda a, b: a * torch.tensor(0.1), lambda a, b: a[1:] + a[:-1],
+    ]
+    for i, case in enumerate(cases):
+        want = case(x, y)
+        got = case(x.to("tpu"), y.to("tpu")).cpu()
+        assert got.dtype == want.dtype and got.shape == want.shape, i
+        assert got.stride() == want.stride(), (i, got.stride(), want.stride())
+        if not exact:
+            torch.testing.assert_close(got, want, equal_nan=True)
+            continue
+        same_nans = torch.equal(got.isnan(), want.isnan())
+        got, want = got.nan_to_num(), want.nan_to_num()   # NaN payloads aside
+        assert same_nans and torch.equal(got.contiguous().view(torch.uint8),
+                                         want.contiguous().view(torch.uint8)), i
+    tb = big.to("tpu")                     # past the size computed here
+    torch.testing.assert_close((tb * 0.1 + 1).cpu(), big * 0.1 + 1, rtol=0, atol=0)
+    t = x.to("tpu")
+    u = t * 1.5
+    t.mul_(1.5)                           # in place: ATen's kernel, same bits
+    assert torch.equal(t.cpu().nan_to_num(), u.cpu().nan_to_num())
+
+
 def test_bad_arguments_raise_at_the_call_in_the_cpus_words(tpud):
     # Output metadata comes from ATen's C++ meta functions (native_meta.cc):
     # an argument they refuse raises at the call with the CPU's message,

@@ -25,6 +25,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/backends/simulated/small_elementwise.h"
 
 namespace tpud {
 
@@ -36,7 +37,8 @@ class SimulatedOp final : public BackendOp {
         name_(std::move(name)),
         handle_(std::move(handle)),
         function_schema_(handle_.schema()),
-        packable_foreach_(IsPackableForeach(name_, function_schema_)) {}
+        packable_foreach_(IsPackableForeach(name_, function_schema_)),
+        elementwise_(SmallElementwiseOf(name_)) {}
 
   const std::string& schema() const override { return schema_; }
   bool WritesArgument(size_t index) const override {
@@ -85,6 +87,8 @@ class SimulatedOp final : public BackendOp {
   // on its first list or returning one new list: run as one kernel over the
   // lists packed end to end (see OpRun::TryPackedForeach).
   bool packable_foreach() const { return packable_foreach_; }
+  // mul.Tensor, add.Tensor, sub.Tensor: small_elementwise.h's ops.
+  SmallElementwise elementwise() const { return elementwise_; }
 
  private:
   static bool IsPackableForeach(const std::string& name,
@@ -95,6 +99,7 @@ class SimulatedOp final : public BackendOp {
   const c10::OperatorHandle handle_;
   const c10::FunctionSchema function_schema_;
   const bool packable_foreach_;
+  const SmallElementwise elementwise_;
   std::optional<c10::OperatorHandle> out_variant_;
   mutable std::atomic<bool> out_variant_failed_{false};
 };
@@ -341,6 +346,8 @@ class OpRun {
   // overlaps another, bad references): the usual way then runs it, and
   // reports any error.
   absl::StatusOr<bool> TryPackedForeach();
+  // small_elementwise.h's ops, when the record is of their form.
+  absl::StatusOr<bool> TryElementwise();
   // The host bytes of a contiguous `ref` in `seg`, after MakeView's checks.
   absl::Status Locate(const tpu::TensorRef& ref, const ResolvedTensor& seg,
                       char** data, uint64_t* bytes);
@@ -1069,7 +1076,26 @@ absl::StatusOr<bool> OpRun::TryPackedForeach() {
   return true;
 }
 
+absl::StatusOr<bool> OpRun::TryElementwise() {
+  absl::StatusOr<bool> done = TrySmallElementwise(
+      op_.elementwise(), decoded_, tensors_,
+      [this](const tpu::TensorRef& ref, const ResolvedTensor& seg, char** data,
+             uint64_t* bytes) { return Locate(ref, seg, data, bytes); });
+  if (done.ok() && *done && results_ != nullptr) {
+    ResultValue v;
+    v.kind = ResultValue::Kind::kTensor;
+    v.tensor = decoded_.outputs[0];
+    results_->push_back(v);
+  }
+  return done;
+}
+
 absl::Status OpRun::Run() {
+  if (op_.elementwise() != SmallElementwise::kNone) {
+    absl::StatusOr<bool> done = TryElementwise();
+    if (!done.ok()) return done.status();
+    if (*done) return absl::OkStatus();
+  }
   // The tensors are plain CPU tensors: skip autograd and run the CPU kernel.
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   c10::NoGradGuard no_grad;
