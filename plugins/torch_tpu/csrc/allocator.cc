@@ -413,14 +413,9 @@ class TpuAllocator final : public c10::DeviceAllocator {
       }
     }
     DrainPending();
-    absl::StatusOr<tpu::Segment> seg =
-        session.Allocate(ChipOf(device), pool_bytes);
+    absl::StatusOr<tpu::Segment> seg = Reserve(device, pool_bytes);
     if (!seg.ok()) return nullptr;
     std::lock_guard<std::mutex> lock(mu_);
-    auto& s = stats_[device];
-    s.reserved_bytes[0].increase(seg->size);
-    s.segment[0].increase(1);
-    s.num_device_alloc += 1;
     Pool* p = new Pool{seg->address, seg->size, device};
     std::vector<Pool*>& open = open_pools_[device];
     if (open.size() >= kOpenPools) {
@@ -446,20 +441,37 @@ class TpuAllocator final : public c10::DeviceAllocator {
   }
 
   void FreePool(Pool* p) {
-    (void)GetSession().Free(p->address);
+    Unreserve(p->device, p->address, p->size);
+    delete p;
+  }
+
+  // A segment of `bytes` from tpud on `device`'s chip, counted as reserved.
+  absl::StatusOr<tpu::Segment> Reserve(c10::DeviceIndex device, size_t bytes) {
+    absl::StatusOr<tpu::Segment> seg =
+        GetSession().Allocate(ChipOf(device), bytes);
+    if (seg.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& s = stats_[device];
+      s.reserved_bytes[0].increase(seg->size);
+      s.segment[0].increase(1);
+      s.num_device_alloc += 1;
+    }
+    return seg;
+  }
+
+  // Gives a segment Reserve returned back to tpud.
+  void Unreserve(c10::DeviceIndex device, uint64_t address, size_t size) {
+    (void)GetSession().Free(address);
     std::lock_guard<std::mutex> lock(mu_);
-    auto& s = stats_[p->device];
-    s.reserved_bytes[0].decrease(p->size);
+    auto& s = stats_[device];
+    s.reserved_bytes[0].decrease(size);
     s.segment[0].decrease(1);
     s.num_device_free += 1;
-    delete p;
   }
 
   Block* NewSegment(c10::DeviceIndex device, size_t bytes) {
     DrainPending();
-    tpu::Session& session = GetSession();
-    const int chip = ChipOf(device);
-    absl::StatusOr<tpu::Segment> seg = session.Allocate(chip, bytes);
+    absl::StatusOr<tpu::Segment> seg = Reserve(device, bytes);
     if (!seg.ok() &&
         seg.status().code() == absl::StatusCode::kResourceExhausted) {
       // Give the cache back and try once more, as CUDA's allocator does.
@@ -467,27 +479,17 @@ class TpuAllocator final : public c10::DeviceAllocator {
       std::lock_guard<std::mutex> lock(mu_);
       stats_[device].num_alloc_retries += 1;
     }
-    if (!seg.ok()) seg = session.Allocate(chip, bytes);
+    if (!seg.ok()) seg = Reserve(device, bytes);
     if (!seg.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       stats_[device].num_ooms += 1;
     }
     Check(seg.status(), "allocating device memory");
-    std::lock_guard<std::mutex> lock(mu_);
-    auto& s = stats_[device];
-    s.reserved_bytes[0].increase(seg->size);
-    s.segment[0].increase(1);
-    s.num_device_alloc += 1;
     return new Block{seg->address, seg->size, bytes, device, false, 0, {}};
   }
 
   void FreeSegment(Block* b) {
-    (void)GetSession().Free(b->address);
-    std::lock_guard<std::mutex> lock(mu_);
-    auto& s = stats_[b->device];
-    s.reserved_bytes[0].decrease(b->size);
-    s.segment[0].decrease(1);
-    s.num_device_free += 1;
+    Unreserve(b->device, b->address, b->size);
     delete b;
   }
 
