@@ -15,7 +15,7 @@ SmallElementwise SmallElementwiseOf(const std::string& name) {
 
 absl::StatusOr<bool> TrySmallElementwise(
     SmallElementwise kind, const tpu::DecodedOp& decoded,
-    const std::vector<ResolvedTensor>& tensors, const LocateFn& locate) {
+    const std::vector<ResolvedTensor>& tensors, LocateFn locate) {
   constexpr int64_t kMaxElements = 1 << 16;
   constexpr int8_t kFloat = static_cast<int8_t>(tpu::DType::kFloat);
   using tpu::ArgTag;

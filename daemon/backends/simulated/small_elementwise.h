@@ -11,10 +11,10 @@
 #define TPUD_DAEMON_BACKENDS_SIMULATED_SMALL_ELEMENTWISE_H_
 
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "daemon/backends/chip_backend.h"
 #include "tpu/op_record.h"
@@ -27,16 +27,16 @@ enum class SmallElementwise : uint8_t { kNone, kMul, kAdd, kSub };
 SmallElementwise SmallElementwiseOf(const std::string& name);
 
 // Where a tensor's bytes are, after the simulated chip's checks on it.
-using LocateFn = std::function<absl::Status(const tpu::TensorRef& ref,
-                                            const ResolvedTensor& seg,
-                                            char** data, uint64_t* bytes)>;
+using LocateFn = absl::FunctionRef<absl::Status(const tpu::TensorRef& ref,
+                                                const ResolvedTensor& seg,
+                                                char** data, uint64_t* bytes)>;
 
 // Computes `decoded` (an op of `kind`) into its output and returns true when
 // the record is of the form above; false when it is not (nothing written);
 // an error when a tensor fails `locate`'s checks.
 absl::StatusOr<bool> TrySmallElementwise(
     SmallElementwise kind, const tpu::DecodedOp& decoded,
-    const std::vector<ResolvedTensor>& tensors, const LocateFn& locate);
+    const std::vector<ResolvedTensor>& tensors, LocateFn locate);
 
 }  // namespace tpud
 
