@@ -22,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "session_impl.h"
 #include "tpu/device_address.h"
+#include "tpu/op_error.h"
 #include "tpu/units.h"
 
 namespace tpu {
@@ -444,6 +445,7 @@ absl::Status Session::Impl::TakeError(int ring) {
   message[sizeof(message) - 1] = '\0';
   const uint32_t code = ctl->error_code;
   const uint32_t count = ctl->error_count;
+  const AtenError kind = AtenErrorFromWire(ctl->error_kind);
   // A dead ring keeps its error: every later call reports it.
   if (!ctl->dead.load()) {
     ctl->error_count = 0;
@@ -453,8 +455,9 @@ absl::Status Session::Impl::TakeError(int ring) {
   if (count > 1)
     absl::StrAppend(&text, " (and ", count - 1,
                     " later error(s) on this stream)");
-  return absl::Status(static_cast<absl::StatusCode>(code == 0 ? 13 : code),
-                      text);
+  return WithAtenError(
+      absl::Status(static_cast<absl::StatusCode>(code == 0 ? 13 : code), text),
+      kind);
 }
 
 absl::Status Session::Impl::TakeStreamError(int stream) {
@@ -627,8 +630,9 @@ absl::StatusOr<std::vector<OpResult>> Session::RunSync(
         !absl::StrContains(text, earlier.message().substr(0, 80))) {
       absl::StrAppend(&text, "; earlier on this stream: ", earlier.message());
     }
-    return absl::Status(static_cast<absl::StatusCode>(ctl->response_code),
-                        text);
+    return WithAtenError(
+        absl::Status(static_cast<absl::StatusCode>(ctl->response_code), text),
+        AtenErrorFromWire(ctl->response_kind));
   }
   if (!earlier.ok()) return earlier;
   std::vector<OpResult> results;

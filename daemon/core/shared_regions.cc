@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "tpu/op_error.h"
 #include "tpu/shm_layout.h"
 
 namespace tpud {
@@ -180,6 +181,7 @@ void RecordRingError(tpu::RingControl* ctl, uint64_t sequence,
   ctl->error_count += 1;
   if (ctl->error_sequence.load() != 0) return;  // the first error sticks
   ctl->error_code = static_cast<uint32_t>(status.code());
+  ctl->error_kind = static_cast<uint32_t>(tpu::AtenErrorOf(status));
   const absl::string_view msg = status.message();
   const size_t n = std::min<size_t>(msg.size(), tpu::kErrorMessageBytes - 1);
   std::memcpy(ctl->error_message, msg.data(), n);

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "tpu/device_address.h"
+#include "tpu/op_error.h"
 
 namespace tpud {
 namespace {
@@ -1034,6 +1035,7 @@ absl::Status Executor::RunOp(Ring& ring, uint64_t sequence) {
   }
   if (!sync) return status;
   ctl->response_code = static_cast<uint32_t>(status.code());
+  ctl->response_kind = static_cast<uint32_t>(tpu::AtenErrorOf(status));
   ctl->num_results = 0;
   if (status.ok()) {
     const size_t n = std::min<size_t>(results_.size(), tpu::kMaxResults);

@@ -46,7 +46,7 @@ namespace tpu {
 inline constexpr uint64_t kShmMagic = 0x324d485344555054ULL;  // "TPUDSHM2"
 // Version of the data plane as a whole: this layout, the hello below and the
 // record format of tpu/op_record.h. Both ends must speak the same one.
-inline constexpr uint32_t kDataPlaneVersion = 3;
+inline constexpr uint32_t kDataPlaneVersion = 4;
 inline constexpr int kStreamsPerChip = 8;
 inline constexpr int kMaxChipsPerHost = 16;
 inline constexpr int kMaxEvents = 1024;
@@ -140,11 +140,13 @@ struct alignas(64) RingControl {
   std::atomic<uint32_t> dead;
   uint32_t error_code;   // absl::StatusCode
   uint32_t error_count;  // failures since cleared
+  uint32_t error_kind;   // tpu::AtenError (tpu/op_error.h)
   char error_message[kErrorMessageBytes];
   // Response of the last synchronous op (valid once completed >= its
   // sequence).
   alignas(64) uint64_t response_sequence;
   uint32_t response_code;  // absl::StatusCode of that op
+  uint32_t response_kind;  // tpu::AtenError of that op's failure
   uint32_t num_results;
   ShmResult results[kMaxResults];
   char response_message[kErrorMessageBytes];
@@ -189,7 +191,7 @@ inline char* RingOf(void* base, const ShmHeader& h, int ring) {
 // reply's layout is the same in every version.
 inline constexpr char kDataPlaneMagicPrefix[6] = {'T', 'P', 'U', 'D', 'D', 'P'};
 inline constexpr char kDataPlaneMagic[8] = {'T', 'P', 'U', 'D',
-                                            'D', 'P', '0', '3'};
+                                            'D', 'P', '0', '4'};
 static_assert((kDataPlaneMagic[6] - '0') * 10 + (kDataPlaneMagic[7] - '0') ==
                   kDataPlaneVersion,
               "the hello's magic names kDataPlaneVersion");

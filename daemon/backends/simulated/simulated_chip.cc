@@ -26,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/backends/simulated/small_elementwise.h"
+#include "tpu/op_error.h"
 
 namespace tpud {
 
@@ -283,6 +284,26 @@ std::string DtypeName(int64_t code) {
 
 std::string ShapeString(c10::IntArrayRef sizes) {
   return absl::StrCat("[", absl::StrJoin(sizes, ", "), "]");
+}
+
+// `status` marked with the class of ATen exception `e`, which the client
+// raises again as ATen would have (tpu/op_error.h).
+absl::Status AtenFailure(absl::Status status, const c10::Error& e) {
+  tpu::AtenError kind = tpu::AtenError::kError;
+  if (dynamic_cast<const c10::IndexError*>(&e) != nullptr) {
+    kind = tpu::AtenError::kIndex;
+  } else if (dynamic_cast<const c10::ValueError*>(&e) != nullptr) {
+    kind = tpu::AtenError::kValue;
+  } else if (dynamic_cast<const c10::TypeError*>(&e) != nullptr) {
+    kind = tpu::AtenError::kType;
+  } else if (dynamic_cast<const c10::NotImplementedError*>(&e) != nullptr) {
+    kind = tpu::AtenError::kNotImplemented;
+  } else if (dynamic_cast<const c10::LinAlgError*>(&e) != nullptr) {
+    kind = tpu::AtenError::kLinAlg;
+  } else if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) {
+    kind = tpu::AtenError::kOutOfMemory;
+  }
+  return tpu::WithAtenError(std::move(status), kind);
 }
 
 // The first lines of an exception's text: enough to say what went wrong
@@ -1297,11 +1318,15 @@ absl::Status SimulatedChip::Run(const BackendOp& op,
       packed_foreach_runs_.fetch_add(1, std::memory_order_relaxed);
     return st;
   } catch (const c10::OutOfMemoryError& e) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        sim_op->name(), ": ", FirstLines(e.what_without_backtrace())));
+    return AtenFailure(
+        absl::ResourceExhaustedError(absl::StrCat(
+            sim_op->name(), ": ", FirstLines(e.what_without_backtrace()))),
+        e);
   } catch (const c10::Error& e) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        sim_op->name(), ": ", FirstLines(e.what_without_backtrace())));
+    return AtenFailure(
+        absl::InvalidArgumentError(absl::StrCat(
+            sim_op->name(), ": ", FirstLines(e.what_without_backtrace()))),
+        e);
   } catch (const std::exception& e) {
     return absl::InternalError(
         absl::StrCat(sim_op->name(), ": ", FirstLines(e.what())));

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "absl/synchronization/mutex.h"
+#include "tpu/op_error.h"
 #include "tpu/paths.h"
 
 namespace torch_tpu {
@@ -75,8 +76,37 @@ thread_local int64_t tls_stream[256] = {};
 
 }  // namespace
 
+void CheckOp(const absl::Status& status, const char* what) {
+  if (status.ok()) return;
+  // The op's own ATen error: ATen's class and words (they name the op).
+  const std::string aten(status.message());
+  switch (tpu::AtenErrorOf(status)) {
+    case tpu::AtenError::kIndex:
+      TORCH_CHECK_INDEX(false, aten);
+    case tpu::AtenError::kValue:
+      TORCH_CHECK_VALUE(false, aten);
+    case tpu::AtenError::kType:
+      TORCH_CHECK_TYPE(false, aten);
+    case tpu::AtenError::kNotImplemented:
+      TORCH_CHECK_NOT_IMPLEMENTED(false, aten);
+    case tpu::AtenError::kLinAlg:
+      TORCH_CHECK_WITH(LinAlgError, false, aten);
+    default:
+      Check(status, what);
+  }
+}
+
 void Check(const absl::Status& status, const char* what) {
   if (status.ok()) return;
+  // An ATen kernel's error reported at a later call (a synchronisation):
+  // ATen's words, as a RuntimeError, as CUDA reports its kernels' errors.
+  const tpu::AtenError aten = tpu::AtenErrorOf(status);
+  if (aten == tpu::AtenError::kOutOfMemory) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "tpu: ", status.message());
+  }
+  if (aten != tpu::AtenError::kNone) {
+    TORCH_CHECK(false, std::string(status.message()));
+  }
   if (status.code() == absl::StatusCode::kResourceExhausted) {
     TORCH_CHECK_WITH(OutOfMemoryError, false, "tpu: ", what, ": ",
                      status.ToString());

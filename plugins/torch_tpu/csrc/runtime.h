@@ -38,7 +38,11 @@ int64_t CurrentStreamId(c10::DeviceIndex device);
 void SetCurrentStreamId(c10::DeviceIndex device, int64_t id);
 
 // Raises c10::Error (RuntimeError in Python) for a non-OK status, or
-// c10::OutOfMemoryError for RESOURCE_EXHAUSTED.
+// c10::OutOfMemoryError for RESOURCE_EXHAUSTED; an ATen kernel's error
+// (tpu/op_error.h) in ATen's own words.
 void Check(const absl::Status& status, const char* what);
+// The same for the status of the op that the caller just ran, which raises
+// its ATen error as ATen's class (IndexError, TypeError, ...).
+void CheckOp(const absl::Status& status, const char* what);
 
 }  // namespace torch_tpu
