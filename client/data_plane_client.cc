@@ -572,17 +572,19 @@ absl::StatusOr<uint32_t> Session::DefineOp(absl::string_view schema) {
 absl::StatusOr<uint64_t> Session::EnqueueOp(int stream, uint32_t op_id,
                                             const OpArg* args, size_t num_args,
                                             const TensorRef* outputs,
-                                            size_t num_outputs) {
+                                            size_t num_outputs,
+                                            uint32_t flags) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   internal::StreamProducer& p = impl_->streams[stream];
   absl::MutexLock lock(&p.mu);
-  return impl_->EnqueueOpLocked(stream, p, op_id, 0, args, num_args, outputs,
-                                num_outputs, nullptr);
+  return impl_->EnqueueOpLocked(stream, p, op_id,
+                                flags & kOpFlagDefaultDtypeMask, args, num_args,
+                                outputs, num_outputs, nullptr);
 }
 
 absl::StatusOr<std::vector<OpResult>> Session::RunSync(
     int stream, uint32_t op_id, const OpArg* args, size_t num_args,
-    const TensorRef* outputs, size_t num_outputs) {
+    const TensorRef* outputs, size_t num_outputs, uint32_t flags) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   internal::StreamProducer& p = impl_->streams[stream];
   absl::MutexLock sync_lock(&p.sync_mu);
@@ -590,9 +592,9 @@ absl::StatusOr<std::vector<OpResult>> Session::RunSync(
   int ring = 0;
   {
     absl::MutexLock lock(&p.mu);
-    absl::StatusOr<uint64_t> seq =
-        impl_->EnqueueOpLocked(stream, p, op_id, kOpFlagSync, args, num_args,
-                               outputs, num_outputs, &ring);
+    absl::StatusOr<uint64_t> seq = impl_->EnqueueOpLocked(
+        stream, p, op_id, kOpFlagSync | (flags & kOpFlagDefaultDtypeMask), args,
+        num_args, outputs, num_outputs, &ring);
     if (!seq.ok()) return seq.status();
     sequence = *seq;
   }

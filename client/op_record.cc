@@ -677,10 +677,11 @@ absl::Status DecodeOp(absl::string_view record, DecodedOp* out) {
                                         " exceeds the limit of ", kMaxOutputs));
     return BodyError(h, "", r.error());
   }
-  if ((out->flags & ~kOpFlagSync) != 0) {
+  if ((out->flags & ~kOpFlagsKnown) != 0) {
     r.Fail(kNumArgsAt + 4,
            absl::StrCat("unknown op flags 0x", absl::Hex(out->flags),
-                        " (known: 0x", absl::Hex(kOpFlagSync), " sync)"));
+                        " (known: 0x", absl::Hex(kOpFlagSync), " sync, 0x",
+                        absl::Hex(kOpFlagDefaultDtypeMask), " default dtype)"));
     return BodyError(h, "", r.error());
   }
   // Every arg takes at least its tag byte and every output a fixed tensor

@@ -231,19 +231,18 @@ class Session {
 
   // Enqueues an op. Returned tensors that are not arguments are written into
   // `outputs` (allocated by the caller). Returns the record's sequence.
+  // `flags`: kOpFlagDefaultDtypeMask bits (tpu/op_record.h) or 0.
   absl::StatusOr<uint64_t> EnqueueOp(int stream, uint32_t op_id,
                                      const OpArg* args, size_t num_args,
                                      const TensorRef* outputs,
-                                     size_t num_outputs);
+                                     size_t num_outputs, uint32_t flags = 0);
 
   // Runs an op after the stream's earlier work and waits for its values:
   // scalars, and tensors whose shape depends on data (those come back in
   // new segments of this session). One round trip through shared memory.
-  absl::StatusOr<std::vector<OpResult>> RunSync(int stream, uint32_t op_id,
-                                                const OpArg* args,
-                                                size_t num_args,
-                                                const TensorRef* outputs,
-                                                size_t num_outputs);
+  absl::StatusOr<std::vector<OpResult>> RunSync(
+      int stream, uint32_t op_id, const OpArg* args, size_t num_args,
+      const TensorRef* outputs, size_t num_outputs, uint32_t flags = 0);
 
   // Host to device. From pinned memory (AllocatePinned) it is one copy by the
   // daemon and asynchronous: keep `src` unchanged until the stream

@@ -13,7 +13,8 @@
 //               Runs the op. Each returned tensor i that is not already one of
 //               the arguments is copied into output i (client-allocated).
 //               flags & kOpFlagSync: the result goes to the stream's response
-//               area (see shm_layout.h), for ops the host waits on.
+//               area (see shm_layout.h), for ops the host waits on;
+//               flags & kOpFlagDefaultDtypeMask: the client's default dtype.
 //   kCopy       u8 kind (CopyKind), 7 pad, u64 src, u64 dst, u64 bytes
 //               Host addresses are offsets into the session's shared memory
 //               (staging area or pinned pool); device ones are device
@@ -170,6 +171,12 @@ struct RecordHeader {
 static_assert(sizeof(RecordHeader) == 16, "wire format");
 
 inline constexpr uint32_t kOpFlagSync = 1;
+// Bits 8..15: the client's default floating dtype (tpu/dtype.h code + 1),
+// 0 for float32. ATen's results depend on it (1 / 2 of integers, a Python
+// float times an integer tensor), so the daemon runs the op under it.
+inline constexpr uint32_t kOpFlagDefaultDtypeShift = 8;
+inline constexpr uint32_t kOpFlagDefaultDtypeMask = 0xff00;
+inline constexpr uint32_t kOpFlagsKnown = kOpFlagSync | kOpFlagDefaultDtypeMask;
 
 enum class ArgTag : uint8_t {
   kNone = 0,

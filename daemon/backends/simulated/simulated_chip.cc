@@ -6,6 +6,7 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <c10/core/DefaultDtype.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/RefcountedDeleter.h>
 #include <c10/util/Exception.h>
@@ -285,6 +286,20 @@ std::string DtypeName(int64_t code) {
 std::string ShapeString(c10::IntArrayRef sizes) {
   return absl::StrCat("[", absl::StrJoin(sizes, ", "), "]");
 }
+
+// The client's default dtype while one op runs (torch.set_default_dtype
+// there); float32, the executor's own, again after it.
+class DefaultDtypeScope {
+ public:
+  explicit DefaultDtypeScope(c10::ScalarType dtype) {
+    c10::set_default_dtype(c10::scalarTypeToTypeMeta(dtype));
+  }
+  ~DefaultDtypeScope() {
+    c10::set_default_dtype(c10::scalarTypeToTypeMeta(at::kFloat));
+  }
+  DefaultDtypeScope(const DefaultDtypeScope&) = delete;
+  DefaultDtypeScope& operator=(const DefaultDtypeScope&) = delete;
+};
 
 // `status` marked with the class of ATen exception `e`, which the client
 // raises again as ATen would have (tpu/op_error.h).
@@ -1311,6 +1326,19 @@ absl::Status SimulatedChip::Run(const BackendOp& op,
   }
   Scratch& scratch = tls_scratch;
   ClearOnExit clear(scratch);
+  const uint32_t default_code =
+      (decoded.flags & tpu::kOpFlagDefaultDtypeMask) >>
+      tpu::kOpFlagDefaultDtypeShift;
+  std::optional<DefaultDtypeScope> default_dtype;
+  if (default_code != 0) {
+    const auto dtype = static_cast<c10::ScalarType>(default_code - 1);
+    if (dtype != at::kDouble && dtype != at::kHalf && dtype != at::kBFloat16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(sim_op->name(), ": default dtype code ", default_code,
+                       " is not a floating dtype torch accepts"));
+    }
+    default_dtype.emplace(dtype);
+  }
   try {
     OpRun run(*sim_op, decoded, tensors, results, result_allocator, scratch);
     absl::Status st = run.Run();
