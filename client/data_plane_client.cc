@@ -582,6 +582,27 @@ absl::StatusOr<uint64_t> Session::EnqueueOp(int stream, uint32_t op_id,
                                 outputs, num_outputs, nullptr);
 }
 
+absl::Status Session::RunChecked(int stream, uint32_t op_id, const OpArg* args,
+                                 size_t num_args, const TensorRef* outputs,
+                                 size_t num_outputs, uint32_t flags) {
+  if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
+  internal::StreamProducer& p = impl_->streams[stream];
+  uint64_t sequence = 0;
+  int ring = 0;
+  {
+    absl::MutexLock lock(&p.mu);
+    absl::StatusOr<uint64_t> seq = impl_->EnqueueOpLocked(
+        stream, p, op_id, flags & kOpFlagDefaultDtypeMask, args, num_args,
+        outputs, num_outputs, &ring);
+    if (!seq.ok()) return seq.status();
+    // A captured op runs with its program: nothing to wait for now.
+    if (p.capturing) return absl::OkStatus();
+    sequence = *seq;
+  }
+  if (absl::Status s = impl_->WaitCompleted(ring, sequence); !s.ok()) return s;
+  return impl_->TakeError(ring);
+}
+
 absl::StatusOr<std::vector<OpResult>> Session::RunSync(
     int stream, uint32_t op_id, const OpArg* args, size_t num_args,
     const TensorRef* outputs, size_t num_outputs, uint32_t flags) {

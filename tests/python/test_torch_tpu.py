@@ -318,6 +318,9 @@ def _async_error_surfaces_at_sync_with_op_name():
     import torch
     import torch_tpu  # noqa: F401
     a = torch.randn(3, 4, device="tpu")
+    # The first op of an argument class waits for its result (argument
+    # errors raise at the call); the ones after it are queued.
+    a.index_select(0, torch.tensor([0, 1]).to("tpu"))
     idx = torch.tensor([0, 7]).to("tpu")   # out of range for dim 0
     b = a.index_select(0, idx)             # queued; fails in the daemon
     try:

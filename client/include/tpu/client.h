@@ -237,6 +237,15 @@ class Session {
                                      const TensorRef* outputs,
                                      size_t num_outputs, uint32_t flags = 0);
 
+  // EnqueueOp, then waits for that op and reports (and clears) the first
+  // error its ring holds: the op's own failure, or an earlier op's there.
+  // For an op whose arguments were never seen before: its argument errors
+  // then reach the caller at the call, as a CPU kernel's do. While the
+  // stream captures (BeginCapture) it only enqueues.
+  absl::Status RunChecked(int stream, uint32_t op_id, const OpArg* args,
+                          size_t num_args, const TensorRef* outputs,
+                          size_t num_outputs, uint32_t flags = 0);
+
   // Runs an op after the stream's earlier work and waits for its values:
   // scalars, and tensors whose shape depends on data (those come back in
   // new segments of this session). One round trip through shared memory.

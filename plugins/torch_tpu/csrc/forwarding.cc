@@ -7,13 +7,16 @@
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
+#include <c10/core/DefaultDtype.h>
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "allocator.h"
 #include "native_kernels.h"
@@ -78,6 +81,40 @@ void CacheStore(const std::string& key, std::shared_ptr<const MetaSpec> spec) {
   g_specs->emplace(key, std::move(spec));
 }
 
+// Argument classes (ArgumentClass below) that ran once without an error.
+// The first op of a class waits for its result, so that an error its CPU
+// kernel raises from its arguments (a dtype it refuses, from >= to in
+// random_) reaches the caller at the call, as on the CPU; the ops after it
+// are enqueued without waiting. Data-dependent errors (an index out of
+// range in a kernel) stay asynchronous, as on CUDA.
+std::mutex g_checked_mu;
+std::unordered_set<std::string>* g_checked =
+    new std::unordered_set<std::string>();
+constexpr size_t kMaxChecked = 1 << 16;
+
+bool WasChecked(const std::string& key) {
+  std::lock_guard<std::mutex> lock(g_checked_mu);
+  return g_checked->count(key) != 0;
+}
+
+void MarkChecked(const std::string& key) {
+  std::lock_guard<std::mutex> lock(g_checked_mu);
+  if (g_checked->size() >= kMaxChecked) g_checked->clear();
+  g_checked->insert(key);
+}
+
+// What of a number an argument check can look at: NaN, infinity, sign,
+// zero, integral. (Not the value: a learning rate changing every step would
+// make every step's ops new.)
+uint8_t NumberClass(double v) {
+  if (std::isnan(v)) return 1;
+  uint8_t c = std::isinf(v) ? 2 : 0;
+  if (v < 0) c |= 4;
+  if (v == 0) c |= 8;
+  if (std::isfinite(v) && v == std::floor(v)) c |= 16;
+  return c;
+}
+
 template <typename T>
 void Put(std::string* k, const T& v) {
   k->append(reinterpret_cast<const char*>(&v), sizeof(v));
@@ -138,6 +175,12 @@ class ForwardedOp {
   void SetStrictMeta() { strict_meta_ = true; }
 
   void Run() {
+    default_dtype_ = c10::get_default_dtype_as_scalartype();
+    // The daemon runs the op under the same default dtype.
+    const uint32_t flags = default_dtype_ == at::kFloat
+                               ? 0
+                               : (static_cast<uint32_t>(default_dtype_) + 1)
+                                     << tpu::kOpFlagDefaultDtypeShift;
     const size_t n = schema_.arguments().size();
     auto args = torch::jit::last(*stack_, n);
     FindDevice(args);
@@ -150,10 +193,13 @@ class ForwardedOp {
     const bool cacheable = Key(inputs, &key);
     std::shared_ptr<const MetaSpec> spec =
         cacheable ? CacheLookup(key) : nullptr;
-    if (spec == nullptr) {
-      spec = ComputeSpec(inputs);
-      if (cacheable) CacheStore(key, spec);
-    }
+    const bool new_signature = spec == nullptr;
+    if (new_signature) spec = ComputeSpec(inputs);
+    // A signature goes into the cache once its op was enqueued without an
+    // argument error (below): a hit needs no check.
+    auto remember = [&] {
+      if (new_signature && cacheable) CacheStore(key, spec);
+    };
     ScratchVector<tpu::OpArg> wire_scratch;
     std::vector<tpu::OpArg>& wire = *wire_scratch;
     wire.resize(n);
@@ -166,9 +212,10 @@ class ForwardedOp {
     torch::jit::drop(*stack_, n);
     if (spec->sync) {
       encode_args();
-      absl::StatusOr<std::vector<tpu::OpResult>> results =
-          session.RunSync(stream_, id, wire.data(), wire.size(), nullptr, 0);
-      Check(results.status(), schema_.name().c_str());
+      absl::StatusOr<std::vector<tpu::OpResult>> results = session.RunSync(
+          stream_, id, wire.data(), wire.size(), nullptr, 0, flags);
+      CheckOp(results.status(), schema_.name().c_str());
+      remember();
       PushSyncResults(*results);
       return;
     }
@@ -183,12 +230,24 @@ class ForwardedOp {
     encode_args();
     if (all_alias && !WritesAnArgument()) {
       // A pure view op: the result is metadata over existing data.
+      remember();
       for (c10::IValue& r : returns) torch::jit::push(*stack_, std::move(r));
       return;
     }
-    absl::StatusOr<uint64_t> seq = session.EnqueueOp(
-        stream_, id, wire.data(), wire.size(), outputs.data(), outputs.size());
-    Check(seq.status(), schema_.name().c_str());
+    std::string class_key;
+    const bool check = new_signature && !CheckedClass(inputs, &class_key);
+    if (check) {
+      CheckOp(session.RunChecked(stream_, id, wire.data(), wire.size(),
+                                 outputs.data(), outputs.size(), flags),
+              schema_.name().c_str());
+      if (!class_key.empty()) MarkChecked(class_key);
+    } else {
+      absl::StatusOr<uint64_t> seq =
+          session.EnqueueOp(stream_, id, wire.data(), wire.size(),
+                            outputs.data(), outputs.size(), flags);
+      Check(seq.status(), schema_.name().c_str());
+    }
+    remember();
     for (auto& [tmp, out] : pending_copies_)
       ForwardInPlace("aten::copy_", "", out, {tmp, false});
     for (c10::IValue& r : returns) torch::jit::push(*stack_, std::move(r));
@@ -224,6 +283,17 @@ class ForwardedOp {
       Put(k, static_cast<int8_t>(t.scalar_type()));
       Put(k, t.unsafeGetTensorImpl()->is_wrapped_number());
       const at::Scalar v = HostScalarValue(t);
+      if (coarse_) {
+        if (v.isComplex()) {
+          Put(k, NumberClass(v.toComplexDouble().real()));
+          Put(k, NumberClass(v.toComplexDouble().imag()));
+        } else {
+          Put(k, NumberClass(v.isFloatingPoint()
+                                 ? v.toDouble()
+                                 : static_cast<double>(v.toLong())));
+        }
+        return;
+      }
       if (v.isComplex()) {
         Put(k, v.toComplexDouble());
       } else if (v.isFloatingPoint()) {
@@ -236,12 +306,22 @@ class ForwardedOp {
     k->push_back('T');
     Put(k, static_cast<int8_t>(t.scalar_type()));
     Put(k, static_cast<int8_t>(t.dim()));
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      Put(k, t.size(d));
-      Put(k, t.stride(d));
+    if (coarse_) {
+      // Sizes as 0, 1 or more, and where strides are 0: the exact shapes
+      // are the meta kernel's to check, on every signature.
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        Put(k, static_cast<int8_t>(std::min<int64_t>(t.size(d), 2) +
+                                   (t.stride(d) == 0 ? 4 : 0)));
+      }
+      Put(k, t.is_contiguous());
+    } else {
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        Put(k, t.size(d));
+        Put(k, t.stride(d));
+      }
+      Put(k, t.storage_offset());
+      Put(k, t.storage().nbytes());
     }
-    Put(k, t.storage_offset());
-    Put(k, t.storage().nbytes());
     // Which inputs share storage matters to aliasing results.
     const void* storage = t.storage().unsafeGetStorageImpl();
     int index = 0;
@@ -254,10 +334,27 @@ class ForwardedOp {
     Put(k, index);
   }
 
+  // Whether the inputs' argument class (their signature with sizes as 0, 1
+  // or more and numbers by NumberClass) ran once without an error; else its
+  // key goes into `class_key` (left empty when it has no key form).
+  bool CheckedClass(const std::vector<c10::IValue>& inputs,
+                    std::string* class_key) {
+    seen_storages_.clear();
+    coarse_ = true;
+    const bool keyed = Key(inputs, class_key);
+    coarse_ = false;
+    if (!keyed) {
+      class_key->clear();
+      return false;
+    }
+    return WasChecked(*class_key);
+  }
+
   // A key for the input signature; false when an argument has no key form.
   bool Key(const std::vector<c10::IValue>& inputs, std::string* k) {
     k->reserve(256);
     Put(k, &schema_);
+    Put(k, static_cast<int8_t>(default_dtype_));  // it shapes result dtypes
     for (const c10::IValue& v : inputs) {
       if (v.isTensor()) {
         KeyTensor(v.toTensor(), k);
@@ -268,13 +365,22 @@ class ForwardedOp {
         Put(k, v.toInt());
       } else if (v.isDouble()) {
         k->push_back('d');
-        Put(k, v.toDouble());
+        if (coarse_) {
+          Put(k, NumberClass(v.toDouble()));
+        } else {
+          Put(k, v.toDouble());
+        }
       } else if (v.isBool()) {
         k->push_back('b');
         Put(k, v.toBool());
       } else if (v.isComplexDouble()) {
         k->push_back('c');
-        Put(k, v.toComplexDouble());
+        if (coarse_) {
+          Put(k, NumberClass(v.toComplexDouble().real()));
+          Put(k, NumberClass(v.toComplexDouble().imag()));
+        } else {
+          Put(k, v.toComplexDouble());
+        }
       } else if (v.isString()) {
         k->push_back('s');
         k->append(v.toStringRef());
@@ -285,7 +391,13 @@ class ForwardedOp {
         k->push_back(';');
       } else if (v.isDoubleList()) {
         k->push_back('F');
-        for (double x : v.toDoubleVector()) Put(k, x);
+        for (double x : v.toDoubleVector()) {
+          if (coarse_) {
+            Put(k, NumberClass(x));
+          } else {
+            Put(k, x);
+          }
+        }
         k->push_back(';');
       } else if (v.isBoolList()) {
         k->push_back('B');
@@ -618,6 +730,14 @@ class ForwardedOp {
   }
 
   at::Tensor Meta(const at::Tensor& t) {
+    if (t.defined() && t.device().is_cpu() && t.dim() == 0 &&
+        !t.unsafeGetTensorImpl()->is_wrapped_number() &&
+        (t.is_floating_point() || t.is_complex())) {
+      // A CPU 0-dim tensor beside tpu ones is a scalar operand, as on CUDA;
+      // meta kernels that check devices take it as a meta one. (Integer
+      // ones stay: narrow's start, for one, is read for its value.)
+      return at::empty({}, t.options().device(c10::kMeta));
+    }
     if (!t.defined() || t.device().is_cpu()) return t;  // host scalars stay
     const int64_t itemsize = t.element_size();
     const int64_t storage_numel =
@@ -814,6 +934,8 @@ class ForwardedOp {
   bool strict_meta_ = false;
   std::vector<std::pair<at::Tensor, at::Tensor>> pending_copies_;  // (tmp, out)
   std::vector<const void*> seen_storages_;  // for the signature key
+  bool coarse_ = false;  // Key() makes the argument class's key
+  at::ScalarType default_dtype_ = at::kFloat;  // torch's, as the op began
 };
 
 // An out= op's functional twin: same name, overload "" for "out" or "X" for

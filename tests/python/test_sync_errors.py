@@ -1,0 +1,116 @@
+"""Errors ATen raises from arguments, dtypes and shapes raise at the call on
+tpu, as ATen's class with ATen's message, and leave nothing behind for the
+next call (issue 33). Data-dependent errors stay asynchronous: see
+test_torch_tpu.py's test_async_error_surfaces_at_sync_with_op_name.
+
+Each family runs in one child process against one tpud: the call must raise
+(the same class as on the CPU), and a later, unrelated synchronising call in
+the same process must succeed.
+"""
+import pytest
+
+from conftest import run_py
+
+# Each case: a statement that raises on the CPU, run on `dev`.
+CASES = {
+    # a dtype check in a CPU kernel (not in the meta kernel torch registers)
+    "dtype": "torch.heaviside(torch.ones(3, dtype=torch.int8, device=dev), "
+             "torch.ones(3, dtype=torch.float64, device=dev))",
+    # an argument value check in a CPU kernel
+    "value": "torch.empty(4, device=dev).random_(0, -5)",
+    # a scalar argument's type against the tensor's
+    "alpha": "torch.add(torch.ones(2, dtype=torch.int64, device=dev), "
+             "torch.ones(2, dtype=torch.int64, device=dev), alpha=0.5)",
+    # the class of the error: IndexError
+    "index_class": "torch.ones(2, 3, device=dev).flip(2)",
+    # shapes
+    "shape": "torch.ones(2, 3, device=dev) + torch.ones(4, device=dev)",
+}
+
+CHILD = r"""
+import torch
+for name, stmt in CASES.items():
+    for d in ("cpu", "tpu"):
+        dev = d
+        try:
+            eval(stmt)
+            print(name, d, "returned")
+        except Exception as e:
+            print(name, d, "raised", type(e).__name__, "|", str(e).splitlines()[0])
+        # nothing left for the next call
+        try:
+            v = torch.ones(2, device=d).sum().item()
+            print(name, d, "next", v)
+        except Exception as e:
+            print(name, d, "next raised", type(e).__name__, str(e).splitlines()[0])
+"""
+
+
+@pytest.fixture(scope="module")
+def outcomes(tpud):
+    """What each case did on each device, from one child process."""
+    r = run_py(tpud, f"CASES = {CASES!r}\n" + CHILD)
+    got = {}
+    for line in r.stdout.splitlines():
+        parts = line.split(" ", 2)
+        if len(parts) == 3:
+            got.setdefault((parts[0], parts[1]), []).append(parts[2])
+    return got, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_error_raises_at_the_call_as_on_cpu(outcomes, family):
+    got, out = outcomes
+    cpu, tpu = got[(family, "cpu")], got[(family, "tpu")]
+    assert cpu[0].startswith("raised"), out
+    cpu_class = cpu[0].split()[1]
+    assert tpu[0].startswith("raised " + cpu_class), out
+    # ATen's own words (the CPU's message, give or take the op's name).
+    cpu_words = cpu[0].split("|", 1)[1].strip()
+    assert cpu_words[:40] in tpu[0], out
+    assert tpu[1] == "next 2.0", out
+
+
+def test_same_argument_class_after_an_error_raises_again(tpud):
+    """A failing argument class is not remembered as checked: the same call
+    raises at the call every time, and a good call of the same op works."""
+    r = run_py(tpud, r"""
+import torch
+t = torch.empty(4, device="tpu")
+for _ in range(3):
+    try:
+        t.random_(0, -5)
+        print("returned")
+    except RuntimeError as e:
+        print("raised")
+t.random_(0, 5)
+print("ok", int(t.max().item()) < 5)
+""")
+    assert r.stdout.split() == ["raised", "raised", "raised", "ok", "True"], r.stdout + r.stderr
+
+
+def test_default_dtype_is_honoured(tpud):
+    r = run_py(tpud, r"""
+import torch
+torch.set_default_dtype(torch.float64)
+x = torch.tensor([1, 2, 3], device="tpu") / 2
+y = torch.arange(3, device="tpu") * 0.5
+print(x.dtype, x.cpu().tolist(), y.dtype, y.cpu().tolist())
+torch.set_default_dtype(torch.float32)
+z = torch.tensor([1, 2, 3], device="tpu") / 2
+print(z.dtype, z.cpu().tolist())
+""")
+    assert r.stdout.split("\n")[0] == "torch.float64 [0.5, 1.0, 1.5] torch.float64 [0.0, 0.5, 1.0]", r.stdout + r.stderr
+    assert r.stdout.split("\n")[1] == "torch.float32 [0.5, 1.0, 1.5]", r.stdout + r.stderr
+
+
+def test_cpu_zero_dim_tensor_operand(tpud):
+    """A CPU 0-dim tensor (not a Python number) beside a tpu tensor is a
+    scalar operand, as on CUDA."""
+    r = run_py(tpud, r"""
+import torch
+x = torch.tensor([1.0, -2.0, 3.0], device="tpu")
+print(torch.copysign(x, torch.tensor(-1.0)).cpu().tolist())
+print(torch.copysign(x, torch.tensor(-1.0, dtype=torch.float64)).dtype)
+""")
+    assert r.stdout.split("\n")[:2] == ["[-1.0, -2.0, -3.0]", "torch.float32"], r.stdout + r.stderr
