@@ -66,6 +66,12 @@ if [[ "$(.venv/bin/clang-format --version 2>/dev/null)" != *"version 14.0.6"* ]]
   echo "setup: installing clang-format 14.0.6 into .venv"
   .venv/bin/pip install -q clang-format==14.0.6
 fi
+# expecttest: torch.testing._internal imports it; PyTorch's own test files
+# run through tools/upstream_tests.py need it.
+if ! .venv/bin/python -c 'import expecttest' 2>/dev/null; then
+  echo "setup: installing expecttest into .venv"
+  .venv/bin/pip install -q expecttest==0.3.0
+fi
 # libtpu (the TPU plugin) only for the test that tpud on it fails fast on
 # a machine without a TPU; its absence skips that test, so a failed download
 # does not fail the setup.
