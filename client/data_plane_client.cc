@@ -26,6 +26,8 @@
 #include "tpu/units.h"
 
 namespace tpu {
+
+static_assert(kResultDims == kMaxDims, "a sync result holds any tensor");
 namespace {
 
 constexpr int kStagingSlotsPerStream = 4;

@@ -887,3 +887,24 @@ def _bad_arguments_raise_like_cpu():
         assert msgs[0] != "no error" and msgs[0] == msgs[1], msgs
     x = torch.ones(3, device="tpu")
     assert x.add_(1).cpu().tolist() == [2.0, 2.0, 2.0]  # nothing was poisoned
+
+
+def test_many_dimensions(tpud):
+    """Tensors of up to 64 dimensions, as on the CPU (the record format held
+    25 once)."""
+    r = run_in_child(tpud, _many_dimensions)
+    assert r.stdout.split() == ["ok", "ok"], r.stdout + r.stderr
+
+
+def _many_dimensions():
+    import torch
+    import torch_tpu  # noqa: F401
+    for ndim in (26, 64):
+        shape = [2, 3] + [1] * (ndim - 3) + [2]
+        x = torch.arange(12.0).reshape(shape)
+        t = x.to("tpu")
+        y = (t * 2 + 1).sum(dim=-1, keepdim=True).permute(*reversed(range(ndim)))
+        want = (x * 2 + 1).sum(dim=-1, keepdim=True).permute(*reversed(range(ndim)))
+        assert y.shape == want.shape and torch.equal(y.cpu(), want), (y.shape, want.shape)
+        assert (t.sum() == x.sum()).item()
+        print("ok")

@@ -95,7 +95,7 @@
 
 namespace tpu {
 
-inline constexpr int kMaxDims = 25;
+inline constexpr int kMaxDims = 64;  // as a CPU tensor's
 inline constexpr uint32_t kMaxStringBytes = 4096;
 inline constexpr uint32_t kMaxListLength = 1 << 16;
 inline constexpr uint16_t kMaxArgs = 256;

@@ -96,6 +96,7 @@ struct alignas(64) DaemonHints {
 };
 
 // A returned value of a synchronous op (see tpud's ChipBackend::Run).
+inline constexpr int kResultDims = 64;  // tpu::kMaxDims (tpu/op_record.h)
 struct ShmResult {
   uint8_t kind;  // 0 none, 1 int, 2 double, 3 bool, 4 complex, 5 tensor
   int8_t dtype;
@@ -109,8 +110,8 @@ struct ShmResult {
                      // argument's storage
   uint64_t nbytes;
   int64_t storage_offset;
-  int64_t sizes[25];
-  int64_t strides[25];
+  int64_t sizes[kResultDims];
+  int64_t strides[kResultDims];
 };
 
 struct alignas(64) RingControl {
