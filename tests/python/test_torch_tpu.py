@@ -908,3 +908,36 @@ def _many_dimensions():
         assert y.shape == want.shape and torch.equal(y.cpu(), want), (y.shape, want.shape)
         assert (t.sum() == x.sum()).item()
         print("ok")
+
+
+def test_out_forms_of_values_and_indices_ops(tpud):
+    """mode, sort, max and kthvalue with out=(values, indices) as on the CPU
+    (mode's composite out= kernel refused tpu)."""
+    if getattr(tpud, "backend", "simulated") != "simulated":
+        pytest.skip("mode has no StableHLO lowering on the PJRT backend")
+    r = run_in_child(tpud, _out_forms_of_values_and_indices_ops)
+    lines = r.stdout.splitlines()
+    assert len(lines) == 8 and lines[:4] == lines[4:], r.stdout + r.stderr
+
+
+def _out_forms_of_values_and_indices_ops():
+    import torch
+    import torch_tpu  # noqa: F401
+    for dev in ("cpu", "tpu"):
+        x = torch.tensor([[1., 2., 2., 3.], [4., 4., 5., 5.]], device=dev)
+
+        def outs():
+            return (torch.empty(0, device=dev), torch.empty(0, dtype=torch.long, device=dev))
+        v, i = outs()
+        r = torch.mode(x, 1, out=(v, i))
+        assert r[0] is v and r[1] is i
+        print(v.cpu().tolist(), i.cpu().tolist())
+        v, i = outs()
+        torch.sort(x, dim=1, descending=True, stable=True, out=(v, i))
+        print(v.cpu().tolist(), i.cpu().tolist())
+        v, i = outs()
+        torch.max(x, 1, out=(v, i))
+        print(v.cpu().tolist(), i.cpu().tolist())
+        v, i = outs()
+        torch.kthvalue(x, 2, 1, out=(v, i))
+        print(v.cpu().tolist(), i.cpu().tolist())

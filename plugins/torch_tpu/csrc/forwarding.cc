@@ -944,11 +944,15 @@ std::optional<c10::OperatorHandle> FunctionalOf(
     const c10::FunctionSchema& schema, size_t* num_out) {
   const std::string& overload = schema.overload_name();
   std::string base;
-  if (overload == "out") {
-    base = "";
+  if (overload == "out" || overload == "values") {
+    base = "";  // mode.values -> mode
   } else if (overload.size() > 4 &&
              overload.compare(overload.size() - 4, 4, "_out") == 0) {
     base = overload.substr(0, overload.size() - 4);
+  } else if (overload == "values_stable") {
+    base = "stable";  // sort.values_stable -> sort.stable
+  } else if (overload == "dim_max" || overload == "dim_min") {
+    base = "dim";  // max.dim_max -> max.dim
   } else {
     return std::nullopt;
   }

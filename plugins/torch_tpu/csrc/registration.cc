@@ -54,7 +54,8 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   // (many small ops, and results that differ from the CPU kernel: layer norm
   // of bfloat16 with float weights came back in float); send them whole.
   // The same holds for group norm (float16 gradients differed from the CPU's
-  // by 0.5%), addr, and mish's backward (CompositeImplicitAutograd).
+  // by 0.5%), addr, and mish's backward (CompositeImplicitAutograd), and
+  // mode's out= form (its composite kernel takes only CPU, CUDA and XPU).
   for (const std::string& name : SentWholeOps()) {
     m.impl(name.c_str(),
            torch::CppFunction::makeFromBoxedFunction<&Fallback>());
@@ -222,9 +223,9 @@ void SendStructuredOpsWhole(const std::vector<std::string>* lowered) {
 }  // namespace
 
 const std::vector<std::string>& SentWholeOps() {
-  static const auto* ops =
-      new std::vector<std::string>{"native_layer_norm", "native_group_norm",
-                                   "addr", "addr.out", "mish_backward"};
+  static const auto* ops = new std::vector<std::string>{
+      "native_layer_norm", "native_group_norm", "addr",
+      "addr.out",          "mish_backward",     "mode.values"};
   return *ops;
 }
 
