@@ -602,7 +602,12 @@ absl::Status Session::RunChecked(int stream, uint32_t op_id, const OpArg* args,
     sequence = *seq;
   }
   if (absl::Status s = impl_->WaitCompleted(ring, sequence); !s.ok()) return s;
-  return impl_->TakeError(ring);
+  const uint64_t failed = impl_->Control(ring)->error_sequence.load();
+  absl::Status error = impl_->TakeError(ring);
+  // An earlier op's error is reported here as any synchronisation reports
+  // it: not as this op's own (no ATen class).
+  if (failed != sequence) error.ErasePayload(kAtenErrorPayload);
+  return error;
 }
 
 absl::StatusOr<std::vector<OpResult>> Session::RunSync(
@@ -659,7 +664,12 @@ absl::StatusOr<std::vector<OpResult>> Session::RunSync(
         absl::Status(static_cast<absl::StatusCode>(ctl->response_code), text),
         AtenErrorFromWire(ctl->response_kind));
   }
-  if (!earlier.ok()) return earlier;
+  if (!earlier.ok()) {
+    // Another op's error: not this op's own ATen error.
+    absl::Status e = earlier;
+    e.ErasePayload(kAtenErrorPayload);
+    return e;
+  }
   std::vector<OpResult> results;
   const uint32_t n = std::min<uint32_t>(ctl->num_results, kMaxResults);
   for (uint32_t i = 0; i < n; ++i) {

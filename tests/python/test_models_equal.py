@@ -74,6 +74,9 @@ def _a_caught_error_is_reported_once_and_poisons_only_what_it_wrote():
     import torch_tpu  # noqa: F401
 
     x = torch.randn(4, device="tpu")
+    # The first op of an argument class waits for its result; this one's
+    # data-dependent error is then asynchronous, reported at the next sync.
+    torch.index_select(x, 0, torch.tensor([1], device="tpu"))
     bad = torch.index_select(x, 0, torch.tensor([10], device="tpu"))
     try:
         bad.sum().item()

@@ -238,7 +238,8 @@ class Session {
                                      size_t num_outputs, uint32_t flags = 0);
 
   // EnqueueOp, then waits for that op and reports (and clears) the first
-  // error its ring holds: the op's own failure, or an earlier op's there.
+  // error its ring holds: the op's own failure (with its tpu::AtenError
+  // payload), or an earlier op's there (without).
   // For an op whose arguments were never seen before: its argument errors
   // then reach the caller at the call, as a CPU kernel's do. While the
   // stream captures (BeginCapture) it only enqueues.
