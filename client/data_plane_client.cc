@@ -430,7 +430,24 @@ absl::Status Session::Impl::WaitCompleted(int ring, uint64_t sequence) {
   }
 }
 
+void Session::Impl::TakeWarning(int ring) {
+  RingControl* ctl = Control(ring);
+  if (ctl->warning_sequence.load(std::memory_order_acquire) == 0) return;
+  char message[kWarningMessageBytes];
+  std::memcpy(message, ctl->warning_message, sizeof(message));
+  message[sizeof(message) - 1] = '\0';
+  const bool deprecation = ctl->warning_deprecation != 0;
+  const uint32_t count = ctl->warning_count;
+  ctl->warning_sequence.store(0);  // the daemon may write the next one
+  if (!warning_handler) return;
+  std::string text = message;
+  if (count > 1)
+    absl::StrAppend(&text, " (and ", count - 1, " more warning(s) since)");
+  warning_handler(text, deprecation);
+}
+
 absl::Status Session::Impl::TakeError(int ring) {
+  TakeWarning(ring);
   RingControl* ctl = Control(ring);
   const uint64_t seq = ctl->error_sequence.load(std::memory_order_acquire);
   if (seq == 0) {
@@ -627,6 +644,7 @@ absl::StatusOr<std::vector<OpResult>> Session::RunSync(
     sequence = *seq;
   }
   if (absl::Status s = impl_->WaitCompleted(ring, sequence); !s.ok()) return s;
+  impl_->TakeWarning(ring);
   RingControl* ctl = impl_->Control(ring);
   if (ctl->response_sequence != sequence) {
     // The record never ran as an op (e.g. the op id was refused earlier):
@@ -1044,6 +1062,11 @@ void Session::ReleaseEvent(const Event& event) {
   if (event.slot >= static_cast<uint32_t>(kMaxEvents)) return;
   absl::MutexLock lock(&impl_->events_mu);
   impl_->free_events.push_back(event.slot);
+}
+
+void Session::SetWarningHandler(
+    std::function<void(absl::string_view, bool)> handler) {
+  impl_->warning_handler = std::move(handler);
 }
 
 absl::Status Session::Synchronize(int stream) {

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -82,6 +83,8 @@ struct StreamProducer {
 }  // namespace internal
 
 struct Session::Impl {
+  // Set once, before ops run (Session::SetWarningHandler).
+  std::function<void(absl::string_view, bool)> warning_handler;
   ClientOptions options;
   std::shared_ptr<grpc::Channel> channel ABSL_GUARDED_BY(mu);
   std::shared_ptr<tpud::v1::Runtime::Stub> stub ABSL_GUARDED_BY(mu);
@@ -200,8 +203,12 @@ struct Session::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   // Waits until `ring` completed `sequence` (or died, or the daemon left).
   absl::Status WaitCompleted(int ring, uint64_t sequence);
-  // The ring's sticky error, cleared; OK when none.
+  // The ring's sticky error, cleared; OK when none. Takes its warning too
+  // (TakeWarning).
   absl::Status TakeError(int ring);
+  // Hands the ring's pending warning, if any, to warning_handler and clears
+  // it.
+  void TakeWarning(int ring);
   // The first sticky error of any of the stream's rings (all cleared).
   absl::Status TakeStreamError(int stream);
   // Builds and publishes an op record (and the op's definition, the first

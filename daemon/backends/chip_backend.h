@@ -174,6 +174,14 @@ class ChipBackend {
     return false;
   }
 
+  // The first warning the last Run on this thread raised (ATen's
+  // TORCH_WARN; `deprecation`: a DeprecationWarning), for the client to
+  // raise again; false when there was none. Warnings go nowhere else: a
+  // client cannot fill tpud's log with them.
+  virtual bool TakeWarning(std::string* message, bool* deprecation) {
+    return false;
+  }
+
   // Name for logs and tpuctl ("simulated (ATen CPU)").
   virtual std::string Describe() const = 0;
 

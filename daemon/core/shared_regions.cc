@@ -176,6 +176,21 @@ StateOffsets OffsetsFor(int num_chips) {
 
 }  // namespace
 
+void RecordRingWarning(tpu::RingControl* ctl, uint64_t sequence,
+                       absl::string_view message, bool deprecation) {
+  if (ctl->warning_sequence.load() != 0) {
+    ctl->warning_count += 1;
+    return;
+  }
+  ctl->warning_count = 1;
+  ctl->warning_deprecation = deprecation ? 1 : 0;
+  const size_t n =
+      std::min<size_t>(message.size(), tpu::kWarningMessageBytes - 1);
+  std::memcpy(ctl->warning_message, message.data(), n);
+  ctl->warning_message[n] = '\0';
+  ctl->warning_sequence.store(sequence);
+}
+
 void RecordRingError(tpu::RingControl* ctl, uint64_t sequence,
                      const absl::Status& status) {
   ctl->error_count += 1;

@@ -340,6 +340,10 @@ class SessionStateView {
 
 // Records `status` as the ring's sticky error (the first one sticks) at
 // `sequence`.
+// Keeps the first warning since the client last took one (tpu/shm_layout.h);
+// later ones only count.
+void RecordRingWarning(tpu::RingControl* ctl, uint64_t sequence,
+                       absl::string_view message, bool deprecation);
 void RecordRingError(tpu::RingControl* ctl, uint64_t sequence,
                      const absl::Status& status);
 // Ends a ring for its client: its error becomes `status`, it is marked dead

@@ -1015,6 +1015,10 @@ absl::Status Executor::RunOp(Ring& ring, uint64_t sequence) {
     results_.clear();
     status = config_.backend->Run(op, op_, resolved_,
                                   sync ? &results_ : nullptr, &alloc);
+    std::string warning;
+    bool deprecation = false;
+    if (config_.backend->TakeWarning(&warning, &deprecation))
+      RecordRingWarning(ctl, sequence, warning, deprecation);
     if (status.ok()) {
       if (s.state.chip(ring.chip)->poison.count != 0) UnpoisonOutputs(ring, op);
     } else {

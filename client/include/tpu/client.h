@@ -292,6 +292,13 @@ class Session {
   // first error an op of that stream hit since the last synchronisation.
   absl::Status Synchronize(int stream);
   absl::Status SynchronizeAll();
+
+  // Warnings the daemon's kernels raised (ATen's TORCH_WARN): at every
+  // synchronising call, the first one of each ring since the last is given
+  // to `handler` (message, whether it is a DeprecationWarning) on the
+  // calling thread. Set it before running ops; without one they are dropped.
+  void SetWarningHandler(
+      std::function<void(absl::string_view message, bool deprecation)> handler);
   // Waits for all enqueued work of every stream without taking the streams'
   // errors (they stay for the next Synchronize). For freeing memory that
   // queued work may still use.

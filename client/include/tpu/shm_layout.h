@@ -51,6 +51,7 @@ inline constexpr int kStreamsPerChip = 8;
 inline constexpr int kMaxChipsPerHost = 16;
 inline constexpr int kMaxEvents = 1024;
 inline constexpr uint32_t kErrorMessageBytes = 2048;
+inline constexpr uint32_t kWarningMessageBytes = 512;
 inline constexpr int kMaxResults = 16;
 
 constexpr int RingIndex(int chip, int stream) {
@@ -143,6 +144,14 @@ struct alignas(64) RingControl {
   uint32_t error_count;  // failures since cleared
   uint32_t error_kind;   // tpu::AtenError (tpu/op_error.h)
   char error_message[kErrorMessageBytes];
+  // The first warning an op of this ring raised (ATen's TORCH_WARN) since
+  // the client last took one; warning_sequence != 0 means set. The daemon
+  // writes only while it is 0, the rest before publishing it; the client
+  // copies the message, then clears it.
+  alignas(64) std::atomic<uint64_t> warning_sequence;
+  uint32_t warning_count;        // warnings since cleared
+  uint32_t warning_deprecation;  // 1: a DeprecationWarning
+  char warning_message[kWarningMessageBytes];
   // Response of the last synchronous op (valid once completed >= its
   // sequence).
   alignas(64) uint64_t response_sequence;

@@ -21,6 +21,7 @@
 #include <optional>
 #include <set>
 #include <utility>
+#include <variant>
 
 #include "absl/base/optimization.h"
 #include "absl/strings/match.h"
@@ -266,6 +267,26 @@ struct Scratch {
 };
 
 thread_local Scratch tls_scratch;
+
+// ATen's warnings during one op (TORCH_WARN in a kernel): the first is kept
+// for the client (ChipBackend::TakeWarning), none goes to tpud's stderr.
+struct OpWarning {
+  bool raised = false;
+  bool deprecation = false;
+  std::string message;
+};
+thread_local OpWarning tls_warning;
+
+class KeepFirstWarning : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning& warning) override {
+    if (tls_warning.raised) return;
+    tls_warning.raised = true;
+    tls_warning.deprecation =
+        std::holds_alternative<c10::DeprecationWarning>(warning.type());
+    tls_warning.message = warning.msg();
+  }
+};
 
 class ClearOnExit {
  public:
@@ -1326,6 +1347,9 @@ absl::Status SimulatedChip::Run(const BackendOp& op,
   }
   Scratch& scratch = tls_scratch;
   ClearOnExit clear(scratch);
+  tls_warning.raised = false;
+  KeepFirstWarning keep_warning;
+  c10::WarningUtils::WarningHandlerGuard warnings(&keep_warning);
   const uint32_t default_code =
       (decoded.flags & tpu::kOpFlagDefaultDtypeMask) >>
       tpu::kOpFlagDefaultDtypeShift;
@@ -1362,6 +1386,14 @@ absl::Status SimulatedChip::Run(const BackendOp& op,
     return absl::InternalError(
         absl::StrCat(sim_op->name(), ": unknown exception"));
   }
+}
+
+bool SimulatedChip::TakeWarning(std::string* message, bool* deprecation) {
+  if (!tls_warning.raised) return false;
+  tls_warning.raised = false;
+  *message = std::move(tls_warning.message);
+  *deprecation = tls_warning.deprecation;
+  return true;
 }
 
 }  // namespace tpud

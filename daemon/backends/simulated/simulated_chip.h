@@ -80,6 +80,8 @@ class SimulatedChip : public ChipBackend {
                    const std::vector<ResolvedTensor>& tensors,
                    std::vector<ResultValue>* results,
                    ResultAllocator* result_allocator) override;
+  // The first warning of this thread's last Run (ChipBackend::TakeWarning).
+  bool TakeWarning(std::string* message, bool* deprecation) override;
 
   // How many _foreach_ ops ran packed: each tensor list copied end to end
   // into one buffer and the op run as one kernel call over those (an

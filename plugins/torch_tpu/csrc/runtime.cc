@@ -68,6 +68,20 @@ void Open() {
     r.topology = *std::move(t);
     r.visible = VisibleChips(static_cast<int>(r.topology.chips.size()));
     r.session = *std::move(s);
+    // A kernel's warning in tpud becomes the caller's, as on the CPU: raised
+    // on the thread of the synchronising call that learns of it.
+    r.session->SetWarningHandler(
+        [](absl::string_view message, bool deprecation) {
+          const std::string text(message);
+          if (deprecation) {
+            c10::warn(c10::Warning(
+                c10::DeprecationWarning(),
+                {__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, text,
+                false));
+          } else {
+            TORCH_WARN(text);
+          }
+        });
   });
 }
 
