@@ -611,8 +611,9 @@ absl::Status Session::RunChecked(int stream, uint32_t op_id, const OpArg* args,
   {
     absl::MutexLock lock(&p.mu);
     absl::StatusOr<uint64_t> seq = impl_->EnqueueOpLocked(
-        stream, p, op_id, flags & kOpFlagDefaultDtypeMask, args, num_args,
-        outputs, num_outputs, &ring);
+        stream, p, op_id,
+        (flags & kOpFlagDefaultDtypeMask) | (p.capturing ? 0 : kOpFlagChecked),
+        args, num_args, outputs, num_outputs, &ring);
     if (!seq.ok()) return seq.status();
     // A captured op runs with its program: nothing to wait for now.
     if (p.capturing) return absl::OkStatus();

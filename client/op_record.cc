@@ -681,6 +681,7 @@ absl::Status DecodeOp(absl::string_view record, DecodedOp* out) {
     r.Fail(kNumArgsAt + 4,
            absl::StrCat("unknown op flags 0x", absl::Hex(out->flags),
                         " (known: 0x", absl::Hex(kOpFlagSync), " sync, 0x",
+                        absl::Hex(kOpFlagChecked), " checked, 0x",
                         absl::Hex(kOpFlagDefaultDtypeMask), " default dtype)"));
     return BodyError(h, "", r.error());
   }

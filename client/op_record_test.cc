@@ -544,7 +544,7 @@ TEST_CASE("kOp limits: args, outputs and flags") {
     CHECK(absl::StrContains(s.message(), "num_outputs 65"));
   }
   SECTION("unknown flags") {
-    absl::Status s = DecodeOp(EncodeOp(w, 1, 2, 2, {}, {}), &op);
+    absl::Status s = DecodeOp(EncodeOp(w, 1, 2, 4, {}, {}), &op);
     INFO(s.ToString());
     CHECK(CleanError(s));
     CHECK(absl::StrContains(s.message(), "flags"));

@@ -783,10 +783,17 @@ bool Executor::Step(Ring& ring) {
       if (!st.ok()) {
         // Outputs of an op that failed on a poisoned input carry the root
         // cause, not a chain of "produced by an op that failed" prefixes.
+        // A kernel's own error (an ATen exception) poisons only the new
+        // outputs, and nothing when the client waits for the op and raises
+        // it: tensors written in place keep what the kernel left, as on the
+        // CPU (argument checks run before a kernel writes anything).
         const OpSlot& slot = LookupOp(ring, op_.op_id);
-        PoisonOutputs(
-            ring, slot.op.get(),
-            poison_root_.empty() ? std::string(st.message()) : poison_root_);
+        const bool kernel_error = tpu::AtenErrorOf(st) != tpu::AtenError::kNone;
+        if (!kernel_error || (op_.flags & tpu::kOpFlagChecked) == 0) {
+          PoisonOutputs(
+              ring, kernel_error ? nullptr : slot.op.get(),
+              poison_root_.empty() ? std::string(st.message()) : poison_root_);
+        }
         RecordOpError(ctl, header.sequence, st);
       }
       break;
@@ -1074,8 +1081,9 @@ absl::Status Executor::RunOp(Ring& ring, uint64_t sequence) {
     std::memcpy(ctl->response_message, msg.c_str(), msg.size() + 1);
   }
   ctl->response_sequence = sequence;
-  // A synchronous op's failure is reported to its caller directly.
-  if (!status.ok()) {
+  // A synchronous op's failure is reported to its caller directly; a
+  // kernel's own error poisons nothing (as in Step, for a checked op).
+  if (!status.ok() && tpu::AtenErrorOf(status) == tpu::AtenError::kNone) {
     PoisonOutputs(
         ring, &op,
         poison_root_.empty() ? std::string(status.message()) : poison_root_);

@@ -14,6 +14,7 @@
 //               the arguments is copied into output i (client-allocated).
 //               flags & kOpFlagSync: the result goes to the stream's response
 //               area (see shm_layout.h), for ops the host waits on;
+//               flags & kOpFlagChecked: the host waits for it too;
 //               flags & kOpFlagDefaultDtypeMask: the client's default dtype.
 //   kCopy       u8 kind (CopyKind), 7 pad, u64 src, u64 dst, u64 bytes
 //               Host addresses are offsets into the session's shared memory
@@ -171,12 +172,17 @@ struct RecordHeader {
 static_assert(sizeof(RecordHeader) == 16, "wire format");
 
 inline constexpr uint32_t kOpFlagSync = 1;
+// The client waits for this op and raises its failure at the call
+// (Session::RunChecked): a kernel error then marks nothing it wrote as
+// failed, as on the CPU, where the tensors keep what the kernel left.
+inline constexpr uint32_t kOpFlagChecked = 2;
 // Bits 8..15: the client's default floating dtype (tpu/dtype.h code + 1),
 // 0 for float32. ATen's results depend on it (1 / 2 of integers, a Python
 // float times an integer tensor), so the daemon runs the op under it.
 inline constexpr uint32_t kOpFlagDefaultDtypeShift = 8;
 inline constexpr uint32_t kOpFlagDefaultDtypeMask = 0xff00;
-inline constexpr uint32_t kOpFlagsKnown = kOpFlagSync | kOpFlagDefaultDtypeMask;
+inline constexpr uint32_t kOpFlagsKnown =
+    kOpFlagSync | kOpFlagChecked | kOpFlagDefaultDtypeMask;
 
 enum class ArgTag : uint8_t {
   kNone = 0,
