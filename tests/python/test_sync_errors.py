@@ -9,7 +9,7 @@ the same process must succeed.
 """
 import pytest
 
-from conftest import run_py
+from conftest import TpudProcess, bazel_bin, run_py
 
 # Each case: a statement that raises on the CPU, run on `dev`.
 CASES = {
@@ -25,6 +25,9 @@ CASES = {
     "index_class": "torch.ones(2, 3, device=dev).flip(2)",
     # shapes
     "shape": "torch.ones(2, 3, device=dev) + torch.ones(4, device=dev)",
+    # the out= tensor of an op whose result depends on data
+    "out_dtype": "torch.nonzero(torch.ones(3, device=dev), "
+                 "out=torch.empty(0, device=dev))",
 }
 
 CHILD = r"""
@@ -114,3 +117,70 @@ print(torch.copysign(x, torch.tensor(-1.0)).cpu().tolist())
 print(torch.copysign(x, torch.tensor(-1.0, dtype=torch.float64)).dtype)
 """)
     assert r.stdout.split("\n")[:2] == ["[-1.0, -2.0, -3.0]", "torch.float32"], r.stdout + r.stderr
+
+
+def test_kernel_warnings_reach_the_caller():
+    """A warning a kernel raises in tpud (ATen's TORCH_WARN) is raised in the
+    client as the CPU raises it, at the call or at the next synchronising
+    call, and does not go to tpud's log."""
+    d = TpudProcess(bazel_bin("daemon/tpud"), "256MiB", [], prefix="tpud-py.",
+                    log_to_file=True)
+    d.start()
+    try:
+        r = run_py(d, WARNINGS)
+        log = open(d.log_path, errors="replace").read()
+    finally:
+        d.close()
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and "degrees of freedom" in lines[0], r.stdout + r.stderr
+    assert lines[0][len("cpu"):] == lines[1][len("tpu"):], r.stdout + r.stderr
+    assert "degrees of freedom" not in log, log[-2000:]
+
+
+WARNINGS = r"""
+import warnings, torch
+for dev in ("cpu", "tpu"):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.ones(1, device=dev).std().item()
+        print(dev, sorted({(x.category.__name__, str(x.message)[:60]) for x in w}))
+"""
+
+
+def test_checks_on_extreme_numbers_raise_at_the_call(tpud):
+    """A bound far outside the usual range is another argument class: after
+    an ordinary uniform_, uniform_ over more than a double's range still
+    raises at the call."""
+    r = run_py(tpud, r"""
+import torch
+t = torch.empty(3, dtype=torch.float64, device="tpu")
+t.uniform_(0, 1)
+try:
+    t.uniform_(-1e308, 1e308)
+    print("returned")
+except RuntimeError as e:
+    print("raised", "uniform_ expects to-from" in str(e))
+print(bool(((t >= 0) & (t < 1)).all().item()))
+""")
+    assert r.stdout.split() == ["raised", "True", "True"], r.stdout + r.stderr
+
+
+def test_cpu_index_arguments_and_out_devices(tpud):
+    """An integer index argument on the CPU goes to the device, as the CPU
+    kernels take it; an out= tensor on another device is refused with
+    ATen's words."""
+    r = run_py(tpud, r"""
+import torch
+x = torch.zeros(2, 4, device="tpu")
+x.index_fill_(1, torch.tensor([0, 2]), 5.0)
+print(x.cpu().tolist())
+print(torch.index_select(torch.arange(4.0, device="tpu"), 0, torch.tensor([3, 1])).cpu().tolist())
+try:
+    torch.nonzero(torch.ones(3, device="tpu"), out=torch.empty(0, dtype=torch.long))
+    print("returned")
+except RuntimeError as e:
+    print("raised", "on the same device" in str(e))
+""")
+    assert r.stdout.splitlines() == [
+        "[[5.0, 0.0, 5.0, 0.0], [5.0, 0.0, 5.0, 0.0]]", "[3.0, 1.0]", "raised True"], \
+        r.stdout + r.stderr

@@ -104,14 +104,22 @@ void MarkChecked(const std::string& key) {
 }
 
 // What of a number an argument check can look at: NaN, infinity, sign,
-// zero, integral. (Not the value: a learning rate changing every step would
-// make every step's ops new.)
+// zero, integral, magnitude. (Not the value: a learning rate changing every
+// step would make every step's ops new.)
 uint8_t NumberClass(double v) {
   if (std::isnan(v)) return 1;
   uint8_t c = std::isinf(v) ? 2 : 0;
   if (v < 0) c |= 4;
   if (v == 0) c |= 8;
   if (std::isfinite(v) && v == std::floor(v)) c |= 16;
+  // Magnitude: exact in float32's mantissa, in double's, within float32's
+  // range, beyond it (range checks: uniform_(from, to) of extreme bounds).
+  const double a = std::fabs(v);
+  c |= (a <= 0x1p24                  ? 0
+        : a <= 0x1p53                ? 1
+        : a <= 3.4028234663852886e38 ? 2
+                                     : 3)
+       << 5;
   return c;
 }
 
@@ -176,6 +184,7 @@ class ForwardedOp {
 
   void Run() {
     default_dtype_ = c10::get_default_dtype_as_scalartype();
+    if (!forced_.empty()) CheckForcedDevices();
     // The daemon runs the op under the same default dtype.
     const uint32_t flags = default_dtype_ == at::kFloat
                                ? 0
@@ -640,6 +649,21 @@ class ForwardedOp {
            t->containedType(0)->kind() == c10::TypeKind::TensorType;
   }
 
+  // The out= tensors an op writes through its functional twin: on the op's
+  // device, as ATen requires of out= tensors.
+  void CheckForcedDevices() {
+    const size_t n = schema_.arguments().size();
+    FindDevice(torch::jit::last(*stack_, n));
+    for (const at::Tensor& out : forced_) {
+      TORCH_CHECK(
+          IsTpu(out) && out.device().index() == device_,
+          "Expected all tensors to be on the same device, but found at least "
+          "two devices, ",
+          c10::Device(kTpu, device_), " and ", out.device(),
+          "! (tpu: the out= tensor of ", schema_.name(), ")");
+    }
+  }
+
   void FindDevice(c10::ArrayRef<c10::IValue> args) {
     auto visit = [&](const at::Tensor& t) {
       if (IsTpu(t) && device_ < 0) device_ = t.device().index();
@@ -693,13 +717,19 @@ class ForwardedOp {
                   ", found one on ", t.device(), " (argument ", index, ")");
       return t;
     }
-    // CPU tensors inside lists (index tensors of index/index_put) go to the
-    // device, as CUDA accepts them; elsewhere only host scalars may.
-    TORCH_CHECK(t.device().is_cpu() && (t.dim() == 0 || in_list),
-                "tpu: ", schema_.name(),
-                ": expected all tensors on tpu, found one on ", t.device(),
-                " (argument ", index, ", shape ", t.sizes(),
-                "); move it with .to(\"tpu\")");
+    // CPU tensors inside lists (index tensors of index/index_put) and
+    // integer index arguments (index_fill's, index_select's) go to the
+    // device, as the CPU kernels take them; elsewhere only host scalars may.
+    const std::string& formal = schema_.arguments()[index].name();
+    const bool index_arg =
+        (formal == "index" || formal == "indices") &&
+        at::isIntegralType(t.scalar_type(), /*includeBool=*/false);
+    TORCH_CHECK(t.device().is_cpu() && (t.dim() == 0 || in_list || index_arg),
+                "Expected all tensors to be on the same device, but found at "
+                "least two devices, ",
+                c10::Device(kTpu, device_), " and ", t.device(),
+                "! (tpu: ", schema_.name(), " argument ", index, ", shape ",
+                t.sizes(), "; move it with .to(\"tpu\"))");
     at::Tensor moved = ToDevice(t, device_, stream_);
     keep_alive_.push_back(moved);
     return moved;
@@ -877,6 +907,12 @@ class ForwardedOp {
   at::Tensor IntoForced(const at::Tensor& result) {
     if (next_forced_ >= forced_.size()) return result;
     at::Tensor& out = forced_[next_forced_++];
+    // Ops whose result depends on data (nonzero, masked_select, ...) take
+    // only an out= tensor of the result's dtype, as their CPU kernels do.
+    TORCH_CHECK(in_place_ || out.scalar_type() == result.scalar_type(),
+                schema_.name(), ": Expected out tensor to have scalar type ",
+                result.scalar_type(), " but got scalar type ",
+                out.scalar_type());
     if (out.sizes() != result.sizes()) {
       TORCH_CHECK(!in_place_, "output with shape ", out.sizes(),
                   " doesn't match the broadcast shape ", result.sizes());
