@@ -64,6 +64,16 @@ COLLECT_TIMEOUT_S = 600
 # --- names and causes -------------------------------------------------------
 
 
+def spread(items, n):
+    """n of `items` spread evenly over the whole list (all of them when n is 0
+    or more than there are): a file's tests come grouped by class and
+    decorator, so its first n would be one corner of it (test_ops' first
+    hundreds are CUDA-only)."""
+    if not n or n >= len(items):
+        return list(items)
+    return [items[i * len(items) // n] for i in range(n)]
+
+
 def for_device(nodeid, device):
     """`nodeid` as the run on `device` names it: the device suffix of the class
     (TestFooCPU) and the last device token of the test (test_x_cpu_float32)."""
@@ -163,7 +173,7 @@ def make_recorder():
             if self.select is not None:
                 keep = [i for i in items if for_device(i.nodeid, "cpu") in self.select]
             else:
-                keep = items[:self.max_tests] if self.max_tests else list(items)
+                keep = spread(items, self.max_tests)
             self.write(event="collected", nodeids=collected,
                        selected=[item.nodeid for item in keep])
             run = [item for item in keep if item.nodeid not in self.done]
@@ -573,7 +583,8 @@ def parse_args(argv):
     p.add_argument("--devices", default="cpu,tpu", help="cpu, tpu or both (default)")
     p.add_argument("-k", help="pytest -k expression")
     p.add_argument("--max-tests", type=int, default=0,
-                   help="run only the first N tests collected per file (the tpu run picks them)")
+                   help="run only N tests per file, spread evenly over the collected ones "
+                   "(the tpu run picks them)")
     p.add_argument("--timeout", type=float, default=300, help="seconds without progress: hung")
     p.add_argument("--max-restarts", type=int, default=50,
                    help="pytest restarts per file and device before giving up (50)")

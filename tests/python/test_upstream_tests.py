@@ -210,3 +210,9 @@ def test_normalize_cause():
                         "tensor b (9) at non-singleton dimension 1")
     assert a == b and "conv2d" in normalize_cause("E", "conv2d at 0x7f00a1")
     assert upstream_tests.normalize_text("tpu:0 vs [1, 2] ") == "tpu:<n> vs <shape>"
+
+
+def test_reduced_runs_spread_over_the_file():
+    assert upstream_tests.spread(list(range(10)), 3) == [0, 3, 6]
+    assert upstream_tests.spread(list(range(3)), 5) == [0, 1, 2]
+    assert upstream_tests.spread(list(range(4)), 0) == [0, 1, 2, 3]
