@@ -184,3 +184,22 @@ except RuntimeError as e:
     assert r.stdout.splitlines() == [
         "[[5.0, 0.0, 5.0, 0.0], [5.0, 0.0, 5.0, 0.0]]", "[3.0, 1.0]", "raised True"], \
         r.stdout + r.stderr
+
+
+def test_resizing_a_nonempty_out_tensor_warns(tpud):
+    """ATen warns when an out= tensor that holds elements is resized."""
+    r = run_py(tpud, r"""
+import warnings, torch
+for dev in ("cpu", "tpu"):
+    a = torch.ones(2, 3, device=dev)
+    for out in (torch.empty(5, device=dev), torch.empty(0, device=dev)):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            torch.logit(a, out=out)
+            torch.nonzero(a, out=torch.empty(1, dtype=torch.long, device=dev))
+            print(dev, out.shape == a.shape, [str(x.message)[:40] for x in w])
+""")
+    lines = r.stdout.splitlines()
+    assert len(lines) == 4 and [l[4:] for l in lines[:2]] == [l[4:] for l in lines[2:]], \
+        r.stdout + r.stderr
+    assert "An output with one or more elements" in lines[0], r.stdout

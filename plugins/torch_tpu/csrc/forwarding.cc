@@ -582,6 +582,7 @@ class ForwardedOp {
             TORCH_CHECK(!in_place_, "output with shape ", out.sizes(),
                         " doesn't match the broadcast shape ",
                         at::IntArrayRef(o.sizes));
+            WarnResized(out, o.sizes);
             Resize(out, o.sizes, std::nullopt);
           }
           if (cast || !out.is_contiguous() ||
@@ -647,6 +648,21 @@ class ForwardedOp {
   static bool IsOptionalTensor(const c10::TypePtr& t) {
     return t->kind() == c10::TypeKind::OptionalType &&
            t->containedType(0)->kind() == c10::TypeKind::TensorType;
+  }
+
+  // ATen's out= rule (at::native::resize_output): resizing an out= tensor
+  // that holds elements is deprecated, and says so.
+  static void WarnResized(const at::Tensor& out, at::IntArrayRef shape) {
+    if (out.numel() == 0) return;
+    TORCH_WARN(
+        "An output with one or more elements was resized since it had shape ",
+        out.sizes(), ", which does not match the required output shape ", shape,
+        ". This behavior is deprecated, and in a future PyTorch release "
+        "outputs "
+        "will not be resized unless they have zero elements. You can "
+        "explicitly "
+        "reuse an out tensor t by resizing it, inplace, to zero elements with "
+        "t.resize_(0).");
   }
 
   // The out= tensors an op writes through its functional twin: on the op's
@@ -916,6 +932,7 @@ class ForwardedOp {
     if (out.sizes() != result.sizes()) {
       TORCH_CHECK(!in_place_, "output with shape ", out.sizes(),
                   " doesn't match the broadcast shape ", result.sizes());
+      WarnResized(out, result.sizes());
       Resize(out, result.sizes(), std::nullopt);
     }
     ForwardInPlace("aten::copy_", "", out, {result, false});
