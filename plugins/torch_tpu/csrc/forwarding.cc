@@ -243,8 +243,11 @@ class ForwardedOp {
       for (c10::IValue& r : returns) torch::jit::push(*stack_, std::move(r));
       return;
     }
+    // An op whose C++ meta function ran had its arguments checked as its
+    // CPU kernel checks them (a structured kernel's meta half): no wait.
     std::string class_key;
-    const bool check = new_signature && !CheckedClass(inputs, &class_key);
+    const bool check =
+        new_signature && !checked_by_meta_ && !CheckedClass(inputs, &class_key);
     if (check) {
       CheckOp(session.RunChecked(stream_, id, wire.data(), wire.size(),
                                  outputs.data(), outputs.size(), flags),
@@ -840,6 +843,8 @@ class ForwardedOp {
         return false;
       }
       *results = std::move(meta);
+      checked_by_meta_ = NativeMetaChecksArguments(
+          overload.empty() ? schema_.name() : schema_.name() + "." + overload);
       return true;
     }
     try {
@@ -987,7 +992,8 @@ class ForwardedOp {
   bool strict_meta_ = false;
   std::vector<std::pair<at::Tensor, at::Tensor>> pending_copies_;  // (tmp, out)
   std::vector<const void*> seen_storages_;  // for the signature key
-  bool coarse_ = false;  // Key() makes the argument class's key
+  bool coarse_ = false;           // Key() makes the argument class's key
+  bool checked_by_meta_ = false;  // ATen's C++ meta function ran (RunMeta)
   at::ScalarType default_dtype_ = at::kFloat;  // torch's, as the op began
 };
 

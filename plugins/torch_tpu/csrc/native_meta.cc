@@ -14,6 +14,7 @@
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -776,6 +777,89 @@ const Table& NativeMetaTable() {
 }
 
 }  // namespace
+
+bool NativeMetaChecksArguments(const std::string& name) {
+  static const auto* checked = [] {
+    auto* set = new std::unordered_set<std::string>;
+    for (const char* op : {"add",
+                           "sub",
+                           "mul",
+                           "div",
+                           "rsub",
+                           "remainder",
+                           "pow",
+                           "maximum",
+                           "minimum",
+                           "atan2",
+                           "floor_divide",
+                           "eq",
+                           "ne",
+                           "lt",
+                           "le",
+                           "gt",
+                           "ge",
+                           "neg",
+                           "exp",
+                           "exp2",
+                           "expm1",
+                           "log",
+                           "log2",
+                           "log10",
+                           "log1p",
+                           "sqrt",
+                           "rsqrt",
+                           "reciprocal",
+                           "sin",
+                           "cos",
+                           "tan",
+                           "tanh",
+                           "sigmoid",
+                           "erf",
+                           "floor",
+                           "ceil",
+                           "round",
+                           "trunc",
+                           "frac",
+                           "sign",
+                           "silu",
+                           "abs",
+                           "relu",
+                           "gelu",
+                           "clamp",
+                           "clamp_min",
+                           "clamp_max",
+                           "threshold_backward",
+                           "sigmoid_backward",
+                           "tanh_backward",
+                           "silu_backward",
+                           "gelu_backward",
+                           "sum",
+                           "mean",
+                           "amax",
+                           "amin",
+                           "argmax",
+                           "argmin",
+                           "any",
+                           "all",
+                           "mm",
+                           "bmm",
+                           "addmm",
+                           "addcmul",
+                           "addcdiv",
+                           "lerp",
+                           "where",
+                           "_softmax",
+                           "_log_softmax",
+                           "_softmax_backward_data",
+                           "_log_softmax_backward_data"}) {
+      set->insert(std::string("aten::") + op);
+      set->insert(std::string("aten::") + op + "_");
+    }
+    return set;
+  }();
+  if (FindNativeMeta(name) == nullptr) return false;
+  return checked->count(name.substr(0, name.find('.'))) != 0;
+}
 
 NativeMetaFn FindNativeMeta(const std::string& name) {
   const Table& table = NativeMetaTable();
