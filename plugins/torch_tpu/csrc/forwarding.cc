@@ -81,7 +81,7 @@ void CacheStore(const std::string& key, std::shared_ptr<const MetaSpec> spec) {
   g_specs->emplace(key, std::move(spec));
 }
 
-// Argument classes (ArgumentClass below) that ran once without an error.
+// Argument classes (ForwardedOp::CheckedClass) that ran once without an error.
 // The first op of a class waits for its result, so that an error its CPU
 // kernel raises from its arguments (a dtype it refuses, from >= to in
 // random_) reaches the caller at the call, as on the CPU; the ops after it
