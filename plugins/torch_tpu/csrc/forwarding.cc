@@ -833,8 +833,9 @@ class ForwardedOp {
     // shape is declined; any other error is the arguments' fault, in the
     // CPU kernel's own words, and reaches the caller.
     const std::string& overload = schema_.overload_name();
-    const NativeMetaFn native = FindNativeMeta(
-        overload.empty() ? schema_.name() : schema_.name() + "." + overload);
+    const std::string full_name =
+        overload.empty() ? schema_.name() : schema_.name() + "." + overload;
+    const NativeMetaFn native = FindNativeMeta(full_name);
     if (native != nullptr) {
       try {
         native(&meta);
@@ -843,8 +844,7 @@ class ForwardedOp {
         return false;
       }
       *results = std::move(meta);
-      checked_by_meta_ = NativeMetaChecksArguments(
-          overload.empty() ? schema_.name() : schema_.name() + "." + overload);
+      checked_by_meta_ = NativeMetaChecksArguments(full_name);
       return true;
     }
     try {

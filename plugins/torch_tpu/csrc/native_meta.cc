@@ -857,7 +857,6 @@ bool NativeMetaChecksArguments(const std::string& name) {
     }
     return set;
   }();
-  if (FindNativeMeta(name) == nullptr) return false;
   return checked->count(name.substr(0, name.find('.'))) != 0;
 }
 

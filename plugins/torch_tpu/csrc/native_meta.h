@@ -25,8 +25,9 @@ using NativeMetaFn = void (*)(torch::jit::Stack* stack);
 // for a default overload), or null: then the Meta dispatch key answers.
 NativeMetaFn FindNativeMeta(const std::string& name);
 
-// Whether the C++ meta function of the op (FindNativeMeta) checks every
-// argument its CPU kernel checks: a structured op's meta half whose
+// Whether the C++ meta function of the op (REQUIRES: FindNativeMeta has
+// one) checks every argument its CPU kernel checks: a structured op's meta
+// half whose
 // implementation half checks nothing more (pointwise math, comparisons,
 // reductions, matmuls). Not so for random fills (uniform_'s bounds),
 // convolution (shapes only), and the other entries written here.
