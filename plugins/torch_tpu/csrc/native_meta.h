@@ -28,8 +28,8 @@ NativeMetaFn FindNativeMeta(const std::string& name);
 // Whether the C++ meta function of the op (REQUIRES: FindNativeMeta has
 // one) checks every argument its CPU kernel checks: a structured op's meta
 // half whose implementation half checks nothing more (pointwise math,
-// comparisons, reductions, matmuls). Not so for random fills (uniform_'s bounds),
-// convolution (shapes only), and the other entries written here.
+// comparisons, reductions, matmuls). Not so for random fills (uniform_'s
+// bounds), convolution (shapes only), and the other entries written here.
 bool NativeMetaChecksArguments(const std::string& name);
 
 }  // namespace torch_tpu
