@@ -843,6 +843,12 @@ const char* ReduceOpName(ReduceOp op) {
       return "max";
     case ReduceOp::kAvg:
       return "avg";
+    case ReduceOp::kBand:
+      return "band";
+    case ReduceOp::kBor:
+      return "bor";
+    case ReduceOp::kBxor:
+      return "bxor";
   }
   return "unknown reduce op";
 }

@@ -1426,6 +1426,12 @@ TEST_CASE("kCollective round trip and malformed groups") {
     bad = ops;
     bad[1].reduce = static_cast<tpu::ReduceOp>(9);
     CHECK(!tpu::DecodeCollective(build(bad, 1), &d).ok());
+    bad[1].reduce = static_cast<tpu::ReduceOp>(8);  // PREMUL_SUM: the client's
+    CHECK(absl::StrContains(tpu::DecodeCollective(build(bad, 1), &d).message(),
+                            "unknown reduce op 8"));
+    bad[1].reduce = tpu::ReduceOp::kBxor;  // the last one
+    REQUIRE(tpu::DecodeCollective(build(bad, 1), &d).ok());
+    CHECK(d.ops[1].reduce == tpu::ReduceOp::kBxor);
     bad = ops;
     bad[1].dtype = 13;  // quantized
     CHECK(absl::StrContains(tpu::DecodeCollective(build(bad, 1), &d).message(),

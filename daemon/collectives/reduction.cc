@@ -34,6 +34,11 @@ T Apply(ReduceOp op, T a, T b) {
           return std::numeric_limits<T>::quiet_NaN();
       }
       return a < b ? b : a;
+    case ReduceOp::kBand:
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor:
+      // Integers only (CheckReducible); ReduceTyped does them.
+      break;
   }
   return a;
 }
@@ -50,6 +55,19 @@ void ReduceTyped(ReduceOp op, char* dst, const char* src, uint64_t count) {
     case ReduceOp::kProduct:
       for (uint64_t i = 0; i < count; ++i) d[i] = static_cast<T>(d[i] * s[i]);
       return;
+    case ReduceOp::kBand:
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor:
+      if constexpr (std::is_integral_v<T>) {
+        if (op == ReduceOp::kBand) {
+          for (uint64_t i = 0; i < count; ++i) d[i] &= s[i];
+        } else if (op == ReduceOp::kBor) {
+          for (uint64_t i = 0; i < count; ++i) d[i] |= s[i];
+        } else {
+          for (uint64_t i = 0; i < count; ++i) d[i] ^= s[i];
+        }
+      }
+      return;  // floating types: refused by CheckReducible
     default:
       for (uint64_t i = 0; i < count; ++i) d[i] = Apply(op, d[i], s[i]);
   }
@@ -75,13 +93,21 @@ void ReduceHalfLike(ReduceOp op, char* dst, const char* src, uint64_t count) {
 }
 
 void ReduceBool(ReduceOp op, char* dst, const char* src, uint64_t count) {
-  // As torch's NCCL backend: sum and max are "or", product and min "and".
+  // As torch's NCCL backend: sum and max are "or", product and min "and";
+  // the bitwise ops are their logical selves (as gloo's).
   auto* d = reinterpret_cast<uint8_t*>(dst);
   const auto* s = reinterpret_cast<const uint8_t*>(src);
-  const bool any = op == ReduceOp::kSum || op == ReduceOp::kMax;
-  for (uint64_t i = 0; i < count; ++i) {
-    d[i] = any ? static_cast<uint8_t>((d[i] | s[i]) != 0)
-               : static_cast<uint8_t>(d[i] && s[i]);
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kMax:
+    case ReduceOp::kBor:
+      for (uint64_t i = 0; i < count; ++i) d[i] = (d[i] | s[i]) != 0;
+      return;
+    case ReduceOp::kBxor:
+      for (uint64_t i = 0; i < count; ++i) d[i] = (d[i] != 0) != (s[i] != 0);
+      return;
+    default:  // product, min, band (avg is refused)
+      for (uint64_t i = 0; i < count; ++i) d[i] = d[i] != 0 && s[i] != 0;
   }
 }
 
@@ -95,19 +121,29 @@ void DivideTyped(char* dst, uint64_t count, uint64_t n) {
 }  // namespace
 
 absl::Status CheckReducible(DType dtype, ReduceOp op) {
+  const bool bitwise =
+      op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor;
+  auto refuse = [&](const char* why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(tpu::ReduceOpName(op), " cannot reduce ",
+                     tpu::DTypeName(dtype), " tensors (", why, ")"));
+  };
+  constexpr char kBitwise[] = "bitwise ops take integer and bool tensors";
   switch (dtype) {
     case DType::kUInt8:
     case DType::kInt8:
     case DType::kInt16:
     case DType::kInt32:
     case DType::kInt64:
+    case DType::kUInt16:
+    case DType::kUInt32:
+    case DType::kUInt64:
+      return absl::OkStatus();
     case DType::kHalf:
     case DType::kFloat:
     case DType::kDouble:
     case DType::kBFloat16:
-    case DType::kUInt16:
-    case DType::kUInt32:
-    case DType::kUInt64:
+      if (bitwise) return refuse(kBitwise);
       return absl::OkStatus();
     case DType::kBool:
       if (op == ReduceOp::kAvg) {
@@ -116,11 +152,9 @@ absl::Status CheckReducible(DType dtype, ReduceOp op) {
       return absl::OkStatus();
     case DType::kComplexFloat:
     case DType::kComplexDouble:
-      if (op == ReduceOp::kMin || op == ReduceOp::kMax) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            tpu::ReduceOpName(op), " cannot reduce ", tpu::DTypeName(dtype),
-            " tensors (complex numbers have no order)"));
-      }
+      if (op == ReduceOp::kMin || op == ReduceOp::kMax)
+        return refuse("complex numbers have no order");
+      if (bitwise) return refuse(kBitwise);
       return absl::OkStatus();
     default:
       return absl::InvalidArgumentError(

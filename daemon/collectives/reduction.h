@@ -1,7 +1,8 @@
 // Reduction arithmetic of collectives over the wire's dtypes (tpu/dtype.h):
 // what all_reduce, reduce and reduce_scatter compute per element, as torch's
 // NCCL backend does (integers wrap, NaN propagates through min and max,
-// bool sums are "or", half and bfloat16 round through float).
+// bool sums are "or", half and bfloat16 round through float), and the
+// bitwise and/or/xor of integer and bool tensors as gloo's does.
 #ifndef TPUD_DAEMON_COLLECTIVES_REDUCTION_H_
 #define TPUD_DAEMON_COLLECTIVES_REDUCTION_H_
 
@@ -14,7 +15,8 @@
 namespace tpud {
 
 // OK when `op` can reduce tensors of `dtype`; INVALID_ARGUMENT saying why
-// not (avg of bool, min/max of complex, dtypes without arithmetic here).
+// not (avg of bool, min/max of complex, bitwise ops of floating-point and
+// complex tensors, dtypes without arithmetic here).
 absl::Status CheckReducible(tpu::DType dtype, tpu::ReduceOp op);
 
 // dst[i] = dst[i] op src[i] for i < count (avg adds; DivideBy finishes it).

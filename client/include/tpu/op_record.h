@@ -156,7 +156,11 @@ enum class ReduceOp : uint8_t {
   kMin = 2,
   kMax = 3,
   kAvg = 4,
-  kLast = kAvg,
+  // Bitwise, of integer and bool tensors only (as gloo's; NCCL has none).
+  kBand = 5,
+  kBor = 6,
+  kBxor = 7,
+  kLast = kBxor,
 };
 
 inline constexpr uint32_t kMaxGroupOps = 64;
