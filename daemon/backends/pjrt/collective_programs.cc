@@ -28,7 +28,8 @@ namespace tpud::pjrt {
 
 namespace {
 
-// The scalar reduction `op` over tensor<E>, as an all_reduce-style region.
+// The scalar reduction `op` over tensor<E>, as an all_reduce-style region
+// (the bitwise ops never come here: RunCollective leaves them to the arena).
 std::string ReduceRegion(tpu::ReduceOp op, const std::string& e) {
   const char* fn = op == tpu::ReduceOp::kProduct ? "multiply"
                    : op == tpu::ReduceOp::kMin   ? "minimum"
@@ -254,12 +255,17 @@ absl::StatusOr<bool> PjrtChip::RunCollective(const CollectiveCall& call) {
                        call.kind == CollectiveKind::kReduce ||
                        call.kind == CollectiveKind::kReduceScatter;
   // Reductions in the tensor's type (bool, complex and unsigned 16/32/64
-  // ones go through the arena); data movement as bytes, any type.
+  // ones go through the arena, and so do the bitwise ops: XLA's all_reduce
+  // knows add, multiply, minimum and maximum regions only); data movement as
+  // bytes, any type.
   const HloType* type = DTypeOf(call.dtype);
   const int64_t esize = tpu::ElementSize(call.dtype);
+  const bool bitwise = call.reduce == tpu::ReduceOp::kBand ||
+                       call.reduce == tpu::ReduceOp::kBor ||
+                       call.reduce == tpu::ReduceOp::kBxor;
   if (esize <= 0 ||
       (reduces && (type == nullptr || type->dtype == tpu::DType::kBool ||
-                   IsComplex(*type))))
+                   IsComplex(*type) || bitwise)))
     return false;
   const HloType& t = reduces ? *type : *DTypeOf(tpu::DType::kUInt8);
   const int64_t per = reduces ? static_cast<int64_t>(call.count)
