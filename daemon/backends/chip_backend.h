@@ -182,6 +182,14 @@ class ChipBackend {
     return false;
   }
 
+  // Threads one op may use (ATen's intra-op pool on the simulated chip); 0
+  // for a backend whose thread use tpud does not set (PJRT). The executor
+  // shares the host's cores among busy chips through these
+  // (executor/thread_share.h), calling the setter between ops only, and only
+  // when the count changes. REQUIRES: n > 0.
+  virtual int intra_op_threads() const { return 0; }
+  virtual void set_intra_op_threads(int n) {}
+
   // Name for logs and tpuctl ("simulated (ATen CPU)").
   virtual std::string Describe() const = 0;
 

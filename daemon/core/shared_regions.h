@@ -142,6 +142,13 @@ struct alignas(64) ExecutorSlot {
   std::atomic<uint64_t> busy_ns;  // chip time, since this executor started
   std::atomic<uint64_t> ops;
   std::atomic<uint64_t> duty_permille;  // busy share of the last full second
+  // CLOCK_MONOTONIC at the end of its last turn at a ring: with
+  // op_started_ns, whether it counts as busy (executor/thread_share.h).
+  std::atomic<uint64_t> last_work_ns;
+  // Threads its ops may use now (ChipBackend::intra_op_threads), and the
+  // most it gives them (alone on the host); 0: the backend has no count.
+  std::atomic<uint32_t> intra_op_threads;
+  std::atomic<uint32_t> intra_op_threads_max;
   // A compiling backend's figures (ChipBackend::compile_stats), by position
   // in this executor's chips; since this executor started.
   std::atomic<uint32_t> compiles_ops;  // 1: the backend compiles
@@ -176,6 +183,8 @@ struct alignas(64) ExecutorSlot {
 struct ExecutorShared {
   uint64_t magic;
   uint32_t num_executors;
+  // The cores tpud's processes may use (CPU affinity, cgroup quota), which
+  // busy executors share (executor/thread_share.h). Written before the fork.
   uint32_t num_cpus;
   // Wait advice (tpu::WaitAdvice) for executors; clients get theirs in
   // DaemonHints.

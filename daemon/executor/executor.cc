@@ -100,7 +100,10 @@ class Executor::ResultAllocatorImpl : public ResultAllocator {
 };
 
 Executor::Executor(ExecutorConfig config)
-    : config_(std::move(config)), slot_(&config_.shared->slots[config_.index]) {
+    : config_(std::move(config)),
+      slot_(&config_.shared->slots[config_.index]),
+      threads_(config_.shared, config_.index, config_.intra_op_threads,
+               config_.backend) {
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLRDHUP;
@@ -543,6 +546,7 @@ void Executor::DrainDoorbells(int timeout_ms) {
 
 void Executor::UpdateActivity(uint64_t now) {
   last_activity_update_ = now;
+  threads_.Apply(now);
   if (config_.backend->Compiles()) {
     slot_->compiles_ops.store(1, std::memory_order_relaxed);
     slot_->programs_cached.store(config_.backend->programs_cached(),
@@ -637,6 +641,7 @@ void Executor::RunRing(Ring& ring) {
     }
   }
   const uint64_t busy = now - start;
+  threads_.Worked(now);
   queue_.Charge(s.id, busy);
   s.last_active_ns = now;
   window_busy_ns_ += busy;

@@ -40,6 +40,7 @@
 #include "daemon/core/shared_regions.h"
 #include "daemon/executor/control_channel.h"
 #include "daemon/executor/fair_queue.h"
+#include "daemon/executor/thread_share.h"
 #include "tpu/op_record.h"
 #include "tpu/shm_layout.h"
 
@@ -68,6 +69,9 @@ struct ExecutorConfig {
   uint64_t quantum_ns = 200000;
   // A ring without work is polled this long before its doorbell is armed.
   uint64_t poll_ns = 2000000;
+  // Threads each op may use: > 0 exactly that; 0 the host's cores shared
+  // among busy chips (thread_share.h).
+  int intra_op_threads = 0;
 };
 
 class Executor {
@@ -256,6 +260,7 @@ class Executor {
 
   ExecutorConfig config_;
   ExecutorSlot* slot_;
+  ThreadShare threads_;  // applied in UpdateActivity, between ops
   int epoll_fd_ = -1;
   bool stopping_ = false;
   uint64_t next_key_ = 1;

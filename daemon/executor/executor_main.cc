@@ -97,6 +97,7 @@ int RunExecutorProcess(const ExecutorProcessConfig& config, int index,
   ec.spin_ns = config.spin_ns;
   ec.yield_ns = config.yield_ns;
   ec.quantum_ns = config.quantum_ns;
+  ec.intra_op_threads = config.intra_op_threads;
   int rc;
   {
     Executor executor(std::move(ec));

@@ -31,6 +31,7 @@ struct ExecutorProcessConfig {
   uint64_t spin_ns = 50000;
   uint64_t yield_ns = 50000;
   uint64_t quantum_ns = 200000;
+  int intra_op_threads = 0;  // ExecutorConfig::intra_op_threads
   // The executors' nice value, set before any thread starts (so ATen's and
   // a PJRT plugin's threads have it too).
   int nice = 0;

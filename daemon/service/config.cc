@@ -128,7 +128,7 @@ absl::StatusOr<TpudConfig> ConfigFromFlags(const TpudFlags& flags) {
 
   config.max_sessions_per_uid =
       static_cast<uint32_t>(std::max(0, flags.max_sessions_per_uid));
-  config.intra_op_threads = flags.intra_op_threads;
+  config.intra_op_threads = std::max(0, flags.intra_op_threads);
   config.op_timeout = flags.op_timeout;
   config.executor_spin = flags.executor_spin;
   config.executor_yield = flags.executor_yield;

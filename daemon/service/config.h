@@ -94,7 +94,9 @@ struct TpudConfig {
   uint64_t small_pool_bytes = 0;
 
   // Executors.
-  int intra_op_threads = 0;  // 0: ATen's default
+  // Per executor; 0: the cores shared among busy chips
+  // (executor/thread_share.h).
+  int intra_op_threads = 0;
   absl::Duration op_timeout = absl::Minutes(10);
   absl::Duration executor_spin = absl::Microseconds(50);
   absl::Duration executor_yield = absl::Microseconds(50);

@@ -104,8 +104,10 @@ TEST_CASE("counts are clamped to what tpud accepts") {
   f.max_connections_per_uid = 0;
   f.max_sessions_per_uid = -3;
   f.pjrt_program_cache = 0;
+  f.intra_op_threads = -2;
   absl::StatusOr<TpudConfig> c = ConfigFromFlags(f);
   REQUIRE(c.ok());
+  CHECK(c->intra_op_threads == 0);  // automatic
   CHECK(c->max_connections_per_uid == 1);
   CHECK(c->max_sessions_per_uid == 0);
   CHECK(c->pjrt_program_cache == 1);

@@ -26,6 +26,8 @@ absl::StatusOr<std::unique_ptr<ExecutorProcesses>> ExecutorProcesses::Create(
   const int num_chips = core->topology().num_chips();
   const int num_executors = backend.one_executor ? 1 : num_chips;
   e->shared_->num_executors = static_cast<uint32_t>(num_executors);
+  e->cores_ = AvailableCores();
+  e->shared_->num_cpus = static_cast<uint32_t>(e->cores_.cores);
   ExecutorProcessConfig exec_config;
   exec_config.shared = e->shared_;
   std::vector<int> wake_fds;
@@ -64,6 +66,7 @@ absl::StatusOr<std::unique_ptr<ExecutorProcesses>> ExecutorProcesses::Create(
   exec_config.yield_ns = absl::ToInt64Nanoseconds(config.executor_yield);
   exec_config.quantum_ns = absl::ToInt64Nanoseconds(config.executor_quantum);
   exec_config.nice = config.executor_nice;
+  exec_config.intra_op_threads = config.intra_op_threads;
   exec_config.make_backend = backend.make_backend;
 
   ExecutorPoolOptions pool_options;

@@ -14,6 +14,7 @@
 #include "daemon/core/runtime_core.h"
 #include "daemon/core/shared_regions.h"
 #include "daemon/executor/executor_pool.h"
+#include "daemon/executor/thread_share.h"
 #include "daemon/service/backend_choice.h"
 #include "daemon/service/config.h"
 
@@ -31,6 +32,8 @@ class ExecutorProcesses {
   ExecutorShared* shared() const { return shared_; }
   ExecutorPool* pool() const { return pool_.get(); }
   CommunicatorRegistry* communicators() const { return communicators_.get(); }
+  // The cores the executors share (ExecutorShared::num_cpus).
+  const HostCores& cores() const { return cores_; }
 
  private:
   ExecutorProcesses() = default;
@@ -38,6 +41,7 @@ class ExecutorProcesses {
   // Destroyed in reverse: the pool before the tables its processes map.
   SharedMapping shared_memory_;
   ExecutorShared* shared_ = nullptr;  // in shared_memory_
+  HostCores cores_;
   SharedMapping collective_memory_;
   std::unique_ptr<CommunicatorRegistry> communicators_;
   std::unique_ptr<ExecutorPool> pool_;

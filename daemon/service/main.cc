@@ -54,8 +54,11 @@ ABSL_FLAG(
 ABSL_FLAG(std::string, log_level, tpud::TpudFlags().log_level,
           "trace, debug, info, warn or error");
 ABSL_FLAG(int, intra_op_threads, tpud::TpudFlags().intra_op_threads,
-          "threads each op may use on the simulated chips (process-wide); 0 = "
-          "ATen's default");
+          "threads each op may use on the simulated chips (ATen's intra-op "
+          "pool, one per executor); 0 = automatic: the cores tpud may use "
+          "(CPU affinity, cgroup quota) shared among the chips busy now, all "
+          "of them for one busy chip, at least 1 each, adjusted between ops; "
+          "N > 0 = exactly N per executor, whatever the load");
 ABSL_FLAG(std::string, pinned_pool_bytes, tpud::TpudFlags().pinned_pool_bytes,
           "default size of a session's pinned host pool (shared memory)");
 ABSL_FLAG(std::string, max_pinned_pool_bytes,
@@ -240,6 +243,11 @@ int Run() {
       tpu::FormatBytes(t.hbm_bytes_per_chip()),
       (*executors)->pool()->num_executors(), config->socket_path,
       config->admin_socket_path);
+  if (config->backend == BackendKind::kSimulated) {
+    spdlog::info(
+        "intra-op threads per executor: {}",
+        DescribeThreadPolicy(config->intra_op_threads, (*executors)->cores()));
+  }
   sd_notifyf(0, "READY=1\nSTATUS=serving %s on %s\nMAINPID=%d",
              t.name().c_str(), config->socket_path.c_str(),
              static_cast<int>(getpid()));

@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -17,7 +16,6 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <utility>
@@ -1245,15 +1243,6 @@ absl::Status OpRun::Run() {
 }
 
 }  // namespace
-
-std::unique_ptr<SimulatedChip> SimulatedChip::Create(int intra_op_threads) {
-  if (intra_op_threads > 0) {
-    static std::once_flag once;
-    std::call_once(
-        once, [intra_op_threads] { at::set_num_threads(intra_op_threads); });
-  }
-  return std::unique_ptr<SimulatedChip>(new SimulatedChip());
-}
 
 absl::Status SimulatedChip::VerifyElementSizes() {
   constexpr int kNumScalarTypes = static_cast<int>(c10::ScalarType::NumOptions);

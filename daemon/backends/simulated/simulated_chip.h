@@ -56,8 +56,15 @@ class SimulatedChip : public ChipBackend {
   // at::set_num_threads. That setting is process-wide: it applies to every
   // SimulatedChip (and any other ATen use) in the process, and only the first
   // Create with a positive count sets it; later counts are ignored. 0 leaves
-  // ATen's default (one thread per core).
+  // ATen's default (OMP_NUM_THREADS, else one thread per physical core), for
+  // the executor to share out (set_intra_op_threads).
   static std::unique_ptr<SimulatedChip> Create(int intra_op_threads);
+
+  // ATen's intra-op thread count (at::get_num_threads), and setting it
+  // (at::set_num_threads, when it differs): process-wide, as above. Its
+  // next parallel region uses the new count. Defined in aten_threads.cc.
+  int intra_op_threads() const override;
+  void set_intra_op_threads(int n) override;
 
   // Checks that tpu::ElementSize (the wire format's table, used to check
   // footprints) agrees with c10::elementSize for every dtype tpud accepts.

@@ -1,6 +1,7 @@
 #include "daemon/backends/simulated/simulated_chip.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
@@ -300,6 +301,21 @@ TEST_CASE("element sizes of the wire format agree with c10") {
 
 TEST_CASE("describe names the simulated backend") {
   CHECK(SimulatedChip::Create(0)->Describe() == "simulated (ATen CPU kernels)");
+}
+
+TEST_CASE("the chip's intra-op threads are ATen's, set between ops") {
+  std::unique_ptr<SimulatedChip> chip = SimulatedChip::Create(0);
+  const int before = at::get_num_threads();
+  CHECK(chip->intra_op_threads() == before);
+  chip->set_intra_op_threads(1);
+  CHECK(at::get_num_threads() == 1);
+  CHECK(chip->intra_op_threads() == 1);
+  at::Tensor a = at::randn({64, 64});
+  CHECK(at::allclose(at::mm(a, a), at::matmul(a, a)));
+  chip->set_intra_op_threads(before + 1);
+  CHECK(at::get_num_threads() == before + 1);
+  chip->set_intra_op_threads(before);
+  CHECK(at::get_num_threads() == before);
 }
 
 TEST_CASE("elementwise ops match ATen on CPU") {
