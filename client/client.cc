@@ -414,6 +414,9 @@ DaemonStatus ConvertStatus(const v1::GetStatusResponse& resp) {
     info.duty_cycle = e.duty_cycle();
     info.programs_cached = e.programs_cached();
     info.device_buffer_bytes = e.device_buffer_bytes();
+    info.intra_op_threads = static_cast<int>(e.intra_op_threads());
+    info.intra_op_threads_max = static_cast<int>(e.intra_op_threads_max());
+    info.busy = e.busy();
     for (const v1::ChipCompileStats& c : e.compile()) {
       info.compile.push_back({static_cast<int>(c.chip()), c.compiles(),
                               c.compile_seconds(), c.cache_hits(),

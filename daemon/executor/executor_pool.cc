@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "daemon/executor/thread_share.h"
 #include "tpu/shm_layout.h"
 
 namespace tpud {
@@ -585,6 +586,8 @@ void ExecutorPool::OnWorkerDeath(int e, int wait_status) {
     slot.state.store(ExecutorSlot::kDead);
     slot.sleeping.store(0);
     slot.active_sessions.store(0);
+    slot.last_work_ns.store(0);
+    slot.intra_op_threads.store(0);
     slot.op_epoch.fetch_add(1);
     tpu::FutexWakeAll(&slot.op_epoch);
     w.busy_base_ns += slot.busy_ns.exchange(0);
@@ -682,6 +685,9 @@ std::vector<ExecutorInfo> ExecutorPool::Executors() const {
     info.busy_ns = w.busy_base_ns + slot.busy_ns.load();
     info.ops = w.ops_base + slot.ops.load();
     info.duty_cycle = static_cast<double>(slot.duty_permille.load()) / 1000.0;
+    info.intra_op_threads = w.ready ? slot.intra_op_threads.load() : 0;
+    info.intra_op_threads_max = slot.intra_op_threads_max.load();
+    info.busy = ExecutorBusy(slot, tpu::MonotonicNanos());
     for (size_t i = 0; i < info.chips.size() && i < tpu::kMaxChipsPerHost;
          ++i) {
       std::array<uint64_t, kOpLatencyBuckets> buckets;

@@ -75,6 +75,12 @@ struct ExecutorInfo {
   std::vector<CompileStats> compile;
   uint64_t programs_cached = 0;
   uint64_t device_buffer_bytes = 0;
+  // Threads each of its ops may use now, and at most (alone on the host);
+  // 0: the backend's own business (thread_share.h). Busy: inside an op, or
+  // it ran work within the last kBusyWindowNs.
+  int intra_op_threads = 0;
+  int intra_op_threads_max = 0;
+  bool busy = false;
   // For metrics, since the daemon started (across restarts), by position in
   // `chips`: records run per latency bucket (kOpLatencyBoundsNs; not
   // cumulative) and their total time; and records waiting now.

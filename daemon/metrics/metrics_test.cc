@@ -246,6 +246,7 @@ TEST_CASE(
   e.op_latency[0][kOpLatencyBuckets - 1] = 1;   // above 10 s
   e.op_latency_sum_ns = {20'000'015'000, 0};
   e.queue_depth = {4, 0};
+  e.intra_op_threads = 2;
   e.op_errors[static_cast<int>(absl::StatusCode::kOutOfRange)] = 2;
   in.executors.push_back(e);
   in.sessions.opened = 5;
@@ -262,6 +263,7 @@ TEST_CASE(
   CHECK(absl::StrContains(text, "# TYPE tpud_chip_ops_total counter"));
   CHECK(absl::StrContains(text, "tpud_chip_ops_total{chip=\"0\"} 7"));
   CHECK(absl::StrContains(text, "tpud_chip_queue_depth{chip=\"0\"} 4"));
+  CHECK(absl::StrContains(text, "tpud_chip_intra_op_threads{chip=\"1\"} 2"));
   CHECK(absl::StrContains(text,
                           "# TYPE tpud_chip_op_duration_seconds histogram"));
   CHECK(absl::StrContains(

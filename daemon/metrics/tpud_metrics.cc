@@ -155,6 +155,12 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsInputs& in) {
             "op records clients published for the chip that are not done yet",
             chip, static_cast<double>(e.queue_depth[i]));
       }
+      if (e.intra_op_threads > 0) {
+        f.Gauge("tpud_chip_intra_op_threads",
+                "threads each op on the chip may use now (its executor's "
+                "share of the cores)",
+                chip, e.intra_op_threads);
+      }
       if (i < e.op_latency.size() && i < e.op_latency_sum_ns.size()) {
         ClientMetric m;
         m.label = chip;

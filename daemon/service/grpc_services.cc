@@ -369,6 +369,9 @@ void AdminServiceImpl::FillStatus(v1::GetStatusResponse* resp) {
       out->set_duty_cycle(e.duty_cycle);
       out->set_programs_cached(e.programs_cached);
       out->set_device_buffer_bytes(e.device_buffer_bytes);
+      out->set_intra_op_threads(e.intra_op_threads);
+      out->set_intra_op_threads_max(e.intra_op_threads_max);
+      out->set_busy(e.busy);
       for (size_t i = 0; i < e.compile.size() && i < e.chips.size(); ++i) {
         v1::ChipCompileStats* c = out->add_compile();
         c->set_chip(e.chips[i]);

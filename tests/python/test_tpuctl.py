@@ -193,7 +193,8 @@ def test_status_columns_line_up_whatever_the_values(daemon):
                                        "DUTY", "OPS"])
         _columns_line_up(out, "SESSION ", ["SESSION", "PID", "HBM", "BUSY", "OPS"])
         _columns_line_up(tpuctl(daemon, "executors").stdout, "EXECUTOR",
-                         ["EXECUTOR", "PID", "RESTARTS", "DUTY", "OPS", "BUSY"])
+                         ["EXECUTOR", "PID", "RESTARTS", "DUTY", "OPS", "BUSY",
+                          "THREADS"])
     finally:
         holder.kill()
         holder.wait()

@@ -452,6 +452,9 @@ void WriteExecutors(JsonWriter& w, const tpu::DaemonStatus& st) {
     w.Key("busy_seconds").Double(e.busy_seconds);
     w.Key("ops_executed").Uint(e.ops_executed);
     w.Key("duty_cycle").Double(e.duty_cycle);
+    w.Key("busy").Bool(e.busy);
+    w.Key("intra_op_threads").Int(e.intra_op_threads);
+    w.Key("intra_op_threads_max").Int(e.intra_op_threads_max);
     if (!e.compile.empty()) {
       w.Key("programs_cached").Uint(e.programs_cached);
       w.Key("device_buffer_bytes").Uint(e.device_buffer_bytes);
@@ -530,16 +533,19 @@ int CmdExecutors(tpu::AdminClient& admin, bool json) {
     std::printf("%s\n", w.str().c_str());
     return 0;
   }
-  Table table(
-      {"EXECUTOR", "CHIPS", "PID", "STATE", "RESTARTS", "DUTY", "OPS", "BUSY"},
-      "r.r.rrrr");
+  Table table({"EXECUTOR", "CHIPS", "PID", "STATE", "RESTARTS", "DUTY", "OPS",
+               "BUSY", "THREADS"},
+              "r.r.rrrrr");
   for (const tpu::ExecutorInfo& e : st->executors) {
-    table.Row({absl::StrCat(e.index), absl::StrJoin(e.chips, ","),
-               absl::StrCat(e.pid), e.ready ? "ready" : "STARTING",
-               absl::StrCat(e.restarts),
-               absl::StrFormat("%.0f%%", 100 * e.duty_cycle),
-               absl::StrCat(e.ops_executed),
-               absl::StrFormat("%.2fs", e.busy_seconds)});
+    table.Row(
+        {absl::StrCat(e.index), absl::StrJoin(e.chips, ","),
+         absl::StrCat(e.pid), e.ready ? "ready" : "STARTING",
+         absl::StrCat(e.restarts),
+         absl::StrFormat("%.0f%%", 100 * e.duty_cycle),
+         absl::StrCat(e.ops_executed), absl::StrFormat("%.2fs", e.busy_seconds),
+         e.intra_op_threads == 0
+             ? std::string("-")
+             : absl::StrCat(e.intra_op_threads, "/", e.intra_op_threads_max)});
   }
   table.Print();
   // Compiled programs, per chip, where the backend compiles (PJRT).

@@ -388,6 +388,11 @@ struct ExecutorInfo {
   uint64_t programs_cached = 0;
   uint64_t device_buffer_bytes =
       0;  // held in device buffers (PJRT device memory)
+  // Threads each of its ops may use now and at most (alone on the host); 0
+  // where the backend keeps its own (PJRT).
+  int intra_op_threads = 0;
+  int intra_op_threads_max = 0;
+  bool busy = false;  // inside an op, or ran work within the last 100 ms
 };
 
 // One replacement of an executor: why, and whose op was running.
