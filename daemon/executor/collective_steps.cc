@@ -457,6 +457,11 @@ absl::Status Executor::StepCollective(Ring& ring, uint64_t sequence,
   };
   const bool first_visit =
       !ring.in_collective || ring.collective_sequence != sequence;
+  // A peer's executor ran the group and completed this record already: the
+  // ranks may have left the communicator since (destroy_process_group once
+  // its last collective is done), and only taking it off the ring remains.
+  const bool completed_early =
+      ring.trusted->completed_early.load(std::memory_order_acquire) == sequence;
   if (first_visit || !ring.collective_posted) {
     if (absl::Status st = tpu::DecodeCollective(record, &collective_);
         !st.ok()) {
@@ -477,6 +482,7 @@ absl::Status Executor::StepCollective(Ring& ring, uint64_t sequence,
     }
     CommSlot* comm = CommOf(config_.collectives, collective_.communicator);
     if (comm == nullptr) {
+      if (completed_early) return finish(absl::OkStatus());
       return finish(absl::NotFoundError(
           absl::StrCat("communicator ", collective_.communicator,
                        " does not exist (destroyed, or never formed)")));
@@ -495,13 +501,17 @@ absl::Status Executor::StepCollective(Ring& ring, uint64_t sequence,
     }
   }
   CommSlot* comm = CommOf(config_.collectives, ring.collective_comm);
-  if (comm == nullptr)
+  if (comm == nullptr) {
+    if (completed_early) return finish(absl::OkStatus());
     return finish(absl::NotFoundError("the communicator was destroyed"));
+  }
   const int rank = ring.collective_rank;
   if (!ring.collective_posted) {
     bool posted = false;
     if (absl::Status st = PostGroup(ring, comm, rank, sequence, &posted);
         !st.ok()) {
+      if (completed_early && absl::IsNotFound(st))
+        return finish(absl::OkStatus());
       return finish(st);
     }
     if (!posted) {
