@@ -1,6 +1,7 @@
 """Collectives inside tpud against gloo on CPU tensors, same ranks, same run.
 
     .venv/bin/python bench/collectives_bench.py --start-daemon [--ranks 4] [--big-mib 256]
+    .venv/bin/python bench/collectives_bench.py --intra-op [--intra-op-rounds 2]
 
 Each figure is a ratio measured in one run, in the same rank processes (one
 per chip of a simulated v6e-4), whose default group has both backends
@@ -16,6 +17,18 @@ backends' rounds taking turns:
                     a few MB of gradients) with gloo on CPU / with tpu; with
                     the same step without DDP on each device, for the share
                     the all-reduce takes.
+
+With --intra-op it measures instead how executors share the host's cores
+(docs/design.md, "Executors"): FSDP2 (fully_shard) training steps of an MLP
+on tpu, one rank per chip, against three tpuds started together and taking
+turns round by round, each the best of --intra-op-rounds:
+
+  intra_op          step time with the old behaviour (--intra_op_threads=
+                    <cores>: every executor takes every core), with the
+                    default (the cores shared among busy chips) and with
+                    --intra_op_threads=1; the default's speedup over the old
+                    (target: about the one-thread figure), and whether the
+                    three ran the same losses bit for bit.
 
 Prints one JSON document; --out writes it to a file too.
 """
@@ -132,7 +145,115 @@ def worker(rank, world, port, big_mib, small_iters, big_iters, ddp_steps):
     print(json.dumps(out), flush=True)
 
 
+def fsdp_worker(rank, world, port, steps):
+    """FSDP2 training steps on tpu: the mean step time and every loss."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    import torch_tpu  # noqa: F401
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dev = torch.device("tpu", rank % torch.tpu.device_count())
+    torch.tpu.set_device(dev)
+    dist.init_process_group("tpu", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    mesh = init_device_mesh("tpu", (world,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(),
+                                torch.nn.Linear(2048, 2048), torch.nn.GELU(),
+                                torch.nn.Linear(2048, 512)).to(dev)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(64, 512, generator=g).to(dev)
+    y = torch.randn(64, 512, generator=g).to(dev)
+
+    def step():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    for _ in range(2):
+        step()
+    torch.tpu.synchronize()
+    dist.barrier(device_ids=[dev.index])
+    t0 = time.perf_counter()
+    losses = [step() for _ in range(steps)]
+    torch.tpu.synchronize()
+    seconds = (time.perf_counter() - t0) / steps
+    dist.destroy_process_group()
+    print(json.dumps({"step_s": seconds, "losses": [float(l) for l in losses]}), flush=True)
+
+
 # ---------------------------------------------------------------- driver
+
+def run_fsdp_ranks(args, env):
+    port = free_port()
+    cmd = [sys.executable, os.path.abspath(__file__), "--fsdp-worker", "--ranks",
+           str(args.ranks), "--port", str(port), "--intra-op-steps", str(args.intra_op_steps)]
+    procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(args.ranks)]
+    results = []
+    for p in procs:
+        so, se = p.communicate(timeout=1800)
+        if p.returncode != 0:
+            raise RuntimeError(f"rank failed:\n{se[-3000:]}")
+        results.append(json.loads(so.strip().splitlines()[-1]))
+    return results
+
+
+def intra_op_compare(args):
+    """The same FSDP steps against tpuds that differ only in
+    --intra_op_threads, their rounds taking turns."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from tpud_process import TpudProcess
+
+    cores = len(os.sched_getaffinity(0))
+    flags = {"old": [f"--intra_op_threads={cores}"], "default": [],
+             "one": ["--intra_op_threads=1"]}
+    load_before = os.getloadavg()[0]
+    daemons = {}
+    best, losses = {}, {}
+    try:
+        for name, extra in flags.items():
+            daemons[name] = TpudProcess(os.path.join(ROOT, "bazel-bin", "daemon", "tpud"),
+                                        hbm="1GiB", extra_flags=extra, prefix="tpud-bench.")
+            daemons[name].start()
+        names = list(flags)
+        for r in range(args.intra_op_rounds):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                env = dict(os.environ)
+                env.update(daemons[name].env())
+                results = run_fsdp_ranks(args, env)
+                seconds = max(res["step_s"] for res in results)  # the slowest rank's
+                best[name] = min(best.get(name, float("inf")), seconds)
+                losses.setdefault(name, []).append([res["losses"] for res in results])
+    finally:
+        for d in daemons.values():
+            d.close()
+    runs = [run for name in flags for run in losses[name]]
+    return {
+        "ranks": args.ranks, "cores": cores, "steps": args.intra_op_steps,
+        "rounds": args.intra_op_rounds,
+        "old_step_ms": best["old"] * 1e3, "default_step_ms": best["default"] * 1e3,
+        "one_thread_step_ms": best["one"] * 1e3,
+        "default_speedup_vs_old": best["old"] / best["default"],
+        "one_thread_speedup_vs_old": best["old"] / best["one"],
+        "default_vs_one_thread": best["one"] / best["default"],
+        "same_losses": all(run == runs[0] for run in runs),
+        "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0],
+    }
+
 
 def run_ranks(args, env):
     port = free_port()
@@ -175,14 +296,29 @@ def main():
     ap.add_argument("--small-iters", type=int, default=100)
     ap.add_argument("--big-iters", type=int, default=3)
     ap.add_argument("--ddp-steps", type=int, default=10)
+    ap.add_argument("--intra-op", action="store_true",
+                    help="compare --intra_op_threads settings instead (starts its own tpuds)")
+    ap.add_argument("--intra-op-steps", type=int, default=5)
+    ap.add_argument("--intra-op-rounds", type=int, default=2)
     ap.add_argument("--out")
     ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--fsdp-worker", action="store_true")
     ap.add_argument("--rank", type=int)
     ap.add_argument("--port", type=int)
     args = ap.parse_args()
     if args.worker:
         worker(args.rank, args.ranks, args.port, args.big_mib, args.small_iters,
                args.big_iters, args.ddp_steps)
+        return
+    if args.fsdp_worker:
+        fsdp_worker(args.rank, args.ranks, args.port, args.intra_op_steps)
+        return
+    if args.intra_op:
+        text = json.dumps({"intra_op": intra_op_compare(args)}, indent=2)
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
         return
     env = dict(os.environ)
     daemon = None
