@@ -28,6 +28,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
 
+#include "reduce_ops.h"
 #include "runtime.h"
 #include "tpu/client.h"
 
@@ -35,24 +36,6 @@ namespace torch_tpu {
 namespace {
 
 constexpr c10::DeviceType kTpu = c10::DeviceType::PrivateUse1;
-
-tpu::ReduceOp ToReduceOp(const c10d::ReduceOp& op) {
-  switch (op.op_) {
-    case c10d::ReduceOp::SUM:
-      return tpu::ReduceOp::kSum;
-    case c10d::ReduceOp::AVG:
-      return tpu::ReduceOp::kAvg;
-    case c10d::ReduceOp::PRODUCT:
-      return tpu::ReduceOp::kProduct;
-    case c10d::ReduceOp::MIN:
-      return tpu::ReduceOp::kMin;
-    case c10d::ReduceOp::MAX:
-      return tpu::ReduceOp::kMax;
-    default:
-      TORCH_CHECK(false, "tpu backend: reduce op ", static_cast<int>(op.op_),
-                  " is not supported (sum, avg, product, min and max are)");
-  }
-}
 
 uint64_t Address(const at::Tensor& t) {
   return t.numel() == 0 ? 0 : reinterpret_cast<uint64_t>(t.data_ptr());
@@ -270,14 +253,14 @@ class ProcessGroupTPU : public c10d::Backend {
     if (MultiHost()) {
       at::Tensor& t = Single(tensors, "all_reduce");
       Buffer b = Dense(t, true);
-      HierAllReduce(b.t, ToReduceOp(opts.reduceOp));
+      HierAllReduce(b.t, ReduceInPlace(opts.reduceOp, b.t));
       if (b.write_back) t.copy_(b.t);
       return Done(c10d::OpType::ALLREDUCE, {t}, t);
     }
     at::Tensor& t = Single(tensors, "all_reduce");
     Buffer b = Dense(t, true);
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kAllReduce, b.t);
-    e.reduce = ToReduceOp(opts.reduceOp);
+    e.reduce = ReduceInPlace(opts.reduceOp, b.t);
     e.send = e.recv = Address(b.t);
     return Issue(c10d::OpType::ALLREDUCE, {e}, {t}, {b});
   }
@@ -289,7 +272,7 @@ class ProcessGroupTPU : public c10d::Backend {
       for (at::Tensor& t : tensors) {
         CheckTpu(t, "allreduce_coalesced's tensor");
         Buffer b = Dense(t, true);
-        HierAllReduce(b.t, ToReduceOp(opts.reduceOp));
+        HierAllReduce(b.t, ReduceInPlace(opts.reduceOp, b.t));
         if (b.write_back) t.copy_(b.t);
       }
       return Done(c10d::OpType::ALLREDUCE_COALESCED, tensors, tensors.at(0));
@@ -302,7 +285,7 @@ class ProcessGroupTPU : public c10d::Backend {
       CheckTpu(t, "allreduce_coalesced's tensor");
       Buffer b = Dense(t, true);
       tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kAllReduce, b.t);
-      e.reduce = ToReduceOp(opts.reduceOp);
+      e.reduce = ReduceInPlace(opts.reduceOp, b.t);
       e.send = e.recv = Address(b.t);
       entries.push_back(e);
       buffers.push_back(b);
@@ -316,17 +299,21 @@ class ProcessGroupTPU : public c10d::Backend {
     if (MultiHost()) {
       at::Tensor& t = Single(tensors, "reduce");
       at::Tensor tmp = t.contiguous().clone();
-      HierAllReduce(tmp, ToReduceOp(opts.reduceOp));
+      HierAllReduce(tmp, ReduceInPlace(opts.reduceOp, tmp));
       if (getRank() == opts.rootRank) t.copy_(tmp.view(t.sizes()));
       return Done(c10d::OpType::REDUCE, {t}, t);
     }
     at::Tensor& t = Single(tensors, "reduce");
     Buffer b = Dense(t, true);
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kReduce, b.t);
-    e.reduce = ToReduceOp(opts.reduceOp);
+    e.reduce = ToReduceOp(opts.reduceOp, b.t.scalar_type());
     e.peer = static_cast<int32_t>(opts.rootRank);
-    e.send = e.recv = Address(b.t);
-    return Issue(c10d::OpType::REDUCE, {e}, {t}, {b});
+    // PREMUL_SUM sends a scaled copy: the other ranks' tensors stay as they
+    // were, as with NCCL.
+    const at::Tensor in = PreMultiplied(opts.reduceOp, b.t);
+    e.send = Address(in);
+    e.recv = Address(b.t);
+    return Issue(c10d::OpType::REDUCE, {e}, {t}, {b}, {}, {in});
   }
 
   c10::intrusive_ptr<c10d::Work> allgather(
@@ -544,7 +531,7 @@ class ProcessGroupTPU : public c10d::Backend {
       std::vector<at::Tensor> parts;
       for (const at::Tensor& t : inputs[0]) parts.push_back(t.reshape({-1}));
       at::Tensor tmp = at::cat(parts);
-      HierAllReduce(tmp, ToReduceOp(opts.reduceOp));
+      HierAllReduce(tmp, ReduceInPlace(opts.reduceOp, tmp));
       out.copy_(tmp.narrow(0, getRank() * out.numel(), out.numel())
                     .view(out.sizes()));
       return Done(c10d::OpType::REDUCE_SCATTER, {out}, out);
@@ -562,7 +549,7 @@ class ProcessGroupTPU : public c10d::Backend {
     at::Tensor flat = at::cat(parts);
     Buffer dst = Dense(out, true);
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kReduceScatter, dst.t);
-    e.reduce = ToReduceOp(opts.reduceOp);
+    e.reduce = ReduceInPlace(opts.reduceOp, flat);  // flat is a copy
     e.send = Address(flat);
     e.recv = Address(dst.t);
     return Issue(c10d::OpType::REDUCE_SCATTER, {e}, {out}, {dst}, {}, {flat});
@@ -576,7 +563,7 @@ class ProcessGroupTPU : public c10d::Backend {
                   "tpu backend: reduce_scatter_tensor's input must hold ",
                   getSize(), " x the output");
       at::Tensor tmp = input.contiguous().clone().view({-1});
-      HierAllReduce(tmp, ToReduceOp(opts.reduceOp));
+      HierAllReduce(tmp, ReduceInPlace(opts.reduceOp, tmp));
       output.copy_(tmp.narrow(0, getRank() * output.numel(), output.numel())
                        .view(output.sizes()));
       return Done(c10d::OpType::_REDUCE_SCATTER_BASE, {output}, output);
@@ -873,7 +860,8 @@ class ProcessGroupTPU : public c10d::Backend {
     Buffer src = Dense(input, false);
     Buffer dst = Dense(output, true);
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kReduceScatter, dst.t);
-    e.reduce = ToReduceOp(opts.reduceOp);
+    e.reduce = ToReduceOp(opts.reduceOp, input.scalar_type());
+    src.t = PreMultiplied(opts.reduceOp, src.t);  // the input stays as it was
     e.send = Address(src.t);
     e.recv = Address(dst.t);
     entries->push_back(e);
@@ -1026,6 +1014,12 @@ class ProcessGroupTPU : public c10d::Backend {
         return c10d::ReduceOp::MIN;
       case tpu::ReduceOp::kMax:
         return c10d::ReduceOp::MAX;
+      case tpu::ReduceOp::kBand:
+        return c10d::ReduceOp::BAND;
+      case tpu::ReduceOp::kBor:
+        return c10d::ReduceOp::BOR;
+      case tpu::ReduceOp::kBxor:
+        return c10d::ReduceOp::BXOR;
       default:
         return c10d::ReduceOp::SUM;
     }
