@@ -27,7 +27,40 @@ MOVE_ONLY = (torch.float8_e4m3fn,)
 OPS = {
     "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,
     "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
+    "band": dist.ReduceOp.BAND, "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR,
 }
+BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+# PREMUL_SUM (torch.distributed._make_nccl_premul_sum) by a Python float, or
+# by a 0-dim tpu tensor that differs per rank.
+PREMUL = ("premul_float", "premul_tensor")
+
+
+def takes(oname, dtype):
+    """Whether NCCL (gloo for the bitwise ops) reduces dtype by oname."""
+    if dtype in MOVE_ONLY:
+        return False
+    if oname in BITWISE:
+        return not (dtype.is_floating_point or dtype.is_complex)
+    if oname in PREMUL or oname == "avg":
+        return dtype.is_floating_point or dtype.is_complex
+    if oname in ("min", "max", "product"):
+        return not dtype.is_complex  # torch refuses
+    return True
+
+
+def premul_factor(oname, rank):
+    return 0.3 if oname == "premul_float" else 0.5 + 0.25 * rank
+
+
+def reduce_op(oname, rank, dtype, dev):
+    """Rank's ReduceOp for oname (a PREMUL_SUM carries the rank's factor)."""
+    if oname == "premul_float":
+        return dist._make_nccl_premul_sum(premul_factor(oname, rank))
+    if oname == "premul_tensor":
+        # Complex tensors reach the backend as view_as_real: a real factor.
+        return dist._make_nccl_premul_sum(torch.tensor(
+            premul_factor(oname, rank), dtype=dtype.to_real(), device=dev))
+    return OPS[oname]
 
 
 def data(rank, shape, dtype, seed=0):
@@ -45,7 +78,17 @@ def data(rank, shape, dtype, seed=0):
 
 
 def reduce_ref(tensors, op):
-    acc = tensors[0].to(torch.float64 if not tensors[0].is_complex() else torch.complex128)
+    wide = torch.float64 if not tensors[0].is_complex() else torch.complex128
+    if op in PREMUL:
+        # Every rank's input times its own factor, then summed.
+        acc = sum(t.to(wide) * premul_factor(op, r) for r, t in enumerate(tensors))
+        return acc.to(tensors[0].dtype)
+    if op in BITWISE:
+        acc = tensors[0].clone()
+        for t in tensors[1:]:
+            acc = BITWISE[op](acc, t)
+        return acc
+    acc = tensors[0].to(wide)
     if tensors[0].dtype == torch.bool:
         stack = torch.stack(tensors)
         return (stack.any(0) if op in ("sum", "max") else stack.all(0))
@@ -99,19 +142,13 @@ def scenario_collectives(rank, world, port, skip=""):
     for dname, dtype in DTYPES.items():
         if dname in skip.split(","):
             continue
-        for oname, op in OPS.items():
-            if dtype in MOVE_ONLY:
-                break
-            if oname == "avg" and not (dtype.is_floating_point or dtype.is_complex):
-                continue
-            if oname in ("min", "max", "product") and dtype.is_complex:  # torch refuses
-                continue
-            if dtype == torch.bool and oname == "avg":
+        for oname in (*OPS, *PREMUL):
+            if not takes(oname, dtype):
                 continue
             shape = (37, 5)
             inputs = [data(r, shape, dtype, seed=checked) for r in range(world)]
             x = inputs[rank].to(dev)
-            dist.all_reduce(x, op=op)
+            dist.all_reduce(x, op=reduce_op(oname, rank, dtype, dev))
             close(x, reduce_ref(inputs, oname), f"all_reduce {oname} {dname}")
             checked += 1
         ins = [data(r, (6, 3), dtype, seed=100 + checked) for r in range(world)]
@@ -157,24 +194,60 @@ def scenario_collectives(rank, world, port, skip=""):
         expect = [data(i, (world * 3, 2), dtype, seed=9)[rank * 3:(rank + 1) * 3] for i in range(world)]
         close(out, torch.cat(expect), f"all_to_all_single even {dname}")
         checked += 5
-    # reduce and reduce_scatter, float32 and bfloat16, every op
-    for dtype in (torch.float32, torch.bfloat16, torch.int64):
-        for oname, op in OPS.items():
-            if oname == "avg" and not dtype.is_floating_point:
+    # reduce and reduce_scatter_tensor, every dtype and op; reduce_scatter of
+    # lists on three dtypes. A non-root's tensor and reduce_scatter's input
+    # stay as they were (PREMUL_SUM scales copies of them).
+    for dname, dtype in DTYPES.items():
+        if dname in skip.split(","):
+            continue
+        for oname in (*OPS, *PREMUL):
+            if not takes(oname, dtype):
                 continue
+            what = f"{oname} {dname}"
+            op = reduce_op(oname, rank, dtype, dev)
             ins = [data(r, (world * 4, 3), dtype, seed=checked) for r in range(world)]
             ref = reduce_ref(ins, oname)
             y = ins[rank].to(dev)
             dist.reduce(y, dst=0, op=op)
-            if rank == 0:
-                close(y, ref, f"reduce {oname} {dtype}")
+            close(y, ref if rank == 0 else ins[rank], f"reduce {what} on rank {rank}")
+            src = ins[rank].to(dev)
             rs = torch.empty((4, 3), dtype=dtype, device=dev)
-            dist.reduce_scatter_tensor(rs, ins[rank].to(dev), op=op)
-            close(rs, ref[rank * 4:(rank + 1) * 4], f"reduce_scatter_tensor {oname} {dtype}")
-            rl = torch.empty((4, 3), dtype=dtype, device=dev)
-            dist.reduce_scatter(rl, [c.to(dev) for c in ins[rank].chunk(world)], op=op)
-            close(rl, ref[rank * 4:(rank + 1) * 4], f"reduce_scatter {oname} {dtype}")
-            checked += 3
+            dist.reduce_scatter_tensor(rs, src, op=op)
+            close(rs, ref[rank * 4:(rank + 1) * 4], f"reduce_scatter_tensor {what}")
+            close(src, ins[rank], f"reduce_scatter_tensor {what}: its input")
+            checked += 2
+            if dname in ("float32", "bfloat16", "int64"):
+                rl = torch.empty((4, 3), dtype=dtype, device=dev)
+                dist.reduce_scatter(rl, [c.to(dev) for c in ins[rank].chunk(world)], op=op)
+                close(rl, ref[rank * 4:(rank + 1) * 4], f"reduce_scatter {what}")
+                checked += 1
+    # PREMUL_SUM as FSDP2 makes it, and with a factor on the CPU
+    ins = [data(r, (world * 2, 3), torch.float32, seed=12) for r in range(world)]
+    rs = torch.empty((2, 3), device=dev)
+    dist.reduce_scatter_tensor(rs, ins[rank].to(dev), op=dist.ReduceOp.PREMUL_SUM(1 / world))
+    close(rs, reduce_ref(ins, "avg")[rank * 2:(rank + 1) * 2], "reduce_scatter_tensor PREMUL_SUM(1/n)")
+    x = ins[rank].to(dev)
+    dist.all_reduce(x, op=dist._make_nccl_premul_sum(torch.tensor(premul_factor("premul_tensor", rank))))
+    close(x, reduce_ref(ins, "premul_tensor"), "all_reduce PREMUL_SUM by a CPU tensor")
+    # What NCCL and gloo refuse is refused on every rank, naming the op and
+    # the dtype, and the group goes on.
+    # (all_reduce takes complex tensors as view_as_real, and refuses the
+    # bitwise ops on them itself; reduce passes them on.)
+    def reduce(t, op):
+        dist.reduce(t, dst=0, op=op)
+
+    for call, op, dtype, words in (
+            (dist.all_reduce, dist.ReduceOp.BXOR, torch.float32, ("BXOR", "Float")),
+            (reduce, dist.ReduceOp.BAND, torch.complex64, ("BAND", "ComplexFloat")),
+            (dist.all_reduce, dist._make_nccl_premul_sum(2.0), torch.int32, ("PREMUL_SUM", "Int")),
+            (dist.all_reduce, dist.ReduceOp(dist.ReduceOp.RedOpType(9)), torch.float32, ("UNUSED",))):
+        try:
+            call(torch.ones(4, dtype=dtype, device=dev), op=op)
+            torch.tpu.synchronize()
+        except RuntimeError as e:
+            assert all(w in str(e) for w in words), f"{words}: {e}"
+        else:
+            raise AssertionError(f"{call.__name__} by {words[0]} of {dtype} succeeded")
     # all_to_all with lists of uneven tensors
     ins = [data(rank * 10 + j, (j + rank + 1,), torch.float32) for j in range(world)]
     outs = [torch.empty((rank + i + 1,), device=dev) for i in range(world)]
@@ -471,13 +544,13 @@ def scenario_multihost(rank, world, port):
     torch.tpu.set_device(local)
     dev = torch.device("tpu", local)
     dist.init_process_group("tpu", timeout=datetime.timedelta(seconds=120))
-    for dtype in (torch.float32, torch.bfloat16, torch.int64):
-        for oname in ("sum", "avg", "max", "min", "product"):
-            if oname == "avg" and not dtype.is_floating_point:
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+        for oname in (*OPS, *PREMUL):
+            if not takes(oname, dtype) or (dtype == torch.bool and oname not in BITWISE):
                 continue
             ins = [data(r, (33, 3), dtype, seed=5) for r in range(world)]
             x = ins[rank].to(dev)
-            dist.all_reduce(x, op=OPS[oname])
+            dist.all_reduce(x, op=reduce_op(oname, rank, dtype, dev))
             close(x, reduce_ref(ins, oname), f"all_reduce {oname} {dtype} across hosts")
     ins = [data(r, (4, 3), torch.float32, seed=6) for r in range(world)]
     b = ins[rank].to(dev)
@@ -498,6 +571,20 @@ def scenario_multihost(rank, world, port):
     dist.reduce(red, dst=6 % world)
     if rank == 6 % world:
         close(red, reduce_ref(big, "sum"), "reduce across hosts")
+    for oname in ("premul_tensor", "bxor"):
+        dtype = torch.float32 if oname in PREMUL else torch.int64
+        pins = [data(r, (world * 2, 3), dtype, seed=8) for r in range(world)]
+        op = reduce_op(oname, rank, dtype, dev)
+        src = pins[rank].to(dev)
+        rs = torch.empty(2, 3, dtype=dtype, device=dev)
+        dist.reduce_scatter_tensor(rs, src, op=op)
+        close(rs, reduce_ref(pins, oname)[rank * 2:(rank + 1) * 2],
+              f"reduce_scatter_tensor {oname} across hosts")
+        close(src, pins[rank], f"reduce_scatter_tensor {oname} across hosts: its input")
+        red = pins[rank].to(dev)
+        dist.reduce(red, dst=6 % world, op=op)
+        close(red, reduce_ref(pins, oname) if rank == 6 % world else pins[rank],
+              f"reduce {oname} across hosts on rank {rank}")
     glist = [torch.empty(4, 3, device=dev) for _ in range(world)] if rank == 1 else None
     dist.gather(ins[rank].to(dev), glist, dst=1)
     if rank == 1:
