@@ -124,14 +124,23 @@ def close(a, b, what):
 
 
 def init(rank, world, port, timeout_s=120, backend="tpu"):
+    """init_process_group, choosing the rank's device in the order
+    TPU_TEST_INIT_ORDER names: "before" (default) or "after" it, or
+    "device_id" (passed to it)."""
     import torch_tpu  # noqa: F401
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    torch.tpu.set_device(rank % torch.tpu.device_count())
+    dev = torch.device("tpu", rank % torch.tpu.device_count())
+    order = os.environ.get("TPU_TEST_INIT_ORDER", "before")
+    if order == "before":
+        torch.tpu.set_device(dev)
     dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    return torch.device("tpu", rank % torch.tpu.device_count())
+                            timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=dev if order == "device_id" else None)
+    if order != "before":
+        torch.tpu.set_device(dev)
+    return dev
 
 
 def scenario_collectives(rank, world, port, skip=""):
@@ -436,6 +445,73 @@ def scenario_p2p_first(rank, world, port):
         store.get("p2p_done")  # ranks 2 and 3 touch the group only after the pair is done
     dist.barrier()
     dist.destroy_process_group()
+
+
+def scenario_shared_chip(rank, world, port):
+    """No rank sets its device: every rank is on tpu:0, which the first
+    collective refuses on every rank, naming them (TPU_DIST_SHARED_CHIPS=1
+    allows it)."""
+    import torch_tpu  # noqa: F401
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("tpu", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    x = torch.full((4,), float(rank + 1), device="tpu")
+    err = None
+    try:
+        dist.all_reduce(x)
+        torch.tpu.synchronize()
+    except dist.DistBackendError as e:
+        err = str(e)
+    result = {"error": err}
+    if err is None:
+        result["sum"] = x.cpu().tolist()
+    dist.destroy_process_group()
+    return result
+
+
+def scenario_other_device(rank, world, port):
+    """After the group's first collective on the rank's device, a collective
+    on another device fails at the call, naming both; the group goes on."""
+    dev = init(rank, world, port, timeout_s=60)
+    x = torch.ones(4, device=dev)
+    dist.all_reduce(x)
+    other = torch.device("tpu", (dev.index + 1) % torch.tpu.device_count())
+    err = None
+    try:
+        dist.all_reduce(torch.ones(4, device=other))
+    except dist.DistBackendError as e:
+        err = str(e)
+    dist.all_reduce(x)
+    close(x, torch.full((4,), float(world * world)), "all_reduce after the refused call")
+    dist.destroy_process_group()
+    return {"error": err}
+
+
+def scenario_many_groups(rank, world, port, count):
+    """`count` groups made, used and destroyed in turn while every one of them
+    is still referenced (as FSDP and DeviceMesh keep theirs): each one's
+    communicator goes back to tpud at destroy_process_group."""
+    dev = init(rank, world, port)
+    kept = []
+    t0 = time.time()
+    for i in range(int(count)):
+        g = dist.new_group(list(range(world)))
+        x = torch.full((2,), float(i + rank), device=dev)
+        dist.all_reduce(x, group=g)
+        if i % 100 == 0:
+            assert x[0].item() == world * i + sum(range(world)), (i, x.cpu())
+        dist.destroy_process_group(g)
+        kept.append(g)
+    seconds = time.time() - t0
+    err = None
+    try:  # the group object itself, as a framework holding it would call it
+        kept[-1].allreduce([torch.ones(2, device=dev)]).wait()
+    except RuntimeError as e:
+        err = str(e)
+    dist.destroy_process_group()
+    return {"seconds": seconds, "destroyed_error": err}
 
 
 def _mlp(seed):

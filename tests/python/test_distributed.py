@@ -122,13 +122,48 @@ def test_two_jobs_at_once_on_their_own_chips(host):
             assert rc == 0 and result and result["ok"], f"job {name} rank {rank}:\n{text[-3000:]}"
 
 
-@pytest.mark.parametrize("scenario", ["ddp", "fsdp", "dtensor"])
-def test_training_across_chips_matches_one_process(host, scenario):
+@pytest.mark.parametrize("scenario,order", [
+    ("ddp", "before"), ("ddp", "after"), ("ddp", "device_id"),
+    ("fsdp", "before"), ("fsdp", "after"), ("dtensor", "before")])
+def test_training_across_chips_matches_one_process(host, scenario, order):
     # DDP, FSDP2 (fully_shard) and DTensor on v6e-4, one rank per chip,
-    # against the same steps in one CPU process.
-    results = run_ranks(host, scenario, 4)
+    # against the same steps in one CPU process; the rank's device set
+    # before init_process_group, after it, or passed to it as device_id.
+    results = run_ranks(host, scenario, 4, env_extra={"TPU_TEST_INIT_ORDER": order},
+                        timeout=180)
     for rank, (rc, result, text) in enumerate(results):
         assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
+
+
+def test_ranks_on_one_chip_fail_at_once_naming_them(host):
+    results = run_ranks(host, "shared_chip", 3, timeout=120)
+    for rank, (rc, result, text) in enumerate(results):
+        assert rc == 0 and result, f"rank {rank}:\n{text[-3000:]}"
+        err = result["error"]
+        assert err and "ranks 0 (tpu:0), 1 (tpu:0) and 2 (tpu:0)" in err, err
+        assert "on chip 0" in err and "torch.tpu.set_device(local_rank)" in err, err
+    # Asked for, ranks share the chip.
+    results = run_ranks(host, "shared_chip", 2, env_extra={"TPU_DIST_SHARED_CHIPS": "1"})
+    for rank, (rc, result, text) in enumerate(results):
+        assert rc == 0 and result and result["error"] is None, f"rank {rank}:\n{text[-3000:]}"
+        assert result["sum"] == [3.0] * 4, result
+
+
+def test_a_collective_on_a_second_device_fails_naming_both(host):
+    results = run_ranks(host, "other_device", 2, env_extra={"TPU_TEST_INIT_ORDER": "after"})
+    for rank, (rc, result, text) in enumerate(results):
+        assert rc == 0 and result, f"rank {rank}:\n{text[-3000:]}"
+        err = result["error"]
+        assert err and f"on tpu:{rank}" in err and f"tensors are on tpu:{(rank + 1) % 4}" in err, err
+
+
+def test_a_thousand_groups_made_and_destroyed(host):
+    # More than tpud's communicator table holds at once, each still
+    # referenced after destroy_process_group (as FSDP's and DeviceMesh's are).
+    results = run_ranks(host, "many_groups", 2, extra=("1000",), timeout=600)
+    for rank, (rc, result, text) in enumerate(results):
+        assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
+        assert "destroyed" in (result["destroyed_error"] or ""), result
 
 
 def test_no_backend_named_means_gloo_for_cpu_and_tpu_for_tpu(host):
@@ -137,8 +172,10 @@ def test_no_backend_named_means_gloo_for_cpu_and_tpu_for_tpu(host):
         assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
 
 
-def test_send_recv_as_first_operation_needs_only_its_two_ranks(host):
-    results = run_ranks(host, "p2p_first", 4, timeout=120)
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_send_recv_as_first_operation_needs_only_its_two_ranks(host, order):
+    results = run_ranks(host, "p2p_first", 4, timeout=120,
+                        env_extra={"TPU_TEST_INIT_ORDER": order})
     for rank, (rc, result, text) in enumerate(results):
         assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
 

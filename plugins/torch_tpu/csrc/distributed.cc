@@ -2,10 +2,12 @@
 // inside tpud (daemon/collectives/groups.h), ordered in the caller's
 // current tpu stream like any op.
 //
-// Each process group forms one tpud communicator per device it is used
-// with, on first use: rank 0 puts a fresh key in the group's store, every
-// rank joins under it. Tensors go as dense buffers; where a call hands
-// lists or strided tensors, they are packed into (and unpacked from) a
+// Each process group forms its tpud communicator at its first collective,
+// on the device of that collective's tensors (so set_device may come before
+// or after init_process_group): rank 0 puts a fresh key in the group's
+// store, every rank joins under it. A lone send/recv before that forms a
+// communicator of the two ranks only. Tensors go as dense buffers; where a call
+// hands lists or strided tensors, they are packed into (and unpacked from) a
 // contiguous buffer with ordinary tpu ops on the same stream.
 //
 // A Work completes with its record: wait() orders the caller's current
@@ -19,13 +21,17 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "reduce_ops.h"
@@ -174,25 +180,25 @@ class ProcessGroupTPU : public c10d::Backend {
     TORCH_CHECK(num_hosts_ == 1 || world_,
                 "tpu backend: a group across hosts needs a gloo group "
                 "of all its ranks");
-    // Every rank makes its backend at once (making a group is collective), so
-    // the communicator of the current device forms now: a first operation
-    // that only some ranks take part in (a send between two) needs no others.
-    // If it cannot form now (tpud's communicator table is full, say), the
-    // group still works for what it can, and the first use forms it or says
-    // why.
-    try {
-      CommFor(CurrentDevice());
-    } catch (const c10::Error& e) {
-      TORCH_WARN(
-          "tpu backend: the group's communicator did not form when the group "
-          "was made; "
-          "it forms on first use instead: ",
-          e.what_without_backtrace());
-    }
+    // Communicators form lazily, as NCCL's do: at the group's first
+    // collective, on the device of its tensors (the rank's device is often
+    // set only after init_process_group). A first send/recv between two
+    // ranks forms a communicator of just that pair, so the others need not
+    // take part.
   }
 
-  ~ProcessGroupTPU() override {
-    for (auto& [device, id] : comms_) (void)GetSession().LeaveCommunicator(id);
+  ~ProcessGroupTPU() override { LeaveAll(); }
+
+  // destroy_process_group() and abort: the communicators go back to tpud at
+  // once, however long the group object itself lives on (FSDP and
+  // DeviceMesh keep references to it).
+  void shutdown() override {
+    LeaveAll();
+    shut_down_ = true;
+  }
+  void abort() override {
+    LeaveAll(/*now=*/true);
+    shut_down_ = true;
   }
 
   const std::string getBackendName() const override { return "tpu"; }
@@ -720,7 +726,7 @@ class ProcessGroupTPU : public c10d::Backend {
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kSend, b.t);
     e.peer = LocalIndex(dst);
     e.send = Address(b.t);
-    return Issue(c10d::OpType::SEND, {e}, {t}, {b});
+    return Issue(c10d::OpType::SEND, {e}, {t}, {b}, {}, {}, e.peer);
   }
 
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
@@ -738,7 +744,7 @@ class ProcessGroupTPU : public c10d::Backend {
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kRecv, b.t);
     e.peer = LocalIndex(src);
     e.recv = Address(b.t);
-    return Issue(c10d::OpType::RECV, {e}, {t}, {b});
+    return Issue(c10d::OpType::RECV, {e}, {t}, {b}, {}, {}, e.peer);
   }
 
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>&,
@@ -751,9 +757,7 @@ class ProcessGroupTPU : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> barrier(
       const c10d::BarrierOptions& opts) override {
     if (MultiHost()) {
-      c10::DeviceIndex device = CurrentDevice();
-      if (!opts.device_ids.empty())
-        device = static_cast<c10::DeviceIndex>(opts.device_ids[0]);
+      const c10::DeviceIndex device = BarrierDevice(opts);
       tpu::CollectiveEntry e;
       e.kind = tpu::CollectiveKind::kBarrier;
       e.dtype = static_cast<int8_t>(at::kByte);
@@ -768,24 +772,30 @@ class ProcessGroupTPU : public c10d::Backend {
       LocalOp(e, anchor);
       return Done(c10d::OpType::BARRIER, {}, anchor, /*blocking=*/true);
     }
-    c10::DeviceIndex device = CurrentDevice();
-    if (!opts.device_ids.empty())
-      device = static_cast<c10::DeviceIndex>(opts.device_ids[0]);
+    const c10::DeviceIndex device = BarrierDevice(opts);
     tpu::CollectiveEntry e;
     e.kind = tpu::CollectiveKind::kBarrier;
     e.dtype = static_cast<int8_t>(at::kByte);
     TORCH_CHECK(!coalescing_, "tpu backend: barrier inside a coalescing group");
     const int stream = SessionStream(CurrentStreamId(device));
-    Check(GetSession()
-              .EnqueueCollective(stream, ChipOf(device), CommFor(device), &e, 1)
-              .status(),
-          "barrier");
+    Enqueue(stream, device, CommFor(device), &e, 1, "barrier");
     return c10::make_intrusive<WorkTPU>(
         c10d::OpType::BARRIER, std::vector<at::Tensor>{}, RecordOn(device),
         device, /*blocking=*/true);
   }
 
  private:
+  // A barrier has no tensors: the group's device once it has one, else the
+  // device the caller names (torch passes the current one).
+  c10::DeviceIndex BarrierDevice(const c10d::BarrierOptions& opts) const {
+    if (device_ >= 0) return device_;
+    if (!opts.device_ids.empty())
+      return static_cast<c10::DeviceIndex>(opts.device_ids[0]);
+    if (opts.device && opts.device->type() == kTpu && opts.device->has_index())
+      return opts.device->index();
+    return CurrentDevice();
+  }
+
   // A dense view of a tensor the collective reads or writes: the tensor
   // itself, or a contiguous copy (written back after, when written).
   struct Buffer {
@@ -869,30 +879,154 @@ class ProcessGroupTPU : public c10d::Backend {
     buffers->push_back(dst);
   }
 
-  // The communicator of this group on `device`, formed on first use.
+  // The device this rank uses the group on: the group's device_id if it was
+  // given one, otherwise that of its first collective's tensors. One device
+  // per rank and group, as with NCCL.
+  void Bind(c10::DeviceIndex device) {
+    TORCH_CHECK(!shut_down_,
+                "tpu backend: this process group was destroyed "
+                "(destroy_process_group or abort); make a new one");
+    if (device_ < 0) {
+      const std::optional<at::Device> bound = getBoundDeviceId();
+      device_ = bound && bound->type() == kTpu ? bound->index() : device;
+    }
+    TORCH_CHECK_WITH(
+        DistBackendError, device == device_, "tpu backend: rank ", getRank(),
+        " uses this process group on tpu:", static_cast<int>(device_),
+        " (chip ", ChipOf(device_),
+        "), but this call's tensors are on tpu:", static_cast<int>(device),
+        " (chip ", ChipOf(device),
+        "). A process uses one device per group: call "
+        "torch.tpu.set_device(local_rank) before the group's first "
+        "collective, or make a group for the other device.");
+  }
+
+  // The group's communicator (this host's ranks), formed on first use.
   uint64_t CommFor(c10::DeviceIndex device) {
-    auto it = comms_.find(device);
-    if (it != comms_.end()) return it->second;
-    // Ranks form their communicators in the same order (each rank's device
-    // may differ): the n-th one of the group is named by n.
-    const std::string name = "tpu_comm_" + std::to_string(generation_++);
-    // One communicator per host: its first rank names it.
-    const std::string host_name = name + "_host" + std::to_string(host_);
+    Bind(device);
+    if (comm_ == 0) {
+      std::vector<int> members(LocalSize());
+      for (int i = 0; i < LocalSize(); ++i) members[i] = i;
+      comm_ = Form("tpu_comm_host" + std::to_string(host_), members,
+                   local_rank_, device);
+    }
+    return comm_;
+  }
+
+  // A send or recv outside a coalesced group, with `peer` (this host's
+  // index): the group's communicator once it formed, otherwise one of just
+  // the pair (formed by the two). Returns the communicator and the peer's
+  // rank in it.
+  std::pair<uint64_t, int> PairComm(c10::DeviceIndex device, int peer) {
+    Bind(device);
+    if (comm_ != 0) return {comm_, peer};
+    TORCH_CHECK(peer != local_rank_,
+                "tpu backend: a send or recv to this rank itself");
+    auto it = pair_comms_.find(peer);
+    if (it == pair_comms_.end()) {
+      const int lo = std::min(peer, local_rank_);
+      const int hi = std::max(peer, local_rank_);
+      const uint64_t id =
+          Form("tpu_pair_" + std::to_string(lo) + "_" + std::to_string(hi) +
+                   "_host" + std::to_string(host_),
+               {lo, hi}, local_rank_ == lo ? 0 : 1, device);
+      it = pair_comms_.emplace(peer, id).first;
+    }
+    return {it->second, peer < local_rank_ ? 0 : 1};
+  }
+
+  // Forms a communicator of this host's ranks `members` (indices into
+  // local_ranks_; this rank is members[me]) on `device`, under `name` in
+  // the group's store: its first member draws the key. Every member also
+  // publishes its chip, so that two ranks on one chip (ranks that never set
+  // their device) fail at once on every rank, as NCCL's duplicate-GPU check
+  // does, unless TPU_DIST_SHARED_CHIPS=1 asks for it.
+  uint64_t Form(const std::string& name, const std::vector<int>& members,
+                int me, c10::DeviceIndex device) {
     std::string key;
-    if (local_rank_ == 0) {
+    if (me == 0) {
       std::random_device rd;
-      key = host_name + "_" + std::to_string(rd()) + std::to_string(rd());
-      store_->set(host_name, std::vector<uint8_t>(key.begin(), key.end()));
+      key = name + "_" + std::to_string(rd()) + std::to_string(rd());
+      store_->set(name, std::vector<uint8_t>(key.begin(), key.end()));
     } else {
-      std::vector<uint8_t> v = store_->get(host_name);
+      std::vector<uint8_t> v = store_->get(name);
       key.assign(v.begin(), v.end());
     }
+    const int chip = ChipOf(device);
+    const std::string mine =
+        std::to_string(chip) + " " + std::to_string(device);
+    store_->set(name + "/chip" + std::to_string(me),
+                std::vector<uint8_t>(mine.begin(), mine.end()));
     absl::StatusOr<uint64_t> id = GetSession().JoinCommunicator(
-        key, LocalSize(), local_rank_, ChipOf(device),
+        key, static_cast<int>(members.size()), me, chip,
         absl::FromChrono(timeout_), absl::FromChrono(timeout_));
     Check(id.status(), "forming the tpu communicator");
-    comms_[device] = *id;
+    const char* shared = std::getenv("TPU_DIST_SHARED_CHIPS");
+    if (shared == nullptr || std::string(shared) != "1") {
+      std::vector<std::string> keys;
+      for (size_t i = 0; i < members.size(); ++i)
+        keys.push_back(name + "/chip" + std::to_string(i));
+      const std::vector<std::vector<uint8_t>> chips = store_->multiGet(keys);
+      std::map<std::string, std::vector<std::string>> on;  // chip -> ranks
+      for (size_t i = 0; i < chips.size(); ++i) {
+        const std::string v(chips[i].begin(), chips[i].end());
+        on[v.substr(0, v.find(' '))].push_back(
+            std::to_string(local_ranks_[members[i]]) +
+            " (tpu:" + v.substr(v.find(' ') + 1) + ")");
+      }
+      const auto join = [](const std::vector<std::string>& parts) {
+        std::string out;
+        for (size_t i = 0; i < parts.size(); ++i)
+          out += (i == 0                  ? ""
+                  : i + 1 == parts.size() ? " and "
+                                          : ", ") +
+                 parts[i];
+        return out;
+      };
+      for (const auto& [c, ranks] : on) {
+        if (ranks.size() < 2) continue;
+        (void)GetSession().LeaveCommunicator(*id);
+        TORCH_CHECK_WITH(
+            DistBackendError, false, "tpu backend: ranks ", join(ranks),
+            " of this process group are all on chip ", c,
+            "; each rank needs a chip of its own. Call "
+            "torch.tpu.set_device(local_rank) in every rank, before or after "
+            "init_process_group, or pass device_id=torch.device(\"tpu\", "
+            "local_rank) to it; to share chips between ranks on purpose, set "
+            "TPU_DIST_SHARED_CHIPS=1.");
+      }
+    }
     return *id;
+  }
+
+  // Enqueues a group on `comm`; returns its record's sequence.
+  uint64_t Enqueue(int stream, c10::DeviceIndex device, uint64_t comm,
+                   const tpu::CollectiveEntry* entries, size_t n,
+                   const char* what) {
+    absl::StatusOr<uint64_t> seq = GetSession().EnqueueCollective(
+        stream, ChipOf(device), comm, entries, n);
+    Check(seq.status(), what);
+    last_[stream] = *seq;
+    return *seq;
+  }
+
+  // Gives the communicators back to tpud; unless `now`, once the groups
+  // this rank enqueued have run (a destroyed communicator fails them).
+  void LeaveAll(bool now = false) {
+    if (!now && device_ >= 0) {
+      for (const auto& [stream, seq] : last_) {
+        const tpu::Event done =
+            GetSession().EventAt(stream, ChipOf(device_), seq);
+        (void)GetSession().SynchronizeEvent(done);  // errors stay the stream's
+        GetSession().ReleaseEvent(done);
+      }
+    }
+    last_.clear();
+    if (comm_ != 0) (void)GetSession().LeaveCommunicator(comm_);
+    comm_ = 0;
+    for (auto& [peer, id] : pair_comms_)
+      (void)GetSession().LeaveCommunicator(id);
+    pair_comms_.clear();
   }
 
   tpu::Event RecordOn(c10::DeviceIndex device) {
@@ -907,7 +1041,7 @@ class ProcessGroupTPU : public c10d::Backend {
       const std::vector<at::Tensor>& outputs,
       const std::vector<Buffer>& buffers,
       const std::vector<std::pair<at::Tensor, at::Tensor>>& after = {},
-      const std::vector<at::Tensor>& keep = {}) {
+      const std::vector<at::Tensor>& keep = {}, int p2p_peer = -1) {
     c10::DeviceIndex device = -1;
     for (const Buffer& b : buffers) {
       if (b.t.defined()) device = b.t.device().index();
@@ -932,10 +1066,21 @@ class ProcessGroupTPU : public c10d::Backend {
                                           device, false);
     }
     const int stream = SessionStream(CurrentStreamId(device));
-    absl::StatusOr<uint64_t> seq =
-        GetSession().EnqueueCollective(stream, ChipOf(device), CommFor(device),
-                                       entries.data(), entries.size());
-    Check(seq.status(), c10d::opTypeToString(type).c_str());
+    uint64_t comm;
+    std::vector<tpu::CollectiveEntry> p2p;
+    if (p2p_peer >= 0) {
+      // A lone send or recv: `peer` becomes the peer's rank in the pair's
+      // communicator if that is the one it takes.
+      int peer;
+      std::tie(comm, peer) = PairComm(device, p2p_peer);
+      p2p = entries;
+      p2p[0].peer = peer;
+    } else {
+      comm = CommFor(device);
+    }
+    const std::vector<tpu::CollectiveEntry>& sent = p2p.empty() ? entries : p2p;
+    const uint64_t seq = Enqueue(stream, device, comm, sent.data(), sent.size(),
+                                 c10d::opTypeToString(type).c_str());
     bool copied = !after.empty();
     for (const Buffer& b : buffers) {
       if (b.write_back) b.original.copy_(b.t);
@@ -947,17 +1092,16 @@ class ProcessGroupTPU : public c10d::Backend {
     // completes the record on every rank as soon as the data has moved).
     const tpu::Event done =
         copied ? RecordOn(device)
-               : GetSession().EventAt(stream, ChipOf(device), *seq);
+               : GetSession().EventAt(stream, ChipOf(device), seq);
     return c10::make_intrusive<WorkTPU>(type, outputs, done, device, false);
   }
 
   c10::intrusive_ptr<c10d::Work> Flush(c10d::OpType type) {
     const c10::DeviceIndex device = pending_device_;
     const int stream = SessionStream(CurrentStreamId(device));
-    absl::StatusOr<uint64_t> seq =
-        GetSession().EnqueueCollective(stream, ChipOf(device), CommFor(device),
-                                       pending_.data(), pending_.size());
-    Check(seq.status(), "coalesced collectives");
+    const uint64_t seq =
+        Enqueue(stream, device, CommFor(device), pending_.data(),
+                pending_.size(), "coalesced collectives");
     const bool copied = !pending_after_.empty();
     for (const auto& [dst, src] : pending_after_)
       dst.copy_(src.view(dst.sizes()));
@@ -968,7 +1112,7 @@ class ProcessGroupTPU : public c10d::Backend {
     pending_outputs_.clear();
     const tpu::Event done =
         copied ? RecordOn(device)
-               : GetSession().EventAt(stream, ChipOf(device), *seq);
+               : GetSession().EventAt(stream, ChipOf(device), seq);
     return c10::make_intrusive<WorkTPU>(type, outputs, done, device, false);
   }
 
@@ -981,10 +1125,8 @@ class ProcessGroupTPU : public c10d::Backend {
     const c10::DeviceIndex device =
         t.defined() ? t.device().index() : CurrentDevice();
     const int stream = SessionStream(CurrentStreamId(device));
-    Check(GetSession()
-              .EnqueueCollective(stream, ChipOf(device), CommFor(device), &e, 1)
-              .status(),
-          tpu::CollectiveKindName(e.kind));
+    Enqueue(stream, device, CommFor(device), &e, 1,
+            tpu::CollectiveKindName(e.kind));
   }
 
   tpu::CollectiveEntry LocalEntry(tpu::CollectiveKind kind, const at::Tensor& t,
@@ -1159,8 +1301,11 @@ class ProcessGroupTPU : public c10d::Backend {
       pending_host_;  // cross-host p2p of a coalesced group
   int host_ = 0, num_hosts_ = 1, local_rank_ = 0;
   std::vector<int> local_ranks_;  // global ranks on this host, in order
-  std::map<c10::DeviceIndex, uint64_t> comms_;
-  uint64_t generation_ = 0;
+  c10::DeviceIndex device_ = -1;  // see Bind
+  uint64_t comm_ = 0;             // this host's ranks, formed on first use
+  std::map<int, uint64_t> pair_comms_;  // by peer (host index), see PairComm
+  bool shut_down_ = false;
+  std::map<int, uint64_t> last_;  // stream -> its last group's sequence
   bool coalescing_ = false;
   c10::DeviceIndex pending_device_ = -1;
   std::vector<tpu::CollectiveEntry> pending_;
