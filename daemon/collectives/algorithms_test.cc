@@ -17,8 +17,9 @@ constexpr int8_t kFloat32 = tpu::Code(tpu::DType::kFloat);
 
 // Runs one collective over n ranks on plain host buffers.
 struct Harness {
-  std::unique_ptr<CollectiveTable> table = std::make_unique<CollectiveTable>();
-  CommSlot* comm = &table->comms[0];
+  std::unique_ptr<CollectiveTable, HeapTableDeleter> table =
+      NewHeapCollectiveTable(1);
+  CommSlot* comm = CommAt(table.get(), 0);
   explicit Harness(int n) {
     comm->size = static_cast<uint32_t>(n);
     for (int r = 0; r < n; ++r) {

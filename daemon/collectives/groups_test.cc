@@ -28,8 +28,9 @@ tpu::CollectiveEntry Entry(CollectiveKind kind, uint64_t count,
 
 // A communicator of n ranks in a table of its own.
 struct Comm {
-  std::unique_ptr<CollectiveTable> table = std::make_unique<CollectiveTable>();
-  CommSlot& comm = table->comms[0];
+  std::unique_ptr<CollectiveTable, HeapTableDeleter> table =
+      NewHeapCollectiveTable(1);
+  CommSlot& comm = *CommAt(table.get(), 0);
   explicit Comm(int n) {
     comm.size = static_cast<uint32_t>(n);
     comm.id.store(7);

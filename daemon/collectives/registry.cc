@@ -8,6 +8,8 @@
 #include <deque>
 #include <functional>
 #include <new>
+#include <set>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -53,7 +55,7 @@ CommunicatorRegistry::CommunicatorRegistry(CollectiveTable* table,
     : table_(table),
       executor_of_chip_(std::move(executor_of_chip)),
       wake_fds_(std::move(wake_fds)),
-      present_(kMaxCommunicators) {
+      present_(table->num_comms) {
   const int n = std::min(topology.num_chips(), kMaxTableChips);
   table_->magic = kCollectiveTableMagic;
   table_->num_chips = static_cast<uint32_t>(n);
@@ -183,18 +185,19 @@ absl::StatusOr<uint64_t> CommunicatorRegistry::Join(const JoinRequest& req) {
                    : -1;
   if (std::all_of(f.joined.begin(), f.joined.end(), [](bool b) { return b; })) {
     int index = -1;
-    for (int i = 0; i < kMaxCommunicators; ++i) {
-      if (table_->comms[i].id.load() == 0 && present_[i].empty()) {
+    for (int i = 0; i < NumComms(); ++i) {
+      if (CommAt(table_, i)->id.load() == 0 && present_[i].empty()) {
         index = i;
         break;
       }
     }
     if (index < 0) {
       return fail_all(absl::StrCat(
-          "this host has no free communicator slot (", kMaxCommunicators,
-          " in use); destroy process groups that are done"));
+          "this host has no free communicator slot (", NumComms(),
+          " in use, tpud's --max_communicators); held by ", HoldersLocked(),
+          "; destroy process groups that are done"));
     }
-    CommSlot* c = &table_->comms[index];
+    CommSlot* c = CommAt(table_, index);
     // Zero the header and the slots of the ranks in use (the rest of the
     // slot array stays untouched, unbacked memory).
     std::memset(
@@ -217,7 +220,9 @@ absl::StatusOr<uint64_t> CommunicatorRegistry::Join(const JoinRequest& req) {
     });
     for (int r = 0; r < f.size; ++r) c->ring[r] = ring[r];
     present_[index].assign(f.size, true);
-    f.id = (next_serial_++ << 6) | static_cast<uint64_t>(index);
+    // The slot's index is the id modulo the table's size (CommOf).
+    f.id = next_serial_++ * static_cast<uint64_t>(NumComms()) +
+           static_cast<uint64_t>(index);
     c->state.store(CommSlot::kReady);
     c->id.store(f.id, std::memory_order_release);
     spdlog::info("communicator {} formed: {} ranks on chips {} (key {})", f.id,
@@ -256,8 +261,32 @@ absl::StatusOr<uint64_t> CommunicatorRegistry::Join(const JoinRequest& req) {
   return id;
 }
 
+std::string CommunicatorRegistry::HoldersLocked() const {
+  std::map<int32_t, int> slots;  // pid -> communicators it is in
+  for (int i = 0; i < NumComms(); ++i) {
+    const CommSlot* c = CommAt(table_, i);
+    std::set<int32_t> pids;
+    for (uint32_t r = 0; r < c->size && r < present_[i].size(); ++r) {
+      if (present_[i][r]) pids.insert(c->members[r].pid);
+    }
+    for (int32_t pid : pids) ++slots[pid];
+  }
+  std::vector<std::pair<int, int32_t>> by_count;
+  for (const auto& [pid, n] : slots) by_count.emplace_back(-n, pid);
+  std::sort(by_count.begin(), by_count.end());
+  std::vector<std::string> parts;
+  for (size_t k = 0; k < by_count.size() && k < 8; ++k) {
+    parts.push_back(absl::StrCat("pid ", by_count[k].second, " (",
+                                 -by_count[k].first, ")"));
+  }
+  if (by_count.size() > 8)
+    parts.push_back(absl::StrCat(by_count.size() - 8, " more processes"));
+  return absl::StrCat("processes (communicators each): ",
+                      absl::StrJoin(parts, ", "));
+}
+
 void CommunicatorRegistry::ReleaseLocked(int index) {
-  CommSlot* c = &table_->comms[index];
+  CommSlot* c = CommAt(table_, index);
   const bool recovered = LockShared(&c->mu);
   (void)recovered;
   c->id.store(0, std::memory_order_release);
@@ -269,7 +298,7 @@ void CommunicatorRegistry::ReleaseLocked(int index) {
 absl::Status CommunicatorRegistry::Leave(uint64_t session_id, uint64_t id) {
   absl::MutexLock lock(&mu_);
   CommSlot* c = CommOf(table_, id);
-  const int index = static_cast<int>(id % kMaxCommunicators);
+  const int index = static_cast<int>(id % NumComms());
   if (c == nullptr || present_[index].empty()) {
     return absl::NotFoundError(absl::StrCat("no communicator ", id));
   }
@@ -293,9 +322,9 @@ absl::Status CommunicatorRegistry::Leave(uint64_t session_id, uint64_t id) {
 
 void CommunicatorRegistry::OnSessionEnd(uint64_t session_id) {
   absl::MutexLock lock(&mu_);
-  for (int i = 0; i < kMaxCommunicators; ++i) {
+  for (int i = 0; i < NumComms(); ++i) {
     if (present_[i].empty()) continue;
-    CommSlot* c = &table_->comms[i];
+    CommSlot* c = CommAt(table_, i);
     std::vector<int> ranks;
     for (uint32_t r = 0; r < c->size; ++r) {
       if (c->members[r].session_id == session_id)
@@ -340,9 +369,9 @@ std::vector<LinkStats> CommunicatorRegistry::Links() const {
 std::vector<CommunicatorInfo> CommunicatorRegistry::Communicators() const {
   absl::MutexLock lock(&mu_);
   std::vector<CommunicatorInfo> out;
-  for (int i = 0; i < kMaxCommunicators; ++i) {
+  for (int i = 0; i < NumComms(); ++i) {
     if (present_[i].empty()) continue;
-    const CommSlot& c = table_->comms[i];
+    const CommSlot& c = *CommAt(table_, i);
     CommunicatorInfo info;
     info.id = c.id.load();
     info.size = static_cast<int>(c.size);

@@ -101,6 +101,10 @@ class CommunicatorRegistry {
     int waiting = 0;
   };
   void ReleaseLocked(int index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The processes holding communicator slots, most slots first (for the
+  // table-full error).
+  std::string HoldersLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int NumComms() const { return static_cast<int>(table_->num_comms); }
 
   CollectiveTable* const table_;
   const std::vector<int> executor_of_chip_;

@@ -37,6 +37,9 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -45,7 +48,11 @@
 
 namespace tpud {
 
-inline constexpr int kMaxCommunicators = 64;
+// Communicator slots in the table: tpud's --max_communicators, at most
+// kMaxCommunicatorsLimit (each slot reserves ~2 MiB of the memfd, backed
+// only where used).
+inline constexpr int kDefaultCommunicators = 256;
+inline constexpr int kMaxCommunicatorsLimit = 4096;
 inline constexpr int kMaxCommRanks = static_cast<int>(tpu::kMaxCommRanks);
 inline constexpr int kMaxGroupOps = static_cast<int>(tpu::kMaxGroupOps);
 inline constexpr int kMaxIciLinks = 64;
@@ -138,8 +145,47 @@ struct CollectiveTable {
   // (0: a -> b), -1 terminated. Written by tpud at start-up.
   int16_t routes[kMaxTableChips][kMaxTableChips][kMaxRouteLinks];
   std::atomic<uint64_t> collectives_run;
-  CommSlot comms[kMaxCommunicators];
+  uint32_t num_comms;  // slots that follow the table (CommAt)
+  uint32_t pad;
 };
+
+// Where the communicator slots start: right after the table, aligned.
+inline constexpr size_t kCommSlotsOffset =
+    (sizeof(CollectiveTable) + alignof(CommSlot) - 1) / alignof(CommSlot) *
+    alignof(CommSlot);
+
+// Bytes of a table with `num_comms` communicator slots.
+inline constexpr size_t CollectiveTableBytes(int num_comms) {
+  return kCommSlotsOffset + sizeof(CommSlot) * static_cast<size_t>(num_comms);
+}
+
+// Communicator slot i (REQUIRES: i < t->num_comms).
+inline CommSlot* CommAt(CollectiveTable* t, int i) {
+  return reinterpret_cast<CommSlot*>(reinterpret_cast<char*>(t) +
+                                     kCommSlotsOffset) +
+         i;
+}
+inline const CommSlot* CommAt(const CollectiveTable* t, int i) {
+  return CommAt(const_cast<CollectiveTable*>(t), i);
+}
+
+// A zeroed table with `num_comms` slots on the heap (tests; tpud's lives in
+// a memfd it shares with the executors).
+struct HeapTableDeleter {
+  void operator()(CollectiveTable* t) const {
+    t->~CollectiveTable();
+    ::operator delete(t, std::align_val_t(alignof(CommSlot)));
+  }
+};
+inline std::unique_ptr<CollectiveTable, HeapTableDeleter>
+NewHeapCollectiveTable(int num_comms) {
+  const size_t bytes = CollectiveTableBytes(num_comms);
+  void* p = ::operator new(bytes, std::align_val_t(alignof(CommSlot)));
+  std::memset(p, 0, bytes);
+  auto* t = new (p) CollectiveTable;
+  t->num_comms = static_cast<uint32_t>(num_comms);
+  return std::unique_ptr<CollectiveTable, HeapTableDeleter>(t);
+}
 
 // ---- the communicator's robust, process-shared mutex ----
 
@@ -174,7 +220,7 @@ void SetSlotMessage(GroupSlot& slot, const absl::Status& status);
 // The slot a communicator id names, or null.
 inline CommSlot* CommOf(CollectiveTable* t, uint64_t id) {
   if (id == 0) return nullptr;
-  CommSlot* c = &t->comms[id % kMaxCommunicators];
+  CommSlot* c = CommAt(t, static_cast<int>(id % t->num_comms));
   return c->id.load(std::memory_order_acquire) == id ? c : nullptr;
 }
 

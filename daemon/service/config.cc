@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/collectives/shared_table.h"
 #include "tpu/paths.h"
 #include "tpu/shm_layout.h"
 #include "tpu/units.h"
@@ -139,6 +140,13 @@ absl::StatusOr<TpudConfig> ConfigFromFlags(const TpudFlags& flags) {
                      " is not a nice value (-20 to 19)"));
   }
   config.executor_nice = flags.executor_nice;
+  if (flags.max_communicators < 1 ||
+      flags.max_communicators > kMaxCommunicatorsLimit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_communicators=", flags.max_communicators,
+                     " is not in [1, ", kMaxCommunicatorsLimit, "]"));
+  }
+  config.max_communicators = flags.max_communicators;
 
   config.socket_path =
       flags.socket.empty() ? tpu::RuntimeSocketPath() : flags.socket;

@@ -46,6 +46,7 @@ struct TpudFlags {
   absl::Duration executor_yield = absl::Microseconds(50);
   absl::Duration executor_quantum = absl::Microseconds(200);
   int executor_nice = -10;
+  int max_communicators = 256;  // tpud::kDefaultCommunicators
   int max_connections_per_uid = 1024;
   int max_sessions_per_uid = 512;
   absl::Duration handshake_timeout = absl::Seconds(5);
@@ -105,6 +106,9 @@ struct TpudConfig {
   // serve, so that a host full of clients does not starve the one process
   // every client waits for.
   int executor_nice = -10;
+  // Communicator slots of the collective table (process groups formed on
+  // this host at once).
+  int max_communicators = 256;
 
   // Backend. The pjrt_* members matter only for BackendKind::kPjrt.
   BackendKind backend = BackendKind::kSimulated;

@@ -52,13 +52,15 @@ absl::StatusOr<std::unique_ptr<ExecutorProcesses>> ExecutorProcesses::Create(
   // Communicators: one table every executor maps (shared_table.h); the
   // registry sets up its links and routes now, before the fork.
   absl::StatusOr<SharedMapping> collective_memory = SharedMapping::Create(
-      "tpud-collectives", sizeof(CollectiveTable), /*seal=*/false);
+      "tpud-collectives", CollectiveTableBytes(config.max_communicators),
+      /*seal=*/false);
   if (!collective_memory.ok()) return collective_memory.status();
   e->collective_memory_ = *std::move(collective_memory);
   e->collective_memory_.CloseFd();
   // Default-initialised on the memfd's zero pages: writing nothing keeps
   // the table's unused communicator slots (most of its size) unbacked.
   auto* collective_table = new (e->collective_memory_.data()) CollectiveTable;
+  collective_table->num_comms = static_cast<uint32_t>(config.max_communicators);
   e->communicators_ = std::make_unique<CommunicatorRegistry>(
       collective_table, core->topology(), executor_of_chip, wake_fds);
   exec_config.collectives = collective_table;

@@ -87,6 +87,10 @@ ABSL_FLAG(absl::Duration, executor_quantum, tpud::TpudFlags().executor_quantum,
 ABSL_FLAG(int, executor_nice, tpud::TpudFlags().executor_nice,
           "nice value of the executor processes (below tpud's own needs "
           "CAP_SYS_NICE; without it they keep tpud's)");
+ABSL_FLAG(int, max_communicators, tpud::TpudFlags().max_communicators,
+          "communicators (torch.distributed process groups, per host rank "
+          "set) that may exist on this host at once; each reserves ~2 MiB of "
+          "address space, backed only while used");
 ABSL_FLAG(int, max_connections_per_uid,
           tpud::TpudFlags().max_connections_per_uid,
           "connections one user may hold on the runtime socket");
@@ -161,6 +165,7 @@ TpudFlags FlagsFromCommandLine() {
   f.executor_yield = absl::GetFlag(FLAGS_executor_yield);
   f.executor_quantum = absl::GetFlag(FLAGS_executor_quantum);
   f.executor_nice = absl::GetFlag(FLAGS_executor_nice);
+  f.max_communicators = absl::GetFlag(FLAGS_max_communicators);
   f.max_connections_per_uid = absl::GetFlag(FLAGS_max_connections_per_uid);
   f.max_sessions_per_uid = absl::GetFlag(FLAGS_max_sessions_per_uid);
   f.handshake_timeout = absl::GetFlag(FLAGS_handshake_timeout);

@@ -514,6 +514,27 @@ def scenario_many_groups(rank, world, port, count):
     return {"seconds": seconds, "destroyed_error": err}
 
 
+def scenario_table_full(rank, world, port, slots):
+    """With tpud's table of `slots` communicators full, the next group's first
+    collective fails naming the processes holding them; destroying a group
+    frees its slot at once."""
+    dev = init(rank, world, port, timeout_s=60)
+    groups = [dist.new_group(list(range(world))) for _ in range(int(slots) + 1)]
+    for g in groups[:-1]:
+        dist.all_reduce(torch.ones(2, device=dev), group=g)
+    err = None
+    try:
+        dist.all_reduce(torch.ones(2, device=dev), group=groups[-1])
+    except RuntimeError as e:
+        err = str(e)
+    dist.destroy_process_group(groups[0])
+    again = dist.new_group(list(range(world)))
+    x = torch.ones(2, device=dev)
+    dist.all_reduce(x, group=again)
+    close(x, torch.full((2,), float(world)), "all_reduce after a slot was freed")
+    return {"error": err, "pid": os.getpid()}
+
+
 def _mlp(seed):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),

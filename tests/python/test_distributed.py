@@ -157,6 +157,20 @@ def test_a_collective_on_a_second_device_fails_naming_both(host):
         assert err and f"on tpu:{rank}" in err and f"tensors are on tpu:{(rank + 1) % 4}" in err, err
 
 
+def test_a_full_communicator_table_names_who_holds_it():
+    d = Daemon(hbm="256MiB", extra_flags=["--max_communicators=3"])
+    try:
+        results = run_ranks(d, "table_full", 2, extra=("3",), timeout=120)
+    finally:
+        d.stop()
+    pids = [r[1]["pid"] for r in results if r[1]]
+    for rank, (rc, result, text) in enumerate(results):
+        assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
+        err = result["error"]
+        assert err and "no free communicator slot (3 in use" in err, err
+        assert all(f"pid {pid} (3)" in err for pid in pids), (pids, err)
+
+
 def test_a_thousand_groups_made_and_destroyed(host):
     # More than tpud's communicator table holds at once, each still
     # referenced after destroy_process_group (as FSDP's and DeviceMesh's are).
