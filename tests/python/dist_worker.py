@@ -366,12 +366,14 @@ def scenario_killed(rank, world, port):
     return {"error": err, "seconds": time.time() - t0}
 
 
-def scenario_timeout(rank, world, port):
-    """Rank 0 never calls: the others fail after the group's timeout naming it."""
+def scenario_timeout(rank, world, port, first=""):
+    """Rank 0 never calls: the others fail after the group's timeout naming it
+    (with `first`, at the group's first collective, which forms it)."""
     dev = init(rank, world, port, timeout_s=3)
     x = torch.ones(10, device=dev)
-    dist.all_reduce(x)
-    torch.tpu.synchronize()
+    if not first:
+        dist.all_reduce(x)
+        torch.tpu.synchronize()
     if rank == 0:
         time.sleep(8)
         return {"error": None, "seconds": 0}

@@ -92,8 +92,9 @@ def test_a_killed_rank_fails_the_others_naming_it(host):
         assert result["seconds"] < 30, result
 
 
-def test_a_rank_that_never_comes_times_out_naming_it(host):
-    results = run_ranks(host, "timeout", 3)
+@pytest.mark.parametrize("first", [False, True])
+def test_a_rank_that_never_comes_times_out_naming_it(host, first):
+    results = run_ranks(host, "timeout", 3, extra=("first",) if first else ())
     for rank in (1, 2):
         rc, result, text = results[rank]
         assert rc == 0 and result, f"rank {rank}:\n{text[-3000:]}"

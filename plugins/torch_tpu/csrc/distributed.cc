@@ -949,7 +949,19 @@ class ProcessGroupTPU : public c10d::Backend {
       key = name + "_" + std::to_string(rd()) + std::to_string(rd());
       store_->set(name, std::vector<uint8_t>(key.begin(), key.end()));
     } else {
-      std::vector<uint8_t> v = store_->get(name);
+      std::vector<uint8_t> v;
+      try {
+        v = store_->get(name);
+      } catch (const c10::Error& e) {
+        TORCH_CHECK_WITH(
+            DistBackendError, false,
+            "tpu backend: timed out forming the communicator: rank ",
+            local_ranks_[members[0]],
+            " never came within the group's timeout (ranks form it at the "
+            "group's first collective, or two ranks at their first "
+            "send/recv): ",
+            e.what_without_backtrace());
+      }
       key.assign(v.begin(), v.end());
     }
     const int chip = ChipOf(device);
