@@ -16,7 +16,13 @@ backends' rounds taking turns:
   ddp_step          time of a DistributedDataParallel training step (an MLP,
                     a few MB of gradients) with gloo on CPU / with tpu; with
                     the same step without DDP on each device, for the share
-                    the all-reduce takes.
+                    the all-reduce takes. Target >= 1.
+  fsdp_step_4       a training step of two transformer blocks under FSDP2
+                    (fully_shard) over 4 ranks, gloo on CPU / tpu. Target >= 1.
+  tp_step_2         the same blocks tensor-parallel over 2 ranks (q/k/v and
+                    w1 column-wise, o and w2 row-wise). Target >= 1.
+                    Both rank sets set their device after init_process_group,
+                    and with tpud's default flags.
 
 With --intra-op it measures instead how executors share the host's cores
 (docs/design.md, "Executors"): FSDP2 (fully_shard) training steps of an MLP
@@ -195,6 +201,129 @@ def fsdp_worker(rank, world, port, steps):
     print(json.dumps({"step_s": seconds, "losses": [float(l) for l in losses]}), flush=True)
 
 
+def train_worker(rank, world, port, layout, steps, rounds):
+    """A transformer block's training steps, sharded by `layout` ("fsdp":
+    FSDP2 over every rank; "tp": tensor parallel over every rank), once on
+    CPU tensors with gloo and once on tpu, in the same rank processes, their
+    rounds taking turns. Prints the best mean step time of each and their
+    losses."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    import torch_tpu  # noqa: F401
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("cpu:gloo,tpu:tpu", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    # After init_process_group, as many scripts do.
+    torch.tpu.set_device(rank % torch.tpu.device_count())
+    dim, heads, seq, batch = 256, 8, 128, 4
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1 = torch.nn.LayerNorm(dim)
+            self.q = torch.nn.Linear(dim, dim)
+            self.k = torch.nn.Linear(dim, dim)
+            self.v = torch.nn.Linear(dim, dim)
+            self.o = torch.nn.Linear(dim, dim)
+            self.norm2 = torch.nn.LayerNorm(dim)
+            self.w1 = torch.nn.Linear(dim, 4 * dim)
+            self.w2 = torch.nn.Linear(4 * dim, dim)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            h = self.norm1(x)
+            # -1 heads: tensor parallel leaves each rank its share of them.
+            q, k, v = (f(h).view(b, s, -1, dim // heads).transpose(1, 2)
+                       for f in (self.q, self.k, self.v))
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+            return x + self.w2(torch.nn.functional.gelu(self.w1(self.norm2(x))))
+
+    steps_of, sync_of = {}, {}
+    for name, dev_type in (("gloo", "cpu"), ("tpu", "tpu")):
+        dev = torch.device("tpu", rank % torch.tpu.device_count()) if dev_type == "tpu" \
+            else torch.device("cpu")
+        mesh = init_device_mesh(dev_type, (world,))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Block(), Block()).to(dev)
+        if layout == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for blk in model:
+                fully_shard(blk, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            g = torch.Generator().manual_seed(1 + rank)  # each rank its own batch
+        else:
+            from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                           parallelize_module)
+
+            for blk in model:
+                parallelize_module(blk, mesh, {"q": ColwiseParallel(), "k": ColwiseParallel(),
+                                               "v": ColwiseParallel(), "o": RowwiseParallel(),
+                                               "w1": ColwiseParallel(), "w2": RowwiseParallel()})
+            g = torch.Generator().manual_seed(1)  # the same batch on every rank
+        # Under TP the norms' parameters stay plain tensors, which the
+        # multi-tensor (foreach) step cannot mix with DTensors.
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=layout == "fsdp")
+        x = torch.randn(batch, seq, dim, generator=g).to(dev)
+        y = torch.randn(batch, seq, dim, generator=g).to(dev)
+        losses = []
+
+        def step(model=model, opt=opt, x=x, y=y, losses=losses):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+
+        steps_of[name] = (step, losses)
+        sync_of[name] = torch.tpu.synchronize if dev_type == "tpu" else (lambda: None)
+        for _ in range(2):
+            step()
+        sync_of[name]()
+    best = {b: float("inf") for b in steps_of}
+    for r in range(rounds):
+        for b in (list(steps_of) if r % 2 == 0 else list(steps_of)[::-1]):
+            dist.barrier(device_ids=[torch.tpu.current_device()])
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                steps_of[b][0]()
+            sync_of[b]()
+            best[b] = min(best[b], (time.perf_counter() - t0) / steps)
+    out = {b: {"step_s": best[b], "losses": [float(v) for v in steps_of[b][1]]} for b in best}
+    dist.destroy_process_group()
+    print(json.dumps(out), flush=True)
+
+
+def run_train_ranks(args, env, layout, ranks):
+    """Both backends' step times for `layout`, the slowest rank's."""
+    port = free_port()
+    cmd = [sys.executable, os.path.abspath(__file__), "--train-worker", layout, "--ranks",
+           str(ranks), "--port", str(port), "--train-steps", str(args.train_steps),
+           "--train-rounds", str(args.train_rounds)]
+    procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(ranks)]
+    results = []
+    for p in procs:
+        so, se = p.communicate(timeout=1800)
+        if p.returncode != 0:
+            raise RuntimeError(f"rank failed:\n{se[-3000:]}")
+        results.append(json.loads(so.strip().splitlines()[-1]))
+    gloo = max(r["gloo"]["step_s"] for r in results)
+    tpu = max(r["tpu"]["step_s"] for r in results)
+    # Each step's loss on tpu against gloo's, rank 0 (the most relative).
+    diff = max(abs(a - b) / max(abs(b), 1e-12)
+               for a, b in zip(results[0]["tpu"]["losses"], results[0]["gloo"]["losses"]))
+    return {"ranks": ranks, "gloo_ms": gloo * 1e3, "tpu_ms": tpu * 1e3, "ratio": gloo / tpu,
+            "target": 1.0, "max_loss_rel_diff": diff}
+
+
 # ---------------------------------------------------------------- driver
 
 def run_fsdp_ranks(args, env):
@@ -300,6 +429,9 @@ def main():
                     help="compare --intra_op_threads settings instead (starts its own tpuds)")
     ap.add_argument("--intra-op-steps", type=int, default=5)
     ap.add_argument("--intra-op-rounds", type=int, default=2)
+    ap.add_argument("--train-steps", type=int, default=5)
+    ap.add_argument("--train-rounds", type=int, default=3)
+    ap.add_argument("--train-worker", choices=("fsdp", "tp"))
     ap.add_argument("--out")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--fsdp-worker", action="store_true")
@@ -309,6 +441,10 @@ def main():
     if args.worker:
         worker(args.rank, args.ranks, args.port, args.big_mib, args.small_iters,
                args.big_iters, args.ddp_steps)
+        return
+    if args.train_worker:
+        train_worker(args.rank, args.ranks, args.port, args.train_worker, args.train_steps,
+                     args.train_rounds)
         return
     if args.fsdp_worker:
         fsdp_worker(args.rank, args.ranks, args.port, args.intra_op_steps)
@@ -334,6 +470,8 @@ def main():
     try:
         both = run_ranks(args, env)
         gloo, tpu = both["gloo"], both["tpu"]
+        fsdp = run_train_ranks(args, env, "fsdp", 4)
+        tp = run_train_ranks(args, env, "tp", 2)
     finally:
         if daemon is not None:
             daemon.close()
@@ -356,7 +494,10 @@ def main():
                      # what the step costs apart from its gradient all-reduce.
                      "cpu_local_ms": gloo["local_step_s"] * 1e3,
                      "tpu_local_ms": tpu["local_step_s"] * 1e3,
-                     "grad_bytes": tpu["ddp_grad_bytes"]},
+                     "grad_bytes": tpu["ddp_grad_bytes"], "target": 1.0},
+        "fsdp_step_4": fsdp,
+        "tp_step_2": tp,
+        "loadavg_1m_after": os.getloadavg()[0],
     }
     text = json.dumps(doc, indent=2)
     print(text)

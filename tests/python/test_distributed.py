@@ -265,12 +265,16 @@ def test_collectives_bench_runs_in_reduced_form():
     out = os.path.join(tempfile.mkdtemp(prefix="collbench."), "out.json")
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "collectives_bench.py"),
                         "--start-daemon", "--big-mib", "4", "--small-iters", "10",
-                        "--big-iters", "1", "--ddp-steps", "1", "--out", out],
+                        "--big-iters", "1", "--ddp-steps", "1", "--train-steps", "1",
+                        "--train-rounds", "1", "--out", out],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     with open(out) as f:
         doc = json.load(f)
-    for key in ("allreduce_small", "allreduce_big", "ddp_step"):
+    for key in ("allreduce_small", "allreduce_big", "ddp_step", "fsdp_step_4", "tp_step_2"):
         assert doc[key]["ratio"] > 0, doc
+    # The same training on both sides: tpu's losses are CPU's.
+    for key in ("fsdp_step_4", "tp_step_2"):
+        assert doc[key]["max_loss_rel_diff"] < 1e-4, doc[key]
     assert doc["allreduce_big"]["tpu_busbw_vs_memcpy"] > 0
     assert doc["ddp_step"]["grad_bytes"] > 0
