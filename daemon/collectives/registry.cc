@@ -325,9 +325,10 @@ void CommunicatorRegistry::OnSessionEnd(uint64_t session_id) {
   for (int i = 0; i < NumComms(); ++i) {
     if (present_[i].empty()) continue;
     CommSlot* c = CommAt(table_, i);
+    // Ranks that left already (destroy_process_group) end nothing.
     std::vector<int> ranks;
     for (uint32_t r = 0; r < c->size; ++r) {
-      if (c->members[r].session_id == session_id)
+      if (c->members[r].session_id == session_id && present_[i][r])
         ranks.push_back(static_cast<int>(r));
     }
     if (ranks.empty()) continue;
