@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "collective_work.h"
 #include "reduce_ops.h"
 #include "runtime.h"
 #include "tpu/client.h"
@@ -53,99 +54,6 @@ void CheckTpu(const at::Tensor& t, const char* what) {
               t.defined() ? t.device().str() : "an undefined tensor");
   TORCH_CHECK(!t.is_sparse(), "tpu backend: ", what, " must be dense");
 }
-
-class WorkTPU : public c10d::Work {
- public:
-  WorkTPU(c10d::OpType type, std::vector<at::Tensor> outputs, tpu::Event event,
-          c10::DeviceIndex device, bool blocking)
-      : c10d::Work(-1, type),
-        outputs_(std::move(outputs)),
-        event_(event),
-        device_(device),
-        blocking_(blocking),
-        future_(c10::make_intrusive<c10::ivalue::Future>(
-            c10::ListType::create(c10::TensorType::get()))) {
-    future_->markCompleted(c10::IValue(outputs_));
-  }
-  ~WorkTPU() override { GetSession().ReleaseEvent(event_); }
-
-  bool isCompleted() override { return GetSession().EventDone(event_); }
-  bool isSuccess() const override { return true; }
-  std::vector<at::Tensor> result() override { return outputs_; }
-
-  bool wait(std::chrono::milliseconds timeout) override {
-    tpu::Session& s = GetSession();
-    if (blocking_) {
-      // A barrier holds the host, and reports its error here.
-      Check(s.SynchronizeEvent(event_), "barrier");
-      return true;
-    }
-    Check(s.WaitEvent(SessionStream(CurrentStreamId(device_)), event_),
-          "Work.wait");
-    return true;
-  }
-  void synchronize() override {
-    Check(GetSession().SynchronizeEvent(event_), "Work.synchronize");
-  }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    return future_;
-  }
-
- private:
-  std::vector<at::Tensor> outputs_;
-  tpu::Event event_;
-  c10::DeviceIndex device_;
-  bool blocking_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
-
-// A Work whose data crosses hosts over gloo: CPU copies of tpu tensors go
-// by gloo; received ones are copied into their tpu tensors once gloo is
-// done (at wait(), or when is_completed() first sees it done). `local`, when
-// set, is the in-host part of the same coalesced group.
-class WorkHost : public c10d::Work {
- public:
-  struct Part {
-    c10::intrusive_ptr<c10d::Work> work;
-    at::Tensor cpu;  // what gloo reads or writes
-    at::Tensor
-        dst;  // the tpu tensor to fill from `cpu` (received), or undefined
-  };
-  WorkHost(c10d::OpType type, std::vector<Part> parts,
-           c10::intrusive_ptr<c10d::Work> local)
-      : c10d::Work(-1, type),
-        parts_(std::move(parts)),
-        local_(std::move(local)) {}
-
-  bool isCompleted() override {
-    for (const Part& p : parts_) {
-      if (!p.work->isCompleted()) return false;
-    }
-    if (local_ && !local_->isCompleted()) return false;
-    Land();
-    return true;
-  }
-  bool isSuccess() const override { return true; }
-  bool wait(std::chrono::milliseconds timeout) override {
-    for (Part& p : parts_) p.work->wait(timeout);
-    Land();
-    if (local_) local_->wait(timeout);
-    return true;
-  }
-  void synchronize() override {}
-
- private:
-  void Land() {
-    if (landed_) return;
-    landed_ = true;
-    for (Part& p : parts_) {
-      if (p.dst.defined()) p.dst.copy_(p.cpu.view(p.dst.sizes()));
-    }
-  }
-  std::vector<Part> parts_;
-  c10::intrusive_ptr<c10d::Work> local_;
-  bool landed_ = false;
-};
 
 class ProcessGroupTPU : public c10d::Backend {
  public:
@@ -230,9 +138,8 @@ class ProcessGroupTPU : public c10d::Backend {
                                            std::move(parts), local);
     }
     if (local) return local;
-    return c10::make_intrusive<WorkTPU>(
-        c10d::OpType::COALESCED, std::vector<at::Tensor>{},
-        RecordOn(CurrentDevice()), CurrentDevice(), false);
+    return MakeWork(c10d::OpType::COALESCED, std::vector<at::Tensor>{},
+                    RecordOn(CurrentDevice()), CurrentDevice(), false);
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(
@@ -779,9 +686,8 @@ class ProcessGroupTPU : public c10d::Backend {
     TORCH_CHECK(!coalescing_, "tpu backend: barrier inside a coalescing group");
     const int stream = SessionStream(CurrentStreamId(device));
     Enqueue(stream, device, CommFor(device), &e, 1, "barrier");
-    return c10::make_intrusive<WorkTPU>(
-        c10d::OpType::BARRIER, std::vector<at::Tensor>{}, RecordOn(device),
-        device, /*blocking=*/true);
+    return MakeWork(c10d::OpType::BARRIER, std::vector<at::Tensor>{},
+                    RecordOn(device), device, /*blocking=*/true);
   }
 
  private:
@@ -1074,8 +980,7 @@ class ProcessGroupTPU : public c10d::Backend {
                               outputs.end());
       pending_keep_.insert(pending_keep_.end(), keep.begin(), keep.end());
       // Each call inside the group returns a Work that completes with it.
-      return c10::make_intrusive<WorkTPU>(type, outputs, RecordOn(device),
-                                          device, false);
+      return MakeWork(type, outputs, RecordOn(device), device, false);
     }
     const int stream = SessionStream(CurrentStreamId(device));
     uint64_t comm;
@@ -1105,7 +1010,19 @@ class ProcessGroupTPU : public c10d::Backend {
     const tpu::Event done =
         copied ? RecordOn(device)
                : GetSession().EventAt(stream, ChipOf(device), seq);
-    return c10::make_intrusive<WorkTPU>(type, outputs, done, device, false);
+    return MakeWork(type, outputs, done, device, false);
+  }
+
+  // A Work labelled for Work.wait's timeout: "ALLREDUCE (call 3 on process
+  // group '0', rank 1 of 4)".
+  c10::intrusive_ptr<c10d::Work> MakeWork(c10d::OpType type,
+                                          std::vector<at::Tensor> outputs,
+                                          tpu::Event event,
+                                          c10::DeviceIndex device,
+                                          bool blocking) {
+    return c10::make_intrusive<WorkTPU>(
+        type, std::move(outputs), event, device, blocking,
+        WorkTPU::Origin{++calls_, getGroupUid(), getRank(), getSize()});
   }
 
   c10::intrusive_ptr<c10d::Work> Flush(c10d::OpType type) {
@@ -1125,7 +1042,7 @@ class ProcessGroupTPU : public c10d::Backend {
     const tpu::Event done =
         copied ? RecordOn(device)
                : GetSession().EventAt(stream, ChipOf(device), seq);
-    return c10::make_intrusive<WorkTPU>(type, outputs, done, device, false);
+    return MakeWork(type, outputs, done, device, false);
   }
 
   // ---- across hosts: in-daemon collectives inside each host, gloo between
@@ -1267,8 +1184,7 @@ class ProcessGroupTPU : public c10d::Backend {
                                       bool blocking = false) {
     const c10::DeviceIndex device =
         anchor.defined() ? anchor.device().index() : CurrentDevice();
-    return c10::make_intrusive<WorkTPU>(type, outputs, RecordOn(device), device,
-                                        blocking);
+    return MakeWork(type, outputs, RecordOn(device), device, blocking);
   }
 
   // Every collective of a group that spans hosts.
@@ -1317,6 +1233,7 @@ class ProcessGroupTPU : public c10d::Backend {
   uint64_t comm_ = 0;             // this host's ranks, formed on first use
   std::map<int, uint64_t> pair_comms_;  // by peer (host index), see PairComm
   bool shut_down_ = false;
+  uint64_t calls_ = 0;            // Works made, see MakeWork
   std::map<int, uint64_t> last_;  // stream -> its last group's sequence
   bool coalescing_ = false;
   c10::DeviceIndex pending_device_ = -1;
