@@ -232,38 +232,31 @@ class ProcessGroupTPU : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allgather(
       std::vector<std::vector<at::Tensor>>& outputs,
       std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions&) override {
-    if (MultiHost()) {
-      at::Tensor& in = Single(inputs, "all_gather");
-      TORCH_CHECK(outputs.size() == 1 &&
-                      static_cast<int>(outputs[0].size()) == getSize(),
-                  "tpu backend: all_gather needs one output list of ",
-                  getSize(), " tensors");
-      at::Tensor flat = at::empty({getSize() * in.numel()}, in.options());
-      HierAllGather(flat, in.contiguous());
-      for (int r = 0; r < getSize(); ++r) {
-        CheckSame(in, outputs[0][r], "all_gather");
-        outputs[0][r].copy_(flat.narrow(0, r * in.numel(), in.numel())
-                                .view(outputs[0][r].sizes()));
-      }
-      return Done(c10d::OpType::ALLGATHER, outputs[0], in);
-    }
     at::Tensor& in = Single(inputs, "all_gather");
     TORCH_CHECK(
         outputs.size() == 1 && static_cast<int>(outputs[0].size()) == getSize(),
         "tpu backend: all_gather needs one output list of ", getSize(),
         " tensors");
-    for (const at::Tensor& o : outputs[0]) CheckSame(in, o, "all_gather");
-    Buffer src = Dense(in, false);
-    at::Tensor flat = at::empty({getSize() * in.numel()}, in.options());
-    tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kAllGather, src.t);
-    e.send = Address(src.t);
+    std::vector<at::Tensor>& outs = outputs[0];
+    // Ranks' tensors may differ in size (as NCCL allows): each goes padded
+    // to the largest, m elements.
+    const int64_t m = LargestPart(in, outs, "all_gather");
+    at::Tensor src = in.numel() == m ? Dense(in, false).t : Packed({in}, m);
+    at::Tensor flat = at::empty({getSize() * m}, in.options());
+    if (MultiHost()) {
+      HierAllGather(flat, src);
+      for (int r = 0; r < getSize(); ++r)
+        outs[r].copy_(
+            flat.narrow(0, r * m, outs[r].numel()).view(outs[r].sizes()));
+      return Done(c10d::OpType::ALLGATHER, outs, in);
+    }
+    tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kAllGather, src);
+    e.send = Address(src);
     e.recv = Address(flat);
     std::vector<std::pair<at::Tensor, at::Tensor>> after;
-    for (int r = 0; r < getSize(); ++r) {
-      after.emplace_back(outputs[0][r],
-                         flat.narrow(0, r * in.numel(), in.numel()));
-    }
-    return Issue(c10d::OpType::ALLGATHER, {e}, outputs[0], {src}, after,
+    for (int r = 0; r < getSize(); ++r)
+      after.emplace_back(outs[r], flat.narrow(0, r * m, outs[r].numel()));
+    return Issue(c10d::OpType::ALLGATHER, {e}, outs, {Buffer{src, src}}, after,
                  {flat});
   }
 
@@ -287,10 +280,16 @@ class ProcessGroupTPU : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions&) override {
+      const c10d::AllgatherOptions& opts) override {
     TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(),
                 "tpu backend: allgather_into_tensor_coalesced needs one output "
                 "per input");
+    if (MultiHost()) {
+      c10::intrusive_ptr<c10d::Work> last;
+      for (size_t i = 0; i < inputs.size(); ++i)
+        last = _allgather_base(outputs[i], inputs[i], opts);
+      return last;
+    }
     std::vector<tpu::CollectiveEntry> e;
     std::vector<Buffer> b;
     for (size_t i = 0; i < inputs.size(); ++i)
@@ -298,38 +297,53 @@ class ProcessGroupTPU : public c10d::Backend {
     return Issue(c10d::OpType::COALESCED, e, outputs, b);
   }
 
+  // all_gather_coalesced: outputs[r][i] receives rank r's inputs[i].
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(
       std::vector<std::vector<at::Tensor>>& outputs,
       std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override {
     TORCH_CHECK(
-        outputs.size() == inputs.size() && !inputs.empty(),
-        "tpu backend: allgather_coalesced needs one output list per input");
+        !inputs.empty() && static_cast<int>(outputs.size()) == getSize(),
+        "tpu backend: all_gather_coalesced needs ", getSize(),
+        " output lists (one per rank), got ", outputs.size());
+    for (int r = 0; r < getSize(); ++r) {
+      TORCH_CHECK(outputs[r].size() == inputs.size(),
+                  "tpu backend: all_gather_coalesced's output list for rank ",
+                  r, " holds ", outputs[r].size(), " tensors, one per input (",
+                  inputs.size(), ") expected");
+      for (size_t i = 0; i < inputs.size(); ++i)
+        CheckSame(inputs[i], outputs[r][i], "all_gather_coalesced");
+    }
+    if (MultiHost()) {
+      c10::intrusive_ptr<c10d::Work> last;
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        std::vector<at::Tensor> in{inputs[i]};
+        std::vector<std::vector<at::Tensor>> outs(1);
+        for (int r = 0; r < getSize(); ++r) outs[0].push_back(outputs[r][i]);
+        last = allgather(outs, in, opts);
+      }
+      return last;
+    }
     std::vector<tpu::CollectiveEntry> entries;
     std::vector<Buffer> buffers;
     std::vector<std::pair<at::Tensor, at::Tensor>> after;
     std::vector<at::Tensor> keep, all_outputs;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      CheckTpu(inputs[i], "allgather_coalesced's input");
-      TORCH_CHECK(static_cast<int>(outputs[i].size()) == getSize(),
-                  "tpu backend: allgather_coalesced needs output lists of ",
-                  getSize(), " tensors");
+      CheckTpu(inputs[i], "all_gather_coalesced's input");
+      const int64_t n = inputs[i].numel();
       Buffer src = Dense(inputs[i], false);
-      at::Tensor flat =
-          at::empty({getSize() * inputs[i].numel()}, inputs[i].options());
+      at::Tensor flat = at::empty({getSize() * n}, inputs[i].options());
       tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kAllGather, src.t);
       e.send = Address(src.t);
       e.recv = Address(flat);
       entries.push_back(e);
       buffers.push_back(src);
       keep.push_back(flat);
-      for (int r = 0; r < getSize(); ++r) {
-        CheckSame(inputs[i], outputs[i][r], "allgather_coalesced");
-        after.emplace_back(outputs[i][r], flat.narrow(0, r * inputs[i].numel(),
-                                                      inputs[i].numel()));
-        all_outputs.push_back(outputs[i][r]);
-      }
+      for (int r = 0; r < getSize(); ++r)
+        after.emplace_back(outputs[r][i], flat.narrow(0, r * n, n));
     }
+    for (const std::vector<at::Tensor>& list : outputs)
+      all_outputs.insert(all_outputs.end(), list.begin(), list.end());
     return Issue(c10d::OpType::ALLGATHER_COALESCED, entries, all_outputs,
                  buffers, after, keep);
   }
@@ -435,37 +449,32 @@ class ProcessGroupTPU : public c10d::Backend {
       std::vector<at::Tensor>& outputs,
       std::vector<std::vector<at::Tensor>>& inputs,
       const c10d::ReduceScatterOptions& opts) override {
-    if (MultiHost()) {
-      at::Tensor& out = Single(outputs, "reduce_scatter");
-      TORCH_CHECK(
-          inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(),
-          "tpu backend: reduce_scatter needs one input list of ", getSize(),
-          " tensors");
-      std::vector<at::Tensor> parts;
-      for (const at::Tensor& t : inputs[0]) parts.push_back(t.reshape({-1}));
-      at::Tensor tmp = at::cat(parts);
-      HierAllReduce(tmp, ReduceInPlace(opts.reduceOp, tmp));
-      out.copy_(tmp.narrow(0, getRank() * out.numel(), out.numel())
-                    .view(out.sizes()));
-      return Done(c10d::OpType::REDUCE_SCATTER, {out}, out);
-    }
     at::Tensor& out = Single(outputs, "reduce_scatter");
     TORCH_CHECK(
         inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(),
         "tpu backend: reduce_scatter needs one input list of ", getSize(),
         " tensors");
-    std::vector<at::Tensor> parts;
-    for (const at::Tensor& t : inputs[0]) {
-      CheckSame(out, t, "reduce_scatter");
-      parts.push_back(t.reshape({-1}));
+    // Parts may differ in size (as NCCL allows): each goes padded to the
+    // largest, m elements.
+    const int64_t m = LargestPart(out, inputs[0], "reduce_scatter");
+    at::Tensor flat = Packed(inputs[0], m);  // a copy: PREMUL_SUM scales it
+    const tpu::ReduceOp op = ReduceInPlace(opts.reduceOp, flat);
+    if (MultiHost()) {
+      HierAllReduce(flat, op);
+      out.copy_(flat.narrow(0, getRank() * m, out.numel()).view(out.sizes()));
+      return Done(c10d::OpType::REDUCE_SCATTER, {out}, out);
     }
-    at::Tensor flat = at::cat(parts);
-    Buffer dst = Dense(out, true);
+    Buffer dst = m == out.numel() ? Dense(out, true)
+                                  : Buffer{at::empty({m}, out.options()), out};
     tpu::CollectiveEntry e = Entry(tpu::CollectiveKind::kReduceScatter, dst.t);
-    e.reduce = ReduceInPlace(opts.reduceOp, flat);  // flat is a copy
+    e.reduce = op;
     e.send = Address(flat);
     e.recv = Address(dst.t);
-    return Issue(c10d::OpType::REDUCE_SCATTER, {e}, {out}, {dst}, {}, {flat});
+    std::vector<std::pair<at::Tensor, at::Tensor>> after;
+    if (m != out.numel())
+      after.emplace_back(out, dst.t.narrow(0, 0, out.numel()));
+    return Issue(c10d::OpType::REDUCE_SCATTER, {e}, {out}, {dst}, after,
+                 {flat});
   }
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
@@ -493,6 +502,12 @@ class ProcessGroupTPU : public c10d::Backend {
     TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(),
                 "tpu backend: reduce_scatter_tensor_coalesced needs one output "
                 "per input");
+    if (MultiHost()) {
+      c10::intrusive_ptr<c10d::Work> last;
+      for (size_t i = 0; i < inputs.size(); ++i)
+        last = _reduce_scatter_base(outputs[i], inputs[i], opts);
+      return last;
+    }
     std::vector<tpu::CollectiveEntry> e;
     std::vector<Buffer> b;
     for (size_t i = 0; i < inputs.size(); ++i)
@@ -732,6 +747,43 @@ class ProcessGroupTPU : public c10d::Backend {
                 "'s tensors must match in dtype, size and device (",
                 a.scalar_type(), " ", a.sizes(), " vs ", b.scalar_type(), " ",
                 b.sizes(), ")");
+  }
+
+  // The size of the largest of `parts` (one per rank, of one dtype and
+  // device with `mine`); this rank's own part is as large as `mine`.
+  int64_t LargestPart(const at::Tensor& mine,
+                      const std::vector<at::Tensor>& parts, const char* what) {
+    int64_t m = 0;
+    for (const at::Tensor& p : parts) {
+      CheckTpu(p, what);
+      TORCH_CHECK(
+          p.scalar_type() == mine.scalar_type() && p.device() == mine.device(),
+          "tpu backend: ", what, "'s tensors must match in dtype and device (",
+          mine.scalar_type(), " on ", mine.device(), " vs ", p.scalar_type(),
+          " on ", p.device(), ")");
+      m = std::max(m, p.numel());
+    }
+    TORCH_CHECK(parts[getRank()].numel() == mine.numel(), "tpu backend: ", what,
+                "'s tensor of rank ", getRank(), " holds ",
+                parts[getRank()].numel(), " elements, but this rank's own ",
+                mine.numel());
+    return m;
+  }
+
+  // `parts` one after another in a new dense tensor, each padded (with
+  // zeros) to m elements.
+  at::Tensor Packed(const std::vector<at::Tensor>& parts, int64_t m) {
+    bool even = true;
+    for (const at::Tensor& p : parts) even &= p.numel() == m;
+    std::vector<at::Tensor> flat;
+    for (const at::Tensor& p : parts) flat.push_back(p.reshape({-1}));
+    if (even) return at::cat(flat);
+    at::Tensor out =
+        at::zeros({static_cast<int64_t>(parts.size()) * m}, parts[0].options());
+    for (size_t i = 0; i < parts.size(); ++i)
+      out.narrow(0, static_cast<int64_t>(i) * m, parts[i].numel())
+          .copy_(flat[i]);
+    return out;
   }
 
   tpu::CollectiveEntry Entry(tpu::CollectiveKind kind, const at::Tensor& t) {
