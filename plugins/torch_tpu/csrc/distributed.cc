@@ -28,6 +28,7 @@
 #include <random>
 #include <string>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <tuple>
@@ -114,6 +115,60 @@ class ProcessGroupTPU : public c10d::Backend {
   void setTimeout(std::chrono::milliseconds timeout) override {
     timeout_ = timeout;
   }
+
+  // init_process_group(device_id=...), new_group and split_group once the
+  // default group has a device: the communicator forms now, on `device`,
+  // instead of at the first collective.
+  void eagerConnectSingleDevice(at::Device device) override {
+    if (device.type() == kTpu && device.has_index()) CommFor(device.index());
+  }
+
+  // dist.split_group, and DeviceMesh's sub-meshes once the default group
+  // has a device: the ranks `ranks` of this group (sorted; a rank's index
+  // is its rank in the split) become a group made as init_process_group
+  // makes one (torch_tpu.distributed._create_backend), whose communicator
+  // forms at once on this group's device, as NCCL's split does. A rank not
+  // in `ranks` gets none and waits for nothing. Its store is this group's,
+  // under the split's number (every rank of this group takes part in each
+  // split), not the one torch names: that name hashes the number of groups
+  // each process knows, one fewer on ranks that were outside a new_group.
+  bool supportsSplitting() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend> split(
+      const c10::intrusive_ptr<c10d::Store>&, const std::vector<int>& ranks,
+      const c10::intrusive_ptr<Options>& opts) override {
+    std::string name = "tpu_split" + std::to_string(splits_++);
+    for (int r : ranks) name += "_" + std::to_string(r);
+    const auto it = std::find(ranks.begin(), ranks.end(), getRank());
+    if (it == ranks.end()) return nullptr;
+    const int rank = static_cast<int>(it - ranks.begin());
+    const std::chrono::milliseconds timeout = opts ? opts->timeout : timeout_;
+    c10::intrusive_ptr<c10d::Backend> child;
+    {
+      py::gil_scoped_acquire gil;
+      child =
+          py::module::import("torch_tpu.distributed")
+              .attr("_create_backend")(
+                  c10::make_intrusive<c10d::PrefixStore>(name + "/", store_),
+                  rank, static_cast<int>(ranks.size()), timeout)
+              .cast<c10::intrusive_ptr<c10d::Backend>>();
+    }
+    const std::optional<at::Device> bound = getBoundDeviceId();
+    const c10::DeviceIndex device =
+        device_ >= 0 ? device_
+                     : (bound && bound->type() == kTpu ? bound->index() : -1);
+    if (device >= 0) child->eagerConnectSingleDevice(at::Device(kTpu, device));
+    return child;
+  }
+  // What split_group passes on when the caller gives no options.
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    auto opts = c10::make_intrusive<Options>("tpu", timeout_);
+    opts->group_name = getGroupUid();
+    opts->group_desc = getGroupDesc();
+    return opts;
+  }
+  // Every rank starts at 0: the number of calls on this group so far.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return calls_; }
 
   void startCoalescing() override {
     TORCH_CHECK(!coalescing_, "tpu backend: coalescing already started");
@@ -1285,6 +1340,7 @@ class ProcessGroupTPU : public c10d::Backend {
   uint64_t comm_ = 0;             // this host's ranks, formed on first use
   std::map<int, uint64_t> pair_comms_;  // by peer (host index), see PairComm
   bool shut_down_ = false;
+  int splits_ = 0;                // see split
   uint64_t calls_ = 0;            // Works made, see MakeWork
   std::map<int, uint64_t> last_;  // stream -> its last group's sequence
   bool coalescing_ = false;
@@ -1312,8 +1368,15 @@ void RegisterDistributed(py::module& m) {
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"),
            py::arg("timeout"), py::arg("host_of"), py::arg("cross"),
-           py::arg("world") = nullptr,
-           py::call_guard<py::gil_scoped_release>());
+           py::arg("world") = nullptr, py::call_guard<py::gil_scoped_release>())
+      // split_group deep-copies this (c10d's Options cannot be copied from
+      // Python); None makes it ask getBackendOptions() instead.
+      .def_property_readonly("options",
+                             [](const ProcessGroupTPU&) { return py::none(); })
+      // new_group's ranks outside the new group, once the default group has
+      // a device: tpud forms a group among its members only, so they have
+      // nothing to do (NCCL's must take part in the split).
+      .def("perform_nocolor_split", [](ProcessGroupTPU&, at::Device) {});
 }
 
 }  // namespace torch_tpu
