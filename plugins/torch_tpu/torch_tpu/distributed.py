@@ -11,6 +11,7 @@ the hosts' results over gloo (TCP); all_to_all, and send/recv between
 ranks of different hosts, go over gloo among all the group's ranks. See plugins/torch_tpu/csrc/distributed.cc
 and docs/design.md.
 """
+import datetime
 import os
 import socket
 
@@ -53,6 +54,7 @@ def _register():
     _C._register_distributed()
     dist.Backend.register_backend("tpu", _create_backend, devices=["tpu"])
     _default_to_gloo_and_tpu()
+    _monitored_barrier_by_gloo()
 
 
 def _default_to_gloo_and_tpu():
@@ -75,3 +77,44 @@ def _default_to_gloo_and_tpu():
 
     config.__init__ = __init__
     config._torch_tpu_default = True
+
+
+def _monitored_barrier_by_gloo():
+    # torch runs monitored_barrier only on a group whose backend is "gloo"
+    # itself, and refuses "cpu:gloo,tpu:tpu" (the default) although its CPU
+    # part is gloo, which is what runs it. A group with gloo for the CPU and
+    # tpu for tpu gets it; any other group (the "tpu" backend alone) keeps
+    # torch's own error.
+    import functools
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    original = c10d.monitored_barrier
+    if getattr(original, "_torch_tpu", False):
+        return
+
+    @functools.wraps(original)
+    def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+        pg = group or c10d._get_default_group()
+        if c10d._rank_not_in_group(group) or not _gloo_and_tpu(pg):
+            return original(group, timeout, wait_all_ranks)
+        if timeout is None:
+            timeout = c10d._get_default_timeout(c10d.Backend.GLOO)
+        elif isinstance(timeout, (int, float)):
+            timeout = datetime.timedelta(seconds=timeout)
+        c10d._check_valid_timeout(timeout)
+        return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+    def _gloo_and_tpu(pg):
+        try:
+            cpu = pg._get_backend(torch.device("cpu"))
+            tpu = pg._get_backend(torch.device("tpu"))
+        except RuntimeError:  # no backend for one of them
+            return False
+        return isinstance(cpu, dist.ProcessGroupGloo) and tpu.name() == "tpu"
+
+    monitored_barrier._torch_tpu = True
+    c10d.monitored_barrier = monitored_barrier
+    dist.monitored_barrier = monitored_barrier
