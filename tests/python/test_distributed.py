@@ -195,6 +195,44 @@ def test_send_recv_as_first_operation_needs_only_its_two_ranks(host, order):
         assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
 
 
+def test_p2p_batches_coalescing_and_uneven_sizes_match_gloo(host):
+    # batch_isend_irecv (first operation, several peers, pairs only),
+    # _coalescing_manager, all_reduce_coalesced, all_gather_coalesced,
+    # stacked and flat tensor forms, uneven all_gather / reduce_scatter /
+    # all_to_all_single: tpu against gloo on the CPU in the same ranks.
+    results = run_ranks(host, "c10d_data", 4, timeout=180)
+    for rank, (rc, result, text) in enumerate(results):
+        assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
+
+
+def test_wait_timeout_and_monitored_barrier_name_what_never_came(host):
+    results = run_ranks(host, "c10d_waits", 4, timeout=180)
+    for rank, (rc, result, text) in enumerate(results):
+        assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
+        # monitored_barrier on the "tpu" backend alone: torch's own error
+        assert "only implemented for GLOO" in result["tpu_only_error"], result
+    for rank in range(3):
+        result = results[rank][1]
+        err = result["wait_error"]
+        assert "ALLREDUCE" in err and "Work.wait's timeout of 1500 ms" in err, err
+        assert 1.4 < result["wait_seconds"] < 10, result
+    # on "cpu:gloo,tpu:tpu", as on gloo: rank 0 names the rank that never came
+    assert "Ranks 3 failed to pass monitoredBarrier" in results[0][1]["monitored_error"], results[0][1]
+    assert all(results[r][1].get("monitored_error") for r in (1, 2)), [r[1] for r in results]
+
+
+@pytest.mark.parametrize("backend,order", [("tpu", "device_id"), ("default", "device_id"),
+                                           ("tpu", "after")])
+def test_new_group_split_group_and_device_mesh(host, backend, order):
+    # With a device bound to the world group (device_id), new_group splits
+    # it (ranks outside the new group take part) and split_group and
+    # DeviceMesh's sub-meshes use the backend's split.
+    results = run_ranks(host, "c10d_groups", 4, extra=(backend,), timeout=180,
+                        env_extra={"TPU_TEST_INIT_ORDER": order})
+    for rank, (rc, result, text) in enumerate(results):
+        assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
+
+
 def test_tpuctl_shows_bytes_per_ici_link(host):
     from conftest import bazel_bin
 
