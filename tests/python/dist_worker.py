@@ -822,6 +822,18 @@ def scenario_table_full(rank, world, port, slots):
     return {"error": err, "pid": os.getpid()}
 
 
+def scenario_staggered_exit(rank, world, port):
+    """Every rank destroys the group and exits, rank 0 last (as TorchTitan's
+    rank 0 sleeps before tearing down): no communicator fails."""
+    dev = init(rank, world, port)
+    x = torch.ones(4, device=dev)
+    dist.all_reduce(x)
+    close(x, torch.full((4,), float(world)), "all_reduce")
+    if rank == 0:
+        time.sleep(1.5)
+    dist.destroy_process_group()
+
+
 def _mlp(seed):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),

@@ -13,7 +13,7 @@ import tempfile
 
 import pytest
 
-from conftest import Daemon
+from conftest import Daemon, bazel_bin
 
 pytestmark = pytest.mark.slow  # every test starts its ranks as processes
 
@@ -170,6 +170,25 @@ def test_a_full_communicator_table_names_who_holds_it():
         err = result["error"]
         assert err and "no free communicator slot (3 in use" in err, err
         assert all(f"pid {pid} (3)" in err for pid in pids), (pids, err)
+
+
+def test_ranks_that_exit_at_different_times_fail_nothing():
+    # tpud's log is where a failed communicator shows (a rank that left
+    # the group once counted as one that died holding it).
+    from tpud_process import TpudProcess
+
+    d = TpudProcess(bazel_bin("daemon/tpud"), hbm="256MiB", prefix="tpud-py.",
+                    log_to_file=True)
+    d.start()
+    try:
+        results = run_ranks(d, "staggered_exit", 3, timeout=120)
+        for rank, (rc, result, text) in enumerate(results):
+            assert rc == 0 and result and result["ok"], f"rank {rank}:\n{text[-3000:]}"
+        with open(d.log_path) as f:
+            log = f.read()
+    finally:
+        d.close()
+    assert "failed" not in log, log[-3000:]
 
 
 def test_a_thousand_groups_made_and_destroyed(host):
