@@ -96,7 +96,10 @@ class ProcessGroupTPU : public c10d::Backend {
     // take part.
   }
 
-  ~ProcessGroupTPU() override { LeaveAll(); }
+  // A group never destroyed (often at interpreter exit): leave without
+  // waiting, as NCCL's destructor aborts; a collective a peer never joined
+  // would otherwise hold the exit for the group's whole timeout.
+  ~ProcessGroupTPU() override { LeaveAll(/*now=*/true); }
 
   // destroy_process_group() and abort: the communicators go back to tpud at
   // once, however long the group object itself lives on (FSDP and
