@@ -307,14 +307,7 @@ def run_train_ranks(args, env, layout, ranks):
     cmd = [sys.executable, os.path.abspath(__file__), "--train-worker", layout, "--ranks",
            str(ranks), "--port", str(port), "--train-steps", str(args.train_steps),
            "--train-rounds", str(args.train_rounds)]
-    procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(ranks)]
-    results = []
-    for p in procs:
-        so, se = p.communicate(timeout=1800)
-        if p.returncode != 0:
-            raise RuntimeError(f"rank failed:\n{se[-3000:]}")
-        results.append(json.loads(so.strip().splitlines()[-1]))
+    results = spawn_ranks(cmd, ranks, env)
     gloo = max(r["gloo"]["step_s"] for r in results)
     tpu = max(r["tpu"]["step_s"] for r in results)
     # Each step's loss on tpu against gloo's, rank 0 (the most relative).
@@ -326,12 +319,11 @@ def run_train_ranks(args, env, layout, ranks):
 
 # ---------------------------------------------------------------- driver
 
-def run_fsdp_ranks(args, env):
-    port = free_port()
-    cmd = [sys.executable, os.path.abspath(__file__), "--fsdp-worker", "--ranks",
-           str(args.ranks), "--port", str(port), "--intra-op-steps", str(args.intra_op_steps)]
+def spawn_ranks(cmd, ranks, env):
+    """Runs `cmd --rank R` for every rank at once; each rank's last stdout
+    line, as JSON, in rank order."""
     procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(args.ranks)]
+                              stderr=subprocess.PIPE, text=True) for r in range(ranks)]
     results = []
     for p in procs:
         so, se = p.communicate(timeout=1800)
@@ -339,6 +331,13 @@ def run_fsdp_ranks(args, env):
             raise RuntimeError(f"rank failed:\n{se[-3000:]}")
         results.append(json.loads(so.strip().splitlines()[-1]))
     return results
+
+
+def run_fsdp_ranks(args, env):
+    port = free_port()
+    cmd = [sys.executable, os.path.abspath(__file__), "--fsdp-worker", "--ranks",
+           str(args.ranks), "--port", str(port), "--intra-op-steps", str(args.intra_op_steps)]
+    return spawn_ranks(cmd, args.ranks, env)
 
 
 def intra_op_compare(args):
@@ -390,14 +389,7 @@ def run_ranks(args, env):
            "--port", str(port), "--big-mib", str(args.big_mib), "--small-iters",
            str(args.small_iters), "--big-iters", str(args.big_iters), "--ddp-steps",
            str(args.ddp_steps)]
-    procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(args.ranks)]
-    results = []
-    for p in procs:
-        so, se = p.communicate(timeout=1800)
-        if p.returncode != 0:
-            raise RuntimeError(f"rank failed:\n{se[-3000:]}")
-        results.append(json.loads(so.strip().splitlines()[-1]))
+    results = spawn_ranks(cmd, args.ranks, env)
     # The collective's time is its slowest rank's.
     return {b: {k: max(r[b][k] for r in results) for k in results[0][b]} for b in ("gloo", "tpu")}
 
