@@ -1204,6 +1204,10 @@ void ConvolutionBackwardOverrideable(const c10::OperatorHandle&,
   ForwardedOp(back, stack).Run();
 }
 
+void ForwardOp(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  ForwardedOp(op, stack).Run();
+}
+
 // Runs a named op through the forwarding path from C++.
 at::Tensor& ForwardInPlace(const char* name, const char* overload,
                            at::Tensor& self, std::vector<c10::IValue> rest) {

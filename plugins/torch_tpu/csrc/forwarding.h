@@ -28,6 +28,10 @@ void ConvolutionOverrideable(const c10::OperatorHandle&,
 void ConvolutionBackwardOverrideable(const c10::OperatorHandle&,
                                      torch::jit::Stack* stack);
 
+// Runs `op` through the forwarding path: its arguments on `stack`, its
+// results left there, as a boxed kernel leaves them.
+void ForwardOp(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
 // Runs a named op, which writes `self`, through the forwarding path from C++.
 at::Tensor& ForwardInPlace(const char* name, const char* overload,
                            at::Tensor& self, std::vector<c10::IValue> rest);

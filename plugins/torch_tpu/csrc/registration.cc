@@ -23,6 +23,7 @@
 #include <optional>
 #include <unordered_set>
 
+#include "attention.h"
 #include "forwarding.h"
 #include "native_kernels.h"
 
@@ -237,6 +238,7 @@ std::vector<std::string> StructuredOpsSentWhole() {
 }
 
 void InstallSendWholeRoutes(const tpu::TopologyInfo& t) {
+  ChooseAttentionKernels(t);
   if (t.backend != "pjrt") SendForeachOpsWhole();
   const char* whole = std::getenv("TORCH_TPU_STRUCTURED_WHOLE");  // "0": off
   if (whole == nullptr || std::string(whole) != "0") {

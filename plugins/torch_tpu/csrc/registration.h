@@ -13,7 +13,8 @@ namespace torch_tpu {
 // runs whole: ATen's _foreach_ ops whose tensors are all in lists (on a
 // backend that runs every ATen op: the simulated chip), and ATen's
 // structured ops (add.Tensor, add_.Tensor, ...; on PJRT only those it
-// lowers) unless TORCH_TPU_STRUCTURED_WHOLE=0. Once.
+// lowers) unless TORCH_TPU_STRUCTURED_WHOLE=0, once; and picks the kernel
+// scaled_dot_product_attention takes (attention.h).
 void InstallSendWholeRoutes(const tpu::TopologyInfo& t);
 
 // The ops ("native_group_norm", "addr.out") that torch_tpu sends whole to
