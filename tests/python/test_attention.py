@@ -135,6 +135,23 @@ def math_when_disabled_or_dropout():
     with Ops():
         F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
     assert not any("overrideable" in n for n in seen), seen
+    seen.clear()
+    with Ops(), sdpa_kernel(SDPBackend.OVERRIDEABLE):
+        F.scaled_dot_product_attention(q, q, q)
+    assert any("overrideable" in n for n in seen), seen
+    # With every usable kernel switched off: the CPU's errors, at the call.
+    for kernels, kwargs in ((SDPBackend.EFFICIENT_ATTENTION, {}),
+                            (SDPBackend.FLASH_ATTENTION, {"dropout_p": 0.5})):
+        messages = []
+        for dev in ("cpu", "tpu"):
+            x = q.to(dev)
+            try:
+                with sdpa_kernel(kernels):
+                    F.scaled_dot_product_attention(x, x, x, **kwargs)
+                messages.append(None)
+            except RuntimeError as e:
+                messages.append(str(e).split(".")[0])
+        assert messages[0] is not None and messages[0] == messages[1], (kernels, messages)
     # The fused op called directly with dropout: an error at the call, and
     # the process goes on.
     try:

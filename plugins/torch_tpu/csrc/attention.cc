@@ -48,53 +48,75 @@ bool Fits(int64_t mask_dim, int64_t dim) {
   return mask_dim == dim || mask_dim == 1;
 }
 
-// The CPU's rules for its flash kernel (ATen's use_flash_attention_cpp): the
-// runtime switch, no dropout, 4-d inputs of one float dtype with one batch
-// size and head count (or GQA's grouping), equal head dims, non-empty
-// sequences, a last dim of stride 1, and a 2-d or 4-d mask that broadcasts to
-// the scores and needs no gradient.
+// The CPU's rules for its flash kernel (ATen's use_flash_attention_cpp): no
+// dropout, 4-d inputs of one float dtype with one batch size and head count
+// (or GQA's grouping), equal head dims, non-empty sequences, a last dim of
+// stride 1, and a 2-d or 4-d mask that broadcasts to the scores and needs no
+// gradient.
+bool FlashApplies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const std::optional<at::Tensor>& mask, double dropout_p,
+                  bool enable_gqa) {
+  if (dropout_p > 0.0) return false;
+  if (q.is_nested() || k.is_nested() || v.is_nested()) return false;
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return false;
+  if (q.scalar_type() != k.scalar_type() ||
+      q.scalar_type() != v.scalar_type() || !FlashDtype(q.scalar_type())) {
+    return false;
+  }
+  if (q.size(0) != k.size(0) || q.size(0) != v.size(0)) return false;
+  if (enable_gqa) {
+    // Grouped-query attention: key and value share a head count that
+    // divides the query's.
+    if (k.size(1) != v.size(1) || k.size(1) == 0 || q.size(1) % k.size(1) != 0)
+      return false;
+  } else if (q.size(1) != k.size(1) || q.size(1) != v.size(1)) {
+    return false;
+  }
+  if (q.size(3) != k.size(3) || q.size(3) != v.size(3)) return false;
+  if (q.size(2) == 0 || k.size(2) == 0) return false;
+  if (q.stride(3) != 1 || k.stride(3) != 1 || v.stride(3) != 1) return false;
+  if (mask.has_value() && mask->defined()) {
+    const at::Tensor& m = *mask;
+    if (m.requires_grad() || (m.dim() != 2 && m.dim() != 4)) return false;
+    if (!Fits(m.size(-2), q.size(2)) || !Fits(m.size(-1), k.size(2))) {
+      return false;
+    }
+    if (m.dim() == 4 &&
+        (!Fits(m.size(0), q.size(0)) || !Fits(m.size(1), q.size(1)))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The fused kernel where it is enabled (sdpa_kernel's flash or overrideable
+// switch), this backend runs it and it takes the inputs; else the math path
+// if enabled; else the CPU's errors.
 int64_t ChooseSdpBackend(const at::Tensor& q, const at::Tensor& k,
                          const at::Tensor& v,
                          const std::optional<at::Tensor>& mask,
                          double dropout_p, bool /*is_causal*/,
                          std::optional<double> /*scale*/, bool enable_gqa) {
-  constexpr auto kMath = static_cast<int64_t>(at::SDPBackend::math);
-  if (!fused_attention.load(std::memory_order_relaxed)) return kMath;
   const at::Context& ctx = at::globalContext();
-  if (!ctx.userEnabledFlashSDP() && !ctx.userEnabledOverrideableSDP()) {
-    return kMath;
+  const bool fused_on =
+      ctx.userEnabledFlashSDP() || ctx.userEnabledOverrideableSDP();
+  const bool math_on = ctx.userEnabledMathSDP();
+  TORCH_CHECK(fused_on || math_on,
+              "No viable backend for scaled_dot_product_attention was found. "
+              "This is likely due to turning off both the math kernel and "
+              "the fused kernels.");
+  if (fused_on && fused_attention.load(std::memory_order_relaxed) &&
+      FlashApplies(q, k, v, mask, dropout_p, enable_gqa)) {
+    return static_cast<int64_t>(at::SDPBackend::overrideable);
   }
-  if (dropout_p > 0.0) return kMath;
-  if (q.is_nested() || k.is_nested() || v.is_nested()) return kMath;
-  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return kMath;
-  if (q.scalar_type() != k.scalar_type() ||
-      q.scalar_type() != v.scalar_type() || !FlashDtype(q.scalar_type())) {
-    return kMath;
-  }
-  if (q.size(0) != k.size(0) || q.size(0) != v.size(0)) return kMath;
-  if (enable_gqa) {
-    // Grouped-query attention: key and value share a head count that
-    // divides the query's.
-    if (k.size(1) != v.size(1) || k.size(1) == 0 || q.size(1) % k.size(1) != 0)
-      return kMath;
-  } else if (q.size(1) != k.size(1) || q.size(1) != v.size(1)) {
-    return kMath;
-  }
-  if (q.size(3) != k.size(3) || q.size(3) != v.size(3)) return kMath;
-  if (q.size(2) == 0 || k.size(2) == 0) return kMath;
-  if (q.stride(3) != 1 || k.stride(3) != 1 || v.stride(3) != 1) return kMath;
-  if (mask.has_value() && mask->defined()) {
-    const at::Tensor& m = *mask;
-    if (m.requires_grad() || (m.dim() != 2 && m.dim() != 4)) return kMath;
-    if (!Fits(m.size(-2), q.size(2)) || !Fits(m.size(-1), k.size(2))) {
-      return kMath;
-    }
-    if (m.dim() == 4 &&
-        (!Fits(m.size(0), q.size(0)) || !Fits(m.size(1), q.size(1)))) {
-      return kMath;
-    }
-  }
-  return static_cast<int64_t>(at::SDPBackend::overrideable);
+  TORCH_CHECK(math_on,
+              "No available kernel. Aborting execution. (tpu: the fused flash "
+              "kernel ",
+              fused_attention.load(std::memory_order_relaxed)
+                  ? "does not take these inputs"
+                  : "does not run on this tpud's backend",
+              ", and the math kernel is disabled)");
+  return static_cast<int64_t>(at::SDPBackend::math);
 }
 
 const c10::OperatorHandle& FlashForward() {
