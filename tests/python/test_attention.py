@@ -220,3 +220,23 @@ def compiled_block():
 
 def test_compiled_attention_is_captured(tpud):
     run_in_child(tpud, compiled_block, timeout=300)
+
+
+def dynamic_shapes():
+    import torch
+    import torch.nn.functional as F
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    # dynamic=True: the kernel choice is traced with symbolic sequence
+    # lengths, its checks becoming guards.
+    compiled = torch.compile(attend, dynamic=True)
+    for n in (16, 24, 40):
+        q = torch.randn(2, 4, n, 8)
+        t = q.to("tpu")
+        torch.testing.assert_close(compiled(t, t, t).cpu(), attend(q, q, q), rtol=0, atol=1e-6)
+
+
+def test_compiled_attention_with_dynamic_shapes(tpud):
+    run_in_child(tpud, dynamic_shapes, timeout=300)

@@ -43,8 +43,10 @@ bool FlashDtype(at::ScalarType t) {
          t == at::kHalf;
 }
 
-// A mask dim fits a score dim when equal or 1 (broadcast).
-bool Fits(int64_t mask_dim, int64_t dim) {
+// A mask dim fits a score dim when equal or 1 (broadcast). Sizes are
+// SymInts: under torch.compile with dynamic shapes the choice is traced,
+// and each comparison becomes a guard, as in ATen's own checks.
+bool Fits(const c10::SymInt& mask_dim, const c10::SymInt& dim) {
   return mask_dim == dim || mask_dim == 1;
 }
 
@@ -63,26 +65,31 @@ bool FlashApplies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       q.scalar_type() != v.scalar_type() || !FlashDtype(q.scalar_type())) {
     return false;
   }
-  if (q.size(0) != k.size(0) || q.size(0) != v.size(0)) return false;
+  if (q.sym_size(0) != k.sym_size(0) || q.sym_size(0) != v.sym_size(0))
+    return false;
   if (enable_gqa) {
     // Grouped-query attention: key and value share a head count that
     // divides the query's.
-    if (k.size(1) != v.size(1) || k.size(1) == 0 || q.size(1) % k.size(1) != 0)
+    if (k.sym_size(1) != v.sym_size(1) || k.sym_size(1) == 0 ||
+        q.sym_size(1) % k.sym_size(1) != 0)
       return false;
-  } else if (q.size(1) != k.size(1) || q.size(1) != v.size(1)) {
+  } else if (q.sym_size(1) != k.sym_size(1) || q.sym_size(1) != v.sym_size(1)) {
     return false;
   }
-  if (q.size(3) != k.size(3) || q.size(3) != v.size(3)) return false;
-  if (q.size(2) == 0 || k.size(2) == 0) return false;
-  if (q.stride(3) != 1 || k.stride(3) != 1 || v.stride(3) != 1) return false;
+  if (q.sym_size(3) != k.sym_size(3) || q.sym_size(3) != v.sym_size(3))
+    return false;
+  if (q.sym_size(2) == 0 || k.sym_size(2) == 0) return false;
+  if (q.sym_stride(3) != 1 || k.sym_stride(3) != 1 || v.sym_stride(3) != 1)
+    return false;
   if (mask.has_value() && mask->defined()) {
     const at::Tensor& m = *mask;
     if (m.requires_grad() || (m.dim() != 2 && m.dim() != 4)) return false;
-    if (!Fits(m.size(-2), q.size(2)) || !Fits(m.size(-1), k.size(2))) {
+    if (!Fits(m.sym_size(-2), q.sym_size(2)) ||
+        !Fits(m.sym_size(-1), k.sym_size(2))) {
       return false;
     }
-    if (m.dim() == 4 &&
-        (!Fits(m.size(0), q.size(0)) || !Fits(m.size(1), q.size(1)))) {
+    if (m.dim() == 4 && (!Fits(m.sym_size(0), q.sym_size(0)) ||
+                         !Fits(m.sym_size(1), q.sym_size(1)))) {
       return false;
     }
   }
