@@ -39,21 +39,24 @@ CASES = {
 }
 
 
+def recording(names):
+    """A dispatch mode that appends the name of each op it sees to `names`
+    (in the child: torch is imported there)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    return Record()
+
+
 def compare(cases):
     """Per case: the kernel the CPU picks, whether tpu took the fused op,
     and the largest difference from the CPU's output and gradients."""
     import torch
     import torch.nn.functional as F
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
 
     gen = torch.Generator().manual_seed(0)
 
@@ -79,13 +82,14 @@ def compare(cases):
         tins = [t.detach().to("tpu").requires_grad_() for t in (q, k, v)]
         tkw = {key: (val.detach().to("tpu").requires_grad_(val.requires_grad)
                      if isinstance(val, torch.Tensor) else val) for key, val in kw.items()}
-        with Ops() as ops:
+        names = []
+        with recording(names):
             tout = F.scaled_dot_product_attention(*tins, **tkw)
         tout.backward(grad.to("tpu"))
         diff = max([(out.double() - tout.cpu().double()).abs().max().item()] +
                    [(a.grad.double() - b.grad.cpu().double()).abs().max().item()
                     for a, b in zip(ins, tins)])
-        fused = "_scaled_dot_product_fused_attention_overrideable.default" in ops.names
+        fused = "_scaled_dot_product_fused_attention_overrideable.default" in names
         print("CASE", name, cpu_choice, int(fused), diff, out.dtype)
 
 
@@ -122,21 +126,15 @@ def math_when_disabled_or_dropout():
 
     q = torch.randn(2, 4, 16, 8, device="tpu")
     seen = []
-
-    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
-    with Ops(), sdpa_kernel(SDPBackend.MATH):
+    with recording(seen), sdpa_kernel(SDPBackend.MATH):
         F.scaled_dot_product_attention(q, q, q)
     assert not any("overrideable" in n for n in seen), seen
     seen.clear()
-    with Ops():
+    with recording(seen):
         F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
     assert not any("overrideable" in n for n in seen), seen
     seen.clear()
-    with Ops(), sdpa_kernel(SDPBackend.OVERRIDEABLE):
+    with recording(seen), sdpa_kernel(SDPBackend.OVERRIDEABLE):
         F.scaled_dot_product_attention(q, q, q)
     assert any("overrideable" in n for n in seen), seen
     # With every usable kernel switched off: the CPU's errors, at the call.

@@ -122,7 +122,8 @@ int64_t ChooseSdpBackend(const at::Tensor& q, const at::Tensor& k,
               fused_attention.load(std::memory_order_relaxed)
                   ? "does not take these inputs"
                   : "does not run on this tpud's backend",
-              ", and the math kernel is disabled)");
+              ", and the math kernel is disabled; enable SDPBackend.MATH "
+              "in sdpa_kernel(...))");
   return static_cast<int64_t>(at::SDPBackend::math);
 }
 
