@@ -734,6 +734,46 @@ def _first_ops_import_nothing(lowered):
     assert not new, new[:20]
 
 
+def test_exit_after_backward_waits_for_autograd_device_threads(tpud):
+    # backward() stashes the caller's contextvars in the graph task; the
+    # autograd engine's tpu device thread could drop a finished graph task
+    # last, after the process had started to exit, and abort it ("terminate
+    # called without an active exception", ~3% of short jobs that ran a
+    # backward). torch_tpu's atexit handler makes each used device's thread
+    # take one more (Python-free) task, which it can only do once it has
+    # dropped the task before: after the drain the context copy is gone.
+    run_in_child(tpud, _drain_drops_graph_tasks)
+
+
+def _drain_drops_graph_tasks():
+    import atexit
+    import contextvars
+    import sys
+    import weakref
+    import torch
+    import torch_tpu
+    sys.setswitchinterval(5.0)  # the main thread keeps the GIL meanwhile
+
+    class Held:
+        pass
+    var = contextvars.ContextVar("held")
+    for i in range(200):
+        h = Held()
+        ref = weakref.ref(h)
+        var.set(h)
+        del h
+        x = torch.ones(4, device="tpu", requires_grad=True)
+        (x * 2).sum().backward()
+        var.set(None)  # now only the graph task's copy of the context holds it
+        torch_tpu._C._drain_autograd_device_threads()
+        assert ref() is None, f"iteration {i}: a device thread still holds a graph task"
+    assert torch.equal(x.grad.cpu(), torch.full((4,), 2.0))
+    # The exit handlers run the drain: its backward allocates on device 0.
+    before = torch.tpu.memory_stats()["allocation.all.allocated"]
+    atexit._run_exitfuncs()
+    assert torch.tpu.memory_stats()["allocation.all.allocated"] > before
+
+
 def test_convolutions_factories_and_losses_match_the_cpu(tpud):
     # Their output metadata now comes from C++ (native_meta.cc): shapes,
     # strides and values as the CPU's, for every kind of convolution.

@@ -16,7 +16,6 @@ namespace torch_tpu {
 namespace {
 
 constexpr size_t kRound = 512;
-constexpr int kMaxDevices = 64;
 // Requests under this come in whole pages and are carved from pools.
 constexpr size_t kSmallLimit = 1 << 20;
 // Pools per device that new blocks are carved from; older ones are full.
@@ -96,6 +95,7 @@ class TpuAllocator final : public c10::DeviceAllocator {
     block->uses.clear();
     {
       std::lock_guard<std::mutex> lock(mu_);
+      used_[device] = true;
       c10::CachingDeviceAllocator::DeviceStats& s = stats_[device];
       s.allocated_bytes[0].increase(block->size);
       s.requested_bytes[0].increase(n);
@@ -176,6 +176,11 @@ class TpuAllocator final : public c10::DeviceAllocator {
         std::find(b->uses.begin(), b->uses.end(), id) == b->uses.end()) {
       b->uses.push_back(id);
     }
+  }
+
+  bool EverUsed(c10::DeviceIndex device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return used_[Index(device)];
   }
 
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(
@@ -361,6 +366,7 @@ class TpuAllocator final : public c10::DeviceAllocator {
     auto* b = new Block{
         address, std::max<size_t>(bytes, 1), bytes, device, true, 0, {}};
     std::lock_guard<std::mutex> lock(mu_);
+    used_[device] = true;
     auto& s = stats_[device];
     s.reserved_bytes[0].increase(b->size);
     s.segment[0].increase(1);
@@ -499,6 +505,7 @@ class TpuAllocator final : public c10::DeviceAllocator {
   std::vector<Block*> to_record_;
   std::vector<Deferred> deferred_;
   c10::CachingDeviceAllocator::DeviceStats stats_[kMaxDevices];
+  bool used_[kMaxDevices] = {};  // a block was ever handed out there
   std::vector<Block*> pending_free_;
   bool capturing_ = false;
   std::vector<Block*> captured_;
@@ -520,6 +527,10 @@ void TpuAllocator::Deleter(void* ctx) {
 }  // namespace
 
 c10::DeviceAllocator* GetTpuAllocator() { return &Instance(); }
+
+bool EverAllocatedOn(c10::DeviceIndex device) {
+  return device >= 0 && device < kMaxDevices && Instance().EverUsed(device);
+}
 
 void BeginCaptureHold() { Instance().BeginHold(); }
 uint64_t EndCaptureHold(const std::vector<uint64_t>& outputs) {

@@ -9,7 +9,14 @@
 
 namespace torch_tpu {
 
+// Device indices the allocator keeps state for.
+constexpr int kMaxDevices = 64;
+
 c10::DeviceAllocator* GetTpuAllocator();
+
+// Whether this process ever had a block on `device` (without opening the
+// session).
+bool EverAllocatedOn(c10::DeviceIndex device);
 
 // Wraps a segment the daemon already allocated for this session (a
 // data-dependent result) as a DataPtr whose deleter frees the segment.

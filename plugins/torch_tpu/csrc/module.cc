@@ -367,6 +367,33 @@ void InstallDecompositions(const tpu::TopologyInfo& t) {
   }
 }
 
+// Called at exit (an atexit handler, before the interpreter finalizes).
+// backward() stashes a Python object (the caller's contextvars) in the graph
+// task's thread-local state, and the autograd engine's device thread can drop
+// the last reference to a finished graph task after the caller has returned.
+// If the interpreter is finalizing by then, that decref asks for the GIL,
+// Python ends the thread with pthread_exit, and its unwinding through a
+// noexcept destructor aborts the process ("terminate called without an
+// active exception") after all of its work is done. So a tiny C++-only
+// backward runs on every device this process used: a device thread that
+// takes a new task has dropped the graph task before it, and the new one
+// holds no Python object. Errors are dropped (tpud may be gone by now).
+void DrainAutogradDeviceThreads() {
+  py::gil_scoped_release no_gil;
+  for (c10::DeviceIndex d = 0; d < kMaxDevices; ++d) {
+    if (!EverAllocatedOn(d)) continue;
+    try {
+      at::AutoGradMode grad(true);
+      torch::Tensor x = torch::zeros(
+          {1}, torch::TensorOptions()
+                   .device(c10::Device(c10::DeviceType::PrivateUse1, d))
+                   .requires_grad(true));
+      torch::autograd::grad({x.sum()}, {x});
+    } catch (const std::exception&) {
+    }
+  }
+}
+
 // What the daemon's backend runs decides how ops reach it: installed once,
 // when the session opens and the backend is known.
 void OnSessionOpened(const tpu::TopologyInfo& t) {
@@ -383,6 +410,7 @@ PYBIND11_MODULE(_C, m) {
   SetSessionOpenedHook(&OnSessionOpened);
   m.def("_device_count", [] { return static_cast<int>(DeviceCount()); });
   m.def("_ensure_session", [] { GetSession(); });
+  m.def("_drain_autograd_device_threads", &DrainAutogradDeviceThreads);
   m.def("_current_device", [] { return static_cast<int>(CurrentDevice()); });
   m.def("_set_device",
         [](int d) { SetDevice(static_cast<c10::DeviceIndex>(d)); });

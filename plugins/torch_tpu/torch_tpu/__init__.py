@@ -15,9 +15,11 @@ def _init():
     if _initialized:
         return
     _initialized = True
+    import atexit
+
     import torch
 
-    from . import _C  # noqa: F401  registers the allocator, guard, hooks and ops
+    from . import _C  # registers the allocator, guard, hooks and ops
     from . import tpu as tpu_module
 
     torch.utils.rename_privateuse1_backend("tpu")
@@ -31,6 +33,8 @@ def _init():
 
     _compile.install_default_compile()
     _random.install()
+    # Before the interpreter finalizes: see DrainAutogradDeviceThreads.
+    atexit.register(_C._drain_autograd_device_threads)
 
 
 def _autoload():
