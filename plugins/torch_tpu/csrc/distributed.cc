@@ -1014,6 +1014,22 @@ class ProcessGroupTPU : public c10d::Backend {
       for (const auto& [c, ranks] : on) {
         if (ranks.size() < 2) continue;
         (void)GetSession().LeaveCommunicator(*id);
+        // Every rank sees the same keys and fails here alike; none leaves
+        // before all have read them, since a rank that exits may take the
+        // store's server with it (rank 0 hosts it) and its peers would get
+        // a bare "Failed to recv" instead of this error.
+        store_->set(name + "/read" + std::to_string(me),
+                    std::vector<uint8_t>());
+        std::vector<std::string> read;
+        for (size_t i = 0; i < members.size(); ++i)
+          read.push_back(name + "/read" + std::to_string(i));
+        try {
+          store_->wait(
+              read,
+              std::chrono::duration_cast<std::chrono::milliseconds>(timeout_));
+        } catch (const c10::Error&) {
+          // A peer gone meanwhile: report the chips all the same.
+        }
         TORCH_CHECK_WITH(
             DistBackendError, false, "tpu backend: ranks ", join(ranks),
             " of this process group are all on chip ", c,
