@@ -69,7 +69,16 @@ class ResultAllocator {
 
 // One value an op returned, for the synchronous path.
 struct ResultValue {
-  enum class Kind : uint8_t { kNone, kInt, kDouble, kBool, kComplex, kTensor };
+  // kUInt: an unsigned 64-bit value in i's bits (uint64 above INT64_MAX).
+  enum class Kind : uint8_t {
+    kNone,
+    kInt,
+    kDouble,
+    kBool,
+    kComplex,
+    kTensor,
+    kUInt
+  };
   Kind kind = Kind::kNone;
   int64_t i = 0;
   double d = 0;

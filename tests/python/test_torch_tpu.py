@@ -774,6 +774,27 @@ def _drain_drops_graph_tasks():
     assert torch.tpu.memory_stats()["allocation.all.allocated"] > before
 
 
+def test_item_reads_every_integer_type_to_uint64_max(tpud):
+    # A uint64 above INT64_MAX comes back as ATen's unsigned Scalar (it used
+    # to fail: "return value 0 is a UInt, which tpud cannot return").
+    run_in_child(tpud, _item_reads_every_integer_type)
+
+
+def _item_reads_every_integer_type():
+    import torch
+    import torch_tpu  # noqa: F401
+    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                  torch.uint16, torch.uint32, torch.uint64):
+        info = torch.iinfo(dtype)
+        for v in (info.min, info.max, 0, 1, info.max // 3):
+            t = torch.tensor([v], dtype=dtype)
+            got, want = t.to("tpu").item(), t.item()
+            assert got == want and type(got) is type(want), (dtype, v, got, want)
+    big = torch.tensor([2 ** 64 - 1, 2 ** 63 + 5], dtype=torch.uint64)
+    assert big.to("tpu")[1].item() == 2 ** 63 + 5
+    assert big.to("tpu").tolist() == [2 ** 64 - 1, 2 ** 63 + 5]
+
+
 def test_convolutions_factories_and_losses_match_the_cpu(tpud):
     # Their output metadata now comes from C++ (native_meta.cc): shapes,
     # strides and values as the CPU's, for every kind of convolution.

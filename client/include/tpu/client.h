@@ -134,7 +134,8 @@ struct OpResult {
     kDouble,
     kBool,
     kComplex,
-    kTensor
+    kTensor,
+    kUInt  // an unsigned 64-bit value, in i's bits
   };
   Kind kind = Kind::kNone;
   int64_t i = 0;

@@ -99,7 +99,8 @@ struct alignas(64) DaemonHints {
 // A returned value of a synchronous op (see tpud's ChipBackend::Run).
 inline constexpr int kResultDims = 64;  // tpu::kMaxDims (tpu/op_record.h)
 struct ShmResult {
-  uint8_t kind;  // 0 none, 1 int, 2 double, 3 bool, 4 complex, 5 tensor
+  uint8_t kind;  // 0 none, 1 int, 2 double, 3 bool, 4 complex, 5 tensor,
+                 // 6 uint (i's bits)
   int8_t dtype;
   uint8_t ndim;
   uint8_t pad[5];

@@ -64,7 +64,11 @@ absl::Status PjrtChip::ReadScalar(const std::string& op,
                      " elements cannot be converted to a scalar"));
   }
   Lowering l(op, decoded, tensors);
-  absl::StatusOr<char*> host = l.HostOf(ref, 0);
+  // Unsigned types are read too, though no op on them is lowered.
+  const int element_bytes = tpu::ElementSize(ref.dtype);
+  absl::StatusOr<char*> host = element_bytes > 0
+                                   ? l.HostOfElements(ref, 0, element_bytes)
+                                   : l.HostOf(ref, 0);
   if (!host.ok()) return host.status();
   if (results == nullptr) return absl::OkStatus();
   ResultValue v;
@@ -101,6 +105,22 @@ absl::Status PjrtChip::ReadScalar(const std::string& op,
       v.kind = ResultValue::Kind::kInt;
       v.i = get(int64_t{});
       break;
+    case DType::kUInt16:
+      v.kind = ResultValue::Kind::kInt;
+      v.i = get(uint16_t{});
+      break;
+    case DType::kUInt32:
+      v.kind = ResultValue::Kind::kInt;
+      v.i = get(uint32_t{});
+      break;
+    case DType::kUInt64: {
+      // As ATen's item(): an int up to INT64_MAX, an unsigned one above.
+      const uint64_t u = get(uint64_t{});
+      v.kind = u > static_cast<uint64_t>(INT64_MAX) ? ResultValue::Kind::kUInt
+                                                    : ResultValue::Kind::kInt;
+      v.i = static_cast<int64_t>(u);
+      break;
+    }
     case DType::kFloat:
       v.kind = ResultValue::Kind::kDouble;
       v.d = get(float{});

@@ -923,6 +923,9 @@ absl::Status OpRun::HandleReturn(size_t index, const c10::IValue& value) {
   if (value.isInt()) {
     v.kind = ResultValue::Kind::kInt;
     v.i = value.toInt();
+  } else if (value.isUnsigned()) {
+    v.kind = ResultValue::Kind::kUInt;
+    v.i = static_cast<int64_t>(value.toUInt());
   } else if (value.isDouble()) {
     v.kind = ResultValue::Kind::kDouble;
     v.d = value.toDouble();

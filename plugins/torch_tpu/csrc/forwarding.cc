@@ -907,6 +907,9 @@ class ForwardedOp {
         case tpu::OpResult::Kind::kInt:
           torch::jit::push(*stack_, v.i);
           break;
+        case tpu::OpResult::Kind::kUInt:
+          torch::jit::push(*stack_, c10::Scalar(static_cast<uint64_t>(v.i)));
+          break;
         case tpu::OpResult::Kind::kDouble:
           torch::jit::push(*stack_, v.d);
           break;

@@ -256,6 +256,8 @@ at::Scalar LocalScalarDense(const at::Tensor& self) {
   switch (v.kind) {
     case tpu::OpResult::Kind::kInt:
       return at::Scalar(v.i);
+    case tpu::OpResult::Kind::kUInt:
+      return at::Scalar(static_cast<uint64_t>(v.i));
     case tpu::OpResult::Kind::kBool:
       return at::Scalar(v.b);
     case tpu::OpResult::Kind::kComplex:

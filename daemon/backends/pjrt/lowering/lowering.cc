@@ -13,14 +13,20 @@ namespace tpud::pjrt {
 
 absl::StatusOr<char*> Lowering::HostOf(const tpu::TensorRef& ref,
                                        size_t k) const {
-  if (k >= tensors_.size())
-    return absl::InternalError(
-        absl::StrCat(op_, ": tensor ", k, " unresolved"));
-  const ResolvedTensor& seg = tensors_[k];
   const HloType* t = DTypeOf(ref.dtype);
   if (t == nullptr)
     return Unsupported(
         op_, absl::StrCat("dtype ", int(ref.dtype), " is not lowered"));
+  return HostOfElements(ref, k, t->bytes);
+}
+
+absl::StatusOr<char*> Lowering::HostOfElements(const tpu::TensorRef& ref,
+                                               size_t k,
+                                               size_t element_bytes) const {
+  if (k >= tensors_.size())
+    return absl::InternalError(
+        absl::StrCat(op_, ": tensor ", k, " unresolved"));
+  const ResolvedTensor& seg = tensors_[k];
   const uint64_t rel = ref.address - seg.segment_address;
   absl::StatusOr<tpu::Footprint> fp = tpu::TensorFootprint(ref);
   if (!fp.ok()) return fp.status();
@@ -35,7 +41,7 @@ absl::StatusOr<char*> Lowering::HostOf(const tpu::TensorRef& ref,
     if (ref.strides[d] < 0)
       return Unsupported(op_, "a tensor with a negative stride");
   }
-  return seg.segment_host_base + rel + ref.storage_offset * t->bytes;
+  return seg.segment_host_base + rel + ref.storage_offset * element_bytes;
 }
 
 absl::StatusOr<std::string> Lowering::Tensor(const tpu::TensorRef& ref,

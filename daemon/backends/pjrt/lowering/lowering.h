@@ -177,6 +177,10 @@ class Lowering {
   // The host address of tensor `ref` (the k-th TensorRef of the record),
   // checked to lie inside its resolved segment.
   absl::StatusOr<char*> HostOf(const tpu::TensorRef& ref, size_t k) const;
+  // The same for a dtype of `element_bytes` that need not be lowered (a
+  // host read of raw elements: .item() of an unsigned tensor).
+  absl::StatusOr<char*> HostOfElements(const tpu::TensorRef& ref, size_t k,
+                                       size_t element_bytes) const;
 
   // Tensor argument `a` (the k-th TensorRef) as a value of its own dtype and
   // full shape. Expanded dimensions (stride 0) travel as size 1 and are
