@@ -883,6 +883,7 @@ def _small_float_arithmetic_has_the_cpus_bits(exact):
         lambda a, b: a * b[0], lambda a, b: a[:, ::2] * 2.5, lambda a, b: a.t() + b.t(),
         lambda a, b: a.double() * 0.1, lambda a, b: a.half() + 1,
         lambda a, b: a * torch.tensor(0.1), lambda a, b: a[1:] + a[:-1],
+        lambda a, b: a.clone().mul_(b), lambda a, b: a.clone().sub_(0.25),
     ]
     for i, case in enumerate(cases):
         want = case(x, y)

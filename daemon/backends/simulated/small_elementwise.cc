@@ -1,10 +1,38 @@
 #include "daemon/backends/simulated/small_elementwise.h"
 
 #include <cstdint>
+#include <cstring>
 
 #include "tpu/dtype.h"
 
 namespace tpud {
+namespace {
+
+// o[i] = f(a[i], b[i]) (b null: f(a[i], value)), one IEEE operation per
+// element, four lanes at a time: GCC's vector extension gives SSE's packed
+// operations, which round each lane as the scalar ones do. A lane group is
+// read whole before it is written; o is a's or b's own memory or apart from
+// it (checked by the caller), so that changes nothing. The scalar loop
+// stored one float per cycle, a quarter of a 4096-element op's time in tpud.
+template <typename F>
+void Apply(float* o, const float* a, const float* b, float value, int64_t n,
+           F f) {
+  using V = float __attribute__((vector_size(16)));
+  constexpr int kLanes = sizeof(V) / sizeof(float);
+  const V splat = {value, value, value, value};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    V x;
+    V y = splat;
+    std::memcpy(&x, a + i, sizeof(V));
+    if (b != nullptr) std::memcpy(&y, b + i, sizeof(V));
+    const V r = f(x, y);
+    std::memcpy(o + i, &r, sizeof(V));
+  }
+  for (; i < n; ++i) o[i] = f(a[i], b != nullptr ? b[i] : value);
+}
+
+}  // namespace
 
 SmallElementwise SmallElementwiseOf(const std::string& name) {
   if (name == "aten::mul.Tensor") return SmallElementwise::kMul;
@@ -93,25 +121,13 @@ absl::StatusOr<bool> TrySmallElementwise(
   auto* o = reinterpret_cast<float*>(od);
   switch (kind) {
     case SmallElementwise::kMul:
-      if (scalar) {
-        for (int64_t i = 0; i < numel; ++i) o[i] = a[i] * value;
-      } else {
-        for (int64_t i = 0; i < numel; ++i) o[i] = a[i] * b[i];
-      }
+      Apply(o, a, b, value, numel, [](auto p, auto q) { return p * q; });
       break;
     case SmallElementwise::kAdd:
-      if (scalar) {
-        for (int64_t i = 0; i < numel; ++i) o[i] = a[i] + value;
-      } else {
-        for (int64_t i = 0; i < numel; ++i) o[i] = a[i] + b[i];
-      }
+      Apply(o, a, b, value, numel, [](auto p, auto q) { return p + q; });
       break;
     case SmallElementwise::kSub:
-      if (scalar) {
-        for (int64_t i = 0; i < numel; ++i) o[i] = a[i] - value;
-      } else {
-        for (int64_t i = 0; i < numel; ++i) o[i] = a[i] - b[i];
-      }
+      Apply(o, a, b, value, numel, [](auto p, auto q) { return p - q; });
       break;
     case SmallElementwise::kNone:
       return false;
