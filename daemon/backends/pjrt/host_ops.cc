@@ -83,35 +83,33 @@ absl::Status PjrtChip::ReadScalar(const std::string& op,
     v.d = c[0];
     v.d_imag = c[1];
   };
+  // Integers that fit int64 come back as ATen's int Scalar.
+  auto integer = [&](auto x) {
+    v.kind = ResultValue::Kind::kInt;
+    v.i = static_cast<int64_t>(get(x));
+  };
   using tpu::DType;
   switch (tpu::DTypeFromCode(ref.dtype)) {
     case DType::kUInt8:
-      v.kind = ResultValue::Kind::kInt;
-      v.i = get(uint8_t{});
+      integer(uint8_t{});
       break;
     case DType::kInt8:
-      v.kind = ResultValue::Kind::kInt;
-      v.i = get(int8_t{});
+      integer(int8_t{});
       break;
     case DType::kInt16:
-      v.kind = ResultValue::Kind::kInt;
-      v.i = get(int16_t{});
+      integer(int16_t{});
       break;
     case DType::kInt32:
-      v.kind = ResultValue::Kind::kInt;
-      v.i = get(int32_t{});
+      integer(int32_t{});
       break;
     case DType::kInt64:
-      v.kind = ResultValue::Kind::kInt;
-      v.i = get(int64_t{});
+      integer(int64_t{});
       break;
     case DType::kUInt16:
-      v.kind = ResultValue::Kind::kInt;
-      v.i = get(uint16_t{});
+      integer(uint16_t{});
       break;
     case DType::kUInt32:
-      v.kind = ResultValue::Kind::kInt;
-      v.i = get(uint32_t{});
+      integer(uint32_t{});
       break;
     case DType::kUInt64: {
       // As ATen's item(): an int up to INT64_MAX, an unsigned one above.
