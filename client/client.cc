@@ -411,6 +411,7 @@ DaemonStatus ConvertStatus(const v1::GetStatusResponse& resp) {
     info.restarts = e.restarts();
     info.busy_seconds = e.busy_seconds();
     info.ops_executed = e.ops_executed();
+    info.unrung_wakes = e.unrung_wakes();
     info.duty_cycle = e.duty_cycle();
     info.programs_cached = e.programs_cached();
     info.device_buffer_bytes = e.device_buffer_bytes();

@@ -341,6 +341,11 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
     const uint64_t spin_until =
         WaitAdvice() == kWaitSpin ? MonotonicNanos() + kSpinNanos : 0;
     while (full() && MonotonicNanos() < spin_until) __builtin_ia32_pause();
+    if (full() && ctl->sleep_bounded.load() != 0 &&
+        ctl->consumer_sleeping.load()) {
+      const uint64_t one = 1;  // records left unrung must run now
+      (void)!write(doorbells[RingChip(ring)], &one, sizeof(one));
+    }
     while (full()) {
       if (ctl->dead.load()) return TakeError(ring);
       // The daemon is behind: sleep until it has freed what we need and a
@@ -373,10 +378,11 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
   std::memcpy(&h, record.data(), sizeof(h));
   ctl->submitted.store(h.sequence, std::memory_order_relaxed);
   ctl->tail.store(rp.tail);  // seq_cst: ordered before the sleeping check
-  // One ring of the doorbell per sleep of the executor, not one per record.
+  // One ring of the doorbell per sleep of the executor, not one per record;
+  // none for a plain op while that sleep is bounded (kBoundedSleepNanos).
   if (ctl->consumer_sleeping.load()) {
     const uint32_t epoch = ctl->sleep_epoch.load(std::memory_order_acquire);
-    if (epoch != rp.rung_epoch) {
+    if (epoch != rp.rung_epoch && !MayLeaveUnrung(ctl, h, record)) {
       rp.rung_epoch = epoch;
       const uint64_t one = 1;
       (void)!write(doorbells[RingChip(ring)], &one, sizeof(one));
@@ -385,10 +391,28 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
   return absl::OkStatus();
 }
 
+bool Session::Impl::MayLeaveUnrung(RingControl* ctl, const RecordHeader& h,
+                                   absl::string_view record) {
+  const auto kind = static_cast<RecordKind>(h.kind);
+  if (kind == RecordKind::kOp) {
+    if (record.size() <= sizeof(h) + 8 ||
+        (record[sizeof(h) + 8] & kOpFlagSync) != 0)
+      return false;  // someone waits for a synchronous op at once
+  } else if (kind != RecordKind::kDefineOp) {
+    return false;  // copies, events, collectives: others may wait on them
+  }
+  return ctl->sleep_bounded.load() != 0 && WaitAdvice() != kWaitSpin;
+}
+
 absl::Status Session::Impl::WaitCompleted(int ring, uint64_t sequence) {
   RingControl* ctl = Control(ring);
   if (ctl->completed.load(std::memory_order_acquire) >= sequence)
     return absl::OkStatus();
+  // Records left unrung (MayLeaveUnrung) are wanted now.
+  if (ctl->sleep_bounded.load() != 0 && ctl->consumer_sleeping.load()) {
+    const uint64_t one = 1;
+    (void)!write(doorbells[RingChip(ring)], &one, sizeof(one));
+  }
   {
     // Spin while a core is free for it; while only tpud's parties compete,
     // yield the core (to the executor, likely) for a moment; then sleep.

@@ -184,6 +184,10 @@ struct Session::Impl {
   absl::Status AttachDataPlane(const std::string& token);
 
   RingControl* Control(int ring) { return RingControlOf(shm, layout, ring); }
+  // Whether a published record may skip the doorbell of a sleeping
+  // executor (RingControl::sleep_bounded).
+  bool MayLeaveUnrung(RingControl* ctl, const RecordHeader& h,
+                      absl::string_view record);
   uint32_t WaitAdvice() {
     return HintsOf(shm, layout)->wait_advice.load(std::memory_order_relaxed);
   }

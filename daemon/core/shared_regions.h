@@ -141,6 +141,9 @@ struct alignas(64) ExecutorSlot {
       active_sessions;            // sessions it ran work of in the last 2 ms
   std::atomic<uint64_t> busy_ns;  // chip time, since this executor started
   std::atomic<uint64_t> ops;
+  // Bounded sleeps (tpu::kBoundedSleepNanos) that ended with work no
+  // producer had rung for: each one a wake-up the producers saved.
+  std::atomic<uint64_t> unrung_wakes;
   std::atomic<uint64_t> duty_permille;  // busy share of the last full second
   // CLOCK_MONOTONIC at the end of its last turn at a ring: with
   // op_started_ns, whether it counts as busy (executor/thread_share.h).

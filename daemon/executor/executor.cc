@@ -23,6 +23,8 @@ constexpr uint64_t kWakeKey = 1;
 constexpr uint64_t kEpollCheckNs = 100000;
 constexpr uint64_t kActivityWindowNs = 1000000000;
 constexpr uint64_t kActiveSessionNs = 2000000;
+// Sleeps stay bounded (tpu::kBoundedSleepNanos) this long after work ran.
+constexpr uint64_t kBoundedWindowNanos = 100000000;
 
 void WakeFutex(std::atomic<uint32_t>* word) {
   word->fetch_add(1);
@@ -502,12 +504,48 @@ void Executor::Sleep(int timeout_ms) {
       MakeRunnable(*r);
     }
   }
+  // Bounded while the cores are oversubscribed and work ran lately: then
+  // producers may skip the doorbell, and we look at the rings ourselves.
+  const uint64_t now = tpu::MonotonicNanos();
+  const bool bounded = config_.unrung &&
+                       config_.shared->wait_advice.load(
+                           std::memory_order_relaxed) != tpu::kWaitSpin &&
+                       now - last_run_ns_ < kBoundedWindowNanos;
+  if (bounded != sleep_bounded_) SetSleepBounded(bounded);
   if (!queue_.empty()) return;
   slot_->sleeping.store(1);
-  DrainDoorbells(timeout_ms);
+  DrainDoorbells(bounded ? static_cast<int>(tpu::kBoundedSleepNanos / 1000000)
+                         : timeout_ms);
   slot_->sleeping.store(0);
+  if (bounded && WakeArmedWithWork()) {
+    slot_->unrung_wakes.store(slot_->unrung_wakes.load() + 1,
+                              std::memory_order_relaxed);
+  }
   if (config_.shared->sampler_sleeping.load() != 0)
     WakeFutex(&config_.shared->sampler_futex);
+}
+
+void Executor::SetSleepBounded(bool bounded) {
+  sleep_bounded_ = bounded;
+  for (auto& [id, session] : sessions_) {
+    for (auto& r : session->rings)
+      r->ctl->sleep_bounded.store(bounded ? 1 : 0, std::memory_order_seq_cst);
+  }
+  // A producer that read the old value may have left a record unrung.
+  WakeArmedWithWork();
+}
+
+bool Executor::WakeArmedWithWork() {
+  bool found = false;
+  for (auto& [id, session] : sessions_) {
+    for (auto& r : session->rings) {
+      if (r->state == Ring::State::kArmed && HasWork(*r)) {
+        MakeRunnable(*r);
+        found = true;
+      }
+    }
+  }
+  return found;
 }
 
 void Executor::DrainDoorbells(int timeout_ms) {
@@ -605,6 +643,7 @@ void Executor::UpdateActivity(uint64_t now) {
 void Executor::RunRing(Ring& ring) {
   Session& s = *ring.session;
   const uint64_t start = tpu::MonotonicNanos();
+  last_run_ns_ = start;
   uint64_t now = start;
   uint64_t records = 0;
   const int chip_slot = ChipSlot(ring.chip);

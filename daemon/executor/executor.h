@@ -65,6 +65,10 @@ struct ExecutorConfig {
   // (otherwise) before it sleeps.
   uint64_t spin_ns = 50000;
   uint64_t yield_ns = 50000;
+  // While the advice is not to spin and work ran within the last 100 ms,
+  // sleep at most tpu::kBoundedSleepNanos, look at the rings, and let
+  // producers skip the doorbell (RingControl::sleep_bounded).
+  bool unrung = false;
   // A ring runs at most this long while others wait.
   uint64_t quantum_ns = 200000;
   // A ring without work is polled this long before its doorbell is armed.
@@ -164,6 +168,11 @@ class Executor {
   bool HasWork(const Ring& ring) const;
   bool ParkedReady(const Ring& ring) const;
   void Sleep(int timeout_ms);
+  // Tells every ring (RingControl::sleep_bounded) whether our sleeps are
+  // bounded now, then makes each armed ring with work runnable.
+  void SetSleepBounded(bool bounded);
+  // Whether it found any.
+  bool WakeArmedWithWork();
   void DrainDoorbells(int timeout_ms);
   void RunRing(Ring& ring);
   void UpdateActivity(uint64_t now);
@@ -272,6 +281,10 @@ class Executor {
   std::vector<Ring*> polled_;
   std::vector<Ring*> parked_;
   int armed_count_ = 0;
+  // When a ring last ran work (RunRing), and whether the armed rings were
+  // last told that our sleep is bounded (tpu::kBoundedSleepNanos).
+  uint64_t last_run_ns_ = 0;
+  bool sleep_bounded_ = false;
   std::deque<std::pair<ControlMessage, std::vector<int>>> pending_control_;
   uint64_t releases_seen_ = 0;
   uint64_t next_request_ = 1;

@@ -96,6 +96,7 @@ int RunExecutorProcess(const ExecutorProcessConfig& config, int index,
   ec.backend = backend.get();
   ec.spin_ns = config.spin_ns;
   ec.yield_ns = config.yield_ns;
+  ec.unrung = config.unrung;
   ec.quantum_ns = config.quantum_ns;
   ec.intra_op_threads = config.intra_op_threads;
   int rc;

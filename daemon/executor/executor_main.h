@@ -30,6 +30,7 @@ struct ExecutorProcessConfig {
   std::function<std::unique_ptr<ChipBackend>()> make_backend;
   uint64_t spin_ns = 50000;
   uint64_t yield_ns = 50000;
+  bool unrung = false;  // ExecutorConfig::unrung
   uint64_t quantum_ns = 200000;
   int intra_op_threads = 0;  // ExecutorConfig::intra_op_threads
   // The executors' nice value, set before any thread starts (so ATen's and

@@ -592,6 +592,7 @@ void ExecutorPool::OnWorkerDeath(int e, int wait_status) {
     tpu::FutexWakeAll(&slot.op_epoch);
     w.busy_base_ns += slot.busy_ns.exchange(0);
     w.ops_base += slot.ops.exchange(0);
+    w.unrung_base += slot.unrung_wakes.exchange(0);
     for (int i = 0; i < tpu::kMaxChipsPerHost; ++i) {
       for (int b = 0; b < kOpLatencyBuckets; ++b) {
         w.latency_base[i][b] += slot.op_latency[i][b].exchange(0);
@@ -684,6 +685,7 @@ std::vector<ExecutorInfo> ExecutorPool::Executors() const {
     info.restarts = w.restarts;
     info.busy_ns = w.busy_base_ns + slot.busy_ns.load();
     info.ops = w.ops_base + slot.ops.load();
+    info.unrung_wakes = w.unrung_base + slot.unrung_wakes.load();
     info.duty_cycle = static_cast<double>(slot.duty_permille.load()) / 1000.0;
     info.intra_op_threads = w.ready ? slot.intra_op_threads.load() : 0;
     info.intra_op_threads_max = slot.intra_op_threads_max.load();

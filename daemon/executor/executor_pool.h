@@ -69,6 +69,7 @@ struct ExecutorInfo {
   uint64_t restarts = 0;
   uint64_t busy_ns = 0;  // since the daemon started (across restarts)
   uint64_t ops = 0;
+  uint64_t unrung_wakes = 0;  // ExecutorSlot::unrung_wakes, across restarts
   double duty_cycle = 0;
   // A compiling backend's figures (since this executor process started),
   // one per chip in `chips` order; empty for backends that do not compile.
@@ -149,6 +150,7 @@ class ExecutorPool {
     uint64_t restarts = 0;
     uint64_t busy_base_ns = 0;  // from earlier incarnations
     uint64_t ops_base = 0;
+    uint64_t unrung_base = 0;
     // Metrics counters of earlier incarnations (see ExecutorInfo).
     std::array<std::array<uint64_t, kOpLatencyBuckets>, tpu::kMaxChipsPerHost>
         latency_base{};

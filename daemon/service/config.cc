@@ -133,6 +133,7 @@ absl::StatusOr<TpudConfig> ConfigFromFlags(const TpudFlags& flags) {
   config.op_timeout = flags.op_timeout;
   config.executor_spin = flags.executor_spin;
   config.executor_yield = flags.executor_yield;
+  config.executor_unrung = flags.executor_unrung;
   config.executor_quantum = flags.executor_quantum;
   if (flags.executor_nice < -20 || flags.executor_nice > 19) {
     return absl::InvalidArgumentError(

@@ -44,6 +44,7 @@ struct TpudFlags {
   absl::Duration op_timeout = absl::Minutes(10);
   absl::Duration executor_spin = absl::Microseconds(50);
   absl::Duration executor_yield = absl::Microseconds(50);
+  bool executor_unrung = false;
   absl::Duration executor_quantum = absl::Microseconds(200);
   int executor_nice = -10;
   int max_communicators = 256;  // tpud::kDefaultCommunicators
@@ -101,6 +102,9 @@ struct TpudConfig {
   absl::Duration op_timeout = absl::Minutes(10);
   absl::Duration executor_spin = absl::Microseconds(50);
   absl::Duration executor_yield = absl::Microseconds(50);
+  // Oversubscribed cores: executors sleep at most kBoundedSleepNanos and
+  // look at their rings, and clients skip the doorbell for plain ops.
+  bool executor_unrung = false;
   absl::Duration executor_quantum = absl::Microseconds(200);
   // Executors' nice value (-20..19): ahead of the client processes they
   // serve, so that a host full of clients does not starve the one process

@@ -66,6 +66,7 @@ absl::StatusOr<std::unique_ptr<ExecutorProcesses>> ExecutorProcesses::Create(
   exec_config.collectives = collective_table;
   exec_config.spin_ns = absl::ToInt64Nanoseconds(config.executor_spin);
   exec_config.yield_ns = absl::ToInt64Nanoseconds(config.executor_yield);
+  exec_config.unrung = config.executor_unrung;
   exec_config.quantum_ns = absl::ToInt64Nanoseconds(config.executor_quantum);
   exec_config.nice = config.executor_nice;
   exec_config.intra_op_threads = config.intra_op_threads;

@@ -366,6 +366,7 @@ void AdminServiceImpl::FillStatus(v1::GetStatusResponse* resp) {
       out->set_restarts(e.restarts);
       out->set_busy_seconds(e.busy_ns / 1e9);
       out->set_ops_executed(e.ops);
+      out->set_unrung_wakes(e.unrung_wakes);
       out->set_duty_cycle(e.duty_cycle);
       out->set_programs_cached(e.programs_cached);
       out->set_device_buffer_bytes(e.device_buffer_bytes);

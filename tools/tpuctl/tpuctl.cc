@@ -451,6 +451,7 @@ void WriteExecutors(JsonWriter& w, const tpu::DaemonStatus& st) {
     w.Key("restarts").Uint(e.restarts);
     w.Key("busy_seconds").Double(e.busy_seconds);
     w.Key("ops_executed").Uint(e.ops_executed);
+    w.Key("unrung_wakes").Uint(e.unrung_wakes);
     w.Key("duty_cycle").Double(e.duty_cycle);
     w.Key("busy").Bool(e.busy);
     w.Key("intra_op_threads").Int(e.intra_op_threads);

@@ -374,6 +374,9 @@ struct ExecutorInfo {
   uint64_t restarts = 0;
   double busy_seconds = 0;
   uint64_t ops_executed = 0;
+  // Times it found op records that no producer rang for (they may skip the
+  // doorbell while the cores are oversubscribed): wake-ups saved.
+  uint64_t unrung_wakes = 0;
   double duty_cycle = 0;
   // Backends that compile ops into programs (PJRT): per chip, in `chips`
   // order; empty otherwise.

@@ -91,6 +91,15 @@ enum WaitAdvice : uint32_t {
   kWaitYield = 2,
 };
 
+// With tpud --executor_unrung, while the host's cores are oversubscribed
+// (advice other than kWaitSpin), an executor that ran work recently sleeps at
+// most this long and then looks at its armed rings itself; it says so in
+// RingControl::sleep_bounded. A producer then need not ring the doorbell for a
+// plain op record: the work waits at most this long, or until the producer
+// waits for a result (which rings). Waking an executor per few ops, each wake
+// preempting a client, costs more than the ops.
+inline constexpr uint64_t kBoundedSleepNanos = 2000000;
+
 // Advice the daemon keeps current for every client.
 struct alignas(64) DaemonHints {
   std::atomic<uint32_t> wait_advice;  // a WaitAdvice
@@ -129,6 +138,9 @@ struct alignas(64) RingControl {
   std::atomic<uint32_t> sleep_epoch;  // bumped each time the flag is set
   std::atomic<uint32_t>
       head_futex;  // bumped when head moves and a producer waits
+  // The executor's sleep ends within kBoundedSleepNanos and it then looks
+  // at this ring: a producer may leave plain op records unrung.
+  std::atomic<uint32_t> sleep_bounded;
   // Completion.
   alignas(64) std::atomic<uint64_t> completed;  // last sequence done
   std::atomic<uint32_t> completion_futex;  // futex word, bumped on progress
