@@ -343,8 +343,7 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
     while (full() && MonotonicNanos() < spin_until) __builtin_ia32_pause();
     if (full() && ctl->sleep_bounded.load() != 0 &&
         ctl->consumer_sleeping.load()) {
-      const uint64_t one = 1;  // records left unrung must run now
-      (void)!write(doorbells[RingChip(ring)], &one, sizeof(one));
+      RingDoorbell(ring);  // records left unrung must run now
     }
     while (full()) {
       if (ctl->dead.load()) return TakeError(ring);
@@ -384,8 +383,7 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
     const uint32_t epoch = ctl->sleep_epoch.load(std::memory_order_acquire);
     if (epoch != rp.rung_epoch && !MayLeaveUnrung(ctl, h, record)) {
       rp.rung_epoch = epoch;
-      const uint64_t one = 1;
-      (void)!write(doorbells[RingChip(ring)], &one, sizeof(one));
+      RingDoorbell(ring);
     }
   }
   return absl::OkStatus();
@@ -409,10 +407,8 @@ absl::Status Session::Impl::WaitCompleted(int ring, uint64_t sequence) {
   if (ctl->completed.load(std::memory_order_acquire) >= sequence)
     return absl::OkStatus();
   // Records left unrung (MayLeaveUnrung) are wanted now.
-  if (ctl->sleep_bounded.load() != 0 && ctl->consumer_sleeping.load()) {
-    const uint64_t one = 1;
-    (void)!write(doorbells[RingChip(ring)], &one, sizeof(one));
-  }
+  if (ctl->sleep_bounded.load() != 0 && ctl->consumer_sleeping.load())
+    RingDoorbell(ring);
   {
     // Spin while a core is free for it; while only tpud's parties compete,
     // yield the core (to the executor, likely) for a moment; then sleep.

@@ -4,6 +4,7 @@
 #define TPU_CLIENT_SESSION_IMPL_H_
 
 #include <grpcpp/grpcpp.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -184,6 +185,11 @@ struct Session::Impl {
   absl::Status AttachDataPlane(const std::string& token);
 
   RingControl* Control(int ring) { return RingControlOf(shm, layout, ring); }
+  // Wakes the executor of `ring`'s chip.
+  void RingDoorbell(int ring) {
+    const uint64_t one = 1;
+    (void)!write(doorbells[RingChip(ring)], &one, sizeof(one));
+  }
   // Whether a published record may skip the doorbell of a sleeping
   // executor (RingControl::sleep_bounded).
   bool MayLeaveUnrung(RingControl* ctl, const RecordHeader& h,

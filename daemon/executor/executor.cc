@@ -517,10 +517,7 @@ void Executor::Sleep(int timeout_ms) {
   DrainDoorbells(bounded ? static_cast<int>(tpu::kBoundedSleepNanos / 1000000)
                          : timeout_ms);
   slot_->sleeping.store(0);
-  if (bounded && WakeArmedWithWork()) {
-    slot_->unrung_wakes.store(slot_->unrung_wakes.load() + 1,
-                              std::memory_order_relaxed);
-  }
+  if (bounded && WakeArmedWithWork()) BumpSingleWriter(slot_->unrung_wakes);
   if (config_.shared->sampler_sleeping.load() != 0)
     WakeFutex(&config_.shared->sampler_futex);
 }
@@ -531,8 +528,8 @@ void Executor::SetSleepBounded(bool bounded) {
     for (auto& r : session->rings)
       r->ctl->sleep_bounded.store(bounded ? 1 : 0, std::memory_order_seq_cst);
   }
-  // A producer that read the old value may have left a record unrung.
-  WakeArmedWithWork();
+  // A producer that still read 1 may have left a record unrung.
+  if (!bounded) WakeArmedWithWork();
 }
 
 bool Executor::WakeArmedWithWork() {

@@ -169,7 +169,8 @@ class Executor {
   bool ParkedReady(const Ring& ring) const;
   void Sleep(int timeout_ms);
   // Tells every ring (RingControl::sleep_bounded) whether our sleeps are
-  // bounded now, then makes each armed ring with work runnable.
+  // bounded now; when they no longer are, makes each armed ring with work
+  // runnable.
   void SetSleepBounded(bool bounded);
   // Whether it found any.
   bool WakeArmedWithWork();

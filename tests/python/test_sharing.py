@@ -446,7 +446,7 @@ def test_oversubscribed_cores_save_doorbells_yet_queued_work_runs_unasked():
     try:
         job = """
             import json, os, subprocess, sys, time, torch
-            tpuctl = sys.argv[1]
+            tpuctl = os.environ["TPUCTL"]
             def ops_done():
                 out = subprocess.run([tpuctl, "status", "--json"], capture_output=True,
                                      text=True, timeout=60, check=True)
@@ -471,8 +471,8 @@ def test_oversubscribed_cores_save_doorbells_yet_queued_work_runs_unasked():
             assert y[0].item() == 2 + 50, y[0].item()
             print("ran", ran)
         """
-        r = run_py(daemon, job.replace("sys.argv[1]", repr(bazel_bin("tools/tpuctl/tpuctl"))),
-                   timeout=300)
+        r = run_py(daemon, job, timeout=300,
+                   env_extra={"TPUCTL": bazel_bin("tools/tpuctl/tpuctl")})
         assert r.returncode == 0, r.stdout + r.stderr
         ran = json.loads(r.stdout.split("ran", 1)[1])
         assert ran == [5] * 10, ran
