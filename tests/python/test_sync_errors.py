@@ -28,6 +28,16 @@ CASES = {
     # the out= tensor of an op whose result depends on data
     "out_dtype": "torch.nonzero(torch.ones(3, device=dev), "
                  "out=torch.empty(0, device=dev))",
+    # out= checks of kernels that build no TensorIterator: exact dtypes
+    "out_bool": "torch.isposinf(torch.ones(2, device=dev), out=torch.empty(2, device=dev))",
+    "out_indices": "torch.sort(torch.ones(3, device=dev), "
+                   "out=(torch.empty(3, device=dev), torch.empty(3, device=dev)))",
+    "out_exact": "torch.mm(torch.ones(2, 2, device=dev), torch.ones(2, 2, device=dev), "
+                 "out=torch.empty(2, 2, dtype=torch.float64, device=dev))",
+    "out_frexp": "torch.frexp(torch.ones(2, device=dev), "
+                 "out=(torch.empty(2, device=dev), torch.empty(2, device=dev)))",
+    "out_cast_class": "torch.cat([torch.ones(2, device=dev)], "
+                      "out=torch.empty(2, dtype=torch.int32, device=dev))",
 }
 
 CHILD = r"""
@@ -203,3 +213,39 @@ for dev in ("cpu", "tpu"):
     assert len(lines) == 4 and [l[4:] for l in lines[:2]] == [l[4:] for l in lines[2:]], \
         r.stdout + r.stderr
     assert "An output with one or more elements" in lines[0], r.stdout
+
+
+def test_out_checks_leave_good_out_tensors_alone(tpud):
+    """The out= checks refuse only what the CPU refuses: out= tensors of the
+    right dtype, misshapen (resized, with one warning), non-contiguous, or of
+    a dtype an iterator op casts to, give the CPU's results."""
+    r = run_py(tpud, r"""
+import warnings, torch
+def calls(dev):
+    x = torch.tensor([[3.0, -1.0, float("inf")], [0.5, 2.0, -float("inf")]], device=dev)
+    i64 = lambda *s: torch.empty(*s, dtype=torch.long, device=dev)
+    f32 = lambda *s: torch.empty(*s, device=dev)
+    yield torch.isposinf(x, out=torch.empty(2, 3, dtype=torch.bool, device=dev))
+    yield torch.signbit(x, out=torch.empty(7, dtype=torch.bool, device=dev))
+    yield torch.mm(x, x.t(), out=f32(4, 4)[::2, ::2])
+    yield torch.addmm(f32(2, 2).fill_(1), x, x.t(), beta=2, out=f32(2, 2))
+    yield torch.sort(x, 1, out=(f32(2, 3), i64(2, 3)))[1]
+    yield torch.sort(x, stable=True, descending=True, out=(f32(0), i64(0)))[1]
+    yield torch.topk(x, 2, out=(f32(1), i64(1)))[1]
+    yield torch.max(x, 0, out=(f32(3), i64(3)))[1]
+    yield torch.argmax(x, 1, keepdim=True, out=i64(2, 1))
+    yield torch.aminmax(x, dim=0, out=(f32(3), f32(3)))[1]
+    m, e = torch.frexp(x[:, :2], out=(f32(2, 2), torch.empty(2, 2, dtype=torch.int32, device=dev)))
+    yield e
+    yield torch.cat([x, x], 0, out=torch.empty(4, 3, dtype=torch.float64, device=dev))
+for dev in ("cpu", "tpu"):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = [(t.dtype, t.shape, t.cpu().tolist()) for t in calls(dev)]
+    print(dev, repr(got), len(w))
+""")
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and lines[0][4:] == lines[1][4:], r.stdout + r.stderr
+    # One warning per resized out= tensor holding elements: signbit's, and
+    # topk's two.
+    assert lines[0].endswith(" 3"), r.stdout

@@ -21,6 +21,7 @@
 #include "allocator.h"
 #include "native_kernels.h"
 #include "native_meta.h"
+#include "out_checks.h"
 #include "runtime.h"
 #include "wire.h"
 
@@ -1057,9 +1058,10 @@ bool SentWholeStructured(const c10::OperatorName& name) {
 // the results written into its out= tensors, or into its first argument.
 struct Twin {
   std::optional<c10::OperatorHandle> functional;
-  size_t num_out = 0;       // out= tensors at the end of the arguments
-  bool in_place = false;    // the result goes into argument 0
-  bool structured = false;  // sent whole by SendStructuredOpsWhole
+  size_t num_out = 0;            // out= tensors at the end of the arguments
+  bool in_place = false;         // the result goes into argument 0
+  bool structured = false;       // sent whole by SendStructuredOpsWhole
+  OutCheck out_check = nullptr;  // ATen's checks of the out= tensors
 };
 
 const Twin& TwinOf(const c10::OperatorHandle& op) {
@@ -1071,6 +1073,7 @@ const Twin& TwinOf(const c10::OperatorHandle& op) {
   if (it != twins->end()) return it->second;
   Twin t;
   t.functional = FunctionalOf(op.schema(), &t.num_out);
+  if (t.functional.has_value()) t.out_check = FindOutCheck(op.operator_name());
   t.structured = SentWholeStructured(op.operator_name());
   if (!t.functional.has_value() && t.structured) {
     t.functional = InPlaceFunctionalOf(op.schema());
@@ -1155,6 +1158,10 @@ void Fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (functional.has_value()) {
     num_out = op.schema().arguments().size() -
               functional->schema().arguments().size();
+    if (twin.out_check != nullptr) {
+      RunOutCheck(twin.out_check,
+                  torch::jit::last(*stack, op.schema().arguments().size()));
+    }
     std::vector<at::Tensor> outs;
     for (size_t i = stack->size() - num_out; i < stack->size(); ++i)
       outs.push_back((*stack)[i].toTensor());

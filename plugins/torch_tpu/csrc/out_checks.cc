@@ -1,0 +1,159 @@
+// out_checks.h: a table from out= op names to their C++ meta functions.
+#include "out_checks.h"
+
+#include <ATen/ATen.h>
+#include <ATen/MetaFunctions.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+#include <string>
+#include <unordered_map>
+
+namespace torch_tpu {
+namespace {
+
+using Stack = torch::jit::Stack;
+
+at::Tensor& T(Stack& s, size_t i) {
+  // IValue hands out a reference to its tensor; the meta functions write
+  // (resize) the out= ones, which are meta stand-ins.
+  return s[i].toTensor();
+}
+int64_t I(const Stack& s, size_t i) { return s[i].toInt(); }
+bool B(const Stack& s, size_t i) { return s[i].toBool(); }
+std::optional<int64_t> OptI(const Stack& s, size_t i) {
+  return s[i].toOptional<int64_t>();
+}
+
+// A device tensor as a meta one of the same dtype, shape and strides; a CPU
+// 0-dim tensor (a scalar operand) too. Other host values stay.
+at::Tensor MetaOf(const at::Tensor& t) {
+  if (!t.defined() || (t.device().is_cpu() && t.dim() != 0)) return t;
+  return at::empty_strided(t.sizes(), t.strides(),
+                           t.options().device(c10::kMeta));
+}
+c10::IValue MetaOf(const c10::IValue& v) {
+  if (v.isTensor()) return MetaOf(v.toTensor());
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> list;
+    for (const at::Tensor& t : v.toTensorList()) list.push_back(MetaOf(t));
+    return list;
+  }
+  return v;
+}
+
+// The meta functions resize a misshapen out= stand-in and warn that they
+// did; the real op warns once, later, for the real tensor.
+class Quiet : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning&) override {}
+};
+
+const std::unordered_map<std::string, OutCheck>& Table() {
+  static const auto* table = new std::unordered_map<std::string, OutCheck>{
+      // Iterator ops whose out= tensor must be bool.
+      {"aten::isposinf.out",
+       [](Stack& s) { at::meta::isposinf_out(T(s, 1), T(s, 0)); }},
+      {"aten::isneginf.out",
+       [](Stack& s) { at::meta::isneginf_out(T(s, 1), T(s, 0)); }},
+      {"aten::signbit.out",
+       [](Stack& s) { at::meta::signbit_out(T(s, 1), T(s, 0)); }},
+      // frexp's kernel checks its outputs before it computes.
+      {"aten::frexp.Tensor_out",
+       [](Stack& s) {
+         const at::Tensor& self = T(s, 0);
+         TORCH_CHECK(at::isFloatingType(self.scalar_type()),
+                     "torch.frexp() only supports floating-point dtypes");
+         TORCH_CHECK(T(s, 1).dtype() == self.dtype(),
+                     "torch.frexp() expects mantissa to have dtype ",
+                     self.dtype(), " but got ", T(s, 1).dtype());
+         TORCH_CHECK(T(s, 2).scalar_type() == at::kInt,
+                     "torch.frexp() expects exponent to have int dtype but "
+                     "got ",
+                     T(s, 2).dtype());
+       }},
+      // cat's out= tensor takes what the inputs' common dtype casts to (a
+      // TypeError otherwise), on the inputs' device.
+      {"aten::cat.out",
+       [](Stack& s) {
+         at::meta::cat_out(T(s, 2), s[0].toTensorVector(), I(s, 1));
+       }},
+      // Matrix products: out= of the result's dtype.
+      {"aten::mm.out",
+       [](Stack& s) { at::meta::mm_out(T(s, 2), T(s, 0), T(s, 1)); }},
+      {"aten::bmm.out",
+       [](Stack& s) { at::meta::bmm_out(T(s, 2), T(s, 0), T(s, 1)); }},
+      {"aten::addmm.out",
+       [](Stack& s) {
+         at::meta::addmm_out(T(s, 5), T(s, 0), T(s, 1), T(s, 2),
+                             s[3].toScalar(), s[4].toScalar());
+       }},
+      {"aten::baddbmm.out",
+       [](Stack& s) {
+         at::meta::baddbmm_out(T(s, 5), T(s, 0), T(s, 1), T(s, 2),
+                               s[3].toScalar(), s[4].toScalar());
+       }},
+      {"aten::addmv.out",
+       [](Stack& s) {
+         at::meta::addmv_out(T(s, 5), T(s, 0), T(s, 1), T(s, 2),
+                             s[3].toScalar(), s[4].toScalar());
+       }},
+      // Values and their indices: indices are int64.
+      {"aten::sort.values",
+       [](Stack& s) {
+         at::meta::sort_out(T(s, 3), T(s, 4), T(s, 0), false, I(s, 1), B(s, 2));
+       }},
+      {"aten::sort.values_stable",
+       [](Stack& s) {
+         at::meta::sort_out(T(s, 4), T(s, 5), T(s, 0), s[1].toOptional<bool>(),
+                            I(s, 2), B(s, 3));
+       }},
+      {"aten::topk.values",
+       [](Stack& s) {
+         at::meta::topk_out(T(s, 5), T(s, 6), T(s, 0), I(s, 1), I(s, 2),
+                            B(s, 3), B(s, 4));
+       }},
+      {"aten::max.dim_max",
+       [](Stack& s) {
+         at::meta::max_out(T(s, 3), T(s, 4), T(s, 0), I(s, 1), B(s, 2));
+       }},
+      {"aten::min.dim_min",
+       [](Stack& s) {
+         at::meta::min_out(T(s, 3), T(s, 4), T(s, 0), I(s, 1), B(s, 2));
+       }},
+      {"aten::argmax.out",
+       [](Stack& s) {
+         at::meta::argmax_out(T(s, 3), T(s, 0), OptI(s, 1), B(s, 2));
+       }},
+      {"aten::argmin.out",
+       [](Stack& s) {
+         at::meta::argmin_out(T(s, 3), T(s, 0), OptI(s, 1), B(s, 2));
+       }},
+      {"aten::aminmax.out",
+       [](Stack& s) {
+         at::meta::aminmax_out(T(s, 3), T(s, 4), T(s, 0), OptI(s, 1), B(s, 2));
+       }},
+  };
+  return *table;
+}
+
+}  // namespace
+
+OutCheck FindOutCheck(const c10::OperatorName& name) {
+  const auto& table = Table();
+  auto it = table.find(name.overload_name.empty()
+                           ? name.name
+                           : name.name + "." + name.overload_name);
+  return it == table.end() ? nullptr : it->second;
+}
+
+void RunOutCheck(OutCheck check, c10::ArrayRef<c10::IValue> args) {
+  Stack meta;
+  meta.reserve(args.size());
+  for (const c10::IValue& v : args) meta.push_back(MetaOf(v));
+  Quiet quiet;
+  c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+  check(meta);
+}
+
+}  // namespace torch_tpu
