@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "native_meta_structured.h"
+
 namespace torch_tpu {
 namespace {
 
@@ -302,6 +304,23 @@ void AddWhere(Table& t) {
                                   .add_const_input(self)
                                   .add_const_input(other)
                                   .build();
+    Put(s, iter.output());
+  };
+}
+
+// hardswish and its backward are TensorIterator ops without a meta
+// function: their CPU kernels' iterators, over meta tensors, into results
+// the iterators allocate.
+void AddIteratorOps(Table& t) {
+  t["aten::hardswish"] = [](Stack* s) {
+    at::Tensor out;
+    at::TensorIterator iter = at::TensorIterator::unary_op(out, T(*s, 0));
+    Put(s, iter.output());
+  };
+  t["aten::hardswish_backward"] = [](Stack* s) {
+    at::Tensor out;
+    at::TensorIterator iter =
+        at::TensorIterator::borrowing_binary_op(out, T(*s, 0), T(*s, 1));
     Put(s, iter.output());
   };
 }
@@ -762,6 +781,7 @@ const Table& NativeMetaTable() {
     AddUnary(*t);
     AddPointwiseOthers(*t);
     AddWhere(*t);
+    AddIteratorOps(*t);
     AddReductions(*t);
     AddOthers(*t);
     AddOutForms(*t);
@@ -771,6 +791,7 @@ const Table& NativeMetaTable() {
     AddFactories(*t);
     AddLosses(*t);
     AddConvolution(*t);
+    AddStructuredMeta(t);
     return t;
   }();
   return *table;
