@@ -286,6 +286,26 @@ class KeepFirstWarning : public c10::WarningHandler {
   }
 };
 
+// Around an out= variant run into the outputs the client allocated: a
+// kernel that uses its out= tensor as scratch of another shape (huber_loss,
+// binary_cross_entropy, smooth_l1_loss reduce into it) resizes it and back,
+// and ATen warns of the first resize. The caller never resized anything
+// (OpRun checks the final shape), so that warning is dropped; others pass.
+class DropScratchResizeWarning : public c10::WarningHandler {
+ public:
+  DropScratchResizeWarning()
+      : next_(c10::WarningUtils::get_warning_handler()) {}
+  void process(const c10::Warning& warning) override {
+    constexpr absl::string_view kResized =
+        "An output with one or more elements was resized";
+    if (absl::StartsWith(warning.msg(), kResized)) return;
+    next_->process(warning);
+  }
+
+ private:
+  c10::WarningHandler* const next_;
+};
+
 class ClearOnExit {
  public:
   explicit ClearOnExit(Scratch& s) : s_(s) {}
@@ -1197,6 +1217,8 @@ absl::Status OpRun::Run() {
     }
     const size_t first_out = s_.args.size() - decoded_.outputs.size();
     try {
+      DropScratchResizeWarning drop_scratch_resize;
+      c10::WarningUtils::WarningHandlerGuard guard(&drop_scratch_resize);
       out_variant->callBoxed(s_.stack);
     } catch (const c10::Error&) {
       // Retry the functional way (which writes every output afresh).
