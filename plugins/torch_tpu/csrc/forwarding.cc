@@ -11,6 +11,7 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <memory>
 #include <mutex>
@@ -62,6 +63,14 @@ struct MetaSpec {
   bool sync = false;  // the host needs values, or shapes depend on data
   std::vector<ReturnSpec> returns;
 };
+
+// Whether the daemon allocates the results of a synchronous run (the
+// simulated backend does; PJRT runs only into outputs allocated here), so a
+// first run can say a signature's output metadata (LearnsSpecFromRun).
+std::atomic<bool> g_sync_runs_allocate{false};
+// Streams capturing a program (module.cc): a captured op cannot wait for
+// its values, so none learns from a run meanwhile.
+std::atomic<int> g_captures{0};
 
 // Per-signature cache of MetaSpecs: running the meta kernel once per input
 // signature (op, shapes, dtypes, strides, scalar arguments) instead of per op.
@@ -204,7 +213,13 @@ class ForwardedOp {
     std::shared_ptr<const MetaSpec> spec =
         cacheable ? CacheLookup(key) : nullptr;
     const bool new_signature = spec == nullptr;
-    if (new_signature) spec = ComputeSpec(inputs);
+    // Learning waits for the run, so only a signature of an argument class
+    // not yet checked (which waits for its check anyway) learns: a new shape
+    // of a checked class keeps going without a wait.
+    std::string learn_class;
+    const bool learn = new_signature && cacheable && LearnsSpecFromRun() &&
+                       !CheckedClass(inputs, &learn_class);
+    if (new_signature && !learn) spec = ComputeSpec(inputs);
     // A signature goes into the cache once its op was enqueued without an
     // argument error (below): a hit needs no check.
     auto remember = [&] {
@@ -220,12 +235,21 @@ class ForwardedOp {
     const uint32_t id = OpIdFor(schema_);
     tpu::Session& session = GetSession();
     torch::jit::drop(*stack_, n);
-    if (spec->sync) {
+    if (learn || spec->sync) {
       encode_args();
       absl::StatusOr<std::vector<tpu::OpResult>> results = session.RunSync(
           stream_, id, wire.data(), wire.size(), nullptr, 0, flags);
       CheckOp(results.status(), schema_.name().c_str());
-      remember();
+      if (learn) {
+        // Results that make no spec: the meta kernel's, so that the
+        // signature is not run synchronously again.
+        spec = SpecFromResults(*results);
+        if (spec == nullptr) spec = ComputeSpec(inputs);
+        CacheStore(key, spec);
+        if (!learn_class.empty()) MarkChecked(learn_class);
+      } else {
+        remember();
+      }
       PushSyncResults(*results);
       return;
     }
@@ -445,6 +469,120 @@ class ForwardedOp {
     return true;
   }
 
+  // Whether a new signature's output metadata comes from running the op
+  // once, synchronously, rather than from its meta kernel. For an op without
+  // a C++ meta function (FindNativeMeta), the Meta key's kernel is a Python
+  // one, and torch._refs' (elementwise_type_promotion_wrapper's
+  // torch._disable_dynamo) and torch._decomp's import torch._dynamo and
+  // sympy on first use: about a second of CPU in the first process call of
+  // hardtanh, isnan, batch norm, group norm, ... A new signature of such an
+  // op is checked synchronously anyway (RunChecked), so the run that checks
+  // it can say what it returns. That holds for every later call of the
+  // signature only where the results' shapes follow from the signature
+  // (pointwise ops, and the ops named below; not nonzero's) and their
+  // layout too (the daemon hands back contiguous results: contiguous
+  // inputs), and where they are new tensors, not views or arguments.
+  bool LearnsSpecFromRun() const {
+    if (in_place_ || !g_sync_runs_allocate.load(std::memory_order_relaxed) ||
+        g_captures.load() != 0) {
+      return false;
+    }
+    const auto& returns = schema_.returns();
+    if (returns.empty()) return false;
+    for (const c10::Argument& r : returns) {
+      if (r.alias_info() != nullptr ||
+          r.real_type()->kind() != c10::TypeKind::TensorType) {
+        return false;
+      }
+    }
+    if (op_.hasTag(at::Tag::dynamic_output_shape) ||
+        op_.hasTag(at::Tag::data_dependent_output)) {
+      return false;
+    }
+    static const auto* fixed_shapes = new std::unordered_set<std::string>{
+        "aten::_batch_norm_with_update",
+        "aten::_batch_norm_no_update",
+        "aten::native_batch_norm",
+        "aten::_native_batch_norm_legit_no_training",
+        "aten::native_group_norm",
+        "aten::log_sigmoid_forward",
+        "aten::_prelu_kernel",
+        "aten::_prelu_kernel_backward",
+        "aten::native_batch_norm_backward",
+        "aten::native_group_norm_backward",
+        "aten::hardtanh_backward",
+        "aten::mish_backward",
+        "aten::huber_loss",
+        "aten::binary_cross_entropy",
+        "aten::im2col",
+        "aten::col2im",
+        "aten::grid_sampler_2d",
+        "aten::roll",
+        "aten::diag_embed",
+        "aten::flip",
+        "aten::kthvalue",
+        "aten::adaptive_max_pool2d",
+        "aten::searchsorted",
+        "aten::histc",
+        "aten::std_mean",
+        "aten::var_mean",
+        "aten::triu_indices",
+        "aten::tril_indices",
+        "aten::scatter",
+        "aten::multinomial",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+    };
+    if (!op_.hasTag(at::Tag::pointwise) &&
+        fixed_shapes->count(schema_.name()) == 0) {
+      return false;
+    }
+    const std::string& overload = schema_.overload_name();
+    if (FindNativeMeta(overload.empty()
+                           ? schema_.name()
+                           : schema_.name() + "." + overload) != nullptr) {
+      return false;
+    }
+    for (const at::Tensor& t : reals_) {
+      if (!t.is_contiguous()) return false;
+    }
+    return true;
+  }
+
+  // The spec of a signature whose first run returned `results` (see
+  // LearnsSpecFromRun), or null where they do not make one: a result that
+  // is an argument's storage, or of another kind than a tensor.
+  std::shared_ptr<const MetaSpec> SpecFromResults(
+      const std::vector<tpu::OpResult>& results) const {
+    if (results.size() != schema_.returns().size()) return nullptr;
+    auto spec = std::make_shared<MetaSpec>();
+    for (const tpu::OpResult& v : results) {
+      if (v.kind == tpu::OpResult::Kind::kNone) {
+        ReturnSpec undefined;  // output_mask left it out: an undefined tensor
+        undefined.items.emplace_back();
+        spec->returns.push_back(std::move(undefined));
+        continue;
+      }
+      if (v.kind != tpu::OpResult::Kind::kTensor) return nullptr;
+      for (const at::Tensor& real : reals_) {
+        if (v.tensor.address != 0 &&
+            reinterpret_cast<uint64_t>(real.storage().data_ptr().get()) ==
+                v.tensor.address) {
+          return nullptr;
+        }
+      }
+      OutSpec o;
+      o.kind = OutSpec::Kind::kNew;
+      o.sizes.assign(v.tensor.sizes, v.tensor.sizes + v.tensor.ndim);
+      const c10::DimVector strides = c10::contiguous_strides(o.sizes);
+      o.strides.assign(strides.begin(), strides.end());
+      o.dtype = static_cast<at::ScalarType>(v.tensor.dtype);
+      ReturnSpec rs;
+      rs.items.push_back(std::move(o));
+      spec->returns.push_back(std::move(rs));
+    }
+    return spec;
+  }
+
   std::shared_ptr<const MetaSpec> ComputeSpec(
       const std::vector<c10::IValue>& inputs) {
     auto spec = std::make_shared<MetaSpec>();
@@ -462,6 +600,21 @@ class ForwardedOp {
       // Which of offset2bag and max_indices the CPU kernel fills (and how
       // big they are) depends on the mode and fast paths the meta kernel
       // does not model: take the kernel's own results.
+      spec->sync = true;
+      return spec;
+    }
+    // Ops whose result shapes always depend on data: their Python meta
+    // kernels only say so, after importing sympy (0.3 s, once a process).
+    static const auto* data_shaped =
+        new std::unordered_set<std::string>{"aten::nonzero",
+                                            "aten::argwhere",
+                                            "aten::masked_select",
+                                            "aten::_unique",
+                                            "aten::_unique2",
+                                            "aten::unique_dim",
+                                            "aten::unique_consecutive",
+                                            "aten::unique_dim_consecutive"};
+    if (!in_place_ && data_shaped->count(name) != 0) {
       spec->sync = true;
       return spec;
     }
@@ -921,7 +1074,13 @@ class ForwardedOp {
           torch::jit::push(*stack_, c10::complex<double>(v.d, v.d_imag));
           break;
         case tpu::OpResult::Kind::kNone:
-          torch::jit::push(*stack_, c10::IValue());
+          // An undefined tensor (a backward's output_mask left it out) where
+          // the schema says Tensor; None where it says Tensor? or a value.
+          if (t->kind() == c10::TypeKind::TensorType) {
+            torch::jit::push(*stack_, at::Tensor());
+          } else {
+            torch::jit::push(*stack_, c10::IValue());
+          }
           break;
       }
     }
@@ -1014,6 +1173,10 @@ std::optional<c10::OperatorHandle> FunctionalOf(
     base = overload.substr(0, overload.size() - 4);
   } else if (overload == "values_stable") {
     base = "stable";  // sort.values_stable -> sort.stable
+  } else if (overload == "grad_input") {
+    base = "";  // elu_backward.grad_input -> elu_backward
+  } else if (overload.size() > 3 && overload.compare(0, 3, "Out") == 0) {
+    base = overload.substr(3);  // xlogy.OutTensor -> xlogy.Tensor
   } else if (overload == "dim_max" || overload == "dim_min") {
     base = "dim";  // max.dim_max -> max.dim
   } else {
@@ -1113,6 +1276,12 @@ std::optional<c10::OperatorHandle> InPlaceFunctionalOf(
     }
   }
   return f;
+}
+
+void NoteCapture(bool begins) { g_captures.fetch_add(begins ? 1 : -1); }
+
+void SetSyncRunsAllocateResults(bool allocate) {
+  g_sync_runs_allocate.store(allocate);
 }
 
 void NoteStructuredSentWhole(const c10::OperatorName& name) {

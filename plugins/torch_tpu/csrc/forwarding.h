@@ -50,4 +50,14 @@ std::optional<c10::OperatorHandle> InPlaceFunctionalOf(
 void NoteStructuredSentWhole(const c10::OperatorName& name);
 std::vector<c10::OperatorName> StructuredSentWhole();
 
+// Whether tpud's backend allocates the results of a synchronous run (the
+// simulated one; PJRT writes only into outputs the client allocated). Only
+// then may a new signature's first run say its output metadata, in place of
+// a Python meta kernel (ForwardedOp::LearnsSpecFromRun). Set at session open.
+void SetSyncRunsAllocateResults(bool allocate);
+
+// A stream's program capture begins (true) or ends (false): ops captured
+// meanwhile never run synchronously to learn their output metadata.
+void NoteCapture(bool begins);
+
 }  // namespace torch_tpu

@@ -14,6 +14,7 @@
 #include <unordered_map>
 
 #include "allocator.h"
+#include "forwarding.h"
 #include "generator.h"
 #include "registration.h"
 #include "runtime.h"
@@ -101,6 +102,7 @@ void CaptureBegin() {
   if (!st.ok()) ReleaseCaptureHold(EndCaptureHold({}));
   Check(st, "beginning a capture");
   g_capture_stream = stream;
+  NoteCapture(true);
 }
 
 // Ends the capture; the program's handle, or raises why it failed (the
@@ -108,6 +110,7 @@ void CaptureBegin() {
 uint64_t CaptureEnd(const std::string& name,
                     const std::vector<uint64_t>& outputs) {
   const int stream = g_capture_stream;
+  if (stream >= 0) NoteCapture(false);
   g_capture_stream = -1;
   absl::StatusOr<tpu::Program> p = GetSession().EndCapture(stream, name);
   const uint64_t hold = EndCaptureHold(outputs);
@@ -123,6 +126,7 @@ uint64_t CaptureEnd(const std::string& name,
 
 void CaptureAbort() {
   if (g_capture_stream < 0) return;
+  NoteCapture(false);
   (void)GetSession().EndCapture(g_capture_stream, "");
   g_capture_stream = -1;
   ReleaseCaptureHold(EndCaptureHold({}));

@@ -239,6 +239,7 @@ std::vector<std::string> StructuredOpsSentWhole() {
 
 void InstallSendWholeRoutes(const tpu::TopologyInfo& t) {
   ChooseAttentionKernels(t);
+  SetSyncRunsAllocateResults(t.backend != "pjrt");
   if (t.backend != "pjrt") SendForeachOpsWhole();
   const char* whole = std::getenv("TORCH_TPU_STRUCTURED_WHOLE");  // "0": off
   if (whole == nullptr || std::string(whole) != "0") {
