@@ -129,9 +129,9 @@ void AddStructuredMeta(std::unordered_map<std::string, NativeMetaFn>* table) {
   TPU_META(reflection_pad1d);
   TPU_META(replication_pad1d);
   TPU_META(replication_pad2d);
-  // Indexed accumulation.
-  TPU_META(index_add);
-  TPU_META(index_copy);
+  // Indexed accumulation. (Not index_add or index_copy: over meta tensors
+  // their meta functions select index 0 of `dim` for a TensorIterator check,
+  // and refuse an empty source the CPU takes.)
   TPU_META(scatter_add);
 #undef TPU_META
 }
