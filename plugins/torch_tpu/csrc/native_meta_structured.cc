@@ -14,35 +14,24 @@
 
 #include <ATen/ATen.h>
 #include <ATen/MetaFunctions.h>
-#include <ATen/core/boxing/impl/make_boxed_from_unboxed_functor.h>
-#include <c10/util/TypeTraits.h>
 
 #include <type_traits>
 #include <utility>
+
+#include "boxed_call.h"
 
 namespace torch_tpu {
 namespace {
 
 using Stack = torch::jit::Stack;
 
-template <auto F, class... Args, size_t... I>
-void CallFromStack(Stack* s, c10::guts::typelist::typelist<Args...>,
-                   std::index_sequence<I...>) {
-  TORCH_CHECK(s->size() == sizeof...(Args), "tpu: a meta function of ",
-              sizeof...(Args), " arguments was given ", s->size());
-  auto result = (*F)(
-      c10::impl::ivalue_to_arg<std::decay_t<Args>, false>::call((*s)[I])...);
-  s->clear();
-  c10::impl::push_outputs<decltype(result), false>::call(std::move(result), s);
-}
-
-// The boxed form of the unboxed meta function F.
+// The boxed form of the unboxed meta function F: its results replace its
+// arguments.
 template <auto F>
 void Boxed(Stack* s) {
-  using Traits =
-      c10::guts::infer_function_traits_t<std::remove_pointer_t<decltype(F)>>;
-  CallFromStack<F>(s, typename Traits::parameter_types{},
-                   std::make_index_sequence<Traits::number_of_parameters>());
+  auto result = CallWithStackArguments<F>(s);
+  s->clear();
+  c10::impl::push_outputs<decltype(result), false>::call(std::move(result), s);
 }
 
 }  // namespace

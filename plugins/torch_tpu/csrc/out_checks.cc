@@ -5,9 +5,10 @@
 #include <ATen/MetaFunctions.h>
 #include <c10/util/Exception.h>
 
-#include <optional>
 #include <string>
 #include <unordered_map>
+
+#include "boxed_call.h"
 
 namespace torch_tpu {
 namespace {
@@ -21,9 +22,6 @@ at::Tensor& T(Stack& s, size_t i) {
 }
 int64_t I(const Stack& s, size_t i) { return s[i].toInt(); }
 bool B(const Stack& s, size_t i) { return s[i].toBool(); }
-std::optional<int64_t> OptI(const Stack& s, size_t i) {
-  return s[i].toOptional<int64_t>();
-}
 
 // A device tensor as a meta one of the same dtype, shape and strides; a CPU
 // 0-dim tensor (a scalar operand) too. Other host values stay.
@@ -42,6 +40,13 @@ c10::IValue MetaOf(const c10::IValue& v) {
   return v;
 }
 
+// ATen's checks of an out= op whose meta function takes the schema's
+// arguments in order (the *_outf form).
+template <auto F>
+void Check(Stack& s) {
+  CallWithStackArguments<F>(&s);
+}
+
 // The meta functions resize a misshapen out= stand-in and warn that they
 // did; the real op warns once, later, for the real tensor.
 class Quiet : public c10::WarningHandler {
@@ -52,12 +57,9 @@ class Quiet : public c10::WarningHandler {
 const std::unordered_map<std::string, OutCheck>& Table() {
   static const auto* table = new std::unordered_map<std::string, OutCheck>{
       // Iterator ops whose out= tensor must be bool.
-      {"aten::isposinf.out",
-       [](Stack& s) { at::meta::isposinf_out(T(s, 1), T(s, 0)); }},
-      {"aten::isneginf.out",
-       [](Stack& s) { at::meta::isneginf_out(T(s, 1), T(s, 0)); }},
-      {"aten::signbit.out",
-       [](Stack& s) { at::meta::signbit_out(T(s, 1), T(s, 0)); }},
+      {"aten::isposinf.out", &Check<&at::meta::isposinf_outf>},
+      {"aten::isneginf.out", &Check<&at::meta::isneginf_outf>},
+      {"aten::signbit.out", &Check<&at::meta::signbit_outf>},
       // frexp's kernel checks its outputs before it computes.
       {"aten::frexp.Tensor_out",
        [](Stack& s) {
@@ -74,65 +76,26 @@ const std::unordered_map<std::string, OutCheck>& Table() {
        }},
       // cat's out= tensor takes what the inputs' common dtype casts to (a
       // TypeError otherwise), on the inputs' device.
-      {"aten::cat.out",
-       [](Stack& s) {
-         at::meta::cat_out(T(s, 2), s[0].toTensorVector(), I(s, 1));
-       }},
+      {"aten::cat.out", &Check<&at::meta::cat_outf>},
       // Matrix products: out= of the result's dtype.
-      {"aten::mm.out",
-       [](Stack& s) { at::meta::mm_out(T(s, 2), T(s, 0), T(s, 1)); }},
-      {"aten::bmm.out",
-       [](Stack& s) { at::meta::bmm_out(T(s, 2), T(s, 0), T(s, 1)); }},
-      {"aten::addmm.out",
-       [](Stack& s) {
-         at::meta::addmm_out(T(s, 5), T(s, 0), T(s, 1), T(s, 2),
-                             s[3].toScalar(), s[4].toScalar());
-       }},
-      {"aten::baddbmm.out",
-       [](Stack& s) {
-         at::meta::baddbmm_out(T(s, 5), T(s, 0), T(s, 1), T(s, 2),
-                               s[3].toScalar(), s[4].toScalar());
-       }},
-      {"aten::addmv.out",
-       [](Stack& s) {
-         at::meta::addmv_out(T(s, 5), T(s, 0), T(s, 1), T(s, 2),
-                             s[3].toScalar(), s[4].toScalar());
-       }},
-      // Values and their indices: indices are int64.
+      {"aten::mm.out", &Check<&at::meta::mm_outf>},
+      {"aten::bmm.out", &Check<&at::meta::bmm_outf>},
+      {"aten::addmm.out", &Check<&at::meta::addmm_outf>},
+      {"aten::baddbmm.out", &Check<&at::meta::baddbmm_outf>},
+      {"aten::addmv.out", &Check<&at::meta::addmv_outf>},
+      // Values and their indices: indices are int64. (sort.values has no
+      // `stable` argument; the meta function does.)
       {"aten::sort.values",
        [](Stack& s) {
          at::meta::sort_out(T(s, 3), T(s, 4), T(s, 0), false, I(s, 1), B(s, 2));
        }},
-      {"aten::sort.values_stable",
-       [](Stack& s) {
-         at::meta::sort_out(T(s, 4), T(s, 5), T(s, 0), s[1].toOptional<bool>(),
-                            I(s, 2), B(s, 3));
-       }},
-      {"aten::topk.values",
-       [](Stack& s) {
-         at::meta::topk_out(T(s, 5), T(s, 6), T(s, 0), I(s, 1), I(s, 2),
-                            B(s, 3), B(s, 4));
-       }},
-      {"aten::max.dim_max",
-       [](Stack& s) {
-         at::meta::max_out(T(s, 3), T(s, 4), T(s, 0), I(s, 1), B(s, 2));
-       }},
-      {"aten::min.dim_min",
-       [](Stack& s) {
-         at::meta::min_out(T(s, 3), T(s, 4), T(s, 0), I(s, 1), B(s, 2));
-       }},
-      {"aten::argmax.out",
-       [](Stack& s) {
-         at::meta::argmax_out(T(s, 3), T(s, 0), OptI(s, 1), B(s, 2));
-       }},
-      {"aten::argmin.out",
-       [](Stack& s) {
-         at::meta::argmin_out(T(s, 3), T(s, 0), OptI(s, 1), B(s, 2));
-       }},
-      {"aten::aminmax.out",
-       [](Stack& s) {
-         at::meta::aminmax_out(T(s, 3), T(s, 4), T(s, 0), OptI(s, 1), B(s, 2));
-       }},
+      {"aten::sort.values_stable", &Check<&at::meta::sort_outf>},
+      {"aten::topk.values", &Check<&at::meta::topk_outf>},
+      {"aten::max.dim_max", &Check<&at::meta::max_outf>},
+      {"aten::min.dim_min", &Check<&at::meta::min_outf>},
+      {"aten::argmax.out", &Check<&at::meta::argmax_outf>},
+      {"aten::argmin.out", &Check<&at::meta::argmin_outf>},
+      {"aten::aminmax.out", &Check<&at::meta::aminmax_outf>},
   };
   return *table;
 }
