@@ -259,6 +259,12 @@ absl::StatusOr<CreatedAllocation> RuntimeCore::CreateAllocation(
   a.created = absl::Now();
   CreatedAllocation created{a.id, a.token};
   allocations_[a.token] = std::move(a);
+  if (absl::Status st = SaveAllocationsLocked(); !st.ok()) {
+    allocations_.erase(created.token);
+    --next_allocation_id_;
+    return absl::UnavailableError(
+        absl::StrCat("the allocation was not made: ", st.message()));
+  }
   return created;
 }
 
@@ -269,7 +275,72 @@ absl::Status RuntimeCore::ReleaseAllocation(absl::string_view token) {
     return absl::NotFoundError(
         "no allocation has this token (already released?)");
   }
+  Allocation released = std::move(it->second);
   allocations_.erase(it);
+  if (absl::Status st = SaveAllocationsLocked(); !st.ok()) {
+    allocations_[released.token] = std::move(released);
+    return absl::UnavailableError(
+        absl::StrCat("the allocation was not released: ", st.message()));
+  }
+  return absl::OkStatus();
+}
+
+AllocationState RuntimeCore::AllocationStateLocked() const {
+  AllocationState state;
+  state.topology = topology_.name();
+  state.num_chips = static_cast<int>(chips_.size());
+  state.next_id = next_allocation_id_;
+  for (const auto& [token, a] : allocations_) state.allocations.push_back(a);
+  std::sort(
+      state.allocations.begin(), state.allocations.end(),
+      [](const Allocation& x, const Allocation& y) { return x.id < y.id; });
+  return state;
+}
+
+absl::Status RuntimeCore::SaveAllocationsLocked() const {
+  if (!allocation_saver_) return absl::OkStatus();
+  return allocation_saver_(AllocationStateLocked());
+}
+
+absl::Status RuntimeCore::SetAllocationSaver(AllocationSaver saver) {
+  absl::MutexLock lock(&mu_);
+  if (absl::Status st = saver(AllocationStateLocked()); !st.ok()) return st;
+  allocation_saver_ = std::move(saver);
+  return absl::OkStatus();
+}
+
+absl::Status RuntimeCore::RestoreAllocations(const AllocationState& state) {
+  absl::MutexLock lock(&mu_);
+  if (!allocations_.empty()) {
+    return absl::FailedPreconditionError(
+        "allocations are restored only before any is made");
+  }
+  absl::flat_hash_map<std::string, Allocation> restored;
+  absl::flat_hash_map<uint64_t, bool> ids;
+  uint64_t next_id = state.next_id;
+  for (const AllocationRecord& a : state.allocations) {
+    if (a.chips.empty() || a.chips.size() != a.quota_bytes.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "allocation ", a.id, " has no chips or no quota per chip"));
+    }
+    std::vector<bool> seen(chips_.size(), false);
+    for (int chip : a.chips) {
+      if (absl::Status st = CheckChipLocked(chip); !st.ok()) return st;
+      if (seen[chip]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("allocation ", a.id, " lists chip ", chip, " twice"));
+      }
+      seen[chip] = true;
+    }
+    if (a.token.empty() || !restored.emplace(a.token, a).second ||
+        !ids.emplace(a.id, true).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "allocation ", a.id, " repeats another's id or token, or has none"));
+    }
+    next_id = std::max(next_id, a.id + 1);
+  }
+  allocations_ = std::move(restored);
+  next_allocation_id_ = std::max<uint64_t>(next_id, 1);
   return absl::OkStatus();
 }
 

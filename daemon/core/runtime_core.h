@@ -24,6 +24,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/core/allocation_state.h"
 #include "daemon/core/shared_regions.h"
 #include "daemon/hbm/hbm_allocator.h"
 #include "daemon/hbm/hbm_arena.h"
@@ -221,6 +222,19 @@ class RuntimeCore {
   absl::Status ReleaseAllocation(absl::string_view token)
       ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<AllocationSnapshot> Allocations() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Allocations kept across restarts (--allocation_state). Restore takes a
+  // saved state whole or not at all: chips must exist on this host, ids and
+  // tokens be distinct (INVALID_ARGUMENT otherwise, nothing applied). Call
+  // it before any allocation is made.
+  absl::Status RestoreAllocations(const AllocationState& state)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Called, under the core's lock, with the whole state now (its error is
+  // returned, and the saver not kept) and after every create and release;
+  // when it fails then, the change is undone and its error returned (the
+  // caller never holds a token that a restart would forget).
+  using AllocationSaver = std::function<absl::Status(const AllocationState&)>;
+  absl::Status SetAllocationSaver(AllocationSaver saver)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Ends the session and frees all of its HBM; returns the bytes reclaimed.
   absl::StatusOr<uint64_t> CloseSession(ConnectionId caller,
@@ -282,14 +296,11 @@ class RuntimeCore {
     bool drained = false;
     explicit Chip(uint64_t capacity) : allocator(capacity) {}
   };
-  struct Allocation {
-    uint64_t id = 0;
-    std::string token;
-    std::string name;
-    std::vector<int> chips;
-    std::vector<uint64_t> quota_bytes;  // per entry of `chips`
-    absl::Time created;
-  };
+  using Allocation = AllocationRecord;
+  // The saved form of allocations_, and saving it (OK without a saver).
+  AllocationState AllocationStateLocked() const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status SaveAllocationsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct Session {
     uint64_t id = 0;
     uint64_t allocation_id = 0;
@@ -368,6 +379,7 @@ class RuntimeCore {
   absl::flat_hash_map<uint64_t, AllocationUsage> allocation_usage_
       ABSL_GUARDED_BY(mu_);
   uint64_t next_allocation_id_ ABSL_GUARDED_BY(mu_) = 1;
+  AllocationSaver allocation_saver_ ABSL_GUARDED_BY(mu_);
   SessionCounts counts_ ABSL_GUARDED_BY(mu_);
   uint64_t default_quota_ ABSL_GUARDED_BY(mu_) = 0;
   const uint32_t max_sessions_per_uid_;

@@ -61,6 +61,13 @@ absl::StatusOr<TpudConfig> ConfigFromFlags(const TpudFlags& flags) {
   config.log_level = log_level;
   config.session_quota_bytes = *quota;
   config.metrics_address = std::move(metrics_address);
+  if (!flags.allocation_state.empty() && flags.allocation_state[0] != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--allocation_state=", flags.allocation_state,
+                     ": give an absolute path (e.g. "
+                     "/var/lib/tpud/allocations.state)"));
+  }
+  config.allocation_state_path = flags.allocation_state;
 
   if (flags.backend == "pjrt") {
     config.backend = BackendKind::kPjrt;

@@ -60,7 +60,8 @@ struct TpudFlags {
   int pjrt_program_cache = 4096;
   bool pjrt_graphs = true;
 
-  std::string metrics_address;  // empty: no metrics endpoint
+  std::string metrics_address;   // empty: no metrics endpoint
+  std::string allocation_state;  // empty: allocations are not kept
 };
 
 enum class BackendKind { kSimulated, kPjrt };
@@ -131,6 +132,9 @@ struct TpudConfig {
   absl::Duration handshake_timeout = absl::Seconds(5);
 
   std::optional<MetricsAddress> metrics_address;
+
+  // The device plugin's allocations, kept across restarts; empty: not kept.
+  std::string allocation_state_path;
 };
 
 // Checks `flags` one by one, in the order tpud has always checked them, and

@@ -20,8 +20,10 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/core/allocation_state.h"
 #include "daemon/core/runtime_core.h"
 #include "daemon/service/backend_choice.h"
 #include "daemon/service/config.h"
@@ -141,6 +143,11 @@ ABSL_FLAG(std::string, metrics_address, tpud::TpudFlags().metrics_address,
           "serve Prometheus metrics (GET /metrics) on this loopback HOST:PORT "
           "(127.0.0.1:9464) or unix socket path; empty: no metrics endpoint");
 
+ABSL_FLAG(std::string, allocation_state, tpud::TpudFlags().allocation_state,
+          "keep the device plugin's allocations (tokens, chips, HBM quotas) "
+          "in this file, so that a restarted tpud honours the tokens its pods "
+          "hold; empty: allocations end with tpud");
+
 namespace tpud {
 namespace {
 
@@ -185,6 +192,7 @@ TpudFlags FlagsFromCommandLine() {
   f.pjrt_program_cache = absl::GetFlag(FLAGS_pjrt_program_cache);
   f.pjrt_graphs = absl::GetFlag(FLAGS_pjrt_graphs);
   f.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  f.allocation_state = absl::GetFlag(FLAGS_allocation_state);
   return f;
 }
 
@@ -218,6 +226,41 @@ sigset_t BlockShutdownSignals() {
   return signals;
 }
 
+// Loads the allocations saved at `path` (if any) into `core` and saves every
+// change from now on. A file that cannot be read or is not a state file for
+// this host stops tpud: starting without its allocations would refuse every
+// pod's token.
+absl::Status KeepAllocations(const std::string& path, RuntimeCore* core) {
+  if (path.empty()) return absl::OkStatus();
+  const std::string aside = absl::StrCat(
+      " (tpud did not start: the pods of this host hold tokens from it. To "
+      "start without them, move the file aside; pods holding its tokens must "
+      "then be restarted)");
+  absl::StatusOr<std::optional<std::string>> text = ReadStateFile(path);
+  if (!text.ok())
+    return absl::FailedPreconditionError(
+        absl::StrCat(text.status().message(), aside));
+  if (text->has_value()) {
+    const Topology& t = core->topology();
+    absl::StatusOr<AllocationState> state =
+        DecodeAllocationState(**text, path, t.name(), t.num_chips());
+    if (!state.ok())
+      return absl::FailedPreconditionError(
+          absl::StrCat(state.status().message(), aside));
+    if (absl::Status st = core->RestoreAllocations(*state); !st.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(path, ": ", st.message(), aside));
+    }
+    spdlog::info("{}: {} allocations restored", path,
+                 state->allocations.size());
+  }
+  // Saved once now, so that a path tpud cannot write fails here, not at the
+  // first allocation.
+  return core->SetAllocationSaver([path](const AllocationState& state) {
+    return WriteStateFileAtomically(path, EncodeAllocationState(state));
+  });
+}
+
 int Run() {
   absl::StatusOr<TpudConfig> config = ConfigFromFlags(FlagsFromCommandLine());
   if (!config.ok()) return Fail(config.status());
@@ -233,6 +276,11 @@ int Run() {
   absl::StatusOr<std::unique_ptr<RuntimeCore>> core =
       RuntimeCore::Create(backend->topology, options);
   if (!core.ok()) return Fail(core.status());
+  if (absl::Status st =
+          KeepAllocations(config->allocation_state_path, core->get());
+      !st.ok()) {
+    return Fail(st);
+  }
 
   // Executor processes run every op; their zygote is forked now, before
   // this process has threads.
@@ -270,7 +318,19 @@ int Run() {
                sig == SIGTERM ? "SIGTERM" : "SIGINT");
   sd_notify(0, "STOPPING=1");
   (*servers)->Stop();
-  spdlog::info("tpud stopped; sockets removed");
+  // Sessions were told (the data plane answered their waits with "tpud is
+  // shutting down"); their HBM goes back to the chips before tpud exits, so
+  // the log says what was reclaimed.
+  ReclaimResult reclaimed;
+  for (const SessionSnapshot& s : (*core)->Sessions()) {
+    const ReclaimResult r = (*core)->EndSession(s.id);
+    reclaimed.sessions += r.sessions;
+    reclaimed.bytes += r.bytes;
+  }
+  spdlog::info(
+      "tpud stopped; sockets removed; {} sessions ended, {} of HBM "
+      "reclaimed",
+      reclaimed.sessions, tpu::FormatBytes(reclaimed.bytes));
   return 0;
 }
 

@@ -19,6 +19,7 @@ DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 
 # Every flag tpud documents; the example flagfile must show each exactly once.
 DOCUMENTED_FLAGS = {
+    "allocation_state",
     "op_timeout",
     "max_connections_per_uid",
     "max_sessions_per_uid",
@@ -396,6 +397,7 @@ def test_tpud_accepts_the_example_flagfile(tmp_path):
         [bazel_bin("daemon/tpud"), f"--flagfile={FLAGFILE}", f"--socket={sock}",
          f"--admin_socket={tmp_path / 'admin.sock'}", "--socket_group=root",
          f"--metrics_address={tmp_path / 'metrics.sock'}",
+         f"--allocation_state={tmp_path / 'state' / 'allocations.state'}",
          "--hbm_bytes=1MiB"], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 10
