@@ -207,6 +207,93 @@ TEST_CASE("pod UIDs come from cgroup paths of both cgroup drivers") {
   CHECK(PodUidFromCgroup("").empty());
 }
 
+// Whole /proc/PID/cgroup files of a container's process, as each layout
+// kubelet makes gives them: cgroup v1 (one line per hierarchy) and v2 (one
+// line), under kubelet's cgroupfs and systemd drivers, for each QoS class
+// (Guaranteed pods have no QoS level), with containerd, CRI-O and Docker
+// scopes, and as tpud sees them from its own cgroup namespace.
+TEST_CASE("pod UIDs come from real node layouts of cgroup v1 and v2") {
+  const std::string uid = "3f1e2d4c-5b6a-4c7d-8e9f-0a1b2c3d4e5f";
+  const std::string under = "3f1e2d4c_5b6a_4c7d_8e9f_0a1b2c3d4e5f";
+  const std::string cid =
+      "8a7c5e3b1f9d2c4a6e8b0d2f4a6c8e0b2d4f6a8c0e2b4d6f8a0c2e4b6d8f0a2c";
+  // cgroup v1, every controller's line.
+  auto v1 = [](const std::string& path) {
+    std::string out;
+    const char* controllers[] = {
+        "12:perf_event", "11:hugetlb",    "10:pids",   "9:net_cls,net_prio",
+        "8:cpuset",      "7:memory",      "6:freezer", "5:blkio",
+        "4:devices",     "3:cpu,cpuacct", "2:rdma"};
+    for (const char* c : controllers) out += std::string(c) + ":" + path + "\n";
+    out += "1:name=systemd:" + path + "\n0::/\n";
+    return out;
+  };
+  struct Fixture {
+    std::string layout;
+    std::string text;
+  };
+  const std::vector<Fixture> fixtures = {
+      {"v1 cgroupfs burstable (containerd)",
+       v1("/kubepods/burstable/pod" + uid + "/" + cid)},
+      {"v1 cgroupfs besteffort (docker)",
+       v1("/kubepods/besteffort/pod" + uid + "/" + cid)},
+      {"v1 cgroupfs guaranteed", v1("/kubepods/pod" + uid + "/" + cid)},
+      {"v1 systemd burstable (containerd)",
+       v1("/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod" +
+          under + ".slice/cri-containerd-" + cid + ".scope")},
+      {"v1 systemd guaranteed (CRI-O)",
+       v1("/kubepods.slice/kubepods-pod" + under + ".slice/crio-" + cid +
+          ".scope")},
+      {"v1 systemd besteffort (docker)",
+       v1("/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod" +
+          under + ".slice/docker-" + cid + ".scope")},
+      {"v2 cgroupfs burstable",
+       "0::/kubepods/burstable/pod" + uid + "/" + cid + "\n"},
+      {"v2 cgroupfs guaranteed", "0::/kubepods/pod" + uid + "/" + cid + "\n"},
+      {"v2 systemd besteffort (containerd)",
+       "0::/kubepods.slice/kubepods-besteffort.slice/"
+       "kubepods-besteffort-pod" +
+           under + ".slice/cri-containerd-" + cid + ".scope\n"},
+      {"v2 systemd guaranteed (CRI-O)", "0::/kubepods.slice/kubepods-pod" +
+                                            under + ".slice/crio-" + cid +
+                                            ".scope\n"},
+      // tpud in a container of its own cgroup namespace sees other pods'
+      // paths relative to its root.
+      {"v2 systemd, seen from tpud's cgroup namespace",
+       "0::/../../kubepods-burstable.slice/kubepods-burstable-pod" + under +
+           ".slice/cri-containerd-" + cid + ".scope\n"},
+      // kind and other nested nodes put kubelet's tree under a slice.
+      {"v2 systemd under kubelet.slice (kind)",
+       "0::/kubelet.slice/kubelet-kubepods.slice/"
+       "kubelet-kubepods-besteffort.slice/kubelet-kubepods-besteffort-pod" +
+           under + ".slice/cri-containerd-" + cid + ".scope\n"},
+      // A process the runtime placed in the pod's cgroup itself (the sandbox).
+      {"v2 systemd, the pod's own slice",
+       "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod" +
+           under + ".slice\n"},
+  };
+  for (const Fixture& f : fixtures) {
+    INFO(f.layout << ":\n" << f.text);
+    CHECK(PodUidFromCgroup(f.text) == uid);
+  }
+  // Processes outside any pod, on the same layouts.
+  const std::vector<Fixture> outside = {
+      {"v1 systemd service", v1("/system.slice/tpud.service")},
+      {"v1 user session", v1("/user.slice/user-1000.slice/session-3.scope")},
+      {"v2 systemd service", "0::/system.slice/containerd.service\n"},
+      {"v2 kubepods slice itself", "0::/kubepods.slice\n"},
+      {"v2 QoS slice, no pod",
+       "0::/kubepods.slice/kubepods-besteffort.slice\n"},
+      {"v2 cgroupfs, a truncated uid",
+       "0::/kubepods/burstable/pod3f1e2d4c-5b6a-4c7d-8e9f\n"},
+      {"v2 root", "0::/\n"},
+  };
+  for (const Fixture& f : outside) {
+    INFO(f.layout << ":\n" << f.text);
+    CHECK(PodUidFromCgroup(f.text).empty());
+  }
+}
+
 TEST_CASE(
     "metric families follow Prometheus conventions and carry tpud's figures") {
   MetricsInputs in;
