@@ -101,6 +101,11 @@ std::vector<bool> TpuResource::Health(
   return out;
 }
 
+int TpuResource::ChipOf(const std::string& id) const {
+  auto it = index_.find(id);
+  return it == index_.end() ? -1 : devices_[it->second].chip;
+}
+
 absl::StatusOr<const Device*> TpuResource::Find(const std::string& id) const {
   auto it = index_.find(id);
   if (it == index_.end()) {

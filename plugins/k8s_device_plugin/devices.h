@@ -73,6 +73,9 @@ class TpuResource {
   bool whole_chips() const { return shares_per_chip_ == 0; }
   uint64_t share_quota_bytes() const { return share_quota_bytes_; }
 
+  // The chip of device `id`; -1 when it is not one of this resource's.
+  int ChipOf(const std::string& id) const;
+
   // Whether each device (in devices() order) is healthy, given the chips'
   // states (indexed by chip id; a chip past the end counts as unhealthy).
   std::vector<bool> Health(const std::vector<ChipState>& chips) const;

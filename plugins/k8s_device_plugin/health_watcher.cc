@@ -54,6 +54,12 @@ ChipHealthWatcher::Snapshot ChipHealthWatcher::WaitForChange(
   return current_;
 }
 
+void ChipHealthWatcher::Notify() {
+  absl::MutexLock lock(&mu_);
+  ++current_.version;
+  cv_.SignalAll();
+}
+
 void ChipHealthWatcher::PollOnce() {
   absl::StatusOr<std::vector<ChipState>> polled = poll_();
   std::vector<ChipState> chips;

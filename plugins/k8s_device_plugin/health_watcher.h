@@ -45,6 +45,9 @@ class ChipHealthWatcher {
 
   // Polls once (for the loop and for tests).
   void PollOnce() ABSL_LOCKS_EXCLUDED(mu_);
+  // Wakes every WaitForChange (a new version, the same states): something
+  // else the device lists depend on changed (ChipClaims).
+  void Notify() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   const int num_chips_;

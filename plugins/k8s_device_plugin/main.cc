@@ -9,6 +9,7 @@
 // Allocate asks tpud (--admin_socket) for an allocation with the devices'
 // chips and HBM quotas and hands the container its token (TPUD_TOKEN): tpud
 // holds every session that presents it to those chips and quotas.
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <sys/inotify.h>
@@ -18,8 +19,11 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -29,9 +33,11 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "plugins/k8s_device_plugin/chip_claims.h"
 #include "plugins/k8s_device_plugin/devices.h"
 #include "plugins/k8s_device_plugin/health_watcher.h"
 #include "plugins/k8s_device_plugin/plugin_server.h"
+#include "plugins/k8s_device_plugin/podresources.grpc.pb.h"
 #include "plugins/k8s_device_plugin/tpud_admin.h"
 #include "tpu/units.h"
 
@@ -58,6 +64,16 @@ ABSL_FLAG(absl::Duration, health_interval, absl::Seconds(1),
 ABSL_FLAG(absl::Duration, kubelet_check_interval, absl::Milliseconds(500),
           "how often kubelet.sock and this plugin's sockets are checked "
           "(kubelet restarts)");
+ABSL_FLAG(std::string, pod_resources_socket,
+          "/var/lib/kubelet/pod-resources/kubelet.sock",
+          "the kubelet's pod-resources API: which pods hold which devices (a "
+          "chip held whole is not offered as shares and the other way round; "
+          "allocations of pods that are gone are released); empty: not used");
+ABSL_FLAG(absl::Duration, pod_resources_interval, absl::Seconds(2),
+          "how often the kubelet's pod-resources API is read");
+ABSL_FLAG(absl::Duration, release_grace, absl::Seconds(30),
+          "an allocation is released when the kubelet has listed no pod "
+          "holding its devices for this long after it was made");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn or error");
 
 namespace tpud::k8s {
@@ -105,6 +121,96 @@ class KubeletSocketWatch {
 
  private:
   int fd_ = -1;
+};
+
+// Reads the kubelet's pod-resources API every interval: the chips each of
+// this plugin's resources has on live pods (ChipClaims' kubelet view), and
+// the allocations whose pods are gone (released).
+class PodResourcesPoller {
+ public:
+  PodResourcesPoller(std::string socket, absl::Duration interval,
+                     absl::Duration grace, ChipClaims* claims,
+                     std::vector<DevicePluginServer*> servers)
+      : socket_(std::move(socket)),
+        interval_(interval),
+        grace_(grace),
+        claims_(claims),
+        servers_(std::move(servers)) {}
+  ~PodResourcesPoller() { Stop(); }
+
+  void Start() {
+    thread_ = std::thread([this] {
+      while (!g_stop && !stop_) {
+        PollOnce();
+        const absl::Time next = absl::Now() + interval_;
+        while (!g_stop && !stop_ && absl::Now() < next)
+          absl::SleepFor(absl::Milliseconds(50));
+      }
+    });
+  }
+  void Stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void PollOnce() {
+    if (stub_ == nullptr) {
+      stub_ = v1::PodResourcesLister::NewStub(grpc::CreateChannel(
+          absl::StrCat("unix:", socket_), grpc::InsecureChannelCredentials()));
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(5));
+    v1::ListPodResourcesResponse resp;
+    grpc::Status st = stub_->List(&ctx, v1::ListPodResourcesRequest(), &resp);
+    if (!st.ok()) {
+      // Nothing is released on a failed read: the kubelet may be restarting.
+      if (!warned_) {
+        spdlog::warn(
+            "the kubelet's pod-resources API at {} does not answer ({}); "
+            "allocations end only when their devices are given again",
+            socket_, st.error_message());
+      }
+      warned_ = true;
+      stub_.reset();
+      return;
+    }
+    if (warned_) spdlog::info("the kubelet's pod-resources API answers again");
+    warned_ = false;
+    std::map<std::string, std::set<std::string>> held;  // resource -> ids
+    for (const v1::PodResources& pod : resp.pod_resources()) {
+      for (const v1::ContainerResources& c : pod.containers()) {
+        for (const v1::ContainerDevices& d : c.devices()) {
+          held[d.resource_name()].insert(d.device_ids().begin(),
+                                         d.device_ids().end());
+        }
+      }
+    }
+    std::map<std::string, std::set<int>> view;
+    for (DevicePluginServer* s : servers_) {
+      const TpuResource& r = s->resource();
+      std::set<int>& chips = view[r.resource_name()];
+      for (const std::string& id : held[r.resource_name()]) {
+        const int chip = r.ChipOf(id);
+        if (chip >= 0) chips.insert(chip);
+      }
+    }
+    claims_->SetKubeletView(std::move(view));
+    for (DevicePluginServer* s : servers_) {
+      s->ReleaseGone(held[s->resource().resource_name()], grace_);
+    }
+  }
+
+  const std::string socket_;
+  const absl::Duration interval_;
+  const absl::Duration grace_;
+  ChipClaims* const claims_;
+  const std::vector<DevicePluginServer*> servers_;
+  std::unique_ptr<v1::PodResourcesLister::Stub> stub_;
+  bool warned_ = false;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
 };
 
 int Fail(const std::string& message) {
@@ -200,6 +306,8 @@ int Run() {
       },
       absl::GetFlag(FLAGS_health_interval));
   health.Start();
+  // Both resources' servers share one view of which chips each holds.
+  ChipClaims claims(num_chips, [&health] { health.Notify(); });
 
   PluginOptions options;
   options.device_plugin_dir = absl::GetFlag(FLAGS_device_plugin_dir);
@@ -207,8 +315,18 @@ int Run() {
   options.host_tpud_socket_dir = absl::GetFlag(FLAGS_host_tpud_socket_dir);
   std::vector<std::unique_ptr<DevicePluginServer>> servers;
   for (const auto& r : resources) {
-    servers.push_back(
-        std::make_unique<DevicePluginServer>(r.get(), &health, &tpud, options));
+    servers.push_back(std::make_unique<DevicePluginServer>(
+        r.get(), &health, &claims, &tpud, options));
+  }
+  std::unique_ptr<PodResourcesPoller> pod_resources;
+  if (!absl::GetFlag(FLAGS_pod_resources_socket).empty()) {
+    std::vector<DevicePluginServer*> raw;
+    for (auto& s : servers) raw.push_back(s.get());
+    pod_resources = std::make_unique<PodResourcesPoller>(
+        absl::GetFlag(FLAGS_pod_resources_socket),
+        absl::GetFlag(FLAGS_pod_resources_interval),
+        absl::GetFlag(FLAGS_release_grace), &claims, std::move(raw));
+    pod_resources->Start();
   }
 
   // The main loop: (re)start servers whose socket is gone, and register
@@ -255,6 +373,7 @@ int Run() {
       absl::SleepFor(absl::Milliseconds(50));
   }
   spdlog::info("stopping");
+  if (pod_resources != nullptr) pod_resources->Stop();
   for (auto& s : servers) s->Stop();
   health.Stop();
   return 0;

@@ -33,9 +33,11 @@ ino_t InodeOf(const std::string& path) {
 
 DevicePluginServer::DevicePluginServer(const TpuResource* resource,
                                        const ChipHealthWatcher* health,
-                                       TpudAdmin* tpud, PluginOptions options)
+                                       ChipClaims* claims, TpudAdmin* tpud,
+                                       PluginOptions options)
     : resource_(resource),
       health_(health),
+      claims_(claims),
       tpud_(tpud),
       options_(std::move(options)) {}
 
@@ -119,10 +121,16 @@ v1beta1::ListAndWatchResponse DevicePluginServer::DeviceList(
     const std::vector<ChipState>& chips) const {
   v1beta1::ListAndWatchResponse resp;
   const std::vector<bool> healthy = resource_->Health(chips);
+  // A chip the other resource holds is not offered (ChipClaims).
+  const std::vector<bool> taken =
+      claims_->HeldByOthers(resource_->resource_name());
   for (size_t i = 0; i < resource_->devices().size(); ++i) {
+    const Device& dev = resource_->devices()[i];
+    const bool free =
+        dev.chip < static_cast<int>(taken.size()) && !taken[dev.chip];
     v1beta1::Device* d = resp.add_devices();
-    d->set_id(resource_->devices()[i].id);
-    d->set_health(healthy[i] ? "Healthy" : "Unhealthy");
+    d->set_id(dev.id);
+    d->set_health(healthy[i] && free ? "Healthy" : "Unhealthy");
   }
   return resp;
 }
@@ -196,31 +204,31 @@ grpc::Status DevicePluginServer::Allocate(grpc::ServerContext*,
       const std::string& token = *superseded.begin();
       size_t held = 0;
       for (const auto& [id, t] : token_of_device_) held += t == token ? 1 : 0;
-      auto alloc = allocation_id_of_token_.find(token);
-      if (held == wanted.size() && alloc != allocation_id_of_token_.end())
+      auto alloc = allocation_of_token_.find(token);
+      if (held == wanted.size() && alloc != allocation_of_token_.end())
         reuse = token;
     }
     if (!reuse.empty()) {
-      AnswerContainer(plans[i], reuse, allocation_id_of_token_[reuse],
+      AnswerContainer(plans[i], reuse, allocation_of_token_[reuse].id,
                       resp->add_container_responses());
       continue;
     }
-    for (const std::string& token : superseded) {
-      allocation_id_of_token_.erase(token);
-      absl::Status st = tpud_->ReleaseAllocation(token);
-      if (!st.ok() && st.code() != absl::StatusCode::kNotFound) {
-        spdlog::warn("{}: releasing an earlier allocation failed: {}",
-                     resource_->resource_name(), st.ToString());
-      }
-      for (auto it = token_of_device_.begin(); it != token_of_device_.end();) {
-        it = it->second == token ? token_of_device_.erase(it) : std::next(it);
-      }
-    }
+    // The chips, claimed before anything else changes: a chip the other
+    // resource holds refuses the container here.
     const std::string name = absl::StrCat(resource_->resource_name(), ": ",
                                           absl::StrJoin(ids[i], ","));
+    if (absl::Status st =
+            claims_->Claim(name, resource_->resource_name(), plans[i].chips);
+        !st.ok()) {
+      spdlog::warn("{}: refused {}: {}", resource_->resource_name(),
+                   absl::StrJoin(ids[i], ","), std::string(st.message()));
+      return ToGrpcStatus(st);
+    }
+    for (const std::string& token : superseded) ReleaseLocked(token);
     absl::StatusOr<tpu::CreatedAllocation> created =
         tpud_->CreateAllocation(plans[i].chips, plans[i].quota_bytes, name);
     if (!created.ok()) {
+      claims_->Drop(name);
       return ToGrpcStatus(absl::Status(
           created.status().code(),
           absl::StrCat(
@@ -228,7 +236,7 @@ grpc::Status DevicePluginServer::Allocate(grpc::ServerContext*,
               absl::StrJoin(ids[i], ","), ": ", created.status().message())));
     }
     for (const std::string& id : ids[i]) token_of_device_[id] = created->token;
-    allocation_id_of_token_[created->token] = created->id;
+    allocation_of_token_[created->token] = {created->id, name, absl::Now()};
     spdlog::info("{}: allocation {} for {} (chips {})",
                  resource_->resource_name(), created->id,
                  absl::StrJoin(ids[i], ","),
@@ -237,6 +245,46 @@ grpc::Status DevicePluginServer::Allocate(grpc::ServerContext*,
                     resp->add_container_responses());
   }
   return grpc::Status::OK;
+}
+
+void DevicePluginServer::ReleaseLocked(const std::string& token) {
+  auto held = allocation_of_token_.find(token);
+  if (held != allocation_of_token_.end()) {
+    claims_->Drop(held->second.name);
+    allocation_of_token_.erase(held);
+  }
+  absl::Status st = tpud_->ReleaseAllocation(token);
+  if (!st.ok() && st.code() != absl::StatusCode::kNotFound) {
+    spdlog::warn("{}: releasing an earlier allocation failed: {}",
+                 resource_->resource_name(), st.ToString());
+  }
+  for (auto it = token_of_device_.begin(); it != token_of_device_.end();) {
+    it = it->second == token ? token_of_device_.erase(it) : std::next(it);
+  }
+}
+
+int DevicePluginServer::ReleaseGone(const std::set<std::string>& held,
+                                    absl::Duration grace) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  std::vector<std::string> gone;
+  for (const auto& [token, a] : allocation_of_token_) {
+    if (now - a.created < grace) continue;
+    bool listed = false;
+    for (const auto& [id, t] : token_of_device_) {
+      if (t == token && held.count(id) > 0) listed = true;
+    }
+    if (!listed) gone.push_back(token);
+  }
+  for (const std::string& token : gone) {
+    spdlog::info(
+        "{}: allocation {} ({}) released: the kubelet lists no pod "
+        "holding its devices",
+        resource_->resource_name(), allocation_of_token_[token].id,
+        allocation_of_token_[token].name);
+    ReleaseLocked(token);
+  }
+  return static_cast<int>(gone.size());
 }
 
 void DevicePluginServer::AnswerContainer(

@@ -12,11 +12,17 @@
 //                           TPUD_SOCKET, TPU_VISIBLE_CHIPS, TPUD_TOKEN and a
 //                           mount of tpud's socket directory.
 //
-// The kubelet never says when a container's devices are free again; it only
-// allocates a device anew once its previous pod is gone. So an allocation
-// lasts until one of its devices is allocated again, and is released then;
-// the same devices allocated again (the next container of the pod: init
-// containers hand theirs on) get the same allocation and token.
+// The kubelet never tells a device plugin when a container's devices are free
+// again; it allocates a device anew once its previous pod is gone. So an
+// allocation lasts until one of its devices is allocated again, or until the
+// kubelet's pod-resources API no longer lists any of its devices
+// (ReleaseGone), and is released then; the same devices allocated again (the
+// next container of the pod: init containers hand theirs on) get the same
+// allocation and token.
+//
+// A chip is given whole or as shares, never both (ChipClaims, shared by the
+// servers of both resources): an allocation on a chip the other resource
+// holds is refused, and such devices are listed Unhealthy.
 //
 // Thread-safety: gRPC calls its handlers from many threads; Start, Stop and
 // Register must come from one thread (the plugin's main loop).
@@ -28,12 +34,15 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "plugins/k8s_device_plugin/api.grpc.pb.h"
+#include "plugins/k8s_device_plugin/chip_claims.h"
 #include "plugins/k8s_device_plugin/devices.h"
 #include "plugins/k8s_device_plugin/health_watcher.h"
 #include "plugins/k8s_device_plugin/tpud_admin.h"
@@ -54,8 +63,8 @@ struct PluginOptions {
 class DevicePluginServer final : public v1beta1::DevicePlugin::Service {
  public:
   DevicePluginServer(const TpuResource* resource,
-                     const ChipHealthWatcher* health, TpudAdmin* tpud,
-                     PluginOptions options);
+                     const ChipHealthWatcher* health, ChipClaims* claims,
+                     TpudAdmin* tpud, PluginOptions options);
   ~DevicePluginServer() override;
 
   const TpuResource& resource() const { return *resource_; }
@@ -70,6 +79,13 @@ class DevicePluginServer final : public v1beta1::DevicePlugin::Service {
   bool SocketPresent() const;
   // Registers with the kubelet serving Registration at `kubelet_socket`.
   absl::Status Register(const std::string& kubelet_socket) const;
+
+  // Releases the allocations none of whose devices is in `held` (the
+  // device IDs of this resource that live pods hold, from the kubelet) and
+  // that are older than `grace` (a pod is listed only once the kubelet has
+  // its Allocate answer). Returns how many were released.
+  int ReleaseGone(const std::set<std::string>& held, absl::Duration grace)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   grpc::Status GetDevicePluginOptions(
       grpc::ServerContext* ctx, const v1beta1::Empty* req,
@@ -98,6 +114,7 @@ class DevicePluginServer final : public v1beta1::DevicePlugin::Service {
 
   const TpuResource* resource_;
   const ChipHealthWatcher* health_;
+  ChipClaims* claims_;
   TpudAdmin* tpud_;
   const PluginOptions options_;
 
@@ -108,7 +125,17 @@ class DevicePluginServer final : public v1beta1::DevicePlugin::Service {
   absl::Mutex mu_;  // serialises Allocate calls
   // The token of the allocation each device was last given to.
   std::map<std::string, std::string> token_of_device_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, uint64_t> allocation_id_of_token_ ABSL_GUARDED_BY(mu_);
+  // Per live allocation (by token): its tpud id, its name (the claim's key)
+  // and when it was made.
+  struct Held {
+    uint64_t id = 0;
+    std::string name;
+    absl::Time created;
+  };
+  std::map<std::string, Held> allocation_of_token_ ABSL_GUARDED_BY(mu_);
+  // Ends the allocation of `token`: tpud releases it, its claim is dropped.
+  void ReleaseLocked(const std::string& token)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 }  // namespace tpud::k8s

@@ -4,9 +4,11 @@ The stub kubelet is written here: a gRPC Registration server on kubelet.sock
 in a temporary device-plugins directory. On Register it connects to the
 plugin's endpoint and follows ListAndWatch, as the kubelet does; the tests
 then call GetPreferredAllocation and Allocate on the registered endpoints
-and run PyTorch jobs with the environment Allocate returned. Python stubs
-of the plugin API are generated from plugins/k8s_device_plugin/api.proto with
-grpcio-tools at test time.
+and run PyTorch jobs with the environment Allocate returned. It also serves
+the pod-resources API (List): each Allocate makes a pod that holds those
+devices until the test ends it, as a kubelet's pods do. Python stubs of both
+APIs are generated from plugins/k8s_device_plugin/{api,podresources}.proto
+with grpcio-tools at test time.
 """
 import importlib
 import json
@@ -34,27 +36,30 @@ protoc = pytest.importorskip("grpc_tools.protoc",
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 API_PROTO = ROOT / "plugins" / "k8s_device_plugin" / "api.proto"
+POD_RESOURCES_PROTO = ROOT / "plugins" / "k8s_device_plugin" / "podresources.proto"
 CHIP = "tpud.io/chip"
 SHARE = "tpud.io/chip-share"
 HBM = 256 << 20  # per chip
 SHARES = 4
 MiB = 1 << 20
+RELEASE_GRACE = 0.5  # s: the plugin's --release_grace in these tests
 
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    """api_pb2 and api_pb2_grpc, generated from the plugin's proto."""
+    """(api_pb2, api_pb2_grpc, podresources_pb2, podresources_pb2_grpc),
+    generated from the plugin's protos."""
     out = tmp_path_factory.mktemp("kubelet_api")
-    rc = protoc.main(["grpc_tools.protoc", f"-I{API_PROTO.parent}", f"--python_out={out}",
-                      f"--grpc_python_out={out}", str(API_PROTO)])
-    assert rc == 0, "protoc failed on api.proto"
+    for proto in (API_PROTO, POD_RESOURCES_PROTO):
+        rc = protoc.main(["grpc_tools.protoc", f"-I{proto.parent}", f"--python_out={out}",
+                          f"--grpc_python_out={out}", str(proto)])
+        assert rc == 0, f"protoc failed on {proto.name}"
     sys.path.insert(0, str(out))
     try:
-        pb2 = importlib.import_module("api_pb2")
-        pb2_grpc = importlib.import_module("api_pb2_grpc")
+        return tuple(importlib.import_module(m) for m in (
+            "api_pb2", "api_pb2_grpc", "podresources_pb2", "podresources_pb2_grpc"))
     finally:
         sys.path.remove(str(out))
-    return pb2, pb2_grpc
 
 
 class StubKubelet:
@@ -62,9 +67,12 @@ class StubKubelet:
     plugin's ListAndWatch and keeps its latest device list."""
 
     def __init__(self, api, directory):
-        self.pb2, self.pb2_grpc = api
+        self.pb2, self.pb2_grpc, self.pr_pb2, self.pr_pb2_grpc = api
         self.dir = directory
         self.socket = os.path.join(directory, "kubelet.sock")
+        self.pod_resources_socket = os.path.join(directory, "pod-resources.sock")
+        self.pods = {}  # name -> [(resource, [device ids])], one entry per container
+        self.pod_count = 0
         self.cond = threading.Condition()
         self.registrations = []  # RegisterRequest, in order
         self.devices = {}  # resource -> {id: health}
@@ -81,10 +89,46 @@ class StubKubelet:
                 kubelet.on_register(request)
                 return kubelet.pb2.Empty()
 
+        class PodResources(self.pr_pb2_grpc.PodResourcesListerServicer):
+            def List(self, request, context):
+                return kubelet.list_pod_resources()
+
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         self.pb2_grpc.add_RegistrationServicer_to_server(Registration(), self.server)
+        self.pr_pb2_grpc.add_PodResourcesListerServicer_to_server(PodResources(), self.server)
         self.server.add_insecure_port("unix:" + self.socket)
+        self.server.add_insecure_port("unix:" + self.pod_resources_socket)
         self.server.start()
+
+    def list_pod_resources(self):
+        pb = self.pr_pb2
+        with self.cond:
+            pods = {name: list(containers) for name, containers in self.pods.items()}
+        return pb.ListPodResourcesResponse(pod_resources=[
+            pb.PodResources(name=name, namespace="default", containers=[
+                pb.ContainerResources(name=f"c{i}", devices=[
+                    pb.ContainerDevices(resource_name=resource, device_ids=ids)])
+                for i, (resource, ids) in enumerate(containers)])
+            for name, containers in pods.items()])
+
+    def admit(self, resource, containers, pod=None):
+        """Records a pod holding each container's devices (after their
+        Allocate); pods that held any of them are gone, as the kubelet gives
+        a device again only then. Returns the pod's name."""
+        with self.cond:
+            wanted = {d for ids in containers for d in ids}
+            for name in [n for n, cs in self.pods.items()
+                         if any(r == resource and wanted & set(ids) for r, ids in cs)]:
+                del self.pods[name]
+            if pod is None:
+                self.pod_count += 1
+                pod = f"pod-{self.pod_count}"
+            self.pods.setdefault(pod, []).extend((resource, list(ids)) for ids in containers)
+        return pod
+
+    def end_pod(self, name):
+        with self.cond:
+            del self.pods[name]
 
     def stop(self, remove_plugin_sockets=False):
         """Stops serving and deletes kubelet.sock (and, as a restarting kubelet
@@ -137,7 +181,9 @@ class Plugin:
              f"--admin_socket={daemon.admin_socket}", f"--device_plugin_dir={directory}",
              f"--shares_per_chip={SHARES}", f"--container_tpud_socket={daemon.socket}",
              f"--host_tpud_socket_dir={daemon.dir}", "--health_interval=100ms",
-             "--kubelet_check_interval=100ms", "--log_level=warn", *extra],
+             "--kubelet_check_interval=100ms", "--log_level=warn",
+             f"--pod_resources_socket={os.path.join(directory, 'pod-resources.sock')}",
+             "--pod_resources_interval=100ms", f"--release_grace={RELEASE_GRACE}s", *extra],
             stdin=subprocess.DEVNULL)
 
     def stop(self):
@@ -175,11 +221,16 @@ def tpuctl(daemon, *args, check=True):
     return r
 
 
-def allocate(kubelet, resource, *containers):
+def allocate(kubelet, resource, *containers, pod=None):
+    """Allocate, as the kubelet calls it for one pod's containers; the pod
+    (named `pod`, or a new name) then holds the devices in the stub's
+    pod-resources API until kubelet.end_pod."""
     pb2 = kubelet.pb2
     req = pb2.AllocateRequest(container_requests=[
         pb2.ContainerAllocateRequest(devices_ids=list(ids)) for ids in containers])
-    return kubelet.plugin(resource).Allocate(req, timeout=10).container_responses
+    resp = kubelet.plugin(resource).Allocate(req, timeout=10).container_responses
+    kubelet.admit(resource, containers, pod)
+    return resp
 
 
 def preferred(kubelet, resource, available, size, must=()):
@@ -511,3 +562,238 @@ def test_restarts_its_server_when_its_socket_is_removed(cluster):
     assert os.path.exists(os.path.join(kubelet.dir, endpoint))
     (pod,) = allocate(kubelet, SHARE, ["chip-7-share-3"])
     assert pod.envs["TPU_VISIBLE_CHIPS"] == "7"
+
+
+# --- whole chips and shares on one node ------------------------------------------
+
+
+class Cluster:
+    """A v6e-8 tpud, a stub kubelet and the device plugin, of one test."""
+
+    def __init__(self, api, tpud_flags=()):
+        self.daemon = Daemon(hbm="256MiB", extra_flags=["--topology=v6e-8", *tpud_flags])
+        self.dir = tempfile.mkdtemp(prefix="kdp.", dir="/tmp")
+        self.kubelet = StubKubelet(api, self.dir)
+        self.plugin = Plugin(self.daemon, self.dir)
+        self.kubelet.wait(lambda k: {CHIP, SHARE} <= set(k.devices), what="both resources")
+
+    def restart_plugin(self):
+        before = len(self.kubelet.registrations)
+        self.plugin.stop()
+        self.plugin = Plugin(self.daemon, self.dir)
+        self.kubelet.wait(lambda k: set(k.registered(before)) == {CHIP, SHARE},
+                          what="the restarted plugin registering")
+
+    def close(self):
+        self.plugin.stop()
+        self.kubelet.stop()
+        self.daemon.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def fresh(api):
+    c = Cluster(api)
+    yield c
+    c.close()
+
+
+def health(kubelet, resource, ids):
+    with kubelet.cond:
+        return {d: kubelet.devices[resource][d] for d in ids}
+
+
+def shares_of(chip):
+    return [f"chip-{chip}-share-{s}" for s in range(SHARES)]
+
+
+def allocation_names(daemon):
+    doc = json.loads(tpuctl(daemon, "allocations", "--json").stdout)
+    return [a["name"] for a in doc["allocations"]]
+
+
+def test_a_chip_given_whole_is_not_offered_as_shares_and_back(fresh):
+    daemon, kubelet = fresh.daemon, fresh.kubelet
+    allocate(kubelet, CHIP, chips(3), pod="whole")
+    # Its shares turn Unhealthy at once (the claim), the chip itself stays.
+    kubelet.wait(lambda k: all(k.devices[SHARE][d] == "Unhealthy" for d in shares_of(3)),
+                 what="chip 3's shares withdrawn")
+    assert health(kubelet, CHIP, ["chip-3"]) == {"chip-3": "Healthy"}
+    assert set(health(kubelet, SHARE, shares_of(2)).values()) == {"Healthy"}
+    # A kubelet that raced the update is refused, with the reason.
+    with pytest.raises(grpc.RpcError) as e:
+        allocate(kubelet, SHARE, ["chip-3-share-0"])
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "chip 3 is in use as tpud.io/chip" in e.value.details()
+    assert f"{SHARE}: chip-3-share-0" not in allocation_names(daemon)
+
+    # The other way round: a share on chip 0 withdraws chip-0 whole.
+    allocate(kubelet, SHARE, ["chip-0-share-1"], pod="share")
+    kubelet.wait(lambda k: k.devices[CHIP]["chip-0"] == "Unhealthy", what="chip-0 withdrawn")
+    with pytest.raises(grpc.RpcError) as e:
+        allocate(kubelet, CHIP, chips(0, 1))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "chip 0 is in use as tpud.io/chip-share" in e.value.details()
+    # Other shares of chip 0 are still offered and allocate.
+    assert health(kubelet, SHARE, ["chip-0-share-2"]) == {"chip-0-share-2": "Healthy"}
+    (second,) = allocate(kubelet, SHARE, ["chip-0-share-2"], pod="share-2")
+    assert second.envs["TPU_VISIBLE_CHIPS"] == "0"
+
+    # The whole-chip pod ends: the kubelet no longer lists it, the plugin
+    # releases its allocation and offers chip 3's shares again.
+    assert f"{CHIP}: chip-3" in allocation_names(daemon)
+    t0 = time.time()
+    kubelet.end_pod("whole")
+    kubelet.wait(lambda k: all(k.devices[SHARE][d] == "Healthy" for d in shares_of(3)),
+                 timeout=RELEASE_GRACE + 10, what="chip 3's shares offered again")
+    freed_after = time.time() - t0
+    assert f"{CHIP}: chip-3" not in allocation_names(daemon)
+    (pod,) = allocate(kubelet, SHARE, ["chip-3-share-0"])
+    assert pod.envs["TPU_VISIBLE_CHIPS"] == "3"
+    # Both share pods on chip 0 end: chip-0 is offered whole again.
+    kubelet.end_pod("share")
+    assert health(kubelet, CHIP, ["chip-0"]) == {"chip-0": "Unhealthy"}  # share-2 holds it
+    kubelet.end_pod("share-2")
+    kubelet.wait(lambda k: k.devices[CHIP]["chip-0"] == "Healthy",
+                 timeout=RELEASE_GRACE + 10, what="chip-0 offered again")
+    (pod,) = allocate(kubelet, CHIP, chips(0))
+    assert pod.envs["TPU_VISIBLE_CHIPS"] == "0"
+    print(f"chip 3's shares offered again {freed_after:.2f} s after its pod ended "
+          f"(--release_grace={RELEASE_GRACE}s, --pod_resources_interval=100ms)")
+
+
+def test_a_restarted_plugin_keeps_chips_apart_from_the_kubelets_view(fresh):
+    kubelet = fresh.kubelet
+    allocate(kubelet, SHARE, ["chip-5-share-0"], pod="share")
+    allocate(kubelet, CHIP, chips(6), pod="whole")
+    fresh.restart_plugin()  # it remembers nothing of its own
+    kubelet.wait(lambda k: k.devices[CHIP]["chip-5"] == "Unhealthy"
+                 and all(k.devices[SHARE][d] == "Unhealthy" for d in shares_of(6)),
+                 what="the kubelet's view applied")
+    with pytest.raises(grpc.RpcError) as e:
+        allocate(kubelet, CHIP, chips(5))
+    assert "chip 5 is in use as tpud.io/chip-share" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        allocate(kubelet, SHARE, ["chip-6-share-1"])
+    assert "chip 6 is in use as tpud.io/chip" in e.value.details()
+    kubelet.end_pod("share")
+    kubelet.wait(lambda k: k.devices[CHIP]["chip-5"] == "Healthy", what="chip 5 free")
+
+
+def test_without_the_pod_resources_api_chips_still_never_overlap(fresh):
+    kubelet = fresh.kubelet
+    kubelet.server.stop(grace=None).wait()  # no kubelet answers any more
+    allocate(kubelet, CHIP, chips(2), pod="whole")  # the channel is the plugin's
+    with pytest.raises(grpc.RpcError) as e:
+        allocate(kubelet, SHARE, ["chip-2-share-0"])
+    assert "chip 2 is in use as tpud.io/chip" in e.value.details()
+    kubelet.start()
+
+
+# --- a tpud restart under allocated pods -------------------------------------------
+
+
+def test_pods_keep_their_tokens_across_a_tpud_restart(api, tmp_path):
+    state = tmp_path / "state" / "allocations.state"
+    c = Cluster(api, tpud_flags=[f"--allocation_state={state}"])
+    daemon, kubelet = c.daemon, c.kubelet
+    holder = None
+    try:
+        (pod_a,) = allocate(kubelet, CHIP, chips(1, 3), pod="a")
+        (pod_b,) = allocate(kubelet, SHARE, ["chip-4-share-0"], pod="b")
+        before = json.loads(tpuctl(daemon, "allocations", "--json").stdout)["allocations"]
+        assert oct(state.stat().st_mode & 0o777) == "0o600"  # it holds the tokens
+
+        # Pod B's long-lived process, inside its share when tpud goes down.
+        go = tmp_path / "go"
+        env = job_env(pod_b)
+        holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(RESTART_HOLDER),
+                                   str(go)], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "ready", holder.stderr.read()
+
+        t0 = time.time()
+        daemon.stop_process()
+        stopped = time.time() - t0
+        go.touch()
+        out, err = holder.communicate(timeout=60)
+        assert "ERROR" in out and "UNAVAILABLE" in out, (out, err[-2000:])
+        t1 = time.time()
+        daemon.start()
+        restarted = time.time() - t1
+
+        # Both allocations are back, with their ids, chips and quotas.
+        after = json.loads(tpuctl(daemon, "allocations", "--json").stdout)["allocations"]
+        strip = lambda allocs: [{k: a[k] for k in ("id", "name", "chips")} for a in allocs]
+        assert strip(after) == strip(before)
+        # The pods' tokens open sessions held to what they were given.
+        r = run_job(job_env(pod_a), """
+            import torch, torch_tpu
+            assert torch.tpu.device_count() == 2, torch.tpu.device_count()
+            x = torch.ones(64, device="tpu:1") * 2
+            print(x.sum().item())
+        """)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip() == "128.0"
+        r = run_job(job_env(pod_b), GREEDY)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "REFUSED:" in r.stdout and "64.00 MiB" in r.stdout, r.stdout
+        # A forged token is still refused; new allocations continue the ids.
+        env = job_env(pod_b)
+        env["TPUD_TOKEN"] = "f" * 32
+        r = run_job(env, "import torch, torch_tpu; torch.ones(1, device='tpu')")
+        assert r.returncode != 0 and "PERMISSION_DENIED" in r.stderr
+        kubelet.wait(lambda k: all(h == "Healthy" for d, h in k.devices[CHIP].items()
+                                   if d not in ("chip-4",)),
+                     what="devices healthy again after the restart")
+        (pod_c,) = allocate(kubelet, CHIP, chips(6), pod="c")
+        ids = {a["id"] for a in before}
+        new = [a for a in json.loads(tpuctl(daemon, "allocations", "--json").stdout)
+               ["allocations"] if a["id"] not in ids]
+        assert len(new) == 1 and new[0]["id"] > max(ids)
+        print(f"tpud stopped in {stopped:.2f} s, restarted serving in {restarted:.2f} s; "
+              "the pods' tokens worked at once")
+
+        # A damaged state file stops tpud with a clear error, and nothing is
+        # applied; the good file starts it again.
+        daemon.stop_process()
+        good = state.read_bytes()
+        state.write_bytes(good.replace(b"chip-6", b"chip-7"))
+        with pytest.raises(RuntimeError, match="tpud exited with 1"):
+            daemon.start()
+        r = subprocess.run([daemon.binary, f"--socket={daemon.socket}",
+                            f"--admin_socket={daemon.admin_socket}", "--hbm_bytes=256MiB",
+                            "--topology=v6e-8", f"--allocation_state={state}"],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode != 0
+        assert f"{state}: the file is damaged" in r.stderr, r.stderr
+        assert "move the file aside" in r.stderr
+        # The good file, on another host (a v6e-4 tpud), is refused too.
+        state.write_bytes(good)
+        r = subprocess.run([daemon.binary, f"--socket={daemon.socket}",
+                            f"--admin_socket={daemon.admin_socket}", "--hbm_bytes=256MiB",
+                            "--topology=v6e-4", f"--allocation_state={state}"],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode != 0 and "written for a v6e-8 host" in r.stderr, r.stderr
+        assert state.read_bytes() == good  # a refused file is left as it was
+        daemon.start()
+        assert strip(json.loads(tpuctl(daemon, "allocations", "--json").stdout)
+                     ["allocations"]) == strip(before) + strip(new)
+    finally:
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        c.close()
+
+
+RESTART_HOLDER = """
+    import os, sys, time, torch, torch_tpu
+    x = torch.ones(1024, 1024, device="tpu")
+    print("ready", flush=True)
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.05)
+    try:
+        print((x * 2).sum().item())
+    except RuntimeError as e:
+        print("ERROR", e)
+"""
