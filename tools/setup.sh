@@ -12,6 +12,8 @@ APT_PACKAGES=(
   libabsl-dev libspdlog-dev libfmt-dev catch2 libsystemd-dev systemd
   # tpud's metrics (prometheus-cpp), and a real Prometheus for their tests.
   prometheus-cpp-dev prometheus
+  # The tpud image, built offline and run in its test (deploy/image/build.sh).
+  podman buildah runc netavark debootstrap
 )
 
 missing=()
