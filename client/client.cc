@@ -595,6 +595,16 @@ absl::Status AdminClient::ReleaseAllocation(const std::string& token) {
   return st.ok() ? absl::OkStatus() : Annotate(st, impl_->path);
 }
 
+absl::Status AdminClient::ReleaseAllocationById(uint64_t id) {
+  v1::ReleaseAllocationRequest req;
+  req.set_id(id);
+  grpc::ClientContext ctx;
+  v1::ReleaseAllocationResponse resp;
+  grpc::Status st =
+      impl_->stub->ReleaseAllocation(impl_->Prepare(&ctx), req, &resp);
+  return st.ok() ? absl::OkStatus() : Annotate(st, impl_->path);
+}
+
 absl::StatusOr<std::vector<AllocationInfo>> AdminClient::ListAllocations() {
   grpc::ClientContext ctx;
   v1::ListAllocationsResponse resp;

@@ -275,6 +275,20 @@ absl::Status RuntimeCore::ReleaseAllocation(absl::string_view token) {
     return absl::NotFoundError(
         "no allocation has this token (already released?)");
   }
+  return ReleaseAllocationLocked(it);
+}
+
+absl::Status RuntimeCore::ReleaseAllocationById(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = allocations_.begin(); it != allocations_.end(); ++it) {
+    if (it->second.id == id) return ReleaseAllocationLocked(it);
+  }
+  return absl::NotFoundError(
+      absl::StrCat("no allocation ", id, " (already released?)"));
+}
+
+absl::Status RuntimeCore::ReleaseAllocationLocked(
+    absl::flat_hash_map<std::string, Allocation>::iterator it) {
   Allocation released = std::move(it->second);
   allocations_.erase(it);
   if (absl::Status st = SaveAllocationsLocked(); !st.ok()) {

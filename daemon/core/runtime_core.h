@@ -221,6 +221,8 @@ class RuntimeCore {
   // already open keep their limits. An unknown token is NOT_FOUND.
   absl::Status ReleaseAllocation(absl::string_view token)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The same, by the allocation's id (NOT_FOUND naming it when unknown).
+  absl::Status ReleaseAllocationById(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<AllocationSnapshot> Allocations() const ABSL_LOCKS_EXCLUDED(mu_);
   // Allocations kept across restarts (--allocation_state). Restore takes a
   // saved state whole or not at all: chips must exist on this host, ids and
@@ -301,6 +303,9 @@ class RuntimeCore {
   AllocationState AllocationStateLocked() const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status SaveAllocationsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ReleaseAllocationLocked(
+      absl::flat_hash_map<std::string, Allocation>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct Session {
     uint64_t id = 0;
     uint64_t allocation_id = 0;

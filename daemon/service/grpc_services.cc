@@ -521,7 +521,16 @@ grpc::Status AdminServiceImpl::ReleaseAllocation(
     grpc::ServerContext* ctx, const v1::ReleaseAllocationRequest* req,
     v1::ReleaseAllocationResponse*) {
   if (grpc::Status st = CheckAdmin(ctx); !st.ok()) return st;
-  return ToGrpcStatus(core_->ReleaseAllocation(req->token()));
+  if (req->token().empty() == (req->id() == 0)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "give an allocation's token or its id, not both");
+  }
+  absl::Status st = req->id() != 0 ? core_->ReleaseAllocationById(req->id())
+                                   : core_->ReleaseAllocation(req->token());
+  if (st.ok() && req->id() != 0) {
+    spdlog::info("allocation {} released by id", req->id());
+  }
+  return ToGrpcStatus(st);
 }
 
 grpc::Status AdminServiceImpl::ListAllocations(

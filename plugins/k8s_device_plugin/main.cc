@@ -129,12 +129,13 @@ class KubeletSocketWatch {
 class PodResourcesPoller {
  public:
   PodResourcesPoller(std::string socket, absl::Duration interval,
-                     absl::Duration grace, ChipClaims* claims,
+                     absl::Duration grace, ChipClaims* claims, TpudAdmin* tpud,
                      std::vector<DevicePluginServer*> servers)
       : socket_(std::move(socket)),
         interval_(interval),
         grace_(grace),
         claims_(claims),
+        tpud_(tpud),
         servers_(std::move(servers)) {}
   ~PodResourcesPoller() { Stop(); }
 
@@ -200,12 +201,21 @@ class PodResourcesPoller {
     for (DevicePluginServer* s : servers_) {
       s->ReleaseGone(held[s->resource().resource_name()], grace_);
     }
+    // Allocations from before this plugin started (tokens lost), once their
+    // pods are gone too.
+    absl::StatusOr<std::vector<tpu::AllocationInfo>> listed =
+        tpud_->ListAllocations();
+    if (!listed.ok()) return;
+    for (DevicePluginServer* s : servers_) {
+      s->ReleaseOrphans(*listed, held[s->resource().resource_name()], grace_);
+    }
   }
 
   const std::string socket_;
   const absl::Duration interval_;
   const absl::Duration grace_;
   ChipClaims* const claims_;
+  TpudAdmin* const tpud_;
   const std::vector<DevicePluginServer*> servers_;
   std::unique_ptr<v1::PodResourcesLister::Stub> stub_;
   bool warned_ = false;
@@ -325,7 +335,7 @@ int Run() {
     pod_resources = std::make_unique<PodResourcesPoller>(
         absl::GetFlag(FLAGS_pod_resources_socket),
         absl::GetFlag(FLAGS_pod_resources_interval),
-        absl::GetFlag(FLAGS_release_grace), &claims, std::move(raw));
+        absl::GetFlag(FLAGS_release_grace), &claims, &tpud, std::move(raw));
     pod_resources->Start();
   }
 

@@ -8,8 +8,10 @@
 #include <set>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "proto/protocol.h"
 
@@ -285,6 +287,41 @@ int DevicePluginServer::ReleaseGone(const std::set<std::string>& held,
     ReleaseLocked(token);
   }
   return static_cast<int>(gone.size());
+}
+
+int DevicePluginServer::ReleaseOrphans(
+    const std::vector<tpu::AllocationInfo>& listed,
+    const std::set<std::string>& held, absl::Duration grace) {
+  absl::MutexLock lock(&mu_);
+  const std::string prefix = absl::StrCat(resource_->resource_name(), ": ");
+  const double now = absl::ToUnixSeconds(absl::Now());
+  std::set<uint64_t> known;
+  for (const auto& [token, a] : allocation_of_token_) known.insert(a.id);
+  int released = 0;
+  for (const tpu::AllocationInfo& a : listed) {
+    if (!absl::StartsWith(a.name, prefix) || known.count(a.id) > 0 ||
+        now - a.created_unix_seconds < absl::ToDoubleSeconds(grace)) {
+      continue;
+    }
+    bool listed_by_kubelet = false;
+    for (absl::string_view id :
+         absl::StrSplit(absl::string_view(a.name).substr(prefix.size()), ',')) {
+      if (held.count(std::string(id)) > 0) listed_by_kubelet = true;
+    }
+    if (listed_by_kubelet) continue;
+    absl::Status st = tpud_->ReleaseAllocationById(a.id);
+    if (!st.ok() && st.code() != absl::StatusCode::kNotFound) {
+      spdlog::warn("{}: releasing allocation {} failed: {}",
+                   resource_->resource_name(), a.id, st.ToString());
+      continue;
+    }
+    spdlog::info(
+        "{}: allocation {} ({}) released: made before this plugin started, "
+        "and the kubelet lists no pod holding its devices",
+        resource_->resource_name(), a.id, a.name);
+    ++released;
+  }
+  return released;
 }
 
 void DevicePluginServer::AnswerContainer(

@@ -86,6 +86,13 @@ class DevicePluginServer final : public v1beta1::DevicePlugin::Service {
   // its Allocate answer). Returns how many were released.
   int ReleaseGone(const std::set<std::string>& held, absl::Duration grace)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The same for allocations of this resource that tpud lists (`listed`)
+  // and this server does not know: made before the plugin restarted, their
+  // tokens are lost, so they are released by id. Their devices come from
+  // the allocation's name ("<resource>: <id>,<id>").
+  int ReleaseOrphans(const std::vector<tpu::AllocationInfo>& listed,
+                     const std::set<std::string>& held, absl::Duration grace)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   grpc::Status GetDevicePluginOptions(
       grpc::ServerContext* ctx, const v1beta1::Empty* req,

@@ -51,4 +51,19 @@ absl::Status TpudAdmin::ReleaseAllocation(const std::string& token) {
   return r.status();
 }
 
+absl::Status TpudAdmin::ReleaseAllocationById(uint64_t id) {
+  absl::StatusOr<bool> r =
+      Call<bool>([&](tpu::AdminClient& c) -> absl::StatusOr<bool> {
+        absl::Status st = c.ReleaseAllocationById(id);
+        if (!st.ok()) return st;
+        return true;
+      });
+  return r.status();
+}
+
+absl::StatusOr<std::vector<tpu::AllocationInfo>> TpudAdmin::ListAllocations() {
+  return Call<std::vector<tpu::AllocationInfo>>(
+      [](tpu::AdminClient& c) { return c.ListAllocations(); });
+}
+
 }  // namespace tpud::k8s

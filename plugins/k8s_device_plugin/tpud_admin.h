@@ -30,6 +30,9 @@ class TpudAdmin {
       const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status ReleaseAllocation(const std::string& token)
       ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status ReleaseAllocationById(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<std::vector<tpu::AllocationInfo>> ListAllocations()
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // Runs `call` on a connected client; connects first if needed, and once

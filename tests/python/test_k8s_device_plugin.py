@@ -676,8 +676,31 @@ def test_a_restarted_plugin_keeps_chips_apart_from_the_kubelets_view(fresh):
     with pytest.raises(grpc.RpcError) as e:
         allocate(kubelet, SHARE, ["chip-6-share-1"])
     assert "chip 6 is in use as tpud.io/chip" in e.value.details()
+    # The pod that held the share ends: the restarted plugin does not know
+    # its allocation's token, so it releases it in tpud by id.
+    daemon = fresh.daemon
+    assert f"{SHARE}: chip-5-share-0" in allocation_names(daemon)
     kubelet.end_pod("share")
     kubelet.wait(lambda k: k.devices[CHIP]["chip-5"] == "Healthy", what="chip 5 free")
+    deadline = time.time() + RELEASE_GRACE + 10
+    while f"{SHARE}: chip-5-share-0" in allocation_names(daemon):
+        assert time.time() < deadline, allocation_names(daemon)
+        time.sleep(0.1)
+    assert f"{CHIP}: chip-6" in allocation_names(daemon)  # its pod still runs
+
+
+def test_tpuctl_releases_an_allocation_by_id(fresh):
+    daemon, kubelet = fresh.daemon, fresh.kubelet
+    (pod,) = allocate(kubelet, CHIP, chips(7), pod="p")
+    doc = json.loads(tpuctl(daemon, "allocations", "--json").stdout)
+    (a,) = [a for a in doc["allocations"] if a["name"] == f"{CHIP}: chip-7"]
+    r = tpuctl(daemon, "release", str(a["id"]))
+    assert f"released allocation {a['id']}" in r.stdout
+    assert f"{CHIP}: chip-7" not in allocation_names(daemon)
+    r = run_job(job_env(pod), "import torch, torch_tpu; torch.ones(1, device='tpu')")
+    assert r.returncode != 0 and "PERMISSION_DENIED" in r.stderr, r.stderr[-2000:]
+    r = tpuctl(daemon, "release", str(a["id"]), check=False)
+    assert r.returncode != 0 and f"no allocation {a['id']}" in r.stderr, r.stderr
 
 
 def test_without_the_pod_resources_api_chips_still_never_overlap(fresh):

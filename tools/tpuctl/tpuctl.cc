@@ -2,6 +2,7 @@
 //
 //   tpuctl status | topology | sessions | executors | health      [--json]
 //   tpuctl allocations [--json]
+//   tpuctl release ALLOCATION        (its token is refused from now on)
 //   tpuctl kill SESSION
 //   tpuctl quota SESSION SIZE        (SIZE like 8GiB; "none" removes it)
 //   tpuctl quota --default SIZE      (for sessions opened from now on)
@@ -1040,6 +1041,16 @@ int Main(std::vector<std::string> args) {
                 tpu::FormatBytes(*bytes).c_str());
     return 0;
   }
+  if (cmd == "release" && args.size() == 2) {
+    uint64_t id = 0;
+    if (!ParseUint(args[1], &id) || id == 0) return Usage();
+    if (absl::Status st = a.ReleaseAllocationById(id); !st.ok())
+      return Error(st);
+    std::printf(
+        "released allocation %llu: new sessions with its token are refused\n",
+        static_cast<unsigned long long>(id));
+    return 0;
+  }
   if (cmd == "quota") {
     const bool to_default = absl::GetFlag(FLAGS_default);
     if (args.size() != (to_default ? 2u : 3u)) return Usage();
@@ -1094,6 +1105,8 @@ int main(int argc, char** argv) {
       "  tpuctl health    [--json]   exit 0 when serving\n"
       "  tpuctl allocations [--json] chips and quotas set aside per container "
       "(device plugin)\n"
+      "  tpuctl release ALLOCATION   release an allocation by id: new "
+      "sessions with its token are refused\n"
       "  tpuctl top                  live view of chips and sessions "
       "(--interval S, --count N)\n"
       "  tpuctl watch     [--json]   the status every --interval seconds: a "

@@ -516,6 +516,7 @@ class AdminClient {
       const std::vector<int>& chips, const std::vector<uint64_t>& quota_bytes,
       const std::string& name);
   absl::Status ReleaseAllocation(const std::string& token);
+  absl::Status ReleaseAllocationById(uint64_t id);
   absl::StatusOr<std::vector<AllocationInfo>> ListAllocations();
 
  private:
