@@ -151,7 +151,8 @@ absl::StatusOr<AllocationState> DecodeAllocationState(
     };
     if (line_no == 1) {
       int version = 0;
-      if (f.size() != 2 || !absl::SimpleAtoi(f[1], &version)) {
+      if (f.size() != 2 || f[0] != kMagic ||
+          !absl::SimpleAtoi(f[1], &version)) {
         return at("a bad header");
       }
       if (version != kVersion) {

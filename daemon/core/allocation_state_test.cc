@@ -59,6 +59,28 @@ AllocationState Sample() {
   return s;
 }
 
+// `text` with its last line made again for its other lines (count and
+// checksum), as if tpud had written them: to test what the parser does with
+// contents that pass the checksum.
+std::string Reseal(const std::string& text) {
+  const std::string body =
+      text.substr(0, text.rfind('\n', text.size() - 2) + 1);
+  uint64_t h = 14695981039346656037ull;
+  for (unsigned char c : body) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  size_t count = 0;
+  for (size_t at = body.find("\nallocation "); at != std::string::npos;
+       at = body.find("\nallocation ", at + 1)) {
+    ++count;
+  }
+  char end[64];
+  std::snprintf(end, sizeof(end), "end %zu %016llx\n", count,
+                static_cast<unsigned long long>(h));
+  return body + end;
+}
+
 std::string DecodeError(const std::string& text,
                         const std::string& topology = "v6e-4", int chips = 4) {
   absl::StatusOr<AllocationState> s =
@@ -112,12 +134,24 @@ TEST_CASE("a damaged, cut or foreign file is refused, naming what is wrong") {
   CHECK(Contains(DecodeError(good, "v6e-8", 8),
                  "written for a v6e-4 host with 4 chips; this tpud serves a "
                  "v6e-8 host with 8 chips"));
-  // A newer format.
-  AllocationState s = Sample();
-  std::string v2 = absl::StrReplaceAll(
-      EncodeAllocationState(s),
-      {{"tpud-allocation-state 1", "tpud-allocation-state 2"}});
-  CHECK(Contains(DecodeError(v2), "/state: "));
+  // Resealing alone gives back the same file.
+  CHECK(Reseal(good) == good);
+  // A newer format, or a header that only begins like ours.
+  const std::string v2 = Reseal(absl::StrReplaceAll(
+      good, {{"tpud-allocation-state 1", "tpud-allocation-state 2"}}));
+  CHECK(
+      Contains(DecodeError(v2),
+               "/state: line 1: format version 2 (this tpud reads version 1)"));
+  const std::string other = Reseal(absl::StrReplaceAll(
+      good, {{"tpud-allocation-state 1", "tpud-allocation-states 1"}}));
+  CHECK(Contains(DecodeError(other), "line 1: a bad header"));
+  // Lines that pass the checksum but not the parser.
+  const std::string dropped =
+      Reseal(absl::StrReplaceAll(good, {{"next_id 9\n", ""}}));
+  CHECK(Contains(DecodeError(dropped), "line 3: expected \"next_id <id>\""));
+  const std::string short_line =
+      Reseal(absl::StrReplaceAll(good, {{" 1=33554432 ", " "}}));
+  CHECK(Contains(DecodeError(short_line), "line 4: expected \"allocation"));
 }
 
 TEST_CASE("a well-formed file with impossible contents is refused") {
@@ -274,6 +308,13 @@ TEST_CASE("a change that cannot be saved is undone") {
   CHECK(core->Allocations().size() == 1);
   fail = false;
   CHECK(core->ReleaseAllocation(kept->token).ok());
+  CHECK(core->Allocations().empty());
+  // By id, as by token; an unknown id is NOT_FOUND naming it.
+  absl::StatusOr<CreatedAllocation> by_id = core->CreateAllocation(spec);
+  REQUIRE(by_id.ok());
+  CHECK(core->ReleaseAllocationById(by_id->id + 100).code() ==
+        absl::StatusCode::kNotFound);
+  REQUIRE(core->ReleaseAllocationById(by_id->id).ok());
   CHECK(core->Allocations().empty());
   // A saver that cannot save at all is refused when it is set.
   CHECK_FALSE(core->SetAllocationSaver([](const AllocationState&) {
