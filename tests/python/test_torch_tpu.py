@@ -774,9 +774,17 @@ def _first_nn_ops_import_nothing():
         loss = loss + F.huber_loss(v, v.flip(0)) + torch.logaddexp(v, v).sum()
         loss = loss + F.cross_entropy(h.flatten(1)[:, :5], torch.tensor([1, 3], device=dev),
                                       label_smoothing=0.1)
+        # reflection_pad2d (and its backward), cosine_similarity's in-place
+        # clamp_min_, one_hot's in-place scatter_, randperm, clamp by tensors.
+        loss = loss + F.pad(x, (1, 2, 2, 1), mode="reflect").mean()
+        loss = loss + F.cosine_similarity(x, x.flip(3)).sum()
         loss.backward()
         sel = v[v > 0].sum() + torch.nonzero(v > 0).sum() + torch.masked_select(v, v < 0).sum()
-        return [loss.detach(), x.grad, sel, torch.isnan(v).any(), torch.logical_not(v > 0)]
+        hot = F.one_hot(torch.tensor([0, 2, 1], device=dev), 4)
+        perm = torch.randperm(5, device=dev).sort().values
+        clamped = torch.clamp(v, torch.full_like(v, -0.5), torch.full_like(v, 0.5))
+        return [loss.detach(), x.grad, sel, torch.isnan(v).any(), torch.logical_not(v > 0),
+                hot, perm, clamped]
 
     want = run("cpu")
     with warnings.catch_warnings(record=True) as caught:

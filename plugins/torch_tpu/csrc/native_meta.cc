@@ -8,6 +8,8 @@
 #include <ATen/MetaFunctions.h>
 #include <ATen/ScalarOps.h>
 #include <ATen/TensorIterator.h>
+#include <ATen/native/Padding.h>
+#include <ATen/native/TensorFactories.h>
 #include <ATen/native/layer_norm.h>
 
 #include <optional>
@@ -634,6 +636,17 @@ void AddLayerNorm(Table& t) {
   };
 }
 
+// randperm(n, [generator,] out): the CPU kernel's checks, then out is n
+// long.
+void Randperm(Stack* s, size_t out_at) {
+  at::Tensor out = T(*s, out_at);
+  const int64_t n = I(*s, 0);
+  TORCH_CHECK(n >= 0, "n must be non-negative, got", n);
+  at::native::check_supported_max_int_with_precision(n, out);
+  out.resize_({n});
+  Put(s, out);
+}
+
 // Factories reach tpu as their out= forms; ATen's C++ meta kernels size
 // `out` (arange checks its bounds, in the CPU kernel's words).
 void AddFactories(Table& t) {
@@ -662,6 +675,67 @@ void AddFactories(Table& t) {
     at::Tensor out = T(*s, 2);
     at::meta::eye_out(out, I(*s, 0), I(*s, 1));
     Put(s, out);
+  };
+  t["aten::randperm.out"] = [](Stack* s) { Randperm(s, 1); };
+  t["aten::randperm.generator_out"] = [](Stack* s) { Randperm(s, 2); };
+}
+
+// reflection_pad2d has no structured meta function: its CPU kernel's checks
+// and result, as ReflectionPad.cpp makes them (batch dim optional; the
+// result in the input's suggested memory format).
+struct PadDims {
+  int64_t w = 2, h = 1;
+};
+PadDims Pad2dDims(const at::Tensor& input) {
+  PadDims d;
+  if (input.dim() == 4) ++d.w, ++d.h;
+  return d;
+}
+
+void AddPadding(Table& t) {
+  t["aten::reflection_pad2d"] = [](Stack* s) {
+    const at::Tensor input = T(*s, 0);
+    const std::vector<int64_t> pad = (*s)[1].toIntVector();
+    at::native::padding::check_valid_input<2>(input, pad);
+    const PadDims d = Pad2dDims(input);
+    const int64_t in_h = input.size(d.h), in_w = input.size(d.w);
+    TORCH_CHECK(pad[0] < in_w && pad[1] < in_w,
+                "Argument #4: Padding size should be less than the "
+                "corresponding input dimension, but got: padding (",
+                pad[0], ", ", pad[1], ") at dimension ", d.w, " of input ",
+                input.sizes());
+    TORCH_CHECK(pad[2] < in_h && pad[3] < in_h,
+                "Argument #6: Padding size should be less than the "
+                "corresponding input dimension, but got: padding (",
+                pad[2], ", ", pad[3], ") at dimension ", d.h, " of input ",
+                input.sizes());
+    const int64_t out_h = in_h + pad[2] + pad[3];
+    const int64_t out_w = in_w + pad[0] + pad[1];
+    TORCH_CHECK(out_w >= 1 || out_h >= 1, "input (H: ", in_h, " W: ", in_w,
+                ") is too small. Calculated output H: ", out_h, " W: ", out_w);
+    std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+    shape[d.h] = out_h;
+    shape[d.w] = out_w;
+    Put(s, at::empty(shape, input.options().memory_format(
+                                input.suggest_memory_format())));
+  };
+  t["aten::reflection_pad2d_backward"] = [](Stack* s) {
+    const at::Tensor grad = T(*s, 0);
+    const at::Tensor input = T(*s, 1);
+    const std::vector<int64_t> pad = (*s)[2].toIntVector();
+    TORCH_CHECK(pad.size() == 4,
+                "padding size is expected to be 4, but got: ", pad.size());
+    const PadDims d = Pad2dDims(input);
+    const int64_t out_h = input.size(d.h) + pad[2] + pad[3];
+    const int64_t out_w = input.size(d.w) + pad[0] + pad[1];
+    TORCH_CHECK(grad.dim() == input.dim() && out_w == grad.size(d.w),
+                "grad_output width unexpected. Expected: ", out_w,
+                ", Got: ", grad.dim() == input.dim() ? grad.size(d.w) : -1);
+    TORCH_CHECK(out_h == grad.size(d.h),
+                "grad_output height unexpected. Expected: ", out_h,
+                ", Got: ", grad.size(d.h));
+    Put(s, at::empty(input.sizes(), input.options().memory_format(
+                                        input.suggest_memory_format())));
   };
 }
 
@@ -789,6 +863,7 @@ const Table& NativeMetaTable() {
     AddDerived(*t);
     AddLayerNorm(*t);
     AddFactories(*t);
+    AddPadding(*t);
     AddLosses(*t);
     AddConvolution(*t);
     AddStructuredMeta(t);

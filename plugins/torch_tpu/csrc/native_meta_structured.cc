@@ -122,6 +122,42 @@ void AddStructuredMeta(std::unordered_map<std::string, NativeMetaFn>* table) {
   // their meta functions select index 0 of `dim` for a TensorIterator check,
   // and refuse an empty source the CPU takes.)
   TPU_META(scatter_add);
+  // Overloaded meta functions, picked by their types: scatter's four forms
+  // and clamp's in-place and Tensor-bound ones (one_hot scatters in place,
+  // cosine_similarity clamps its norms in place).
+#define TPU_META_AS(name, type, fn) \
+  add("aten::" name, &Boxed<static_cast<type>(&at::meta::fn)>)
+  using T = at::Tensor;
+  using S = at::Scalar;
+  using View = c10::string_view;
+  using OptS = std::optional<at::Scalar>;
+  using OptT = std::optional<at::Tensor>;
+  TPU_META_AS("scatter.src", T(*)(const T&, int64_t, const T&, const T&),
+              scatter);
+  TPU_META_AS("scatter_.src", T & (*)(T&, int64_t, const T&, const T&),
+              scatter_);
+  TPU_META_AS("scatter.value", T(*)(const T&, int64_t, const T&, const S&),
+              scatter);
+  TPU_META_AS("scatter_.value", T & (*)(T&, int64_t, const T&, const S&),
+              scatter_);
+  TPU_META_AS("scatter.reduce",
+              T(*)(const T&, int64_t, const T&, const T&, View), scatter);
+  TPU_META_AS("scatter_.reduce", T & (*)(T&, int64_t, const T&, const T&, View),
+              scatter_);
+  TPU_META_AS("scatter.value_reduce",
+              T(*)(const T&, int64_t, const T&, const S&, View), scatter);
+  TPU_META_AS("scatter_.value_reduce",
+              T & (*)(T&, int64_t, const T&, const S&, View), scatter_);
+  TPU_META_AS("clamp_", T & (*)(T&, const OptS&, const OptS&), clamp_);
+  TPU_META_AS("clamp.Tensor", T(*)(const T&, const OptT&, const OptT&), clamp);
+  TPU_META_AS("clamp_.Tensor", T & (*)(T&, const OptT&, const OptT&), clamp_);
+  TPU_META_AS("clamp_min_", T & (*)(T&, const S&), clamp_min_);
+  TPU_META_AS("clamp_min.Tensor", T(*)(const T&, const T&), clamp_min);
+  TPU_META_AS("clamp_min_.Tensor", T & (*)(T&, const T&), clamp_min_);
+  TPU_META_AS("clamp_max_", T & (*)(T&, const S&), clamp_max_);
+  TPU_META_AS("clamp_max.Tensor", T(*)(const T&, const T&), clamp_max);
+  TPU_META_AS("clamp_max_.Tensor", T & (*)(T&, const T&), clamp_max_);
+#undef TPU_META_AS
 #undef TPU_META
 }
 
