@@ -732,7 +732,7 @@ class ForwardedOp {
           // op with a float32 0-dim operand computes in float32).
           const bool cast = out.scalar_type() != o.dtype;
           TORCH_CHECK(!cast || at::canCast(o.dtype, out.scalar_type()),
-                      "tpu: ", schema_.name(), ": result type ", o.dtype,
+                      "result type ", o.dtype,
                       " can't be cast to the desired output type ",
                       out.scalar_type());
           if (out.sizes() != at::IntArrayRef(o.sizes)) {
