@@ -59,6 +59,7 @@ TEST_CASE("the default flags serve a simulated v6e-4 host") {
   CHECK(c->max_connections_per_uid == 1024);
   CHECK(c->handshake_timeout == absl::Seconds(5));
   CHECK(!c->metrics_address.has_value());
+  CHECK(c->allocation_state_path.empty());  // allocations end with tpud
 }
 
 TEST_CASE("good values are parsed") {
@@ -73,6 +74,7 @@ TEST_CASE("good values are parsed") {
   f.admin_socket = "/tmp/t/admin.sock";
   f.socket_group = "tpu";
   f.metrics_address = "localhost:9464";
+  f.allocation_state = "/var/lib/tpud/allocations.state";
   absl::StatusOr<TpudConfig> c = ConfigFromFlags(f);
   REQUIRE(c.ok());
   CHECK(c->topology.num_chips() == 8);
@@ -88,6 +90,7 @@ TEST_CASE("good values are parsed") {
   REQUIRE(c->metrics_address.has_value());
   CHECK(c->metrics_address->host == "127.0.0.1");
   CHECK(c->metrics_address->port == 9464);
+  CHECK(c->allocation_state_path == "/var/lib/tpud/allocations.state");
 
   f.metrics_address = "/run/tpud/metrics.sock";
   c = ConfigFromFlags(f);
@@ -155,6 +158,12 @@ TEST_CASE("each bad flag fails with tpud's message") {
   CHECK(ErrorOf(f) ==
         absl::StrCat("--session_quota_bytes: ",
                      tpu::ParseBytes("8 parsecs").status().message()));
+
+  f = TpudFlags{};
+  f.allocation_state = "state/allocations.state";
+  CHECK(ErrorOf(f) ==
+        "--allocation_state=state/allocations.state: give an absolute path "
+        "(e.g. /var/lib/tpud/allocations.state)");
 
   f = TpudFlags{};
   f.topology = "v9z-3";
