@@ -585,24 +585,30 @@ absl::StatusOr<CreatedAllocation> AdminClient::CreateAllocation(
   return CreatedAllocation{resp.id(), resp.token()};
 }
 
-absl::Status AdminClient::ReleaseAllocation(const std::string& token) {
-  v1::ReleaseAllocationRequest req;
-  req.set_token(token);
+namespace {
+
+// Admin.ReleaseAllocation with `req` (a token or an id) on `impl`'s stub.
+template <typename Impl>
+absl::Status SendRelease(Impl& impl, const v1::ReleaseAllocationRequest& req) {
   grpc::ClientContext ctx;
   v1::ReleaseAllocationResponse resp;
   grpc::Status st =
-      impl_->stub->ReleaseAllocation(impl_->Prepare(&ctx), req, &resp);
-  return st.ok() ? absl::OkStatus() : Annotate(st, impl_->path);
+      impl.stub->ReleaseAllocation(impl.Prepare(&ctx), req, &resp);
+  return st.ok() ? absl::OkStatus() : Annotate(st, impl.path);
+}
+
+}  // namespace
+
+absl::Status AdminClient::ReleaseAllocation(const std::string& token) {
+  v1::ReleaseAllocationRequest req;
+  req.set_token(token);
+  return SendRelease(*impl_, req);
 }
 
 absl::Status AdminClient::ReleaseAllocationById(uint64_t id) {
   v1::ReleaseAllocationRequest req;
   req.set_id(id);
-  grpc::ClientContext ctx;
-  v1::ReleaseAllocationResponse resp;
-  grpc::Status st =
-      impl_->stub->ReleaseAllocation(impl_->Prepare(&ctx), req, &resp);
-  return st.ok() ? absl::OkStatus() : Annotate(st, impl_->path);
+  return SendRelease(*impl_, req);
 }
 
 absl::StatusOr<std::vector<AllocationInfo>> AdminClient::ListAllocations() {

@@ -41,24 +41,32 @@ absl::StatusOr<tpu::CreatedAllocation> TpudAdmin::CreateAllocation(
   });
 }
 
+namespace {
+
+// A call that returns only a status, in the form Call takes.
+template <typename F>
+auto StatusOnly(F call) {
+  return [call](tpu::AdminClient& c) -> absl::StatusOr<bool> {
+    absl::Status st = call(c);
+    if (!st.ok()) return st;
+    return true;
+  };
+}
+
+}  // namespace
+
 absl::Status TpudAdmin::ReleaseAllocation(const std::string& token) {
-  absl::StatusOr<bool> r =
-      Call<bool>([&](tpu::AdminClient& c) -> absl::StatusOr<bool> {
-        absl::Status st = c.ReleaseAllocation(token);
-        if (!st.ok()) return st;
-        return true;
-      });
-  return r.status();
+  return Call<bool>(StatusOnly([&](tpu::AdminClient& c) {
+           return c.ReleaseAllocation(token);
+         }))
+      .status();
 }
 
 absl::Status TpudAdmin::ReleaseAllocationById(uint64_t id) {
-  absl::StatusOr<bool> r =
-      Call<bool>([&](tpu::AdminClient& c) -> absl::StatusOr<bool> {
-        absl::Status st = c.ReleaseAllocationById(id);
-        if (!st.ok()) return st;
-        return true;
-      });
-  return r.status();
+  return Call<bool>(StatusOnly([&](tpu::AdminClient& c) {
+           return c.ReleaseAllocationById(id);
+         }))
+      .status();
 }
 
 absl::StatusOr<std::vector<tpu::AllocationInfo>> TpudAdmin::ListAllocations() {
