@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, bazel_bin
+from tpud_process import can_connect
 
 pytestmark = pytest.mark.slow  # builds and inspects the image's binaries
 
@@ -185,17 +185,6 @@ TRAIN = """
     except RuntimeError as e:
         print("ERROR", e, flush=True)
 """
-
-
-def can_connect(path):
-    s = socket.socket(socket.AF_UNIX)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 def test_tpud_in_the_container_serves_a_job_on_the_host_and_stops_cleanly(image, tmp_path):

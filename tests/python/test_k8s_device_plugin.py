@@ -198,19 +198,13 @@ class Plugin:
 
 @pytest.fixture(scope="module")
 def cluster(api):
-    """A v6e-8 tpud, a stub kubelet and the device plugin, registered."""
-    daemon = Daemon(hbm="256MiB", extra_flags=["--topology=v6e-8"])
-    directory = tempfile.mkdtemp(prefix="kdp.", dir="/tmp")
-    kubelet = StubKubelet(api, directory)
-    plugin = Plugin(daemon, directory)
+    """A v6e-8 tpud, a stub kubelet and the device plugin, registered, shared
+    by the module's tests (Cluster)."""
+    c = Cluster(api)
     try:
-        kubelet.wait(lambda k: {CHIP, SHARE} <= set(k.devices), what="both resources' devices")
-        yield daemon, kubelet, plugin
+        yield c.daemon, c.kubelet, c.plugin
     finally:
-        plugin.stop()
-        kubelet.stop()
-        daemon.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+        c.close()
 
 
 def tpuctl(daemon, *args, check=True):
@@ -568,14 +562,19 @@ def test_restarts_its_server_when_its_socket_is_removed(cluster):
 
 
 class Cluster:
-    """A v6e-8 tpud, a stub kubelet and the device plugin, of one test."""
+    """A v6e-8 tpud, a stub kubelet and the device plugin, registered."""
 
     def __init__(self, api, tpud_flags=()):
         self.daemon = Daemon(hbm="256MiB", extra_flags=["--topology=v6e-8", *tpud_flags])
         self.dir = tempfile.mkdtemp(prefix="kdp.", dir="/tmp")
         self.kubelet = StubKubelet(api, self.dir)
         self.plugin = Plugin(self.daemon, self.dir)
-        self.kubelet.wait(lambda k: {CHIP, SHARE} <= set(k.devices), what="both resources")
+        try:
+            self.kubelet.wait(lambda k: {CHIP, SHARE} <= set(k.devices),
+                              what="both resources' devices")
+        except BaseException:
+            self.close()
+            raise
 
     def restart_plugin(self):
         before = len(self.kubelet.registrations)
