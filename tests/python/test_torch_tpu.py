@@ -261,6 +261,10 @@ def _streams_and_events():
         b = a @ a
         done = torch.Event(device="tpu"); done.record()
     torch.tpu.current_stream().wait_event(done)
+    torch.tpu.set_stream(s)  # torch.cuda.set_stream's counterpart
+    assert torch.tpu.current_stream() == s
+    torch.tpu.set_stream(torch.tpu.default_stream())
+    assert torch.tpu.current_stream() == torch.tpu.default_stream()
     c = b + 1
     end.record(); end.synchronize()
     assert start.elapsed_time(end) >= 0
@@ -286,6 +290,13 @@ def _pin_memory_and_dataloader():
         assert batch.is_pinned()
         seen += batch.to("tpu").sum().item()
     assert seen == sum(range(64))
+    # The device has a host allocator for torch: empty_host_cache (vLLM's
+    # shutdown calls it) used to crash the process.
+    q = torch.empty(4096, pin_memory=True)
+    torch.accelerator.empty_host_cache()
+    assert q.is_pinned()
+    del q
+    torch.accelerator.empty_host_cache()
 
 
 def test_save_and_load(tpud, tmp_path):

@@ -16,6 +16,7 @@
 #include "allocator.h"
 #include "forwarding.h"
 #include "generator.h"
+#include "pinned_allocator.h"
 #include "registration.h"
 #include "runtime.h"
 #include "sparse.h"
@@ -25,6 +26,7 @@ namespace {
 
 const bool kAllocatorRegistered = [] {
   c10::SetAllocator(c10::DeviceType::PrivateUse1, GetTpuAllocator());
+  RegisterHostAllocator();
   return true;
 }();
 
@@ -433,6 +435,20 @@ PYBIND11_MODULE(_C, m) {
   m.def("_empty_cache", [] {
     py::gil_scoped_release no_gil;
     GetTpuAllocator()->emptyCache({0, 0});
+  });
+  // What this session holds on the chip of device d and what it may hold:
+  // torch.tpu.memory_budget, and vLLM's KV cache sizing through it.
+  m.def("_session_memory", [](int d) {
+    const int chip = ChipOf(static_cast<c10::DeviceIndex>(d));
+    absl::StatusOr<tpu::MemoryStats> m = GetSession().GetMemoryStats();
+    Check(m.status(), "memory statistics");
+    const tpu::ChipMemoryStats& c = m->chips.at(chip);
+    py::dict out;
+    out["chip_total_bytes"] = c.chip_total_bytes;
+    out["chip_free_bytes"] = c.chip_free_bytes;
+    out["session_bytes"] = c.session_bytes;
+    out["quota_bytes"] = m->quota_bytes_per_chip;
+    return out;
   });
   m.def("_mem_get_info", [](int d) {
     return GetTpuAllocator()->getMemoryInfo(static_cast<c10::DeviceIndex>(d));

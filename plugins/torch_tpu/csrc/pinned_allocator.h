@@ -8,4 +8,7 @@ namespace torch_tpu {
 
 at::Allocator* GetPinnedAllocator();
 
+// Makes it torch's host allocator of the tpu device (at load).
+void RegisterHostAllocator();
+
 }  // namespace torch_tpu

@@ -13,7 +13,7 @@ __all__ = [
     "set_rng_state", "memory_allocated", "max_memory_allocated", "memory_reserved",
     "max_memory_reserved", "memory_stats", "reset_peak_memory_stats", "empty_cache",
     "mem_get_info", "get_device_name", "get_device_properties", "get_amp_supported_dtype",
-    "is_initialized", "is_bf16_supported",
+    "is_initialized", "is_bf16_supported", "set_stream", "memory_budget",
 ]
 
 
@@ -85,6 +85,13 @@ def current_stream(device=None):
 def default_stream(device=None):
     s = torch.Stream(device=torch.device("tpu", _index(device)))
     return torch.Stream(stream_id=0, device_index=s.device_index, device_type=s.device_type)
+
+
+def set_stream(stream):
+    """Makes `stream` the current stream of its device (torch.cuda.set_stream)."""
+    if stream is None:
+        return
+    torch.accelerator.set_stream(stream)
 
 
 @contextlib.contextmanager
@@ -160,6 +167,22 @@ def empty_cache():
 
 def mem_get_info(device=None):
     return tuple(_C._mem_get_info(_index(device)))
+
+
+def memory_budget(device=None):
+    """What this process may hold on the device's chip, from tpud.
+
+    total: the chip's HBM; quota: the session's per-chip quota (0: none);
+    budget: the quota where there is one, else the chip's HBM; held: what the
+    session holds on the chip now; available: what it may still allocate
+    (the budget less what it holds, and no more than the chip has free).
+    """
+    m = _C._session_memory(_index(device))
+    budget = m["quota_bytes"] or m["chip_total_bytes"]
+    held = m["session_bytes"]
+    return types.SimpleNamespace(
+        total=m["chip_total_bytes"], quota=m["quota_bytes"], budget=budget, held=held,
+        available=max(0, min(m["chip_free_bytes"], budget - held)))
 
 
 def get_device_properties(device=None):
