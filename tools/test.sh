@@ -75,6 +75,14 @@ else
   fi
 fi
 
+# The vLLM environment gets the same torch_tpu, and the vLLM platform plugin.
+echo "== torch_tpu and vllm_tpud into .venv-vllm"
+if ! .venv-vllm/bin/pip install -q --no-build-isolation --no-deps plugins/torch_tpu plugins/vllm_tpud; then
+  echo "installing torch_tpu and vllm_tpud into .venv-vllm failed"
+  echo "0 passed, 1 failed"
+  exit 1
+fi
+
 echo "== bazel test //..."
 tools/bazel.sh test //... --test_output=errors 2>&1 | tee "$OUT/bazel_test.txt" |
   grep -vE "^(Loading|Analyzing|\[[0-9,]+ / [0-9,]+\]|INFO: From Testing)" || true
