@@ -246,3 +246,97 @@ def test_serve_completions_chat_and_streaming(tpud, checkpoints):
     assert status == 400 and "maximum context length is 512" in body["error"]["message"]
     # The engine's session was tpud's, by the command name vLLM gives it.
     assert "EngineCore" in sessions.stdout, sessions.stdout + sessions.stderr
+
+
+def tpuctl(daemon, *args):
+    r = subprocess.run([str(ROOT / "bazel-bin/tools/tpuctl/tpuctl"), *args], env=daemon.env(),
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def engine_sessions(daemon):
+    """tpud's sessions of vLLM engine cores, by pid."""
+    sessions = json.loads(tpuctl(daemon, "sessions", "--json"))["sessions"]
+    return {s["pid"]: s for s in sessions if "EngineCore" in s["command"]}
+
+
+def test_two_servers_share_a_chip_with_quotas_and_survive_a_kill(checkpoints):
+    import concurrent.futures
+    import time
+    import urllib.request
+
+    from conftest import Daemon
+
+    port = free_port()
+    daemon = Daemon(hbm="1GiB", extra_flags=[f"--metrics_address=127.0.0.1:{port}"])
+    servers = []
+    try:
+        # Each server's engine opens its tpud session under the default quota
+        # of the moment: 192 MiB for the first, 128 MiB for the second.
+        for quota in ("192MiB", "128MiB"):
+            tpuctl(daemon, "quota", "--default", quota)
+            servers.append(Server(checkpoints["llama" if not servers else "qwen2"],
+                                  vllm_env(daemon, in_process=False),
+                                  ["--enforce-eager", "--gpu-memory-utilization", "0.5"]))
+        tpuctl(daemon, "quota", "--default", "none")
+        a, b = servers
+        engines = engine_sessions(daemon)
+        quotas = sorted(s["quota_bytes_per_chip"] for s in engines.values())
+        assert quotas == [128 << 20, 192 << 20], engines
+        # vLLM sized each KV cache within its own quota: half of it.
+        for s in engines.values():
+            assert s["hbm_bytes"] <= s["quota_bytes_per_chip"] // 2 + (8 << 20), s
+            assert s["hbm_bytes"] > s["quota_bytes_per_chip"] // 4, s
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            metrics = r.read().decode()
+        info = [line for line in metrics.splitlines()
+                if line.startswith("tpud_session_info") and "EngineCore" in line]
+        assert len(info) == 2, metrics[:3000]
+        status = tpuctl(daemon, "status")
+        assert status.count("EngineCore") == 2, status
+
+        ids = prompts(6, 31)
+        expected = {"a": cpu_tokens(a.model, ids), "b": cpu_tokens(b.model, ids)}
+        # Both serve at once, every answer right.
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            jobs = [(name, i, pool.submit(srv.complete, p)) for name, srv in (("a", a), ("b", b))
+                    for i, p in enumerate(ids) for _ in range(2)]
+            for name, i, job in jobs:
+                assert job.result()["choices"][0]["token_ids"] == expected[name][i], (name, i)
+
+        # kill -9 of the first server: the second goes on, and the first
+        # one's HBM comes back at once.
+        a_pids = set(a.pids())
+        used_before = sum(s["hbm_bytes"] for s in engine_sessions(daemon).values())
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            during = [pool.submit(b.complete, p) for p in ids]
+            a.kill()
+            for i, job in enumerate(during):
+                assert job.result()["choices"][0]["token_ids"] == expected["b"][i]
+        deadline = time.time() + 10
+        while time.time() < deadline and set(engine_sessions(daemon)) & a_pids:
+            time.sleep(0.1)
+        left = engine_sessions(daemon)
+        assert not set(left) & a_pids, left
+        assert sum(s["hbm_bytes"] for s in left.values()) < used_before
+        assert [b.complete(p)["choices"][0]["token_ids"] for p in ids] == expected["b"]
+        assert daemon.alive()
+    finally:
+        for s in servers:
+            s.stop()
+        daemon.stop()
+
+
+def test_a_kv_cache_past_the_quota_is_refused_with_what_to_change(tpud, checkpoints):
+    tpuctl(tpud, "quota", "--default", "64MiB")
+    try:
+        spec = {"model": checkpoints["llama"], "kv_cache_bytes": 256 << 20, "runs": {}}
+        r = subprocess.run([str(VLLM_PY), str(JOB), "offline", json.dumps(spec)],
+                           env=vllm_env(tpud), capture_output=True, text=True, timeout=300)
+    finally:
+        tpuctl(tpud, "quota", "--default", "none")
+    assert r.returncode != 0
+    assert ("a KV cache of 0.25 GiB (--kv-cache-memory-bytes) cannot fit: this session's "
+            "quota on tpu:0 is 0.06 GiB") in r.stderr, r.stderr[-3000:]
+    assert "raise the quota (tpuctl quota" in r.stderr

@@ -56,20 +56,26 @@ class TpudWorker(Worker):
     def _requested_memory(self) -> int:
         """gpu_memory_utilization of the session's budget on its chip."""
         util = self.cache_config.gpu_memory_utilization
+        kv_bytes = self.cache_config.kv_cache_memory_bytes
         b = torch.tpu.memory_budget(self.device)
         requested = math.ceil(b.budget * util)
-        if self.cache_config.kv_cache_memory_bytes is None and b.available + b.held < requested:
-            if b.quota:
-                where = (f"this session's quota on tpu:{self.local_rank} is "
-                         f"{format_gib(b.quota)} GiB and {format_gib(b.available)} GiB of it "
-                         "is free")
-            else:
-                where = (f"tpu:{self.local_rank} has {format_gib(b.available)} GiB free of "
-                         f"{format_gib(b.total)} GiB (other processes hold the rest)")
+        if b.quota:
+            where = (f"this session's quota on tpu:{self.local_rank} is "
+                     f"{format_gib(b.quota)} GiB, {format_gib(b.available)} GiB of it free")
+        else:
+            where = (f"tpu:{self.local_rank} has {format_gib(b.available)} GiB free of "
+                     f"{format_gib(b.total)} GiB (other processes hold the rest)")
+        if kv_bytes is not None and kv_bytes > b.available:
+            raise ValueError(
+                f"tpu: a KV cache of {format_gib(kv_bytes)} GiB (--kv-cache-memory-bytes) "
+                f"cannot fit: {where}. Lower --kv-cache-memory-bytes or raise the quota "
+                "(tpuctl quota, or a larger device-plugin allocation).")
+        if kv_bytes is None and b.available + b.held < requested:
             raise ValueError(
                 f"tpu: gpu_memory_utilization={util} asks for {format_gib(requested)} GiB, "
                 f"but {where}. Lower --gpu-memory-utilization, set "
-                "--kv-cache-memory-bytes, or raise the quota (tpuctl quota).")
+                "--kv-cache-memory-bytes, or raise the quota (tpuctl quota, or a larger "
+                "device-plugin allocation).")
         logger.info("tpu:%d budget %s GiB (%s), requested %s GiB", self.local_rank,
                     format_gib(b.budget), "quota" if b.quota else "chip HBM",
                     format_gib(requested))
