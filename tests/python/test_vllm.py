@@ -33,6 +33,8 @@ def vllm_env(daemon=None, cpu=False, in_process=True, extra=None):
         # The engine core in this process: the job can see where the model is.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.pop("PYTHONPATH", None)
+    # vLLM's own sockets between its processes: loopback only.
+    env["VLLM_HOST_IP"] = "127.0.0.1"
     env.update(extra or {})
     return env
 
@@ -101,6 +103,34 @@ def test_offline_tokens_equal_vllm_cpu(tpud, checkpoints, kind):
     assert len(set(map(tuple, tpu["runs"]["seeded"]["tokens"]))) > 1
     # The second pass over the shared prefix was served from cached blocks.
     assert tpu["metrics"]["vllm:prefix_cache_hits"] >= 8 * 32
+
+
+def test_tensor_parallel_2_over_two_chips_gives_the_same_tokens(tpud, checkpoints):
+    spec = {"model": checkpoints["qwen2"], "tp": 2,
+            "runs": {"batch": {"prompts": prompts(8, 41)}}}
+    r = subprocess.run([str(VLLM_PY), str(JOB), "offline", json.dumps(spec)],
+                       env=vllm_env(tpud, in_process=False), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    tp2 = last_json(r.stdout)["runs"]["batch"]["tokens"]
+    # Two workers, one per chip, joined by the "tpu" torch.distributed backend.
+    log = r.stdout + r.stderr
+    assert "world_size=2 rank=1 local_rank=1" in log and "backend=tpu" in log, log[-4000:]
+    assert tp2 == cpu_tokens(checkpoints["qwen2"], prompts(8, 41), max_tokens=16)
+
+
+def test_compiled_model_step_gives_the_eager_tokens(tpud, checkpoints):
+    runs = {"one": {"prompts": prompts(1)}, "batch": {"prompts": prompts(16, 51)}}
+    compiled = run_job(["offline", json.dumps({"model": checkpoints["llama"], "eager": False,
+                                               "in_process": True, "runs": runs})],
+                       vllm_env(tpud))
+    eager = run_job(["offline", json.dumps({"model": checkpoints["llama"], "in_process": True,
+                                            "runs": runs})], vllm_env(tpud))
+    for name in runs:
+        assert compiled["runs"][name]["tokens"] == eager["runs"][name]["tokens"], name
+    # The model went through torch.compile's "tpu" backend (Dynamo, once).
+    assert compiled["compile"]["eager_calls"] + compiled["compile"]["runs"] > 0
+    assert eager["compile"]["eager_calls"] + eager["compile"]["runs"] == 0
 
 
 def free_port():

@@ -85,6 +85,10 @@ def offline(spec):
                    .parameters()).device
         result["param_device"] = str(dev)
         result["memory_allocated"] = torch.accelerator.memory_allocated() if dev.type != "cpu" else 0
+        if dev.type == "tpu":
+            from torch_tpu import _compile
+
+            result["compile_before_runs"] = dict(_compile.stats)
     for name, run in spec["runs"].items():
         prompts = [TokensPrompt(prompt_token_ids=p) for p in run["prompts"]]
         sp = SamplingParams(temperature=run.get("temperature", 0.0), seed=run.get("seed"),
@@ -94,6 +98,11 @@ def offline(spec):
         outs = llm.generate(prompts, sp, use_tqdm=False)
         result["runs"][name] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
                                 "seconds": time.time() - t}
+    if spec.get("in_process") and result["param_device"].startswith("tpu"):
+        from torch_tpu import _compile
+
+        result["compile"] = dict(_compile.stats)
+        result["eager_reasons"] = _compile.explain()
     # vLLM's own counters: prefix-cache hits show that cached blocks were read.
     result["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
                          if "prefix_cache" in m.name or m.name.endswith("prompt_tokens")}

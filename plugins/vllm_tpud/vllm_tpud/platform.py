@@ -128,6 +128,9 @@ class TpudPlatform(Platform):
             # "tpu" backend: one tpud program per shape.
             compilation_config.mode = CompilationMode.DYNAMO_TRACE_ONCE
             compilation_config.backend = "tpu"
+            # vLLM's ahead-of-time artifacts are Inductor's output code;
+            # tpud programs are built again by each process.
+            os.environ["VLLM_USE_AOT_COMPILE"] = "0"
 
         # Sampled tokens are read back at once; no overlapped scheduling.
         vllm_config.scheduler_config.async_scheduling = False
