@@ -128,108 +128,17 @@ def test_compiled_model_step_gives_the_eager_tokens(tpud, checkpoints):
                                             "runs": runs})], vllm_env(tpud))
     for name in runs:
         assert compiled["runs"][name]["tokens"] == eager["runs"][name]["tokens"], name
-    # The model went through torch.compile's "tpu" backend (Dynamo, once).
-    assert compiled["compile"]["eager_calls"] + compiled["compile"]["runs"] > 0
-    assert eager["compile"]["eager_calls"] + eager["compile"]["runs"] == 0
+    # vLLM's piecewise compilation handed the pieces between attention calls
+    # to vllm_tpud's compiler: they ran as tpud programs.
+    assert compiled["compile"]["captures"] > 0
+    assert compiled["compile"]["runs"] > compiled["compile"]["captures"]
+    assert eager["compile"]["captures"] + eager["compile"]["runs"] == 0
 
 
-def free_port():
-    import socket
+def Server(model, env, args=()):
+    from vllm_server import VllmServer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`vllm serve` on loopback, in its own process group."""
-
-    def __init__(self, model, env, args=(), log_dir=None):
-        import tempfile
-        import time
-        import urllib.request
-
-        self.model = model
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = os.path.join(log_dir or tempfile.mkdtemp(prefix="vllm-serve."),
-                                     f"serve-{self.port}.log")
-        self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [str(VLLM_PY.parent / "vllm"), "serve", model, "--host", "127.0.0.1",
-             "--port", str(self.port), "--dtype", "float32", "--max-model-len", "512",
-             "--seed", "0", *args],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited with {self.proc.returncode}:\n"
-                                     + self.log_tail())
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.kill()
-        raise AssertionError("vllm serve did not come up in 300 s:\n" + self.log_tail())
-
-    def log_tail(self, n=6000):
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-n:]
-
-    def post(self, path, body, stream=False):
-        """The JSON answer, or with stream the list of server-sent events'
-        JSON payloads. An HTTP error status comes back as (status, JSON)."""
-        import urllib.error
-        import urllib.request
-
-        req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                if not stream:
-                    return json.loads(r.read())
-                events = []
-                for raw in r:
-                    line = raw.decode().strip()
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        events.append(json.loads(line[len("data: "):]))
-                return events
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
-    def complete(self, prompt, max_tokens=12, stream=False, **kw):
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0, "return_token_ids": True, "stream": stream, **kw}
-        return self.post("/v1/completions", body, stream=stream)
-
-    def pids(self):
-        """This server's processes (the API server and its engine core)."""
-        out = subprocess.run(["pgrep", "-s", str(self.proc.pid)], capture_output=True,
-                             text=True).stdout
-        return [int(p) for p in out.split()]
-
-    def stop(self):
-        import signal
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.log.close()
-
-    def kill(self):
-        import signal
-
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+    return VllmServer(VLLM_PY.parent / "vllm", model, env, args)
 
 
 def cpu_tokens(model, prompt_lists, max_tokens=12):
@@ -297,6 +206,7 @@ def test_two_servers_share_a_chip_with_quotas_and_survive_a_kill(checkpoints):
     import urllib.request
 
     from conftest import Daemon
+    from vllm_server import free_port
 
     port = free_port()
     daemon = Daemon(hbm="1GiB", extra_flags=[f"--metrics_address=127.0.0.1:{port}"])

@@ -105,16 +105,17 @@ class _Program:
 class _CompiledGraph:
     """What runs one forward or backward graph (AOTAutograd calls it boxed)."""
 
-    def __init__(self, gm, kind):
+    def __init__(self, gm, kind, max_captures=None):
         self.gm = gm
         self.name = f"graph {next(_graph_ids)} ({kind})"
         self.programs = {}
+        self.max_captures = MAX_CAPTURES_PER_GRAPH if max_captures is None else max_captures
 
     def __call__(self, args):
         key = _signature(args)
         prog = self.programs.get(key) if key is not None else None
         if prog is None and key is not None and key not in self.programs:
-            if len(self.programs) >= MAX_CAPTURES_PER_GRAPH:
+            if len(self.programs) >= self.max_captures:
                 self._give_up(key, f"{len(self.programs)} input signatures captured already (a host "
                                    "value that changes every call? a capturable optimizer keeps "
                                    "its step on the device)")

@@ -18,6 +18,7 @@ logger = init_logger(__name__)
 
 ATTENTION_BACKEND = "vllm_tpud.attention.TpudAttentionBackend"
 WORKER = "vllm_tpud.worker.TpudWorker"
+COMPILER = "vllm_tpud.compiler.TpudCompiler"
 
 
 class TpudPlatform(Platform):
@@ -61,6 +62,13 @@ class TpudPlatform(Platform):
                         selected_backend.name)
         register_backend(AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND)
         return AttentionBackendEnum.CUSTOM.get_path()
+
+    @classmethod
+    def get_compile_backend(cls) -> str:
+        # What vLLM's piecewise compilation hands each piece of the model to
+        # (vLLM's small @torch.compile helpers use simple_compile_backend,
+        # torch_tpu's Dynamo backend "tpu").
+        return COMPILER
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
@@ -124,13 +132,23 @@ class TpudPlatform(Platform):
         compilation_config.cudagraph_mode = CUDAGraphMode.NONE
         compilation_config.cudagraph_capture_sizes = []
         if compilation_config.mode != CompilationMode.NONE:
-            # The model step is captured once by Dynamo and compiled by the
-            # "tpu" backend: one tpud program per shape.
-            compilation_config.mode = CompilationMode.DYNAMO_TRACE_ONCE
+            # vLLM's own piecewise compilation: Dynamo traces the model once,
+            # the graph is split at the attention ops, and each piece goes to
+            # vllm_tpud.compiler (tpud programs per input signature).
+            compilation_config.mode = CompilationMode.VLLM_COMPILE
             compilation_config.backend = "tpu"
             # vLLM's ahead-of-time artifacts are Inductor's output code;
             # tpud programs are built again by each process.
             os.environ["VLLM_USE_AOT_COMPILE"] = "0"
+            if compilation_config.compile_sizes is None:
+                compilation_config.compile_sizes = []
+            # vLLM's fusion passes rewrite graphs into CUDA and Inductor
+            # kernels: none apply here.
+            passes = compilation_config.pass_config
+            for name in list(vars(passes)):
+                if (name.startswith("fuse_") or name.startswith("enable_")) and \
+                        getattr(passes, name) is True:
+                    setattr(passes, name, False)
 
         # Sampled tokens are read back at once; no overlapped scheduling.
         vllm_config.scheduler_config.async_scheduling = False

@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""vLLM serving on tpu (through tpud and plugins/vllm_tpud) against vLLM's
+own CPU path, on the same tiny checkpoint, in the same run.
+
+    .venv/bin/python bench/serving_bench.py [--tpud bazel-bin/daemon/tpud] [--reduced]
+
+Each side is a real `vllm serve` on loopback (the .venv-vllm environment),
+asked by N client threads at once; each request is a 32-token prompt and
+exactly --max-tokens greedy tokens. One JSON object per line:
+
+  serving_tokens_per_s_N           N = 1, 8, 32 concurrent requests: output
+                                   tokens per second, tpu (eager) over CPU.
+                                   Target 0.5.
+  serving_tokens_per_s_N_compiled  the same with the model step compiled
+                                   (torch.compile through the "tpu" backend)
+                                   over CPU (vLLM's own compiled CPU path).
+                                   Target 1.0.
+  serving_latency_8                time to first token and inter-token
+                                   latency, p50 and p99, at N = 8, both sides.
+  two_servers_aggregate            two tpu servers sharing the host (and its
+                                   chip 0), the requests split between them,
+                                   against one tpu server alone with the same
+                                   requests. Target 0.8.
+
+--reduced: N = 1 and 8, fewer requests, no compiled servers (CI runs this).
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from tpud_process import TpudProcess  # noqa: E402
+from vllm_server import VllmServer  # noqa: E402
+
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+JOB = ROOT / "tests" / "python" / "vllm_job.py"
+
+
+def env_for(daemon=None, cpu=False):
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    env["VLLM_HOST_IP"] = "127.0.0.1"
+    if cpu:
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+    if daemon is not None:
+        env = daemon.env(env)
+    return env
+
+
+def prompt(i):
+    return [(11 * i + 5 * j) % 500 + 4 for j in range(32)]
+
+
+def load(servers, concurrency, requests_per_client, max_tokens):
+    """N clients at once, each `requests_per_client` requests in turn, spread
+    over `servers` round-robin: (output tokens per second, streams' times)."""
+    def client(c):
+        srv = servers[c % len(servers)]
+        return [srv.stream_times(prompt(c * 97 + r), max_tokens)
+                for r in range(requests_per_client)]
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(client, range(concurrency)))
+    wall = time.perf_counter() - t0
+    streams = [s for per_client in results for s in per_client]
+    tokens = sum(n for s in streams for _, n in s)
+    expected = concurrency * requests_per_client * max_tokens
+    if tokens != expected:
+        raise RuntimeError(f"{tokens} tokens came back, {expected} were asked for")
+    return tokens / wall, streams
+
+
+def percentile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def latencies(streams):
+    ttft = [s[0][0] for s in streams]
+    itl = [(b[0] - a[0]) / b[1] for s in streams for a, b in zip(s, s[1:])]
+    return {"ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99)}
+
+
+def serve(model, env, compiled, log_dir):
+    args = ["--max-num-seqs", "32", "--kv-cache-memory-bytes", str(64 << 20)]
+    if not compiled:
+        args.append("--enforce-eager")
+    return VllmServer(VLLM_PY.parent / "vllm", model, env, args, log_dir=log_dir)
+
+
+def measure(model, env, compiled, sizes, requests, max_tokens, log_dir):
+    srv = serve(model, env, compiled, log_dir)
+    try:
+        load([srv], 2, 1, 4)  # warm-up
+        out = {}
+        for n in sizes:
+            out[n] = load([srv], n, requests, max_tokens)
+        return out
+    finally:
+        srv.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tpud", default=str(ROOT / "bazel-bin" / "daemon" / "tpud"))
+    ap.add_argument("--reduced", action="store_true")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    args = ap.parse_args()
+    sizes = [1, 8] if args.reduced else [1, 8, 32]
+    requests = 2 if args.reduced else 4
+    work = tempfile.mkdtemp(prefix="serving-bench.")
+    model = os.path.join(work, "llama")
+    subprocess.run([str(VLLM_PY), str(JOB), "checkpoint", model, "llama"], env=env_for(),
+                   check=True, capture_output=True)
+    daemon = TpudProcess(args.tpud, hbm="2GiB", prefix="tpud-serving.", log_to_file=True)
+    daemon.start()
+    try:
+        figures = {}
+        modes = [False] if args.reduced else [False, True]
+        for compiled in modes:
+            cpu = measure(model, env_for(cpu=True), compiled, sizes, requests, args.max_tokens, work)
+            tpu = measure(model, env_for(daemon), compiled, sizes, requests, args.max_tokens, work)
+            figures[compiled] = (cpu, tpu)
+            suffix = "_compiled" if compiled else ""
+            for n in sizes:
+                print(json.dumps({
+                    "name": f"serving_tokens_per_s_{n}{suffix}",
+                    "speed_ratio": round(tpu[n][0] / cpu[n][0], 4),
+                    "target": 1.0 if compiled else 0.5,
+                    "project_tokens_per_s": round(tpu[n][0], 2),
+                    "baseline_tokens_per_s": round(cpu[n][0], 2),
+                    "baseline": "vLLM's CPU path, same checkpoint" + (", compiled" if compiled else ""),
+                    "work": f"{n} concurrent clients x {requests} requests, 32-token prompts, "
+                            f"{args.max_tokens} output tokens each"}), flush=True)
+        cpu, tpu = figures[False]
+        print(json.dumps({"name": "serving_latency_8", "concurrency": 8,
+                          "tpu": {k: round(v, 5) for k, v in latencies(tpu[8][1]).items()},
+                          "cpu": {k: round(v, 5) for k, v in latencies(cpu[8][1]).items()}}),
+              flush=True)
+
+        # Two tpu servers sharing the host against one alone, same requests.
+        env = env_for(daemon)
+        one = serve(model, env, False, work)
+        try:
+            load([one], 2, 1, 4)
+            alone, _ = load([one], 8, requests, args.max_tokens)
+        finally:
+            one.stop()
+        pair = [serve(model, env, False, work) for _ in range(2)]
+        try:
+            load(pair, 2, 1, 4)
+            shared, _ = load(pair, 8, requests, args.max_tokens)
+        finally:
+            for s in pair:
+                s.stop()
+        print(json.dumps({"name": "two_servers_aggregate", "speed_ratio": round(shared / alone, 4),
+                          "target": 0.8, "project_tokens_per_s": round(shared, 2),
+                          "baseline_tokens_per_s": round(alone, 2),
+                          "baseline": "one tpu server alone",
+                          "work": f"8 clients x {requests} requests, split over two servers"}),
+              flush=True)
+    finally:
+        daemon.close()
+
+
+if __name__ == "__main__":
+    main()
