@@ -101,9 +101,9 @@ def serve(model, env, compiled, log_dir):
 def measure(model, env, compiled, sizes, requests, max_tokens, log_dir):
     srv = serve(model, env, compiled, log_dir)
     try:
-        load([srv], 2, 1, 4)  # warm-up
         out = {}
         for n in sizes:
+            load([srv], n, 1, max_tokens)  # warm-up: every batch size the load will see
             out[n] = load([srv], n, requests, max_tokens)
         return out
     finally:
@@ -152,13 +152,13 @@ def main():
         env = env_for(daemon)
         one = serve(model, env, False, work)
         try:
-            load([one], 2, 1, 4)
+            load([one], 8, 1, args.max_tokens)
             alone, _ = load([one], 8, requests, args.max_tokens)
         finally:
             one.stop()
         pair = [serve(model, env, False, work) for _ in range(2)]
         try:
-            load(pair, 2, 1, 4)
+            load(pair, 8, 1, args.max_tokens)
             shared, _ = load(pair, 8, requests, args.max_tokens)
         finally:
             for s in pair:

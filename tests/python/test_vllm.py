@@ -19,8 +19,9 @@ VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 JOB = HERE / "vllm_job.py"
 TPUD_HBM = "1GiB"
 
-pytestmark = pytest.mark.skipif(not VLLM_PY.exists(),
-                                reason=".venv-vllm missing: run tools/setup.sh")
+pytestmark = [pytest.mark.skipif(not VLLM_PY.exists(),
+                                 reason=".venv-vllm missing: run tools/setup.sh"),
+              pytest.mark.slow]  # each test starts vLLM engines (seconds each)
 
 
 def vllm_env(daemon=None, cpu=False, in_process=True, extra=None):
@@ -280,3 +281,24 @@ def test_a_kv_cache_past_the_quota_is_refused_with_what_to_change(tpud, checkpoi
     assert ("a KV cache of 0.25 GiB (--kv-cache-memory-bytes) cannot fit: this session's "
             "quota on tpu:0 is 0.06 GiB") in r.stderr, r.stderr[-3000:]
     assert "raise the quota (tpuctl quota" in r.stderr
+
+
+def test_serving_bench_reduced_gives_every_figure():
+    """bench/serving_bench.py --reduced: every figure, from real servers. No
+    timing checks (the bench compares against CPU in its own run)."""
+    import sys
+
+    from conftest import bazel_bin
+
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "serving_bench.py"), "--reduced",
+                        "--tpud", bazel_bin("daemon/tpud")],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-4000:]
+    figures = {d["name"]: d for d in map(json.loads, (l for l in r.stdout.splitlines()
+                                                       if l.startswith("{")))}
+    for name in ("serving_tokens_per_s_1", "serving_tokens_per_s_8", "two_servers_aggregate"):
+        assert figures[name]["speed_ratio"] > 0, figures
+    lat = figures["serving_latency_8"]
+    for side in ("tpu", "cpu"):
+        assert 0 < lat[side]["ttft_p50_s"] <= lat[side]["ttft_p99_s"], lat
+        assert 0 < lat[side]["itl_p50_s"] <= lat[side]["itl_p99_s"], lat
