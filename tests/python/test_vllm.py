@@ -269,6 +269,28 @@ def test_two_servers_share_a_chip_with_quotas_and_survive_a_kill(checkpoints):
         daemon.stop()
 
 
+def test_tpud_gone_under_a_server_is_an_error_not_a_hang(checkpoints):
+    import time
+
+    from conftest import Daemon
+
+    daemon = Daemon(hbm="256MiB")
+    server = Server(checkpoints["llama"], vllm_env(daemon, in_process=False),
+                    ["--enforce-eager", "--kv-cache-memory-bytes", str(16 << 20)])
+    try:
+        assert server.complete(prompts(1)[0])["choices"][0]["token_ids"]
+        daemon.proc.kill()
+        daemon.proc.wait()
+        t0 = time.time()
+        status, body = server.complete(prompts(1)[0])
+        assert status == 500 and time.time() - t0 < 30, body
+        server.proc.wait(60)  # the engine is dead: vLLM's server exits
+        assert "tpud at" in server.log_tail(200000) and "went away" in server.log_tail(200000)
+    finally:
+        server.stop()
+        daemon.stop()
+
+
 def test_a_kv_cache_past_the_quota_is_refused_with_what_to_change(tpud, checkpoints):
     tpuctl(tpud, "quota", "--default", "64MiB")
     try:

@@ -203,12 +203,10 @@ class TpudAttentionImpl(AttentionImpl):
         # [reqs, blocks, heads, slots, 2d] -> [reqs, heads, blocks * slots, 2d]
         kv = kv_cache[md.block_table].permute(0, 2, 1, 3, 4).reshape(r, hkv, -1, 2 * d)
         k, v = kv[..., :d], kv[..., d:]
-        if hkv != h:
-            k = k.repeat_interleave(h // hkv, dim=1)
-            v = v.repeat_interleave(h // hkv, dim=1)
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        out = F.scaled_dot_product_attention(packed, k, v, attn_mask=md.mask, scale=self.scale)
+        out = F.scaled_dot_product_attention(packed, k, v, attn_mask=md.mask, scale=self.scale,
+                                             enable_gqa=hkv != h)
         out = out.transpose(1, 2).reshape(r * lq, h, d)
         if lq != 1:
             out = out.index_select(0, md.token_dst)
