@@ -22,7 +22,11 @@ exactly --max-tokens greedy tokens. One JSON object per line:
                                    against one tpu server alone with the same
                                    requests. Target 0.8.
 
---reduced: N = 1 and 8, fewer requests, no compiled servers (CI runs this).
+Each figure is the median of --rounds rounds (default 2); in a round each
+server runs alone on the machine (the CPU one, then the tpu one).
+
+--reduced: N = 1 and 8, fewer requests, one round, no compiled servers (CI
+runs this).
 """
 import argparse
 import concurrent.futures
@@ -98,16 +102,19 @@ def serve(model, env, compiled, log_dir):
     return VllmServer(VLLM_PY.parent / "vllm", model, env, args, log_dir=log_dir)
 
 
-def measure(model, env, compiled, sizes, requests, max_tokens, log_dir):
-    srv = serve(model, env, compiled, log_dir)
+def measure(servers_env, model, compiled, sizes, requests, max_tokens, log_dir, count=1):
+    """`count` servers up (alone on the machine), each load of `sizes` after a
+    warm-up of that size: {size: (tokens per second, streams)}."""
+    servers = [serve(model, servers_env, compiled, log_dir) for _ in range(count)]
     try:
         out = {}
         for n in sizes:
-            load([srv], n, 1, max_tokens)  # warm-up: every batch size the load will see
-            out[n] = load([srv], n, requests, max_tokens)
+            load(servers, n, 1, max_tokens)
+            out[n] = load(servers, n, requests, max_tokens)
         return out
     finally:
-        srv.stop()
+        for s in servers:
+            s.stop()
 
 
 def main():
@@ -115,9 +122,11 @@ def main():
     ap.add_argument("--tpud", default=str(ROOT / "bazel-bin" / "daemon" / "tpud"))
     ap.add_argument("--reduced", action="store_true")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     sizes = [1, 8] if args.reduced else [1, 8, 32]
-    requests = 2 if args.reduced else 4
+    requests = 2 if args.reduced else 6
+    rounds = 1 if args.reduced else args.rounds
     work = tempfile.mkdtemp(prefix="serving-bench.")
     model = os.path.join(work, "llama")
     subprocess.run([str(VLLM_PY), str(JOB), "checkpoint", model, "llama"], env=env_for(),
@@ -125,49 +134,44 @@ def main():
     daemon = TpudProcess(args.tpud, hbm="2GiB", prefix="tpud-serving.", log_to_file=True)
     daemon.start()
     try:
-        figures = {}
         modes = [False] if args.reduced else [False, True]
         for compiled in modes:
-            cpu = measure(model, env_for(cpu=True), compiled, sizes, requests, args.max_tokens, work)
-            tpu = measure(model, env_for(daemon), compiled, sizes, requests, args.max_tokens, work)
-            figures[compiled] = (cpu, tpu)
+            # Rounds of: vLLM's CPU server alone, then the tpu server alone.
+            pairs = [(measure(env_for(cpu=True), model, compiled, sizes, requests,
+                              args.max_tokens, work),
+                      measure(env_for(daemon), model, compiled, sizes, requests,
+                              args.max_tokens, work)) for _ in range(rounds)]
             suffix = "_compiled" if compiled else ""
             for n in sizes:
+                ratio = statistics.median(t[n][0] / c[n][0] for c, t in pairs)
                 print(json.dumps({
-                    "name": f"serving_tokens_per_s_{n}{suffix}",
-                    "speed_ratio": round(tpu[n][0] / cpu[n][0], 4),
+                    "name": f"serving_tokens_per_s_{n}{suffix}", "speed_ratio": round(ratio, 4),
                     "target": 1.0 if compiled else 0.5,
-                    "project_tokens_per_s": round(tpu[n][0], 2),
-                    "baseline_tokens_per_s": round(cpu[n][0], 2),
+                    "project_tokens_per_s": [round(t[n][0], 2) for _, t in pairs],
+                    "baseline_tokens_per_s": [round(c[n][0], 2) for c, _ in pairs],
                     "baseline": "vLLM's CPU path, same checkpoint" + (", compiled" if compiled else ""),
                     "work": f"{n} concurrent clients x {requests} requests, 32-token prompts, "
-                            f"{args.max_tokens} output tokens each"}), flush=True)
-        cpu, tpu = figures[False]
-        print(json.dumps({"name": "serving_latency_8", "concurrency": 8,
-                          "tpu": {k: round(v, 5) for k, v in latencies(tpu[8][1]).items()},
-                          "cpu": {k: round(v, 5) for k, v in latencies(cpu[8][1]).items()}}),
-              flush=True)
+                            f"{args.max_tokens} output tokens each; median of {rounds} rounds "
+                            "(CPU server alone, then tpu server alone)"}), flush=True)
+            if not compiled:
+                c, t = pairs[-1]
+                print(json.dumps({"name": "serving_latency_8", "concurrency": 8,
+                                  "tpu": {k: round(v, 5) for k, v in latencies(t[8][1]).items()},
+                                  "cpu": {k: round(v, 5) for k, v in latencies(c[8][1]).items()}}),
+                      flush=True)
 
         # Two tpu servers sharing the host against one alone, same requests.
-        env = env_for(daemon)
-        one = serve(model, env, False, work)
-        try:
-            load([one], 8, 1, args.max_tokens)
-            alone, _ = load([one], 8, requests, args.max_tokens)
-        finally:
-            one.stop()
-        pair = [serve(model, env, False, work) for _ in range(2)]
-        try:
-            load(pair, 8, 1, args.max_tokens)
-            shared, _ = load(pair, 8, requests, args.max_tokens)
-        finally:
-            for s in pair:
-                s.stop()
-        print(json.dumps({"name": "two_servers_aggregate", "speed_ratio": round(shared / alone, 4),
-                          "target": 0.8, "project_tokens_per_s": round(shared, 2),
-                          "baseline_tokens_per_s": round(alone, 2),
+        pairs = [(measure(env_for(daemon), model, False, [8], requests, args.max_tokens, work),
+                  measure(env_for(daemon), model, False, [8], requests, args.max_tokens, work,
+                          count=2)) for _ in range(rounds)]
+        ratio = statistics.median(two[8][0] / one[8][0] for one, two in pairs)
+        print(json.dumps({"name": "two_servers_aggregate", "speed_ratio": round(ratio, 4),
+                          "target": 0.8,
+                          "project_tokens_per_s": [round(two[8][0], 2) for _, two in pairs],
+                          "baseline_tokens_per_s": [round(one[8][0], 2) for one, _ in pairs],
                           "baseline": "one tpu server alone",
-                          "work": f"8 clients x {requests} requests, split over two servers"}),
+                          "work": f"8 clients x {requests} requests, split over two servers; "
+                                  f"median of {rounds} rounds"}),
               flush=True)
     finally:
         daemon.close()
