@@ -110,7 +110,9 @@ class TpudAttentionMetadataBuilder(AttentionMetadataBuilder[TpudAttentionMetadat
         # copies of the query starts and sequence lengths, and go to the
         # device in two copies (a few dozen ops less each step).
         qsl = m.query_start_loc_cpu[:num_reqs + 1].to(torch.int64)
-        if m.seq_lens_cpu_upper_bound is not None:  # exact: no speculative decoding here
+        # The host copy is exact without speculative decoding, which the
+        # platform refuses.
+        if m.seq_lens_cpu_upper_bound is not None:
             seq_lens = m.seq_lens_cpu_upper_bound[:num_reqs].to(torch.int64)
         else:
             seq_lens = m.seq_lens[:num_reqs].to("cpu", torch.int64)
@@ -194,7 +196,7 @@ class TpudAttentionImpl(AttentionImpl):
         h, d, hkv = self.num_heads, self.head_size, self.num_kv_heads
 
         q = query[:n].view(n, h, d)
-        if lq == 1:  # decodes only: one query per request, in request order
+        if lq == 1 and n == r:  # decodes only: one query per request, in request order
             packed = q.view(r, 1, h, d).transpose(1, 2)
         else:
             packed = q.new_zeros(r * lq, h, d).index_copy_(0, md.token_dst, q)
@@ -208,7 +210,7 @@ class TpudAttentionImpl(AttentionImpl):
         out = F.scaled_dot_product_attention(packed, k, v, attn_mask=md.mask, scale=self.scale,
                                              enable_gqa=hkv != h)
         out = out.transpose(1, 2).reshape(r * lq, h, d)
-        if lq != 1:
+        if not (lq == 1 and n == r):
             out = out.index_select(0, md.token_dst)
         output[:n].copy_(out.reshape(output[:n].shape))
         return output

@@ -114,6 +114,9 @@ class TpudPlatform(Platform):
     def check_and_update_config(cls, vllm_config) -> None:
         from vllm.config import CompilationMode, CUDAGraphMode
 
+        if vllm_config.speculative_config is not None:
+            raise ValueError("tpu (vllm_tpud): speculative decoding is not supported; "
+                             "leave --speculative-config out")
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = WORKER
