@@ -38,6 +38,11 @@ def _device_and_accelerator_apis():
     assert "v6e" in torch.tpu.get_device_name()
     assert torch.bfloat16 in torch.tpu.get_amp_supported_dtype()
     assert torch.ones(2).to("tpu").is_tpu
+    # What the session may hold on a chip, as torch.tpu.memory_budget and
+    # mem_get_info see it (no quota here: the budget is the chip's HBM).
+    b = torch.tpu.memory_budget(1)
+    assert (b.total, b.quota, b.budget) == (1 << 30, 0, 1 << 30)
+    assert 0 < b.held and b.available == torch.tpu.mem_get_info(1)[0] <= b.budget - b.held
 
 
 def test_visible_chips_narrow_the_devices(tpud):

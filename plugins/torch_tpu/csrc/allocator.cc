@@ -213,17 +213,8 @@ class TpuAllocator final : public c10::DeviceAllocator {
   }
 
   std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
-    const int chip = ChipOf(device);
-    absl::StatusOr<tpu::MemoryStats> m = GetSession().GetMemoryStats();
-    Check(m.status(), "memory statistics");
-    const tpu::ChipMemoryStats& c = m->chips.at(chip);
-    size_t free = c.chip_free_bytes;
-    if (m->quota_bytes_per_chip != 0) {
-      free = std::min<size_t>(
-          free, m->quota_bytes_per_chip -
-                    std::min(m->quota_bytes_per_chip, c.session_bytes));
-    }
-    return {free, c.chip_total_bytes};
+    const SessionChipMemory m = GetSessionChipMemory(device);
+    return {m.available, m.chip_total};
   }
 
   void Release(Block* b) {
@@ -564,6 +555,24 @@ void ResizeStorage(const c10::Storage& storage, size_t newsize) {
   }
   impl->set_data_ptr_noswap(std::move(fresh));
   impl->set_nbytes(newsize);
+}
+
+SessionChipMemory GetSessionChipMemory(c10::DeviceIndex device) {
+  const int chip = ChipOf(device);
+  absl::StatusOr<tpu::MemoryStats> m = GetSession().GetMemoryStats();
+  Check(m.status(), "memory statistics");
+  const tpu::ChipMemoryStats& c = m->chips.at(chip);
+  SessionChipMemory out;
+  out.chip_total = c.chip_total_bytes;
+  out.chip_free = c.chip_free_bytes;
+  out.held = c.session_bytes;
+  out.quota = m->quota_bytes_per_chip;
+  out.available = out.chip_free;
+  if (out.quota != 0) {
+    out.available =
+        std::min(out.available, out.quota - std::min(out.quota, out.held));
+  }
+  return out;
 }
 
 }  // namespace torch_tpu

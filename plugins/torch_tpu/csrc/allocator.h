@@ -14,6 +14,19 @@ constexpr int kMaxDevices = 64;
 
 c10::DeviceAllocator* GetTpuAllocator();
 
+// What this session holds on the chip of `device` and what it may still
+// allocate there, from tpud: the one rule behind torch.accelerator's
+// get_memory_info (available, chip_total) and torch.tpu.memory_budget.
+struct SessionChipMemory {
+  uint64_t chip_total = 0;
+  uint64_t chip_free = 0;
+  uint64_t held = 0;   // this session's bytes on the chip
+  uint64_t quota = 0;  // the session's per-chip quota; 0: none
+  // The chip's free bytes, and no more than the quota less what is held.
+  uint64_t available = 0;
+};
+SessionChipMemory GetSessionChipMemory(c10::DeviceIndex device);
+
 // Whether this process ever had a block on `device` (without opening the
 // session).
 bool EverAllocatedOn(c10::DeviceIndex device);

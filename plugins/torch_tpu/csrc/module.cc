@@ -439,15 +439,13 @@ PYBIND11_MODULE(_C, m) {
   // What this session holds on the chip of device d and what it may hold:
   // torch.tpu.memory_budget, and vLLM's KV cache sizing through it.
   m.def("_session_memory", [](int d) {
-    const int chip = ChipOf(static_cast<c10::DeviceIndex>(d));
-    absl::StatusOr<tpu::MemoryStats> m = GetSession().GetMemoryStats();
-    Check(m.status(), "memory statistics");
-    const tpu::ChipMemoryStats& c = m->chips.at(chip);
+    const SessionChipMemory m =
+        GetSessionChipMemory(static_cast<c10::DeviceIndex>(d));
     py::dict out;
-    out["chip_total_bytes"] = c.chip_total_bytes;
-    out["chip_free_bytes"] = c.chip_free_bytes;
-    out["session_bytes"] = c.session_bytes;
-    out["quota_bytes"] = m->quota_bytes_per_chip;
+    out["chip_total_bytes"] = m.chip_total;
+    out["session_bytes"] = m.held;
+    out["quota_bytes"] = m.quota;
+    out["available_bytes"] = m.available;
     return out;
   });
   m.def("_mem_get_info", [](int d) {

@@ -6,6 +6,7 @@
 
 #include <ATen/core/CachingHostAllocator.h>
 
+#include <array>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -51,21 +52,13 @@ class PinnedAllocator final : public at::HostAllocator {
   }
   void reset_accumulated_stats() override {
     std::lock_guard<std::mutex> lock(mu_);
-    for (c10::CachingAllocator::Stat* s :
-         {&stats_.active_requests, &stats_.active_bytes, &stats_.allocations,
-          &stats_.allocated_bytes}) {
-      s->reset_accumulated();
-    }
+    for (c10::CachingAllocator::Stat* s : Counters()) s->reset_accumulated();
     stats_.num_host_alloc = 0;
     stats_.num_host_free = 0;
   }
   void reset_peak_stats() override {
     std::lock_guard<std::mutex> lock(mu_);
-    for (c10::CachingAllocator::Stat* s :
-         {&stats_.active_requests, &stats_.active_bytes, &stats_.allocations,
-          &stats_.allocated_bytes}) {
-      s->reset_peak();
-    }
+    for (c10::CachingAllocator::Stat* s : Counters()) s->reset_peak();
   }
 
   static void Delete(void* p);
@@ -84,6 +77,13 @@ class PinnedAllocator final : public at::HostAllocator {
   }
 
  private:
+  // The statistics kept (nothing is cached, so the active ones equal the
+  // allocated ones).
+  std::array<c10::CachingAllocator::Stat*, 4> Counters() {
+    return {&stats_.active_requests, &stats_.active_bytes, &stats_.allocations,
+            &stats_.allocated_bytes};
+  }
+
   std::mutex mu_;
   std::unordered_map<void*, size_t> sizes_;
   at::HostStats stats_;

@@ -175,14 +175,14 @@ def memory_budget(device=None):
     total: the chip's HBM; quota: the session's per-chip quota (0: none);
     budget: the quota where there is one, else the chip's HBM; held: what the
     session holds on the chip now; available: what it may still allocate
-    (the budget less what it holds, and no more than the chip has free).
+    (what the chip has free, and no more than the quota less what it holds:
+    mem_get_info's free figure).
     """
     m = _C._session_memory(_index(device))
-    budget = m["quota_bytes"] or m["chip_total_bytes"]
-    held = m["session_bytes"]
     return types.SimpleNamespace(
-        total=m["chip_total_bytes"], quota=m["quota_bytes"], budget=budget, held=held,
-        available=max(0, min(m["chip_free_bytes"], budget - held)))
+        total=m["chip_total_bytes"], quota=m["quota_bytes"],
+        budget=m["quota_bytes"] or m["chip_total_bytes"], held=m["session_bytes"],
+        available=m["available_bytes"])
 
 
 def get_device_properties(device=None):
