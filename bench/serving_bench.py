@@ -42,21 +42,10 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 from tpud_process import TpudProcess  # noqa: E402
-from vllm_server import VllmServer  # noqa: E402
+from vllm_server import VllmServer, vllm_env  # noqa: E402
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 JOB = ROOT / "tests" / "python" / "vllm_job.py"
-
-
-def env_for(daemon=None, cpu=False):
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    env["VLLM_HOST_IP"] = "127.0.0.1"
-    if cpu:
-        env["VLLM_TARGET_DEVICE"] = "cpu"
-    if daemon is not None:
-        env = daemon.env(env)
-    return env
 
 
 def prompt(i):
@@ -129,7 +118,7 @@ def main():
     rounds = 1 if args.reduced else args.rounds
     work = tempfile.mkdtemp(prefix="serving-bench.")
     model = os.path.join(work, "llama")
-    subprocess.run([str(VLLM_PY), str(JOB), "checkpoint", model, "llama"], env=env_for(),
+    subprocess.run([str(VLLM_PY), str(JOB), "checkpoint", model, "llama"], env=vllm_env(),
                    check=True, capture_output=True)
     daemon = TpudProcess(args.tpud, hbm="2GiB", prefix="tpud-serving.", log_to_file=True)
     daemon.start()
@@ -137,9 +126,9 @@ def main():
         modes = [False] if args.reduced else [False, True]
         for compiled in modes:
             # Rounds of: vLLM's CPU server alone, then the tpu server alone.
-            pairs = [(measure(env_for(cpu=True), model, compiled, sizes, requests,
+            pairs = [(measure(vllm_env(cpu=True), model, compiled, sizes, requests,
                               args.max_tokens, work),
-                      measure(env_for(daemon), model, compiled, sizes, requests,
+                      measure(vllm_env(daemon), model, compiled, sizes, requests,
                               args.max_tokens, work)) for _ in range(rounds)]
             suffix = "_compiled" if compiled else ""
             for n in sizes:
@@ -161,8 +150,8 @@ def main():
                       flush=True)
 
         # Two tpu servers sharing the host against one alone, same requests.
-        pairs = [(measure(env_for(daemon), model, False, [8], requests, args.max_tokens, work),
-                  measure(env_for(daemon), model, False, [8], requests, args.max_tokens, work,
+        pairs = [(measure(vllm_env(daemon), model, False, [8], requests, args.max_tokens, work),
+                  measure(vllm_env(daemon), model, False, [8], requests, args.max_tokens, work,
                           count=2)) for _ in range(rounds)]
         ratio = statistics.median(two[8][0] / one[8][0] for one, two in pairs)
         print(json.dumps({"name": "two_servers_aggregate", "speed_ratio": round(ratio, 4),

@@ -12,6 +12,20 @@ import urllib.error
 import urllib.request
 
 
+def vllm_env(daemon=None, cpu=False):
+    """os.environ for a vLLM process (.venv-vllm): pointed at `daemon` (a
+    TpudProcess), or on vLLM's own CPU platform with `cpu`; vLLM's sockets
+    between its own processes on loopback."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    env["VLLM_HOST_IP"] = "127.0.0.1"
+    if cpu:
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+    if daemon is not None:
+        env = daemon.env(env)
+    return env
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

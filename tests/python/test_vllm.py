@@ -7,11 +7,12 @@ test. The CPU runs are vLLM's own CPU platform (VLLM_TARGET_DEVICE=cpu) on
 the same checkpoint.
 """
 import json
-import os
 import pathlib
 import subprocess
 
 import pytest
+
+from vllm_job import prompt_ids as prompts
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -24,19 +25,13 @@ pytestmark = [pytest.mark.skipif(not VLLM_PY.exists(),
               pytest.mark.slow]  # each test starts vLLM engines (seconds each)
 
 
-def vllm_env(daemon=None, cpu=False, in_process=True, extra=None):
-    env = dict(os.environ)
-    if daemon is not None:
-        env = daemon.env(env)
-    if cpu:
-        env["VLLM_TARGET_DEVICE"] = "cpu"
+def vllm_env(daemon=None, cpu=False, in_process=True):
+    from vllm_server import vllm_env as base
+
+    env = base(daemon, cpu)
     if in_process:
         # The engine core in this process: the job can see where the model is.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    env.pop("PYTHONPATH", None)
-    # vLLM's own sockets between its processes: loopback only.
-    env["VLLM_HOST_IP"] = "127.0.0.1"
-    env.update(extra or {})
     return env
 
 
@@ -62,11 +57,6 @@ def checkpoints(tmp_path_factory):
         run_job(["checkpoint", str(d / kind), kind], vllm_env(in_process=False))
         out[kind] = str(d / kind)
     return out
-
-
-def prompts(n, seed=0, vocab=512):
-    return [[(7 * i + 13 * j + seed) % (vocab - 8) + 4 for j in range(5 + 3 * i)]
-            for i in range(n)]
 
 
 def offline_spec(model):

@@ -80,10 +80,12 @@ class TpudAttentionMetadata:
     num_reqs: int
     num_tokens: int  # the batch's real tokens (query_start_loc[num_reqs])
     max_query_len: int
-    num_blocks: int  # blocks per request that cover the longest context
+    decode_only: bool  # one new token per request: no query packing
     token_dst: torch.Tensor  # [num_tokens] int64: row of each token in the packed queries
-    mask: torch.Tensor  # [num_reqs, 1, max_query_len, num_blocks * block_size] bool
-    block_table: torch.Tensor  # [num_reqs, num_blocks]
+    # [num_reqs, 1, max_query_len, blocks * block_size] bool, `blocks` those
+    # that cover the longest context
+    mask: torch.Tensor
+    block_table: torch.Tensor  # [num_reqs, blocks]
     slot_block: torch.Tensor  # [num_tokens]: the cache block of each new token
     slot_offset: torch.Tensor  # [num_tokens]: its slot in the block
     # vLLM's own fields, which other parts of vLLM read.
@@ -133,7 +135,7 @@ class TpudAttentionMetadataBuilder(AttentionMetadataBuilder[TpudAttentionMetadat
         slots = m.slot_mapping[:num_tokens].to(torch.int64)
         return TpudAttentionMetadata(
             num_reqs=num_reqs, num_tokens=num_tokens, max_query_len=max_q,
-            num_blocks=num_blocks, token_dst=token_dst.to(dev),
+            decode_only=max_q == 1 and num_tokens == num_reqs, token_dst=token_dst.to(dev),
             mask=mask.unsqueeze(1).to(dev),
             block_table=m.block_table_tensor[:num_reqs, :num_blocks].to(torch.int64),
             slot_block=torch.div(slots, self.block_size, rounding_mode="floor"),
@@ -196,7 +198,7 @@ class TpudAttentionImpl(AttentionImpl):
         h, d, hkv = self.num_heads, self.head_size, self.num_kv_heads
 
         q = query[:n].view(n, h, d)
-        if lq == 1 and n == r:  # decodes only: one query per request, in request order
+        if md.decode_only:  # one query per request, in request order
             packed = q.view(r, 1, h, d).transpose(1, 2)
         else:
             packed = q.new_zeros(r * lq, h, d).index_copy_(0, md.token_dst, q)
@@ -210,7 +212,7 @@ class TpudAttentionImpl(AttentionImpl):
         out = F.scaled_dot_product_attention(packed, k, v, attn_mask=md.mask, scale=self.scale,
                                              enable_gqa=hkv != h)
         out = out.transpose(1, 2).reshape(r * lq, h, d)
-        if not (lq == 1 and n == r):
+        if not md.decode_only:
             out = out.index_select(0, md.token_dst)
         output[:n].copy_(out.reshape(output[:n].shape))
         return output

@@ -11,8 +11,6 @@ with one record. The number of tokens in a step changes from step to step,
 so a piece keeps up to MAX_SIGNATURES programs; a signature past them runs
 op by op.
 """
-import torch
-
 from vllm.compilation.compiler_interface import CompilerInterface
 
 MAX_SIGNATURES = 128
