@@ -414,12 +414,15 @@ absl::Status PjrtPlugin::Await(PJRT_Event* event,
 
 absl::StatusOr<std::unique_ptr<Executable>> PjrtPlugin::Compile(
     absl::string_view mlir) const {
-  return CompileWith(mlir,
-                     std::string(kCompileOptions, sizeof(kCompileOptions)));
+  return CompileWith(mlir, PortableOptions());
 }
 
-absl::StatusOr<std::unique_ptr<Executable>> PjrtPlugin::CompileReplicated(
-    absl::string_view mlir, absl::Span<const int> devices) const {
+std::string PjrtPlugin::PortableOptions() {
+  return std::string(kCompileOptions, sizeof(kCompileOptions));
+}
+
+absl::StatusOr<std::string> PjrtPlugin::ReplicatedOptions(
+    absl::Span<const int> devices) const {
   if (devices.empty())
     return absl::InvalidArgumentError("a replicated program needs a device");
   std::string
@@ -446,17 +449,31 @@ absl::StatusOr<std::unique_ptr<Executable>> PjrtPlugin::CompileReplicated(
   std::string
       options;  // CompileOptionsProto; not portable: its devices are fixed
   AppendBytesField(&options, 3, build);
-  absl::StatusOr<std::unique_ptr<Executable>> exe = CompileWith(mlir, options);
+  return options;
+}
+
+absl::StatusOr<std::unique_ptr<Executable>> PjrtPlugin::CompileReplicated(
+    absl::string_view mlir, absl::Span<const int> devices) const {
+  absl::StatusOr<std::string> options = ReplicatedOptions(devices);
+  if (!options.ok()) return options.status();
+  absl::StatusOr<std::unique_ptr<Executable>> exe = CompileWith(mlir, *options);
   if (!exe.ok()) return exe.status();
+  if (absl::Status st = PlaceReplicas(**exe, devices); !st.ok()) return st;
+  return exe;
+}
+
+absl::Status PjrtPlugin::PlaceReplicas(Executable& exe,
+                                       absl::Span<const int> devices) const {
   // The order its argument lists take the devices in is the executable's.
   auto listed = TPUD_ARGS(PJRT_LoadedExecutable_AddressableDevices_Args);
-  listed.executable = (*exe)->get();
+  listed.executable = exe.get();
   if (absl::Status st =
           Check(api_->PJRT_LoadedExecutable_AddressableDevices(&listed),
                 "replica devices");
       !st.ok()) {
     return st;
   }
+  exe.replica_devices_.clear();
   for (size_t i = 0; i < listed.num_addressable_devices; ++i) {
     int found = -1;
     for (int d = 0; d < num_devices(); ++d) {
@@ -465,14 +482,14 @@ absl::StatusOr<std::unique_ptr<Executable>> PjrtPlugin::CompileReplicated(
     if (found < 0)
       return absl::InternalError(
           "a replicated program on a device the client does not list");
-    (*exe)->replica_devices_.push_back(found);
+    exe.replica_devices_.push_back(found);
   }
-  if ((*exe)->replica_devices_.size() != devices.size()) {
-    return absl::InternalError(absl::StrCat(
-        "the plugin placed a program of ", devices.size(), " replicas on ",
-        (*exe)->replica_devices_.size(), " devices"));
+  if (exe.replica_devices_.size() != devices.size()) {
+    return absl::InternalError(
+        absl::StrCat("the plugin placed a program of ", devices.size(),
+                     " replicas on ", exe.replica_devices_.size(), " devices"));
   }
-  return exe;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<Executable>> PjrtPlugin::CompileWith(
@@ -492,7 +509,11 @@ absl::StatusOr<std::unique_ptr<Executable>> PjrtPlugin::CompileWith(
   if (absl::Status st = Check(api_->PJRT_Client_Compile(&args), "compiling");
       !st.ok())
     return st;
-  PJRT_LoadedExecutable* loaded = args.executable;
+  return Loaded(args.executable);
+}
+
+absl::StatusOr<std::unique_ptr<Executable>> PjrtPlugin::Loaded(
+    PJRT_LoadedExecutable* loaded) const {
   // Its output count, from the executable behind it.
   auto get = TPUD_ARGS(PJRT_LoadedExecutable_GetExecutable_Args);
   get.loaded_executable = loaded;
@@ -513,6 +534,67 @@ absl::StatusOr<std::unique_ptr<Executable>> PjrtPlugin::CompileWith(
   if (outputs < 0)
     return absl::InternalError(
         "the plugin did not say how many outputs it has");
+  return exe;
+}
+
+bool PjrtPlugin::Serializes() const {
+  return TPUD_PJRT_FN(this, PJRT_Executable_Serialize) != nullptr &&
+         TPUD_PJRT_FN(this, PJRT_Executable_DeserializeAndLoad) != nullptr;
+}
+
+absl::StatusOr<std::string> PjrtPlugin::Serialize(const Executable& exe) const {
+  if (!Serializes())
+    return absl::UnimplementedError(
+        "the PJRT plugin cannot serialize executables");
+  auto get = TPUD_ARGS(PJRT_LoadedExecutable_GetExecutable_Args);
+  get.loaded_executable = exe.get();
+  if (absl::Status st =
+          Check(api_->PJRT_LoadedExecutable_GetExecutable(&get), "executable");
+      !st.ok())
+    return st;
+  auto args = TPUD_ARGS(PJRT_Executable_Serialize_Args);
+  args.executable = get.executable;
+  absl::Status st =
+      Check(api_->PJRT_Executable_Serialize(&args), "serializing a program");
+  std::string bytes;
+  if (st.ok()) {
+    bytes.assign(args.serialized_bytes, args.serialized_bytes_size);
+    if (args.serialized_executable_deleter != nullptr)
+      args.serialized_executable_deleter(args.serialized_executable);
+  }
+  auto destroy = TPUD_ARGS(PJRT_Executable_Destroy_Args);
+  destroy.executable = get.executable;
+  (void)Check(api_->PJRT_Executable_Destroy(&destroy),
+              "destroying an executable");
+  if (!st.ok()) return st;
+  return bytes;
+}
+
+absl::StatusOr<std::unique_ptr<Executable>> PjrtPlugin::Deserialize(
+    absl::string_view bytes, absl::Span<const int> replicas) const {
+  if (!Serializes())
+    return absl::UnimplementedError(
+        "the PJRT plugin cannot load serialized executables");
+  std::string options = PortableOptions();
+  if (!replicas.empty()) {
+    absl::StatusOr<std::string> o = ReplicatedOptions(replicas);
+    if (!o.ok()) return o.status();
+    options = *std::move(o);
+  }
+  auto args = TPUD_ARGS(PJRT_Executable_DeserializeAndLoad_Args);
+  args.client = client_;
+  args.serialized_executable = bytes.data();
+  args.serialized_executable_size = bytes.size();
+  args.overridden_serialized_compile_options = options.data();
+  args.overridden_serialized_compile_options_size = options.size();
+  if (absl::Status st = Check(api_->PJRT_Executable_DeserializeAndLoad(&args),
+                              "loading a serialized program");
+      !st.ok())
+    return st;
+  absl::StatusOr<std::unique_ptr<Executable>> exe =
+      Loaded(args.loaded_executable);
+  if (!exe.ok() || replicas.empty()) return exe;
+  if (absl::Status st = PlaceReplicas(**exe, replicas); !st.ok()) return st;
   return exe;
 }
 
@@ -622,6 +704,7 @@ absl::StatusOr<std::vector<Buffer>> PjrtPlugin::Execute(
   if (device < 0 || device >= num_devices()) {
     return absl::InvalidArgumentError(absl::StrCat("no device ", device));
   }
+  exe.last_run_ = ++runs_;
   auto options = TPUD_ARGS(PJRT_ExecuteOptions);
   std::vector<PJRT_Buffer*> outs(exe.num_outputs() + 1, nullptr);
   PJRT_Buffer** out_list = outs.data();
@@ -649,6 +732,7 @@ absl::StatusOr<std::vector<Buffer>> PjrtPlugin::Execute(
 absl::StatusOr<std::vector<std::vector<Buffer>>> PjrtPlugin::ExecuteReplicated(
     const Executable& exe,
     const std::vector<std::vector<PJRT_Buffer*>>& args) const {
+  exe.last_run_ = ++runs_;
   const size_t n = exe.replica_devices().size();
   if (n == 0 || args.size() != n) {
     return absl::InvalidArgumentError(

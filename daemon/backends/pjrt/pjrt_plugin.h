@@ -103,6 +103,9 @@ class Executable {
   // A replicated program (CompileReplicated): the devices it runs on, in
   // the order its argument and output lists take them. Empty otherwise.
   const std::vector<int>& replica_devices() const { return replica_devices_; }
+  // When it last ran, in the plugin's count of runs (0: never): which
+  // programs are in use, whatever cache found them.
+  uint64_t last_run() const { return last_run_; }
 
  private:
   friend class PjrtPlugin;
@@ -110,6 +113,7 @@ class Executable {
   PJRT_LoadedExecutable* exe_;
   int num_outputs_;
   std::vector<int> replica_devices_;
+  mutable uint64_t last_run_ = 0;
 };
 
 class PjrtPlugin {
@@ -143,6 +147,20 @@ class PjrtPlugin {
   // INVALID_ARGUMENT for an unknown or repeated device.
   absl::StatusOr<std::unique_ptr<Executable>> CompileReplicated(
       absl::string_view mlir, absl::Span<const int> devices) const;
+
+  // Whether the plugin can serialize an executable and load it again (the
+  // disk cache of compiled programs needs both).
+  bool Serializes() const;
+  // The bytes of a compiled program, which Deserialize loads again in a
+  // client of the same plugin build (and no other: the bytes are the
+  // plugin's own format, not stable across its versions).
+  absl::StatusOr<std::string> Serialize(const Executable& exe) const;
+  // A program from Serialize's bytes, loaded for this client's devices:
+  // portable where `replicas` is empty, else placed as CompileReplicated
+  // places it. The bytes must come from a trusted place: a plugin may not
+  // check them.
+  absl::StatusOr<std::unique_ptr<Executable>> Deserialize(
+      absl::string_view bytes, absl::Span<const int> replicas) const;
 
   // A buffer on `device` holding `dims` of `type` copied from host `data`
   // (dense, row-major). The copy is done when this returns.
@@ -193,6 +211,18 @@ class PjrtPlugin {
   absl::Status Init(const std::vector<CreateOption>& options);
   absl::StatusOr<std::unique_ptr<Executable>> CompileWith(
       absl::string_view mlir, const std::string& options) const;
+  // The CompileOptionsProto of a portable program, and of one replicated on
+  // `devices` (INVALID_ARGUMENT for an unknown or repeated device).
+  static std::string PortableOptions();
+  absl::StatusOr<std::string> ReplicatedOptions(
+      absl::Span<const int> devices) const;
+  // An Executable owning `loaded`, with its output count.
+  absl::StatusOr<std::unique_ptr<Executable>> Loaded(
+      PJRT_LoadedExecutable* loaded) const;
+  // Records which devices a replicated program's replicas run on, checking
+  // that they are `devices.size()` of the client's.
+  absl::Status PlaceReplicas(Executable& exe,
+                             absl::Span<const int> devices) const;
   absl::Status Await(PJRT_Event* event, absl::string_view what) const;
   // BufferFromHostBuffer with `semantics`; `done` gets its
   // done_with_host_buffer event, for the caller to await or keep.
@@ -214,6 +244,7 @@ class PjrtPlugin {
   std::string platform_version_;
   std::vector<PJRT_Device*> device_handles_;
   std::vector<DeviceInfo> devices_;
+  mutable uint64_t runs_ = 0;  // Execute and ExecuteReplicated calls
 };
 
 // The PJRT_Api field `fn` of `plugin`, or a status naming it when the plugin

@@ -159,6 +159,92 @@ TEST_CASE("a StableHLO program compiles once and runs on any device") {
         absl::StatusCode::kInvalidArgument);
 }
 
+// Runs kAdd's executable on `device` of `p`: {1,2,3,4} + {10,20,30,40}.
+std::vector<float> RunAdd(const PjrtPlugin& p, const Executable& exe,
+                          int device) {
+  const std::vector<float> a = {1, 2, 3, 4}, b = {10, 20, 30, 40};
+  const std::vector<int64_t> dims = {4};
+  absl::StatusOr<Buffer> ba =
+      p.FromHost(device, a.data(), PJRT_Buffer_Type_F32, dims);
+  absl::StatusOr<Buffer> bb =
+      p.FromHost(device, b.data(), PJRT_Buffer_Type_F32, dims);
+  REQUIRE(ba.ok());
+  REQUIRE(bb.ok());
+  std::vector<PJRT_Buffer*> args = {ba->get(), bb->get()};
+  absl::StatusOr<std::vector<Buffer>> out = p.Execute(exe, device, args);
+  INFO(out.status().ToString());
+  REQUIRE(out.ok());
+  REQUIRE(out->size() == 1);
+  std::vector<float> got(4);
+  REQUIRE(p.ToHost((*out)[0], got.data(), 16).ok());
+  return got;
+}
+
+TEST_CASE(
+    "a serialized program loads in another client of the plugin and runs "
+    "there, portable or replicated") {
+  std::unique_ptr<PjrtPlugin> first = LoadCpu();
+  REQUIRE(first->Serializes());
+  absl::StatusOr<std::unique_ptr<Executable>> exe = first->Compile(kAdd);
+  REQUIRE(exe.ok());
+  absl::StatusOr<std::string> bytes = first->Serialize(**exe);
+  INFO(bytes.status().ToString());
+  REQUIRE(bytes.ok());
+  CHECK(!bytes->empty());
+  exe->reset();
+  first.reset();  // as a restarted tpud: a new client of the plugin
+
+  std::unique_ptr<PjrtPlugin> second = LoadCpu();
+  absl::StatusOr<std::unique_ptr<Executable>> loaded =
+      second->Deserialize(*bytes, {});
+  INFO(loaded.status().ToString());
+  REQUIRE(loaded.ok());
+  CHECK((*loaded)->num_outputs() == 1);
+  for (int device : {0, 3})
+    CHECK(RunAdd(*second, **loaded, device) ==
+          std::vector<float>{11, 22, 33, 44});
+
+  const std::vector<int> devices = {3, 0, 2};
+  absl::StatusOr<std::unique_ptr<Executable>> rep =
+      second->CompileReplicated(kAllReduce, devices);
+  REQUIRE(rep.ok());
+  absl::StatusOr<std::string> rep_bytes = second->Serialize(**rep);
+  REQUIRE(rep_bytes.ok());
+  absl::StatusOr<std::unique_ptr<Executable>> rep_loaded =
+      second->Deserialize(*rep_bytes, devices);
+  INFO(rep_loaded.status().ToString());
+  REQUIRE(rep_loaded.ok());
+  CHECK((*rep_loaded)->replica_devices() == (*rep)->replica_devices());
+  std::vector<Buffer> in;
+  std::vector<std::vector<PJRT_Buffer*>> args;
+  for (int d : (*rep_loaded)->replica_devices()) {
+    const std::vector<float> v = {float(d), 1, 2};
+    absl::StatusOr<Buffer> b =
+        second->FromHost(d, v.data(), PJRT_Buffer_Type_F32, {3});
+    REQUIRE(b.ok());
+    args.push_back({b->get()});
+    in.push_back(*std::move(b));
+  }
+  absl::StatusOr<std::vector<std::vector<Buffer>>> out =
+      second->ExecuteReplicated(**rep_loaded, args);
+  REQUIRE(out.ok());
+  std::vector<float> got(3);
+  REQUIRE(second->ToHost((*out)[1][0], got.data(), 12).ok());
+  CHECK(got == std::vector<float>{5, 3, 6});
+  {
+    absl::StatusOr<std::unique_ptr<Executable>> g =
+        second->Deserialize("not a program", {});
+    INFO(g.status().ToString());
+    CHECK(!g.ok());
+    absl::StatusOr<std::unique_ptr<Executable>> t =
+        second->Deserialize(bytes->substr(0, bytes->size() / 2), {});
+    INFO(t.status().ToString());
+    CHECK(!t.ok());
+  }
+  CHECK(second->Deserialize(*rep_bytes, {0, 0, 1}).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+}
+
 TEST_CASE("a compile error is the plugin's message; the plugin goes on") {
   std::unique_ptr<PjrtPlugin> p = LoadCpu(1);
   absl::StatusOr<std::unique_ptr<Executable>> bad =
