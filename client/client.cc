@@ -419,9 +419,26 @@ DaemonStatus ConvertStatus(const v1::GetStatusResponse& resp) {
     info.intra_op_threads_max = static_cast<int>(e.intra_op_threads_max());
     info.busy = e.busy();
     for (const v1::ChipCompileStats& c : e.compile()) {
-      info.compile.push_back({static_cast<int>(c.chip()), c.compiles(),
-                              c.compile_seconds(), c.cache_hits(),
-                              c.collective_programs(), c.graph_programs()});
+      ExecutorInfo::Compile compile;
+      compile.chip = static_cast<int>(c.chip());
+      compile.compiles = c.compiles();
+      compile.compile_seconds = c.compile_seconds();
+      compile.cache_hits = c.cache_hits();
+      compile.collective_programs = c.collective_programs();
+      compile.graph_programs = c.graph_programs();
+      compile.disk_hits = c.disk_hits();
+      compile.disk_stores = c.disk_stores();
+      compile.compile_seconds_saved = c.compile_seconds_saved();
+      info.compile.push_back(compile);
+    }
+    if (e.has_disk_cache() && e.disk_cache().enabled()) {
+      const v1::CompileCacheOnDisk& d = e.disk_cache();
+      info.disk_cache.enabled = true;
+      info.disk_cache.entries = d.entries();
+      info.disk_cache.bytes = d.bytes();
+      info.disk_cache.max_bytes = d.max_bytes();
+      info.disk_cache.rejected = d.rejected();
+      info.disk_cache.write_errors = d.write_errors();
     }
     out.executors.push_back(std::move(info));
   }

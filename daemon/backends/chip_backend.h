@@ -96,6 +96,25 @@ struct CompileStats {
   uint64_t collectives =
       0;                // collective operations run as programs on this chip
   uint64_t graphs = 0;  // captured graphs run as one program of their own
+  // The compilation cache on disk (--compile_cache_dir): programs loaded
+  // from it instead of compiled, programs written to it, and the compile
+  // time those loads saved (each entry's recorded compile time less the
+  // time its load took).
+  uint64_t disk_hits = 0;
+  uint64_t disk_stores = 0;
+  uint64_t saved_ns = 0;
+};
+
+// The compilation cache on disk as a whole (a compiling backend with one).
+struct DiskCacheStats {
+  bool enabled = false;
+  uint64_t entries = 0;    // programs in the directory now
+  uint64_t bytes = 0;      // their size on disk
+  uint64_t max_bytes = 0;  // the bound (--compile_cache_bytes)
+  // Entries refused when read (torn, corrupt, written for another plugin
+  // build or options; each is removed) and writes that failed (a full disk).
+  uint64_t rejected = 0;
+  uint64_t write_errors = 0;
 };
 
 // One op of a captured graph (a program of the op stream), resolved and
@@ -142,6 +161,7 @@ class ChipBackend {
   virtual bool Compiles() const { return false; }
   virtual CompileStats compile_stats(int chip) const { return {}; }
   virtual uint64_t programs_cached() const { return 0; }
+  virtual DiskCacheStats disk_cache_stats() const { return {}; }
   // Bytes of segments held in device memory of the backend's own.
   virtual uint64_t device_buffer_bytes() const { return 0; }
 

@@ -157,9 +157,21 @@ struct alignas(64) ExecutorSlot {
   std::atomic<uint32_t> compiles_ops;  // 1: the backend compiles
   std::atomic<uint64_t> programs_cached;
   std::atomic<uint64_t> device_buffer_bytes;
+  // The compilation cache on disk (ChipBackend::disk_cache_stats; 0: none).
+  std::atomic<uint32_t> disk_cache_enabled;
+  std::atomic<uint64_t> disk_cache_entries;
+  std::atomic<uint64_t> disk_cache_bytes;
+  std::atomic<uint64_t> disk_cache_max_bytes;
+  std::atomic<uint64_t> disk_cache_rejected;
+  std::atomic<uint64_t> disk_cache_write_errors;
   std::atomic<uint64_t> compiles[tpu::kMaxChipsPerHost];
   std::atomic<uint64_t> compile_ns[tpu::kMaxChipsPerHost];
   std::atomic<uint64_t> program_hits[tpu::kMaxChipsPerHost];
+  // Programs loaded from / written to the cache on disk, and the compile
+  // time the loads saved.
+  std::atomic<uint64_t> disk_hits[tpu::kMaxChipsPerHost];
+  std::atomic<uint64_t> disk_stores[tpu::kMaxChipsPerHost];
+  std::atomic<uint64_t> saved_ns[tpu::kMaxChipsPerHost];
   std::atomic<uint64_t> collective_programs[tpu::kMaxChipsPerHost];
   std::atomic<uint64_t> graph_programs[tpu::kMaxChipsPerHost];
   // For metrics (daemon/metrics): counters since this executor started, by

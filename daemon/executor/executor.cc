@@ -588,12 +588,24 @@ void Executor::UpdateActivity(uint64_t now) {
                                  std::memory_order_relaxed);
     slot_->device_buffer_bytes.store(config_.backend->device_buffer_bytes(),
                                      std::memory_order_relaxed);
+    const DiskCacheStats d = config_.backend->disk_cache_stats();
+    slot_->disk_cache_entries.store(d.entries, std::memory_order_relaxed);
+    slot_->disk_cache_bytes.store(d.bytes, std::memory_order_relaxed);
+    slot_->disk_cache_max_bytes.store(d.max_bytes, std::memory_order_relaxed);
+    slot_->disk_cache_rejected.store(d.rejected, std::memory_order_relaxed);
+    slot_->disk_cache_write_errors.store(d.write_errors,
+                                         std::memory_order_relaxed);
+    slot_->disk_cache_enabled.store(d.enabled ? 1 : 0,
+                                    std::memory_order_relaxed);
     for (size_t i = 0; i < config_.chips.size() && i < tpu::kMaxChipsPerHost;
          ++i) {
       const CompileStats c = config_.backend->compile_stats(config_.chips[i]);
       slot_->compiles[i].store(c.compiles, std::memory_order_relaxed);
       slot_->compile_ns[i].store(c.compile_ns, std::memory_order_relaxed);
       slot_->program_hits[i].store(c.hits, std::memory_order_relaxed);
+      slot_->disk_hits[i].store(c.disk_hits, std::memory_order_relaxed);
+      slot_->disk_stores[i].store(c.disk_stores, std::memory_order_relaxed);
+      slot_->saved_ns[i].store(c.saved_ns, std::memory_order_relaxed);
       slot_->collective_programs[i].store(c.collectives,
                                           std::memory_order_relaxed);
       slot_->graph_programs[i].store(c.graphs, std::memory_order_relaxed);

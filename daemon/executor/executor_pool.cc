@@ -707,12 +707,23 @@ std::vector<ExecutorInfo> ExecutorPool::Executors() const {
     if (slot.compiles_ops.load() != 0) {
       info.programs_cached = slot.programs_cached.load();
       info.device_buffer_bytes = w.ready ? slot.device_buffer_bytes.load() : 0;
+      if (slot.disk_cache_enabled.load() != 0) {
+        info.disk_cache.enabled = true;
+        info.disk_cache.entries = slot.disk_cache_entries.load();
+        info.disk_cache.bytes = slot.disk_cache_bytes.load();
+        info.disk_cache.max_bytes = slot.disk_cache_max_bytes.load();
+        info.disk_cache.rejected = slot.disk_cache_rejected.load();
+        info.disk_cache.write_errors = slot.disk_cache_write_errors.load();
+      }
       for (size_t i = 0; i < info.chips.size() && i < tpu::kMaxChipsPerHost;
            ++i) {
         CompileStats c;
         c.compiles = slot.compiles[i].load();
         c.compile_ns = slot.compile_ns[i].load();
         c.hits = slot.program_hits[i].load();
+        c.disk_hits = slot.disk_hits[i].load();
+        c.disk_stores = slot.disk_stores[i].load();
+        c.saved_ns = slot.saved_ns[i].load();
         c.collectives = slot.collective_programs[i].load();
         c.graphs = slot.graph_programs[i].load();
         info.compile.push_back(c);

@@ -76,6 +76,10 @@ struct ExecutorInfo {
   std::vector<CompileStats> compile;
   uint64_t programs_cached = 0;
   uint64_t device_buffer_bytes = 0;
+  // The compilation cache on disk (since this executor process started,
+  // for its counters); enabled false: none, or a backend that does not
+  // compile.
+  DiskCacheStats disk_cache;
   // Threads each of its ops may use now, and at most (alone on the host);
   // 0: the backend's own business (thread_share.h). Busy: inside an op, or
   // it ran work within the last kBusyWindowNs.

@@ -402,5 +402,60 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("compile figures, the cache on disk only where an executor has one") {
+  MetricsInputs in;
+  in.status.set_daemon_version("0.test");
+  in.status.mutable_backend()->set_kind("pjrt");
+  for (int x = 0; x < 2; ++x) {
+    v1::ExecutorInfo* ex = in.status.add_executors();
+    ex->set_index(x);
+    ex->add_chips(x);
+    ex->set_ready(true);
+    v1::ChipCompileStats* c = ex->add_compile();
+    c->set_chip(x);
+    c->set_compiles(3);
+    c->set_disk_hits(x == 0 ? 5 : 0);
+    c->set_disk_stores(2);
+    c->set_compile_seconds_saved(x == 0 ? 1.5 : 0);
+    if (x == 0) {
+      v1::CompileCacheOnDisk* d = ex->mutable_disk_cache();
+      d->set_enabled(true);
+      d->set_entries(7);
+      d->set_bytes(4096);
+      d->set_max_bytes(1 << 20);
+      d->set_rejected(1);
+      d->set_write_errors(2);
+    }
+  }
+  const std::string text =
+      prometheus::TextSerializer().Serialize(BuildMetricFamilies(in));
+  INFO(text);
+  CHECK(absl::StrContains(
+      text, "# TYPE tpud_chip_compile_cache_disk_hits_total counter"));
+  CHECK(absl::StrContains(
+      text, "tpud_chip_compile_cache_disk_hits_total{chip=\"0\"} 5"));
+  CHECK(absl::StrContains(
+      text, "tpud_chip_compile_cache_disk_stores_total{chip=\"1\"} 2"));
+  CHECK(absl::StrContains(
+      text, "tpud_chip_compile_seconds_saved_total{chip=\"0\"} 1.5"));
+  CHECK(
+      absl::StrContains(text, "# TYPE tpud_compile_cache_disk_entries gauge"));
+  CHECK(absl::StrContains(text,
+                          "tpud_compile_cache_disk_entries{executor=\"0\"} 7"));
+  CHECK(absl::StrContains(
+      text, "tpud_compile_cache_disk_bytes{executor=\"0\"} 4096"));
+  CHECK(absl::StrContains(
+      text, "tpud_compile_cache_disk_max_bytes{executor=\"0\"} 1048576"));
+  CHECK(absl::StrContains(
+      text, "tpud_compile_cache_disk_rejected_total{executor=\"0\"} 1"));
+  CHECK(absl::StrContains(
+      text, "tpud_compile_cache_disk_write_errors_total{executor=\"0\"} 2"));
+  // Executor 1 has no cache on disk: none of its figures.
+  CHECK_FALSE(absl::StrContains(
+      text, "tpud_compile_cache_disk_entries{executor=\"1\"}"));
+  CHECK_FALSE(absl::StrContains(
+      text, "tpud_compile_cache_disk_rejected_total{executor=\"1\"}"));
+}
+
 }  // namespace
 }  // namespace tpud

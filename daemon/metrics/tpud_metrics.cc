@@ -204,6 +204,18 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsInputs& in) {
       f.Counter("tpud_chip_collective_programs_total",
                 "collectives run as one replicated program", chip,
                 static_cast<double>(c.collective_programs()));
+      f.Counter("tpud_chip_compile_cache_disk_hits_total",
+                "programs for the chip loaded from the compilation cache on "
+                "disk instead of compiled",
+                chip, static_cast<double>(c.disk_hits()));
+      f.Counter("tpud_chip_compile_cache_disk_stores_total",
+                "programs for the chip written to the compilation cache on "
+                "disk",
+                chip, static_cast<double>(c.disk_stores()));
+      f.Counter("tpud_chip_compile_seconds_saved_total",
+                "compile time for the chip that loads from the compilation "
+                "cache on disk saved",
+                chip, c.compile_seconds_saved());
     }
   }
 
@@ -304,6 +316,29 @@ std::vector<MetricFamily> BuildMetricFamilies(const MetricsInputs& in) {
       f.Gauge("tpud_executor_device_buffer_bytes",
               "bytes of segments the executor holds in device buffers", ex,
               static_cast<double>(e.device_buffer_bytes()));
+    }
+    // The compilation cache on disk (--compile_cache_dir), as each executor
+    // sees it: executors may share one directory, so sum entries and bytes
+    // over executors with care (max by directory, not sum).
+    if (e.has_disk_cache() && e.disk_cache().enabled()) {
+      const v1::CompileCacheOnDisk& d = e.disk_cache();
+      f.Gauge("tpud_compile_cache_disk_entries",
+              "programs in the compilation cache on disk", ex,
+              static_cast<double>(d.entries()));
+      f.Gauge("tpud_compile_cache_disk_bytes",
+              "bytes the compilation cache on disk takes", ex,
+              static_cast<double>(d.bytes()));
+      f.Gauge("tpud_compile_cache_disk_max_bytes",
+              "the bound on the compilation cache on disk "
+              "(--compile_cache_bytes)",
+              ex, static_cast<double>(d.max_bytes()));
+      f.Counter("tpud_compile_cache_disk_rejected_total",
+                "entries of the compilation cache on disk refused when read "
+                "(torn, corrupt, or for another plugin build) and removed",
+                ex, static_cast<double>(d.rejected()));
+      f.Counter("tpud_compile_cache_disk_write_errors_total",
+                "writes to the compilation cache on disk that failed", ex,
+                static_cast<double>(d.write_errors()));
     }
   }
   f.Gauge("tpud_default_quota_bytes",

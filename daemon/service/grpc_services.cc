@@ -373,6 +373,15 @@ void AdminServiceImpl::FillStatus(v1::GetStatusResponse* resp) {
       out->set_intra_op_threads(e.intra_op_threads);
       out->set_intra_op_threads_max(e.intra_op_threads_max);
       out->set_busy(e.busy);
+      if (e.disk_cache.enabled) {
+        v1::CompileCacheOnDisk* d = out->mutable_disk_cache();
+        d->set_enabled(true);
+        d->set_entries(e.disk_cache.entries);
+        d->set_bytes(e.disk_cache.bytes);
+        d->set_max_bytes(e.disk_cache.max_bytes);
+        d->set_rejected(e.disk_cache.rejected);
+        d->set_write_errors(e.disk_cache.write_errors);
+      }
       for (size_t i = 0; i < e.compile.size() && i < e.chips.size(); ++i) {
         v1::ChipCompileStats* c = out->add_compile();
         c->set_chip(e.chips[i]);
@@ -381,6 +390,9 @@ void AdminServiceImpl::FillStatus(v1::GetStatusResponse* resp) {
         c->set_cache_hits(e.compile[i].hits);
         c->set_collective_programs(e.compile[i].collectives);
         c->set_graph_programs(e.compile[i].graphs);
+        c->set_disk_hits(e.compile[i].disk_hits);
+        c->set_disk_stores(e.compile[i].disk_stores);
+        c->set_compile_seconds_saved(e.compile[i].saved_ns / 1e9);
       }
     }
     for (const ExecutorRestart& r : pool_->Restarts()) {

@@ -384,7 +384,7 @@ void PrintProgramTable(const std::vector<tpu::SessionInfo>& sessions) {
     }
   }
   if (n == 0) {
-    std::printf("No programs.\n");
+    std::printf("No captured programs (torch.compile) in any session.\n");
     return;
   }
   table.Print();
@@ -469,9 +469,21 @@ void WriteExecutors(JsonWriter& w, const tpu::DaemonStatus& st) {
         w.Key("cache_hits").Uint(c.cache_hits);
         w.Key("collective_programs").Uint(c.collective_programs);
         w.Key("graph_programs").Uint(c.graph_programs);
+        w.Key("disk_hits").Uint(c.disk_hits);
+        w.Key("disk_stores").Uint(c.disk_stores);
+        w.Key("compile_seconds_saved").Double(c.compile_seconds_saved);
         w.EndObject();
       }
       w.EndArray();
+    }
+    if (e.disk_cache.enabled) {
+      w.Key("disk_cache").BeginObject();
+      w.Key("entries").Uint(e.disk_cache.entries);
+      w.Key("bytes").Uint(e.disk_cache.bytes);
+      w.Key("max_bytes").Uint(e.disk_cache.max_bytes);
+      w.Key("rejected").Uint(e.disk_cache.rejected);
+      w.Key("write_errors").Uint(e.disk_cache.write_errors);
+      w.EndObject();
     }
     w.EndObject();
   }
@@ -521,6 +533,69 @@ void PrintRestart(const tpu::ExecutorRestart& r) {
   std::printf("\n");
 }
 
+// Compiled programs per chip, where the backend compiles (PJRT), and its
+// compilation cache on disk; nothing otherwise.
+void PrintCompiledPrograms(const tpu::DaemonStatus& st) {
+  bool compiling = false;
+  for (const tpu::ExecutorInfo& e : st.executors)
+    compiling |= !e.compile.empty();
+  if (compiling) {
+    std::printf("\n");
+    Table programs(
+        {"CHIP", "EXECUTOR", "COMPILES", "COMPILE TIME", "CACHE HITS",
+         "DISK HITS", "SAVED", "COLLECTIVES", "GRAPHS"},
+        "rrrrrrrrr");
+    uint64_t cached = 0, device_bytes = 0;
+    // The compilation cache on disk. Executors may share one directory
+    // (--compile_cache_dir), each seeing all of it: take the largest
+    // entries, bytes and bound rather than their sum. Rejections and failed
+    // writes are each executor's own, so those add up.
+    bool on_disk = false;
+    uint64_t disk_entries = 0, disk_bytes = 0, disk_max_bytes = 0;
+    uint64_t disk_rejected = 0, disk_write_errors = 0;
+    for (const tpu::ExecutorInfo& e : st.executors) {
+      cached += e.programs_cached;
+      device_bytes += e.device_buffer_bytes;
+      if (e.disk_cache.enabled) {
+        on_disk = true;
+        disk_entries = std::max(disk_entries, e.disk_cache.entries);
+        disk_bytes = std::max(disk_bytes, e.disk_cache.bytes);
+        disk_max_bytes = std::max(disk_max_bytes, e.disk_cache.max_bytes);
+        disk_rejected += e.disk_cache.rejected;
+        disk_write_errors += e.disk_cache.write_errors;
+      }
+      for (const tpu::ExecutorInfo::Compile& c : e.compile) {
+        programs.Row({absl::StrCat(c.chip), absl::StrCat(e.index),
+                      absl::StrCat(c.compiles),
+                      absl::StrFormat("%.3fs", c.compile_seconds),
+                      absl::StrCat(c.cache_hits), absl::StrCat(c.disk_hits),
+                      absl::StrFormat("%.3fs", c.compile_seconds_saved),
+                      absl::StrCat(c.collective_programs),
+                      absl::StrCat(c.graph_programs)});
+      }
+    }
+    programs.Print();
+    std::printf("%llu compiled programs cached\n",
+                static_cast<unsigned long long>(cached));
+    if (on_disk) {
+      std::printf("compilation cache on disk: %llu programs, %s of %s",
+                  static_cast<unsigned long long>(disk_entries),
+                  tpu::FormatBytes(disk_bytes).c_str(),
+                  tpu::FormatBytes(disk_max_bytes).c_str());
+      if (disk_rejected != 0 || disk_write_errors != 0) {
+        std::printf(", %llu rejected, %llu failed writes",
+                    static_cast<unsigned long long>(disk_rejected),
+                    static_cast<unsigned long long>(disk_write_errors));
+      }
+      std::printf("\n");
+    }
+    if (device_bytes != 0) {
+      std::printf("%s of segments in device buffers\n",
+                  tpu::FormatBytes(device_bytes).c_str());
+    }
+  }
+}
+
 int CmdExecutors(tpu::AdminClient& admin, bool json) {
   absl::StatusOr<tpu::DaemonStatus> st = admin.GetStatus();
   if (!st.ok()) return Error(st.status());
@@ -550,36 +625,7 @@ int CmdExecutors(tpu::AdminClient& admin, bool json) {
              : absl::StrCat(e.intra_op_threads, "/", e.intra_op_threads_max)});
   }
   table.Print();
-  // Compiled programs, per chip, where the backend compiles (PJRT).
-  bool compiling = false;
-  for (const tpu::ExecutorInfo& e : st->executors)
-    compiling |= !e.compile.empty();
-  if (compiling) {
-    std::printf("\n");
-    Table programs({"CHIP", "EXECUTOR", "COMPILES", "COMPILE TIME",
-                    "CACHE HITS", "COLLECTIVES", "GRAPHS"},
-                   "rrrrrrr");
-    uint64_t cached = 0, device_bytes = 0;
-    for (const tpu::ExecutorInfo& e : st->executors) {
-      cached += e.programs_cached;
-      device_bytes += e.device_buffer_bytes;
-      for (const tpu::ExecutorInfo::Compile& c : e.compile) {
-        programs.Row({absl::StrCat(c.chip), absl::StrCat(e.index),
-                      absl::StrCat(c.compiles),
-                      absl::StrFormat("%.3fs", c.compile_seconds),
-                      absl::StrCat(c.cache_hits),
-                      absl::StrCat(c.collective_programs),
-                      absl::StrCat(c.graph_programs)});
-      }
-    }
-    programs.Print();
-    std::printf("%llu compiled programs cached\n",
-                static_cast<unsigned long long>(cached));
-    if (device_bytes != 0) {
-      std::printf("%s of segments in device buffers\n",
-                  tpu::FormatBytes(device_bytes).c_str());
-    }
-  }
+  PrintCompiledPrograms(*st);
   const char* advice =
       st->wait_advice == "spin" ? "spin (a core is free for them)"
       : st->wait_advice == "yield"
@@ -910,6 +956,9 @@ int CmdPrograms(tpu::AdminClient& admin, bool json) {
   if (!sessions.ok()) return Error(sessions.status());
   if (json) return CmdSessions(admin, true);  // programs are in each session
   PrintProgramTable(*sessions);
+  absl::StatusOr<tpu::DaemonStatus> st = admin.GetStatus();
+  if (!st.ok()) return Error(st.status());
+  PrintCompiledPrograms(*st);
   return 0;
 }
 

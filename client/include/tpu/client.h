@@ -387,11 +387,29 @@ struct ExecutorInfo {
     uint64_t cache_hits = 0;
     uint64_t collective_programs = 0;  // collectives run as one program
     uint64_t graph_programs = 0;       // captured graphs run as one module
+    // The compilation cache on disk (--compile_cache_dir): programs loaded
+    // from it instead of compiled, programs written to it, and the compile
+    // time those loads saved.
+    uint64_t disk_hits = 0;
+    uint64_t disk_stores = 0;
+    double compile_seconds_saved = 0;
   };
   std::vector<Compile> compile;
   uint64_t programs_cached = 0;
   uint64_t device_buffer_bytes =
       0;  // held in device buffers (PJRT device memory)
+  // The compilation cache on disk (--compile_cache_dir), as this executor
+  // sees it (executors may share one directory). rejected: entries refused
+  // when read (torn, corrupt, or written for another plugin build) and
+  // removed; write_errors: writes that failed (a full disk, say).
+  struct DiskCache {
+    bool enabled = false;
+    uint64_t entries = 0;    // programs in the directory now
+    uint64_t bytes = 0;      // their size on disk
+    uint64_t max_bytes = 0;  // the bound (--compile_cache_bytes)
+    uint64_t rejected = 0;
+    uint64_t write_errors = 0;
+  } disk_cache;
   // Threads each of its ops may use now and at most (alone on the host); 0
   // where the backend keeps its own (PJRT).
   int intra_op_threads = 0;
