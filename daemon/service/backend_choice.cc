@@ -23,8 +23,10 @@ std::function<std::unique_ptr<ChipBackend>()> BackendFactory(
   if (config.backend == BackendKind::kPjrt) {
     return [plugin = config.pjrt_plugin, options = config.pjrt_options,
             cache_entries = static_cast<size_t>(config.pjrt_program_cache),
-            device_memory,
-            graphs = config.pjrt_graphs]() -> std::unique_ptr<ChipBackend> {
+            device_memory, graphs = config.pjrt_graphs,
+            disk_dir = config.compile_cache_dir,
+            disk_bytes =
+                config.compile_cache_bytes]() -> std::unique_ptr<ChipBackend> {
       absl::StatusOr<std::unique_ptr<pjrt::PjrtChip>> chip =
           pjrt::PjrtChip::Create(plugin, options, cache_entries, device_memory);
       if (!chip.ok()) {
@@ -32,6 +34,17 @@ std::function<std::unique_ptr<ChipBackend>()> BackendFactory(
         return nullptr;
       }
       (*chip)->set_graphs(graphs);
+      if (!disk_dir.empty()) {
+        // Without it tpud still serves: every program is compiled.
+        absl::Status st = (*chip)->OpenDiskCache(disk_dir, disk_bytes, options);
+        if (!st.ok()) {
+          spdlog::error("compile cache off: {}", std::string(st.message()));
+        } else {
+          const DiskCacheStats d = (*chip)->disk_cache_stats();
+          spdlog::info("compile cache {}: {} programs, {} bytes of {}",
+                       disk_dir, d.entries, d.bytes, d.max_bytes);
+        }
+      }
       return *std::move(chip);
     };
   }

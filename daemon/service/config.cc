@@ -101,6 +101,25 @@ absl::StatusOr<TpudConfig> ConfigFromFlags(const TpudFlags& flags) {
   config.pjrt_probe_timeout = flags.pjrt_probe_timeout;
   config.pjrt_program_cache = std::max(1, flags.pjrt_program_cache);
   config.pjrt_graphs = flags.pjrt_graphs;
+  if (!flags.compile_cache_dir.empty() && flags.compile_cache_dir[0] != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--compile_cache_dir=", flags.compile_cache_dir,
+                     ": give an absolute path"));
+  }
+  config.compile_cache_dir = flags.compile_cache_dir;
+  {
+    absl::StatusOr<uint64_t> bytes = tpu::ParseBytes(flags.compile_cache_bytes);
+    if (!bytes.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--compile_cache_bytes: ", bytes.status().message()));
+    }
+    if (*bytes == 0) {
+      return absl::InvalidArgumentError(
+          "--compile_cache_bytes must be above 0 (leave --compile_cache_dir "
+          "empty for no cache on disk)");
+    }
+    config.compile_cache_bytes = *bytes;
+  }
 
   // These messages name no flag: the parser's message is all tpud has ever
   // printed for them.

@@ -59,6 +59,8 @@ struct TpudFlags {
   std::string pjrt_memory = "auto";
   int pjrt_program_cache = 4096;
   bool pjrt_graphs = true;
+  std::string compile_cache_dir;  // empty: compiled programs live in memory
+  std::string compile_cache_bytes = "4GiB";
 
   std::string metrics_address;   // empty: no metrics endpoint
   std::string allocation_state;  // empty: allocations are not kept
@@ -123,6 +125,9 @@ struct TpudConfig {
   PjrtMemory pjrt_memory = PjrtMemory::kAuto;
   int pjrt_program_cache = 4096;  // at least 1
   bool pjrt_graphs = true;
+  // Compiled programs kept on disk too, across restarts; empty: not kept.
+  std::string compile_cache_dir;
+  uint64_t compile_cache_bytes = 0;
 
   // Sockets, with the defaults resolved.
   std::string socket_path;

@@ -138,6 +138,15 @@ ABSL_FLAG(bool, pjrt_graphs, tpud::TpudFlags().pjrt_graphs,
           "with device memory, run each captured graph (torch.compile) as one "
           "StableHLO module; "
           "false: its ops one by one, as eager ops");
+ABSL_FLAG(std::string, compile_cache_dir, tpud::TpudFlags().compile_cache_dir,
+          "keep the PJRT backend's compiled programs in this directory too "
+          "(made with mode 0700; one others may write is refused), so that a "
+          "restarted tpud loads them instead of compiling them again; empty: "
+          "programs live only as long as tpud");
+ABSL_FLAG(std::string, compile_cache_bytes,
+          tpud::TpudFlags().compile_cache_bytes,
+          "the most --compile_cache_dir may hold; past it the least recently "
+          "used programs are removed");
 
 ABSL_FLAG(std::string, metrics_address, tpud::TpudFlags().metrics_address,
           "serve Prometheus metrics (GET /metrics) on this loopback HOST:PORT "
@@ -191,6 +200,8 @@ TpudFlags FlagsFromCommandLine() {
   f.pjrt_memory = absl::GetFlag(FLAGS_pjrt_memory);
   f.pjrt_program_cache = absl::GetFlag(FLAGS_pjrt_program_cache);
   f.pjrt_graphs = absl::GetFlag(FLAGS_pjrt_graphs);
+  f.compile_cache_dir = absl::GetFlag(FLAGS_compile_cache_dir);
+  f.compile_cache_bytes = absl::GetFlag(FLAGS_compile_cache_bytes);
   f.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   f.allocation_state = absl::GetFlag(FLAGS_allocation_state);
   return f;

@@ -1,11 +1,15 @@
 #include "daemon/backends/pjrt/pjrt_chip.h"
 
+#include <spdlog/spdlog.h>
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -18,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "daemon/backends/pjrt/compile_cache.h"
 #include "daemon/backends/pjrt/lowering/helpers.h"
 #include "daemon/backends/pjrt/lowering/lowering.h"
 #include "daemon/backends/pjrt/lowering/registry.h"
@@ -70,16 +75,60 @@ absl::StatusOr<std::shared_ptr<const Executable>> PjrtChip::Compiled(
   if (it != cache_.end()) {
     lru_.splice(lru_.end(), lru_, it->second);
     ++st.hits;
-    return it->second->second;
+    return it->second->second.exe;
   }
   const auto t0 = std::chrono::steady_clock::now();
+  auto since_t0 = [&t0] {
+    return static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(
+            std::chrono::steady_clock::now() - t0)
+            .count());
+  };
+  std::string disk_key, disk_path;
   absl::StatusOr<std::unique_ptr<Executable>> exe =
-      replicas.empty() ? plugin_->Compile(program)
-                       : plugin_->CompileReplicated(program, replicas);
-  st.compile_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                       std::chrono::steady_clock::now() - t0)
-                       .count();
-  ++st.compiles;
+      absl::NotFoundError("not on disk");
+  if (disk_ != nullptr) {
+    disk_key =
+        absl::StrCat(disk_identity_, replicas.empty() ? "portable\n" : "", key);
+    if (std::optional<DiskCompileCache::Entry> e = disk_->Load(disk_key)) {
+      exe = plugin_->Deserialize(e->payload, replicas);
+      if (exe.ok()) {
+        disk_path = disk_->PathOf(disk_key);
+        const uint64_t load_ns = since_t0();
+        ++st.disk_hits;
+        st.saved_ns += e->compile_ns > load_ns ? e->compile_ns - load_ns : 0;
+      } else {
+        spdlog::warn(
+            "compile cache: {}: the plugin refused an entry ({}); "
+            "compiling again",
+            disk_->dir(), std::string(exe.status().message()));
+        disk_->Remove(disk_key);
+      }
+    }
+  }
+  if (!exe.ok()) {
+    exe = replicas.empty() ? plugin_->Compile(program)
+                           : plugin_->CompileReplicated(program, replicas);
+    const uint64_t compile_ns = since_t0();
+    st.compile_ns += compile_ns;
+    ++st.compiles;
+    if (exe.ok() && disk_ != nullptr) {
+      absl::StatusOr<std::string> bytes = plugin_->Serialize(**exe);
+      absl::Status stored = bytes.ok()
+                                ? disk_->Store(disk_key, *bytes, compile_ns)
+                                : bytes.status();
+      if (stored.ok()) {
+        ++st.disk_stores;
+      } else if (!std::exchange(disk_write_error_logged_, true)) {
+        // A full disk, a program over the bound, a program the plugin
+        // cannot serialize: compiling goes on without the disk.
+        spdlog::warn(
+            "compile cache: {} (said once; tpuctl programs counts failed "
+            "writes)",
+            std::string(stored.message()));
+      }
+    }
+  }
   if (!exe.ok()) return exe.status();
   if (!replicas.empty() && (*exe)->replica_devices() != replicas) {
     // Argument lists follow the executable's order; tpud gives them by rank.
@@ -92,9 +141,69 @@ absl::StatusOr<std::shared_ptr<const Executable>> PjrtChip::Compiled(
     cache_.erase(lru_.front().first);
     lru_.pop_front();
   }
-  lru_.emplace_back(key, std::shared_ptr<const Executable>(*std::move(exe)));
+  lru_.emplace_back(
+      key, CachedProgram{std::shared_ptr<const Executable>(*std::move(exe)),
+                         std::move(disk_path)});
   cache_[key] = std::prev(lru_.end());
-  return lru_.back().second;
+  return lru_.back().second.exe;
+}
+
+void PjrtChip::RenewDiskEntries() {
+  std::vector<std::pair<uint64_t, const std::string*>> held;
+  held.reserve(lru_.size());
+  for (const auto& [key, p] : lru_) {
+    if (!p.disk_path.empty())
+      held.emplace_back(p.exe->last_run(), &p.disk_path);
+  }
+  std::sort(held.begin(), held.end());
+  for (const auto& [last_run, path] : held) disk_->Renew(*path);
+}
+
+absl::Status PjrtChip::OpenDiskCache(const std::string& dir, uint64_t max_bytes,
+                                     const std::vector<CreateOption>& options) {
+  if (!plugin_->Serializes()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the PJRT plugin ", plugin_->path(),
+        " cannot serialize programs: no compilation cache on disk"));
+  }
+  // The plugin build: its file (a reinstall changes size or time), what it
+  // says it is, and how its client was made.
+  struct stat sb;
+  if (::stat(plugin_->path().c_str(), &sb) != 0) {
+    // A plugin found through the loader's search path: its name alone.
+    std::memset(&sb, 0, sizeof(sb));
+  }
+  std::string identity =
+      absl::StrCat("tpud compile cache 1\nplugin ", plugin_->path(), " ",
+                   sb.st_size, " ", sb.st_mtim.tv_sec, ".", sb.st_mtim.tv_nsec,
+                   "\n", plugin_->Describe(), "\n");
+  for (const CreateOption& o : options) {
+    absl::StrAppend(&identity, "option ", o.name, " ", o.type, " ",
+                    o.string_value, " ", o.int64_value, " ", o.float_value, " ",
+                    o.bool_value, "\n");
+  }
+  absl::StrAppend(&identity, "devices ", plugin_->num_devices());
+  for (const DeviceInfo& d : plugin_->devices())
+    absl::StrAppend(&identity, " ", d.id, ":", d.kind);
+  absl::StrAppend(&identity, "\n");
+  absl::StatusOr<std::unique_ptr<DiskCompileCache>> cache =
+      DiskCompileCache::Open(dir, max_bytes);
+  if (!cache.ok()) return cache.status();
+  disk_ = *std::move(cache);
+  disk_identity_ = std::move(identity);
+  return absl::OkStatus();
+}
+
+DiskCacheStats PjrtChip::disk_cache_stats() const {
+  DiskCacheStats s;
+  if (disk_ == nullptr) return s;
+  s.enabled = true;
+  s.entries = disk_->entries();
+  s.bytes = disk_->bytes();
+  s.max_bytes = disk_->max_bytes();
+  s.rejected = disk_->rejected();
+  s.write_errors = disk_->write_errors();
+  return s;
 }
 
 namespace {

@@ -40,6 +40,7 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/types/span.h"
 #include "daemon/backends/chip_backend.h"
+#include "daemon/backends/pjrt/compile_cache.h"
 #include "daemon/backends/pjrt/pjrt_plugin.h"
 #include "tpu/dtype.h"
 
@@ -78,6 +79,13 @@ class PjrtChip : public ChipBackend {
                                                                : CompileStats{};
   }
   uint64_t programs_cached() const override { return lru_.size(); }
+  DiskCacheStats disk_cache_stats() const override;
+  // Keeps compiled programs on disk in `dir` too (compile_cache.h), at most
+  // `max_bytes`, keyed by this plugin build and `options` (its create
+  // options) with each program. An error (a directory others may write, a
+  // plugin that cannot serialize programs) leaves the chip without one.
+  absl::Status OpenDiskCache(const std::string& dir, uint64_t max_bytes,
+                             const std::vector<CreateOption>& options);
 
   absl::Status HostAccess(uint64_t address, uint64_t bytes, bool write,
                           uint64_t owner) override;
@@ -207,8 +215,13 @@ class PjrtChip : public ChipBackend {
 
   std::unique_ptr<PjrtPlugin> plugin_;
   size_t capacity_;
-  // Compiled programs by their text, least recently used first.
-  std::list<std::pair<std::string, std::shared_ptr<const Executable>>> lru_;
+  // Compiled programs by their text, least recently used first, with where
+  // each lies in the cache on disk (empty where it is not kept there).
+  struct CachedProgram {
+    std::shared_ptr<const Executable> exe;
+    std::string disk_path;
+  };
+  std::list<std::pair<std::string, CachedProgram>> lru_;
   std::unordered_map<std::string, decltype(lru_)::iterator> cache_;
   // Lowered ops by their signature (SignatureKey), least recently used
   // first: an op seen before skips lowering and the program lookup.
@@ -233,6 +246,16 @@ class PjrtChip : public ChipBackend {
   std::map<uint64_t, Mirror> mirrors_;
   uint64_t device_bytes_ = 0;
   std::vector<CompileStats> stats_;  // per device
+  // The compilation cache on disk, where one is open, and what every key
+  // starts with: the plugin build and its create options.
+  std::unique_ptr<DiskCompileCache> disk_;
+  std::string disk_identity_;
+  bool disk_write_error_logged_ = false;
+  // Before the disk cache evicts: renews the entries of the programs this
+  // chip holds, in the order they last ran, so that eviction takes what
+  // no one ran for longest (a program found through a plan never comes
+  // back here to say it is in use).
+  void RenewDiskEntries();
 };
 
 }  // namespace tpud::pjrt
