@@ -20,6 +20,8 @@ DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 # Every flag tpud documents; the example flagfile must show each exactly once.
 DOCUMENTED_FLAGS = {
     "allocation_state",
+    "compile_cache_dir",
+    "compile_cache_bytes",
     "op_timeout",
     "max_connections_per_uid",
     "max_sessions_per_uid",
@@ -398,7 +400,7 @@ def test_tpud_accepts_the_example_flagfile(tmp_path):
          f"--admin_socket={tmp_path / 'admin.sock'}", "--socket_group=root",
          f"--metrics_address={tmp_path / 'metrics.sock'}",
          f"--allocation_state={tmp_path / 'state' / 'allocations.state'}",
-         "--hbm_bytes=1MiB"], stderr=subprocess.PIPE, text=True)
+         f"--compile_cache_dir={tmp_path / 'cache'}", "--hbm_bytes=1MiB"], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 10
         while time.time() < deadline and not sock.exists():
