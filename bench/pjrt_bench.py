@@ -18,6 +18,16 @@ One JSON object per line (as bench/torch_bench.py):
                      dot in-process. Target 0.95.
   pjrt_train_step    torch_bench's small-op AdamW training step on tpu (PJRT)
                      against CPU eager PyTorch, reported as it is (no target).
+  pjrt_second_process_first_step
+                     the first AdamW step of a 6-block MLP in a new process, on a
+                     tpud where another process already took that step, against
+                     the first process's first step (it compiled every program).
+                     Target 10.
+  pjrt_restart_first_step
+                     the same first step in a new process after tpud restarted
+                     with --compile_cache_dir, against the first process's first
+                     step before the restart. Target 5.
+  (--first-steps-only runs just these two.)
 """
 import argparse
 import json
@@ -61,14 +71,91 @@ def per_unit_seconds(fn, units, sync, rounds):
     return statistics.median(times)
 
 
+# One process's first training step on tpu. A first AdamW step costs about a
+# second on the CPU too (PyTorch imports torch._dynamo and more on first
+# use), the same on every device; one step of a copy on the CPU pays that
+# first, so the figure is what the device path adds: its programs.
+FIRST_STEP = r"""
+import copy, json, time
+import torch
+import torch_tpu  # noqa: F401
+torch.manual_seed(0)
+nn = torch.nn
+blocks = [nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256), nn.GELU()) for _ in range(6)]
+model = nn.Sequential(*blocks, nn.Linear(256, 10))
+x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+def step(model, dev):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss = nn.functional.cross_entropy(model(x.to(dev)), y.to(dev))
+    loss.backward()
+    opt.step()
+    return loss.item()
+step(copy.deepcopy(model), "cpu")
+t0 = time.perf_counter()
+value = step(model.to("tpu"), "tpu")
+print(json.dumps({"seconds": time.perf_counter() - t0, "loss": value}))
+"""
+
+
+def first_steps(args, plugin):
+    """pjrt_second_process_first_step and pjrt_restart_first_step: new
+    processes' first training steps, on one tpud and on a restarted one that
+    keeps its programs on disk. Each is one process's one step; --rounds
+    fresh cache directories give the medians."""
+    import tempfile
+
+    def step(daemon):
+        r = subprocess.run([sys.executable, "-c", FIRST_STEP], env=daemon.env(), capture_output=True,
+                           text=True, timeout=600)
+        if r.returncode != 0:
+            sys.exit(f"pjrt_bench: a first step failed: {r.stderr[-2000:]}")
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    runs = {"first": [], "second": [], "restart": []}
+    for _ in range(args.rounds):
+        with tempfile.TemporaryDirectory(prefix="tpud-compile-cache.") as tmp:
+            flags = ["--backend=pjrt", f"--pjrt_plugin={plugin}", "--pjrt_option=cpu_device_count=4",
+                     f"--compile_cache_dir={tmp}/programs"]
+            daemon = TpudProcess(args.tpud, "1GiB", flags, prefix="tpud-pjrt-bench.")
+            daemon.start(timeout=30)
+            try:
+                first, second = step(daemon), step(daemon)
+            finally:
+                daemon.close()
+            daemon = TpudProcess(args.tpud, "1GiB", flags, prefix="tpud-pjrt-bench.")
+            daemon.start(timeout=30)
+            try:
+                restart = step(daemon)
+            finally:
+                daemon.close()
+        if not first["loss"] == second["loss"] == restart["loss"]:
+            sys.exit(f"pjrt_bench: the first steps' losses differ: {first}, {second}, {restart}")
+        for key, r in (("first", first), ("second", second), ("restart", restart)):
+            runs[key].append(r["seconds"])
+    t_first = statistics.median(runs["first"])
+    for key, name, target, work in (
+            ("second", "pjrt_second_process_first_step", 10.0,
+             "the first AdamW step of a 6-block MLP in a second process on the same tpud"),
+            ("restart", "pjrt_restart_first_step", 5.0,
+             "the same first step after tpud restarted with --compile_cache_dir")):
+        f = figure(name, statistics.median(runs[key]), t_first, target, work,
+                   "the first process's first step on a fresh tpud (it compiled every program), same run")
+        f["rounds_seconds"] = {k: [round(v, 4) for v in vs] for k, vs in runs.items()}
+        print(json.dumps(f), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tpud", default=str(ROOT / "bazel-bin" / "daemon" / "tpud"))
     p.add_argument("--inprocess", default=str(ROOT / "bazel-bin" / "bench" / "pjrt_inprocess_bench"))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--first-steps-only", action="store_true")
     args = p.parse_args()
     plugin = plugin_path()
+    first_steps(args, plugin)
+    if args.first_steps_only:
+        return
 
     def inprocess():
         r = subprocess.run([args.inprocess, plugin, "cpu_device_count=4"], capture_output=True,
