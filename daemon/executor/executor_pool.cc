@@ -635,6 +635,26 @@ void ExecutorPool::OnWorkerDeath(int e, int wait_status) {
       doomed_.emplace_back(rec.session_id, message);
       doomed_cv_.Signal();
     }
+    if (options_.device_memory) {
+      // Every other session's tensors on these chips lived only in the dead
+      // process's device buffers: reading them now would give the arena's
+      // stale bytes. End them too, before the new executor attaches them.
+      const std::string lost = absl::StrFormat(
+          "tpud's executor for chips %s %s; it kept this session's tensors in "
+          "device memory (PJRT, --pjrt_memory=device), so they are lost and "
+          "tpud ended the session (new sessions are served)",
+          absl::StrJoin(rec.chips, ","),
+          rec.session_id != 0
+              ? absl::StrCat("crashed in session ", rec.session_id, "'s op ",
+                             rec.op.empty() ? "" : rec.op)
+              : absl::StrCat("died (", rec.reason, ")"));
+      for (auto& [id, s] : sessions_) {
+        if (s.doomed || id == rec.session_id) continue;
+        s.doomed = true;
+        doomed_.emplace_back(id, lost);
+      }
+      doomed_cv_.Signal();
+    }
     restarts_.push_back(rec);
     if (restarts_.size() > 1000) restarts_.erase(restarts_.begin());
   }

@@ -45,6 +45,12 @@ struct ExecutorPoolOptions {
   std::vector<std::vector<int>> chips_of;
   // An op running longer than this gets its executor killed (0: never).
   absl::Duration op_timeout = absl::Minutes(10);
+  // The executors keep tensors in memory of their own (PJRT device buffers,
+  // the arena only a host copy brought up to date when the host reads): an
+  // executor that dies takes the only copy of its sessions' data with it,
+  // so every session attached to it ends, not only the one whose op was
+  // running (which with data in the arena is all that must).
+  bool device_memory = false;
 };
 
 // Why an executor was replaced, and whose op it was running.

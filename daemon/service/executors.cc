@@ -75,6 +75,7 @@ absl::StatusOr<std::unique_ptr<ExecutorProcesses>> ExecutorProcesses::Create(
   ExecutorPoolOptions pool_options;
   pool_options.chips_of = exec_config.chips_of;
   pool_options.op_timeout = config.op_timeout;
+  pool_options.device_memory = backend.device_memory;
   absl::StatusOr<std::unique_ptr<ExecutorPool>> pool = ExecutorPool::Create(
       pool_options, e->shared_, wake_fds,
       [exec_config](int index, int control_fd) {
