@@ -77,12 +77,38 @@ Session::Impl::Call::~Call() {
 }
 
 absl::Status Session::Impl::Annotate(const grpc::Status& status) {
-  if (daemon_gone.load()) {
-    return absl::UnavailableError(
-        absl::StrCat("lost the connection to tpud at ", options.socket_path,
-                     "; the daemon stopped or ended this session"));
+  // A call cut off by tpud hanging up may come back before the watcher has
+  // seen it go: the rings say whether tpud ended the session.
+  if (daemon_gone.load() ||
+      (status.error_code() == grpc::UNAVAILABLE && !EndedWhy().empty())) {
+    return Gone();
   }
   return internal::Annotate(status, options.socket_path);
+}
+
+std::string Session::Impl::EndedWhy() {
+  // tpud fails every ring of a session it ends (with the reason, where it
+  // has one) before it hangs up.
+  for (uint32_t r = 0; shm != nullptr && r < layout.num_rings; ++r) {
+    RingControl* ctl = Control(static_cast<int>(r));
+    if (ctl->dead.load() == 0 || ctl->error_sequence.load() == 0) continue;
+    char message[kErrorMessageBytes];
+    std::memcpy(message, ctl->error_message, sizeof(message));
+    message[sizeof(message) - 1] = '\0';
+    return message;
+  }
+  return "";
+}
+
+absl::Status Session::Impl::Gone() {
+  const std::string why = EndedWhy();
+  if (!why.empty()) {
+    return absl::UnavailableError(absl::StrCat(
+        "lost the connection to tpud at ", options.socket_path, ": ", why));
+  }
+  return absl::UnavailableError(
+      absl::StrCat("lost the connection to tpud at ", options.socket_path,
+                   "; the daemon stopped or ended this session"));
 }
 
 void Session::Impl::StartWatcher() {

@@ -150,6 +150,13 @@ struct Session::Impl {
   };
   // A failed call's status; UNAVAILABLE naming the socket once tpud is gone.
   absl::Status Annotate(const grpc::Status& status);
+  // UNAVAILABLE for a session tpud is gone from: why tpud ended it where it
+  // said so on the session's rings before it hung up (an executor crash,
+  // device memory lost), else that the connection is lost.
+  absl::Status Gone();
+  // The reason tpud wrote on the session's rings when it ended it; empty
+  // while the session is alive (or where tpud gave none).
+  std::string EndedWhy();
 
   // Watches the data-plane connection (one thread, blocked in poll): when
   // tpud goes away it marks the session and cancels every call in flight.
@@ -168,9 +175,7 @@ struct Session::Impl {
       ABSL_LOCKS_EXCLUDED(mu) {
     if (daemon_gone.load() ||
         (data_plane_fd >= 0 && internal::PeerGone(data_plane_fd))) {
-      return absl::UnavailableError(
-          absl::StrCat("lost the connection to tpud at ", options.socket_path,
-                       "; the daemon stopped or ended this session"));
+      return Gone();
     }
     absl::MutexLock lock(&mu);
     if (!open) {
