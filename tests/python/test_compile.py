@@ -127,6 +127,13 @@ def _hugging_face_models_compiled():
                 continue
             same(q.grad, p.grad, atol=1e-4, what=f"{name} grad {pname}")
         captured[name] = _compile.stats["captures"] - before
+    # Greedy decoding through a compiled forward gives CPU's tokens.
+    ref, dev = models["llama"], copy.deepcopy(models["llama"]).to("tpu")
+    dev.forward = torch.compile(dev.forward, backend="tpu", dynamic=True)
+    prompt = torch.randint(0, 128, (1, 5))
+    want = ref.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    got = dev.generate(prompt.to("tpu"), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert got.cpu().tolist() == want.tolist(), (got, want)
     # Each model's graphs ran as programs (a graph holding an op the
     # client must run synchronously runs eagerly instead, still equal).
     assert all(n >= 1 for n in captured.values()), (captured, _compile.explain())
@@ -447,6 +454,17 @@ def pjrt_device():
     d = Daemon(hbm="2GiB", extra_flags=pjrt_flags() + ["--pjrt_memory=device"])
     yield d
     d.stop()
+
+
+@pytest.mark.slow
+def test_on_pjrt_hugging_face_models_compiled_equal_cpu(pjrt_device):
+    pytest.importorskip("transformers")
+    run_in_child(pjrt_device, _hugging_face_models_compiled, timeout=900)
+
+
+@pytest.mark.slow
+def test_on_pjrt_a_compiled_training_loop_reaches_cpu_losses(pjrt_device):
+    run_in_child(pjrt_device, _compiled_training_loop, timeout=600)
 
 
 def _graph_figures(daemon):

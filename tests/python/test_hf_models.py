@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow  # Hugging Face models trained on CPU and tpu
 transformers = pytest.importorskip("transformers")
 
 
-TPUD_HBM = "2GiB"  # for conftest's tpud fixture
+TPUD_HBM = "2GiB"  # for conftest's any_backend fixture
 
 
 # Shared by the tests' bodies (each runs in a fresh interpreter, see
@@ -95,8 +95,8 @@ def train(daemon, fn):
     run_in_child(daemon, fn, timeout=600)
 
 
-def test_gpt2_with_tied_embeddings_trains_and_generates_as_on_cpu(tpud):
-    train(tpud, _gpt2_with_tied_embeddings_trains_and_generates_as_on_cpu)
+def test_gpt2_with_tied_embeddings_trains_and_generates_as_on_cpu(any_backend):
+    train(any_backend, _gpt2_with_tied_embeddings_trains_and_generates_as_on_cpu)
 
 
 def _gpt2_with_tied_embeddings_trains_and_generates_as_on_cpu():
@@ -113,8 +113,8 @@ def _gpt2_with_tied_embeddings_trains_and_generates_as_on_cpu():
     check_generate(ref, dev, g, 97)
 
 
-def test_bert_trains_as_on_cpu(tpud):
-    train(tpud, _bert_trains_as_on_cpu)
+def test_bert_trains_as_on_cpu(any_backend):
+    train(any_backend, _bert_trains_as_on_cpu)
 
 
 def _bert_trains_as_on_cpu():
@@ -136,8 +136,8 @@ def _bert_trains_as_on_cpu():
     check_equal(ref, dev, batch)
 
 
-def test_llama_trains_and_generates_as_on_cpu(tpud):
-    train(tpud, _llama_trains_and_generates_as_on_cpu)
+def test_llama_trains_and_generates_as_on_cpu(any_backend):
+    train(any_backend, _llama_trains_and_generates_as_on_cpu)
 
 
 def _llama_trains_and_generates_as_on_cpu():
@@ -153,8 +153,8 @@ def _llama_trains_and_generates_as_on_cpu():
     check_generate(ref, dev, g, 97)
 
 
-def test_t5_encoder_decoder_trains_as_on_cpu(tpud):
-    train(tpud, _t5_encoder_decoder_trains_as_on_cpu)
+def test_t5_encoder_decoder_trains_as_on_cpu(any_backend):
+    train(any_backend, _t5_encoder_decoder_trains_as_on_cpu)
 
 
 def _t5_encoder_decoder_trains_as_on_cpu():
@@ -171,8 +171,8 @@ def _t5_encoder_decoder_trains_as_on_cpu():
     check_equal(ref, dev, batch)
 
 
-def test_vision_transformer_trains_as_on_cpu(tpud):
-    train(tpud, _vision_transformer_trains_as_on_cpu)
+def test_vision_transformer_trains_as_on_cpu(any_backend):
+    train(any_backend, _vision_transformer_trains_as_on_cpu)
 
 
 def _vision_transformer_trains_as_on_cpu():
@@ -191,9 +191,9 @@ def _vision_transformer_trains_as_on_cpu():
     check_equal(ref, dev, batch)
 
 
-def test_from_pretrained_with_device_map_tpu(tpud, tmp_path):
+def test_from_pretrained_with_device_map_tpu(any_backend, tmp_path):
     pytest.importorskip("accelerate")
-    run_in_child(tpud, _from_pretrained_with_device_map_tpu, str(tmp_path), timeout=600)
+    run_in_child(any_backend, _from_pretrained_with_device_map_tpu, str(tmp_path), timeout=600)
 
 
 def _from_pretrained_with_device_map_tpu(path):
@@ -212,8 +212,8 @@ def _from_pretrained_with_device_map_tpu(path):
     torch.testing.assert_close(dev(ids.to("tpu")).logits.cpu(), ref(ids).logits)
 
 
-def test_cnn_with_batch_norm_trains_and_evaluates_as_on_cpu(tpud):
-    run_in_child(tpud, _cnn_with_batch_norm_trains_and_evaluates_as_on_cpu, timeout=600)
+def test_cnn_with_batch_norm_trains_and_evaluates_as_on_cpu(any_backend):
+    run_in_child(any_backend, _cnn_with_batch_norm_trains_and_evaluates_as_on_cpu, timeout=600)
 
 
 def _cnn_with_batch_norm_trains_and_evaluates_as_on_cpu():
