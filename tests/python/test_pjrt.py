@@ -384,6 +384,43 @@ def _ffts_linear_algebra_and_polynomials_match_cpu():
     assert torch.linalg.lu_factor_ex(t(s)).info.item() == torch.linalg.lu_factor_ex(s).info.item() == 2
 
 
+def test_eigh_and_svd_match_cpu_up_to_the_vectors_signs(pjrt):
+    run_in_child(pjrt, _eigh_and_svd_match_cpu_up_to_the_vectors_signs)
+
+
+def _eigh_and_svd_match_cpu_up_to_the_vectors_signs():
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.manual_seed(0)
+    close = torch.testing.assert_close
+    for shape in [(4, 4), (2, 5, 5), (0, 3, 3)]:
+        a = torch.randn(*shape)
+        a = a + a.mT
+        for uplo in "LU":
+            w, v = torch.linalg.eigh(a, UPLO=uplo)
+            wt, vt = torch.linalg.eigh(a.to("tpu"), UPLO=uplo)
+            close(wt.cpu(), w)
+            close(vt.cpu().abs(), v.abs())  # each eigenvector up to its sign
+    for shape in [(3, 3), (5, 3), (2, 3, 4), (0, 2)]:
+        a = torch.randn(*shape, dtype=torch.float64)
+        for full in (False, True):
+            u, s, vh = torch.linalg.svd(a, full_matrices=full)
+            ut, st, vht = torch.linalg.svd(a.to("tpu"), full_matrices=full)
+            close(st.cpu(), s)
+            assert (ut.shape, vht.shape) == (u.shape, vh.shape)
+            k = s.shape[-1]
+            close(((ut[..., :k] * st.unsqueeze(-2)) @ vht[..., :k, :]).cpu(), a)
+            close(ut[..., :k].cpu().abs(), u[..., :k].abs())
+    a = torch.randn(4, 3)
+    close(torch.linalg.pinv(a.to("tpu")).cpu(), torch.linalg.pinv(a), atol=1e-5, rtol=1e-4)
+    close(torch.linalg.matrix_norm(a.to("tpu"), ord="nuc").cpu(), torch.linalg.matrix_norm(a, ord="nuc"))
+    x = a.to("tpu").requires_grad_()
+    torch.linalg.svdvals(x).sum().backward()
+    y = a.clone().requires_grad_()
+    torch.linalg.svdvals(y).sum().backward()
+    close(x.grad.cpu(), y.grad, atol=1e-5, rtol=1e-4)
+
+
 def test_data_dependent_results_and_index_errors(pjrt):
     # nonzero, boolean masks and unique size their results from the data (in
     # memory tpud allocates and charges to the session); an index out of

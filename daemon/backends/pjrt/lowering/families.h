@@ -20,6 +20,7 @@ void RegisterRandom(OpRegistry& reg);       // random.cc
 void RegisterSpecial(OpRegistry& reg);      // special.cc
 void RegisterFft(OpRegistry& reg);          // fft.cc
 void RegisterPolynomial(OpRegistry& reg);   // polynomial.cc
+void RegisterEigen(OpRegistry& reg);        // eigen.cc
 void RegisterHostOps(OpRegistry& reg);      // ../host_ops.cc
 
 }  // namespace tpud::pjrt

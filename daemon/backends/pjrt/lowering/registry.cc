@@ -111,7 +111,7 @@ const OpRegistry& Registry() {
          {RegisterElementwise, RegisterActivation, RegisterReduction,
           RegisterSort, RegisterLinalg, RegisterNn, RegisterForeach,
           RegisterShape, RegisterIndexing, RegisterRandom, RegisterSpecial,
-          RegisterFft, RegisterPolynomial, RegisterHostOps}) {
+          RegisterFft, RegisterPolynomial, RegisterEigen, RegisterHostOps}) {
       family(*r);
     }
     r->DeriveForms();
