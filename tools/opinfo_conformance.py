@@ -6,7 +6,10 @@ first --max-samples sample inputs (`op.sample_inputs("cpu", dtype)`) run on the
 CPU; those that pass there run again with their tensors moved to "tpu", and the
 results, moved back, are compared with torch.testing.assert_close (dtype default
 atol/rtol, equal_nan=True; non-tensor results with ==; a result tensor must be
-on tpu). Each sample is one of:
+on tpu). As in PyTorch's test_compare_cpu, both sides' results first pass
+through the sample's output_process_fn_grad, which for ops whose results are
+defined only up to a sign (singular vectors, eigenvectors) takes their abs.
+Each sample is one of:
 
   passed, failed (a mismatch), errored (an exception on tpu: type and first line),
   skipped_cpu (it raises on the CPU too; not counted),
@@ -441,7 +444,11 @@ def worker_main(args):
             if args.backward:
                 expected, cotangents, out = gradients(op, sample, *inputs, leaves)
             else:
-                expected = out = op(sample.input, *sample.args, **sample.kwargs)
+                # As PyTorch's test_compare_cpu: results defined only up to
+                # a sign (singular vectors, eigenvectors) are compared
+                # through the sample's output_process_fn_grad (their abs).
+                out = op(sample.input, *sample.args, **sample.kwargs)
+                expected = sample.output_process_fn_grad(out)
         except Exception:  # noqa: BLE001
             state["phase"] = None
             send(t="sample", sample=k, status="skipped_cpu")
@@ -462,7 +469,9 @@ def worker_main(args):
                         lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
                     detected = differs_between_cpu_runs(processed, again, first)
             else:
-                detected = differs_between_cpu_runs(op, again, expected)
+                def processed(*a, **kw):
+                    return sample.output_process_fn_grad(op(*a, **kw))
+                detected = differs_between_cpu_runs(processed, again, expected)
         nondet = nondet or detected
         state["phase"] = ("tpu", k)
         send(t="tpu", sample=k, step="running the op and its backward on tpu" if args.backward
@@ -480,7 +489,7 @@ def worker_main(args):
                 # copied back by the backward of the copy to tpu.
                 actual = [_Moved(g, g.device.type) for g in grads]
             else:
-                result = op(inp, *a, **kw)
+                result = sample.output_process_fn_grad(op(inp, *a, **kw))
                 send(t="tpu", sample=k, step="copying the results to the CPU" +
                      (" (a result has the conj or neg bit)" if has_conj(result) else ""))
                 actual = to_cpu(result)
