@@ -39,10 +39,10 @@ def _python():
     return str(venv) if venv.exists() else sys.executable
 
 
-def _run(tmp_path, extra, min_rate, what):
+def _run(tmp_path, extra, min_rate, what, flags=()):
     bazel_bin("daemon/tpud")
     report_path = tmp_path / "report.json"
-    d = Daemon(hbm="4GiB")
+    d = Daemon(hbm="4GiB", extra_flags=list(flags))
     try:
         r = subprocess.run(
             [_python(), str(TOOL), "--ops", ",".join(OPS), "--max-samples", "3",
@@ -82,3 +82,15 @@ def test_common_ops_gradients_match_cpu(tmp_path):
     assert report["mode"] == "backward" and len(report["dtypes"]) == 4, report["dtypes"]
     # Only differentiable ops take part; most of the list is.
     assert len({u["op"] for u in report["ops"]}) >= 40
+
+
+@pytest.mark.parametrize("mode", ["forward", "backward"])
+def test_common_ops_match_cpu_on_pjrt(tmp_path, mode):
+    """The same ops on the PJRT backend (XLA's CPU plugin, tensors in device
+    buffers as on a TPU), float32 and bfloat16."""
+    from conftest import pjrt_flags
+    pytest.importorskip("xla_plugins.xla_cpu_pjrt")
+    extra = ["--dtypes", "float32,bfloat16"] + (["--backward"] if mode == "backward" else [])
+    report = _run(tmp_path, extra, MIN_PASS_RATE if mode == "forward" else MIN_BACKWARD_PASS_RATE,
+                  f"{mode} on PJRT", flags=pjrt_flags() + ["--pjrt_memory=device"])
+    assert report["mode"] == mode and report["dtypes"] == ["float32", "bfloat16"], report["dtypes"]
