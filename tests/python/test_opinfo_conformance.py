@@ -91,6 +91,8 @@ def test_common_ops_match_cpu_on_pjrt(tmp_path, mode):
     from conftest import pjrt_flags
     pytest.importorskip("xla_plugins.xla_cpu_pjrt")
     extra = ["--dtypes", "float32,bfloat16"] + (["--backward"] if mode == "backward" else [])
-    report = _run(tmp_path, extra, MIN_PASS_RATE if mode == "forward" else MIN_BACKWARD_PASS_RATE,
+    # Issue 36's bar on PJRT: forward 99%, backward 98%; the subset's forward
+    # is held to the simulated chip's 99.5%.
+    report = _run(tmp_path, extra, MIN_PASS_RATE if mode == "forward" else 0.98,
                   f"{mode} on PJRT", flags=pjrt_flags() + ["--pjrt_memory=device"])
     assert report["mode"] == mode and report["dtypes"] == ["float32", "bfloat16"], report["dtypes"]
