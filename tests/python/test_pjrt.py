@@ -421,6 +421,28 @@ def _eigh_and_svd_match_cpu_up_to_the_vectors_signs():
     close(x.grad.cpu(), y.grad, atol=1e-5, rtol=1e-4)
 
 
+def test_bessel_i0_i1_ndtri_and_erfcx_match_cpu(pjrt):
+    run_in_child(pjrt, _bessel_i0_i1_ndtri_and_erfcx_match_cpu)
+
+
+def _bessel_i0_i1_ndtri_and_erfcx_match_cpu():
+    import torch
+    import torch_tpu  # noqa: F401
+    inf, nan = float("inf"), float("nan")
+    # (Not 89 < |x| < 94: there float32 ATen overflows exp(|x|) to inf where
+    # I0 itself is finite; tpu computes in float64 and gives the value.)
+    x = torch.tensor([0.0, 0.3, -1.5, 7.9, 8.1, -20.0, 80.0, 30.0, -30.0, inf, -inf, nan])
+    p = torch.tensor([0.0, 1e-7, 0.003, 0.5, 0.97, 1.0, -0.1, 1.5, nan])
+    for dt in (torch.float32, torch.float64):
+        for f, v in ((torch.i0, x), (torch.special.i0e, x), (torch.special.i1, x),
+                     (torch.special.i1e, x), (torch.special.modified_bessel_i0, x),
+                     (torch.special.modified_bessel_i1, x), (torch.special.erfcx, x),
+                     (torch.special.log_ndtr, x), (torch.special.ndtri, p)):
+            v = v.to(dt)
+            torch.testing.assert_close(f(v.to("tpu")).cpu(), f(v), equal_nan=True,
+                                       msg=lambda m: f"{f.__name__} {dt}: {m}")
+
+
 def test_data_dependent_results_and_index_errors(pjrt):
     # nonzero, boolean masks and unique size their results from the data (in
     # memory tpud allocates and charges to the session); an index out of

@@ -26,6 +26,93 @@
 
 namespace tpud::pjrt {
 
+namespace {
+
+// Cephes's Chebyshev series for exp(-|x|) I0(|x|): on [0, 8] in x / 2 - 2,
+// and for exp(-x) sqrt(x) I0(x) on (8, inf) in 32 / x - 2 (the tables ATen
+// and NumPy evaluate too).
+constexpr double kI0eA[] = {
+    -4.41534164647933937950E-18, 3.33079451882223809783E-17,
+    -2.43127984654795469359E-16, 1.71539128555513303061E-15,
+    -1.16853328779934516808E-14, 7.67618549860493561688E-14,
+    -4.85644678311192946090E-13, 2.95505266312963983461E-12,
+    -1.72682629144155570723E-11, 9.67580903537323691224E-11,
+    -5.18979560163526290666E-10, 2.65982372468238665035E-9,
+    -1.30002500998624804212E-8,  6.04699502254191894932E-8,
+    -2.67079385394061173391E-7,  1.11738753912010371815E-6,
+    -4.41673835845875056359E-6,  1.64484480707288970893E-5,
+    -5.75419501008210370398E-5,  1.88502885095841655729E-4,
+    -5.76375574538582365885E-4,  1.63947561694133579842E-3,
+    -4.32430999505057594430E-3,  1.05464603945949983183E-2,
+    -2.37374148058994688156E-2,  4.93052842396707084878E-2,
+    -9.49010970480476444210E-2,  1.71620901522208775349E-1,
+    -3.04682672343198398683E-1,  6.76795274409476084995E-1};
+constexpr double kI0eB[] = {
+    -7.23318048787475395456E-18, -4.83050448594418207126E-18,
+    4.46562142029675999901E-17,  3.46122286769746109310E-17,
+    -2.82762398051658348494E-16, -3.42548561967721913462E-16,
+    1.77256013305652638360E-15,  3.81168066935262242075E-15,
+    -9.55484669882830764870E-15, -4.15056934728722208663E-14,
+    1.54008621752140982691E-14,  3.85277838274214270114E-13,
+    7.18012445138366623367E-13,  -1.79417853150680611778E-12,
+    -1.32158118404477131188E-11, -3.14991652796324136454E-11,
+    1.18891471078464383424E-11,  4.94060238822496958910E-10,
+    3.39623202570838634515E-9,   2.26666899049817806459E-8,
+    2.04891858946906374183E-7,   2.89137052083475648297E-6,
+    6.88975834691682398426E-5,   3.36911647825569408990E-3,
+    8.04490411014108831608E-1};
+
+// The Chebyshev series `c` at y (Clenshaw's recurrence, as Cephes' chbevl).
+template <size_t N>
+std::string Chebyshev(Lowering& l, const std::string& y, const double (&c)[N],
+                      const std::vector<int64_t>& d, const HloType& t) {
+  std::string b0 = l.Constant(c[0], d, t), b1 = l.Constant(0, d, t), b2 = b1;
+  for (size_t i = 1; i < N; ++i) {
+    b2 = b1;
+    b1 = b0;
+    b0 = l.Binary(
+        "add",
+        l.Binary("subtract", l.Binary("multiply", y, b1, d, t), b2, d, t),
+        l.Constant(c[i], d, t), d, t);
+  }
+  return l.Binary("multiply", l.Constant(0.5, d, t),
+                  l.Binary("subtract", b0, b2, d, t), d, t);
+}
+
+// exp(-|x|) I0(x), x of type t (float64).
+std::string I0e(Lowering& l, const std::string& x,
+                const std::vector<int64_t>& d, const HloType& t) {
+  auto c = [&](double v) { return l.Constant(v, d, t); };
+  const std::string ax = l.Unary("abs", x, d, t);
+  const std::string near = Chebyshev(
+      l,
+      l.Binary("subtract", l.Binary("multiply", ax, c(0.5), d, t), c(2), d, t),
+      kI0eA, d, t);
+  const std::string far = l.Binary(
+      "divide",
+      Chebyshev(
+          l,
+          l.Binary("subtract", l.Binary("divide", c(32), ax, d, t), c(2), d, t),
+          kI0eB, d, t),
+      l.Unary("sqrt", ax, d, t), d, t);
+  return l.Select(l.Compare("LE", ax, c(8), d, t), near, far, d, t);
+}
+
+// f(x) computed in float64 and rounded once to the output's type.
+using F64Fn =
+    std::function<std::string(Lowering&, const std::string&,
+                              const std::vector<int64_t>&, const HloType&)>;
+Rule InFloat64(F64Fn f) {
+  return UnaryRule([f](Lowering& l, const std::string& x, const Target& o) {
+    const HloType& t = *o.type;
+    const HloType& w = F64();
+    if (t.dtype == tpu::DType::kDouble) return f(l, x, o.dims, w);
+    return l.Convert(f(l, l.Convert(x, o.dims, t, w), o.dims, w), o.dims, w, t);
+  });
+}
+
+}  // namespace
+
 void RegisterSpecial(OpRegistry& reg) {
   auto chlo = [](Lowering& l, const char* op,
                  const std::vector<std::string>& xs, const Target& o) {
@@ -212,6 +299,70 @@ void RegisterSpecial(OpRegistry& reg) {
             "EQ", ax, l.BroadcastTo(Highest(l, t), {}, dims, t), dims, t);
         return l.Select(inf, l.Constant(0, dims, t), r, dims, t);
       });
+  // The modified Bessel functions of order 0 and 1 (and their exponentially
+  // scaled forms), in float64: I0 from Cephes's series, I1 from CHLO's
+  // i1e; exp(|x|) brings the scaled ones back (overflowing to inf where
+  // they do).
+  auto i0e = [](Lowering& l, const std::string& x,
+                const std::vector<int64_t>& d,
+                const HloType& t) { return I0e(l, x, d, t); };
+  auto i0 = [](Lowering& l, const std::string& x, const std::vector<int64_t>& d,
+               const HloType& t) {
+    return l.Binary("multiply",
+                    l.Unary("exponential", l.Unary("abs", x, d, t), d, t),
+                    I0e(l, x, d, t), d, t);
+  };
+  auto i1 = [](Lowering& l, const std::string& x, const std::vector<int64_t>& d,
+               const HloType& t) {
+    const std::string i1e =
+        l.Emit(absl::StrCat("\"chlo.bessel_i1e\"(", x, ") : (", TypeOf(d, t),
+                            ") -> ", TypeOf(d, t)));
+    return l.Binary("multiply",
+                    l.Unary("exponential", l.Unary("abs", x, d, t), d, t), i1e,
+                    d, t);
+  };
+  reg.Add("aten::special_i0e", InFloat64(i0e));
+  reg.Add("aten::i0", InFloat64(i0));
+  reg.Add("aten::special_modified_bessel_i0", InFloat64(i0));
+  reg.Add("aten::special_i1", InFloat64(i1));
+  reg.Add("aten::special_modified_bessel_i1", InFloat64(i1));
+  // ndtri(p) = sqrt(2) erfinv(2p - 1), in float64 so that 2p - 1 keeps p's
+  // digits near 0 and 1: -inf at 0, inf at 1, NaN outside [0, 1].
+  reg.Add("aten::special_ndtri",
+          InFloat64([](Lowering& l, const std::string& p,
+                       const std::vector<int64_t>& d, const HloType& t) {
+            const std::string y = l.Binary(
+                "subtract", l.Binary("multiply", p, l.Constant(2, d, t), d, t),
+                l.Constant(1, d, t), d, t);
+            const std::string e =
+                l.Emit(absl::StrCat("\"chlo.erf_inv\"(", y, ") : (",
+                                    TypeOf(d, t), ") -> ", TypeOf(d, t)));
+            return l.Binary("multiply", l.Constant(std::sqrt(2.0), d, t), e, d,
+                            t);
+          }));
+  // erfcx(x) = exp(x^2) erfc(x), in float64: as it is below 26, and by its
+  // asymptotic series 1 / (x sqrt(pi)) (1 - 1/(2x^2) + 3/(4x^4) - 15/(8x^6))
+  // above, where erfc underflows (0 at +inf; inf towards -inf, as ATen).
+  reg.Add(
+      "aten::special_erfcx",
+      InFloat64([](Lowering& l, const std::string& x,
+                   const std::vector<int64_t>& d, const HloType& t) {
+        auto c = [&](double v) { return l.Constant(v, d, t); };
+        const std::string x2 = l.Binary("multiply", x, x, d, t);
+        const std::string erfc = l.Emit(absl::StrCat(
+            "\"chlo.erfc\"(", x, ") : (", TypeOf(d, t), ") -> ", TypeOf(d, t)));
+        const std::string direct =
+            l.Binary("multiply", l.Unary("exponential", x2, d, t), erfc, d, t);
+        const std::string r = l.Binary("divide", c(1), x2, d, t);  // 1 / x^2
+        std::string series = c(-15.0 / 8);
+        for (double k : {3.0 / 4, -1.0 / 2, 1.0})
+          series = l.Binary("add", l.Binary("multiply", series, r, d, t), c(k),
+                            d, t);
+        const std::string far =
+            l.Binary("divide", series,
+                     l.Binary("multiply", x, c(std::sqrt(M_PI)), d, t), d, t);
+        return l.Select(l.Compare("LT", x, c(26), d, t), direct, far, d, t);
+      }));
 }
 
 }  // namespace tpud::pjrt
