@@ -443,6 +443,28 @@ def _bessel_i0_i1_ndtri_and_erfcx_match_cpu():
                                        msg=lambda m: f"{f.__name__} {dt}: {m}")
 
 
+def test_half_precision_results_of_decomposed_ops_reach_their_tensor(pjrt):
+    run_in_child(pjrt, _half_precision_results_of_decomposed_ops_reach_their_tensor)
+
+
+def _half_precision_results_of_decomposed_ops_reach_their_tensor():
+    # PyTorch's decompositions of these pads compute in float32 and convert
+    # every tensor argument, out= ones too: the result must still reach the
+    # bfloat16 / float16 tensor the op returns.
+    import torch
+    import torch.nn.functional as F
+    import torch_tpu  # noqa: F401
+    x = torch.randn(2, 3, 6)
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        for mode in ("replicate", "reflect"):
+            want = F.pad(x.to(dt), (2, 1), mode=mode)
+            got = F.pad(x.to(dt).to("tpu"), (2, 1), mode=mode)
+            assert got.dtype == dt and torch.equal(got.cpu(), want), (dt, mode)
+        out = torch.empty(0, dtype=dt, device="tpu")
+        torch.ops.aten.replication_pad1d.out(x.to(dt).to("tpu"), [1, 2], out=out)
+        assert torch.equal(out.cpu(), torch.ops.aten.replication_pad1d(x.to(dt), [1, 2]))
+
+
 def test_data_dependent_results_and_index_errors(pjrt):
     # nonzero, boolean masks and unique size their results from the data (in
     # memory tpud allocates and charges to the session); an index out of

@@ -88,16 +88,32 @@ def _takes_outs(op, fn):
     return all(n in params for n in outs)
 
 
+def _casts_every_tensor(fn):
+    """Whether fn is wrapped in torch._decomp's type_casts (pw_cast_for_opmath
+    and kin): it converts every tensor argument to the computation's type,
+    out= ones too, so for a float16 or bfloat16 out= it writes a float32
+    copy and never the caller's tensor."""
+    code = getattr(fn, "__code__", None)
+    return code is not None and getattr(code, "co_qualname", "").startswith("type_casts.")
+
+
 def _into_outs(op, fn):
     """A functional decomposition made to serve op's out= overload: its
-    results are copied into the out tensors (passed as keywords)."""
+    results are copied into the out tensors (passed as keywords), with the
+    checks of PyTorch's out_wrapper (a result that cannot be cast safely to
+    its out tensor's dtype is refused)."""
     names = [a.name for a in op._schema.arguments if a.is_out]
 
     def run(*args, **kwargs):
+        from torch._prims_common import can_safe_cast_to
         outs = [kwargs.pop(n) for n in names]
         result = fn(*args, **kwargs)
         results = result if isinstance(result, (tuple, list)) else (result,)
         for out, value in zip(outs, results):
+            torch._check(
+                can_safe_cast_to(cast_from=value.dtype, cast_to=out.dtype),
+                lambda: f"Attempting to cast from {value.dtype} to out tensor with dtype "
+                        f"{out.dtype}, but this can't be cast because it is not safe!")
             if out.shape != value.shape:
                 out.resize_(value.shape)
             out.copy_(value)
@@ -128,7 +144,8 @@ def install(lowered_ops):
         name = op.name()  # "aten::add.Tensor"; "aten::relu" for .default
         if name in lowered:
             continue
-        if not _takes_outs(op, fn):
+        outs = any(a.is_out for a in op._schema.arguments)
+        if not _takes_outs(op, fn) or (outs and _casts_every_tensor(fn)):
             fn = _into_outs(op, fn)
         if name in sent_whole:
             with warnings.catch_warnings():  # (torch warns that a kernel is overridden)
