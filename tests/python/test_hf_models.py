@@ -1,6 +1,8 @@
 """Hugging Face Transformers models (tiny configs, random weights) and a
 plain CNN train on "tpu" exactly as on CPU: forward, backward, optimizer
 steps, greedy generate(), and from_pretrained(device_map="tpu")."""
+import os
+
 import pytest
 
 from conftest import run_in_child
@@ -10,7 +12,25 @@ pytestmark = pytest.mark.slow  # Hugging Face models trained on CPU and tpu
 transformers = pytest.importorskip("transformers")
 
 
-TPUD_HBM = "2GiB"  # for conftest's any_backend fixture
+TPUD_HBM = "2GiB"
+
+# The simulated chip and the PJRT backend with tensors in device buffers (as
+# on a TPU). The PJRT backend computing on tpud's arena (--pjrt_memory=host)
+# passes them too; TPUD_HF_PJRT_HOST=1 adds it (about a minute, left out of
+# CI's time).
+BACKENDS = ["simulated", "pjrt-device"] + (
+    ["pjrt"] if os.environ.get("TPUD_HF_PJRT_HOST") == "1" else [])
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def any_backend(request):
+    from conftest import Daemon, pjrt_flags
+    flags = {"simulated": [], "pjrt-device": pjrt_flags() + ["--pjrt_memory=device"],
+             "pjrt": pjrt_flags()}[request.param]
+    d = Daemon(hbm=TPUD_HBM, extra_flags=flags)
+    d.backend = request.param
+    yield d
+    d.stop()
 
 
 # Shared by the tests' bodies (each runs in a fresh interpreter, see
