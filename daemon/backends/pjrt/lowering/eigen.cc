@@ -128,11 +128,9 @@ void RegisterEigen(OpRegistry& reg) {
         absl::StatusOr<std::string> a = l.Operand(args["A"], in, t);
         if (!a.ok()) return a.status();
         const auto [vectors, values] = Eigh(l, *a, in, uplo == "L", t);
-        const tpu::OpArg* cv = args.Find("compute_v");
-        const bool compute_v =
-            cv == nullptr || cv->tag != tpu::ArgTag::kBool || cv->b;
         return std::vector<std::string>{
-            values, compute_v ? vectors : l.Constant(0, o[1].dims, t)};
+            values, args.Flag("compute_v", true) ? vectors
+                                                 : l.Constant(0, o[1].dims, t)};
       });
   reg.Alias("aten::_linalg_eigh.eigenvalues", "aten::_linalg_eigh");
 
@@ -151,12 +149,8 @@ void RegisterEigen(OpRegistry& reg) {
         const HloType& t = *o[1].type;
         if (t.dtype != tpu::DType::kFloat && t.dtype != tpu::DType::kDouble)
           return Unsupported(l.op(), "lowered for float32 and float64");
-        auto flag = [&args](const char* name, bool absent) {
-          const tpu::OpArg* v = args.Find(name);
-          return v != nullptr && v->tag == tpu::ArgTag::kBool ? v->b : absent;
-        };
-        const bool full = flag("full_matrices", true);
-        const bool uv = flag("compute_uv", true);
+        const bool full = args.Flag("full_matrices", true);
+        const bool uv = args.Flag("compute_uv", true);
         const std::vector<int64_t> batch = BatchOf(std::vector<int64_t>(
             args["A"].tensor.sizes,
             args["A"].tensor.sizes + args["A"].tensor.ndim));

@@ -45,6 +45,11 @@ double Args::Number(absl::string_view name, double absent) const {
   return a == nullptr ? absent : NumberOf(*a);
 }
 
+bool Args::Flag(absl::string_view name, bool absent) const {
+  const tpu::OpArg* v = Find(name);
+  return v != nullptr && v->tag == tpu::ArgTag::kBool ? v->b : absent;
+}
+
 std::string Highest(Lowering& l, const HloType& t) {
   const char* hex = t.dtype == tpu::DType::kFloat      ? "0x7F800000"
                     : t.dtype == tpu::DType::kDouble   ? "0x7FF0000000000000"

@@ -33,6 +33,8 @@ class Args {
   int64_t Int(absl::string_view name, int64_t absent) const;
   // A number (int, bool or floating scalar) as a double, or `absent`.
   double Number(absl::string_view name, double absent) const;
+  // A bool argument's value, or `absent` where it is missing or not a bool.
+  bool Flag(absl::string_view name, bool absent) const;
 
  private:
   const tpu::DecodedOp& d_;

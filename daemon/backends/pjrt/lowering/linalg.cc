@@ -35,12 +35,6 @@ std::vector<std::vector<int64_t>> GeqrfDims(const std::vector<int64_t>& a) {
   return {a, tau};
 }
 
-// A bool argument's value, or `absent` where it is missing or not a bool.
-bool Flag(const Args& a, absl::string_view name, bool absent) {
-  const tpu::OpArg* v = a.Find(name);
-  return v != nullptr && v->tag == tpu::ArgTag::kBool ? v->b : absent;
-}
-
 }  // namespace
 
 void RegisterLinalg(OpRegistry& reg) {
@@ -90,7 +84,7 @@ void RegisterLinalg(OpRegistry& reg) {
           return Unsupported(l.op(), "expects a matrix or a batch of them");
         const HloType& t = *o[0].type;
         const std::vector<int64_t> in = o[0].dims;
-        const bool upper = Flag(args, "upper", false);
+        const bool upper = args.Flag("upper", false);
         absl::StatusOr<std::string> a = l.Operand(args["self"], in, t);
         if (!a.ok()) return a.status();
         const std::string c = Cholesky(l, *a, in, upper, t);
@@ -230,7 +224,7 @@ void RegisterLinalg(OpRegistry& reg) {
           args[first].tensor.ndim < 2)
         return Unsupported(l.op(), "expects a matrix or a batch of them");
       if ((which == LuOp::kFactor || which == LuOp::kLu) &&
-          !Flag(args, "pivot", true)) {
+          !args.Flag("pivot", true)) {
         return Unsupported(l.op(), "LU without pivoting");
       }
       const tpu::OpArg& a0 = args[first];
@@ -331,7 +325,7 @@ void RegisterLinalg(OpRegistry& reg) {
         case LuOp::kSolve: {
           if (!args.Has("left") || !args.Defined("B"))
             return Unsupported(l.op(), "expects A and B");
-          if (!Flag(args, "left", true))
+          if (!args.Flag("left", true))
             return Unsupported(l.op(), "left=False");
           // B as a batch of matrices: a vector gets a column dimension.
           const std::vector<int64_t>& rd = o[0].dims;
@@ -530,7 +524,7 @@ void RegisterLinalg(OpRegistry& reg) {
             absl::StatusOr<std::string> a =
                 l.Operand(args["self"], o.dims, *o.type);
             if (!a.ok()) return a;
-            const bool upper = Flag(args, "upper", false);
+            const bool upper = args.Flag("upper", false);
             return Cholesky(l, *a, o.dims, upper, *o.type);
           });
   // linalg_solve_triangular(self = A, B, *, upper, left, unitriangular).
@@ -589,7 +583,7 @@ void RegisterLinalg(OpRegistry& reg) {
             const HloType& t = *o.type;
             absl::StatusOr<std::string> a = l.Operand(args["self"], o.dims, t);
             if (!a.ok()) return a;
-            const bool upper = Flag(args, "upper", false);
+            const bool upper = args.Flag("upper", false);
             const std::string y =
                 TriangularSolve(l, *a, o.dims, Identity(l, o.dims, t), o.dims,
                                 true, !upper, false, upper, t);
@@ -608,7 +602,7 @@ void RegisterLinalg(OpRegistry& reg) {
             o.dims.size() < 2) {
           return Unsupported(l.op(), "arguments of a form not lowered");
         }
-        if (!Flag(args, "left", true)) return Unsupported(l.op(), "left=False");
+        if (!args.Flag("left", true)) return Unsupported(l.op(), "left=False");
         const HloType& t = *o.type;
         const std::vector<int64_t> batch = BatchOf(o.dims);
         const std::vector<int64_t> ad =
@@ -623,7 +617,7 @@ void RegisterLinalg(OpRegistry& reg) {
         absl::StatusOr<std::string> pv = l.Operand(args["pivots"], pin, I64());
         if (!pv.ok()) return pv;
         const std::string piv = l.BroadcastTo(*pv, pin, pdims, I64());
-        const bool adjoint = Flag(args, "adjoint", false);
+        const bool adjoint = args.Flag("adjoint", false);
         return LuSolve(l, *lu, ad, piv, *b, MatrixShape(o.dims), adjoint, t);
       });
   // linalg_householder_product(input, tau): the first n columns of

@@ -98,6 +98,16 @@ std::string I0e(Lowering& l, const std::string& x,
   return l.Select(l.Compare("LE", ax, c(8), d, t), near, far, d, t);
 }
 
+// CHLO's op `op` of operands xs, all (and the result) of dims d and type t.
+std::string Chlo(Lowering& l, const char* op,
+                 const std::vector<std::string>& xs,
+                 const std::vector<int64_t>& d, const HloType& t) {
+  std::vector<std::string> types(xs.size(), TypeOf(d, t));
+  return l.Emit(absl::StrCat("\"chlo.", op, "\"(", absl::StrJoin(xs, ", "),
+                             ") : (", absl::StrJoin(types, ", "), ") -> ",
+                             TypeOf(d, t)));
+}
+
 // f(x) computed in float64 and rounded once to the output's type.
 using F64Fn =
     std::function<std::string(Lowering&, const std::string&,
@@ -115,12 +125,8 @@ Rule InFloat64(F64Fn f) {
 
 void RegisterSpecial(OpRegistry& reg) {
   auto chlo = [](Lowering& l, const char* op,
-                 const std::vector<std::string>& xs, const Target& o) {
-    std::vector<std::string> types(xs.size(), TypeOf(o.dims, *o.type));
-    return l.Emit(absl::StrCat("\"chlo.", op, "\"(", absl::StrJoin(xs, ", "),
-                               ") : (", absl::StrJoin(types, ", "), ") -> ",
-                               TypeOf(o.dims, *o.type)));
-  };
+                 const std::vector<std::string>& xs,
+                 const Target& o) { return Chlo(l, op, xs, o.dims, *o.type); };
   for (const auto& [name, op] :
        std::vector<std::pair<std::string, const char*>>{
            {"lgamma", "lgamma"},
@@ -314,9 +320,7 @@ void RegisterSpecial(OpRegistry& reg) {
   };
   auto i1 = [](Lowering& l, const std::string& x, const std::vector<int64_t>& d,
                const HloType& t) {
-    const std::string i1e =
-        l.Emit(absl::StrCat("\"chlo.bessel_i1e\"(", x, ") : (", TypeOf(d, t),
-                            ") -> ", TypeOf(d, t)));
+    const std::string i1e = Chlo(l, "bessel_i1e", {x}, d, t);
     return l.Binary("multiply",
                     l.Unary("exponential", l.Unary("abs", x, d, t), d, t), i1e,
                     d, t);
@@ -334,9 +338,7 @@ void RegisterSpecial(OpRegistry& reg) {
             const std::string y = l.Binary(
                 "subtract", l.Binary("multiply", p, l.Constant(2, d, t), d, t),
                 l.Constant(1, d, t), d, t);
-            const std::string e =
-                l.Emit(absl::StrCat("\"chlo.erf_inv\"(", y, ") : (",
-                                    TypeOf(d, t), ") -> ", TypeOf(d, t)));
+            const std::string e = Chlo(l, "erf_inv", {y}, d, t);
             return l.Binary("multiply", l.Constant(std::sqrt(2.0), d, t), e, d,
                             t);
           }));
@@ -349,8 +351,7 @@ void RegisterSpecial(OpRegistry& reg) {
                    const std::vector<int64_t>& d, const HloType& t) {
         auto c = [&](double v) { return l.Constant(v, d, t); };
         const std::string x2 = l.Binary("multiply", x, x, d, t);
-        const std::string erfc = l.Emit(absl::StrCat(
-            "\"chlo.erfc\"(", x, ") : (", TypeOf(d, t), ") -> ", TypeOf(d, t)));
+        const std::string erfc = Chlo(l, "erfc", {x}, d, t);
         const std::string direct =
             l.Binary("multiply", l.Unary("exponential", x2, d, t), erfc, d, t);
         const std::string r = l.Binary("divide", c(1), x2, d, t);  // 1 / x^2
