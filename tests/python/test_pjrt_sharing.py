@@ -80,11 +80,11 @@ def test_kill_9_of_the_idle_executor_keeps_data_or_says_it_is_lost(pjrt):
 def test_an_executor_dying_mid_op_ends_the_session_whose_op_it_ran(pjrt, sig):
     victim = start_py(pjrt, """
         import torch
-        a = torch.randn(1500, 1500, device="tpu:2")
+        a = torch.randn(3000, 3000, device="tpu:2")
         a.sum().item()
         print("ready", flush=True)
         try:
-            for _ in range(400):
+            for _ in range(100):
                 a = a @ a
                 a = a / a.norm()
             a.sum().item()
@@ -95,7 +95,11 @@ def test_an_executor_dying_mid_op_ends_the_session_whose_op_it_ran(pjrt, sig):
     wait_ready(victim)
     neighbour = start_py(pjrt, HOLDER)
     wait_ready(neighbour)
-    time.sleep(0.3)  # the victim's matmuls keep the executor inside an op
+    # The victim's matmuls keep the executor inside an op: one 3000x3000
+    # matmul takes far longer than the norm and division between them, or
+    # than the victim's client needs to queue the next ones, so the executor
+    # is almost never between ops.
+    time.sleep(0.3)
     (pid,) = executor_pids(pjrt).values()
     os.kill(pid, getattr(signal, sig))
     assert _restarted(pjrt, pid)
