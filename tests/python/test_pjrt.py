@@ -730,6 +730,34 @@ def _item_reads_every_float_and_complex_type():
         assert t.to("tpu").item() == t.item(), dtype
 
 
+def test_complex_scalars_keep_both_parts(pjrt):
+    # A Python complex scalar in arithmetic (z * 1j) and the gradient that
+    # uses one (polar's angle): both parts of the scalar reach the program.
+    run_in_child(pjrt, _complex_scalars_keep_both_parts)
+
+
+def _complex_scalars_keep_both_parts():
+    import torch
+    import torch_tpu  # noqa: F401
+    for dtype in (torch.complex64, torch.complex128):
+        z = torch.tensor([1 + 2j, 3 - 1j, -0.5 + 0.25j], dtype=dtype)
+        zt = z.to("tpu")
+        for name, f in {"z * 1j": lambda z: z * 1j, "z * (0.5 - 2j)": lambda z: z * (0.5 - 2j),
+                        "z + (1 + 1j)": lambda z: z + (1 + 1j),
+                        "full": lambda z: torch.full_like(z, 2 - 3j) * z,
+                        "mul by a 0-dim tensor": lambda z: z * torch.tensor(-1j)}.items():
+            assert torch.equal(f(zt).cpu(), f(z)), (dtype, name, f(zt).cpu(), f(z))
+    torch.manual_seed(0)
+    a, b = torch.rand(5) + 0.1, torch.randn(5)
+    g = torch.randn(5, dtype=torch.complex64)
+    grads = []
+    for dev in ("cpu", "tpu"):
+        at, bt = a.to(dev).requires_grad_(), b.to(dev).requires_grad_()
+        grads.append([x.cpu() for x in torch.autograd.grad(torch.polar(at, bt), (at, bt), g.to(dev))])
+    for want, got in zip(*grads):
+        assert torch.allclose(got, want, atol=1e-6), (got, want)
+
+
 @pytest.mark.slow
 def test_quota_oom_and_kill_9_reclaim_on_pjrt(pjrt):
     tpuctl = bazel_bin("tools/tpuctl/tpuctl")

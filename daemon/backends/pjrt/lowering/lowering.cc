@@ -68,6 +68,24 @@ absl::StatusOr<std::string> Lowering::Tensor(const tpu::TensorRef& ref,
 
 absl::StatusOr<std::string> Lowering::Scalar(const tpu::OpArg& a,
                                              const HloType& as) {
+  const bool complex = a.tag == tpu::ArgTag::kComplex ||
+                       a.tag == tpu::ArgTag::kScalarComplex ||
+                       (a.tag == tpu::ArgTag::kScalarTensor &&
+                        tpu::IsComplex(static_cast<tpu::DType>(a.dtype)));
+  if (complex) {
+    // Two float64 parameters, the parts, made one complex<f64> here.
+    std::string parts[2];
+    for (int k = 0; k < 2; ++k) {
+      Transfer x;
+      x.type = &F64();
+      x.scalar_d = k == 0 ? a.d : a.d_imag;
+      parts[k] = Param(TypeOf({}, F64()), std::move(x));
+    }
+    const HloType& c128 = *DTypeOf(tpu::DType::kComplexDouble);
+    return Convert(Emit(absl::StrCat("stablehlo.complex ", parts[0], ", ",
+                                     parts[1], " : ", TypeOf({}, c128))),
+                   {}, c128, as);
+  }
   Transfer x;
   const HloType* t;
   switch (a.tag) {
@@ -99,7 +117,7 @@ absl::StatusOr<std::string> Lowering::Scalar(const tpu::OpArg& a,
       break;
     }
     default:
-      return Unsupported(op_, "a complex or missing scalar");
+      return Unsupported(op_, "a missing scalar");
   }
   x.type = t;
   std::string v = Param(TypeOf({}, *t), std::move(x));
