@@ -122,6 +122,25 @@ def _into_outs(op, fn):
     return run
 
 
+def _out_overload_runs_nowhere(op, lowered, decomposed):
+    """Whether op is a functional structured op (its only composite kernel
+    is CompositeExplicitAutogradNonFunctional, which calls the out=
+    overload) whose out= overloads are neither lowered nor decomposed:
+    logit_backward, for one, whose decomposition is registered for the
+    functional overload only."""
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    name = op.name()
+    if any(has_kernel(name, k) for k in _COMPOSITE[:2]):
+        return False
+    schema = op._schema
+    if any(a.is_out for a in schema.arguments) or schema.name.endswith("_"):
+        return False
+    packet = op.overloadpacket
+    outs = [getattr(packet, o) for o in packet.overloads()]
+    outs = [o for o in outs if any(a.is_out for a in o._schema.arguments)]
+    return bool(outs) and not any(o.name() in lowered or o in decomposed for o in outs)
+
+
 def install(lowered_ops):
     """Gives every decomposable ATen op outside `lowered_ops` a PrivateUse1
     kernel that runs its decomposition. Returns how many; idempotent."""
@@ -138,7 +157,9 @@ def install(lowered_ops):
     sent_whole = set(_C._sent_whole_ops())
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     lib = torch.library.Library("aten", "IMPL")
-    for op, fn, depth in _candidates():
+    candidates = list(_candidates())
+    decomposed = {op for op, _, _ in candidates}
+    for op, fn, depth in candidates:
         if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
             continue
         name = op.name()  # "aten::add.Tensor"; "aten::relu" for .default
@@ -154,8 +175,11 @@ def install(lowered_ops):
             _installed.append(name)
             continue
         # torch_tpu's own kernels (allocation, views, copies between devices)
-        # stay; composite ops never reach a backend kernel.
-        if has_kernel(name, "PrivateUse1") or any(has_kernel(name, k) for k in _COMPOSITE):
+        # stay; composite ops never reach a backend kernel, unless their
+        # composite kernel only calls an out= overload that runs nowhere.
+        if has_kernel(name, "PrivateUse1") or (
+                any(has_kernel(name, k) for k in _COMPOSITE)
+                and not _out_overload_runs_nowhere(op, lowered, decomposed)):
             continue
         lib.impl(name.split("::", 1)[1], _kernel(name, fn, depth), "PrivateUse1")
         _installed.append(name)
