@@ -157,6 +157,10 @@ def _ops_without_lowering_run_as_pytorch_decompositions():
         # sent whole on the simulated backend, decomposed here
         "group_norm": (F.group_norm(a, 1), F.group_norm(x, 1)),
         "addr": (torch.addr(a[0, 0], a[0, 0], a[1, 0]), torch.addr(x[0, 0], x[0, 0], x[1, 0])),
+        # decomposed for the functional overload only: its out= overload,
+        # which its composite kernel calls, is neither lowered nor decomposed
+        "logit_backward": (torch.ops.aten.logit_backward(a, a.sigmoid(), 0.1),
+                           torch.ops.aten.logit_backward(x, x.sigmoid(), 0.1)),
     }
     for name, (got, want) in checks.items():
         assert got.device.type == "tpu", name
@@ -756,6 +760,55 @@ def _complex_scalars_keep_both_parts():
         grads.append([x.cpu() for x in torch.autograd.grad(torch.polar(at, bt), (at, bt), g.to(dev))])
     for want, got in zip(*grads):
         assert torch.allclose(got, want, atol=1e-6), (got, want)
+
+
+def test_resampling_and_its_backward_match_cpu(pjrt):
+    # The backward of every interpolation mode and of adaptive average
+    # pooling (PyTorch has no decomposition of them), and antialiased
+    # resizing both ways, against CPU: upscaling, downscaling, odd scale
+    # factors, align_corners both ways. The programs are the same in both
+    # memory modes, so the device mode does not run them again.
+    if pjrt.memory == "device":
+        pytest.skip("the same programs as in the host memory mode")
+    run_in_child(pjrt, _resampling_and_its_backward_match_cpu, timeout=300)
+
+
+def _resampling_and_its_backward_match_cpu():
+    import torch
+    import torch_tpu  # noqa: F401
+    F = torch.nn.functional
+    torch.manual_seed(0)
+
+    def both(fn, x, dtype):
+        out = []
+        for dev in ("cpu", "tpu"):
+            xx = x.to(dev).requires_grad_()
+            y = fn(xx)
+            g = torch.linspace(-1, 1, y.numel(), dtype=dtype).reshape(y.shape).to(dev)
+            out.append((y.detach().cpu(), torch.autograd.grad(y, xx, g)[0].cpu()))
+        return out
+
+    modes = [("nearest", 1), ("nearest", 3), ("nearest-exact", 2), ("linear", 1),
+             ("bilinear", 2), ("trilinear", 3), ("bicubic", 2)]
+    for dtype, modes in ((torch.float32, modes), (torch.float64, modes[4:5])):
+        for mode, nd in modes:
+            for size in (dict(size=[7] * nd), dict(scale_factor=0.6), dict(scale_factor=1.7)):
+                for align in ([None] if "nearest" in mode else [False, True]):
+                    for aa in ([False, True] if mode in ("bilinear", "bicubic") else [False]):
+                        kw = dict(size, mode=mode, antialias=aa)
+                        if align is not None:
+                            kw["align_corners"] = align
+                        x = torch.randn(2, 3, *[5, 6, 4][:nd], dtype=dtype)
+                        (yc, gc), (yt, gt) = both(lambda t: F.interpolate(t, **kw), x, dtype)
+                        assert torch.allclose(yt, yc, atol=1e-5), (dtype, kw, (yt - yc).abs().max())
+                        assert torch.allclose(gt, gc, atol=1e-5), (dtype, kw, (gt - gc).abs().max())
+    for pool, x, size in ((F.adaptive_avg_pool2d, torch.randn(2, 3, 5, 6), (3, 4)),
+                          (F.adaptive_avg_pool3d, torch.randn(2, 5, 6, 4), (2, 4, 3))):
+        (yc, gc), (yt, gt) = both(lambda t: pool(t, size), x, torch.float32)
+        assert torch.allclose(yt, yc, atol=1e-6) and torch.allclose(gt, gc, atol=1e-6), pool
+    x, g = torch.randn(40), torch.randn(40)
+    for op in (torch.ops.aten.softshrink_backward, torch.ops.aten.hardshrink_backward):
+        assert torch.equal(op(g.to("tpu"), x.to("tpu"), 0.5).cpu(), op(g, x, 0.5)), op
 
 
 @pytest.mark.slow

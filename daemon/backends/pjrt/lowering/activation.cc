@@ -273,6 +273,35 @@ void RegisterActivation(OpRegistry& reg) {
   // out= overloads whose names are not the derived ones (the out tensor
   // is the written argument, after the others).
   reg.Alias("aten::threshold_backward.grad_input", "aten::threshold_backward");
+  // softshrink_backward / hardshrink_backward(grad, self, lambd): the
+  // gradient where |self| > lambd, zero inside [-lambd, lambd].
+  for (const char* name : {"softshrink", "hardshrink"}) {
+    const std::string op = absl::StrCat("aten::", name, "_backward");
+    const char* grad = name[0] == 's' ? "grad_output" : "grad_out";
+    reg.Add(op,
+            [grad](Lowering& l, const tpu::DecodedOp& d,
+                   const Target& o) -> absl::StatusOr<std::string> {
+              const Args a(l);
+              if (!a.Defined(grad) || !a.Defined("self") || !a.Has("lambd"))
+                return Unsupported(l.op(), "arguments of a form not lowered");
+              const HloType& t = *o.type;
+              absl::StatusOr<std::string> g = l.Operand(a[grad], o.dims, t),
+                                          x = l.Operand(a["self"], o.dims, t);
+              if (!g.ok()) return g;
+              if (!x.ok()) return x;
+              absl::StatusOr<std::string> lam =
+                  l.Operand(a["lambd"], o.dims, t);
+              if (!lam.ok()) return lam;
+              const std::string inside = l.Binary(
+                  "and",
+                  l.Compare("GE", *x, l.Unary("negate", *lam, o.dims, t),
+                            o.dims, t),
+                  l.Compare("LE", *x, *lam, o.dims, t), o.dims,
+                  *DTypeOf(tpu::DType::kBool));
+              return l.Select(inside, l.Constant(0, o.dims, t), *g, o.dims, t);
+            });
+    reg.Alias(absl::StrCat(op, ".grad_input"), op);
+  }
 }
 
 }  // namespace tpud::pjrt

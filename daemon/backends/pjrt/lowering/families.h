@@ -21,6 +21,7 @@ void RegisterSpecial(OpRegistry& reg);      // special.cc
 void RegisterFft(OpRegistry& reg);          // fft.cc
 void RegisterPolynomial(OpRegistry& reg);   // polynomial.cc
 void RegisterEigen(OpRegistry& reg);        // eigen.cc
+void RegisterResample(OpRegistry& reg);     // resample.cc
 void RegisterHostOps(OpRegistry& reg);      // ../host_ops.cc
 
 }  // namespace tpud::pjrt

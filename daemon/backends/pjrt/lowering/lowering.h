@@ -70,6 +70,7 @@ inline const HloType* DTypeOf(int8_t code) {
   return DTypeOf(tpu::DTypeFromCode(code));
 }
 inline const HloType& F64() { return *DTypeOf(tpu::DType::kDouble); }
+inline const HloType& F32() { return *DTypeOf(tpu::DType::kFloat); }
 inline const HloType& I64() { return *DTypeOf(tpu::DType::kInt64); }
 // complex64 and complex128 (complex32 is not lowered).
 inline bool IsComplex(const HloType& t) { return tpu::IsComplex(t.dtype); }

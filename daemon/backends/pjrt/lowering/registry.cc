@@ -111,7 +111,8 @@ const OpRegistry& Registry() {
          {RegisterElementwise, RegisterActivation, RegisterReduction,
           RegisterSort, RegisterLinalg, RegisterNn, RegisterForeach,
           RegisterShape, RegisterIndexing, RegisterRandom, RegisterSpecial,
-          RegisterFft, RegisterPolynomial, RegisterEigen, RegisterHostOps}) {
+          RegisterFft, RegisterPolynomial, RegisterEigen, RegisterResample,
+          RegisterHostOps}) {
       family(*r);
     }
     r->DeriveForms();
