@@ -763,8 +763,9 @@ def _complex_scalars_keep_both_parts():
 
 
 def test_resampling_and_its_backward_match_cpu(pjrt):
-    # The backward of every interpolation mode and of adaptive average
-    # pooling (PyTorch has no decomposition of them), and antialiased
+    # The backward of every interpolation mode, of adaptive average and the
+    # max poolings and of replication padding (PyTorch has no decomposition
+    # of them), and antialiased
     # resizing both ways, against CPU: upscaling, downscaling, odd scale
     # factors, align_corners both ways. The programs are the same in both
     # memory modes, so the device mode does not run them again.
@@ -806,6 +807,16 @@ def _resampling_and_its_backward_match_cpu():
                           (F.adaptive_avg_pool3d, torch.randn(2, 5, 6, 4), (2, 4, 3))):
         (yc, gc), (yt, gt) = both(lambda t: pool(t, size), x, torch.float32)
         assert torch.allclose(yt, yc, atol=1e-6) and torch.allclose(gt, gc, atol=1e-6), pool
+    # max poolings' backward adds each gradient at its index; replication
+    # padding's adds the edge's copies (a negative pad crops)
+    for fn, x in ((lambda t: F.adaptive_max_pool2d(t, (3, 2)), torch.randn(2, 3, 7, 5)),
+                  (lambda t: F.adaptive_max_pool3d(t, (2, 3, 2)), torch.randn(2, 4, 5, 6)),
+                  (lambda t: F.max_pool3d(t, 2, stride=1, padding=1), torch.randn(2, 3, 4, 5, 3)),
+                  (lambda t: F.pad(t, (2, -1, 3, 1), mode="replicate"), torch.randn(2, 3, 4, 5)),
+                  (lambda t: F.pad(t, (1, 2, 0, 1, 2, 0), mode="replicate"), torch.randn(1, 2, 3, 4, 2)),
+                  (lambda t: F.pad(t, (3, 4), mode="replicate"), torch.randn(2, 3, 5))):
+        (yc, gc), (yt, gt) = both(fn, x, torch.float32)
+        assert torch.equal(yt, yc) and torch.allclose(gt, gc, atol=1e-6), (x.shape, gt, gc)
     x, g = torch.randn(40), torch.randn(40)
     for op in (torch.ops.aten.softshrink_backward, torch.ops.aten.hardshrink_backward):
         assert torch.equal(op(g.to("tpu"), x.to("tpu"), 0.5).cpu(), op(g, x, 0.5)), op

@@ -420,76 +420,86 @@ void RegisterNn(OpRegistry& reg) {
         return std::vector<std::string>{fit(grad_in, in, 0), fit(grad_w, wd, 1),
                                         fit(gb, {gd[1]}, 2)};
       });
-  // adaptive_max_pool2d(self, output_size) -> (out, indices): the largest
-  // of each adaptive window (as _adaptive_avg_pool2d's) and its flat
-  // position h * W + w, the first one (the last NaN, where there is one).
-  reg.AddMulti(
-      "aten::adaptive_max_pool2d",
-      [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
-          -> absl::StatusOr<std::vector<std::string>> {
-        const Args args(l);
-        if (o.size() != 2 || !args.Defined("self") || o[0].dims.size() < 3)
-          return Unsupported(l.op(), "arguments of a form not lowered");
-        const HloType& t = *o[0].type;
-        const HloType& i64 = I64();
-        const HloType& i1 = *DTypeOf(tpu::DType::kBool);
-        const std::vector<int64_t> in = DimsOf(args["self"].tensor);
-        const std::vector<int64_t>& od = o[0].dims;
-        if (in.size() != od.size())
-          return Unsupported(l.op(), "an output of another rank");
-        const size_t lead = in.size() - 2;
-        const int64_t h = in[lead], w = in[lead + 1], oh = od[lead],
-                      ow = od[lead + 1];
-        if (h == 0 || w == 0) return Unsupported(l.op(), "an empty input");
-        absl::StatusOr<std::string> x = l.Operand(args["self"], in, t);
-        if (!x.ok()) return x.status();
-        // full: lead + [oh, ow, h, w]
-        std::vector<int64_t> full(in.begin(), in.begin() + lead), xmap;
-        full.insert(full.end(), {oh, ow, h, w});
-        for (size_t r = 0; r < lead; ++r)
-          xmap.push_back(static_cast<int64_t>(r));
-        xmap.push_back(static_cast<int64_t>(lead + 2));
-        xmap.push_back(static_cast<int64_t>(lead + 3));
-        const int64_t a = static_cast<int64_t>(lead);
-        const std::string mask =
-            l.Binary("and", AdaptiveWindow(l, full, a, a + 2, h, oh),
-                     AdaptiveWindow(l, full, a + 1, a + 3, w, ow), full, i1);
-        const std::string xb = BroadcastInDim(l, *x, in, full, xmap, t);
-        const std::vector<int64_t> last2 = {a + 2, a + 3};
-        const std::string mx = l.ReduceOver(
-            l.Select(mask, xb, l.BroadcastTo(l.Lowest(t), {}, full, t), full,
-                     t),
-            full, last2, "maximum", l.Lowest(t), t);
-        std::vector<int64_t> omap;
-        for (int64_t r = 0; r < a + 2; ++r) omap.push_back(r);
-        const std::string pos = l.Binary(
-            "add",
-            l.Binary("multiply", l.Iota(a + 2, full, i64),
-                     l.Constant(static_cast<double>(w), full, i64), full, i64),
-            l.Iota(a + 3, full, i64), full, i64);
-        const std::string hit = l.Binary(
-            "and", mask,
-            l.Compare("EQ", xb, BroadcastInDim(l, mx, od, full, omap, t), full,
-                      t),
-            full, i1);
-        const std::string first = l.ReduceOver(
-            l.Select(hit, pos,
-                     l.Constant(static_cast<double>(h * w), full, i64), full,
-                     i64),
-            full, last2, "minimum",
-            l.Constant(static_cast<double>(h * w), {}, i64), i64);
-        const std::string nan =
-            l.Binary("and", mask, l.Compare("NE", xb, xb, full, t), full, i1);
-        const std::string last_nan = l.ReduceOver(
-            l.Select(nan, pos, l.Constant(-1, full, i64), full, i64), full,
-            last2, "maximum", l.Constant(-1, {}, i64), i64);
-        const std::string idx =
-            l.Select(l.Compare("GE", last_nan, l.Constant(0, od, i64), od, i64),
-                     last_nan, first, od, i64);
-        return std::vector<std::string>{mx,
-                                        l.Convert(idx, od, i64, *o[1].type)};
-      });
-  reg.Alias("aten::adaptive_max_pool2d.out", "aten::adaptive_max_pool2d");
+  // adaptive_max_pool2d / 3d(self, output_size) -> (out, indices): the
+  // largest of each adaptive window (as _adaptive_avg_pool2d's) and its flat
+  // position in the plane (h * W + w), the first one (the last NaN, where
+  // there is one).
+  for (int sp : {2, 3}) {
+    const std::string name = absl::StrCat("aten::adaptive_max_pool", sp, "d");
+    reg.AddMulti(
+        name,
+        [sp](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+            -> absl::StatusOr<std::vector<std::string>> {
+          const Args args(l);
+          if (o.size() != 2 || !args.Defined("self") ||
+              o[0].dims.size() < static_cast<size_t>(sp + 1))
+            return Unsupported(l.op(), "arguments of a form not lowered");
+          const HloType& t = *o[0].type;
+          const HloType& i64 = I64();
+          const HloType& i1 = *DTypeOf(tpu::DType::kBool);
+          const std::vector<int64_t> in = DimsOf(args["self"].tensor);
+          const std::vector<int64_t>& od = o[0].dims;
+          if (in.size() != od.size())
+            return Unsupported(l.op(), "an output of another rank");
+          const size_t lead = in.size() - sp;
+          int64_t plane = 1;
+          for (size_t q = lead; q < in.size(); ++q) plane *= in[q];
+          if (plane == 0) return Unsupported(l.op(), "an empty input");
+          absl::StatusOr<std::string> x = l.Operand(args["self"], in, t);
+          if (!x.ok()) return x.status();
+          // full: lead + outputs' spatial dims + inputs' spatial dims
+          const int64_t a = static_cast<int64_t>(lead);
+          std::vector<int64_t> full(in.begin(), in.begin() + lead), xmap, omap,
+              inner;
+          for (int k = 0; k < sp; ++k) full.push_back(od[lead + k]);
+          for (int k = 0; k < sp; ++k) full.push_back(in[lead + k]);
+          for (int64_t r = 0; r < a; ++r) xmap.push_back(r);
+          for (int64_t r = 0; r < a + sp; ++r) omap.push_back(r);
+          for (int k = 0; k < sp; ++k) {
+            xmap.push_back(a + sp + k);
+            inner.push_back(a + sp + k);
+          }
+          std::string mask, pos;
+          int64_t stride = 1;
+          for (int k = sp - 1; k >= 0; --k) {
+            const std::string win = AdaptiveWindow(l, full, a + k, a + sp + k,
+                                                   in[lead + k], od[lead + k]);
+            mask = mask.empty() ? win : l.Binary("and", mask, win, full, i1);
+            const std::string p = l.Binary(
+                "multiply", l.Iota(a + sp + k, full, i64),
+                l.Constant(static_cast<double>(stride), full, i64), full, i64);
+            pos = pos.empty() ? p : l.Binary("add", pos, p, full, i64);
+            stride *= in[lead + k];
+          }
+          const std::string xb = BroadcastInDim(l, *x, in, full, xmap, t);
+          const std::string mx = l.ReduceOver(
+              l.Select(mask, xb, l.BroadcastTo(l.Lowest(t), {}, full, t), full,
+                       t),
+              full, inner, "maximum", l.Lowest(t), t);
+          const std::string hit = l.Binary(
+              "and", mask,
+              l.Compare("EQ", xb, BroadcastInDim(l, mx, od, full, omap, t),
+                        full, t),
+              full, i1);
+          const std::string first = l.ReduceOver(
+              l.Select(hit, pos,
+                       l.Constant(static_cast<double>(plane), full, i64), full,
+                       i64),
+              full, inner, "minimum",
+              l.Constant(static_cast<double>(plane), {}, i64), i64);
+          const std::string nan =
+              l.Binary("and", mask, l.Compare("NE", xb, xb, full, t), full, i1);
+          const std::string last_nan = l.ReduceOver(
+              l.Select(nan, pos, l.Constant(-1, full, i64), full, i64), full,
+              inner, "maximum", l.Constant(-1, {}, i64), i64);
+          const std::string idx = l.Select(
+              l.Compare("GE", last_nan, l.Constant(0, od, i64), od, i64),
+              last_nan, first, od, i64);
+          return std::vector<std::string>{mx,
+                                          l.Convert(idx, od, i64, *o[1].type)};
+        });
+    reg.Alias(absl::StrCat(name, ".out"), name);
+  }
   reg.Add("aten::mse_loss",
           [](Lowering& l, const tpu::DecodedOp& d,
              const Target& o) -> absl::StatusOr<std::string> {

@@ -1,9 +1,9 @@
 // Resampling along the spatial dimensions: upsampling (nearest, linear,
-// cubic, antialiased) and adaptive average pooling, whose backward ops have
-// no decomposition in PyTorch. Each is separable: along one spatial
-// dimension of n inputs and m outputs it is a weight matrix W (n x m), built
-// in the program from iotas with ATen's index and weight arithmetic, and the
-// op contracts its input with W (forward) or the gradient with W's
+// cubic, antialiased), adaptive average pooling and replication padding,
+// whose backward ops have no decomposition in PyTorch. Each is separable: along
+// one spatial dimension of n inputs and m outputs it is a weight matrix W (n x
+// m), built in the program from iotas with ATen's index and weight arithmetic,
+// and the op contracts its input with W (forward) or the gradient with W's
 // transpose (backward), one dimension after another.
 #include <algorithm>
 #include <cstdint>
@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/backends/pjrt/lowering/families.h"
@@ -438,6 +439,103 @@ absl::StatusOr<std::string> LowerResample(Lowering& l, const Resample& r,
   return l.Convert(v, o.dims, ct, *o.type);
 }
 
+// The gradient g (dims gd) added into an output of o's dims at the
+// positions `local` (i64, dims gd) name within each (batch, channel) plane
+// (the leading dims, gd's first `lead`); a position outside its plane is
+// dropped.
+absl::StatusOr<std::string> AddIntoPlanes(Lowering& l, const std::string& g,
+                                          const std::vector<int64_t>& gd,
+                                          const std::string& local, size_t lead,
+                                          const Target& o) {
+  int64_t planes = 1, in = 1, out = 1;
+  for (size_t q = 0; q < gd.size(); ++q) {
+    if (q < lead) {
+      if (gd[q] != o.dims[q])
+        return Unsupported(l.op(), "batch and channel sizes that differ");
+      planes *= gd[q];
+    } else {
+      in *= o.dims[q];
+      out *= gd[q];
+    }
+  }
+  const HloType& t = *o.type;
+  if (planes * in == 0) return l.Constant(0, o.dims, t);
+  const std::vector<int64_t> pd = {planes, out};
+  const std::string pos = l.Reshape(local, gd, pd, I64());
+  const std::string ok =
+      l.Binary("and", l.Compare("GE", pos, l.Constant(0, pd, I64()), pd, I64()),
+               l.Compare("LT", pos, l.Constant(in, pd, I64()), pd, I64()), pd,
+               *DTypeOf(tpu::DType::kBool));
+  const std::string at =
+      l.Select(ok,
+               l.Binary("add",
+                        l.Binary("multiply", l.Iota(0, pd, I64()),
+                                 l.Constant(in, pd, I64()), pd, I64()),
+                        pos, pd, I64()),
+               l.Constant(planes * in, pd, I64()), pd, I64());
+  const int64_t m = planes * out, n = planes * in;
+  // (bfloat16 and half sums: XLA's CPU plugin adds in float32 and rounds
+  // once, where ATen rounds every step; the result is the closer one.)
+  const std::string sum =
+      ScatterFlat(l, l.Constant(0, {n}, t), n, l.Reshape(at, pd, {m}, I64()),
+                  l.Reshape(g, gd, {m}, t), m, true, t);
+  return l.Reshape(sum, {n}, o.dims, t);
+}
+
+absl::StatusOr<std::string> MaxPoolBackward(Lowering& l, int spatial,
+                                            const Target& o) {
+  const Args a(l);
+  if (!a.Defined("grad_output") || !a.Defined("indices"))
+    return Unsupported(l.op(), "arguments of a form not lowered");
+  const std::vector<int64_t> gd = DimsOf(a["grad_output"].tensor);
+  if (gd != DimsOf(a["indices"].tensor) || gd.size() != o.dims.size() ||
+      gd.size() < static_cast<size_t>(spatial))
+    return Unsupported(l.op(), "indices of another shape than the gradient");
+  absl::StatusOr<std::string> g = l.Operand(a["grad_output"], gd, *o.type),
+                              idx = l.Operand(a["indices"], gd, I64());
+  if (!g.ok()) return g;
+  if (!idx.ok()) return idx;
+  return AddIntoPlanes(l, *g, gd, *idx, gd.size() - spatial, o);
+}
+
+// replication_pad*d_backward(grad_output, self, padding): output position
+// o of a dimension copies input clamp(o - before, 0, n - 1) (a negative pad
+// crops); the gradients are added there.
+absl::StatusOr<std::string> ReplicationPadBackward(Lowering& l, int spatial,
+                                                   const Target& o) {
+  const Args a(l);
+  if (!a.Defined("grad_output") || !a.Has("padding") ||
+      a["padding"].ints.size() != static_cast<size_t>(2 * spatial))
+    return Unsupported(l.op(), "arguments of a form not lowered");
+  const std::vector<int64_t> gd = DimsOf(a["grad_output"].tensor);
+  if (gd.size() != o.dims.size() || gd.size() < static_cast<size_t>(spatial))
+    return Unsupported(l.op(), "an output of another rank");
+  const size_t lead = gd.size() - spatial;
+  const std::vector<int64_t>& pad = a["padding"].ints;
+  std::string local = l.Constant(0, gd, I64());
+  int64_t stride = 1;
+  for (int k = spatial - 1; k >= 0; --k) {
+    const size_t q = lead + k;
+    const int64_t n = o.dims[q], before = pad[2 * (spatial - 1 - k)];
+    if (n == 0) return l.Constant(0, o.dims, *o.type);
+    const std::string src =
+        l.Binary("minimum",
+                 l.Binary("maximum",
+                          l.Binary("subtract", l.Iota(q, gd, I64()),
+                                   l.Constant(before, gd, I64()), gd, I64()),
+                          l.Constant(0, gd, I64()), gd, I64()),
+                 l.Constant(n - 1, gd, I64()), gd, I64());
+    local = l.Binary(
+        "add", local,
+        l.Binary("multiply", src, l.Constant(stride, gd, I64()), gd, I64()), gd,
+        I64());
+    stride *= n;
+  }
+  absl::StatusOr<std::string> g = l.Operand(a["grad_output"], gd, *o.type);
+  if (!g.ok()) return g;
+  return AddIntoPlanes(l, *g, gd, local, lead, o);
+}
+
 void AddResample(OpRegistry& reg, const std::string& name, Resample r,
                  const char* out_overload = nullptr) {
   reg.Add(name,
@@ -485,6 +583,32 @@ void RegisterResample(OpRegistry& reg) {
   for (int sp : {2, 3}) {
     AddResample(reg, absl::StrCat("aten::_adaptive_avg_pool", sp, "d_backward"),
                 {Kind::kAdaptiveAvg, sp, true}, ".out");
+  }
+  for (int sp : {1, 2, 3}) {
+    const std::string name =
+        absl::StrCat("aten::replication_pad", sp, "d_backward");
+    reg.Add(name,
+            [sp](Lowering& l, const tpu::DecodedOp& d,
+                 const Target& o) -> absl::StatusOr<std::string> {
+              return ReplicationPadBackward(l, sp, o);
+            });
+    reg.Alias(absl::StrCat(name, ".grad_input"), name);
+  }
+  // The max poolings' backward (max_pool3d, adaptive and fractional ones):
+  // each gradient added at the input position its index names, within its
+  // (batch, channel) plane.
+  for (const char* name : {"aten::max_pool3d_with_indices_backward",
+                           "aten::adaptive_max_pool2d_backward",
+                           "aten::adaptive_max_pool3d_backward",
+                           "aten::fractional_max_pool2d_backward",
+                           "aten::fractional_max_pool3d_backward"}) {
+    const int sp = absl::StrContains(name, "2d") ? 2 : 3;
+    reg.Add(name,
+            [sp](Lowering& l, const tpu::DecodedOp& d,
+                 const Target& o) -> absl::StatusOr<std::string> {
+              return MaxPoolBackward(l, sp, o);
+            });
+    reg.Alias(absl::StrCat(name, ".grad_input"), name);
   }
 }
 
