@@ -22,6 +22,7 @@ void RegisterFft(OpRegistry& reg);          // fft.cc
 void RegisterPolynomial(OpRegistry& reg);   // polynomial.cc
 void RegisterEigen(OpRegistry& reg);        // eigen.cc
 void RegisterResample(OpRegistry& reg);     // resample.cc
+void RegisterBessel(OpRegistry& reg);       // bessel.cc
 void RegisterHostOps(OpRegistry& reg);      // ../host_ops.cc
 
 }  // namespace tpud::pjrt

@@ -97,9 +97,10 @@ Rule UnaryRule(
   return [f](Lowering& l, const tpu::DecodedOp&,
              const Target& out) -> absl::StatusOr<std::string> {
     const Args args(l);
-    if (!args.Defined("self")) return Unsupported(l.op(), "expects a tensor");
-    absl::StatusOr<std::string> a =
-        l.Operand(args["self"], out.dims, *out.type);
+    // (some special functions name their operand x)
+    const char* name = args.Has("self") ? "self" : "x";
+    if (!args.Defined(name)) return Unsupported(l.op(), "expects a tensor");
+    absl::StatusOr<std::string> a = l.Operand(args[name], out.dims, *out.type);
     if (!a.ok()) return a;
     return f(l, *a, out);
   };

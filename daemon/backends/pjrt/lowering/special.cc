@@ -2,6 +2,8 @@
 // accept beside StableHLO: lgamma, digamma, polygamma, zeta, erf_inv, erfc,
 // next_after, bessel_i1e), NaN-aware binaries built from comparisons, and
 // the spherical Bessel function j0.
+#include "daemon/backends/pjrt/lowering/special.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -62,22 +64,7 @@ constexpr double kI0eB[] = {
     6.88975834691682398426E-5,   3.36911647825569408990E-3,
     8.04490411014108831608E-1};
 
-// The Chebyshev series `c` at y (Clenshaw's recurrence, as Cephes' chbevl).
-template <size_t N>
-std::string Chebyshev(Lowering& l, const std::string& y, const double (&c)[N],
-                      const std::vector<int64_t>& d, const HloType& t) {
-  std::string b0 = l.Constant(c[0], d, t), b1 = l.Constant(0, d, t), b2 = b1;
-  for (size_t i = 1; i < N; ++i) {
-    b2 = b1;
-    b1 = b0;
-    b0 = l.Binary(
-        "add",
-        l.Binary("subtract", l.Binary("multiply", y, b1, d, t), b2, d, t),
-        l.Constant(c[i], d, t), d, t);
-  }
-  return l.Binary("multiply", l.Constant(0.5, d, t),
-                  l.Binary("subtract", b0, b2, d, t), d, t);
-}
+}  // namespace
 
 // exp(-|x|) I0(x), x of type t (float64).
 std::string I0e(Lowering& l, const std::string& x,
@@ -108,10 +95,6 @@ std::string Chlo(Lowering& l, const char* op,
                              TypeOf(d, t)));
 }
 
-// f(x) computed in float64 and rounded once to the output's type.
-using F64Fn =
-    std::function<std::string(Lowering&, const std::string&,
-                              const std::vector<int64_t>&, const HloType&)>;
 Rule InFloat64(F64Fn f) {
   return UnaryRule([f](Lowering& l, const std::string& x, const Target& o) {
     const HloType& t = *o.type;
@@ -120,8 +103,6 @@ Rule InFloat64(F64Fn f) {
     return l.Convert(f(l, l.Convert(x, o.dims, t, w), o.dims, w), o.dims, w, t);
   });
 }
-
-}  // namespace
 
 void RegisterSpecial(OpRegistry& reg) {
   auto chlo = [](Lowering& l, const char* op,
