@@ -831,6 +831,15 @@ def _resampling_and_its_backward_match_cpu():
                   (lambda t: F.pad(t, (3, 4), mode="replicate"), torch.randn(2, 3, 5))):
         (yc, gc), (yt, gt) = both(fn, x, torch.float32)
         assert torch.equal(yt, yc) and torch.allclose(gt, gc, atol=1e-6), (x.shape, gt, gc)
+    # transposed convolutions whose output_padding reaches past the stride
+    # (allowed where the dilation is larger)
+    w1, w2 = torch.randn(3, 2, 3), torch.randn(3, 2, 2, 3)
+    for fn, x in ((lambda t: F.conv_transpose1d(t, w1.to(t.device), stride=1, dilation=2,
+                                                output_padding=1), torch.randn(2, 3, 5)),
+                  (lambda t: F.conv_transpose2d(t, w2.to(t.device), stride=2, padding=1,
+                                                output_padding=1), torch.randn(2, 3, 4, 4))):
+        (yc, gc), (yt, gt) = both(fn, x, torch.float32)
+        assert torch.allclose(yt, yc, atol=1e-5) and torch.allclose(gt, gc, atol=1e-5), x.shape
     x, g = torch.randn(40), torch.randn(40)
     for op in (torch.ops.aten.softshrink_backward, torch.ops.aten.hardshrink_backward):
         assert torch.equal(op(g.to("tpu"), x.to("tpu"), 0.5).cpu(), op(g, x, 0.5)), op

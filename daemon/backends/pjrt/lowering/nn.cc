@@ -273,7 +273,12 @@ void RegisterNn(OpRegistry& reg) {
             !a.Defined("weight")) {
           return Unsupported(l.op(), "arguments of a form not lowered");
         }
-        const HloType& t = o[1].type != nullptr ? *o[1].type : *o[0].type;
+        // The gradient's type (an output the mask leaves out may have none
+        // worth the name).
+        const HloType* gt = DTypeOf(a["grad_output"].tensor.dtype);
+        if (gt == nullptr || !gt->is_float)
+          return Unsupported(l.op(), "a gradient of a type not lowered");
+        const HloType& t = *gt;
         const std::vector<int64_t> gd = DimsOf(a["grad_output"].tensor),
                                    in = DimsOf(a["input"].tensor),
                                    wd = DimsOf(a["weight"].tensor);
@@ -336,9 +341,12 @@ void RegisterNn(OpRegistry& reg) {
                 TypeOf(ad, t), ", ", TypeOf(bd, t), ") -> ", TypeOf(wdim, t)));
           };
           if (transposed) {
+            // (the output_padding rows at the end reach no input; they may
+            // outnumber the stride where the dilation is larger)
             std::vector<std::string> pads;
             for (size_t k = 0; k < sp; ++k)
-              pads.push_back(absl::StrCat("[", pad[k], ", ", pad[k], "]"));
+              pads.push_back(absl::StrCat("[", pad[k], ", ",
+                                          pad[k] - cw->output_padding[k], "]"));
             const std::string gx = l.Emit(absl::StrCat(
                 "stablehlo.convolution(", gv, ", ", wv,
                 ") dim_numbers = [b, f, ", sd, "]x[o, i, ", sd, "]->[b, f, ",
