@@ -308,11 +308,11 @@ def _results_written_in_place_and_inputs_that_overlap_them():
     assert torch.equal(t.cpu(), x)
 
 
-def test_sort_median_and_special_functions_match_cpu(pjrt):
-    run_in_child(pjrt, _sort_median_and_special_functions_match_cpu)
+def test_sort_median_mode_and_special_functions_match_cpu(pjrt):
+    run_in_child(pjrt, _sort_median_mode_and_special_functions_match_cpu)
 
 
-def _sort_median_and_special_functions_match_cpu():
+def _sort_median_mode_and_special_functions_match_cpu():
     import torch
     import torch_tpu  # noqa: F401
     torch.manual_seed(0)
@@ -330,6 +330,13 @@ def _sort_median_and_special_functions_match_cpu():
         v, i = f(a, 1); ev, ei = f(x, 1)
         assert torch.allclose(v.cpu(), ev, equal_nan=True) and torch.equal(i.cpu(), ei), f
         assert torch.allclose(f(a).cpu(), f(x), equal_nan=True), f
+    # mode: the most frequent value (the smallest of a tie) and a position
+    # holding it (which one is CPU's unstable sort's choice)
+    m = torch.randint(0, 4, (5, 9)).float()
+    for dim in (0, 1):
+        v, i = torch.mode(m.to("tpu"), dim)
+        assert torch.equal(v.cpu(), torch.mode(m, dim).values), (dim, v.cpu())
+        assert torch.equal(m.gather(dim, i.cpu().unsqueeze(dim)).squeeze(dim), v.cpu()), dim
     s = torch.sort(torch.randn(10))[0]
     q = torch.randn(4, 3)
     assert torch.equal(torch.searchsorted(s.to("tpu"), q.to("tpu")).cpu(), torch.searchsorted(s, q))

@@ -20,6 +20,7 @@
 #include "daemon/backends/pjrt/lowering/families.h"
 #include "daemon/backends/pjrt/lowering/helpers.h"
 #include "daemon/backends/pjrt/lowering/lowering.h"
+#include "daemon/backends/pjrt/lowering/matrix.h"
 #include "daemon/backends/pjrt/lowering/registry.h"
 
 namespace tpud::pjrt {
@@ -67,6 +68,68 @@ void RegisterSort(OpRegistry& reg) {
     };
     reg.AddMulti(largest ? "aten::max.dim" : "aten::min.dim", r);
     reg.AddMulti(largest ? "aten::max.dim_max" : "aten::min.dim_min", r);
+  }
+  // mode(self, dim, keepdim) -> (values, indices): the value that occurs
+  // most often along dim, the smallest of those that tie, and a position
+  // of it (CPU's is whichever its unstable sort leaves last; here the last
+  // one). Counted by comparing every pair of the dimension's elements.
+  {
+    MultiRule r = [](Lowering& l, const tpu::DecodedOp&,
+                     const std::vector<Target>& o)
+        -> absl::StatusOr<std::vector<std::string>> {
+      const Args a(l);
+      if (o.size() != 2 || !a.Defined("self"))
+        return Unsupported(l.op(), "expects 2 outputs");
+      const tpu::TensorRef& x = a["self"].tensor;
+      const HloType& t = *o[0].type;
+      const std::vector<int64_t> in = DimsOf(x);
+      absl::StatusOr<std::string> v = l.OperandRef(x, 0, in, t);
+      if (!v.ok()) return v.status();
+      if (in.empty()) {
+        return std::vector<std::string>{l.Reshape(*v, in, o[0].dims, t),
+                                        l.Constant(0, o[1].dims, *o[1].type)};
+      }
+      absl::StatusOr<int64_t> checked = CheckedDim(
+          l.op(), static_cast<int64_t>(a.Number("dim", -1)), in.size());
+      if (!checked.ok()) return checked.status();
+      const int64_t dim = *checked, n = in[dim];
+      if (n == 0) return Unsupported(l.op(), "an empty dimension");
+      const std::vector<int64_t> which = {dim};
+      const std::vector<int64_t> kept = Lowering::Kept(in, which);
+      const HloType& i64 = I64();
+      // full: in + [n], the element (along dim) against every other (last)
+      std::vector<int64_t> full = in, self_map, other_map;
+      full.push_back(n);
+      const int64_t last = static_cast<int64_t>(in.size());
+      for (int64_t q = 0; q < last; ++q) {
+        self_map.push_back(q);
+        other_map.push_back(q == dim ? last : q);
+      }
+      const std::string same =
+          l.Compare("EQ", BroadcastInDim(l, *v, in, full, self_map, t),
+                    BroadcastInDim(l, *v, in, full, other_map, t), full, t);
+      const std::string count =
+          l.ReduceOver(l.Convert(same, full, *DTypeOf(tpu::DType::kBool), i64),
+                       full, {last}, "add", l.Constant(0, {}, i64), i64);
+      const std::string most = l.ReduceOver(count, in, which, "maximum",
+                                            l.Constant(0, {}, i64), i64);
+      const std::string often =
+          l.Compare("EQ", count, l.Expand(most, in, which, i64), in, i64);
+      const std::string value = l.ReduceOver(
+          l.Select(often, *v, l.BroadcastTo(Highest(l, t), {}, in, t), in, t),
+          in, which, "minimum", Highest(l, t), t);
+      const std::string at =
+          l.Compare("EQ", *v, l.Expand(value, in, which, t), in, t);
+      const std::string idx = l.ReduceOver(
+          l.Select(at, l.Iota(dim, in, i64), l.Constant(0, in, i64), in, i64),
+          in, which, "maximum", l.Constant(0, {}, i64), i64);
+      return std::vector<std::string>{
+          l.Reshape(value, kept, o[0].dims, t),
+          l.Reshape(l.Convert(idx, kept, i64, *o[1].type), kept, o[1].dims,
+                    *o[1].type)};
+    };
+    reg.AddMulti("aten::mode", r);
+    reg.AddMulti("aten::mode.values", r);
   }
   // sort(self, [stable,] dim, descending): a stable sort (PyTorch's CPU
   // sort is stable either way), NaN last going up.
