@@ -783,19 +783,19 @@ def _complex_scalars_keep_both_parts():
         assert torch.allclose(got, want, atol=1e-6), (got, want)
 
 
-def test_resampling_and_its_backward_match_cpu(pjrt):
+def test_backward_ops_pytorch_cannot_decompose_match_cpu(pjrt):
     # The backward of every interpolation mode, of adaptive average and the
-    # max poolings and of replication padding (PyTorch has no decomposition
-    # of them), and antialiased
+    # max poolings, of replication padding, of the distances and the margin
+    # losses (PyTorch has no decomposition of them), and antialiased
     # resizing both ways, against CPU: upscaling, downscaling, odd scale
     # factors, align_corners both ways. The programs are the same in both
     # memory modes, so the device mode does not run them again.
     if pjrt.memory == "device":
         pytest.skip("the same programs as in the host memory mode")
-    run_in_child(pjrt, _resampling_and_its_backward_match_cpu, timeout=300)
+    run_in_child(pjrt, _backward_ops_pytorch_cannot_decompose_match_cpu, timeout=300)
 
 
-def _resampling_and_its_backward_match_cpu():
+def _backward_ops_pytorch_cannot_decompose_match_cpu():
     import torch
     import torch_tpu  # noqa: F401
     F = torch.nn.functional
@@ -847,6 +847,24 @@ def _resampling_and_its_backward_match_cpu():
                                                 output_padding=1), torch.randn(2, 3, 4, 4))):
         (yc, gc), (yt, gt) = both(fn, x, torch.float32)
         assert torch.allclose(yt, yc, atol=1e-5) and torch.allclose(gt, gc, atol=1e-5), x.shape
+    # distances for every kind of p, and the margin losses
+    x2 = torch.randn(2, 4, 3)
+    for p in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, float("inf")):
+        for fn, x in ((lambda t: torch.cdist(t, x2.to(t.device), p=p), torch.randn(2, 5, 3)),
+                      (lambda t: F.pdist(t, p=p), torch.randn(6, 3))):
+            (yc, gc), (yt, gt) = both(fn, x, torch.float32)
+            assert torch.allclose(yt, yc, atol=1e-5) and torch.allclose(gt, gc, atol=1e-4), (p, gt, gc)
+    target = torch.tensor([0, 3, 1, 4])
+    labels = torch.tensor([[0, 3, -1, 1, 2], [4, -1, 0, 0, 0], [1, 2, 3, 4, 0], [-1, 1, 1, 1, 1]])
+    for red in ("mean", "sum", "none"):
+        for p, w in ((1, None), (2, torch.rand(5))):
+            fn = lambda t: F.multi_margin_loss(t, target.to(t.device), p=p, margin=0.7, reduction=red,
+                                               weight=None if w is None else w.to(t.device))
+            (yc, gc), (yt, gt) = both(fn, torch.randn(4, 5), torch.float32)
+            assert torch.allclose(yt, yc, atol=1e-6) and torch.allclose(gt, gc, atol=1e-6), (red, p)
+        fn = lambda t: F.multilabel_margin_loss(t, labels.to(t.device), reduction=red)
+        (yc, gc), (yt, gt) = both(fn, torch.randn(4, 5), torch.float32)
+        assert torch.allclose(yt, yc, atol=1e-6) and torch.allclose(gt, gc, atol=1e-6), (red, gt, gc)
     x, g = torch.randn(40), torch.randn(40)
     for op in (torch.ops.aten.softshrink_backward, torch.ops.aten.hardshrink_backward):
         assert torch.equal(op(g.to("tpu"), x.to("tpu"), 0.5).cpu(), op(g, x, 0.5)), op

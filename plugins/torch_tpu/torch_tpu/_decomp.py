@@ -141,6 +141,30 @@ def _out_overload_runs_nowhere(op, lowered, decomposed):
     return bool(outs) and not any(o.name() in lowered or o in decomposed for o in outs)
 
 
+def _like_self(grad_output, self, *args, **kwargs):
+    return torch.empty_like(self, memory_format=torch.contiguous_format)
+
+
+# Lowered ops that PyTorch gives no meta kernel: their outputs' metadata,
+# which the PJRT backend needs allocated before it runs them (the CPU
+# kernels return a contiguous tensor like self).
+_METAS = {
+    "aten::multi_margin_loss_backward": _like_self,
+    "aten::multilabel_margin_loss_backward": _like_self,
+}
+_meta_lib = None
+
+
+def _install_metas(lowered):
+    global _meta_lib
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    lib = torch.library.Library("aten", "IMPL")
+    for name, fn in _METAS.items():
+        if name in lowered and not has_kernel(name, "Meta"):
+            lib.impl(name.split("::", 1)[1], fn, "Meta")
+    _meta_lib = lib
+
+
 def install(lowered_ops):
     """Gives every decomposable ATen op outside `lowered_ops` a PrivateUse1
     kernel that runs its decomposition. Returns how many; idempotent."""
@@ -148,6 +172,7 @@ def install(lowered_ops):
     if _lib is not None:
         return len(_installed)
     lowered = set(lowered_ops)
+    _install_metas(lowered)
     # torch_tpu sends these whole to the daemon (registration.cc: the
     # simulated chip's CPU kernel is more exact than their decompositions); on
     # a backend that does not lower them, their decompositions replace that

@@ -23,6 +23,7 @@ void RegisterPolynomial(OpRegistry& reg);   // polynomial.cc
 void RegisterEigen(OpRegistry& reg);        // eigen.cc
 void RegisterResample(OpRegistry& reg);     // resample.cc
 void RegisterBessel(OpRegistry& reg);       // bessel.cc
+void RegisterNnBackward(OpRegistry& reg);   // nn_backward.cc
 void RegisterHostOps(OpRegistry& reg);      // ../host_ops.cc
 
 }  // namespace tpud::pjrt

@@ -112,7 +112,7 @@ const OpRegistry& Registry() {
           RegisterSort, RegisterLinalg, RegisterNn, RegisterForeach,
           RegisterShape, RegisterIndexing, RegisterRandom, RegisterSpecial,
           RegisterFft, RegisterPolynomial, RegisterEigen, RegisterResample,
-          RegisterBessel, RegisterHostOps}) {
+          RegisterBessel, RegisterNnBackward, RegisterHostOps}) {
       family(*r);
     }
     r->DeriveForms();
