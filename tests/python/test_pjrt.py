@@ -165,6 +165,16 @@ def _ops_without_lowering_run_as_pytorch_decompositions():
     for name, (got, want) in checks.items():
         assert got.device.type == "tpu", name
         assert torch.allclose(got.cpu(), want, atol=1e-5), name
+    # backward through a decomposed out= overload that casts its outs (in
+    # float32 it takes the caller's tensor, in bfloat16 a functional one)
+    for dt in (torch.float32, torch.bfloat16):
+        for loss in (F.smooth_l1_loss, F.huber_loss):
+            grads = []
+            for dev in ("cpu", "tpu"):
+                inp = x.to(dt).to(dev).detach().clone().requires_grad_()
+                loss(inp, (x * 0.3).to(dt).to(dev)).backward()
+                grads.append(inp.grad.cpu())
+            assert torch.allclose(grads[1].float(), grads[0].float(), atol=1e-3), (loss, dt)
 
 
 @pytest.mark.slow
@@ -865,6 +875,21 @@ def _backward_ops_pytorch_cannot_decompose_match_cpu():
         fn = lambda t: F.multilabel_margin_loss(t, labels.to(t.device), reduction=red)
         (yc, gc), (yt, gt) = both(fn, torch.randn(4, 5), torch.float32)
         assert torch.allclose(yt, yc, atol=1e-6) and torch.allclose(gt, gc, atol=1e-6), (red, gt, gc)
+    # grid_sample: its backward is the vector-Jacobian product of PyTorch's
+    # decomposition of the forward, for the input and the grid
+    grid = torch.rand(2, 4, 3, 2) * 2.4 - 1.2
+    for mode in ("bilinear", "nearest", "bicubic"):
+        for pad in ("zeros", "border", "reflection"):
+            res = []
+            for dev in ("cpu", "tpu"):
+                xx, gg = torch.randn(2, 3, 5, 6, generator=torch.Generator().manual_seed(1)).to(dev), \
+                    grid.to(dev)
+                xx.requires_grad_(), gg.requires_grad_()
+                y = F.grid_sample(xx, gg, mode=mode, padding_mode=pad, align_corners=mode == "bicubic")
+                w = torch.linspace(-1, 1, y.numel()).reshape(y.shape).to(dev)
+                res.append([y.detach().cpu()] + [t.cpu() for t in torch.autograd.grad((y * w).sum(), (xx, gg))])
+            for got, want in zip(res[1], res[0]):
+                assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (mode, pad)
     x, g = torch.randn(40), torch.randn(40)
     for op in (torch.ops.aten.softshrink_backward, torch.ops.aten.hardshrink_backward):
         assert torch.equal(op(g.to("tpu"), x.to("tpu"), 0.5).cpu(), op(g, x, 0.5)), op

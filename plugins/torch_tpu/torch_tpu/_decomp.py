@@ -97,6 +97,21 @@ def _casts_every_tensor(fn):
     return code is not None and getattr(code, "co_qualname", "").startswith("type_casts.")
 
 
+def _functional_decomposition(op):
+    """The decomposition of the functional overload of out= overload op
+    (the same arguments but the outs), or None: what an out= decomposition
+    that casts its out tensors too (and so writes copies) is made from."""
+    import torch._decomp
+    names = [a.name for a in op._schema.arguments if not a.is_out]
+    packet = op.overloadpacket
+    for overload in packet.overloads():
+        other = getattr(packet, overload)
+        args = other._schema.arguments
+        if not any(a.is_out for a in args) and [a.name for a in args] == names:
+            return torch._decomp.decomposition_table.get(other)
+    return None
+
+
 def _into_outs(op, fn):
     """A functional decomposition made to serve op's out= overload: its
     results are copied into the out tensors (passed as keywords), with the
@@ -165,6 +180,27 @@ def _install_metas(lowered):
     _meta_lib = lib
 
 
+def _grid_sampler_2d_backward(grad_output, input, grid, interpolation_mode, padding_mode,
+                              align_corners, output_mask):
+    forward = torch._decomp.decomposition_table[torch.ops.aten.grid_sampler_2d.default]
+    with torch.enable_grad():
+        _, vjp = torch.func.vjp(
+            lambda i, g: forward(i, g, interpolation_mode, padding_mode, align_corners),
+            input, grid)
+        grad_input, grad_grid = vjp(grad_output)
+    return (grad_input if output_mask[0] else None,
+            grad_grid if output_mask[1] else None)
+
+
+# Backward ops with neither a lowering nor a decomposition whose forward op
+# has one: the vector-Jacobian product of the forward's decomposition
+# (torch.func.vjp, which runs the forward again), its pieces sent to the
+# daemon like any other ops.
+_BY_VJP = {
+    "aten::grid_sampler_2d_backward": _grid_sampler_2d_backward,
+}
+
+
 def install(lowered_ops):
     """Gives every decomposable ATen op outside `lowered_ops` a PrivateUse1
     kernel that runs its decomposition. Returns how many; idempotent."""
@@ -191,8 +227,12 @@ def install(lowered_ops):
         if name in lowered:
             continue
         outs = any(a.is_out for a in op._schema.arguments)
-        if not _takes_outs(op, fn) or (outs and _casts_every_tensor(fn)):
+        if not _takes_outs(op, fn):
             fn = _into_outs(op, fn)
+        elif outs and _casts_every_tensor(fn):
+            functional = _functional_decomposition(op)
+            if functional is not None:
+                fn = _into_outs(op, functional)
         if name in sent_whole:
             with warnings.catch_warnings():  # (torch warns that a kernel is overridden)
                 warnings.simplefilter("ignore")
@@ -208,6 +248,10 @@ def install(lowered_ops):
             continue
         lib.impl(name.split("::", 1)[1], _kernel(name, fn, depth), "PrivateUse1")
         _installed.append(name)
+    for name, fn in _BY_VJP.items():
+        if name not in lowered and not has_kernel(name, "PrivateUse1"):
+            lib.impl(name.split("::", 1)[1], _kernel(name, fn, 1), "PrivateUse1")
+            _installed.append(name)
     _lib = lib
     return len(_installed)
 
