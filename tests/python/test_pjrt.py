@@ -848,6 +848,22 @@ def _backward_ops_pytorch_cannot_decompose_match_cpu():
                   (lambda t: F.pad(t, (3, 4), mode="replicate"), torch.randn(2, 3, 5))):
         (yc, gc), (yt, gt) = both(fn, x, torch.float32)
         assert torch.equal(yt, yc) and torch.allclose(gt, gc, atol=1e-6), (x.shape, gt, gc)
+    # fractional max pooling (the windows from given samples) and adaptive
+    # max pooling, a NaN in a window
+    for sp, shape, k, size in ((2, (2, 3, 9, 7), (2, 3), (4, 3)), (2, (3, 8, 8), 2, (5, 5)),
+                               (3, (2, 2, 6, 7, 5), (2, 2, 3), (3, 4, 2))):
+        x = torch.randn(*shape)
+        x.view(-1)[3] = float("nan")
+        samples = torch.rand(shape[0] if len(shape) == sp + 2 else 1, shape[-sp - 1], sp)
+        fractional = F.fractional_max_pool2d if sp == 2 else F.fractional_max_pool3d
+        adaptive = F.adaptive_max_pool2d if sp == 2 else F.adaptive_max_pool3d
+        for fn in (lambda t: fractional(t, k, output_size=size, return_indices=True,
+                                        _random_samples=samples.to(t.device)),
+                   lambda t: adaptive(t, size, return_indices=True)):
+            (yc, ic), (yt, it) = fn(x), fn(x.to("tpu"))
+            assert torch.equal(it.cpu(), ic) and torch.allclose(yt.cpu(), yc, equal_nan=True), shape
+            (yc, gc), (yt, gt) = both(lambda t: fn(t)[0].nan_to_num(), x, torch.float32)
+            assert torch.allclose(gt, gc), shape
     # transposed convolutions whose output_padding reaches past the stride
     # (allowed where the dilation is larger)
     w1, w2 = torch.randn(3, 2, 3), torch.randn(3, 2, 2, 3)

@@ -166,6 +166,7 @@ def _like_self(grad_output, self, *args, **kwargs):
 _METAS = {
     "aten::multi_margin_loss_backward": _like_self,
     "aten::multilabel_margin_loss_backward": _like_self,
+    "aten::fractional_max_pool3d_backward": _like_self,
 }
 _meta_lib = None
 

@@ -25,6 +25,94 @@
 
 namespace tpud::pjrt {
 
+namespace {
+
+// A window of dimension k (of n inputs, `out` outputs) as a mask over full
+// (lead + outputs' spatial dims + inputs' spatial dims; a = lead's rank).
+using WindowMask = std::function<absl::StatusOr<std::string>(
+    const std::vector<int64_t>& full, int64_t a, int k, int64_t n,
+    int64_t out)>;
+
+// The max poolings whose windows are masks (adaptive, fractional): the
+// largest of each window and its flat position in the plane (h * W + w),
+// the first one (the last NaN, where there is one), as ATen's loops find
+// them. Outputs (values, indices); self is the input.
+absl::StatusOr<std::vector<std::string>> WindowedMax(
+    Lowering& l, int sp, const std::vector<Target>& o,
+    const WindowMask& window) {
+  const Args args(l);
+  if (o.size() != 2 || !args.Defined("self") ||
+      o[0].dims.size() < static_cast<size_t>(sp + 1))
+    return Unsupported(l.op(), "arguments of a form not lowered");
+  const HloType& t = *o[0].type;
+  const HloType& i64 = I64();
+  const HloType& i1 = *DTypeOf(tpu::DType::kBool);
+  const std::vector<int64_t> in = DimsOf(args["self"].tensor);
+  const std::vector<int64_t>& od = o[0].dims;
+  if (in.size() != od.size())
+    return Unsupported(l.op(), "an output of another rank");
+  const size_t lead = in.size() - sp;
+  int64_t plane = 1;
+  for (size_t q = lead; q < in.size(); ++q) plane *= in[q];
+  if (plane == 0) return Unsupported(l.op(), "an empty input");
+  absl::StatusOr<std::string> x = l.Operand(args["self"], in, t);
+  if (!x.ok()) return x.status();
+  const int64_t a = static_cast<int64_t>(lead);
+  std::vector<int64_t> full(in.begin(), in.begin() + lead), xmap, omap, inner;
+  for (int k = 0; k < sp; ++k) full.push_back(od[lead + k]);
+  for (int k = 0; k < sp; ++k) full.push_back(in[lead + k]);
+  for (int64_t r = 0; r < a; ++r) xmap.push_back(r);
+  for (int64_t r = 0; r < a + sp; ++r) omap.push_back(r);
+  for (int k = 0; k < sp; ++k) {
+    xmap.push_back(a + sp + k);
+    inner.push_back(a + sp + k);
+  }
+  std::string mask, pos;
+  int64_t stride = 1;
+  for (int k = sp - 1; k >= 0; --k) {
+    absl::StatusOr<std::string> win =
+        window(full, a, k, in[lead + k], od[lead + k]);
+    if (!win.ok()) return win.status();
+    mask = mask.empty() ? *win : l.Binary("and", mask, *win, full, i1);
+    const std::string p =
+        l.Binary("multiply", l.Iota(a + sp + k, full, i64),
+                 l.Constant(static_cast<double>(stride), full, i64), full, i64);
+    pos = pos.empty() ? p : l.Binary("add", pos, p, full, i64);
+    stride *= in[lead + k];
+  }
+  const std::string xb = BroadcastInDim(l, *x, in, full, xmap, t);
+  const std::string mx = l.ReduceOver(
+      l.Select(mask, xb, l.BroadcastTo(l.Lowest(t), {}, full, t), full, t),
+      full, inner, "maximum", l.Lowest(t), t);
+  const std::string hit = l.Binary(
+      "and", mask,
+      l.Compare("EQ", xb, BroadcastInDim(l, mx, od, full, omap, t), full, t),
+      full, i1);
+  const std::string first = l.ReduceOver(
+      l.Select(hit, pos, l.Constant(static_cast<double>(plane), full, i64),
+               full, i64),
+      full, inner, "minimum", l.Constant(static_cast<double>(plane), {}, i64),
+      i64);
+  const std::string nan =
+      l.Binary("and", mask, l.Compare("NE", xb, xb, full, t), full, i1);
+  const std::string last_nan =
+      l.ReduceOver(l.Select(nan, pos, l.Constant(-1, full, i64), full, i64),
+                   full, inner, "maximum", l.Constant(-1, {}, i64), i64);
+  const std::string any_nan =
+      l.Compare("GE", last_nan, l.Constant(0, od, i64), od, i64);
+  const std::string idx = l.Select(any_nan, last_nan, first, od, i64);
+  // (XLA's CPU reduction may skip a NaN; the window's value is NaN)
+  const std::string value =
+      t.is_float ? l.Select(any_nan,
+                            l.Binary("divide", l.Constant(0, od, t),
+                                     l.Constant(0, od, t), od, t),
+                            mx, od, t)
+                 : mx;
+  return std::vector<std::string>{value, l.Convert(idx, od, i64, *o[1].type)};
+}
+
+}  // namespace
+
 void RegisterNn(OpRegistry& reg) {
   // Arguments are read by their schema names (Args, helpers.h).
   reg.AddMulti(
@@ -429,84 +517,113 @@ void RegisterNn(OpRegistry& reg) {
                                         fit(gb, {gd[1]}, 2)};
       });
   // adaptive_max_pool2d / 3d(self, output_size) -> (out, indices): the
-  // largest of each adaptive window (as _adaptive_avg_pool2d's) and its flat
-  // position in the plane (h * W + w), the first one (the last NaN, where
-  // there is one).
+  // largest of each adaptive window (as _adaptive_avg_pool2d's).
   for (int sp : {2, 3}) {
     const std::string name = absl::StrCat("aten::adaptive_max_pool", sp, "d");
     reg.AddMulti(
         name,
         [sp](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
             -> absl::StatusOr<std::vector<std::string>> {
-          const Args args(l);
-          if (o.size() != 2 || !args.Defined("self") ||
-              o[0].dims.size() < static_cast<size_t>(sp + 1))
-            return Unsupported(l.op(), "arguments of a form not lowered");
-          const HloType& t = *o[0].type;
-          const HloType& i64 = I64();
-          const HloType& i1 = *DTypeOf(tpu::DType::kBool);
-          const std::vector<int64_t> in = DimsOf(args["self"].tensor);
-          const std::vector<int64_t>& od = o[0].dims;
-          if (in.size() != od.size())
-            return Unsupported(l.op(), "an output of another rank");
-          const size_t lead = in.size() - sp;
-          int64_t plane = 1;
-          for (size_t q = lead; q < in.size(); ++q) plane *= in[q];
-          if (plane == 0) return Unsupported(l.op(), "an empty input");
-          absl::StatusOr<std::string> x = l.Operand(args["self"], in, t);
-          if (!x.ok()) return x.status();
-          // full: lead + outputs' spatial dims + inputs' spatial dims
-          const int64_t a = static_cast<int64_t>(lead);
-          std::vector<int64_t> full(in.begin(), in.begin() + lead), xmap, omap,
-              inner;
-          for (int k = 0; k < sp; ++k) full.push_back(od[lead + k]);
-          for (int k = 0; k < sp; ++k) full.push_back(in[lead + k]);
-          for (int64_t r = 0; r < a; ++r) xmap.push_back(r);
-          for (int64_t r = 0; r < a + sp; ++r) omap.push_back(r);
-          for (int k = 0; k < sp; ++k) {
-            xmap.push_back(a + sp + k);
-            inner.push_back(a + sp + k);
-          }
-          std::string mask, pos;
-          int64_t stride = 1;
-          for (int k = sp - 1; k >= 0; --k) {
-            const std::string win = AdaptiveWindow(l, full, a + k, a + sp + k,
-                                                   in[lead + k], od[lead + k]);
-            mask = mask.empty() ? win : l.Binary("and", mask, win, full, i1);
-            const std::string p = l.Binary(
-                "multiply", l.Iota(a + sp + k, full, i64),
-                l.Constant(static_cast<double>(stride), full, i64), full, i64);
-            pos = pos.empty() ? p : l.Binary("add", pos, p, full, i64);
-            stride *= in[lead + k];
-          }
-          const std::string xb = BroadcastInDim(l, *x, in, full, xmap, t);
-          const std::string mx = l.ReduceOver(
-              l.Select(mask, xb, l.BroadcastTo(l.Lowest(t), {}, full, t), full,
-                       t),
-              full, inner, "maximum", l.Lowest(t), t);
-          const std::string hit = l.Binary(
-              "and", mask,
-              l.Compare("EQ", xb, BroadcastInDim(l, mx, od, full, omap, t),
-                        full, t),
-              full, i1);
-          const std::string first = l.ReduceOver(
-              l.Select(hit, pos,
-                       l.Constant(static_cast<double>(plane), full, i64), full,
-                       i64),
-              full, inner, "minimum",
-              l.Constant(static_cast<double>(plane), {}, i64), i64);
-          const std::string nan =
-              l.Binary("and", mask, l.Compare("NE", xb, xb, full, t), full, i1);
-          const std::string last_nan = l.ReduceOver(
-              l.Select(nan, pos, l.Constant(-1, full, i64), full, i64), full,
-              inner, "maximum", l.Constant(-1, {}, i64), i64);
-          const std::string idx = l.Select(
-              l.Compare("GE", last_nan, l.Constant(0, od, i64), od, i64),
-              last_nan, first, od, i64);
-          return std::vector<std::string>{mx,
-                                          l.Convert(idx, od, i64, *o[1].type)};
+          return WindowedMax(
+              l, sp, o,
+              [&](const std::vector<int64_t>& full, int64_t a, int k, int64_t n,
+                  int64_t out) -> absl::StatusOr<std::string> {
+                return AdaptiveWindow(l, full, a + k, a + sp + k, n, out);
+              });
         });
     reg.Alias(absl::StrCat(name, ".out"), name);
+  }
+  // fractional_max_pool2d / 3d(self, kernel_size, output_size,
+  // random_samples) -> (out, indices): the windows of kernel_size start at
+  // ATen's pseudo-random intervals, one sequence per plane and dimension
+  // from its sample u: int((o + u) alpha) - int(u alpha), alpha = (n -
+  // kernel) / (out - 1), the last window at the end. The samples are for W
+  // then H (2d), T, H, W (3d).
+  for (int sp : {2, 3}) {
+    const std::string name = absl::StrCat("aten::fractional_max_pool", sp, "d");
+    reg.AddMulti(
+        name,
+        [sp](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+            -> absl::StatusOr<std::vector<std::string>> {
+          const Args args(l);
+          if (!args.Defined("random_samples") || !args.Has("kernel_size") ||
+              args["kernel_size"].ints.size() != static_cast<size_t>(sp) ||
+              o.empty())
+            return Unsupported(l.op(), "arguments of a form not lowered");
+          const std::vector<int64_t>& kernel = args["kernel_size"].ints;
+          const std::vector<int64_t> rd = DimsOf(args["random_samples"].tensor);
+          const size_t lead = o[0].dims.size() - sp;
+          int64_t planes = 1;
+          for (size_t q = 0; q < lead; ++q) planes *= o[0].dims[q];
+          int64_t samples = 1;
+          for (int64_t v : rd) samples *= v;
+          if (rd.empty() || rd.back() != sp || samples != planes * sp)
+            return Unsupported(l.op(), "samples of another shape");
+          const HloType& t = *o[0].type;
+          const bool f64 = t.dtype == tpu::DType::kDouble;
+          const HloType& ct = f64 ? F64() : F32();
+          absl::StatusOr<std::string> u =
+              l.Operand(args["random_samples"], rd, ct);
+          if (!u.ok()) return u.status();
+          const std::vector<int64_t> ps = {planes, sp};
+          const std::string uv = l.Reshape(*u, rd, ps, ct);
+          std::vector<int64_t> lead_dims(o[0].dims.begin(),
+                                         o[0].dims.begin() + lead);
+          return WindowedMax(
+              l, sp, o,
+              [&](const std::vector<int64_t>& full, int64_t a, int k, int64_t n,
+                  int64_t out) -> absl::StatusOr<std::string> {
+                const int64_t pool = kernel[k];
+                if (pool < 1 || pool > n)
+                  return absl::InvalidArgumentError(absl::StrCat(
+                      l.op(), ": kernel_size ", pool, " does not fit in ", n));
+                // this dimension's sample per plane: (planes, out)
+                const int which = sp == 2 ? 1 - k : k;
+                const std::vector<int64_t> po = {planes, out};
+                const std::string s = BroadcastInDim(
+                    l,
+                    l.Reshape(l.SliceAlong(uv, ps, 1, which, which + 1, ct),
+                              {planes, 1}, {planes}, ct),
+                    {planes}, po, {0}, ct);
+                const double alpha =
+                    out > 1 ? (f64 ? static_cast<double>(n - pool) /
+                                         static_cast<double>(out - 1)
+                                   : static_cast<float>(n - pool) /
+                                         static_cast<float>(out - 1))
+                            : 0;
+                const std::string al = l.Constant(alpha, po, ct);
+                auto trunc = [&](const std::string& v) {
+                  return l.Convert(v, po, ct, I64());
+                };
+                const std::string seq = l.Binary(
+                    "subtract",
+                    trunc(
+                        l.Binary("multiply",
+                                 l.Binary("add", l.Iota(1, po, ct), s, po, ct),
+                                 al, po, ct)),
+                    trunc(l.Binary("multiply", s, al, po, ct)), po, I64());
+                const std::string start = l.Select(
+                    l.Compare("EQ", l.Iota(1, po, I64()),
+                              l.Constant(out - 1, po, I64()), po, I64()),
+                    l.Constant(n - pool, po, I64()), seq, po, I64());
+                // start per (lead..., o_k), broadcast over full
+                std::vector<int64_t> sd = lead_dims, smap;
+                sd.push_back(out);
+                for (int64_t q = 0; q < a; ++q) smap.push_back(q);
+                smap.push_back(a + k);
+                const std::string sb = BroadcastInDim(
+                    l, l.Reshape(start, po, sd, I64()), sd, full, smap, I64());
+                const std::string i = l.Iota(a + sp + k, full, I64());
+                return l.Binary(
+                    "and", l.Compare("GE", i, sb, full, I64()),
+                    l.Compare("LT", i,
+                              l.Binary("add", sb, l.Constant(pool, full, I64()),
+                                       full, I64()),
+                              full, I64()),
+                    full, *DTypeOf(tpu::DType::kBool));
+              });
+        });
+    reg.Alias(absl::StrCat(name, ".output"), name);
   }
   reg.Add("aten::mse_loss",
           [](Lowering& l, const tpu::DecodedOp& d,
