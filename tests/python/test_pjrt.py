@@ -765,13 +765,13 @@ def _item_reads_every_float_and_complex_type():
         assert t.to("tpu").item() == t.item(), dtype
 
 
-def test_complex_scalars_keep_both_parts(pjrt):
+def test_complex_scalars_and_moduli_keep_both_parts(pjrt):
     # A Python complex scalar in arithmetic (z * 1j) and the gradient that
     # uses one (polar's angle): both parts of the scalar reach the program.
-    run_in_child(pjrt, _complex_scalars_keep_both_parts)
+    run_in_child(pjrt, _complex_scalars_and_moduli_keep_both_parts)
 
 
-def _complex_scalars_keep_both_parts():
+def _complex_scalars_and_moduli_keep_both_parts():
     import torch
     import torch_tpu  # noqa: F401
     for dtype in (torch.complex64, torch.complex128):
@@ -782,6 +782,27 @@ def _complex_scalars_keep_both_parts():
                         "full": lambda z: torch.full_like(z, 2 - 3j) * z,
                         "mul by a 0-dim tensor": lambda z: z * torch.tensor(-1j)}.items():
             assert torch.equal(f(zt).cpu(), f(z)), (dtype, name, f(zt).cpu(), f(z))
+    # what takes a complex tensor to a real result takes its modulus, never
+    # its real part; eq and ne compare both parts
+    z = torch.randn(4, 6, dtype=torch.complex64)
+    zt = z.to("tpu")
+    real = {"abs": torch.abs, "vector_norm": torch.linalg.vector_norm,
+            "norm inf": lambda v: torch.linalg.vector_norm(v, float("inf"), dim=1),
+            "var": lambda v: torch.var(v, 1), "std": torch.std, "softsign": torch.nn.functional.softsign,
+            "eq conj": lambda v: v == v.conj(), "ne conj": lambda v: v != v.conj(),
+            "eq": lambda v: v == v.clone()}
+    for name, f in real.items():
+        got, want = f(zt).cpu(), f(z)
+        assert got.dtype == want.dtype and torch.allclose(got, want, atol=1e-5), (name, got, want)
+    # factorizations written for real matrices refuse complex ones (they
+    # gave wrong factors), and the session goes on
+    for f in (torch.linalg.qr, torch.linalg.inv, torch.linalg.svd):
+        try:
+            f(zt[:, :4]).cpu() if f is torch.linalg.inv else f(zt)[0].cpu()
+            raise SystemExit(f"{f.__name__} ran on a complex matrix")
+        except RuntimeError as e:
+            assert "complex matrices are not lowered" in str(e), str(e)
+    assert torch.equal((zt * 2).cpu(), z * 2)
     torch.manual_seed(0)
     a, b = torch.rand(5) + 0.1, torch.randn(5)
     g = torch.randn(5, dtype=torch.complex64)

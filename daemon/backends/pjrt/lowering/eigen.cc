@@ -221,6 +221,8 @@ void RegisterEigen(OpRegistry& reg) {
                                         Transposed(l, v, dims({n, vc}), t)};
       });
   reg.Alias("aten::_linalg_svd.U", "aten::_linalg_svd");
+  // (Hermitian complex matrices need a complex eigensolver.)
+  reg.RefuseComplex({"aten::_linalg_eigh", "aten::_linalg_svd"});
 }
 
 }  // namespace tpud::pjrt

@@ -41,7 +41,15 @@ void RegisterElementwise(OpRegistry& reg) {
   reg.Add("aten::tanh", Simple("tanh"));
   reg.Add("aten::sqrt", Simple("sqrt"));
   reg.Add("aten::rsqrt", Simple("rsqrt"));
-  reg.Add("aten::abs", Simple("abs"));
+  // abs: of a complex tensor, its modulus (a real result).
+  reg.Add("aten::abs",
+          [](Lowering& l, const tpu::DecodedOp&,
+             const Target& o) -> absl::StatusOr<std::string> {
+            const Args args(l);
+            if (!args.Defined("self"))
+              return Unsupported(l.op(), "expects a tensor");
+            return AbsOperand(l, args["self"], o.dims, *o.type);
+          });
   reg.Add("aten::sin", Simple("sine"));
   reg.Add("aten::cos", Simple("cosine"));
   reg.Add("aten::sigmoid", Simple("logistic"));
@@ -164,21 +172,25 @@ void RegisterElementwise(OpRegistry& reg) {
             const Args args(l);
             if (!args.Has("self") || !args.Has("other"))
               return Unsupported(l.op(), "arguments of a form not lowered");
-            // Compared in a type both sides fit: double if either is
-            // floating.
-            bool floating = false;
+            // Compared in a type both sides fit: complex128 if either is
+            // complex (eq and ne), double if either is floating.
+            bool floating = false, complex = false;
             for (const char* name : {"self", "other"}) {
               const tpu::OpArg& a = args[name];
-              const HloType* t = a.tag == tpu::ArgTag::kTensor
-                                     ? DTypeOf(a.tensor.dtype)
-                                     : nullptr;
-              floating |=
-                  (t != nullptr && t->is_float) ||
-                  a.tag == tpu::ArgTag::kScalarDouble ||
-                  (a.tag == tpu::ArgTag::kScalarTensor &&
-                   DTypeOf(a.dtype) != nullptr && DTypeOf(a.dtype)->is_float);
+              const HloType* t =
+                  a.tag == tpu::ArgTag::kTensor ? DTypeOf(a.tensor.dtype)
+                  : a.tag == tpu::ArgTag::kScalarTensor ? DTypeOf(a.dtype)
+                                                        : nullptr;
+              floating |= (t != nullptr && t->is_float) ||
+                          a.tag == tpu::ArgTag::kScalarDouble;
+              complex |= (t != nullptr && IsComplex(*t)) ||
+                         a.tag == tpu::ArgTag::kScalarComplex;
             }
-            const HloType& t = floating ? F64() : I64();
+            if (complex && cmp[0] != 'E' && cmp[0] != 'N')
+              return Unsupported(l.op(), "an order of complex numbers");
+            const HloType& t = complex    ? *DTypeOf(tpu::DType::kComplexDouble)
+                               : floating ? F64()
+                                          : I64();
             absl::StatusOr<std::string> a = l.Operand(args["self"], o.dims, t),
                                         b = l.Operand(args["other"], o.dims, t);
             if (!a.ok()) return a;

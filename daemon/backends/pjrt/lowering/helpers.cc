@@ -106,6 +106,25 @@ Rule UnaryRule(
   };
 }
 
+absl::StatusOr<std::string> AbsOperand(Lowering& l, const tpu::OpArg& a,
+                                       const std::vector<int64_t>& dims,
+                                       const HloType& t) {
+  const HloType* in =
+      a.tag == tpu::ArgTag::kTensor ? DTypeOf(a.tensor.dtype) : nullptr;
+  if (in == nullptr || !IsComplex(*in) || IsComplex(t)) {
+    absl::StatusOr<std::string> x = l.Operand(a, dims, t);
+    if (!x.ok()) return x;
+    return l.Unary("abs", *x, dims, t);
+  }
+  absl::StatusOr<std::string> z = l.Operand(a, dims, *in);
+  if (!z.ok()) return z;
+  const HloType& part = PartOf(*in);
+  return l.Convert(
+      l.Emit(absl::StrCat("stablehlo.abs ", *z, " : (", TypeOf(dims, *in),
+                          ") -> ", TypeOf(dims, part))),
+      dims, part, t);
+}
+
 Rule Simple(const char* op) {
   return UnaryRule([op](Lowering& l, const std::string& a, const Target& out) {
     return l.Unary(op, a, out.dims, *out.type);

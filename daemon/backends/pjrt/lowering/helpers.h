@@ -54,6 +54,12 @@ Rule UnaryRule(
 
 Rule Simple(const char* op);
 
+// |a| (a tensor argument) as type t, dims `dims`: a complex tensor's
+// modulus, never its real part's.
+absl::StatusOr<std::string> AbsOperand(Lowering& l, const tpu::OpArg& a,
+                                       const std::vector<int64_t>& dims,
+                                       const HloType& t);
+
 absl::StatusOr<std::string> MatMul(Lowering& l, const tpu::OpArg& a,
                                    const tpu::OpArg& b, const Target& out);
 

@@ -733,6 +733,14 @@ void RegisterLinalg(OpRegistry& reg) {
             l.Select(zero, l.Constant(0, o.dims, t), scaled, o.dims, t), o.dims,
             t);
       });
+  // Householder reflections and pivoted elimination are written for real
+  // matrices (a complex one needs conjugated reflectors): complex ones get
+  // an error, not a wrong factor.
+  reg.RefuseComplex({"aten::geqrf", "aten::linalg_householder_product",
+                     "aten::ormqr", "aten::linalg_qr", "aten::linalg_lu_solve",
+                     "aten::linalg_lu_factor_ex", "aten::linalg_lu",
+                     "aten::linalg_inv_ex", "aten::_linalg_solve_ex",
+                     "aten::_linalg_det", "aten::_linalg_slogdet"});
 }
 
 }  // namespace tpud::pjrt

@@ -245,7 +245,7 @@ class Lowering {
   }
   // The comparison type stablehlo.compare takes for values of t.
   static const char* CompareKind(const HloType& t) {
-    return t.is_float
+    return t.is_float || IsComplex(t)
                ? "FLOAT"
                : (t.mlir[0] == 'u' || t.dtype == tpu::DType::kBool ? "UNSIGNED"
                                                                    : "SIGNED");

@@ -195,7 +195,11 @@ void RegisterReduction(OpRegistry& reg) {
           absl::StatusOr<std::vector<int64_t>> which =
               ReducedDims(l, a.Find("dim"), in.size());
           if (!which.ok()) return which.status();
-          absl::StatusOr<std::string> x = l.Operand(a["self"], in, t);
+          // A complex tensor's variance is the mean of |x - mean|^2: the
+          // deviations are taken in its own type.
+          const HloType* st = DTypeOf(a["self"].tensor.dtype);
+          const HloType& xt = st != nullptr && IsComplex(*st) ? *st : t;
+          absl::StatusOr<std::string> x = l.Operand(a["self"], in, xt);
           if (!x.ok()) return x;
           const tpu::OpArg* c = a.Find("correction");
           const double correction =
@@ -203,11 +207,18 @@ void RegisterReduction(OpRegistry& reg) {
           const double n = static_cast<double>(CountOf(in, *which));
           const std::vector<int64_t> kept = Lowering::Kept(in, *which);
           const std::string zero = l.Constant(0, {}, t);
-          const std::string mean =
-              l.Binary("divide", l.ReduceOver(*x, in, *which, "add", zero, t),
-                       l.Constant(n, kept, t), kept, t);
-          const std::string dev =
-              l.Binary("subtract", *x, l.Expand(mean, in, *which, t), in, t);
+          const std::string mean = l.Binary(
+              "divide",
+              l.ReduceOver(*x, in, *which, "add", l.Constant(0, {}, xt), xt),
+              l.Constant(n, kept, xt), kept, xt);
+          std::string dev =
+              l.Binary("subtract", *x, l.Expand(mean, in, *which, xt), in, xt);
+          if (&xt != &t) {
+            dev = l.Convert(l.Emit(absl::StrCat("stablehlo.abs ", dev, " : (",
+                                                TypeOf(in, xt), ") -> ",
+                                                TypeOf(in, PartOf(xt)))),
+                            in, PartOf(xt), t);
+          }
           const std::string ss =
               l.ReduceOver(l.Binary("multiply", dev, dev, in, t), in, *which,
                            "add", zero, t);
@@ -230,11 +241,11 @@ void RegisterReduction(OpRegistry& reg) {
             absl::StatusOr<std::vector<int64_t>> which =
                 ReducedDims(l, args.Find("dim"), in.size());
             if (!which.ok()) return which.status();
-            absl::StatusOr<std::string> x = l.Operand(args["self"], in, t);
+            absl::StatusOr<std::string> x = AbsOperand(l, args["self"], in, t);
             if (!x.ok()) return x;
             const double p = args.Number("ord", 2.0);
             const std::vector<int64_t> kept = Lowering::Kept(in, *which);
-            const std::string a = l.Unary("abs", *x, in, t);
+            const std::string& a = *x;
             const std::string zero = l.Constant(0, {}, t);
             std::string v;
             if (std::isinf(p)) {
