@@ -927,6 +927,17 @@ def _backward_ops_pytorch_cannot_decompose_match_cpu():
                 res.append([y.detach().cpu()] + [t.cpu() for t in torch.autograd.grad((y * w).sum(), (xx, gg))])
             for got, want in zip(res[1], res[0]):
                 assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (mode, pad)
+    # segment_reduce by lengths and by offsets, every reduction, an empty
+    # segment, zeros (prod) and ties (max, min), with and without initial
+    data = torch.tensor([1.0, 0, 2, 0, 0, 3, -1, 3, 3])
+    for red in ("sum", "mean", "max", "min", "prod"):
+        for init in (None, 2.5):
+            for seg in (dict(lengths=torch.tensor([2, 0, 3, 4])),
+                        dict(offsets=torch.tensor([0, 2, 2, 5, 9]))):
+                fn = lambda t: torch.segment_reduce(  # noqa: E731
+                    t, red, initial=init, **{k: v.to(t.device) for k, v in seg.items()})
+                (yc, gc), (yt, gt) = both(fn, data, torch.float32)
+                assert torch.allclose(yt, yc, equal_nan=True) and torch.allclose(gt, gc), (red, init)
     x, g = torch.randn(40), torch.randn(40)
     for op in (torch.ops.aten.softshrink_backward, torch.ops.aten.hardshrink_backward):
         assert torch.equal(op(g.to("tpu"), x.to("tpu"), 0.5).cpu(), op(g, x, 0.5)), op

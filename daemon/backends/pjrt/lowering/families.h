@@ -24,6 +24,7 @@ void RegisterEigen(OpRegistry& reg);        // eigen.cc
 void RegisterResample(OpRegistry& reg);     // resample.cc
 void RegisterBessel(OpRegistry& reg);       // bessel.cc
 void RegisterNnBackward(OpRegistry& reg);   // nn_backward.cc
+void RegisterSegment(OpRegistry& reg);      // segment.cc
 void RegisterHostOps(OpRegistry& reg);      // ../host_ops.cc
 
 }  // namespace tpud::pjrt

@@ -154,7 +154,8 @@ const OpRegistry& Registry() {
           RegisterSort, RegisterLinalg, RegisterNn, RegisterForeach,
           RegisterShape, RegisterIndexing, RegisterRandom, RegisterSpecial,
           RegisterFft, RegisterPolynomial, RegisterEigen, RegisterResample,
-          RegisterBessel, RegisterNnBackward, RegisterHostOps}) {
+          RegisterBessel, RegisterNnBackward, RegisterSegment,
+          RegisterHostOps}) {
       family(*r);
     }
     r->DeriveForms();
