@@ -164,10 +164,11 @@ class _Mismatch(Exception):
 
 # Ops whose indices PyTorch leaves unspecified among equal values (sort and
 # argsort unless stable=True; topk; kthvalue, median, nanmedian and mode,
-# whose index is "not necessarily the first"). PyTorch's own tests
+# whose index is "not necessarily the first"; msort, whose gradient goes
+# where its unstable sort put each tied value). PyTorch's own tests
 # (test_sort_and_select) check such indices by the values they point at.
 _TIED_INDEX_OPS = {"sort": 0, "argsort": 0, "topk": 1, "kthvalue": 1,
-                   "median": 0, "nanmedian": 0, "mode": 0}
+                   "median": 0, "nanmedian": 0, "mode": 0, "msort": None}
 
 
 def _tie_dim(name, sample):
@@ -176,6 +177,8 @@ def _tie_dim(name, sample):
     if name not in _TIED_INDEX_OPS or sample.kwargs.get("stable"):
         return None
     at = _TIED_INDEX_OPS[name]
+    if at is None:  # msort: sort along dim 0, values only
+        return 0
     if "dim" in sample.kwargs:
         return sample.kwargs["dim"]
     if len(sample.args) > at and isinstance(sample.args[at], int):
