@@ -556,6 +556,18 @@ def _random_ops_repeat_under_manual_seed_and_have_their_distribution():
     y = torch.nn.functional.dropout(torch.ones(10000, device="tpu"), 0.3)
     assert abs((y == 0).float().mean().item() - 0.3) < 0.03
     assert abs(torch.bernoulli(torch.full((10000,), 0.2, device="tpu")).mean().item() - 0.2) < 0.03
+    # multinomial: a zero weight is never drawn; frequencies follow the
+    # weights with replacement; without it, k distinct categories
+    w = torch.tensor([[0.1, 0.0, 0.6, 0.3], [1.0, 1.0, 1.0, 1.0]], device="tpu")
+    draws = torch.multinomial(w, 20000, replacement=True).cpu()
+    freq = torch.stack([torch.bincount(r, minlength=4) for r in draws]).float() / 20000
+    assert torch.allclose(freq, (w / w.sum(1, keepdim=True)).cpu(), atol=0.02), freq
+    picks = torch.multinomial(w, 3).cpu()
+    assert all(len(set(r.tolist())) == 3 for r in picks) and 1 not in picks[0].tolist(), picks
+    torch.tpu.manual_seed(3)
+    first = torch.multinomial(w, 2).cpu()
+    torch.tpu.manual_seed(3)
+    assert torch.equal(torch.multinomial(w, 2).cpu(), first)
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
-// Random fills (uniform_, normal_, bernoulli_, random_): values from
-// XLA's rng_bit_generator, seeded per op.
+// Random fills (uniform_, normal_, bernoulli_, random_) and multinomial:
+// values from XLA's rng_bit_generator, seeded per op.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -20,6 +20,7 @@
 #include "daemon/backends/pjrt/lowering/families.h"
 #include "daemon/backends/pjrt/lowering/helpers.h"
 #include "daemon/backends/pjrt/lowering/lowering.h"
+#include "daemon/backends/pjrt/lowering/matrix.h"
 #include "daemon/backends/pjrt/lowering/registry.h"
 
 namespace tpud::pjrt {
@@ -130,6 +131,75 @@ void RegisterRandom(OpRegistry& reg) {
   reg.Add("aten::bernoulli_.Tensor", random_rule(Dist::kBernoulli))
       .OverwritesFirst();
   reg.Add("aten::random_.from", random_rule(Dist::kRandom)).OverwritesFirst();
+  // multinomial(self, num_samples, replacement, *, generator): rows of
+  // weights (a 1-d self is one row). Without replacement, the k largest of
+  // log(p) + Gumbel noise (sampling in order without replacement); with
+  // replacement, each draw u * total placed among the running sums (a
+  // zero weight covers no interval, so it is never drawn).
+  reg.Add(
+      "aten::multinomial",
+      [](Lowering& l, const tpu::DecodedOp&,
+         const Target& o) -> absl::StatusOr<std::string> {
+        const Args a(l);
+        const tpu::OpArg* gen = a.Find("generator");
+        if (!a.Defined("self") || gen == nullptr ||
+            gen->tag != tpu::ArgTag::kGenerator)
+          return Unsupported(l.op(), "arguments of a form not lowered");
+        const std::vector<int64_t> in = DimsOf(a["self"].tensor);
+        if (in.empty() || in.size() > 2 || o.dims.size() != in.size())
+          return Unsupported(l.op(), "weights of another rank");
+        const int64_t rows = in.size() == 2 ? in[0] : 1, n = in.back(),
+                      k = o.dims.back();
+        if (rows * k == 0) return l.Constant(0, o.dims, *o.type);
+        if (n == 0) return Unsupported(l.op(), "no categories");
+        const bool replacement = a.Flag("replacement", false);
+        if (!replacement && k > n)
+          return absl::InvalidArgumentError(
+              absl::StrCat(l.op(), ": cannot sample ", k, " > ", n,
+                           " samples without replacement"));
+        const HloType& t = *DTypeOf(a["self"].tensor.dtype);
+        const HloType& f = t.dtype == tpu::DType::kDouble ? F64() : F32();
+        const std::vector<int64_t> pd = {rows, n}, od = {rows, k};
+        absl::StatusOr<std::string> pv = l.Operand(a["self"], in, f);
+        if (!pv.ok()) return pv;
+        const std::string p = l.Reshape(*pv, in, pd, f);
+        const HloType& i64 = I64();
+        std::string idx;
+        if (!replacement) {
+          // u in (0, 1): -log(-log(u)) is a Gumbel draw
+          const std::string u =
+              l.Binary("maximum", l.UniformBits(gen->i, pd, f, 1),
+                       l.Constant(1e-30, pd, f), pd, f);
+          const std::string key = l.Binary(
+              "subtract", l.Unary("log", p, pd, f),
+              l.Unary("log", l.Unary("negate", l.Unary("log", u, pd, f), pd, f),
+                      pd, f),
+              pd, f);
+          auto [sorted, order] = l.Sort(key, pd, 1, /*descending=*/true, f);
+          (void)sorted;
+          idx = l.SliceAlong(order, pd, 1, 0, k, i64);
+        } else {
+          const std::string cdf = Running(l, p, pd, 1, "add", 0, f);
+          const std::string total = l.SliceAlong(cdf, pd, 1, n - 1, n, f);
+          const std::string target =
+              l.Binary("multiply", l.UniformBits(gen->i, od, f, 1),
+                       BroadcastInDim(l, l.Reshape(total, {rows, 1}, {rows}, f),
+                                      {rows}, od, {0}, f),
+                       od, f);
+          const std::vector<int64_t> full = {rows, k, n};
+          const std::string below = l.Compare(
+              "LE", BroadcastInDim(l, cdf, pd, full, {0, 2}, f),
+              BroadcastInDim(l, target, od, full, {0, 1}, f), full, f);
+          idx = l.Binary(
+              "minimum",
+              l.ReduceOver(
+                  l.Convert(below, full, *DTypeOf(tpu::DType::kBool), i64),
+                  full, {2}, "add", l.Constant(0, {}, i64), i64),
+              l.Constant(n - 1, od, i64), od, i64);
+        }
+        return l.Convert(l.Reshape(idx, od, o.dims, i64), o.dims, i64, *o.type);
+      });
+  reg.Alias("aten::multinomial.out", "aten::multinomial");
 }
 
 }  // namespace tpud::pjrt
