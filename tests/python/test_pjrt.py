@@ -347,6 +347,20 @@ def _sort_median_mode_and_special_functions_match_cpu():
         v, i = torch.mode(m.to("tpu"), dim)
         assert torch.equal(v.cpu(), torch.mode(m, dim).values), (dim, v.cpu())
         assert torch.equal(m.gather(dim, i.cpu().unsqueeze(dim)).squeeze(dim), v.cpu()), dim
+    # histogram: bins over the data's span, a range, given edges, weights,
+    # density, all-equal data
+    h = torch.randn(500)
+    for data, args, kw in ((h, (13,), {}), (h, (7,), dict(range=(-1.0, 0.5), density=True)),
+                           (h, (torch.tensor([-2.0, -0.5, 0.0, 0.3, 3.0]),),
+                            dict(weight=torch.rand(500))),
+                           (torch.ones(6), (4,), {})):
+        want = torch.histogram(data, *args, **kw)
+        got = torch.histogram(data.to("tpu"), *[v.to("tpu") if isinstance(v, torch.Tensor) else v
+                                                 for v in args],
+                              **{k: v.to("tpu") if isinstance(v, torch.Tensor) else v
+                                 for k, v in kw.items()})
+        assert torch.allclose(got.hist.cpu(), want.hist, atol=1e-5), (args, kw)
+        assert torch.allclose(got.bin_edges.cpu(), want.bin_edges, atol=1e-6), (args, kw)
     s = torch.sort(torch.randn(10))[0]
     q = torch.randn(4, 3)
     assert torch.equal(torch.searchsorted(s.to("tpu"), q.to("tpu")).cpu(), torch.searchsorted(s, q))

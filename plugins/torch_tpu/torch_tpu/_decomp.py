@@ -160,13 +160,23 @@ def _like_self(grad_output, self, *args, **kwargs):
     return torch.empty_like(self, memory_format=torch.contiguous_format)
 
 
+def _histogram_meta(self, bins=100, *, range=None, weight=None, density=False):
+    return self.new_empty(bins), self.new_empty(bins + 1)
+
+
+def _histogram_edges_meta(self, bins, *, weight=None, density=False):
+    return self.new_empty(bins.numel() - 1), self.new_empty(bins.numel())
+
+
 # Lowered ops that PyTorch gives no meta kernel: their outputs' metadata,
 # which the PJRT backend needs allocated before it runs them (the CPU
-# kernels return a contiguous tensor like self).
+# kernels' backward ops return a contiguous tensor like self).
 _METAS = {
     "aten::multi_margin_loss_backward": _like_self,
     "aten::multilabel_margin_loss_backward": _like_self,
     "aten::fractional_max_pool3d_backward": _like_self,
+    "aten::histogram.bin_ct": _histogram_meta,
+    "aten::histogram.bins_tensor": _histogram_edges_meta,
 }
 _meta_lib = None
 

@@ -2,7 +2,8 @@
 // along one axis, the segments given by their lengths or offsets (batched
 // over the axes before it). Each element finds its segment by comparing its
 // position with the segments' starts: a mask (segments x positions) that
-// the reductions select through.
+// the reductions select through. And histogram with a bin count: each
+// element finds its bin by comparing it with the edges.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -138,6 +139,33 @@ const char* Combiner(Combine r) {
     default:
       return "add";
   }
+}
+
+// ATen's linspace(left, right, bins + 1) of 0-d left and right: left +
+// step i for the first half, right - step (bins - i) for the rest.
+std::string Linspace(Lowering& l, const std::string& left,
+                     const std::string& right, int64_t bins, const HloType& t) {
+  const std::vector<int64_t> ed = {bins + 1};
+  const HloType& i64 = I64();
+  const std::string lo = l.BroadcastTo(left, {}, ed, t),
+                    hi = l.BroadcastTo(right, {}, ed, t);
+  const std::string step = l.BroadcastTo(
+      l.Binary("divide", l.Binary("subtract", right, left, {}, t),
+               l.Constant(static_cast<double>(bins), {}, t), {}, t),
+      {}, ed, t);
+  const std::string i = l.Iota(0, ed, i64);
+  const std::string it = l.Convert(i, ed, i64, t);
+  return l.Select(
+      l.Compare("LT", i, l.Constant((bins + 1) / 2, ed, i64), ed, i64),
+      l.Binary("add", lo, l.Binary("multiply", step, it, ed, t), ed, t),
+      l.Binary("subtract", hi,
+               l.Binary("multiply", step,
+                        l.Binary("subtract",
+                                 l.Constant(static_cast<double>(bins), ed, t),
+                                 it, ed, t),
+                        ed, t),
+               ed, t),
+      ed, t);
 }
 
 }  // namespace
@@ -301,6 +329,115 @@ void RegisterSegment(OpRegistry& reg) {
       });
   reg.Alias("aten::_segment_reduce_backward.out",
             "aten::_segment_reduce_backward");
+  // histogram.bin_ct(self, bins, *, range, weight, density) -> (hist,
+  // bin_edges), and .bins_tensor, whose bins are the edges: `bins` equal
+  // bins over range (else the data's min and
+  // max, widened by 0.5 each way where they are equal; [0, 1] for no
+  // data), the edges as ATen's linspace computes them; an element's bin is
+  // the last edge at or below it (the top edge closes the last bin), those
+  // outside the edges are not counted. Density divides by the total and
+  // the bins' widths.
+  reg.AddMulti(
+      "aten::histogram.bin_ct",
+      [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+          -> absl::StatusOr<std::vector<std::string>> {
+        const Args a(l);
+        if (o.size() != 2 || !a.Defined("self") || !o[0].type->is_float ||
+            o[0].dims.size() != 1 || o[1].dims.size() != 1)
+          return Unsupported(l.op(), "arguments of a form not lowered");
+        const HloType& t = *o[0].type;
+        const int64_t bins = o[0].dims[0];
+        if (bins < 1 || o[1].dims[0] != bins + 1)
+          return Unsupported(l.op(), "outputs of other sizes");
+        const std::vector<int64_t> in = DimsOf(a["self"].tensor);
+        int64_t n = 1;
+        for (int64_t v : in) n *= v;
+        const std::vector<int64_t> nd = {n}, ed = {bins + 1}, hd = {bins};
+        const HloType& i64 = I64();
+        std::string x;
+        if (n > 0) {
+          absl::StatusOr<std::string> xv = l.Operand(a["self"], in, t);
+          if (!xv.ok()) return xv.status();
+          x = l.Reshape(*xv, in, nd, t);
+        }
+        std::string edges;
+        if (a.Defined("bins")) {  // bins_tensor: the edges themselves
+          absl::StatusOr<std::string> ev = l.Operand(a["bins"], ed, t);
+          if (!ev.ok()) return ev.status();
+          edges = *ev;
+        } else {
+          const tpu::OpArg* range = a.Find("range");
+          const bool ranged = range != nullptr &&
+                              range->tag == tpu::ArgTag::kDoubleList &&
+                              range->doubles.size() == 2;
+          std::string left, right;  // 0-d, of type t
+          if (ranged) {
+            left = l.Constant(range->doubles[0], {}, t);
+            right = l.Constant(range->doubles[1], {}, t);
+          } else if (n == 0) {
+            left = l.Constant(0, {}, t);
+            right = l.Constant(1, {}, t);
+          } else {
+            left = l.ReduceOver(x, nd, {0}, "minimum", Highest(l, t), t);
+            right = l.ReduceOver(x, nd, {0}, "maximum", l.Lowest(t), t);
+            const std::string same = l.Compare("EQ", left, right, {}, t);
+            left = l.Select(
+                same, l.Binary("subtract", left, l.Constant(0.5, {}, t), {}, t),
+                left, {}, t);
+            right = l.Select(
+                same, l.Binary("add", right, l.Constant(0.5, {}, t), {}, t),
+                right, {}, t);
+          }
+          edges = Linspace(l, left, right, bins, t);
+        }
+        if (n == 0)
+          return std::vector<std::string>{l.Constant(0, hd, t), edges};
+        const std::vector<int64_t> full = {n, bins + 1};
+        const std::string at_or_below =
+            l.Compare("LE", BroadcastInDim(l, edges, ed, full, {1}, t),
+                      BroadcastInDim(l, x, nd, full, {0}, t), full, t);
+        std::string bin = l.Binary(
+            "subtract",
+            l.ReduceOver(
+                l.Convert(at_or_below, full, *DTypeOf(tpu::DType::kBool), i64),
+                full, {1}, "add", l.Constant(0, {}, i64), i64),
+            l.Constant(1, nd, i64), nd, i64);
+        bin = l.Binary("minimum", bin, l.Constant(bins - 1, nd, i64), nd, i64);
+        const std::string first = l.SliceAlong(edges, ed, 0, 0, 1, t),
+                          last = l.SliceAlong(edges, ed, 0, bins, bins + 1, t);
+        const std::string inside = l.Binary(
+            "and",
+            l.Compare("GE", x,
+                      l.BroadcastTo(l.Reshape(first, {1}, {}, t), {}, nd, t),
+                      nd, t),
+            l.Compare("LE", x,
+                      l.BroadcastTo(l.Reshape(last, {1}, {}, t), {}, nd, t), nd,
+                      t),
+            nd, *DTypeOf(tpu::DType::kBool));
+        bin = l.Select(inside, bin, l.Constant(bins, nd, i64), nd, i64);
+        std::string w = l.Constant(1, nd, t);
+        if (a.Defined("weight")) {
+          absl::StatusOr<std::string> wv = l.Operand(a["weight"], in, t);
+          if (!wv.ok()) return wv.status();
+          w = l.Reshape(*wv, in, nd, t);
+        }
+        std::string hist =
+            ScatterFlat(l, l.Constant(0, hd, t), bins, bin, w, n, true, t);
+        if (a.Flag("density", false)) {
+          const std::string widths =
+              l.Binary("subtract", l.SliceAlong(edges, ed, 0, 1, bins + 1, t),
+                       l.SliceAlong(edges, ed, 0, 0, bins, t), hd, t);
+          const std::string total = l.BroadcastTo(
+              l.ReduceOver(hist, hd, {0}, "add", l.Constant(0, {}, t), t), {},
+              hd, t);
+          hist = l.Binary("divide", hist,
+                          l.Binary("multiply", total, widths, hd, t), hd, t);
+        }
+        return std::vector<std::string>{hist, edges};
+      });
+  reg.Alias("aten::histogram.bin_ct_out", "aten::histogram.bin_ct");
+  reg.Alias("aten::histogram.bins_tensor", "aten::histogram.bin_ct");
+  reg.Alias("aten::histogram.bins_tensor_out", "aten::histogram.bin_ct");
 }
 
 }  // namespace tpud::pjrt
