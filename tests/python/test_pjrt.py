@@ -401,6 +401,11 @@ def _ffts_linear_algebra_and_polynomials_match_cpu():
         "slogdet": (torch.linalg.slogdet(t(a))[1], torch.linalg.slogdet(a)[1]),
         "lu_factor": (torch.linalg.lu_factor(t(a))[0], torch.linalg.lu_factor(a)[0]),
         "pivots": (torch.linalg.lu_factor(t(a))[1], torch.linalg.lu_factor(a)[1]),
+        "lu_solve right": (torch.linalg.lu_solve(*torch.linalg.lu_factor(t(a)), t(b).mT, left=False),
+                           torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b.mT, left=False)),
+        "lu_solve right adjoint": (
+            torch.linalg.lu_solve(*torch.linalg.lu_factor(t(a)), t(b).mT, left=False, adjoint=True),
+            torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b.mT, left=False, adjoint=True)),
         "qr q": (torch.linalg.qr(t(a))[0], torch.linalg.qr(a)[0]),
         "qr r": (torch.linalg.qr(t(a))[1], torch.linalg.qr(a)[1]),
         "cholesky": (torch.linalg.cholesky(t(spd)), torch.linalg.cholesky(spd)),

@@ -52,18 +52,6 @@ std::pair<std::string, std::string> Eigh(Lowering& l, const std::string& a,
 
 namespace {
 
-std::string Transposed(Lowering& l, const std::string& v,
-                       const std::vector<int64_t>& in, const HloType& t) {
-  const size_t r = in.size();
-  std::vector<int64_t> perm, out = in;
-  for (size_t q = 0; q < r; ++q) perm.push_back(static_cast<int64_t>(q));
-  std::swap(perm[r - 1], perm[r - 2]);
-  std::swap(out[r - 1], out[r - 2]);
-  return l.Emit(absl::StrCat("stablehlo.transpose ", v, ", dims = [",
-                             absl::StrJoin(perm, ", "), "] : (", TypeOf(in, t),
-                             ") -> ", TypeOf(out, t)));
-}
-
 // a and b (dims ad, bd) joined along `dim`.
 std::string Joined(Lowering& l, const std::string& a,
                    const std::vector<int64_t>& ad, const std::string& b,

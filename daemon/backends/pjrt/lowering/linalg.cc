@@ -602,7 +602,9 @@ void RegisterLinalg(OpRegistry& reg) {
             o.dims.size() < 2) {
           return Unsupported(l.op(), "arguments of a form not lowered");
         }
-        if (!args.Flag("left", true)) return Unsupported(l.op(), "left=False");
+        // left=False (X A = B) is the left solve of the transposes:
+        // A^T X^T = B^T (real matrices: the adjoint is the transpose).
+        const bool left = args.Flag("left", true);
         const HloType& t = *o.type;
         const std::vector<int64_t> batch = BatchOf(o.dims);
         const std::vector<int64_t> ad =
@@ -618,7 +620,14 @@ void RegisterLinalg(OpRegistry& reg) {
         if (!pv.ok()) return pv;
         const std::string piv = l.BroadcastTo(*pv, pin, pdims, I64());
         const bool adjoint = args.Flag("adjoint", false);
-        return LuSolve(l, *lu, ad, piv, *b, MatrixShape(o.dims), adjoint, t);
+        if (left)
+          return LuSolve(l, *lu, ad, piv, *b, MatrixShape(o.dims), adjoint, t);
+        std::vector<int64_t> td = o.dims;
+        std::swap(td[td.size() - 1], td[td.size() - 2]);
+        return Transposed(l,
+                          LuSolve(l, *lu, ad, piv, Transposed(l, *b, o.dims, t),
+                                  MatrixShape(td), !adjoint, t),
+                          td, t);
       });
   // linalg_householder_product(input, tau): the first n columns of
   // H_0 ... H_{k-1}; ormqr(input, tau, other, left, transpose): Q or Q^T

@@ -297,6 +297,18 @@ std::string ApplySwaps(Lowering& l, const std::string& x, const MatrixShape& s,
       })[0];
 }
 
+std::string Transposed(Lowering& l, const std::string& v,
+                       const std::vector<int64_t>& in, const HloType& t) {
+  const size_t r = in.size();
+  std::vector<int64_t> perm, out = in;
+  for (size_t q = 0; q < r; ++q) perm.push_back(static_cast<int64_t>(q));
+  std::swap(perm[r - 1], perm[r - 2]);
+  std::swap(out[r - 1], out[r - 2]);
+  return l.Emit(absl::StrCat("stablehlo.transpose ", v, ", dims = [",
+                             absl::StrJoin(perm, ", "), "] : (", TypeOf(in, t),
+                             ") -> ", TypeOf(out, t)));
+}
+
 std::string LuSolve(Lowering& l, const std::string& lu,
                     const std::vector<int64_t>& ad, const std::string& pivots,
                     const std::string& b, const MatrixShape& bs, bool adjoint,
