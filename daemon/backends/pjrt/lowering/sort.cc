@@ -24,6 +24,39 @@
 #include "daemon/backends/pjrt/lowering/registry.h"
 
 namespace tpud::pjrt {
+namespace {
+
+// The input of a (values, indices) op along one dim of self (max.dim,
+// mode): self as the values' type, its dims and the dim, wrapped; a 0-d
+// self is its own value at index 0 (`done`).
+struct AlongDim {
+  std::string v;
+  std::vector<int64_t> in;
+  int64_t dim = 0;
+  std::vector<std::string> done;
+};
+
+absl::StatusOr<AlongDim> AlongDimOf(Lowering& l, const Args& a,
+                                    const std::vector<Target>& o, int64_t dim) {
+  AlongDim r;
+  const tpu::TensorRef& x = a["self"].tensor;
+  const HloType& t = *o[0].type;
+  r.in = DimsOf(x);
+  absl::StatusOr<std::string> v = l.OperandRef(x, 0, r.in, t);
+  if (!v.ok()) return v.status();
+  r.v = *v;
+  if (r.in.empty()) {
+    r.done = {l.Reshape(r.v, r.in, o[0].dims, t),
+              l.Constant(0, o[1].dims, *o[1].type)};
+    return r;
+  }
+  absl::StatusOr<int64_t> checked = CheckedDim(l.op(), dim, r.in.size());
+  if (!checked.ok()) return checked.status();
+  r.dim = *checked;
+  return r;
+}
+
+}  // namespace
 
 void RegisterSort(OpRegistry& reg) {
   // max.dim / min.dim(self, dim, keepdim): the values and the first index
@@ -35,19 +68,13 @@ void RegisterSort(OpRegistry& reg) {
       const Args a(l);
       if (o.size() != 2 || !a.Defined("self") || !a.Has("dim"))
         return Unsupported(l.op(), "expects 2 outputs");
-      const tpu::TensorRef& x = a["self"].tensor;
+      absl::StatusOr<AlongDim> along = AlongDimOf(l, a, o, a["dim"].i);
+      if (!along.ok()) return along.status();
+      if (!along->done.empty()) return along->done;
       const HloType& t = *o[0].type;
-      const std::vector<int64_t> in = DimsOf(x);
-      absl::StatusOr<std::string> v = l.OperandRef(x, 0, in, t);
-      if (!v.ok()) return v.status();
-      if (in.empty()) {
-        return std::vector<std::string>{l.Reshape(*v, in, o[0].dims, t),
-                                        l.Constant(0, o[1].dims, *o[1].type)};
-      }
-      absl::StatusOr<int64_t> checked =
-          CheckedDim(l.op(), a["dim"].i, in.size());
-      if (!checked.ok()) return checked.status();
-      const int64_t dim = *checked;
+      const std::vector<int64_t>& in = along->in;
+      const std::string* v = &along->v;
+      const int64_t dim = along->dim;
       const std::vector<int64_t> which = {dim};
       const std::vector<int64_t> kept = Lowering::Kept(in, which);
       const std::string best =
@@ -80,19 +107,14 @@ void RegisterSort(OpRegistry& reg) {
       const Args a(l);
       if (o.size() != 2 || !a.Defined("self"))
         return Unsupported(l.op(), "expects 2 outputs");
-      const tpu::TensorRef& x = a["self"].tensor;
+      absl::StatusOr<AlongDim> along =
+          AlongDimOf(l, a, o, static_cast<int64_t>(a.Number("dim", -1)));
+      if (!along.ok()) return along.status();
+      if (!along->done.empty()) return along->done;
       const HloType& t = *o[0].type;
-      const std::vector<int64_t> in = DimsOf(x);
-      absl::StatusOr<std::string> v = l.OperandRef(x, 0, in, t);
-      if (!v.ok()) return v.status();
-      if (in.empty()) {
-        return std::vector<std::string>{l.Reshape(*v, in, o[0].dims, t),
-                                        l.Constant(0, o[1].dims, *o[1].type)};
-      }
-      absl::StatusOr<int64_t> checked = CheckedDim(
-          l.op(), static_cast<int64_t>(a.Number("dim", -1)), in.size());
-      if (!checked.ok()) return checked.status();
-      const int64_t dim = *checked, n = in[dim];
+      const std::vector<int64_t>& in = along->in;
+      const std::string* v = &along->v;
+      const int64_t dim = along->dim, n = in[dim];
       if (n == 0) return Unsupported(l.op(), "an empty dimension");
       const std::vector<int64_t> which = {dim};
       const std::vector<int64_t> kept = Lowering::Kept(in, which);
