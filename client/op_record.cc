@@ -297,6 +297,21 @@ bool DecodeArg(BodyReader& r, OpArg* a) {
                                    static_cast<int>(ArgTag::kLast), ")"));
   }
   a->tag = static_cast<ArgTag>(tag);
+  // The slot may hold an argument of an op decoded before: none of its
+  // fields may show through (a None reads as empty). clear() keeps the
+  // capacity, so this allocates nothing.
+  a->i = 0;
+  a->device_index = 0;
+  a->d = 0;
+  a->d_imag = 0;
+  a->b = false;
+  a->dtype = 0;
+  a->s.clear();
+  a->ints.clear();
+  a->doubles.clear();
+  a->bools.clear();
+  a->tensors.clear();
+  a->tensor_present.clear();
   switch (a->tag) {
     case ArgTag::kNone:
     case ArgTag::kUndefinedTensor:

@@ -517,6 +517,31 @@ TEST_CASE("kOp round-trips every ArgTag") {
   }
 }
 
+TEST_CASE("an argument decoded into a used slot keeps nothing of the last") {
+  RecordWriter w;
+  DecodedOp op;
+  const std::vector<OpArg> every = EveryTagArgs(false);
+  REQUIRE(DecodeOp(EncodeOp(w, 1, 2, 0, every, {}), &op).ok());
+  const std::vector<OpArg> none(every.size(), Arg(ArgTag::kNone));
+  REQUIRE(DecodeOp(EncodeOp(w, 2, 2, 0, none, {}), &op).ok());
+  REQUIRE(op.num_args == every.size());
+  for (size_t i = 0; i < op.num_args; ++i) {
+    INFO("arg " << i << " was tag " << static_cast<int>(every[i].tag));
+    const OpArg& a = op.args[i];
+    CHECK(a.tag == ArgTag::kNone);
+    CHECK(a.i == 0);
+    CHECK(a.d == 0);
+    CHECK(a.d_imag == 0);
+    CHECK(!a.b);
+    CHECK(a.s.empty());
+    CHECK(a.ints.empty());
+    CHECK(a.doubles.empty());
+    CHECK(a.bools.empty());
+    CHECK(a.tensors.empty());
+    CHECK(a.tensor_present.empty());
+  }
+}
+
 TEST_CASE("kOp limits: args, outputs and flags") {
   RecordWriter w;
   DecodedOp op;
