@@ -1,6 +1,8 @@
 // Backward ops that PyTorch has no decomposition for: the distances'
 // (cdist, pdist) and the margin losses' (multi_margin_loss,
-// multilabel_margin_loss), with ATen's CPU formulas.
+// multilabel_margin_loss), with ATen's CPU formulas; and
+// multilabel_margin_loss's forward, whose PyTorch decomposition disagrees
+// with its CPU kernel.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

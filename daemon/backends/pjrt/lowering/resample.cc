@@ -1,10 +1,11 @@
-// Resampling along the spatial dimensions: upsampling (nearest, linear,
-// cubic, antialiased), adaptive average pooling and replication padding,
-// whose backward ops have no decomposition in PyTorch. Each is separable: along
-// one spatial dimension of n inputs and m outputs it is a weight matrix W (n x
-// m), built in the program from iotas with ATen's index and weight arithmetic,
-// and the op contracts its input with W (forward) or the gradient with W's
-// transpose (backward), one dimension after another.
+// Backward ops over the spatial dimensions that PyTorch cannot decompose.
+// Resampling (upsampling: nearest, linear, cubic, antialiased; adaptive
+// average pooling) is separable: along one spatial dimension of n inputs
+// and m outputs it is a weight matrix W (n x m), built in the program from
+// iotas with ATen's index and weight arithmetic, and the op contracts its
+// input with W (forward) or the gradient with W's transpose (backward), one
+// dimension after another. The max poolings' and replication padding's
+// backward add each gradient where its element came from (scatter-add).
 #include <algorithm>
 #include <cstdint>
 #include <optional>
