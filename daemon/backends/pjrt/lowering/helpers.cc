@@ -106,6 +106,12 @@ Rule UnaryRule(
   };
 }
 
+std::string Modulus(Lowering& l, const std::string& v,
+                    const std::vector<int64_t>& dims, const HloType& c) {
+  return l.Emit(absl::StrCat("stablehlo.abs ", v, " : (", TypeOf(dims, c),
+                             ") -> ", TypeOf(dims, PartOf(c))));
+}
+
 absl::StatusOr<std::string> AbsOperand(Lowering& l, const tpu::OpArg& a,
                                        const std::vector<int64_t>& dims,
                                        const HloType& t) {
@@ -118,11 +124,7 @@ absl::StatusOr<std::string> AbsOperand(Lowering& l, const tpu::OpArg& a,
   }
   absl::StatusOr<std::string> z = l.Operand(a, dims, *in);
   if (!z.ok()) return z;
-  const HloType& part = PartOf(*in);
-  return l.Convert(
-      l.Emit(absl::StrCat("stablehlo.abs ", *z, " : (", TypeOf(dims, *in),
-                          ") -> ", TypeOf(dims, part))),
-      dims, part, t);
+  return l.Convert(Modulus(l, *z, dims, *in), dims, PartOf(*in), t);
 }
 
 Rule Simple(const char* op) {

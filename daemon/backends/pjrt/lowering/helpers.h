@@ -54,6 +54,10 @@ Rule UnaryRule(
 
 Rule Simple(const char* op);
 
+// The modulus of complex v (dims `dims`, complex type c), as c's part type.
+std::string Modulus(Lowering& l, const std::string& v,
+                    const std::vector<int64_t>& dims, const HloType& c);
+
 // |a| (a tensor argument) as type t, dims `dims`: a complex tensor's
 // modulus, never its real part's.
 absl::StatusOr<std::string> AbsOperand(Lowering& l, const tpu::OpArg& a,

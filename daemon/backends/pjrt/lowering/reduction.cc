@@ -214,10 +214,7 @@ void RegisterReduction(OpRegistry& reg) {
           std::string dev =
               l.Binary("subtract", *x, l.Expand(mean, in, *which, xt), in, xt);
           if (&xt != &t) {
-            dev = l.Convert(l.Emit(absl::StrCat("stablehlo.abs ", dev, " : (",
-                                                TypeOf(in, xt), ") -> ",
-                                                TypeOf(in, PartOf(xt)))),
-                            in, PartOf(xt), t);
+            dev = l.Convert(Modulus(l, dev, in, xt), in, PartOf(xt), t);
           }
           const std::string ss =
               l.ReduceOver(l.Binary("multiply", dev, dev, in, t), in, *which,
