@@ -203,6 +203,22 @@ def _grid_sampler_2d_backward(grad_output, input, grid, interpolation_mode, padd
             grad_grid if output_mask[1] else None)
 
 
+# Batch norm's decompositions return the running statistics' shape ([C])
+# for the saved mean and inverse deviation in eval mode, as CUDA's kernel
+# does; ATen's CPU kernel (and so tpud's simulated chip) returns them empty.
+_EMPTY_EVAL_STATISTICS = {"aten::native_batch_norm", "aten::_native_batch_norm_legit"}
+
+
+def _empty_eval_statistics(fn):
+    def run(input, weight, bias, running_mean, running_var, training, *args, **kwargs):
+        out = fn(input, weight, bias, running_mean, running_var, training, *args, **kwargs)
+        if training:
+            return out
+        return out[0], out[1].new_empty(0), out[2].new_empty(0)
+
+    return run
+
+
 # Backward ops with neither a lowering nor a decomposition whose forward op
 # has one: the vector-Jacobian product of the forward's decomposition
 # (torch.func.vjp, which runs the forward again), its pieces sent to the
@@ -244,6 +260,8 @@ def install(lowered_ops):
             functional = _functional_decomposition(op)
             if functional is not None:
                 fn = _into_outs(op, functional)
+        if name in _EMPTY_EVAL_STATISTICS:
+            fn = _empty_eval_statistics(fn)
         if name in sent_whole:
             with warnings.catch_warnings():  # (torch warns that a kernel is overridden)
                 warnings.simplefilter("ignore")
@@ -259,9 +277,13 @@ def install(lowered_ops):
             continue
         lib.impl(name.split("::", 1)[1], _kernel(name, fn, depth), "PrivateUse1")
         _installed.append(name)
-    for name, fn in _BY_VJP.items():
-        if name not in lowered and not has_kernel(name, "PrivateUse1"):
-            lib.impl(name.split("::", 1)[1], _kernel(name, fn, 1), "PrivateUse1")
+    from . import _own_decomp
+
+    for name, fn in list(_BY_VJP.items()) + list(_own_decomp.DECOMPOSITIONS.items()):
+        if name not in lowered and name not in _installed:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                lib.impl(name.split("::", 1)[1], _kernel(name, fn, 1), "PrivateUse1")
             _installed.append(name)
     _lib = lib
     return len(_installed)

@@ -1,0 +1,331 @@
+"""Decompositions torch_tpu writes itself, for ops the PJRT backend does not
+lower and PyTorch gives no decomposition of: each is written in ops that are
+lowered (or decomposed in turn) and follows what ATen's CPU kernel returns,
+statistics and index outputs included. `_decomp.install` registers them for
+the ops outside the daemon's lowered set.
+
+Ops whose result's size depends on the data (repeat_interleave without an
+output_size) read that size first, one scalar, as CUDA does.
+"""
+import torch
+
+
+def _int_scalars(t):
+    return [int(v) for v in t.tolist()]
+
+
+def linalg_lstsq(self, b, rcond=None, *, driver=None):
+    """Least squares through the SVD, with the outputs of the driver asked
+    for (CPU's default, gelsy: solution and rank)."""
+    torch._check(self.dim() >= 2,
+                 lambda: f"torch.linalg.lstsq: input must have at least 2 dimensions.")
+    torch._check(self.dim() >= b.dim() and self.dim() - b.dim() <= 1,
+                 lambda: "torch.linalg.lstsq: input.dim() must be greater or equal to "
+                         "other.dim() and (input.dim() - other.dim()) <= 1")
+    torch._check(self.dtype == b.dtype,
+                 lambda: f"torch.linalg.lstsq: Expected input and other to have the same "
+                         f"dtype, but got input's dtype {self.dtype} and other's dtype "
+                         f"{b.dtype}")
+    driver = driver or "gelsy"
+    torch._check(driver in ("gels", "gelsy", "gelsd", "gelss"),
+                 lambda: f"torch.linalg.lstsq: parameter `driver` should be one of "
+                         f"(gels, gelsy, gelsd, gelss)")
+    vector = b.dim() == self.dim() - 1
+    rhs = b.unsqueeze(-1) if vector else b
+    m, n = self.shape[-2], self.shape[-1]
+    torch._check(rhs.shape[-2] == m,
+                 lambda: f"torch.linalg.lstsq: input.size(-2) should match other.size(-2)")
+    real = self.real.dtype if self.is_complex() else self.dtype
+    if rcond is None or rcond < 0:
+        rcond = torch.finfo(real).eps * max(m, n)
+    u, s, vh = torch.linalg.svd(self, full_matrices=False)
+    if driver == "gels":  # QR, no rank revealed: every singular value is used
+        inv = s.reciprocal()
+    else:
+        keep = s > rcond * s[..., :1]
+        inv = torch.where(keep, s.reciprocal(), torch.zeros_like(s))
+    coeffs = (u.mH @ rhs) * inv.unsqueeze(-1)
+    solution = vh.mH @ coeffs
+    rank = self.new_empty(0, dtype=torch.int64)
+    if driver != "gels":
+        rank = keep.sum(-1)
+    residuals = self.new_empty(0, dtype=real)
+    if m > n and driver != "gelsy" and (
+            driver == "gels" or bool((rank == n).all().item())):
+        residuals = (self @ solution - rhs).abs().square().sum(-2)
+    # (A new empty tensor each: autograd tells outputs apart by identity.)
+    singular_values = s if driver in ("gelsd", "gelss") else self.new_empty(0, dtype=real)
+    if vector:
+        solution = solution.squeeze(-1)
+    return solution, residuals, rank, singular_values
+
+
+def rrelu_with_noise(self, noise, lower=0.125, upper=1.0 / 3.0, training=False,
+                     generator=None):
+    if not training:
+        return torch.nn.functional.leaky_relu(self, (lower + upper) / 2)
+    # Training: each element at or below zero gets a slope drawn from
+    # U(lower, upper), kept in noise for the backward; the rest keep 1.
+    slope = torch.empty_like(self).uniform_(lower, upper, generator=generator)
+    below = self <= 0
+    noise.copy_(torch.where(below, slope, torch.ones_like(slope)))
+    return torch.where(below, self * slope, self)
+
+
+def repeat_interleave(repeats, *, output_size=None):
+    torch._check(repeats.dim() == 1, lambda: "repeat_interleave only accept 1D vector as repeat")
+    torch._check(repeats.dtype in (torch.int32, torch.int64),
+                 lambda: "repeats has to be Long or Int tensor")
+    if repeats.numel() == 0:
+        return repeats.new_empty(0)
+    total, lowest = _int_scalars(torch.stack([repeats.sum(), repeats.min()]).to(torch.int64))
+    torch._check(lowest >= 0, lambda: "repeats can not be negative")
+    if output_size is None:
+        output_size = total
+    ends = repeats.cumsum(0)
+    positions = torch.arange(output_size, device=repeats.device, dtype=ends.dtype)
+    return torch.searchsorted(ends, positions, right=True).to(repeats.dtype)
+
+
+def _unique(self, sorted=True, return_inverse=False):
+    values, inverse, _ = torch.ops.aten._unique2(self, sorted, return_inverse, False)
+    return values, inverse
+
+
+def hash_tensor(self, dim=(), *, keepdim=False, mode=0):
+    """mode 0 (the only one): the XOR of the elements' bits, each element
+    first widened to 64 bits (floating ones as float64)."""
+    torch._check(mode == 0, lambda: f"Unknown hash_tensor mode: {mode}")
+    dims = list(range(self.dim())) if len(dim) == 0 else [d % max(self.dim(), 1) for d in dim]
+    if self.numel() == 0 and len(dim) == 0:
+        raise RuntimeError("hash_tensor: Expected reduction dim to be specified for "
+                           "input.numel() == 0. Specify the reduction dim with the 'dim' "
+                           "argument.")
+    for d in dims:
+        if self.dim() > 0 and self.shape[d] == 0:
+            raise IndexError(f"hash_tensor: Expected reduction dim {d} to have non-zero size.")
+    if self.is_floating_point():
+        bits = self.to(torch.float64).view(torch.int64)
+    else:
+        bits = self.to(torch.int64)
+    if self.dim() == 0:
+        out = bits
+    else:
+        kept = [d for d in range(self.dim()) if d not in dims]
+        x = bits.permute(kept + dims).reshape([self.shape[d] for d in kept] + [-1])
+        while x.shape[-1] > 1:  # pairwise XOR, halving the length each step
+            if x.shape[-1] % 2:
+                x = torch.cat([x, x.new_zeros(x.shape[:-1] + (1,))], -1)
+            half = x.shape[-1] // 2
+            x = torch.bitwise_xor(x[..., :half], x[..., half:])
+        out = x.squeeze(-1)
+        if keepdim:
+            for d in sorted(dims):
+                out = out.unsqueeze(d)
+    return out.contiguous().view(torch.uint64)
+
+
+def _unnormalize(coord, size, align_corners):
+    if align_corners:
+        return (coord + 1) / 2 * (size - 1)
+    return ((coord + 1) * size - 1) / 2
+
+
+def _reflect(coord, twice_low, twice_high):
+    if twice_low == twice_high:
+        return torch.zeros_like(coord)
+    low = twice_low / 2
+    span = (twice_high - twice_low) / 2
+    coord = (coord - low).abs()
+    extra = torch.fmod(coord, span)
+    flips = torch.floor(coord / span)
+    even = torch.remainder(flips, 2) == 0
+    return torch.where(even, extra + low, span - extra + low)
+
+
+def _source_index(coord, size, padding_mode, align_corners):
+    """A grid coordinate in [-1, 1] as a position along a dimension of
+    `size` elements, with the padding mode applied (ATen's
+    grid_sampler_compute_source_index)."""
+    coord = _unnormalize(coord, size, align_corners)
+    if padding_mode == 1:  # border
+        coord = coord.clamp(0, size - 1)
+    elif padding_mode == 2:  # reflection
+        if align_corners:
+            coord = _reflect(coord, 0, 2 * (size - 1))
+        else:
+            coord = _reflect(coord, -1, 2 * size - 1)
+        coord = coord.clamp(0, size - 1)
+    return coord
+
+
+def grid_sampler_3d(input, grid, interpolation_mode, padding_mode, align_corners):
+    torch._check(interpolation_mode in (0, 1),
+                 lambda: "grid_sampler(): bicubic interpolation only supports 4D input")
+    torch._check(input.dim() == 5 and grid.dim() == 5 and grid.shape[-1] == 3,
+                 lambda: "grid_sampler(): expected 5D input and grid with last dimension 3")
+    n, c, d, h, w = input.shape
+    out_shape = grid.shape[1:4]
+    flat = input.reshape(n, c, d * h * w)
+    x = _source_index(grid[..., 0], w, padding_mode, align_corners).reshape(n, -1)
+    y = _source_index(grid[..., 1], h, padding_mode, align_corners).reshape(n, -1)
+    z = _source_index(grid[..., 2], d, padding_mode, align_corners).reshape(n, -1)
+
+    def corner(zi, yi, xi):
+        """The input at integer positions, 0 outside the volume: (n, c, p)."""
+        inside = (xi >= 0) & (xi < w) & (yi >= 0) & (yi < h) & (zi >= 0) & (zi < d)
+        index = (zi.clamp(0, d - 1) * h + yi.clamp(0, h - 1)) * w + xi.clamp(0, w - 1)
+        index = index.to(torch.int64).unsqueeze(1).expand(n, c, index.shape[-1])
+        values = torch.gather(flat, 2, index)
+        return values * inside.unsqueeze(1).to(values.dtype)
+
+    if interpolation_mode == 1:  # nearest, ties to even as nearbyint
+        out = corner(torch.round(z), torch.round(y), torch.round(x))
+        return out.reshape(n, c, *out_shape)
+    x0, y0, z0 = torch.floor(x), torch.floor(y), torch.floor(z)
+    fx, fy, fz = x - x0, y - y0, z - z0
+    out = None
+    for dz, wz in ((0, 1 - fz), (1, fz)):
+        for dy, wy in ((0, 1 - fy), (1, fy)):
+            for dx, wx in ((0, 1 - fx), (1, fx)):
+                term = corner(z0 + dz, y0 + dy, x0 + dx) * (wz * wy * wx).unsqueeze(1)
+                out = term if out is None else out + term
+    return out.reshape(n, c, *out_shape)
+
+
+def grid_sampler_3d_backward(grad_output, input, grid, interpolation_mode, padding_mode,
+                             align_corners, output_mask):
+    with torch.enable_grad():
+        _, vjp = torch.func.vjp(
+            lambda i, g: grid_sampler_3d(i, g, interpolation_mode, padding_mode, align_corners),
+            input, grid)
+        grad_input, grad_grid = vjp(grad_output)
+    return (grad_input if output_mask[0] else None,
+            grad_grid if output_mask[1] else None)
+
+
+_SUM, _MEAN, _MAX = 0, 1, 2
+
+
+def _bags(indices, offsets, include_last_offset, padding_idx):
+    """(number of bags, each index's bag, whether each index counts). With
+    include_last_offset the last offset only ends the list: the last bag runs
+    to the end of indices, as on CPU."""
+    bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    starts = offsets[:bags]
+    positions = torch.arange(indices.shape[0], device=indices.device, dtype=starts.dtype)
+    offset2bag = torch.searchsorted(starts, positions, right=True) - 1
+    counts = indices != padding_idx if padding_idx >= 0 else torch.ones_like(indices, dtype=torch.bool)
+    return bags, offset2bag.to(torch.int64).clamp(min=0), counts
+
+
+def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    """EmbeddingBag as ATen's CPU kernel computes it: returns the bags'
+    result, each index's bag, each bag's size (indices other than
+    padding_idx) and, for max, the row that gave each maximum."""
+    torch._check(indices.dim() == 1 and offsets.dim() == 1,
+                 lambda: "embedding_bag: expected 1-D indices and offsets")
+    torch._check(mode in (_SUM, _MEAN, _MAX), lambda: f"embedding_bag: unknown mode {mode}")
+    torch._check(per_sample_weights is None or mode == _SUM,
+                 lambda: "embedding_bag: per_sample_weights was not None. per_sample_weights "
+                         "is only supported for mode='sum' (got mode='"
+                         + ("mean" if mode == _MEAN else "max") + "'). Please open a feature "
+                         "request on GitHub.")
+    bags, offset2bag, counts = _bags(indices, offsets, include_last_offset, padding_idx)
+    dim = weight.shape[1]
+    rows = weight.index_select(0, indices)
+    keep = counts.unsqueeze(1)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.unsqueeze(1).to(rows.dtype)
+    bag_size = torch.zeros(bags, dtype=torch.int64, device=weight.device).index_add(
+        0, offset2bag, counts.to(torch.int64))
+    if mode == _MAX:
+        target = offset2bag.unsqueeze(1).expand(-1, dim)
+        lowest = torch.full_like(rows, float("-inf"))
+        best = weight.new_zeros(bags, dim).scatter_reduce(
+            0, target, torch.where(keep, rows, lowest), "amax", include_self=False)
+        best = torch.where(bag_size.unsqueeze(1) > 0, best, torch.zeros_like(best))
+        # The first index (in order) that attains its bag's maximum.
+        n = indices.shape[0]
+        position = torch.arange(n, device=weight.device).unsqueeze(1).expand(-1, dim)
+        hits = keep & (rows == best.index_select(0, offset2bag))
+        first = torch.full((bags, dim), n, dtype=torch.int64, device=weight.device).scatter_reduce(
+            0, target, torch.where(hits, position, torch.full_like(position, n)), "amin")
+        max_indices = torch.zeros_like(first)
+        if n > 0:
+            rows_of = indices.to(torch.int64).index_select(0, first.clamp(max=n - 1).flatten())
+            max_indices = torch.where(first < n, rows_of.reshape(bags, dim), max_indices)
+        return best, offset2bag, bag_size, max_indices
+    rows = torch.where(keep, rows, torch.zeros_like(rows))
+    out = weight.new_zeros(bags, dim).index_add(0, offset2bag, rows)
+    if mode == _MEAN:
+        out = out / bag_size.clamp(min=1).unsqueeze(1).to(out.dtype)
+    max_indices = bag_size.new_zeros(bags)
+    return out, offset2bag, bag_size, max_indices
+
+
+def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
+                                  num_weights, scale_grad_by_freq, mode,
+                                  per_sample_weights, padding_idx=-1):
+    dim = grad.shape[1]
+    result = grad.new_zeros(num_weights, dim)
+    if mode == _MAX:
+        valid = (bag_size > 0).unsqueeze(1)
+        if padding_idx >= 0:
+            valid = valid & (maximum_indices != padding_idx)
+        return result.index_put_(
+            (maximum_indices.flatten(),
+             torch.arange(dim, device=grad.device).repeat(maximum_indices.shape[0])),
+            torch.where(valid, grad, torch.zeros_like(grad)).flatten(), accumulate=True)
+    rows = grad.index_select(0, offset2bag)
+    if mode == _MEAN:
+        rows = rows / bag_size.index_select(0, offset2bag).clamp(min=1).unsqueeze(1).to(rows.dtype)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.unsqueeze(1).to(rows.dtype)
+    if scale_grad_by_freq:
+        freq = torch.zeros(num_weights, dtype=rows.dtype, device=grad.device).index_add(
+            0, indices, torch.ones_like(indices, dtype=rows.dtype))
+        rows = rows / freq.index_select(0, indices).unsqueeze(1)
+    if padding_idx >= 0:
+        rows = torch.where((indices != padding_idx).unsqueeze(1), rows, torch.zeros_like(rows))
+    return result.index_add(0, indices, rows)
+
+
+def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices,
+                            num_weights, scale_grad_by_freq, mode, sparse, per_sample_weights,
+                            padding_idx=-1):
+    torch._check(not sparse, lambda: "tpu: embedding_bag with sparse=True gives a sparse "
+                                     "gradient, and tpu tensors are strided")
+    return _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
+                                         num_weights, scale_grad_by_freq, mode,
+                                         per_sample_weights, padding_idx)
+
+
+def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag,
+                                               mode, padding_idx=-1):
+    torch._check(mode == _SUM,
+                 lambda: "embedding_bag_backward: per_sample_weights only supported for "
+                         "mode='sum'")
+    products = (grad.index_select(0, offset2bag) * weight.index_select(0, indices)).sum(1)
+    if padding_idx >= 0:
+        products = torch.where(indices != padding_idx, products, torch.zeros_like(products))
+    return products
+
+
+# "aten::op.overload" -> its decomposition.
+DECOMPOSITIONS = {
+    "aten::linalg_lstsq": linalg_lstsq,
+    "aten::rrelu_with_noise": rrelu_with_noise,
+    "aten::repeat_interleave.Tensor": repeat_interleave,
+    "aten::_unique": _unique,
+    "aten::hash_tensor": hash_tensor,
+    "aten::grid_sampler_3d": grid_sampler_3d,
+    "aten::grid_sampler_3d_backward": grid_sampler_3d_backward,
+    "aten::_embedding_bag": _embedding_bag,
+    "aten::_embedding_bag_forward_only": _embedding_bag,
+    "aten::_embedding_bag_backward": _embedding_bag_backward,
+    "aten::_embedding_bag_dense_backward": _embedding_bag_dense_backward,
+    "aten::_embedding_bag_per_sample_weights_backward":
+        _embedding_bag_per_sample_weights_backward,
+}

@@ -1,0 +1,132 @@
+"""torch_tpu's own decompositions (torch_tpu/_own_decomp.py) on the PJRT
+backend, against the CPU: ops that tpud does not lower and PyTorch does not
+decompose, every output compared (statistics and index outputs included),
+gradients where the op has them."""
+import pytest
+
+from conftest import Daemon, pjrt_flags, run_in_child
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pjrt():
+    pytest.importorskip("xla_plugins.xla_cpu_pjrt")
+    d = Daemon(hbm="512MiB", extra_flags=pjrt_flags() + ["--pjrt_memory=device"])
+    yield d
+    d.stop()
+
+
+def _same(name, got, want, atol=1e-4):
+    import torch
+    if isinstance(want, (tuple, list)):
+        assert len(got) == len(want), name
+        for i, (g, w) in enumerate(zip(got, want)):
+            _same(f"{name}[{i}]", g, w, atol)
+        return
+    got = got.cpu()
+    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape,
+                                                                   got.dtype, want.dtype)
+    if want.is_floating_point():
+        assert torch.allclose(got, want, atol=atol, rtol=1e-4, equal_nan=True), (name, got, want)
+    else:
+        assert torch.equal(got, want), (name, got, want)
+
+
+def test_own_decompositions_match_cpu(pjrt):
+    run_in_child(pjrt, _own_decompositions_match_cpu)
+
+
+def _own_decompositions_match_cpu():
+    import torch
+    import torch_tpu  # noqa: F401
+    from torch_tpu import _decomp
+
+    tpu = lambda x: x.to("tpu")  # noqa: E731
+    tpu(torch.ones(1))  # (the session opens, and the decompositions are installed)
+    assert "aten::_embedding_bag" in _decomp.installed()
+    torch.manual_seed(0)
+    # Batch norm in eval mode: empty saved statistics, as ATen's CPU kernel.
+    x, w, rm, rv = torch.randn(3, 2, 4), torch.ones(2), torch.zeros(2), torch.ones(2)
+    for op in (torch.ops.aten.native_batch_norm, torch.ops.aten._native_batch_norm_legit):
+        _same("batch norm eval", op(tpu(x), tpu(w), None, tpu(rm), tpu(rv), False, 0.1, 1e-5),
+              op(x, w, None, rm, rv, False, 0.1, 1e-5))
+    # lstsq: every driver's outputs, over- and under-determined, a vector b.
+    for driver in (None, "gels", "gelsd", "gelss"):
+        for a_shape, b_shape in (((2, 5, 3), (2, 5, 2)), ((3, 5), (3, 2)), ((5, 3), (5,))):
+            a, b = torch.randn(a_shape), torch.randn(b_shape)
+            _same(f"lstsq {driver} {a_shape}", torch.linalg.lstsq(tpu(a), tpu(b), driver=driver),
+                  torch.linalg.lstsq(a, b, driver=driver))
+    a = torch.randn(5, 3, requires_grad=True)
+    a_tpu = tpu(a.detach()).requires_grad_()
+    out = torch.linalg.lstsq(a_tpu, tpu(torch.ones(5, 2)))
+    assert [t.requires_grad for t in out] == [True, True, False, False]
+    out.solution.sum().backward()
+    torch.linalg.lstsq(a, torch.ones(5, 2)).solution.sum().backward()
+    _same("lstsq grad", a_tpu.grad, a.grad)
+    with pytest.raises(RuntimeError, match="driver"):
+        torch.linalg.lstsq(a_tpu, tpu(torch.ones(5, 2)), driver="lapack")
+    # rrelu: eval is leaky_relu at the mean slope; training keeps x > 0 and
+    # records each slope it drew in noise, within [lower, upper].
+    x = torch.randn(50)
+    _same("rrelu eval", torch.nn.functional.rrelu(tpu(x)), torch.nn.functional.rrelu(x))
+    noise = torch.empty(50, device="tpu")
+    y = torch.ops.aten.rrelu_with_noise(tpu(x), noise, 0.1, 0.3, True).cpu()
+    noise = noise.cpu()
+    assert torch.equal(y[x > 0], x[x > 0]) and bool((noise[x > 0] == 1).all())
+    neg = noise[x <= 0]
+    assert bool(((neg >= 0.1) & (neg <= 0.3)).all()) and torch.allclose(y[x <= 0], (x * noise)[x <= 0])
+    # Sizes from the data.
+    r = torch.tensor([1, 0, 3, 2])
+    _same("repeat_interleave", torch.repeat_interleave(tpu(r)), torch.repeat_interleave(r))
+    _same("repeat_interleave int32", torch.repeat_interleave(tpu(r.int())),
+          torch.repeat_interleave(r.int()))
+    with pytest.raises(RuntimeError, match="repeats can not be negative"):
+        torch.repeat_interleave(tpu(torch.tensor([1, -1])))
+    z = torch.tensor([3, 1, 3, 2])
+    _same("_unique", torch._unique(tpu(z), return_inverse=True), torch._unique(z, return_inverse=True))
+    # hash_tensor: XOR of 64-bit patterns.
+    for v in (torch.randn(3, 4), torch.tensor([1, 2, -3]), torch.tensor([True, False, True])):
+        _same("hash_tensor", torch.hash_tensor(tpu(v)), torch.hash_tensor(v))
+    v = torch.randn(3, 5, 7)
+    _same("hash_tensor dims", torch.hash_tensor(tpu(v), [0, 2], keepdim=True),
+          torch.hash_tensor(v, [0, 2], keepdim=True))
+    # grid_sampler_3d, every mode, values and both gradients.
+    inp, grid = torch.randn(2, 3, 4, 5, 6), torch.rand(2, 3, 2, 4, 3) * 2.4 - 1.2
+    for mode in (0, 1):
+        for padding in (0, 1, 2):
+            for align in (False, True):
+                i, g = tpu(inp).requires_grad_(), tpu(grid).requires_grad_()
+                i2, g2 = inp.clone().requires_grad_(), grid.clone().requires_grad_()
+                got = torch.grid_sampler_3d(i, g, mode, padding, align)
+                want = torch.grid_sampler_3d(i2, g2, mode, padding, align)
+                _same(f"grid_sampler_3d {mode} {padding} {align}", got, want)
+                got.square().sum().backward()
+                want.square().sum().backward()
+                _same("grid_sampler_3d grads", (i.grad, g.grad), (i2.grad, g2.grad), atol=1e-3)
+    # embedding_bag: modes, padding_idx, an empty bag, include_last_offset,
+    # per-sample weights; the weight's gradient.
+    weight, idx = torch.randn(10, 3), torch.tensor([1, 2, 4, 5, 4, 3, 2, 9])
+    for mode in ("sum", "mean", "max"):
+        for pad in (None, 4):
+            for last in (False, True):
+                offsets = torch.tensor([0, 4, 4, 8] if last else [0, 4, 4])
+                wt, wc = tpu(weight).requires_grad_(), weight.clone().requires_grad_()
+                got = torch.nn.functional.embedding_bag(tpu(idx), wt, tpu(offsets), mode=mode,
+                                                        padding_idx=pad, include_last_offset=last)
+                want = torch.nn.functional.embedding_bag(idx, wc, offsets, mode=mode,
+                                                         padding_idx=pad, include_last_offset=last)
+                _same(f"embedding_bag {mode} {pad} {last}", got, want)
+                got.square().sum().backward()
+                want.square().sum().backward()
+                _same(f"embedding_bag grad {mode} {pad} {last}", wt.grad, wc.grad)
+    psw = torch.randn(8)
+    p1, p2 = tpu(psw).requires_grad_(), psw.clone().requires_grad_()
+    got = torch.nn.functional.embedding_bag(tpu(idx), tpu(weight), tpu(torch.tensor([0, 3])),
+                                            mode="sum", per_sample_weights=p1)
+    want = torch.nn.functional.embedding_bag(idx, weight, torch.tensor([0, 3]), mode="sum",
+                                             per_sample_weights=p2)
+    _same("embedding_bag per_sample_weights", got, want)
+    got.sum().backward()
+    want.sum().backward()
+    _same("embedding_bag per_sample_weights grad", p1.grad, p2.grad)
