@@ -420,6 +420,15 @@ def _ffts_linear_algebra_and_polynomials_match_cpu():
     for name, (got, want) in checks.items():
         assert got.device.type == "tpu" and got.dtype == want.dtype, (name, got.dtype, want.dtype)
         torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4, msg=name)
+    # det and slogdet factor A^T for a row-major A, as ATen does, and their
+    # gradients (which solve with that LU) match; so for a column-major A.
+    for m in (a, a.mT.contiguous().mT):
+        for op in (torch.ops.aten._linalg_det, torch.ops.aten._linalg_slogdet):
+            torch.testing.assert_close([r.cpu() for r in op(t(m))], list(op(m)), msg=str(op))
+        got, want = t(m).requires_grad_(), m.clone().requires_grad_()
+        (torch.linalg.det(got).sum() + torch.linalg.slogdet(got)[1].sum()).backward()
+        (torch.linalg.det(want).sum() + torch.linalg.slogdet(want)[1].sum()).backward()
+        torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-4, atol=1e-4)
     # A singular matrix: info names the first zero pivot, as LAPACK's.
     s = torch.tensor([[1.0, 2.0], [2.0, 4.0]])
     assert torch.linalg.lu_factor_ex(t(s)).info.item() == torch.linalg.lu_factor_ex(s).info.item() == 2

@@ -228,6 +228,17 @@ std::vector<int64_t> DimsOf(const tpu::TensorRef& r) {
   return std::vector<int64_t>(r.sizes, r.sizes + r.ndim);
 }
 
+bool RowMajor(const tpu::TensorRef& r) {
+  if (Numel(r) == 0) return true;
+  int64_t expected = 1;
+  for (int i = r.ndim - 1; i >= 0; --i) {
+    if (r.sizes[i] == 1) continue;
+    if (r.strides[i] != expected) return false;
+    expected *= r.sizes[i];
+  }
+  return true;
+}
+
 double NumberOf(const tpu::OpArg& a) {
   switch (a.tag) {
     case tpu::ArgTag::kScalarInt:

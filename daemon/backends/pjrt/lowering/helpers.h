@@ -84,6 +84,10 @@ int64_t Numel(const tpu::TensorRef& r);
 
 std::vector<int64_t> DimsOf(const tpu::TensorRef& r);
 
+// Whether r is contiguous in row-major order, as Tensor::is_contiguous()
+// (dimensions of size 1 may have any stride; an empty tensor is).
+bool RowMajor(const tpu::TensorRef& r);
+
 double NumberOf(const tpu::OpArg& a);
 
 // The dimensions an op reduces over: the int list or int `dim` (every

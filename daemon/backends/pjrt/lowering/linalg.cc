@@ -251,7 +251,13 @@ void RegisterLinalg(OpRegistry& reg) {
       }
       absl::StatusOr<std::string> av = l.Operand(a0, DimsOf(a0.tensor), t);
       if (!av.ok()) return av.status();
-      const std::string a = l.BroadcastTo(*av, DimsOf(a0.tensor), ad, t);
+      std::string a = l.BroadcastTo(*av, DimsOf(a0.tensor), ad, t);
+      // ATen's det and slogdet factor A^T when A is row-major and real
+      // (det(A^T) = det(A), and LAPACK wants column-major); their backward
+      // formulas take the LU they return to be A^T's then.
+      if ((which == LuOp::kDet || which == LuOp::kSlogdet) &&
+          RowMajor(a0.tensor) && !IsComplex(t))
+        a = Transposed(l, a, ad, t);
       std::vector<int64_t> pdims = as.batch;
       pdims.push_back(k);
       Lu f;

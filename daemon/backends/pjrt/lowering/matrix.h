@@ -114,11 +114,12 @@ std::string ApplySwaps(Lowering& l, const std::string& x, const MatrixShape& s,
                        const std::string& pivots, int64_t k, bool reversed,
                        const HloType& t);
 
-// Solves A X = B from A's LU and pivots (B: dims `bs`, its batch A's).
 // v (dims `in`) with its last two dimensions swapped.
 std::string Transposed(Lowering& l, const std::string& v,
                        const std::vector<int64_t>& in, const HloType& t);
 
+// Solves A X = B (A^T X = B: adjoint) from A's LU and pivots (B: dims
+// `bs`, its batch A's).
 std::string LuSolve(Lowering& l, const std::string& lu,
                     const std::vector<int64_t>& ad, const std::string& pivots,
                     const std::string& b, const MatrixShape& bs, bool adjoint,
