@@ -553,6 +553,21 @@ def _data_dependent_results_and_index_errors():
         assert torch.equal(got.cpu(), want), (got, want)
     y = t.clone(); y[tm] = 0.0; x2 = x.clone(); x2[m] = 0.0
     assert torch.equal(y.cpu(), x2)
+    # x[mask] = values, one value per selected row (or element), and += .
+    rows, n = m[:, 0], int(m.sum())
+    vr, ve = torch.randn(int(rows.sum()), 6), torch.randn(n)
+    for mask, values, acc in ((rows, vr, False), (rows, vr, True), (m, ve, False)):
+        y, x2 = t.clone(), x.clone()
+        y.index_put_((mask.to("tpu"),), values.to("tpu"), accumulate=acc)
+        x2.index_put_((mask,), values, accumulate=acc)
+        assert torch.equal(y.cpu(), x2), (mask.shape, acc)
+    y = t.clone()
+    y[tm] = torch.ones(n + 1, device="tpu")  # one value too many
+    try:
+        y.cpu()
+        raise AssertionError("no error")
+    except RuntimeError as e:
+        assert "shape mismatch" in str(e), e
     assert torch.nonzero(torch.zeros(3, device="tpu")).shape == (0, 1)
     for bad in (lambda: t.index_select(0, torch.tensor([0, 9], device="tpu")),
                 lambda: t[torch.tensor([7], device="tpu")],

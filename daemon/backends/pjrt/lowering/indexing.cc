@@ -161,8 +161,10 @@ void RegisterIndexing(OpRegistry& reg) {
       const bool accumulate =
           acc != nullptr && acc->tag == tpu::ArgTag::kBool && acc->b;
       const tpu::OpArg& values = a["values"];
-      // One boolean mask over the leading dimensions and one value
-      // (x[mask] = v, x[mask] += v): a select, whatever the mask holds.
+      // One boolean mask over the leading dimensions (x[mask] = v,
+      // x[mask] += v): the k-th selected row takes the values' row k (or
+      // their only row), a select whatever the mask holds; the mask's
+      // count must equal the values' rows, checked after the run.
       const tpu::OpArg& list = a["indices"];
       if (list.tag == tpu::ArgTag::kOptionalTensorList &&
           !list.tensor_present.empty() && list.tensor_present[0] &&
@@ -170,8 +172,7 @@ void RegisterIndexing(OpRegistry& reg) {
                      true) == 1 &&
           !list.tensors.empty() &&
           (list.tensors[0].dtype == tpu::Code(tpu::DType::kBool) ||
-           list.tensors[0].dtype == tpu::Code(tpu::DType::kUInt8)) &&
-          Numel(values.tensor) == 1) {
+           list.tensors[0].dtype == tpu::Code(tpu::DType::kUInt8))) {
         const tpu::TensorRef& mr = list.tensors[0];
         const std::vector<int64_t> md = DimsOf(mr);
         if (md.size() > in.size() ||
@@ -180,13 +181,78 @@ void RegisterIndexing(OpRegistry& reg) {
               l.op(),
               ": the mask's shape does not match self's leading dimensions"));
         }
+        const std::vector<int64_t> post(in.begin() + md.size(), in.end());
+        const std::vector<int64_t> vd = DimsOf(values.tensor);
+        const auto mismatch = [&] {
+          return absl::StrCat("shape mismatch: value tensor of shape [",
+                              absl::StrJoin(vd, ", "),
+                              "] cannot be broadcast to indexing result of "
+                              "shape [the mask's count",
+                              post.empty() ? "" : ", ",
+                              absl::StrJoin(post, ", "), "]");
+        };
+        if (vd.size() > post.size() + 1)
+          return absl::InvalidArgumentError(mismatch());
+        for (size_t q = 0; q < vd.size() && q < post.size(); ++q) {
+          const int64_t v = vd[vd.size() - 1 - q],
+                        w = post[post.size() - 1 - q];
+          if (v != 1 && v != w) return absl::InvalidArgumentError(mismatch());
+        }
+        const int64_t rows_v = vd.size() == post.size() + 1 ? vd[0] : 1;
+        int64_t rows = 1, payload = 1;
+        for (int64_t m : md) rows *= m;
+        for (int64_t p : post) payload *= p;
+        std::vector<int64_t> vt = {rows_v}, flat = {rows};
+        vt.insert(vt.end(), post.begin(), post.end());
+        flat.insert(flat.end(), post.begin(), post.end());
         const HloType& i1 = *DTypeOf(tpu::DType::kBool);
+        const HloType& i64 = I64();
+        const HloType& mt = *DTypeOf(mr.dtype);
         absl::StatusOr<std::string> mv =
-            l.OperandRef(mr, l.TensorIndex(list), md, *DTypeOf(mr.dtype));
+            l.OperandRef(mr, l.TensorIndex(list), md, mt);
         if (!mv.ok()) return mv;
         const std::string mb =
-            l.Compare("NE", *mv, l.Constant(0, md, *DTypeOf(mr.dtype)), md,
-                      *DTypeOf(mr.dtype));
+            l.Compare("NE", *mv, l.Constant(0, md, mt), md, mt);
+        absl::StatusOr<std::string> value = l.Operand(values, vd, t);
+        if (!value.ok()) return value;
+        const std::string vv = l.BroadcastTo(*value, vd, vt, t);
+        std::string vb;  // the value of every row, selected or not
+        if (rows_v == 1) {
+          vb = l.BroadcastTo(vv, vt, flat, t);
+        } else {
+          const std::string m1 = l.Reshape(mb, md, {rows}, i1);
+          const std::string ones = l.Convert(m1, {rows}, i1, i64);
+          const std::string count = l.ReduceOver(ones, {rows}, {0}, "add",
+                                                 l.Constant(0, {}, i64), i64);
+          l.CheckRange(
+              l.Binary("subtract", count,
+                       l.Constant(static_cast<double>(rows_v), {}, i64), {},
+                       i64),
+              {}, 1, mismatch());
+          // Row r's value: the values' row (selected rows before r).
+          const std::string k =
+              l.Binary("subtract", Running(l, ones, {rows}, 0, "add", 0, i64),
+                       ones, {rows}, i64);
+          const std::string at = l.Reshape(
+              l.Binary("minimum", k,
+                       l.Constant(static_cast<double>(rows_v - 1), {rows}, i64),
+                       {rows}, i64),
+              {rows}, {rows, 1}, i64);
+          vb = l.Constant(0, flat, t);  // (no values: no row is selected)
+          if (rows_v > 0) {
+            const std::string g = l.Emit(absl::StrCat(
+                "\"stablehlo.gather\"(",
+                l.Reshape(vv, vt, {rows_v, payload}, t), ", ", at,
+                ") {dimension_numbers = #stablehlo.gather<offset_dims = [1], "
+                "collapsed_slice_dims = [0], start_index_map = [0], "
+                "index_vector_dim = 1>, indices_are_sorted = false, "
+                "slice_sizes = array<i64: 1, ",
+                payload, ">} : (", TypeOf({rows_v, payload}, t), ", ",
+                TypeOf({rows, 1}, i64), ") -> ", TypeOf({rows, payload}, t)));
+            vb = l.Reshape(g, {rows, payload}, flat, t);
+          }
+        }
+        vb = l.Reshape(vb, flat, in, t);
         std::vector<int64_t> lead;
         for (size_t q = 0; q < md.size(); ++q)
           lead.push_back(static_cast<int64_t>(q));
@@ -194,11 +260,6 @@ void RegisterIndexing(OpRegistry& reg) {
             l.Emit(absl::StrCat("stablehlo.broadcast_in_dim ", mb, ", dims = [",
                                 absl::StrJoin(lead, ", "), "] : (",
                                 TypeOf(md, i1), ") -> ", TypeOf(in, i1)));
-        const std::vector<int64_t> vd = DimsOf(values.tensor);
-        absl::StatusOr<std::string> value = l.Operand(values, vd, t);
-        if (!value.ok()) return value;
-        const std::string vb =
-            l.BroadcastTo(l.Reshape(*value, vd, {}, t), {}, in, t);
         return l.Select(mask,
                         accumulate ? l.Binary("add", *self, vb, in, t) : vb,
                         *self, in, t);
