@@ -95,6 +95,55 @@ std::string Chlo(Lowering& l, const char* op,
                              TypeOf(d, t)));
 }
 
+namespace {
+
+// psi_1(x) as ATen computes it, in float32 for the floating types below
+// float64 (which is what CUDA returns too): the reflection psi_1(x) =
+// pi^2 / sin^2(pi x) - psi_1(1 - x) below 1/2, six steps of the recurrence
+// psi_1(x) = 1 / x^2 + psi_1(x + 1), then the asymptotic series.
+std::string Trigamma(Lowering& l, const std::string& x_in,
+                     const std::vector<int64_t>& d, const HloType& t) {
+  const HloType& c = t.dtype == tpu::DType::kDouble ? F64() : F32();
+  const auto k = [&](double v) { return l.Constant(v, d, c); };
+  const auto add = [&](const std::string& a, const std::string& b) {
+    return l.Binary("add", a, b, d, c);
+  };
+  const auto sub = [&](const std::string& a, const std::string& b) {
+    return l.Binary("subtract", a, b, d, c);
+  };
+  const auto mul = [&](const std::string& a, const std::string& b) {
+    return l.Binary("multiply", a, b, d, c);
+  };
+  const auto div = [&](const std::string& a, const std::string& b) {
+    return l.Binary("divide", a, b, d, c);
+  };
+  const std::string x0 = &c == &t ? x_in : l.Convert(x_in, d, t, c);
+  // (pi rounded to the computing type first, as ATen's c10::pi<T>.)
+  const double pi = c.dtype == tpu::DType::kDouble
+                        ? 3.14159265358979323846
+                        : static_cast<double>(3.14159265358979323846f);
+  const std::string reflect = l.Compare("LT", x0, k(0.5), d, c);
+  const std::string s = l.Unary("sine", mul(k(pi), x0), d, c);
+  const std::string pole = div(mul(k(pi), k(pi)), mul(s, s));
+  std::string result =
+      l.Select(reflect, l.Unary("negate", pole, d, c), k(0), d, c);
+  std::string x = l.Select(reflect, sub(k(1), x0), x0, d, c);
+  for (int i = 0; i < 6; ++i) {
+    result = add(result, div(k(1), mul(x, x)));
+    x = add(x, k(1));
+  }
+  const std::string ixx = div(k(1), mul(x, x));
+  const std::string tail = add(
+      add(k(1), div(k(1), mul(k(2), x))),
+      mul(ixx,
+          sub(k(1.0 / 6), mul(ixx, sub(k(1.0 / 30), mul(ixx, k(1.0 / 42)))))));
+  result = add(result, div(tail, x));
+  result = l.Select(reflect, l.Unary("negate", result, d, c), result, d, c);
+  return &c == &t ? result : l.Convert(result, d, c, t);
+}
+
+}  // namespace
+
 Rule InFloat64(F64Fn f) {
   return UnaryRule([f](Lowering& l, const std::string& x, const Target& o) {
     const HloType& t = *o.type;
@@ -175,6 +224,7 @@ void RegisterSpecial(OpRegistry& reg) {
           return absl::InvalidArgumentError(absl::StrCat(
               l.op(), ": n is ", n, "; polygamma(n, x) takes n >= 0"));
         if (n == 0) return digamma(l, *x, o);
+        if (n == 1) return Trigamma(l, *x, o.dims, *o.type);
         // CHLO's polygamma is inexact for x < 0, so it is taken at x + K and
         // brought back by the recurrence psi_n(x) = psi_n(x + 1) - (-1)^n n! /
         // x^(n+1) (exact for x >= -K; ATen shifts its zeta function the same
