@@ -374,6 +374,14 @@ def _sort_median_mode_and_special_functions_match_cpu():
     z = torch.tensor([-7.9506, -3.0337, -3.9730, 0.3, 2.5, 40.0])
     assert torch.allclose(torch.polygamma(1, z.to("tpu")).cpu(), torch.polygamma(1, z),
                           rtol=1.3e-6, atol=1e-5)
+    # The incomplete gamma functions: each method's region, and the edges.
+    a = torch.cat([torch.rand(60) * 10, torch.tensor([0.0, 0.0, 1.0, float("inf"), -1.0, 2.0, 30.0])])
+    x = torch.cat([torch.rand(60) * 12, torch.tensor([0.0, 1.0, 0.0, 1.0, 1.0, float("nan"), 31.0])])
+    for fn in (torch.igamma, torch.igammac):
+        for dtype in (torch.float32, torch.float64):
+            got = fn(a.to("tpu", dtype), x.to("tpu", dtype)).cpu()
+            assert torch.allclose(got, fn(a.to(dtype), x.to(dtype)), rtol=1.3e-6, atol=1e-6,
+                                  equal_nan=True), (fn, dtype)
     n = torch.tensor([1.0, float("nan"), 3.0])
     assert torch.allclose(torch.fmax(n.to("tpu"), n.flip(0).to("tpu")).cpu(), torch.fmax(n, n.flip(0)), equal_nan=True)
 

@@ -25,6 +25,7 @@ void RegisterResample(OpRegistry& reg);     // resample.cc
 void RegisterBessel(OpRegistry& reg);       // bessel.cc
 void RegisterNnBackward(OpRegistry& reg);   // nn_backward.cc
 void RegisterSegment(OpRegistry& reg);      // segment.cc
+void RegisterGamma(OpRegistry& reg);        // gamma.cc
 void RegisterHostOps(OpRegistry& reg);      // ../host_ops.cc
 
 }  // namespace tpud::pjrt

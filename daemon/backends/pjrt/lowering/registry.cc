@@ -151,11 +151,12 @@ const OpRegistry& Registry() {
     auto* r = new OpRegistry;
     for (void (*family)(OpRegistry&) :
          {RegisterElementwise, RegisterActivation, RegisterReduction,
-          RegisterSort, RegisterLinalg, RegisterNn, RegisterForeach,
-          RegisterShape, RegisterIndexing, RegisterRandom, RegisterSpecial,
-          RegisterFft, RegisterPolynomial, RegisterEigen, RegisterResample,
-          RegisterBessel, RegisterNnBackward, RegisterSegment,
-          RegisterHostOps}) {
+          RegisterSort,        RegisterLinalg,     RegisterNn,
+          RegisterForeach,     RegisterShape,      RegisterIndexing,
+          RegisterRandom,      RegisterSpecial,    RegisterFft,
+          RegisterPolynomial,  RegisterEigen,      RegisterResample,
+          RegisterBessel,      RegisterNnBackward, RegisterSegment,
+          RegisterGamma,       RegisterHostOps}) {
       family(*r);
     }
     r->DeriveForms();
