@@ -442,6 +442,14 @@ def _ffts_linear_algebra_and_polynomials_match_cpu():
         (torch.linalg.det(got).sum() + torch.linalg.slogdet(got)[1].sum()).backward()
         (torch.linalg.det(want).sum() + torch.linalg.slogdet(want)[1].sum()).backward()
         torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-4, atol=1e-4)
+    # matrix_exp: per-matrix scaling (norms from 0.01 to 100), float64 to
+    # CPU's digits, float32 within its rounding of the float64 result.
+    e = torch.randn(4, 3, 3) * torch.tensor([0.01, 1.0, 5.0, 100.0]).view(4, 1, 1)
+    want = torch.linalg.matrix_exp(e.double())
+    torch.testing.assert_close(torch.linalg.matrix_exp(t(e.double())).cpu(), want,
+                               rtol=1e-12, atol=0)
+    got = torch.linalg.matrix_exp(t(e)).cpu().double()
+    assert ((got - want).abs().amax((-2, -1)) / want.abs().amax((-2, -1))).max() < 1e-5
     # A singular matrix: info names the first zero pivot, as LAPACK's.
     s = torch.tensor([[1.0, 2.0], [2.0, 4.0]])
     assert torch.linalg.lu_factor_ex(t(s)).info.item() == torch.linalg.lu_factor_ex(s).info.item() == 2

@@ -26,6 +26,7 @@ void RegisterBessel(OpRegistry& reg);       // bessel.cc
 void RegisterNnBackward(OpRegistry& reg);   // nn_backward.cc
 void RegisterSegment(OpRegistry& reg);      // segment.cc
 void RegisterGamma(OpRegistry& reg);        // gamma.cc
+void RegisterMatrixExp(OpRegistry& reg);    // matrix_exp.cc
 void RegisterHostOps(OpRegistry& reg);      // ../host_ops.cc
 
 }  // namespace tpud::pjrt

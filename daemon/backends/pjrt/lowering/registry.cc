@@ -156,7 +156,7 @@ const OpRegistry& Registry() {
           RegisterRandom,      RegisterSpecial,    RegisterFft,
           RegisterPolynomial,  RegisterEigen,      RegisterResample,
           RegisterBessel,      RegisterNnBackward, RegisterSegment,
-          RegisterGamma,       RegisterHostOps}) {
+          RegisterGamma,       RegisterMatrixExp,  RegisterHostOps}) {
       family(*r);
     }
     r->DeriveForms();
