@@ -130,3 +130,29 @@ def _own_decompositions_match_cpu():
     got.sum().backward()
     want.sum().backward()
     _same("embedding_bag per_sample_weights grad", p1.grad, p2.grad)
+
+
+def test_histogramdd_matches_cpu(pjrt):
+    run_in_child(pjrt, _histogramdd_matches_cpu)
+
+
+def _histogramdd_matches_cpu():
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.manual_seed(0)
+    x, w = torch.randn(50, 3), torch.rand(50)
+    edges = [torch.tensor([-3.0, 0.0, 3.0]), torch.tensor([-1.0, 0.0, 0.5, 4.0]),
+             torch.tensor([-5.0, 5.0])]
+    for kw, kw_tpu in (
+            (dict(bins=[2, 3, 4]), dict(bins=[2, 3, 4])),
+            (dict(bins=[3, 3, 3], range=[-1.0, 1.0, -2.0, 2.0, 0.0, 1.0]),
+             dict(bins=[3, 3, 3], range=[-1.0, 1.0, -2.0, 2.0, 0.0, 1.0])),
+            (dict(bins=[2, 2, 2], weight=w, density=True),
+             dict(bins=[2, 2, 2], weight=w.to("tpu"), density=True)),
+            (dict(bins=edges), dict(bins=[e.to("tpu") for e in edges]))):
+        want = torch.histogramdd(x, **kw)
+        got = torch.histogramdd(x.to("tpu"), **kw_tpu)
+        _same("histogramdd", got.hist, want.hist, atol=1e-6)
+        _same("histogramdd edges", list(got.bin_edges), list(want.bin_edges), atol=1e-6)
+    with pytest.raises(RuntimeError, match="min should not exceed max"):
+        torch.histogramdd(x.to("tpu"), bins=[2, 2, 2], range=[1.0, 0.0, 0.0, 1.0, 0.0, 1.0])

@@ -313,6 +313,75 @@ def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, o
     return products
 
 
+def _histogramdd_bin_edges(self, bins, *, range=None, weight=None, density=False):
+    """Each dimension's bins+1 edges, evenly spaced over the range given or
+    the data's (one read of every dimension's min and max, as on CPU)."""
+    dims = self.shape[-1] if self.dim() > 0 else 0
+    torch._check(len(bins) == dims, lambda: "histogramdd: The size of bins must be equal to "
+                                            "the innermost dimension of the input.")
+    for b in bins:
+        torch._check(b > 0, lambda: "histogramdd(): bins must be > 0, but got "
+                                    f"{b} for dimension {bins.index(b)}")
+    x = self.reshape(-1, dims)
+    if range is not None:
+        torch._check(len(range) == 2 * dims,
+                     lambda: f"histogramdd: for a {dims}-dimensional input, range should have "
+                             f"{2 * dims} elements, but got {len(range)}")
+        lows, highs = list(range[0::2]), list(range[1::2])
+    elif x.shape[0] == 0:
+        lows, highs = [0.0] * dims, [1.0] * dims
+    else:
+        bounds = torch.stack([x.amin(0), x.amax(0)]).to(torch.float64).tolist()
+        lows, highs = bounds[0], bounds[1]
+    edges = []
+    for d, (lo, hi) in enumerate(zip(lows, highs)):
+        torch._check(abs(lo) != float("inf") and abs(hi) != float("inf") and lo == lo and hi == hi,
+                     lambda: f"torch.histogramdd: dimension {d}'s range [{lo}, {hi}] is not "
+                             f"finite")
+        torch._check(lo <= hi, lambda: f"torch.histogramdd: min should not exceed max, but got "
+                                       f"min {lo:g} max {hi:g} for dimension {d}")
+        if lo == hi:
+            lo, hi = lo - 0.5, hi + 0.5
+        edges.append(torch.linspace(lo, hi, bins[d] + 1, dtype=self.dtype, device=self.device))
+    return edges
+
+
+def _histogramdd_from_bin_tensors(self, bins, *, weight=None, density=False):
+    """Counts (or summed weights) over the grid of bins: an element falls in
+    [edge_i, edge_i+1), the last bin closed; elements outside count
+    nowhere."""
+    dims = len(bins)
+    x = self.reshape(-1, dims)
+    flat = torch.zeros(x.shape[0], dtype=torch.int64, device=self.device)
+    inside = torch.ones(x.shape[0], dtype=torch.bool, device=self.device)
+    sizes = [b.numel() - 1 for b in bins]
+    for d, edges in enumerate(bins):
+        v = x[:, d].contiguous()
+        pos = torch.searchsorted(edges, v, right=True) - 1
+        pos = torch.where(v == edges[-1], torch.full_like(pos, sizes[d] - 1), pos)
+        inside = inside & (v >= edges[0]) & (v <= edges[-1])
+        flat = flat * sizes[d] + pos.clamp(0, max(sizes[d] - 1, 0))
+    w = torch.ones(x.shape[0], dtype=self.dtype, device=self.device) if weight is None \
+        else weight.reshape(-1).to(self.dtype)
+    total = 1
+    for n in sizes:
+        total *= n
+    hist = torch.zeros(total, dtype=self.dtype, device=self.device).index_add(
+        0, flat, torch.where(inside, w, torch.zeros_like(w))).reshape(sizes)
+    if density:
+        hist = hist / hist.sum()
+        for d, edges in enumerate(bins):
+            shape = [1] * dims
+            shape[d] = sizes[d]
+            hist = hist / (edges[1:] - edges[:-1]).reshape(shape)
+    return hist
+
+
+def _histogramdd_from_bin_cts(self, bins, *, range=None, weight=None, density=False):
+    edges = _histogramdd_bin_edges(self, bins, range=range, weight=weight, density=density)
+    return _histogramdd_from_bin_tensors(self, edges, weight=weight, density=density)
+
+
 # "aten::op.overload" -> its decomposition.
 DECOMPOSITIONS = {
     "aten::linalg_lstsq": linalg_lstsq,
@@ -322,6 +391,9 @@ DECOMPOSITIONS = {
     "aten::hash_tensor": hash_tensor,
     "aten::grid_sampler_3d": grid_sampler_3d,
     "aten::grid_sampler_3d_backward": grid_sampler_3d_backward,
+    "aten::_histogramdd_bin_edges": _histogramdd_bin_edges,
+    "aten::_histogramdd_from_bin_cts": _histogramdd_from_bin_cts,
+    "aten::_histogramdd_from_bin_tensors": _histogramdd_from_bin_tensors,
     "aten::_embedding_bag": _embedding_bag,
     "aten::_embedding_bag_forward_only": _embedding_bag,
     "aten::_embedding_bag_backward": _embedding_bag_backward,
