@@ -85,6 +85,11 @@ def _own_decompositions_match_cpu():
         torch.repeat_interleave(tpu(torch.tensor([1, -1])))
     z = torch.tensor([3, 1, 3, 2])
     _same("_unique", torch._unique(tpu(z), return_inverse=True), torch._unique(z, return_inverse=True))
+    y = torch.randint(0, 2, (3, 6, 2)).float()
+    for d in (0, 1, 2):
+        _same(f"unique dim={d}",
+              torch.unique(tpu(y), dim=d, return_inverse=True, return_counts=True),
+              torch.unique(y, dim=d, return_inverse=True, return_counts=True))
     # hash_tensor: XOR of 64-bit patterns.
     for v in (torch.randn(3, 4), torch.tensor([1, 2, -3]), torch.tensor([True, False, True])):
         _same("hash_tensor", torch.hash_tensor(tpu(v)), torch.hash_tensor(v))

@@ -92,6 +92,40 @@ def _unique(self, sorted=True, return_inverse=False):
     return values, inverse
 
 
+def unique_dim(self, dim, sorted=True, return_inverse=False, return_counts=False):
+    """The distinct slices along dim, in lexicographic order (ATen sorts
+    whatever `sorted` says), each slice's group and the groups' sizes; the
+    number of groups is read from the data."""
+    torch._check(self.dim() > 0, lambda: "unique_dim: expected a tensor with dimensions")
+    dim = dim % self.dim()
+    n = self.shape[dim]
+    if n == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+        return self.clone(), empty, empty.clone()
+    torch._check(self.numel() > 0, lambda: "There are 0 sized dimensions, and they aren't "
+                                           "selected, so unique cannot be applied")
+    moved = self.movedim(dim, 0)
+    rows = moved.reshape(n, -1)
+    keys = rows.to(torch.int64) if rows.dtype == torch.bool else rows
+    order = torch.arange(n, device=self.device)
+    for c in reversed(range(keys.shape[1])):  # stable sorts, last column first
+        column = keys[:, c].index_select(0, order)
+        order = order.index_select(0, torch.sort(column, stable=True).indices)
+    ordered = keys.index_select(0, order)
+    new = torch.ones(n, dtype=torch.bool, device=self.device)
+    if n > 1:
+        new = torch.cat([new[:1], (ordered[1:] != ordered[:-1]).any(1)])
+    group = new.to(torch.int64).cumsum(0) - 1
+    count = int(group[-1].item()) + 1
+    inverse = torch.empty_like(group).scatter_(0, order, group)
+    first = torch.full((count,), n, dtype=torch.int64, device=self.device).scatter_reduce(
+        0, group, torch.arange(n, device=self.device), "amin")
+    values = moved.index_select(0, order.index_select(0, first)).movedim(0, dim).contiguous()
+    counts = torch.zeros(count, dtype=torch.int64, device=self.device).index_add(
+        0, group, torch.ones_like(group))
+    return values, inverse, counts
+
+
 def hash_tensor(self, dim=(), *, keepdim=False, mode=0):
     """mode 0 (the only one): the XOR of the elements' bits, each element
     first widened to 64 bits (floating ones as float64)."""
@@ -388,6 +422,7 @@ DECOMPOSITIONS = {
     "aten::rrelu_with_noise": rrelu_with_noise,
     "aten::repeat_interleave.Tensor": repeat_interleave,
     "aten::_unique": _unique,
+    "aten::unique_dim": unique_dim,
     "aten::hash_tensor": hash_tensor,
     "aten::grid_sampler_3d": grid_sampler_3d,
     "aten::grid_sampler_3d_backward": grid_sampler_3d_backward,
