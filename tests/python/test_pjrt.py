@@ -550,6 +550,31 @@ def _half_precision_results_of_decomposed_ops_reach_their_tensor():
         assert torch.equal(out.cpu(), torch.ops.aten.replication_pad1d(x.to(dt), [1, 2]))
 
 
+def test_half_precision_convolution_gradients(pjrt):
+    run_in_child(pjrt, _half_precision_convolution_gradients)
+
+
+def _half_precision_convolution_gradients():
+    # convolution_backward computes a bfloat16 / float16 gradient in float32
+    # like every op (its program once mixed the two types and did not
+    # compile); the gradients come within the type's rounding of CPU's.
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3)
+    for dt in (torch.bfloat16, torch.float16):
+        for transposed in (False, True):
+            conv = torch.nn.functional.conv_transpose2d if transposed else torch.nn.functional.conv2d
+            weight = w.transpose(0, 1).contiguous() if transposed else w
+            got = [x.to(dt).to("tpu").requires_grad_(), weight.to(dt).to("tpu").requires_grad_()]
+            want = [x.to(dt).requires_grad_(), weight.to(dt).requires_grad_()]
+            conv(*got, padding=1).square().sum().backward()
+            conv(*want, padding=1).square().sum().backward()
+            for g, c in zip(got, want):
+                assert g.grad.dtype == dt
+                torch.testing.assert_close(g.grad.cpu().float(), c.grad.float(), rtol=0.05, atol=0.5)
+
+
 def test_data_dependent_results_and_index_errors(pjrt):
     # nonzero, boolean masks and unique size their results from the data (in
     # memory tpud allocates and charges to the session); an index out of

@@ -366,7 +366,9 @@ void RegisterNn(OpRegistry& reg) {
         const HloType* gt = DTypeOf(a["grad_output"].tensor.dtype);
         if (gt == nullptr || !gt->is_float)
           return Unsupported(l.op(), "a gradient of a type not lowered");
-        const HloType& t = *gt;
+        // (computed in float32 for the half types, as every op's results
+        // are: plan_lowering.cc)
+        const HloType& t = gt->bytes < 4 ? F32() : *gt;
         const std::vector<int64_t> gd = DimsOf(a["grad_output"].tensor),
                                    in = DimsOf(a["input"].tensor),
                                    wd = DimsOf(a["weight"].tensor);
