@@ -109,6 +109,12 @@ def _own_decompositions_match_cpu():
                 got.square().sum().backward()
                 want.square().sum().backward()
                 _same("grid_sampler_3d grads", (i.grad, g.grad), (i2.grad, g2.grad), atol=1e-3)
+    # In bfloat16: computed in float32 (its flat indices in int64), every
+    # index in range.
+    got = torch.grid_sampler_3d(tpu(inp).bfloat16(), tpu(grid).bfloat16(), 0, 0, False)
+    want = torch.grid_sampler_3d(inp.bfloat16().float(), grid.bfloat16().float(), 0, 0, False)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.cpu().float(), want, rtol=0.02, atol=0.02)
     # embedding_bag: modes, padding_idx, an empty bag, include_last_offset,
     # per-sample weights; the weight's gradient.
     weight, idx = torch.randn(10, 3), torch.tensor([1, 2, 4, 5, 4, 3, 2, 9])

@@ -193,6 +193,25 @@ def _source_index(coord, size, padding_mode, align_corners):
     return coord
 
 
+def _in_float32(fn):
+    """fn computed in float32 for float16 / bfloat16 tensors, the result
+    rounded once (ATen's opmath type)."""
+    def run(*args, **kwargs):
+        half = [a.dtype for a in args if isinstance(a, torch.Tensor)
+                and a.dtype in (torch.float16, torch.bfloat16)]
+        if not half:
+            return fn(*args, **kwargs)
+        wide = [a.float() if isinstance(a, torch.Tensor) and a.dtype == half[0] else a
+                for a in args]
+        out = fn(*wide, **kwargs)
+        if isinstance(out, torch.Tensor):
+            return out.to(half[0])
+        return tuple(o.to(half[0]) if isinstance(o, torch.Tensor) else o for o in out)
+
+    return run
+
+
+@_in_float32
 def grid_sampler_3d(input, grid, interpolation_mode, padding_mode, align_corners):
     torch._check(interpolation_mode in (0, 1),
                  lambda: "grid_sampler(): bicubic interpolation only supports 4D input")
@@ -208,8 +227,11 @@ def grid_sampler_3d(input, grid, interpolation_mode, padding_mode, align_corners
     def corner(zi, yi, xi):
         """The input at integer positions, 0 outside the volume: (n, c, p)."""
         inside = (xi >= 0) & (xi < w) & (yi >= 0) & (yi < h) & (zi >= 0) & (zi < d)
-        index = (zi.clamp(0, d - 1) * h + yi.clamp(0, h - 1)) * w + xi.clamp(0, w - 1)
-        index = index.to(torch.int64).unsqueeze(1).expand(n, c, index.shape[-1])
+        # (the flat index in int64: a float loses it past 2^24 elements)
+        zl, yl, xl = (v.clamp(0, size - 1).to(torch.int64)
+                      for v, size in ((zi, d), (yi, h), (xi, w)))
+        index = (zl * h + yl) * w + xl
+        index = index.unsqueeze(1).expand(n, c, index.shape[-1])
         values = torch.gather(flat, 2, index)
         return values * inside.unsqueeze(1).to(values.dtype)
 
