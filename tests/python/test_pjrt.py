@@ -599,6 +599,10 @@ def _data_dependent_results_and_index_errors():
         assert torch.equal(got.cpu(), want), (got, want)
     y = t.clone(); y[tm] = 0.0; x2 = x.clone(); x2[m] = 0.0
     assert torch.equal(y.cpu(), x2)
+    # An empty index of another rank scatters nothing (gather's backward).
+    e = torch.ones(5, device="tpu").scatter_add(0, torch.zeros(2, 0, dtype=torch.long, device="tpu"),
+                                                torch.ones(2, 0, device="tpu"))
+    assert e.cpu().tolist() == [1.0] * 5
     # x[mask] = values, one value per selected row (or element), and += .
     rows, n = m[:, 0], int(m.sum())
     vr, ve = torch.randn(int(rows.sum()), 6), torch.randn(n)

@@ -362,6 +362,13 @@ void RegisterIndexing(OpRegistry& reg) {
       if (sd.empty()) sd = {1};
       std::vector<int64_t> id = kind == Kind::kIndexReduce ? sd : DimsOf(ix);
       if (id.empty()) id = {1};
+      if (Numel(ix) == 0 && kind != Kind::kIndexReduce) {
+        // Nothing is scattered, whatever the empty index's rank (the
+        // backward of gather with an empty index).
+        absl::StatusOr<std::string> self = l.Operand(a["self"], in, t);
+        if (!self.ok()) return self;
+        return done(*self);
+      }
       if (n == 0 || id.size() != n ||
           (kind == Kind::kIndexReduce && ix.ndim != 1)) {
         return Unsupported(l.op(), "arguments of a form not lowered");
