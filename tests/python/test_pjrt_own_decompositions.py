@@ -167,3 +167,35 @@ def _histogramdd_matches_cpu():
         _same("histogramdd edges", list(got.bin_edges), list(want.bin_edges), atol=1e-6)
     with pytest.raises(RuntimeError, match="min should not exceed max"):
         torch.histogramdd(x.to("tpu"), bins=[2, 2, 2], range=[1.0, 0.0, 0.0, 1.0, 0.0, 1.0])
+
+
+def test_ctc_loss_and_its_gradient_match_cpu(pjrt):
+    run_in_child(pjrt, _ctc_loss_and_its_gradient_match_cpu)
+
+
+def _ctc_loss_and_its_gradient_match_cpu():
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.manual_seed(0)
+    steps, batch, classes = 12, 3, 5
+    lp = torch.randn(steps, batch, classes, dtype=torch.float64).log_softmax(2)
+    targets = torch.tensor([[1, 1, 2, 4], [3, 2, 0, 0], [4, 4, 4, 0]])
+    il, tl = [12, 10, 4], [4, 2, 3]  # the last cannot fit: an infinite loss
+    flat = torch.cat([targets[n, :tl[n]] for n in range(batch)])
+    for zero_infinity in (False, True):
+        for reduction in ("none", "mean", "sum"):
+            for args, args_tpu in (
+                    ((targets, il, tl), (targets.to("tpu"), il, tl)),
+                    ((flat, il, tl), (flat.to("tpu"), il, tl)),
+                    ((targets, torch.tensor(il), torch.tensor(tl)),
+                     (targets.to("tpu"), torch.tensor(il).to("tpu"), torch.tensor(tl).to("tpu")))):
+                a, b = lp.clone().requires_grad_(), lp.to("tpu").requires_grad_()
+                want = torch.nn.functional.ctc_loss(a, *args, reduction=reduction,
+                                                    zero_infinity=zero_infinity)
+                got = torch.nn.functional.ctc_loss(b, *args_tpu, reduction=reduction,
+                                                   zero_infinity=zero_infinity)
+                _same("ctc_loss", got, want, atol=1e-9)
+                if zero_infinity:
+                    want.sum().backward()
+                    got.sum().backward()
+                    _same("ctc_loss grad", b.grad, a.grad, atol=1e-9)

@@ -438,6 +438,104 @@ def _histogramdd_from_bin_cts(self, bins, *, range=None, weight=None, density=Fa
     return _histogramdd_from_bin_tensors(self, edges, weight=weight, density=density)
 
 
+def _as_lengths(lengths, like):
+    if isinstance(lengths, torch.Tensor):
+        return lengths.to(device=like.device, dtype=torch.int64)
+    return torch.tensor(list(lengths), dtype=torch.int64, device=like.device)
+
+
+def _logsumexp0(x):
+    """logsumexp over dim 0, -inf where every term is, with a zero (not NaN)
+    gradient there: unreachable CTC states must not spoil the gradient of
+    the classes they share with reachable ones."""
+    top = x.detach().amax(0)
+    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    total = (x - top).exp().sum(0)
+    empty = total == 0
+    safe = torch.where(empty, torch.ones_like(total), total)
+    return torch.where(empty, torch.full_like(total, float("-inf")), safe.log() + top)
+
+
+def _ctc_alphas(log_probs, targets, input_lengths, target_lengths, blank):
+    """CTC's forward variables in log space, every batch element at once:
+    (nll (N,), log_alpha (N, T, 2 S + 1)), S the longest target. An
+    element's alphas stop changing after its input length."""
+    steps, batch, _ = log_probs.shape
+    il = _as_lengths(input_lengths, log_probs)
+    tl = _as_lengths(target_lengths, log_probs)
+    device = log_probs.device
+    if targets.dim() == 1:  # concatenated: padded rows from the offsets
+        width = int(tl.max().item()) if batch > 0 else 0
+        starts = tl.cumsum(0) - tl
+        at = (starts.unsqueeze(1) + torch.arange(width, device=device)).clamp(
+            max=max(targets.shape[0] - 1, 0))
+        padded = targets.index_select(0, at.flatten()).reshape(batch, width) \
+            if targets.shape[0] > 0 else targets.new_zeros(batch, width)
+    else:
+        padded = targets
+    width = padded.shape[1]
+    ext_len = 2 * width + 1
+    # The extended labels: blank, t1, blank, t2, ..., blank.
+    ext = torch.full((batch, ext_len), blank, dtype=torch.int64, device=device)
+    if width > 0:
+        ext[:, 1::2] = padded.to(torch.int64)
+    position = torch.arange(ext_len, device=device)
+    # A label may be reached from two back unless it repeats the one there.
+    skip = torch.zeros(batch, ext_len, dtype=torch.bool, device=device)
+    if ext_len > 2:
+        skip[:, 2:] = (position[2:] % 2 == 1) & (ext[:, 2:] != ext[:, :-2])
+    valid = position.unsqueeze(0) < (2 * tl + 1).unsqueeze(1)
+    lp = log_probs.gather(2, ext.unsqueeze(0).expand(steps, batch, ext_len))
+    ninf = torch.full((batch, ext_len), float("-inf"), dtype=log_probs.dtype, device=device)
+    first = (position.unsqueeze(0) < 2) & valid
+    alpha = torch.where(first, lp[0], ninf) if steps > 0 else ninf
+    alphas = [alpha]
+    pad1 = ninf[:, :1]
+    pad2 = ninf[:, :2]
+    for t in range(1, steps):
+        one = torch.cat([pad1, alpha[:, :-1]], 1)
+        two = torch.where(skip, torch.cat([pad2, alpha[:, :-2]], 1), ninf)
+        moved = _logsumexp0(torch.stack([alpha, one, two])) + lp[t]
+        moved = torch.where(valid, moved, ninf)
+        alpha = torch.where((t < il).unsqueeze(1), moved, alpha)
+        alphas.append(alpha)
+    log_alpha = torch.stack(alphas, 1) if steps > 0 else ninf.unsqueeze(1)[:, :0]
+    last = (2 * tl).unsqueeze(1)
+    end = alpha.gather(1, last).squeeze(1)
+    before = torch.where(tl > 0, alpha.gather(1, (last - 1).clamp(min=0)).squeeze(1),
+                         torch.full_like(end, float("-inf")))
+    nll = -_logsumexp0(torch.stack([end, before]))
+    return nll, log_alpha
+
+
+def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    torch._check(log_probs.dim() == 3, lambda: "ctc_loss: expected 3-D log_probs (T, N, C)")
+    return _ctc_alphas(log_probs, targets, input_lengths, target_lengths, blank)
+
+
+def _ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths,
+                       neg_log_likelihood, log_alpha, blank, zero_infinity=False):
+    """The gradient of the loss by the forward's vector-Jacobian product, in
+    the form ATen returns: plus exp(log_probs) times the loss's gradient
+    over each element's input steps (the gradient as taken through a
+    log_softmax, which that term leaves unchanged)."""
+    with torch.enable_grad():
+        _, vjp = torch.func.vjp(
+            lambda lp: _ctc_alphas(lp, targets, input_lengths, target_lengths, blank)[0],
+            log_probs)
+        g = grad.expand_as(neg_log_likelihood) if grad.dim() == 0 else grad
+        (result,) = vjp(g)
+    il = _as_lengths(input_lengths, log_probs)
+    running = (torch.arange(log_probs.shape[0], device=log_probs.device).unsqueeze(1)
+               < il.unsqueeze(0)).unsqueeze(2)
+    result = result + torch.where(running, log_probs.exp() * g.view(1, -1, 1),
+                                  torch.zeros_like(result))
+    if zero_infinity:
+        finite = (neg_log_likelihood != float("inf")).view(1, -1, 1)
+        result = torch.where(finite, result, torch.zeros_like(result))
+    return result
+
+
 # "aten::op.overload" -> its decomposition.
 DECOMPOSITIONS = {
     "aten::linalg_lstsq": linalg_lstsq,
@@ -451,6 +549,10 @@ DECOMPOSITIONS = {
     "aten::_histogramdd_bin_edges": _histogramdd_bin_edges,
     "aten::_histogramdd_from_bin_cts": _histogramdd_from_bin_cts,
     "aten::_histogramdd_from_bin_tensors": _histogramdd_from_bin_tensors,
+    "aten::_ctc_loss": _ctc_loss,
+    "aten::_ctc_loss.Tensor": _ctc_loss,
+    "aten::_ctc_loss_backward": _ctc_loss_backward,
+    "aten::_ctc_loss_backward.Tensor": _ctc_loss_backward,
     "aten::_embedding_bag": _embedding_bag,
     "aten::_embedding_bag_forward_only": _embedding_bag,
     "aten::_embedding_bag_backward": _embedding_bag_backward,
