@@ -848,6 +848,42 @@ def _more_ops_match_cpu_forward_and_backward():
             assert torch.allclose(gt, gc, atol=1e-5), (reduction, gt, gc)
 
 
+def test_complex32_is_copied_and_converted(pjrt):
+    run_in_child(pjrt, _complex32_is_copied_and_converted)
+
+
+def _complex32_is_copied_and_converted():
+    # chalf has no StableHLO type: tpud carries its elements raw and
+    # converts them in copy_ only, each part rounded to float16.
+    import warnings
+
+    import torch
+    import torch_tpu  # noqa: F401
+    warnings.simplefilter("ignore")  # (torch: ComplexHalf is experimental)
+    same = lambda a, b: torch.equal(a.cpu().cfloat(), b.cfloat())  # noqa: E731
+    x = torch.randn(3, 4) * 300
+    z = torch.complex(torch.randn(5), torch.randn(5)) * 1e3
+    c = x.chalf()
+    assert x.to("tpu").chalf().dtype == torch.complex32
+    assert same(x.to("tpu").chalf(), c)
+    assert same(z.to("tpu").chalf(), z.chalf())
+    assert same(torch.tensor(2.5, device="tpu").chalf(), torch.tensor(2.5).chalf())
+    assert same(c.to("tpu").t().contiguous(), c.t().contiguous())
+    for dtype in (torch.complex64, torch.complex128, torch.float32):
+        got = c.to("tpu").to(dtype).cpu() if dtype.is_complex else c.to("tpu").real.to(dtype).cpu()
+        want = c.to(dtype) if dtype.is_complex else c.real.to(dtype)
+        assert torch.equal(got, want), dtype
+    a = x.to("tpu").requires_grad_()
+    a.chalf().cfloat().real.sum().backward()
+    assert torch.equal(a.grad.cpu(), torch.ones(3, 4))
+    t = x.to("tpu").chalf()
+    try:
+        (t + t).cpu()
+        raise AssertionError("no error")
+    except RuntimeError as e:
+        assert "complex32" in str(e), e
+
+
 def test_item_reads_every_float_and_complex_type(pjrt):
     # .item() on half, bfloat16 and complex tensors (loss.item() under bf16
     # training): values equal the CPU's, subnormal halves and infinities too.

@@ -48,6 +48,25 @@ absl::Status PjrtChip::LowerPlan(const OpSite& site, bool compile,
   if (multi == nullptr && refs.size() != 1) {
     return Unsupported(op.name(), absl::StrCat(refs.size(), " outputs"));
   }
+  // complex32 tensors are carried as raw 4-byte elements that only copy_
+  // converts (lowering.h, kHloTypes).
+  if (op.name() != "aten::copy_") {
+    const auto chalf = [](const tpu::TensorRef& r) {
+      return r.dtype == tpu::Code(tpu::DType::kComplexHalf);
+    };
+    bool any = false;
+    for (const tpu::TensorRef* r : refs) any |= chalf(*r);
+    for (size_t a = 0; a < decoded.num_args; ++a) {
+      const tpu::OpArg& arg = decoded.args[a];
+      if (arg.tag == tpu::ArgTag::kTensor) any |= chalf(arg.tensor);
+      for (const tpu::TensorRef& r : arg.tensors) any |= chalf(r);
+    }
+    if (any) {
+      return Unsupported(op.name(),
+                         "complex32 (chalf) tensors, which the PJRT backend "
+                         "only copies and converts");
+    }
+  }
   std::vector<Target> outs(refs.size());
   std::vector<char*> dsts(refs.size());
   // A written tensor whose layout is dense in some order of its dimensions

@@ -24,6 +24,57 @@
 
 namespace tpud::pjrt {
 
+namespace {
+
+// complex32 elements (ui32, see kHloTypes) as complex64, and back (each
+// part rounded to float16): the real part is the element's low half. The
+// halves are split and joined with integer ops, not a bitcast between
+// widths (XLA's simplifier folds two of those into one it then rejects).
+constexpr HloType kU16{tpu::DType::kUInt16, "ui16", PJRT_Buffer_Type_U16};
+
+std::string ChalfToComplex(Lowering& l, const std::string& raw,
+                           const std::vector<int64_t>& dims) {
+  const HloType& u32 = *DTypeOf(tpu::DType::kComplexHalf);
+  const HloType& f16 = *DTypeOf(tpu::DType::kHalf);
+  const HloType& f32 = F32();
+  const auto half = [&](const std::string& bits) {
+    const std::string h = l.Emit(absl::StrCat(
+        "stablehlo.bitcast_convert ", l.Convert(bits, dims, u32, kU16), " : (",
+        TypeOf(dims, kU16), ") -> ", TypeOf(dims, f16)));
+    return l.Convert(h, dims, f16, f32);
+  };
+  const std::string re =
+      half(l.Binary("and", raw, l.Constant(65535, dims, u32), dims, u32));
+  const std::string im = half(l.Binary("shift_right_logical", raw,
+                                       l.Constant(16, dims, u32), dims, u32));
+  return l.Emit(
+      absl::StrCat("stablehlo.complex ", re, ", ", im, " : ",
+                   TypeOf(dims, *DTypeOf(tpu::DType::kComplexFloat))));
+}
+
+std::string ComplexToChalf(Lowering& l, const std::string& v,
+                           const std::vector<int64_t>& dims) {
+  const HloType& u32 = *DTypeOf(tpu::DType::kComplexHalf);
+  const HloType& f16 = *DTypeOf(tpu::DType::kHalf);
+  const HloType& f32 = F32();
+  const HloType& c64 = *DTypeOf(tpu::DType::kComplexFloat);
+  const auto bits = [&](const char* which) {
+    const std::string p =
+        l.Emit(absl::StrCat("stablehlo.", which, " ", v, " : (",
+                            TypeOf(dims, c64), ") -> ", TypeOf(dims, f32)));
+    const std::string h = l.Emit(
+        absl::StrCat("stablehlo.bitcast_convert ", l.Convert(p, dims, f32, f16),
+                     " : (", TypeOf(dims, f16), ") -> ", TypeOf(dims, kU16)));
+    return l.Convert(h, dims, kU16, u32);
+  };
+  return l.Binary("or", bits("real"),
+                  l.Binary("shift_left", bits("imag"),
+                           l.Constant(16, dims, u32), dims, u32),
+                  dims, u32);
+}
+
+}  // namespace
+
 void RegisterElementwise(OpRegistry& reg) {
   // Arguments are read by their schema names (Args, helpers.h).
   // (Their in-place and out= forms are derived: registry.h.)
@@ -72,7 +123,29 @@ void RegisterElementwise(OpRegistry& reg) {
                   const Target& out) -> absl::StatusOr<std::string> {
               const Args a(l);
               if (!a.Has(arg)) return Unsupported(l.op(), "too few arguments");
-              return l.Operand(a[arg], out.dims, *out.type);
+              const tpu::OpArg& from = a[arg];
+              const HloType& c64 = *DTypeOf(tpu::DType::kComplexFloat);
+              const bool chalf_in =
+                  from.tag == tpu::ArgTag::kTensor &&
+                  from.tensor.dtype == tpu::Code(tpu::DType::kComplexHalf);
+              const bool chalf_out =
+                  out.type->dtype == tpu::DType::kComplexHalf;
+              if (!chalf_in && !chalf_out)
+                return l.Operand(from, out.dims, *out.type);
+              // complex32 in or out: through complex64.
+              std::string v;
+              if (chalf_in) {
+                absl::StatusOr<std::string> raw =
+                    l.Operand(from, out.dims, *DTypeOf(from.tensor.dtype));
+                if (!raw.ok()) return raw;
+                v = ChalfToComplex(l, *raw, out.dims);
+              } else {
+                absl::StatusOr<std::string> x = l.Operand(from, out.dims, c64);
+                if (!x.ok()) return x;
+                v = *x;
+              }
+              if (chalf_out) return ComplexToChalf(l, v, out.dims);
+              return l.Convert(v, out.dims, c64, *out.type);
             })
         .OverwritesFirst();
   }

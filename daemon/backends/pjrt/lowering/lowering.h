@@ -57,6 +57,10 @@ inline constexpr HloType kHloTypes[] = {
     {tpu::DType::kBFloat16, "bf16", PJRT_Buffer_Type_BF16},
     {tpu::DType::kComplexFloat, "complex<f32>", PJRT_Buffer_Type_C64},
     {tpu::DType::kComplexDouble, "complex<f64>", PJRT_Buffer_Type_C128},
+    // complex32 (chalf) has no StableHLO type: its 4-byte elements travel
+    // as ui32, and only copy_ reads or writes them, as two float16 halves
+    // (ChalfToComplex, ComplexToChalf); every other op refuses them.
+    {tpu::DType::kComplexHalf, "ui32", PJRT_Buffer_Type_U32},
 };
 // The type of `dtype`, or null where it is not lowered.
 inline const HloType* DTypeOf(tpu::DType dtype) {
@@ -73,7 +77,10 @@ inline const HloType& F64() { return *DTypeOf(tpu::DType::kDouble); }
 inline const HloType& F32() { return *DTypeOf(tpu::DType::kFloat); }
 inline const HloType& I64() { return *DTypeOf(tpu::DType::kInt64); }
 // complex64 and complex128 (complex32 is not lowered).
-inline bool IsComplex(const HloType& t) { return tpu::IsComplex(t.dtype); }
+// (complex32 is carried as raw ui32 elements: complex in no program.)
+inline bool IsComplex(const HloType& t) {
+  return tpu::IsComplex(t.dtype) && t.dtype != tpu::DType::kComplexHalf;
+}
 // The type of a complex type's parts (float32 for complex64).
 inline const HloType& PartOf(const HloType& t) {
   return *DTypeOf(tpu::PartOf(t.dtype));
