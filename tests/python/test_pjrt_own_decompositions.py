@@ -199,3 +199,31 @@ def _ctc_loss_and_its_gradient_match_cpu():
                     want.sum().backward()
                     got.sum().backward()
                     _same("ctc_loss grad", b.grad, a.grad, atol=1e-9)
+
+
+def test_ldl_factor_and_solve_match_lapack(pjrt):
+    run_in_child(pjrt, _ldl_factor_and_solve_match_lapack)
+
+
+def _ldl_factor_and_solve_match_lapack():
+    # Bunch-Kaufman's pivots as LAPACK's sytf2 picks them (1x1 and 2x2
+    # blocks), LD, info for a zero column, and sytrs's solve.
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.manual_seed(0)
+    for trial in range(12):
+        n = (1, 2, 3, 5, 8, 0)[trial % 6]
+        a = torch.randn(2, n, n, dtype=torch.float64)
+        a = a + a.mT
+        if trial == 3:
+            a[0, :, 0] = 0
+            a[0, 0, :] = 0
+        want = torch.linalg.ldl_factor_ex(a)
+        got = torch.linalg.ldl_factor_ex(a.to("tpu"))
+        _same(f"ldl_factor n={n}", list(got), list(want), atol=1e-12)
+        b = torch.randn(2, n, 3, dtype=torch.float64)
+        _same(f"ldl_solve n={n}",
+              torch.linalg.ldl_solve(want.LD.to("tpu"), want.pivots.to("tpu"), b.to("tpu")),
+              torch.linalg.ldl_solve(want.LD, want.pivots, b), atol=1e-9)
+    with pytest.raises(RuntimeError, match="diagonal of D is zero"):
+        torch.linalg.ldl_factor_ex(torch.zeros(3, 3, device="tpu"), check_errors=True)

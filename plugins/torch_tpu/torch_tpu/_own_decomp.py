@@ -560,3 +560,7 @@ DECOMPOSITIONS = {
     "aten::_embedding_bag_per_sample_weights_backward":
         _embedding_bag_per_sample_weights_backward,
 }
+
+from ._own_ldl import DECOMPOSITIONS as _LDL  # noqa: E402  (LDL^T: its own module)
+
+DECOMPOSITIONS.update(_LDL)
