@@ -369,6 +369,10 @@ def _sort_median_mode_and_special_functions_match_cpu():
                      "polygamma 2": lambda z: torch.polygamma(2, z), "hypot": lambda z: torch.hypot(z, z - 3)}.items():
         assert torch.allclose(fn(p.to("tpu")).cpu(), fn(p), rtol=1e-4, atol=1e-5), name
     assert torch.isinf(torch.digamma(torch.zeros(1, device="tpu"))).all()
+    inf = float("inf")
+    u, v = torch.tensor([-inf, inf, -inf, 1.0, 3.0]), torch.tensor([-inf, inf, 2.0, -inf, 3.0])
+    for fn in (torch.logaddexp, torch.logaddexp2):  # equal infinities give themselves
+        assert torch.equal(fn(u.to("tpu"), v.to("tpu")).cpu(), fn(u, v)), fn
     # trigamma near its poles: ATen's float32 algorithm (its rounding of
     # pi x included), so CPU's figures to the last few bits.
     z = torch.tensor([-7.9506, -3.0337, -3.9730, 0.3, 2.5, 40.0])

@@ -524,11 +524,20 @@ void RegisterElementwise(OpRegistry& reg) {
             "negate",
             l.Unary("abs", l.Binary("subtract", *a, *b, o.dims, t), o.dims, t),
             o.dims, t);
-        return l.Binary(
+        const std::string r = l.Binary(
             "add", mx,
             l.Unary("log_plus_one", l.Unary("exponential", diff, o.dims, t),
                     o.dims, t),
             o.dims, t);
+        if (IsComplex(t)) return r;
+        // Two equal infinities give themselves (their difference is NaN).
+        const std::string inf = l.Binary("divide", l.Constant(1, o.dims, t),
+                                         l.Constant(0, o.dims, t), o.dims, t);
+        const std::string same_inf = l.Binary(
+            "and", l.Compare("EQ", *a, *b, o.dims, t),
+            l.Compare("EQ", l.Unary("abs", *a, o.dims, t), inf, o.dims, t),
+            o.dims, *DTypeOf(tpu::DType::kBool));
+        return l.Select(same_inf, *a, r, o.dims, t);
       });
   // clamp(self, min?, max?): bounds are scalars or tensors, either may be
   // absent. lo and hi name the bounds an op takes (null: none).
