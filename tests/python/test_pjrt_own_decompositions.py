@@ -51,6 +51,17 @@ def _own_decompositions_match_cpu():
     for op in (torch.ops.aten.native_batch_norm, torch.ops.aten._native_batch_norm_legit):
         _same("batch norm eval", op(tpu(x), tpu(w), None, tpu(rm), tpu(rv), False, 0.1, 1e-5),
               op(x, w, None, rm, rv, False, 0.1, 1e-5))
+    # In bfloat16, training normalizes with the statistics rounded to
+    # bfloat16, as CPU does (and stores them so); eval's empty ones keep the
+    # input's type.
+    xb = torch.randn(4, 3, 5).bfloat16()
+    wb, bb = torch.randn(3).bfloat16(), torch.randn(3).bfloat16()
+    for training in (True, False):
+        args = (wb, bb, torch.zeros(3).bfloat16(), torch.ones(3).bfloat16(), training, 0.1, 1e-5)
+        _same(f"batch norm bfloat16 training={training}",
+              torch.ops.aten.native_batch_norm(tpu(xb), *[tpu(a) if isinstance(a, torch.Tensor)
+                                                          else a for a in args]),
+              torch.ops.aten.native_batch_norm(xb, *args), atol=0)
     # lstsq: every driver's outputs, over- and under-determined, a vector b.
     for driver in (None, "gels", "gelsd", "gelss"):
         for a_shape, b_shape in (((2, 5, 3), (2, 5, 2)), ((3, 5), (3, 2)), ((5, 3), (5,))):

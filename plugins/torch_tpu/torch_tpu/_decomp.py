@@ -203,18 +203,37 @@ def _grid_sampler_2d_backward(grad_output, input, grid, interpolation_mode, padd
             grad_grid if output_mask[1] else None)
 
 
-# Batch norm's decompositions return the running statistics' shape ([C])
-# for the saved mean and inverse deviation in eval mode, as CUDA's kernel
-# does; ATen's CPU kernel (and so tpud's simulated chip) returns them empty.
-_EMPTY_EVAL_STATISTICS = {"aten::native_batch_norm", "aten::_native_batch_norm_legit"}
+# Batch norm's decompositions model CUDA's kernel; ATen's CPU kernel (and
+# so tpud's simulated chip) differs twice: in eval mode its saved mean and
+# inverse deviation are empty, not [C]; and in training with half-precision
+# input and parameters it stores them in that type and normalizes with the
+# rounded values.
+# (op -> whether its training flag is an argument; _batch_norm_with_update
+# always trains)
+_CPU_BATCH_NORM = {"aten::native_batch_norm": True, "aten::_native_batch_norm_legit": True,
+                   "aten::_batch_norm_with_update": False}
 
 
-def _empty_eval_statistics(fn):
-    def run(input, weight, bias, running_mean, running_var, training, *args, **kwargs):
-        out = fn(input, weight, bias, running_mean, running_var, training, *args, **kwargs)
-        if training:
+def _cpu_batch_norm(fn, flag):
+    def run(input, weight, bias, running_mean, running_var, *args, **kwargs):
+        out = fn(input, weight, bias, running_mean, running_var, *args, **kwargs)
+        training = (kwargs.get("training", args[0] if args else True)) if flag else True
+        half = input.dtype in (torch.float16, torch.bfloat16)
+        params = [t for t in (weight, bias, running_mean, running_var) if t is not None]
+        mixed = half and any(t.dtype == torch.float32 for t in params)
+        if not training:
+            stats = torch.float32 if mixed else input.dtype
+            return out[0], out[1].new_empty(0, dtype=stats), out[2].new_empty(0, dtype=stats)
+        if not half or mixed:
             return out
-        return out[0], out[1].new_empty(0), out[2].new_empty(0)
+        mean, invstd = out[1].to(input.dtype), out[2].to(input.dtype)
+        shape = [1, -1] + [1] * (input.dim() - 2)
+        y = (input.float() - mean.float().view(shape)) * invstd.float().view(shape)
+        if weight is not None:
+            y = y * weight.float().view(shape)
+        if bias is not None:
+            y = y + bias.float().view(shape)
+        return (y.to(input.dtype), mean, invstd) + tuple(out[3:])
 
     return run
 
@@ -260,8 +279,8 @@ def install(lowered_ops):
             functional = _functional_decomposition(op)
             if functional is not None:
                 fn = _into_outs(op, functional)
-        if name in _EMPTY_EVAL_STATISTICS:
-            fn = _empty_eval_statistics(fn)
+        if name in _CPU_BATCH_NORM:
+            fn = _cpu_batch_norm(fn, _CPU_BATCH_NORM[name])
         if name in sent_whole:
             with warnings.catch_warnings():  # (torch warns that a kernel is overridden)
                 warnings.simplefilter("ignore")
