@@ -191,18 +191,6 @@ def _install_metas(lowered):
     _meta_lib = lib
 
 
-def _grid_sampler_2d_backward(grad_output, input, grid, interpolation_mode, padding_mode,
-                              align_corners, output_mask):
-    forward = torch._decomp.decomposition_table[torch.ops.aten.grid_sampler_2d.default]
-    with torch.enable_grad():
-        _, vjp = torch.func.vjp(
-            lambda i, g: forward(i, g, interpolation_mode, padding_mode, align_corners),
-            input, grid)
-        grad_input, grad_grid = vjp(grad_output)
-    return (grad_input if output_mask[0] else None,
-            grad_grid if output_mask[1] else None)
-
-
 # Batch norm's decompositions model CUDA's kernel; ATen's CPU kernel (and
 # so tpud's simulated chip) differs twice: in eval mode its saved mean and
 # inverse deviation are empty, not [C]; and in training with half-precision
@@ -236,15 +224,6 @@ def _cpu_batch_norm(fn, flag):
         return (y.to(input.dtype), mean, invstd) + tuple(out[3:])
 
     return run
-
-
-# Backward ops with neither a lowering nor a decomposition whose forward op
-# has one: the vector-Jacobian product of the forward's decomposition
-# (torch.func.vjp, which runs the forward again), its pieces sent to the
-# daemon like any other ops.
-_BY_VJP = {
-    "aten::grid_sampler_2d_backward": _grid_sampler_2d_backward,
-}
 
 
 def install(lowered_ops):
@@ -298,7 +277,7 @@ def install(lowered_ops):
         _installed.append(name)
     from . import _own_decomp
 
-    for name, fn in list(_BY_VJP.items()) + list(_own_decomp.DECOMPOSITIONS.items()):
+    for name, fn in _own_decomp.DECOMPOSITIONS.items():
         if name not in lowered and name not in _installed:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

@@ -249,15 +249,26 @@ def grid_sampler_3d(input, grid, interpolation_mode, padding_mode, align_corners
     return out.reshape(n, c, *out_shape)
 
 
-def grid_sampler_3d_backward(grad_output, input, grid, interpolation_mode, padding_mode,
-                             align_corners, output_mask):
-    with torch.enable_grad():
-        _, vjp = torch.func.vjp(
-            lambda i, g: grid_sampler_3d(i, g, interpolation_mode, padding_mode, align_corners),
-            input, grid)
-        grad_input, grad_grid = vjp(grad_output)
-    return (grad_input if output_mask[0] else None,
-            grad_grid if output_mask[1] else None)
+def _grid_sampler_backward(forward):
+    """A grid sampler's backward as the vector-Jacobian product of the
+    forward decomposition `forward()` gives (torch.func.vjp, which runs the
+    forward again; its pieces go to the daemon like any other ops)."""
+    def backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners,
+                 output_mask):
+        with torch.enable_grad():
+            _, vjp = torch.func.vjp(
+                lambda i, g: forward()(i, g, interpolation_mode, padding_mode, align_corners),
+                input, grid)
+            grad_input, grad_grid = vjp(grad_output)
+        return (grad_input if output_mask[0] else None,
+                grad_grid if output_mask[1] else None)
+
+    return backward
+
+
+def _pytorch_grid_sampler_2d():
+    import torch._decomp
+    return torch._decomp.decomposition_table[torch.ops.aten.grid_sampler_2d.default]
 
 
 _SUM, _MEAN, _MAX = 0, 1, 2
@@ -545,7 +556,8 @@ DECOMPOSITIONS = {
     "aten::unique_dim": unique_dim,
     "aten::hash_tensor": hash_tensor,
     "aten::grid_sampler_3d": grid_sampler_3d,
-    "aten::grid_sampler_3d_backward": grid_sampler_3d_backward,
+    "aten::grid_sampler_3d_backward": _grid_sampler_backward(lambda: grid_sampler_3d),
+    "aten::grid_sampler_2d_backward": _grid_sampler_backward(_pytorch_grid_sampler_2d),
     "aten::_histogramdd_bin_edges": _histogramdd_bin_edges,
     "aten::_histogramdd_from_bin_cts": _histogramdd_from_bin_cts,
     "aten::_histogramdd_from_bin_tensors": _histogramdd_from_bin_tensors,
