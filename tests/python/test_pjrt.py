@@ -369,6 +369,27 @@ def _sort_median_mode_and_special_functions_match_cpu():
                      "polygamma 2": lambda z: torch.polygamma(2, z), "hypot": lambda z: torch.hypot(z, z - 3)}.items():
         assert torch.allclose(fn(p.to("tpu")).cpu(), fn(p), rtol=1e-4, atol=1e-5), name
     assert torch.isinf(torch.digamma(torch.zeros(1, device="tpu"))).all()
+    # Integers: rounding keeps them, sign of bool and uint8, shifts past the
+    # width (and negative) as ATen's kernels.
+    for dtype in (torch.int64, torch.int32, torch.uint8, torch.bool):
+        k = torch.tensor([0, 1, 5, 200, 3]).to(dtype)
+        for fn in (torch.floor, torch.ceil, torch.round, torch.trunc, torch.sign):
+            if dtype == torch.bool and fn is not torch.sign:
+                continue  # (CPU refuses those for bool)
+            assert torch.equal(fn(k.to("tpu")).cpu(), fn(k)), (fn, dtype)
+    # Empty operands are constants: an empty index_add and a (2, 0) @ (0, 3).
+    assert torch.equal(torch.zeros(3, device="tpu").index_add(
+        0, torch.zeros(0, dtype=torch.long, device="tpu"), torch.zeros(0, device="tpu")).cpu(),
+        torch.zeros(3))
+    e = torch.zeros(2, 0, dtype=torch.long, device="tpu") @ torch.zeros(0, 3, dtype=torch.long,
+                                                                        device="tpu")
+    assert torch.equal(e.cpu(), torch.zeros(2, 3, dtype=torch.long))
+    for dtype in (torch.int64, torch.int32, torch.uint8):
+        a = torch.tensor([-7, 5, 100, -1, 3, 9]).to(dtype)
+        by = torch.tensor([1, 3, 70, 65, -2, 7]).to(dtype)
+        for fn in (torch.bitwise_left_shift, torch.bitwise_right_shift):
+            assert torch.equal(fn(a.to("tpu"), by.to("tpu")).cpu(), fn(a, by)), (fn, dtype)
+        assert torch.equal((a.to("tpu") << 2).cpu(), a << 2) and torch.equal((a.to("tpu") >> 1).cpu(), a >> 1)
     inf = float("inf")
     u, v = torch.tensor([-inf, inf, -inf, 1.0, 3.0]), torch.tensor([-inf, inf, 2.0, -inf, 3.0])
     for fn in (torch.logaddexp, torch.logaddexp2):  # equal infinities give themselves

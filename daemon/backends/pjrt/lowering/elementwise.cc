@@ -342,13 +342,32 @@ void RegisterElementwise(OpRegistry& reg) {
               const Target& o) { return l.Binary(op, a, b, o.dims, *o.type); };
   auto U = [](Lowering& l, const char* op, const std::string& a,
               const Target& o) { return l.Unary(op, a, o.dims, *o.type); };
+  // floor, ceil, round and trunc keep an integer; sign of a bool is itself,
+  // of an unsigned integer 0 or 1 (StableHLO's ops take floats, and sign
+  // signed integers only).
   for (const auto& [name, op] :
        std::vector<std::pair<std::string, const char*>>{
            {"floor", "floor"},
            {"ceil", "ceil"},
            {"round", "round_nearest_even"},
            {"sign", "sign"},
-           {"sgn", "sign"},
+           {"sgn", "sign"}}) {
+    const char* hlo = op;
+    const bool is_sign = std::string(op) == "sign";
+    unary("aten::" + name,
+          [hlo, is_sign](Lowering& l, const std::string& x, const Target& o) {
+            const HloType& t = *o.type;
+            if (t.is_float || IsComplex(t)) return l.Unary(hlo, x, o.dims, t);
+            if (!is_sign || t.dtype == tpu::DType::kBool) return x;
+            if (t.dtype != tpu::DType::kUInt8)
+              return l.Unary(hlo, x, o.dims, t);
+            return l.Select(
+                l.Compare("EQ", x, l.Constant(0, o.dims, t), o.dims, t),
+                l.Constant(0, o.dims, t), l.Constant(1, o.dims, t), o.dims, t);
+          });
+  }
+  for (const auto& [name, op] :
+       std::vector<std::pair<std::string, const char*>>{
            {"log1p", "log_plus_one"},
            {"expm1", "exponential_minus_one"},
            {"tan", "tan"}}) {
@@ -363,6 +382,7 @@ void RegisterElementwise(OpRegistry& reg) {
           return B(l, "multiply", x, x, o);
         });
   unary("aten::trunc", [=](Lowering& l, const std::string& x, const Target& o) {
+    if (!o.type->is_float) return x;  // (an integer is its own truncation)
     return B(l, "multiply", U(l, "sign", x, o),
              U(l, "floor", U(l, "abs", x, o), o), o);
   });
@@ -479,6 +499,46 @@ void RegisterElementwise(OpRegistry& reg) {
              {"bitwise_xor", "xor"}}) {
       reg.Add("aten::" + name + ov, BinaryRule(op, false));
     }
+  }
+  // bitwise_left_shift / bitwise_right_shift (and << >>): a shift by less
+  // than the width; past it, or negative, a left shift gives 0 and a right
+  // one the sign (0 for unsigned), as ATen's kernels.
+  for (bool left : {true, false}) {
+    Rule shift = [left](Lowering& l, const tpu::DecodedOp&,
+                        const Target& o) -> absl::StatusOr<std::string> {
+      const Args args(l);
+      if (!args.Has("self") || !args.Has("other"))
+        return Unsupported(l.op(), "too few arguments");
+      const HloType& t = *o.type;
+      if (t.is_float || IsComplex(t) || t.dtype == tpu::DType::kBool)
+        return Unsupported(l.op(), "a dtype that is not lowered");
+      absl::StatusOr<std::string> a = l.Operand(args["self"], o.dims, t),
+                                  b = l.Operand(args["other"], o.dims, t);
+      if (!a.ok()) return a;
+      if (!b.ok()) return b;
+      const bool is_unsigned = t.dtype == tpu::DType::kUInt8;
+      const int bits = t.bytes * 8;
+      const std::string beyond = l.Binary(
+          "or", l.Compare("LT", *b, l.Constant(0, o.dims, t), o.dims, t),
+          l.Compare("GE", *b, l.Constant(bits, o.dims, t), o.dims, t), o.dims,
+          *DTypeOf(tpu::DType::kBool));
+      const char* op = left          ? "shift_left"
+                       : is_unsigned ? "shift_right_logical"
+                                     : "shift_right_arithmetic";
+      const std::string far =
+          left || is_unsigned
+              ? l.Constant(0, o.dims, t)
+              : l.Binary("shift_right_arithmetic", *a,
+                         l.Constant(bits - 1, o.dims, t), o.dims, t);
+      return l.Select(beyond, far, l.Binary(op, *a, *b, o.dims, t), o.dims, t);
+    };
+    const std::string name =
+        left ? "bitwise_left_shift" : "bitwise_right_shift";
+    for (const char* form : {".Tensor", ".Tensor_Scalar", ".Scalar_Tensor"})
+      reg.Add("aten::" + name + form, shift);
+    const std::string dunder = left ? "__lshift__" : "__rshift__";
+    for (const char* form : {".Tensor", ".Scalar"})
+      reg.Add("aten::" + dunder + form, shift);
   }
   for (const auto& [name, op] :
        std::vector<std::pair<std::string, const char*>>{

@@ -46,6 +46,18 @@ absl::StatusOr<char*> Lowering::HostOfElements(const tpu::TensorRef& ref,
 
 absl::StatusOr<std::string> Lowering::Tensor(const tpu::TensorRef& ref,
                                              size_t k) {
+  // An empty tensor is a constant: no bytes to pass (in device memory a
+  // parameter without a segment's bytes would be taken for a scalar).
+  bool empty = false;
+  for (int d = 0; d < ref.ndim; ++d) empty |= ref.sizes[d] == 0;
+  if (empty) {
+    const HloType* et = DTypeOf(ref.dtype);
+    if (et == nullptr)
+      return Unsupported(
+          op_, absl::StrCat("dtype ", int(ref.dtype), " is not lowered"));
+    return Constant(0, std::vector<int64_t>(ref.sizes, ref.sizes + ref.ndim),
+                    *et);
+  }
   absl::StatusOr<char*> host = HostOf(ref, k);
   if (!host.ok()) return host.status();
   const HloType& t = *DTypeOf(ref.dtype);
