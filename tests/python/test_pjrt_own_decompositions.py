@@ -101,6 +101,14 @@ def _own_decompositions_match_cpu():
         _same(f"unique dim={d}",
               torch.unique(tpu(y), dim=d, return_inverse=True, return_counts=True),
               torch.unique(y, dim=d, return_inverse=True, return_counts=True))
+    v = torch.tensor([1, 4, 4, 0, 7])
+    for kw in ({}, {"minlength": 10}, {"weights": torch.rand(5)}, {"weights": torch.arange(5)}):
+        _same(f"bincount {kw}", torch.bincount(tpu(v), **{k: tpu(w) if isinstance(w, torch.Tensor)
+                                                          else w for k, w in kw.items()}),
+              torch.bincount(v, **kw))
+    _same("bincount empty", torch.bincount(tpu(v[:0]), minlength=3), torch.bincount(v[:0], minlength=3))
+    with pytest.raises(RuntimeError, match="non-negative"):
+        torch.bincount(tpu(torch.tensor([1, -2])))
     # hash_tensor: XOR of 64-bit patterns.
     for v in (torch.randn(3, 4), torch.tensor([1, 2, -3]), torch.tensor([True, False, True])):
         _same("hash_tensor", torch.hash_tensor(tpu(v)), torch.hash_tensor(v))

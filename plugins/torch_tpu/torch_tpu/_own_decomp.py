@@ -18,7 +18,7 @@ def linalg_lstsq(self, b, rcond=None, *, driver=None):
     """Least squares through the SVD, with the outputs of the driver asked
     for (CPU's default, gelsy: solution and rank)."""
     torch._check(self.dim() >= 2,
-                 lambda: f"torch.linalg.lstsq: input must have at least 2 dimensions.")
+                 lambda: "torch.linalg.lstsq: input must have at least 2 dimensions.")
     torch._check(self.dim() >= b.dim() and self.dim() - b.dim() <= 1,
                  lambda: "torch.linalg.lstsq: input.dim() must be greater or equal to "
                          "other.dim() and (input.dim() - other.dim()) <= 1")
@@ -28,13 +28,13 @@ def linalg_lstsq(self, b, rcond=None, *, driver=None):
                          f"{b.dtype}")
     driver = driver or "gelsy"
     torch._check(driver in ("gels", "gelsy", "gelsd", "gelss"),
-                 lambda: f"torch.linalg.lstsq: parameter `driver` should be one of "
-                         f"(gels, gelsy, gelsd, gelss)")
+                 lambda: "torch.linalg.lstsq: parameter `driver` should be one of "
+                         "(gels, gelsy, gelsd, gelss)")
     vector = b.dim() == self.dim() - 1
     rhs = b.unsqueeze(-1) if vector else b
     m, n = self.shape[-2], self.shape[-1]
     torch._check(rhs.shape[-2] == m,
-                 lambda: f"torch.linalg.lstsq: input.size(-2) should match other.size(-2)")
+                 lambda: "torch.linalg.lstsq: input.size(-2) should match other.size(-2)")
     real = self.real.dtype if self.is_complex() else self.dtype
     if rcond is None or rcond < 0:
         rcond = torch.finfo(real).eps * max(m, n)
@@ -78,13 +78,34 @@ def repeat_interleave(repeats, *, output_size=None):
                  lambda: "repeats has to be Long or Int tensor")
     if repeats.numel() == 0:
         return repeats.new_empty(0)
-    total, lowest = _int_scalars(torch.stack([repeats.sum(), repeats.min()]).to(torch.int64))
-    torch._check(lowest >= 0, lambda: "repeats can not be negative")
-    if output_size is None:
+    if output_size is None:  # (given, it spares the read, as on CUDA)
+        total, lowest = _int_scalars(torch.stack([repeats.sum(), repeats.min()]).to(torch.int64))
+        torch._check(lowest >= 0, lambda: "repeats can not be negative")
         output_size = total
     ends = repeats.cumsum(0)
     positions = torch.arange(output_size, device=repeats.device, dtype=ends.dtype)
     return torch.searchsorted(ends, positions, right=True).to(repeats.dtype)
+
+
+def bincount(self, weights=None, minlength=0):
+    """Counts (or summed weights) of each value; the length, max + 1 or
+    minlength, read from the data (one read of the max and the min)."""
+    torch._check(minlength >= 0, lambda: "minlength should be >= 0")
+    torch._check(self.dim() == 1 and not self.is_floating_point() and not self.is_complex(),
+                 lambda: "bincount only supports 1-d non-negative integral inputs.")
+    torch._check(weights is None or (weights.dim() == 1 and weights.shape[0] == self.shape[0]),
+                 lambda: "weights should be 1-d and have the same length as input")
+    dtype = torch.int64 if weights is None else (
+        torch.float32 if weights.dtype == torch.float32 else torch.float64)
+    length = minlength
+    if self.numel() > 0:
+        top, lowest = _int_scalars(torch.stack([self.max(), self.min()]).to(torch.int64))
+        torch._check(lowest >= 0, lambda: "bincount only supports 1-d non-negative integral "
+                                          "inputs.")
+        length = max(length, top + 1)
+    values = torch.ones_like(self, dtype=dtype) if weights is None else weights.to(dtype)
+    return torch.zeros(length, dtype=dtype, device=self.device).index_add(
+        0, self.to(torch.int64), values)
 
 
 def _unique(self, sorted=True, return_inverse=False):
@@ -233,7 +254,7 @@ def grid_sampler_3d(input, grid, interpolation_mode, padding_mode, align_corners
         index = (zl * h + yl) * w + xl
         index = index.unsqueeze(1).expand(n, c, index.shape[-1])
         values = torch.gather(flat, 2, index)
-        return values * inside.unsqueeze(1).to(values.dtype)
+        return torch.where(inside.unsqueeze(1), values, torch.zeros_like(values))
 
     if interpolation_mode == 1:  # nearest, ties to even as nearbyint
         out = corner(torch.round(z), torch.round(y), torch.round(x))
@@ -553,6 +574,7 @@ DECOMPOSITIONS = {
     "aten::rrelu_with_noise": rrelu_with_noise,
     "aten::repeat_interleave.Tensor": repeat_interleave,
     "aten::_unique": _unique,
+    "aten::bincount": bincount,
     "aten::unique_dim": unique_dim,
     "aten::hash_tensor": hash_tensor,
     "aten::grid_sampler_3d": grid_sampler_3d,
