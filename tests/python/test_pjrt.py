@@ -377,6 +377,11 @@ def _sort_median_mode_and_special_functions_match_cpu():
             if dtype == torch.bool and fn is not torch.sign:
                 continue  # (CPU refuses those for bool)
             assert torch.equal(fn(k.to("tpu")).cpu(), fn(k)), (fn, dtype)
+    g, h = torch.tensor([12, -18, 0, 0, 7, 1071, -5]), torch.tensor([18, 12, 0, 9, 0, 462, -15])
+    for dtype in (torch.int64, torch.int32, torch.uint8):
+        x, y = g.to(dtype), h.to(dtype)
+        for fn in (torch.gcd, torch.lcm, lambda u, _: u.abs()):
+            assert torch.equal(fn(x.to("tpu"), y.to("tpu")).cpu(), fn(x, y)), (fn, dtype)
     # Empty operands are constants: an empty index_add and a (2, 0) @ (0, 3).
     assert torch.equal(torch.zeros(3, device="tpu").index_add(
         0, torch.zeros(0, dtype=torch.long, device="tpu"), torch.zeros(0, device="tpu")).cpu(),

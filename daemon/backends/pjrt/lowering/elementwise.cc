@@ -540,6 +540,58 @@ void RegisterElementwise(OpRegistry& reg) {
     for (const char* form : {".Tensor", ".Scalar"})
       reg.Add("aten::" + dunder + form, shift);
   }
+  // gcd(self, other) of integers: Euclid's algorithm on |a| and |b|, a
+  // while loop until every element's remainder is 0 (ATen's calc_gcd).
+  reg.Add("aten::gcd",
+          [](Lowering& l, const tpu::DecodedOp&,
+             const Target& o) -> absl::StatusOr<std::string> {
+            const Args args(l);
+            if (!args.Has("self") || !args.Has("other"))
+              return Unsupported(l.op(), "too few arguments");
+            const HloType& t = *o.type;
+            if (t.is_float || IsComplex(t) || t.dtype == tpu::DType::kBool)
+              return Unsupported(l.op(), "a dtype that is not lowered");
+            const HloType& i1 = *DTypeOf(tpu::DType::kBool);
+            absl::StatusOr<std::string> a = l.Operand(args["self"], o.dims, t),
+                                        b = l.Operand(args["other"], o.dims, t);
+            if (!a.ok()) return a;
+            if (!b.ok()) return b;
+            const std::vector<int64_t>& d = o.dims;
+            const bool is_unsigned = t.dtype == tpu::DType::kUInt8;
+            const auto mag = [&](const std::string& v) {
+              return is_unsigned ? v : l.Unary("abs", v, d, t);
+            };
+            const int id = l.NextId();
+            const std::string x = absl::StrCat("%w", id, "x"),
+                              y = absl::StrCat("%w", id, "y");
+            const std::string tv = TypeOf(d, t);
+            std::string going, x_next, y_next;
+            const std::string cond = l.Region([&] {
+              const std::string live =
+                  l.Compare("NE", x, l.Constant(0, d, t), d, t);
+              going = l.ReduceOver(live, d, Range(d.size()), "or",
+                                   l.Constant(0, {}, i1), i1);
+            });
+            const std::string body = l.Region([&] {
+              // (x, y) -> (y mod x, x) where x != 0.
+              const std::string live =
+                  l.Compare("NE", x, l.Constant(0, d, t), d, t);
+              const std::string safe =
+                  l.Select(live, x, l.Constant(1, d, t), d, t);
+              x_next =
+                  l.Select(live, l.Binary("remainder", y, safe, d, t), x, d, t);
+              y_next = l.Select(live, x, y, d, t);
+            });
+            const std::string loop = l.EmitResults(
+                absl::StrCat("stablehlo.while(", x, " = ", mag(*a), ", ", y,
+                             " = ", mag(*b), ") : ", tv, ", ", tv,
+                             "\n    cond {\n", cond, "      stablehlo.return ",
+                             going, " : ", TypeOf({}, i1), "\n    } do {\n",
+                             body, "      stablehlo.return ", x_next, ", ",
+                             y_next, " : ", tv, ", ", tv, "\n    }"),
+                2);
+            return loop + "#1";
+          });
   for (const auto& [name, op] :
        std::vector<std::pair<std::string, const char*>>{
            {"logical_and", "and"},

@@ -120,6 +120,10 @@ absl::StatusOr<std::string> AbsOperand(Lowering& l, const tpu::OpArg& a,
   if (in == nullptr || !IsComplex(*in) || IsComplex(t)) {
     absl::StatusOr<std::string> x = l.Operand(a, dims, t);
     if (!x.ok()) return x;
+    // (unsigned and bool are their own magnitude; StableHLO's abs takes
+    // neither)
+    if (t.dtype == tpu::DType::kUInt8 || t.dtype == tpu::DType::kBool)
+      return *x;
     return l.Unary("abs", *x, dims, t);
   }
   absl::StatusOr<std::string> z = l.Operand(a, dims, *in);
