@@ -73,6 +73,24 @@ std::string ComplexToChalf(Lowering& l, const std::string& v,
                   dims, u32);
 }
 
+// self and other of an op on integers (shifts, gcd), as its output's type.
+absl::Status IntegerOperands(Lowering& l, const Target& o, std::string* a,
+                             std::string* b) {
+  const Args args(l);
+  if (!args.Has("self") || !args.Has("other"))
+    return Unsupported(l.op(), "too few arguments");
+  const HloType& t = *o.type;
+  if (t.is_float || IsComplex(t) || t.dtype == tpu::DType::kBool)
+    return Unsupported(l.op(), "a dtype that is not lowered");
+  absl::StatusOr<std::string> x = l.Operand(args["self"], o.dims, t),
+                              y = l.Operand(args["other"], o.dims, t);
+  if (!x.ok()) return x.status();
+  if (!y.ok()) return y.status();
+  *a = *x;
+  *b = *y;
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 void RegisterElementwise(OpRegistry& reg) {
@@ -506,21 +524,14 @@ void RegisterElementwise(OpRegistry& reg) {
   for (bool left : {true, false}) {
     Rule shift = [left](Lowering& l, const tpu::DecodedOp&,
                         const Target& o) -> absl::StatusOr<std::string> {
-      const Args args(l);
-      if (!args.Has("self") || !args.Has("other"))
-        return Unsupported(l.op(), "too few arguments");
+      std::string a, b;
+      if (absl::Status st = IntegerOperands(l, o, &a, &b); !st.ok()) return st;
       const HloType& t = *o.type;
-      if (t.is_float || IsComplex(t) || t.dtype == tpu::DType::kBool)
-        return Unsupported(l.op(), "a dtype that is not lowered");
-      absl::StatusOr<std::string> a = l.Operand(args["self"], o.dims, t),
-                                  b = l.Operand(args["other"], o.dims, t);
-      if (!a.ok()) return a;
-      if (!b.ok()) return b;
       const bool is_unsigned = t.dtype == tpu::DType::kUInt8;
       const int bits = t.bytes * 8;
       const std::string beyond = l.Binary(
-          "or", l.Compare("LT", *b, l.Constant(0, o.dims, t), o.dims, t),
-          l.Compare("GE", *b, l.Constant(bits, o.dims, t), o.dims, t), o.dims,
+          "or", l.Compare("LT", b, l.Constant(0, o.dims, t), o.dims, t),
+          l.Compare("GE", b, l.Constant(bits, o.dims, t), o.dims, t), o.dims,
           *DTypeOf(tpu::DType::kBool));
       const char* op = left          ? "shift_left"
                        : is_unsigned ? "shift_right_logical"
@@ -528,9 +539,9 @@ void RegisterElementwise(OpRegistry& reg) {
       const std::string far =
           left || is_unsigned
               ? l.Constant(0, o.dims, t)
-              : l.Binary("shift_right_arithmetic", *a,
+              : l.Binary("shift_right_arithmetic", a,
                          l.Constant(bits - 1, o.dims, t), o.dims, t);
-      return l.Select(beyond, far, l.Binary(op, *a, *b, o.dims, t), o.dims, t);
+      return l.Select(beyond, far, l.Binary(op, a, b, o.dims, t), o.dims, t);
     };
     const std::string name =
         left ? "bitwise_left_shift" : "bitwise_right_shift";
@@ -545,17 +556,11 @@ void RegisterElementwise(OpRegistry& reg) {
   reg.Add("aten::gcd",
           [](Lowering& l, const tpu::DecodedOp&,
              const Target& o) -> absl::StatusOr<std::string> {
-            const Args args(l);
-            if (!args.Has("self") || !args.Has("other"))
-              return Unsupported(l.op(), "too few arguments");
+            std::string a, b;
+            if (absl::Status st = IntegerOperands(l, o, &a, &b); !st.ok())
+              return st;
             const HloType& t = *o.type;
-            if (t.is_float || IsComplex(t) || t.dtype == tpu::DType::kBool)
-              return Unsupported(l.op(), "a dtype that is not lowered");
             const HloType& i1 = *DTypeOf(tpu::DType::kBool);
-            absl::StatusOr<std::string> a = l.Operand(args["self"], o.dims, t),
-                                        b = l.Operand(args["other"], o.dims, t);
-            if (!a.ok()) return a;
-            if (!b.ok()) return b;
             const std::vector<int64_t>& d = o.dims;
             const bool is_unsigned = t.dtype == tpu::DType::kUInt8;
             const auto mag = [&](const std::string& v) {
@@ -583,8 +588,8 @@ void RegisterElementwise(OpRegistry& reg) {
               y_next = l.Select(live, x, y, d, t);
             });
             const std::string loop = l.EmitResults(
-                absl::StrCat("stablehlo.while(", x, " = ", mag(*a), ", ", y,
-                             " = ", mag(*b), ") : ", tv, ", ", tv,
+                absl::StrCat("stablehlo.while(", x, " = ", mag(a), ", ", y,
+                             " = ", mag(b), ") : ", tv, ", ", tv,
                              "\n    cond {\n", cond, "      stablehlo.return ",
                              going, " : ", TypeOf({}, i1), "\n    } do {\n",
                              body, "      stablehlo.return ", x_next, ", ",
