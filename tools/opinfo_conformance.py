@@ -12,6 +12,12 @@ defined only up to a sign (singular vectors, eigenvectors) takes their abs.
 Each sample is one of:
 
   passed, failed (a mismatch), errored (an exception on tpu: type and first line),
+  passed_closer: a float16 or bfloat16 result (or gradient) outside the
+      tolerance around CPU's, but at least as close as CPU's to the same op
+      computed in float64 on the CPU (largest absolute difference, element by
+      element). This is how PyTorch's own test_decomp and test_python_ref judge
+      an implementation that rounds in another order than ATen's low-precision
+      kernels; it counts as passing, and the strict rate is reported beside it.
   skipped_cpu (it raises on the CPU too; not counted),
   skipped_nondeterministic: random or uninitialised results: ops named like
       rand*, dropout, normal, bernoulli, multinomial, uniform, empty*, ..., and
@@ -64,11 +70,13 @@ and mismatch, the distinct errors; error and mismatch groups; crash events), the
 most common error messages (grouped by first line, with numbers, shapes and ATen
 op names blanked out; most ops first) with the ops that raise them, and last:
   conformance: P passed, F failed, E errored of N samples that pass on CPU (X.X%)
-with N = P + F + E (nondeterministic samples are counted apart).
+with N = P + F + E (nondeterministic samples are counted apart; P includes the
+passed_closer samples, and the strict rate without them follows).
 """
 import argparse
 import itertools
 import json
+import math
 import os
 import pathlib
 import random
@@ -91,8 +99,8 @@ GRACE_S = 30          # beyond --timeout before a stuck worker is killed
 IMPORT_TIMEOUT_S = 300
 TOP_ERRORS = 30
 TOP_MISMATCHES = 15
-STATUSES = ("passed", "failed", "errored", "skipped_cpu", "skipped_nondeterministic",
-            "skipped_no_grad")
+STATUSES = ("passed", "passed_closer", "failed", "errored", "skipped_cpu",
+            "skipped_nondeterministic", "skipped_no_grad")
 
 # Ops whose values cannot be compared with the CPU's: randomness or
 # uninitialised memory. Matched against the last dotted part of op.name.
@@ -206,6 +214,73 @@ def _values_at(inp, idx, dim):
     i = idx if idx.dim() == inp.dim() else idx.unsqueeze(d)
     out = torch.gather(inp, d, i)
     return out if idx.dim() == inp.dim() else out.squeeze(d)
+
+
+def _distance(a, ref):
+    """The largest |a - ref| over the elements, in float64 (complex128 when
+    either is complex). Equal values, infinities of one sign and nan against
+    nan are 0 apart; a nan against anything else is infinitely far."""
+    import torch
+    if a.shape != ref.shape:
+        return math.inf
+    if a.numel() == 0:
+        return 0.0
+    wide = torch.complex128 if a.is_complex() or ref.is_complex() else torch.float64
+    a, ref = a.detach().to(wide), ref.detach().to(wide)
+    d = (a - ref).abs()
+    same = (a == ref) | (torch.isnan(a) & torch.isnan(ref))
+    d = torch.where(same, torch.zeros_like(d), torch.nan_to_num(d, nan=math.inf))
+    return d.max().item()
+
+
+def closer_than_cpu(expected, actual, precise):
+    """Whether every result of tpu (`actual`, tensors as _Moved or plain) is at
+    least as close to `precise` (the op in float64 on the CPU) as CPU's own
+    result (`expected`) is, where it is not within tolerance of CPU's (where
+    CPU's is infinitely far, within tolerance of the float64 result). Integer
+    and boolean results, shapes, dtypes and non-tensor results must still match
+    CPU's exactly."""
+    import torch
+    if isinstance(expected, torch.Tensor):
+        a = actual.tensor if isinstance(actual, _Moved) else actual
+        if not isinstance(a, torch.Tensor) or a.shape != expected.shape \
+                or a.dtype != expected.dtype:
+            return False
+        try:
+            torch.testing.assert_close(a, expected, equal_nan=True)
+            return True
+        except AssertionError:
+            pass
+        if not (expected.is_floating_point() or expected.is_complex()) \
+                or not isinstance(precise, torch.Tensor):
+            return False
+        cpu = _distance(expected, precise)
+        if math.isinf(cpu):
+            # CPU's result has a nan or inf where the float64 one has not (or
+            # the reverse): tpu's must be within tolerance of the float64 one.
+            try:
+                torch.testing.assert_close(a, precise.to(a.dtype), equal_nan=True)
+                return True
+            except (AssertionError, RuntimeError, TypeError):
+                return False
+        return _distance(a, precise) <= cpu
+    if isinstance(expected, (list, tuple)):
+        return isinstance(actual, (list, tuple)) and isinstance(precise, (list, tuple)) \
+            and len(actual) == len(expected) == len(precise) \
+            and all(closer_than_cpu(e, a, p) for e, a, p in zip(expected, actual, precise))
+    if isinstance(expected, dict):
+        return isinstance(actual, dict) and isinstance(precise, dict) \
+            and set(actual) == set(expected) <= set(precise) \
+            and all(closer_than_cpu(expected[k], actual[k], precise[k]) for k in expected)
+    if isinstance(actual, _Moved):
+        return False
+    if isinstance(expected, float) and isinstance(actual, float) \
+            and expected != expected and actual != actual:
+        return True
+    try:
+        return bool(expected == actual)
+    except Exception:  # noqa: BLE001
+        return repr(expected) == repr(actual)
 
 
 def _stub_expecttest():
@@ -470,16 +545,58 @@ def worker_main(args):
             cotangents = [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in outs]
         if len(cotangents) != len(outs):
             raise _Mismatch(f"{len(outs)} differentiable outputs, expected {len(cotangents)}")
-        cot = [c.to(o.device) for c, o in zip(cotangents, outs)]
+        cot = [c.to(device=o.device, dtype=o.dtype) for c, o in zip(cotangents, outs)]
         grads = torch.autograd.grad(outs, leaves, cot, allow_unused=True)
         # A gradient autograd leaves out is zero.
         grads = [torch.zeros_like(l) if gr is None else gr for gr, l in zip(grads, leaves)]
         return grads, cotangents, out
 
-    def run_sample(op, sample, twin, k, nondet):
+    wide_dtypes = {torch.float16: torch.float64, torch.bfloat16: torch.float64,
+                   torch.complex32: torch.complex128}
+
+    def as_double(x):
+        """Copies of the sample's tensors, the low-precision ones in float64
+        (complex32 in complex128), keeping requires_grad: the input of the
+        precise run that judges passed_closer."""
+        if isinstance(x, torch.Tensor):
+            wide = wide_dtypes.get(x.dtype)
+            t = x.detach().to(wide) if wide is not None else x.detach().clone()
+            return t.requires_grad_(x.requires_grad) if x.requires_grad else t
+        if isinstance(x, (list, tuple)):
+            items = [as_double(v) for v in x]
+            if isinstance(x, list):
+                return items
+            if hasattr(x, "_fields"):
+                return type(x)(*items)
+            return tuple(items) if type(x) is tuple else type(x)(items)
+        if isinstance(x, dict):
+            return {k: as_double(v) for k, v in x.items()}
+        return x
+
+    def precise_result(op, sample, pristine, cotangents):
+        """The op (or its gradients) on the CPU in float64, or None if that fails."""
+        try:
+            torch.manual_seed(1234)
+            inp, a, kw = pristine
+            if args.backward:
+                grads, _, _ = gradients(op, sample, inp, a, kw, grad_leaves(pristine),
+                                        cotangents)
+                return grads
+            with torch.no_grad():
+                return sample.output_process_fn_grad(op(inp, *a, **kw))
+        except Exception:  # noqa: BLE001 - no float64 kernel, a dtype check, ...
+            return None
+
+    def run_sample(op, sample, twin, k, nondet, low_precision):
         """One sample: its results (or with --backward, its input gradients) on
         the CPU and on tpu, compared."""
         inputs = (sample.input, sample.args, sample.kwargs)
+        pristine = None
+        if low_precision and not nondet:
+            try:
+                pristine = as_double(inputs)
+            except Exception:  # noqa: BLE001
+                pristine = None
         leaves = grad_leaves(inputs) if args.backward else None
         if args.backward and not leaves:
             send(t="sample", sample=k, status="skipped_no_grad")
@@ -586,6 +703,17 @@ def worker_main(args):
             status, msg = "failed", ("grad" + str(e)[len("result"):]) if args.backward else str(e)
         except Exception as e:  # noqa: BLE001 - the comparison itself broke
             status, msg = "failed", "comparison raised " + describe(e)
+        if status == "failed" and pristine is not None and dim is None and not nondet:
+            # Outside CPU's tolerance in float16 / bfloat16: no farther than
+            # CPU's result from the float64 one (see passed_closer).
+            try:
+                compare(expected, actual, "", values=False, device=not args.backward)
+                precise = precise_result(op, sample, pristine, cotangents if args.backward
+                                         else None)
+                if precise is not None and closer_than_cpu(expected, actual, precise):
+                    status = "passed_closer"
+            except Exception:  # noqa: BLE001 - wrong structure or device: failed
+                pass
         state["phase"] = None
         send(t="sample", sample=k, status=status, msg=msg, detected=detected)
 
@@ -629,7 +757,8 @@ def worker_main(args):
                 except Exception as e:  # noqa: BLE001
                     note = "sample_inputs raised " + describe(e)
                     break
-                run_sample(op, sample, twins[k] if k < len(twins) else no_twin, k, nondet)
+                run_sample(op, sample, twins[k] if k < len(twins) else no_twin, k, nondet,
+                           dtype in wide_dtypes)
                 k += 1
         except OpTimeout:
             timed_out = True
@@ -818,11 +947,15 @@ def record(unit, status, msg):
 
 def summarise(units):
     s = {k: sum(u[k] for u in units) for k in STATUSES}
+    # "passed" counts the passed_closer samples too; strict_pass_rate not.
+    s["passed"] += s["passed_closer"]
     n = s["passed"] + s["failed"] + s["errored"]
     s["samples_passing_on_cpu"] = n
     s["pass_rate"] = s["passed"] / n if n else 0.0
+    s["strict_pass_rate"] = (s["passed"] - s["passed_closer"]) / n if n else 0.0
     s["units"] = len(units)
-    s["units_all_passed"] = sum(1 for u in units if u["passed"] and not u["failed"] and not u["errored"])
+    s["units_all_passed"] = sum(1 for u in units if (u["passed"] or u["passed_closer"])
+                                and not u["failed"] and not u["errored"])
     s["units_with_errors"] = sum(1 for u in units if u["errored"])
     s["units_with_mismatches"] = sum(1 for u in units if u["failed"])
     return s
@@ -1076,6 +1209,10 @@ def print_summary(units, events, meta):
           f"{s['skipped_nondeterministic']} nondeterministic (ran on tpu, values not compared)"
           + (f", {s['skipped_no_grad']} without a differentiable output" if s["skipped_no_grad"]
              else ""))
+    if s["passed_closer"]:
+        print(f"{s['passed_closer']} of the passed samples differ from CPU's float16/bfloat16 "
+              "result beyond tolerance but are as close as it to the float64 result; "
+              f"without them: {100.0 * s['strict_pass_rate']:.1f}%")
     print(f"conformance: {s['passed']} passed, {s['failed']} failed, {s['errored']} errored "
           f"of {n} samples that pass on CPU ({100.0 * s['pass_rate']:.1f}%)", flush=True)
 

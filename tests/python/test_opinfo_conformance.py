@@ -18,8 +18,6 @@ import pytest
 
 from conftest import ROOT, Daemon, bazel_bin
 
-pytestmark = pytest.mark.slow  # hundreds of samples through a real tpud
-
 TOOL = ROOT / "tools" / "opinfo_conformance.py"
 MIN_PASS_RATE = 0.995
 MIN_BACKWARD_PASS_RATE = 0.99
@@ -67,6 +65,7 @@ def _run(tmp_path, extra, min_rate, what, flags=()):
     return report
 
 
+@pytest.mark.slow  # hundreds of samples through a real tpud
 def test_common_ops_match_cpu(tmp_path):
     report = _run(tmp_path, [], MIN_PASS_RATE, "forward")
     assert not report["isolated"] and len(report["dtypes"]) == 6, report["dtypes"]
@@ -77,6 +76,7 @@ def test_common_ops_match_cpu(tmp_path):
     assert set(OPS) <= ran, set(OPS) - ran
 
 
+@pytest.mark.slow
 def test_common_ops_gradients_match_cpu(tmp_path):
     report = _run(tmp_path, ["--backward"], MIN_BACKWARD_PASS_RATE, "backward")
     assert report["mode"] == "backward" and len(report["dtypes"]) == 4, report["dtypes"]
@@ -84,6 +84,7 @@ def test_common_ops_gradients_match_cpu(tmp_path):
     assert len({u["op"] for u in report["ops"]}) >= 40
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["forward", "backward"])
 def test_common_ops_match_cpu_on_pjrt(tmp_path, mode):
     """The same ops on the PJRT backend (XLA's CPU plugin, tensors in device
@@ -96,3 +97,38 @@ def test_common_ops_match_cpu_on_pjrt(tmp_path, mode):
     report = _run(tmp_path, extra, MIN_PASS_RATE if mode == "forward" else 0.98,
                   f"{mode} on PJRT", flags=pjrt_flags() + ["--pjrt_memory=device"])
     assert report["mode"] == mode and report["dtypes"] == ["float32", "bfloat16"], report["dtypes"]
+
+
+def test_low_precision_results_judged_against_float64():
+    """passed_closer: a bfloat16 result outside the tolerance around CPU's
+    passes only when it is no farther than CPU's from the float64 result."""
+    import torch
+    from opinfo_conformance import _Moved, closer_than_cpu
+
+    def bf16(*v):
+        return torch.tensor(v).bfloat16()
+
+    precise = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    cpu = bf16(1.0, 2.0, 3.25)
+    assert closer_than_cpu(cpu, _Moved(bf16(1.0, 2.0, 3.0), "tpu"), precise)
+    assert closer_than_cpu(cpu, bf16(1.0, 2.0, 3.25), precise)  # CPU's own
+    assert closer_than_cpu(cpu, bf16(1.0, 2.0, 2.75), precise)  # as far, other side
+    assert not closer_than_cpu(cpu, bf16(1.0, 2.0, 2.5), precise)
+    assert not closer_than_cpu(cpu, bf16(1.0, 1.5, 3.0), precise)  # another element
+    # Shape and dtype must be CPU's.
+    assert not closer_than_cpu(cpu, bf16(1.0, 2.0), precise)
+    assert not closer_than_cpu(cpu, bf16(1.0, 2.0, 3.0).half(), precise)
+    # A nan where float64 is finite is infinitely far...
+    assert not closer_than_cpu(cpu, bf16(1.0, 2.0, float("nan")), precise)
+    # ...and where CPU's is the nan, tpu's must be within tolerance of float64.
+    cpu_nan = bf16(float("nan"), 2.0, 3.0)
+    assert closer_than_cpu(cpu_nan, bf16(1.0, 2.0, 3.0), precise)
+    assert not closer_than_cpu(cpu_nan, bf16(1.5, 2.0, 3.0), precise)
+    assert not closer_than_cpu(cpu_nan, bf16(float("nan"), 2.0, 2.0), precise)
+    # Integer results (indices) and non-tensor results must equal CPU's.
+    idx = torch.tensor([0, 2])
+    assert closer_than_cpu((cpu, idx, 3), (bf16(1.0, 2.0, 3.0), idx.clone(), 3),
+                           (precise, idx, 3))
+    assert not closer_than_cpu((cpu, idx), (bf16(1.0, 2.0, 3.0), torch.tensor([0, 1])),
+                               (precise, idx))
+    assert not closer_than_cpu((cpu, 3), (bf16(1.0, 2.0, 3.0), 4), (precise, 3))
