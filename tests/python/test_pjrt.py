@@ -621,6 +621,35 @@ def _half_precision_convolution_gradients():
                 torch.testing.assert_close(g.grad.cpu().float(), c.grad.float(), rtol=0.05, atol=0.5)
 
 
+def test_half_precision_softmax_is_computed_in_float32(pjrt):
+    run_in_child(pjrt, _half_precision_softmax_is_computed_in_float32)
+
+
+def _half_precision_softmax_is_computed_in_float32():
+    # A row led by 8.375 has a sum of exponentials of 1.0038 after the max is
+    # taken out: rounded to bfloat16 before the log, that is 1 and the log 0.
+    # softmax, log_softmax and their gradients round once, from float32.
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.manual_seed(0)
+    x = torch.cat([torch.tensor([[8.375, 2.875, 1.0, -3.0, 0.5]]), torch.randn(3, 5) * 4])
+    g = torch.randn(4, 5)
+    for dt in (torch.bfloat16, torch.float16):
+        for f in (torch.log_softmax, torch.softmax):
+            got = x.to(dt).to("tpu").requires_grad_()
+            want = x.to(dt).double().requires_grad_()
+            y, y64 = f(got, 1), f(want, 1)
+            y.backward(g.to(dt).to("tpu"))
+            y64.backward(g.double())
+            assert y.dtype == dt and got.grad.dtype == dt
+            # Within the type's rounding of the float64 result, element by element.
+            tol = dict(rtol=2 ** -7 if dt == torch.bfloat16 else 2 ** -10, atol=1e-5)
+            torch.testing.assert_close(y.cpu().double(), y64.detach(), **tol)
+            torch.testing.assert_close(got.grad.cpu().double(), want.grad, rtol=tol["rtol"] * 2,
+                                       atol=1e-3)
+        assert torch.log_softmax(x.to(dt).to("tpu"), 1)[0, 0].item() < 0
+
+
 def test_data_dependent_results_and_index_errors(pjrt):
     # nonzero, boolean masks and unique size their results from the data (in
     # memory tpud allocates and charges to the session); an index out of

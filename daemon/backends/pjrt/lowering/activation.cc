@@ -76,7 +76,8 @@ void RegisterActivation(OpRegistry& reg) {
                   !a.Has("dim")) {
                 return Unsupported(l.op(), "arguments of a form not lowered");
               }
-              const HloType& t = *o.type;
+              // float16 / bfloat16 in float32, rounded once, as ATen's.
+              const HloType& t = o.type->bytes < 4 ? F32() : *o.type;
               absl::StatusOr<std::string> g = l.Operand(a["grad_output"],
                                                         o.dims, t),
                                           y = l.Operand(a["output"], o.dims, t);
@@ -85,23 +86,26 @@ void RegisterActivation(OpRegistry& reg) {
               const std::vector<int64_t> which = {
                   WrapDim(a["dim"].i, o.dims.size())};
               const std::string zero = l.Constant(0, {}, t);
+              std::string r;
               if (log) {
                 const std::string sum =
                     l.Expand(l.ReduceOver(*g, o.dims, which, "add", zero, t),
                              o.dims, which, t);
-                return l.Binary(
+                r = l.Binary(
                     "subtract", *g,
                     l.Binary("multiply", l.Unary("exponential", *y, o.dims, t),
                              sum, o.dims, t),
                     o.dims, t);
+              } else {
+                const std::string gy = l.Binary("multiply", *g, *y, o.dims, t);
+                const std::string sum =
+                    l.Expand(l.ReduceOver(gy, o.dims, which, "add", zero, t),
+                             o.dims, which, t);
+                r = l.Binary("multiply", *y,
+                             l.Binary("subtract", *g, sum, o.dims, t), o.dims,
+                             t);
               }
-              const std::string gy = l.Binary("multiply", *g, *y, o.dims, t);
-              const std::string sum =
-                  l.Expand(l.ReduceOver(gy, o.dims, which, "add", zero, t),
-                           o.dims, which, t);
-              return l.Binary("multiply", *y,
-                              l.Binary("subtract", *g, sum, o.dims, t), o.dims,
-                              t);
+              return l.Convert(r, o.dims, t, *o.type);
             });
   }
   reg.Add(

@@ -336,6 +336,13 @@ absl::StatusOr<ConvWindow> ConvWindowOf(const Lowering& l, const Args& a,
 std::string SoftmaxOf(Lowering& l, const std::string& x,
                       const std::vector<int64_t>& in, int64_t dim,
                       const HloType& t, bool log) {
+  if (t.is_float && t.bytes < 4) {
+    // As ATen's kernels: float16 / bfloat16 in float32, rounded once (a sum
+    // of exponentials just over 1, rounded first, would give a log of 0).
+    return l.Convert(
+        SoftmaxOf(l, l.Convert(x, in, t, F32()), in, dim, F32(), log), in,
+        F32(), t);
+  }
   const std::vector<int64_t> which = {dim};
   const std::string m = l.ReduceOver(x, in, which, "maximum", l.Lowest(t), t);
   const std::string xm =
