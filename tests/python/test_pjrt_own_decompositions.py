@@ -160,6 +160,30 @@ def _own_decompositions_match_cpu():
     got.sum().backward()
     want.sum().backward()
     _same("embedding_bag per_sample_weights grad", p1.grad, p2.grad)
+    # In bfloat16 the rows are weighted and summed in float32 and rounded
+    # once: here that is float64's result rounded, where products rounded to
+    # bfloat16 first give -2.5781 and 3.5156 for -2.5938 and 3.5.
+    gen = torch.Generator().manual_seed(0)
+    wb = torch.randn(10, 3, generator=gen).bfloat16()
+    pb = torch.randn(8, generator=gen).bfloat16()
+    got = torch.nn.functional.embedding_bag(tpu(idx), tpu(wb), tpu(torch.tensor([0])),
+                                            mode="sum", per_sample_weights=tpu(pb))
+    exact = torch.nn.functional.embedding_bag(idx, wb.double(), torch.tensor([0]), mode="sum",
+                                              per_sample_weights=pb.double())
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.cpu(), exact.bfloat16()), (got, exact)
+    # max_norm: embedding_renorm_ rescales the rows used, in place, as CPU.
+    for norm_type in (2.0, 1.0):
+        wt, wc = tpu(weight * 3), weight * 3
+        got = torch.nn.functional.embedding_bag(tpu(idx), wt, tpu(torch.tensor([0, 3])),
+                                                max_norm=1.5, norm_type=norm_type)
+        want = torch.nn.functional.embedding_bag(idx, wc, torch.tensor([0, 3]),
+                                                 max_norm=1.5, norm_type=norm_type)
+        _same(f"embedding_bag max_norm {norm_type}", got, want)
+        _same(f"embedding_renorm_ weight {norm_type}", wt, wc)
+        e = torch.nn.functional.embedding(tpu(torch.tensor([[0, 7], [7, 7]])), wt, max_norm=0.5)
+        e2 = torch.nn.functional.embedding(torch.tensor([[0, 7], [7, 7]]), wc, max_norm=0.5)
+        _same(f"embedding max_norm {norm_type}", (e, wt), (e2, wc))
 
 
 def test_histogramdd_matches_cpu(pjrt):

@@ -324,8 +324,11 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
     dim = weight.shape[1]
     rows = weight.index_select(0, indices)
     keep = counts.unsqueeze(1)
+    # float16 / bfloat16 bags are weighted, summed and averaged in float32
+    # and rounded once, as ATen's kernel accumulates them.
+    acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
     if per_sample_weights is not None:
-        rows = rows * per_sample_weights.unsqueeze(1).to(rows.dtype)
+        rows = rows.to(acc) * per_sample_weights.unsqueeze(1).to(acc)
     bag_size = torch.zeros(bags, dtype=torch.int64, device=weight.device).index_add(
         0, offset2bag, counts.to(torch.int64))
     if mode == _MAX:
@@ -345,12 +348,12 @@ def _embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, s
             rows_of = indices.to(torch.int64).index_select(0, first.clamp(max=n - 1).flatten())
             max_indices = torch.where(first < n, rows_of.reshape(bags, dim), max_indices)
         return best, offset2bag, bag_size, max_indices
-    rows = torch.where(keep, rows, torch.zeros_like(rows))
-    out = weight.new_zeros(bags, dim).index_add(0, offset2bag, rows)
+    rows = torch.where(keep, rows, torch.zeros_like(rows)).to(acc)
+    out = rows.new_zeros(bags, dim).index_add(0, offset2bag, rows)
     if mode == _MEAN:
-        out = out / bag_size.clamp(min=1).unsqueeze(1).to(out.dtype)
+        out = out / bag_size.clamp(min=1).unsqueeze(1).to(acc)
     max_indices = bag_size.new_zeros(bags)
-    return out, offset2bag, bag_size, max_indices
+    return out.to(weight.dtype), offset2bag, bag_size, max_indices
 
 
 def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
@@ -366,7 +369,9 @@ def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_i
             (maximum_indices.flatten(),
              torch.arange(dim, device=grad.device).repeat(maximum_indices.shape[0])),
             torch.where(valid, grad, torch.zeros_like(grad)).flatten(), accumulate=True)
-    rows = grad.index_select(0, offset2bag)
+    # float16 / bfloat16 gradients are scaled and summed in float32, rounded once.
+    acc = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+    rows = grad.index_select(0, offset2bag).to(acc)
     if mode == _MEAN:
         rows = rows / bag_size.index_select(0, offset2bag).clamp(min=1).unsqueeze(1).to(rows.dtype)
     if per_sample_weights is not None:
@@ -377,7 +382,7 @@ def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_i
         rows = rows / freq.index_select(0, indices).unsqueeze(1)
     if padding_idx >= 0:
         rows = torch.where((indices != padding_idx).unsqueeze(1), rows, torch.zeros_like(rows))
-    return result.index_add(0, indices, rows)
+    return result.to(acc).index_add(0, indices, rows).to(grad.dtype)
 
 
 def _embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices,
@@ -395,10 +400,32 @@ def _embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, o
     torch._check(mode == _SUM,
                  lambda: "embedding_bag_backward: per_sample_weights only supported for "
                          "mode='sum'")
-    products = (grad.index_select(0, offset2bag) * weight.index_select(0, indices)).sum(1)
+    # Each dot product in float32 for float16 / bfloat16, rounded once.
+    acc = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+    products = (grad.index_select(0, offset2bag).to(acc)
+                * weight.index_select(0, indices).to(acc)).sum(1).to(grad.dtype)
     if padding_idx >= 0:
         products = torch.where(indices != padding_idx, products, torch.zeros_like(products))
     return products
+
+
+def embedding_renorm_(self, indices, max_norm, norm_type):
+    """Rescales, in place, each row of self that indices name whose
+    norm_type-norm exceeds max_norm, to max_norm / (norm + 1e-7) times itself
+    (embedding's max_norm), as ATen's kernel. A row named twice is written
+    twice with the same value."""
+    torch._check(self.dim() == 2, lambda: "embedding_renorm_: self must be 2-D")
+    torch._check(indices.dtype in (torch.int32, torch.int64),
+                 lambda: "embedding_renorm_: expected indices of type Long or Int, but got "
+                         f"{indices.dtype}")
+    idx = indices.reshape(-1).to(torch.int64)
+    if idx.numel() == 0:
+        return self
+    rows = self.index_select(0, idx)
+    norms = torch.linalg.vector_norm(rows, ord=norm_type, dim=1, keepdim=True).float()
+    scaled = rows.float() * (max_norm / (norms + 1e-7))
+    self.index_copy_(0, idx, torch.where(norms > max_norm, scaled.to(self.dtype), rows))
+    return self
 
 
 def _histogramdd_bin_edges(self, bins, *, range=None, weight=None, density=False):
@@ -593,6 +620,7 @@ DECOMPOSITIONS = {
     "aten::_embedding_bag_dense_backward": _embedding_bag_dense_backward,
     "aten::_embedding_bag_per_sample_weights_backward":
         _embedding_bag_per_sample_weights_backward,
+    "aten::embedding_renorm_": embedding_renorm_,
 }
 
 from ._own_ldl import DECOMPOSITIONS as _LDL  # noqa: E402  (LDL^T: its own module)
