@@ -434,7 +434,18 @@ absl::Status PjrtChip::Run(const BackendOp& base, const tpu::DecodedOp& decoded,
         sized.outputs.push_back(r);
         all.push_back(rt);
       }
-      return Run(base, sized, all, results, nullptr);
+      absl::Status st = Run(base, sized, all, results, nullptr);
+      // Device memory: the device copy of an output block is keyed by the
+      // block, not by the segment the session's later ops will find it in
+      // (the grant may be rounded up), so a later op would not find it and
+      // drop it unread. The results go to the arena, which is then current.
+      for (size_t k = tensors.size(); st.ok() && k < all.size(); ++k) {
+        if (all[k].segment_bytes != 0) {
+          st = HostAccess(all[k].segment_address, all[k].segment_bytes,
+                          /*write=*/true, all[k].owner);
+        }
+      }
+      return st;
     }
   }
   Lowering l(op.name(), decoded, tensors, &op.arg_names());
