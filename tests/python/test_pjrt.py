@@ -650,6 +650,38 @@ def _half_precision_softmax_is_computed_in_float32():
         assert torch.log_softmax(x.to(dt).to("tpu"), 1)[0, 0].item() < 0
 
 
+def test_logcumsumexp_results_feed_later_ops_and_complex_log_ops(pjrt):
+    run_in_child(pjrt, _logcumsumexp_results_feed_later_ops_and_complex_log_ops)
+
+
+def _logcumsumexp_results_feed_later_ops_and_complex_log_ops():
+    # _logcumsumexp has no meta kernel: tpud sizes and allocates its result.
+    # With device memory that result once stayed behind on the device where
+    # the next op did not find it, and read as zeros from then on.
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.manual_seed(0)
+    x = torch.randn(5, 3)
+    want = torch.logcumsumexp(x, 0)
+    r = torch.logcumsumexp(x.to("tpu"), 0)
+    torch.testing.assert_close((r * 2).cpu(), want * 2)
+    torch.testing.assert_close(r.cpu(), want)
+    xt = x.to("tpu").requires_grad_()
+    torch.logcumsumexp(xt, 1).sum().backward()
+    xc = x.clone().requires_grad_()
+    torch.logcumsumexp(xc, 1).sum().backward()
+    torch.testing.assert_close(xt.grad.cpu(), xc.grad)
+    # Complex asinh (odd, exact near 0), logaddexp and logcumsumexp, as CPU.
+    z = torch.complex(torch.randn(4, 6) * 3, torch.randn(4, 6) * 3)
+    z[0, 0] = complex(1e-4, -2e-4)
+    w = torch.complex(torch.randn(4, 6), torch.randn(4, 6))
+    torch.testing.assert_close(torch.asinh(z.to("tpu")).cpu(), torch.asinh(z))
+    torch.testing.assert_close(torch.logaddexp(z.to("tpu"), w.to("tpu")).cpu(),
+                               torch.logaddexp(z, w))
+    torch.testing.assert_close(torch.logcumsumexp(z.to("tpu"), 1).cpu(),
+                               torch.logcumsumexp(z, 1))
+
+
 def test_data_dependent_results_and_index_errors(pjrt):
     # nonzero, boolean masks and unique size their results from the data (in
     # memory tpud allocates and charges to the session); an index out of

@@ -636,6 +636,24 @@ void RegisterElementwise(OpRegistry& reg) {
                                     b = l.Operand(args["other"], o.dims, t);
         if (!a.ok()) return a;
         if (!b.ok()) return b;
+        if (IsComplex(t)) {
+          // As ATen: the operand of the larger real part is the base,
+          // hi + log1p(exp(lo - hi)).
+          const HloType& part = PartOf(t);
+          const std::string first =
+              l.Compare("GE", l.Convert(*a, o.dims, t, part),
+                        l.Convert(*b, o.dims, t, part), o.dims, part);
+          const std::string hi = l.Select(first, *a, *b, o.dims, t),
+                            lo = l.Select(first, *b, *a, o.dims, t);
+          return l.Binary(
+              "add", hi,
+              l.Unary(
+                  "log_plus_one",
+                  l.Unary("exponential",
+                          l.Binary("subtract", lo, hi, o.dims, t), o.dims, t),
+                  o.dims, t),
+              o.dims, t);
+        }
         const std::string mx = l.Binary("maximum", *a, *b, o.dims, t);
         const std::string diff = l.Unary(
             "negate",
@@ -646,7 +664,6 @@ void RegisterElementwise(OpRegistry& reg) {
             l.Unary("log_plus_one", l.Unary("exponential", diff, o.dims, t),
                     o.dims, t),
             o.dims, t);
-        if (IsComplex(t)) return r;
         // Two equal infinities give themselves (their difference is NaN).
         const std::string inf = l.Binary("divide", l.Constant(1, o.dims, t),
                                          l.Constant(0, o.dims, t), o.dims, t);
@@ -770,20 +787,43 @@ void RegisterElementwise(OpRegistry& reg) {
                 o.dims, t);
             return l.Unary("log", l.Binary("add", x, s, o.dims, t), o.dims, t);
           }));
-  reg.Add("aten::asinh",
-          UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
-            const HloType& t = *o.type;
-            const std::string a = l.Unary("abs", x, o.dims, t);
-            const std::string s =
-                l.Unary("sqrt",
-                        l.Binary("add", l.Binary("multiply", a, a, o.dims, t),
-                                 l.Constant(1, o.dims, t), o.dims, t),
-                        o.dims, t);
-            return l.Binary(
-                "multiply", l.Unary("sign", x, o.dims, t),
-                l.Unary("log", l.Binary("add", a, s, o.dims, t), o.dims, t),
-                o.dims, t);
-          }));
+  reg.Add(
+      "aten::asinh",
+      UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
+        const HloType& t = *o.type;
+        if (IsComplex(t)) {
+          // asinh is odd: w = x or -x, of real part >= 0, and
+          // asinh(w) = log1p(w + w^2 / (sqrt(w^2 + 1) + 1)), exact near 0.
+          const HloType& part = PartOf(t);
+          const std::string right =
+              l.Compare("GE", l.Convert(x, o.dims, t, part),
+                        l.Constant(0, o.dims, part), o.dims, part);
+          const std::string w =
+              l.Select(right, x, l.Unary("negate", x, o.dims, t), o.dims, t);
+          const std::string one = l.Constant(1, o.dims, t);
+          const std::string w2 = l.Binary("multiply", w, w, o.dims, t);
+          const std::string s =
+              l.Unary("sqrt", l.Binary("add", w2, one, o.dims, t), o.dims, t);
+          const std::string r = l.Unary(
+              "log_plus_one",
+              l.Binary("add", w,
+                       l.Binary("divide", w2,
+                                l.Binary("add", s, one, o.dims, t), o.dims, t),
+                       o.dims, t),
+              o.dims, t);
+          return l.Select(right, r, l.Unary("negate", r, o.dims, t), o.dims, t);
+        }
+        const std::string a = l.Unary("abs", x, o.dims, t);
+        const std::string s =
+            l.Unary("sqrt",
+                    l.Binary("add", l.Binary("multiply", a, a, o.dims, t),
+                             l.Constant(1, o.dims, t), o.dims, t),
+                    o.dims, t);
+        return l.Binary(
+            "multiply", l.Unary("sign", x, o.dims, t),
+            l.Unary("log", l.Binary("add", a, s, o.dims, t), o.dims, t), o.dims,
+            t);
+      }));
   reg.Add("aten::atanh",
           UnaryRule([](Lowering& l, const std::string& x, const Target& o) {
             const HloType& t = *o.type;

@@ -527,9 +527,32 @@ std::string Running(Lowering& l, const std::string& x,
   const std::string scalar = TypeOf({}, t);
   const std::string init_v =
       init_value.empty() ? l.Constant(init, {}, t) : init_value;
-  // op "logaddexp": log(exp(acc) + exp(elt)), kept finite where it can be.
+  // op "logaddexp": log(exp(acc) + exp(elt)), kept finite where it can be;
+  // for complex numbers as ATen's, from the one of the larger real part.
+  const std::string part = IsComplex(t) ? TypeOf({}, PartOf(t)) : std::string();
   const std::string body =
-      std::string(op) != "logaddexp"
+      std::string(op) == "logaddexp" && IsComplex(t)
+          ? absl::StrCat(
+                "      %ra = stablehlo.real %acc : (", scalar, ") -> ", part,
+                "\n", "      %re = stablehlo.real %elt : (", scalar, ") -> ",
+                part, "\n", "      %first = stablehlo.compare GE, %ra, %re, ",
+                "FLOAT : (", part, ", ", part, ") -> tensor<i1>\n",
+                "      %hi = stablehlo.select %first, %acc, %elt : "
+                "tensor<i1>, ",
+                scalar, "\n",
+                "      %lo = stablehlo.select %first, %elt, %acc : "
+                "tensor<i1>, ",
+                scalar, "\n",
+                "      %gap = stablehlo.subtract %lo, %hi : ", scalar, "\n",
+                "      %ex = stablehlo.exponential %gap : ", scalar, "\n",
+                "      %lp = stablehlo.log_plus_one %ex : ", scalar, "\n",
+                "      %sum = stablehlo.add %hi, %lp : ", scalar, "\n",
+                "      %rg = stablehlo.real %gap : (", scalar, ") -> ", part,
+                "\n", "      %ok = stablehlo.compare EQ, %rg, %rg, ",
+                "FLOAT : (", part, ", ", part, ") -> tensor<i1>\n",
+                "      %run = stablehlo.select %ok, %sum, %hi : tensor<i1>, ",
+                scalar, "\n")
+      : std::string(op) != "logaddexp"
           ? absl::StrCat("      %run = stablehlo.", op,
                          " %acc, %elt : ", scalar, "\n")
           : absl::StrCat(
