@@ -401,19 +401,24 @@ def worker_main(args):
             return {k: to_tpu(v, twin[k] if same else no_twin, k) for k, v in x.items()}
         return x
 
-    def clone_tree(x):
+    def map_tensors(x, fn):
+        """x with fn applied to each tensor, its lists, tuples (namedtuples
+        too) and dicts rebuilt around the results."""
         if isinstance(x, torch.Tensor):
-            return clone(x)
+            return fn(x)
         if isinstance(x, list):
-            return [clone_tree(v) for v in x]
+            return [map_tensors(v, fn) for v in x]
         if isinstance(x, tuple):
-            items = [clone_tree(v) for v in x]
+            items = [map_tensors(v, fn) for v in x]
             if hasattr(x, "_fields"):
                 return type(x)(*items)
             return tuple(items) if type(x) is tuple else type(x)(items)
         if isinstance(x, dict):
-            return {k: clone_tree(v) for k, v in x.items()}
+            return {k: map_tensors(v, fn) for k, v in x.items()}
         return x
+
+    def clone_tree(x):
+        return map_tensors(x, clone)
 
     def has_conj(x):
         if isinstance(x, torch.Tensor):
@@ -558,20 +563,11 @@ def worker_main(args):
         """Copies of the sample's tensors, the low-precision ones in float64
         (complex32 in complex128), keeping requires_grad: the input of the
         precise run that judges passed_closer."""
-        if isinstance(x, torch.Tensor):
-            wide = wide_dtypes.get(x.dtype)
-            t = x.detach().to(wide) if wide is not None else x.detach().clone()
-            return t.requires_grad_(x.requires_grad) if x.requires_grad else t
-        if isinstance(x, (list, tuple)):
-            items = [as_double(v) for v in x]
-            if isinstance(x, list):
-                return items
-            if hasattr(x, "_fields"):
-                return type(x)(*items)
-            return tuple(items) if type(x) is tuple else type(x)(items)
-        if isinstance(x, dict):
-            return {k: as_double(v) for k, v in x.items()}
-        return x
+        def widen(t):
+            wide = wide_dtypes.get(t.dtype)
+            c = t.detach().to(wide) if wide is not None else t.detach().clone()
+            return c.requires_grad_() if t.requires_grad else c
+        return map_tensors(x, widen)
 
     def precise_result(op, sample, pristine, cotangents):
         """The op (or its gradients) on the CPU in float64, or None if that fails."""
