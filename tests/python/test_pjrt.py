@@ -682,6 +682,27 @@ def _logcumsumexp_results_feed_later_ops_and_complex_log_ops():
                                torch.logcumsumexp(z, 1))
 
 
+def test_zeta_at_its_poles_and_below_one_follows_aten(pjrt):
+    run_in_child(pjrt, _zeta_at_its_poles_and_below_one_follows_aten)
+
+
+def _zeta_at_its_poles_and_below_one_follows_aten():
+    # x == 1 and a pole (q a non-positive integer) with x > 1 are +inf,
+    # x < 1 is NaN, as ATen's kernel; integer and bool inputs promote.
+    import torch
+    import torch_tpu  # noqa: F401
+    x = torch.tensor([1.0, 1.0, 2.0, 3.0, 0.5, 0.0, -2.0, 2.0, 2.0, 3.0])
+    q = torch.tensor([0.0, -2.0, -1.0, -2.0, 1.0, -3.0, -1.0, -1.5, 2.0, 0.5])
+    for dt in (torch.float32, torch.float64, torch.int64):
+        want = torch.special.zeta(x.to(dt), q.to(dt))
+        got = torch.special.zeta(x.to(dt).to("tpu"), q.to(dt).to("tpu")).cpu()
+        torch.testing.assert_close(got, want, equal_nan=True)
+    b = torch.tensor([False, True, False, True])
+    c = torch.tensor([False, False, True, True])
+    torch.testing.assert_close(torch.special.zeta(b.to("tpu"), c.to("tpu")).cpu(),
+                               torch.special.zeta(b, c), equal_nan=True)
+
+
 def test_data_dependent_results_and_index_errors(pjrt):
     # nonzero, boolean masks and unique size their results from the data (in
     # memory tpud allocates and charges to the session); an index out of

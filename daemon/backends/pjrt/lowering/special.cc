@@ -205,8 +205,26 @@ void RegisterSpecial(OpRegistry& reg) {
     };
   };
   binary("aten::nextafter", chlo2("next_after"));
-  // zeta(x, q): the Hurwitz zeta function, CHLO's operand order too.
-  binary("aten::special_zeta", chlo2("zeta"));
+  // zeta(x, q): the Hurwitz zeta function, CHLO's operand order too, with
+  // ATen's edge rules: x < 1 is NaN, and a pole (q a non-positive integer)
+  // +inf for x > 1, where CHLO gives +inf for the one and NaN for some of
+  // the other (zeta(3, -2)).
+  binary("aten::special_zeta", [chlo](Lowering& l, const std::string& x,
+                                      const std::string& q, const Target& o) {
+    const HloType& t = *o.type;
+    const HloType& i1 = *DTypeOf(tpu::DType::kBool);
+    auto c = [&](double v) { return l.Constant(v, o.dims, t); };
+    const std::string pole =
+        l.Binary("and", l.Compare("LE", q, c(0), o.dims, t),
+                 l.Compare("EQ", q, l.Unary("floor", q, o.dims, t), o.dims, t),
+                 o.dims, i1);
+    const std::string r = l.Select(
+        l.Binary("and", pole, l.Compare("GT", x, c(1), o.dims, t), o.dims, i1),
+        l.Binary("divide", c(1), c(0), o.dims, t), chlo(l, "zeta", {x, q}, o),
+        o.dims, t);
+    return l.Select(l.Compare("LT", x, c(1), o.dims, t),
+                    l.Binary("divide", c(0), c(0), o.dims, t), r, o.dims, t);
+  });
   // polygamma(n, self): n is an int argument, a tensor of the output's
   // type for CHLO.
   reg.Add(
