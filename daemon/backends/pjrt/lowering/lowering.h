@@ -279,6 +279,8 @@ class Lowering {
   }
   // -inf (floats) or the lowest value, as a 0-d constant.
   std::string Lowest(const HloType& t) {
+    // Complex: (-inf, 0), the real part's lowest.
+    if (IsComplex(t)) return Convert(Lowest(PartOf(t)), {}, PartOf(t), t);
     const char* hex = t.dtype == tpu::DType::kFloat      ? "0xFF800000"
                       : t.dtype == tpu::DType::kDouble   ? "0xFFF0000000000000"
                       : t.dtype == tpu::DType::kHalf     ? "0xFC00"

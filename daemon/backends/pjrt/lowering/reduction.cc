@@ -362,12 +362,8 @@ void RegisterReduction(OpRegistry& reg) {
             absl::StatusOr<int64_t> dim =
                 CheckedDim(l.op(), a["dim"].i, o.dims.size());
             if (!dim.ok()) return dim.status();
-            const HloType& t = *o.type;
-            // Complex: from (-inf, 0).
-            return Running(
-                l, *x, o.dims, *dim, "logaddexp", 0, t,
-                IsComplex(t) ? l.Convert(l.Lowest(PartOf(t)), {}, PartOf(t), t)
-                             : l.Lowest(t));
+            return Running(l, *x, o.dims, *dim, "logaddexp", 0, *o.type,
+                           l.Lowest(*o.type));
           })
       .SizedBy(SameDims);
   // histc(self, bins, min, max): counts in `bins` equal bins over
