@@ -414,7 +414,8 @@ def embedding_renorm_(self, indices, max_norm, norm_type):
     norm_type-norm exceeds max_norm, to max_norm / (norm + 1e-7) times itself
     (embedding's max_norm), as ATen's kernel. A row named twice is written
     twice with the same value."""
-    torch._check(self.dim() == 2, lambda: "embedding_renorm_: self must be 2-D")
+    torch._check(self.dim() == 2, lambda: "embedding_renorm_: expected a 2-D weight (rows to "
+                                          f"rescale), got a {self.dim()}-D tensor")
     torch._check(indices.dtype in (torch.int32, torch.int64),
                  lambda: "embedding_renorm_: expected indices of type Long or Int, but got "
                          f"{indices.dtype}")
