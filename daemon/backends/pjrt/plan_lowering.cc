@@ -85,7 +85,8 @@ absl::Status PjrtChip::LowerPlan(const OpSite& site, bool compile,
                                                  " is not lowered"));
     }
     outs[o].dims.assign(r.sizes, r.sizes + r.ndim);
-    if (!Contiguous(r)) {
+    // (An empty one has no elements to overlap, whatever its strides.)
+    if (!Contiguous(r) && Numel(r) > 0) {
       std::vector<int64_t>& order = orders[o];
       for (int d = 0; d < r.ndim; ++d) order.push_back(d);
       std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
