@@ -26,6 +26,7 @@
 #include "daemon/backends/pjrt/lowering/families.h"
 #include "daemon/backends/pjrt/lowering/helpers.h"
 #include "daemon/backends/pjrt/lowering/lowering.h"
+#include "daemon/backends/pjrt/lowering/matrix.h"
 #include "daemon/backends/pjrt/lowering/registry.h"
 
 namespace tpud::pjrt {
@@ -179,17 +180,8 @@ void RegisterFft(OpRegistry& reg) {
               return Unsupported(l.op(), "expects a tensor");
             absl::StatusOr<std::string> x =
                 l.Operand(args["self"], o.dims, *o.type);
-            if (!x.ok() || !IsComplex(*o.type)) return x;
-            const HloType& part = PartOf(*o.type);
-            const std::string re = l.Emit(absl::StrCat(
-                "stablehlo.real ", *x, " : (", TypeOf(o.dims, *o.type), ") -> ",
-                TypeOf(o.dims, part)));
-            const std::string im = l.Emit(absl::StrCat(
-                "stablehlo.imag ", *x, " : (", TypeOf(o.dims, *o.type), ") -> ",
-                TypeOf(o.dims, part)));
-            return l.Emit(absl::StrCat("stablehlo.complex ", re, ", ",
-                                       l.Unary("negate", im, o.dims, part),
-                                       " : ", TypeOf(o.dims, *o.type)));
+            if (!x.ok()) return x;
+            return Conj(l, *x, o.dims, *o.type);
           });
   reg.Alias("aten::_conj_physical", "aten::conj_physical");
   // angle: atan2(imag, real) of a complex tensor; of a real one, pi where

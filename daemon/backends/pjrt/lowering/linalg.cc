@@ -138,8 +138,10 @@ void RegisterLinalg(OpRegistry& reg) {
             WithBatch(DimsOf(args["A"].tensor), batch);
         const bool upper = args["upper"].b, transpose = args["transpose"].b,
                    unit = args["unitriangular"].b;
-        const std::string x = TriangularSolve(l, *a, ad, *b, o[0].dims, true,
-                                              !upper, unit, transpose, t);
+        // transpose is A^T, complex ones too: the adjoint of conj(A).
+        const std::string x =
+            TriangularSolve(l, transpose ? Conj(l, *a, ad, t) : *a, ad, *b,
+                            o[0].dims, true, !upper, unit, transpose, t);
         return std::vector<std::string>{x, l.BroadcastTo(*a, ad, o[1].dims, t)};
       });
   reg.Alias("aten::triangular_solve.X", "aten::triangular_solve");
@@ -229,8 +231,12 @@ void RegisterLinalg(OpRegistry& reg) {
       }
       const tpu::OpArg& a0 = args[first];
       const HloType& i64 = I64();
-      // The type the factorization runs in: the first float output's.
-      const HloType& t = which == LuOp::kSlogdet ? *o[1].type : *o[0].type;
+      // The type the factorization runs in: A's (slogdet's logabsdet is
+      // real where A is complex).
+      const HloType& t = which == LuOp::kSlogdet && !IsComplex(*o[0].type)
+                             ? *o[1].type
+                             : *o[0].type;
+      const HloType& rt = RealOf(t);
       // A's dims: broadcast over the batch where an output says so.
       const std::vector<int64_t> ad = which == LuOp::kFactor    ? o[0].dims
                                       : which == LuOp::kSolve   ? o[1].dims
@@ -369,13 +375,16 @@ void RegisterLinalg(OpRegistry& reg) {
           const std::string signs =
               l.ReduceOver(l.Unary("sign", diag, dd, t), dd, {last}, "multiply",
                            l.Constant(1, {}, t), t);
+          const std::string modulus = IsComplex(t)
+                                          ? Modulus(l, diag, dd, t)
+                                          : l.Unary("abs", diag, dd, t);
           const std::string logabs =
-              l.ReduceOver(l.Unary("log", l.Unary("abs", diag, dd, t), dd, t),
-                           dd, {last}, "add", l.Constant(0, {}, t), t);
+              l.ReduceOver(l.Unary("log", modulus, dd, rt), dd, {last}, "add",
+                           l.Constant(0, {}, rt), rt);
           return std::vector<std::string>{
               l.Reshape(l.Binary("multiply", sign, signs, as.batch, t),
                         as.batch, o[0].dims, t),
-              l.Reshape(logabs, as.batch, o[1].dims, t), f.lu,
+              l.Reshape(logabs, as.batch, o[1].dims, rt), f.lu,
               as_type(f.pivots, pdims, i64, o[3])};
         }
       }
@@ -608,8 +617,9 @@ void RegisterLinalg(OpRegistry& reg) {
             o.dims.size() < 2) {
           return Unsupported(l.op(), "arguments of a form not lowered");
         }
-        // left=False (X A = B) is the left solve of the transposes:
-        // A^T X^T = B^T (real matrices: the adjoint is the transpose).
+        // left=False (X op(A) = B) is the left solve of the transposes,
+        // op(A)^T X^T = B^T; A^T Y = C is A^H conj(Y) = conj(C), and
+        // conj(A) Y = C is A conj(Y) = conj(C).
         const bool left = args.Flag("left", true);
         const HloType& t = *o.type;
         const std::vector<int64_t> batch = BatchOf(o.dims);
@@ -630,14 +640,14 @@ void RegisterLinalg(OpRegistry& reg) {
           return LuSolve(l, *lu, ad, piv, *b, MatrixShape(o.dims), adjoint, t);
         std::vector<int64_t> td = o.dims;
         std::swap(td[td.size() - 1], td[td.size() - 2]);
-        return Transposed(l,
-                          LuSolve(l, *lu, ad, piv, Transposed(l, *b, o.dims, t),
-                                  MatrixShape(td), !adjoint, t),
-                          td, t);
+        return Adjoint(l,
+                       LuSolve(l, *lu, ad, piv, Adjoint(l, *b, o.dims, t),
+                               MatrixShape(td), !adjoint, t),
+                       td, t);
       });
   // linalg_householder_product(input, tau): the first n columns of
-  // H_0 ... H_{k-1}; ormqr(input, tau, other, left, transpose): Q or Q^T
-  // times other (left), or other times them (right, by transposing).
+  // H_0 ... H_{k-1}; ormqr(input, tau, other, left, transpose): Q or Q^H
+  // times other (left), or other times them (right, by adjoints).
   reg.Add(
       "aten::linalg_householder_product",
       [](Lowering& l, const tpu::DecodedOp& d,
@@ -692,22 +702,13 @@ void RegisterLinalg(OpRegistry& reg) {
         if (left)
           return ApplyQ(l, *a, as, tau, k, *c, MatrixShape(o.dims), transpose,
                         t);
-        // C Q = (Q^T C^T)^T, C Q^T = (Q C^T)^T.
-        std::vector<int64_t> perm;
-        for (size_t q = 0; q + 2 < o.dims.size(); ++q)
-          perm.push_back(static_cast<int64_t>(q));
-        perm.push_back(static_cast<int64_t>(o.dims.size() - 1));
-        perm.push_back(static_cast<int64_t>(o.dims.size() - 2));
+        // C Q = (Q^H C^H)^H, C Q^H = (Q C^H)^H.
         std::vector<int64_t> tdims = batch;
         tdims.insert(tdims.end(), {o.dims.back(), o.dims[o.dims.size() - 2]});
-        const std::string ct = l.Emit(absl::StrCat(
-            "stablehlo.transpose ", *c, ", dims = [", absl::StrJoin(perm, ", "),
-            "] : (", TypeOf(o.dims, t), ") -> ", TypeOf(tdims, t)));
         const std::string r =
-            ApplyQ(l, *a, as, tau, k, ct, MatrixShape(tdims), !transpose, t);
-        return l.Emit(absl::StrCat(
-            "stablehlo.transpose ", r, ", dims = [", absl::StrJoin(perm, ", "),
-            "] : (", TypeOf(tdims, t), ") -> ", TypeOf(o.dims, t)));
+            ApplyQ(l, *a, as, tau, k, Adjoint(l, *c, o.dims, t),
+                   MatrixShape(tdims), !transpose, t);
+        return Adjoint(l, r, tdims, t);
       });
   // addbmm(self, batch1, batch2, *, beta, alpha): beta self + alpha
   // sum_b batch1[b] @ batch2[b], one dot contracting the batch and k.
@@ -748,14 +749,6 @@ void RegisterLinalg(OpRegistry& reg) {
             l.Select(zero, l.Constant(0, o.dims, t), scaled, o.dims, t), o.dims,
             t);
       });
-  // Householder reflections and pivoted elimination are written for real
-  // matrices (a complex one needs conjugated reflectors): complex ones get
-  // an error, not a wrong factor.
-  reg.RefuseComplex({"aten::geqrf", "aten::linalg_householder_product",
-                     "aten::ormqr", "aten::linalg_qr", "aten::linalg_lu_solve",
-                     "aten::linalg_lu_factor_ex", "aten::linalg_lu",
-                     "aten::linalg_inv_ex", "aten::_linalg_solve_ex",
-                     "aten::_linalg_det", "aten::_linalg_slogdet"});
 }
 
 }  // namespace tpud::pjrt

@@ -22,6 +22,63 @@
 
 namespace tpud::pjrt {
 
+const HloType& RealOf(const HloType& t) { return IsComplex(t) ? PartOf(t) : t; }
+
+namespace {
+
+std::string PartOfComplex(Lowering& l, const char* which, const std::string& v,
+                          const std::vector<int64_t>& dims, const HloType& t) {
+  return l.Emit(absl::StrCat("stablehlo.", which, " ", v, " : (",
+                             TypeOf(dims, t), ") -> ",
+                             TypeOf(dims, PartOf(t))));
+}
+
+}  // namespace
+
+std::string RealPart(Lowering& l, const std::string& v,
+                     const std::vector<int64_t>& dims, const HloType& t) {
+  return PartOfComplex(l, "real", v, dims, t);
+}
+
+std::string ImagPart(Lowering& l, const std::string& v,
+                     const std::vector<int64_t>& dims, const HloType& t) {
+  return PartOfComplex(l, "imag", v, dims, t);
+}
+
+std::string FromReal(Lowering& l, const std::string& v,
+                     const std::vector<int64_t>& dims, const HloType& t) {
+  if (!IsComplex(t)) return v;
+  return l.Emit(absl::StrCat("stablehlo.complex ", v, ", ",
+                             l.Constant(0, dims, PartOf(t)), " : ",
+                             TypeOf(dims, t)));
+}
+
+std::string Conj(Lowering& l, const std::string& v,
+                 const std::vector<int64_t>& dims, const HloType& t) {
+  if (!IsComplex(t)) return v;
+  return l.Emit(
+      absl::StrCat("stablehlo.complex ", RealPart(l, v, dims, t), ", ",
+                   l.Unary("negate", ImagPart(l, v, dims, t), dims, PartOf(t)),
+                   " : ", TypeOf(dims, t)));
+}
+
+std::string SquaredModulus(Lowering& l, const std::string& v,
+                           const std::vector<int64_t>& dims, const HloType& t) {
+  if (!IsComplex(t)) return l.Binary("multiply", v, v, dims, t);
+  const HloType& p = PartOf(t);
+  const std::string re = RealPart(l, v, dims, t), im = ImagPart(l, v, dims, t);
+  return l.Binary("add", l.Binary("multiply", re, re, dims, p),
+                  l.Binary("multiply", im, im, dims, p), dims, p);
+}
+
+std::string Cabs1(Lowering& l, const std::string& v,
+                  const std::vector<int64_t>& dims, const HloType& t) {
+  if (!IsComplex(t)) return l.Unary("abs", v, dims, t);
+  const HloType& p = PartOf(t);
+  return l.Binary("add", l.Unary("abs", RealPart(l, v, dims, t), dims, p),
+                  l.Unary("abs", ImagPart(l, v, dims, t), dims, p), dims, p);
+}
+
 std::string Triangle(Lowering& l, const std::string& v,
                      const std::vector<int64_t>& in, bool lower,
                      const HloType& t) {
@@ -45,16 +102,18 @@ std::string TriangularSolve(Lowering& l, const std::string& a,
                             const std::vector<int64_t>& ad,
                             const std::string& b,
                             const std::vector<int64_t>& bd, bool left,
-                            bool lower, bool unit, bool transpose,
+                            bool lower, bool unit, bool adjoint,
                             const HloType& t) {
+  const char* op = !adjoint       ? "NO_TRANSPOSE"
+                   : IsComplex(t) ? "ADJOINT"
+                                  : "TRANSPOSE";
   return l.Emit(absl::StrCat("\"stablehlo.triangular_solve\"(", a, ", ", b,
                              ") {left_side = ", left ? "true" : "false",
                              ", lower = ", lower ? "true" : "false",
                              ", unit_diagonal = ", unit ? "true" : "false",
-                             ", transpose_a = #stablehlo<transpose ",
-                             transpose ? "TRANSPOSE" : "NO_TRANSPOSE", ">} : (",
-                             TypeOf(ad, t), ", ", TypeOf(bd, t), ") -> ",
-                             TypeOf(bd, t)));
+                             ", transpose_a = #stablehlo<transpose ", op,
+                             ">} : (", TypeOf(ad, t), ", ", TypeOf(bd, t),
+                             ") -> ", TypeOf(bd, t)));
 }
 
 std::vector<int64_t> WithBatch(const std::vector<int64_t>& dims,
@@ -123,44 +182,62 @@ std::string SwapRows(Lowering& l, const std::string& x, const MatrixShape& s,
   return l.Select(at_j, bp, l.Select(at_p, bj, x, s.dims, t), s.dims, t);
 }
 
+std::vector<std::string> WhileLoop(
+    Lowering& l, const std::vector<std::string>& init,
+    const std::vector<std::string>& types,
+    const std::function<std::string(const std::vector<std::string>& state)>&
+        going,
+    const std::function<std::vector<std::string>(
+        const std::vector<std::string>& state)>& step) {
+  const int id = l.NextId();
+  std::vector<std::string> args, inits;
+  for (size_t q = 0; q < init.size(); ++q) {
+    args.push_back(absl::StrCat("%w", id, "s", q));
+    inits.push_back(absl::StrCat(args.back(), " = ", init[q]));
+  }
+  std::string more;
+  const std::string cond = l.Region([&] { more = going(args); });
+  std::vector<std::string> next;
+  const std::string body = l.Region([&] { next = step(args); });
+  const std::string ts = absl::StrJoin(types, ", ");
+  const std::string loop = l.EmitResults(
+      absl::StrCat("stablehlo.while(", absl::StrJoin(inits, ", "), ") : ", ts,
+                   "\n    cond {\n", cond, "      stablehlo.return ", more,
+                   " : tensor<i1>\n    } do {\n", body,
+                   "      stablehlo.return ", absl::StrJoin(next, ", "), " : ",
+                   ts, "\n    }"),
+      static_cast<int>(types.size()));
+  std::vector<std::string> out;
+  for (size_t q = 0; q < init.size(); ++q)
+    out.push_back(absl::StrCat(loop, "#", q));
+  return out;
+}
+
 std::vector<std::string> CountedLoop(
     Lowering& l, int64_t count, const std::vector<std::string>& init,
     const std::vector<std::string>& types,
     const std::function<std::vector<std::string>(
         const std::string& j, const std::vector<std::string>& state)>& step) {
   const HloType& i64 = I64();
-  const int id = l.NextId();
-  const std::string j = absl::StrCat("%w", id, "j");
-  std::vector<std::string> args,
-      inits = {absl::StrCat(j, " = ", l.Constant(0, {}, i64))};
-  for (size_t q = 0; q < init.size(); ++q) {
-    args.push_back(absl::StrCat("%w", id, "s", q));
-    inits.push_back(absl::StrCat(args.back(), " = ", init[q]));
-  }
+  std::vector<std::string> all_init = {l.Constant(0, {}, i64)};
+  all_init.insert(all_init.end(), init.begin(), init.end());
   std::vector<std::string> all_types = {TypeOf({}, i64)};
   all_types.insert(all_types.end(), types.begin(), types.end());
-  std::string going;
-  const std::string cond = l.Region([&] {
-    going = l.Compare("LT", j, l.Constant(static_cast<double>(count), {}, i64),
-                      {}, i64);
-  });
-  std::vector<std::string> next;
-  const std::string body = l.Region([&] {
-    next = step(j, args);
-    next.insert(next.begin(),
-                l.Binary("add", j, l.Constant(1, {}, i64), {}, i64));
-  });
-  const std::string ts = absl::StrJoin(all_types, ", ");
-  const std::string loop = l.EmitResults(
-      absl::StrCat("stablehlo.while(", absl::StrJoin(inits, ", "), ") : ", ts,
-                   "\n    cond {\n", cond, "      stablehlo.return ", going,
-                   " : tensor<i1>\n    } do {\n", body,
-                   "      stablehlo.return ", absl::StrJoin(next, ", "), " : ",
-                   ts, "\n    }"),
-      static_cast<int>(all_types.size()));
-  std::vector<std::string> out;
-  for (size_t q = 0; q < init.size(); ++q)
-    out.push_back(absl::StrCat(loop, "#", q + 1));
+  std::vector<std::string> out = WhileLoop(
+      l, all_init, all_types,
+      [&](const std::vector<std::string>& st) {
+        return l.Compare("LT", st[0],
+                         l.Constant(static_cast<double>(count), {}, i64), {},
+                         i64);
+      },
+      [&](const std::vector<std::string>& st) {
+        std::vector<std::string> next =
+            step(st[0], std::vector<std::string>(st.begin() + 1, st.end()));
+        next.insert(next.begin(),
+                    l.Binary("add", st[0], l.Constant(1, {}, i64), {}, i64));
+        return next;
+      });
+  out.erase(out.begin());
   return out;
 }
 
@@ -189,13 +266,14 @@ Lu LuFactor(Lowering& l, const std::string& a, const MatrixShape& s,
             l.Select(is_col, x, zero, s.dims, t), s.dims, {cols}, "add", zs, t);
         const std::string below =
             l.Compare("GE", l.Iota(rows, s.col, i64), jc, s.col, i64);
-        const std::string mag = l.Select(below, l.Unary("abs", colv, s.col, t),
-                                         l.Constant(-1, s.col, t), s.col, t);
+        const HloType& rt = RealOf(t);
+        const std::string mag = l.Select(below, Cabs1(l, colv, s.col, t),
+                                         l.Constant(-1, s.col, rt), s.col, rt);
         const std::string top =
-            l.ReduceOver(mag, s.col, {rows}, "maximum", l.Lowest(t), t);
+            l.ReduceOver(mag, s.col, {rows}, "maximum", l.Lowest(rt), rt);
         const std::string hit = l.Compare(
-            "EQ", mag, BroadcastInDim(l, top, s.batch, s.col, s.batch_map, t),
-            s.col, t);
+            "EQ", mag, BroadcastInDim(l, top, s.batch, s.col, s.batch_map, rt),
+            s.col, rt);
         const std::string p = l.ReduceOver(
             l.Select(hit, l.Iota(rows, s.col, i64),
                      l.Constant(static_cast<double>(s.m), s.col, i64), s.col,
@@ -309,6 +387,13 @@ std::string Transposed(Lowering& l, const std::string& v,
                              ") -> ", TypeOf(out, t)));
 }
 
+std::string Adjoint(Lowering& l, const std::string& v,
+                    const std::vector<int64_t>& in, const HloType& t) {
+  std::vector<int64_t> out = in;
+  std::swap(out[out.size() - 1], out[out.size() - 2]);
+  return Conj(l, Transposed(l, v, in, t), out, t);
+}
+
 std::string LuSolve(Lowering& l, const std::string& lu,
                     const std::vector<int64_t>& ad, const std::string& pivots,
                     const std::string& b, const MatrixShape& bs, bool adjoint,
@@ -320,7 +405,7 @@ std::string LuSolve(Lowering& l, const std::string& lu,
         TriangularSolve(l, lu, ad, pb, bs.dims, true, true, true, false, t);
     return TriangularSolve(l, lu, ad, y, bs.dims, true, false, false, false, t);
   }
-  // A^T X = B: U^T L^T P^T X = B.
+  // A^H X = B: U^H L^H P^T X = B.
   const std::string y =
       TriangularSolve(l, lu, ad, b, bs.dims, true, false, false, true, t);
   const std::string z =
@@ -352,8 +437,8 @@ std::string Reflect(Lowering& l, const std::string& c, const MatrixShape& cs,
   const int64_t rows = cs.rank() - 2;
   const std::string vb = BroadcastInDim(l, v, cs.col, cs.dims, cs.col_map, t);
   const std::string w =
-      l.ReduceOver(l.Binary("multiply", vb, c, cs.dims, t), cs.dims, {rows},
-                   "add", l.Constant(0, {}, t), t);
+      l.ReduceOver(l.Binary("multiply", Conj(l, vb, cs.dims, t), c, cs.dims, t),
+                   cs.dims, {rows}, "add", l.Constant(0, {}, t), t);
   const std::string tw = l.Binary(
       "multiply", BroadcastInDim(l, tau, cs.batch, cs.row, cs.batch_map, t), w,
       cs.row, t);
@@ -404,24 +489,36 @@ Qr Geqrf(Lowering& l, const std::string& a, const MatrixShape& s,
             s.col, {rows}, "add", zs, t);
         const std::string tail =
             l.Select(l.Compare("GT", ri, jc, s.col, i64), colv, zc, s.col, t);
+        // LAPACK's larfg: beta = -sign(re(alpha)) |(alpha, tail)|, real;
+        // no reflection where the tail is zero and alpha real.
+        const HloType& rt = RealOf(t);
         const std::string xnorm =
             l.Unary("sqrt",
-                    l.ReduceOver(l.Binary("multiply", tail, tail, s.col, t),
-                                 s.col, {rows}, "add", zs, t),
-                    s.batch, t);
-        const std::string norm = l.Unary(
-            "sqrt",
-            l.Binary("add", l.Binary("multiply", alpha, alpha, s.batch, t),
-                     l.Binary("multiply", xnorm, xnorm, s.batch, t), s.batch,
-                     t),
-            s.batch, t);
-        // beta = -sign(alpha) * |(alpha, xnorm)|
+                    l.ReduceOver(SquaredModulus(l, tail, s.col, t), s.col,
+                                 {rows}, "add", l.Constant(0, {}, rt), rt),
+                    s.batch, rt);
+        const std::string norm =
+            l.Unary("sqrt",
+                    l.Binary("add", SquaredModulus(l, alpha, s.batch, t),
+                             l.Binary("multiply", xnorm, xnorm, s.batch, rt),
+                             s.batch, rt),
+                    s.batch, rt);
+        const bool complex = IsComplex(t);
+        const std::string re = complex ? RealPart(l, alpha, s.batch, t) : alpha;
         const std::string neg =
-            l.Compare("LT", alpha, l.Constant(0, s.batch, t), s.batch, t);
-        const std::string beta = l.Select(
-            neg, norm, l.Unary("negate", norm, s.batch, t), s.batch, t);
-        const std::string plain =
-            l.Compare("EQ", xnorm, l.Constant(0, s.batch, t), s.batch, t);
+            l.Compare("LT", re, l.Constant(0, s.batch, rt), s.batch, rt);
+        const std::string beta =
+            FromReal(l,
+                     l.Select(neg, norm, l.Unary("negate", norm, s.batch, rt),
+                              s.batch, rt),
+                     s.batch, t);
+        std::string plain =
+            l.Compare("EQ", xnorm, l.Constant(0, s.batch, rt), s.batch, rt);
+        if (complex)
+          plain = l.Binary("and", plain,
+                           l.Compare("EQ", ImagPart(l, alpha, s.batch, t),
+                                     l.Constant(0, s.batch, rt), s.batch, rt),
+                           s.batch, i1);
         const std::string tau = l.Select(
             plain, l.Constant(0, s.batch, t),
             l.Binary("divide", l.Binary("subtract", beta, alpha, s.batch, t),
@@ -439,8 +536,10 @@ Qr Geqrf(Lowering& l, const std::string& a, const MatrixShape& s,
         const std::string v =
             l.Select(l.Compare("EQ", ri, jc, s.col, i64),
                      l.Constant(1, s.col, t), vtail, s.col, t);
-        // The trailing columns reflected; column j becomes beta over v.
-        const std::string reflected = Reflect(l, x, s, v, tau, t);
+        // The trailing columns reflected by H^H (R = Q^H A); column j
+        // becomes beta over v.
+        const std::string reflected =
+            Reflect(l, x, s, v, Conj(l, tau, s.batch, t), t);
         const std::string cj = l.Iota(cols, s.dims, i64),
                           rj = l.Iota(rows, s.dims, i64);
         std::string x2 = l.Select(l.Compare("GT", cj, jd, s.dims, i64),
@@ -485,8 +584,10 @@ std::string ApplyQ(Lowering& l, const std::string& a, const MatrixShape& as,
                            l.Constant(static_cast<double>(k - 1), {}, i64),
                            step, {}, i64);
         const std::string v = ReflectorOf(l, a, as, j, t);
-        return std::vector<std::string>{
-            Reflect(l, st[0], cs, v, ElementAt(l, tau, td, j, t), t)};
+        // H^H = I - conj(tau) v v^H.
+        std::string tj = ElementAt(l, tau, td, j, t);
+        if (transposed) tj = Conj(l, tj, as.batch, t);
+        return std::vector<std::string>{Reflect(l, st[0], cs, v, tj, t)};
       })[0];
 }
 

@@ -14,6 +14,32 @@
 
 namespace tpud::pjrt {
 
+// The real type of t's values: t itself, or a complex type's part type.
+const HloType& RealOf(const HloType& t);
+
+// The real and imaginary parts of complex v (dims `dims`), as t's part type.
+std::string RealPart(Lowering& l, const std::string& v,
+                     const std::vector<int64_t>& dims, const HloType& t);
+std::string ImagPart(Lowering& l, const std::string& v,
+                     const std::vector<int64_t>& dims, const HloType& t);
+
+// The conjugate of v (a real v is its own).
+std::string Conj(Lowering& l, const std::string& v,
+                 const std::vector<int64_t>& dims, const HloType& t);
+
+// |v|^2 elementwise, as RealOf(t).
+std::string SquaredModulus(Lowering& l, const std::string& v,
+                           const std::vector<int64_t>& dims, const HloType& t);
+
+// LAPACK's cabs1, |re| + |im| (|v| of a real v), as RealOf(t): what
+// pivoting compares.
+std::string Cabs1(Lowering& l, const std::string& v,
+                  const std::vector<int64_t>& dims, const HloType& t);
+
+// A real v (dims `dims`, type RealOf(t)) as type t.
+std::string FromReal(Lowering& l, const std::string& v,
+                     const std::vector<int64_t>& dims, const HloType& t);
+
 // v (dims `in`) with the other triangle zeroed: the lower (i >= j) or upper
 // one kept.
 std::string Triangle(Lowering& l, const std::string& v,
@@ -27,12 +53,13 @@ std::string Cholesky(Lowering& l, const std::string& v,
                      const HloType& t);
 
 // X with op(A) X = B (left) or X op(A) = B: A triangular (dims `ad`), B of
-// dims `bd`, both already broadcast to one batch.
+// dims `bd`, both already broadcast to one batch; op(A) is A, or with
+// `adjoint` its conjugate transpose (real matrices: the transpose).
 std::string TriangularSolve(Lowering& l, const std::string& a,
                             const std::vector<int64_t>& ad,
                             const std::string& b,
                             const std::vector<int64_t>& bd, bool left,
-                            bool lower, bool unit, bool transpose,
+                            bool lower, bool unit, bool adjoint,
                             const HloType& t);
 
 // dims with the batch (all but the last two) replaced by `batch`.
@@ -87,6 +114,16 @@ std::string SwapRows(Lowering& l, const std::string& x, const MatrixShape& s,
                      const std::string& j, const std::string& p,
                      const HloType& t);
 
+// A while loop over (state...): `going` emits the loop's condition (an i1
+// scalar) from the state, `step` the next state.
+std::vector<std::string> WhileLoop(
+    Lowering& l, const std::vector<std::string>& init,
+    const std::vector<std::string>& types,
+    const std::function<std::string(const std::vector<std::string>& state)>&
+        going,
+    const std::function<
+        std::vector<std::string>(const std::vector<std::string>& state)>& step);
+
 // A counted loop: `count` iterations of `step` over (j, state...), j from 0.
 // `step` emits the next state from j (an i64 scalar) and the current state.
 std::vector<std::string> CountedLoop(
@@ -96,7 +133,7 @@ std::vector<std::string> CountedLoop(
         const std::string& j, const std::vector<std::string>& state)>& step);
 
 // LU factorization with partial pivoting, as LAPACK's getrf: for each
-// column j, the first row at or below j of the largest magnitude is swapped
+// column j, the first row at or below j of the largest |re| + |im| is swapped
 // up, the column below is scaled by the pivot's reciprocal, and the
 // trailing block updated. Returns LU, the 1-based pivots (i64, batch +
 // [min(m, n)]) and info (i64, batch: the first zero pivot's 1-based order,
@@ -118,7 +155,11 @@ std::string ApplySwaps(Lowering& l, const std::string& x, const MatrixShape& s,
 std::string Transposed(Lowering& l, const std::string& v,
                        const std::vector<int64_t>& in, const HloType& t);
 
-// Solves A X = B (A^T X = B: adjoint) from A's LU and pivots (B: dims
+// The conjugate transpose (of real matrices: the transpose).
+std::string Adjoint(Lowering& l, const std::string& v,
+                    const std::vector<int64_t>& in, const HloType& t);
+
+// Solves A X = B (A^H X = B: adjoint) from A's LU and pivots (B: dims
 // `bs`, its batch A's).
 std::string LuSolve(Lowering& l, const std::string& lu,
                     const std::vector<int64_t>& ad, const std::string& pivots,
@@ -130,7 +171,7 @@ std::string LuSolve(Lowering& l, const std::string& lu,
 std::string ReflectorOf(Lowering& l, const std::string& a, const MatrixShape& s,
                         const std::string& j, const HloType& t);
 
-// (I - tau v v^T) c: v a column (dims cs.col), tau one per matrix.
+// (I - tau v v^H) c: v a column (dims cs.col), tau one per matrix.
 std::string Reflect(Lowering& l, const std::string& c, const MatrixShape& cs,
                     const std::string& v, const std::string& tau,
                     const HloType& t);
@@ -149,9 +190,9 @@ struct Qr {
 Qr Geqrf(Lowering& l, const std::string& a, const MatrixShape& s,
          const HloType& t);
 
-// H_0 ... H_{k-1} c (reversed = false applies H_{k-1} first), or
-// H_{k-1} ... H_0 c (transposed): the reflectors of `a` (dims `as`) and
-// tau (batch + [k]).
+// Q c = H_0 ... H_{k-1} c (H_{k-1} applied first), or Q^H c =
+// H_{k-1}^H ... H_0^H c (transposed): the reflectors of `a` (dims `as`)
+// and tau (batch + [k]).
 std::string ApplyQ(Lowering& l, const std::string& a, const MatrixShape& as,
                    const std::string& tau, int64_t k, const std::string& c,
                    const MatrixShape& cs, bool transposed, const HloType& t);

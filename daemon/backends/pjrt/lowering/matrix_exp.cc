@@ -36,35 +36,39 @@ std::string MatrixExp(Lowering& l, const std::string& a, const MatrixShape& s,
   const std::vector<int64_t>& d = s.dims;
   const HloType& i64 = I64();
   const int64_t r = s.rank();
-  // The 1-norm: the largest column sum of |a|.
-  const std::string cols = l.ReduceOver(l.Unary("abs", a, d, t), d, {r - 2},
-                                        "add", l.Constant(0, {}, t), t);
+  // The 1-norm: the largest column sum of |a| (the scaling is real).
+  const HloType& rt = RealOf(t);
+  const std::string cols =
+      l.ReduceOver(IsComplex(t) ? Modulus(l, a, d, t) : l.Unary("abs", a, d, t),
+                   d, {r - 2}, "add", l.Constant(0, {}, rt), rt);
   const std::string norm =
-      l.ReduceOver(cols, s.row, {r - 2}, "maximum", l.Constant(0, {}, t), t);
+      l.ReduceOver(cols, s.row, {r - 2}, "maximum", l.Constant(0, {}, rt), rt);
   // s = max(0, ceil(log2(norm / theta))), 0 for a zero or non-finite norm
   // (a NaN or infinity then spreads through the polynomial as on CPU).
   const std::vector<int64_t>& b = s.batch;
-  const double theta = t.dtype == tpu::DType::kDouble ? 1 : 3;
+  const double theta = rt.dtype == tpu::DType::kDouble ? 1 : 3;
   const std::string logn = l.Unary(
       "ceil",
-      l.Binary("divide",
-               l.Unary("log",
-                       l.Binary("divide", norm, l.Constant(theta, b, t), b, t),
-                       b, t),
-               l.Constant(0.69314718055994530942, b, t), b, t),
-      b, t);
+      l.Binary(
+          "divide",
+          l.Unary("log",
+                  l.Binary("divide", norm, l.Constant(theta, b, rt), b, rt), b,
+                  rt),
+          l.Constant(0.69314718055994530942, b, rt), b, rt),
+      b, rt);
   const std::string finite =
-      l.Binary("and", l.Compare("GT", norm, l.Constant(0, b, t), b, t),
-               l.Compare("LT", norm, l.Constant(1e300, b, t), b, t), b,
+      l.Binary("and", l.Compare("GT", norm, l.Constant(0, b, rt), b, rt),
+               l.Compare("LT", norm, l.Constant(1e300, b, rt), b, rt), b,
                *DTypeOf(tpu::DType::kBool));
   const std::string steps_f =
-      l.Select(finite, l.Binary("maximum", logn, l.Constant(0, b, t), b, t),
-               l.Constant(0, b, t), b, t);
-  const std::string steps = l.Convert(steps_f, b, t, i64);
-  const std::string scale = l.Binary("power", l.Constant(2, b, t),
-                                     l.Unary("negate", steps_f, b, t), b, t);
+      l.Select(finite, l.Binary("maximum", logn, l.Constant(0, b, rt), b, rt),
+               l.Constant(0, b, rt), b, rt);
+  const std::string steps = l.Convert(steps_f, b, rt, i64);
+  const std::string scale = l.Binary("power", l.Constant(2, b, rt),
+                                     l.Unary("negate", steps_f, b, rt), b, rt);
   const std::string as = l.Binary(
-      "multiply", a, BroadcastInDim(l, scale, b, d, s.batch_map, t), d, t);
+      "multiply", a,
+      FromReal(l, BroadcastInDim(l, scale, b, d, s.batch_map, rt), d, t), d, t);
   // Horner: e = I + A (I + A/2 (I + ... (I + A/degree))).
   constexpr int degree = 18;
   const std::string eye = Identity(l, d, t);
@@ -115,11 +119,13 @@ void RegisterMatrixExp(OpRegistry& reg) {
               return absl::InvalidArgumentError(absl::StrCat(
                   l.op(), ": A must be batches of square matrices"));
             }
-            if (!o.type->is_float || IsComplex(*o.type))
+            if (!o.type->is_float && !IsComplex(*o.type))
               return Unsupported(l.op(), "a dtype not lowered");
             const HloType& t = *o.type;
             // Below float32, computed in float32.
-            const HloType& c = t.dtype == tpu::DType::kDouble ? F64() : F32();
+            const HloType& c = IsComplex(t)                     ? t
+                               : t.dtype == tpu::DType::kDouble ? F64()
+                                                                : F32();
             absl::StatusOr<std::string> a = l.Operand(args["self"], o.dims, c);
             if (!a.ok()) return a;
             if (Numel(args["self"].tensor) == 0)
