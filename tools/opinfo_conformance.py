@@ -30,7 +30,11 @@ Each sample is one of:
 
 Indices that PyTorch leaves unspecified among equal values (sort and argsort
 unless stable=True, topk, kthvalue, median, mode) are compared by the values
-they point at, as PyTorch's test_sort_and_select checks them.
+they point at, as PyTorch's test_sort_and_select checks them. The eigenvalues
+of linalg.eig and linalg.eigvals come "not guaranteed to be in any specific
+order" (their documentation): tpu's are put in CPU's order (each CPU
+eigenvalue takes the nearest tpu one not yet taken, and its eigenvector goes
+with it) before they are compared or differentiated.
 
 Backward mode (--backward): for OpInfos that support autograd, and the dtypes
 they differentiate on the CPU (default: float32, bfloat16, float16, complex64),
@@ -177,6 +181,50 @@ class _Mismatch(Exception):
 # (test_sort_and_select) check such indices by the values they point at.
 _TIED_INDEX_OPS = {"sort": 0, "argsort": 0, "topk": 1, "kthvalue": 1,
                    "median": 0, "nanmedian": 0, "mode": 0, "msort": None}
+
+
+# Ops whose eigenvalues come in no specified order (see the docstring).
+_UNORDERED_EIGEN_OPS = {"linalg.eig", "linalg.eigvals"}
+
+
+def _in_order_of(reference, values):
+    """Per matrix, the indices into `values` (eigenvalues, last dimension)
+    that put them in `reference`'s order: each reference value in turn takes
+    the nearest value not yet taken."""
+    import torch
+    ref = reference.detach().cpu().reshape(-1, reference.shape[-1])
+    got = values.detach().cpu().reshape(-1, values.shape[-1])
+    orders = []
+    for r, g in zip(ref.tolist(), got.tolist()):
+        free = list(range(len(g)))
+        order = []
+        for x in r:
+            j = min(free, key=lambda q: abs(complex(g[q]) - complex(x)))
+            free.remove(j)
+            order.append(j)
+        orders.append(order)
+    return torch.tensor(orders, dtype=torch.long).reshape(values.shape)
+
+
+def _reordered(op, cpu_out):
+    """op, its eigenvalues (and eigenvectors' columns) in the order of the CPU
+    result `cpu_out` (eigenvalues first, or alone)."""
+    import torch
+    reference = cpu_out[0] if isinstance(cpu_out, (tuple, list)) else cpu_out
+
+    def run(*a, **kw):
+        out = op(*a, **kw)
+        values = out[0] if isinstance(out, (tuple, list)) else out
+        if values.shape != reference.shape or values.numel() == 0:
+            return out
+        order = _in_order_of(reference, values).to(values.device)
+        values = torch.gather(values, -1, order)
+        if not isinstance(out, (tuple, list)):
+            return values
+        vectors = out[1]
+        vectors = torch.gather(vectors, -1, order.unsqueeze(-2).expand(vectors.shape))
+        return (values, vectors)
+    return run
 
 
 def _tie_dim(name, sample):
@@ -647,20 +695,21 @@ def worker_main(args):
         state["phase"] = ("tpu", k)
         send(t="tpu", sample=k, step="running the op and its backward on tpu" if args.backward
              else "running the op on tpu")
+        on_tpu = _reordered(op, out) if op.name in _UNORDERED_EIGEN_OPS else op
         try:
             if move_exc is not None:
                 raise move_exc
             inp, a, kw = moved
             if args.backward:
                 torch.manual_seed(1234)
-                grads, _, _ = gradients(op, sample, inp, a, kw, leaves, cotangents)
+                grads, _, _ = gradients(on_tpu, sample, inp, a, kw, leaves, cotangents)
                 if grads is None:
                     raise _Mismatch("no differentiable output on tpu")
                 # The gradients are w.r.t. the CPU leaves: computed on tpu,
                 # copied back by the backward of the copy to tpu.
                 actual = [_Moved(g, g.device.type) for g in grads]
             else:
-                result = sample.output_process_fn_grad(op(inp, *a, **kw))
+                result = sample.output_process_fn_grad(on_tpu(inp, *a, **kw))
                 send(t="tpu", sample=k, step="copying the results to the CPU" +
                      (" (a result has the conj or neg bit)" if has_conj(result) else ""))
                 actual = to_cpu(result)
