@@ -27,7 +27,7 @@ def _same(name, got, want, atol=1e-4):
     got = got.cpu()
     assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape,
                                                                    got.dtype, want.dtype)
-    if want.is_floating_point():
+    if want.is_floating_point() or want.is_complex():
         assert torch.allclose(got, want, atol=atol, rtol=1e-4, equal_nan=True), (name, got, want)
     else:
         assert torch.equal(got, want), (name, got, want)
@@ -249,24 +249,30 @@ def test_ldl_factor_and_solve_match_lapack(pjrt):
 
 
 def _ldl_factor_and_solve_match_lapack():
-    # Bunch-Kaufman's pivots as LAPACK's sytf2 picks them (1x1 and 2x2
-    # blocks), LD, info for a zero column, and sytrs's solve.
+    # Bunch-Kaufman's pivots as LAPACK's sytf2 / hetf2 pick them (1x1 and
+    # 2x2 blocks), LD, info for a zero column, and sytrs's / hetrs's solve:
+    # real symmetric, complex symmetric and complex Hermitian matrices.
     import torch
     import torch_tpu  # noqa: F401
     torch.manual_seed(0)
-    for trial in range(12):
-        n = (1, 2, 3, 5, 8, 0)[trial % 6]
-        a = torch.randn(2, n, n, dtype=torch.float64)
-        a = a + a.mT
-        if trial == 3:
-            a[0, :, 0] = 0
-            a[0, 0, :] = 0
-        want = torch.linalg.ldl_factor_ex(a)
-        got = torch.linalg.ldl_factor_ex(a.to("tpu"))
-        _same(f"ldl_factor n={n}", list(got), list(want), atol=1e-12)
-        b = torch.randn(2, n, 3, dtype=torch.float64)
-        _same(f"ldl_solve n={n}",
-              torch.linalg.ldl_solve(want.LD.to("tpu"), want.pivots.to("tpu"), b.to("tpu")),
-              torch.linalg.ldl_solve(want.LD, want.pivots, b), atol=1e-9)
+    for dtype, hermitian in ((torch.float64, False), (torch.complex128, False),
+                             (torch.complex128, True)):
+        for trial in range(12):
+            n = (1, 2, 3, 5, 8, 0)[trial % 6]
+            a = torch.randn(2, n, n, dtype=dtype)
+            a = a + (a.mH if hermitian else a.mT)
+            if trial == 3:
+                a[0, :, 0] = 0
+                a[0, 0, :] = 0
+            name = f"{dtype} hermitian={hermitian} n={n}"
+            want = torch.linalg.ldl_factor_ex(a, hermitian=hermitian)
+            got = torch.linalg.ldl_factor_ex(a.to("tpu"), hermitian=hermitian)
+            _same(f"ldl_factor {name}", list(got), list(want), atol=1e-12)
+            b = torch.randn(2, n, 3, dtype=dtype)
+            _same(f"ldl_solve {name}",
+                  torch.linalg.ldl_solve(want.LD.to("tpu"), want.pivots.to("tpu"), b.to("tpu"),
+                                         hermitian=hermitian),
+                  torch.linalg.ldl_solve(want.LD, want.pivots, b, hermitian=hermitian),
+                  atol=1e-9)
     with pytest.raises(RuntimeError, match="diagonal of D is zero"):
         torch.linalg.ldl_factor_ex(torch.zeros(3, 3, device="tpu"), check_errors=True)
