@@ -132,3 +132,31 @@ def test_low_precision_results_judged_against_float64():
     assert not closer_than_cpu((cpu, idx), (bf16(1.0, 2.0, 3.0), torch.tensor([0, 1])),
                                (precise, idx))
     assert not closer_than_cpu((cpu, 3), (bf16(1.0, 2.0, 3.0), 4), (precise, 3))
+
+
+def test_eigenvalues_are_compared_in_cpus_order():
+    """linalg.eig's eigenvalues come in no documented order: tpu's are put in
+    CPU's (nearest first come, first served), eigenvectors with them; values
+    that are not CPU's stay unmatched and so fail the comparison after."""
+    import torch
+    from opinfo_conformance import _in_order_of, _reordered
+
+    cpu = torch.tensor([[1 + 0j, 2 + 1j, 2 - 1j], [0j, 3j, -3j]])
+    got = torch.tensor([[2 - 1j + 1e-6, 1 + 0j, 2 + 1j], [-3j, 0j, 3j]])
+    assert _in_order_of(cpu, got).tolist() == [[1, 2, 0], [1, 2, 0]]
+    vectors = torch.arange(18, dtype=torch.float32).reshape(2, 3, 3).to(torch.complex64)
+
+    def eig(_):
+        return got, vectors
+    w, v = _reordered(eig, (cpu, None))(None)
+    torch.testing.assert_close(w, cpu, atol=1e-5, rtol=0)
+    assert torch.equal(v[0, :, 0], vectors[0, :, 1]) and torch.equal(v[1, :, 2], vectors[1, :, 0])
+    # eigvals: the values alone; an empty result is left as it is.
+    assert torch.equal(_reordered(lambda _: got, cpu)(None), w)
+    empty = torch.zeros(0, 0, dtype=torch.complex64)
+    assert _reordered(lambda _: empty, empty)(None) is empty
+    # A value that is not CPU's still takes a place, so the comparison fails.
+    wrong, right = torch.tensor([5j, 1, 2]), torch.tensor([1j, 1, 2])
+    w, _ = _reordered(lambda _: (wrong, torch.eye(3)), (right, None))(None)
+    assert sorted(w.tolist(), key=abs) == sorted(wrong.tolist(), key=abs)
+    assert not torch.allclose(w, right)
