@@ -26,7 +26,6 @@
 #include "daemon/backends/pjrt/lowering/families.h"
 #include "daemon/backends/pjrt/lowering/helpers.h"
 #include "daemon/backends/pjrt/lowering/lowering.h"
-#include "daemon/backends/pjrt/lowering/matrix.h"
 #include "daemon/backends/pjrt/lowering/registry.h"
 
 namespace tpud::pjrt {

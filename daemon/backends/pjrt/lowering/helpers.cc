@@ -112,6 +112,63 @@ std::string Modulus(Lowering& l, const std::string& v,
                              ") -> ", TypeOf(dims, PartOf(c))));
 }
 
+const HloType& RealOf(const HloType& t) { return IsComplex(t) ? PartOf(t) : t; }
+
+namespace {
+
+std::string PartOfComplex(Lowering& l, const char* which, const std::string& v,
+                          const std::vector<int64_t>& dims, const HloType& t) {
+  return l.Emit(absl::StrCat("stablehlo.", which, " ", v, " : (",
+                             TypeOf(dims, t), ") -> ",
+                             TypeOf(dims, PartOf(t))));
+}
+
+}  // namespace
+
+std::string RealPart(Lowering& l, const std::string& v,
+                     const std::vector<int64_t>& dims, const HloType& t) {
+  return PartOfComplex(l, "real", v, dims, t);
+}
+
+std::string ImagPart(Lowering& l, const std::string& v,
+                     const std::vector<int64_t>& dims, const HloType& t) {
+  return PartOfComplex(l, "imag", v, dims, t);
+}
+
+std::string FromReal(Lowering& l, const std::string& v,
+                     const std::vector<int64_t>& dims, const HloType& t) {
+  if (!IsComplex(t)) return v;
+  return l.Emit(absl::StrCat("stablehlo.complex ", v, ", ",
+                             l.Constant(0, dims, PartOf(t)), " : ",
+                             TypeOf(dims, t)));
+}
+
+std::string Conj(Lowering& l, const std::string& v,
+                 const std::vector<int64_t>& dims, const HloType& t) {
+  if (!IsComplex(t)) return v;
+  return l.Emit(
+      absl::StrCat("stablehlo.complex ", RealPart(l, v, dims, t), ", ",
+                   l.Unary("negate", ImagPart(l, v, dims, t), dims, PartOf(t)),
+                   " : ", TypeOf(dims, t)));
+}
+
+std::string SquaredModulus(Lowering& l, const std::string& v,
+                           const std::vector<int64_t>& dims, const HloType& t) {
+  if (!IsComplex(t)) return l.Binary("multiply", v, v, dims, t);
+  const HloType& p = PartOf(t);
+  const std::string re = RealPart(l, v, dims, t), im = ImagPart(l, v, dims, t);
+  return l.Binary("add", l.Binary("multiply", re, re, dims, p),
+                  l.Binary("multiply", im, im, dims, p), dims, p);
+}
+
+std::string Cabs1(Lowering& l, const std::string& v,
+                  const std::vector<int64_t>& dims, const HloType& t) {
+  if (!IsComplex(t)) return l.Unary("abs", v, dims, t);
+  const HloType& p = PartOf(t);
+  return l.Binary("add", l.Unary("abs", RealPart(l, v, dims, t), dims, p),
+                  l.Unary("abs", ImagPart(l, v, dims, t), dims, p), dims, p);
+}
+
 absl::StatusOr<std::string> AbsOperand(Lowering& l, const tpu::OpArg& a,
                                        const std::vector<int64_t>& dims,
                                        const HloType& t) {

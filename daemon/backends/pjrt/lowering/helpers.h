@@ -58,6 +58,32 @@ Rule Simple(const char* op);
 std::string Modulus(Lowering& l, const std::string& v,
                     const std::vector<int64_t>& dims, const HloType& c);
 
+// The real type of t's values: t itself, or a complex type's part type.
+const HloType& RealOf(const HloType& t);
+
+// The real and imaginary parts of complex v (dims `dims`), as t's part type.
+std::string RealPart(Lowering& l, const std::string& v,
+                     const std::vector<int64_t>& dims, const HloType& t);
+std::string ImagPart(Lowering& l, const std::string& v,
+                     const std::vector<int64_t>& dims, const HloType& t);
+
+// The conjugate of v (a real v is its own).
+std::string Conj(Lowering& l, const std::string& v,
+                 const std::vector<int64_t>& dims, const HloType& t);
+
+// |v|^2 elementwise, as RealOf(t).
+std::string SquaredModulus(Lowering& l, const std::string& v,
+                           const std::vector<int64_t>& dims, const HloType& t);
+
+// LAPACK's cabs1, |re| + |im| (|v| of a real v), as RealOf(t): what
+// pivoting compares.
+std::string Cabs1(Lowering& l, const std::string& v,
+                  const std::vector<int64_t>& dims, const HloType& t);
+
+// A real v (dims `dims`, type RealOf(t)) as type t.
+std::string FromReal(Lowering& l, const std::string& v,
+                     const std::vector<int64_t>& dims, const HloType& t);
+
 // |a| (a tensor argument) as type t, dims `dims`: a complex tensor's
 // modulus, never its real part's.
 absl::StatusOr<std::string> AbsOperand(Lowering& l, const tpu::OpArg& a,

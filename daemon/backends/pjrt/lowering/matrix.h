@@ -14,32 +14,6 @@
 
 namespace tpud::pjrt {
 
-// The real type of t's values: t itself, or a complex type's part type.
-const HloType& RealOf(const HloType& t);
-
-// The real and imaginary parts of complex v (dims `dims`), as t's part type.
-std::string RealPart(Lowering& l, const std::string& v,
-                     const std::vector<int64_t>& dims, const HloType& t);
-std::string ImagPart(Lowering& l, const std::string& v,
-                     const std::vector<int64_t>& dims, const HloType& t);
-
-// The conjugate of v (a real v is its own).
-std::string Conj(Lowering& l, const std::string& v,
-                 const std::vector<int64_t>& dims, const HloType& t);
-
-// |v|^2 elementwise, as RealOf(t).
-std::string SquaredModulus(Lowering& l, const std::string& v,
-                           const std::vector<int64_t>& dims, const HloType& t);
-
-// LAPACK's cabs1, |re| + |im| (|v| of a real v), as RealOf(t): what
-// pivoting compares.
-std::string Cabs1(Lowering& l, const std::string& v,
-                  const std::vector<int64_t>& dims, const HloType& t);
-
-// A real v (dims `dims`, type RealOf(t)) as type t.
-std::string FromReal(Lowering& l, const std::string& v,
-                     const std::vector<int64_t>& dims, const HloType& t);
-
 // v (dims `in`) with the other triangle zeroed: the lower (i >= j) or upper
 // one kept.
 std::string Triangle(Lowering& l, const std::string& v,
