@@ -224,7 +224,8 @@ void RegisterActivation(OpRegistry& reg) {
         return l.Binary("multiply", r, l.Constant(scale, o.dims, t), o.dims, t);
       });
   // Backward of sigmoid and tanh from their output y: grad * y * (1 - y),
-  // grad * (1 - y * y).
+  // grad * (1 - y * y), the derivative conjugated for complex y (ATen's
+  // convention for holomorphic functions).
   for (bool sig : {true, false}) {
     reg.Add(sig ? "aten::sigmoid_backward" : "aten::tanh_backward",
             [sig](Lowering& l, const tpu::DecodedOp& d,
@@ -246,7 +247,8 @@ void RegisterActivation(OpRegistry& reg) {
                       : l.Binary("subtract", one,
                                  l.Binary("multiply", *y, *y, o.dims, t),
                                  o.dims, t);
-              return l.Binary("multiply", *g, dy, o.dims, t);
+              return l.Binary("multiply", *g, Conj(l, dy, o.dims, t), o.dims,
+                              t);
             });
   }
   reg.Alias("aten::sigmoid_backward.grad_input", "aten::sigmoid_backward");
