@@ -69,48 +69,6 @@ OpEntry& OpRegistry::Alias(const std::string& name, const std::string& of) {
   return e;
 }
 
-void OpRegistry::RefuseComplex(const std::vector<std::string>& bases) {
-  auto complex_arg = [](const tpu::DecodedOp& d) {
-    for (size_t a = 0; a < d.num_args; ++a) {
-      const tpu::OpArg& arg = d.args[a];
-      if (arg.tag == tpu::ArgTag::kTensor &&
-          tpu::IsComplex(static_cast<tpu::DType>(arg.tensor.dtype)))
-        return true;
-    }
-    return false;
-  };
-  int wrapped = 0;
-  for (auto& [name, e] : entries_) {
-    bool match = false;
-    for (const std::string& b : bases)
-      match |= name == b || absl::StartsWith(name, b + ".");
-    if (!match) continue;
-    ++wrapped;
-    if (e.rule) {
-      Rule inner = std::move(e.rule);
-      e.rule = [inner, complex_arg](
-                   Lowering& l, const tpu::DecodedOp& d,
-                   const Target& o) -> absl::StatusOr<std::string> {
-        if (complex_arg(d))
-          return Unsupported(l.op(), "complex matrices are not lowered");
-        return inner(l, d, o);
-      };
-    }
-    if (e.multi) {
-      MultiRule inner = std::move(e.multi);
-      e.multi = [inner, complex_arg](Lowering& l, const tpu::DecodedOp& d,
-                                     const std::vector<Target>& o)
-          -> absl::StatusOr<std::vector<std::string>> {
-        if (complex_arg(d))
-          return Unsupported(l.op(), "complex matrices are not lowered");
-        return inner(l, d, o);
-      };
-    }
-  }
-  if (wrapped < static_cast<int>(bases.size()))
-    Fail("RefuseComplex names an op that is not registered");
-}
-
 void OpRegistry::DeriveForms() {
   std::vector<OpEntry> derived;
   for (const auto& [name, entry] : entries_) {

@@ -86,10 +86,6 @@ class OpRegistry {
   // the rule and whether it takes a list, not its other facts.
   // REQUIRES: `of` registered, `name` not.
   OpEntry& Alias(const std::string& name, const std::string& of);
-  // Makes the registered ops named `base` (and its overloads, "base.x")
-  // refuse complex tensor arguments with a clear error: rules written for
-  // real matrices, which a complex one would need conjugates for.
-  void RefuseComplex(const std::vector<std::string>& bases);
   // Adds the derived in-place and out= forms (see above). Called once, last.
   void DeriveForms();
 
