@@ -617,9 +617,9 @@ void RegisterLinalg(OpRegistry& reg) {
             o.dims.size() < 2) {
           return Unsupported(l.op(), "arguments of a form not lowered");
         }
-        // left=False (X op(A) = B) is the left solve of the transposes,
-        // op(A)^T X^T = B^T; A^T Y = C is A^H conj(Y) = conj(C), and
-        // conj(A) Y = C is A conj(Y) = conj(C).
+        // left=False (X op(A) = B) is the left solve of the adjoints:
+        // op(A)^H X^H = B^H, where op(A)^H is A^H, or A when op is the
+        // adjoint.
         const bool left = args.Flag("left", true);
         const HloType& t = *o.type;
         const std::vector<int64_t> batch = BatchOf(o.dims);
