@@ -108,6 +108,7 @@ Rule UnaryRule(
 
 std::string Modulus(Lowering& l, const std::string& v,
                     const std::vector<int64_t>& dims, const HloType& c) {
+  if (!IsComplex(c)) return l.Unary("abs", v, dims, c);
   return l.Emit(absl::StrCat("stablehlo.abs ", v, " : (", TypeOf(dims, c),
                              ") -> ", TypeOf(dims, PartOf(c))));
 }

@@ -54,7 +54,7 @@ Rule UnaryRule(
 
 Rule Simple(const char* op);
 
-// The modulus of complex v (dims `dims`, complex type c), as c's part type.
+// |v| (dims `dims`, type c) as RealOf(c): a complex v's modulus.
 std::string Modulus(Lowering& l, const std::string& v,
                     const std::vector<int64_t>& dims, const HloType& c);
 

@@ -375,9 +375,7 @@ void RegisterLinalg(OpRegistry& reg) {
           const std::string signs =
               l.ReduceOver(l.Unary("sign", diag, dd, t), dd, {last}, "multiply",
                            l.Constant(1, {}, t), t);
-          const std::string modulus = IsComplex(t)
-                                          ? Modulus(l, diag, dd, t)
-                                          : l.Unary("abs", diag, dd, t);
+          const std::string modulus = Modulus(l, diag, dd, t);
           const std::string logabs =
               l.ReduceOver(l.Unary("log", modulus, dd, rt), dd, {last}, "add",
                            l.Constant(0, {}, rt), rt);

@@ -38,9 +38,8 @@ std::string MatrixExp(Lowering& l, const std::string& a, const MatrixShape& s,
   const int64_t r = s.rank();
   // The 1-norm: the largest column sum of |a| (the scaling is real).
   const HloType& rt = RealOf(t);
-  const std::string cols =
-      l.ReduceOver(IsComplex(t) ? Modulus(l, a, d, t) : l.Unary("abs", a, d, t),
-                   d, {r - 2}, "add", l.Constant(0, {}, rt), rt);
+  const std::string cols = l.ReduceOver(Modulus(l, a, d, t), d, {r - 2}, "add",
+                                        l.Constant(0, {}, rt), rt);
   const std::string norm =
       l.ReduceOver(cols, s.row, {r - 2}, "maximum", l.Constant(0, {}, rt), rt);
   // s = max(0, ceil(log2(norm / theta))), 0 for a zero or non-finite norm
