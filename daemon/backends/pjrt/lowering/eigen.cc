@@ -113,14 +113,12 @@ std::string EntryAt(Lowering& l, const std::string& x, const MatrixShape& s,
                       l.Constant(0, {}, t), t);
 }
 
-// Q^H x Q for the Q of a QR factorization f of matrices of shape s: x Q is
-// (Q^H x^H)^H.
+// x Q for the Q of a QR factorization f of matrices of shape s: (Q^H
+// x^H)^H.
 std::string TimesQ(Lowering& l, const Qr& f, const MatrixShape& s,
-                   const std::string& x, bool left_too, const HloType& t) {
-  std::string y = x;
-  if (left_too) y = ApplyQ(l, f.a, s, f.tau, s.n, y, s, true, t);
+                   const std::string& x, const HloType& t) {
   return Adjoint(
-      l, ApplyQ(l, f.a, s, f.tau, s.n, Adjoint(l, y, s.dims, t), s, true, t),
+      l, ApplyQ(l, f.a, s, f.tau, s.n, Adjoint(l, x, s.dims, t), s, true, t),
       s.dims, t);
 }
 
@@ -135,10 +133,11 @@ std::string TimesQ(Lowering& l, const Qr& f, const MatrixShape& s,
 // exceptional one). A row whose entries left of the diagonal fall below
 // eps |A|_F is converged. T's eigenvectors come from back substitution
 // (near-equal eigenvalues perturbed by eps |A|_F, as LAPACK's trevc), and
-// Z takes them back to A's.
+// Z takes them back to A's. Without `want_vectors`, Z is not accumulated
+// and the eigenvectors are empty.
 std::pair<std::string, std::string> Eig(Lowering& l, const std::string& a,
-                                        const MatrixShape& s,
-                                        const HloType& c) {
+                                        const MatrixShape& s, const HloType& c,
+                                        bool want_vectors) {
   const HloType& i64 = I64();
   const HloType& i1 = *DTypeOf(tpu::DType::kBool);
   const HloType& rt = RealOf(c);
@@ -190,13 +189,15 @@ std::pair<std::string, std::string> Eig(Lowering& l, const std::string& a,
       },
       [&](const std::vector<std::string>& v) {
         const std::string &m = v[1], &stall = v[2], &t = v[3], &z = v[4];
-        const std::string md = per_matrix(m, i64);
-        const std::string last =
-            l.Binary("subtract", md, l.Constant(1, d, i64), d, i64);
-        // The last active row, left of its diagonal.
-        const std::string row =
-            l.Binary("and", l.Compare("EQ", ri, last, d, i64),
-                     l.Compare("LT", ci, last, d, i64), d, i1);
+        // The last row of an active block of `size` rows, left of its
+        // diagonal.
+        auto last_row = [&](const std::string& size) {
+          const std::string last =
+              per_matrix(l.Binary("subtract", size, one, b, i64), i64);
+          return l.Binary("and", l.Compare("EQ", ri, last, d, i64),
+                          l.Compare("LT", ci, last, d, i64), d, i1);
+        };
+        const std::string row = last_row(m);
         const std::string done =
             l.Binary("and", l.Compare("LE", norm_of(t, row), small, b, rt),
                      l.Compare("GT", m, one, b, i64), b, i1);
@@ -246,20 +247,11 @@ std::pair<std::string, std::string> Eig(Lowering& l, const std::string& a,
                 b, c),
             b, c);
         // Exceptional: u moved by 1.5 times the last row's size.
-        const std::string last_row = l.Binary(
-            "and",
-            l.Compare("EQ", ri,
-                      per_matrix(l.Binary("subtract", m1, one, b, i64), i64), d,
-                      i64),
-            l.Compare("LT", ci,
-                      per_matrix(l.Binary("subtract", m1, one, b, i64), i64), d,
-                      i64),
-            d, i1);
         const std::string exceptional =
             l.Binary("add", u,
                      FromReal(l,
                               l.Binary("multiply", l.Constant(1.5, b, rt),
-                                       norm_of(t1, last_row), b, rt),
+                                       norm_of(t1, last_row(m1)), b, rt),
                               b, c),
                      b, c);
         const std::string mu = l.Select(
@@ -276,10 +268,10 @@ std::pair<std::string, std::string> Eig(Lowering& l, const std::string& a,
             l.Select(diag, per_matrix(mu, c), l.Constant(0, d, c), d, c);
         const std::string x = l.Binary("subtract", t1, shift, d, c);
         const Qr f = Geqrf(l, x, s, c);
-        const std::string t2 = l.Binary(
-            "add", TimesQ(l, f, s, Triangle(l, f.a, d, false, c), false, c),
-            shift, d, c);
-        const std::string z2 = TimesQ(l, f, s, z, false, c);
+        const std::string t2 =
+            l.Binary("add", TimesQ(l, f, s, Triangle(l, f.a, d, false, c), c),
+                     shift, d, c);
+        const std::string z2 = want_vectors ? TimesQ(l, f, s, z, c) : z;
         const std::string go = per_matrix(active, i1);
         return std::vector<std::string>{
             l.Binary("add", v[0], l.Constant(1, {}, i64), {}, i64), m1, stall1,
@@ -288,6 +280,7 @@ std::pair<std::string, std::string> Eig(Lowering& l, const std::string& a,
   const std::string& t = st[3];
   const std::string& z = st[4];
   const std::string w = Diagonal(l, t, s, c);
+  if (!want_vectors) return {w, ""};
   // T Y = Y diag(w), Y upper triangular with a unit diagonal, row by row
   // from the last: Y[i, k] = -(T[i, i+1:] Y[i+1:, k]) / (T[i, i] - w[k]).
   const std::string wk = BroadcastInDim(l, w, s.row, d, s.row_map, c);
@@ -379,63 +372,62 @@ std::pair<std::string, std::string> Eig(Lowering& l, const std::string& a,
   return {w, vectors};
 }
 
+// linalg_eig's and _linalg_eigvals' results: the eigenvalues as target w,
+// and the eigenvectors as target *v (none: eigenvalues alone), computed in
+// complex128 and rounded once at the end.
+absl::StatusOr<std::vector<std::string>> EigResults(Lowering& l,
+                                                    const Target& w,
+                                                    const Target* v) {
+  const Args args(l);
+  if (!args.Defined("self") || args["self"].tensor.ndim < 2)
+    return Unsupported(l.op(), "expects a matrix or a batch of them");
+  const std::vector<int64_t> ad = DimsOf(args["self"].tensor);
+  if (ad[ad.size() - 1] != ad[ad.size() - 2])
+    return absl::InvalidArgumentError(absl::StrCat(
+        l.op(), ": A must be batches of square matrices, but they are ",
+        ad[ad.size() - 2], " by ", ad.back(), " matrices"));
+  if (!IsComplex(*w.type) ||
+      (v != nullptr && (!IsComplex(*v->type) || v->dims != ad)))
+    return Unsupported(l.op(), "results of a form not lowered");
+  const MatrixShape s(ad);
+  std::vector<std::string> out;
+  if (s.n == 0 || Numel(args["self"].tensor) == 0) {
+    out.push_back(l.Constant(0, w.dims, *w.type));
+    if (v != nullptr) out.push_back(l.Constant(0, ad, *v->type));
+    return out;
+  }
+  const HloType& c = ComplexOf(F64());
+  absl::StatusOr<std::string> a = l.Operand(args["self"], ad, c);
+  if (!a.ok()) return a.status();
+  const auto [values, vectors] = Eig(l, *a, s, c, v != nullptr);
+  std::vector<int64_t> wd = s.batch;
+  wd.push_back(s.n);
+  out.push_back(
+      l.Reshape(l.Convert(values, wd, c, *w.type), wd, w.dims, *w.type));
+  if (v != nullptr) out.push_back(l.Convert(vectors, ad, c, *v->type));
+  return out;
+}
+
 }  // namespace
 
 void RegisterEigen(OpRegistry& reg) {
-  // linalg_eig(self) -> (eigenvalues, eigenvectors), both complex; in
-  // double precision (complex128), rounded once at the end.
+  // linalg_eig(self) -> (eigenvalues, eigenvectors), both complex.
   reg.AddMulti(
       "aten::linalg_eig",
-      [](Lowering& l, const tpu::DecodedOp& d, const std::vector<Target>& o)
+      [](Lowering& l, const tpu::DecodedOp&, const std::vector<Target>& o)
           -> absl::StatusOr<std::vector<std::string>> {
-        const Args args(l);
-        if (o.size() != 2 || !args.Defined("self") ||
-            args["self"].tensor.ndim < 2)
-          return Unsupported(l.op(), "expects a matrix or a batch of them");
-        const std::vector<int64_t> ad = DimsOf(args["self"].tensor);
-        if (ad[ad.size() - 1] != ad[ad.size() - 2])
-          return absl::InvalidArgumentError(absl::StrCat(
-              l.op(), ": A must be batches of square matrices, but they are ",
-              ad[ad.size() - 2], " by ", ad.back(), " matrices"));
-        const HloType& out = *o[1].type;
-        if (!IsComplex(out) || o[1].dims != ad)
-          return Unsupported(l.op(), "results of a form not lowered");
-        const HloType& c = ComplexOf(F64());
-        absl::StatusOr<std::string> a = l.Operand(args["self"], ad, c);
-        if (!a.ok()) return a.status();
-        const MatrixShape s(ad);
-        if (s.n == 0 || Numel(args["self"].tensor) == 0)
-          return std::vector<std::string>{l.Constant(0, o[0].dims, out),
-                                          l.Constant(0, ad, out)};
-        const auto [w, v] = Eig(l, *a, s, c);
-        std::vector<int64_t> wd = s.batch;
-        wd.push_back(s.n);
-        return std::vector<std::string>{
-            l.Reshape(l.Convert(w, wd, c, *o[0].type), wd, o[0].dims,
-                      *o[0].type),
-            l.Convert(v, ad, c, out)};
+        if (o.size() != 2) return Unsupported(l.op(), "expects two results");
+        return EigResults(l, o[0], &o[1]);
       });
   reg.Alias("aten::linalg_eig.out", "aten::linalg_eig");
   // _linalg_eigvals(self): the eigenvalues alone.
   reg.Add("aten::_linalg_eigvals",
           [](Lowering& l, const tpu::DecodedOp&,
              const Target& o) -> absl::StatusOr<std::string> {
-            const Args args(l);
-            if (!args.Defined("self") || args["self"].tensor.ndim < 2)
-              return Unsupported(l.op(), "expects a matrix or a batch of them");
-            const std::vector<int64_t> ad = DimsOf(args["self"].tensor);
-            if (ad[ad.size() - 1] != ad[ad.size() - 2] || !IsComplex(*o.type))
-              return Unsupported(l.op(), "expects square matrices");
-            const HloType& c = ComplexOf(F64());
-            const MatrixShape s(ad);
-            if (s.n == 0 || Numel(args["self"].tensor) == 0)
-              return l.Constant(0, o.dims, *o.type);
-            absl::StatusOr<std::string> a = l.Operand(args["self"], ad, c);
-            if (!a.ok()) return a;
-            std::vector<int64_t> wd = s.batch;
-            wd.push_back(s.n);
-            return l.Reshape(l.Convert(Eig(l, *a, s, c).first, wd, c, *o.type),
-                             wd, o.dims, *o.type);
+            absl::StatusOr<std::vector<std::string>> r =
+                EigResults(l, o, nullptr);
+            if (!r.ok()) return r.status();
+            return (*r)[0];
           });
 
   // _linalg_eigh(A, UPLO, compute_v) -> (eigenvalues, eigenvectors); the
