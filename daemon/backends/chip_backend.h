@@ -196,7 +196,8 @@ class ChipBackend {
   // nothing, when the executor is to run them one by one through Run. On an
   // error, `*failed` is the op it belongs to: the ops before it completed,
   // what it and the ops after it write is not valid. Declining, it says why
-  // in `*declined`.
+  // in `*declined`, and `*failed` is the first op it could not take
+  // (ops.size() where it declined the program as a whole).
   virtual absl::StatusOr<bool> RunProgram(const std::vector<ProgramOp>& ops,
                                           size_t* failed,
                                           std::string* declined) {

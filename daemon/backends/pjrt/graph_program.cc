@@ -1,5 +1,7 @@
 // Graph modules (device memory): a captured graph's ops as one StableHLO
 // module, compiled once per signature of the whole graph.
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -91,12 +93,64 @@ absl::StatusOr<PjrtChip::OpPlan> PjrtChip::CopyPlan(
       nt, ", tensor<i64>) -> ", dt, "\n");
   program.results = {"%1"};
   program.result_types = {dt};
+  // All its program depends on (a graph's key is its ops' texts).
+  plan->SetText(absl::StrCat("copy ", src.segment_bytes, " ", dst.segment_bytes,
+                             " ", n, " ", same));
   OpPlan op_plan;
-  op_plan.key = absl::StrCat("copy ", src.segment_bytes, " ", dst.segment_bytes,
-                             " ", n, " ", same);
   op_plan.offsets = {from, to};
   op_plan.plan = std::move(plan);
   return op_plan;
+}
+
+void PjrtChip::NoteGraphCompiled(const std::vector<ProgramOp>& ops,
+                                 const std::vector<OpPlan>& plans, int device) {
+  auto name = [](const ProgramOp& op) {
+    return op.op == nullptr ? std::string("copy")
+                            : static_cast<const PjrtOp&>(*op.op).name();
+  };
+  GraphOps now;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    now.hashes.push_back(plans[i].nothing ? 0 : plans[i].plan->text_hash[0]);
+    now.names.push_back(name(ops[i]));
+  }
+  // Why: where it parts from the recent graph whose ops it follows longest
+  // (a loop whose shapes changed, a new op, a run cut elsewhere).
+  std::string why = "no graph was compiled on this device before";
+  std::deque<GraphOps>& recent = recent_graphs_[device];
+  const GraphOps* best = nullptr;
+  size_t same = 0;
+  for (const GraphOps& before : recent) {
+    size_t k = 0;
+    while (k < now.hashes.size() && k < before.hashes.size() &&
+           now.hashes[k] == before.hashes[k])
+      ++k;
+    if (best == nullptr || k > same) {
+      best = &before;
+      same = k;
+    }
+  }
+  if (best != nullptr) {
+    const size_t k = same;
+    if (k < now.hashes.size() && k < best->hashes.size()) {
+      why = absl::StrCat(
+          "the nearest recent graph (", best->hashes.size(),
+          " ops) parts from it at op ", k + 1, ": ", now.names[k],
+          now.names[k] == best->names[k]
+              ? " with other shapes, dtypes, layout or a folded scalar"
+              : absl::StrCat(" where it had ", best->names[k]));
+    } else if (k == best->hashes.size() && k == now.hashes.size()) {
+      why =
+          "a recent graph has the same ops, with their tensors in other "
+          "segments or sharing them otherwise";
+    } else {
+      why = absl::StrCat("a recent graph has its first ", k, " ops, and ",
+                         best->hashes.size(), " in all");
+    }
+  }
+  spdlog::info("pjrt: device {}: compiled a graph of {} ops; {}", device,
+               ops.size(), why);
+  if (recent.size() >= kRecentGraphs) recent.pop_front();
+  recent.push_back(std::move(now));
 }
 
 absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
@@ -104,6 +158,7 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
                                           std::string* declined) {
   *failed = 0;
   auto decline = [&](size_t i, const std::string& why) {
+    *failed = i;
     *declined =
         i < ops.size()
             ? absl::StrCat("record ", i + 1, " (",
@@ -157,8 +212,11 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
     if (device >= 0 && plan.on_device != device)
       return decline(i, "on another device");
     device = plan.on_device;
-    absl::StrAppend(&key, i, ":", pr.key.size(), ":");
-    key.append(pr.key);
+    // The graph's module depends on its ops' programs, not on the values
+    // of their scalars (parameters of main): a step whose learning rate
+    // changes runs the module of the step before.
+    key.append(reinterpret_cast<const char*>(plan.text_hash),
+               sizeof(plan.text_hash));
     for (const Plan::Seg& sg : plan.segs) {
       const ResolvedTensor& rt = (*ops[i].tensors)[sg.k];
       size_t g = std::find(seg_address.begin(), seg_address.end(),
@@ -166,7 +224,8 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
                  seg_address.begin();
       if (g == seg_address.size()) seg_address.push_back(rt.segment_address);
       seg_of[i].push_back(static_cast<int>(g));
-      absl::StrAppend(&key, g, ",");
+      const uint32_t g32 = static_cast<uint32_t>(g);
+      key.append(reinterpret_cast<const char*>(&g32), sizeof(g32));
     }
     for (const Plan::In& x : plan.inputs) {
       if (x.k != -1) return decline(i, "a parameter from the host");
@@ -279,8 +338,11 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
         "module @tpud_graph {\n", funcs, "  func.func public @main(", params,
         ") -> (", ret, ") {\n", body, "    return ",
         absl::StrJoin(results, ", "), " : ", ret, "\n  }\n}\n");
+    const uint64_t compiles = stats_[device].compiles;
     absl::StatusOr<std::shared_ptr<const Executable>> exe =
         Compiled(text, device);
+    if (stats_[device].compiles != compiles)
+      NoteGraphCompiled(ops, plans, device);
     if (exe.ok()) {
       made->exe = *std::move(exe);
     } else {

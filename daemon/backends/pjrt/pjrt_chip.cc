@@ -535,10 +535,8 @@ absl::Status PjrtChip::PlanOp(const BackendOp& base,
   absl::InlinedVector<int64_t, 8> offsets;
   if (absl::Status st = Place(l, site, *kept, &host, &offsets); !st.ok())
     return st;
-  // The plan, its signature and offsets, for the graph's program.
+  // The plan and its offsets, for the graph's program.
   out->offsets.assign(offsets.begin(), offsets.end());
-  out->key = key_;
-  out->key.append(kept->fixed);
   out->plan = std::move(kept);
   return absl::OkStatus();
 }

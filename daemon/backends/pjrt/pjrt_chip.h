@@ -29,6 +29,7 @@
 #define TPUD_DAEMON_BACKENDS_PJRT_PJRT_CHIP_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <list>
 #include <map>
@@ -112,11 +113,14 @@ class PjrtChip : public ChipBackend {
   // empty for an op no plan describes.
   struct OpPlan {
     std::shared_ptr<const Plan> plan;
-    std::string key;
     std::vector<int64_t> offsets;  // its offset parameters' values
     bool nothing = false;          // no output has elements: nothing to run
   };
   struct Graph;  // a graph's module (graph_program.cc)
+  // Logs that a graph's module was compiled, and why: where its ops part
+  // from those of the recent graph on `device` they follow longest.
+  void NoteGraphCompiled(const std::vector<ProgramOp>& ops,
+                         const std::vector<OpPlan>& plans, int device);
   // The op's plan, lowered if not kept yet but neither compiled nor run.
   absl::Status PlanOp(const BackendOp& op, const tpu::DecodedOp& decoded,
                       const std::vector<ResolvedTensor>& tensors, OpPlan* plan);
@@ -234,6 +238,14 @@ class PjrtChip : public ChipBackend {
   // segments they share), least recently used first.
   std::list<std::pair<std::string, std::shared_ptr<const Graph>>> graph_lru_;
   std::unordered_map<std::string, decltype(graph_lru_)::iterator> graphs_;
+  // The ops of the graphs compiled last on each device (their programs'
+  // hashes and names; at most kRecentGraphs), to say why another was.
+  struct GraphOps {
+    std::vector<uint64_t> hashes;
+    std::vector<std::string> names;
+  };
+  static constexpr size_t kRecentGraphs = 32;
+  std::map<int, std::deque<GraphOps>> recent_graphs_;
   // Scalar parameters on the device, by device, type and value: never
   // donated, so one buffer serves every op that passes that value.
   std::unordered_map<std::string, Buffer> scalars_;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
+#include "absl/strings/string_view.h"
 #include "daemon/backends/chip_backend.h"
 #include "daemon/backends/pjrt/lowering/lowering.h"
 #include "daemon/backends/pjrt/pjrt_op.h"
@@ -52,6 +53,11 @@ struct Plan {
   // Device memory: the program in pieces (a graph's module is composed of
   // its ops' programs: PjrtChip::RunProgram) and the device it is for.
   ProgramPieces program;
+  // Hashes of the op's own module as text (two seeds of StableHash64):
+  // what a graph's module takes from this plan (plans that differ only in
+  // their scalars' values share it), so that it keys the graph.
+  uint64_t text_hash[2] = {0, 0};
+  void SetText(absl::string_view text);
   int on_device = 0;
   // Device memory: the record tensor whose place in its segment each offset
   // parameter (the program's last) is, reads then writes; or, where a read

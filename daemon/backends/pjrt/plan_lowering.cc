@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/backends/pjrt/compile_cache.h"
 #include "daemon/backends/pjrt/lowering/helpers.h"
 #include "daemon/backends/pjrt/lowering/lowering.h"
 #include "daemon/backends/pjrt/lowering/registry.h"
@@ -18,6 +19,11 @@
 #include "daemon/backends/pjrt/plan.h"
 
 namespace tpud::pjrt {
+
+void Plan::SetText(absl::string_view text) {
+  text_hash[0] = StableHash64(text);
+  text_hash[1] = StableHash64(text, 0x9e3779b97f4a7c15ULL);
+}
 namespace {
 
 bool Contiguous(const tpu::TensorRef& r) {
@@ -332,6 +338,7 @@ absl::Status PjrtChip::LowerPlan(const OpSite& site, bool compile,
         segs, in_seg, in_off, writes, extra, extra_types, dynamic);
     if (!pieces.ok()) return pieces.status();
     program = pieces->Module();
+    plan.SetText(program);
     plan.device = true;
     plan.program = *std::move(pieces);
     plan.on_device = device;
