@@ -302,6 +302,9 @@ struct OpTableEntry {
 // A captured program this session ran on a chip (kRunProgram), for tpuctl:
 // written by the chip's executor, read by tpud.
 inline constexpr int kMaxProgramStats = 16;
+// The entry of a session's fused eager runs (tpu::kEagerProgramId), named
+// by them "eager".
+inline constexpr uint32_t kEagerProgramStatId = ~0u;
 struct ProgramStat {
   std::atomic<uint32_t> id;  // 0: unused
   uint32_t records;

@@ -17,8 +17,9 @@ namespace tpud {
 
 absl::StatusOr<std::shared_ptr<Executor::Program>> Executor::ProgramOf(
     Session& s, const tpu::DecodedRunProgram& run) {
+  const bool eager = run.program_id == tpu::kEagerProgramId;
   auto it = s.programs.find(run.program_id);
-  if (it != s.programs.end() && it->second->offset == run.offset &&
+  if (!eager && it != s.programs.end() && it->second->offset == run.offset &&
       it->second->bytes == run.bytes) {
     return it->second;
   }
@@ -69,6 +70,7 @@ absl::StatusOr<std::shared_ptr<Executor::Program>> Executor::ProgramOf(
         absl::StrCat("a program of ", p->records.size(),
                      " records says it has ", h.num_records));
   }
+  if (eager) return p;  // this run's own
   if (s.programs.size() >= 1024)
     s.programs.clear();  // a bound; dropped ones are read again
   s.programs[run.program_id] = p;
@@ -85,12 +87,16 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence,
                                      prog.status().message()));
   }
   Program& p = **prog;
+  const bool eager = run.program_id == tpu::kEagerProgramId;
   const uint64_t started = tpu::MonotonicNanos();
+  // Fused eager runs share one entry (`tpuctl programs`): their calls, time
+  // and the records of the latest.
+  const uint32_t stat_id = eager ? kEagerProgramStatId : run.program_id;
   ProgramStat* stat = nullptr;
   {
     ProgramStat* table = s.state.chip(ring.chip)->programs;
     for (int i = 0; i < kMaxProgramStats && stat == nullptr; ++i) {
-      if (table[i].id.load(std::memory_order_relaxed) == run.program_id)
+      if (table[i].id.load(std::memory_order_relaxed) == stat_id)
         stat = &table[i];
     }
     if (stat == nullptr) {
@@ -108,8 +114,9 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence,
       stat->name[n] = '\0';
       stat->calls.store(0, std::memory_order_relaxed);
       stat->busy_ns.store(0, std::memory_order_relaxed);
-      stat->id.store(run.program_id, std::memory_order_release);
+      stat->id.store(stat_id, std::memory_order_release);
     }
+    if (eager) stat->records = static_cast<uint32_t>(p.records.size());
   }
   struct Count {
     ProgramStat* stat;
@@ -190,6 +197,70 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence,
       }
     }
   };
+  // Where record k (`what` it is) lies, for errors.
+  auto where = [&](size_t k, const std::string& what) {
+    return eager ? absl::StrCat("op ", k + 1, " of a fused eager run of ", n,
+                                " (", what, ")")
+                 : absl::StrCat("program '", p.name, "', record ", k + 1,
+                                " of ", n, " (", what, ")");
+  };
+  // Records [from, to) one by one, as RunOp and RunCopy run them.
+  size_t first = 0;          // the first record not run whole
+  absl::Status first_error;  // an eager run's
+  auto run_records = [&](size_t from, size_t to) -> absl::Status {
+    for (size_t k = from; k < to; ++k) {
+      const absl::string_view rec(p.data.data() + p.records[k].first,
+                                  p.records[k].second);
+      tpu::RecordHeader rh;
+      std::memcpy(&rh, rec.data(), sizeof(rh));
+      absl::Status st;
+      std::string what = "copy";
+      if (rh.kind == static_cast<uint16_t>(tpu::RecordKind::kOp)) {
+        st = tpu::DecodeOp(rec, &op_);
+        if (st.ok() && (op_.flags & tpu::kOpFlagSync) != 0) {
+          st = absl::InvalidArgumentError("a synchronous op in a program");
+        }
+        if (st.ok()) {
+          rebind(op_);
+          poison_root_.clear();
+          st = RunOp(ring, sequence);
+          const OpSlot& slot = LookupOp(ring, op_.op_id);
+          what = slot.op != nullptr ? OpName(slot.op.get())
+                                    : absl::StrCat("op ", op_.op_id);
+          if (!st.ok())
+            PoisonOutputs(ring, slot.op.get(),
+                          poison_root_.empty() ? std::string(st.message())
+                                               : poison_root_);
+        }
+      } else {
+        tpu::DecodedCopy copy;
+        st = tpu::DecodeCopy(rec, &copy);
+        if (st.ok() && copy.kind != tpu::CopyKind::kDeviceToDevice) {
+          st = absl::InvalidArgumentError("a copy with the host in a program");
+        }
+        if (st.ok()) {
+          move(copy.src);
+          move(copy.dst);
+          BeginOp(ring, sequence, "copy", 4);
+          st = RunCopy(ring, copy);
+          EndOp();
+        }
+      }
+      if (st.ok()) continue;
+      const std::string cause =
+          absl::StrCat(where(k, what), ": ", st.message());
+      if (eager) {
+        // As without fusion: the op's outputs are poisoned (RunOp), the ops
+        // after it run, and the first error is the stream's.
+        if (first_error.ok()) first_error = absl::Status(st.code(), cause);
+        continue;
+      }
+      // What the rest of the program would have written is not valid either.
+      poison_from(k + 1, cause);
+      return absl::Status(st.code(), cause);
+    }
+    return first_error;
+  };
   // A backend that runs a graph as one program of its own (PJRT with device
   // memory: one StableHLO module) gets the ops whole, resolved and checked
   // here as RunOp does; anything unusual (a poisoned input, a tensor that
@@ -235,12 +306,17 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence,
           "synchronous op or an undefined op",
           s.id, p.name);
     }
-    if (!p.one_by_one) {
+    // Records [lo, n) resolved and checked as RunOp does, inside one
+    // BeginOp that the backend's run must share: a segment the client frees
+    // meanwhile is not reused before EndOp. False: something unusual (a
+    // poisoned input, a tensor that does not resolve), for the records to
+    // run one by one, which words it.
+    auto resolve = [&](size_t lo) {
       BeginOp(ring, sequence, "program", 7);
       bool resolved =
           s.state.header()->dead.load(std::memory_order_seq_cst) == 0;
       if (resolved) SyncReleases();
-      for (size_t k = 0; k < n && resolved; ++k) {
+      for (size_t k = lo; k < n && resolved; ++k) {
         if (ops[k].copy != nullptr) {
           // Both ends whole inside segments of the session, on this chip.
           whole_tensors_[k].clear();
@@ -278,80 +354,81 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence,
         std::swap(op_, whole_ops_[k]);
         whole_tensors_[k] = resolved_;
       }
-      size_t failed = 0;
+      return resolved;
+    };
+    // The backend's run of records [lo, hi), inside resolve's BeginOp; on
+    // its failure, what the rest would have written is poisoned.
+    auto run_whole = [&](size_t lo, size_t hi, size_t* failed,
+                         std::string* declined) -> absl::StatusOr<bool> {
+      const std::vector<ProgramOp> part(ops.begin() + lo, ops.begin() + hi);
+      absl::StatusOr<bool> ran =
+          config_.backend->RunProgram(part, failed, declined);
+      if (ran.ok()) {
+        *failed = lo + std::min(*failed, part.size());
+        return ran;
+      }
+      const size_t at = lo + std::min(*failed, part.size() - 1);
+      const std::string cause = absl::StrCat(
+          where(at, ops[at].copy != nullptr ? "copy" : OpName(ops[at].op)),
+          ": ", ran.status().message());
+      poison_from(at, cause);
+      return absl::Status(ran.status().code(), cause);
+    };
+    // An eager run (fused eager) splits where the backend declines an op:
+    // the ops before it run whole, it runs alone, then the rest.
+    size_t lo = 0;
+    while (!p.one_by_one && lo < n) {
+      if (!resolve(lo)) {
+        EndOp();
+        break;
+      }
+      size_t at = 0;
       std::string declined;
-      absl::StatusOr<bool> ran = false;
-      if (resolved) ran = config_.backend->RunProgram(ops, &failed, &declined);
-      EndOp();
-      if (ran.ok() && *ran) {
+      absl::StatusOr<bool> ran = run_whole(lo, n, &at, &declined);
+      if (!ran.ok() || *ran) {
+        EndOp();
+        if (!ran.ok()) return ran.status();
         ++p.calls;
         return absl::OkStatus();
       }
-      if (!ran.ok()) {
-        failed = std::min(failed, n - 1);
-        const std::string cause = absl::StrCat(
-            "program '", p.name, "', record ", failed + 1, " of ", n, " (",
-            ops[failed].copy != nullptr ? "copy" : OpName(ops[failed].op),
-            "): ", ran.status().message());
-        poison_from(failed, cause);
-        return absl::Status(ran.status().code(), cause);
+      if (!eager || at >= n) {
+        EndOp();
+        if (eager) {
+          spdlog::debug("session {}: eager run op by op from record {}: {}",
+                        s.id, lo + 1, declined);
+        } else {
+          // Declined: not offered again.
+          p.one_by_one = true;
+          spdlog::info("session {}: program '{}' runs op by op: {}", s.id,
+                       p.name, declined);
+        }
+        break;
       }
-      if (resolved) {
-        // Declined: not offered again.
-        p.one_by_one = true;
-        spdlog::info("session {}: program '{}' runs op by op: {}", s.id, p.name,
-                     declined);
+      bool before = false;  // the ops before it ran whole
+      if (at - lo >= 2) {
+        size_t again = 0;
+        ran = run_whole(lo, at, &again, &declined);
+        if (!ran.ok()) {
+          EndOp();
+          return ran.status();
+        }
+        before = *ran;
       }
+      EndOp();
+      // (An eager run's errors are kept in first_error; its ops go on.)
+      if (!before) (void)run_records(lo, at);
+      (void)run_records(at, at + 1);
+      lo = at + 1;
     }
+    if (lo >= n) {
+      ++p.calls;
+      return first_error;
+    }
+    first = lo;
   }
   generators = 0;  // the records' seeds again from the first, as the whole
                    // program had them
-  for (size_t k = 0; k < n; ++k) {
-    const absl::string_view rec(p.data.data() + p.records[k].first,
-                                p.records[k].second);
-    tpu::RecordHeader rh;
-    std::memcpy(&rh, rec.data(), sizeof(rh));
-    absl::Status st;
-    std::string what = "copy";
-    if (rh.kind == static_cast<uint16_t>(tpu::RecordKind::kOp)) {
-      st = tpu::DecodeOp(rec, &op_);
-      if (st.ok() && (op_.flags & tpu::kOpFlagSync) != 0) {
-        st = absl::InvalidArgumentError("a synchronous op in a program");
-      }
-      if (st.ok()) {
-        rebind(op_);
-        poison_root_.clear();
-        st = RunOp(ring, sequence);
-        const OpSlot& slot = LookupOp(ring, op_.op_id);
-        what = slot.op != nullptr ? OpName(slot.op.get())
-                                  : absl::StrCat("op ", op_.op_id);
-        if (!st.ok())
-          PoisonOutputs(
-              ring, slot.op.get(),
-              poison_root_.empty() ? std::string(st.message()) : poison_root_);
-      }
-    } else {
-      tpu::DecodedCopy copy;
-      st = tpu::DecodeCopy(rec, &copy);
-      if (st.ok() && copy.kind != tpu::CopyKind::kDeviceToDevice) {
-        st = absl::InvalidArgumentError("a copy with the host in a program");
-      }
-      if (st.ok()) {
-        move(copy.src);
-        move(copy.dst);
-        BeginOp(ring, sequence, "copy", 4);
-        st = RunCopy(ring, copy);
-        EndOp();
-      }
-    }
-    if (st.ok()) continue;
-    const std::string cause =
-        absl::StrCat("program '", p.name, "', record ", k + 1, " of ", n, " (",
-                     what, "): ", st.message());
-    // What the rest of the program would have written is not valid either.
-    poison_from(k + 1, cause);
-    return absl::Status(st.code(), cause);
-  }
+  if (absl::Status st = run_records(first, n); !st.ok()) return st;
   ++p.calls;
   return absl::OkStatus();
 }

@@ -41,7 +41,9 @@
 //               every device address inside [from, +bytes) of a binding is
 //               moved to `to` (inputs and outputs of this run); a non-zero
 //               seed reseeds the program's random ops (the k-th generator
-//               argument gets MixSeed(seed, k)).
+//               argument gets MixSeed(seed, k)). program_id 0
+//               (kEagerProgramId): a fused eager run's ops, read for this
+//               run only.
 //
 // A CollectiveEntry is: u8 kind (CollectiveKind), u8 reduce op (ReduceOp),
 // i8 dtype, u8 pad, i32 root or peer rank, u64 count (elements), u64 send
@@ -128,6 +130,13 @@ inline constexpr uint32_t kProgramMagic = 0x47525054;  // "TPRG"
 inline constexpr uint32_t kMaxProgramBindings = 1 << 16;
 inline constexpr uint32_t kMaxProgramRecords = 1 << 20;
 inline constexpr uint32_t kMaxProgramNameBytes = 256;
+// The program id of a fused eager run (Session::SetEagerFusion): a program
+// made for one run, read afresh each time and never kept by id.
+inline constexpr uint32_t kEagerProgramId = 0;
+// A stream holds at most this many ops (or bytes of their records) for
+// fusion before it sends them on.
+inline constexpr uint32_t kMaxFusedRecords = 1024;
+inline constexpr uint64_t kMaxFusedBytes = 1 << 20;
 
 // One k-th seed of a program run (splitmix64 of seed + k).
 uint64_t MixSeed(uint64_t seed, uint64_t k);
