@@ -94,6 +94,7 @@ TopologyInfo ConvertTopology(const v1::TopologyInfo& t) {
   out.simulated = t.simulated();
   out.backend = t.backend();
   out.lowered_ops.assign(t.lowered_ops().begin(), t.lowered_ops().end());
+  out.fuses = t.fuses();
   const v1::GenerationFacts& g = t.generation();
   out.generation.name = g.name();
   out.generation.hbm_bytes_per_chip = g.hbm_bytes_per_chip();

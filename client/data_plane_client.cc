@@ -264,16 +264,83 @@ absl::StatusOr<int> Session::Impl::ChipOfAddress(uint64_t address,
 }
 
 uint64_t Session::Impl::BeginLocked(int ring, internal::StreamProducer& p,
-                                    RecordKind kind) {
+                                    RecordKind kind, bool defer) {
+  // (A failed flush is the ring's failure: the record begun here fails to
+  // publish as well.)
+  if (p.fused_records != 0 && kind != RecordKind::kDefineOp &&
+      (!defer || ring != p.fused_ring))
+    (void)FlushLocked(p);
+  p.defer_next = defer;
   const uint64_t sequence = p.rings[RingChip(ring)].next_sequence++;
   p.writer.Begin(kind, sequence);
   return sequence;
+}
+
+absl::Status Session::Impl::FlushLocked(internal::StreamProducer& p) {
+  if (p.fused_records == 0) return absl::OkStatus();
+  const int ring = p.fused_ring;
+  std::string records;
+  records.swap(p.fused);
+  const uint32_t num_records = p.fused_records;
+  p.fused_records = 0;
+  p.fused_ring = -1;
+  p.defer_next = false;
+  // Earlier runs' memory, where their ring is past them.
+  for (size_t i = 0; i < p.fused_memory.size();) {
+    const internal::StreamProducer::FusedMemory& m = p.fused_memory[i];
+    if (Control(m.ring)->completed.load(std::memory_order_acquire) >=
+        m.sequence) {
+      (void)FreePinned(m.memory);
+      p.fused_memory[i] = p.fused_memory.back();
+      p.fused_memory.pop_back();
+    } else {
+      ++i;
+    }
+  }
+  static constexpr char kName[] = "eager";
+  const uint64_t name_bytes = 8;
+  const uint64_t bytes = sizeof(ProgramHeader) + name_bytes + records.size();
+  absl::StatusOr<void*> memory =
+      num_records > 1 ? AllocatePinned(bytes)
+                      : absl::StatusOr<void*>(absl::ResourceExhaustedError(""));
+  if (!memory.ok()) {
+    // One op, or no shared memory left for a program: the records go to the
+    // ring as they are, numbered now.
+    internal::RingProducer& rp = p.rings[RingChip(ring)];
+    for (size_t pos = 0; pos < records.size();) {
+      RecordHeader h;
+      std::memcpy(&h, records.data() + pos, sizeof(h));
+      p.writer.Begin(static_cast<RecordKind>(h.kind), rp.next_sequence++);
+      p.writer.Bytes(records.data() + pos + sizeof(h), h.length - sizeof(h));
+      if (absl::Status st = Publish(ring, p); !st.ok()) return st;
+      pos += h.length;
+    }
+    return absl::OkStatus();
+  }
+  char* at = static_cast<char*>(*memory);
+  ProgramHeader header{kProgramMagic, num_records, sizeof(kName) - 1, 0};
+  std::memcpy(at, &header, sizeof(header));
+  std::memset(at + sizeof(header), 0, name_bytes);
+  std::memcpy(at + sizeof(header), kName, sizeof(kName) - 1);
+  std::memcpy(at + sizeof(header) + name_bytes, records.data(), records.size());
+  const uint64_t sequence = BeginLocked(ring, p, RecordKind::kRunProgram);
+  p.writer.U32(kEagerProgramId);
+  p.writer.U32(0);  // no bindings
+  p.writer.U64(static_cast<uint64_t>(at - shm));
+  p.writer.U64(bytes);
+  p.writer.U64(0);  // the ops' own seeds
+  p.fused_memory.push_back({*memory, ring, sequence});
+  return Publish(ring, p);
 }
 
 absl::StatusOr<int> Session::Impl::RouteLocked(int stream,
                                                internal::StreamProducer& p,
                                                int chip) {
   const int ring = RingIndex(chip, stream);
+  // Held ops go first, to the ring they were meant for.
+  if (p.fused_records != 0 && p.fused_ring != ring) {
+    if (absl::Status s = FlushLocked(p); !s.ok()) return s;
+  }
   if (p.last_chip >= 0 && p.last_chip != chip) {
     // The stream moves: this ring first waits for what the stream queued on
     // the previous chip.
@@ -295,6 +362,34 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
   RingControl* ctl = Control(ring);
   internal::RingProducer& rp = p.rings[RingChip(ring)];
   const absl::string_view record = p.writer.Finish();
+  if (p.defer_next) {
+    // Fused eager: held for the stream's next program run (FlushLocked).
+    p.defer_next = false;
+    --rp.next_sequence;
+    uint32_t op_id = 0;
+    std::memcpy(&op_id, record.data() + sizeof(RecordHeader), sizeof(op_id));
+    if (p.fused_records >= kMaxFusedRecords / 2 && op_id == p.fused_first_op &&
+        record.size() == p.fused_first_bytes) {
+      // A loop that never synchronises: its ops go in runs that start where
+      // the held run started (likely the loop's first op), so that the
+      // runs repeat, and compile once, instead of being cut anywhere by the
+      // bound.
+      const std::string op(record);
+      if (absl::Status st = FlushLocked(p); !st.ok()) return st;
+      p.fused = op;
+    } else {
+      p.fused.append(record.data(), record.size());
+    }
+    if (p.fused_records == 0) {
+      p.fused_first_op = op_id;
+      p.fused_first_bytes = record.size();
+    }
+    p.fused_ring = ring;
+    if (++p.fused_records >= kMaxFusedRecords ||
+        p.fused.size() >= kMaxFusedBytes)
+      return FlushLocked(p);
+    return absl::OkStatus();
+  }
   if (p.capturing) {
     RecordHeader h;
     std::memcpy(&h, record.data(), sizeof(h));
@@ -600,7 +695,11 @@ absl::StatusOr<uint64_t> Session::Impl::EnqueueOpLocked(
     if (op_id >= rp.defined.size()) rp.defined.resize(op_id + 1, false);
     rp.defined[op_id] = true;
   }
-  const uint64_t sequence = BeginLocked(*ring, p, RecordKind::kOp);
+  // Fused eager holds an op that nobody waits for at once.
+  const bool defer = fuse_eager.load(std::memory_order_relaxed) &&
+                     !p.capturing &&
+                     (flags & (kOpFlagSync | kOpFlagChecked)) == 0;
+  const uint64_t sequence = BeginLocked(*ring, p, RecordKind::kOp, defer);
   p.writer.U32(op_id);
   p.writer.U16(static_cast<uint16_t>(num_args));
   p.writer.U16(static_cast<uint16_t>(num_outputs));
@@ -896,7 +995,13 @@ absl::Status Session::CopyOnDevice(int stream, uint64_t dst_address,
 }
 
 absl::StatusOr<void*> Session::AllocatePinned(uint64_t bytes) {
-  if (impl_->shm == nullptr)
+  return impl_->AllocatePinned(bytes);
+}
+
+absl::Status Session::FreePinned(void* ptr) { return impl_->FreePinned(ptr); }
+
+absl::StatusOr<void*> Session::Impl::AllocatePinned(uint64_t bytes) {
+  if (shm == nullptr)
     return absl::FailedPreconditionError("session has no data plane");
   const uint64_t size =
       std::max<uint64_t>(kPinnedAlignment, (bytes + kPinnedAlignment - 1) &
@@ -905,56 +1010,54 @@ absl::StatusOr<void*> Session::AllocatePinned(uint64_t bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "cannot allocate ", bytes,
         " bytes of pinned memory: ask for 1 byte up to the pool's ",
-        FormatBytes(impl_->layout.pinned_bytes)));
+        FormatBytes(layout.pinned_bytes)));
   }
-  absl::MutexLock lock(&impl_->pinned_mu);
-  for (auto it = impl_->pinned_free.begin(); it != impl_->pinned_free.end();
-       ++it) {
+  absl::MutexLock lock(&pinned_mu);
+  for (auto it = pinned_free.begin(); it != pinned_free.end(); ++it) {
     if (it->second < size) continue;
     const uint64_t offset = it->first;
     const uint64_t remaining = it->second - size;
-    impl_->pinned_free.erase(it);
-    if (remaining > 0) impl_->pinned_free[offset + size] = remaining;
-    impl_->pinned_used[offset] = size;
-    return static_cast<void*>(impl_->shm + offset);
+    pinned_free.erase(it);
+    if (remaining > 0) pinned_free[offset + size] = remaining;
+    pinned_used[offset] = size;
+    return static_cast<void*>(shm + offset);
   }
   uint64_t free_total = 0;
-  for (const auto& [o, n] : impl_->pinned_free) free_total += n;
+  for (const auto& [o, n] : pinned_free) free_total += n;
   return absl::ResourceExhaustedError(absl::StrCat(
       "pinned host pool exhausted: asked ", FormatBytes(bytes), ", free ",
-      FormatBytes(free_total), " of ", FormatBytes(impl_->layout.pinned_bytes),
+      FormatBytes(free_total), " of ", FormatBytes(layout.pinned_bytes),
       "; open the session with a larger ClientOptions::pinned_pool_bytes"));
 }
 
-absl::Status Session::FreePinned(void* ptr) {
-  if (impl_->shm == nullptr)
+absl::Status Session::Impl::FreePinned(void* ptr) {
+  if (shm == nullptr)
     return absl::FailedPreconditionError("session has no data plane");
-  const uint64_t offset =
-      static_cast<uint64_t>(static_cast<char*>(ptr) - impl_->shm);
-  absl::MutexLock lock(&impl_->pinned_mu);
-  auto it = impl_->pinned_used.find(offset);
-  if (static_cast<char*>(ptr) < impl_->shm || it == impl_->pinned_used.end()) {
+  const uint64_t offset = static_cast<uint64_t>(static_cast<char*>(ptr) - shm);
+  absl::MutexLock lock(&pinned_mu);
+  auto it = pinned_used.find(offset);
+  if (static_cast<char*>(ptr) < shm || it == pinned_used.end()) {
     return absl::InvalidArgumentError(
         "FreePinned of a pointer that AllocatePinned of this session did not "
         "return (or that "
         "was freed already)");
   }
   uint64_t begin = offset, size = it->second;
-  impl_->pinned_used.erase(it);
-  auto next = impl_->pinned_free.lower_bound(begin);
-  if (next != impl_->pinned_free.end() && next->first == begin + size) {
+  pinned_used.erase(it);
+  auto next = pinned_free.lower_bound(begin);
+  if (next != pinned_free.end() && next->first == begin + size) {
     size += next->second;
-    next = impl_->pinned_free.erase(next);
+    next = pinned_free.erase(next);
   }
-  if (next != impl_->pinned_free.begin()) {
+  if (next != pinned_free.begin()) {
     auto prev = std::prev(next);
     if (prev->first + prev->second == begin) {
       begin = prev->first;
       size += prev->second;
-      impl_->pinned_free.erase(prev);
+      pinned_free.erase(prev);
     }
   }
-  impl_->pinned_free[begin] = size;
+  pinned_free[begin] = size;
   return absl::OkStatus();
 }
 
@@ -1131,6 +1234,7 @@ absl::Status Session::Synchronize(int stream) {
   bool used = false;
   {
     absl::MutexLock lock(&p.mu);
+    if (absl::Status s = impl_->FlushLocked(p); !s.ok()) return s;
     for (int c = 0; c < impl_->num_chips; ++c) {
       last[c] = p.rings[c].next_sequence - 1;
       used |= last[c] != 0;
@@ -1155,6 +1259,9 @@ absl::Status Session::WaitIdle() {
     std::vector<uint64_t> last(impl_->num_chips, 0);
     {
       absl::MutexLock lock(&p.mu);
+      if (absl::Status st = impl_->FlushLocked(p);
+          st.code() == absl::StatusCode::kUnavailable)
+        return st;
       for (int c = 0; c < impl_->num_chips; ++c)
         last[c] = p.rings[c].next_sequence - 1;
     }
@@ -1176,6 +1283,17 @@ absl::Status Session::SynchronizeAll() {
   return first;
 }
 
+void Session::SetEagerFusion(bool on) {
+  impl_->fuse_eager.store(on);
+  if (on || impl_->shm == nullptr) return;
+  for (internal::StreamProducer& p : impl_->streams) {
+    absl::MutexLock lock(&p.mu);
+    (void)impl_->FlushLocked(p);  // a failure is the ring's, reported there
+  }
+}
+
+bool Session::eager_fusion() const { return impl_->fuse_eager.load(); }
+
 // ---------------------------------------------------------------- programs
 
 absl::Status Session::BeginCapture(int stream) {
@@ -1186,6 +1304,7 @@ absl::Status Session::BeginCapture(int stream) {
     return absl::FailedPreconditionError(
         absl::StrCat("stream ", stream, " is capturing already"));
   }
+  if (absl::Status s = impl_->FlushLocked(p); !s.ok()) return s;
   p.capturing = true;
   p.captured.clear();
   p.captured_records = 0;

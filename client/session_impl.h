@@ -79,6 +79,23 @@ struct StreamProducer {
   uint32_t captured_records ABSL_GUARDED_BY(mu) = 0;
   int capture_chip ABSL_GUARDED_BY(mu) = -1;
   absl::Status capture_error ABSL_GUARDED_BY(mu);
+  // Fused eager (Session::SetEagerFusion): ops held here, to go to `fused_ring`
+  // as one program run when the stream next synchronises or does anything
+  // but enqueue an op (Session::Impl::FlushLocked).
+  bool defer_next ABSL_GUARDED_BY(mu) = false;  // the record being written
+  std::string fused ABSL_GUARDED_BY(mu);
+  uint32_t fused_records ABSL_GUARDED_BY(mu) = 0;
+  int fused_ring ABSL_GUARDED_BY(mu) = -1;
+  uint32_t fused_first_op ABSL_GUARDED_BY(mu) = 0;  // of the held run
+  uint64_t fused_first_bytes ABSL_GUARDED_BY(mu) = 0;
+  // Shared memory of program runs flushed so far: freed once their ring
+  // completed them.
+  struct FusedMemory {
+    void* memory;
+    int ring;
+    uint64_t sequence;
+  };
+  std::vector<FusedMemory> fused_memory ABSL_GUARDED_BY(mu);
 };
 
 }  // namespace internal
@@ -213,9 +230,21 @@ struct Session::Impl {
   // ring's next sequence) to `ring`. REQUIRES: p.mu held.
   absl::Status Publish(int ring, internal::StreamProducer& p)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
-  // Begins a record of `kind` on `ring`; returns its sequence.
-  uint64_t BeginLocked(int ring, internal::StreamProducer& p, RecordKind kind)
+  // Begins a record of `kind` on `ring`; returns its sequence. Ops held
+  // for fusion go first (FlushLocked), unless this is an op that joins them
+  // (`defer`: it is held too, on the same ring) or an op's definition.
+  uint64_t BeginLocked(int ring, internal::StreamProducer& p, RecordKind kind,
+                       bool defer = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  // Fused eager: sends the ops held on this stream as one program run (one
+  // op alone as itself), and frees the shared memory of earlier runs the
+  // ring has completed. REQUIRES: p.mu held.
+  absl::Status FlushLocked(internal::StreamProducer& p)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  // Whether ops are held for fusion (Session::SetEagerFusion).
+  std::atomic<bool> fuse_eager{false};
+  // Pinned pool blocks (Session::AllocatePinned and FreePinned).
+  absl::StatusOr<void*> AllocatePinned(uint64_t bytes);
+  absl::Status FreePinned(void* ptr);
   // Waits until `ring` completed `sequence` (or died, or the daemon left).
   absl::Status WaitCompleted(int ring, uint64_t sequence);
   // The ring's sticky error, cleared; OK when none. Takes its warning too

@@ -126,6 +126,7 @@ absl::StatusOr<ChosenBackend> ChoosePjrt(const TpudConfig& config) {
   for (const pjrt::DeviceInfo& d : probe->devices)
     status.device_kinds.push_back(d.kind);
   status.lowered_ops = pjrt::LoweredOpNames();
+  status.fuses = chosen.device_memory && config.pjrt_graphs;
   chosen.make_backend = BackendFactory(config, chosen.device_memory);
   return chosen;
 }

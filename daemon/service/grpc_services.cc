@@ -90,6 +90,7 @@ void FillTopology(const RuntimeCore& core, DataPlane* data_plane,
   out->set_simulated(backend.kind != "pjrt");
   out->set_backend(backend.kind);
   for (const std::string& op : backend.lowered_ops) out->add_lowered_ops(op);
+  out->set_fuses(backend.fuses);
   v1::GenerationFacts* g = out->mutable_generation();
   const GenerationFacts& f = t.facts();
   g->set_name(f.name);

@@ -28,6 +28,7 @@ struct BackendStatus {
   std::string platform;
   std::vector<std::string> device_kinds;
   std::vector<std::string> lowered_ops;  // pjrt: the ATen ops lowered whole
+  bool fuses = false;  // runs of ops compile as one program (Topology.fuses)
 };
 
 class RuntimeServiceImpl final : public v1::Runtime::Service {

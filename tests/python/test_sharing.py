@@ -307,7 +307,7 @@ def test_idle_and_stalled_connections_are_bounded_and_refused_clearly():
         # Stalled data-plane hellos: the magic, then nothing.
         stalled = [raw_connect(d.socket) for _ in range(4)]
         for s in stalled:
-            s.sendall(b"TPUDDP04")
+            s.sendall(b"TPUDDP05")
         opened = time.time()
         # Over the limit: the client is told why, by name.
         rc, out, err = finish(client, say="go\n")
@@ -332,7 +332,7 @@ def test_stalled_hellos_do_not_hold_up_other_clients(daemon):
     stalled = []
     for _ in range(50):
         s = raw_connect(daemon.socket)
-        s.sendall(b"TPUDDP04" + b"\0" * 8)  # part of a hello, then silence
+        s.sendall(b"TPUDDP05" + b"\0" * 8)  # part of a hello, then silence
         stalled.append(s)
     t0 = time.time()
     ok = run_py(daemon, """

@@ -74,6 +74,9 @@ struct TopologyInfo {
   std::string backend;  // "simulated" or "pjrt" (empty: an older daemon)
   // pjrt: the ATen ops the backend lowers whole (see the proto).
   std::vector<std::string> lowered_ops;
+  // pjrt with device memory: a run of ops compiles as one program (fused
+  // eager is torch_tpu's default there).
+  bool fuses = false;
   std::string ShapeString() const;  // "2x2"
 };
 
@@ -304,6 +307,16 @@ class Session {
   // errors (they stay for the next Synchronize). For freeing memory that
   // queued work may still use.
   absl::Status WaitIdle();
+
+  // Fused eager: while on, ops that nobody waits for at once are held on
+  // their stream and sent as one program run (ChipBackend::RunProgram
+  // compiles it whole where it can) when the stream synchronises, copies,
+  // records or waits for an event, runs a collective or a program, moves to
+  // another chip, enqueues an op someone waits for, or holds
+  // kMaxFusedRecords ops. Errors surface where they would without it: at
+  // the stream's next synchronisation. Turning it off sends what is held.
+  void SetEagerFusion(bool on);
+  bool eager_fusion() const;
 
   // ---- programs: a stream's work captured once, then run by one record ----
   // As CUDA's stream capture: between BeginCapture and EndCapture, ops and
