@@ -365,7 +365,7 @@ void WriteSessions(JsonWriter& w,
   w.EndArray();
 }
 
-// Captured programs (torch.compile), per session.
+// Captured programs (torch.compile) and fused eager runs, per session.
 void PrintProgramTable(const std::vector<tpu::SessionInfo>& sessions) {
   Table table({"SESSION", "PID", "CHIP", "PROGRAM", "RECORDS", "CALLS", "BUSY",
                "PER CALL"},
@@ -376,15 +376,19 @@ void PrintProgramTable(const std::vector<tpu::SessionInfo>& sessions) {
       ++n;
       table.Row(
           {absl::StrCat(s.id), absl::StrCat(s.pid), absl::StrCat(p.chip),
-           absl::StrCat(p.id, " ", p.name), absl::StrCat(p.records),
-           absl::StrCat(p.calls), absl::StrFormat("%.3fs", p.busy_seconds),
+           // Fused eager runs: one entry, with no program id of its own.
+           p.id == ~0u ? "- eager (fused)" : absl::StrCat(p.id, " ", p.name),
+           absl::StrCat(p.records), absl::StrCat(p.calls),
+           absl::StrFormat("%.3fs", p.busy_seconds),
            p.calls == 0
                ? "-"
                : absl::StrFormat("%.1fus", 1e6 * p.busy_seconds / p.calls)});
     }
   }
   if (n == 0) {
-    std::printf("No captured programs (torch.compile) in any session.\n");
+    std::printf(
+        "No captured programs (torch.compile) or fused eager runs in any "
+        "session.\n");
     return;
   }
   table.Print();

@@ -463,6 +463,8 @@ PYBIND11_MODULE(_C, m) {
         t.backend.empty() ? std::string("simulated") : t.backend,
         t.lowered_ops);
   });
+  m.def("_set_eager_fusion", [](bool on) { GetSession().SetEagerFusion(on); });
+  m.def("_eager_fusion", [] { return GetSession().eager_fusion(); });
   m.def("_sent_whole_ops", [] {
     std::vector<std::string> names;
     for (const std::string& op : SentWholeOps()) names.push_back("aten::" + op);

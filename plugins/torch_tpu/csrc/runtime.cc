@@ -67,6 +67,19 @@ void Open() {
     }
     r.topology = *std::move(t);
     r.visible = VisibleChips(static_cast<int>(r.topology.chips.size()));
+    // TPU_EAGER_MODE: direct (each op sent as it is issued) or fused (ops
+    // held and sent as programs, tpu::Session::SetEagerFusion); unset or
+    // auto: fused where tpud compiles a run of ops whole (PJRT with device
+    // memory), else direct.
+    const char* mode = std::getenv("TPU_EAGER_MODE");
+    const std::string eager = mode == nullptr ? "auto" : mode;
+    if (eager == "fused" || (eager == "auto" && r.topology.fuses)) {
+      (*s)->SetEagerFusion(true);
+    } else if (eager != "direct" && eager != "auto") {
+      r.open_status = absl::InvalidArgumentError(
+          "TPU_EAGER_MODE=" + eager + ": the modes are auto, direct and fused");
+      return;
+    }
     r.session = *std::move(s);
     // A kernel's warning in tpud becomes the caller's, as on the CPU: raised
     // on the thread of the synchronising call that learns of it.

@@ -14,6 +14,7 @@ __all__ = [
     "max_memory_reserved", "memory_stats", "reset_peak_memory_stats", "empty_cache",
     "mem_get_info", "get_device_name", "get_device_properties", "get_amp_supported_dtype",
     "is_initialized", "is_bf16_supported", "set_stream", "memory_budget",
+    "set_eager_mode", "get_eager_mode",
 ]
 
 
@@ -67,6 +68,23 @@ class device:
 def synchronize(device=None):
     """Waits for all queued work of this process; raises the first op error."""
     _C._synchronize()
+
+
+def set_eager_mode(mode):
+    """How eager ops go to tpud: "direct" (each op as it is issued) or "fused"
+    (ops held and sent as one program when a result is needed: a copy to the
+    host, .item(), a synchronize, an event, a collective, a compiled graph;
+    on the PJRT backend that program is compiled whole). Errors surface at
+    the same synchronising calls either way. $TPU_EAGER_MODE sets it at
+    start-up (auto, the default: fused where tpud compiles runs of ops
+    whole, PJRT with device memory; else direct)."""
+    if mode not in ("direct", "fused"):
+        raise ValueError(f"eager mode {mode!r}: the modes are 'direct' and 'fused'")
+    _C._set_eager_fusion(mode == "fused")
+
+
+def get_eager_mode():
+    return "fused" if _C._eager_fusion() else "direct"
 
 
 # Streams and events are torch's generic ones on the "tpu" device.
