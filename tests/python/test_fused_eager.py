@@ -1,0 +1,191 @@
+"""Fused eager (TPU_EAGER_MODE=fused, torch.tpu.set_eager_mode): ops held by
+the client and run by tpud as one program at the next synchronisation; on
+PJRT with device memory, one StableHLO module per run."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import Daemon, bazel_bin, run_in_child
+
+import xla_plugins.xla_cpu_pjrt as _xla_cpu
+
+PLUGIN = os.path.join(os.path.dirname(_xla_cpu.__file__), "xla_cpu_pjrt.so")
+TPUCTL = bazel_bin("tools/tpuctl/tpuctl")
+
+
+@pytest.fixture(scope="module")
+def pjrt_device():
+    d = Daemon(hbm="512MiB", extra_flags=["--backend=pjrt", f"--pjrt_plugin={PLUGIN}",
+                                          "--pjrt_option=cpu_device_count=4",
+                                          "--pjrt_memory=device"])
+    yield d
+    d.stop()
+
+
+def executor_compiles(daemon):
+    doc = json.loads(subprocess.run([TPUCTL, f"--admin_socket={daemon.admin_socket}", "status",
+                                     "--json"], capture_output=True, text=True, timeout=30,
+                                    check=True).stdout)
+    return sum(c["compiles"] for e in doc["executors"] for c in e.get("compile", []))
+
+
+def test_fused_training_equals_direct_and_runs_as_programs(pjrt_device):
+    run_in_child(pjrt_device, _fused_training_equals_direct, TPUCTL, pjrt_device.admin_socket,
+                 timeout=300)
+
+
+def _fused_training_equals_direct(tpuctl, admin_socket):
+    import subprocess
+    import torch
+    import torch_tpu  # noqa: F401
+    nn = torch.nn
+    # The default where tpud compiles runs of ops whole.
+    assert torch.tpu.get_eager_mode() == "fused"
+
+    def train(mode):
+        torch.tpu.set_eager_mode(mode)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Dropout(0.0),
+                              nn.Linear(32, 4)).to("tpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for step in range(8):
+            x = torch.randn(8, 16, generator=g).to("tpu")
+            y = torch.randint(0, 4, (8,), generator=g).to("tpu")
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step < 5:
+                losses.append(loss.item())   # a synchronisation each step
+        torch.tpu.synchronize()              # then three steps without one
+        losses.append(loss.item())
+        return losses, [p.detach().cpu() for p in model.parameters()]
+
+    direct_losses, direct_params = train("direct")
+    fused_losses, fused_params = train("fused")
+    assert torch.tpu.get_eager_mode() == "fused"
+    # XLA may fuse and reassociate a run's elementwise ops: float tolerance.
+    for a, b in zip(direct_losses, fused_losses):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (direct_losses, fused_losses)
+    for a, b in zip(direct_params, fused_params):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+    # The fused runs went to tpud as programs: the session's "eager" entry.
+    doc = json.loads(subprocess.run(
+        [tpuctl, f"--admin_socket={admin_socket}",
+         "sessions", "--json"], capture_output=True, text=True, check=True).stdout)
+    eager = [p for s in doc["sessions"] for p in s.get("programs", []) if p["name"] == "eager"]
+    assert eager and eager[0]["id"] == 4294967295 and eager[0]["calls"] >= 6, doc["sessions"]
+    torch.tpu.set_eager_mode("direct")
+    with pytest.raises(ValueError, match="direct.*fused"):
+        torch.tpu.set_eager_mode("lazy")
+
+
+def test_an_error_in_a_fused_run_names_its_op_and_the_session_goes_on(pjrt_device):
+    run_in_child(pjrt_device, _an_error_in_a_fused_run_names_its_op)
+
+
+def _an_error_in_a_fused_run_names_its_op():
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.tpu.set_eager_mode("fused")
+    x = torch.arange(6.0, device="tpu")
+    good = torch.tensor([0, 5], device="tpu")
+    (x * 2)[good].sum().item()           # the signature's first call, checked at once
+    bad = torch.tensor([0, 9], device="tpu")
+    y = (x * 2)[bad] + 1                 # held: no error yet, as in direct mode
+    with pytest.raises(RuntimeError) as e:
+        torch.tpu.synchronize()
+    message = str(e.value)
+    assert "aten::index" in message and "out of bounds" in message, message
+    # What the failed op fed is poisoned; everything else goes on.
+    with pytest.raises(RuntimeError, match="failed"):
+        y.cpu()
+    assert (x + 1).sum().item() == 21.0
+    assert torch.equal((x * 2)[good].cpu(), torch.tensor([0.0, 10.0]))
+
+
+def test_a_changing_shape_compiles_once_per_shape(pjrt_device):
+    run_in_child(pjrt_device, _changing_shapes, 1)
+    before = executor_compiles(pjrt_device)
+    # A new process, the same loop: every run's program is compiled already.
+    run_in_child(pjrt_device, _changing_shapes, 2)
+    assert executor_compiles(pjrt_device) == before
+
+
+def _changing_shapes(rounds):
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.tpu.set_eager_mode("fused")
+    w = torch.linspace(-1, 1, 24).reshape(8, 3)
+    wt = w.to("tpu")
+    for _ in range(rounds):
+        for n in (4, 16, 4, 16):
+            x = torch.linspace(0, 1, n * 8).reshape(n, 8)
+            got = torch.tanh(x.to("tpu") @ wt * 0.5 + 1).sum(0)
+            want = torch.tanh(x @ w * 0.5 + 1).sum(0)
+            assert torch.allclose(got.cpu(), want, atol=1e-5), n
+
+
+@pytest.mark.slow
+def test_kill_9_in_a_fused_run_ends_only_that_session(pjrt_device):
+    victim = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import torch, torch_tpu
+        torch.tpu.set_eager_mode("fused")
+        a = torch.randn(512, 512, device="tpu")
+        torch.tpu.synchronize()
+        print("ready", flush=True)
+        while True:
+            for _ in range(200):
+                a = torch.tanh(a @ a)
+            torch.tpu.synchronize()
+    """)], env=pjrt_device.env(), stdout=subprocess.PIPE, text=True)
+    assert victim.stdout.readline().strip() == "ready"
+    time.sleep(1.0)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    admin = f"--admin_socket={pjrt_device.admin_socket}"
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        doc = json.loads(subprocess.run([TPUCTL, admin, "status", "--json"], capture_output=True,
+                                        text=True, timeout=30).stdout)
+        if not doc["sessions"] and all(c["hbm_used_bytes"] == 0 for c in doc["chips"]):
+            break
+        time.sleep(0.05)
+    assert not doc["sessions"] and all(c["hbm_used_bytes"] == 0 for c in doc["chips"]), doc
+    run_in_child(pjrt_device, _changing_shapes, 1)
+
+
+def test_fused_mode_on_the_simulated_host_runs_op_by_op(daemon):
+    r = run_in_child(daemon, _print_eager_mode)
+    assert r.stdout.strip() == "direct", r.stdout   # the default there
+    run_in_child(daemon, _simulated_fused, env_extra={"TPU_EAGER_MODE": "fused"})
+    r = run_in_child(daemon, _simulated_fused, env_extra={"TPU_EAGER_MODE": "lazy"}, check=False)
+    assert r.returncode != 0 and "TPU_EAGER_MODE=lazy" in r.stderr, r.stderr
+
+
+def _print_eager_mode():
+    import torch
+    import torch_tpu  # noqa: F401
+    print(torch.tpu.get_eager_mode())
+
+
+def _simulated_fused():
+    import torch
+    import torch_tpu  # noqa: F401
+    assert torch.tpu.get_eager_mode() == "fused"
+    torch.manual_seed(0)
+    x = torch.randn(5, 7)
+    t = x.to("tpu")
+    for _ in range(3):
+        t = torch.sigmoid(t * 1.5 - 0.25).cumsum(1)
+        x = torch.sigmoid(x * 1.5 - 0.25).cumsum(1)
+    assert torch.allclose(t.cpu(), x, atol=1e-6)
+    assert t.sum().item() == pytest.approx(x.sum().item(), rel=1e-6)
