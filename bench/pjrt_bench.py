@@ -28,6 +28,23 @@ One JSON object per line (as bench/torch_bench.py):
                      with --compile_cache_dir, against the first process's first
                      step before the restart. Target 5.
   (--first-steps-only runs just these two.)
+
+Fused eager (TPU_EAGER_MODE=fused), on a tpud with --pjrt_memory=device (what
+fusion compiles whole), against CPU eager and against direct eager on the same
+tpud, in the same run (--fused-only runs just these):
+  pjrt_fused_train_step_vs_cpu
+                     the small-op AdamW step above, fused, against CPU eager.
+                     Target 1.0.
+  pjrt_fused_vs_direct_train_step
+                     the same step fused against direct. Target 3.
+  pjrt_fused_llama_step_vs_cpu
+                     a Llama (hidden 512, 4 layers, seq 128, batch 4; as
+                     bench/models_bench.py) AdamW step ending in loss.item(),
+                     fused, against CPU eager. Target 1.0.
+  pjrt_fused_recompiles
+                     programs compiled during 50 steps of each (loss.item()
+                     after each) after the first step, and after the third.
+                     Target 0.
 """
 import argparse
 import json
@@ -97,6 +114,150 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "loss": value}))
 """
 
 
+# The fused eager figures' measurements, in one process on a tpud with device
+# memory: {"argv": [rounds, llama steps, recompile steps, tpuctl]} in, one
+# JSON object out.
+FUSED = r"""
+import copy, json, statistics, subprocess, sys, time
+import torch
+import torch_tpu  # noqa: F401
+import transformers
+sys.path.insert(0, sys.argv[2])
+import torch_bench
+rounds, llama_steps, recompile_steps, tpuctl = json.loads(sys.argv[1])
+transformers.logging.set_verbosity_error()
+out = {}
+
+def compiles():
+    doc = json.loads(subprocess.run([tpuctl, "status", "--json"], capture_output=True, text=True,
+                                    check=True).stdout)
+    return sum(c["compiles"] for e in doc["executors"] for c in e.get("compile", []))
+
+def timed(fn, units, sync):
+    t0 = time.perf_counter()
+    for _ in range(units):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / units
+
+# The small-op MLP: 10 steps then a synchronisation, rounds of CPU, direct
+# and fused one after the other.
+torch.tpu.set_eager_mode("direct")
+steps = {"cpu": torch_bench.small_op_model(torch, "cpu"), "direct": torch_bench.small_op_model(torch, "tpu")}
+torch.tpu.set_eager_mode("fused")
+steps["fused"] = torch_bench.small_op_model(torch, "tpu")
+sync = {"cpu": lambda: None, "direct": torch.tpu.synchronize, "fused": torch.tpu.synchronize}
+small = {k: [] for k in steps}
+for r in range(rounds + 1):
+    for k in steps:
+        torch.tpu.set_eager_mode("fused" if k == "fused" else "direct")
+        t = timed(steps[k], 10, sync[k])
+        if r > 0:  # the first round compiles and warms up
+            small[k].append(t)
+out["small"] = small
+
+# The Llama step of models_bench.py, each step ending in loss.item().
+cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                               num_attention_heads=8, num_key_value_heads=8, vocab_size=32000,
+                               max_position_embeddings=256)
+torch.manual_seed(0)
+base = transformers.LlamaForCausalLM(cfg)
+ids = torch.randint(0, 32000, (4, 128), generator=torch.Generator().manual_seed(1))
+
+def llama(device):
+    model = copy.deepcopy(base).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = {"input_ids": ids.to(device), "labels": ids.to(device)}
+    def step():
+        opt.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        return loss.item()
+    return step
+
+llama_steps_of = {"cpu": llama("cpu"), "fused": llama("tpu")}
+llama_t = {k: [] for k in llama_steps_of}
+losses = {k: [] for k in llama_steps_of}
+for k, step in llama_steps_of.items():
+    torch.tpu.set_eager_mode("fused" if k == "fused" else "direct")
+    for i in range(3 + llama_steps):
+        t0 = time.perf_counter()
+        losses[k].append(step())
+        if i >= 3:  # three steps warm up (the first two runs compile)
+            llama_t[k].append(time.perf_counter() - t0)
+out["llama"] = llama_t
+out["llama_losses"] = losses
+
+# Recompiles: programs compiled while each model takes recompile_steps more
+# steps, after its first step and after its third.
+torch.tpu.set_eager_mode("fused")
+torch.manual_seed(0)
+fresh = {"small": torch_bench.small_op_model(torch, "tpu"), "llama": llama("tpu")}
+recompiles = {}
+for name, step in fresh.items():
+    def one():
+        v = step()
+        torch.tpu.synchronize()
+        return v
+    one()
+    c1 = compiles()
+    one(); one()
+    c3 = compiles()
+    for _ in range(recompile_steps):
+        one()
+    c_end = compiles()
+    recompiles[name] = {"after_first_step": c_end - c1, "after_third_step": c_end - c3}
+out["recompiles"] = recompiles
+print(json.dumps(out))
+"""
+
+
+def fused_figures(args, plugin):
+    """The pjrt_fused_* figures (see the module's docstring)."""
+    tpud = pathlib.Path(args.tpud)
+    tpuctl = tpud.parents[1] / "tools" / "tpuctl" / "tpuctl"
+    daemon = TpudProcess(args.tpud, "4GiB", ["--backend=pjrt", f"--pjrt_plugin={plugin}",
+                                             "--pjrt_option=cpu_device_count=4",
+                                             "--pjrt_memory=device"],
+                         prefix="tpud-pjrt-fused-bench.")
+    daemon.start(timeout=30)
+    try:
+        conf = [args.rounds, max(1, int(5 * args.scale)), max(1, int(50 * args.scale)), str(tpuctl)]
+        r = subprocess.run([sys.executable, "-c", FUSED, json.dumps(conf), str(ROOT / "bench")],
+                           env=daemon.env(), capture_output=True, text=True, timeout=3600)
+        if r.returncode != 0:
+            sys.exit(f"pjrt_bench: the fused figures failed: {r.stderr[-3000:]}")
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        daemon.close()
+    med = {k: statistics.median(v) for k, v in got["small"].items()}
+    rounds = {k: [round(x, 6) for x in v] for k, v in got["small"].items()}
+    f = figure("pjrt_fused_train_step_vs_cpu", med["fused"], med["cpu"], 1.0,
+               "one AdamW step of torch_bench's small-op MLP, fused eager (10 steps, then a synchronize)",
+               "CPU eager PyTorch, same work, same run")
+    f["rounds_seconds"] = rounds
+    print(json.dumps(f), flush=True)
+    f = figure("pjrt_fused_vs_direct_train_step", med["fused"], med["direct"], 3.0,
+               "the same step, fused eager", "direct eager on the same tpud (--pjrt_memory=device), same run")
+    f["rounds_seconds"] = rounds
+    print(json.dumps(f), flush=True)
+    llama = {k: statistics.median(v) for k, v in got["llama"].items()}
+    f = figure("pjrt_fused_llama_step_vs_cpu", llama["fused"], llama["cpu"], 1.0,
+               "an AdamW step of Llama h512 / 4 layers / seq 128 / batch 4, fused eager, ending in loss.item()",
+               "CPU eager PyTorch, same model and batch, same run")
+    f["rounds_seconds"] = {k: [round(x, 4) for x in v] for k, v in got["llama"].items()}
+    f["losses"] = got["llama_losses"]
+    print(json.dumps(f), flush=True)
+    rc = got["recompiles"]
+    print(json.dumps({"name": "pjrt_fused_recompiles", "target": 0,
+                      "recompiles": sum(v["after_first_step"] for v in rc.values()),
+                      "recompiles_after_third_step": sum(v["after_third_step"] for v in rc.values()),
+                      "by_model": rc, "steps": max(1, int(50 * args.scale)),
+                      "work": "fused eager steps of the small-op MLP and the Llama, each ending in a synchronize"}),
+          flush=True)
+
+
 def first_steps(args, plugin):
     """pjrt_second_process_first_step and pjrt_restart_first_step: new
     processes' first training steps, on one tpud and on a restarted one that
@@ -151,10 +312,15 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--first-steps-only", action="store_true")
+    p.add_argument("--fused-only", action="store_true")
     args = p.parse_args()
     plugin = plugin_path()
-    first_steps(args, plugin)
+    if not args.fused_only:
+        first_steps(args, plugin)
     if args.first_steps_only:
+        return
+    fused_figures(args, plugin)
+    if args.fused_only:
         return
 
     def inprocess():
