@@ -36,6 +36,7 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 
@@ -164,6 +165,7 @@ def main():
               flush=True)
     finally:
         daemon.close()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """`vllm serve` on loopback, in its own process group: started and waited
 for, asked over HTTP (urllib), stopped or killed. For tests/python/test_vllm.py
 and bench/serving_bench.py."""
+import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -11,14 +13,29 @@ import time
 import urllib.error
 import urllib.request
 
+_scratch = None
+
+
+def scratch_dir():
+    """A folder of this process for what vLLM processes leave in the temporary
+    folder (their IPC sockets, distributed-init files), removed at exit."""
+    global _scratch
+    if _scratch is None:
+        _scratch = tempfile.mkdtemp(prefix="vllm-tmp.")
+        atexit.register(shutil.rmtree, _scratch, True)
+    return _scratch
+
 
 def vllm_env(daemon=None, cpu=False):
     """os.environ for a vLLM process (.venv-vllm): pointed at `daemon` (a
     TpudProcess), or on vLLM's own CPU platform with `cpu`; vLLM's sockets
-    between its own processes on loopback."""
+    between its own processes on loopback, its temporary files in
+    scratch_dir()."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     env["VLLM_HOST_IP"] = "127.0.0.1"
+    env["TMPDIR"] = scratch_dir()
+    env["VLLM_RPC_BASE_PATH"] = scratch_dir()
     if cpu:
         env["VLLM_TARGET_DEVICE"] = "cpu"
     if daemon is not None:
@@ -39,8 +56,7 @@ class VllmServer:
         self.model = model
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = os.path.join(log_dir or tempfile.mkdtemp(prefix="vllm-serve."),
-                                     f"serve-{self.port}.log")
+        self.log_path = os.path.join(log_dir or scratch_dir(), f"serve-{self.port}.log")
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [str(vllm), "serve", model, "--host", "127.0.0.1",

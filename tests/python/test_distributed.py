@@ -9,7 +9,6 @@ import re
 import socket
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -281,7 +280,7 @@ def test_tpuctl_shows_bytes_per_ici_link(host):
     assert "[ 3" in bottom and "-0 B-" in bottom, text
 
 
-def test_two_hosts_under_torchrun_equal_one_host():
+def test_two_hosts_under_torchrun_equal_one_host(tmp_path):
     # Two tpuds on this machine are two hosts of v6e-4; torchrun starts two
     # nodes of 4 ranks with the rendezvous on loopback. The "tpu" backend
     # runs each host's part inside its tpud and joins the hosts over gloo.
@@ -292,6 +291,7 @@ def test_two_hosts_under_torchrun_equal_one_host():
         for node, d in enumerate(hosts):
             env = d.env()
             env["OMP_NUM_THREADS"] = "1"
+            env["TMPDIR"] = str(tmp_path)  # torchrun's files
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=4",
                  f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
@@ -315,16 +315,17 @@ def test_two_hosts_under_torchrun_equal_one_host():
             d.stop()
 
 
-def test_collectives_bench_runs_in_reduced_form():
+def test_collectives_bench_runs_in_reduced_form(tmp_path):
     """bench/collectives_bench.py end to end, small sizes: both backends in
     the same ranks, every figure present (its ratios are the benchmark's
     business, not this test's)."""
-    out = os.path.join(tempfile.mkdtemp(prefix="collbench."), "out.json")
+    out = str(tmp_path / "out.json")
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "collectives_bench.py"),
                         "--start-daemon", "--big-mib", "4", "--small-iters", "10",
                         "--big-iters", "1", "--ddp-steps", "1", "--train-steps", "1",
                         "--train-rounds", "1", "--out", out],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TMPDIR": str(tmp_path)})  # torchrun's files
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     with open(out) as f:
         doc = json.load(f)
