@@ -898,6 +898,9 @@ def test_programs_compile_once_and_tpuctl_counts_them(pjrt):
 def _programs_compile_once_and_tpuctl_counts_them():
     import torch
     import torch_tpu  # noqa: F401
+    # Op by op (fused eager, the default with device memory, would send the
+    # ten as one run; test_fused_eager.py covers that).
+    torch.tpu.set_eager_mode("direct")
     a = torch.full((17, 3), 2.0, device="tpu:3")
     for i in range(10):
         b = a * (i + 0.5)   # one program: the scalar is a parameter
