@@ -18,7 +18,9 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "session_impl.h"
 #include "tpu/device_address.h"
@@ -281,6 +283,8 @@ absl::Status Session::Impl::FlushLocked(internal::StreamProducer& p) {
   const int ring = p.fused_ring;
   std::string records;
   records.swap(p.fused);
+  std::vector<std::string> issued;
+  issued.swap(p.fused_issued);
   const uint32_t num_records = p.fused_records;
   p.fused_records = 0;
   p.fused_ring = -1;
@@ -330,6 +334,12 @@ absl::Status Session::Impl::FlushLocked(internal::StreamProducer& p) {
   p.writer.U64(bytes);
   p.writer.U64(0);  // the ops' own seeds
   p.fused_memory.push_back({*memory, ring, sequence});
+  if (std::any_of(issued.begin(), issued.end(),
+                  [](const std::string& s) { return !s.empty(); })) {
+    absl::MutexLock lock(&issued_mu);
+    if (issued_runs.size() >= 64) issued_runs.pop_front();
+    issued_runs.push_back({ring, sequence, std::move(issued)});
+  }
   return Publish(ring, p);
 }
 
@@ -380,6 +390,8 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
     } else {
       p.fused.append(record.data(), record.size());
     }
+    p.fused_issued.push_back(std::move(p.next_issued));
+    p.next_issued.clear();
     if (p.fused_records == 0) {
       p.fused_first_op = op_id;
       p.fused_first_bytes = record.size();
@@ -618,12 +630,34 @@ absl::Status Session::Impl::TakeError(int ring) {
     ctl->error_sequence.store(0);
   }
   std::string text = message;
+  AddIssuedAt(ring, seq, &text);
   if (count > 1)
     absl::StrAppend(&text, " (and ", count - 1,
                     " later error(s) on this stream)");
   return WithAtenError(
       absl::Status(static_cast<absl::StatusCode>(code == 0 ? 13 : code), text),
       kind);
+}
+
+void Session::Impl::AddIssuedAt(int ring, uint64_t sequence,
+                                std::string* text) {
+  // tpud names the op as "op K of a fused eager run of N (...)".
+  static constexpr absl::string_view kRun = " of a fused eager run of ";
+  const size_t at = text->find(kRun.data(), 0, kRun.size());
+  if (at == std::string::npos) return;
+  size_t digits = at;
+  while (digits > 0 && absl::ascii_isdigit((*text)[digits - 1])) --digits;
+  uint64_t k = 0;
+  if (digits < 3 || text->compare(digits - 3, 3, "op ") != 0 ||
+      !absl::SimpleAtoi(text->substr(digits, at - digits), &k) || k == 0)
+    return;
+  absl::MutexLock lock(&issued_mu);
+  for (const IssuedRun& run : issued_runs) {
+    if (run.ring != ring || run.sequence != sequence) continue;
+    if (k <= run.issued_at.size() && !run.issued_at[k - 1].empty())
+      absl::StrAppend(text, " [issued at ", run.issued_at[k - 1], "]");
+    return;
+  }
 }
 
 absl::Status Session::Impl::TakeStreamError(int stream) {
@@ -742,14 +776,18 @@ absl::StatusOr<uint32_t> Session::DefineOp(absl::string_view schema) {
 absl::StatusOr<uint64_t> Session::EnqueueOp(int stream, uint32_t op_id,
                                             const OpArg* args, size_t num_args,
                                             const TensorRef* outputs,
-                                            size_t num_outputs,
-                                            uint32_t flags) {
+                                            size_t num_outputs, uint32_t flags,
+                                            absl::string_view issued_at) {
   if (absl::Status s = impl_->CheckStream(stream); !s.ok()) return s;
   internal::StreamProducer& p = impl_->streams[stream];
   absl::MutexLock lock(&p.mu);
-  return impl_->EnqueueOpLocked(stream, p, op_id,
-                                flags & kOpFlagDefaultDtypeMask, args, num_args,
-                                outputs, num_outputs, nullptr);
+  // Kept by Publish with the op where it holds it for fusion.
+  p.next_issued.assign(issued_at.data(), issued_at.size());
+  absl::StatusOr<uint64_t> sequence =
+      impl_->EnqueueOpLocked(stream, p, op_id, flags & kOpFlagDefaultDtypeMask,
+                             args, num_args, outputs, num_outputs, nullptr);
+  p.next_issued.clear();
+  return sequence;
 }
 
 absl::Status Session::RunChecked(int stream, uint32_t op_id, const OpArg* args,

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -96,6 +97,10 @@ struct StreamProducer {
     uint64_t sequence;
   };
   std::vector<FusedMemory> fused_memory ABSL_GUARDED_BY(mu);
+  // Where each held op was issued (EnqueueOp's issued_at; most empty), and
+  // the next op's.
+  std::vector<std::string> fused_issued ABSL_GUARDED_BY(mu);
+  std::string next_issued ABSL_GUARDED_BY(mu);
 };
 
 }  // namespace internal
@@ -242,6 +247,16 @@ struct Session::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   // Whether ops are held for fusion (Session::SetEagerFusion).
   std::atomic<bool> fuse_eager{false};
+  // Where the ops of recent eager runs were issued, by ring and the run's
+  // sequence (runs with none are not kept): TakeError adds it to an error
+  // that names "op K of a fused eager run".
+  struct IssuedRun {
+    int ring;
+    uint64_t sequence;
+    std::vector<std::string> issued_at;
+  };
+  absl::Mutex issued_mu;
+  std::deque<IssuedRun> issued_runs ABSL_GUARDED_BY(issued_mu);
   // Pinned pool blocks (Session::AllocatePinned and FreePinned).
   absl::StatusOr<void*> AllocatePinned(uint64_t bytes);
   absl::Status FreePinned(void* ptr);
@@ -250,6 +265,9 @@ struct Session::Impl {
   // The ring's sticky error, cleared; OK when none. Takes its warning too
   // (TakeWarning).
   absl::Status TakeError(int ring);
+  // Adds where the op was issued to an error of a fused eager run (the
+  // run's ring and sequence) that names the op, where it is known.
+  void AddIssuedAt(int ring, uint64_t sequence, std::string* text);
   // Hands the ring's pending warning, if any, to warning_handler and clears
   // it.
   void TakeWarning(int ring);

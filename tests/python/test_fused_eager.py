@@ -105,6 +105,8 @@ def _an_error_in_a_fused_run_names_its_op():
         torch.tpu.synchronize()
     message = str(e.value)
     assert "aten::index" in message and "out of bounds" in message, message
+    # ... and the line that issued it, this file's.
+    assert "[issued at " in message and "test_fused_eager.py:" in message, message
     # What the failed op fed is poisoned; everything else goes on.
     with pytest.raises(RuntimeError, match="failed"):
         y.cpu()

@@ -236,10 +236,13 @@ class Session {
   // Enqueues an op. Returned tensors that are not arguments are written into
   // `outputs` (allocated by the caller). Returns the record's sequence.
   // `flags`: kOpFlagDefaultDtypeMask bits (tpu/op_record.h) or 0.
+  // `issued_at` (a Python file:line, say): where the op came from, added to
+  // the error of a fused eager run that fails at this op.
   absl::StatusOr<uint64_t> EnqueueOp(int stream, uint32_t op_id,
                                      const OpArg* args, size_t num_args,
                                      const TensorRef* outputs,
-                                     size_t num_outputs, uint32_t flags = 0);
+                                     size_t num_outputs, uint32_t flags = 0,
+                                     absl::string_view issued_at = {});
 
   // EnqueueOp, then waits for that op and reports (and clears) the first
   // error its ring holds: the op's own failure (with its tpu::AtenError

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -43,6 +44,43 @@ at::Tensor ToDevice(const at::Tensor& cpu, c10::DeviceIndex device,
           "copy to device");
   }
   return dst;
+}
+
+// Ops that can fail inside a fused eager run (an index out of range, which
+// tpud checks on the device): their issuing Python line is recorded.
+bool MayFailInFusedRun(const std::string& name) {
+  for (const char* word :
+       {"index", "gather", "scatter", "put", "take", "embedding"}) {
+    if (name.find(word) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// "file:line" of the innermost Python frame outside torch's and torch_tpu's
+// own packages on this thread (the user's line); empty without one (an
+// autograd engine thread).
+std::string IssuedAt() {
+  if (!Py_IsInitialized()) return {};
+  const PyGILState_STATE gil = PyGILState_Ensure();
+  std::string out;
+  PyFrameObject* f = PyEval_GetFrame();  // borrowed
+  Py_XINCREF(f);
+  while (f != nullptr) {
+    PyCodeObject* code = PyFrame_GetCode(f);
+    const char* file = PyUnicode_AsUTF8(code->co_filename);
+    const bool own = file == nullptr ||
+                     std::strstr(file, "-packages/torch/") != nullptr ||
+                     std::strstr(file, "-packages/torch_tpu/") != nullptr;
+    if (!own)
+      out = std::string(file) + ":" + std::to_string(PyFrame_GetLineNumber(f));
+    Py_DECREF(code);
+    PyFrameObject* back = own ? PyFrame_GetBack(f) : nullptr;
+    Py_DECREF(f);
+    f = back;
+  }
+  if (PyErr_Occurred()) PyErr_Clear();
+  PyGILState_Release(gil);
+  return out;
 }
 
 // What an op returns, as the meta kernel said, for one input signature.
@@ -279,9 +317,14 @@ class ForwardedOp {
               schema_.name().c_str());
       if (!class_key.empty()) MarkChecked(class_key);
     } else {
+      // Fused eager: where an op that may fail in its run came from.
+      const std::string issued_at =
+          session.eager_fusion() && MayFailInFusedRun(schema_.name())
+              ? IssuedAt()
+              : std::string();
       absl::StatusOr<uint64_t> seq =
           session.EnqueueOp(stream_, id, wire.data(), wire.size(),
-                            outputs.data(), outputs.size(), flags);
+                            outputs.data(), outputs.size(), flags, issued_at);
       Check(seq.status(), schema_.name().c_str());
     }
     remember();
