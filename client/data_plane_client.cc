@@ -378,7 +378,8 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
     --rp.next_sequence;
     uint32_t op_id = 0;
     std::memcpy(&op_id, record.data() + sizeof(RecordHeader), sizeof(op_id));
-    if (p.fused_records >= kMaxFusedRecords / 2 && op_id == p.fused_first_op &&
+    const uint32_t run_ops = fuse_run_ops.load(std::memory_order_relaxed);
+    if (p.fused_records >= run_ops / 2 && op_id == p.fused_first_op &&
         record.size() == p.fused_first_bytes) {
       // A loop that never synchronises: its ops go in runs that start where
       // the held run started (likely the loop's first op), so that the
@@ -397,8 +398,7 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
       p.fused_first_bytes = record.size();
     }
     p.fused_ring = ring;
-    if (++p.fused_records >= kMaxFusedRecords ||
-        p.fused.size() >= kMaxFusedBytes)
+    if (++p.fused_records >= run_ops || p.fused.size() >= kMaxFusedBytes)
       return FlushLocked(p);
     return absl::OkStatus();
   }
@@ -1321,7 +1321,9 @@ absl::Status Session::SynchronizeAll() {
   return first;
 }
 
-void Session::SetEagerFusion(bool on) {
+void Session::SetEagerFusion(bool on, uint32_t run_ops) {
+  if (run_ops != 0)
+    impl_->fuse_run_ops.store(std::min(run_ops, kMaxFusedRecords));
   impl_->fuse_eager.store(on);
   if (on || impl_->shm == nullptr) return;
   for (internal::StreamProducer& p : impl_->streams) {

@@ -245,8 +245,10 @@ struct Session::Impl {
   // ring has completed. REQUIRES: p.mu held.
   absl::Status FlushLocked(internal::StreamProducer& p)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
-  // Whether ops are held for fusion (Session::SetEagerFusion).
+  // Whether ops are held for fusion, and how many make a run at most
+  // (Session::SetEagerFusion).
   std::atomic<bool> fuse_eager{false};
+  std::atomic<uint32_t> fuse_run_ops{kMaxFusedRecords};
   // Where the ops of recent eager runs were issued, by ring and the run's
   // sequence (runs with none are not kept): TakeError adds it to an error
   // that names "op K of a fused eager run".

@@ -120,6 +120,8 @@ def test_a_changing_shape_compiles_once_per_shape(pjrt_device):
     # A new process, the same loop: every run's program is compiled already.
     run_in_child(pjrt_device, _changing_shapes, 2)
     assert executor_compiles(pjrt_device) == before
+    # Runs of at most two ops: the same results.
+    run_in_child(pjrt_device, _changing_shapes, 1, env_extra={"TPU_EAGER_RUN_OPS": "2"})
 
 
 def _changing_shapes(rounds):
@@ -171,6 +173,9 @@ def test_fused_mode_on_the_simulated_host_runs_op_by_op(daemon):
     run_in_child(daemon, _simulated_fused, env_extra={"TPU_EAGER_MODE": "fused"})
     r = run_in_child(daemon, _simulated_fused, env_extra={"TPU_EAGER_MODE": "lazy"}, check=False)
     assert r.returncode != 0 and "TPU_EAGER_MODE=lazy" in r.stderr, r.stderr
+    r = run_in_child(daemon, _simulated_fused,
+                     env_extra={"TPU_EAGER_MODE": "fused", "TPU_EAGER_RUN_OPS": "0"}, check=False)
+    assert r.returncode != 0 and "TPU_EAGER_RUN_OPS=0" in r.stderr, r.stderr
 
 
 def _print_eager_mode():

@@ -315,10 +315,12 @@ class Session {
   // their stream and sent as one program run (ChipBackend::RunProgram
   // compiles it whole where it can) when the stream synchronises, copies,
   // records or waits for an event, runs a collective or a program, moves to
-  // another chip, enqueues an op someone waits for, or holds
-  // kMaxFusedRecords ops. Errors surface where they would without it: at
-  // the stream's next synchronisation. Turning it off sends what is held.
-  void SetEagerFusion(bool on);
+  // another chip, enqueues an op someone waits for, or holds `run_ops` ops
+  // (at most kMaxFusedRecords, the first bound; 0 keeps the bound; fewer let
+  // tpud run a long stretch of ops while the caller issues more). Errors
+  // surface where they would without it: at the stream's next synchronisation.
+  // Turning it off sends what is held.
+  void SetEagerFusion(bool on, uint32_t run_ops = 0);
   bool eager_fusion() const;
 
   // ---- programs: a stream's work captured once, then run by one record ----

@@ -73,6 +73,18 @@ void Open() {
     // memory), else direct.
     const char* mode = std::getenv("TPU_EAGER_MODE");
     const std::string eager = mode == nullptr ? "auto" : mode;
+    // TPU_EAGER_RUN_OPS: the most ops one fused run holds (1..1024).
+    if (const char* n = std::getenv("TPU_EAGER_RUN_OPS")) {
+      char* end = nullptr;
+      const long v = std::strtol(n, &end, 10);
+      if (end == n || *end != '\0' || v < 1 || v > 1024) {
+        r.open_status =
+            absl::InvalidArgumentError(std::string("TPU_EAGER_RUN_OPS=") + n +
+                                       ": a number of ops, 1 to 1024");
+        return;
+      }
+      (*s)->SetEagerFusion((*s)->eager_fusion(), static_cast<uint32_t>(v));
+    }
     if (eager == "fused" || (eager == "auto" && r.topology.fuses)) {
       (*s)->SetEagerFusion(true);
     } else if (eager != "direct" && eager != "auto") {
