@@ -114,6 +114,29 @@ def _an_error_in_a_fused_run_names_its_op():
     assert torch.equal((x * 2)[good].cpu(), torch.tensor([0.0, 10.0]))
 
 
+def test_runs_that_differ_in_where_an_empty_op_lies(pjrt_device):
+    run_in_child(pjrt_device, _empty_op_moves)
+
+
+def _empty_op_moves():
+    # The same ops with work, and an op without elements first, then in the
+    # middle: two graphs (the second once crashed tpud's executor, taken
+    # for the first).
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.tpu.set_eager_mode("fused")
+    x = torch.arange(6.0).to("tpu")
+    e = torch.empty(0, device="tpu")
+    for first in (True, False):
+        if first:
+            a = e + 1
+        b = x * 2
+        if not first:
+            a = e + 1
+        c = b + x
+        assert c.cpu().tolist() == [0.0, 3.0, 6.0, 9.0, 12.0, 15.0] and a.numel() == 0
+
+
 def test_a_changing_shape_compiles_once_per_shape(pjrt_device):
     run_in_child(pjrt_device, _changing_shapes, 1)
     before = executor_compiles(pjrt_device)

@@ -80,6 +80,10 @@ def test_kill_9_of_the_idle_executor_keeps_data_or_says_it_is_lost(pjrt):
 def test_an_executor_dying_mid_op_ends_the_session_whose_op_it_ran(pjrt, sig):
     victim = start_py(pjrt, """
         import torch
+        # Op by op, so that the executor is inside one of its ops when it
+        # dies (fused eager, the default with device memory, would hold
+        # them all until .item()).
+        torch.tpu.set_eager_mode("direct")
         a = torch.randn(3000, 3000, device="tpu:2")
         a.sum().item()
         print("ready", flush=True)

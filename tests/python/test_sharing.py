@@ -362,8 +362,8 @@ def test_a_client_of_another_protocol_version_is_told_both_versions(daemon):
         reply += chunk
     code, daemon_version = struct.unpack("<II", reply[:8])
     message = reply[16:].split(b"\0")[0].decode()
-    assert code == 9 and daemon_version == 4  # FAILED_PRECONDITION
-    assert "protocol 1" in message and "speaks 4" in message, message
+    assert code == 9 and daemon_version == 5  # FAILED_PRECONDITION
+    assert "protocol 1" in message and "speaks 5" in message, message
     assert "install the torch_tpu / libtpuclient built with this tpud" in message, message
     assert "unknown arg tag" not in message
 

@@ -215,6 +215,9 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
     // The graph's module depends on its ops' programs, not on the values
     // of their scalars (parameters of main): a step whose learning rate
     // changes runs the module of the step before.
+    // (With its index: which ops have nothing to run is part of the graph.)
+    const uint32_t i32 = static_cast<uint32_t>(i);
+    key.append(reinterpret_cast<const char*>(&i32), sizeof(i32));
     key.append(reinterpret_cast<const char*>(plan.text_hash),
                sizeof(plan.text_hash));
     for (const Plan::Seg& sg : plan.segs) {
@@ -364,6 +367,13 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
   absl::InlinedVector<PJRT_Buffer*, 32> args;
   std::vector<Mirror*> segs;
   for (const auto& [i, j] : graph->segs) {
+    // (The key makes these hold; a graph that broke them would read
+    // another op's memory.)
+    if (i >= ops.size() || plans[i].nothing ||
+        j >= plans[i].plan->segs.size()) {
+      return absl::InternalError(absl::StrCat(
+          "a graph's segment ", j, " of op ", i, " is not this run's"));
+    }
     absl::StatusOr<Mirror*> m =
         MirrorOf((*ops[i].tensors)[plans[i].plan->segs[j].k], device);
     if (!m.ok()) return m.status();
