@@ -109,3 +109,19 @@ def run_in_child(daemon, fn, *args, env_extra=None, check=True, timeout=120):
     if check:
         assert r.returncode == 0, r.stdout + r.stderr
     return r
+
+
+def wait_reclaimed(daemon, timeout=10):
+    """Waits until `daemon` has no session and no HBM in use (a killed
+    client's reclaim); returns its last `tpuctl status --json`."""
+    import time
+    tpuctl = bazel_bin("tools/tpuctl/tpuctl")
+    deadline = time.time() + timeout
+    while True:
+        doc = json.loads(subprocess.run([tpuctl, f"--admin_socket={daemon.admin_socket}", "status",
+                                         "--json"], capture_output=True, text=True,
+                                        timeout=30).stdout)
+        if (not doc["sessions"] and all(c["hbm_used_bytes"] == 0 for c in doc["chips"])) or \
+                time.time() > deadline:
+            return doc
+        time.sleep(0.05)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import Daemon, bazel_bin, run_in_child
+from conftest import Daemon, bazel_bin, run_in_child, wait_reclaimed
 
 import xla_plugins.xla_cpu_pjrt as _xla_cpu
 
@@ -178,14 +178,7 @@ def test_kill_9_in_a_fused_run_ends_only_that_session(pjrt_device):
     time.sleep(1.0)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
-    admin = f"--admin_socket={pjrt_device.admin_socket}"
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        doc = json.loads(subprocess.run([TPUCTL, admin, "status", "--json"], capture_output=True,
-                                        text=True, timeout=30).stdout)
-        if not doc["sessions"] and all(c["hbm_used_bytes"] == 0 for c in doc["chips"]):
-            break
-        time.sleep(0.05)
+    doc = wait_reclaimed(pjrt_device, timeout=20)
     assert not doc["sessions"] and all(c["hbm_used_bytes"] == 0 for c in doc["chips"]), doc
     run_in_child(pjrt_device, _changing_shapes, 1)
 

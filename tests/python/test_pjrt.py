@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import Daemon, bazel_bin, child_argv, run_in_child
+from conftest import Daemon, bazel_bin, child_argv, run_in_child, wait_reclaimed
 
 import xla_plugins.xla_cpu_pjrt as _xla_cpu
 
@@ -1238,13 +1238,7 @@ def test_quota_oom_and_kill_9_reclaim_on_pjrt(pjrt):
     time.sleep(0.3)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        doc = json.loads(subprocess.run([tpuctl, admin, "status", "--json"], capture_output=True,
-                                        text=True, timeout=30).stdout)
-        if not doc["sessions"] and all(c["hbm_used_bytes"] == 0 for c in doc["chips"]):
-            break
-        time.sleep(0.05)
+    doc = wait_reclaimed(pjrt)
     assert not doc["sessions"], doc["sessions"]
     assert all(c["hbm_used_bytes"] == 0 for c in doc["chips"]), doc["chips"]
     run_in_child(pjrt, _matmul_on_chip_1)
