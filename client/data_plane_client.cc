@@ -265,6 +265,27 @@ absl::StatusOr<int> Session::Impl::ChipOfAddress(uint64_t address,
   return chip;
 }
 
+namespace {
+
+// A program's bytes in shared memory (tpu/op_record.h): its ProgramHeader,
+// its name padded to 8 bytes, its records. For a captured program and a
+// fused eager run alike.
+uint64_t ProgramBytes(absl::string_view name, const std::string& records) {
+  return sizeof(ProgramHeader) + (name.size() + 7) / 8 * 8 + records.size();
+}
+void WriteProgram(char* at, absl::string_view name, uint32_t num_records,
+                  const std::string& records) {
+  const uint64_t name_bytes = (name.size() + 7) / 8 * 8;
+  const ProgramHeader header{kProgramMagic, num_records,
+                             static_cast<uint32_t>(name.size()), 0};
+  std::memcpy(at, &header, sizeof(header));
+  std::memset(at + sizeof(header), 0, name_bytes);
+  std::memcpy(at + sizeof(header), name.data(), name.size());
+  std::memcpy(at + sizeof(header) + name_bytes, records.data(), records.size());
+}
+
+}  // namespace
+
 uint64_t Session::Impl::BeginLocked(int ring, internal::StreamProducer& p,
                                     RecordKind kind, bool defer) {
   // (A failed flush is the ring's failure: the record begun here fails to
@@ -301,9 +322,8 @@ absl::Status Session::Impl::FlushLocked(internal::StreamProducer& p) {
       ++i;
     }
   }
-  static constexpr char kName[] = "eager";
-  const uint64_t name_bytes = 8;
-  const uint64_t bytes = sizeof(ProgramHeader) + name_bytes + records.size();
+  static constexpr absl::string_view kName = "eager";
+  const uint64_t bytes = ProgramBytes(kName, records);
   absl::StatusOr<void*> memory =
       num_records > 1 ? AllocatePinned(bytes)
                       : absl::StatusOr<void*>(absl::ResourceExhaustedError(""));
@@ -322,11 +342,7 @@ absl::Status Session::Impl::FlushLocked(internal::StreamProducer& p) {
     return absl::OkStatus();
   }
   char* at = static_cast<char*>(*memory);
-  ProgramHeader header{kProgramMagic, num_records, sizeof(kName) - 1, 0};
-  std::memcpy(at, &header, sizeof(header));
-  std::memset(at + sizeof(header), 0, name_bytes);
-  std::memcpy(at + sizeof(header), kName, sizeof(kName) - 1);
-  std::memcpy(at + sizeof(header) + name_bytes, records.data(), records.size());
+  WriteProgram(at, kName, num_records, records);
   const uint64_t sequence = BeginLocked(ring, p, RecordKind::kRunProgram);
   p.writer.U32(kEagerProgramId);
   p.writer.U32(0);  // no bindings
@@ -1378,8 +1394,7 @@ absl::StatusOr<Program> Session::EndCapture(int stream,
                                : (p.last_chip >= 0 ? p.last_chip : 0);
   }
   const std::string title = name.substr(0, kMaxProgramNameBytes);
-  const uint64_t name_bytes = (title.size() + 7) / 8 * 8;
-  const uint64_t bytes = sizeof(ProgramHeader) + name_bytes + records.size();
+  const uint64_t bytes = ProgramBytes(title, records);
   absl::StatusOr<void*> memory = AllocatePinned(bytes);
   if (!memory.ok()) {
     return absl::Status(
@@ -1388,12 +1403,7 @@ absl::StatusOr<Program> Session::EndCapture(int stream,
                      " bytes: ", memory.status().message()));
   }
   char* at = static_cast<char*>(*memory);
-  ProgramHeader header{kProgramMagic, num_records,
-                       static_cast<uint32_t>(title.size()), 0};
-  std::memcpy(at, &header, sizeof(header));
-  std::memset(at + sizeof(header), 0, name_bytes);
-  std::memcpy(at + sizeof(header), title.data(), title.size());
-  std::memcpy(at + sizeof(header) + name_bytes, records.data(), records.size());
+  WriteProgram(at, title, num_records, records);
   static std::atomic<uint32_t> next_id{1};
   Program program;
   program.id = next_id.fetch_add(1);
