@@ -310,6 +310,7 @@ absl::Status Session::Impl::FlushLocked(internal::StreamProducer& p) {
   p.fused_records = 0;
   p.fused_ring = -1;
   p.defer_next = false;
+  p.held_run.store(0, std::memory_order_release);
   // Earlier runs' memory, where their ring is past them.
   for (size_t i = 0; i < p.fused_memory.size();) {
     const internal::StreamProducer::FusedMemory& m = p.fused_memory[i];
@@ -412,6 +413,7 @@ absl::Status Session::Impl::Publish(int ring, internal::StreamProducer& p) {
     if (p.fused_records == 0) {
       p.fused_first_op = op_id;
       p.fused_first_bytes = record.size();
+      p.held_run.store(++p.runs, std::memory_order_release);
     }
     p.fused_ring = ring;
     if (++p.fused_records >= run_ops || p.fused.size() >= kMaxFusedBytes)
@@ -1349,6 +1351,11 @@ void Session::SetEagerFusion(bool on, uint32_t run_ops) {
 }
 
 bool Session::eager_fusion() const { return impl_->fuse_eager.load(); }
+
+uint64_t Session::HeldRun(int stream) const {
+  if (stream < 0 || stream >= kStreamsPerChip) return 0;
+  return impl_->streams[stream].held_run.load(std::memory_order_acquire);
+}
 
 // ---------------------------------------------------------------- programs
 

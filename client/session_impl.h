@@ -89,6 +89,9 @@ struct StreamProducer {
   int fused_ring ABSL_GUARDED_BY(mu) = -1;
   uint32_t fused_first_op ABSL_GUARDED_BY(mu) = 0;  // of the held run
   uint64_t fused_first_bytes ABSL_GUARDED_BY(mu) = 0;
+  // Session::HeldRun: the held run's number (0: none), and the last given.
+  std::atomic<uint64_t> held_run{0};
+  uint64_t runs ABSL_GUARDED_BY(mu) = 0;
   // Shared memory of program runs flushed so far: freed once their ring
   // completed them.
   struct FusedMemory {

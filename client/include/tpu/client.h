@@ -322,6 +322,12 @@ class Session {
   // Turning it off sends what is held.
   void SetEagerFusion(bool on, uint32_t run_ops = 0);
   bool eager_fusion() const;
+  // Fused eager: a number naming the run of ops `stream` holds now, 0 while
+  // it holds none. A run, once sent, is never named again (an allocator
+  // keeps blocks freed during a run out of that run, so that its tensors'
+  // sharing of segments, part of what tpud compiles, is the same each time).
+  // Lock-free, for deleters.
+  uint64_t HeldRun(int stream) const;
 
   // ---- programs: a stream's work captured once, then run by one record ----
   // As CUDA's stream capture: between BeginCapture and EndCapture, ops and

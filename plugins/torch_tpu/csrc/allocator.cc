@@ -4,6 +4,7 @@
 #include <c10/core/impl/alloc_cpu.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <unordered_map>
@@ -22,6 +23,26 @@ constexpr size_t kSmallLimit = 1 << 20;
 constexpr size_t kOpenPools = 8;
 
 size_t RoundUp(size_t n) { return (n + kRound - 1) / kRound * kRound; }
+
+// A large request's size class where tpud compiles programs (PJRT): four
+// classes per power of two. A compiled op's signature names the size of the
+// segment each of its tensors is in, so a block of a class serves only
+// requests of that class: a loop's tensors then land in segments of the same
+// sizes every step, whatever was freed before them, and its programs hit.
+// (At most a quarter more than asked for, as PyTorch's
+// roundup_power2_divisions=4.)
+size_t SizeClass(size_t n) {
+  size_t p = size_t{1} << 20;
+  while (p * 2 < n) p *= 2;  // p < n <= 2p
+  const size_t step = p / 4;
+  return (n + step - 1) / step * step;
+}
+
+// Whether tpud compiles its ops per segment size (see SizeClass).
+bool ClassedSegments() {
+  static const bool classed = Topology().backend == "pjrt";
+  return classed;
+}
 
 // A segment of the size tpud advertises (Session::small_pool_bytes) that
 // small blocks are carved from at a bump offset, as CUDA's allocator carves
@@ -67,7 +88,10 @@ class TpuAllocator final : public c10::DeviceAllocator {
               c10::Device(c10::DeviceType::PrivateUse1, device)};
     // Small requests come in whole pages (tpud's granularity), so a cached
     // block of the same class always fits.
-    const size_t want = n < kSmallLimit ? (n + 4095) / 4096 * 4096 : RoundUp(n);
+    const bool classed = n >= kSmallLimit && ClassedSegments();
+    const size_t want = n < kSmallLimit ? (n + 4095) / 4096 * 4096
+                        : classed       ? SizeClass(n)
+                                        : RoundUp(n);
     // Blocks are per stream, as in CUDA's caching allocator: one freed on
     // stream A may still be in use by A's queued work, so stream B gets it
     // only after A's work is known done.
@@ -77,9 +101,10 @@ class TpuAllocator final : public c10::DeviceAllocator {
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto& cache = free_[device][stream];
-      // Best fit among cached segments, but not one more than twice the size.
+      // Best fit among cached segments, but not one more than twice the size
+      // (of the same class where sizes are classed).
       auto it = cache.lower_bound(want);
-      if (it != cache.end() && it->first <= 2 * want) {
+      if (it != cache.end() && it->first <= (classed ? want : 2 * want)) {
         block = it->second;
         cache.erase(it);
       }
@@ -244,6 +269,22 @@ class TpuAllocator final : public c10::DeviceAllocator {
       return;
     }
     if (b->uses.empty()) {
+      // Fused eager: a block freed while its stream holds a run of ops is
+      // not handed out again within that run. Which of a run's tensors share
+      // a segment is part of the program tpud compiles for it, so reusing
+      // blocks within runs would make a loop's runs differ with whatever the
+      // cache held, and compile anew; across runs it does not matter.
+      tpu::Session* session = session_.load(std::memory_order_acquire);
+      if (const uint64_t run =
+              session == nullptr ? 0 : session->HeldRun(b->stream);
+          run != 0) {
+        if (run_freed_.empty() || run_freed_.back().run != run ||
+            run_freed_.back().stream != b->stream) {
+          run_freed_.push_back({b->stream, run, {}});
+        }
+        run_freed_.back().blocks.push_back(b);
+        return;
+      }
       free_[b->device][b->stream].emplace(b->size, b);
       return;
     }
@@ -323,6 +364,7 @@ class TpuAllocator final : public c10::DeviceAllocator {
       record.swap(to_record_);
     }
     tpu::Session& session = GetSession();
+    session_.store(&session, std::memory_order_release);
     for (Block* b : record) {
       Deferred d{b, {}};
       for (int s : b->uses) {
@@ -337,6 +379,15 @@ class TpuAllocator final : public c10::DeviceAllocator {
       deferred_.push_back(std::move(d));
     }
     std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < run_freed_.size();) {
+      RunFreed& r = run_freed_[i];
+      if (session.HeldRun(r.stream) == r.run) {
+        ++i;
+        continue;
+      }
+      for (Block* b : r.blocks) free_[b->device][b->stream].emplace(b->size, b);
+      run_freed_.erase(run_freed_.begin() + i);
+    }
     for (size_t i = 0; i < deferred_.size();) {
       Deferred& d = deferred_[i];
       bool done = true;
@@ -495,6 +546,14 @@ class TpuAllocator final : public c10::DeviceAllocator {
   std::vector<Pool*> open_pools_[kMaxDevices];
   std::vector<Block*> to_record_;
   std::vector<Deferred> deferred_;
+  // Blocks freed during a held run (Release), by stream and run.
+  struct RunFreed {
+    int stream;
+    uint64_t run;
+    std::vector<Block*> blocks;
+  };
+  std::vector<RunFreed> run_freed_;
+  std::atomic<tpu::Session*> session_{nullptr};  // once SweepDeferred ran
   c10::CachingDeviceAllocator::DeviceStats stats_[kMaxDevices];
   bool used_[kMaxDevices] = {};  // a block was ever handed out there
   std::vector<Block*> pending_free_;
