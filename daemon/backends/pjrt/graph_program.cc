@@ -30,7 +30,12 @@ namespace tpud::pjrt {
 // whose main takes each segment any op names once (donated where an op
 // writes it) and the ops' scalars, calls the ops in order with the
 // segments' latest values, and returns the written segments and, where an
-// op checks its indices, the first op whose check failed (0: none).
+// op checks its indices, the first op whose check failed (0: none). Where
+// each op reads and writes in its segments is a constant of the module, not
+// a parameter: XLA then sees a value written by one op and read by the next
+// as the same bytes, and fuses through them (device memory holds each
+// storage in a segment of its own, so these offsets are the program's, the
+// same every time it runs).
 struct PjrtChip::Graph {
   std::shared_ptr<const Executable> exe;  // null: it did not compile, for `why`
   std::string why;
@@ -103,7 +108,9 @@ absl::StatusOr<PjrtChip::OpPlan> PjrtChip::CopyPlan(
 }
 
 void PjrtChip::NoteGraphCompiled(const std::vector<ProgramOp>& ops,
-                                 const std::vector<OpPlan>& plans, int device) {
+                                 const std::vector<OpPlan>& plans,
+                                 const std::vector<std::vector<int>>& seg_of,
+                                 int device) {
   auto name = [](const ProgramOp& op) {
     return op.op == nullptr ? std::string("copy")
                             : static_cast<const PjrtOp&>(*op.op).name();
@@ -112,6 +119,8 @@ void PjrtChip::NoteGraphCompiled(const std::vector<ProgramOp>& ops,
   for (size_t i = 0; i < ops.size(); ++i) {
     now.hashes.push_back(plans[i].nothing ? 0 : plans[i].plan->text_hash[0]);
     now.names.push_back(name(ops[i]));
+    now.offsets.push_back(plans[i].offsets);
+    now.segs.push_back(seg_of[i]);
   }
   // Why: where it parts from the recent graph whose ops it follows longest
   // (a loop whose shapes changed, a new op, a run cut elsewhere).
@@ -139,9 +148,26 @@ void PjrtChip::NoteGraphCompiled(const std::vector<ProgramOp>& ops,
               ? " with other shapes, dtypes, layout or a folded scalar"
               : absl::StrCat(" where it had ", best->names[k]));
     } else if (k == best->hashes.size() && k == now.hashes.size()) {
+      // The same programs: the first op whose tensors lie elsewhere.
       why =
           "a recent graph has the same ops, with their tensors in other "
           "segments or sharing them otherwise";
+      for (size_t i = 0; i < k; ++i) {
+        if (now.offsets[i] != best->offsets[i]) {
+          why = absl::StrCat("a recent graph has the same ops; op ", i + 1,
+                             " (", now.names[i],
+                             ") reads or writes at other offsets of its "
+                             "segments (views at other storage offsets)");
+          break;
+        }
+        if (now.segs[i] != best->segs[i]) {
+          why = absl::StrCat(
+              "a recent graph has the same ops; op ", i + 1, " (", now.names[i],
+              ") shares segments with the ops before it otherwise (other "
+              "tensors, or the same tensor where there were others)");
+          break;
+        }
+      }
     } else {
       why = absl::StrCat("a recent graph has its first ", k, " ops, and ",
                          best->hashes.size(), " in all");
@@ -230,6 +256,8 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
       const uint32_t g32 = static_cast<uint32_t>(g);
       key.append(reinterpret_cast<const char*>(&g32), sizeof(g32));
     }
+    for (int64_t offset : pr.offsets)  // constants of the module
+      key.append(reinterpret_cast<const char*>(&offset), sizeof(offset));
     for (const Plan::In& x : plan.inputs) {
       if (x.k != -1) return decline(i, "a parameter from the host");
     }
@@ -277,7 +305,8 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
       const Plan& plan = *plans[i].plan;
       const ProgramPieces& program = plan.program;
       const std::vector<std::string> param_types = program.ParamTypes();
-      const size_t scalars = plan.inputs.size() + plans[i].offsets.size();
+      const size_t ins = plan.inputs.size();
+      const size_t scalars = ins + plans[i].offsets.size();
       if (param_types.size() != plan.segs.size() + scalars ||
           program.result_types.size() !=
               static_cast<size_t>(plan.segments_written) +
@@ -291,8 +320,13 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
       for (size_t m = 0; m < scalars; ++m) {
         const std::string a = absl::StrCat("%a", i, "_", m);
         args.push_back(a);
-        absl::StrAppend(&params, ", ", a, ": ",
-                        param_types[plan.segs.size() + m]);
+        const std::string& type = param_types[plan.segs.size() + m];
+        if (m < ins) {
+          absl::StrAppend(&params, ", ", a, ": ", type);
+        } else {
+          absl::StrAppend(&body, "    ", a, " = stablehlo.constant dense<",
+                          plans[i].offsets[m - ins], "> : ", type, "\n");
+        }
       }
       const std::string c = absl::StrCat("%c", i);
       const size_t nres = program.result_types.size();
@@ -345,7 +379,7 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
     absl::StatusOr<std::shared_ptr<const Executable>> exe =
         Compiled(text, device);
     if (stats_[device].compiles != compiles)
-      NoteGraphCompiled(ops, plans, device);
+      NoteGraphCompiled(ops, plans, seg_of, device);
     if (exe.ok()) {
       made->exe = *std::move(exe);
     } else {
@@ -362,7 +396,7 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
   if (graph->exe == nullptr)
     return decline(ops.size(),
                    absl::StrCat("the module did not compile: ", graph->why));
-  // Segments first, then each op's scalars and offsets in order.
+  // Segments first, then each op's scalars in order.
   if (scalars_.size() >= 4096) scalars_.clear();
   absl::InlinedVector<PJRT_Buffer*, 32> args;
   std::vector<Mirror*> segs;
@@ -384,11 +418,6 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
     if (plans[i].nothing) continue;
     for (const Plan::In& x : plans[i].plan->inputs) {
       absl::StatusOr<PJRT_Buffer*> b = ScalarBuffer(device, x);
-      if (!b.ok()) return b.status();
-      args.push_back(*b);
-    }
-    for (int64_t offset : plans[i].offsets) {
-      absl::StatusOr<PJRT_Buffer*> b = OffsetBuffer(device, offset);
       if (!b.ok()) return b.status();
       args.push_back(*b);
     }

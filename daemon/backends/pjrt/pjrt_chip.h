@@ -119,8 +119,11 @@ class PjrtChip : public ChipBackend {
   struct Graph;  // a graph's module (graph_program.cc)
   // Logs that a graph's module was compiled, and why: where its ops part
   // from those of the recent graph on `device` they follow longest.
+  // (seg_of: each op's segments, numbered as the graph's parameters.)
   void NoteGraphCompiled(const std::vector<ProgramOp>& ops,
-                         const std::vector<OpPlan>& plans, int device);
+                         const std::vector<OpPlan>& plans,
+                         const std::vector<std::vector<int>>& seg_of,
+                         int device);
   // The op's plan, lowered if not kept yet but neither compiled nor run.
   absl::Status PlanOp(const BackendOp& op, const tpu::DecodedOp& decoded,
                       const std::vector<ResolvedTensor>& tensors, OpPlan* plan);
@@ -243,6 +246,8 @@ class PjrtChip : public ChipBackend {
   struct GraphOps {
     std::vector<uint64_t> hashes;
     std::vector<std::string> names;
+    std::vector<std::vector<int64_t>> offsets;
+    std::vector<std::vector<int>> segs;
   };
   static constexpr size_t kRecentGraphs = 32;
   std::map<int, std::deque<GraphOps>> recent_graphs_;
