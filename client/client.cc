@@ -151,7 +151,8 @@ SessionInfo ConvertSession(const v1::SessionInfo& s) {
   out.ops_executed = s.ops_executed();
   for (const auto& p : s.programs()) {
     out.programs.push_back({p.id(), p.name(), static_cast<int>(p.chip()),
-                            p.records(), p.calls(), p.busy_seconds()});
+                            p.records(), p.calls(), p.busy_seconds(),
+                            p.compiles(), p.last_compile()});
   }
   return out;
 }
@@ -261,6 +262,24 @@ absl::Status Session::Free(uint64_t address) {
   grpc::Status st = (*stub)->FreeSegment(call.ctx(), req, &resp);
   if (!st.ok()) return impl_->Annotate(st);
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<Session::ProgramStats>> Session::GetPrograms() {
+  v1::GetProgramsRequest req;
+  req.set_session_id(impl_->id);
+  v1::GetProgramsResponse resp;
+  Impl::Call call(impl_.get());
+  absl::StatusOr<std::shared_ptr<v1::Runtime::Stub>> stub = impl_->Stub();
+  if (!stub.ok()) return stub.status();
+  grpc::Status st = (*stub)->GetPrograms(call.ctx(), req, &resp);
+  if (!st.ok()) return impl_->Annotate(st);
+  std::vector<ProgramStats> out;
+  for (const v1::ProgramInfo& p : resp.programs()) {
+    out.push_back({p.id(), p.name(), static_cast<int>(p.chip()), p.records(),
+                   p.calls(), p.busy_seconds(), p.compiles(),
+                   p.last_compile()});
+  }
+  return out;
 }
 
 absl::StatusOr<MemoryStats> Session::GetMemoryStats() {

@@ -268,20 +268,29 @@ absl::StatusOr<int> Session::Impl::ChipOfAddress(uint64_t address,
 namespace {
 
 // A program's bytes in shared memory (tpu/op_record.h): its ProgramHeader,
-// its name padded to 8 bytes, its records. For a captured program and a
-// fused eager run alike.
-uint64_t ProgramBytes(absl::string_view name, const std::string& records) {
-  return sizeof(ProgramHeader) + (name.size() + 7) / 8 * 8 + records.size();
+// its name padded to 8 bytes, its records, and (a fused eager run) the
+// segments dead after it. For a captured program and a fused eager run alike.
+uint64_t ProgramBytes(absl::string_view name, const std::string& records,
+                      size_t num_dead = 0) {
+  return sizeof(ProgramHeader) + (name.size() + 7) / 8 * 8 + records.size() +
+         num_dead * sizeof(uint64_t);
 }
 void WriteProgram(char* at, absl::string_view name, uint32_t num_records,
-                  const std::string& records) {
+                  const std::string& records,
+                  const std::vector<uint64_t>& dead = {}) {
   const uint64_t name_bytes = (name.size() + 7) / 8 * 8;
   const ProgramHeader header{kProgramMagic, num_records,
-                             static_cast<uint32_t>(name.size()), 0};
+                             static_cast<uint32_t>(name.size()),
+                             static_cast<uint32_t>(dead.size())};
   std::memcpy(at, &header, sizeof(header));
   std::memset(at + sizeof(header), 0, name_bytes);
   std::memcpy(at + sizeof(header), name.data(), name.size());
-  std::memcpy(at + sizeof(header) + name_bytes, records.data(), records.size());
+  at += sizeof(header) + name_bytes;
+  std::memcpy(at, records.data(), records.size());
+  if (!dead.empty()) {
+    std::memcpy(at + records.size(), dead.data(),
+                dead.size() * sizeof(uint64_t));
+  }
 }
 
 }  // namespace
@@ -306,6 +315,8 @@ absl::Status Session::Impl::FlushLocked(internal::StreamProducer& p) {
   records.swap(p.fused);
   std::vector<std::string> issued;
   issued.swap(p.fused_issued);
+  std::vector<uint64_t> dead;
+  dead.swap(p.fused_dead);
   const uint32_t num_records = p.fused_records;
   p.fused_records = 0;
   p.fused_ring = -1;
@@ -324,7 +335,7 @@ absl::Status Session::Impl::FlushLocked(internal::StreamProducer& p) {
     }
   }
   static constexpr absl::string_view kName = "eager";
-  const uint64_t bytes = ProgramBytes(kName, records);
+  const uint64_t bytes = ProgramBytes(kName, records, dead.size());
   absl::StatusOr<void*> memory =
       num_records > 1 ? AllocatePinned(bytes)
                       : absl::StatusOr<void*>(absl::ResourceExhaustedError(""));
@@ -343,7 +354,7 @@ absl::Status Session::Impl::FlushLocked(internal::StreamProducer& p) {
     return absl::OkStatus();
   }
   char* at = static_cast<char*>(*memory);
-  WriteProgram(at, kName, num_records, records);
+  WriteProgram(at, kName, num_records, records, dead);
   const uint64_t sequence = BeginLocked(ring, p, RecordKind::kRunProgram);
   p.writer.U32(kEagerProgramId);
   p.writer.U32(0);  // no bindings
@@ -1355,6 +1366,15 @@ bool Session::eager_fusion() const { return impl_->fuse_eager.load(); }
 uint64_t Session::HeldRun(int stream) const {
   if (stream < 0 || stream >= kStreamsPerChip) return 0;
   return impl_->streams[stream].held_run.load(std::memory_order_acquire);
+}
+
+bool Session::FreedInRun(int stream, uint64_t run, uint64_t address) {
+  if (stream < 0 || stream >= kStreamsPerChip || run == 0) return false;
+  internal::StreamProducer& p = impl_->streams[stream];
+  absl::MutexLock lock(&p.mu);
+  if (p.held_run.load(std::memory_order_relaxed) != run) return false;
+  if (p.fused_dead.size() < kMaxProgramDead) p.fused_dead.push_back(address);
+  return true;
 }
 
 // ---------------------------------------------------------------- programs

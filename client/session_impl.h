@@ -92,6 +92,8 @@ struct StreamProducer {
   // Session::HeldRun: the held run's number (0: none), and the last given.
   std::atomic<uint64_t> held_run{0};
   uint64_t runs ABSL_GUARDED_BY(mu) = 0;
+  // Segments freed while the run was held (Session::FreedInRun).
+  std::vector<uint64_t> fused_dead ABSL_GUARDED_BY(mu);
   // Shared memory of program runs flushed so far: freed once their ring
   // completed them.
   struct FusedMemory {

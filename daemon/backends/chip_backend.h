@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "tpu/op_record.h"
 
 namespace tpud {
@@ -197,8 +198,11 @@ class ChipBackend {
   // error, `*failed` is the op it belongs to: the ops before it completed,
   // what it and the ops after it write is not valid. Declining, it says why
   // in `*declined`, and `*failed` is the first op it could not take
-  // (ops.size() where it declined the program as a whole).
+  // (ops.size() where it declined the program as a whole). `dead`: device
+  // addresses (sorted) of segments nothing reads after these ops (a fused
+  // eager run's freed tensors), whose writes it need not keep.
   virtual absl::StatusOr<bool> RunProgram(const std::vector<ProgramOp>& ops,
+                                          absl::Span<const uint64_t> dead,
                                           size_t* failed,
                                           std::string* declined) {
     return false;
@@ -208,6 +212,11 @@ class ChipBackend {
   // TORCH_WARN; `deprecation`: a DeprecationWarning), for the client to
   // raise again; false when there was none. Warnings go nowhere else: a
   // client cannot fill tpud's log with them.
+  // Why the module of this thread's last RunProgram was compiled (which op
+  // of the nearest earlier module it parts from, and how), for tpuctl and
+  // the client; empty when it was not compiled. Clears it.
+  virtual std::string TakeCompileNote() { return {}; }
+
   virtual bool TakeWarning(std::string* message, bool* deprecation) {
     return false;
   }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <iterator>
 #include <new>
 #include <utility>
 
@@ -233,6 +234,31 @@ void SessionStateView::Initialize(char* base, uint64_t session_id, uint32_t tag,
   h->chips_offset = o.chips;
   // The rest of a fresh memfd reads as zeros: every ring at 0, no ops, no
   // poison.
+}
+
+void SetCompileWhy(ProgramStat* stat, absl::string_view why) {
+  char bytes[sizeof(stat->why)] = {};
+  std::memcpy(bytes, why.data(), std::min(why.size(), sizeof(bytes) - 1));
+  stat->why_seq.fetch_add(1, std::memory_order_acq_rel);
+  for (size_t w = 0; w < std::size(stat->why); ++w) {
+    uint64_t word;
+    std::memcpy(&word, bytes + w * sizeof(word), sizeof(word));
+    stat->why[w].store(word, std::memory_order_relaxed);
+  }
+  stat->why_seq.fetch_add(1, std::memory_order_release);
+}
+
+std::string CompileWhy(const ProgramStat& stat) {
+  const uint32_t before = stat.why_seq.load(std::memory_order_acquire);
+  if (before % 2 != 0) return {};
+  char bytes[sizeof(stat.why)];
+  for (size_t w = 0; w < std::size(stat.why); ++w) {
+    const uint64_t word = stat.why[w].load(std::memory_order_relaxed);
+    std::memcpy(bytes + w * sizeof(word), &word, sizeof(word));
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (stat.why_seq.load(std::memory_order_relaxed) != before) return {};
+  return std::string(bytes, strnlen(bytes, sizeof(bytes)));
 }
 
 }  // namespace tpud

@@ -311,7 +311,16 @@ struct ProgramStat {
   std::atomic<uint64_t> calls;
   std::atomic<uint64_t> busy_ns;
   char name[48];
+  // Runs whose module was compiled (ChipBackend::TakeCompileNote), and why
+  // the latest was: SetCompileWhy / CompileWhy.
+  std::atomic<uint64_t> compiles;
+  std::atomic<uint32_t> why_seq;  // odd while `why` is written
+  std::atomic<uint64_t> why[24];  // 192 bytes, NUL-padded
 };
+// The latest compile's reason (cut to 191 bytes), written by the stat's
+// executor; read by tpud (empty while it is being written).
+void SetCompileWhy(ProgramStat* stat, absl::string_view why);
+std::string CompileWhy(const ProgramStat& stat);
 
 struct SessionChipState {
   std::atomic<uint64_t> busy_ns;

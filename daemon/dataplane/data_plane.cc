@@ -223,6 +223,8 @@ SessionActivity DataPlane::Activity(uint64_t session_id) {
       pa.records = p.records;
       pa.calls = p.calls.load(std::memory_order_relaxed);
       pa.busy_ns = p.busy_ns.load(std::memory_order_relaxed);
+      pa.compiles = p.compiles.load(std::memory_order_relaxed);
+      pa.last_compile = CompileWhy(p);
       a.programs.push_back(std::move(pa));
     }
   }

@@ -49,6 +49,8 @@ struct ProgramActivity {
   uint32_t records = 0;
   uint64_t calls = 0;
   uint64_t busy_ns = 0;
+  uint64_t compiles = 0;     // runs whose module was compiled
+  std::string last_compile;  // why the latest was
 };
 
 struct SessionActivity {

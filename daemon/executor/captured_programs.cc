@@ -41,18 +41,32 @@ absl::StatusOr<std::shared_ptr<Executor::Program>> Executor::ProgramOf(
     return absl::InvalidArgumentError(
         "not a program (bad magic, name or record count)");
   }
+  if (h.num_dead != 0 && (!eager || h.num_dead > tpu::kMaxProgramDead)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a program names ", h.num_dead,
+        " dead segments (only a fused eager run names any, at most ",
+        tpu::kMaxProgramDead, ")"));
+  }
   size_t pos = sizeof(h) + (h.name_len + 7) / 8 * 8;
   if (pos > d.size())
     return absl::InvalidArgumentError("a program's name runs past its end");
   p->name.assign(d.data() + sizeof(h), h.name_len);
-  while (pos < d.size()) {
+  // The dead segments' addresses end it.
+  const size_t dead_bytes = size_t{h.num_dead} * sizeof(uint64_t);
+  if (d.size() - pos < dead_bytes)
+    return absl::InvalidArgumentError("a program's dead segments run past it");
+  const size_t end = d.size() - dead_bytes;
+  p->dead.resize(h.num_dead);
+  if (dead_bytes != 0) std::memcpy(p->dead.data(), d.data() + end, dead_bytes);
+  std::sort(p->dead.begin(), p->dead.end());
+  while (pos < end) {
     tpu::RecordHeader rh;
-    if (d.size() - pos < sizeof(rh)) {
+    if (end - pos < sizeof(rh)) {
       return absl::InvalidArgumentError(
           absl::StrCat("program record ", p->records.size(), " is cut short"));
     }
     std::memcpy(&rh, d.data() + pos, sizeof(rh));
-    if (absl::Status st = tpu::CheckHeader(rh, d.size() - pos); !st.ok()) {
+    if (absl::Status st = tpu::CheckHeader(rh, end - pos); !st.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "program record ", p->records.size(), ": ", st.message()));
     }
@@ -114,6 +128,8 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence,
       stat->name[n] = '\0';
       stat->calls.store(0, std::memory_order_relaxed);
       stat->busy_ns.store(0, std::memory_order_relaxed);
+      stat->compiles.store(0, std::memory_order_relaxed);
+      SetCompileWhy(stat, "");
       stat->id.store(stat_id, std::memory_order_release);
     }
     if (eager) stat->records = static_cast<uint32_t>(p.records.size());
@@ -361,8 +377,18 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence,
     auto run_whole = [&](size_t lo, size_t hi, size_t* failed,
                          std::string* declined) -> absl::StatusOr<bool> {
       const std::vector<ProgramOp> part(ops.begin() + lo, ops.begin() + hi);
-      absl::StatusOr<bool> ran =
-          config_.backend->RunProgram(part, failed, declined);
+      // Dead segments are dead after the whole run: an earlier part's
+      // writes there may be read by the parts after it.
+      absl::StatusOr<bool> ran = config_.backend->RunProgram(
+          part,
+          hi == n ? absl::Span<const uint64_t>(p.dead)
+                  : absl::Span<const uint64_t>(),
+          failed, declined);
+      if (std::string note = config_.backend->TakeCompileNote();
+          !note.empty()) {
+        stat->compiles.fetch_add(1, std::memory_order_relaxed);
+        SetCompileWhy(stat, note);
+      }
       if (ran.ok()) {
         *failed = lo + std::min(*failed, part.size());
         return ran;

@@ -124,6 +124,8 @@ class Executor {
     std::string name;
     std::string data;
     std::vector<std::pair<size_t, size_t>> records;  // (offset, length) in data
+    // A fused eager run's segments nothing reads after it (sorted).
+    std::vector<uint64_t> dead;
     uint64_t calls = 0;
     // The backend declined to run it whole (ChipBackend::RunProgram): its
     // records run one by one from now on.

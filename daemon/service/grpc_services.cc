@@ -28,21 +28,25 @@ absl::StatusOr<ConnectionInfo> CallerOf(const ConnectionTable& table,
   return *info;
 }
 
+void FillProgram(const ProgramActivity& p, v1::ProgramInfo* pi) {
+  pi->set_id(p.id);
+  pi->set_name(p.name);
+  pi->set_chip(static_cast<uint32_t>(p.chip));
+  pi->set_records(p.records);
+  pi->set_calls(p.calls);
+  pi->set_busy_seconds(p.busy_ns / 1e9);
+  pi->set_compiles(p.compiles);
+  pi->set_last_compile(p.last_compile);
+}
+
 void FillSession(const SessionSnapshot& s, DataPlane* data_plane,
                  v1::SessionInfo* out) {
   if (data_plane != nullptr) {
     SessionActivity a = data_plane->Activity(s.id);
     out->set_busy_seconds(a.busy_ns / 1e9);
     out->set_ops_executed(a.ops);
-    for (const ProgramActivity& p : a.programs) {
-      v1::ProgramInfo* pi = out->add_programs();
-      pi->set_id(p.id);
-      pi->set_name(p.name);
-      pi->set_chip(static_cast<uint32_t>(p.chip));
-      pi->set_records(p.records);
-      pi->set_calls(p.calls);
-      pi->set_busy_seconds(p.busy_ns / 1e9);
-    }
+    for (const ProgramActivity& p : a.programs)
+      FillProgram(p, out->add_programs());
   }
   out->set_id(s.id);
   out->set_allocation_id(s.allocation_id);
@@ -277,6 +281,22 @@ grpc::Status RuntimeServiceImpl::GetMemoryStats(
   for (const ChipMemoryView& v : *views)
     quota = std::max(quota, v.session_quota_bytes);
   resp->set_quota_bytes_per_chip(quota);
+  return grpc::Status::OK;
+}
+
+grpc::Status RuntimeServiceImpl::GetPrograms(grpc::ServerContext* ctx,
+                                             const v1::GetProgramsRequest* req,
+                                             v1::GetProgramsResponse* resp) {
+  absl::StatusOr<ConnectionInfo> caller = CallerOf(*connections_, ctx);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  // (Only the caller's own session: MemoryStats checks that it is.)
+  absl::StatusOr<std::vector<ChipMemoryView>> own =
+      core_->MemoryStats(caller->id, req->session_id());
+  if (!own.ok()) return ToGrpcStatus(own.status());
+  if (data_plane_ == nullptr) return grpc::Status::OK;
+  for (const ProgramActivity& p :
+       data_plane_->Activity(req->session_id()).programs)
+    FillProgram(p, resp->add_programs());
   return grpc::Status::OK;
 }
 

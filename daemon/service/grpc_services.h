@@ -55,6 +55,9 @@ class RuntimeServiceImpl final : public v1::Runtime::Service {
   grpc::Status GetMemoryStats(grpc::ServerContext* ctx,
                               const v1::GetMemoryStatsRequest* req,
                               v1::GetMemoryStatsResponse* resp) override;
+  grpc::Status GetPrograms(grpc::ServerContext* ctx,
+                           const v1::GetProgramsRequest* req,
+                           v1::GetProgramsResponse* resp) override;
   grpc::Status JoinCommunicator(grpc::ServerContext* ctx,
                                 const v1::JoinCommunicatorRequest* req,
                                 v1::JoinCommunicatorResponse* resp) override;

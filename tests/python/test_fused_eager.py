@@ -147,6 +147,35 @@ def test_a_changing_shape_compiles_once_per_shape(pjrt_device):
     run_in_child(pjrt_device, _changing_shapes, 1, env_extra={"TPU_EAGER_RUN_OPS": "2"})
 
 
+def test_tpuctl_and_torch_tpu_say_why_a_fused_run_compiled(pjrt_device):
+    r = run_in_child(pjrt_device, _compile_reasons, TPUCTL, pjrt_device.admin_socket)
+    assert "Latest compile, and why" in r.stdout and "eager (fused)" in r.stdout, r.stdout
+
+
+def _compile_reasons(tpuctl, admin_socket):
+    import subprocess
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.tpu.set_eager_mode("fused")
+    w = torch.linspace(-1, 1, 24).reshape(8, 3).to("tpu")
+    for n in (5, 7):          # the same ops; the second with other shapes
+        x = torch.linspace(0, 1, n * 8).reshape(n, 8).to("tpu")
+        torch.tanh(x @ w * 0.5 + 1).sum(0).cpu()
+    eager = [p for p in torch.tpu.programs() if p["name"] == "eager (fused)"]
+    assert len(eager) == 1 and eager[0]["id"] is None, eager
+    assert eager[0]["compiles"] == 2 and eager[0]["calls"] >= 2, eager
+    why = eager[0]["last_compile"]
+    # Which op parts from the first run's program, and how.
+    assert "parts from it at op 1: aten::mm with other shapes" in why, why
+    doc = json.loads(subprocess.run([tpuctl, f"--admin_socket={admin_socket}", "sessions",
+                                     "--json"], capture_output=True, text=True,
+                                    check=True).stdout)
+    mine = [p for s in doc["sessions"] for p in s["programs"] if p["name"] == "eager"]
+    assert any(p["compiles"] == 2 and p["last_compile"] == why for p in mine), mine
+    print(subprocess.run([tpuctl, f"--admin_socket={admin_socket}", "programs"],
+                         capture_output=True, text=True, check=True).stdout)
+
+
 def _changing_shapes(rounds):
     import torch
     import torch_tpu  # noqa: F401
@@ -159,6 +188,68 @@ def _changing_shapes(rounds):
             got = torch.tanh(x.to("tpu") @ wt * 0.5 + 1).sum(0)
             want = torch.tanh(x @ w * 0.5 + 1).sum(0)
             assert torch.allclose(got.cpu(), want, atol=1e-5), n
+
+
+def test_blocks_freed_in_a_run_wait_for_its_end_and_hold_nothing_after(pjrt_device):
+    run_in_child(pjrt_device, _block_reuse_rules)
+    # Tensors freed inside each run and made again in the next: what a run
+    # wrote to a freed block (its temporary) never shows in the next.
+    run_in_child(pjrt_device, _frees_what_it_made, 6)
+
+
+def _block_reuse_rules():
+    import torch
+    import torch_tpu  # noqa: F401
+    n = 1 << 18                                      # 1 MiB of float32
+    x = torch.ones(n, device="tpu")
+    for mode in ("direct", "fused"):
+        torch.tpu.set_eager_mode(mode)
+        torch.tpu.synchronize()
+        a = x * 2
+        freed = a.data_ptr()
+        del a
+        b = x * 3
+        # Fused: a block freed while its run is held is not handed out in that
+        # run (which tensors share a segment is part of the run's program).
+        assert (b.data_ptr() == freed) == (mode == "direct"), mode
+        torch.tpu.synchronize()
+        c = x * 4
+        if mode == "fused":                          # the run went: it is again
+            assert c.data_ptr() == freed
+        assert b.sum().item() == 3 * n and c.sum().item() == 4 * n
+        del b, c
+    # On PJRT a block of 1 MiB or more comes in a size class (a quarter of a
+    # power of two) and serves only that class: a step's tensors land in
+    # segments of the same sizes whatever the cache held.
+    torch.tpu.empty_cache()
+    before = torch.tpu.memory_reserved()
+    y = torch.empty(n + 1024, device="tpu")          # 1 MiB + 4 KiB
+    assert torch.tpu.memory_reserved() - before == 5 << 18   # 1.25 MiB
+    del y
+    z = torch.empty(n // 2 * 3, device="tpu")         # 1.5 MiB: not the cached 1.25
+    assert torch.tpu.memory_reserved() - before == (5 << 18) + (6 << 18)
+    del z
+
+
+def _frees_what_it_made(steps):
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.tpu.set_eager_mode("fused")
+    n = 1 << 18                       # 1 MiB of float32
+    x = torch.linspace(-1, 1, n)
+    w = torch.linspace(0, 2, 3 * n // 2)
+    xt, wt = x.to("tpu"), w.to("tpu")
+    acc_t, acc = torch.zeros(n, device="tpu"), torch.zeros(n)
+    for step in range(steps):
+        for src, wgt, out in ((xt, wt, acc_t), (x, w, acc)):
+            a = src * (step + 1)                   # freed in the run
+            b = torch.cat([a, wgt])[n // 2:] * 0.5  # 1.25 MiB, freed too
+            c = torch.tanh(b[:n] + a)
+            del a, b
+            out.add_(c)
+            del c
+        assert torch.allclose(acc_t.cpu(), acc, atol=1e-5), step
+        assert acc_t.sum().item() == pytest.approx(acc.sum().item(), rel=1e-5)
 
 
 @pytest.mark.slow

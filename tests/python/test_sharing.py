@@ -307,7 +307,7 @@ def test_idle_and_stalled_connections_are_bounded_and_refused_clearly():
         # Stalled data-plane hellos: the magic, then nothing.
         stalled = [raw_connect(d.socket) for _ in range(4)]
         for s in stalled:
-            s.sendall(b"TPUDDP05")
+            s.sendall(b"TPUDDP06")
         opened = time.time()
         # Over the limit: the client is told why, by name.
         rc, out, err = finish(client, say="go\n")
@@ -332,7 +332,7 @@ def test_stalled_hellos_do_not_hold_up_other_clients(daemon):
     stalled = []
     for _ in range(50):
         s = raw_connect(daemon.socket)
-        s.sendall(b"TPUDDP05" + b"\0" * 8)  # part of a hello, then silence
+        s.sendall(b"TPUDDP06" + b"\0" * 8)  # part of a hello, then silence
         stalled.append(s)
     t0 = time.time()
     ok = run_py(daemon, """
@@ -362,8 +362,8 @@ def test_a_client_of_another_protocol_version_is_told_both_versions(daemon):
         reply += chunk
     code, daemon_version = struct.unpack("<II", reply[:8])
     message = reply[16:].split(b"\0")[0].decode()
-    assert code == 9 and daemon_version == 5  # FAILED_PRECONDITION
-    assert "protocol 1" in message and "speaks 5" in message, message
+    assert code == 9 and daemon_version == 6  # FAILED_PRECONDITION
+    assert "protocol 1" in message and "speaks 6" in message, message
     assert "install the torch_tpu / libtpuclient built with this tpud" in message, message
     assert "unknown arg tag" not in message
 

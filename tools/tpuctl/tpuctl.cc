@@ -357,6 +357,8 @@ void WriteSessions(JsonWriter& w,
       w.Key("records").Uint(p.records);
       w.Key("calls").Uint(p.calls);
       w.Key("busy_seconds").Double(p.busy_seconds);
+      w.Key("compiles").Uint(p.compiles);
+      w.Key("last_compile").String(p.last_compile);
       w.EndObject();
     }
     w.EndArray();
@@ -368,21 +370,27 @@ void WriteSessions(JsonWriter& w,
 // Captured programs (torch.compile) and fused eager runs, per session.
 void PrintProgramTable(const std::vector<tpu::SessionInfo>& sessions) {
   Table table({"SESSION", "PID", "CHIP", "PROGRAM", "RECORDS", "CALLS", "BUSY",
-               "PER CALL"},
-              "rrr.rrrr");
+               "PER CALL", "COMPILES"},
+              "rrr.rrrrr");
   size_t n = 0;
+  std::vector<std::string> why;  // each program's latest compile
   for (const tpu::SessionInfo& s : sessions) {
     for (const tpu::SessionInfo::Program& p : s.programs) {
       ++n;
-      table.Row(
-          {absl::StrCat(s.id), absl::StrCat(s.pid), absl::StrCat(p.chip),
-           // Fused eager runs: one entry, with no program id of its own.
-           p.id == ~0u ? "- eager (fused)" : absl::StrCat(p.id, " ", p.name),
-           absl::StrCat(p.records), absl::StrCat(p.calls),
-           absl::StrFormat("%.3fs", p.busy_seconds),
-           p.calls == 0
-               ? "-"
-               : absl::StrFormat("%.1fus", 1e6 * p.busy_seconds / p.calls)});
+      // Fused eager runs: one entry, with no program id of its own.
+      const std::string name =
+          p.id == ~0u ? "- eager (fused)" : absl::StrCat(p.id, " ", p.name);
+      table.Row({absl::StrCat(s.id), absl::StrCat(s.pid), absl::StrCat(p.chip),
+                 name, absl::StrCat(p.records), absl::StrCat(p.calls),
+                 absl::StrFormat("%.3fs", p.busy_seconds),
+                 p.calls == 0 ? "-"
+                              : absl::StrFormat("%.1fus",
+                                                1e6 * p.busy_seconds / p.calls),
+                 absl::StrCat(p.compiles)});
+      if (!p.last_compile.empty()) {
+        why.push_back(absl::StrCat("session ", s.id, " chip ", p.chip, " ",
+                                   name, ": ", p.last_compile));
+      }
     }
   }
   if (n == 0) {
@@ -392,6 +400,8 @@ void PrintProgramTable(const std::vector<tpu::SessionInfo>& sessions) {
     return;
   }
   table.Print();
+  if (!why.empty()) std::printf("\nLatest compile, and why:\n");
+  for (const std::string& w : why) std::printf("  %s\n", w.c_str());
 }
 
 void PrintChipTable(const tpu::TopologyInfo& t) {

@@ -196,6 +196,20 @@ class Session {
   // Frees a segment by the address Allocate returned.
   absl::Status Free(uint64_t address);
   absl::StatusOr<MemoryStats> GetMemoryStats();
+  // This session's captured programs and fused eager runs (the most run, per
+  // chip), as tpuctl programs shows them: calls, chip time, compiles and
+  // why the latest compile happened.
+  struct ProgramStats {
+    uint32_t id = 0;  // ~0u: the fused eager runs
+    std::string name;
+    int chip = 0;
+    uint32_t records = 0;
+    uint64_t calls = 0;
+    double busy_seconds = 0;
+    uint64_t compiles = 0;
+    std::string last_compile;
+  };
+  absl::StatusOr<std::vector<ProgramStats>> GetPrograms();
 
   // Ends the session; the daemon frees everything it still holds. Idempotent.
   absl::Status Close();
@@ -328,6 +342,11 @@ class Session {
   // sharing of segments, part of what tpud compiles, is the same each time).
   // Lock-free, for deleters.
   uint64_t HeldRun(int stream) const;
+  // The segment at `address` was freed while `stream` held run `run`
+  // (HeldRun's number): nothing reads it after that run, so tpud need not
+  // keep what the run writes there. False (and nothing noted) where the run
+  // was sent already.
+  bool FreedInRun(int stream, uint64_t run, uint64_t address);
 
   // ---- programs: a stream's work captured once, then run by one record ----
   // As CUDA's stream capture: between BeginCapture and EndCapture, ops and
@@ -384,6 +403,8 @@ struct SessionInfo {
     uint32_t records = 0;
     uint64_t calls = 0;
     double busy_seconds = 0;
+    uint64_t compiles = 0;     // runs whose module tpud compiled
+    std::string last_compile;  // why the latest was
   };
   std::vector<Program> programs;  // captured programs it ran
 };

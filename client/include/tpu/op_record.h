@@ -124,8 +124,12 @@ struct ProgramHeader {
   uint32_t magic;  // kProgramMagic
   uint32_t num_records;
   uint32_t name_len;  // bytes of name that follow (padded to 8)
-  uint32_t pad;
+  // A fused eager run only (0 otherwise): the device addresses (u64 each,
+  // after the records) of segments nothing reads after the run, freed while
+  // it was held: what the run writes there need not be kept.
+  uint32_t num_dead;
 };
+inline constexpr uint32_t kMaxProgramDead = 1 << 16;
 inline constexpr uint32_t kProgramMagic = 0x47525054;  // "TPRG"
 inline constexpr uint32_t kMaxProgramBindings = 1 << 16;
 inline constexpr uint32_t kMaxProgramRecords = 1 << 20;

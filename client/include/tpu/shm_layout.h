@@ -46,7 +46,7 @@ namespace tpu {
 inline constexpr uint64_t kShmMagic = 0x324d485344555054ULL;  // "TPUDSHM2"
 // Version of the data plane as a whole: this layout, the hello below and the
 // record format of tpu/op_record.h. Both ends must speak the same one.
-inline constexpr uint32_t kDataPlaneVersion = 5;
+inline constexpr uint32_t kDataPlaneVersion = 6;
 inline constexpr int kStreamsPerChip = 8;
 inline constexpr int kMaxChipsPerHost = 16;
 inline constexpr int kMaxEvents = 1024;
@@ -214,7 +214,7 @@ inline char* RingOf(void* base, const ShmHeader& h, int ring) {
 // reply's layout is the same in every version.
 inline constexpr char kDataPlaneMagicPrefix[6] = {'T', 'P', 'U', 'D', 'D', 'P'};
 inline constexpr char kDataPlaneMagic[8] = {'T', 'P', 'U', 'D',
-                                            'D', 'P', '0', '5'};
+                                            'D', 'P', '0', '6'};
 static_assert((kDataPlaneMagic[6] - '0') * 10 + (kDataPlaneMagic[7] - '0') ==
                   kDataPlaneVersion,
               "the hello's magic names kDataPlaneVersion");

@@ -126,16 +126,23 @@ void PjrtChip::NoteGraphCompiled(const std::vector<ProgramOp>& ops,
   // (a loop whose shapes changed, a new op, a run cut elsewhere).
   std::string why = "no graph was compiled on this device before";
   std::deque<GraphOps>& recent = recent_graphs_[device];
+  // (The longest common start; among equals, one whose next op is the same
+  // op, then the latest.)
   const GraphOps* best = nullptr;
   size_t same = 0;
-  for (const GraphOps& before : recent) {
+  bool same_op = false;
+  for (auto it = recent.rbegin(); it != recent.rend(); ++it) {
+    const GraphOps& before = *it;
     size_t k = 0;
     while (k < now.hashes.size() && k < before.hashes.size() &&
            now.hashes[k] == before.hashes[k])
       ++k;
-    if (best == nullptr || k > same) {
+    const bool op = k < now.names.size() && k < before.names.size() &&
+                    now.names[k] == before.names[k];
+    if (best == nullptr || k > same || (k == same && op && !same_op)) {
       best = &before;
       same = k;
+      same_op = op;
     }
   }
   if (best != nullptr) {
@@ -150,8 +157,8 @@ void PjrtChip::NoteGraphCompiled(const std::vector<ProgramOp>& ops,
     } else if (k == best->hashes.size() && k == now.hashes.size()) {
       // The same programs: the first op whose tensors lie elsewhere.
       why =
-          "a recent graph has the same ops, with their tensors in other "
-          "segments or sharing them otherwise";
+          "a recent graph has the same ops, their tensors alike; others of "
+          "them are dead after the run (freed while it was held)";
       for (size_t i = 0; i < k; ++i) {
         if (now.offsets[i] != best->offsets[i]) {
           why = absl::StrCat("a recent graph has the same ops; op ", i + 1,
@@ -175,11 +182,13 @@ void PjrtChip::NoteGraphCompiled(const std::vector<ProgramOp>& ops,
   }
   spdlog::info("pjrt: device {}: compiled a graph of {} ops; {}", device,
                ops.size(), why);
+  compile_note_ = absl::StrCat(ops.size(), " ops; ", why);
   if (recent.size() >= kRecentGraphs) recent.pop_front();
   recent.push_back(std::move(now));
 }
 
 absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
+                                          absl::Span<const uint64_t> dead,
                                           size_t* failed,
                                           std::string* declined) {
   *failed = 0;
@@ -263,6 +272,13 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
     }
   }
   if (device < 0) return decline(ops.size(), "nothing to run");
+  // Which segments are dead after the run: part of the module (they are not
+  // its results), so of the key.
+  std::vector<bool> is_dead(seg_address.size(), false);
+  for (size_t g = 0; g < seg_address.size(); ++g) {
+    is_dead[g] = std::binary_search(dead.begin(), dead.end(), seg_address[g]);
+    key.push_back(is_dead[g] ? 'd' : 'l');
+  }
   std::shared_ptr<const Graph> graph;
   if (auto it = graphs_.find(key); it != graphs_.end()) {
     graph_lru_.splice(graph_lru_.end(), graph_lru_, it->second);
@@ -284,7 +300,8 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
           seg_bytes[g] =
               (*ops[i].tensors)[plans[i].plan->segs[j].k].segment_bytes;
         }
-        if (plans[i].plan->segs[j].result >= 0 && made->result_of[g] < 0)
+        if (plans[i].plan->segs[j].result >= 0 && made->result_of[g] < 0 &&
+            !is_dead[g])
           made->result_of[g] = made->written++;
       }
     }

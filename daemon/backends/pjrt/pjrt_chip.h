@@ -36,6 +36,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
@@ -103,9 +104,15 @@ class PjrtChip : public ChipBackend {
   // once per signature of the whole graph and run as one execution, so XLA
   // fuses across ops. False where an op cannot be part of one (a read on
   // the host, results sized by the data) or the module does not compile.
+  // Segments in `dead` are not results of the module: what the ops write
+  // there stays inside it (XLA keeps it in temporaries or never writes it).
   absl::StatusOr<bool> RunProgram(const std::vector<ProgramOp>& ops,
+                                  absl::Span<const uint64_t> dead,
                                   size_t* failed,
                                   std::string* declined) override;
+  std::string TakeCompileNote() override {
+    return std::exchange(compile_note_, std::string());
+  }
   void set_graphs(bool on) { graphs_on_ = on; }  // tpud --pjrt_graphs
 
  private:
@@ -251,6 +258,7 @@ class PjrtChip : public ChipBackend {
   };
   static constexpr size_t kRecentGraphs = 32;
   std::map<int, std::deque<GraphOps>> recent_graphs_;
+  std::string compile_note_;  // TakeCompileNote
   // Scalar parameters on the device, by device, type and value: never
   // donated, so one buffer serves every op that passes that value.
   std::unordered_map<std::string, Buffer> scalars_;

@@ -283,6 +283,10 @@ class TpuAllocator final : public c10::DeviceAllocator {
           run_freed_.push_back({b->stream, run, {}});
         }
         run_freed_.back().blocks.push_back(b);
+        // A segment of its own: what the run writes there is dead after it
+        // (tpud keeps it as the run's temporary).
+        if (b->pool == nullptr)
+          (void)session->FreedInRun(b->stream, run, b->address);
         return;
       }
       free_[b->device][b->stream].emplace(b->size, b);

@@ -465,6 +465,27 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_set_eager_fusion", [](bool on) { GetSession().SetEagerFusion(on); });
   m.def("_eager_fusion", [] { return GetSession().eager_fusion(); });
+  m.def("_programs", [] {
+    // Flush what is held first: its run then counts.
+    Check(GetSession().SynchronizeAll(), "synchronize");
+    absl::StatusOr<std::vector<tpu::Session::ProgramStats>> got =
+        GetSession().GetPrograms();
+    Check(got.status(), "programs");
+    py::list out;
+    for (const tpu::Session::ProgramStats& p : *got) {
+      py::dict d;
+      d["name"] = p.id == ~0u ? std::string("eager (fused)") : p.name;
+      d["id"] = p.id == ~0u ? py::object(py::none()) : py::int_(p.id);
+      d["chip"] = p.chip;
+      d["records"] = p.records;
+      d["calls"] = p.calls;
+      d["busy_seconds"] = p.busy_seconds;
+      d["compiles"] = p.compiles;
+      d["last_compile"] = p.last_compile;
+      out.append(d);
+    }
+    return out;
+  });
   m.def("_sent_whole_ops", [] {
     std::vector<std::string> names;
     for (const std::string& op : SentWholeOps()) names.push_back("aten::" + op);

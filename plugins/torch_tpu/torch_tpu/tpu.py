@@ -14,7 +14,7 @@ __all__ = [
     "max_memory_reserved", "memory_stats", "reset_peak_memory_stats", "empty_cache",
     "mem_get_info", "get_device_name", "get_device_properties", "get_amp_supported_dtype",
     "is_initialized", "is_bf16_supported", "set_stream", "memory_budget",
-    "set_eager_mode", "get_eager_mode",
+    "set_eager_mode", "get_eager_mode", "programs",
 ]
 
 
@@ -85,6 +85,16 @@ def set_eager_mode(mode):
 
 def get_eager_mode():
     return "fused" if _C._eager_fusion() else "direct"
+
+
+def programs():
+    """This process's captured programs (torch.compile) and fused eager runs
+    ("eager (fused)", one entry per chip), as `tpuctl programs` shows them,
+    after a synchronize: a list of dicts with name, id, chip, records (of
+    the latest run), calls, busy_seconds, compiles (runs whose program tpud
+    compiled) and last_compile (why the latest compile happened: where its
+    ops part from the nearest earlier program's, and what changed)."""
+    return _C._programs()
 
 
 # Streams and events are torch's generic ones on the "tpu" device.
