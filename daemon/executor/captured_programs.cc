@@ -27,7 +27,16 @@ absl::StatusOr<std::shared_ptr<Executor::Program>> Executor::ProgramOf(
   // client could rewrite its copy meanwhile), and checked record by record.
   absl::StatusOr<char*> at = HostRange(s, run.offset, run.bytes);
   if (!at.ok()) return at.status();
-  auto p = std::make_shared<Program>();
+  std::shared_ptr<Program> p;
+  if (eager && eager_scratch_ != nullptr && eager_scratch_.use_count() == 1) {
+    p = eager_scratch_;  // its string and vectors keep their capacity
+    p->records.clear();
+    p->calls = 0;
+    p->one_by_one = false;
+  } else {
+    p = std::make_shared<Program>();
+    if (eager) eager_scratch_ = p;
+  }
   p->offset = run.offset;
   p->bytes = run.bytes;
   p->data.assign(*at, run.bytes);

@@ -200,6 +200,9 @@ class Executor {
   // Runs a captured program's records back to back (kRunProgram).
   absl::Status RunProgram(Ring& ring, uint64_t sequence,
                           const tpu::DecodedRunProgram& run);
+  // The last fused eager run read, kept so that the next one reuses its
+  // buffers (no allocation per run) when nothing holds it any more.
+  std::shared_ptr<Program> eager_scratch_;
   absl::StatusOr<std::shared_ptr<Program>> ProgramOf(
       Session& s, const tpu::DecodedRunProgram& run);
   // ---- collectives (collective_steps.cc) ----
