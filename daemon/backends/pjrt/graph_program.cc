@@ -110,7 +110,7 @@ absl::StatusOr<PjrtChip::OpPlan> PjrtChip::CopyPlan(
 void PjrtChip::NoteGraphCompiled(const std::vector<ProgramOp>& ops,
                                  const std::vector<OpPlan>& plans,
                                  const std::vector<std::vector<int>>& seg_of,
-                                 int device) {
+                                 const std::vector<bool>& dead, int device) {
   auto name = [](const ProgramOp& op) {
     return op.op == nullptr ? std::string("copy")
                             : static_cast<const PjrtOp&>(*op.op).name();
@@ -122,6 +122,7 @@ void PjrtChip::NoteGraphCompiled(const std::vector<ProgramOp>& ops,
     now.offsets.push_back(plans[i].offsets);
     now.segs.push_back(seg_of[i]);
   }
+  now.dead = dead;
   // Why: where it parts from the recent graph whose ops it follows longest
   // (a loop whose shapes changed, a new op, a run cut elsewhere).
   std::string why = "no graph was compiled on this device before";
@@ -156,9 +157,11 @@ void PjrtChip::NoteGraphCompiled(const std::vector<ProgramOp>& ops,
               : absl::StrCat(" where it had ", best->names[k]));
     } else if (k == best->hashes.size() && k == now.hashes.size()) {
       // The same programs: the first op whose tensors lie elsewhere.
-      why =
-          "a recent graph has the same ops, their tensors alike; others of "
-          "them are dead after the run (freed while it was held)";
+      why = now.dead != best->dead
+                ? "a recent graph has the same ops, their tensors alike; other "
+                  "segments are dead after the run (freed while it was held)"
+                : "a recent graph is the same; its program had left the cache "
+                  "(--pjrt_program_cache)";
       for (size_t i = 0; i < k; ++i) {
         if (now.offsets[i] != best->offsets[i]) {
           why = absl::StrCat("a recent graph has the same ops; op ", i + 1,
@@ -396,7 +399,7 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
     absl::StatusOr<std::shared_ptr<const Executable>> exe =
         Compiled(text, device);
     if (stats_[device].compiles != compiles)
-      NoteGraphCompiled(ops, plans, seg_of, device);
+      NoteGraphCompiled(ops, plans, seg_of, is_dead, device);
     if (exe.ok()) {
       made->exe = *std::move(exe);
     } else {

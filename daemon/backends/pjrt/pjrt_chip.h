@@ -130,7 +130,7 @@ class PjrtChip : public ChipBackend {
   void NoteGraphCompiled(const std::vector<ProgramOp>& ops,
                          const std::vector<OpPlan>& plans,
                          const std::vector<std::vector<int>>& seg_of,
-                         int device);
+                         const std::vector<bool>& dead, int device);
   // The op's plan, lowered if not kept yet but neither compiled nor run.
   absl::Status PlanOp(const BackendOp& op, const tpu::DecodedOp& decoded,
                       const std::vector<ResolvedTensor>& tensors, OpPlan* plan);
@@ -255,6 +255,7 @@ class PjrtChip : public ChipBackend {
     std::vector<std::string> names;
     std::vector<std::vector<int64_t>> offsets;
     std::vector<std::vector<int>> segs;
+    std::vector<bool> dead;  // by the graph's segment
   };
   static constexpr size_t kRecentGraphs = 32;
   std::map<int, std::deque<GraphOps>> recent_graphs_;
