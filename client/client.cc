@@ -131,6 +131,12 @@ TopologyInfo ConvertTopology(const v1::TopologyInfo& t) {
   return out;
 }
 
+ProgramInfo FromProto(const v1::ProgramInfo& p) {
+  return {p.id(),       p.name(),        static_cast<int>(p.chip()),
+          p.records(),  p.calls(),       p.busy_seconds(),
+          p.compiles(), p.last_compile()};
+}
+
 SessionInfo ConvertSession(const v1::SessionInfo& s) {
   SessionInfo out;
   out.id = s.id();
@@ -149,11 +155,7 @@ SessionInfo ConvertSession(const v1::SessionInfo& s) {
   out.segment_count = s.segment_count();
   out.busy_seconds = s.busy_seconds();
   out.ops_executed = s.ops_executed();
-  for (const auto& p : s.programs()) {
-    out.programs.push_back({p.id(), p.name(), static_cast<int>(p.chip()),
-                            p.records(), p.calls(), p.busy_seconds(),
-                            p.compiles(), p.last_compile()});
-  }
+  for (const auto& p : s.programs()) out.programs.push_back(FromProto(p));
   return out;
 }
 
@@ -264,7 +266,7 @@ absl::Status Session::Free(uint64_t address) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<Session::ProgramStats>> Session::GetPrograms() {
+absl::StatusOr<std::vector<ProgramInfo>> Session::GetPrograms() {
   v1::GetProgramsRequest req;
   req.set_session_id(impl_->id);
   v1::GetProgramsResponse resp;
@@ -273,12 +275,8 @@ absl::StatusOr<std::vector<Session::ProgramStats>> Session::GetPrograms() {
   if (!stub.ok()) return stub.status();
   grpc::Status st = (*stub)->GetPrograms(call.ctx(), req, &resp);
   if (!st.ok()) return impl_->Annotate(st);
-  std::vector<ProgramStats> out;
-  for (const v1::ProgramInfo& p : resp.programs()) {
-    out.push_back({p.id(), p.name(), static_cast<int>(p.chip()), p.records(),
-                   p.calls(), p.busy_seconds(), p.compiles(),
-                   p.last_compile()});
-  }
+  std::vector<ProgramInfo> out;
+  for (const v1::ProgramInfo& p : resp.programs()) out.push_back(FromProto(p));
   return out;
 }
 

@@ -289,9 +289,9 @@ grpc::Status RuntimeServiceImpl::GetPrograms(grpc::ServerContext* ctx,
                                              v1::GetProgramsResponse* resp) {
   absl::StatusOr<ConnectionInfo> caller = CallerOf(*connections_, ctx);
   if (!caller.ok()) return ToGrpcStatus(caller.status());
-  // (Only the caller's own session: MemoryStats checks that it is.)
-  absl::StatusOr<std::vector<ChipMemoryView>> own =
-      core_->MemoryStats(caller->id, req->session_id());
+  // Only the caller's own session.
+  absl::StatusOr<uint32_t> own =
+      core_->SessionTag(caller->id, req->session_id());
   if (!own.ok()) return ToGrpcStatus(own.status());
   if (data_plane_ == nullptr) return grpc::Status::OK;
   for (const ProgramActivity& p :

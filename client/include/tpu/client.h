@@ -170,6 +170,19 @@ struct ClientOptions {
   absl::Duration call_timeout = absl::Seconds(30);
 };
 
+// A captured program (or a session's fused eager runs, id ~0u) a session
+// ran on a chip: its calls, chip time, compiles and why the latest was.
+struct ProgramInfo {
+  uint32_t id = 0;
+  std::string name;
+  int chip = 0;
+  uint32_t records = 0;
+  uint64_t calls = 0;
+  double busy_seconds = 0;
+  uint64_t compiles = 0;     // runs whose module tpud compiled
+  std::string last_compile;  // why the latest was
+};
+
 class Session {
  public:
   // Connects and opens a session. No daemon: UNAVAILABLE naming the socket,
@@ -197,19 +210,9 @@ class Session {
   absl::Status Free(uint64_t address);
   absl::StatusOr<MemoryStats> GetMemoryStats();
   // This session's captured programs and fused eager runs (the most run, per
-  // chip), as tpuctl programs shows them: calls, chip time, compiles and
-  // why the latest compile happened.
-  struct ProgramStats {
-    uint32_t id = 0;  // ~0u: the fused eager runs
-    std::string name;
-    int chip = 0;
-    uint32_t records = 0;
-    uint64_t calls = 0;
-    double busy_seconds = 0;
-    uint64_t compiles = 0;
-    std::string last_compile;
-  };
-  absl::StatusOr<std::vector<ProgramStats>> GetPrograms();
+  // chip; id ~0u: the fused eager runs), as tpuctl programs shows them:
+  // calls, chip time, compiles and why the latest compile happened.
+  absl::StatusOr<std::vector<ProgramInfo>> GetPrograms();
 
   // Ends the session; the daemon frees everything it still holds. Idempotent.
   absl::Status Close();
@@ -396,16 +399,7 @@ struct SessionInfo {
   uint64_t segment_count = 0;
   double busy_seconds = 0;  // chip time this session's ops used
   uint64_t ops_executed = 0;
-  struct Program {
-    uint32_t id = 0;
-    std::string name;
-    int chip = 0;
-    uint32_t records = 0;
-    uint64_t calls = 0;
-    double busy_seconds = 0;
-    uint64_t compiles = 0;     // runs whose module tpud compiled
-    std::string last_compile;  // why the latest was
-  };
+  using Program = ProgramInfo;
   std::vector<Program> programs;  // captured programs it ran
 };
 

@@ -468,11 +468,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("_programs", [] {
     // Flush what is held first: its run then counts.
     Check(GetSession().SynchronizeAll(), "synchronize");
-    absl::StatusOr<std::vector<tpu::Session::ProgramStats>> got =
+    absl::StatusOr<std::vector<tpu::ProgramInfo>> got =
         GetSession().GetPrograms();
     Check(got.status(), "programs");
     py::list out;
-    for (const tpu::Session::ProgramStats& p : *got) {
+    for (const tpu::ProgramInfo& p : *got) {
       py::dict d;
       d["name"] = p.id == ~0u ? std::string("eager (fused)") : p.name;
       d["id"] = p.id == ~0u ? py::object(py::none()) : py::int_(p.id);
