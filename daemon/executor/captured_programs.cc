@@ -54,7 +54,9 @@ absl::StatusOr<std::shared_ptr<Executor::Program>> Executor::ProgramOf(
     return absl::InvalidArgumentError(absl::StrCat(
         "a program names ", h.num_dead,
         " dead segments (only a fused eager run names any, at most ",
-        tpu::kMaxProgramDead, ")"));
+        tpu::kMaxProgramDead,
+        "); a client built with this tpud sends them "
+        "only so"));
   }
   size_t pos = sizeof(h) + (h.name_len + 7) / 8 * 8;
   if (pos > d.size())
@@ -63,7 +65,12 @@ absl::StatusOr<std::shared_ptr<Executor::Program>> Executor::ProgramOf(
   // The dead segments' addresses end it.
   const size_t dead_bytes = size_t{h.num_dead} * sizeof(uint64_t);
   if (d.size() - pos < dead_bytes)
-    return absl::InvalidArgumentError("a program's dead segments run past it");
+    return absl::InvalidArgumentError(
+        absl::StrCat("a program of ", d.size(), " bytes names ", h.num_dead,
+                     " dead segments (", dead_bytes,
+                     " bytes), more than follow its name (", d.size() - pos,
+                     " bytes); a client built with this tpud writes them "
+                     "after its records"));
   const size_t end = d.size() - dead_bytes;
   p->dead.resize(h.num_dead);
   if (dead_bytes != 0) std::memcpy(p->dead.data(), d.data() + end, dead_bytes);
