@@ -44,7 +44,18 @@ struct PjrtChip::Graph {
   std::vector<int> result_of;  // each segment's result (-1: read only)
   int written = 0;
   bool checked = false;
+  // The ops' scalars (each an f64 or i64 value) come in two parameters
+  // after the segments, one vector of each type, in the ops' order: a
+  // handful of arguments per run instead of one per scalar.
+  int64_t packed[2] = {0, 0};
 };
+
+namespace {
+// Which of a graph's two scalar vectors carries a scalar parameter.
+int PackOf(const Transfer& x) {
+  return x.type->pjrt == PJRT_Buffer_Type_F64 ? 0 : 1;
+}
+}  // namespace
 
 // A copy between device addresses of one graph, as an op's plan: its bytes
 // sliced out of the source segment and written into the destination's.
@@ -214,8 +225,13 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
   if (ops.empty()) return decline(0, "no ops");
   // Each op's plan and signature, lowered where not seen before (not
   // compiled: the graph's module is).
-  std::vector<OpPlan> plans(ops.size());
+  // (Kept between runs with their memory: a loop's runs are alike.)
+  std::vector<OpPlan>& plans = run_plans_;
+  if (plans.size() < ops.size()) plans.resize(ops.size());
   for (size_t i = 0; i < ops.size(); ++i) {
+    plans[i].plan.reset();
+    plans[i].offsets.clear();
+    plans[i].nothing = false;
     if (ops[i].op == nullptr) {
       if (ops[i].copy == nullptr) return decline(i, "neither an op nor a copy");
       if (ops[i].copy->bytes == 0) {
@@ -239,10 +255,15 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
     }
   }
   int device = -1;
-  std::string key;
-  std::vector<uint64_t> seg_address;
-  std::vector<std::vector<int>> seg_of(
-      ops.size());  // op i's segment j: the graph's
+  std::string& key = run_key_;
+  key.clear();
+  std::vector<uint64_t>& seg_address = run_seg_address_;
+  seg_address.clear();
+  run_seg_index_.clear();
+  std::vector<std::vector<int>>& seg_of =
+      run_seg_of_;  // op i's segment j: the graph's
+  if (seg_of.size() < ops.size()) seg_of.resize(ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) seg_of[i].clear();
   for (size_t i = 0; i < ops.size(); ++i) {
     const OpPlan& pr = plans[i];
     if (pr.nothing) continue;
@@ -260,9 +281,9 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
                sizeof(plan.text_hash));
     for (const Plan::Seg& sg : plan.segs) {
       const ResolvedTensor& rt = (*ops[i].tensors)[sg.k];
-      size_t g = std::find(seg_address.begin(), seg_address.end(),
-                           rt.segment_address) -
-                 seg_address.begin();
+      const size_t g =
+          run_seg_index_.try_emplace(rt.segment_address, seg_address.size())
+              .first->second;
       if (g == seg_address.size()) seg_address.push_back(rt.segment_address);
       seg_of[i].push_back(static_cast<int>(g));
       const uint32_t g32 = static_cast<uint32_t>(g);
@@ -272,6 +293,9 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
       key.append(reinterpret_cast<const char*>(&offset), sizeof(offset));
     for (const Plan::In& x : plan.inputs) {
       if (x.k != -1) return decline(i, "a parameter from the host");
+      if (!x.dims.empty() || (x.type->pjrt != PJRT_Buffer_Type_F64 &&
+                              x.type->pjrt != PJRT_Buffer_Type_S64))
+        return decline(i, "a scalar parameter neither f64 nor i64");
     }
   }
   if (device < 0) return decline(ops.size(), "nothing to run");
@@ -310,6 +334,7 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
     }
     const HloType& u8 = *DTypeOf(tpu::DType::kUInt8);
     std::string funcs, body, params;
+    int64_t next[2] = {0, 0};  // each scalar vector's next element
     std::vector<std::string> now(seg_address.size()), checks;
     std::vector<size_t> check_op;
     for (size_t g = 0; g < seg_address.size(); ++g) {
@@ -319,6 +344,15 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
       if (made->result_of[g] >= 0)
         absl::StrAppend(&params, " {tf.aliasing_output = ", made->result_of[g],
                         " : i32}");
+    }
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (plans[i].nothing) continue;
+      for (const Plan::In& x : plans[i].plan->inputs) ++made->packed[PackOf(x)];
+    }
+    for (int pack = 0; pack < 2; ++pack) {
+      if (made->packed[pack] != 0)
+        absl::StrAppend(&params, ", %scalars", pack, ": tensor<",
+                        made->packed[pack], pack == 0 ? "xf64>" : "xi64>");
     }
     for (size_t i = 0; i < ops.size(); ++i) {
       if (plans[i].nothing) continue;
@@ -342,7 +376,15 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
         args.push_back(a);
         const std::string& type = param_types[plan.segs.size() + m];
         if (m < ins) {
-          absl::StrAppend(&params, ", ", a, ": ", type);
+          // Its element of the scalars' vector of its type.
+          const int pack = PackOf(plan.inputs[m]);
+          const int64_t at = next[pack]++;
+          const char* elem = pack == 0 ? "f64" : "i64";
+          absl::StrAppend(&body, "    ", a, "v = stablehlo.slice %scalars",
+                          pack, " [", at, ":", at + 1, "] : (tensor<",
+                          made->packed[pack], "x", elem, ">) -> tensor<1x",
+                          elem, ">\n", "    ", a, " = stablehlo.reshape ", a,
+                          "v : (tensor<1x", elem, ">) -> ", type, "\n");
         } else {
           absl::StrAppend(&body, "    ", a, " = stablehlo.constant dense<",
                           plans[i].offsets[m - ins], "> : ", type, "\n");
@@ -434,13 +476,35 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
     segs.push_back(*m);
     args.push_back((*m)->buffer.get());
   }
+  // The scalars' values, in the order the module takes them.
+  for (std::vector<char>& v : packs_) v.clear();
   for (size_t i = 0; i < ops.size(); ++i) {
     if (plans[i].nothing) continue;
     for (const Plan::In& x : plans[i].plan->inputs) {
-      absl::StatusOr<PJRT_Buffer*> b = ScalarBuffer(device, x);
-      if (!b.ok()) return b.status();
-      args.push_back(*b);
+      const char* value = PackOf(x) == 0
+                              ? reinterpret_cast<const char*>(&x.scalar_d)
+                              : reinterpret_cast<const char*>(&x.scalar_i);
+      packs_[PackOf(x)].insert(packs_[PackOf(x)].end(), value, value + 8);
     }
+  }
+  for (int pack = 0; pack < 2; ++pack) {
+    if (graph->packed[pack] == 0) continue;
+    if (static_cast<int64_t>(packs_[pack].size()) != graph->packed[pack] * 8)
+      return absl::InternalError("a graph's scalars are not this run's");
+    // (Kept while the values repeat: a loop's learning rate and betas.)
+    PackedScalars& kept = packed_[pack];
+    if (kept.buffer.get() == nullptr || kept.device != device ||
+        kept.bytes != packs_[pack]) {
+      absl::StatusOr<Buffer> b = plugin_->FromHost(
+          device, packs_[pack].data(),
+          pack == 0 ? PJRT_Buffer_Type_F64 : PJRT_Buffer_Type_S64,
+          {graph->packed[pack]});
+      if (!b.ok()) return b.status();
+      kept.buffer = *std::move(b);
+      kept.device = device;
+      kept.bytes = packs_[pack];
+    }
+    args.push_back(kept.buffer.get());
   }
   absl::StatusOr<std::vector<Buffer>> out =
       plugin_->Execute(*graph->exe, device, absl::MakeConstSpan(args));

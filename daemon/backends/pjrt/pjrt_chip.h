@@ -39,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/inlined_vector.h"
 #include "absl/types/span.h"
 #include "daemon/backends/chip_backend.h"
@@ -124,6 +125,13 @@ class PjrtChip : public ChipBackend {
     bool nothing = false;          // no output has elements: nothing to run
   };
   struct Graph;  // a graph's module (graph_program.cc)
+  // RunProgram's scratch, kept with its memory between runs: each op's
+  // plan, the graph's key, its segments and each op's segments in it.
+  std::vector<OpPlan> run_plans_;
+  std::string run_key_;
+  std::vector<uint64_t> run_seg_address_;
+  absl::flat_hash_map<uint64_t, size_t> run_seg_index_;  // by address
+  std::vector<std::vector<int>> run_seg_of_;
   // Logs that a graph's module was compiled, and why: where its ops part
   // from those of the recent graph on `device` they follow longest.
   // (seg_of: each op's segments, numbered as the graph's parameters.)
@@ -263,6 +271,15 @@ class PjrtChip : public ChipBackend {
   // Scalar parameters on the device, by device, type and value: never
   // donated, so one buffer serves every op that passes that value.
   std::unordered_map<std::string, Buffer> scalars_;
+  // A graph's scalars as it takes them (f64s, i64s), and the last such
+  // vectors sent to a device, kept while the values repeat.
+  std::vector<char> packs_[2];
+  struct PackedScalars {
+    Buffer buffer;
+    int device = -1;
+    std::vector<char> bytes;
+  };
+  PackedScalars packed_[2];
   // Zero-copy buffers over the arena (host-memory devices), by device,
   // place, type, dims and donation: the memory outlives them, so they are
   // kept between ops instead of made and destroyed per op.
