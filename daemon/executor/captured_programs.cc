@@ -392,7 +392,10 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence,
     // its failure, what the rest would have written is poisoned.
     auto run_whole = [&](size_t lo, size_t hi, size_t* failed,
                          std::string* declined) -> absl::StatusOr<bool> {
-      const std::vector<ProgramOp> part(ops.begin() + lo, ops.begin() + hi);
+      // (The whole run, mostly: no copy then.)
+      std::vector<ProgramOp> some;
+      if (lo != 0 || hi != n) some.assign(ops.begin() + lo, ops.begin() + hi);
+      const std::vector<ProgramOp>& part = some.empty() ? ops : some;
       // Dead segments are dead after the whole run: an earlier part's
       // writes there may be read by the parts after it.
       absl::StatusOr<bool> ran = config_.backend->RunProgram(
