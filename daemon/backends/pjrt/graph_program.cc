@@ -51,10 +51,16 @@ struct PjrtChip::Graph {
 };
 
 namespace {
-// Which of a graph's two scalar vectors carries a scalar parameter.
-int PackOf(const Transfer& x) {
-  return x.type->pjrt == PJRT_Buffer_Type_F64 ? 0 : 1;
-}
+// A graph's two scalar vectors: their element type in the module and on
+// the plugin.
+struct ScalarPack {
+  const char* elem;
+  PJRT_Buffer_Type type;
+};
+constexpr ScalarPack kPacks[2] = {{"f64", PJRT_Buffer_Type_F64},
+                                  {"i64", PJRT_Buffer_Type_S64}};
+// Which of them carries a scalar parameter (one of the two types).
+int PackOf(const Transfer& x) { return x.type->pjrt == kPacks[0].type ? 0 : 1; }
 }  // namespace
 
 // A copy between device addresses of one graph, as an op's plan: its bytes
@@ -293,8 +299,8 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
       key.append(reinterpret_cast<const char*>(&offset), sizeof(offset));
     for (const Plan::In& x : plan.inputs) {
       if (x.k != -1) return decline(i, "a parameter from the host");
-      if (!x.dims.empty() || (x.type->pjrt != PJRT_Buffer_Type_F64 &&
-                              x.type->pjrt != PJRT_Buffer_Type_S64))
+      if (!x.dims.empty() ||
+          (x.type->pjrt != kPacks[0].type && x.type->pjrt != kPacks[1].type))
         return decline(i, "a scalar parameter neither f64 nor i64");
     }
   }
@@ -352,7 +358,7 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
     for (int pack = 0; pack < 2; ++pack) {
       if (made->packed[pack] != 0)
         absl::StrAppend(&params, ", %scalars", pack, ": tensor<",
-                        made->packed[pack], pack == 0 ? "xf64>" : "xi64>");
+                        made->packed[pack], "x", kPacks[pack].elem, ">");
     }
     for (size_t i = 0; i < ops.size(); ++i) {
       if (plans[i].nothing) continue;
@@ -379,7 +385,7 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
           // Its element of the scalars' vector of its type.
           const int pack = PackOf(plan.inputs[m]);
           const int64_t at = next[pack]++;
-          const char* elem = pack == 0 ? "f64" : "i64";
+          const char* elem = kPacks[pack].elem;
           absl::StrAppend(&body, "    ", a, "v = stablehlo.slice %scalars",
                           pack, " [", at, ":", at + 1, "] : (tensor<",
                           made->packed[pack], "x", elem, ">) -> tensor<1x",
@@ -481,24 +487,27 @@ absl::StatusOr<bool> PjrtChip::RunProgram(const std::vector<ProgramOp>& ops,
   for (size_t i = 0; i < ops.size(); ++i) {
     if (plans[i].nothing) continue;
     for (const Plan::In& x : plans[i].plan->inputs) {
-      const char* value = PackOf(x) == 0
+      const int pack = PackOf(x);
+      const char* value = pack == 0
                               ? reinterpret_cast<const char*>(&x.scalar_d)
                               : reinterpret_cast<const char*>(&x.scalar_i);
-      packs_[PackOf(x)].insert(packs_[PackOf(x)].end(), value, value + 8);
+      packs_[pack].insert(packs_[pack].end(), value, value + 8);
     }
   }
   for (int pack = 0; pack < 2; ++pack) {
     if (graph->packed[pack] == 0) continue;
     if (static_cast<int64_t>(packs_[pack].size()) != graph->packed[pack] * 8)
-      return absl::InternalError("a graph's scalars are not this run's");
+      return absl::InternalError(absl::StrCat(
+          "a graph's module takes ", graph->packed[pack], " ",
+          kPacks[pack].elem, " scalars; this run's ops have ",
+          packs_[pack].size() / 8, " (its key should have told them apart)"));
     // (Kept while the values repeat: a loop's learning rate and betas.)
     PackedScalars& kept = packed_[pack];
     if (kept.buffer.get() == nullptr || kept.device != device ||
         kept.bytes != packs_[pack]) {
-      absl::StatusOr<Buffer> b = plugin_->FromHost(
-          device, packs_[pack].data(),
-          pack == 0 ? PJRT_Buffer_Type_F64 : PJRT_Buffer_Type_S64,
-          {graph->packed[pack]});
+      absl::StatusOr<Buffer> b =
+          plugin_->FromHost(device, packs_[pack].data(), kPacks[pack].type,
+                            {graph->packed[pack]});
       if (!b.ok()) return b.status();
       kept.buffer = *std::move(b);
       kept.device = device;
