@@ -1,5 +1,6 @@
 #include "daemon/executor/executor.h"
 
+#include <malloc.h>
 #include <poll.h>
 #include <sched.h>
 #include <spdlog/spdlog.h>
@@ -167,6 +168,8 @@ int Executor::Run() {
     if (std::optional<FairQueue::Pick> pick = queue_.Pop()) {
       Ring* ring = handles_[pick->ring];
       if (ring != nullptr) RunRing(*ring);
+      last_work_ns_ = now;
+      heap_trimmed_ = false;
       continue;
     }
     // Idle, but work may come soon. CUDA's rule: spin while a core is free
@@ -191,6 +194,14 @@ int Executor::Run() {
       if (found) continue;
     }
     UpdateActivity(now);  // what it shows holds while it sleeps
+    // Idle for heap_keep_ns, it hands the memory its heap kept back to the
+    // system: a training loop's short pauses keep it, a session that ended
+    // does not hold it for good.
+    if (!heap_trimmed_ && config_.heap_keep_ns > 0 &&
+        now - last_work_ns_ >= config_.heap_keep_ns) {
+      malloc_trim(0);
+      heap_trimmed_ = true;
+    }
     Sleep(parked_.empty() ? 100 : 10);
     last_epoll = tpu::MonotonicNanos();
   }

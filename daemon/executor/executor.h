@@ -73,6 +73,9 @@ struct ExecutorConfig {
   uint64_t quantum_ns = 200000;
   // A ring without work is polled this long before its doorbell is armed.
   uint64_t poll_ns = 2000000;
+  // Freed memory stays in the executor process's heap (executor_main.cc)
+  // until it has been idle this long; 0: glibc's default (none stays).
+  uint64_t heap_keep_ns = 0;
   // Threads each op may use: > 0 exactly that; 0 the host's cores shared
   // among busy chips (thread_share.h).
   int intra_op_threads = 0;
@@ -317,6 +320,10 @@ class Executor {
   uint64_t window_start_ns_ = 0;
   uint64_t window_busy_ns_ = 0;
   uint64_t last_activity_update_ = 0;
+  // Freed memory stays in the heap while work goes on (executor_main.cc):
+  // when work last ran, and whether the heap was trimmed since.
+  uint64_t last_work_ns_ = 0;
+  bool heap_trimmed_ = true;
 };
 
 }  // namespace tpud

@@ -32,7 +32,8 @@ struct ExecutorProcessConfig {
   uint64_t yield_ns = 50000;
   bool unrung = false;  // ExecutorConfig::unrung
   uint64_t quantum_ns = 200000;
-  int intra_op_threads = 0;  // ExecutorConfig::intra_op_threads
+  uint64_t heap_keep_ns = 0;  // ExecutorConfig::heap_keep_ns
+  int intra_op_threads = 0;   // ExecutorConfig::intra_op_threads
   // The executors' nice value, set before any thread starts (so ATen's and
   // a PJRT plugin's threads have it too).
   int nice = 0;

@@ -161,6 +161,12 @@ absl::StatusOr<TpudConfig> ConfigFromFlags(const TpudFlags& flags) {
   config.executor_yield = flags.executor_yield;
   config.executor_unrung = flags.executor_unrung;
   config.executor_quantum = flags.executor_quantum;
+  if (flags.executor_heap_keep < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--executor_heap_keep=", absl::FormatDuration(flags.executor_heap_keep),
+        " is negative"));
+  }
+  config.executor_heap_keep = flags.executor_heap_keep;
   if (flags.executor_nice < -20 || flags.executor_nice > 19) {
     return absl::InvalidArgumentError(
         absl::StrCat("--executor_nice=", flags.executor_nice,

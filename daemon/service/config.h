@@ -46,6 +46,7 @@ struct TpudFlags {
   absl::Duration executor_yield = absl::Microseconds(50);
   bool executor_unrung = false;
   absl::Duration executor_quantum = absl::Microseconds(200);
+  absl::Duration executor_heap_keep = absl::Seconds(10);
   int executor_nice = -10;
   int max_communicators = 256;  // tpud::kDefaultCommunicators
   int max_connections_per_uid = 1024;
@@ -109,6 +110,8 @@ struct TpudConfig {
   // look at their rings, and clients skip the doorbell for plain ops.
   bool executor_unrung = false;
   absl::Duration executor_quantum = absl::Microseconds(200);
+  // How long an idle executor keeps freed memory in its heap (0: none).
+  absl::Duration executor_heap_keep = absl::Seconds(10);
   // Executors' nice value (-20..19): ahead of the client processes they
   // serve, so that a host full of clients does not starve the one process
   // every client waits for.

@@ -45,6 +45,7 @@ TEST_CASE("the default flags serve a simulated v6e-4 host") {
   CHECK(c->executor_spin == absl::Microseconds(50));
   CHECK(c->executor_yield == absl::Microseconds(50));
   CHECK(c->executor_quantum == absl::Microseconds(200));
+  CHECK(c->executor_heap_keep == absl::Seconds(10));
   CHECK(c->executor_nice == -10);
   CHECK(c->backend == BackendKind::kSimulated);
   CHECK(std::string(BackendName(c->backend)) == "simulated");
@@ -207,6 +208,10 @@ TEST_CASE("each bad flag fails with tpud's message") {
     CHECK(ErrorOf(f) == absl::StrCat("--executor_nice=", nice,
                                      " is not a nice value (-20 to 19)"));
   }
+
+  f = TpudFlags{};
+  f.executor_heap_keep = absl::Seconds(-1);
+  CHECK(ErrorOf(f) == "--executor_heap_keep=-1s is negative");
 
   f = TpudFlags{};
   f.backend = "gpu";

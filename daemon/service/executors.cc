@@ -68,6 +68,8 @@ absl::StatusOr<std::unique_ptr<ExecutorProcesses>> ExecutorProcesses::Create(
   exec_config.yield_ns = absl::ToInt64Nanoseconds(config.executor_yield);
   exec_config.unrung = config.executor_unrung;
   exec_config.quantum_ns = absl::ToInt64Nanoseconds(config.executor_quantum);
+  exec_config.heap_keep_ns =
+      absl::ToInt64Nanoseconds(config.executor_heap_keep);
   exec_config.nice = config.executor_nice;
   exec_config.intra_op_threads = config.intra_op_threads;
   exec_config.make_backend = backend.make_backend;

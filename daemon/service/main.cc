@@ -91,6 +91,12 @@ ABSL_FLAG(bool, executor_unrung, tpud::TpudFlags().executor_unrung,
           "throughput, less even shares)");
 ABSL_FLAG(absl::Duration, executor_quantum, tpud::TpudFlags().executor_quantum,
           "how long an executor serves one stream while others wait");
+ABSL_FLAG(absl::Duration, executor_heap_keep,
+          tpud::TpudFlags().executor_heap_keep,
+          "how long an idle executor keeps the memory its runs freed (for the "
+          "next run, which then finds it mapped) before it hands it back to "
+          "the system; 0: freed memory goes back at once, as glibc does "
+          "by default");
 ABSL_FLAG(int, executor_nice, tpud::TpudFlags().executor_nice,
           "nice value of the executor processes (below tpud's own needs "
           "CAP_SYS_NICE; without it they keep tpud's)");
@@ -186,6 +192,7 @@ TpudFlags FlagsFromCommandLine() {
   f.executor_yield = absl::GetFlag(FLAGS_executor_yield);
   f.executor_unrung = absl::GetFlag(FLAGS_executor_unrung);
   f.executor_quantum = absl::GetFlag(FLAGS_executor_quantum);
+  f.executor_heap_keep = absl::GetFlag(FLAGS_executor_heap_keep);
   f.executor_nice = absl::GetFlag(FLAGS_executor_nice);
   f.max_communicators = absl::GetFlag(FLAGS_max_communicators);
   f.max_connections_per_uid = absl::GetFlag(FLAGS_max_connections_per_uid);
