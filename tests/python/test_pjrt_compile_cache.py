@@ -131,6 +131,32 @@ def test_torn_corrupt_and_foreign_entries_are_compiled_again(tmp_path):
     assert len(_entries(cache)) == stored
 
 
+def test_programs_compiled_under_other_xla_flags_are_not_loaded(tmp_path, monkeypatch):
+    """XLA_FLAGS change the code XLA makes (fast math, for one): a tpud
+    started with other flags compiles again instead of loading programs
+    compiled under the old ones."""
+    cache = tmp_path / "cache"
+    runs = []
+    for flags in (None, "--xla_cpu_enable_fast_math=true", "--xla_cpu_enable_fast_math=true"):
+        if flags is None:
+            monkeypatch.delenv("XLA_FLAGS", raising=False)
+        else:
+            monkeypatch.setenv("XLA_FLAGS", flags)
+        d = _start(cache)
+        try:
+            result = _result(run_in_child(d, _small_job))
+            runs.append(_figures(d)[0])
+        finally:
+            d.stop()
+        assert result == {"sum": 35.0 * 49}
+    first, other_flags, same_again = runs
+    assert first["disk_stores"] >= 1 and first["disk_hits"] == 0, first
+    assert other_flags["disk_hits"] == 0, other_flags
+    assert other_flags["disk_stores"] == first["disk_stores"], other_flags
+    assert same_again["disk_hits"] == other_flags["disk_stores"], same_again
+    assert same_again["compiles"] == other_flags["compiles"] - other_flags["disk_stores"]
+
+
 def _small_job():
     import torch
     import torch_tpu  # noqa: F401

@@ -5,8 +5,9 @@
 //
 // One file per program, named by a hash of its key. The key is everything
 // the compiled code depends on: the plugin build (its path, size and
-// modification time, platform and API version, create options), the compile
-// options and the program's text. Each file holds the whole key and a
+// modification time, platform and API version, create options, the
+// XLA_FLAGS and LIBTPU_INIT_ARGS it reads), the compile options and the
+// program's text. Each file holds the whole key and a
 // checksum over key and payload, so
 //   - a torn write (tpud killed mid-write, a power cut) or a corrupt file
 //     fails the checksum or the length check,

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -181,6 +182,12 @@ absl::Status PjrtChip::OpenDiskCache(const std::string& dir, uint64_t max_bytes,
     absl::StrAppend(&identity, "option ", o.name, " ", o.type, " ",
                     o.string_value, " ", o.int64_value, " ", o.float_value, " ",
                     o.bool_value, "\n");
+  }
+  // What the plugin reads from the environment when it compiles: XLA's
+  // flags (--xla_cpu_enable_fast_math, ...) change the code it makes.
+  for (const char* name : {"XLA_FLAGS", "LIBTPU_INIT_ARGS"}) {
+    if (const char* value = std::getenv(name))
+      absl::StrAppend(&identity, "env ", name, " ", value, "\n");
   }
   absl::StrAppend(&identity, "devices ", plugin_->num_devices());
   for (const DeviceInfo& d : plugin_->devices())
