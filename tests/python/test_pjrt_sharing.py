@@ -78,6 +78,10 @@ def test_kill_9_of_the_idle_executor_keeps_data_or_says_it_is_lost(pjrt):
 
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGABRT"])
 def test_an_executor_dying_mid_op_ends_the_session_whose_op_it_ran(pjrt, sig):
+    # The neighbour first: a Python start-up on a loaded machine can take
+    # longer than the victim's whole loop (about 15 s of matmuls).
+    neighbour = start_py(pjrt, HOLDER)
+    wait_ready(neighbour)
     victim = start_py(pjrt, """
         import torch
         # Op by op, so that the executor is inside one of its ops when it
@@ -97,8 +101,6 @@ def test_an_executor_dying_mid_op_ends_the_session_whose_op_it_ran(pjrt, sig):
             print("ERROR:", e)
     """)
     wait_ready(victim)
-    neighbour = start_py(pjrt, HOLDER)
-    wait_ready(neighbour)
     # The victim's matmuls keep the executor inside an op: one 3000x3000
     # matmul takes far longer than the norm and division between them, or
     # than the victim's client needs to queue the next ones, so the executor

@@ -209,7 +209,17 @@ def test_executors_run_at_their_nice_value_restarted_or_not(flags, nice):
 def test_an_executor_dying_mid_op_ends_only_that_session(daemon, sig):
     # A long op on chip 2 in flight when its executor is killed (SIGKILL), or
     # aborts as a failed internal check would (SIGABRT, through the crash
-    # handler).
+    # handler). The neighbour starts first: a Python start-up on a loaded
+    # machine can take longer than the victim's whole loop.
+    neighbour = start_py(daemon, """
+        import sys, torch
+        x = torch.arange(100., device="tpu:2")
+        print("ready", flush=True)
+        sys.stdin.readline()
+        assert x.sum().item() == 4950.0
+        print("neighbour ok", flush=True)
+    """)
+    wait_ready(neighbour)
     victim = start_py(daemon, """
         import torch
         a = torch.randn(3000, 3000, device="tpu:2")
@@ -225,15 +235,6 @@ def test_an_executor_dying_mid_op_ends_only_that_session(daemon, sig):
             print("ERROR:", e)
     """)
     wait_ready(victim)
-    neighbour = start_py(daemon, """
-        import sys, torch
-        x = torch.arange(100., device="tpu:2")
-        print("ready", flush=True)
-        sys.stdin.readline()
-        assert x.sum().item() == 4950.0
-        print("neighbour ok", flush=True)
-    """)
-    wait_ready(neighbour)
     # One of the victim's ops is running: a 3000x3000 matmul takes 0.3 to 1 s
     # on these machines, and the norm and division between them far less, so
     # the kill usually lands in aten::mm, but it may land in another of them.
