@@ -164,7 +164,8 @@ absl::StatusOr<TpudConfig> ConfigFromFlags(const TpudFlags& flags) {
   if (flags.executor_heap_keep < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--executor_heap_keep=", absl::FormatDuration(flags.executor_heap_keep),
-        " is negative"));
+        " is negative: give how long an idle executor keeps freed memory "
+        "(10s, the default), or 0 to keep none"));
   }
   config.executor_heap_keep = flags.executor_heap_keep;
   if (flags.executor_nice < -20 || flags.executor_nice > 19) {

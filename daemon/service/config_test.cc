@@ -211,7 +211,9 @@ TEST_CASE("each bad flag fails with tpud's message") {
 
   f = TpudFlags{};
   f.executor_heap_keep = absl::Seconds(-1);
-  CHECK(ErrorOf(f) == "--executor_heap_keep=-1s is negative");
+  CHECK(ErrorOf(f) ==
+        "--executor_heap_keep=-1s is negative: give how long an idle executor "
+        "keeps freed memory (10s, the default), or 0 to keep none");
 
   f = TpudFlags{};
   f.backend = "gpu";
