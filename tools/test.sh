@@ -100,7 +100,11 @@ if ((QUICK)); then
 fi
 
 echo "== pytest tests/python"
-.venv/bin/python -m pytest -q tests/python --junitxml="$OUT/pytest.xml" 2>&1 | tail -25
+# (The slowest tests first, then the end of pytest's report.)
+.venv/bin/python -m pytest -q --durations=25 tests/python --junitxml="$OUT/pytest.xml" \
+  > "$OUT/pytest.txt" 2>&1
+awk '/slowest 25 durations/ {on = 1; print; next} on && /^=/ {exit} on' "$OUT/pytest.txt"
+tail -25 "$OUT/pytest.txt"
 
 # The wire-format decoder and the hostile-client fuzz again, in an ASan build
 # (the daemon under test is built with ASan too).
