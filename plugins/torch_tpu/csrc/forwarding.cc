@@ -56,6 +56,49 @@ bool MayFailInFusedRun(const std::string& name) {
   return false;
 }
 
+// Ops whose CPU kernels check their arguments by class alone: dtypes,
+// ranks, which sizes are 0, 1 or more, stride-0 dimensions and scalar
+// arguments, never tensor data (ones make no division by zero): foreach
+// ops, fills, and every form (out= ones too, which the structured ops'
+// composite kernels call) of the ops whose meta functions check what their
+// kernels check. A new argument class of such an op is checked by its CPU
+// kernel on host stand-ins (HostStandIn), with ATen's own words on failure,
+// instead of by a synchronous run in tpud: no wait, and in fused eager no
+// cut in the run (a first training step then runs as the steps after it).
+// Exact shapes are the meta kernel's to check, as for any op.
+bool ChecksOnHostStandIns(const c10::FunctionSchema& schema) {
+  const std::string& name = schema.name();
+  return name.rfind("aten::_foreach_", 0) == 0 || name == "aten::zero_" ||
+         name == "aten::fill_" || NativeMetaChecksArguments(name);
+}
+
+// A host tensor of `t`'s class (KeyTensor's coarse form): its dtype and
+// rank, each size cut to 2, stride-0 dimensions expanded; ones.
+at::Tensor HostStandIn(const at::Tensor& t) {
+  std::vector<int64_t> sizes(t.dim());
+  std::vector<int64_t> base(t.dim());
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    sizes[d] = std::min<int64_t>(t.size(d), 2);
+    base[d] = t.stride(d) == 0 ? std::min<int64_t>(sizes[d], 1) : sizes[d];
+  }
+  at::Tensor h = at::ones(base, t.options().device(at::kCPU));
+  return base == sizes ? h : h.expand(sizes);
+}
+
+c10::IValue HostStandIn(const c10::IValue& v) {
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    return IsTpu(t) ? c10::IValue(HostStandIn(t)) : v;
+  }
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> list;
+    for (const at::Tensor& t : v.toTensorVector())
+      list.push_back(IsTpu(t) ? HostStandIn(t) : t);
+    return list;
+  }
+  return v;
+}
+
 // "file:line" of the innermost Python frame outside torch's and torch_tpu's
 // own packages on this thread (the user's line); empty without one (an
 // autograd engine thread).
@@ -311,7 +354,15 @@ class ForwardedOp {
     std::string class_key;
     const bool check =
         new_signature && !checked_by_meta_ && !CheckedClass(inputs, &class_key);
-    if (check) {
+    const bool host_check = check && ChecksOnHostStandIns(schema_);
+    if (host_check) {
+      torch::jit::Stack host;
+      host.reserve(inputs.size());
+      for (const c10::IValue& v : inputs) host.push_back(HostStandIn(v));
+      op_.callBoxed(&host);  // ATen's error, if any, raised here
+      if (!class_key.empty()) MarkChecked(class_key);
+    }
+    if (check && !host_check) {
       CheckOp(session.RunChecked(stream_, id, wire.data(), wire.size(),
                                  outputs.data(), outputs.size(), flags),
               schema_.name().c_str());
