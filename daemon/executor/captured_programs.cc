@@ -9,6 +9,7 @@
 #include <cstring>
 #include <optional>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/executor/executor.h"
 #include "tpu/device_address.h"
@@ -388,36 +389,77 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence,
       }
       return resolved;
     };
-    // The backend's run of records [lo, hi), inside resolve's BeginOp; on
-    // its failure, what the rest would have written is poisoned.
+    // The backend's run of `part`, the records `index_of` names (ascending),
+    // inside resolve's BeginOp; `last`: nothing of the run comes after it.
+    // On its failure, what the rest would have written is poisoned. `failed`:
+    // the index, among part's, of the op that failed or was declined.
+    auto run_part = [&](const std::vector<ProgramOp>& part, auto index_of,
+                        bool last, size_t* failed,
+                        std::string* declined) -> absl::StatusOr<bool> {
+      // Dead segments are dead after the whole run: an earlier part's
+      // writes there may be read by the parts after it.
+      absl::StatusOr<bool> ran =
+          config_.backend->RunProgram(part,
+                                      last ? absl::Span<const uint64_t>(p.dead)
+                                           : absl::Span<const uint64_t>(),
+                                      failed, declined);
+      if (std::string note = config_.backend->TakeCompileNote();
+          !note.empty()) {
+        stat->compiles.fetch_add(1, std::memory_order_relaxed);
+        SetCompileWhy(stat, note);
+      }
+      if (ran.ok()) return ran;
+      const size_t at = index_of(std::min(*failed, part.size() - 1));
+      const std::string cause = absl::StrCat(
+          where(at, ops[at].copy != nullptr ? "copy" : OpName(ops[at].op)),
+          ": ", ran.status().message());
+      poison_from(at, cause);
+      return absl::Status(ran.status().code(), cause);
+    };
+    // Records [lo, hi) as one program; `failed` then a record index.
     auto run_whole = [&](size_t lo, size_t hi, size_t* failed,
                          std::string* declined) -> absl::StatusOr<bool> {
       // (The whole run, mostly: no copy then.)
       std::vector<ProgramOp> some;
       if (lo != 0 || hi != n) some.assign(ops.begin() + lo, ops.begin() + hi);
       const std::vector<ProgramOp>& part = some.empty() ? ops : some;
-      // Dead segments are dead after the whole run: an earlier part's
-      // writes there may be read by the parts after it.
-      absl::StatusOr<bool> ran = config_.backend->RunProgram(
-          part,
-          hi == n ? absl::Span<const uint64_t>(p.dead)
-                  : absl::Span<const uint64_t>(),
-          failed, declined);
-      if (std::string note = config_.backend->TakeCompileNote();
-          !note.empty()) {
-        stat->compiles.fetch_add(1, std::memory_order_relaxed);
-        SetCompileWhy(stat, note);
+      absl::StatusOr<bool> ran = run_part(
+          part, [lo](size_t i) { return lo + i; }, hi == n, failed, declined);
+      if (ran.ok()) *failed = lo + std::min(*failed, part.size());
+      return ran;
+    };
+    // A fused eager run's fills of segments that no earlier record of the
+    // run touches and that outlive the run (an optimizer's zeros_like state,
+    // made in a loop's first step) run first, as a program of their own,
+    // then the rest without them: the first step then compiles the program
+    // that the steps after it run. (Fills of the run's temporaries stay:
+    // XLA folds them into their readers.) Empty: none, or nothing else.
+    auto hoisted_fills = [&] {
+      std::vector<size_t> fills;
+      auto is_fill = [&](size_t k) {
+        if (ops[k].op == nullptr) return false;
+        const std::string& schema = ops[k].op->schema();
+        return absl::StartsWith(schema, "aten::zero_(") ||
+               absl::StartsWith(schema, "aten::fill_.Scalar(");
+      };
+      bool any = false;
+      for (size_t k = 0; k < n && !any; ++k) any = is_fill(k);
+      if (!eager || !any) return fills;
+      touched_.clear();
+      for (size_t k = 0; k < n; ++k) {
+        const std::vector<ResolvedTensor>& ts = whole_tensors_[k];
+        if (is_fill(k) && !ts.empty()) {
+          const uint64_t seg = ts[0].segment_address;
+          bool alone = touched_.count(seg) == 0 &&
+                       !std::binary_search(p.dead.begin(), p.dead.end(), seg);
+          for (const ResolvedTensor& t : ts)
+            alone = alone && t.segment_address == seg;
+          if (alone) fills.push_back(k);
+        }
+        for (const ResolvedTensor& t : ts) touched_.insert(t.segment_address);
       }
-      if (ran.ok()) {
-        *failed = lo + std::min(*failed, part.size());
-        return ran;
-      }
-      const size_t at = lo + std::min(*failed, part.size() - 1);
-      const std::string cause = absl::StrCat(
-          where(at, ops[at].copy != nullptr ? "copy" : OpName(ops[at].op)),
-          ": ", ran.status().message());
-      poison_from(at, cause);
-      return absl::Status(ran.status().code(), cause);
+      if (fills.size() == n) fills.clear();
+      return fills;
     };
     // An eager run (fused eager) splits where the backend declines an op:
     // the ops before it run whole, it runs alone, then the rest.
@@ -429,6 +471,39 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence,
       }
       size_t at = 0;
       std::string declined;
+      if (lo == 0) {
+        const std::vector<size_t> fills = hoisted_fills();
+        if (!fills.empty()) {
+          std::vector<ProgramOp> first_part, rest;
+          std::vector<size_t> rest_at;
+          for (size_t k = 0, f = 0; k < n; ++k) {
+            if (f < fills.size() && fills[f] == k) {
+              first_part.push_back(ops[k]);
+              ++f;
+            } else {
+              rest.push_back(ops[k]);
+              rest_at.push_back(k);
+            }
+          }
+          absl::StatusOr<bool> ran = run_part(
+              first_part, [&](size_t i) { return fills[i]; }, false, &at,
+              &declined);
+          if (ran.ok() && *ran) {
+            ran = run_part(
+                rest, [&](size_t i) { return rest_at[i]; }, true, &at,
+                &declined);
+          }
+          if (!ran.ok() || *ran) {
+            EndOp();
+            if (!ran.ok()) return ran.status();
+            ++p.calls;
+            return absl::OkStatus();
+          }
+          // Declined (before anything of the rest ran): the run as it came,
+          // below; its fills write again what they wrote.
+          declined.clear();
+        }
+      }
       absl::StatusOr<bool> ran = run_whole(lo, n, &at, &declined);
       if (!ran.ok() || *ran) {
         EndOp();

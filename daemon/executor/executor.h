@@ -34,6 +34,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "daemon/backends/chip_backend.h"
 #include "daemon/collectives/shared_table.h"
@@ -310,6 +311,8 @@ class Executor {
   std::vector<tpu::DecodedOp> whole_ops_;
   std::vector<tpu::DecodedCopy> whole_copies_;
   std::vector<std::vector<ResolvedTensor>> whole_tensors_;
+  // Segments a fused eager run's records touch (hoisted_fills' scan).
+  absl::flat_hash_set<uint64_t> touched_;
   size_t bad_ref_ = 0;
   bool bad_ref_foreign_ = false;
   std::string poison_root_;

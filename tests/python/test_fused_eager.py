@@ -3,6 +3,7 @@ the client and run by tpud as one program at the next synchronisation; on
 PJRT with device memory, one StableHLO module per run."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,6 +113,107 @@ def _an_error_in_a_fused_run_names_its_op():
         y.cpu()
     assert (x + 1).sum().item() == 21.0
     assert torch.equal((x * 2)[good].cpu(), torch.tensor([0.0, 10.0]))
+
+
+def test_a_training_loop_compiles_in_its_first_step_what_its_later_steps_run(pjrt_device):
+    # The first step of an AdamW loop makes the optimizer's state (zeros_like
+    # fills) and meets every op signature for the first time; it still runs
+    # as one program with the fills apart, the program every later step runs.
+    run_in_child(pjrt_device, _first_step_compiles_the_loop, TPUCTL, pjrt_device.admin_socket,
+                 timeout=300)
+
+
+def _first_step_compiles_the_loop(tpuctl, admin_socket):
+    import torch
+    import torch_tpu  # noqa: F401
+    nn = torch.nn
+
+    def compiles():
+        doc = json.loads(subprocess.run([tpuctl, f"--admin_socket={admin_socket}", "status",
+                                         "--json"], capture_output=True, text=True,
+                                        check=True).stdout)
+        return sum(c["compiles"] for e in doc["executors"] for c in e.get("compile", []))
+
+    def train(device, mode=None):
+        if mode:
+            torch.tpu.set_eager_mode(mode)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(12, 20), nn.Tanh(), nn.Linear(20, 3)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = torch.linspace(-1, 1, 60).reshape(5, 12).to(device)
+        counts, losses = [], []
+        for _ in range(5):
+            loss = (model(x) ** 2).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if device == "tpu":
+                torch.tpu.synchronize()
+                counts.append(compiles())
+            losses.append(loss.detach())
+        return counts, [v.item() for v in losses], [p.detach().cpu() for p in model.parameters()]
+
+    _, want_losses, want_params = train("cpu")
+    counts, losses, params = train("tpu", "fused")
+    assert counts[1:] == [counts[0]] * 4, counts
+    for a, b in zip(want_losses, losses):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (want_losses, losses)
+    for a, b in zip(want_params, params):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+
+
+def test_fills_in_a_fused_run_keep_their_order_with_the_ops_around_them(pjrt_device):
+    run_in_child(pjrt_device, _fills_keep_their_order)
+
+
+def _fills_keep_their_order():
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.tpu.set_eager_mode("fused")
+    x = torch.arange(6.0).to("tpu")
+    torch.tpu.synchronize()
+    y = x * 2                          # reads x, then x is filled: in this order
+    x.zero_()
+    z = x + 1
+    fresh = torch.zeros(6, device="tpu")   # a new tensor that outlives the run
+    ones = torch.ones(2, 3, device="tpu")
+    w = fresh + y
+    ones.fill_(4.0)                    # a second fill of a filled tensor
+    temp = torch.full((6,), 3.0, device="tpu")  # a temporary: freed inside the run
+    v = y + temp
+    del temp
+    torch.tpu.synchronize()
+    assert y.cpu().tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+    assert z.cpu().tolist() == [1.0] * 6 and x.cpu().tolist() == [0.0] * 6
+    assert torch.equal(w.cpu(), y.cpu()) and fresh.cpu().tolist() == [0.0] * 6
+    assert ones.cpu().tolist() == [[4.0] * 3] * 2
+    assert v.cpu().tolist() == [3.0, 5.0, 7.0, 9.0, 11.0, 13.0]
+
+
+def test_argument_errors_come_at_the_call_in_the_middle_of_a_held_run(pjrt_device):
+    # A fill's new argument class is checked on the host by the CPU kernel
+    # (HostStandIn), a structured op's by its meta function: raised at the
+    # call, in ATen's words, in the middle of a held run that then goes on.
+    run_in_child(pjrt_device, _host_checked_errors)
+
+
+def _host_checked_errors():
+    import torch
+    import torch_tpu  # noqa: F401
+    torch.tpu.set_eager_mode("fused")
+    x = torch.arange(4.0, device="tpu")
+    held = x * 3
+    longs = torch.ones(4, dtype=torch.long, device="tpu")
+    for bad, text in (
+            (lambda: torch._foreach_sub_([x], [x > 1]),
+             "Subtraction, the `-` operator, with a bool tensor is not supported"),
+            (lambda: torch.zeros(2, dtype=torch.int8, device="tpu").fill_(1000),
+             "value cannot be converted to type int8_t without overflow")):
+        with pytest.raises(RuntimeError, match=re.escape(text)):
+            bad()
+    torch._foreach_mul_([x, held], 2.0)
+    assert held.cpu().tolist() == [0.0, 6.0, 12.0, 18.0] and x.sum().item() == 12.0
+    assert longs.sum().item() == 4
 
 
 def test_runs_that_differ_in_where_an_empty_op_lies(pjrt_device):
