@@ -694,6 +694,24 @@ def _foreach_errors_at_the_call(simulated):
             assert text in str(err), err
     torch._foreach_mul_([x, longs], 2)
     assert x.cpu().tolist() == [0.0, 2.0, 4.0, 6.0] and longs.cpu().tolist() == [2] * 4
+    # The host check is no op of the program's: a dispatch mode does not see
+    # it, nor does CPU autocast change it.
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Devices(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen += [t.device.type for t in tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor)]
+            return func(*args, **(kwargs or {}))
+
+    y = torch.ones(3, device="tpu")
+    with Devices(), torch.autocast("cpu", dtype=torch.bfloat16):
+        torch._foreach_addcmul_([y], [y], [y], 0.5)   # a new class, checked on the host
+    assert Devices.seen and set(Devices.seen) == {"tpu"}, Devices.seen
+    assert y.cpu().tolist() == [1.5] * 3
 
 
 def test_cached_blocks_stay_with_their_stream(tpud):

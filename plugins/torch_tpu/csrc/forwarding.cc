@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <c10/core/DefaultDtype.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -359,6 +360,13 @@ class ForwardedOp {
       torch::jit::Stack host;
       host.reserve(inputs.size());
       for (const c10::IValue& v : inputs) host.push_back(HostStandIn(v));
+      // The CPU kernel alone: no autocast (a CPU autocast region would cast
+      // the stand-ins), no autograd, no Python mode seeing an extra op.
+      c10::impl::ExcludeDispatchKeyGuard only_cpu(
+          c10::autocast_dispatch_keyset | c10::autograd_dispatch_keyset |
+          c10::DispatchKeySet({c10::DispatchKey::ADInplaceOrView,
+                               c10::DispatchKey::Python,
+                               c10::DispatchKey::PythonTLSSnapshot}));
       op_.callBoxed(&host);  // ATen's error, if any, raised here
       if (!class_key.empty()) MarkChecked(class_key);
     }
