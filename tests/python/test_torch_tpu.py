@@ -666,27 +666,28 @@ def _structured_ops_sent_whole():
 def test_foreach_ops_raise_atens_errors_at_the_call(tpud):
     # A foreach op's new argument class is checked by the CPU kernel on host
     # stand-ins (no wait for tpud): ATen's error at the call, nothing written.
-    # (On PJRT, where foreach ops loop over their tensors on the client,
-    # mul_.Scalar of a long tensor by 0.5 truncates without ATen's error:
-    # a known gap, left out there.)
-    run_in_child(tpud, _foreach_errors_at_the_call, tpud.backend == "simulated")
+    # (On PJRT foreach ops loop over their tensors on the client: mul_.Scalar
+    # reaches tpu as mul.out, whose result must cast to `out` as on CPU.)
+    run_in_child(tpud, _foreach_errors_at_the_call)
 
 
-def _foreach_errors_at_the_call(simulated):
+def _foreach_errors_at_the_call():
     import torch
     import torch_tpu  # noqa: F401
     x = torch.arange(4.0, device="tpu")
     longs = torch.ones(4, dtype=torch.long, device="tpu")
-    cases = [(lambda: torch._foreach_sub_([x], [x > 1]),
-              "Subtraction, the `-` operator, with a bool tensor is not supported"),
-             (lambda: torch._foreach_lerp_([x], [x.double()], 0.5),
-              "expected dtype float for `end` but got dtype double"),
-             (lambda: torch._foreach_div_([x, x], [2.0]),
-              "Tensor list must have same number of elements as scalar list")]
-    if simulated:
-        cases.append((lambda: torch._foreach_mul_([longs], 0.5),
-                      "result type Float can't be cast to the desired output type Long"))
-    for bad, text in cases:
+    cast = "result type Float can't be cast to the desired output type Long"
+    for bad, text in ((lambda: torch._foreach_sub_([x], [x > 1]),
+                       "Subtraction, the `-` operator, with a bool tensor is not supported"),
+                      (lambda: torch._foreach_lerp_([x], [x.double()], 0.5),
+                       "expected dtype float for `end` but got dtype double"),
+                      (lambda: torch._foreach_div_([x, x], [2.0]),
+                       "Tensor list must have same number of elements as scalar list"),
+                      (lambda: torch._foreach_mul_([longs], 0.5), cast),
+                      (lambda: longs.mul_(0.5), cast),
+                      (lambda: torch.ops.aten.mul_.Scalar(longs, 0.5), cast),
+                      (lambda: torch.add(longs, 0.5, out=longs), cast),
+                      (lambda: torch.mul(longs, x, out=torch.empty_like(longs)), cast)):
         try:
             bad()
             raise AssertionError("no error: " + text)

@@ -357,17 +357,7 @@ class ForwardedOp {
         new_signature && !checked_by_meta_ && !CheckedClass(inputs, &class_key);
     const bool host_check = check && ChecksOnHostStandIns(schema_);
     if (host_check) {
-      torch::jit::Stack host;
-      host.reserve(inputs.size());
-      for (const c10::IValue& v : inputs) host.push_back(HostStandIn(v));
-      // The CPU kernel alone: no autocast (a CPU autocast region would cast
-      // the stand-ins), no autograd, no Python mode seeing an extra op.
-      c10::impl::ExcludeDispatchKeyGuard only_cpu(
-          c10::autocast_dispatch_keyset | c10::autograd_dispatch_keyset |
-          c10::DispatchKeySet({c10::DispatchKey::ADInplaceOrView,
-                               c10::DispatchKey::Python,
-                               c10::DispatchKey::PythonTLSSnapshot}));
-      op_.callBoxed(&host);  // ATen's error, if any, raised here
+      CheckOnHost(inputs);
       if (!class_key.empty()) MarkChecked(class_key);
     }
     if (check && !host_check) {
@@ -393,6 +383,22 @@ class ForwardedOp {
   }
 
  private:
+  // The op's CPU kernel on host stand-ins of `inputs` (HostStandIn): ATen's
+  // error, if the arguments' classes have one, is raised here.
+  void CheckOnHost(const std::vector<c10::IValue>& inputs) {
+    torch::jit::Stack host;
+    host.reserve(inputs.size());
+    for (const c10::IValue& v : inputs) host.push_back(HostStandIn(v));
+    // The CPU kernel alone: no autocast (a CPU autocast region would cast
+    // the stand-ins), no autograd, no Python mode seeing an extra op.
+    c10::impl::ExcludeDispatchKeyGuard only_cpu(
+        c10::autocast_dispatch_keyset | c10::autograd_dispatch_keyset |
+        c10::DispatchKeySet({c10::DispatchKey::ADInplaceOrView,
+                             c10::DispatchKey::Python,
+                             c10::DispatchKey::PythonTLSSnapshot}));
+    op_.callBoxed(&host);
+  }
+
   // The device tensors among the inputs, in the order MetaOf visits them.
   void CollectReals(const c10::IValue& v) {
     auto add = [&](const at::Tensor& t) {
@@ -1116,16 +1122,29 @@ class ForwardedOp {
         pybind11::gil_scoped_acquire gil;
         data_dependent = e.matches(PyExc_NotImplementedError);
       }
-      if (in_place_ || (strict_meta_ && !data_dependent)) throw;
+      // An op whose meta function checks what its kernel checks (mul.out
+      // of a float result into a long tensor): bad arguments, raised in
+      // the CPU kernel's words where their classes show it, else the
+      // meta's.
+      const bool bad_arguments =
+          !data_dependent && NativeMetaChecksArguments(schema_.name());
+      if (bad_arguments) CheckOnHost(inputs);
+      if (in_place_ || bad_arguments || (strict_meta_ && !data_dependent))
+        throw;
       return false;
     } catch (const std::exception&) {
       // c10::Error from C++ meta kernels, or a Python meta registration's
       // NotImplementedError: the shape depends on data. Not so for a
       // structured op sent whole (its meta function is written for meta
-      // tensors), nor for an op called in place (its result has its first
-      // argument's shape): a failing meta kernel means bad arguments, and
-      // its message is ATen's own.
-      if (in_place_ || strict_meta_) throw;
+      // tensors), for an op called in place (its result has its first
+      // argument's shape), nor for any form of the ops whose meta functions
+      // check what their kernels check (mul.out of a float result into a
+      // long tensor): a failing meta kernel means bad arguments, and its
+      // message is ATen's own.
+      if (NativeMetaChecksArguments(schema_.name())) CheckOnHost(inputs);
+      if (in_place_ || strict_meta_ ||
+          NativeMetaChecksArguments(schema_.name()))
+        throw;
       return false;
     }
     *results = std::move(meta);
