@@ -74,30 +74,44 @@ bool ChecksOnHostStandIns(const c10::FunctionSchema& schema) {
 }
 
 // A host tensor of `t`'s class (KeyTensor's coarse form): its dtype and
-// rank, each size cut to 2, stride-0 dimensions expanded; ones.
+// rank, each size cut to 2, stride-0 dimensions expanded; ones. Undefined
+// for a tensor of another layout than strided (sparse): no stand-in.
 at::Tensor HostStandIn(const at::Tensor& t) {
+  if (t.layout() != at::kStrided) return at::Tensor();
   std::vector<int64_t> sizes(t.dim());
   std::vector<int64_t> base(t.dim());
   for (int64_t d = 0; d < t.dim(); ++d) {
     sizes[d] = std::min<int64_t>(t.size(d), 2);
     base[d] = t.stride(d) == 0 ? std::min<int64_t>(sizes[d], 1) : sizes[d];
   }
-  at::Tensor h = at::ones(base, t.options().device(at::kCPU));
+  at::Tensor h = at::ones(base, at::TensorOptions().dtype(t.scalar_type()));
   return base == sizes ? h : h.expand(sizes);
 }
 
-c10::IValue HostStandIn(const c10::IValue& v) {
+// `v` with its tpu tensors replaced by stand-ins; false where one has none.
+bool HostStandIn(const c10::IValue& v, c10::IValue* host) {
+  auto one = [](const at::Tensor& t, at::Tensor* h) {
+    *h = IsTpu(t) ? HostStandIn(t) : t;
+    return h->defined() || !t.defined();
+  };
   if (v.isTensor()) {
-    const at::Tensor& t = v.toTensor();
-    return IsTpu(t) ? c10::IValue(HostStandIn(t)) : v;
+    at::Tensor h;
+    if (!one(v.toTensor(), &h)) return false;
+    *host = std::move(h);
+    return true;
   }
   if (v.isTensorList()) {
     c10::List<at::Tensor> list;
-    for (const at::Tensor& t : v.toTensorVector())
-      list.push_back(IsTpu(t) ? HostStandIn(t) : t);
-    return list;
+    for (const at::Tensor& t : v.toTensorVector()) {
+      at::Tensor h;
+      if (!one(t, &h)) return false;
+      list.push_back(std::move(h));
+    }
+    *host = std::move(list);
+    return true;
   }
-  return v;
+  *host = v;
+  return true;
 }
 
 // "file:line" of the innermost Python frame outside torch's and torch_tpu's
@@ -355,11 +369,9 @@ class ForwardedOp {
     std::string class_key;
     const bool check =
         new_signature && !checked_by_meta_ && !CheckedClass(inputs, &class_key);
-    const bool host_check = check && ChecksOnHostStandIns(schema_);
-    if (host_check) {
-      CheckOnHost(inputs);
-      if (!class_key.empty()) MarkChecked(class_key);
-    }
+    const bool host_check =
+        check && ChecksOnHostStandIns(schema_) && CheckOnHost(inputs);
+    if (host_check && !class_key.empty()) MarkChecked(class_key);
     if (check && !host_check) {
       CheckOp(session.RunChecked(stream_, id, wire.data(), wire.size(),
                                  outputs.data(), outputs.size(), flags),
@@ -384,11 +396,13 @@ class ForwardedOp {
 
  private:
   // The op's CPU kernel on host stand-ins of `inputs` (HostStandIn): ATen's
-  // error, if the arguments' classes have one, is raised here.
-  void CheckOnHost(const std::vector<c10::IValue>& inputs) {
-    torch::jit::Stack host;
-    host.reserve(inputs.size());
-    for (const c10::IValue& v : inputs) host.push_back(HostStandIn(v));
+  // error, if the arguments' classes have one, is raised here. False: an
+  // argument has no stand-in (a sparse tensor), nothing was checked.
+  bool CheckOnHost(const std::vector<c10::IValue>& inputs) {
+    torch::jit::Stack host(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (!HostStandIn(inputs[i], &host[i])) return false;
+    }
     // The CPU kernel alone: no autocast (a CPU autocast region would cast
     // the stand-ins), no autograd, no Python mode seeing an extra op.
     c10::impl::ExcludeDispatchKeyGuard only_cpu(
@@ -397,6 +411,7 @@ class ForwardedOp {
                              c10::DispatchKey::Python,
                              c10::DispatchKey::PythonTLSSnapshot}));
     op_.callBoxed(&host);
+    return true;
   }
 
   // The device tensors among the inputs, in the order MetaOf visits them.
@@ -1128,7 +1143,7 @@ class ForwardedOp {
       // meta's.
       const bool bad_arguments =
           !data_dependent && NativeMetaChecksArguments(schema_.name());
-      if (bad_arguments) CheckOnHost(inputs);
+      if (bad_arguments) (void)CheckOnHost(inputs);
       if (in_place_ || bad_arguments || (strict_meta_ && !data_dependent))
         throw;
       return false;
@@ -1141,7 +1156,7 @@ class ForwardedOp {
       // check what their kernels check (mul.out of a float result into a
       // long tensor): a failing meta kernel means bad arguments, and its
       // message is ATen's own.
-      if (NativeMetaChecksArguments(schema_.name())) CheckOnHost(inputs);
+      if (NativeMetaChecksArguments(schema_.name())) (void)CheckOnHost(inputs);
       if (in_place_ || strict_meta_ ||
           NativeMetaChecksArguments(schema_.name()))
         throw;
