@@ -1139,27 +1139,23 @@ class ForwardedOp {
       }
       // An op whose meta function checks what its kernel checks (mul.out
       // of a float result into a long tensor): bad arguments, raised in
-      // the CPU kernel's words where their classes show it, else the
-      // meta's.
-      const bool bad_arguments =
-          !data_dependent && NativeMetaChecksArguments(schema_.name());
-      if (bad_arguments) (void)CheckOnHost(inputs);
-      if (in_place_ || bad_arguments || (strict_meta_ && !data_dependent))
-        throw;
+      // the CPU kernel's words where their classes show it (else the run
+      // in tpud says what it finds).
+      if (!data_dependent && NativeMetaChecksArguments(schema_.name()))
+        (void)CheckOnHost(inputs);
+      if (in_place_ || (strict_meta_ && !data_dependent)) throw;
       return false;
     } catch (const std::exception&) {
       // c10::Error from C++ meta kernels, or a Python meta registration's
       // NotImplementedError: the shape depends on data. Not so for a
       // structured op sent whole (its meta function is written for meta
-      // tensors), for an op called in place (its result has its first
-      // argument's shape), nor for any form of the ops whose meta functions
-      // check what their kernels check (mul.out of a float result into a
-      // long tensor): a failing meta kernel means bad arguments, and its
-      // message is ATen's own.
+      // tensors), nor for an op called in place (its result has its first
+      // argument's shape): a failing meta kernel means bad arguments, and
+      // its message is ATen's own. An op whose meta function checks what
+      // its kernel checks: its CPU kernel's words where the arguments'
+      // classes show the fault (as above).
       if (NativeMetaChecksArguments(schema_.name())) (void)CheckOnHost(inputs);
-      if (in_place_ || strict_meta_ ||
-          NativeMetaChecksArguments(schema_.name()))
-        throw;
+      if (in_place_ || strict_meta_) throw;
       return false;
     }
     *results = std::move(meta);
