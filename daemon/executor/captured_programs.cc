@@ -435,30 +435,34 @@ absl::Status Executor::RunProgram(Ring& ring, uint64_t sequence,
     // that the steps after it run. (Fills of the run's temporaries stay:
     // XLA folds them into their readers.) Empty: none, or nothing else.
     auto hoisted_fills = [&] {
-      std::vector<size_t> fills;
-      auto is_fill = [&](size_t k) {
-        if (ops[k].op == nullptr) return false;
-        const std::string& schema = ops[k].op->schema();
-        return absl::StartsWith(schema, "aten::zero_(") ||
-               absl::StartsWith(schema, "aten::fill_.Scalar(");
-      };
-      bool any = false;
-      for (size_t k = 0; k < n && !any; ++k) any = is_fill(k);
-      if (!eager || !any) return fills;
-      touched_.clear();
+      std::vector<size_t> fills;  // candidates first: lasting fills
+      if (!eager) return fills;
       for (size_t k = 0; k < n; ++k) {
         const std::vector<ResolvedTensor>& ts = whole_tensors_[k];
-        if (is_fill(k) && !ts.empty()) {
-          const uint64_t seg = ts[0].segment_address;
-          bool alone = touched_.count(seg) == 0 &&
-                       !std::binary_search(p.dead.begin(), p.dead.end(), seg);
-          for (const ResolvedTensor& t : ts)
-            alone = alone && t.segment_address == seg;
-          if (alone) fills.push_back(k);
+        if (ops[k].op == nullptr || ts.empty()) continue;
+        const std::string& schema = ops[k].op->schema();
+        if (!absl::StartsWith(schema, "aten::zero_(") &&
+            !absl::StartsWith(schema, "aten::fill_.Scalar("))
+          continue;
+        const uint64_t seg = ts[0].segment_address;
+        bool lasting = !std::binary_search(p.dead.begin(), p.dead.end(), seg);
+        for (const ResolvedTensor& t : ts)
+          lasting = lasting && t.segment_address == seg;
+        if (lasting) fills.push_back(k);
+      }
+      if (fills.empty()) return fills;
+      // ... of segments no earlier record touches.
+      touched_.clear();
+      size_t kept = 0;
+      for (size_t k = 0, f = 0; f < fills.size(); ++k) {
+        const std::vector<ResolvedTensor>& ts = whole_tensors_[k];
+        if (k == fills[f]) {
+          if (touched_.count(ts[0].segment_address) == 0) fills[kept++] = k;
+          ++f;
         }
         for (const ResolvedTensor& t : ts) touched_.insert(t.segment_address);
       }
-      if (fills.size() == n) fills.clear();
+      fills.resize(kept == n ? 0 : kept);
       return fills;
     };
     // An eager run (fused eager) splits where the backend declines an op:
