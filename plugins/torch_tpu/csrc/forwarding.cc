@@ -396,8 +396,10 @@ class ForwardedOp {
 
  private:
   // The op's CPU kernel on host stand-ins of `inputs` (HostStandIn): ATen's
-  // error, if the arguments' classes have one, is raised here. False: an
-  // argument has no stand-in (a sparse tensor), nothing was checked.
+  // error, if the arguments' classes have one, is raised here. False:
+  // nothing was checked, because an argument has no stand-in (a sparse
+  // tensor) or the CPU kernel lacks the dtype ("not implemented for
+  // 'Float8_e4m3fn'"), which tpud's backend may have.
   bool CheckOnHost(const std::vector<c10::IValue>& inputs) {
     torch::jit::Stack host(inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i) {
@@ -410,7 +412,11 @@ class ForwardedOp {
         c10::DispatchKeySet({c10::DispatchKey::ADInplaceOrView,
                              c10::DispatchKey::Python,
                              c10::DispatchKey::PythonTLSSnapshot}));
-    op_.callBoxed(&host);
+    try {
+      op_.callBoxed(&host);
+    } catch (const c10::NotImplementedError&) {
+      return false;
+    }
     return true;
   }
 
