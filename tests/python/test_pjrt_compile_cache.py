@@ -72,10 +72,13 @@ def test_a_restarted_tpud_loads_its_programs_instead_of_compiling(tmp_path, memo
         before, disk = _figures(d)
     finally:
         d.stop()
-    assert before["compiles"] >= 10, before
+    # (Direct eager compiles a program per op; fused eager, the default with
+    # device memory, a few per step: 7 for these three steps.)
+    floor = 10 if memory == "host" else 5
+    assert before["compiles"] >= floor, before
     assert before["disk_hits"] == 0, before
     # Every program that compiled was kept (a failed compile is not).
-    assert 10 <= before["disk_stores"] <= before["compiles"], before
+    assert floor <= before["disk_stores"] <= before["compiles"], before
     assert disk["entries"] == before["disk_stores"] == len(_entries(cache))
     assert disk["bytes"] > 0 and disk["max_bytes"] == 4 << 30
     assert oct(os.stat(cache).st_mode & 0o777) == "0o700"
