@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -24,12 +25,18 @@ class PingService final : public tpud::bench::BenchPing::Service {
 }  // namespace
 
 pid_t ForkPingServer(const std::string& path) {
+  const pid_t parent = getpid();
   pid_t pid = fork();
   if (pid != 0) {
     for (int i = 0; i < 500 && access(path.c_str(), F_OK) != 0; ++i)
       usleep(10000);
     return pid;
   }
+  // The server ends with the bench, however the bench ends (an error's exit
+  // too): left behind, it would hold the bench's stdout open and its caller
+  // (sharing_bench.py) would wait on it until its timeout.
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != parent) _exit(1);
   PingService service;
   grpc::ServerBuilder builder;
   builder.AddListeningPort("unix:" + path, grpc::InsecureServerCredentials());
