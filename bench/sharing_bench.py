@@ -5,12 +5,16 @@ on CPU eager PyTorch, in the same run.
 Every process runs `x = x * 0.5 + y` on 64x64 float tensors with one `.item()` per 100 ops
 (on tpu:i % chips, or on the CPU). Figures, one JSON object per line:
 
-  aggregate_ratio_N  tpu ops/s of N processes over tpu ops/s of 1, steady state: every
-                     process warms up, then all measure the same window.
+  aggregate_ratio_N  tpu ops/s of N processes over tpu ops/s of 1, steady state: one pool
+                     of processes warms up, then in each round the first 1 and the first
+                     N of them measure a shared window in turn; the median over rounds
+                     of each round's ratio (one process alone varies by a third from
+                     second to second on a busy 2-core VM, so one window says little).
   unsync_ratio_N     N processes started together, each measured as soon as it is ready
                      (while the others are still starting), over the steady figure at 1.
   vs_cpu_N           tpu aggregate over CPU aggregate at the same N (steady).
-  jain_N             Jain's fairness index over the tpu processes' rates (steady).
+  jain_N             Jain's fairness index over the tpu processes' mean rates over all
+                     rounds (steady), with the least fair round's index beside it.
   interactive        a light job (one small op and .item() every 5 ms) beside 15 heavy
                      ones on the same chip: .item() latency p50/p99, against the same light
                      job alone on that chip.
@@ -92,6 +96,29 @@ def worker_main(args):
             return h[0, 0].item()
 
     burst()  # warm-up: op definitions, meta caches, allocator
+    if args.mode == "pool":
+        # One of a pool that stays up across windows: warm up, say ready, then wait
+        # (idle, its session open) for "run t0 t1": work until t1 and report the
+        # bursts completed inside [t0, t1]. The lead-in before t0 warms it again.
+        deadline = time.monotonic() + args.warmup
+        while time.monotonic() < deadline:
+            burst()
+        emit({"ready": time.monotonic()})
+        for line in sys.stdin:
+            if not line.startswith("run "):
+                break
+            _, t0, t1 = line.split()
+            t0, t1 = float(t0), float(t1)
+            n = 0
+            while True:
+                burst()
+                now = time.monotonic()
+                if t0 <= now <= t1:
+                    n += 1
+                if now > t1:
+                    break
+            emit({"rate": n * OPS_PER_BURST / (t1 - t0)})
+        return
     if args.mode == "unsync":
         # Measured as soon as this process is ready, whatever the others do.
         start = time.monotonic()
@@ -162,24 +189,36 @@ def jain(xs):
     return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if xs and any(xs) else 0.0
 
 
+def mean_rates(rounds):
+    """Each process's mean rate over rounds (lists of the same processes' rates)."""
+    return [statistics.fmean(r) for r in zip(*rounds)]
+
+
 def device_of(kind, i, chips):
     return "cpu" if kind == "cpu" else f"tpu:{i % chips}"
 
 
-def run_steady(args, kind, n, chips):
-    procs = [spawn(args, device_of(kind, i, chips), "steady", i) for i in range(n)]
+def run_pool(args, kind, counts, chips):
+    """Steady rates of the first n of one pool of processes, for each n in counts, in
+    args.steady_rounds rounds (the order of counts reversed every other round, so that a
+    drift of the machine's speed falls on every n alike). Returns {n: [rates per round]}:
+    each round's list holds the n processes' rates in one shared window."""
+    pool = [spawn(args, device_of(kind, i, chips), "pool", i) for i in range(max(counts))]
+    out = {n: [] for n in counts}
     try:
-        ready = [read_json(p, args.start_timeout)["ready"] for p in procs]
-        t0 = max(ready) + 0.5
-        t1 = t0 + args.window
-        time.sleep(max(0.0, t1 - time.monotonic()) + 0.1)
-        for p in procs:
-            p.stdin.write(f"window {t0} {t1}\n")
-            p.stdin.flush()
-        rates = [read_json(p, 60)["rate"] for p in procs]
+        for p in pool:
+            read_json(p, args.start_timeout)
+        for r in range(args.steady_rounds):
+            for n in (counts if r % 2 == 0 else counts[::-1]):
+                t0 = time.monotonic() + args.lead_in
+                t1 = t0 + args.window
+                for p in pool[:n]:
+                    p.stdin.write(f"run {t0} {t1}\n")
+                    p.stdin.flush()
+                out[n].append([read_json(p, args.window + 60)["rate"] for p in pool[:n]])
     finally:
-        finish(procs)
-    return rates
+        finish(pool)
+    return out
 
 
 def run_unsync(args, kind, n, chips):
@@ -285,6 +324,10 @@ def main():
     p.add_argument("--counts", default="1,2,4,8,16,32,64", help="process counts")
     p.add_argument("--window", type=float, default=6.0, help="measured seconds")
     p.add_argument("--warmup", type=float, default=2.0, help="steady warm-up seconds")
+    p.add_argument("--steady-rounds", type=int, default=5,
+                   help="rounds of the steady figures (each measures every N in turn)")
+    p.add_argument("--lead-in", type=float, default=0.5,
+                   help="seconds each steady window's processes work before it opens")
     p.add_argument("--rounds", type=int, default=5, help="dataplane_bench rounds")
     p.add_argument("--start-timeout", type=float, default=240.0)
     p.add_argument("--topology", default="v6e-8")
@@ -303,6 +346,7 @@ def main():
         return
     if args.quick:
         args.counts, args.window, args.warmup, args.rounds = "1,4,16", 3.0, 1.0, 3
+        args.steady_rounds = 1
     counts = [int(c) for c in args.counts.split(",") if c]
     want = set(filter(None, args.only.split(","))) or {"steady", "unsync", "interactive",
                                                         "contended"}
@@ -325,23 +369,32 @@ def main():
             steady_counts = counts if "steady" in want else [1]
             if 1 not in steady_counts:
                 steady_counts = [1] + steady_counts
-            for n in steady_counts:
-                tpu = run_steady(args, "tpu", n, chips)
-                if n == 1:
-                    base_tpu = sum(tpu)
-                if "steady" not in want:
-                    continue
-                cpu = run_steady(args, "cpu", n, chips)
-                agg, agg_cpu = sum(tpu), sum(cpu)
+            tpu = run_pool(args, "tpu", steady_counts, chips)
+            base_tpu = statistics.median(sum(rates) for rates in tpu[1])
+            cpu = run_pool(args, "cpu", steady_counts, chips) if "steady" in want else {}
+            for n in steady_counts if "steady" in want else []:
+                aggs = [sum(rates) for rates in tpu[n]]
+                agg, agg_cpu = statistics.median(aggs), statistics.median(
+                    sum(rates) for rates in cpu[n])
+                ratios = [a / sum(b) for a, b in zip(aggs, tpu[1])]
                 rec = {"n": n, "tpu_ops_per_s": round(agg), "cpu_ops_per_s": round(agg_cpu),
-                       "tpu_rates": [round(r) for r in tpu]}
+                       "rounds": args.steady_rounds,
+                       "tpu_rates": [round(r) for r in tpu[n][aggs.index(
+                           sorted(aggs)[(len(aggs) - 1) // 2])]]}
                 target = 0.8 if n == 16 else 0.6 if n == 64 else None
-                emit({"name": f"aggregate_ratio_{n}", "speed_ratio": round(agg / base_tpu, 4),
-                      "target": target, "baseline": "tpu aggregate at N=1, same run", **rec})
+                emit({"name": f"aggregate_ratio_{n}",
+                      "speed_ratio": round(statistics.median(ratios), 4),
+                      "target": target, "round_ratios": [round(r, 4) for r in ratios],
+                      "baseline": "tpu aggregate at N=1 in the same round (one pool of "
+                                  "processes, N=1 and N measured in turn)", **rec})
                 emit({"name": f"vs_cpu_{n}", "speed_ratio": round(agg / agg_cpu, 4),
-                      "target": None, "baseline": "CPU eager, same N, same run", **rec})
-                emit({"name": f"jain_{n}", "value": round(jain(tpu), 4), "target": 0.95,
-                      "cpu_jain": round(jain(cpu), 4)})
+                      "target": None, "baseline": "CPU eager, same N, same run "
+                                                  "(medians over rounds)", **rec})
+                # Fairness of the shares over the whole run (each process's mean rate
+                # over all rounds), and the least fair single window beside it.
+                emit({"name": f"jain_{n}", "value": round(jain(mean_rates(tpu[n])), 4),
+                      "target": 0.95, "worst_round": round(min(jain(r) for r in tpu[n]), 4),
+                      "cpu_jain": round(jain(mean_rates(cpu[n])), 4)})
         if "unsync" in want:
             for n in counts:
                 tpu = run_unsync(args, "tpu", n, chips)
