@@ -44,7 +44,7 @@ struct TpudFlags {
   absl::Duration op_timeout = absl::Minutes(10);
   absl::Duration executor_spin = absl::Microseconds(50);
   absl::Duration executor_yield = absl::Microseconds(50);
-  bool executor_unrung = false;
+  bool executor_unrung = true;
   absl::Duration executor_quantum = absl::Microseconds(200);
   absl::Duration executor_heap_keep = absl::Seconds(10);
   int executor_nice = -10;
@@ -108,7 +108,7 @@ struct TpudConfig {
   absl::Duration executor_yield = absl::Microseconds(50);
   // Oversubscribed cores: executors sleep at most kBoundedSleepNanos and
   // look at their rings, and clients skip the doorbell for plain ops.
-  bool executor_unrung = false;
+  bool executor_unrung = true;
   absl::Duration executor_quantum = absl::Microseconds(200);
   // How long an idle executor keeps freed memory in its heap (0: none).
   absl::Duration executor_heap_keep = absl::Seconds(10);

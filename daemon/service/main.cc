@@ -87,8 +87,9 @@ ABSL_FLAG(absl::Duration, executor_yield, tpud::TpudFlags().executor_yield,
 ABSL_FLAG(bool, executor_unrung, tpud::TpudFlags().executor_unrung,
           "while the cores are oversubscribed, executors that ran work lately "
           "sleep at most 2 ms and look for new work themselves, and clients "
-          "publish plain op records without ringing (experimental: more "
-          "throughput, less even shares)");
+          "publish plain op records without ringing: one wake-up per few "
+          "ops saved, where each wake-up preempts a client (false: every "
+          "record that finds its executor asleep rings)");
 ABSL_FLAG(absl::Duration, executor_quantum, tpud::TpudFlags().executor_quantum,
           "how long an executor serves one stream while others wait");
 ABSL_FLAG(absl::Duration, executor_heap_keep,

@@ -436,12 +436,14 @@ def test_64_processes_each_finish_a_short_job(daemon):
     assert not failed, failed[:3]
 
 
-def test_oversubscribed_cores_save_doorbells_yet_queued_work_runs_unasked():
-    """tpud --executor_unrung: with every core busy, clients leave plain op
-    records unrung and the executor, sleeping at most 2 ms, finds them
-    itself: work that nobody waits for still runs at once, and
-    `unrung_wakes` counts the wake-ups saved."""
-    daemon = Daemon(["--executor_unrung"], hbm="512MiB")
+@pytest.mark.parametrize("unrung", [True, False], ids=["default", "unrung_off"])
+def test_oversubscribed_cores_save_doorbells_yet_queued_work_runs_unasked(unrung):
+    """tpud's default (--executor_unrung): with every core busy, clients leave
+    plain op records unrung and the executor, sleeping at most 2 ms, finds
+    them itself: work that nobody waits for still runs at once, and
+    `unrung_wakes` counts the wake-ups saved. With the flag off every such
+    record rings: the same work runs, and the counter stays 0."""
+    daemon = Daemon([] if unrung else ["--executor_unrung=false"], hbm="512MiB")
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range((os.cpu_count() or 2) + 2)]
     try:
@@ -479,7 +481,8 @@ def test_oversubscribed_cores_save_doorbells_yet_queued_work_runs_unasked():
         assert ran == [5] * 10, ran
         doc = tpuctl_json(daemon, "executors")
         assert doc["wait_advice"] != "spin", doc["wait_advice"]
-        assert sum(e["unrung_wakes"] for e in doc["executors"]) > 0, doc["executors"]
+        saved = sum(e["unrung_wakes"] for e in doc["executors"])
+        assert (saved > 0) if unrung else (saved == 0), doc["executors"]
     finally:
         for p in busy:
             p.kill()
