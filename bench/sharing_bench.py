@@ -129,25 +129,14 @@ def worker_main(args):
         emit({"rate": n * OPS_PER_BURST / (time.monotonic() - start), "ready": start})
         return
 
-    # Steady: warm up, say ready, keep working; record when each burst completed; on
-    # "window t0 t1" (the coordinator's choice, after everyone was ready and that window
-    # has passed) report the bursts completed inside it.
+    # Busy (the heavy jobs beside the interactive one): warm up, say ready, keep working
+    # until the coordinator closes stdin.
     deadline = time.monotonic() + args.warmup
     while time.monotonic() < deadline:
         burst()
     emit({"ready": time.monotonic()})
-    done = []
-    line = None
-    while line is None:
+    while not select.select([sys.stdin], [], [], 0)[0]:
         burst()
-        done.append(time.monotonic())
-        r, _, _ = select.select([sys.stdin], [], [], 0)
-        if r:
-            line = sys.stdin.readline()
-    _, t0, t1 = line.split()
-    t0, t1 = float(t0), float(t1)
-    n = sum(1 for t in done if t0 <= t <= t1)
-    emit({"rate": n * OPS_PER_BURST / (t1 - t0)})
 
 
 # ---------------------------------------------------------------- coordinator side
@@ -233,12 +222,12 @@ def run_unsync(args, kind, n, chips):
 def run_interactive(args):
     """Light job latency beside 15 heavy jobs on chip 0, and alone."""
     def light_latencies(with_heavy):
-        heavy = [spawn(args, "tpu:0", "steady", 100 + i, role="heavy")
+        heavy = [spawn(args, "tpu:0", "busy", 100 + i, role="heavy")
                  for i in range(15 if with_heavy else 0)]
         try:
             for p in heavy:
                 read_json(p, args.start_timeout)
-            light = spawn(args, "tpu:0", "steady", 7, role="light",
+            light = spawn(args, "tpu:0", "busy", 7, role="light",
                           extra=("--period", "0.005"))
             try:
                 read_json(light, args.start_timeout)
@@ -246,13 +235,7 @@ def run_interactive(args):
             finally:
                 finish([light])
         finally:
-            for p in heavy:  # they are waiting for a window: let them go
-                try:
-                    p.stdin.write("window 0 1\n")
-                    p.stdin.flush()
-                except OSError:
-                    pass
-            finish(heavy)
+            finish(heavy)  # closing their stdin ends them
 
     def pct(xs, q):
         xs = sorted(xs)
@@ -316,7 +299,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
-    p.add_argument("--mode", default="steady", help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="pool", help=argparse.SUPPRESS)
     p.add_argument("--role", default="loop", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--seconds", type=float, default=6.0, help=argparse.SUPPRESS)
@@ -374,13 +357,12 @@ def main():
             cpu = run_pool(args, "cpu", steady_counts, chips) if "steady" in want else {}
             for n in steady_counts if "steady" in want else []:
                 aggs = [sum(rates) for rates in tpu[n]]
-                agg, agg_cpu = statistics.median(aggs), statistics.median(
-                    sum(rates) for rates in cpu[n])
+                agg = statistics.median_low(aggs)  # a round's own figure, listed below
+                agg_cpu = statistics.median_low(sum(rates) for rates in cpu[n])
                 ratios = [a / sum(b) for a, b in zip(aggs, tpu[1])]
                 rec = {"n": n, "tpu_ops_per_s": round(agg), "cpu_ops_per_s": round(agg_cpu),
                        "rounds": args.steady_rounds,
-                       "tpu_rates": [round(r) for r in tpu[n][aggs.index(
-                           sorted(aggs)[(len(aggs) - 1) // 2])]]}
+                       "tpu_rates": [round(r) for r in tpu[n][aggs.index(agg)]]}
                 target = 0.8 if n == 16 else 0.6 if n == 64 else None
                 emit({"name": f"aggregate_ratio_{n}",
                       "speed_ratio": round(statistics.median(ratios), 4),
