@@ -12,6 +12,9 @@ Every process runs `x = x * 0.5 + y` on 64x64 float tensors with one `.item()` p
                      second to second on a busy 2-core VM, so one window says little).
   unsync_ratio_N     N processes started together, each measured as soon as it is ready
                      (while the others are still starting), over the steady figure at 1.
+  pool_vs_fresh_1    the pool's N=1 over a new process alone, started after each round
+                     (a check of the baseline: the pool's idle siblings keep their
+                     sessions open).
   vs_cpu_N           tpu aggregate over CPU aggregate at the same N (steady).
   jain_N             Jain's fairness index over the tpu processes' mean rates over all
                      rounds (steady), with the least fair round's index beside it.
@@ -120,7 +123,11 @@ def worker_main(args):
             emit({"rate": n * OPS_PER_BURST / (t1 - t0)})
         return
     if args.mode == "unsync":
-        # Measured as soon as this process is ready, whatever the others do.
+        # Measured as soon as this process is ready (after --lead-in seconds of work,
+        # 0 unless asked), whatever the others do.
+        deadline = time.monotonic() + args.lead_in
+        while time.monotonic() < deadline:
+            burst()
         start = time.monotonic()
         n = 0
         while time.monotonic() - start < args.seconds:
@@ -144,7 +151,7 @@ def worker_main(args):
 def spawn(args, device, mode, seed, role="loop", extra=()):
     cmd = [sys.executable, __file__, "--worker", "--device", device, "--mode", mode,
            "--seed", str(seed), "--role", role, "--seconds", str(args.window),
-           "--warmup", str(args.warmup), *extra]
+           "--warmup", str(args.warmup), "--lead-in", "0", *extra]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=os.environ.copy())
 
@@ -187,13 +194,18 @@ def device_of(kind, i, chips):
     return "cpu" if kind == "cpu" else f"tpu:{i % chips}"
 
 
-def run_pool(args, kind, counts, chips):
+def run_pool(args, kind, counts, chips, fresh=False):
     """Steady rates of the first n of one pool of processes, for each n in counts, in
     args.steady_rounds rounds (the order of counts reversed every other round, so that a
     drift of the machine's speed falls on every n alike). Returns {n: [rates per round]}:
-    each round's list holds the n processes' rates in one shared window."""
+    each round's list holds the n processes' rates in one shared window. With fresh,
+    out["fresh"] holds, per round, the rate of a new process alone (started after the
+    round, on the pool's first device, with the same lead-in): a check that the pool's
+    N=1, whose siblings sit idle with open sessions, is what one process alone gets."""
     pool = [spawn(args, device_of(kind, i, chips), "pool", i) for i in range(max(counts))]
     out = {n: [] for n in counts}
+    if fresh:
+        out["fresh"] = []
     try:
         for p in pool:
             read_json(p, args.start_timeout)
@@ -205,6 +217,14 @@ def run_pool(args, kind, counts, chips):
                     p.stdin.write(f"run {t0} {t1}\n")
                     p.stdin.flush()
                 out[n].append([read_json(p, args.window + 60)["rate"] for p in pool[:n]])
+            if fresh:
+                one = spawn(args, device_of(kind, 0, chips), "unsync", 0,
+                            extra=("--lead-in", str(args.lead_in)))
+                try:
+                    out["fresh"].append(
+                        read_json(one, args.start_timeout + args.window + 30)["rate"])
+                finally:
+                    finish([one])
     finally:
         finish(pool)
     return out
@@ -352,8 +372,17 @@ def main():
             steady_counts = counts if "steady" in want else [1]
             if 1 not in steady_counts:
                 steady_counts = [1] + steady_counts
-            tpu = run_pool(args, "tpu", steady_counts, chips)
+            tpu = run_pool(args, "tpu", steady_counts, chips, fresh="steady" in want)
             base_tpu = statistics.median(sum(rates) for rates in tpu[1])
+            if "fresh" in tpu:
+                # The pool's N=1 against a new process alone, round by round.
+                pairs = [sum(a) / b for a, b in zip(tpu[1], tpu["fresh"])]
+                emit({"name": "pool_vs_fresh_1", "speed_ratio": round(
+                          statistics.median(pairs), 4), "target": None,
+                      "round_ratios": [round(r, 4) for r in pairs],
+                      "fresh_ops_per_s": [round(r) for r in tpu["fresh"]],
+                      "baseline": "a new tpu process alone, measured after each round "
+                                  "with the same lead-in"})
             cpu = run_pool(args, "cpu", steady_counts, chips) if "steady" in want else {}
             for n in steady_counts if "steady" in want else []:
                 aggs = [sum(rates) for rates in tpu[n]]
