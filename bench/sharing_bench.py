@@ -98,14 +98,17 @@ def worker_main(args):
                 h = torch.tanh(h @ w)
             return h[0, 0].item()
 
+    def work_for(seconds):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            burst()
+
     burst()  # warm-up: op definitions, meta caches, allocator
     if args.mode == "pool":
         # One of a pool that stays up across windows: warm up, say ready, then wait
         # (idle, its session open) for "run t0 t1": work until t1 and report the
         # bursts completed inside [t0, t1]. The lead-in before t0 warms it again.
-        deadline = time.monotonic() + args.warmup
-        while time.monotonic() < deadline:
-            burst()
+        work_for(args.warmup)
         emit({"ready": time.monotonic()})
         for line in sys.stdin:
             if not line.startswith("run "):
@@ -125,9 +128,7 @@ def worker_main(args):
     if args.mode == "unsync":
         # Measured as soon as this process is ready (after --lead-in seconds of work,
         # 0 unless asked), whatever the others do.
-        deadline = time.monotonic() + args.lead_in
-        while time.monotonic() < deadline:
-            burst()
+        work_for(args.lead_in)
         start = time.monotonic()
         n = 0
         while time.monotonic() - start < args.seconds:
@@ -138,9 +139,7 @@ def worker_main(args):
 
     # Busy (the heavy jobs beside the interactive one): warm up, say ready, keep working
     # until the coordinator closes stdin.
-    deadline = time.monotonic() + args.warmup
-    while time.monotonic() < deadline:
-        burst()
+    work_for(args.warmup)
     emit({"ready": time.monotonic()})
     while not select.select([sys.stdin], [], [], 0)[0]:
         burst()
